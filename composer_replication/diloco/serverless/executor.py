@@ -15,8 +15,9 @@ This module holds everything that is the same for every backend:
 
 - `build_command`, `replica_env`, `validate_launch`: the one implementation of "what does replica
   k run, with which environment", so all backends start byte-identical commands.
-- `ExecutorBase`: an optional base class with the launch-all-or-cancel, poll, collect (timeout,
-  Ctrl-C) and cancel loops; a backend implements `_start`, `_refresh`, `_terminate` and `logs`.
+- `SupervisorBase` / `ExecutorBase`: optional base classes with the poll, collect (timeout,
+  Ctrl-C) and cancel loops, and the launch-all-or-cancel loop; a backend implements `_start`,
+  `_refresh`, `_terminate` and `logs`.
 
 Handles are mutable records: `poll`, `collect` and `cancel` update them in place (and `poll` /
 `collect` also return them), so a driver may keep its own list.
@@ -42,6 +43,7 @@ __all__ = [
     "ReplicaHandle",
     "ReplicaStatus",
     "ServerlessExecutor",
+    "SupervisorBase",
     "args_to_argv",
     "build_command",
     "failure_error",
@@ -300,36 +302,21 @@ def failure_error(reason: str, log_tail: str) -> str:
 # ----------------------------------------------------------------------------- optional base
 
 
-class ExecutorBase(ABC):
-    """Launch-all-or-cancel, poll, collect and cancel loops shared by the backends.
+class SupervisorBase(ABC):
+    """poll / collect (timeout, Ctrl-C) / cancel loops over handles, for any backend.
 
-    A subclass sets `backend` and implements:
-      _start(rank, world_size, command, env, resources) -> ReplicaHandle   (start one replica)
-      _refresh(handle)   update a not-done handle from the backend (status, exit_code, times,
-                         error via `self._fail(...)`); must not block
-      _terminate(handle) stop the replica and everything it started (best effort, idempotent)
+    A subclass implements:
+      _refresh(handle)   update a not-done handle from the backend (status, exit_code, times;
+                         a failure through `self._fail(handle, reason)`); must not block
+      _terminate(handle) stop the replica and everything it started (best effort, idempotent;
+                         it need not touch the handle's status)
       logs(handle, tail)
-    and may override `_check_resources` (reject bad resources up front), `_validate` (e.g. skip
-    local checks for code that lives in an image) and `python` (the interpreter replicas use).
-
-    `launch_ranks(ranks, world_size, ...)` starts an arbitrary subset of ranks of a larger run;
-    `MultiExecutor` relies on it to spread one run over several executors.
+    and may override `_terminate_all` (stop many at once, e.g. signal all then wait once) and
+    `_wait` (sleep between polls).
     """
 
     backend: str = "base"
-    python: str = "python"
     poll_interval: float = 1.0
-
-    # -- to implement
-    @abstractmethod
-    def _start(
-        self,
-        rank: int,
-        world_size: int,
-        command: list[str],
-        env: dict[str, str],
-        resources: dict[str, Any],
-    ) -> ReplicaHandle: ...
 
     @abstractmethod
     def _refresh(self, handle: ReplicaHandle) -> None: ...
@@ -340,7 +327,111 @@ class ExecutorBase(ABC):
     @abstractmethod
     def logs(self, handle: ReplicaHandle, tail: int | None = None) -> str: ...
 
-    # -- hooks
+    def _terminate_all(self, handles: list[ReplicaHandle]) -> None:
+        for handle in handles:
+            self._terminate(handle)
+
+    # -- the protocol (launch lives in ExecutorBase / MultiExecutor)
+    def poll(self, handles: list[ReplicaHandle]) -> list[ReplicaHandle]:
+        for handle in handles:
+            if not handle.status.done:
+                self._refresh(handle)
+        return handles
+
+    def collect(
+        self, handles: list[ReplicaHandle], timeout: float, *, poll_interval: float | None = None
+    ) -> list[ReplicaHandle]:
+        """Wait until every replica is done, at most `timeout` seconds.
+
+        Replicas still running at the deadline are stopped and marked FAILED with error
+        "timeout after {timeout}s". A KeyboardInterrupt (Ctrl-C) while waiting cancels every
+        unfinished replica, then propagates. Never raises because a replica failed.
+        """
+        if timeout is None or timeout < 0:
+            raise ValueError(f"timeout must be a number of seconds >= 0, got {timeout!r}")
+        interval = self.poll_interval if poll_interval is None else poll_interval
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                self.poll(handles)
+                pending = [h for h in handles if not h.status.done]
+                if not pending:
+                    return handles
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    self._timeout(pending, timeout)
+                    return handles
+                self._wait(pending, min(interval, remaining))
+        except KeyboardInterrupt:
+            self._cancel_quietly(handles)
+            raise
+
+    def cancel(self, handles: list[ReplicaHandle]) -> None:
+        pending = [h for h in handles if not h.status.done]
+        if not pending:
+            return
+        self._terminate_all(pending)
+        for handle in pending:
+            handle.status = ReplicaStatus.CANCELLED
+            if handle.end_time is None:
+                handle.end_time = time.time()
+
+    # -- helpers for subclasses
+    def _wait(self, pending: list[ReplicaHandle], seconds: float) -> None:
+        """Sleep between polls; a backend with a cheap blocking wait may override."""
+        time.sleep(max(seconds, 0.0))
+
+    def _timeout(self, pending: list[ReplicaHandle], timeout: float) -> None:
+        self._terminate_all(pending)
+        for handle in pending:
+            self._fail(handle, f"timeout after {timeout:g}s")
+
+    def _fail(self, handle: ReplicaHandle, reason: str) -> None:
+        """Mark a handle FAILED with `reason` and its log tail."""
+        try:
+            log_tail = self.logs(handle, tail=ERROR_TAIL_LINES)
+        except Exception as exc:  # the log may be gone with the machine; the reason still counts
+            log_tail = f"<log unavailable: {type(exc).__name__}: {exc}>"
+        handle.status = ReplicaStatus.FAILED
+        handle.error = failure_error(reason, log_tail)
+        if handle.end_time is None:
+            handle.end_time = time.time()
+
+    def _cancel_quietly(self, handles: list[ReplicaHandle]) -> None:
+        """Cancel, never raising: used on the way out of an error that must propagate."""
+        try:
+            self.cancel(handles)
+        except Exception:  # one at a time, so one failure cannot spare the others
+            for handle in handles:
+                try:
+                    self.cancel([handle])
+                except Exception:  # the original error matters more than this one
+                    pass
+
+
+class ExecutorBase(SupervisorBase):
+    """SupervisorBase plus launch-all-or-cancel; a backend adds `_start` for one replica.
+
+      _start(rank, world_size, command, env, resources) -> ReplicaHandle
+
+    and may override `_check_resources` (reject bad resources up front), `_validate` (e.g. skip
+    local checks for code that lives in an image) and `python` (the interpreter replicas use).
+    `launch_ranks(ranks, world_size, ...)` starts an arbitrary subset of ranks of a larger run;
+    `MultiExecutor` relies on it to spread one run over several executors.
+    """
+
+    python: str = "python"
+
+    @abstractmethod
+    def _start(
+        self,
+        rank: int,
+        world_size: int,
+        command: list[str],
+        env: dict[str, str],
+        resources: dict[str, Any],
+    ) -> ReplicaHandle: ...
+
     def _check_resources(self, resources: dict[str, Any]) -> dict[str, Any]:
         """Validate/normalise resources before launch (raise ValueError). Default: any dict."""
         return resources
@@ -348,7 +439,6 @@ class ExecutorBase(ABC):
     def _validate(self, n_replicas: int, entrypoint: str) -> None:
         validate_launch(n_replicas, entrypoint)
 
-    # -- the protocol
     def launch_replicas(
         self,
         n_replicas: int,
@@ -400,75 +490,3 @@ class ExecutorBase(ABC):
             self._cancel_quietly(launched)
             raise
         return launched
-
-    def poll(self, handles: list[ReplicaHandle]) -> list[ReplicaHandle]:
-        for handle in handles:
-            if not handle.status.done:
-                self._refresh(handle)
-        return handles
-
-    def collect(
-        self, handles: list[ReplicaHandle], timeout: float, *, poll_interval: float | None = None
-    ) -> list[ReplicaHandle]:
-        """Wait until every replica is done, at most `timeout` seconds.
-
-        Replicas still running at the deadline are stopped and marked FAILED with error
-        "timeout after {timeout}s". A KeyboardInterrupt (Ctrl-C) while waiting cancels every
-        unfinished replica, then propagates. Never raises because a replica failed.
-        """
-        if timeout is None or timeout < 0:
-            raise ValueError(f"timeout must be a number of seconds >= 0, got {timeout!r}")
-        interval = self.poll_interval if poll_interval is None else poll_interval
-        deadline = time.monotonic() + timeout
-        try:
-            while True:
-                self.poll(handles)
-                pending = [h for h in handles if not h.status.done]
-                if not pending:
-                    return handles
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    self._timeout(pending, timeout)
-                    return handles
-                self._wait(pending, min(interval, remaining))
-        except KeyboardInterrupt:
-            self._cancel_quietly(handles)
-            raise
-
-    def cancel(self, handles: list[ReplicaHandle]) -> None:
-        for handle in handles:
-            if handle.status.done:
-                continue
-            self._terminate(handle)
-            handle.status = ReplicaStatus.CANCELLED
-            if handle.end_time is None:
-                handle.end_time = time.time()
-
-    # -- helpers for subclasses
-    def _wait(self, pending: list[ReplicaHandle], seconds: float) -> None:
-        """Sleep between polls; a backend with a cheap blocking wait may override."""
-        time.sleep(max(seconds, 0.0))
-
-    def _timeout(self, pending: list[ReplicaHandle], timeout: float) -> None:
-        for handle in pending:
-            self._terminate(handle)
-            self._fail(handle, f"timeout after {timeout:g}s")
-
-    def _fail(self, handle: ReplicaHandle, reason: str) -> None:
-        """Mark a handle FAILED with `reason` and its log tail."""
-        try:
-            log_tail = self.logs(handle, tail=ERROR_TAIL_LINES)
-        except Exception as exc:  # the log may be gone with the machine; the reason still counts
-            log_tail = f"<log unavailable: {type(exc).__name__}: {exc}>"
-        handle.status = ReplicaStatus.FAILED
-        handle.error = failure_error(reason, log_tail)
-        if handle.end_time is None:
-            handle.end_time = time.time()
-
-    def _cancel_quietly(self, handles: list[ReplicaHandle]) -> None:
-        """Cancel, never raising: used on the way out of an error that must propagate."""
-        for handle in handles:
-            try:
-                self.cancel([handle])
-            except Exception:  # keep cancelling the others; the original error matters more
-                pass

@@ -1,0 +1,237 @@
+"""K8sExecutor against a local Kubernetes API stand-in that really runs each index's command."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("kubernetes")
+
+sys.path.insert(0, str(Path(__file__).parent))
+from standins.common import StandinServer  # noqa: E402
+from standins.k8s_api import K8sApiStandin, compress_indexes  # noqa: E402
+
+from composer_replication.diloco.serverless.executor import ReplicaStatus  # noqa: E402
+from composer_replication.diloco.serverless.k8s import K8sExecutor, parse_indexes  # noqa: E402
+from composer_replication.diloco.serverless.redact import (  # noqa: E402
+    CloudExecutorError,
+    MissingCredentialsError,
+)
+
+pytestmark = pytest.mark.server
+
+TOKEN = "k8s-sekrit-token-4f1e9a"
+SCRIPT = Path(__file__).parent / "standins" / "replica_script.py"
+
+
+@pytest.fixture
+def cluster(tmp_path: Path):
+    from kubernetes import client
+
+    shutil.copy(SCRIPT, tmp_path / "diloco_replica.py")
+    standin = K8sApiStandin(
+        tmp_path, token=TOKEN, secrets={"hf-token": {"HF_TOKEN": "hf_valueFromSecret123"}}
+    )
+    with StandinServer(standin) as server:
+        cfg = client.Configuration()
+        cfg.host = server.url
+        cfg.api_key = {"authorization": TOKEN}
+        cfg.api_key_prefix = {"authorization": "Bearer"}
+
+        def make(**kw):
+            kw.setdefault("python", sys.executable)
+            kw.setdefault("poll_interval", 0.1)
+            return K8sExecutor("python:3.11-slim", api_client=client.ApiClient(cfg), **kw)
+
+        yield standin, make, tmp_path
+
+
+def _args(store: Path, **extra):
+    return {"rendezvous": f"file://{store}", "rank_env": "REPLICA_RANK", **extra}
+
+
+def test_parse_indexes_roundtrip():
+    assert parse_indexes("0-2,4,7-8") == {0, 1, 2, 4, 7, 8}
+    assert parse_indexes("") == set() and parse_indexes(None) == set()
+    assert parse_indexes(compress_indexes({5, 0, 1, 3})) == {0, 1, 3, 5}
+
+
+def test_indexed_job_runs_replicas_to_completion(cluster):
+    standin, make, tmp = cluster
+    ex = make(secret_env={"HF_TOKEN": ("hf-token", "HF_TOKEN")}, backoff_limit_per_index=2)
+    store = tmp / "store"
+    handles = ex.launch_replicas(
+        3, "diloco_replica.py", _args(store, **{"show-env": ["HF_TOKEN", "MY_VAR"]}),
+        env={"MY_VAR": "x"}, resources={"gpu": 1, "memory": "2Gi"},
+    )  # fmt: skip
+    assert [h.replica_id for h in handles] == [0, 1, 2]
+    assert all(h.status is ReplicaStatus.PENDING and h.backend == "k8s" for h in handles)
+
+    # The one Job body the API server received.
+    [body] = standin.created
+    spec = body["spec"]
+    assert spec["completionMode"] == "Indexed"
+    assert spec["completions"] == spec["parallelism"] == 3
+    assert spec["backoffLimitPerIndex"] == 2
+    c = spec["template"]["spec"]["containers"][0]
+    assert c["image"] == "python:3.11-slim"
+    assert c["command"][:4] == [
+        sys.executable,
+        "diloco_replica.py",
+        "--rendezvous",
+        f"file://{store}",
+    ]
+    assert c["resources"]["limits"] == {"nvidia.com/gpu": "1", "memory": "2Gi"}
+    env = {e["name"]: e for e in c["env"]}
+    assert env["REPLICA_RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == (
+        "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    )
+    assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "HF_TOKEN"}
+    assert env["WORLD_SIZE"]["value"] == "3" and env["MY_VAR"]["value"] == "x"
+    assert "hf_valueFromSecret123" not in json.dumps(body)  # the secret stays in the cluster
+
+    ex.poll(handles)
+    assert {h.status for h in handles} <= {ReplicaStatus.PENDING, ReplicaStatus.RUNNING}
+    result = ex.collect(handles, timeout=60)
+    assert {h.replica_id: h.exit_code for h in result} == {0: 0, 1: 0, 2: 0}
+    assert all(h.status is ReplicaStatus.SUCCEEDED for h in result)
+    for rank in range(3):
+        rec = json.loads((store / f"rank-{rank}.json").read_text())
+        assert rec["rank"] == rank and rec["world_size"] == 3
+        assert rec["rendezvous_env"] == f"file://{store}"
+        assert rec["env"] == {"HF_TOKEN": "hf_valueFromSecret123", "MY_VAR": "x"}
+    assert "replica 1 of 3 starting" in ex.logs(handles[1])
+    assert ex.logs(handles[2], tail=1).strip() == "replica 2 done"
+
+
+def test_failing_replica_is_retried_then_reported_with_log_tail(cluster):
+    standin, make, tmp = cluster
+    ex = make(backoff_limit_per_index=1)
+    handles = ex.launch_replicas(
+        2, "diloco_replica.py", _args(tmp / "s", **{"fail-rank": 1, "exit-code": 7})
+    )
+    result = ex.collect(handles, timeout=60)
+    ok, bad = result
+    assert ok.status is ReplicaStatus.SUCCEEDED and ok.exit_code == 0 and ok.restarts == 0
+    assert bad.status is ReplicaStatus.FAILED and bad.exit_code == 7
+    assert bad.restarts == 1  # backoffLimitPerIndex=1: one retry, then the index failed
+    assert "exited with code 7" in bad.error and "boom: replica 1 simulated failure" in bad.error
+    job = standin.jobs[("default", handles[0].job_id.split("/")[0])]
+    assert job["status"]["failedIndexes"] == "1" and job["status"]["completedIndexes"] == "0"
+
+
+def test_cancel_mid_run_deletes_job_foreground(cluster):
+    standin, make, tmp = cluster
+    ex = make()
+    handles = ex.launch_replicas(2, "diloco_replica.py", _args(tmp / "s", sleep=60))
+    deadline = time.monotonic() + 20
+    while not all(h.status is ReplicaStatus.RUNNING for h in ex.poll(handles)):
+        assert time.monotonic() < deadline, [h.status for h in handles]
+        time.sleep(0.1)
+    pods = [p for p in standin.pods.values()]
+    ex.cancel(handles)
+    assert all(h.status is ReplicaStatus.CANCELLED for h in handles)
+    [(name, body)] = standin.deletes
+    assert body["propagationPolicy"] == "Foreground"
+    for pod in pods:  # the processes behind the pods are gone
+        pod["_container"].wait(5)
+        assert pod["_container"].exit_code == 143
+    assert "replica 0 of 2 starting" in ex.logs(handles[0])  # kept from before deletion
+
+
+def test_cancel_subset_keeps_the_others_running(cluster):
+    standin, make, tmp = cluster
+    ex = make(backoff_limit_per_index=3)
+    handles = ex.launch_replicas(2, "diloco_replica.py", _args(tmp / "s", sleep=1.5))
+    deadline = time.monotonic() + 20
+    while not all(h.status is ReplicaStatus.RUNNING for h in ex.poll(handles)):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    ex.cancel([handles[1]])
+    assert standin.deletes == []  # only the pod went, not the job
+    result = ex.collect(handles, timeout=30)
+    assert result[0].status is ReplicaStatus.SUCCEEDED
+    assert result[1].status is ReplicaStatus.CANCELLED
+    job = standin.jobs[("default", handles[0].job_id.split("/")[0])]
+    # exit 143 matched the FailIndex rule: the cancelled index was not retried.
+    assert job["_indexes"][1]["failures"] == 1 and job["status"]["failedIndexes"] == "1"
+
+
+def test_collect_timeout_cancels_and_reports(cluster):
+    standin, make, tmp = cluster
+    ex = make()
+    handles = ex.launch_replicas(2, "diloco_replica.py", _args(tmp / "s", sleep=60))
+    t0 = time.monotonic()
+    result = ex.collect(handles, timeout=1.5)
+    assert time.monotonic() - t0 < 15
+    for h in result:
+        assert h.status is ReplicaStatus.FAILED
+        assert h.error.startswith("timeout after 1.5s")
+    assert standin.deletes and standin.deletes[0][1]["propagationPolicy"] == "Foreground"
+
+
+def test_seed_driver_snippet_unchanged(cluster, capsys):
+    _, make, tmp = cluster
+    executor = make()
+    uri = f"file://{tmp / 'seed-store'}"
+    handles = executor.launch_replicas(
+        n_replicas=4,
+        entrypoint="diloco_replica.py",
+        entrypoint_args={"rendezvous": uri, "rank_env": "REPLICA_RANK"},
+    )
+    result = executor.collect(handles, timeout=3600)
+    print({h.replica_id: h.exit_code for h in result})
+    assert capsys.readouterr().out.strip() == "{0: 0, 1: 0, 2: 0, 3: 0}"
+
+
+def test_rank_offset_for_mixed_placement(cluster):
+    _, make, tmp = cluster
+    ex = make()
+    store = tmp / "s"
+    handles = ex.launch_ranks([2, 3], 4, "diloco_replica.py", _args(store))
+    assert [h.replica_id for h in ex.collect(handles, timeout=60)] == [2, 3]
+    assert sorted(p.name for p in store.iterdir()) == ["rank-2.json", "rank-3.json"]
+    assert json.loads((store / "rank-3.json").read_text())["replica_rank_env"] == "3"
+    with pytest.raises(ValueError, match="consecutive"):
+        ex.launch_ranks([0, 2], 4, "diloco_replica.py", _args(store))
+
+
+def test_bad_input_fails_before_any_request(cluster, monkeypatch, tmp_path):
+    standin, make, tmp = cluster
+    with pytest.raises(ValueError, match="image"):
+        K8sExecutor(None)
+    ex = make()
+    with pytest.raises(ValueError, match="n_replicas"):
+        ex.launch_replicas(0, "diloco_replica.py")
+    with pytest.raises(ValueError, match="GPU"):
+        ex.launch_replicas(2, "diloco_replica.py", resources={"gpu": "half"})
+    with pytest.raises(ValueError, match="unknown resource"):
+        ex.launch_replicas(2, "diloco_replica.py", resources={"tpu": 1})
+    assert standin.requests == []
+    # No in-cluster service account and no kubeconfig: a clear error, nothing launched.
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "missing-kubeconfig"))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    with pytest.raises(MissingCredentialsError, match="KUBECONFIG"):
+        K8sExecutor("python:3.11")
+
+
+def test_failed_create_leaves_nothing_and_never_shows_the_token(cluster, caplog):
+    standin, make, tmp = cluster
+    caplog.set_level(logging.DEBUG)
+    ex = make()
+    standin.echo_auth_on_error = True
+    with pytest.raises(CloudExecutorError) as info:
+        ex.launch_replicas(2, "diloco_replica.py", _args(tmp / "s"))
+    text = f"{info.value}\n{info.value!r}\n{caplog.text}"
+    assert "creating job" in str(info.value) and "500" in str(info.value)
+    assert TOKEN not in text and "***" in str(info.value)
+    assert info.value.__cause__ is None and info.value.__suppress_context__
+    assert standin.jobs == {}
+    assert any(m == "DELETE" for m, *_ in standin.requests)  # best-effort cleanup was tried

@@ -1,0 +1,33 @@
+"""Pure-tensor losses of the composer recipe (no trainer, data or distributed imports).
+
+- ``policy``: GRPO family (``grpo_loss``) and PRIME-RL-style ``dppo_mask`` (channel 1)
+- ``distill``: ``generalized_jsd``, ``taid_loss`` + ``TAIDScheduler``, ``entropy_opd_loss`` (channel 2)
+- ``preference``: ``dpo_loss``, ``simpo_loss`` (channel 3)
+- ``compose``: ``compose_loss(model, inputs, **kw)`` and the tensor-level ``combine``
+
+Every loss returns ``(loss, metrics)``: a 0-dim tensor and a dict of python floats.
+"""
+
+from composer_replication.loss.compose import ComposeConfig, combine, compose_loss
+from composer_replication.loss.distill import (
+    TAIDScheduler,
+    entropy_opd_loss,
+    generalized_jsd,
+    taid_loss,
+)
+from composer_replication.loss.policy import dppo_mask, grpo_loss
+from composer_replication.loss.preference import dpo_loss, simpo_loss
+
+__all__ = [
+    "ComposeConfig",
+    "TAIDScheduler",
+    "combine",
+    "compose_loss",
+    "dpo_loss",
+    "dppo_mask",
+    "entropy_opd_loss",
+    "generalized_jsd",
+    "grpo_loss",
+    "simpo_loss",
+    "taid_loss",
+]

@@ -1,0 +1,300 @@
+"""compose_loss / combine: the batch contract, channel switching and the DESIGN invariants."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import composer_replication
+from composer_replication.loss import combine, compose_loss, generalized_jsd, grpo_loss
+from composer_replication.loss.compose import REPLAY_KEYS
+
+CONTRACT_METRICS = {
+    "loss/total",
+    "loss/grpo",
+    "loss/sdpo",
+    "loss/replay",
+    "sdpo/active",
+    "sdpo/frac_samples",
+    "replay/active",
+    "replay/pairs",
+    "replay/accuracy",
+    "replay/margin",
+    "replay/chosen_reward",
+    "replay/rejected_reward",
+    "grpo/clip_ratio",
+}
+
+
+def _grads(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [
+        p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()
+    ]
+
+
+def _run(model, inputs, **kw):
+    model.zero_grad()
+    loss, metrics = compose_loss(model, inputs, **kw)
+    loss.backward()
+    return loss.detach(), metrics, _grads(model)
+
+
+def _without(batch, prefix):
+    return {k: v for k, v in batch.items() if not k.startswith(prefix)}
+
+
+def test_public_reexports():
+    assert composer_replication.compose_loss is compose_loss
+    import composer_replication.loss as loss_pkg
+
+    assert loss_pkg.compose_loss is compose_loss
+
+
+def test_alpha_sdpo_zero_is_channel1_bit_exact(lm, batch):
+    ref_loss, _, ref_grads = _run(lm, _without(batch, "sdpo_"), beta_replay=0.0)
+    lm.calls.clear()
+    loss, metrics, grads = _run(lm, batch, alpha_sdpo=0.0, beta_replay=0.0)
+    assert torch.equal(loss, ref_loss)
+    assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
+    assert len(lm.calls) == 1  # the teacher forward is not even run
+    assert metrics["sdpo/active"] == 0.0 and metrics["loss/sdpo"] == 0.0
+    # and it is exactly grpo_loss on the completion log-probs
+    logits = lm(
+        torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1),
+        torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1),
+    ).logits[:, batch["prompt_ids"].shape[1] - 1 : -1]
+    logps = torch.log_softmax(logits, -1).gather(-1, batch["completion_ids"][..., None])[..., 0]
+    direct, _ = grpo_loss(logps, None, batch["advantages"], batch["completion_mask"])
+    torch.testing.assert_close(loss, direct.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_beta_replay_zero_bit_exact(lm, batch):
+    ref_loss, _, ref_grads = _run(lm, _without(batch, "replay_"), alpha_sdpo=0.3)
+    lm.calls.clear()
+    loss, metrics, grads = _run(lm, batch, alpha_sdpo=0.3, beta_replay=0.0)
+    assert torch.equal(loss, ref_loss)
+    assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
+    assert len(lm.calls) == 2  # student + teacher, no replay forwards
+    assert metrics["replay/active"] == 0.0 and metrics["replay/pairs"] == 0.0
+
+
+def test_taid_without_t_or_step_raises(lm, batch):
+    with pytest.raises(ValueError, match="taid_t"):
+        compose_loss(lm, batch, sdpo_wrapper="taid")
+    with pytest.raises(ValueError, match="taid_total_steps"):
+        compose_loss(lm, batch, sdpo_wrapper="taid", taid_schedule_step=3)
+
+
+def test_compose_equals_forward_plus_combine(lm, batch):
+    """The documented contract: one student forward on cat(prompt, completion), logits[:, P-1:-1],
+    temperature for channel-1 log-probs, teacher logits[:, L-T-1:-1] under no_grad, replay labels
+    shifted by one; then combine()."""
+    kw = dict(temperature=0.7, alpha_sdpo=0.3, beta_replay=0.2, sdpo_temperature=1.3, kl_beta=0.0)
+    lm.calls.clear()
+    loss, metrics, grads = _run(lm, batch, **kw)
+    assert lm.calls[0] == ((3, 9), True)  # ONE student forward on P + T tokens
+    assert lm.calls[1] == ((2, 9), False)  # teacher: selected rows only, no grad
+    assert [c[1] for c in lm.calls[2:]] == [True, True]  # chosen, rejected
+
+    P, T = batch["prompt_ids"].shape[1], batch["completion_ids"].shape[1]
+    lm.zero_grad()
+    logits = lm(
+        torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1),
+        torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1),
+    ).logits
+    student = logits[:, P - 1 : -1]
+    logps = torch.log_softmax(student / 0.7, -1).gather(-1, batch["completion_ids"][..., None])[
+        ..., 0
+    ]
+    L = batch["sdpo_teacher_input_ids"].shape[1]
+    with torch.no_grad():
+        teacher = lm(batch["sdpo_teacher_input_ids"], batch["sdpo_teacher_attention_mask"]).logits
+    teacher = teacher[:, L - T - 1 : -1]
+
+    def seq_logps(side):
+        ids = batch[f"replay_{side}_input_ids"]
+        lg = lm(ids, batch[f"replay_{side}_attention_mask"]).logits[:, :-1]
+        tok = torch.log_softmax(lg, -1).gather(-1, ids[:, 1:, None])[..., 0]
+        return (tok * batch[f"replay_{side}_loss_mask"][:, 1:]).sum(-1)
+
+    ref_loss, ref_metrics = combine(
+        per_token_logps=logps,
+        completion_mask=batch["completion_mask"],
+        advantages=batch["advantages"],
+        student_logits=student,
+        teacher_logits=teacher,
+        sdpo_mask=batch["sdpo_sample_mask"],
+        chosen_logps=seq_logps("chosen"),
+        rejected_logps=seq_logps("rejected"),
+        ref_chosen_logps=batch["replay_ref_chosen_logps"],
+        ref_rejected_logps=batch["replay_ref_rejected_logps"],
+        **kw,
+    )
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=1e-6)
+    for a, b in zip(grads, _grads(lm)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for key in CONTRACT_METRICS:
+        assert metrics[key] == pytest.approx(ref_metrics[key], rel=1e-5, abs=1e-6), key
+    assert metrics["sdpo/active"] == 1.0 and metrics["replay/active"] == 1.0
+    assert metrics["sdpo/frac_samples"] == pytest.approx(2 / 3)
+    assert metrics["replay/pairs"] == 2.0
+    assert all(isinstance(v, float) for v in metrics.values())
+    assert CONTRACT_METRICS <= set(metrics)
+    total = metrics["loss/grpo"] + 0.3 * metrics["loss/sdpo"] + 0.2 * metrics["loss/replay"]
+    assert metrics["loss/total"] == pytest.approx(total, rel=1e-5)
+
+
+def test_sdpo_channel_value_is_generalized_jsd(lm, batch):
+    loss_on, m_on, _ = _run(lm, batch, alpha_sdpo=0.5, beta_replay=0.0, sdpo_jsd_beta=0.2)
+    loss_off, _, _ = _run(lm, batch, alpha_sdpo=0.0, beta_replay=0.0)
+    assert float(loss_on - loss_off) == pytest.approx(0.5 * m_on["loss/sdpo"], rel=1e-5, abs=1e-7)
+    assert m_on["jsd/tokens"] == float(
+        (batch["completion_mask"].bool() & batch["sdpo_sample_mask"][:, None]).sum()
+    )
+
+
+def test_sdpo_off_when_no_sample_selected(lm, batch):
+    batch["sdpo_sample_mask"] = torch.zeros(3, dtype=torch.bool)
+    ref, _, _ = _run(lm, batch, alpha_sdpo=0.0)
+    lm.calls.clear()
+    loss, metrics, _ = _run(lm, batch, alpha_sdpo=0.5)
+    assert torch.equal(loss, ref)
+    assert metrics["sdpo/active"] == 0.0 and metrics["sdpo/frac_samples"] == 0.0
+    assert all(shape != (3, 9) or grad for shape, grad in lm.calls)  # no teacher forward
+    assert len(lm.calls) == 3
+
+
+def test_precomputed_teacher_logits_replace_teacher_forward(lm, batch):
+    _, m_fwd, _ = _run(lm, batch, beta_replay=0.0)
+    T = batch["completion_ids"].shape[1]
+    L = batch["sdpo_teacher_input_ids"].shape[1]
+    with torch.no_grad():
+        full = lm(batch["sdpo_teacher_input_ids"], batch["sdpo_teacher_attention_mask"]).logits
+    pre = {k: v for k, v in batch.items() if not k.startswith("sdpo_teacher_")}
+    pre["sdpo_teacher_logits"] = full[:, L - T - 1 : -1]
+    lm.calls.clear()
+    _, m_pre, _ = _run(lm, pre, beta_replay=0.0)
+    assert len(lm.calls) == 1
+    assert m_pre["loss/sdpo"] == pytest.approx(m_fwd["loss/sdpo"], rel=1e-6)
+
+
+def test_replay_off_when_absent_or_empty(lm, batch):
+    _, m, _ = _run(lm, _without(batch, "replay_"), alpha_sdpo=0.0)
+    assert m["replay/active"] == 0.0
+    empty = dict(batch)
+    for key in REPLAY_KEYS:
+        empty[key] = batch[key][:0]
+    empty["replay_ref_chosen_logps"] = batch["replay_ref_chosen_logps"][:0]
+    empty["replay_ref_rejected_logps"] = batch["replay_ref_rejected_logps"][:0]
+    loss, m, _ = _run(lm, empty, alpha_sdpo=0.0)
+    ref, _, _ = _run(lm, batch, alpha_sdpo=0.0, beta_replay=0.0)
+    assert m["replay/active"] == 0.0 and torch.equal(loss, ref)
+
+
+def test_dpo_without_reference_logps_raises_naming_keys(lm, batch):
+    del batch["replay_ref_chosen_logps"]
+    with pytest.raises(ValueError, match="replay_ref_chosen_logps"):
+        compose_loss(lm, batch)
+    # SimPO needs no reference
+    loss, m = compose_loss(lm, batch, dpo_variant="simpo")
+    assert m["replay/active"] == 1.0 and math.isfinite(float(loss.detach()))
+
+
+def test_simpo_channel_uses_length_normalised_logps(lm, batch):
+    kw = dict(alpha_sdpo=0.0, dpo_variant="simpo", simpo_beta=2.0, simpo_gamma=0.5, beta_replay=1.0)
+    _, m, _ = _run(lm, batch, **kw)
+
+    def avg(side):
+        ids = batch[f"replay_{side}_input_ids"]
+        lg = lm(ids, batch[f"replay_{side}_attention_mask"]).logits[:, :-1]
+        tok = torch.log_softmax(lg, -1).gather(-1, ids[:, 1:, None])[..., 0]
+        mask = batch[f"replay_{side}_loss_mask"][:, 1:]
+        return (tok * mask).sum(-1) / mask.sum(-1)
+
+    with torch.no_grad():
+        expected = -torch.nn.functional.logsigmoid(2.0 * (avg("chosen") - avg("rejected")) - 0.5)
+    assert m["loss/replay"] == pytest.approx(float(expected.mean()), rel=1e-5)
+
+
+def test_taid_schedule_step_sets_linear_t(lm, batch):
+    _, m, _ = _run(lm, batch, sdpo_wrapper="taid", taid_schedule_step=25, taid_total_steps=100)
+    assert m["taid/t"] == pytest.approx(0.4 + 0.6 * 0.25)
+    _, m, _ = _run(
+        lm, batch, sdpo_wrapper="taid", taid_t=0.9, taid_schedule_step=1, taid_total_steps=2
+    )
+    assert m["taid/t"] == pytest.approx(0.9)  # explicit t wins
+
+
+@pytest.mark.parametrize(
+    "kw, name",
+    [
+        ({"sdpo_wrapper": "bogus"}, "sdpo_wrapper"),
+        ({"dpo_variant": "ipo"}, "dpo_variant"),
+        ({"loss_type": "ppo"}, "loss_type"),
+        ({"sdpo_jsd_beta": 1.5}, "sdpo_jsd_beta"),
+        ({"taid_t": 1.2, "sdpo_wrapper": "taid"}, "taid_t"),
+        ({"label_smoothing": 0.5}, "label_smoothing"),
+        ({"replay_dpo_beta": 0.0}, "replay_dpo_beta"),
+        ({"temperature": 0.0}, "temperature"),
+        ({"alpha_sdpo": float("nan")}, "alpha_sdpo"),
+        ({"not_a_knob": 1}, "not_a_knob"),
+    ],
+)
+def test_bad_keywords_raise_naming_argument(lm, batch, kw, name):
+    with pytest.raises(ValueError, match=name):
+        compose_loss(lm, batch, **kw)
+    with pytest.raises(ValueError, match=name):
+        combine(
+            per_token_logps=torch.zeros(2, 3),
+            completion_mask=torch.ones(2, 3),
+            advantages=torch.zeros(2),
+            **kw,
+        )
+
+
+def test_missing_channel1_key_raises(lm, batch):
+    del batch["advantages"]
+    with pytest.raises(ValueError, match="advantages"):
+        compose_loss(lm, batch)
+
+
+def test_combine_sdpo_token_mask_and_off_switches():
+    g = torch.Generator().manual_seed(3)
+    B, T, V = 2, 4, 6
+    student = torch.randn(B, T, V, generator=g, requires_grad=True)
+    teacher = torch.randn(B, T, V, generator=g)
+    logps = torch.log_softmax(student, -1)[..., 0]
+    mask = torch.ones(B, T)
+    base = dict(per_token_logps=logps, completion_mask=mask, advantages=torch.tensor([1.0, -1.0]))
+    loss, m = combine(**base, student_logits=student, teacher_logits=teacher, alpha_sdpo=1.0)
+    jsd, _ = generalized_jsd(student, teacher)
+    assert m["loss/sdpo"] == pytest.approx(float(jsd.detach()), rel=1e-6)
+    token_mask = torch.tensor([[1, 1, 0, 0], [0, 0, 0, 0]], dtype=torch.bool)
+    _, m2 = combine(**base, student_logits=student, teacher_logits=teacher, sdpo_mask=token_mask)
+    jsd2, _ = generalized_jsd(student, teacher, mask=token_mask)
+    assert m2["loss/sdpo"] == pytest.approx(float(jsd2.detach()), rel=1e-6)
+    assert m2["sdpo/frac_samples"] == 0.5
+    _, m3 = combine(**base, student_logits=student, teacher_logits=None)
+    assert m3["sdpo/active"] == 0.0
+    with pytest.raises(ValueError, match="sdpo_mask"):
+        combine(**base, student_logits=student, teacher_logits=teacher, sdpo_mask=torch.ones(3))
+
+
+def test_end_to_end_tiny_qwen2_model(make_batch_fn):
+    pytest.importorskip("transformers")
+    from composer_replication.models import build_tiny_model, build_tokenizer
+
+    model = build_tiny_model(build_tokenizer(), hidden_size=32, num_layers=1, seed=0)
+    batch = make_batch_fn(vocab=model.config.vocab_size)
+    for kw in ({}, {"sdpo_wrapper": "taid", "taid_t": 0.5, "dpo_variant": "simpo"}):
+        model.zero_grad()
+        loss, metrics = compose_loss(model, batch, **kw)
+        loss.backward()
+        assert metrics["sdpo/active"] == 1.0 and metrics["replay/active"] == 1.0
+        assert math.isfinite(metrics["loss/total"])
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        assert grads and all(torch.isfinite(g).all() for g in grads)
+        assert any(float(g.abs().sum()) > 0 for g in grads)

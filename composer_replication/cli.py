@@ -1,0 +1,267 @@
+"""`composer-replication` (also `python -m composer_replication`): the command-line tool.
+
+    composer-replication train [CONFIG.toml] [section.key=value ...]   train (default: the demo)
+    composer-replication train --resume RUN [section.key=value ...]    continue a stopped run
+    composer-replication report RUN                                    plots + summary.md
+    composer-replication status RUN                                    replicas, round, health
+    composer-replication config show|validate [CONFIG] [overrides]     resolved config / checks
+    composer-replication bake-traces [CONFIG] [overrides] --out FILE   record teacher traces
+    composer-replication replica --rendezvous URI                      what each replica runs
+
+Exit codes: 0 success, 1 the run failed, 2 a configuration or usage error (nothing written),
+130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from composer_replication.config import ConfigError, RunConfig, dump_toml, load_config
+
+__all__ = ["main"]
+
+PROG = "composer-replication"
+
+CONFIG_HELP = (
+    "a TOML config (default: the embedded CPU demo; see `config show`) followed by any number "
+    "of section.key=value overrides, e.g. train.max_steps=20 backend.n_replicas=4"
+)
+
+
+def _split_config_args(args: Sequence[str]) -> tuple[str | None, list[str]]:
+    """[CONFIG.toml] [overrides...] -> (config path or None, overrides)."""
+    args = list(args)
+    path = None
+    if args and "=" not in args[0]:
+        path = args.pop(0)
+    bad = [a for a in args if "=" not in a]
+    if bad:
+        raise ConfigError(
+            f"unexpected argument {bad[0]!r}: after the config file only section.key=value "
+            "overrides are allowed"
+        )
+    return path, args
+
+
+def _load(args: Sequence[str]) -> RunConfig:
+    path, overrides = _split_config_args(args)
+    return load_config(path, overrides)
+
+
+# ----------------------------------------------------------------------------- commands
+
+
+def cmd_train(ns: argparse.Namespace) -> int:
+    from composer_replication.run import driver
+
+    if ns.resume:
+        if ns.overwrite:
+            raise ConfigError("--resume and --overwrite cannot be combined")
+        path, overrides = _split_config_args(ns.args)
+        if path is not None:
+            raise ConfigError(
+                f"--resume uses the run's stored config; drop {path!r} (overrides are allowed)"
+            )
+        config, folder = driver.prepare_resume(ns.resume, overrides)
+        result = driver.run(config, folder, resume=True)
+    else:
+        config = _load(ns.args)
+        config, folder = driver.prepare(config, overwrite=ns.overwrite, name=ns.name)
+        result = driver.run(config, folder, overwrite=ns.overwrite)
+    return result.exit_code
+
+
+def _run_folder(run: str):  # noqa: ANN202 - RunFolder, imported lazily
+    from composer_replication.run.driver import resolve_run_folder
+
+    folder = resolve_run_folder(run)
+    if not folder.is_run():
+        raise ConfigError(f"{folder.root} is not a run folder (no config.json in it)")
+    return folder
+
+
+def cmd_report(ns: argparse.Namespace) -> int:
+    from composer_replication.run.report import write_report
+
+    folder = _run_folder(ns.run)
+    summary, plots = write_report(folder)
+    for plot in plots:
+        print(f"wrote {plot}")
+    print(f"wrote {folder.summary}")
+    if summary.get("reward_first10") is not None:
+        print(
+            f"mean reward first 10%: {summary['reward_first10']:.3f}  "
+            f"last 10%: {summary['reward_last10']:.3f}"
+        )
+    return 0
+
+
+def cmd_status(ns: argparse.Namespace) -> int:
+    from composer_replication.run.status import run_status, status_text
+
+    info = run_status(_run_folder(ns.run), stale_after_s=ns.stale_after)
+    print(json.dumps(info, indent=1) if ns.json else status_text(info))
+    return 0
+
+
+def cmd_config(ns: argparse.Namespace) -> int:
+    config = _load(ns.args)
+    if ns.config_command == "show":
+        print(json.dumps(_to_dict(config), indent=1) if ns.json else dump_toml(config), end="")
+        if ns.json:
+            print()
+        return 0
+    from composer_replication.run import preflight
+
+    preflight.check_model(config)
+    preflight.check_task(config)
+    preflight.check_teachers(config)
+    store_uri = config.store.uri or "file:///tmp/composer-replication-validate/"
+    preflight.check_backend(config, store_uri)
+    if ns.check_store and config.store.uri:
+        preflight.check_store(config, config.store.uri, overwrite=True)
+    print(
+        f"ok: {config.backend.n_replicas} x {config.backend.kind} replicas, model "
+        f"{config.model.name}, task {config.task.name}, {config.train.max_steps} inner steps, "
+        f"{config.n_rounds} outer rounds"
+    )
+    return 0
+
+
+def _to_dict(config: RunConfig) -> dict:
+    from composer_replication.config import to_dict
+
+    return to_dict(config)
+
+
+def cmd_bake_traces(ns: argparse.Namespace) -> int:
+    from composer_replication.run.bake import bake
+
+    config = _load(ns.args)
+    out = Path(ns.out)
+    if out.exists() and not ns.overwrite:
+        raise ConfigError(f"--out {out} already exists; pass --overwrite to replace it")
+    if not out.parent.is_dir():
+        raise ConfigError(f"--out: folder {out.parent} does not exist")
+    count = bake(config, out, split=ns.split, limit=ns.limit)
+    print(f"wrote {count} traces to {out}")
+    return 0
+
+
+def cmd_replica(ns: argparse.Namespace) -> int:
+    from composer_replication.diloco.serverless import replica_entrypoint
+
+    argv = []
+    if ns.rendezvous:
+        argv += ["--rendezvous", ns.rendezvous]
+    if ns.rank is not None:
+        argv += ["--rank", str(ns.rank)]
+    return int(replica_entrypoint.main(argv) or 0)
+
+
+# ----------------------------------------------------------------------------- parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Train LLM agents with the Composer recipe (GRPO + hint self-distillation "
+        "+ trace replay) on N replicas kept in step by DiLoCo.",
+        epilog="Run `composer-replication train` with no arguments for the CPU demo. "
+        "Exit codes: 0 ok, 1 run failed, 2 configuration/usage error, 130 interrupted.",
+    )
+    parser.add_argument("--version", action="version", version=_version())
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    p = sub.add_parser(
+        "train",
+        help="run a training run (no arguments: the embedded CPU demo)",
+        description="Train with the three-channel composer loss on N DiLoCo replicas. With no "
+        "arguments: a tiny model, a built-in task, 2 local replicas, DiLoCo through file:// "
+        "under ./runs/<name>/ (a few minutes on a laptop CPU, no network).",
+    )
+    p.add_argument("args", nargs="*", metavar="[CONFIG.toml] [section.key=value]", help=CONFIG_HELP)
+    p.add_argument("--resume", metavar="RUN", help="continue RUN (a run folder or a name under "
+                   "runs/) from its last committed outer round")  # fmt: skip
+    p.add_argument("--overwrite", action="store_true", help="replace an existing run folder")
+    p.add_argument("--name", help="run name (same as run.name=...)")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("report", help="draw plots and a markdown summary of a run",
+                       description="Write <run>/plots/*.png and <run>/summary.md from the "
+                       "run's metrics.")  # fmt: skip
+    p.add_argument("run", metavar="RUN", help="run folder (or its name under runs/)")
+    p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("status", help="replicas, outer round, lag and health of a run",
+                       description="Show each replica's state, step, outer round, lag and "
+                       "health (works while the run is going).")  # fmt: skip
+    p.add_argument("run", metavar="RUN", help="run folder (or its name under runs/)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--stale-after", type=float, default=120.0, metavar="SECONDS",
+                   help="a running replica silent this long is 'stale' (default 120)")  # fmt: skip
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("config", help="show or validate a configuration",
+                       description="Print the resolved configuration or check it.")  # fmt: skip
+    csub = p.add_subparsers(dest="config_command", metavar="ACTION")
+    csub.required = True
+    q = csub.add_parser("show", help="print the resolved config (TOML)",
+                        description="Print the resolved configuration: defaults, file, "
+                        "overrides.")  # fmt: skip
+    q.add_argument("args", nargs="*", metavar="[CONFIG.toml] [section.key=value]", help=CONFIG_HELP)
+    q.add_argument("--json", action="store_true", help="print JSON instead of TOML")
+    q.set_defaults(func=cmd_config)
+    q = csub.add_parser("validate", help="check a config without running it",
+                        description="Check types, keys, model path, task and backend; exit 2 "
+                        "with a message when something is wrong.")  # fmt: skip
+    q.add_argument("args", nargs="*", metavar="[CONFIG.toml] [section.key=value]", help=CONFIG_HELP)
+    q.add_argument("--check-store", action="store_true",
+                   help="also probe that store.uri is writable (writes and deletes one object)")  # fmt: skip
+    q.set_defaults(func=cmd_config)
+
+    p = sub.add_parser("bake-traces", help="record teacher traces ahead of training",
+                       description="Run the configured teachers (or the task oracle) on the "
+                       "task's prompts and write trace JSONL for teachers.traces_path.")  # fmt: skip
+    p.add_argument("args", nargs="*", metavar="[CONFIG.toml] [section.key=value]", help=CONFIG_HELP)
+    p.add_argument("--out", required=True, help="output JSONL file")
+    p.add_argument("--split", choices=("train", "eval"), default="train", help="prompts to use")
+    p.add_argument("--limit", type=int, default=None, help="at most this many prompts")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
+    p.set_defaults(func=cmd_bake_traces)
+
+    p = sub.add_parser("replica", help="run one replica (what executors launch)",
+                       description="Run one DiLoCo replica: read the run config from the store, "
+                       "train, synchronise, report. Rank from REPLICA_RANK (or --rank).")  # fmt: skip
+    p.add_argument("--rendezvous", help="store URI of the run (default: $DILOCO_RENDEZVOUS)")
+    p.add_argument("--rank", type=int, default=None, help="replica rank (default: $REPLICA_RANK)")
+    p.set_defaults(func=cmd_replica)
+    return parser
+
+
+def _version() -> str:
+    from composer_replication import __version__
+
+    return f"{PROG} {__version__}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(list(argv) if argv is not None else None)
+    try:
+        return int(ns.func(ns) or 0)
+    except ConfigError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,325 @@
+"""Load, override, check and print the run configuration.
+
+- `load_config(path=None, overrides=())`: the embedded default (`default.toml`) when `path` is
+  None, else that TOML file on top of the schema defaults; then `section.key=value` overrides.
+- Unknown sections/keys and wrong types raise `ConfigError` with the key path and a hint
+  (did-you-mean for misspellings, the allowed values for a choice).
+- `to_dict` / `from_dict` round-trip a `RunConfig` through plain JSON-able dicts (the driver
+  sends the resolved config to the replicas as JSON through the store); `dump_toml` writes the
+  resolved TOML kept in every run folder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib.resources
+import json
+import tomllib
+import types
+import typing
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+from composer_replication.config.schema import RunConfig
+
+__all__ = [
+    "ConfigError",
+    "apply_overrides",
+    "default_toml_text",
+    "dump_toml",
+    "from_dict",
+    "load_config",
+    "parse_override",
+    "to_dict",
+]
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A configuration problem the user must fix (the CLI exits with code 2)."""
+
+
+# ----------------------------------------------------------------------------- types
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (types.UnionType, typing.Union):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        (inner,) = typing.get_args(tp) or (Any,)
+        return f"list of {_type_name(inner)}"
+    if origin is dict:
+        return "table"
+    if tp is type(None):
+        return "unset"
+    if dataclasses.is_dataclass(tp):
+        return "table"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _did_you_mean(word: str, options: Iterable[str]) -> str:
+    close = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _convert(value: Any, tp: Any, key: str) -> Any:
+    """Check `value` against annotation `tp`; return it (ints widened to float where declared)."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (types.UnionType, typing.Union):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(value, arg, key)
+            except ConfigError as exc:
+                errors.append(exc)
+        raise ConfigError(f"{key}: expected {_type_name(tp)}, got {_show(value)}")
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value in choices and type(value) is type(choices[0]):
+            return value
+        hint = _did_you_mean(value, [str(c) for c in choices]) if isinstance(value, str) else ""
+        raise ConfigError(
+            f"{key}: {_show(value)} is not one of {', '.join(repr(c) for c in choices)}{hint}"
+        )
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{key}: expected a table, got {_show(value)}")
+        return from_dict(tp, value, prefix=key)  # type: ignore[arg-type]
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected {_type_name(tp)}, got {_show(value)}")
+        (inner,) = typing.get_args(tp)
+        return [_convert(v, inner, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{key}: expected a table, got {_show(value)}")
+        _, vt = typing.get_args(tp)
+        return {str(k): _convert(v, vt, f"{key}.{k}") for k, v in value.items()}
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected true or false, got {_show(value)}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected an integer, got {_show(value)}")
+    if tp is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{key}: expected a number, got {_show(value)}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key}: expected a string, got {_show(value)} (quote it)")
+    raise TypeError(f"unsupported annotation {tp!r} at {key}")  # a schema bug, not user input
+
+
+def _show(value: Any) -> str:
+    kind = {bool: "boolean", int: "integer", float: "number", str: "string"}.get(type(value))
+    if kind is None:
+        kind = "table" if isinstance(value, Mapping) else type(value).__name__
+    text = repr(value)
+    return f"{kind} {text[:60]}"
+
+
+def from_dict(cls: type[T], data: Mapping[str, Any], *, prefix: str = "") -> T:
+    """Build dataclass `cls` from a mapping, rejecting unknown keys and wrong types."""
+    hints = _hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        path = f"{prefix}.{key}" if prefix else str(key)
+        if key not in fields:
+            what = f"unknown key in section [{prefix}]" if prefix else "unknown section"
+            raise ConfigError(
+                f"{path}: {what}{_did_you_mean(str(key), fields)}; known: {', '.join(fields)}"
+            )
+        kwargs[key] = _convert(value, hints[key], path)
+    try:
+        return cls(**kwargs)
+    except ValueError as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        message = str(exc)
+        # Section validators name their key without the section prefix only when nested in
+        # lists (endpoints); give the full path where the message does not start with it.
+        if prefix and not message.startswith(prefix.split("[")[0]):
+            message = f"{prefix}: {message}"
+        raise ConfigError(message) from None
+
+
+def to_dict(obj: Any) -> Any:
+    """A plain nested dict/list of a config dataclass (None values dropped, as TOML has no null)."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        out = {}
+        for f in dataclasses.fields(obj):
+            value = to_dict(getattr(obj, f.name))
+            if value is not None:
+                out[f.name] = value
+        return out
+    if isinstance(obj, list | tuple):
+        return [to_dict(v) for v in obj]
+    if isinstance(obj, Mapping):
+        return {str(k): to_dict(v) for k, v in obj.items()}
+    return obj
+
+
+# ----------------------------------------------------------------------------- overrides
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """'section.key=value' -> (['section', 'key'], value).
+
+    The value is read as a TOML value (numbers, true/false, quoted strings, [lists], {tables});
+    anything that is not valid TOML is taken as a bare string, and `none`/`null` unset an
+    optional key.
+    """
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(
+            f"override {text!r}: expected section.key=value (e.g. train.max_steps=20)"
+        )
+    parts = key.split(".")
+    if any(not p for p in parts) or len(parts) < 2:
+        raise ConfigError(
+            f"override {text!r}: the key must be section.key (e.g. backend.n_replicas=4)"
+        )
+    raw = raw.strip()
+    if raw.lower() in ("none", "null"):
+        return parts, None
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return parts, value
+
+
+def _set_path(tree: dict[str, Any], parts: list[str], value: Any, text: str) -> None:
+    node = tree
+    for depth, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            where = ".".join(parts[: depth + 1])
+            raise ConfigError(f"override {text!r}: {where} is a value, not a section")
+        node = child
+    if value is None:
+        node.pop(parts[-1], None)
+        node[parts[-1]] = None
+    else:
+        node[parts[-1]] = value
+
+
+def apply_overrides(tree: dict[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
+    """Apply 'section.key=value' strings to a raw config tree (a deep copy is returned)."""
+    out = json.loads(json.dumps(tree))
+    for text in overrides:
+        parts, value = parse_override(text)
+        _set_path(out, parts, value, text)
+    return out
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def default_toml_text() -> str:
+    """The embedded default configuration (packaged `default.toml`)."""
+    return (
+        importlib.resources.files("composer_replication.config")
+        .joinpath("default.toml")
+        .read_text(encoding="utf-8")
+    )
+
+
+def _read_toml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} not found")
+    try:
+        return tomllib.loads(p.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{p}: not valid TOML: {exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{p}: not a UTF-8 text file") from None
+
+
+def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -> RunConfig:
+    """The resolved RunConfig: default.toml or `path`, then the overrides; ConfigError if bad."""
+    tree = tomllib.loads(default_toml_text()) if path is None else _read_toml(path)
+    tree = apply_overrides(tree, overrides)
+    return from_dict(RunConfig, tree)
+
+
+def config_from_json(text: str) -> RunConfig:
+    """The RunConfig the driver stored as JSON (`to_dict` output)."""
+    return from_dict(RunConfig, json.loads(text))
+
+
+# ----------------------------------------------------------------------------- TOML output
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a valid TOML basic string
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, Mapping):
+        inner = ", ".join(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in value.items())
+        return "{" + (f" {inner} " if inner else "") + "}"
+    raise TypeError(f"cannot write {type(value).__name__} as TOML")
+
+
+def _toml_key(key: str) -> str:
+    bare = key.replace("_", "").replace("-", "").isalnum() and key.isascii()
+    return key if bare else json.dumps(key)
+
+
+def dump_toml(config: RunConfig) -> str:
+    """TOML text of a resolved config; `load_config(that file)` gives the same config back.
+
+    Unset optional keys are written as comments, so the file still lists every key.
+    """
+    lines: list[str] = []
+    for section in dataclasses.fields(config):
+        obj = getattr(config, section.name)
+        lines.append(f"[{section.name}]")
+        tables: list[tuple[str, list[Any]]] = []
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if value is None:
+                lines.append(f"# {f.name} = (unset)")
+            elif isinstance(value, list) and value and dataclasses.is_dataclass(value[0]):
+                tables.append((f.name, value))
+            else:
+                lines.append(f"{f.name} = {_toml_value(to_dict(value))}")
+        for name, items in tables:
+            for item in items:
+                lines.append("")
+                lines.append(f"[[{section.name}.{name}]]")
+                for key, val in to_dict(item).items():
+                    lines.append(f"{key} = {_toml_value(val)}")
+        lines.append("")
+    return "\n".join(lines)

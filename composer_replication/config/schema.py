@@ -1,0 +1,331 @@
+"""The run configuration: one typed, frozen dataclass per TOML section.
+
+`composer-replication train` reads a TOML file into `RunConfig` (see `loader.py`); every value
+is type-checked once here, at the edge, so the replicas receive plain validated values. The
+embedded default (`default.toml`, next to this module) is the CPU demo: a tiny Qwen2 model, a
+built-in task, 2 local replicas synchronised by DiLoCo through `file://` under `./runs/`.
+
+Each field carries `metadata["help"]` (the config reference in docs/cli.md is generated from it).
+Cross-field rules (e.g. "`backend.n_replicas` >= 1") live in each section's `__post_init__` and
+raise `ValueError` naming the key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+__all__ = [
+    "BACKENDS",
+    "BackendConfig",
+    "CheckpointConfig",
+    "DilocoConfig",
+    "EndpointConfig",
+    "LoggingConfig",
+    "LossConfig",
+    "ModelConfig",
+    "RunConfig",
+    "RunSection",
+    "StoreConfig",
+    "TaskConfig",
+    "TeachersConfig",
+    "TrainConfig",
+]
+
+BACKENDS = ("local", "modal", "hf-jobs", "k8s", "ray", "sagemaker")
+
+
+def _f(default: Any, help: str) -> Any:
+    """A dataclass field with a default and a help string (dicts/lists get a factory)."""
+    if isinstance(default, dict | list):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+def _check(cond: bool, key: str, message: str) -> None:
+    if not cond:
+        raise ValueError(f"{key}: {message}")
+
+
+@dataclass(frozen=True)
+class RunSection:
+    """Naming and seeding of the run; its folder is `<runs_dir>/<name>/`."""
+
+    name: str = _f("", "run name; empty = 'run-YYYYmmdd-HHMMSS' (a fresh folder every time)")
+    runs_dir: str = _f("runs", "folder that holds run folders (relative to the working directory)")
+    seed: int = _f(0, "seed for the model init, the task split and sampling")
+
+    def __post_init__(self) -> None:
+        _check(
+            "/" not in self.name and "\\" not in self.name and self.name not in (".", ".."),
+            "run.name",
+            f"{self.name!r} must be a plain folder name (no path separators)",
+        )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The policy: 'tiny' (built locally, no download), a hub id, or a local folder."""
+
+    name: str = _f("tiny", "'tiny', a Hugging Face hub id (org/name) or a local model folder")
+    hidden_size: int = _f(64, "tiny model only: hidden size")
+    num_layers: int = _f(2, "tiny model only: number of transformer layers")
+    num_heads: int = _f(4, "tiny model only: attention heads")
+    num_kv_heads: int = _f(2, "tiny model only: key/value heads")
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = _f(
+        "float32", "parameter dtype for hub/local models"
+    )
+    trust_remote_code: bool = _f(False, "passed to from_pretrained for hub/local models")
+
+    def __post_init__(self) -> None:
+        _check(bool(self.name.strip()), "model.name", "must not be empty (use 'tiny')")
+        for key in ("hidden_size", "num_layers", "num_heads", "num_kv_heads"):
+            _check(getattr(self, key) >= 1, f"model.{key}", "must be >= 1")
+
+    @property
+    def is_tiny(self) -> bool:
+        return self.name == "tiny"
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    """A built-in verifiable task (composer_replication.tasks)."""
+
+    name: str = _f("arithmetic", "built-in task name (see composer_replication.tasks.TASKS)")
+    n_train: int = _f(256, "training prompts")
+    n_eval: int = _f(32, "held-out evaluation prompts (disjoint from training)")
+    options: dict[str, Any] = _f({}, "task-specific options passed to get_task(...)")
+
+    def __post_init__(self) -> None:
+        _check(self.n_train >= 1, "task.n_train", "must be >= 1")
+        _check(self.n_eval >= 0, "task.n_eval", "must be >= 0")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The inner loop each replica runs (TRL GRPO settings)."""
+
+    max_steps: int = _f(60, "inner optimizer steps per replica")
+    learning_rate: float = _f(3e-3, "inner AdamW learning rate")
+    batch_size: int = _f(16, "completions per step per replica (a multiple of num_generations)")
+    num_generations: int = _f(8, "completions per prompt (the GRPO group size)")
+    max_prompt_length: int = _f(64, "prompt tokens kept (left-truncated)")
+    max_completion_length: int = _f(8, "generated tokens per completion")
+    temperature: float = _f(1.0, "sampling temperature for rollouts")
+    gradient_accumulation_steps: int = _f(1, "micro-batches per optimizer step")
+    eval_every_rounds: int = _f(
+        1, "evaluate the global model every N outer rounds (0 = only at end)"
+    )
+    eval_max_examples: int = _f(32, "eval prompts used per evaluation (<= task.n_eval)")
+    torch_threads: int = _f(1, "torch intra-op threads per replica (0 = torch default)")
+
+    def __post_init__(self) -> None:
+        _check(self.max_steps >= 1, "train.max_steps", "must be >= 1")
+        _check(self.learning_rate > 0, "train.learning_rate", "must be > 0")
+        _check(self.num_generations >= 2, "train.num_generations", "must be >= 2 (GRPO groups)")
+        _check(
+            self.batch_size >= 1 and self.batch_size % self.num_generations == 0,
+            "train.batch_size",
+            f"{self.batch_size} must be a positive multiple of train.num_generations "
+            f"({self.num_generations})",
+        )
+        for key in ("max_prompt_length", "max_completion_length", "gradient_accumulation_steps"):
+            _check(getattr(self, key) >= 1, f"train.{key}", "must be >= 1")
+        _check(self.temperature > 0, "train.temperature", "must be > 0")
+        _check(self.eval_every_rounds >= 0, "train.eval_every_rounds", "must be >= 0")
+        _check(self.eval_max_examples >= 0, "train.eval_max_examples", "must be >= 0")
+        _check(self.torch_threads >= 0, "train.torch_threads", "must be >= 0")
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """compose_loss keyword arguments (names as in the seeds; see docs/trainer.md)."""
+
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = _f("dapo", "channel-1 aggregation")
+    epsilon_low: float = _f(0.2, "lower PPO clip")
+    epsilon_high: float | None = _f(None, "upper PPO clip (unset = epsilon_low)")
+    kl_beta: float = _f(0.0, "KL-to-reference weight in channel 1")
+    alpha_sdpo: float = _f(0.1, "channel 2 (hint self-distillation) weight; 0 disables it")
+    beta_replay: float = _f(0.05, "channel 3 (trace replay) weight; 0 disables it")
+    sdpo_jsd_beta: float = _f(0.5, "generalized JSD beta (0 forward KL, 1 reverse KL)")
+    sdpo_temperature: float = _f(1.0, "channel 2 softmax temperature")
+    sdpo_token_clip: float | None = _f(None, "per-token clip of the channel-2 divergence")
+    sdpo_top_k: int | None = _f(None, "top-k vocabulary for channel 2 (unset = full vocab)")
+    sdpo_wrapper: Literal["none", "taid", "entropy_opd"] = _f("none", "channel-2 wrapper")
+    taid_t: float | None = _f(None, "fixed TAID interpolation t in [0, 1]")
+    taid_total_steps: int | None = _f(
+        None, "TAID schedule length (schedule used when taid_t unset)"
+    )
+    replay_dpo_beta: float = _f(0.1, "DPO beta for channel 3")
+    dpo_variant: Literal["dpo", "simpo"] = _f("simpo", "channel-3 preference loss")
+    simpo_beta: float = _f(2.0, "SimPO beta")
+    simpo_gamma: float = _f(1.0, "SimPO margin gamma")
+
+    def __post_init__(self) -> None:
+        _check(self.alpha_sdpo >= 0, "loss.alpha_sdpo", "must be >= 0")
+        _check(self.beta_replay >= 0, "loss.beta_replay", "must be >= 0")
+        _check(0.0 <= self.sdpo_jsd_beta <= 1.0, "loss.sdpo_jsd_beta", "must be in [0, 1]")
+        if self.taid_t is not None:
+            _check(0.0 <= self.taid_t <= 1.0, "loss.taid_t", "must be in [0, 1]")
+        if self.sdpo_wrapper == "taid" and self.taid_t is None and self.taid_total_steps is None:
+            raise ValueError(
+                "loss.sdpo_wrapper: 'taid' needs loss.taid_t or loss.taid_total_steps "
+                "(a fixed t or a schedule length)"
+            )
+
+    def compose_kwargs(self) -> dict[str, Any]:
+        """The compose_loss keyword arguments (unset optionals omitted)."""
+        out = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        return {k: v for k, v in out.items() if v is not None}
+
+
+@dataclass(frozen=True)
+class EndpointConfig:
+    """An OpenAI-compatible teacher endpoint (channel 3 traces)."""
+
+    name: str = _f("teacher", "label recorded in the traces")
+    base_url: str = _f("", "e.g. https://openrouter.ai/api/v1 or http://127.0.0.1:8000/v1")
+    model: str = _f("", "model name sent to the endpoint")
+    api_key_env: str = _f("OPENAI_API_KEY", "environment variable holding the API key")
+    max_tokens: int = _f(256, "completion tokens per trace")
+    temperature: float = _f(0.7, "sampling temperature")
+
+    def __post_init__(self) -> None:
+        # from_dict prefixes these with the entry's path, e.g. "teachers.endpoints[0]".
+        _check(bool(self.base_url), "base_url", "must be set")
+        _check(bool(self.model), "model", "must be set")
+
+
+@dataclass(frozen=True)
+class TeachersConfig:
+    """Where channel 3's teacher traces come from."""
+
+    oracle: bool = _f(True, "replay the task's oracle solutions when no endpoint/traces are given")
+    traces_path: str = _f("", "pre-baked traces JSONL (from `composer-replication bake-traces`)")
+    endpoints: list[EndpointConfig] = _f([], "OpenAI-compatible teachers ([[teachers.endpoints]])")
+    samples_per_prompt: int = _f(1, "traces recorded per prompt and teacher when baking")
+    min_reward: float = _f(1.0, "keep only traces whose task reward is >= this")
+
+    def __post_init__(self) -> None:
+        _check(self.samples_per_prompt >= 1, "teachers.samples_per_prompt", "must be >= 1")
+
+
+@dataclass(frozen=True)
+class DilocoConfig:
+    """The outer loop: every H inner steps replicas exchange pseudo-gradients (global - local)."""
+
+    sync_every_h: int = _f(10, "inner steps between outer synchronisations (H)")
+    outer_lr: float = _f(0.7, "outer SGD learning rate")
+    outer_momentum: float = _f(0.9, "outer Nesterov momentum")
+    nesterov: bool = _f(True, "Nesterov momentum for the outer SGD")
+    codec: Literal["fp32", "bf16", "int8", "4bit"] = _f("fp32", "pseudo-gradient encoding")
+    min_replicas: int | None = _f(None, "contributions needed to commit a round (unset = all)")
+    weighting: Literal["equal", "tokens"] = _f("equal", "how contributions are weighted")
+    timeout_s: float = _f(600.0, "how long a round waits for contributions")
+
+    def __post_init__(self) -> None:
+        _check(self.sync_every_h >= 1, "diloco.sync_every_h", "must be >= 1")
+        _check(self.outer_lr > 0, "diloco.outer_lr", "must be > 0")
+        _check(0.0 <= self.outer_momentum < 1.0, "diloco.outer_momentum", "must be in [0, 1)")
+        if self.min_replicas is not None:
+            _check(self.min_replicas >= 1, "diloco.min_replicas", "must be >= 1")
+        _check(self.timeout_s > 0, "diloco.timeout_s", "must be > 0")
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    """Where the replicas run (an executor from composer_replication.diloco.serverless)."""
+
+    kind: Literal["local", "modal", "hf-jobs", "k8s", "ray", "sagemaker"] = _f(
+        "local", "executor backend"
+    )
+    n_replicas: int = _f(2, "number of DiLoCo replicas")
+    timeout_s: float = _f(3600.0, "wall-clock limit for the whole run (replicas then cancelled)")
+    options: dict[str, Any] = _f({}, "executor constructor arguments (image, gpu, namespace, ...)")
+    resources: dict[str, Any] = _f({}, "per-replica resources passed to launch_replicas")
+    env: dict[str, str] = _f({}, "extra environment variables for every replica")
+
+    def __post_init__(self) -> None:
+        _check(self.n_replicas >= 1, "backend.n_replicas", f"{self.n_replicas} must be >= 1")
+        _check(self.timeout_s > 0, "backend.timeout_s", "must be > 0")
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """The object store the replicas meet in (one prefix per run)."""
+
+    uri: str = _f("", "file:///..., s3://bucket/prefix/, gs://...; empty = <run folder>/store/")
+    storage_options: dict[str, Any] = _f({}, "fsspec options (e.g. endpoint_url for S3)")
+    keep_rounds: int = _f(4, "rounds of pseudo-gradients kept before garbage collection")
+
+    def __post_init__(self) -> None:
+        _check(self.keep_rounds >= 1, "store.keep_rounds", "must be >= 1")
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    """What the driver shows and records."""
+
+    progress: Literal["auto", "live", "plain", "none"] = _f(
+        "auto", "auto = live display on a terminal, plain log lines otherwise"
+    )
+    tensorboard: bool = _f(True, "write TensorBoard event files under <run>/tensorboard/")
+    report: bool = _f(True, "draw the report (plots + summary.md) when training ends")
+    log_every: int = _f(1, "replicas record train metrics every N inner steps")
+    flush_every_s: float = _f(2.0, "replicas upload buffered metrics at most this often")
+
+    def __post_init__(self) -> None:
+        _check(self.log_every >= 1, "logging.log_every", "must be >= 1")
+        _check(self.flush_every_s > 0, "logging.flush_every_s", "must be > 0")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """HF save_pretrained checkpoints (safetensors) of the global model + outer optimizer state."""
+
+    every_rounds: int = _f(1, "checkpoint every N committed outer rounds (0 = only at the end)")
+    keep_last: int = _f(2, "checkpoints kept in the store (the final one is always kept)")
+    save_final: bool = _f(True, "checkpoint the final global model")
+
+    def __post_init__(self) -> None:
+        _check(self.every_rounds >= 0, "checkpoint.every_rounds", "must be >= 0")
+        _check(self.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """The whole run configuration (one attribute per TOML section)."""
+
+    run: RunSection = field(default_factory=RunSection, metadata={"help": "run naming"})
+    model: ModelConfig = field(default_factory=ModelConfig, metadata={"help": "policy model"})
+    task: TaskConfig = field(default_factory=TaskConfig, metadata={"help": "built-in task"})
+    train: TrainConfig = field(default_factory=TrainConfig, metadata={"help": "inner loop"})
+    loss: LossConfig = field(default_factory=LossConfig, metadata={"help": "composer loss"})
+    teachers: TeachersConfig = field(default_factory=TeachersConfig, metadata={"help": "teachers"})
+    diloco: DilocoConfig = field(default_factory=DilocoConfig, metadata={"help": "outer loop"})
+    backend: BackendConfig = field(default_factory=BackendConfig, metadata={"help": "executor"})
+    store: StoreConfig = field(default_factory=StoreConfig, metadata={"help": "object store"})
+    logging: LoggingConfig = field(default_factory=LoggingConfig, metadata={"help": "logging"})
+    checkpoint: CheckpointConfig = field(
+        default_factory=CheckpointConfig, metadata={"help": "checkpoints"}
+    )
+
+    def __post_init__(self) -> None:
+        if self.diloco.min_replicas is not None:
+            _check(
+                self.diloco.min_replicas <= self.backend.n_replicas,
+                "diloco.min_replicas",
+                f"{self.diloco.min_replicas} exceeds backend.n_replicas "
+                f"({self.backend.n_replicas})",
+            )
+        _check(
+            self.train.eval_max_examples <= self.task.n_eval,
+            "train.eval_max_examples",
+            f"{self.train.eval_max_examples} exceeds task.n_eval ({self.task.n_eval})",
+        )
+
+    @property
+    def n_rounds(self) -> int:
+        """Outer rounds in the run (the last partial block of inner steps syncs too)."""
+        h = self.diloco.sync_every_h
+        return -(-self.train.max_steps // h)

@@ -1,0 +1,9 @@
+"""Orchestration of a training run: run folder, driver, metrics, progress, report, status.
+
+The CLI (`composer_replication.cli`) sits on top of this package; the replicas use only
+`storeio`, `metrics` and `checkpoint`. Nothing heavy is imported here.
+"""
+
+from composer_replication.run.folder import RunFolder, default_run_name
+
+__all__ = ["RunFolder", "default_run_name"]

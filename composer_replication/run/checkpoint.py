@@ -1,0 +1,138 @@
+"""Checkpoints of the global model: a Hugging Face save_pretrained folder + outer-optimizer state.
+
+Written by replica 0 after a committed outer round (all replicas hold the same global weights
+then), into the store under `checkpoints/round-<k>/`:
+
+    config.json, generation_config.json, model.safetensors   (model.save_pretrained)
+    tokenizer.json, tokenizer_config.json, ...               (tokenizer.save_pretrained)
+    outer_state.safetensors + outer_state.json               (outer momentum etc., no pickle)
+    state.json                                               round, inner step, time
+    COMMITTED                                                written last: complete checkpoint
+
+`AutoModelForCausalLM.from_pretrained(folder)` loads it directly. The driver mirrors committed
+checkpoints into `<run>/checkpoints/` (hard links for a local store). Old rounds are removed
+beyond `keep_last`; the final checkpoint is kept as `final/` too.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from composer_replication.run.storeio import StoreIO
+
+__all__ = [
+    "committed_checkpoints",
+    "latest_checkpoint",
+    "mirror_checkpoints",
+    "prune_checkpoints",
+    "save_checkpoint",
+]
+
+PREFIX = "checkpoints"
+MARKER = "COMMITTED"
+
+
+def round_dir(round: int) -> str:
+    return f"round-{round:06d}"
+
+
+def save_checkpoint(
+    store: StoreIO,
+    *,
+    name: str,
+    model: Any,
+    tokenizer: Any | None,
+    round: int,
+    step: int,
+    outer_state: dict[str, Any] | None = None,
+) -> str:
+    """Write a complete checkpoint under checkpoints/<name>/ and commit it; return its key.
+
+    outer_state is the nested outer-optimizer state (tensors, dicts, lists, scalars); it is
+    stored as safetensors + a JSON skeleton (composer_replication.diloco.outer_state format).
+    """
+    from safetensors.torch import save_file
+
+    key = f"{PREFIX}/{name}"
+    with tempfile.TemporaryDirectory(prefix="composer-ckpt-") as tmp:
+        folder = Path(tmp)
+        model.save_pretrained(folder, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(folder)
+        if outer_state is not None:
+            from composer_replication.diloco.outer_state import encode_state
+
+            tensors, skeleton = encode_state(outer_state)
+            save_file(tensors, str(folder / "outer_state.safetensors"))
+            (folder / "outer_state.json").write_text(json.dumps({"skeleton": skeleton}))
+        (folder / "state.json").write_text(
+            json.dumps({"round": round, "step": step, "time": time.time()})
+        )
+        store.remove(key)  # a half-written attempt of an earlier incarnation
+        store.put_dir(folder, key)
+    store.write_json(f"{key}/{MARKER}", {"round": round, "step": step})
+    return key
+
+
+def load_outer_state(folder: Path) -> dict[str, Any] | None:
+    """The outer state stored in a checkpoint folder (None when it has none)."""
+    tensors_path = folder / "outer_state.safetensors"
+    if not tensors_path.is_file():
+        return None
+    from safetensors.torch import load_file
+
+    from composer_replication.diloco.outer_state import decode_state
+
+    skeleton = json.loads((folder / "outer_state.json").read_text())["skeleton"]
+    state = decode_state(load_file(str(tensors_path)), skeleton)
+    return state if isinstance(state, dict) else None
+
+
+def committed_checkpoints(store: StoreIO) -> list[tuple[str, dict[str, Any]]]:
+    """(name, commit record) of every committed checkpoint, oldest round first."""
+    out = []
+    for name in store.list(PREFIX):
+        record = store.read_json(f"{PREFIX}/{name}/{MARKER}")
+        if isinstance(record, dict):
+            out.append((name, record))
+    return sorted(out, key=lambda item: (int(item[1].get("round", 0)), item[0] == "final"))
+
+
+def latest_checkpoint(store: StoreIO) -> tuple[str, dict[str, Any]] | None:
+    found = committed_checkpoints(store)
+    return found[-1] if found else None
+
+
+def prune_checkpoints(store: StoreIO, keep_last: int) -> None:
+    """Remove round checkpoints beyond the newest keep_last ('final' is never removed)."""
+    rounds = [name for name, _ in committed_checkpoints(store) if name.startswith("round-")]
+    for name in rounds[: max(0, len(rounds) - keep_last)]:
+        store.remove(f"{PREFIX}/{name}")
+
+
+def mirror_checkpoints(store: StoreIO, local_dir: Path) -> list[Path]:
+    """Copy committed checkpoints the run folder does not have yet; drop pruned ones.
+
+    Returns the local checkpoint folders present afterwards.
+    """
+    local_dir.mkdir(parents=True, exist_ok=True)
+    names = [name for name, _ in committed_checkpoints(store)]
+    for name in names:
+        target = local_dir / name
+        if not (target / MARKER).is_file():
+            tmp = local_dir / f".{name}.partial"
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            store.get_dir(f"{PREFIX}/{name}", tmp)
+            if target.exists():
+                shutil.rmtree(target)
+            tmp.rename(target)
+    for stale in local_dir.glob("round-*"):
+        if stale.name not in names and stale.is_dir():
+            shutil.rmtree(stale)
+    return sorted(p for p in local_dir.iterdir() if p.is_dir() and not p.name.startswith("."))

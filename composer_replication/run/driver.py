@@ -1,0 +1,283 @@
+"""The driver of `composer-replication train`: launch N replicas, watch them, gather everything.
+
+    prepare()  -> resolved config + run folder + store URI (all checks, nothing written yet)
+    run()      -> create the run folder, publish the config to the store, launch the replicas
+                  with an executor, then loop: poll the replicas, pull their metrics and status
+                  from the store into metrics.jsonl / TensorBoard, mirror committed checkpoints,
+                  redraw the progress display. At the end: report + summary.
+
+The replicas (composer_replication.diloco.serverless.replica_entrypoint) read the resolved
+config from the store, so a replica on Modal and one on this machine run the same thing. A
+replica that fails (after the executor's restarts) stops the run unless diloco.min_replicas
+lets the others continue; Ctrl-C cancels every replica.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from composer_replication.config import (
+    ConfigError,
+    RunConfig,
+    apply_overrides,
+    dump_toml,
+    from_dict,
+    to_dict,
+)
+from composer_replication.run import preflight
+from composer_replication.run.checkpoint import mirror_checkpoints
+from composer_replication.run.folder import RunFolder, default_run_name
+from composer_replication.run.metrics import MetricsCollector, MetricsSink
+from composer_replication.run.progress import Progress, ReplicaRow, choose_mode
+from composer_replication.run.report import summarize, write_report
+from composer_replication.run.storeio import StoreIO
+
+__all__ = ["ENTRYPOINT", "TrainResult", "prepare", "prepare_resume", "run"]
+
+ENTRYPOINT = "composer_replication.diloco.serverless.replica_entrypoint"
+ENV_STORAGE_OPTIONS = "COMPOSER_STORAGE_OPTIONS"
+
+
+@dataclass
+class TrainResult:
+    folder: RunFolder
+    exit_code: int
+    status: str
+    summary: dict[str, Any]
+
+
+def prepare(
+    config: RunConfig, *, overwrite: bool = False, name: str | None = None
+) -> tuple[RunConfig, RunFolder]:
+    """Resolve the run name and store URI and run every check (nothing is written)."""
+    run_name = name or config.run.name or default_run_name()
+    folder = RunFolder.at(Path(config.run.runs_dir) / run_name)
+    config = dataclasses.replace(config, run=dataclasses.replace(config.run, name=run_name))
+    store_uri = preflight.check_all(config, folder, overwrite=overwrite)
+    config = dataclasses.replace(config, store=dataclasses.replace(config.store, uri=store_uri))
+    return config, folder
+
+
+def resolve_run_folder(run: str, runs_dir: str = "runs") -> RunFolder:
+    """RUN given as a path to a run folder, or as a name under runs_dir."""
+    path = Path(run)
+    if path.is_dir():
+        return RunFolder.at(path)
+    return RunFolder.at(Path(runs_dir) / run)
+
+
+def prepare_resume(run: str, overrides: list[str]) -> tuple[RunConfig, RunFolder]:
+    """The stored config of RUN (plus overrides, e.g. a larger train.max_steps), checked."""
+    folder = resolve_run_folder(run)
+    if not folder.is_run():
+        raise ConfigError(f"--resume: {folder.root} is not a run folder (no config.json in it)")
+    tree = json.loads(folder.config_json.read_text())
+    fixed = {"run.name", "run.runs_dir", "store.uri", "backend.n_replicas"}
+    for text in overrides:
+        if text.partition("=")[0].strip() in fixed:
+            raise ConfigError(f"--resume: {text.partition('=')[0]} cannot change on resume")
+    config = from_dict(RunConfig, apply_overrides(tree, overrides))
+    preflight.check_all(config, folder, resume=True)
+    return config, folder
+
+
+def _make_executor(config: RunConfig, folder: RunFolder) -> Any:
+    cls = preflight.executor_class(config.backend.kind)
+    options = dict(config.backend.options)
+    if config.backend.kind == "local":
+        options.setdefault("log_dir", str(folder.logs))
+    try:
+        return cls(**options)
+    except TypeError as exc:
+        raise ConfigError(f"backend.options: {exc}") from None
+
+
+def _rows(
+    config: RunConfig, handles: list[Any], statuses: dict[int, dict[str, Any]]
+) -> list[ReplicaRow]:
+    rows = []
+    now = time.time()
+    for handle in handles:
+        status = statuses.get(handle.replica_id, {})
+        state = str(status.get("state", "starting"))
+        if handle.status.done:
+            state = str(handle.status.value)
+        updated = status.get("updated")
+        rows.append(
+            ReplicaRow(
+                rank=handle.replica_id,
+                state=state,
+                step=int(status.get("step") or 0),
+                max_steps=int(status.get("max_steps") or config.train.max_steps),
+                round=int(status.get("round") or 0),
+                reward=status.get("reward"),
+                eval_accuracy=status.get("eval_accuracy"),
+                seconds_since_update=None if updated is None else max(0.0, now - updated),
+            )
+        )
+    return rows
+
+
+def _handle_json(handle: Any) -> dict[str, Any]:
+    out = dataclasses.asdict(handle)
+    out["status"] = str(handle.status.value)
+    return out
+
+
+def run(
+    config: RunConfig,
+    folder: RunFolder,
+    *,
+    resume: bool = False,
+    overwrite: bool = False,
+    stream: TextIO | None = None,
+    poll_interval: float = 1.0,
+) -> TrainResult:
+    """Train; see the module docstring. `config` must come from prepare/prepare_resume."""
+    stream = stream if stream is not None else sys.stdout
+    store = StoreIO(config.store.uri, config.store.storage_options)
+    if not resume:
+        folder.create(overwrite=overwrite)
+        if overwrite and store.exists(""):
+            store.remove("")  # a stale run in an explicit store would be resumed otherwise
+    folder.config_toml.write_text(dump_toml(config))
+    folder.config_json.write_text(json.dumps(to_dict(config), indent=1))
+    store.write_json("run_config.json", to_dict(config))
+    state = folder.read_driver()
+    attempt = int(state.get("attempt", 0)) + 1
+    folder.update_driver(status="running", attempt=attempt, started=time.time(), ended=None)
+
+    mode = choose_mode(config.logging.progress, stream)
+    progress = Progress(mode, title=f"run {folder.name}", n_rounds=config.n_rounds, stream=stream)
+    progress.message(
+        f"{'Resuming' if resume else 'Starting'} run {folder.root} ({config.backend.n_replicas} "
+        f"x {config.backend.kind} replicas, model {config.model.name}, task {config.task.name}, "
+        f"{config.train.max_steps} inner steps, sync every {config.diloco.sync_every_h})"
+    )
+    sink = MetricsSink(folder.metrics, folder.tensorboard if config.logging.tensorboard else None)
+    consumed = {int(k): int(v) for k, v in (state.get("metrics_chunks") or {}).items()}
+    collector = MetricsCollector(store, config.backend.n_replicas, sink, consumed)
+
+    executor = _make_executor(config, folder)
+    env = {
+        ENV_STORAGE_OPTIONS: json.dumps(config.store.storage_options),
+        "TOKENIZERS_PARALLELISM": "false",
+        **config.backend.env,
+    }
+    if config.train.torch_threads > 0:
+        env.setdefault("OMP_NUM_THREADS", str(config.train.torch_threads))
+    handles = executor.launch_replicas(
+        config.backend.n_replicas,
+        ENTRYPOINT,
+        {"rendezvous": config.store.uri},
+        env=env,
+        resources=dict(config.backend.resources) or None,
+    )
+    status = "running"
+    deadline = time.monotonic() + config.backend.timeout_s
+    elastic = (config.diloco.min_replicas or config.backend.n_replicas) < len(handles)
+    last_mirror = 0.0
+    try:
+        while True:
+            executor.poll(handles)
+            collector.poll()
+            statuses = collector.statuses()
+            progress.update(_rows(config, handles, statuses))
+            if time.monotonic() - last_mirror > 5.0:
+                mirror_checkpoints(store, folder.checkpoints)
+                last_mirror = time.monotonic()
+            folder.update_driver(
+                replicas=[_handle_json(h) for h in handles],
+                metrics_chunks={str(k): v for k, v in collector.consumed.items()},
+            )
+            failed = [h for h in handles if h.status.value == "failed"]
+            if failed and not elastic:
+                executor.cancel(handles)
+                status = "failed"
+                for h in failed:
+                    progress.message(f"replica {h.replica_id} failed: {h.error}")
+                break
+            if all(h.status.done for h in handles):
+                ok = all(h.status.value == "succeeded" for h in handles)
+                status = "finished" if ok else "failed"
+                break
+            if time.monotonic() > deadline:
+                executor.cancel(handles)
+                status = "timeout"
+                progress.message(f"backend.timeout_s={config.backend.timeout_s:g} reached")
+                break
+            time.sleep(poll_interval)
+    except KeyboardInterrupt:
+        executor.cancel(handles)
+        status = "interrupted"
+    finally:
+        progress.close()
+    collector.poll()
+    mirror_checkpoints(store, folder.checkpoints)
+    _save_remote_logs(executor, handles, folder)
+    sink.close()
+    folder.update_driver(
+        status=status,
+        ended=time.time(),
+        replicas=[_handle_json(h) for h in handles],
+        metrics_chunks={str(k): v for k, v in collector.consumed.items()},
+    )
+    if config.logging.report:
+        summary, _ = write_report(folder)
+    else:
+        from composer_replication.run.metrics import read_metrics
+
+        summary = summarize(read_metrics(folder.metrics))
+    exit_code = {"finished": 0, "interrupted": 130}.get(status, 1)
+    print(summary_text(folder, status, summary, config), file=stream, flush=True)
+    return TrainResult(folder=folder, exit_code=exit_code, status=status, summary=summary)
+
+
+def _save_remote_logs(executor: Any, handles: list[Any], folder: RunFolder) -> None:
+    """Remote backends keep logs elsewhere: fetch each replica's log into logs/."""
+    for handle in handles:
+        location = handle.log_location or ""
+        if location and Path(location).is_file() and folder.logs in Path(location).parents:
+            continue
+        try:
+            text = executor.logs(handle)
+        except Exception as exc:  # a log that cannot be fetched must not hide the run's result
+            text = f"<log unavailable: {type(exc).__name__}: {exc}>\n"
+        folder.logs.mkdir(parents=True, exist_ok=True)
+        (folder.logs / f"replica-{handle.replica_id}-{handle.job_id}.log").write_text(text)
+
+
+def _num(value: Any, digits: int = 3) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def summary_text(folder: RunFolder, status: str, summary: dict[str, Any], config: RunConfig) -> str:
+    """The lines `train` prints at the end (headline numbers and where to look)."""
+    wall = summary.get("wall_seconds")
+    lines = [
+        f"Run {folder.name}: {status}"
+        + (f" after {wall:.1f} s" if wall is not None else "")
+        + f" ({config.backend.n_replicas} replicas, {summary.get('rounds', 0)} outer rounds, "
+        f"{summary.get('steps', 0)} inner steps each)",
+        f"  mean reward      first 10%: {_num(summary.get('reward_first10'))}   "
+        f"last 10%: {_num(summary.get('reward_last10'))}",
+        f"  eval accuracy    first: {_num(summary.get('eval_accuracy_first'))}   "
+        f"last: {_num(summary.get('eval_accuracy_last'))}   "
+        f"({config.train.eval_max_examples} held-out prompts)",
+    ]
+    final = folder.checkpoints / "final"
+    if final.is_dir():
+        lines.append(f"  checkpoint       {final}")
+    if folder.summary.is_file():
+        lines.append(f"  report           {folder.summary}  (plots in {folder.plots}/)")
+    lines.append(f"  metrics          {folder.metrics}  (tensorboard --logdir {folder.root})")
+    if status != "finished":
+        lines.append(f"  logs             {folder.logs}/")
+        lines.append(f"  continue with    composer-replication train --resume {folder.root}")
+    return "\n".join(lines)

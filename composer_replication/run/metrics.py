@@ -1,0 +1,202 @@
+"""Metric records: written by replicas into the store, gathered by the driver into the run folder.
+
+One record is a flat JSON object:
+
+    {"time": 1732233600.0, "replica": 0, "kind": "train", "step": 12, "round": 1,
+     "reward": 0.41, "loss/grpo": 0.03, ...}
+
+kind is "train" (TRL's log line of one inner step: reward, per-channel losses, ...), "eval"
+(`eval/accuracy`, `eval/reward` of the global model after a round), "round" (one outer
+synchronisation: `round/seconds`, `round/bytes_up`, `round/bytes_down`, `round/included`), or
+"event" (`event`: a string such as "start", "resumed", "done").
+
+Replicas cannot append to an object (S3 has no append), so `ReplicaMetricsWriter` uploads
+immutable numbered chunks; `MetricsCollector` (driver) reads each chunk once, in order, and
+hands its records to `MetricsSink`, which appends them to metrics.jsonl and TensorBoard.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from composer_replication.run.storeio import StoreIO
+
+__all__ = ["MetricsCollector", "MetricsSink", "ReplicaMetricsWriter", "read_metrics"]
+
+KINDS = ("train", "eval", "round", "event")
+
+
+def _clean(value: Any) -> Any:
+    """JSON-safe scalar: tensors/numpy to float, NaN/inf to None."""
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def status_key(rank: int) -> str:
+    return f"replicas/{rank}/status.json"
+
+
+def chunk_dir(rank: int) -> str:
+    return f"replicas/{rank}/metrics"
+
+
+class ReplicaMetricsWriter:
+    """Buffer a replica's records and upload them as numbered chunks (at most every flush_every_s).
+
+    Numbering continues after the chunks already in the store, so a restarted or resumed
+    replica never overwrites its earlier records (chunks are written put-if-absent).
+    """
+
+    def __init__(self, store: StoreIO, rank: int, *, flush_every_s: float = 2.0) -> None:
+        self.store = store
+        self.rank = rank
+        self.flush_every_s = flush_every_s
+        self._buffer: list[dict[str, Any]] = []
+        self._last_flush = time.monotonic()
+        existing = [n for n in store.list(chunk_dir(rank)) if n.endswith(".jsonl")]
+        self._seq = 1 + max((int(n.split(".")[0]) for n in existing), default=-1)
+        self._status: dict[str, Any] = {}
+
+    def log(self, kind: str, *, step: int, round: int, **values: Any) -> None:
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+        record = {"time": time.time(), "replica": self.rank, "kind": kind, "step": int(step)}
+        record["round"] = int(round)
+        for key, value in values.items():
+            value = _clean(value)
+            if isinstance(value, bool | int | float | str) or value is None:
+                record[key] = value
+        self._buffer.append(record)
+        if time.monotonic() - self._last_flush >= self.flush_every_s:
+            self.flush()
+
+    def flush(self) -> None:
+        self._last_flush = time.monotonic()
+        if not self._buffer:
+            return
+        data = "".join(json.dumps(r) + "\n" for r in self._buffer).encode()
+        while not self.store.write_bytes(
+            f"{chunk_dir(self.rank)}/{self._seq:08d}.jsonl", data, exclusive=True
+        ):
+            self._seq += 1  # an earlier incarnation of this rank wrote that number
+        self._seq += 1
+        self._buffer.clear()
+        if self._status:
+            self.store.write_json(status_key(self.rank), self._status)
+
+    def status(self, *, force: bool = False, **fields: Any) -> None:
+        """Update this replica's status document (uploaded with the next flush, or now)."""
+        self._status.update({k: _clean(v) for k, v in fields.items()})
+        self._status["rank"] = self.rank
+        self._status["updated"] = time.time()
+        if force:
+            self.store.write_json(status_key(self.rank), self._status)
+
+
+class MetricsSink:
+    """Append records to metrics.jsonl and (optionally) TensorBoard, one writer per replica."""
+
+    def __init__(self, metrics_path: Path, tensorboard_dir: Path | None = None) -> None:
+        self.metrics_path = metrics_path
+        self.tensorboard_dir = tensorboard_dir
+        self._writers: dict[int, Any] = {}
+
+    def _writer(self, replica: int) -> Any:
+        if replica not in self._writers:
+            from torch.utils.tensorboard import SummaryWriter
+
+            assert self.tensorboard_dir is not None
+            path = self.tensorboard_dir / f"replica-{replica}"
+            self._writers[replica] = SummaryWriter(log_dir=str(path))
+        return self._writers[replica]
+
+    def write(self, records: Iterable[dict[str, Any]]) -> None:
+        records = list(records)
+        if not records:
+            return
+        with self.metrics_path.open("a", encoding="utf-8") as fh:
+            for record in records:
+                fh.write(json.dumps(record) + "\n")
+        if self.tensorboard_dir is None:
+            return
+        for record in records:
+            writer = self._writer(int(record.get("replica", 0)))
+            kind = record.get("kind")
+            for key, value in record.items():
+                if key in ("time", "replica", "kind", "step", "round") or kind == "event":
+                    continue
+                if isinstance(value, int | float) and not isinstance(value, bool):
+                    tag = key if "/" in key else f"{kind}/{key}"
+                    writer.add_scalar(tag, value, global_step=int(record.get("step", 0)))
+
+    def close(self) -> None:
+        for writer in self._writers.values():
+            writer.flush()
+            writer.close()
+        self._writers.clear()
+
+
+class MetricsCollector:
+    """Driver side: pull each replica's new chunks from the store, in order, exactly once.
+
+    `consumed` maps rank -> number of chunks already read; persist it (driver.json) so a
+    resumed driver does not append the same records twice.
+    """
+
+    def __init__(
+        self, store: StoreIO, n_replicas: int, sink: MetricsSink, consumed: dict[int, int] | None
+    ) -> None:
+        self.store = store
+        self.n_replicas = n_replicas
+        self.sink = sink
+        self.consumed = {r: int((consumed or {}).get(r, 0)) for r in range(n_replicas)}
+        self.latest: dict[int, dict[str, Any]] = {}  # rank -> last train record seen
+
+    def poll(self) -> list[dict[str, Any]]:
+        """Read what is new; return the new records (already written to the sink)."""
+        new: list[dict[str, Any]] = []
+        for rank in range(self.n_replicas):
+            names = [n for n in self.store.list(chunk_dir(rank)) if n.endswith(".jsonl")]
+            names = sorted(names, key=lambda n: int(n.split(".")[0]))
+            for name in names[self.consumed[rank] :]:
+                data = self.store.read_bytes(f"{chunk_dir(rank)}/{name}")
+                if data is None:
+                    break
+                for line in data.decode("utf-8").splitlines():
+                    if line.strip():
+                        new.append(json.loads(line))
+                self.consumed[rank] += 1
+        for record in new:
+            if record.get("kind") == "train":
+                self.latest[int(record["replica"])] = record
+        self.sink.write(new)
+        return new
+
+    def statuses(self) -> dict[int, dict[str, Any]]:
+        out = {}
+        for rank in range(self.n_replicas):
+            status = self.store.read_json(status_key(rank))
+            if isinstance(status, dict):
+                out[rank] = status
+        return out
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """All records of a run's metrics.jsonl ([] when absent); a torn last line is skipped."""
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out

@@ -1,0 +1,200 @@
+"""Checks that run before anything is written: a bad run fails fast with one clear message.
+
+Every check raises `ConfigError` (the CLI prints it and exits with code 2). Nothing here writes
+to the run folder; a remote store is probed with one small object that is deleted again.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from composer_replication.config import ConfigError, RunConfig
+from composer_replication.run.folder import RunFolder
+from composer_replication.run.storeio import StoreIO, local_path, normalise_uri
+
+__all__ = ["EXECUTORS", "check_all", "check_backend", "check_model", "check_store", "check_task"]
+
+# backend kind -> (module, class, pip extra, SDK module it needs)
+EXECUTORS: dict[str, tuple[str, str, str | None, str | None]] = {
+    "local": ("composer_replication.diloco.serverless.local", "LocalProcessExecutor", None, None),
+    "ray": ("composer_replication.diloco.serverless.ray", "RayExecutor", "ray", "ray"),
+    "k8s": ("composer_replication.diloco.serverless.k8s", "K8sExecutor", "k8s", "kubernetes"),
+    "modal": ("composer_replication.diloco.serverless.modal", "ModalExecutor", "modal", "modal"),
+    "hf-jobs": (
+        "composer_replication.diloco.serverless.hf_jobs",
+        "HFJobsExecutor",
+        "hf-jobs",
+        "huggingface_hub",
+    ),
+    "sagemaker": (
+        "composer_replication.diloco.serverless.sagemaker",
+        "SageMakerExecutor",
+        "sagemaker",
+        "boto3",
+    ),
+}
+
+# Backends whose replicas run on other machines: a file:// store on this disk is invisible there.
+REMOTE_BACKENDS = ("modal", "hf-jobs", "sagemaker", "k8s")
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def check_model(config: RunConfig) -> None:
+    """'tiny', an existing local folder with config.json, or something shaped like a hub id."""
+    name = config.model.name
+    if config.model.is_tiny:
+        return
+    path = Path(name).expanduser()
+    looks_local = name.startswith(("/", "./", "../", "~")) or path.exists()
+    if looks_local:
+        if not path.is_dir():
+            raise ConfigError(
+                f"model.name: local model folder {name!r} does not exist; give a folder written "
+                "by save_pretrained, a hub id such as 'Qwen/Qwen2.5-0.5B-Instruct', or 'tiny'"
+            )
+        if not (path / "config.json").is_file():
+            raise ConfigError(
+                f"model.name: {name!r} has no config.json; is it a save_pretrained folder?"
+            )
+        return
+    if not _HUB_ID.match(name):
+        raise ConfigError(
+            f"model.name: {name!r} is neither 'tiny', an existing folder, nor a hub id like "
+            "'Qwen/Qwen2.5-0.5B-Instruct'"
+        )
+
+
+def check_task(config: RunConfig) -> None:
+    try:
+        from composer_replication.tasks import TASKS
+    except ImportError as exc:
+        raise ConfigError(f"task.name: the built-in tasks cannot be imported ({exc})") from None
+    if config.task.name not in TASKS:
+        import difflib
+
+        close = difflib.get_close_matches(config.task.name, list(TASKS), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(
+            f"task.name: unknown task {config.task.name!r}{hint}; built-in tasks: "
+            f"{', '.join(sorted(TASKS))}"
+        )
+
+
+def check_backend(config: RunConfig, store_uri: str) -> None:
+    kind = config.backend.kind
+    _, _, extra, sdk = EXECUTORS[kind]
+    if sdk is not None and importlib.util.find_spec(sdk) is None:
+        raise ConfigError(
+            f"backend.kind: {kind!r} needs the {sdk!r} package; install it with "
+            f"`pip install composer-replication[{extra}]`"
+        )
+    if kind in REMOTE_BACKENDS and store_uri.startswith("file://"):
+        raise ConfigError(
+            f"store.uri: backend {kind!r} runs replicas on other machines, which cannot see "
+            f"{store_uri}; set store.uri to a shared store such as s3://bucket/runs/NAME/"
+        )
+    if kind == "local" and (config.backend.resources or {}):
+        raise ConfigError(
+            "backend.resources: the local backend takes no resources (replicas share this "
+            "machine); remove the [backend.resources] table or use backend.kind = 'ray'"
+        )
+
+
+def _nearest_existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def check_store(config: RunConfig, store_uri: str, *, overwrite: bool = False) -> None:
+    """The store must be writable and hold no other run (unless overwriting).
+
+    Local: checked without writing. Remote: one probe object, written and deleted.
+    """
+    folder = local_path(store_uri)
+    if folder is not None:
+        if (folder / "run_config.json").exists() and not overwrite:
+            raise ConfigError(
+                f"store.uri: {store_uri} already holds a run; use a fresh prefix, `--resume` "
+                "that run, or `--overwrite` to clear it"
+            )
+        anchor = _nearest_existing(folder)
+        if not anchor.is_dir():
+            raise ConfigError(
+                f"store.uri: {store_uri} is not writable: {str(anchor)!r} is a file, not a folder"
+            )
+        if not os.access(anchor, os.W_OK | os.X_OK):
+            raise ConfigError(
+                f"store.uri: {store_uri} is not writable (no write permission on {str(anchor)!r})"
+            )
+        return
+    try:
+        store = StoreIO(store_uri, config.store.storage_options)
+        taken = store.exists("run_config.json")
+        if not taken:
+            store.probe_writable()
+    except ImportError as exc:
+        raise ConfigError(
+            f"store.uri: {store_uri} needs an fsspec driver that is not installed ({exc}); "
+            "`pip install composer-replication[serverless]` adds s3 and gs"
+        ) from None
+    except Exception as exc:  # any failure to write means the run cannot start
+        raise ConfigError(
+            f"store.uri: cannot write to {store_uri} ({type(exc).__name__}: {exc}); check the "
+            "bucket name, credentials and store.storage_options"
+        ) from None
+    if taken and not overwrite:
+        raise ConfigError(
+            f"store.uri: {store_uri} already holds a run; use a fresh prefix, `--resume` that "
+            "run, or `--overwrite` to clear it"
+        )
+
+
+def check_run_folder(folder: RunFolder, *, resume: bool, overwrite: bool) -> None:
+    if resume:
+        if not folder.is_run():
+            raise ConfigError(f"--resume: {folder.root} is not a run folder (no config.json)")
+        return
+    if folder.exists() and not overwrite:
+        raise ConfigError(
+            f"run folder {folder.root} already exists; choose another run.name, continue it "
+            "with `train --resume`, or replace it with `--overwrite`"
+        )
+    anchor = _nearest_existing(folder.root.parent)
+    if not anchor.is_dir() or not os.access(anchor, os.W_OK | os.X_OK):
+        raise ConfigError(f"run.runs_dir: cannot create {folder.root} ({anchor} is not writable)")
+
+
+def check_teachers(config: RunConfig) -> None:
+    path = config.teachers.traces_path
+    if path and "://" not in path and not Path(path).expanduser().is_file():
+        raise ConfigError(f"teachers.traces_path: {path!r} does not exist")
+
+
+def resolve_store_uri(config: RunConfig, folder: RunFolder) -> str:
+    return normalise_uri(config.store.uri) if config.store.uri else normalise_uri(str(folder.store))
+
+
+def check_all(
+    config: RunConfig, folder: RunFolder, *, resume: bool = False, overwrite: bool = False
+) -> str:
+    """Run every check; return the store URI the run will use."""
+    check_run_folder(folder, resume=resume, overwrite=overwrite)
+    check_model(config)
+    check_task(config)
+    check_teachers(config)
+    store_uri = resolve_store_uri(config, folder)
+    check_backend(config, store_uri)
+    if not resume:
+        check_store(config, store_uri, overwrite=overwrite)
+    return store_uri
+
+
+def executor_class(kind: str) -> Any:
+    module, cls, _, _ = EXECUTORS[kind]
+    return getattr(importlib.import_module(module), cls)

@@ -1,0 +1,140 @@
+"""Progress of a running training: a live table on a terminal, plain log lines elsewhere.
+
+The driver calls `update(rows)` about once a second with one `ReplicaRow` per replica (built
+from the replicas' status documents in the store and the executor's handles). The live mode
+(rich) redraws a table in place; the plain mode prints one line when something worth a line
+changed (an outer round, a state change) or every `plain_every_s` seconds, so a CI log stays
+readable; "none" prints nothing.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+__all__ = ["Progress", "ReplicaRow", "choose_mode"]
+
+
+@dataclass
+class ReplicaRow:
+    """What the display shows of one replica."""
+
+    rank: int
+    state: str = "pending"
+    step: int = 0
+    max_steps: int = 0
+    round: int = 0
+    reward: float | None = None
+    eval_accuracy: float | None = None
+    seconds_since_update: float | None = None
+
+
+def choose_mode(setting: str, stream: TextIO) -> str:
+    """'auto' -> 'live' on a terminal with rich installed, else 'plain'."""
+    if setting != "auto":
+        return setting
+    if not (hasattr(stream, "isatty") and stream.isatty()):
+        return "plain"
+    try:
+        import rich  # noqa: F401
+    except ImportError:
+        return "plain"
+    return "live"
+
+
+def _num(value: float | None, digits: int = 3) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+class Progress:
+    """Show per-replica step, outer round and reward (see the module docstring)."""
+
+    def __init__(
+        self,
+        mode: str,
+        *,
+        title: str,
+        n_rounds: int,
+        stream: TextIO | None = None,
+        plain_every_s: float = 15.0,
+    ) -> None:
+        if mode not in ("live", "plain", "none"):
+            raise ValueError(f"progress mode must be live, plain or none, got {mode!r}")
+        self.mode = mode
+        self.title = title
+        self.n_rounds = n_rounds
+        self.stream = stream if stream is not None else sys.stdout
+        self.plain_every_s = plain_every_s
+        self._start = time.monotonic()
+        self._last_line = 0.0
+        self._last_key: Any = None
+        self._live: Any = None
+        if mode == "live":
+            from rich.console import Console
+            from rich.live import Live
+
+            self._live = Live(
+                console=Console(file=self.stream), refresh_per_second=4, transient=False
+            )
+            self._live.start()
+
+    @property
+    def elapsed(self) -> float:
+        return time.monotonic() - self._start
+
+    def message(self, text: str) -> None:
+        """A line of text above the display (or just a line)."""
+        if self.mode == "none":
+            return
+        if self._live is not None:
+            self._live.console.print(text)
+        else:
+            print(text, file=self.stream, flush=True)
+
+    def update(self, rows: list[ReplicaRow]) -> None:
+        if self.mode == "none":
+            return
+        if self._live is not None:
+            self._live.update(self._table(rows))
+            return
+        key = tuple((r.state, r.round) for r in rows)
+        now = time.monotonic()
+        if key != self._last_key or now - self._last_line >= self.plain_every_s:
+            self._last_key = key
+            self._last_line = now
+            print(self._line(rows), file=self.stream, flush=True)
+
+    def _line(self, rows: list[ReplicaRow]) -> str:
+        done_round = min((r.round for r in rows), default=0)
+        parts = [f"[{self.elapsed:6.1f}s] round {done_round}/{self.n_rounds}"]
+        for r in rows:
+            parts.append(
+                f"r{r.rank} {r.state} step {r.step}/{r.max_steps} reward {_num(r.reward, 2)}"
+            )
+        return " | ".join(parts)
+
+    def _table(self, rows: list[ReplicaRow]) -> Any:
+        from rich.table import Table
+
+        table = Table(title=f"{self.title}  ({self.elapsed:.0f}s)", title_justify="left")
+        for column in ("replica", "state", "step", "round", "reward", "eval acc", "updated"):
+            table.add_column(column, justify="right" if column != "state" else "left")
+        for r in rows:
+            ago = "-" if r.seconds_since_update is None else f"{r.seconds_since_update:.0f}s ago"
+            table.add_row(
+                str(r.rank),
+                r.state,
+                f"{r.step}/{r.max_steps}",
+                f"{r.round}/{self.n_rounds}",
+                _num(r.reward),
+                _num(r.eval_accuracy),
+                ago,
+            )
+        return table
+
+    def close(self) -> None:
+        if self._live is not None:
+            self._live.stop()
+            self._live = None

@@ -1,0 +1,217 @@
+"""`composer-replication report RUN`: PNG plots and a markdown summary of a run folder.
+
+Plots (in `<run>/plots/`, one line per replica): reward.png, loss_<channel>.png for each loss
+channel that was logged (total, grpo, sdpo, replay), eval_accuracy.png, outer_rounds.png
+(seconds and megabytes per outer round). `summarize` computes the headline numbers (first-10%
+vs last-10% mean reward, eval accuracy before/after) that `train` prints at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from composer_replication.run.folder import RunFolder
+from composer_replication.run.metrics import read_metrics
+
+__all__ = ["draw_plots", "summarize", "summary_markdown", "write_report"]
+
+LOSS_KEYS = ("loss/total", "loss/grpo", "loss/sdpo", "loss/replay")
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    values = [v for v in values if v is not None and math.isfinite(v)]
+    return sum(values) / len(values) if values else None
+
+
+def _series(
+    records: list[dict[str, Any]], kind: str, key: str
+) -> dict[int, list[tuple[int, float]]]:
+    """replica -> [(step, value)] sorted by step, for records of `kind` that have `key`."""
+    out: dict[int, list[tuple[int, float]]] = defaultdict(list)
+    for r in records:
+        value = r.get(key)
+        if r.get("kind") == kind and isinstance(value, int | float) and not isinstance(value, bool):
+            out[int(r.get("replica", 0))].append((int(r.get("step", 0)), float(value)))
+    return {k: sorted(v) for k, v in sorted(out.items())}
+
+
+def reward_key(records: list[dict[str, Any]]) -> str | None:
+    """The logged mean-reward key: TRL logs 'reward'; fall back to any 'reward*' mean."""
+    keys = {k for r in records if r.get("kind") == "train" for k in r}
+    if "reward" in keys:
+        return "reward"
+    candidates = sorted(k for k in keys if k.startswith("reward") and not k.endswith("std"))
+    return candidates[0] if candidates else None
+
+
+def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Headline numbers of a run.
+
+    Rewards are pooled over replicas and ordered by inner step; "first 10%" is the records
+    whose step is in the first tenth of the steps seen (at least one step), likewise the last.
+    """
+    out: dict[str, Any] = {"replicas": sorted({int(r.get("replica", 0)) for r in records})}
+    key = reward_key(records)
+    if key is not None:
+        points = [p for series in _series(records, "train", key).values() for p in series]
+        steps = sorted({s for s, _ in points})
+        if steps:
+            k = max(1, math.ceil(len(steps) / 10))
+            first, last = set(steps[:k]), set(steps[-k:])
+            out["reward_first10"] = _mean([v for s, v in points if s in first])
+            out["reward_last10"] = _mean([v for s, v in points if s in last])
+            out["steps"] = steps[-1]
+    evals = sorted(
+        ((int(r.get("step", 0)), float(r["eval/accuracy"])) for r in records
+         if r.get("kind") == "eval" and isinstance(r.get("eval/accuracy"), int | float)),
+    )  # fmt: skip
+    if evals:
+        out["eval_accuracy_first"] = evals[0][1]
+        out["eval_accuracy_last"] = evals[-1][1]
+        out["eval_accuracy_best"] = max(v for _, v in evals)
+    rounds = [r for r in records if r.get("kind") == "round"]
+    if rounds:
+        out["rounds"] = max(int(r.get("round", 0)) for r in rounds)
+        out["round_seconds_mean"] = _mean([r.get("round/seconds") for r in rounds])
+        out["round_bytes_total"] = sum(
+            int(r.get("round/bytes_up") or 0) + int(r.get("round/bytes_down") or 0) for r in rounds
+        )
+    times = [float(r["time"]) for r in records if isinstance(r.get("time"), int | float)]
+    if times:
+        out["wall_seconds"] = max(times) - min(times)
+    return out
+
+
+def _figure(title: str, ylabel: str, nrows: int = 1) -> tuple[Any, Any]:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 3.2 * nrows), dpi=100)
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(nrows, 1, squeeze=False)[:, 0]
+    axes[0].set_title(title)
+    for ax in axes:
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    axes[-1].set_xlabel("inner step")
+    return fig, axes
+
+
+def _plot_series(ax: Any, series: dict[int, list[tuple[int, float]]], label: str = "") -> None:
+    for replica, points in series.items():
+        xs, ys = zip(*points)
+        ax.plot(xs, ys, marker="." if len(xs) < 40 else None, label=f"{label}replica {replica}")
+    if series:
+        ax.legend(fontsize=8)
+
+
+def draw_plots(records: list[dict[str, Any]], out_dir: Path) -> list[Path]:
+    """Draw every plot the records support; return the PNG paths written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+
+    def save(fig: Any, name: str) -> None:
+        path = out_dir / name
+        fig.tight_layout()
+        fig.savefig(path)
+        written.append(path)
+
+    key = reward_key(records)
+    if key is not None:
+        fig, (ax,) = _figure("mean reward per inner step", "reward")
+        _plot_series(ax, _series(records, "train", key))
+        save(fig, "reward.png")
+    for loss_key in LOSS_KEYS:
+        series = _series(records, "train", loss_key)
+        if series:
+            channel = loss_key.split("/", 1)[1]
+            fig, (ax,) = _figure(f"{loss_key} (channel loss, before weighting)", "loss")
+            _plot_series(ax, series)
+            save(fig, f"loss_{channel}.png")
+    series = _series(records, "eval", "eval/accuracy")
+    if series:
+        fig, (ax,) = _figure("eval accuracy of the global model", "accuracy")
+        _plot_series(ax, series)
+        ax.set_ylim(-0.02, 1.02)
+        save(fig, "eval_accuracy.png")
+    seconds = _series(records, "round", "round/seconds")
+    if seconds:
+        fig, axes = _figure("outer rounds", "seconds", nrows=2)
+        _plot_series(axes[0], seconds)
+        mb = defaultdict(list)
+        for r in records:
+            if r.get("kind") == "round":
+                total = int(r.get("round/bytes_up") or 0) + int(r.get("round/bytes_down") or 0)
+                mb[int(r.get("replica", 0))].append((int(r.get("step", 0)), total / 1e6))
+        _plot_series(axes[1], {k: sorted(v) for k, v in sorted(mb.items())})
+        axes[1].set_ylabel("MB up + down")
+        save(fig, "outer_rounds.png")
+    return written
+
+
+def _fmt(value: Any, digits: int = 3) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def summary_markdown(
+    folder: RunFolder, summary: dict[str, Any], plots: list[Path], config: dict[str, Any]
+) -> str:
+    driver = folder.read_driver()
+    lines = [f"# Run `{folder.name}`", ""]
+    model = config.get("model", {}).get("name", "?")
+    task = config.get("task", {}).get("name", "?")
+    backend = config.get("backend", {})
+    loss = config.get("loss", {})
+    lines += [
+        f"- model: `{model}`, task: `{task}`, backend: `{backend.get('kind', '?')}` x "
+        f"{backend.get('n_replicas', '?')} replicas",
+        f"- loss: alpha_sdpo={loss.get('alpha_sdpo')}, beta_replay={loss.get('beta_replay')}, "
+        f"dpo_variant={loss.get('dpo_variant')}",
+        f"- status: {driver.get('status', 'unknown')}",
+        "",
+        "| metric | value |",
+        "|---|---|",
+        f"| mean reward, first 10% of steps | {_fmt(summary.get('reward_first10'))} |",
+        f"| mean reward, last 10% of steps | {_fmt(summary.get('reward_last10'))} |",
+        f"| eval accuracy, first evaluation | {_fmt(summary.get('eval_accuracy_first'))} |",
+        f"| eval accuracy, last evaluation | {_fmt(summary.get('eval_accuracy_last'))} |",
+        f"| inner steps per replica | {_fmt(summary.get('steps'))} |",
+        f"| outer rounds | {_fmt(summary.get('rounds'))} |",
+        f"| mean outer-round time (s) | {_fmt(summary.get('round_seconds_mean'))} |",
+        f"| store traffic, all replicas (MB) | "
+        f"{_fmt((summary.get('round_bytes_total') or 0) / 1e6, 2)} |",
+        f"| wall time (s) | {_fmt(summary.get('wall_seconds'), 1)} |",
+        "",
+    ]
+    if plots:
+        lines += ["## Plots", ""]
+        lines += [f"![{p.stem}](plots/{p.name})" for p in plots]
+        lines.append("")
+    checkpoints = sorted(p.name for p in folder.checkpoints.glob("*") if p.is_dir())
+    if checkpoints:
+        lines += ["## Checkpoints", ""]
+        lines += [f"- `checkpoints/{name}/`" for name in checkpoints]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write_report(folder: RunFolder) -> tuple[dict[str, Any], list[Path]]:
+    """Draw the plots and write summary.md; return (summary numbers, plot paths)."""
+    records = read_metrics(folder.metrics)
+    plots = draw_plots(records, folder.plots)
+    summary = summarize(records)
+    try:
+        config = json.loads(folder.config_json.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        config = {}
+    folder.summary.write_text(summary_markdown(folder, summary, plots, config))
+    return summary, plots

@@ -203,11 +203,7 @@ class TeachersConfig:
     oracle: bool = _f(True, "replay the task's oracle solutions when no endpoint/traces are given")
     traces_path: str = _f("", "pre-baked traces JSONL (from `composer-replication bake-traces`)")
     endpoints: list[EndpointConfig] = _f([], "OpenAI-compatible teachers ([[teachers.endpoints]])")
-    samples_per_prompt: int = _f(1, "traces recorded per prompt and teacher when baking")
     min_reward: float = _f(1.0, "keep only traces whose task reward is >= this")
-
-    def __post_init__(self) -> None:
-        _check(self.samples_per_prompt >= 1, "teachers.samples_per_prompt", "must be >= 1")
 
 
 @dataclass(frozen=True)

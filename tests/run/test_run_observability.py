@@ -1,0 +1,158 @@
+"""Metrics through the store, the run folder's JSONL/TensorBoard, progress, report and status."""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from composer_replication.run.folder import RunFolder
+from composer_replication.run.metrics import (
+    MetricsCollector,
+    MetricsSink,
+    ReplicaMetricsWriter,
+    read_metrics,
+)
+from composer_replication.run.progress import Progress, ReplicaRow, choose_mode
+from composer_replication.run.report import summarize, write_report
+from composer_replication.run.status import run_status, status_text
+from composer_replication.run.storeio import StoreIO
+
+
+def _fake_run(tmp_path: Path, n_steps: int = 20) -> tuple[RunFolder, StoreIO]:
+    """A run folder whose store holds two replicas' metric chunks (reward rising)."""
+    folder = RunFolder.at(tmp_path / "runs" / "demo")
+    folder.create()
+    store = StoreIO(str(folder.store))
+    config = {
+        "backend": {"n_replicas": 2, "kind": "local"},
+        "store": {"uri": store.uri, "storage_options": {}},
+        "model": {"name": "tiny"},
+        "task": {"name": "arithmetic"},
+        "loss": {"alpha_sdpo": 0.1, "beta_replay": 0.05, "dpo_variant": "simpo"},
+    }
+    folder.config_json.write_text(json.dumps(config))
+    for rank in range(2):
+        writer = ReplicaMetricsWriter(store, rank, flush_every_s=1e9)
+        for step in range(1, n_steps + 1):
+            writer.log(
+                "train",
+                step=step,
+                round=step // 5,
+                reward=step / n_steps + 0.01 * rank,
+                **{"loss/grpo": 1.0 / step, "loss/replay": 0.5, "loss/total": 1.0},
+            )
+            if step % 5 == 0:
+                writer.log(
+                    "round",
+                    step=step,
+                    round=step // 5,
+                    **{"round/seconds": 0.1, "round/bytes_up": 1000, "round/bytes_down": 2000},
+                )
+                if rank == 0:
+                    writer.log("eval", step=step, round=step // 5, **{"eval/accuracy": step / 40})
+            if step % 7 == 0:
+                writer.flush()  # several chunks per replica
+        writer.status(state="done", step=n_steps, max_steps=n_steps, round=n_steps // 5)
+        writer.flush()
+    return folder, store
+
+
+def test_metrics_flow_from_store_chunks_to_jsonl_and_tensorboard(tmp_path: Path) -> None:
+    folder, store = _fake_run(tmp_path)
+    sink = MetricsSink(folder.metrics, folder.tensorboard)
+    collector = MetricsCollector(store, 2, sink, consumed=None)
+    first = collector.poll()
+    assert len(first) == 2 * (20 + 4) + 4  # train + round per replica, eval from rank 0
+    assert collector.poll() == []  # each chunk is read exactly once
+    # a new chunk after a restart of rank 1 continues the numbering
+    writer = ReplicaMetricsWriter(store, 1, flush_every_s=1e9)
+    writer.log("event", step=20, round=4, event="resumed")
+    writer.flush()
+    again = collector.poll()
+    assert [r["event"] for r in again] == ["resumed"]
+    sink.close()
+    records = read_metrics(folder.metrics)
+    assert len(records) == len(first) + 1
+    assert {r["replica"] for r in records} == {0, 1}
+    assert sorted(p.name for p in folder.tensorboard.iterdir()) == ["replica-0", "replica-1"]
+    assert any(folder.tensorboard.glob("replica-0/events.out.tfevents.*"))
+    statuses = collector.statuses()
+    assert statuses[0]["state"] == "done" and statuses[1]["step"] == 20
+
+
+def test_report_draws_plots_and_summary(tmp_path: Path) -> None:
+    folder, store = _fake_run(tmp_path)
+    MetricsCollector(store, 2, MetricsSink(folder.metrics, None), None).poll()
+    summary, plots = write_report(folder)
+    names = sorted(p.name for p in plots)
+    assert names == [
+        "eval_accuracy.png",
+        "loss_grpo.png",
+        "loss_replay.png",
+        "loss_total.png",
+        "outer_rounds.png",
+        "reward.png",
+    ]
+    for plot in plots:
+        assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # first 10% of 20 steps = steps 1-2, last 10% = steps 19-20 (pooled over replicas)
+    assert summary["reward_first10"] == pytest.approx((0.05 + 0.1 + 0.06 + 0.11) / 4)
+    assert summary["reward_last10"] == pytest.approx((0.95 + 1.0 + 0.96 + 1.01) / 4)
+    assert summary["eval_accuracy_first"] == 0.125 and summary["eval_accuracy_last"] == 0.5
+    assert summary["rounds"] == 4 and summary["round_bytes_total"] == 8 * 3000
+    text = folder.summary.read_text()
+    assert "| mean reward, last 10% of steps | 0.980 |" in text
+    assert "![reward](plots/reward.png)" in text
+
+
+def test_summarize_handles_an_empty_run() -> None:
+    assert summarize([]) == {"replicas": []}
+
+
+def test_plain_progress_prints_lines_on_changes_only() -> None:
+    out = io.StringIO()
+    assert choose_mode("auto", out) == "plain"  # not a terminal
+    progress = Progress("plain", title="t", n_rounds=3, stream=out, plain_every_s=1e9)
+    rows = [ReplicaRow(rank=0, state="training", step=3, max_steps=30, round=0, reward=0.25)]
+    progress.update(rows)
+    progress.update(rows)  # nothing changed: no new line
+    rows[0].round = 1
+    progress.update(rows)
+    progress.close()
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2
+    assert "round 1/3" in lines[1] and "r0 training step 3/30 reward 0.25" in lines[1]
+
+
+def test_live_progress_renders_a_table() -> None:
+    out = io.StringIO()
+    progress = Progress("live", title="run x", n_rounds=2, stream=out)
+    progress.update([ReplicaRow(rank=1, state="syncing", step=5, max_steps=10, round=1)])
+    progress.close()
+    assert "syncing" in out.getvalue() and "5/10" in out.getvalue()
+
+
+def test_status_reports_replicas_round_lag_and_health(tmp_path: Path) -> None:
+    folder, store = _fake_run(tmp_path)
+    folder.update_driver(
+        status="running",
+        replicas=[
+            {"replica_id": 0, "status": "running", "exit_code": None},
+            {"replica_id": 1, "status": "failed", "exit_code": 1, "error": "exit code 1; boom"},
+        ],
+    )
+    store.write_json(
+        "replicas/0/status.json",
+        {"state": "training", "step": 9, "max_steps": 20, "round": 1, "updated": time.time()},
+    )
+    info = run_status(folder)
+    r0, r1 = info["replicas"]
+    assert info["round"] == 4 and info["status"] == "running"
+    assert r0["round_lag"] == 3 and r0["health"] == "behind"
+    assert r1["health"] == "failed" and "boom" in r1["error"]
+    text = status_text(info)
+    assert "behind" in text and "boom" in text

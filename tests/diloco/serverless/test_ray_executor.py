@@ -1,0 +1,205 @@
+"""RayExecutor on a real local Ray (started once for the module by the executor itself)."""
+
+from __future__ import annotations
+
+import _thread
+import importlib.util
+import os
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from composer_replication.diloco.serverless.executor import ReplicaStatus, ServerlessExecutor
+
+pytestmark = pytest.mark.slow
+
+HERE = Path(__file__).resolve().parent
+PROBE = str(HERE / "replica_probe.py")
+_spec = importlib.util.spec_from_file_location("replica_probe", PROBE)
+probe = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(probe)
+
+
+def alive(pid: int) -> bool:
+    """True if pid is a live process (a zombie counts as dead: PID 1 here may never reap it)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+def wait_for_records(store: str, n: int, timeout: float = 60.0) -> dict[int, dict]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        recs = probe.read_records(store)
+        if len(recs) >= n:
+            return recs
+        time.sleep(0.05)
+    raise AssertionError(f"only {len(probe.read_records(store))} of {n} replicas wrote a record")
+
+
+@pytest.fixture(scope="module")
+def ray_ex(tmp_path_factory):
+    """The module's RayExecutor; it starts a private local Ray and shuts it down at the end."""
+    from composer_replication.diloco.serverless.ray import RayExecutor
+
+    old = os.environ.get("RAY_AUTH_MODE")
+    os.environ["RAY_AUTH_MODE"] = "disabled"  # a private local Ray needs no token file in ~
+    ex = RayExecutor(
+        init_num_cpus=4, grace_period=1.0, poll_interval=0.05,
+        log_dir=tmp_path_factory.mktemp("ray-logs"),
+    )  # fmt: skip
+    ex._ensure_ray()
+    yield ex
+    ex.shutdown()
+    import ray
+
+    assert not ray.is_initialized()  # the executor started it, so it stopped it
+    if old is None:
+        os.environ.pop("RAY_AUTH_MODE", None)
+    else:
+        os.environ["RAY_AUTH_MODE"] = old
+
+
+def test_three_replicas_write_rank_and_env(ray_ex, tmp_path):
+    assert isinstance(ray_ex, ServerlessExecutor)
+    store = str(tmp_path / "store")
+    args = {"store": store, "rendezvous": "file:///run/y", "rank_env": "RANK", "echo-env": "RANK"}
+    handles = ray_ex.launch_replicas(3, PROBE, args, env={"X": "1"})
+    assert [h.replica_id for h in handles] == [0, 1, 2]
+    assert all(h.backend == "ray" and h.status is ReplicaStatus.PENDING for h in handles)
+    deadline = time.monotonic() + 60
+    while not all(h.status.done for h in ray_ex.poll(handles)):
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert [(h.status, h.exit_code) for h in handles] == [(ReplicaStatus.SUCCEEDED, 0)] * 3
+    recs = probe.read_records(store)
+    for rank in range(3):
+        assert recs[rank]["env"] == {
+            "REPLICA_RANK": str(rank),
+            "WORLD_SIZE": "3",
+            "DILOCO_RENDEZVOUS": "file:///run/y",
+            "RANK": str(rank),
+        }
+        assert ray_ex.logs(handles[rank], tail=1) == f"probe rank={rank} done\n"
+        assert "attempt=0" in Path(handles[rank].log_location).read_text()
+    # the replica is a subprocess of a Ray worker, not of this driver
+    assert all(recs[r]["pid"] != os.getpid() for r in recs)
+
+
+def test_seed_driver_snippet_unchanged(ray_ex, tmp_path, monkeypatch):
+    from composer_replication.diloco.serverless.ray import RayExecutor
+
+    (tmp_path / "diloco_replica.py").write_text(
+        textwrap.dedent(
+            """
+            import os, pathlib
+            root = pathlib.Path(os.environ["DILOCO_RENDEZVOUS"].removeprefix("file://"))
+            (root / f"replica-{os.environ['REPLICA_RANK']}").write_text("ok")
+            """
+        )
+    )
+    run = tmp_path / "run"
+    run.mkdir()
+    monkeypatch.chdir(tmp_path)
+    uri = run.as_uri()
+    executor = RayExecutor()  # joins the module's Ray
+    handles = executor.launch_replicas(
+        n_replicas=2,
+        entrypoint="diloco_replica.py",
+        entrypoint_args={"rendezvous": uri, "rank_env": "REPLICA_RANK"},
+    )
+    result = executor.collect(handles, timeout=3600)
+    assert {h.replica_id: h.exit_code for h in result} == {0: 0, 1: 0}
+    assert sorted(p.name for p in run.iterdir()) == ["replica-0", "replica-1"]
+
+
+def test_module_function_entrypoint_and_failure_with_log_tail(ray_ex, tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(HERE))
+    store = str(tmp_path / "store")
+    args = {"store": store, "exit-code": 3, "fail-rank": 0}
+    handles = ray_ex.launch_replicas(2, "replica_probe:main", args, env={"PYTHONPATH": str(HERE)})
+    result = ray_ex.collect(handles, timeout=60)
+    assert {h.replica_id: h.exit_code for h in result} == {0: 3, 1: 0}
+    assert [h.status for h in result] == [ReplicaStatus.FAILED, ReplicaStatus.SUCCEEDED]
+    assert result[0].error.startswith("exit code 3; last log lines:")
+    assert "failing on purpose with exit code 3" in result[0].error
+
+
+def test_cancel_mid_run_ends_whole_tree(ray_ex, tmp_path):
+    store = str(tmp_path / "store")
+    handles = ray_ex.launch_replicas(2, PROBE, {"store": store, "sleep": 120, "grandchild": True})
+    recs = wait_for_records(store, 2)
+    ray_ex.poll(handles)
+    assert [h.status for h in handles] == [ReplicaStatus.RUNNING] * 2
+    pids = [r[k] for r in recs.values() for k in ("pid", "grandchild_pid")]
+    assert all(alive(p) for p in pids)
+    t0 = time.monotonic()
+    ray_ex.cancel(handles)
+    assert time.monotonic() - t0 < 10
+    assert [h.status for h in handles] == [ReplicaStatus.CANCELLED] * 2
+    assert not [p for p in pids if alive(p)], "orphans left behind"
+
+
+def test_collect_timeout_marks_failed_and_kills(ray_ex, tmp_path):
+    store = str(tmp_path / "store")
+    handles = ray_ex.launch_replicas(1, PROBE, {"store": store, "sleep": 120})
+    rec = wait_for_records(store, 1)[0]
+    (h,) = ray_ex.collect(handles, timeout=1)
+    assert h.status is ReplicaStatus.FAILED
+    assert h.error.startswith("timeout after 1s; last log lines:")
+    assert "probe rank=0 attempt=0" in h.error
+    assert not alive(rec["pid"])
+
+
+def test_unplaceable_replica_stays_pending_then_times_out(ray_ex, tmp_path):
+    # No GPU in this Ray: the actor cannot be placed, so the replica never starts.
+    store = str(tmp_path / "store")
+    handles = ray_ex.launch_replicas(1, PROBE, {"store": store}, resources={"num_gpus": 1})
+    assert ray_ex.poll(handles)[0].status is ReplicaStatus.PENDING
+    t0 = time.monotonic()
+    (h,) = ray_ex.collect(handles, timeout=1.5)
+    assert time.monotonic() - t0 < 8
+    assert h.status is ReplicaStatus.FAILED and h.error.startswith("timeout after 1.5s")
+    assert probe.read_records(store) == {}
+
+
+def test_ctrl_c_during_collect_cancels_every_replica(ray_ex, tmp_path):
+    store = str(tmp_path / "store")
+    handles = ray_ex.launch_replicas(2, PROBE, {"store": store, "sleep": 120})
+    recs = wait_for_records(store, 2)
+    timer = threading.Timer(0.3, _thread.interrupt_main)
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        ray_ex.collect(handles, timeout=60)
+    timer.join()
+    assert [h.status for h in handles] == [ReplicaStatus.CANCELLED] * 2
+    assert not [r["pid"] for r in recs.values() if alive(r["pid"])]
+
+
+def test_bad_input_raises_before_launch(ray_ex, tmp_path):
+    from composer_replication.diloco.serverless.ray import RayExecutor
+
+    with pytest.raises(ValueError, match="unknown Ray resources"):
+        ray_ex.launch_replicas(1, PROBE, {"store": str(tmp_path)}, resources={"gpu": 1})
+    with pytest.raises(ValueError, match="num_cpus must be a number >= 0"):
+        ray_ex.launch_replicas(1, PROBE, {"store": str(tmp_path)}, resources={"num_cpus": -1})
+    with pytest.raises(ValueError, match="n_replicas"):
+        ray_ex.launch_replicas(0, PROBE)
+    with pytest.raises(ValueError, match="not found"):
+        ray_ex.launch_replicas(1, str(tmp_path / "missing.py"))
+    with pytest.raises(ValueError, match="num_gpus must be a number"):
+        RayExecutor(num_gpus="one")
+
+
+def test_missing_ray_names_the_extra(monkeypatch):
+    from composer_replication.diloco.serverless.ray import RayExecutor
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # makes `import ray` raise ImportError
+    with pytest.raises(ImportError, match=r"pip install 'composer-replication\[ray\]'"):
+        RayExecutor()

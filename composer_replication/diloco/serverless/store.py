@@ -1,0 +1,200 @@
+"""Byte-level object store over fsspec: put-if-absent, overwrite, get, list, delete.
+
+One seam hides the differences between backends (see docs/object-store.md):
+
+- local files: put-if-absent writes a private temporary file and hard-links it into place.
+  ``os.link`` fails atomically with EEXIST when the key exists, and readers never see a
+  half-written object (``open(path, "xb")`` is also race-safe but exposes partial content while
+  writing; fsspec's ``LocalFileSystem.pipe_file(mode="create")`` is check-then-write, not safe).
+- S3 (s3fs): a conditional PUT with ``If-None-Match: *``. A lost race surfaces as
+  ``FileExistsError`` (moto; s3fs maps the 412 when the body names If-None-Match) or as a plain
+  ``OSError(EINVAL)`` (SeaweedFS's 412 body differs), so both are caught and confirmed by
+  re-reading. Objects are written with a single PUT (up to 5 GiB) so the condition applies to
+  the whole object, never to a multipart completion some servers do not check.
+- GCS (gcsfs): ``mode="create"`` (ifGenerationMatch=0).
+- memory:// (tests, single process): check-then-write under a process-wide lock.
+There is no atomic rename on S3, so callers write a data object first and then a small commit
+marker with put-if-absent; nothing is ever renamed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import uuid
+from typing import Any
+
+_MEMORY_LOCK = threading.Lock()
+_SINGLE_PUT_CHUNK = 5 * 2**30 // 2  # s3fs uses one PUT when size < 2 * chunksize (cap 5 GiB)
+
+
+def normalize_uri(uri: str) -> str:
+    """Canonical run prefix: ``file:///abs/path/``, ``s3://bucket/prefix/``, ... (ends in '/')."""
+    if not isinstance(uri, str) or not uri.strip():
+        raise ValueError("uri must be a non-empty string such as 's3://bucket/runs/NAME'")
+    uri = uri.strip()
+    if "://" not in uri:
+        uri = "file://" + os.path.abspath(os.path.expanduser(uri))
+    elif uri.startswith("file://"):
+        uri = "file://" + os.path.abspath(os.path.expanduser(uri[len("file://") :]))
+    protocol, _, rest = uri.partition("://")
+    if not rest.strip("/"):
+        raise ValueError(f"uri {uri!r} names no bucket/directory; use e.g. s3://bucket/runs/NAME")
+    return uri.rstrip("/") + "/"
+
+
+class ObjectStore:
+    """Keys are '/'-separated paths relative to the run prefix ``uri``."""
+
+    def __init__(self, uri: str, storage_options: dict[str, Any] | None = None) -> None:
+        self.uri = normalize_uri(uri)
+        self.protocol = self.uri.partition("://")[0]
+        self._options = dict(storage_options or {})
+        self._fs: Any = None
+        self._root = ""
+        if self.protocol == "file":
+            self._root = self.uri[len("file://") :]
+
+    # ------------------------------------------------------------------ backend plumbing
+    @property
+    def is_local(self) -> bool:
+        return self.protocol == "file"
+
+    def _filesystem(self) -> Any:
+        if self._fs is None:
+            import fsspec
+
+            try:
+                self._fs, root = fsspec.core.url_to_fs(self.uri, **self._options)
+            except ImportError as e:
+                raise ImportError(
+                    f"the {self.protocol}:// object store needs an fsspec backend: "
+                    f"pip install composer-replication[serverless] ({e})"
+                ) from e
+            self._root = root.rstrip("/") + "/"
+        return self._fs
+
+    def _path(self, key: str) -> str:
+        if self.is_local:
+            return os.path.join(self._root, *key.split("/"))
+        self._filesystem()
+        return self._root + key
+
+    # ------------------------------------------------------------------ operations
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        """Write ``data`` at ``key`` unless it exists. True = we wrote it, False = lost the race."""
+        path = self._path(key)
+        if self.is_local:
+            return _local_put_if_absent(self._root, path, data)
+        fs = self._filesystem()
+        if self.protocol == "memory":
+            with _MEMORY_LOCK:
+                if fs.exists(path):
+                    return False
+                fs.pipe_file(path, data)
+                return True
+        kwargs = {"chunksize": _SINGLE_PUT_CHUNK} if self.protocol in ("s3", "s3a") else {}
+        try:
+            fs.pipe_file(path, data, mode="create", **kwargs)
+            return True
+        except FileExistsError:
+            return False
+        except OSError:
+            # SeaweedFS reports the 412 as OSError(EINVAL); only a present object means we lost.
+            fs.invalidate_cache(path)
+            if fs.exists(path):
+                return False
+            raise
+
+    def put(self, key: str, data: bytes) -> None:
+        """Overwrite ``key`` (only for documents that are not decisions, e.g. run config)."""
+        path = self._path(key)
+        if self.is_local:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = _tmp_path(self._root)
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)  # atomic on POSIX: readers see the old or the new document
+            return
+        self._filesystem().pipe_file(path, data)
+
+    def get(self, key: str) -> bytes | None:
+        """The object's bytes, or None if it does not exist."""
+        path = self._path(key)
+        if self.is_local:
+            try:
+                with open(path, "rb") as f:
+                    return f.read()
+            except (FileNotFoundError, NotADirectoryError):
+                return None
+        fs = self._filesystem()
+        try:
+            return fs.cat_file(path)
+        except FileNotFoundError:
+            return None
+
+    def exists(self, key: str) -> bool:
+        if self.is_local:
+            return os.path.exists(self._path(key))
+        fs = self._filesystem()
+        path = self._path(key)
+        fs.invalidate_cache(path)
+        return bool(fs.exists(path))
+
+    def list(self, prefix: str) -> list[str]:
+        """Names (not paths) directly under ``prefix`` (a key ending in '/'); [] if none."""
+        path = self._path(prefix.rstrip("/"))
+        if self.is_local:
+            try:
+                return sorted(os.listdir(path))
+            except (FileNotFoundError, NotADirectoryError):
+                return []
+        fs = self._filesystem()
+        fs.invalidate_cache(path)  # s3fs caches listings; a stale one would hide new objects
+        try:
+            entries = fs.ls(path, detail=False)
+        except FileNotFoundError:
+            return []
+        return sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries})
+
+    def delete_prefix(self, prefix: str) -> None:
+        """Delete everything under ``prefix`` (missing is fine)."""
+        path = self._path(prefix.rstrip("/"))
+        if self.is_local:
+            shutil.rmtree(path, ignore_errors=True)
+            return
+        fs = self._filesystem()
+        try:
+            fs.rm(path, recursive=True)
+        except FileNotFoundError:
+            pass
+        fs.invalidate_cache(path)
+
+
+def _tmp_path(root: str) -> str:
+    tmp_dir = os.path.join(root, ".tmp")
+    os.makedirs(tmp_dir, exist_ok=True)
+    return os.path.join(tmp_dir, f"{os.getpid()}-{uuid.uuid4().hex}")
+
+
+def _local_put_if_absent(root: str, path: str, data: bytes) -> bool:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = _tmp_path(root)
+    with open(tmp, "wb") as f:
+        f.write(data)
+    try:
+        os.link(tmp, path)  # atomic create-or-fail (O_EXCL semantics) with the full content
+        return True
+    except FileExistsError:
+        return False
+    except OSError:
+        # Filesystems without hard links: O_EXCL create is still race-safe for the decision.
+        try:
+            with open(path, "xb") as f:
+                f.write(data)
+            return True
+        except FileExistsError:
+            return False
+    finally:
+        os.unlink(tmp)

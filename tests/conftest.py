@@ -1,0 +1,7 @@
+"""Suite-wide fixtures. ``seaweedfs_server`` / ``moto_server`` live in tests/s3_servers.py.
+
+pytest puts this directory (tests/ has no __init__.py) on sys.path before importing this file,
+so the plugin module is importable as ``s3_servers`` from any working directory.
+"""
+
+from s3_servers import moto_server, seaweedfs_server  # noqa: F401  (fixtures, by name)

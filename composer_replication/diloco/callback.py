@@ -1,0 +1,64 @@
+"""DiLoCoCallback: run a `DiLoCoOuterLoop` inside a Hugging Face ``trainer.train()``.
+
+``trainer.add_callback(outer.callback())`` (the seed recipes' wiring). The trainer creates its
+optimizer inside ``train()``, so the callback binds the outer loop in ``on_train_begin`` (where
+the trainer passes ``model=`` and ``optimizer=``), which also loads the run's global weights
+before the first step, and enters it: from then on every inner ``optimizer.step()`` is counted
+by DiLoCo's hooks and every H-th one triggers the pseudo-gradient exchange and outer step. In
+``on_train_end`` the loop is exited; with ``load_global_at_end=True`` (default) the model then
+holds the global weights, which is what should be saved or evaluated.
+
+Works with any `transformers.Trainer` subclass, including TRL's GRPOTrainer and
+`ComposerReplicationTrainer`. Gradient accumulation is fine: DiLoCo counts optimizer steps.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+try:
+    from transformers import TrainerCallback
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "outer.callback() needs transformers: pip install composer-replication[train]"
+    ) from exc
+
+if TYPE_CHECKING:
+    from composer_replication.diloco.outer_loop import DiLoCoOuterLoop
+
+__all__ = ["DiLoCoCallback"]
+
+
+class DiLoCoCallback(TrainerCallback):
+    """See the module docstring. ``outer`` is the wrapped `DiLoCoOuterLoop`."""
+
+    def __init__(self, outer: DiLoCoOuterLoop, *, load_global_at_end: bool = True) -> None:
+        self.outer = outer
+        self.load_global_at_end = load_global_at_end
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        model = kwargs.get("model")
+        optimizer = kwargs.get("optimizer")
+        if not self.outer.bound:
+            if optimizer is None:
+                raise ValueError(
+                    "the trainer passed no optimizer to on_train_begin; cannot bind DiLoCo"
+                )
+            self.outer.bind(model=_unwrap_model(model), optimizer=optimizer)
+        self.outer.__enter__()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # Expose the outer round in the trainer's logs (state.log_history picks it up on log).
+        state.diloco_round = self.outer.round
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.outer.__exit__(None, None, None)
+        if self.load_global_at_end:
+            self.outer.load_global_weights()
+
+
+def _unwrap_model(model: Any) -> Any:
+    # DDP / accelerate wrappers keep the real module in .module; DiLoCo needs the parameters.
+    while model is not None and hasattr(model, "module") and not hasattr(model, "config"):
+        model = model.module
+    return model

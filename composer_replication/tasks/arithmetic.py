@@ -1,0 +1,183 @@
+"""Integer arithmetic: the prompt is an expression such as `3+4=`, the answer its value.
+
+Levels (each option can also be set on its own and overrides the level):
+
+=======  ==========  =====  ==========  ================  =================================
+level    operands    ops    n operands  negative results  problem space
+=======  ==========  =====  ==========  ================  =================================
+easy     0..9        ``+``  2           no                100 prompts, answers 0..18
+medium   0..99       ``+-`` 2           no                ~15k prompts
+hard     0..999      ``+-*``3           yes               ~10^9 prompts
+=======  ==========  =====  ==========  ================  =================================
+
+The answer is the bare integer. Tolerated around it: a leading "Answer:" / "The answer is", and an
+echo of the expression (`3+4=7`).
+
+Reward shaping (exact > close > well-formed > malformed > empty), with `d = |pred - answer|`,
+`closeness = 1 / (1 + d / s)`, `s = max(1, |answer| / 10)` (so being off by 1 on a small answer and
+off by 10% on a large one score alike), and `brevity = 1 / (1 + extra / 8)` where `extra` is how many
+characters longer than the reference the text is:
+
+* exact integer: 1.0 (the only `correct` case);
+* a bare integer, wrong: `0.3 + 0.1 * same_digit_count_and_sign + 0.4 * closeness` (0.3 .. < 0.8);
+* an integer inside other text ("7 apples"): `(0.1 + 0.1 * closeness) * brevity` (<= 0.2);
+* text without any integer: `0.05 * brevity`; empty: 0.
+
+Feedback never states the answer: it says what form was expected and whether a number was too
+small or too large, as a checker would.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from typing import Any, ClassVar
+
+from composer_replication.tasks.base import (
+    Example,
+    Task,
+    Verdict,
+    clean_completion,
+    shorten,
+    strip_answer_prefix,
+)
+
+LEVELS: dict[str, dict[str, Any]] = {
+    "easy": {
+        "min_operand": 0,
+        "max_operand": 9,
+        "ops": "+",
+        "num_operands": 2,
+        "allow_negative": False,
+    },
+    "medium": {
+        "min_operand": 0,
+        "max_operand": 99,
+        "ops": "+-",
+        "num_operands": 2,
+        "allow_negative": False,
+    },
+    "hard": {
+        "min_operand": 0,
+        "max_operand": 999,
+        "ops": "+-*",
+        "num_operands": 3,
+        "allow_negative": True,
+    },
+}
+
+_INT = re.compile(r"[+-]?\d+")
+
+
+def evaluate(tokens: list[int | str]) -> int:
+    """Value of `[a, op, b, op, c, ...]` with `*` binding tighter than `+`/`-` (no eval())."""
+    terms: list[int] = [int(tokens[0])]
+    signs: list[int] = [1]
+    for op, value in zip(tokens[1::2], tokens[2::2], strict=True):
+        if op == "*":
+            terms[-1] *= int(value)
+        else:
+            terms.append(int(value))
+            signs.append(1 if op == "+" else -1)
+    return sum(s * t for s, t in zip(signs, terms, strict=True))
+
+
+def _closeness(pred: int, answer: int) -> float:
+    scale = max(1.0, abs(answer) / 10)
+    return 1.0 / (1.0 + abs(pred - answer) / scale)
+
+
+def _brevity(text: str, answer: str) -> float:
+    return 1.0 / (1.0 + max(0, len(text) - len(answer)) / 8)
+
+
+class ArithmeticTask(Task):
+    """Integer arithmetic expressions (see the module docstring for levels and reward shaping)."""
+
+    name: ClassVar[str] = "arithmetic"
+
+    def __init__(
+        self,
+        *,
+        seed: int = 0,
+        n_train: int = 256,
+        n_eval: int = 64,
+        level: str = "easy",
+        min_operand: int | None = None,
+        max_operand: int | None = None,
+        ops: str | None = None,
+        num_operands: int | None = None,
+        allow_negative: bool | None = None,
+    ) -> None:
+        super().__init__(seed=seed, n_train=n_train, n_eval=n_eval)
+        if level not in LEVELS:
+            raise ValueError(f"arithmetic level must be one of {sorted(LEVELS)}, got {level!r}")
+        preset = LEVELS[level]
+        self.level = level
+        self.min_operand = preset["min_operand"] if min_operand is None else min_operand
+        self.max_operand = preset["max_operand"] if max_operand is None else max_operand
+        self.ops = preset["ops"] if ops is None else ops
+        self.num_operands = preset["num_operands"] if num_operands is None else num_operands
+        self.allow_negative = preset["allow_negative"] if allow_negative is None else allow_negative
+        if not 0 <= self.min_operand <= self.max_operand:
+            raise ValueError(
+                f"need 0 <= min_operand <= max_operand, got {self.min_operand}..{self.max_operand}"
+            )
+        if (
+            not self.ops
+            or any(op not in "+-*" for op in self.ops)
+            or len(set(self.ops)) != len(self.ops)
+        ):
+            raise ValueError(f"ops must be distinct characters from '+-*', got {self.ops!r}")
+        if not 2 <= self.num_operands <= 6:
+            raise ValueError(f"num_operands must be in 2..6, got {self.num_operands}")
+
+    def _sample(self, rng: random.Random) -> tuple[str, str, dict[str, Any]]:
+        for _ in range(1000):
+            tokens: list[int | str] = [rng.randint(self.min_operand, self.max_operand)]
+            for _ in range(self.num_operands - 1):
+                tokens.append(rng.choice(self.ops))
+                tokens.append(rng.randint(self.min_operand, self.max_operand))
+            value = evaluate(tokens)
+            if self.allow_negative or value >= 0:
+                expr = "".join(str(t) for t in tokens)
+                return f"{expr}=", str(value), {"expression": expr}
+        raise ValueError(
+            "cannot draw a non-negative problem with these options; set allow_negative=True"
+        )
+
+    def verify(self, example: Example, completion: str) -> Verdict:
+        answer = int(example.answer)
+        text = strip_answer_prefix(clean_completion(completion))
+        expr = str(example.meta.get("expression", example.prompt.rstrip("=")))
+        # Tolerate an echo of the expression: "3+4=7" or "3 + 4 = 7".
+        echo = re.match(r"^" + r"\s*".join(map(re.escape, expr)) + r"\s*=\s*", text)
+        if echo:
+            text = text[echo.end() :]
+        if not text:
+            return Verdict(0.0, False, "Empty answer: expected a single integer such as 12.")
+        if _INT.fullmatch(text):
+            pred = int(text)
+            if pred == answer:
+                return Verdict(1.0, True, None)
+            same_shape = len(str(abs(pred))) == len(str(abs(answer))) and (pred < 0) == (answer < 0)
+            reward = 0.3 + 0.1 * same_shape + 0.4 * _closeness(pred, answer)
+            direction = "too small" if pred < answer else "too large"
+            return Verdict(reward, False, f"Wrong answer: {pred} is {direction}.")
+        found = _INT.search(text)
+        if found is None:
+            return Verdict(
+                0.05 * _brevity(text, example.answer),
+                False,
+                f"Expected a single integer (digits, optional leading '-'), got {shorten(text)}, "
+                "which has no number in it.",
+            )
+        pred = int(found.group())
+        reward = (0.1 + 0.1 * _closeness(pred, answer)) * _brevity(text, example.answer)
+        verdict = "right" if pred == answer else ("too small" if pred < answer else "too large")
+        return Verdict(
+            reward,
+            False,
+            f"Expected only an integer with no other text, got {shorten(text)}; "
+            f"its number {pred} is {verdict}.",
+        )

@@ -1,0 +1,326 @@
+"""The task contract: `Example`, `Verdict` and the `Task` base class every built-in task extends.
+
+A task is a deterministic generator of prompts with reference answers plus a verifier. The base class
+owns everything that is the same for every task:
+
+* the **fixed-seed split** (`train_examples` / `eval_examples`): problems are drawn from
+  `random.Random(f"{name}:{seed}")` (a string seed is hashed with SHA-512, so the split is identical
+  in every process regardless of `PYTHONHASHSEED`); the eval set is drawn first and holds `n_eval`
+  distinct prompts, the train set holds prompts never seen in eval. When a task's problem space is
+  smaller than `n_train + n_eval` distinct prompts (the "easy" levels are deliberately tiny), the
+  train set cycles through the remaining prompts, so train may repeat a prompt but never shares one
+  with eval;
+* the TRL glue: `to_dataset`, `reward_func` (per completion a `(score, feedback)` tuple, see
+  `docs/trainer.md`), `oracle_traces` (trace records for channel 3).
+
+Subclasses implement `_sample(rng)` (one random problem) and `verify(example, completion)`.
+
+Completions are matched after `clean_completion`: text after the first `<|im_end|>` /
+`<|endoftext|>` is dropped, any remaining `<|...|>` special tokens are removed and surrounding
+whitespace is stripped.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+# Generation may run past the end of turn (no stop string), and decoders that keep special tokens
+# leave them in the text; everything after the first end marker is not part of the answer.
+_END_MARKERS = ("<|im_end|>", "<|endoftext|>")
+_SPECIAL_TOKEN = re.compile(r"<\|[^|<>]{1,40}\|>")
+_ANSWER_PREFIX = re.compile(r"^\s*(?:the\s+)?answer\s*(?:is|:)\s*", re.IGNORECASE)
+
+# How many consecutive duplicate draws mean "the problem space is exhausted". Draws are cheap, and
+# for a space of N problems the chance that a new problem survives this many misses is negligible.
+_MAX_MISSES = 2000
+
+
+@dataclass(frozen=True)
+class Example:
+    """One problem. `prompt` is the user message text; `meta` is JSON-serialisable."""
+
+    id: str
+    prompt: str
+    answer: str
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The verifier's judgement of one completion.
+
+    `reward` is the shaped reward in [0, 1] (partial credit for well-formed or close answers);
+    `correct` is exact correctness; `feedback` is None exactly when `correct` is True, otherwise a
+    message an environment would give (what was wrong, what form was expected).
+    """
+
+    reward: float
+    correct: bool
+    feedback: str | None
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.reward <= 1.0:
+            raise ValueError(f"reward must be in [0, 1], got {self.reward}")
+        if self.correct and self.feedback is not None:
+            raise ValueError("a correct verdict carries no feedback (feedback must be None)")
+        if not self.correct and not self.feedback:
+            raise ValueError("an incorrect verdict must say what was wrong (feedback is empty)")
+
+
+def clean_completion(text: str) -> str:
+    """The answer part of a raw completion: cut at the first end marker, drop special tokens."""
+    for marker in _END_MARKERS:
+        cut = text.find(marker)
+        if cut != -1:
+            text = text[:cut]
+    return _SPECIAL_TOKEN.sub("", text).strip()
+
+
+def strip_answer_prefix(text: str) -> str:
+    """Drop a leading "Answer:" / "The answer is" (case-insensitive); models often add one."""
+    return _ANSWER_PREFIX.sub("", text, count=1).strip()
+
+
+def completion_text(completion: Any) -> str:
+    """The text of one TRL completion: a string, or a chat list whose last message is the reply."""
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, Sequence) and completion and isinstance(completion[-1], dict):
+        return str(completion[-1].get("content", ""))
+    if isinstance(completion, Sequence) and not completion:
+        return ""
+    raise ValueError(
+        f"completion must be a string or a list of chat messages, got {type(completion).__name__}"
+    )
+
+
+def chat_prompt(prompt: str) -> list[dict[str, str]]:
+    """The conversational prompt TRL expects for one user message."""
+    return [{"role": "user", "content": prompt}]
+
+
+def shorten(text: str, limit: int = 40) -> str:
+    """`repr` of text, cut to `limit` characters, for feedback messages."""
+    return repr(text if len(text) <= limit else text[:limit] + "...")
+
+
+class Task(ABC):
+    """Base class of the built-in tasks (see the module docstring for the split rules).
+
+    Args:
+        seed: seeds the split; the same seed gives the same examples in every process.
+        n_train: number of training examples (>= 1).
+        n_eval: number of distinct evaluation prompts (>= 0), disjoint from the training prompts.
+    """
+
+    name: ClassVar[str]
+
+    def __init__(self, *, seed: int = 0, n_train: int = 256, n_eval: int = 64) -> None:
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise ValueError(f"seed must be an int, got {seed!r}")
+        if not isinstance(n_train, int) or n_train < 1:
+            raise ValueError(f"n_train must be an int >= 1, got {n_train!r}")
+        if not isinstance(n_eval, int) or n_eval < 0:
+            raise ValueError(f"n_eval must be an int >= 0, got {n_eval!r}")
+        self.seed = seed
+        self.n_train = n_train
+        self.n_eval = n_eval
+        self._split: tuple[list[Example], list[Example]] | None = None
+        self._index: dict[str, Example] | None = None
+
+    # ---- to implement -------------------------------------------------------------------------
+
+    @abstractmethod
+    def _sample(self, rng: random.Random) -> tuple[str, str, dict[str, Any]]:
+        """One random problem as (prompt, reference answer, JSON-serialisable meta)."""
+
+    @abstractmethod
+    def verify(self, example: Example, completion: str) -> Verdict:
+        """Judge one raw completion (text) for `example`."""
+
+    def oracle(self, example: Example) -> str:
+        """A reference completion (replayed by channel 3 when there is no teacher endpoint)."""
+        return example.answer
+
+    def verify_many(self, examples: Sequence[Example], completions: Sequence[str]) -> list[Verdict]:
+        """Verify a batch; tasks with expensive verifiers override this to work in parallel."""
+        return [self.verify(ex, c) for ex, c in zip(examples, completions, strict=True)]
+
+    # ---- split --------------------------------------------------------------------------------
+
+    def train_examples(self) -> list[Example]:
+        """The training examples (fixed by `seed`), `n_train` of them."""
+        return list(self._build_split()[0])
+
+    def eval_examples(self) -> list[Example]:
+        """The evaluation examples (fixed by `seed`): `n_eval` distinct prompts unseen in train."""
+        return list(self._build_split()[1])
+
+    def examples(self, split: str) -> list[Example]:
+        """`train_examples()` or `eval_examples()` by name."""
+        if split == "train":
+            return self.train_examples()
+        if split == "eval":
+            return self.eval_examples()
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+
+    def get_example(self, example_id: str) -> Example:
+        """The example with this id (from either split); KeyError if there is none."""
+        if self._index is None:
+            train, evals = self._build_split()
+            self._index = {ex.id: ex for ex in (*train, *evals)}
+        return self._index[example_id]
+
+    def _draw_distinct(
+        self, rng: random.Random, want: int, exclude: dict[str, Any]
+    ) -> list[tuple[str, str, dict[str, Any]]]:
+        drawn: dict[str, tuple[str, str, dict[str, Any]]] = {}
+        misses = 0
+        while len(drawn) < want and misses < _MAX_MISSES:
+            problem = self._sample(rng)
+            if problem[0] in drawn or problem[0] in exclude:
+                misses += 1
+                continue
+            misses = 0
+            drawn[problem[0]] = problem
+        return list(drawn.values())
+
+    def _build_split(self) -> tuple[list[Example], list[Example]]:
+        if self._split is not None:
+            return self._split
+        rng = random.Random(f"{self.name}:{self.seed}")
+        evals = self._draw_distinct(rng, self.n_eval, {})
+        if len(evals) < self.n_eval:
+            raise ValueError(
+                f"task {self.name!r} with these options has only {len(evals)} distinct problems, "
+                f"fewer than n_eval={self.n_eval}; lower n_eval or choose a harder level"
+            )
+        eval_prompts = {p[0]: None for p in evals}
+        pool = self._draw_distinct(rng, self.n_train, eval_prompts)
+        if not pool:
+            raise ValueError(
+                f"task {self.name!r}: n_eval={self.n_eval} uses up every distinct problem at these "
+                "options, leaving none for training; lower n_eval or choose a harder level"
+            )
+        train = list(pool)
+        while len(train) < self.n_train:
+            # A small space is cycled in a fresh shuffled order each pass (see module docstring).
+            cycle = list(pool)
+            rng.shuffle(cycle)
+            train.extend(cycle[: self.n_train - len(train)])
+        self._split = (
+            [self._example("train", i, p) for i, p in enumerate(train)],
+            [self._example("eval", i, p) for i, p in enumerate(evals)],
+        )
+        return self._split
+
+    def _example(self, split: str, i: int, problem: tuple[str, str, dict[str, Any]]) -> Example:
+        prompt, answer, meta = problem
+        return Example(id=f"{self.name}/{split}/{i}", prompt=prompt, answer=answer, meta=meta)
+
+    # ---- TRL glue -----------------------------------------------------------------------------
+
+    def to_dataset(self, split: str = "train") -> Any:
+        """A `datasets.Dataset` for TRL with columns `prompt` (chat format), `example_id`,
+        `answer` and `task_meta` (the example's meta as a JSON string, so `reward_func` can verify
+        rows whose id this task instance does not know)."""
+        try:
+            import datasets
+        except ImportError as exc:  # pragma: no cover - exercised only without the extra
+            raise ImportError(
+                "Task.to_dataset needs `datasets`; install it with "
+                "`pip install composer-replication[train]`."
+            ) from exc
+        rows = [
+            {
+                "prompt": chat_prompt(ex.prompt),
+                "example_id": ex.id,
+                "answer": ex.answer,
+                "task_meta": json.dumps(ex.meta, sort_keys=True),
+            }
+            for ex in self.examples(split)
+        ]
+        return datasets.Dataset.from_list(rows)
+
+    def _lookup(
+        self,
+        i: int,
+        prompt: Any,
+        example_id: Sequence[str] | None,
+        answer: Sequence[str] | None,
+        task_meta: Sequence[str] | None,
+    ) -> Example:
+        if example_id is not None:
+            try:
+                return self.get_example(example_id[i])
+            except KeyError:
+                pass
+        if answer is None:
+            raise ValueError(
+                f"{self.name}_reward: cannot find the example for completion {i}: pass the "
+                "`example_id` column (from Task.to_dataset) or `answer` (+ `task_meta`) columns"
+            )
+        meta = json.loads(task_meta[i]) if task_meta is not None else {}
+        text = completion_text(prompt) if prompt is not None else ""
+        eid = example_id[i] if example_id is not None else f"{self.name}/external/{i}"
+        return Example(id=eid, prompt=text, answer=answer[i], meta=meta)
+
+    def reward_func(self, with_feedback: bool = True) -> Callable[..., list[Any]]:
+        """A TRL reward function named `f"{name}_reward"`.
+
+        Called as `f(prompts=..., completions=..., example_id=..., **other_columns)`, it returns
+        per completion a `(score, feedback)` tuple (the feedback contract of
+        `ComposerReplicationTrainer`), or plain float scores with `with_feedback=False` for a
+        stock TRL trainer. The example is looked up by `example_id`; rows with an unknown id are
+        rebuilt from the `answer` and `task_meta` columns.
+        """
+
+        def reward(
+            prompts: Sequence[Any] | None = None,
+            completions: Sequence[Any] | None = None,
+            example_id: Sequence[str] | None = None,
+            answer: Sequence[str] | None = None,
+            task_meta: Sequence[str] | None = None,
+            **_: Any,
+        ) -> list[Any]:
+            if completions is None:
+                raise ValueError(f"{self.name}_reward needs the `completions` argument")
+            examples = [
+                self._lookup(
+                    i, prompts[i] if prompts is not None else None, example_id, answer, task_meta
+                )
+                for i in range(len(completions))
+            ]
+            texts = [completion_text(c) for c in completions]
+            verdicts = self.verify_many(examples, texts)
+            if with_feedback:
+                return [(v.reward, v.feedback) for v in verdicts]
+            return [v.reward for v in verdicts]
+
+        reward.__name__ = reward.__qualname__ = f"{self.name}_reward"
+        return reward
+
+    def oracle_traces(self, split: str = "train") -> Iterator[dict[str, Any]]:
+        """One trace record per distinct prompt of `split`, in the trace JSONL format of
+        `composer_replication.data.traces` (teacher "oracle", reward 1.0)."""
+        from composer_replication.data.traces import prompt_key  # the trainer's data layer
+
+        seen: dict[str, None] = {}
+        for ex in self.examples(split):
+            if ex.prompt in seen:
+                continue
+            seen[ex.prompt] = None
+            yield {
+                "prompt": chat_prompt(ex.prompt),
+                "prompt_key": prompt_key(chat_prompt(ex.prompt)),
+                "teacher": "oracle",
+                "completion": self.oracle(ex),
+                "reward": 1.0,
+                "metadata": {"task": self.name, "example_id": ex.id, "split": split},
+            }

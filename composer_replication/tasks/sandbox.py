@@ -1,0 +1,304 @@
+"""Run untrusted candidate Python in a child process with limits, and report what its function returns.
+
+`run_candidate(source, function, calls, limits)` starts `python -I -S _sandbox_child.py` (isolated
+mode: no site-packages, no user site, no PYTHON* environment, stdlib only) in a fresh temp dir and
+calls `function(*args)` for each argument list. Layers, outermost first:
+
+Kernel-enforced (hold whatever the code does, including native crashes):
+
+* **wall clock**: the child leads its own process group/session; when `wall_seconds` pass, the
+  whole group is SIGKILLed. The group is also killed after a normal exit, before the child is
+  reaped, so nothing it started can outlive it.
+* **rlimits** set in `preexec_fn`: RLIMIT_AS (memory, so a large allocation fails with
+  MemoryError), RLIMIT_CPU (SIGXCPU, then SIGKILL one second later), RLIMIT_FSIZE (no file, stdout
+  included, grows past `file_bytes`), RLIMIT_NOFILE, RLIMIT_CORE=0, and RLIMIT_NPROC=0 (no new
+  processes or threads). **Limit:** Linux does not apply RLIMIT_NPROC to root; as root, process
+  creation is stopped by the audit hook below and the process-group kill.
+* **network namespace**: `unshare(CLONE_NEWNET)` (as root) or `CLONE_NEWUSER | CLONE_NEWNET`
+  (unprivileged user namespaces) gives the child a namespace with only a downed loopback.
+  **Limit:** where neither is permitted (some containers), only the audit hook blocks sockets;
+  `SandboxResult.network_isolation` says which applied ("netns" or "audit-hook").
+* the stdout of the child is a file in the sandbox dir (capped by RLIMIT_FSIZE), never a pipe the
+  parent could block on or buffer without bound; the parent reads at most `file_bytes` of it.
+
+In-process (a CPython audit hook installed before the candidate's code is compiled): blocks
+`open` for writing outside the temp dir (paths are resolved with realpath, so symlinks do not
+help), reads outside the temp dir and the stdlib, directory descriptors outside the temp dir,
+path-changing calls (`os.remove`, `os.rename`, `os.mkdir`, ...) outside the temp dir or with
+`dir_fd`, sockets, `os.fork`/`exec`/`posix_spawn`/`system`/`subprocess`, `os.kill`, ctypes, heap
+walking via `gc`, and raising rlimits; plus imports of `ctypes`, `subprocess`, `socket`,
+`multiprocessing` and friends. **Limit:** audit hooks are not a security boundary against a
+determined attacker (a thread racing a symlink swap, or an interpreter memory-corruption bug,
+could get past them). The guarantees that do not rely on the hook are the kernel ones above; run
+verification in a container or VM if candidates may be adversarial rather than merely wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import secrets
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+_CHILD = str(Path(__file__).with_name("_sandbox_child.py"))
+_CLONE_NEWNET = 0x40000000
+_CLONE_NEWUSER = 0x10000000
+_unshare: Any = None  # libc.unshare, resolved once in the parent (never import inside preexec_fn)
+# preexec_fn runs Python in the forked child; forking from several of our threads at once is the
+# documented deadlock risk of preexec_fn, so spawns are serialised (waiting still runs in parallel).
+_SPAWN_LOCK = threading.Lock()
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    """Resource limits of one sandboxed run."""
+
+    wall_seconds: float = 3.0
+    cpu_seconds: int = 2
+    memory_bytes: int = 256 * 2**20
+    file_bytes: int = 2**20
+    open_files: int = 64
+    isolate_network: bool = True
+
+    def __post_init__(self) -> None:
+        if self.wall_seconds <= 0 or self.cpu_seconds < 1:
+            raise ValueError("wall_seconds must be > 0 and cpu_seconds >= 1")
+        if self.memory_bytes < 64 * 2**20:
+            raise ValueError("memory_bytes below 64 MiB cannot start the Python interpreter")
+        if self.file_bytes < 4096 or self.open_files < 8:
+            raise ValueError("file_bytes must be >= 4096 and open_files >= 8")
+
+
+@dataclass(frozen=True)
+class CallResult:
+    """The outcome of one call: a plain (JSON) return value, or an error traceback tail."""
+
+    index: int
+    value: Any = None
+    plain: bool = False
+    repr: str = ""
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class SandboxResult:
+    """What happened in one sandboxed run.
+
+    `stage` is the furthest stage reached: "none" (nothing reported), "start", "syntax_error",
+    "exec_error", "missing" (function not defined), "calls" (running calls), "done".
+    """
+
+    stage: str
+    calls: dict[int, CallResult] = field(default_factory=dict)
+    error: str | None = None
+    timed_out: bool = False
+    signal_name: str | None = None
+    returncode: int | None = None
+    stdout: str = ""
+    network_isolation: str = "audit-hook"
+    seconds: float = 0.0
+    output_full: bool = False
+
+    def termination(self) -> str | None:
+        """A human sentence for an abnormal end (timeout, a limit signal), else None."""
+        if self.timed_out:
+            return "killed: wall-clock time limit exceeded (an infinite loop?)"
+        if self.signal_name == "SIGXCPU" or self.signal_name == "SIGKILL":
+            return "killed: CPU time limit exceeded (an infinite loop?)"
+        if self.signal_name == "SIGXFSZ":
+            return "killed: output/file size limit exceeded"
+        if self.signal_name is not None:
+            return f"crashed with {self.signal_name}"
+        if self.output_full:
+            return "stopped: output/file size limit exceeded"
+        if self.stage not in ("done", "syntax_error", "exec_error", "missing"):
+            return f"exited early with code {self.returncode} before all calls finished"
+        return None
+
+
+def _resolve_unshare() -> Any:
+    global _unshare
+    if _unshare is None:
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            fn = libc.unshare
+            fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+            _unshare = fn
+        except (OSError, AttributeError):
+            _unshare = False
+    return _unshare
+
+
+def _preexec(limits: SandboxLimits, unshare: Any) -> Any:
+    mem, cpu, fsize = limits.memory_bytes, limits.cpu_seconds, limits.file_bytes
+    nofile = limits.open_files
+
+    def setup() -> None:  # runs in the forked child before exec: only C calls, no imports
+        if unshare:
+            if unshare(_CLONE_NEWNET) != 0:
+                unshare(_CLONE_NEWUSER | _CLONE_NEWNET)  # ignore failure: the hook still applies
+        resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        resource.setrlimit(resource.RLIMIT_NPROC, (0, 0))
+
+    return setup
+
+
+def _wait(proc: subprocess.Popen[bytes], timeout: float) -> bool:
+    """Wait until the child exits, WITHOUT reaping it; False on timeout."""
+    deadline = time.monotonic() + timeout
+    try:
+        pidfd = os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):
+        pidfd = None
+    try:
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            if pidfd is not None:
+                ready, _, _ = select.select([pidfd], [], [], remaining)
+                return bool(ready)
+            info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            if info is not None:
+                return True
+            time.sleep(min(0.01, remaining))
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
+
+
+def _parse(raw: bytes, nonce: str) -> tuple[list[dict[str, Any]], bool]:
+    records, netns = [], False
+    prefix = nonce.encode()
+    for line in raw.splitlines():
+        if not line.startswith(prefix):
+            continue
+        try:
+            record = json.loads(line[len(prefix) :])
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    for record in records:
+        if record.get("kind") == "start":
+            netns = bool(record.get("netns"))
+            break
+    return records, netns
+
+
+def run_candidate(
+    source: str,
+    function: str,
+    calls: Sequence[Sequence[Any]],
+    limits: SandboxLimits | None = None,
+) -> SandboxResult:
+    """Execute `source` in the sandbox and call `function(*args)` for each entry of `calls`.
+
+    `calls` must be JSON-serialisable argument lists. The first report of each call index wins
+    (a candidate that forges result lines cannot overwrite real ones that came first).
+    """
+    limits = limits or SandboxLimits()
+    nonce = "@@" + secrets.token_hex(16) + "@@"
+    try:
+        parent_netns = os.readlink("/proc/self/ns/net")
+    except OSError:
+        parent_netns = ""
+    request = {
+        "nonce": nonce,
+        "source": source,
+        "function": function,
+        "calls": [json.dumps(list(args)) for args in calls],
+        "parent_netns": parent_netns,
+    }
+    unshare = _resolve_unshare() if limits.isolate_network else None
+    root = Path(tempfile.mkdtemp(prefix="cr-sandbox-"))
+    started = time.monotonic()
+    try:
+        work = root / "work"
+        work.mkdir(mode=0o700)
+        (root / "request.json").write_text(json.dumps(request))
+        with (
+            open(root / "request.json", "rb") as stdin,
+            open(root / "out", "wb") as stdout,
+        ):
+            with _SPAWN_LOCK:
+                proc = subprocess.Popen(
+                    [sys.executable, "-I", "-S", _CHILD],
+                    cwd=work,
+                    stdin=stdin,
+                    stdout=stdout,
+                    stderr=subprocess.STDOUT,
+                    env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": str(work)},
+                    start_new_session=True,
+                    close_fds=True,
+                    preexec_fn=_preexec(limits, unshare),
+                )
+            exited = _wait(proc, limits.wall_seconds)
+            # Kill the whole group before reaping, so its id cannot have been reused yet.
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            returncode = proc.wait()
+        with open(root / "out", "rb") as f:
+            raw = f.read(limits.file_bytes)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    records, netns = _parse(raw, nonce)
+    stage, error, stdout = "none", None, ""
+    results: dict[int, CallResult] = {}
+    for record in records:
+        kind = record.get("kind")
+        if kind == "start" and stage == "none":
+            stage = "start"
+        elif kind in ("syntax_error", "exec_error", "missing") and stage in ("none", "start"):
+            stage, error = kind, str(record.get("error", ""))
+        elif kind in ("call", "call_error") and stage in ("start", "calls"):
+            stage = "calls"
+            i = record.get("i")
+            if isinstance(i, int) and 0 <= i < len(calls) and i not in results:
+                if kind == "call":
+                    results[i] = CallResult(
+                        i, record.get("value"), bool(record.get("plain")), str(record.get("repr"))
+                    )
+                else:
+                    results[i] = CallResult(i, error=str(record.get("error", "")))
+        elif kind == "done" and stage in ("start", "calls"):
+            stage, stdout = "done", str(record.get("stdout", ""))
+    # Our own SIGKILL of the group after a clean exit is not the child's fault.
+    signal_name = None
+    if returncode < 0 and not (exited and stage == "done"):
+        try:
+            signal_name = signal.Signals(-returncode).name
+        except ValueError:
+            signal_name = f"signal {-returncode}"
+    return SandboxResult(
+        stage=stage,
+        calls=results,
+        error=error,
+        timed_out=not exited,
+        signal_name=signal_name,
+        returncode=returncode,
+        stdout=stdout,
+        network_isolation="netns" if netns else "audit-hook",
+        seconds=time.monotonic() - started,
+        output_full=len(raw) >= limits.file_bytes,
+    )

@@ -82,9 +82,14 @@ def test_initial_weights_come_from_the_store(tmp_path: Path) -> None:
 
 def test_whole_run_restart_resumes_exactly(tmp_path: Path) -> None:
     """2 rounds, stop everything, start fresh processes' worth of objects, 2 more == 4 straight."""
-    straight = run_replicas(_uri(tmp_path / "a"), 2, rounds=4, h=3)
-    run_replicas(_uri(tmp_path / "b"), 2, rounds=2, h=3)
-    resumed = run_replicas(_uri(tmp_path / "b"), 2, rounds=4, h=3)
+
+    # Same initial weights on every rank: which rank publishes round 0 is a race.
+    def same(r: int) -> nn.Module:
+        return build_model(7)
+
+    straight = run_replicas(_uri(tmp_path / "a"), 2, rounds=4, h=3, model_fn=same)
+    run_replicas(_uri(tmp_path / "b"), 2, rounds=2, h=3, model_fn=same)
+    resumed = run_replicas(_uri(tmp_path / "b"), 2, rounds=4, h=3, model_fn=same)
     assert min(resumed[0]["globals"]) == 2  # it started at round 2, not 0
     for r in range(2):
         a, b = straight[r]["globals"][4], resumed[r]["globals"][4]
@@ -179,7 +184,10 @@ def test_streaming_two_fragments_sync_alternately(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("codec,tol", [("int8", 0.05), ("4bit", 0.15)])
 def test_compressed_codecs_still_converge(tmp_path: Path, codec: str, tol: float) -> None:
-    """int8 / 4-bit pseudo-gradients: final loss within `tol` (relative) of fp32's."""
+    """int8 / 4-bit pseudo-gradients: final loss at most `tol` (relative) above fp32's.
+
+    Measured (8 rounds, H=5): fp32 0.1482, int8 0.1482, 4-bit 0.1344 (start 0.670).
+    """
 
     def eval_loss(model: nn.Module) -> float:
         with torch.no_grad():
@@ -189,7 +197,7 @@ def test_compressed_codecs_still_converge(tmp_path: Path, codec: str, tol: float
     def final_loss(c: str) -> float:
         res = run_replicas(
             _uri(tmp_path / c), 2, rounds=8, h=5, store_kw={"codec": c},
-            model_fn=lambda r: build_model(100 + r),
+            model_fn=lambda r: build_model(100),  # same init: round 0's publisher is a race
         )  # fmt: skip
         model = build_model(0)
         model.load_state_dict(named_params(res[0]["globals"][8]))
@@ -198,7 +206,7 @@ def test_compressed_codecs_still_converge(tmp_path: Path, codec: str, tol: float
     start = build_model(100)
     base, got = final_loss("fp32"), final_loss(codec)
     assert base < 0.7 * eval_loss(start), "fp32 DiLoCo did not learn"
-    assert abs(got - base) / base < tol, f"{codec}: {got:.4f} vs fp32 {base:.4f}"
+    assert (got - base) / base < tol, f"{codec}: {got:.4f} vs fp32 {base:.4f}"
 
 
 def test_argument_validation() -> None:

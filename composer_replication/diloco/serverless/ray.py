@@ -48,7 +48,7 @@ def _import_ray() -> Any:
     try:
         import ray
     except ImportError as exc:
-        raise ImportError("RayExecutor needs Ray: pip install 'composer-replication[ray]'") from exc
+        raise ImportError("RayExecutor needs Ray: pip install composer-replication[ray]") from exc
     return ray
 
 
@@ -177,7 +177,7 @@ class RayExecutor(ExecutorBase):
         self.init_num_cpus = init_num_cpus
         self.runtime_env = runtime_env
         self.same_fs = address is None
-        self.cwd = os.fspath(cwd) if cwd is not None else (os.getcwd() if self.same_fs else None)
+        self._cwd = os.fspath(cwd) if cwd is not None else None
         self._use_worker_python = python is None
         self.python = python or "python"
         self.grace_period = float(grace_period)
@@ -190,6 +190,14 @@ class RayExecutor(ExecutorBase):
         self._atexit_registered = False
 
     # -- setup
+    @property
+    def cwd(self) -> str | None:
+        """The replicas' working directory: as given, else the driver's current one when Ray is
+        local (same filesystem), else None (the Ray worker's)."""
+        if self._cwd is not None:
+            return self._cwd
+        return os.getcwd() if self.same_fs else None
+
     @property
     def log_dir(self) -> Path:
         if self._log_dir is None:

@@ -147,6 +147,10 @@ class RayExecutor(ExecutorBase):
       grace_period: seconds between SIGTERM and SIGKILL on cancel/timeout.
       poll_interval: seconds between polls in collect().
       ray_init_kwargs: extra keyword arguments for ray.init.
+      shared_filesystem: whether the replicas see the driver's filesystem (default: True exactly
+        when address is None). If so, they write their logs straight into log_dir and script
+        entrypoints are checked here; if not, logs stay on the node (read through the actor
+        while running, copied to log_dir when the replica ends) and nothing is checked locally.
     """
 
     backend = "ray"
@@ -165,6 +169,7 @@ class RayExecutor(ExecutorBase):
         grace_period: float = 5.0,
         poll_interval: float = 0.2,
         ray_init_kwargs: dict[str, Any] | None = None,
+        shared_filesystem: bool | None = None,
     ) -> None:
         self._ray = _import_ray()
         self.address = address
@@ -176,7 +181,7 @@ class RayExecutor(ExecutorBase):
             )
         self.init_num_cpus = init_num_cpus
         self.runtime_env = runtime_env
-        self.same_fs = address is None
+        self.same_fs = address is None if shared_filesystem is None else bool(shared_filesystem)
         self._cwd = os.fspath(cwd) if cwd is not None else None
         self._use_worker_python = python is None
         self.python = python or "python"

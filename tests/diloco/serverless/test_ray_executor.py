@@ -146,6 +146,29 @@ def test_cancel_mid_run_ends_whole_tree(ray_ex, tmp_path):
     assert not [p for p in pids if alive(p)], "orphans left behind"
 
 
+def test_cluster_mode_logs_through_the_actor_then_copied(ray_ex, tmp_path):
+    # What a remote cluster looks like: the replica's log is on its node, not in log_dir.
+    from composer_replication.diloco.serverless.ray import RayExecutor
+
+    remote = RayExecutor(shared_filesystem=False, log_dir=tmp_path / "driver-logs",
+                         cwd=str(tmp_path), poll_interval=0.05, grace_period=1.0)  # fmt: skip
+    store = str(tmp_path / "store")
+    handles = remote.launch_replicas(2, PROBE, {"store": store, "sleep": 60, "sleep-rank": 1})
+    wait_for_records(store, 2)
+    (h0, h1) = remote.collect(handles[:1], timeout=60) + handles[1:]
+    assert h0.status is ReplicaStatus.SUCCEEDED
+    assert remote.logs(h0, tail=1) == "probe rank=0 done\n"
+    assert Path(h0.log_location).read_text().endswith("probe rank=0 done\n")  # copied over
+    deadline = time.monotonic() + 30
+    while "started" not in remote.logs(h1):  # still running: read through its actor
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert not Path(h1.log_location).exists()
+    remote.cancel([h1])
+    assert h1.status is ReplicaStatus.CANCELLED
+    assert "probe rank=1 attempt=0" in Path(h1.log_location).read_text()
+
+
 def test_collect_timeout_marks_failed_and_kills(ray_ex, tmp_path):
     store = str(tmp_path / "store")
     handles = ray_ex.launch_replicas(1, PROBE, {"store": store, "sleep": 120})

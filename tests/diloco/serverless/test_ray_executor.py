@@ -46,8 +46,11 @@ def wait_for_records(store: str, n: int, timeout: float = 60.0) -> dict[int, dic
 @pytest.fixture(scope="module")
 def ray_ex(tmp_path_factory):
     """The module's RayExecutor; it starts a private local Ray and shuts it down at the end."""
+    import ray
+
     from composer_replication.diloco.serverless.ray import RayExecutor
 
+    started_here = not ray.is_initialized()
     old = os.environ.get("RAY_AUTH_MODE")
     os.environ["RAY_AUTH_MODE"] = "disabled"  # a private local Ray needs no token file in ~
     ex = RayExecutor(
@@ -57,9 +60,8 @@ def ray_ex(tmp_path_factory):
     ex._ensure_ray()
     yield ex
     ex.shutdown()
-    import ray
-
-    assert not ray.is_initialized()  # the executor started it, so it stopped it
+    if started_here:
+        assert not ray.is_initialized()  # the executor started it, so it stopped it
     if old is None:
         os.environ.pop("RAY_AUTH_MODE", None)
     else:
@@ -181,9 +183,10 @@ def test_collect_timeout_marks_failed_and_kills(ray_ex, tmp_path):
 
 
 def test_unplaceable_replica_stays_pending_then_times_out(ray_ex, tmp_path):
-    # No GPU in this Ray: the actor cannot be placed, so the replica never starts.
+    # No node offers this resource: the actor cannot be placed, so the replica never starts.
     store = str(tmp_path / "store")
-    handles = ray_ex.launch_replicas(1, PROBE, {"store": store}, resources={"num_gpus": 1})
+    need = {"resources": {"no_such_accelerator": 1}}
+    handles = ray_ex.launch_replicas(1, PROBE, {"store": store}, resources=need)
     assert ray_ex.poll(handles)[0].status is ReplicaStatus.PENDING
     t0 = time.monotonic()
     (h,) = ray_ex.collect(handles, timeout=1.5)

@@ -490,3 +490,13 @@ class ExecutorBase(SupervisorBase):
             self._cancel_quietly(launched)
             raise
         return launched
+
+
+def __getattr__(name: str) -> Any:
+    # The seed docs place LocalProcessExecutor in this module; it lives in local.py (which
+    # imports this one), so resolve the old import path lazily.
+    if name == "LocalProcessExecutor":
+        from composer_replication.diloco.serverless.local import LocalProcessExecutor
+
+        return LocalProcessExecutor
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -252,6 +252,15 @@ def test_every_executor_in_this_package_satisfies_the_protocol():
         assert isinstance(obj.backend, str)
 
 
+def test_seed_import_path_for_local_executor():
+    from composer_replication.diloco.serverless.executor import LocalProcessExecutor as Seed
+    from composer_replication.diloco.serverless.local import LocalProcessExecutor
+
+    assert Seed is LocalProcessExecutor
+    with pytest.raises(AttributeError):
+        ex_mod.NoSuchName  # noqa: B018
+
+
 def test_handle_fields_match_the_contract():
     h = ReplicaHandle(replica_id=0, backend="x", job_id="j", status=ReplicaStatus.PENDING)
     expected: dict[str, Any] = {

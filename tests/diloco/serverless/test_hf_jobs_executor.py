@@ -17,7 +17,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from standins.common import StandinServer  # noqa: E402
 from standins.hf_jobs_api import USER, HFJobsStandin  # noqa: E402
 
-from composer_replication.diloco.serverless.executor import ReplicaStatus  # noqa: E402
+from composer_replication.diloco.serverless.executor import (  # noqa: E402
+    ReplicaStatus,
+    ServerlessExecutor,
+)
 from composer_replication.diloco.serverless.hf_jobs import (  # noqa: E402
     HFJobsExecutor,
     known_flavors,
@@ -144,6 +147,7 @@ def test_collect_timeout_and_hub_timeout(hub):
 def test_seed_driver_snippet_unchanged(hub, capsys):
     _, make, tmp = hub
     executor = make()
+    assert isinstance(executor, ServerlessExecutor)
     uri = f"file://{tmp / 'seed-store'}"
     handles = executor.launch_replicas(
         n_replicas=4,
@@ -194,3 +198,9 @@ def test_bad_input_and_missing_token_fail_before_launch(hub, monkeypatch):
     with pytest.raises(CloudExecutorError, match="whoami") as info:
         bad.launch_replicas(1, "diloco_replica.py")
     assert "hf_WrongToken99999999" not in repr(info.value) and standin.created == []
+
+
+def test_missing_sdk_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "huggingface_hub", None)  # as if not installed
+    with pytest.raises(ImportError, match=r"composer-replication\[hf-jobs\]"):
+        HFJobsExecutor("python:3.12", token=TOKEN)

@@ -17,7 +17,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from standins.common import StandinServer  # noqa: E402
 from standins.k8s_api import K8sApiStandin, compress_indexes  # noqa: E402
 
-from composer_replication.diloco.serverless.executor import ReplicaStatus  # noqa: E402
+from composer_replication.diloco.serverless.executor import (  # noqa: E402
+    ReplicaStatus,
+    ServerlessExecutor,
+)
 from composer_replication.diloco.serverless.k8s import K8sExecutor, parse_indexes  # noqa: E402
 from composer_replication.diloco.serverless.redact import (  # noqa: E402
     CloudExecutorError,
@@ -148,7 +151,7 @@ def test_cancel_mid_run_deletes_job_foreground(cluster):
 def test_cancel_subset_keeps_the_others_running(cluster):
     standin, make, tmp = cluster
     ex = make(backoff_limit_per_index=3)
-    handles = ex.launch_replicas(2, "diloco_replica.py", _args(tmp / "s", sleep=1.5))
+    handles = ex.launch_replicas(2, "diloco_replica.py", _args(tmp / "s", sleep=3))
     deadline = time.monotonic() + 20
     while not all(h.status is ReplicaStatus.RUNNING for h in ex.poll(handles)):
         assert time.monotonic() < deadline
@@ -179,6 +182,7 @@ def test_collect_timeout_cancels_and_reports(cluster):
 def test_seed_driver_snippet_unchanged(cluster, capsys):
     _, make, tmp = cluster
     executor = make()
+    assert isinstance(executor, ServerlessExecutor)
     uri = f"file://{tmp / 'seed-store'}"
     handles = executor.launch_replicas(
         n_replicas=4,
@@ -235,3 +239,9 @@ def test_failed_create_leaves_nothing_and_never_shows_the_token(cluster, caplog)
     assert info.value.__cause__ is None and info.value.__suppress_context__
     assert standin.jobs == {}
     assert any(m == "DELETE" for m, *_ in standin.requests)  # best-effort cleanup was tried
+
+
+def test_missing_sdk_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "kubernetes.client", None)  # as if not installed
+    with pytest.raises(ImportError, match=r"composer-replication\[k8s\]"):
+        K8sExecutor("python:3.11")

@@ -21,7 +21,10 @@ modal = pytest.importorskip("modal")
 sys.path.insert(0, str(Path(__file__).parent))
 from standins.fake_modal import FakeModal  # noqa: E402
 
-from composer_replication.diloco.serverless.executor import ReplicaStatus  # noqa: E402
+from composer_replication.diloco.serverless.executor import (  # noqa: E402
+    ReplicaStatus,
+    ServerlessExecutor,
+)
 from composer_replication.diloco.serverless.modal import (  # noqa: E402
     ModalExecutor,
     modal_credentials,
@@ -154,6 +157,7 @@ def test_collect_timeout(fake, tmp_path):
 
 def test_seed_driver_snippet_unchanged(fake, tmp_path, capsys):
     executor = _make(fake, gpu="A100")
+    assert isinstance(executor, ServerlessExecutor)
     uri = f"file://{tmp_path / 'seed-store'}"
     handles = executor.launch_replicas(
         n_replicas=4,
@@ -226,3 +230,9 @@ def test_every_modal_call_matches_the_installed_signatures(fake, tmp_path):
             sig = inspect.signature(run_replica)
             lead = []
         sig.bind(*lead, *args, **kwargs)  # raises TypeError on a mismatch
+
+
+def test_missing_sdk_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "modal", None)  # as if not installed
+    with pytest.raises(ImportError, match=r"composer-replication\[modal\]"):
+        ModalExecutor("python:3.12")

@@ -18,7 +18,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from standins.common import StandinServer  # noqa: E402
 from standins.sagemaker_api import SageMakerStandin  # noqa: E402
 
-from composer_replication.diloco.serverless.executor import ReplicaStatus  # noqa: E402
+from composer_replication.diloco.serverless.executor import (  # noqa: E402
+    ReplicaStatus,
+    ServerlessExecutor,
+)
 from composer_replication.diloco.serverless.redact import (  # noqa: E402
     CloudExecutorError,
     MissingCredentialsError,
@@ -167,6 +170,7 @@ def test_collect_timeout_and_max_runtime(aws):
 def test_seed_driver_snippet_unchanged(aws, capsys):
     _, make, tmp = aws
     executor = make()
+    assert isinstance(executor, ServerlessExecutor)
     uri = f"file://{tmp / 'seed-store'}"
     handles = executor.launch_replicas(
         n_replicas=4,
@@ -219,3 +223,18 @@ def test_bad_input_and_missing_credentials_fail_before_launch(aws, monkeypatch, 
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     with pytest.raises(MissingCredentialsError, match="AWS_ACCESS_KEY_ID"):
         SageMakerExecutor(IMAGE, role_arn=ROLE, output_path="s3://b/o", region="us-east-1")
+
+
+def test_missing_sdk_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "boto3", None)  # as if not installed
+    with pytest.raises(ImportError, match=r"composer-replication\[sagemaker\]"):
+        SageMakerExecutor(IMAGE, role_arn=ROLE, output_path="s3://b/o")
+
+
+def test_public_exports():
+    from composer_replication.diloco import serverless
+
+    assert serverless.SageMakerExecutor is SageMakerExecutor
+    for name in ("K8sExecutor", "ModalExecutor", "HFJobsExecutor"):
+        cls = getattr(serverless, name)
+        assert isinstance(cls.backend, str)

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import importlib.resources
@@ -40,6 +41,16 @@ T = TypeVar("T")
 
 class ConfigError(ValueError):
     """A configuration problem the user must fix (the CLI exits with code 2)."""
+
+
+class _Unset:
+    """An override written as `key=none`: unset an optional key (or the string "none")."""
+
+    def __repr__(self) -> str:
+        return "none"
+
+
+UNSET = _Unset()
 
 
 # ----------------------------------------------------------------------------- types
@@ -75,6 +86,13 @@ def _did_you_mean(word: str, options: Iterable[str]) -> str:
 def _convert(value: Any, tp: Any, key: str) -> Any:
     """Check `value` against annotation `tp`; return it (ints widened to float where declared)."""
     origin = typing.get_origin(tp)
+    if value is UNSET:
+        args = typing.get_args(tp)
+        if type(None) in args:
+            return None
+        if tp is str or (origin is Literal and "none" in args):
+            return "none"
+        raise ConfigError(f"{key}: cannot be unset (expected {_type_name(tp)})")
     if tp is Any:
         return value
     if origin in (types.UnionType, typing.Union):
@@ -204,7 +222,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         )
     raw = raw.strip()
     if raw.lower() in ("none", "null"):
-        return parts, None
+        return parts, UNSET
     try:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
@@ -222,16 +240,12 @@ def _set_path(tree: dict[str, Any], parts: list[str], value: Any, text: str) -> 
             where = ".".join(parts[: depth + 1])
             raise ConfigError(f"override {text!r}: {where} is a value, not a section")
         node = child
-    if value is None:
-        node.pop(parts[-1], None)
-        node[parts[-1]] = None
-    else:
-        node[parts[-1]] = value
+    node[parts[-1]] = value
 
 
 def apply_overrides(tree: dict[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
     """Apply 'section.key=value' strings to a raw config tree (a deep copy is returned)."""
-    out = json.loads(json.dumps(tree))
+    out = copy.deepcopy(tree)
     for text in overrides:
         parts, value = parse_override(text)
         _set_path(out, parts, value, text)

@@ -109,7 +109,6 @@ class TrainConfig:
     learning_rate: float = _f(3e-3, "inner AdamW learning rate")
     batch_size: int = _f(16, "completions per step per replica (a multiple of num_generations)")
     num_generations: int = _f(8, "completions per prompt (the GRPO group size)")
-    max_prompt_length: int = _f(64, "prompt tokens kept (left-truncated)")
     max_completion_length: int = _f(8, "generated tokens per completion")
     temperature: float = _f(1.0, "sampling temperature for rollouts")
     gradient_accumulation_steps: int = _f(1, "micro-batches per optimizer step")
@@ -129,7 +128,7 @@ class TrainConfig:
             f"{self.batch_size} must be a positive multiple of train.num_generations "
             f"({self.num_generations})",
         )
-        for key in ("max_prompt_length", "max_completion_length", "gradient_accumulation_steps"):
+        for key in ("max_completion_length", "gradient_accumulation_steps"):
             _check(getattr(self, key) >= 1, f"train.{key}", "must be >= 1")
         _check(self.temperature > 0, "train.temperature", "must be > 0")
         _check(self.eval_every_rounds >= 0, "train.eval_every_rounds", "must be >= 0")
@@ -203,7 +202,6 @@ class TeachersConfig:
     oracle: bool = _f(True, "replay the task's oracle solutions when no endpoint/traces are given")
     traces_path: str = _f("", "pre-baked traces JSONL (from `composer-replication bake-traces`)")
     endpoints: list[EndpointConfig] = _f([], "OpenAI-compatible teachers ([[teachers.endpoints]])")
-    min_reward: float = _f(1.0, "keep only traces whose task reward is >= this")
 
 
 @dataclass(frozen=True)
@@ -307,6 +305,14 @@ class RunConfig:
     )
 
     def __post_init__(self) -> None:
+        h = self.diloco.sync_every_h
+        if self.train.max_steps % h:
+            lower = max(h, self.train.max_steps // h * h)
+            raise ValueError(
+                f"train.max_steps: {self.train.max_steps} is not a multiple of "
+                f"diloco.sync_every_h ({h}); the steps after the last sync would be discarded "
+                f"(use e.g. train.max_steps={lower} or {lower + h})"
+            )
         if self.diloco.min_replicas is not None:
             _check(
                 self.diloco.min_replicas <= self.backend.n_replicas,
@@ -322,6 +328,5 @@ class RunConfig:
 
     @property
     def n_rounds(self) -> int:
-        """Outer rounds in the run (the last partial block of inner steps syncs too)."""
-        h = self.diloco.sync_every_h
-        return -(-self.train.max_steps // h)
+        """Outer rounds in the run (max_steps is a multiple of sync_every_h)."""
+        return self.train.max_steps // self.diloco.sync_every_h

@@ -149,6 +149,7 @@ def run(
     folder.config_toml.write_text(dump_toml(config))
     folder.config_json.write_text(json.dumps(to_dict(config), indent=1))
     store.write_json("run_config.json", to_dict(config))
+    t_start = time.monotonic()
     state = folder.read_driver()
     attempt = int(state.get("attempt", 0)) + 1
     folder.update_driver(status="running", attempt=attempt, started=time.time(), ended=None)
@@ -235,7 +236,9 @@ def run(
 
         summary = summarize(read_metrics(folder.metrics))
     exit_code = {"finished": 0, "interrupted": 130}.get(status, 1)
-    print(summary_text(folder, status, summary, config), file=stream, flush=True)
+    wall = time.monotonic() - t_start
+    folder.update_driver(wall_seconds=wall)
+    print(summary_text(folder, status, summary, config, wall), file=stream, flush=True)
     return TrainResult(folder=folder, exit_code=exit_code, status=status, summary=summary)
 
 

@@ -20,7 +20,14 @@ from composer_replication.run.metrics import read_metrics
 
 __all__ = ["draw_plots", "summarize", "summary_markdown", "write_report"]
 
-LOSS_KEYS = ("loss/total", "loss/grpo", "loss/sdpo", "loss/replay")
+# logged key -> plot name; TRL logs the total optimised loss as "loss".
+LOSS_KEYS = {
+    "loss": "total",
+    "loss/total": "total",
+    "loss/grpo": "grpo",
+    "loss/sdpo": "sdpo",
+    "loss/replay": "replay",
+}
 
 
 def _mean(values: Sequence[float]) -> float | None:
@@ -126,11 +133,17 @@ def draw_plots(records: list[dict[str, Any]], out_dir: Path) -> list[Path]:
         fig, (ax,) = _figure("mean reward per inner step", "reward")
         _plot_series(ax, _series(records, "train", key))
         save(fig, "reward.png")
-    for loss_key in LOSS_KEYS:
+    drawn: set[str] = set()
+    for loss_key, channel in LOSS_KEYS.items():
         series = _series(records, "train", loss_key)
-        if series:
-            channel = loss_key.split("/", 1)[1]
-            fig, (ax,) = _figure(f"{loss_key} (channel loss, before weighting)", "loss")
+        if series and channel not in drawn:
+            drawn.add(channel)
+            title = (
+                "total loss (all channels, weighted)"
+                if channel == "total"
+                else f"{loss_key} (channel loss, before weighting)"
+            )
+            fig, (ax,) = _figure(title, "loss")
             _plot_series(ax, series)
             save(fig, f"loss_{channel}.png")
     series = _series(records, "eval", "eval/accuracy")

@@ -26,7 +26,7 @@ def test_embedded_default_is_the_cpu_demo() -> None:
     assert config.store.uri == ""  # file:// under the run folder
     assert config.loss.alpha_sdpo > 0 and config.loss.beta_replay > 0  # all three channels
     assert config.teachers.oracle
-    assert config.n_rounds == -(-config.train.max_steps // config.diloco.sync_every_h)
+    assert config.n_rounds * config.diloco.sync_every_h == config.train.max_steps
     # the packaged file parses on its own, and every key in it is known to the schema
     from_dict(RunConfig, tomllib.loads(default_toml_text()))
 
@@ -54,7 +54,8 @@ def test_overrides_parse_toml_values_with_string_fallback() -> None:
         "Qwen/Qwen2.5-0.5B-Instruct",
     )
     assert parse_override('store.uri="s3://b/p/"') == (["store", "uri"], "s3://b/p/")
-    assert parse_override("loss.taid_t=none") == (["loss", "taid_t"], None)
+    assert load_config(overrides=["loss.taid_t=0.3", "loss.taid_t=none"]).loss.taid_t is None
+    assert load_config(overrides=["logging.progress=none"]).logging.progress == "none"
     config = load_config(overrides=["train.learning_rate=1", "logging.tensorboard=false"])
     assert config.train.learning_rate == 1.0 and isinstance(config.train.learning_rate, float)
     assert config.logging.tensorboard is False
@@ -62,9 +63,9 @@ def test_overrides_parse_toml_values_with_string_fallback() -> None:
 
 def test_config_file_then_overrides(tmp_path) -> None:
     path = tmp_path / "c.toml"
-    path.write_text('[train]\nmax_steps = 7\n[backend]\nkind = "local"\nn_replicas = 3\n')
-    config = load_config(path, ["train.max_steps=9"])
-    assert config.train.max_steps == 9 and config.backend.n_replicas == 3
+    path.write_text('[train]\nmax_steps = 70\n[backend]\nkind = "local"\nn_replicas = 3\n')
+    config = load_config(path, ["train.max_steps=90"])
+    assert config.train.max_steps == 90 and config.backend.n_replicas == 3
     assert config.model.name == "tiny"  # schema defaults fill the rest
 
 
@@ -87,6 +88,7 @@ def test_config_file_then_overrides(tmp_path) -> None:
         ("teachers.endpoints=[{model = \"m\"}]", "teachers.endpoints[0]: base_url: must be set"),
         ("train=3", "the key must be section.key"),
         ("novalue", "expected section.key=value"),
+        ("train.max_steps=none", "train.max_steps: cannot be unset"),
     ],
 )  # fmt: skip
 def test_errors_name_the_key_and_give_a_hint(override: str, needle: str) -> None:
@@ -105,6 +107,8 @@ def test_bad_toml_and_missing_file(tmp_path) -> None:
 
 
 def test_cross_section_rules() -> None:
+    with pytest.raises(ConfigError, match="train.max_steps: 25 is not a multiple of"):
+        load_config(overrides=["train.max_steps=25", "diloco.sync_every_h=10"])
     with pytest.raises(ConfigError, match="diloco.min_replicas: 3 exceeds backend.n_replicas"):
         load_config(overrides=["diloco.min_replicas=3"])
     with pytest.raises(ConfigError, match="loss.sdpo_wrapper: 'taid' needs"):

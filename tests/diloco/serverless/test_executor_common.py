@@ -212,7 +212,7 @@ def test_base_collect_reports_failures_and_timeouts_without_raising():
     fake.codes[0], fake.codes[1] = 0, 4  # rank 2 never finishes
     t0 = time.monotonic()
     result = fake.collect(handles, timeout=0.3)
-    assert 0.3 <= time.monotonic() - t0 < 2
+    assert 0.3 <= time.monotonic() - t0 < 5
     assert result is handles
     assert [h.status for h in result] == [
         ReplicaStatus.SUCCEEDED,

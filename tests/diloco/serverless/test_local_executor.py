@@ -147,7 +147,7 @@ def test_cancel_mid_run_ends_whole_tree(ex, tmp_path):
     assert all(alive(p) for p in pids)
     t0 = time.monotonic()
     ex.cancel(handles)
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 10  # grace is 1 s; SIGTERM ends the probe at once
     assert [h.status for h in handles] == [ReplicaStatus.CANCELLED] * 2
     assert all(h.exit_code is not None and h.exit_code < 0 for h in handles)  # by a signal
     assert not [p for p in pids if alive(p)], "orphans left behind"
@@ -174,7 +174,7 @@ def test_collect_timeout_marks_failed_and_kills(ex, tmp_path):
     recs = wait_for_records(store, 1)
     t0 = time.monotonic()
     result = ex.collect(handles, timeout=3)
-    assert 2.5 < time.monotonic() - t0 < 8
+    assert 2.5 < time.monotonic() - t0 < 15
     assert result[1].status is ReplicaStatus.SUCCEEDED and result[1].exit_code == 0
     assert result[0].status is ReplicaStatus.FAILED
     assert result[0].error.startswith("timeout after 3s; last log lines:")

@@ -143,7 +143,7 @@ def test_cancel_mid_run_ends_whole_tree(ray_ex, tmp_path):
     assert all(alive(p) for p in pids)
     t0 = time.monotonic()
     ray_ex.cancel(handles)
-    assert time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 < 15
     assert [h.status for h in handles] == [ReplicaStatus.CANCELLED] * 2
     assert not [p for p in pids if alive(p)], "orphans left behind"
 
@@ -190,7 +190,7 @@ def test_unplaceable_replica_stays_pending_then_times_out(ray_ex, tmp_path):
     assert ray_ex.poll(handles)[0].status is ReplicaStatus.PENDING
     t0 = time.monotonic()
     (h,) = ray_ex.collect(handles, timeout=1.5)
-    assert time.monotonic() - t0 < 8
+    assert time.monotonic() - t0 < 12  # not 16+: an unplaced actor is not waited for
     assert h.status is ReplicaStatus.FAILED and h.error.startswith("timeout after 1.5s")
     assert probe.read_records(store) == {}
 

@@ -12,6 +12,7 @@ is SIGKILLed nothing can stop the replicas (they are ended at interpreter exit o
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import subprocess
@@ -20,7 +21,6 @@ import tempfile
 import threading
 import time
 import uuid
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -200,9 +200,10 @@ class LocalProcessExecutor(ExecutorBase):
         self._log_dir = Path(log_dir) if log_dir is not None else None
         self._replicas: dict[str, _Replica] = {}
         self._lock = threading.Lock()
-        # Runs at garbage collection or interpreter exit, whichever comes first; holds only the
-        # dict, not self, so it does not keep the executor alive.
-        self._finalizer = weakref.finalize(self, _kill_all, self._replicas, self.grace_period)
+        # At interpreter exit, end what is still running. Not at garbage collection: a driver
+        # that drops the executor object has not asked for its replicas to die. Holds only the
+        # dict, not self.
+        atexit.register(_kill_all, self._replicas, self.grace_period)
 
     @property
     def log_dir(self) -> Path:

@@ -1,0 +1,198 @@
+"""Composer settings: the `ComposerConfig` (a TRL ``GRPOConfig``) and the resolved `ComposerSettings`.
+
+`ComposerConfig` is for users who configure through TRL's argument parser (``TrlParser`` /
+``HfArgumentParser``); every composer field is also a keyword of `ComposerReplicationTrainer`,
+and keyword arguments override the config. The trainer resolves both into one frozen
+`ComposerSettings`, validated once at construction (the compose_loss keywords through
+``loss.ComposeConfig``), so a bad value fails before the first rollout.
+
+CPU-safe defaults: GRPOConfig defaults ``bf16=True`` and ``gradient_checkpointing=True`` (GPU
+settings). `ComposerConfig` leaves them unset and resolves them in ``__post_init__``: without a
+CUDA device both become False; with one, TRL's defaults apply. Explicit values always win.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from composer_replication.data.hints import HintTemplate, coerce_hint_template
+
+try:
+    from trl import GRPOConfig
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "composer_replication.trainer needs TRL; install it with "
+        "`pip install composer-replication[train]`."
+    ) from exc
+
+# compose_loss keywords the trainer forwards unchanged (channel 1 is TRL's own loss; see trainer).
+LOSS_KEYS: tuple[str, ...] = (
+    "alpha_sdpo",
+    "beta_replay",
+    "sdpo_jsd_beta",
+    "sdpo_temperature",
+    "sdpo_token_clip",
+    "sdpo_top_k",
+    "sdpo_add_tail",
+    "sdpo_wrapper",
+    "taid_t",
+    "taid_schedule_step",
+    "taid_total_steps",
+    "entropy_opd_h_max",
+    "replay_dpo_beta",
+    "dpo_variant",
+    "simpo_beta",
+    "simpo_gamma",
+    "label_smoothing",
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ComposerSettings:
+    """Every composer knob, resolved (config, then keyword overrides). See docs/trainer.md."""
+
+    alpha_sdpo: float = 0.1
+    beta_replay: float = 0.05
+    sdpo_jsd_beta: float = 0.5
+    sdpo_temperature: float = 1.0
+    sdpo_token_clip: float | None = None
+    sdpo_top_k: int | None = None
+    sdpo_add_tail: bool = True
+    sdpo_wrapper: str = "none"
+    taid_t: float | None = None
+    taid_schedule_step: int | None = None
+    taid_total_steps: int | None = None
+    entropy_opd_h_max: float = 0.8
+    replay_dpo_beta: float = 0.1
+    dpo_variant: str = "dpo"
+    simpo_beta: float = 2.0
+    simpo_gamma: float = 1.0
+    label_smoothing: float = 0.0
+    # Channel-2 plumbing.
+    sdpo_teacher: str = "policy"
+    sdpo_ema_rate: float = 0.05
+    sdpo_success_threshold: float = 0.5
+    sdpo_max_context_length: int | None = None
+    hint_template: HintTemplate = field(default_factory=HintTemplate)
+    # Channel-3 plumbing.
+    replay_max_length: int | None = None
+    replay_skip_if_not_worse: bool = True
+
+    def __post_init__(self) -> None:
+        if self.sdpo_teacher not in ("policy", "ema"):
+            raise ValueError(f"sdpo_teacher must be 'policy' or 'ema', got {self.sdpo_teacher!r}")
+        if not 0.0 < self.sdpo_ema_rate <= 1.0:
+            raise ValueError(f"sdpo_ema_rate must be in (0, 1], got {self.sdpo_ema_rate}")
+        if self.sdpo_max_context_length is not None and self.sdpo_max_context_length < 1:
+            raise ValueError("sdpo_max_context_length must be >= 1 or None")
+        if self.replay_max_length is not None and self.replay_max_length < 1:
+            raise ValueError("replay_max_length must be >= 1 or None")
+        from composer_replication.loss.compose import ComposeConfig
+
+        kwargs = self.loss_kwargs()
+        if self.sdpo_wrapper == "taid" and self.taid_t is None and self.taid_schedule_step is None:
+            kwargs["taid_t"] = 0.4  # t comes from the TAIDCallback schedule at run time
+        ComposeConfig.from_kwargs(kwargs)  # validates every loss keyword now, not at step 1
+
+    def loss_kwargs(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in LOSS_KEYS}
+
+    @property
+    def taid_scheduled(self) -> bool:
+        """TAID with neither taid_t nor taid_schedule_step: t is driven by `TAIDCallback`."""
+        return (
+            self.sdpo_wrapper == "taid" and self.taid_t is None and self.taid_schedule_step is None
+        )
+
+    @classmethod
+    def resolve(cls, args: Any, overrides: dict[str, Any]) -> ComposerSettings:
+        """Settings from ``args`` (a `ComposerConfig`, or any object lacking the fields) + overrides."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(overrides) - names)
+        if unknown:
+            raise ValueError(
+                f"unknown ComposerReplicationTrainer keyword(s): {', '.join(unknown)} "
+                f"(composer keywords: {', '.join(sorted(names))})"
+            )
+        values = {n: getattr(args, n) for n in names if hasattr(args, n)}
+        values.update(overrides)
+        values["hint_template"] = coerce_hint_template(values.get("hint_template"))
+        return cls(**values)
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@dataclass
+class ComposerConfig(GRPOConfig):
+    """`GRPOConfig` + the composer fields (same names and defaults as the trainer keywords)."""
+
+    alpha_sdpo: float = field(default=0.1, metadata={"help": "Channel-2 (SDPO) weight."})
+    beta_replay: float = field(default=0.05, metadata={"help": "Channel-3 (trace replay) weight."})
+    sdpo_jsd_beta: float = field(
+        default=0.5, metadata={"help": "Generalized JSD beta (0 forward KL, 1 reverse KL)."}
+    )
+    sdpo_temperature: float = field(default=1.0, metadata={"help": "Channel-2 temperature."})
+    sdpo_token_clip: float | None = field(
+        default=None, metadata={"help": "Clip per-token channel-2 divergence at this value."}
+    )
+    sdpo_top_k: int | None = field(
+        default=None, metadata={"help": "Top-k vocabulary for channel 2 (None = full vocab)."}
+    )
+    sdpo_add_tail: bool = field(default=True, metadata={"help": "Top-k: add a tail bucket."})
+    sdpo_wrapper: str = field(
+        default="none", metadata={"help": "Channel-2 divergence: none | taid | entropy_opd."}
+    )
+    taid_t: float | None = field(default=None, metadata={"help": "Fixed TAID t in [0, 1]."})
+    taid_schedule_step: int | None = field(
+        default=None, metadata={"help": "Linear TAID schedule step (with taid_total_steps)."}
+    )
+    taid_total_steps: int | None = field(
+        default=None, metadata={"help": "TAID schedule length (default: max_steps)."}
+    )
+    entropy_opd_h_max: float = field(default=0.8, metadata={"help": "Entropy-OPD gate."})
+    replay_dpo_beta: float = field(default=0.1, metadata={"help": "DPO beta for channel 3."})
+    dpo_variant: str = field(default="dpo", metadata={"help": "Channel 3: dpo | simpo."})
+    simpo_beta: float = field(default=2.0, metadata={"help": "SimPO beta."})
+    simpo_gamma: float = field(default=1.0, metadata={"help": "SimPO margin gamma."})
+    label_smoothing: float = field(default=0.0, metadata={"help": "Channel-3 label smoothing."})
+    sdpo_teacher: str = field(
+        default="policy", metadata={"help": "Channel-2 teacher: policy (no grad) | ema."}
+    )
+    sdpo_ema_rate: float = field(default=0.05, metadata={"help": "EMA teacher update rate."})
+    sdpo_success_threshold: float = field(
+        default=0.5, metadata={"help": "Reward at or above which a rollout counts as solved."}
+    )
+    sdpo_max_context_length: int | None = field(
+        default=None, metadata={"help": "Keep at most this many teacher-context tokens."}
+    )
+    hint_template: str | None = field(
+        default=None,
+        metadata={"help": "Teacher reprompt template with {prompt}, {solution}, {feedback}."},
+    )
+    replay_max_length: int | None = field(
+        default=None, metadata={"help": "Max chosen-trace tokens (default max_completion_length)."}
+    )
+    replay_skip_if_not_worse: bool = field(
+        default=True, metadata={"help": "Skip a pair when the rollout scored >= the trace."}
+    )
+    trace_files: list[str] | None = field(
+        default=None, metadata={"help": "Trace JSONL file(s) to replay in channel 3."}
+    )
+    gradient_checkpointing: bool | None = field(  # type: ignore[assignment]
+        default=None,
+        metadata={"help": "Gradient checkpointing (default: True with CUDA, False on CPU)."},
+    )
+
+    def __post_init__(self) -> None:
+        cuda = _cuda_available()
+        if self.gradient_checkpointing is None:
+            self.gradient_checkpointing = cuda
+        if self.bf16 is None and not self.fp16 and not cuda:
+            self.bf16 = False
+        super().__post_init__()

@@ -1,0 +1,488 @@
+"""`ComposerReplicationTrainer`: TRL's ``GRPOTrainer`` plus channels 2 and 3 of the composer loss.
+
+What is added to TRL 1.16's GRPO step, and where:
+
+* ``_calculate_rewards``: reward functions may return ``(score, feedback)`` pairs (see
+  `feedback`); ``feedback_funcs`` are called too. Rewards, completions and feedback are kept for
+* ``_generate_and_score_completions``: after TRL's rollouts/rewards/advantages, channel-2 inputs
+  (hinted teacher contexts, `batch.plan_hints`) and channel-3 inputs (trace pairs and their
+  reference log-probs, `batch.plan_pairs`) are added to the generation batch, row-aligned so TRL's
+  shuffle/split into micro-batches keeps them with their rollouts;
+* ``_compute_loss``: channel 1 is TRL's own loss, computed from ONE student forward whose
+  completion logits are kept (``_get_per_token_logps_and_entropies``) and reused for channel 2's
+  student side and channel 3's rejected side (`channels`).
+
+A model that only exists in memory works with ``beta != 0``: the frozen reference is a deep copy
+of it rather than a reload from ``config._name_or_path`` (which TRL would attempt).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from composer_replication.data.traces import TraceStore
+from composer_replication.trainer.batch import (
+    completion_text,
+    hint_tensors,
+    pair_tensors,
+    plan_hints,
+    plan_pairs,
+)
+from composer_replication.trainer.callbacks import EMATeacherCallback, TAIDCallback
+from composer_replication.trainer.channels import (
+    forward_completion_logits,
+    replay_contribution,
+    sdpo_contribution,
+    sequence_logps,
+)
+from composer_replication.trainer.config import ComposerConfig, ComposerSettings
+from composer_replication.trainer.ema import EMATeacher, frozen_copy
+from composer_replication.trainer.feedback import (
+    FeedbackRecorder,
+    call_feedback_funcs,
+    merge_feedback,
+    wrap_reward_func,
+)
+
+try:
+    import trl.trainer.grpo_trainer as _grpo_module
+    from accelerate.utils import gather_object
+    from trl import GRPOTrainer
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "ComposerReplicationTrainer needs TRL; install it with "
+        "`pip install composer-replication[train]`."
+    ) from exc
+
+logger = logging.getLogger(__name__)
+
+
+def _is_peft(model: Any) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
+
+
+@contextlib.contextmanager
+def _reference_from_memory(model: Any, beta: float) -> Iterator[None]:
+    """While TRL builds its KL reference model, build it as a frozen copy of ``model``."""
+    if isinstance(model, str) or beta == 0.0 or _is_peft(model):
+        yield
+        return
+    original = _grpo_module.create_model_from_path
+
+    def from_memory(model_id: str, **kwargs: Any) -> Any:
+        ref = frozen_copy(model)
+        dtype = kwargs.get("dtype")
+        return ref.to(dtype) if isinstance(dtype, torch.dtype) else ref
+
+    _grpo_module.create_model_from_path = from_memory
+    try:
+        yield
+    finally:
+        _grpo_module.create_model_from_path = original
+
+
+class ComposerReplicationTrainer(GRPOTrainer):
+    """GRPO (channel 1) + hint self-distillation (channel 2) + trace replay (channel 3).
+
+    Arguments: everything ``trl.GRPOTrainer`` takes, plus (keyword-only)
+
+    * ``feedback_funcs``: ``[g(prompts, completions, **columns) -> list[str | None]]``;
+    * ``trace_store``: a `TraceStore` of teacher traces for channel 3 (or ``args.trace_files``);
+    * ``teacher_pool``: a `TeacherPool` asked lazily for prompts the store lacks (its traces go
+      into the trainer's store);
+    * every `ComposerSettings` field as a keyword (``alpha_sdpo=0.1, beta_replay=0.05,
+      sdpo_jsd_beta=0.5, sdpo_temperature=1.0, sdpo_token_clip=None, replay_dpo_beta=0.1``, the
+      other compose_loss keywords, ``sdpo_teacher``, ``sdpo_ema_rate``, ``hint_template``, ...);
+      keywords override the same fields of a `ComposerConfig` ``args``.
+
+    ``args=None`` builds a CPU-safe `ComposerConfig`. Channel 2 is on when ``alpha_sdpo != 0``,
+    channel 3 when ``beta_replay != 0`` and traces exist; each switches itself off for a batch or
+    micro-batch with no inputs (metrics ``sdpo/active``, ``replay/active``).
+    """
+
+    _tag_names = ["trl", "grpo", "composer-replication"]
+
+    def __init__(
+        self,
+        model: Any,
+        reward_funcs: Any = None,
+        args: Any = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        processing_class: Any = None,
+        reward_processing_classes: Any = None,
+        callbacks: list[Any] | None = None,
+        optimizers: tuple[Any, Any] = (None, None),
+        quantization_config: Any = None,
+        peft_config: Any = None,
+        tools: list[Callable[..., Any]] | None = None,
+        rollout_func: Any = None,
+        environment_factory: Any = None,
+        *,
+        feedback_funcs: Sequence[Callable[..., Any]] | None = None,
+        trace_store: TraceStore | None = None,
+        teacher_pool: Any = None,
+        **composer_kwargs: Any,
+    ) -> None:
+        if args is None:
+            name = model if isinstance(model, str) else model.config._name_or_path or "model"
+            args = ComposerConfig(output_dir=f"{str(name).split('/')[-1]}-Composer")
+        self.composer = ComposerSettings.resolve(args, composer_kwargs)
+        if trace_store is None and getattr(args, "trace_files", None):
+            trace_store = TraceStore.load(args.trace_files)
+        if teacher_pool is not None:
+            if trace_store is None:
+                trace_store = teacher_pool.store
+            teacher_pool.store = trace_store
+        with _reference_from_memory(model, args.beta):
+            super().__init__(
+                model=model,
+                reward_funcs=reward_funcs,
+                args=args,
+                train_dataset=train_dataset,
+                eval_dataset=eval_dataset,
+                processing_class=processing_class,
+                reward_processing_classes=reward_processing_classes,
+                callbacks=callbacks,
+                optimizers=optimizers,
+                quantization_config=quantization_config,
+                peft_config=peft_config,
+                tools=tools,
+                rollout_func=rollout_func,
+                environment_factory=environment_factory,
+            )
+        s = self.composer
+        self.feedback_funcs = list(feedback_funcs or [])
+        self.trace_store = trace_store
+        self.teacher_pool = teacher_pool
+        self._feedback = FeedbackRecorder()
+        self.reward_funcs = [
+            f if isinstance(f, nn.Module) else wrap_reward_func(f, i, self._feedback)
+            for i, f in enumerate(self.reward_funcs)
+        ]
+        self._channel2 = s.alpha_sdpo != 0.0
+        self._channel3 = s.beta_replay != 0.0 and trace_store is not None
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        self._ema: EMATeacher | None = None
+        if self._channel2 and s.sdpo_teacher == "ema":
+            self._ema = EMATeacher(unwrapped, s.sdpo_ema_rate)
+            self.add_callback(EMATeacherCallback(self))
+        # DPO needs reference log-probs: TRL's KL reference if there is one, the adapter-free base
+        # for PEFT, else a frozen copy of the initial policy.
+        self._replay_ref: Any = None
+        if self._channel3 and s.dpo_variant == "dpo":
+            if self.ref_model is not None:
+                self._replay_ref = self.ref_model
+            elif not _is_peft(unwrapped):
+                self._replay_ref = frozen_copy(unwrapped)
+        self._ref_chosen_cache: dict[tuple[str, str, str, int], float] = {}
+        self._taid_t: float | None = s.taid_t
+        self._taid_step_losses: list[float] = []
+        if self._channel2 and s.taid_scheduled:
+            taid_cb = next(
+                (c for c in self.callback_handler.callbacks if isinstance(c, TAIDCallback)), None
+            )
+            if taid_cb is None:
+                taid_cb = TAIDCallback(total_steps=s.taid_total_steps)
+                self.add_callback(taid_cb)
+            taid_cb.bind(self)
+        self._capture_logits = False
+        self._captured_logits: torch.Tensor | None = None
+        self._batch: dict[str, Any] = {}
+
+    # -- rewards and feedback ------------------------------------------------------------------
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):  # type: ignore[no-untyped-def]
+        self._feedback.clear()
+        rewards_per_func = super()._calculate_rewards(
+            inputs, prompts, completions, completion_ids_list
+        )
+        sources = [self._feedback.slots[i] for i in sorted(self._feedback.slots)]
+        if self.feedback_funcs:
+            keys = [k for k in inputs[0] if k not in ("prompt", "completion", "completion_ids")]
+            extra = {k: [x[k] for x in inputs] for k in keys}
+            extra["completion_ids"] = completion_ids_list
+            sources += call_feedback_funcs(self.feedback_funcs, prompts, completions, extra)
+        self._batch = {
+            "prompts": prompts,
+            "completions": completions,
+            "rewards_per_func": rewards_per_func,
+            "feedback": merge_feedback(sources, len(prompts)),
+        }
+        return rewards_per_func
+
+    def _global_rewards(self) -> torch.Tensor:
+        """Weighted reward per rollout over all processes (NaN when every function returned None)."""
+        rpf = self._batch["rewards_per_func"]
+        rewards = (rpf * self.reward_weights.to(rpf.device).unsqueeze(0)).nansum(dim=1)
+        rewards[torch.isnan(rpf).all(dim=1)] = torch.nan
+        return rewards
+
+    # -- generation batch: add channel-2/3 inputs -----------------------------------------------
+    def _generate_and_score_completions(self, inputs):  # type: ignore[no-untyped-def]
+        output = super()._generate_and_score_completions(inputs)
+        if not self.model.training or not (self._channel2 or self._channel3):
+            return output
+        rewards = self._global_rewards()
+        n = len(self._batch["prompts"])
+        start = self.accelerator.process_index * n
+        if self._channel2:
+            output.update(self._hint_inputs(output, rewards, start))
+        if self._channel3:
+            output.update(self._pair_inputs(output, rewards[start : start + n], start))
+        return output
+
+    def _global_count(self, local: int | torch.Tensor) -> torch.Tensor:
+        """Global count / number of processes (the per-process normaliser, as TRL's dapo)."""
+        t = torch.as_tensor(local, dtype=torch.float32, device=self.accelerator.device)
+        return self.accelerator.gather(t.reshape(1)).sum() / self.accelerator.num_processes
+
+    def _hint_inputs(self, output: dict[str, Any], rewards: torch.Tensor, start: int) -> dict:
+        s = self.composer
+        all_completions = gather_object([completion_text(c) for c in self._batch["completions"]])
+        plan = plan_hints(
+            self._batch["prompts"],
+            all_completions,
+            rewards.tolist(),
+            self._batch["feedback"],
+            num_generations=self.num_generations,
+            process_start=start,
+            template=s.hint_template,
+            success_threshold=s.sdpo_success_threshold,
+        )
+        tensors = hint_tensors(
+            plan,
+            lambda ps: self._tokenize_prompts(ps)[0],
+            output["completion_ids"],
+            output["completion_mask"],
+            pad_id=self._tokenizer.pad_token_id,
+            max_context_length=s.sdpo_max_context_length,
+        )
+        tokens = (output["completion_mask"].bool() & tensors["sdpo_sample_mask"][:, None]).sum()
+        tensors["sdpo_num_tokens"] = self._global_count(tokens)
+        n = max(len(plan.sample_mask), 1)
+        hinted = self._global_count(sum(plan.sample_mask))
+        self._metrics["train"]["sdpo/frac_hinted"].append(sum(plan.sample_mask) / n)
+        self._metrics["train"]["sdpo/frac_with_sibling"].append(plan.with_sibling / n)
+        self._metrics["train"]["sdpo/frac_with_feedback"].append(plan.with_feedback / n)
+        self._metrics["train"]["sdpo/frac_failed"].append(plan.failed / n)
+        if float(hinted) == 0.0:
+            logger.info(
+                "channel 2 off for this batch: no failed rollout has a successful sibling "
+                "(reward >= %.3g) or feedback",
+                s.sdpo_success_threshold,
+            )
+        return tensors
+
+    def _pair_inputs(self, output: dict[str, Any], rewards: torch.Tensor, start: int) -> dict:
+        s = self.composer
+        prompts = self._batch["prompts"]
+        assert self.trace_store is not None
+        if self.teacher_pool is not None:  # lazy teachers: only prompts the store lacks
+            self.teacher_pool.ensure(prompts[:: self.num_generations] or prompts)
+        completion_mask = output["completion_mask"]
+        pairs, covered = plan_pairs(
+            prompts,
+            rewards.tolist(),
+            completion_mask.sum(-1).tolist(),
+            self.trace_store,
+            num_generations=self.num_generations,
+            process_start=start,
+            skip_if_not_worse=s.replay_skip_if_not_worse,
+        )
+        device = completion_mask.device
+        tensors = pair_tensors(
+            pairs,
+            len(prompts),
+            lambda text: self._tokenizer(text, add_special_tokens=False)["input_ids"],
+            pad_id=self._tokenizer.pad_token_id,
+            eos_id=self._tokenizer.eos_token_id,
+            max_length=s.replay_max_length or self.max_completion_length,
+            device=device,
+        )
+        if s.dpo_variant == "dpo":
+            tensors.update(self._reference_logps(output, tensors, pairs))
+        tensors["replay_num_pairs"] = self._global_count(len(pairs))
+        groups = max(len(prompts) // max(self.num_generations, 1), 1)
+        self._metrics["train"]["replay/trace_coverage"].append(covered / groups)
+        self._metrics["train"]["replay/pairs_built"].append(float(len(pairs)))
+        return tensors
+
+    def _reference_logps(self, output: dict[str, Any], tensors: dict, pairs: list) -> dict:
+        """Summed reference log-probs per pair row; chosen ones cached per (trace, model)."""
+        batch = output["completion_ids"].shape[0]
+        device = output["completion_ids"].device
+        ref_c = torch.zeros(batch, device=device)
+        ref_r = torch.zeros(batch, device=device)
+        if not pairs:
+            return {"replay_ref_chosen_logps": ref_c, "replay_ref_rejected_logps": ref_r}
+        rows = torch.tensor([p.row for p in pairs], device=device)
+        p_ids = output["prompt_ids"].index_select(0, rows)
+        p_mask = output["prompt_mask"].index_select(0, rows)
+        c_ids = tensors["replay_chosen_ids"].index_select(0, rows)
+        c_mask = tensors["replay_chosen_mask"].index_select(0, rows)
+        cacheable = not self.args.sync_ref_model
+        keys = [
+            (p.trace.prompt_key, p.trace.teacher, p.trace.completion, int(c_mask[i].sum()))
+            for i, p in enumerate(pairs)
+        ]
+        with torch.no_grad(), self._reference_context() as ref:
+            r_logits = forward_completion_logits(
+                ref,
+                p_ids,
+                p_mask,
+                output["completion_ids"].index_select(0, rows),
+                output["completion_mask"].index_select(0, rows),
+            )
+            ref_r[rows] = sequence_logps(
+                r_logits,
+                output["completion_ids"].index_select(0, rows),
+                output["completion_mask"].index_select(0, rows),
+            )[0].to(ref_r.dtype)
+            todo = [
+                i for i, k in enumerate(keys) if not cacheable or k not in self._ref_chosen_cache
+            ]
+            if todo:
+                idx = torch.tensor(todo, device=device)
+                c_logits = forward_completion_logits(
+                    ref, p_ids[idx], p_mask[idx], c_ids[idx], c_mask[idx]
+                )
+                values = sequence_logps(c_logits, c_ids[idx], c_mask[idx])[0].tolist()
+                for i, v in zip(todo, values):
+                    self._ref_chosen_cache[keys[i]] = v
+        for i, p in enumerate(pairs):
+            ref_c[p.row] = self._ref_chosen_cache[keys[i]]
+        if not cacheable:
+            self._ref_chosen_cache.clear()
+        return {"replay_ref_chosen_logps": ref_c, "replay_ref_rejected_logps": ref_r}
+
+    @contextlib.contextmanager
+    def _reference_context(self) -> Iterator[Any]:
+        if self._replay_ref is not None:
+            yield self._replay_ref
+            return
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        with unwrapped.disable_adapter():  # PEFT: the base model is the reference
+            yield self.model
+
+    # -- loss ------------------------------------------------------------------------------
+    def _get_per_token_logps_and_entropies(  # type: ignore[override]
+        self,
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        batch_size=None,
+        compute_entropy=False,
+        compute_aux_loss=False,
+        **multimodal,
+    ):
+        """TRL's per-token log-probs; when channels 2/3 need them, from plain logits kept aside."""
+        if not self._capture_logits:
+            return super()._get_per_token_logps_and_entropies(
+                model,
+                input_ids,
+                attention_mask,
+                logits_to_keep,
+                batch_size=batch_size,
+                compute_entropy=compute_entropy,
+                compute_aux_loss=compute_aux_loss,
+                **multimodal,
+            )
+        self._capture_logits = False
+        if any(v is not None for v in multimodal.values()):
+            raise ValueError(
+                "channels 2 and 3 support text-only models; set alpha_sdpo=0 and beta_replay=0 "
+                "for multimodal inputs"
+            )
+        kwargs: dict[str, Any] = {"logits_to_keep": logits_to_keep + 1}
+        if compute_aux_loss:
+            kwargs["output_router_logits"] = True
+        with self.accelerator.autocast():
+            out = model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        logits = out.logits[:, :-1]  # (B, T, V): position t scores completion token t
+        ids = input_ids[:, -logits_to_keep:]
+        log_probs = (logits.float() / self.temperature).log_softmax(-1)
+        logps = log_probs.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+        entropies = None
+        if compute_entropy:
+            grad = contextlib.nullcontext() if self._entropy_bonus_enabled else torch.no_grad()
+            with grad:
+                entropies = -(log_probs.exp() * log_probs).sum(-1)
+        self._captured_logits = logits
+        return logps, entropies, (out.aux_loss if compute_aux_loss else None)
+
+    def _loss_kwargs(self) -> dict[str, Any]:
+        kwargs = self.composer.loss_kwargs()
+        if self.composer.taid_scheduled:
+            kwargs["taid_t"] = self._taid_t
+        kwargs["temperature"] = self.temperature
+        return kwargs
+
+    def _normaliser(self, count: torch.Tensor, mode: str) -> torch.Tensor:
+        normaliser = count.clamp(min=1.0)
+        if mode == "train":
+            steps = self.current_gradient_accumulation_steps / self.args.steps_per_generation
+            normaliser = normaliser * steps
+        return normaliser
+
+    def _compute_loss(self, model, inputs):  # type: ignore[no-untyped-def]
+        mode = "train" if self.model.training else "eval"
+        want2 = self._channel2 and "sdpo_sample_mask" in inputs
+        want2 = want2 and bool(inputs["sdpo_sample_mask"].any())
+        want3 = self._channel3 and "replay_pair_mask" in inputs
+        want3 = want3 and bool(inputs["replay_pair_mask"].any())
+        if not (want2 or want3):
+            loss = super()._compute_loss(model, inputs)
+            self._log_flags(mode, False, False)
+            return loss
+        self._capture_logits = True
+        try:
+            loss = super()._compute_loss(model, inputs)
+        finally:
+            self._capture_logits = False
+        logits, self._captured_logits = self._captured_logits, None
+        assert logits is not None
+        kwargs = self._loss_kwargs()
+        active2 = active3 = False
+        if want2:
+            teacher = self._ema.model if self._ema is not None else model
+            norm = self._normaliser(inputs["sdpo_num_tokens"], mode)
+            res = sdpo_contribution(logits, teacher, inputs, kwargs, norm)
+            if res is not None:
+                loss = loss + res[0]
+                active2 = True
+                self._log(mode, res[1])
+                if self.composer.taid_scheduled:
+                    self._taid_step_losses.append(res[1]["loss/sdpo"])
+        if want3:
+            norm = self._normaliser(inputs["replay_num_pairs"], mode)
+            res = replay_contribution(model, logits, inputs, kwargs, norm)
+            if res is not None:
+                loss = loss + res[0]
+                active3 = True
+                self._log(mode, res[1])
+        self._log_flags(mode, active2, active3)
+        return loss
+
+    def _log(self, mode: str, metrics: dict[str, float]) -> None:
+        for key, value in metrics.items():
+            if key.endswith("/active") or key == "taid/t":
+                continue  # logged by _log_flags once per micro-batch
+            self._metrics[mode][key].append(float(value))
+
+    def _log_flags(self, mode: str, active2: bool, active3: bool) -> None:
+        if self._channel2:
+            self._metrics[mode]["sdpo/active"].append(float(active2))
+            if self.composer.sdpo_wrapper == "taid" and self._loss_kwargs()["taid_t"] is not None:
+                self._metrics[mode]["taid/t"].append(float(self._loss_kwargs()["taid_t"]))
+        if self._channel3:
+            self._metrics[mode]["replay/active"].append(float(active3))
+
+
+__all__ = ["ComposerReplicationTrainer"]

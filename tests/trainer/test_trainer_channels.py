@@ -1,0 +1,177 @@
+"""Channels 2 and 3 inside the trainer, on a fixed generation batch."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from _trainer_helpers import (
+    G,
+    config,
+    generation_batch,
+    loss_and_grads,
+    make_trainer,
+    oracle_store,
+    text_of,
+)
+from trl.trainer.utils import split_tensor_dict
+
+
+def _train_fixed_batch(trainer, inputs, steps, key, lr=1e-2):
+    """Repeated optimizer steps on one batch with channel 1 neutralised (zero advantages)."""
+    inputs = {**inputs, "advantages": torch.zeros_like(inputs["advantages"])}
+    opt = torch.optim.Adam(trainer.model.parameters(), lr=lr)
+    values = []
+    for _ in range(steps):
+        trainer._metrics["train"].clear()
+        opt.zero_grad()
+        trainer.compute_loss(trainer.model, inputs).backward()
+        opt.step()
+        values.append(trainer._metrics["train"][key][-1])
+    return values
+
+
+def test_channel2_teacher_context_holds_sibling_and_feedback(tmp_path):
+    trainer = make_trainer(tmp_path, args=config(tmp_path, beta=0.0), alpha_sdpo=1.0, beta_replay=0)
+    inputs = generation_batch(trainer)
+    tok = trainer.processing_class
+    T = inputs["completion_ids"].shape[1]
+    # positional_reward: rollout 0 of each group succeeds, the others fail with feedback.
+    assert inputs["sdpo_sample_mask"].tolist() == [i % G != 0 for i in range(2 * G)]
+    completions = [
+        tok.decode(ids[m.bool()], skip_special_tokens=True)
+        for ids, m in zip(inputs["completion_ids"], inputs["completion_mask"])
+    ]
+    for i in range(2 * G):
+        ids = inputs["sdpo_teacher_input_ids"][i]
+        attn = inputs["sdpo_teacher_attention_mask"][i]
+        assert torch.equal(ids[-T:], inputs["completion_ids"][i])  # the student's own tokens
+        context = tok.decode(ids[:-T][attn[:-T].bool()])
+        if i % G == 0:
+            assert "Correct solution" not in context
+            continue
+        sibling = completions[(i // G) * G]
+        question = "1+2=" if i < G else "3+4="
+        assert context.startswith(f"<|im_start|>user\n{question}")
+        assert f"\nCorrect solution:\n\n{sibling}\n\n" in context
+        feedback = f"wrong: you wrote {completions[i][:3]!r}"
+        assert (
+            f"The following is feedback from your unsuccessful earlier attempt:\n\n{feedback}"
+            in context
+        )
+        assert context.endswith(
+            "Correctly solve the original question.\n<|im_end|>\n<|im_start|>assistant\n"
+        )
+
+
+def test_channel2_steps_reduce_divergence(tmp_path):
+    trainer = make_trainer(tmp_path, args=config(tmp_path, beta=0.0), alpha_sdpo=1.0, beta_replay=0)
+    inputs = generation_batch(trainer)
+    divergences = _train_fixed_batch(trainer, inputs, 8, "loss/sdpo", lr=1e-3)
+    assert divergences[0] > 0
+    assert divergences[-1] < 0.3 * divergences[0], divergences
+    assert trainer._metrics["train"]["sdpo/active"][-1] == 1.0
+
+
+def test_channel2_off_for_a_batch_without_hints(tmp_path, caplog):
+    trainer = make_trainer(
+        tmp_path, reward=lambda completions, **kw: [0.0] * len(completions), alpha_sdpo=1.0
+    )
+    with caplog.at_level(logging.INFO, logger="composer_replication.trainer.trainer"):
+        inputs = generation_batch(trainer)
+    assert not inputs["sdpo_sample_mask"].any()
+    assert "channel 2 off for this batch" in caplog.text
+    trainer._metrics["train"].clear()
+    trainer.compute_loss(trainer.model, inputs)
+    assert trainer._metrics["train"]["sdpo/active"] == [0.0]
+
+
+def test_feedback_funcs_feed_channel2(tmp_path):
+    def hint(prompts, completions, answer, **kw):
+        return [f"the answer is {a}" for a in answer]
+
+    trainer = make_trainer(
+        tmp_path,
+        reward=lambda completions, **kw: [0.0] * len(completions),
+        alpha_sdpo=1.0,
+        feedback_funcs=[hint],
+    )
+    inputs = generation_batch(trainer)
+    assert inputs["sdpo_sample_mask"].all()
+    text = trainer.processing_class.decode(inputs["sdpo_teacher_input_ids"][G])
+    assert "the answer is 7" in text and "Correct solution" not in text
+
+
+def test_channel3_dpo_steps_increase_margin(tmp_path):
+    trainer = make_trainer(
+        tmp_path, store=oracle_store(), args=config(tmp_path, beta=0.0), alpha_sdpo=0, beta_replay=1
+    )
+    inputs = generation_batch(trainer)
+    rows = inputs["replay_pair_mask"].nonzero().squeeze(-1).tolist()
+    # One pair per prompt, on a failed rollout (rewards 0), chosen = the oracle trace + EOS.
+    assert len(rows) == 2 and all(r % G != 0 for r in rows)
+    chosen = trainer.processing_class.decode(
+        inputs["replay_chosen_ids"][rows[1]][inputs["replay_chosen_mask"][rows[1]].bool()]
+    )
+    assert chosen == "7 done<|endoftext|>"
+    # Reference log-probs come from a frozen copy of the initial policy (beta=0: no TRL ref).
+    assert trainer.ref_model is None and trainer._replay_ref is not None
+    assert (inputs["replay_ref_chosen_logps"][rows] < 0).all()
+    margins = _train_fixed_batch(trainer, inputs, 6, "replay/margin")
+    assert margins[-1] > margins[0] + 0.5, margins
+    assert trainer._metrics["train"]["replay/accuracy"][-1] == 1.0
+
+
+def test_channel3_simpo_needs_no_reference(tmp_path):
+    trainer = make_trainer(
+        tmp_path,
+        store=oracle_store(),
+        args=config(tmp_path, beta=0.0),
+        alpha_sdpo=0,
+        beta_replay=1,
+        dpo_variant="simpo",
+    )
+    assert trainer.ref_model is None and trainer._replay_ref is None
+    inputs = generation_batch(trainer)
+    assert "replay_ref_chosen_logps" not in inputs and inputs["replay_pair_mask"].sum() == 2
+    loss, grads = loss_and_grads(trainer, {**inputs, "advantages": 0 * inputs["advantages"]})
+    assert torch.isfinite(loss) and loss > 0
+    assert sum(float(g.abs().sum()) for g in grads.values()) > 0
+    margins = _train_fixed_batch(trainer, inputs, 4, "replay/margin")
+    assert margins[-1] > margins[0]
+
+
+def test_grad_accumulation_1x8_equals_8x1(tmp_path):
+    trainer = make_trainer(
+        tmp_path,
+        store=oracle_store(),
+        args=config(tmp_path, loss_type="dapo", beta=0.0),
+        alpha_sdpo=0.5,
+        beta_replay=0.5,
+    )
+    inputs = generation_batch(trainer)
+    assert inputs["sdpo_sample_mask"].any() and inputs["replay_pair_mask"].any()
+    assert inputs["advantages"].abs().sum() > 0
+    n = inputs["completion_ids"].shape[0]
+    trainer.current_gradient_accumulation_steps = 1
+    trainer.args.steps_per_generation = 1
+    _, whole = loss_and_grads(trainer, inputs)
+
+    trainer.current_gradient_accumulation_steps = n
+    trainer.args.steps_per_generation = n
+    trainer.model.zero_grad(set_to_none=True)
+    for micro in split_tensor_dict(inputs, n):
+        trainer.compute_loss(trainer.model, micro).backward()
+    for name, param in trainer.model.named_parameters():
+        torch.testing.assert_close(param.grad, whole[name], rtol=1e-4, atol=1e-7)
+
+
+def test_reward_tuples_feed_feedback_and_plain_scores_to_trl(tmp_path):
+    trainer = make_trainer(tmp_path, alpha_sdpo=1.0)
+    inputs = generation_batch(trainer)
+    feedback = trainer._batch["feedback"]
+    assert feedback[0] is None and feedback[1].startswith("wrong: you wrote")
+    rewards = trainer._global_rewards().tolist()
+    assert rewards == [1.0 if i % G == 0 else 0.0 for i in range(2 * G)]
+    assert inputs["advantages"][0] > 0 > inputs["advantages"][1]
+    assert text_of is not None

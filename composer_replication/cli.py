@@ -15,9 +15,12 @@ Exit codes: 0 success, 1 the run failed, 2 a configuration or usage error (nothi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from composer_replication.config import ConfigError, RunConfig, dump_toml, load_config
@@ -55,7 +58,29 @@ def _load(args: Sequence[str]) -> RunConfig:
 # ----------------------------------------------------------------------------- commands
 
 
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM (e.g. `kill`, a CI timeout) stops a run like Ctrl-C: replicas are cancelled."""
+
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
 def cmd_train(ns: argparse.Namespace) -> int:
+    with _sigterm_as_interrupt():
+        return _train(ns)
+
+
+def _train(ns: argparse.Namespace) -> int:
     from composer_replication.run import driver
 
     if ns.resume:
@@ -252,7 +277,13 @@ def _version() -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    ns = parser.parse_args(list(argv) if argv is not None else None)
+    # Overrides may come after options (`train --name x train.max_steps=20`): argparse leaves
+    # such positionals unparsed, so they are appended to the command's own arguments here.
+    ns, extra = parser.parse_known_args(list(argv) if argv is not None else None)
+    if extra:
+        if not hasattr(ns, "args") or any(e.startswith("-") for e in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        ns.args = [*ns.args, *extra]
     try:
         return int(ns.func(ns) or 0)
     except ConfigError as exc:
@@ -261,6 +292,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `... | head`: the reader left; not an error of ours
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":

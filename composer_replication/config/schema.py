@@ -115,7 +115,9 @@ class TrainConfig:
     eval_every_rounds: int = _f(
         1, "evaluate the global model every N outer rounds (0 = only at end)"
     )
-    eval_max_examples: int = _f(32, "eval prompts used per evaluation (<= task.n_eval)")
+    eval_max_examples: int = _f(
+        32, "eval prompts used per evaluation (at most task.n_eval of them)"
+    )
     torch_threads: int = _f(1, "torch intra-op threads per replica (0 = torch default)")
 
     def __post_init__(self) -> None:
@@ -238,6 +240,11 @@ class BackendConfig:
     options: dict[str, Any] = _f({}, "executor constructor arguments (image, gpu, namespace, ...)")
     resources: dict[str, Any] = _f({}, "per-replica resources passed to launch_replicas")
     env: dict[str, str] = _f({}, "extra environment variables for every replica")
+    forward_env: list[str] = _f(
+        [],
+        "names of driver environment variables (e.g. AWS_ACCESS_KEY_ID) copied to every "
+        "replica; hf-jobs receives them as encrypted job secrets",
+    )
 
     def __post_init__(self) -> None:
         _check(self.n_replicas >= 1, "backend.n_replicas", f"{self.n_replicas} must be >= 1")
@@ -320,11 +327,6 @@ class RunConfig:
                 f"{self.diloco.min_replicas} exceeds backend.n_replicas "
                 f"({self.backend.n_replicas})",
             )
-        _check(
-            self.train.eval_max_examples <= self.task.n_eval,
-            "train.eval_max_examples",
-            f"{self.train.eval_max_examples} exceeds task.n_eval ({self.task.n_eval})",
-        )
 
     @property
     def n_rounds(self) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -87,11 +88,18 @@ def prepare_resume(run: str, overrides: list[str]) -> tuple[RunConfig, RunFolder
     return config, folder
 
 
+def _forwarded_env(config: RunConfig) -> dict[str, str]:
+    return {name: os.environ[name] for name in config.backend.forward_env if name in os.environ}
+
+
 def _make_executor(config: RunConfig, folder: RunFolder) -> Any:
     cls = preflight.executor_class(config.backend.kind)
     options = dict(config.backend.options)
-    if config.backend.kind == "local":
+    if config.backend.kind in ("local", "ray"):
         options.setdefault("log_dir", str(folder.logs))
+    if config.backend.kind == "hf-jobs" and config.backend.forward_env:
+        # Job env is visible in the job's spec; secrets are stored encrypted by the Hub.
+        options["secrets"] = {**dict(options.get("secrets") or {}), **_forwarded_env(config)}
     try:
         return cls(**options)
     except TypeError as exc:
@@ -171,6 +179,8 @@ def run(
         "TOKENIZERS_PARALLELISM": "false",
         **config.backend.env,
     }
+    if config.backend.kind != "hf-jobs":
+        env.update(_forwarded_env(config))
     if config.train.torch_threads > 0:
         env.setdefault("OMP_NUM_THREADS", str(config.train.torch_threads))
     handles = executor.launch_replicas(

@@ -83,6 +83,18 @@ def check_task(config: RunConfig) -> None:
             f"task.name: unknown task {config.task.name!r}{hint}; built-in tasks: "
             f"{', '.join(sorted(TASKS))}"
         )
+    from composer_replication.tasks import get_task
+
+    try:  # construction is cheap (examples are drawn lazily) and checks the options
+        get_task(
+            config.task.name,
+            seed=config.run.seed,
+            n_train=config.task.n_train,
+            n_eval=config.task.n_eval,
+            **config.task.options,
+        )
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"task.options: {exc}") from None
 
 
 def check_backend(config: RunConfig, store_uri: str) -> None:
@@ -97,6 +109,12 @@ def check_backend(config: RunConfig, store_uri: str) -> None:
         raise ConfigError(
             f"store.uri: backend {kind!r} runs replicas on other machines, which cannot see "
             f"{store_uri}; set store.uri to a shared store such as s3://bucket/runs/NAME/"
+        )
+    missing = [name for name in config.backend.forward_env if name not in os.environ]
+    if missing:
+        raise ConfigError(
+            f"backend.forward_env: {', '.join('$' + n for n in missing)} not set in this "
+            "environment; export it or remove it from the list"
         )
     if kind == "local" and (config.backend.resources or {}):
         raise ConfigError(

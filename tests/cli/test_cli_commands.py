@@ -1,0 +1,171 @@
+"""The command line: --help everywhere, and configuration errors that exit 2 and write nothing."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from composer_replication.cli import build_parser, main
+
+SUBCOMMANDS = [
+    ["train"],
+    ["report"],
+    ["status"],
+    ["config"],
+    ["config", "show"],
+    ["config", "validate"],
+    ["bake-traces"],
+    ["replica"],
+]
+
+
+@pytest.mark.parametrize("command", SUBCOMMANDS, ids=lambda c: " ".join(c))
+def test_help_for_every_subcommand(command: list[str], capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as info:
+        main([*command, "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: composer-replication {' '.join(command)}")
+    assert len(out.splitlines()) > 4
+
+
+def test_every_subcommand_is_covered_by_the_help_test() -> None:
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    assert sorted(sub.choices) == sorted({c[0] for c in SUBCOMMANDS})
+
+
+def test_python_dash_m_entry_point(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "composer_replication", "--help"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 0 and "train" in proc.stdout and "bake-traces" in proc.stdout
+
+
+def test_usage_error_exits_2(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["no-such-command"])
+    assert info.value.code == 2
+    with pytest.raises(SystemExit) as info:
+        main([])
+    assert info.value.code == 2
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(root)): p.read_bytes() if p.is_file() else b"<dir>"
+        for p in sorted(root.rglob("*"))
+    }
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["train.max_stepz=3"], "train.max_stepz: unknown key in section [train] (did you mean "
+                                "'max_steps'?)"),
+        (["train.max_steps=abc"], "train.max_steps: expected an integer, got string 'abc'"),
+        (["model.name=./no/such/model"], "model.name: local model folder './no/such/model' does "
+                                         "not exist"),
+        (["task.name=arithmetc"], "task.name: unknown task 'arithmetc' (did you mean "
+                                  "'arithmetic'?)"),
+        (["backend.resources={num_cpus = 1}"], "backend.resources: the local backend takes no "
+                                                "resources"),
+        (["store.uri=file:///dev/null/store/"], "store.uri: file:///dev/null/store/ is not "
+                                                "writable: '/dev/null' is a file"),
+        (["missing.toml"], "config file 'missing.toml' not found"),
+        (["train.max_steps=3", "stray"], "unexpected argument 'stray'"),
+    ],
+)  # fmt: skip
+def test_train_config_errors_exit_2_and_write_nothing(
+    args: list[str], message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture,
+) -> None:  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    before = _tree(tmp_path)
+    assert main(["train", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("composer-replication: error: ") and message in err, err
+    assert _tree(tmp_path) == before  # nothing written, not even runs/
+
+
+def test_store_that_is_a_file_is_not_writable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("x")
+    before = _tree(tmp_path)
+    uri = (tmp_path / "afile" / "store").as_uri()
+    assert main(["train", f"store.uri={uri}"]) == 2
+    assert "is a file, not a folder" in capsys.readouterr().err
+    assert _tree(tmp_path) == before
+
+
+def test_existing_run_folder_is_never_overwritten(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    existing = tmp_path / "runs" / "mine"
+    existing.mkdir(parents=True)
+    (existing / "notes.txt").write_text("precious")
+    before = _tree(tmp_path)
+    assert main(["train", "--name", "mine"]) == 2
+    err = capsys.readouterr().err
+    assert "run folder" in err and "already exists" in err and "--resume" in err
+    assert main(["train", "run.name=mine"]) == 2
+    assert main(["train", "--resume", "mine", "--overwrite"]) == 2
+    assert main(["train", "--resume", "mine"]) == 2  # not a run folder (no config.json)
+    assert "is not a run folder" in capsys.readouterr().err
+    assert _tree(tmp_path) == before
+
+
+def test_config_show_and_validate(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["config", "show", "train.max_steps=40"]) == 0
+    shown = capsys.readouterr().out
+    assert "max_steps = 40" in shown
+    path = tmp_path / "shown.toml"
+    path.write_text(shown)
+    assert main(["config", "validate", str(path)]) == 0
+    assert capsys.readouterr().out.startswith("ok: 2 x local replicas, model tiny")
+    assert main(["config", "validate", str(path), "backend.n_replicas=0"]) == 2
+    assert "backend.n_replicas: 0 must be >= 1" in capsys.readouterr().err
+    assert main(["config", "validate", "model.name=not a model id"]) == 2
+    assert "neither 'tiny', an existing folder, nor a hub id" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_examples_validate(capsys: pytest.CaptureFixture) -> None:
+    """Every shipped example config parses and passes the checks that need no cloud SDK."""
+    examples = sorted((Path(__file__).parents[2] / "examples").glob("*.toml"))
+    assert len(examples) >= 6
+    for example in examples:
+        code = main(["config", "show", str(example)])
+        assert code == 0, (example, capsys.readouterr().err)
+    capsys.readouterr()
+
+
+def test_bake_traces_with_the_oracle(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "traces.jsonl"
+    assert main(["bake-traces", "task.n_train=12", "task.n_eval=4", "--out", str(out)]) == 0
+    assert "wrote 12 traces" in capsys.readouterr().out or out.read_text().count("\n") >= 1
+    from composer_replication.data.traces import iter_trace_file
+
+    records = list(iter_trace_file(out))
+    assert records and all(r.teacher == "oracle" and r.reward == 1.0 for r in records)
+    assert main(["bake-traces", "--out", str(out)]) == 2  # exists: needs --overwrite
+    assert "already exists" in capsys.readouterr().err
+
+
+def test_replica_without_rank_or_store_exits_2(capsys: pytest.CaptureFixture) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("REPLICA_RANK", "DILOCO_RENDEZVOUS")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "composer_replication.diloco.serverless.replica_entrypoint"],
+        capture_output=True, text=True, env=env, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "no replica rank" in proc.stderr

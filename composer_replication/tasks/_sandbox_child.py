@@ -21,6 +21,7 @@ import os
 import sys
 import sysconfig
 import traceback
+from typing import Any
 
 _TAIL = 1500
 _MAX_VALUE_CHARS = 20_000
@@ -108,7 +109,7 @@ def _install_guard(work: str, read_roots: tuple) -> None:
     def inside(path: str, roots: tuple) -> bool:
         return any(path == r or path.startswith(r + sep) for r in roots)
 
-    def resolve(path: object) -> str:
+    def resolve(path: Any) -> str:
         p = fspath(path)
         if isinstance(p, bytes):
             p = p.decode("utf-8", "surrogateescape")
@@ -160,7 +161,7 @@ def _install_guard(work: str, read_roots: tuple) -> None:
     sys.addaudithook(hook)
 
 
-def _plain(value: object, depth: int = 0) -> object:
+def _plain(value: Any, depth: int = 0) -> Any:
     """`value` as JSON data if it is built from exact plain types, else raise TypeError."""
     if depth > 20:
         raise TypeError("nested too deeply")

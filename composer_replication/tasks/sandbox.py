@@ -1,36 +1,42 @@
 """Run untrusted candidate Python in a child process with limits, and report what its function returns.
 
 `run_candidate(source, function, calls, limits)` starts `python -I -S _sandbox_child.py` (isolated
-mode: no site-packages, no user site, no PYTHON* environment, stdlib only) in a fresh temp dir and
-calls `function(*args)` for each argument list. Layers, outermost first:
+mode: no site-packages, no user site, no PYTHON* environment, stdlib only) with a fresh temp dir as
+its cwd and calls `function(*args)` for each argument list. Layers, outermost first:
 
-Kernel-enforced (hold whatever the code does, including native crashes):
+Kernel-enforced (they hold whatever the code does: threads, native code, crashes):
 
-* **wall clock**: the child leads its own process group/session; when `wall_seconds` pass, the
-  whole group is SIGKILLed. The group is also killed after a normal exit, before the child is
-  reaped, so nothing it started can outlive it.
-* **rlimits** set in `preexec_fn`: RLIMIT_AS (memory, so a large allocation fails with
-  MemoryError), RLIMIT_CPU (SIGXCPU, then SIGKILL one second later), RLIMIT_FSIZE (no file, stdout
-  included, grows past `file_bytes`), RLIMIT_NOFILE, RLIMIT_CORE=0, and RLIMIT_NPROC=0 (no new
-  processes or threads). **Limit:** Linux does not apply RLIMIT_NPROC to root; as root, process
-  creation is stopped by the audit hook below and the process-group kill.
-* **network namespace**: `unshare(CLONE_NEWNET)` (as root) or `CLONE_NEWUSER | CLONE_NEWNET`
-  (unprivileged user namespaces) gives the child a namespace with only a downed loopback.
-  **Limit:** where neither is permitted (some containers), only the audit hook blocks sockets;
-  `SandboxResult.network_isolation` says which applied ("netns" or "audit-hook").
-* the stdout of the child is a file in the sandbox dir (capped by RLIMIT_FSIZE), never a pipe the
-  parent could block on or buffer without bound; the parent reads at most `file_bytes` of it.
+* **wall clock**: the child leads its own session and process group; when `wall_seconds` pass,
+  the whole group is SIGKILLed. The group is also killed after a normal exit, before the child is
+  reaped (so its id cannot have been reused), so nothing it started can outlive it.
+* **rlimits** (set in `preexec_fn`): RLIMIT_AS (memory: a large allocation fails with
+  MemoryError), RLIMIT_CPU (SIGXCPU, SIGKILL a second later), RLIMIT_FSIZE (no file, stdout
+  included, grows past `file_bytes`), RLIMIT_NOFILE, RLIMIT_CORE=0, RLIMIT_NPROC=0 (no new
+  processes; Linux exempts root from this one, which is why seccomp below exists).
+* **Landlock** (`confine.py`, Linux >= 5.13): file changes only beneath the temp dir; no TCP
+  bind/connect (ABI >= 4); no signals to processes outside the sandbox (ABI >= 6).
+* **seccomp** (`confine.py`, x86_64/aarch64): no fork/vfork/non-thread clone, no sockets, no
+  kill/tgkill/ptrace/process_vm_*/pidfd/io_uring, no foreign-ABI syscalls; works for root.
+* **network namespace**: `unshare(CLONE_NEWNET)` (root) or `CLONE_NEWUSER | CLONE_NEWNET`
+  (unprivileged user namespaces): the child sees only a downed loopback.
+* stdout is a file in the sandbox dir (capped by RLIMIT_FSIZE), never a pipe the parent could
+  block on or buffer without bound; the parent reads at most `file_bytes` of it.
 
-In-process (a CPython audit hook installed before the candidate's code is compiled): blocks
-`open` for writing outside the temp dir (paths are resolved with realpath, so symlinks do not
-help), reads outside the temp dir and the stdlib, directory descriptors outside the temp dir,
-path-changing calls (`os.remove`, `os.rename`, `os.mkdir`, ...) outside the temp dir or with
-`dir_fd`, sockets, `os.fork`/`exec`/`posix_spawn`/`system`/`subprocess`, `os.kill`, ctypes, heap
-walking via `gc`, and raising rlimits; plus imports of `ctypes`, `subprocess`, `socket`,
-`multiprocessing` and friends. **Limit:** audit hooks are not a security boundary against a
-determined attacker (a thread racing a symlink swap, or an interpreter memory-corruption bug,
-could get past them). The guarantees that do not rely on the hook are the kernel ones above; run
-verification in a container or VM if candidates may be adversarial rather than merely wrong.
+In-process (an audit hook installed by the child before the candidate's code is compiled, see
+`_sandbox_child.py`): blocks `open` for writing outside the temp dir (paths resolved with realpath,
+so symlinks do not help), reads outside the temp dir and the stdlib, directory descriptors outside
+the temp dir, path-changing calls outside it or with `dir_fd`, sockets, fork/exec/spawn/system,
+`os.kill`, ctypes, heap walking via `gc`, raising rlimits, and imports of `ctypes`, `subprocess`,
+`socket`, `multiprocessing` and friends. It turns most attempts into a clear PermissionError for
+the feedback, and it is the read restriction's only layer.
+
+Limits: where the kernel lacks Landlock/seccomp/namespaces (old kernels, other architectures,
+some container runtimes) the corresponding guarantees fall back to the audit hook, which is not a
+security boundary against a determined attacker (e.g. a thread racing a symlink swap, or an
+interpreter memory-corruption bug). `SandboxResult` reports which layers applied
+(`landlock_abi`, `seccomp`, `network_isolation`). Reads of world-readable files are blocked only
+by the hook. Run verification in a container or VM if candidates may be adversarial rather than
+merely wrong.
 """
 
 from __future__ import annotations
@@ -52,6 +58,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from composer_replication.tasks import confine
+
 _CHILD = str(Path(__file__).with_name("_sandbox_child.py"))
 _CLONE_NEWNET = 0x40000000
 _CLONE_NEWUSER = 0x10000000
@@ -59,6 +67,7 @@ _unshare: Any = None  # libc.unshare, resolved once in the parent (never import 
 # preexec_fn runs Python in the forked child; forking from several of our threads at once is the
 # documented deadlock risk of preexec_fn, so spawns are serialised (waiting still runs in parallel).
 _SPAWN_LOCK = threading.Lock()
+_seccomp: Any = None  # the seccomp program, built once (False where unsupported)
 
 
 @dataclass(frozen=True)
@@ -71,6 +80,7 @@ class SandboxLimits:
     file_bytes: int = 2**20
     open_files: int = 64
     isolate_network: bool = True
+    kernel_confinement: bool = True  # Landlock + seccomp where the kernel supports them
 
     def __post_init__(self) -> None:
         if self.wall_seconds <= 0 or self.cpu_seconds < 1:
@@ -108,6 +118,8 @@ class SandboxResult:
     returncode: int | None = None
     stdout: str = ""
     network_isolation: str = "audit-hook"
+    landlock_abi: int = 0
+    seccomp: bool = False
     seconds: float = 0.0
     output_full: bool = False
 
@@ -143,9 +155,12 @@ def _resolve_unshare() -> Any:
     return _unshare
 
 
-def _preexec(limits: SandboxLimits, unshare: Any) -> Any:
+def _preexec(
+    limits: SandboxLimits, unshare: Any, ruleset: int | None = None, seccomp: Any = None
+) -> Any:
     mem, cpu, fsize = limits.memory_bytes, limits.cpu_seconds, limits.file_bytes
     nofile = limits.open_files
+    restrict_self, apply_seccomp = confine.restrict_self, confine.apply_seccomp
 
     def setup() -> None:  # runs in the forked child before exec: only C calls, no imports
         if unshare:
@@ -157,6 +172,11 @@ def _preexec(limits: SandboxLimits, unshare: Any) -> Any:
         resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
         resource.setrlimit(resource.RLIMIT_NPROC, (0, 0))
+        # Popen re-raises these in the parent, which then retries without kernel confinement.
+        if ruleset is not None and not restrict_self(ruleset):
+            raise OSError("landlock_restrict_self failed")
+        if seccomp is not None and not apply_seccomp(seccomp):
+            raise OSError("installing the seccomp filter failed")
 
     return setup
 
@@ -204,6 +224,48 @@ def _parse(raw: bytes, nonce: str) -> tuple[list[dict[str, Any]], bool]:
     return records, netns
 
 
+def _spawn(
+    limits: SandboxLimits, unshare: Any, work: Path, stdin: Any, stdout: Any
+) -> tuple[subprocess.Popen[bytes], int, bool]:
+    """Start the child; returns it, the Landlock ABI enforced on it (0 = none) and whether the
+    seccomp filter is installed."""
+    ruleset = confine.make_ruleset(str(work)) if limits.kernel_confinement else None
+    seccomp = _seccomp_filter() if limits.kernel_confinement else None
+    try:
+        with _SPAWN_LOCK:
+            for attempt in ((ruleset, seccomp), (None, None)):
+                try:
+                    proc = subprocess.Popen(
+                        [sys.executable, "-I", "-S", _CHILD],
+                        cwd=work,
+                        stdin=stdin,
+                        stdout=stdout,
+                        stderr=subprocess.STDOUT,
+                        env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": str(work)},
+                        start_new_session=True,
+                        close_fds=True,
+                        preexec_fn=_preexec(limits, unshare, *attempt),
+                    )
+                except subprocess.SubprocessError:
+                    if attempt == (None, None):
+                        raise
+                    stdin.seek(0)
+                    continue
+                abi = confine.abi_version() if attempt[0] is not None else 0
+                return proc, abi, attempt[1] is not None
+            raise AssertionError("unreachable: the last attempt raises or returns")
+    finally:
+        if ruleset is not None:
+            os.close(ruleset)
+
+
+def _seccomp_filter() -> Any:
+    global _seccomp
+    if _seccomp is None:
+        _seccomp = confine.build_seccomp_filter() or False
+    return _seccomp or None
+
+
 def run_candidate(
     source: str,
     function: str,
@@ -237,20 +299,9 @@ def run_candidate(
         (root / "request.json").write_text(json.dumps(request))
         with (
             open(root / "request.json", "rb") as stdin,
-            open(root / "out", "wb") as stdout,
+            open(root / "out", "wb") as out,
         ):
-            with _SPAWN_LOCK:
-                proc = subprocess.Popen(
-                    [sys.executable, "-I", "-S", _CHILD],
-                    cwd=work,
-                    stdin=stdin,
-                    stdout=stdout,
-                    stderr=subprocess.STDOUT,
-                    env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": str(work)},
-                    start_new_session=True,
-                    close_fds=True,
-                    preexec_fn=_preexec(limits, unshare),
-                )
+            proc, landlock_abi, seccomp = _spawn(limits, unshare, work, stdin, out)
             exited = _wait(proc, limits.wall_seconds)
             # Kill the whole group before reaping, so its id cannot have been reused yet.
             try:
@@ -263,7 +314,7 @@ def run_candidate(
     finally:
         shutil.rmtree(root, ignore_errors=True)
     records, netns = _parse(raw, nonce)
-    stage, error, stdout = "none", None, ""
+    stage, error, printed = "none", None, ""
     results: dict[int, CallResult] = {}
     for record in records:
         kind = record.get("kind")
@@ -282,7 +333,7 @@ def run_candidate(
                 else:
                     results[i] = CallResult(i, error=str(record.get("error", "")))
         elif kind == "done" and stage in ("start", "calls"):
-            stage, stdout = "done", str(record.get("stdout", ""))
+            stage, printed = "done", str(record.get("stdout", ""))
     # Our own SIGKILL of the group after a clean exit is not the child's fault.
     signal_name = None
     if returncode < 0 and not (exited and stage == "done"):
@@ -297,8 +348,10 @@ def run_candidate(
         timed_out=not exited,
         signal_name=signal_name,
         returncode=returncode,
-        stdout=stdout,
+        stdout=printed,
         network_isolation="netns" if netns else "audit-hook",
+        landlock_abi=landlock_abi,
+        seccomp=seccomp,
         seconds=time.monotonic() - started,
         output_full=len(raw) >= limits.file_bytes,
     )

@@ -13,12 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from composer_replication.tasks import Example, PyCodeTask, get_task
+from composer_replication.tasks import Example, PyCodeTask, confine, get_task
 from composer_replication.tasks.pycode import extract_code, same_value
 from composer_replication.tasks.sandbox import (
     SandboxLimits,
     _preexec,
     _resolve_unshare,
+    _seccomp_filter,
     run_candidate,
 )
 
@@ -151,6 +152,9 @@ def test_sandbox_runs_correct_code_in_a_fresh_temp_dir() -> None:
     assert "hello from the candidate" in res.stdout
     if os.geteuid() == 0:  # root may always create a network namespace
         assert res.network_isolation == "netns"
+    if confine.abi_version() >= 1:
+        assert res.landlock_abi == confine.abi_version()
+    assert res.seccomp == confine.seccomp_supported()
 
 
 def test_sandbox_stops_infinite_loops() -> None:
@@ -268,6 +272,48 @@ def test_sandbox_stops_fork_bombs_and_process_creation() -> None:
         res = run_candidate(f"def f():\n    {attack}\n    return 'spawned'", "f", [[]], FAST)
         assert res.calls[0].error is not None and "sandbox:" in res.calls[0].error, attack
     assert _sandbox_children() == []
+
+
+def test_kernel_confinement_alone_holds_without_the_audit_hook(tmp_path: Path) -> None:
+    """Landlock + seccomp on a bare interpreter (no audit hook): writes outside, forks, sockets
+    and signals to this process fail even from a thread, as root too; threads still work."""
+    if confine.abi_version() < 1 or not confine.seccomp_supported():
+        pytest.skip("Landlock or seccomp is not available on this kernel/architecture")
+    work = tmp_path / "work"
+    work.mkdir()
+    outside = tmp_path / "outside.txt"
+    code = (
+        "import os, socket, threading\n"
+        "def attempt(label, fn):\n"
+        "    try:\n        fn(); print(label, 'ok')\n"
+        "    except OSError as exc:\n        print(label, 'blocked', exc.errno)\n"
+        f"attempt('write', lambda: open({str(outside)!r}, 'w'))\n"
+        "attempt('inside', lambda: open('inside.txt', 'w').write('x'))\n"
+        "attempt('fork', lambda: os.fork() or None)\n"
+        "attempt('socket', lambda: socket.socket().close())\n"
+        f"attempt('signal', lambda: os.kill({os.getpid()}, 0))\n"
+        f"t = threading.Thread(target=attempt, args=('thread-write', lambda: open("
+        f"{str(outside)!r}, 'w')))\n"
+        "t.start(); t.join()\n"
+    )
+    ruleset = confine.make_ruleset(str(work))
+    try:
+        out = subprocess.run(
+            [sys.executable, "-I", "-S", "-c", code],
+            cwd=work,
+            preexec_fn=_preexec(SandboxLimits(), None, ruleset, _seccomp_filter()),
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout
+    finally:
+        os.close(ruleset)
+    lines = dict(line.split(" ", 1) for line in out.strip().splitlines())
+    assert lines["write"].startswith("blocked") and lines["thread-write"].startswith("blocked")
+    assert lines["inside"] == "ok"
+    assert lines["fork"].startswith("blocked") and lines["socket"].startswith("blocked")
+    assert lines["signal"].startswith("blocked")
+    assert not outside.exists()
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="RLIMIT_NPROC does not apply to root")

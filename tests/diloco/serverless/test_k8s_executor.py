@@ -134,7 +134,9 @@ def test_cancel_mid_run_deletes_job_foreground(cluster):
     ex = make()
     handles = ex.launch_replicas(2, "diloco_replica.py", _args(tmp / "s", sleep=60))
     deadline = time.monotonic() + 20
-    while not all(h.status is ReplicaStatus.RUNNING for h in ex.poll(handles)):
+    while not all(h.status is ReplicaStatus.RUNNING for h in ex.poll(handles)) or not all(
+        "starting" in ex.logs(h) for h in handles
+    ):
         assert time.monotonic() < deadline, [h.status for h in handles]
         time.sleep(0.1)
     pods = [p for p in standin.pods.values()]

@@ -161,7 +161,7 @@ def test_collect_timeout_and_max_runtime(aws):
     result = ex.collect(handles, timeout=1.0)
     assert all(h.status is ReplicaStatus.FAILED and h.error.startswith("timeout after 1s") for h in result)  # fmt: skip
     assert sorted(standin.stops) == sorted(h.job_id for h in handles)
-    ex2 = make(max_runtime_seconds=1)
+    ex2 = make(max_runtime_seconds=2)
     [h] = ex2.collect(ex2.launch_replicas(1, "diloco_replica.py", _args(tmp / "s2", sleep=60)), timeout=30)  # fmt: skip
     assert h.status is ReplicaStatus.FAILED and "max runtime exceeded" in h.error
     assert "replica 0 of 1 starting" in h.error

@@ -193,7 +193,10 @@ def main() -> None:
     def emit(record: dict) -> None:
         os.write(1, (nonce + json.dumps(record) + "\n").encode())
 
-    netns = os.readlink("/proc/self/ns/net") != request.get("parent_netns")
+    try:
+        netns = os.readlink("/proc/self/ns/net") != request.get("parent_netns")
+    except OSError:  # no /proc: isolation unknown, report none
+        netns = False
     emit({"kind": "start", "netns": netns})
     work = os.path.realpath(os.getcwd())
     roots = {sysconfig.get_path("stdlib"), sysconfig.get_path("platstdlib")}
@@ -239,6 +242,8 @@ def main() -> None:
             plain = {**record, "plain": True, "value": _plain(value)}
             if len(json.dumps(plain)) <= _MAX_VALUE_CHARS:
                 record = plain
+            else:
+                record["large"] = True
         except (TypeError, ValueError):  # not plain data, or an int too long to print
             pass
         emit(record)

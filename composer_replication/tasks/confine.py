@@ -88,6 +88,9 @@ def abi_version() -> int:
     """The kernel's Landlock ABI version, 0 when Landlock is unavailable (cached)."""
     global _abi
     if _abi is None:
+        if platform.system() != "Linux":  # syscall numbers below are Linux's
+            _abi = 0
+            return _abi
         try:
             libc = _load_libc()
             version = libc.syscall(

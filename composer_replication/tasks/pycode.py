@@ -174,6 +174,8 @@ class PyCodeTask(Task):
                 failure = f"{call_text} did not finish{note}."
             elif call.error is not None:
                 failure = f"{call_text} raised an error:\n{call.error}"
+            elif call.too_large:
+                failure = f"{call_text} returned a value too large to check: {call.repr}..."
             elif not call.plain:
                 failure = (
                     f"{call_text} returned {call.repr}, which is not plain data "

@@ -100,6 +100,7 @@ class CallResult:
     plain: bool = False
     repr: str = ""
     error: str | None = None
+    too_large: bool = False  # plain data, but too large to report (over 20k JSON characters)
 
 
 @dataclass(frozen=True)
@@ -277,6 +278,11 @@ def run_candidate(
     `calls` must be JSON-serialisable argument lists. The first report of each call index wins
     (a candidate that forges result lines cannot overwrite real ones that came first).
     """
+    if not sys.platform.startswith("linux"):
+        raise RuntimeError(
+            "the code sandbox needs Linux (rlimits, namespaces, Landlock, seccomp); run pycode "
+            "verification on a Linux machine or container"
+        )
     limits = limits or SandboxLimits()
     nonce = "@@" + secrets.token_hex(16) + "@@"
     try:
@@ -328,7 +334,11 @@ def run_candidate(
             if isinstance(i, int) and 0 <= i < len(calls) and i not in results:
                 if kind == "call":
                     results[i] = CallResult(
-                        i, record.get("value"), bool(record.get("plain")), str(record.get("repr"))
+                        i,
+                        record.get("value"),
+                        bool(record.get("plain")),
+                        str(record.get("repr")),
+                        too_large=bool(record.get("large")),
                     )
                 else:
                     results[i] = CallResult(i, error=str(record.get("error", "")))

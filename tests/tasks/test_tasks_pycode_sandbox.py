@@ -95,6 +95,8 @@ def test_pycode_error_timeouts_and_types_in_feedback() -> None:
     assert slow.reward == pytest.approx(0.3 + 0.6 * 2 / 7)  # tests before the hang still count
     wrong_type = task.verify(ex, "def f(x):\n    return {x + 3}")
     assert "not plain data" in wrong_type.feedback
+    huge = task.verify(ex, "def f(x):\n    return list(range(10**5))")
+    assert "too large to check" in huge.feedback and len(huge.feedback) < 1000
     floaty = task.verify(ex, "def f(x):\n    return x + 3.0")
     assert floaty.correct  # numbers compare by value
 

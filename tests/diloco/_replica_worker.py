@@ -69,6 +69,11 @@ def main() -> None:
     ap.add_argument("--init-seed", type=int, default=None, help="default: 100 + rank")
     ap.add_argument("--step-sleep", type=float, default=0.0)
     ap.add_argument("--exit-at", default="")
+    ap.add_argument(
+        "--until-all-included",
+        action="store_true",
+        help="after --rounds, keep going until a committed round includes every rank",
+    )
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
 
@@ -119,10 +124,19 @@ def main() -> None:
         tensors = {n: t.contiguous() for n, t in outer.global_parameters().items()}
         save_file(tensors, str(out / f"rank{a.rank}_round{k}.safetensors"))
 
+    def all_included() -> bool:
+        done = [h for h in outer.history if h["committed"] and not h["healed"]]
+        return bool(done) and done[-1]["included_ranks"] == list(range(a.world_size))
+
+    def more() -> bool:
+        if outer.round < a.rounds:
+            return True
+        return a.until_all_included and not all_included() and outer.round < 10 * a.rounds
+
     dump(outer.round)
     last = outer.round
     with outer:
-        while outer.round < a.rounds:
+        while more():
             if outer.round == exit_round and outer.local_step == exit_step:
                 sys.stdout.flush()
                 os._exit(3)

@@ -37,6 +37,12 @@ from composer_replication.diloco.serverless.executor import (
     tail_lines,
     validate_launch,
 )
+from composer_replication.diloco.serverless.k8s_job import (
+    INDEX_ANNOTATION,
+    JOB_NAME_LABEL,
+    build_indexed_job,
+    parse_indexes,
+)
 from composer_replication.diloco.serverless.redact import (
     MissingCredentialsError,
     import_sdk,
@@ -45,23 +51,9 @@ from composer_replication.diloco.serverless.redact import (
 
 __all__ = ["K8sExecutor", "parse_indexes"]
 
-INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
-JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
 # Friendly resource names -> Kubernetes resource names.
 _RESOURCE_NAMES = {"gpu": "nvidia.com/gpu", "cpu": "cpu", "memory": "memory"}
 _SNAPSHOT_LINES = 500  # log lines kept per replica before its pod is deleted
-
-
-def parse_indexes(text: str | None) -> set[int]:
-    """The Job API's compressed index list ("0-2,4") -> {0, 1, 2, 4}."""
-    out: set[int] = set()
-    for part in (text or "").split(","):
-        part = part.strip()
-        if not part:
-            continue
-        lo, _, hi = part.partition("-")
-        out.update(range(int(lo), int(hi or lo) + 1))
-    return out
 
 
 class K8sExecutor(ExecutorBase):
@@ -126,7 +118,7 @@ class K8sExecutor(ExecutorBase):
         self._secrets = [*(cfg.api_key or {}).values(), cfg.password, cfg.access_token]
         self.batch = self._client.BatchV1Api(self.api_client)
         self.core = self._client.CoreV1Api(self.api_client)
-        self._jobs: dict[str, dict[str, Any]] = {}  # job name -> {"n", "offset", "cancelled"}
+        self._cancelled: dict[str, set[int]] = {}  # job name -> indexes we cancelled
         self._log_cache: dict[str, str] = {}
 
     def _load_client(self, config_file: str | None, context: str | None) -> Any:
@@ -213,70 +205,26 @@ class K8sExecutor(ExecutorBase):
         rank_keys: set[str],
         limits: dict[str, str],
     ) -> list[ReplicaHandle]:
-        k = self._client
         name = f"{self.name_prefix}-{uuid.uuid4().hex[:10]}"
-        env = [k.V1EnvVar(name=n, value=v) for n, v in base_env.items() if n not in rank_keys]
-        if rank_keys and offset == 0:
-            index_ref = k.V1ObjectFieldSelector(
-                field_path=f"metadata.annotations['{INDEX_ANNOTATION}']"
-            )
-            env += [
-                k.V1EnvVar(name=n, value_from=k.V1EnvVarSource(field_ref=index_ref))
-                for n in sorted(rank_keys)
-            ]
-        elif rank_keys:
-            exports = " ".join(
-                f"{n}=$((JOB_COMPLETION_INDEX + {offset}))" for n in sorted(rank_keys)
-            )
-            command = ["/bin/sh", "-c", f'export {exports}; exec "$@"', "sh", *command]
-        env += [
-            k.V1EnvVar(name=n, value_from=k.V1EnvVarSource(
-                secret_key_ref=k.V1SecretKeySelector(name=s, key=key)))
-            for n, (s, key) in sorted(self.secret_env.items())
-        ]  # fmt: skip
-        container = k.V1Container(
-            name="replica",
+        job = build_indexed_job(
+            self._client,
+            name=name,
             image=self.image,
             command=command,
-            env=env,
-            env_from=[
-                k.V1EnvFromSource(secret_ref=k.V1SecretEnvSource(name=s))
-                for s in self.env_from_secrets
-            ]
-            or None,
-            resources=k.V1ResourceRequirements(limits=limits, requests=limits) if limits else None,
-        )
-        labels = {"app.kubernetes.io/name": "composer-replication", **self.labels}
-        pod_spec = k.V1PodSpec(
-            containers=[container],
-            restart_policy="Never",
-            service_account_name=self.service_account,
+            base_env=base_env,
+            rank_keys=rank_keys,
+            offset=offset,
+            count=count,
+            limits=limits,
+            secret_env=self.secret_env,
+            env_from_secrets=self.env_from_secrets,
+            backoff_limit_per_index=self.backoff_limit_per_index,
+            ttl_seconds_after_finished=self.ttl_seconds_after_finished,
+            active_deadline_seconds=self.active_deadline_seconds,
+            service_account=self.service_account,
             node_selector=self.node_selector,
-            image_pull_secrets=[k.V1LocalObjectReference(name=s) for s in self.image_pull_secrets]
-            or None,
-        )
-        policy = k.V1PodFailurePolicy(
-            rules=[
-                k.V1PodFailurePolicyRule(action="Ignore", on_pod_conditions=[
-                    k.V1PodFailurePolicyOnPodConditionsPattern(type="DisruptionTarget", status="True")]),
-                k.V1PodFailurePolicyRule(action="FailIndex", on_exit_codes=(
-                    k.V1PodFailurePolicyOnExitCodesRequirement(operator="In", values=[143]))),
-            ]
-        )  # fmt: skip
-        job = k.V1Job(
-            api_version="batch/v1",
-            kind="Job",
-            metadata=k.V1ObjectMeta(name=name, labels=labels),
-            spec=k.V1JobSpec(
-                completion_mode="Indexed",
-                completions=count,
-                parallelism=count,
-                backoff_limit_per_index=self.backoff_limit_per_index,
-                pod_failure_policy=policy,
-                ttl_seconds_after_finished=self.ttl_seconds_after_finished,
-                active_deadline_seconds=self.active_deadline_seconds,
-                template=k.V1PodTemplateSpec(metadata=k.V1ObjectMeta(labels=labels), spec=pod_spec),
-            ),
+            image_pull_secrets=self.image_pull_secrets,
+            labels=self.labels,
         )
         try:
             with sdk_errors(self.backend, f"creating job {name}", self._secrets):
@@ -286,7 +234,6 @@ class K8sExecutor(ExecutorBase):
             # make sure no half-known job is left running.
             self._delete_job(name, quiet=True)
             raise
-        self._jobs[name] = {"n": count, "offset": offset, "cancelled": set()}
         now = time.time()
         return [
             ReplicaHandle(replica_id=offset + i, backend=self.backend, job_id=f"{name}/{i}",
@@ -432,20 +379,19 @@ class K8sExecutor(ExecutorBase):
         for h in handles:
             groups[self._split(h)[0]].append(h)
         for name, group in groups.items():
-            info = self._jobs.setdefault(name, {"n": 0, "offset": 0, "cancelled": set()})
-            info["cancelled"].update(self._split(h)[1] for h in group)
+            cancelled = self._cancelled.setdefault(name, set())
+            cancelled.update(self._split(h)[1] for h in group)
             try:
                 with sdk_errors(self.backend, f"reading job {name}", self._secrets):
-                    status = self.batch.read_namespaced_job(
-                        name=name, namespace=self.namespace
-                    ).status
+                    job = self.batch.read_namespaced_job(name=name, namespace=self.namespace)
             except Exception as exc:
                 if "404" in str(exc) or "NotFound" in str(exc):
                     continue  # already gone: nothing left to stop
                 raise
+            status = job.status
             done = parse_indexes(status.completed_indexes if status else None)
             done |= parse_indexes(status.failed_indexes if status else None)
-            if len(done | info["cancelled"]) >= info["n"]:
+            if len(done | cancelled) >= (job.spec.completions or 0):
                 self._delete_job(name)
                 continue
             pods = self._index_pods(name)

@@ -354,7 +354,11 @@ class ObjectStoreManager:
         from composer_replication.diloco.serverless.state import state_key
 
         raw_store = getattr(self.store, "_store", None)
-        if raw_store is None or raw_store.exists(state_key(STATE_NAME, self._round)):
+        if (
+            not self._save_fns
+            or raw_store is None
+            or raw_store.exists(state_key(STATE_NAME, self._round))
+        ):
             return
         self._publish()
 

@@ -52,7 +52,6 @@ def _storage_options(endpoint: str) -> dict[str, Any]:
     return {
         "endpoint_url": endpoint,
         **_DUMMY,
-        "skip_instance_cache": True,
     }
 
 
@@ -132,7 +131,11 @@ def seaweedfs_server() -> Iterator[tuple[str, str, dict[str, Any]]]:
 @pytest.fixture(scope="session")
 def moto_server() -> Iterator[tuple[str, str, dict[str, Any]]]:
     """moto's ThreadedMotoServer on loopback; yields (endpoint_url, bucket, storage_options)."""
+    import logging
+
     from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one INFO line per request
 
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()

@@ -223,7 +223,6 @@ class ObjectStoreAllReduce(RunDocumentsMixin):
         inner_steps: int | None,
     ) -> tuple[dict[str, torch.Tensor], dict[str, Any], int, int]:
         assert self.rank is not None
-        deadline = time.monotonic() + self.timeout_s
         ref = {n: (list(t.shape), dtype_name(t.dtype)) for n, t in tensors.items()}
         blob, own = encode_contribution(
             tensors, rank=self.rank, step=step, tokens=tokens, inner_steps=inner_steps,
@@ -239,6 +238,9 @@ class ObjectStoreAllReduce(RunDocumentsMixin):
                 up += len(blob)
                 valid[self.rank] = own
             # else: an earlier incarnation of this rank uploaded; it is fetched like any other
+        # The step clock starts once our contribution is in (the upload has its own timeout),
+        # so a slow client start-up or upload does not eat into the wait for the others.
+        deadline = time.monotonic() + self.timeout_s
         last_error = ""
         while commit is None:
             self._check_cancel_and_run(step)

@@ -51,6 +51,10 @@ class ObjectStore:
         self.uri = normalize_uri(uri)
         self.protocol = self.uri.partition("://")[0]
         self._options = dict(storage_options or {})
+        if self.protocol in ("s3", "s3a", "gs", "gcs"):
+            # A cached listing makes s3fs/gcsfs answer "not found" for objects created after
+            # it was taken, without asking the server; the protocol polls, so never cache.
+            self._options.setdefault("use_listings_cache", False)
         self._fs: Any = None
         self._root = ""
         if self.protocol == "file":
@@ -156,7 +160,9 @@ class ObjectStore:
             entries = fs.ls(path, detail=False)
         except FileNotFoundError:
             return []
-        return sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries})
+        own = path.rstrip("/")
+        # some servers (SeaweedFS) keep an emptied "directory" and list it as itself
+        return sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries if e.rstrip("/") != own})
 
     def delete_prefix(self, prefix: str) -> None:
         """Delete everything under ``prefix`` (missing is fine)."""

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import time
-from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 import torch
-from test_allreduce_workers import SHAPES, make_tensors, race_commits, run_replica
+from test_allreduce_workers import SHAPES, make_tensors, race_commits, run_replica, shared_pool
 
 from composer_replication.diloco.serverless import ObjectStoreAllReduce
 from composer_replication.diloco.serverless.allreduce import (
@@ -20,9 +18,8 @@ from composer_replication.diloco.serverless.allreduce import (
 
 @pytest.fixture(scope="module")
 def pool():
-    with ProcessPoolExecutor(4, mp_context=mp.get_context("spawn")) as ex:
-        list(ex.map(time.sleep, [0.0] * 4))  # warm up: workers import before timed tests run
-        yield ex
+    """The session's shared replica process pool (see test_allreduce_workers.shared_pool)."""
+    return shared_pool()
 
 
 def run_all(pool, uri, world_size, ranks, steps, dtype="float32", **kwargs):

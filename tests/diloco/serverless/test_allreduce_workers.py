@@ -7,12 +7,27 @@ every function returns plain picklable data to the test process.
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing as mp
 import time
+from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 import torch
 
 SHAPES = {"layer.weight": (6, 5), "layer.bias": (5,), "head": (3, 7, 2)}
+_POOL: ProcessPoolExecutor | None = None
+
+
+def shared_pool() -> ProcessPoolExecutor:
+    """One spawn pool of 4 replica processes for all allreduce test modules.
+
+    Starting processes that import torch costs seconds on a loaded machine, so the pool is
+    created once per test session (lazily) and joined by ProcessPoolExecutor's own exit hook.
+    """
+    global _POOL
+    if _POOL is None:
+        _POOL = ProcessPoolExecutor(4, mp_context=mp.get_context("spawn"))
+    return _POOL
 
 
 def make_tensors(rank: int, step: int, dtype: torch.dtype = torch.float32) -> dict:
@@ -91,3 +106,16 @@ def race_commits(
             }
         )
     return records
+
+
+def warm_up(storage_options_list: list[dict[str, Any]], hold_s: float) -> int:
+    """Import torch/s3fs and open one client per server, so timed steps skip cold start-up."""
+    import os
+
+    import fsspec
+
+    for options in storage_options_list:
+        fs = fsspec.filesystem("s3", use_listings_cache=False, **options)
+        fs.ls("composer-test")  # the bucket the fixtures create
+    time.sleep(hold_s)  # keep this worker busy so the next warm-up task lands on another one
+    return os.getpid()

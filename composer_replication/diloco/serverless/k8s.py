@@ -92,6 +92,7 @@ class K8sExecutor(ExecutorBase):
         config_file: str | None = None,
         context: str | None = None,
         poll_interval: float = 2.0,
+        request_timeout: float = 30.0,
     ) -> None:
         if not image or not isinstance(image, str):
             raise ValueError("K8sExecutor needs image='registry/repo:tag' (an image with Python "
@@ -113,6 +114,7 @@ class K8sExecutor(ExecutorBase):
         self.labels = dict(labels or {})
         self.python = python
         self.poll_interval = poll_interval
+        self.request_timeout = request_timeout  # a hung API server must not hang collect()
         self.api_client = api_client or self._load_client(config_file, context)
         cfg = self.api_client.configuration
         self._secrets = [*(cfg.api_key or {}).values(), cfg.password, cfg.access_token]
@@ -228,7 +230,9 @@ class K8sExecutor(ExecutorBase):
         )
         try:
             with sdk_errors(self.backend, f"creating job {name}", self._secrets):
-                self.batch.create_namespaced_job(namespace=self.namespace, body=job)
+                self.batch.create_namespaced_job(
+                    namespace=self.namespace, body=job, _request_timeout=self.request_timeout
+                )
         except Exception:
             # The request may have reached the server even though the call failed (timeout):
             # make sure no half-known job is left running.
@@ -251,7 +255,9 @@ class K8sExecutor(ExecutorBase):
     def _index_pods(self, name: str) -> dict[int, list[Any]]:
         with sdk_errors(self.backend, f"listing pods of job {name}", self._secrets):
             pods = self.core.list_namespaced_pod(
-                namespace=self.namespace, label_selector=f"{JOB_NAME_LABEL}={name}"
+                namespace=self.namespace,
+                label_selector=f"{JOB_NAME_LABEL}={name}",
+                _request_timeout=self.request_timeout,
             ).items
         by_index: dict[int, list[Any]] = defaultdict(list)
         for pod in pods:
@@ -271,7 +277,9 @@ class K8sExecutor(ExecutorBase):
         for name, group in groups.items():
             try:
                 with sdk_errors(self.backend, f"reading job {name}", self._secrets):
-                    job = self.batch.read_namespaced_job(name=name, namespace=self.namespace)
+                    job = self.batch.read_namespaced_job(
+                        name=name, namespace=self.namespace, _request_timeout=self.request_timeout
+                    )
             except Exception as exc:
                 if "404" in str(exc) or "NotFound" in str(exc):
                     for h in group:
@@ -340,7 +348,7 @@ class K8sExecutor(ExecutorBase):
                 ):
                     text = self.core.read_namespaced_pod_log(
                         name=pods[-1].metadata.name, namespace=self.namespace,
-                        tail_lines=tail if tail is not None else None,
+                        tail_lines=tail, _request_timeout=self.request_timeout,
                     )  # fmt: skip
         except Exception:
             # A pod that is still starting has no log yet, a deleted one none any more: fall
@@ -366,6 +374,7 @@ class K8sExecutor(ExecutorBase):
                 self.batch.delete_namespaced_job(
                     name=name, namespace=self.namespace, propagation_policy="Foreground",
                     body=self._client.V1DeleteOptions(propagation_policy="Foreground"),
+                    _request_timeout=self.request_timeout,
                 )  # fmt: skip
         except Exception as exc:
             if not quiet and "404" not in str(exc) and "NotFound" not in str(exc):
@@ -383,7 +392,9 @@ class K8sExecutor(ExecutorBase):
             cancelled.update(self._split(h)[1] for h in group)
             try:
                 with sdk_errors(self.backend, f"reading job {name}", self._secrets):
-                    job = self.batch.read_namespaced_job(name=name, namespace=self.namespace)
+                    job = self.batch.read_namespaced_job(
+                        name=name, namespace=self.namespace, _request_timeout=self.request_timeout
+                    )
             except Exception as exc:
                 if "404" in str(exc) or "NotFound" in str(exc):
                     continue  # already gone: nothing left to stop
@@ -401,7 +412,9 @@ class K8sExecutor(ExecutorBase):
                         self.backend, f"deleting pod {pod.metadata.name}", self._secrets
                     ):
                         self.core.delete_namespaced_pod(
-                            name=pod.metadata.name, namespace=self.namespace
+                            name=pod.metadata.name,
+                            namespace=self.namespace,
+                            _request_timeout=self.request_timeout,
                         )
 
     def _refresh(self, handle: ReplicaHandle) -> None:

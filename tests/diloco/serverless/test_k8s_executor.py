@@ -247,3 +247,38 @@ def test_missing_sdk_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "kubernetes.client", None)  # as if not installed
     with pytest.raises(ImportError, match=r"composer-replication\[k8s\]"):
         K8sExecutor("python:3.11")
+
+
+def test_redact_masks_known_and_credential_looking_values():
+    from composer_replication.diloco.serverless.redact import redact
+
+    text = (
+        "Authorization: Bearer abc.def-123 token=xyz hf_abcdefghijkl AKIAABCDEFGHIJKLMNOP "
+        'secret_key: "q1w2e3" keep-me long-secret-value'
+    )
+    out = redact(text, ["long-secret-value", None, ""])
+    for leaked in ("abc.def-123", "xyz", "hf_abcdefghijkl", "AKIAABCDEFGHIJKLMNOP", "q1w2e3",
+                   "long-secret-value"):  # fmt: skip
+        assert leaked not in out
+    assert "keep-me" in out and out.count("***") == 6
+
+
+def test_job_spec_pod_failure_policy():
+    from kubernetes import client
+
+    from composer_replication.diloco.serverless.k8s_job import build_indexed_job
+
+    job = build_indexed_job(
+        client, name="j", image="img", command=["python", "x.py"], base_env={"REPLICA_RANK": "0",
+        "A": "1"}, rank_keys={"REPLICA_RANK"}, offset=0, count=2, limits={}, secret_env={},
+        env_from_secrets=[], backoff_limit_per_index=1, ttl_seconds_after_finished=None,
+        active_deadline_seconds=None, service_account=None, node_selector=None,
+        image_pull_secrets=[], labels={},
+    )  # fmt: skip
+    body = client.ApiClient().sanitize_for_serialization(job)
+    rules = body["spec"]["podFailurePolicy"]["rules"]
+    assert rules[0] == {"action": "Ignore",
+                        "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}  # fmt: skip
+    assert rules[1] == {"action": "FailIndex", "onExitCodes": {"operator": "In", "values": [143]}}
+    env = body["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert {"name": "A", "value": "1"} in env and "resources" not in body["spec"]["template"]["spec"]["containers"][0]  # fmt: skip

@@ -18,6 +18,7 @@ from composer_replication.tasks.arithmetic import ArithmeticTask
 from composer_replication.tasks.base import Example, Task, Verdict, clean_completion
 from composer_replication.tasks.pycode import PyCodeTask
 from composer_replication.tasks.reasoning_gym import ReasoningGymTask
+from composer_replication.tasks.sandbox import SandboxLimits, run_candidate
 from composer_replication.tasks.strings import StringsTask
 
 TASKS: dict[str, type[Task]] = {
@@ -57,9 +58,11 @@ __all__ = [
     "Example",
     "PyCodeTask",
     "ReasoningGymTask",
+    "SandboxLimits",
     "StringsTask",
     "Task",
     "Verdict",
     "clean_completion",
     "get_task",
+    "run_candidate",
 ]

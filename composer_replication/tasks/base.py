@@ -22,6 +22,7 @@ whitespace is stripped.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import re
@@ -222,7 +223,12 @@ class Task(ABC):
 
     def _example(self, split: str, i: int, problem: tuple[str, str, dict[str, Any]]) -> Example:
         prompt, answer, meta = problem
-        return Example(id=f"{self.name}/{split}/{i}", prompt=prompt, answer=answer, meta=meta)
+        # The prompt's digest makes ids from another seed or other options never collide with
+        # ours, so reward_func cannot silently verify against the wrong example.
+        digest = hashlib.sha256(prompt.encode("utf-8")).hexdigest()[:8]
+        return Example(
+            id=f"{self.name}/{split}/{i}/{digest}", prompt=prompt, answer=answer, meta=meta
+        )
 
     # ---- TRL glue -----------------------------------------------------------------------------
 
@@ -258,9 +264,11 @@ class Task(ABC):
     ) -> Example:
         if example_id is not None:
             try:
-                return self.get_example(example_id[i])
+                example = self.get_example(example_id[i])
             except KeyError:
-                pass
+                example = None
+            if example is not None and (answer is None or answer[i] == example.answer):
+                return example
         if answer is None:
             raise ValueError(
                 f"{self.name}_reward: cannot find the example for completion {i}: pass the "

@@ -82,8 +82,8 @@ class PyCodeTask(Task):
     """Write-a-Python-function problems (see the module docstring for levels and rewards).
 
     Args (beyond `Task`'s): `level`; `families` (family keys, overriding the level); `limits`
-    (sandbox limits per verification); `workers` (verifications run in parallel threads, each
-    waiting on its own subprocess).
+    (a `SandboxLimits` or a dict of its fields, e.g. `{"wall_seconds": 5}` from a TOML config);
+    `workers` (verifications run in parallel threads, each waiting on its own subprocess).
     """
 
     name: ClassVar[str] = "pycode"
@@ -97,7 +97,7 @@ class PyCodeTask(Task):
         n_eval: int = 64,
         level: str = "easy",
         families: Sequence[str] | None = None,
-        limits: SandboxLimits | None = None,
+        limits: SandboxLimits | dict[str, Any] | None = None,
         workers: int | None = None,
     ) -> None:
         super().__init__(seed=seed, n_train=n_train, n_eval=n_eval)
@@ -115,6 +115,14 @@ class PyCodeTask(Task):
                     f"families must be a non-empty subset of {sorted(by_key)}, got {families!r}"
                 )
             self.families = tuple(by_key[k] for k in families)
+        if isinstance(limits, dict):  # from a TOML config: [task.options.limits]
+            known = set(SandboxLimits.__dataclass_fields__)
+            unknown = sorted(set(limits) - known)
+            if unknown:
+                raise ValueError(
+                    f"unknown sandbox limit(s) {unknown}; known limits are {sorted(known)}"
+                )
+            limits = SandboxLimits(**limits)
         self.limits = limits or SandboxLimits()
         self.workers = workers if workers is not None else min(4, os.cpu_count() or 1)
         if self.workers < 1:

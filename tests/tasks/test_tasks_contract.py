@@ -135,6 +135,16 @@ def test_to_dataset_and_reward_func(name: str) -> None:
         reward(completions=[good])
 
 
+def test_reward_func_never_verifies_against_another_seeds_example() -> None:
+    mine = get_task("arithmetic", seed=0, n_train=20, n_eval=5)
+    theirs = get_task("arithmetic", seed=1, n_train=20, n_eval=5).to_dataset("train")
+    assert not {r["example_id"] for r in theirs} & {e.id for e in mine.train_examples()}
+    reward = mine.reward_func()
+    cols = {k: list(theirs[k]) for k in ("example_id", "answer", "task_meta")}
+    out = reward(prompts=list(theirs["prompt"]), completions=cols["answer"], **cols)
+    assert all(score == 1.0 for score, _ in out)  # rebuilt from their own columns
+
+
 @pytest.mark.parametrize("name", ["arithmetic", "strings", "pycode"])
 def test_oracle_traces_match_the_trace_format(name: str) -> None:
     from composer_replication.data.traces import TraceRecord, prompt_key

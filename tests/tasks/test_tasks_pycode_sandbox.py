@@ -126,6 +126,11 @@ def test_pycode_levels_and_parallel_verification() -> None:
     assert {"factorial", "gcd", "reverse", "add"} <= {e.meta["family"] for e in both}
     with pytest.raises(ValueError, match="families"):
         PyCodeTask(families=["quantum"])
+    assert PyCodeTask(limits={"wall_seconds": 5.0}).limits == SandboxLimits(wall_seconds=5.0)
+    with pytest.raises(ValueError, match="unknown sandbox limit"):
+        PyCodeTask(limits={"wall_secs": 5})
+    with pytest.raises(ValueError, match="wall_seconds"):
+        PyCodeTask(limits={"wall_seconds": 0})
     task = PyCodeTask(n_train=6, n_eval=0, workers=2, limits=FAST)
     examples = task.train_examples()
     answers = [

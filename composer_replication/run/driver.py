@@ -270,9 +270,14 @@ def _num(value: Any, digits: int = 3) -> str:
     return "n/a" if value is None else f"{value:.{digits}f}"
 
 
-def summary_text(folder: RunFolder, status: str, summary: dict[str, Any], config: RunConfig) -> str:
+def summary_text(
+    folder: RunFolder,
+    status: str,
+    summary: dict[str, Any],
+    config: RunConfig,
+    wall: float | None = None,
+) -> str:
     """The lines `train` prints at the end (headline numbers and where to look)."""
-    wall = summary.get("wall_seconds")
     lines = [
         f"Run {folder.name}: {status}"
         + (f" after {wall:.1f} s" if wall is not None else "")

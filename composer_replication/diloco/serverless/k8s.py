@@ -292,10 +292,17 @@ class K8sExecutor(ExecutorBase):
             completed = parse_indexes(status.completed_indexes if status else None)
             failed = parse_indexes(status.failed_indexes if status else None)
             pods = self._index_pods(name)
+            job_failed = next(
+                (c for c in (status.conditions or []) if c.type == "Failed" and c.status == "True"),
+                None,
+            ) if status else None  # fmt: skip
             for h in group:
-                self._update(
-                    h, name, self._split(h)[1], completed, failed, pods.get(self._split(h)[1], [])
-                )
+                index = self._split(h)[1]
+                self._update(h, name, index, completed, failed, pods.get(index, []))
+                if job_failed is not None and not h.status.done:
+                    # The whole job ended (activeDeadlineSeconds, backoffLimit, ...): indexes
+                    # neither completed nor failed will never run again.
+                    self._fail(h, f"job failed: {job_failed.reason}: {job_failed.message}")
         return handles
 
     def _update(

@@ -282,3 +282,13 @@ def test_job_spec_pod_failure_policy():
     assert rules[1] == {"action": "FailIndex", "onExitCodes": {"operator": "In", "values": [143]}}
     env = body["spec"]["template"]["spec"]["containers"][0]["env"]
     assert {"name": "A", "value": "1"} in env and "resources" not in body["spec"]["template"]["spec"]["containers"][0]  # fmt: skip
+
+
+def test_active_deadline_fails_the_unfinished_replicas(cluster):
+    _, make, tmp = cluster
+    ex = make(active_deadline_seconds=1)
+    handles = ex.launch_replicas(2, "diloco_replica.py", _args(tmp / "s", sleep=60))
+    result = ex.collect(handles, timeout=30)
+    for h in result:
+        assert h.status is ReplicaStatus.FAILED
+        assert "DeadlineExceeded" in h.error

@@ -179,6 +179,7 @@ class K8sApiStandin:
                          "creationTimestamp": rfc3339(now), "resourceVersion": "1"},
             "spec": body["spec"],
             "status": {"startTime": rfc3339(now)},
+            "_created": now,
             "_indexes": {i: {"failures": 0, "pod": None, "done": None}
                          for i in range(body["spec"]["completions"])},
             "_deleting": False,
@@ -347,6 +348,19 @@ class K8sApiStandin:
     def _step(self, key: tuple[str, str], job: dict[str, Any]) -> None:
         ns, name = key
         spec = job["spec"]
+        deadline = spec.get("activeDeadlineSeconds")
+        if (
+            deadline and not job["_deleting"] and not job["status"].get("conditions")
+            and time.time() - job["_created"] > deadline
+        ):  # fmt: skip
+            # Like the Job controller: kill every running pod, fail the job as a whole.
+            for pod in self._job_pods(ns, name):
+                self._terminate_pod(pod)
+            now = rfc3339(time.time())
+            job["status"]["conditions"] = [{
+                "type": "Failed", "status": "True", "reason": "DeadlineExceeded",
+                "message": "Job was active longer than specified deadline",
+                "lastProbeTime": now, "lastTransitionTime": now}]  # fmt: skip
         for index, st in job["_indexes"].items():
             pod = self.pods.get((ns, st["pod"])) if st["pod"] else None
             if pod is None:
@@ -367,8 +381,8 @@ class K8sApiStandin:
                 if code is not None:
                     pod["_exit"] = code
                     pod["_phase"] = "Succeeded" if code == 0 else "Failed"
-            if st["done"] is not None or job["_deleting"]:
-                continue
+            if st["done"] is not None or job["_deleting"] or job["status"].get("conditions"):
+                continue  # a finished (or failed-as-a-whole) job does not touch its indexes
             if pod["_phase"] == "Succeeded":
                 st["done"] = "succeeded"
             elif pod["_phase"] == "Failed":

@@ -97,6 +97,7 @@ class ModalExecutor(ExecutorBase):
     """One Modal function call per replica (see the module docstring).
 
     image: a registry tag (str, used with `modal.Image.from_registry`) or a `modal.Image`.
+    add_python: with a tag whose image has no Python, the version Modal should add ("3.11").
     gpu: Modal GPU string ("A100", "H100:8", ...) or None for CPU only.
     secrets: names of Modal Secrets (created with `modal secret create`), exposed as env.
     env: static environment for every replica (per-replica values are added at launch).
@@ -122,6 +123,7 @@ class ModalExecutor(ExecutorBase):
         cpu: float | None = None,
         memory: int | None = None,
         bucket_mount: dict[str, Any] | None = None,
+        add_python: str | None = None,
         app_name: str = "composer-replication-diloco",
         python: str = "python",
         detach: bool = True,
@@ -143,6 +145,7 @@ class ModalExecutor(ExecutorBase):
         self.timeout, self.cpu, self.memory = timeout, cpu, memory
         self.bucket_mount = dict(bucket_mount) if bucket_mount else None
         self.app_name, self.python, self.detach = app_name, python, detach
+        self.add_python = add_python
         self.poll_interval = poll_interval
         self._function: Any = None
         self._run_ctx: Any = None
@@ -154,7 +157,9 @@ class ModalExecutor(ExecutorBase):
     # ------------------------------------------------------------------ app
     def _build_function(self) -> Any:
         m = self._modal
-        image = m.Image.from_registry(self.image) if isinstance(self.image, str) else self.image
+        image = self.image
+        if isinstance(image, str):
+            image = m.Image.from_registry(image, add_python=self.add_python)
         volumes: dict[str, Any] = {}
         if self.bucket_mount:
             b = self.bucket_mount

@@ -201,7 +201,7 @@ def test_bad_input_and_missing_credentials(fake, tmp_path, monkeypatch):
 
 def test_every_modal_call_matches_the_installed_signatures(fake, tmp_path):
     """Bind each recorded call to the real modal callable: wrong names or arity fail here."""
-    ex = _make(fake, gpu="A10G", secrets=["wandb"],
+    ex = _make(fake, gpu="A10G", secrets=["wandb"], add_python="3.11",
                bucket_mount={"bucket": "b", "mount_path": "/store", "secret": "wandb"})  # fmt: skip
     handles = ex.launch_replicas(
         2, "diloco_replica.py", _args(tmp_path / "s"), resources={"gpu": "L4", "memory": 2048}

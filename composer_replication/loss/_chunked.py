@@ -2,14 +2,13 @@
 
 A naive full-vocab divergence at B=1, T=1024, V=151936 keeps half a dozen ``(B, T, V)`` float32
 intermediates alive for backward (log-softmaxes, mixture, per-element KL terms): about 7.7 GB.
-Here the tokens are processed in chunks of ``chunk_size`` rows. For each chunk we build a small
-autograd graph, take its gradient at once and write it into one ``(B, T, V)`` gradient buffer;
-the graph is then freed. The buffer is the same tensor backward has to return anyway, so the
-peak is one ``B*T*V`` copy plus one chunk's temporaries, and no work is repeated in backward
-(backward only scales the buffer by the incoming scalar gradient).
-
-Consequence: the autograd node can be back-propagated through once (the buffer is handed over,
-not copied); a second backward through the same graph raises a clear ``RuntimeError``.
+Here the tokens are processed in chunks of ``chunk_size`` rows (default: about 1M logits). For each chunk a kernel returns the
+per-token losses and their gradient rows (in closed form for the full-vocabulary divergences, by a
+small per-chunk autograd graph otherwise), written at once into one ``(B, T, V)`` gradient
+buffer; the chunk's temporaries are then freed. Backward only scales that buffer by the incoming
+scalar gradient, so no work is repeated. Peak: the buffer plus backward's scaled copy (two
+``B*T*V`` copies, the gradient itself being the floor) plus one chunk's temporaries, against
+about a dozen copies for the naive formula.
 """
 
 from __future__ import annotations
@@ -20,10 +19,39 @@ from typing import Any
 import torch
 from torch import Tensor
 
-# per-token function: (student (n, V), teacher (n, V)) -> (loss (n,), {stat name: (n,) tensor})
+# Per-token function for autograd kernels:
+#   (student (n, V), teacher (n, V)) -> (loss (n,), {stat name: (n,) tensor})
 PerTokenFn = Callable[[Tensor, Tensor], tuple[Tensor, dict[str, Tensor]]]
+# A chunk kernel: (student (n, V), teacher (n, V), need_grad) ->
+#   (loss (n,), d loss_i / d student_i as (n, V) or None, {stat name: (n,) tensor}).
+# Row i of the gradient depends only on token i, so kernels may compute it in closed form.
+Kernel = Callable[[Tensor, Tensor, bool], tuple[Tensor, Tensor | None, dict[str, Tensor]]]
 
-DEFAULT_CHUNK_SIZE = 256
+
+def autograd_kernel(fn: PerTokenFn) -> Kernel:
+    """Turn a differentiable per-token function into a kernel (gradient by autograd per chunk)."""
+
+    def kernel(
+        s: Tensor, t: Tensor, need_grad: bool
+    ) -> tuple[Tensor, Tensor | None, dict[str, Tensor]]:
+        s = s.detach().requires_grad_(need_grad)
+        with torch.enable_grad():  # autograd.Function.forward runs with grad mode off
+            per_token, extra = fn(s, t)
+            grad = torch.autograd.grad(per_token.sum(), s)[0] if need_grad else None
+        return per_token.detach(), grad, {k: v.detach() for k, v in extra.items()}
+
+    return kernel
+
+
+# Elements (tokens x vocab) per chunk when chunk_size is None: 4 MB of fp32 per temporary. A
+# chunk's graph holds ~20 such temporaries, so this stays far under one (B, T, V) buffer, and
+# 4 MB pieces stay in cache better than full-vocab tensors (it is faster than naive, not slower).
+CHUNK_ELEMENTS = 1 << 20
+
+
+def auto_chunk_size(vocab: int) -> int:
+    """Tokens per chunk so one chunk holds about ``CHUNK_ELEMENTS`` logits."""
+    return max(1, CHUNK_ELEMENTS // max(vocab, 1))
 
 
 def _row_ranges(mask: Tensor, chunk_size: int) -> list[tuple[int, Tensor | slice]]:
@@ -56,49 +84,49 @@ class _ChunkedTokenMean(torch.autograd.Function):
         student: Tensor,
         teacher: Tensor,
         mask: Tensor,
-        fn: PerTokenFn,
+        kernel: Kernel,
         token_clip: float | None,
         chunk_size: int,
         stats: dict[str, float],
     ) -> Tensor:
         need_grad = bool(ctx.needs_input_grad[0])
         # Low-precision logits are upcast per chunk: the sums over 151k entries need fp32.
-        compute_dtype = (
-            torch.float32 if student.dtype in (torch.float16, torch.bfloat16) else student.dtype
-        )
+        low_precision = student.dtype in (torch.float16, torch.bfloat16)
+        compute_dtype = torch.float32 if low_precision else student.dtype
         n_tokens = int(mask.sum())
         weight = 1.0 / max(n_tokens, 1)
-        grad = (
-            torch.zeros(student.shape, dtype=student.dtype, device=student.device)
-            if need_grad
-            else None
-        )
-        total = torch.zeros((), dtype=compute_dtype, device=student.device)
+        grad: Tensor | None = None
+        if need_grad:
+            # Rows outside the mask get no gradient; when every row is written, skip the zero fill.
+            alloc = torch.empty if bool(mask.all()) else torch.zeros
+            grad = alloc(student.shape, dtype=student.dtype, device=student.device)
+        total = torch.zeros((), dtype=torch.float64, device=student.device)
         sums: dict[str, float] = {}
         clipped = 0
         for b, sel in _row_ranges(mask, chunk_size):
-            s_chunk = _take(student, b, sel)
-            t_chunk = _take(teacher, b, sel)
-            if not bool(torch.isfinite(s_chunk).all()):
-                raise ValueError("student_logits contains NaN or Inf at unmasked positions")
-            if not bool(torch.isfinite(t_chunk).all()):
-                raise ValueError("teacher_logits contains NaN or Inf at unmasked positions")
-            s = s_chunk.detach().to(compute_dtype).requires_grad_(need_grad)
-            with torch.enable_grad():
-                per_token, extra = fn(s, t_chunk.detach().to(compute_dtype))
-                if token_clip is not None:
-                    clipped += int((per_token.detach() > token_clip).sum())
-                    per_token = per_token.clamp(max=token_clip)
-                objective = per_token.sum() * weight
-            if need_grad and grad is not None:
-                (g,) = torch.autograd.grad(objective, s)
+            s = _take(student, b, sel).detach().to(compute_dtype)
+            t = _take(teacher, b, sel).detach().to(compute_dtype)
+            # One reduction per input instead of an isfinite mask: a sum is finite iff every
+            # element is (NaN and +-inf propagate; overflow would need |logits| ~ 1e33).
+            for name, x in (("student_logits", s), ("teacher_logits", t)):
+                if not bool(torch.isfinite(x.sum())):
+                    raise ValueError(f"{name} contains NaN or Inf at unmasked positions")
+            per_token, g, extra = kernel(s, t, need_grad)
+            scale = torch.full_like(per_token, weight)
+            if token_clip is not None:
+                over = per_token > token_clip
+                clipped += int(over.sum())
+                per_token = per_token.clamp(max=token_clip)
+                scale = scale.masked_fill(over, 0.0)  # a clipped token is constant: no gradient
+            if grad is not None and g is not None:
+                g.mul_(scale.unsqueeze(-1))
                 if isinstance(sel, slice):
-                    grad[b, sel] = g.to(grad.dtype)
+                    grad[b, sel] = g
                 else:
                     grad[b].index_copy_(0, sel, g.to(grad.dtype))
-            total = total + objective.detach()
+            total += per_token.sum().double() * weight
             for key, stat in extra.items():
-                sums[key] = sums.get(key, 0.0) + float(stat.detach().sum())
+                sums[key] = sums.get(key, 0.0) + float(stat.sum())
         stats["tokens"] = float(n_tokens)
         stats["clip_frac"] = clipped / max(n_tokens, 1)
         for key, acc in sums.items():
@@ -108,36 +136,31 @@ class _ChunkedTokenMean(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        grad = ctx.grad
+        grad: Tensor | None = ctx.grad
         if grad is None:
-            if ctx.needs_input_grad[0]:
-                raise RuntimeError(
-                    "chunked distillation loss: backward was called twice through the same graph; "
-                    "the gradient buffer is handed over on the first backward (recompute the loss)"
-                )
             return (None,) * 7
-        ctx.grad = None  # hand the buffer over; holding it would double the peak
-        if not bool(grad_output == 1):
-            grad.mul_(grad_output.to(grad.dtype))
-        return (grad, None, None, None, None, None, None)
+        # A new tensor, not an in-place scale of the buffer: backward may run more than once
+        # through a retained graph (gradcheck, retain_graph=True), and autograd may keep the
+        # returned tensor as .grad and accumulate into it.
+        return (grad * grad_output.to(grad.dtype), None, None, None, None, None, None)
 
 
 def chunked_token_mean(
     student: Tensor,
     teacher: Tensor,
     mask: Tensor,
-    fn: PerTokenFn,
+    kernel: Kernel,
     *,
     token_clip: float | None,
-    chunk_size: int,
+    chunk_size: int | None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """Mean over ``mask`` of ``min(fn(student_row, teacher_row), token_clip)``; ``(B, T, V)`` inputs.
+    """Mean over ``mask`` of ``min(kernel(student_row, teacher_row), token_clip)``.
 
-    Rows outside ``mask`` are never read. Returns the loss and the mask-mean of each ``extra``
-    statistic of ``fn`` plus ``tokens`` and ``clip_frac``. The teacher gets no gradient.
+    ``student``/``teacher`` are ``(B, T, V)``, ``mask`` ``(B, T)`` bool. Rows outside ``mask`` are
+    never read. Returns the loss and the mask-mean of each ``extra`` statistic of the kernel plus
+    ``tokens`` and ``clip_frac``. The teacher gets no gradient.
     """
     stats: dict[str, float] = {}
-    loss = _ChunkedTokenMean.apply(
-        student, teacher.detach(), mask, fn, token_clip, chunk_size, stats
-    )
+    rows = auto_chunk_size(student.shape[-1]) if chunk_size is None else chunk_size
+    loss = _ChunkedTokenMean.apply(student, teacher.detach(), mask, kernel, token_clip, rows, stats)
     return loss, stats

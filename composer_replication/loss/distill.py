@@ -20,7 +20,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from composer_replication.loss._checks import (
@@ -29,13 +28,14 @@ from composer_replication.loss._checks import (
     check_scalar,
     check_tensor,
 )
-from composer_replication.loss._chunked import DEFAULT_CHUNK_SIZE, PerTokenFn, chunked_token_mean
+from composer_replication.loss._chunked import PerTokenFn, autograd_kernel, chunked_token_mean
+from composer_replication.loss._kernels import entropy_opd_kernel, jsd_kernel, taid_kernel
 
 DEFAULT_ENTROPY_OPD_H_MAX = 0.8  # nats; the Entropy-aware OPD paper's tau
 
 
 def _check_logits(
-    student_logits: Tensor, teacher_logits: Tensor, mask: Tensor | None, chunk_size: int
+    student_logits: Tensor, teacher_logits: Tensor, mask: Tensor | None, chunk_size: int | None
 ) -> Tensor:
     check_tensor("student_logits", student_logits, ndim=3)
     check_tensor("teacher_logits", teacher_logits, ndim=3)
@@ -51,8 +51,10 @@ def _check_logits(
         )
     if not student_logits.is_floating_point() or not teacher_logits.is_floating_point():
         raise ValueError("student_logits and teacher_logits must be floating point")
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    if chunk_size is not None and (
+        isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
+    ):
+        raise ValueError(f"chunk_size must be a positive int or None (auto), got {chunk_size!r}")
     return as_bool_mask("mask", mask, student_logits.shape[:2], student_logits.device)
 
 
@@ -78,12 +80,10 @@ def _tail_bucket(log_probs: Tensor) -> Tensor:
     return torch.cat([log_probs, torch.log(-torch.expm1(log_mass))], dim=-1)
 
 
-def _jsd_fn(beta: float, temperature: float, top_k: int | None, add_tail: bool) -> PerTokenFn:
+def _topk_jsd_fn(beta: float, temperature: float, top_k: int, add_tail: bool) -> PerTokenFn:
     def fn(s: Tensor, t: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         s = s / temperature
         t = t / temperature
-        if top_k is None:
-            return divergence(F.log_softmax(s, -1), F.log_softmax(t, -1), beta), {}
         # Support = the student's top-k tokens (selection is not differentiated), as SDPO.
         idx = torch.topk(s.detach(), k=top_k, dim=-1).indices
         log_q = s.gather(-1, idx) - torch.logsumexp(s, -1, keepdim=True)
@@ -112,7 +112,7 @@ def generalized_jsd(
     token_clip: float | None = None,
     top_k: int | None = None,
     add_tail: bool = True,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunk_size: int | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """Generalized Jensen-Shannon divergence, token-mean over ``mask``.
 
@@ -126,7 +126,8 @@ def generalized_jsd(
         token_clip: optional > 0 cap on each token's divergence (clipped tokens give no gradient).
         top_k: if set, the divergence is taken on the student's top-k tokens (SDPO style), with
             one tail bucket holding the remaining mass (``add_tail=True``) or renormalised.
-        chunk_size: tokens per chunk; only affects memory/speed, not values.
+        chunk_size: tokens per chunk (None = about 1M logits per chunk); only affects
+            memory and speed, not values.
 
     Returns:
         ``(loss, metrics)``: ``jsd/loss``, ``jsd/tokens``, ``jsd/clip_frac``, ``jsd/empty_mask``.
@@ -145,9 +146,12 @@ def generalized_jsd(
             raise ValueError(
                 f"top_k must be an int in [1, V={student_logits.shape[-1]}], got {top_k!r}"
             )
-    fn = _jsd_fn(beta, temperature, top_k, add_tail)
+    if top_k is None:
+        kernel = jsd_kernel(beta, temperature)
+    else:  # small (n, k) support: per-chunk autograd is cheap and keeps the code obvious
+        kernel = autograd_kernel(_topk_jsd_fn(beta, temperature, top_k, add_tail))
     loss, stats = chunked_token_mean(
-        student_logits, teacher_logits, m, fn, token_clip=token_clip, chunk_size=chunk_size
+        student_logits, teacher_logits, m, kernel, token_clip=token_clip, chunk_size=chunk_size
     )
     metrics = {
         "jsd/loss": float(loss.detach()),
@@ -165,7 +169,7 @@ def taid_loss(
     *,
     mask: Tensor | None = None,
     temperature: float = 1.0,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunk_size: int | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """TAID: cross-entropy from the time-interpolated target to the student, token-mean.
 
@@ -184,13 +188,13 @@ def taid_loss(
     t = check_scalar("t", t, low=0.0, high=1.0)
     temperature = check_scalar("temperature", temperature, low=0.0, low_open=True)
 
-    def fn(s: Tensor, z_t: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-        s = s / temperature
-        target = torch.softmax((1 - t) * s.detach() + t * (z_t / temperature), -1)
-        return -(target * F.log_softmax(s, -1)).sum(-1), {}
-
     loss, stats = chunked_token_mean(
-        student_logits, teacher_logits, m, fn, token_clip=None, chunk_size=chunk_size
+        student_logits,
+        teacher_logits,
+        m,
+        taid_kernel(t, temperature),
+        token_clip=None,
+        chunk_size=chunk_size,
     )
     metrics = {
         "taid/loss": float(loss.detach()),
@@ -210,7 +214,7 @@ def entropy_opd_loss(
     mode: str = "switch",
     fkl_coef: float = 1.0,
     temperature: float = 1.0,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunk_size: int | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """Entropy-gated on-policy distillation, token-mean over ``mask``.
 
@@ -238,22 +242,9 @@ def entropy_opd_loss(
     fkl_coef = check_scalar("fkl_coef", fkl_coef, low=0.0)
     temperature = check_scalar("temperature", temperature, low=0.0, low_open=True)
 
-    def fn(s: Tensor, z_t: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-        log_q = F.log_softmax(s / temperature, -1)
-        log_p = F.log_softmax(z_t / temperature, -1)
-        p = log_p.exp()
-        entropy = -(p * log_p).sum(-1)
-        gate = entropy > h_max
-        fkl = (p * (log_p - log_q)).sum(-1)
-        rkl = (log_q.exp() * (log_q - log_p)).sum(-1)
-        if mode == "switch":
-            per_token = torch.where(gate, fkl, rkl)
-        else:
-            per_token = rkl + fkl_coef * gate.to(fkl.dtype) * fkl
-        return per_token, {"gate_frac": gate.float(), "teacher_entropy": entropy.detach()}
-
+    kernel = entropy_opd_kernel(h_max, mode, fkl_coef, temperature)
     loss, stats = chunked_token_mean(
-        student_logits, teacher_logits, m, fn, token_clip=None, chunk_size=chunk_size
+        student_logits, teacher_logits, m, kernel, token_clip=None, chunk_size=chunk_size
     )
     metrics = {
         "eopd/loss": float(loss.detach()),

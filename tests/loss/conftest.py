@@ -76,6 +76,20 @@ def make_batch(
     return batch
 
 
+@pytest.fixture(autouse=True)
+def _single_thread() -> Any:
+    """Run the loss tests on one intra-op thread.
+
+    The tensors here are tiny; with 2 OpenMP threads every kernel opens a parallel region that
+    must wait for a second core, which on a loaded machine costs milliseconds per op (seen: 20 ms
+    per log_softmax of a 3x6 tensor). The previous setting is restored afterwards.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture
 def lm() -> LinearLM:
     return LinearLM()

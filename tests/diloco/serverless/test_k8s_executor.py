@@ -99,8 +99,8 @@ def test_indexed_job_runs_replicas_to_completion(cluster):
     assert env["WORLD_SIZE"]["value"] == "3" and env["MY_VAR"]["value"] == "x"
     assert "hf_valueFromSecret123" not in json.dumps(body)  # the secret stays in the cluster
 
-    ex.poll(handles)
-    assert {h.status for h in handles} <= {ReplicaStatus.PENDING, ReplicaStatus.RUNNING}
+    ex.poll(handles)  # non-blocking: returns at once, whatever the replicas' state
+    assert not any(h.status in (ReplicaStatus.FAILED, ReplicaStatus.CANCELLED) for h in handles)
     result = ex.collect(handles, timeout=60)
     assert {h.replica_id: h.exit_code for h in result} == {0: 0, 1: 0, 2: 0}
     assert all(h.status is ReplicaStatus.SUCCEEDED for h in result)

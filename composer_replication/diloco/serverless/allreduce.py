@@ -45,6 +45,7 @@ from composer_replication.diloco.serverless.protocol import (
 )
 from composer_replication.diloco.serverless.state import model_fingerprint
 from composer_replication.diloco.serverless.store import ObjectStore
+from composer_replication.diloco.serverless.wire import Buffer
 
 __all__ = [
     "ObjectStoreAllReduce",
@@ -202,16 +203,18 @@ class ObjectStoreAllReduce(RunDocumentsMixin):
                 f"step {step}: run_timeout_s={self.run_timeout_s} exceeded (rank {self.rank})"
             )
 
-    def _upload(self, step: int, blob: bytes) -> bool:
+    def _upload(self, step: int, payload: list[Buffer], nbytes: int) -> bool:
         """put-if-absent our contribution within upload_timeout_s; False if one was there."""
         if self._uploader is None:
             self._uploader = ThreadPoolExecutor(1, thread_name_prefix="store-upload")
-        fut = self._uploader.submit(self._store.put_if_absent, contrib_key(step, self.rank), blob)
+        fut = self._uploader.submit(
+            self._store.put_if_absent, contrib_key(step, self.rank), payload
+        )
         try:
             return fut.result(timeout=self.upload_timeout_s)
         except FutureTimeout:
             raise StoreTimeoutError(
-                f"step {step}: rank {self.rank}'s upload of {len(blob)} bytes did not finish "
+                f"step {step}: rank {self.rank}'s upload of {nbytes} bytes did not finish "
                 f"within upload_timeout_s={self.upload_timeout_s} (to {self.uri})"
             ) from None
 
@@ -224,7 +227,7 @@ class ObjectStoreAllReduce(RunDocumentsMixin):
     ) -> tuple[dict[str, torch.Tensor], dict[str, Any], int, int]:
         assert self.rank is not None
         ref = {n: (list(t.shape), dtype_name(t.dtype)) for n, t in tensors.items()}
-        blob, own = encode_contribution(
+        payload, own = encode_contribution(
             tensors, rank=self.rank, step=step, tokens=tokens, inner_steps=inner_steps,
             codec=self.codec,
         )  # fmt: skip
@@ -234,10 +237,11 @@ class ObjectStoreAllReduce(RunDocumentsMixin):
         commit = self._read_commit(step)
         if commit is None:
             self._check_not_stale(step)
-            if self._upload(step, blob):
-                up += len(blob)
+            if self._upload(step, payload, own.nbytes):
+                up += own.nbytes
                 valid[self.rank] = own
             # else: an earlier incarnation of this rank uploaded; it is fetched like any other
+        del payload  # the header + views of our tensors; keep memory to one copy per peer
         # The step clock starts once our contribution is in (the upload has its own timeout),
         # so a slow client start-up or upload does not eat into the wait for the others.
         deadline = time.monotonic() + self.timeout_s
@@ -337,15 +341,18 @@ class ObjectStoreAllReduce(RunDocumentsMixin):
         tensors: dict[str, torch.Tensor],
         ref: dict[str, tuple[list[int], str]],
     ) -> tuple[dict[str, torch.Tensor], int]:
-        """sum_r w_r * decode(c_r) over the commit's ranks in ascending order, in float32.
+        """Weighted sum of the commit's contributions in ascending rank order, in float32.
 
-        Multiply and add are separate IEEE-rounded ops (no fused multiply-add), so every
-        replica computes the same bits from the same objects whatever its CPU.
+        Equal weighting: sum, then divide by the count; token weighting: sum of w_r * x_r.
+        Each op is a separately IEEE-rounded elementwise op (no fused multiply-add, no
+        reduction trees), so every replica computes the same bits from the same objects
+        whatever its CPU.
         """
         down = 0
-        acc = {n: torch.zeros(t.shape, dtype=torch.float32) for n, t in tensors.items()}
+        equal = commit.get("weighting", "equal") == "equal"
+        acc: dict[str, torch.Tensor] = {}
         for r in commit["included_ranks"]:
-            c = valid.get(r)
+            c = valid.pop(r, None)
             if c is None or c.digest != commit["sha256"][r]:
                 raw = self._store.get(contrib_key(step, r))
                 if raw is None:
@@ -362,7 +369,15 @@ class ObjectStoreAllReduce(RunDocumentsMixin):
                     )
             w = commit["weights"][r]
             for name, x in c.decode().items():
-                acc[name].add_(x * w)
+                x = x if equal else x * w
+                if name not in acc:
+                    acc[name] = x.clone() if equal else x  # x may view a peer's payload
+                else:
+                    acc[name].add_(x)
+            del c  # free this peer's payload before decoding the next one
+        if equal:
+            for a in acc.values():
+                a.div_(len(commit["included_ranks"]))
         out = {n: acc[n].to(device=t.device, dtype=t.dtype) for n, t in tensors.items()}
         return out, down
 

@@ -98,7 +98,7 @@ class RunDocumentsMixin:
             for fname in self._store.list(state_mod.state_prefix(name)):
                 r = state_mod.parse_state_name(fname)
                 if r is not None and r <= round - self.keep_steps:
-                    self._store.delete_prefix(state_mod.state_prefix(name) + fname)
+                    self._store.delete(state_mod.state_prefix(name) + fname)
         return wrote
 
     def fetch_state(

@@ -27,9 +27,8 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
-from composer_replication.diloco.serverless import codecs
+from composer_replication.diloco.serverless import codecs, wire
 
 FORMAT = 1
 HEADER_KEY = "composer_replication"
@@ -109,7 +108,7 @@ def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
     """sha256 over the raw bytes of ``tensors`` in sorted-key order (keys included)."""
     h = hashlib.sha256()
     for key in sorted(tensors):
-        t = tensors[key].contiguous()
+        t = tensors[key].contiguous().reshape(-1)  # 0-dim tensors cannot be viewed as bytes
         h.update(key.encode())
         h.update(t.view(torch.uint8).numpy() if t.numel() else b"")
     return h.hexdigest()
@@ -180,14 +179,19 @@ def encode_contribution(
     tokens: int | None,
     inner_steps: int | None,
     codec: str,
-) -> tuple[bytes, Contribution]:
-    """Encode ``tensors`` into a safetensors blob; also return it as a Contribution."""
+) -> tuple[list[wire.Buffer], Contribution]:
+    """Encode ``tensors`` as a safetensors payload (header + zero-copy data buffers).
+
+    Returns the payload as a list of buffers (``b"".join`` gives the file) and the same data as
+    a Contribution. ``sha256`` in the header is the digest of the data section.
+    """
     names = sorted(tensors)
     parts: dict[str, torch.Tensor] = {}
     for i, name in enumerate(names):
         for part, t in codecs.encode(tensors[name], codec).items():
             parts[f"t{i}.{part}"] = t
-    digest = tensors_digest(parts)
+    entries, buffers = wire.layout(parts)
+    digest = wire.digest(buffers)
     header = {
         "format": FORMAT,
         "kind": "contribution",
@@ -201,12 +205,13 @@ def encode_contribution(
         "dtypes": [dtype_name(tensors[n].dtype) for n in names],
         "sha256": digest,
     }
-    blob = st_save(parts, metadata={HEADER_KEY: json.dumps(header)})
+    payload: list[wire.Buffer] = [wire.header_bytes(entries, {HEADER_KEY: json.dumps(header)})]
+    payload += buffers
     contrib = Contribution(
         rank, step, tokens, inner_steps, codec, names, header["shapes"], header["dtypes"], digest,
-        parts, len(blob),
+        parts, sum(memoryview(b).nbytes for b in payload),
     )  # fmt: skip
-    return blob, contrib
+    return payload, contrib
 
 
 def _opt_nonneg_int(v: Any) -> bool:
@@ -214,7 +219,7 @@ def _opt_nonneg_int(v: Any) -> bool:
 
 
 def decode_contribution(
-    blob: bytes,
+    blob: wire.Buffer,
     *,
     step: int,
     rank: int,
@@ -227,7 +232,10 @@ def decode_contribution(
     truncation, foreign or pickled payload, bad checksum, wrong step/rank, wrong shapes/dtypes.
     """
     what = f"contribution of rank {rank} for step {step}"
-    meta = read_safetensors_metadata(blob, what)
+    try:
+        meta, parts, data = wire.unframe(blob, what)
+    except wire.FrameError as e:
+        raise CorruptContributionError(str(e)) from None
     try:
         h = json.loads(meta[HEADER_KEY])
     except (KeyError, TypeError, json.JSONDecodeError) as e:
@@ -268,8 +276,7 @@ def decode_contribution(
                 f"{what}: tensor names/shapes/dtypes differ from this replica's "
                 f"(first differences: {diff[:5]})"
             )
-    parts = load_tensors(blob, what)
-    if tensors_digest(parts) != h["sha256"]:
+    if wire.digest([data]) != h["sha256"]:
         raise CorruptContributionError(f"{what}: sha256 checksum mismatch (corrupted payload)")
     expected: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
     for i, shape in enumerate(shapes):
@@ -280,7 +287,7 @@ def decode_contribution(
         raise CorruptContributionError(f"{what}: encoded tensors do not match the header")
     return Contribution(
         rank, step, h["tokens"], h["inner_steps"], h["codec"], names, shapes, dtypes, h["sha256"],
-        parts, len(blob),
+        parts, memoryview(blob).nbytes,
     )  # fmt: skip
 
 

@@ -23,8 +23,10 @@ import os
 import shutil
 import threading
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
+Payload = bytes | Sequence[bytes | bytearray | memoryview]
 _MEMORY_LOCK = threading.Lock()
 _SINGLE_PUT_CHUNK = 5 * 2**30 // 2  # s3fs uses one PUT when size < 2 * chunksize (cap 5 GiB)
 
@@ -86,12 +88,17 @@ class ObjectStore:
         return self._root + key
 
     # ------------------------------------------------------------------ operations
-    def put_if_absent(self, key: str, data: bytes) -> bool:
-        """Write ``data`` at ``key`` unless it exists. True = we wrote it, False = lost the race."""
+    def put_if_absent(self, key: str, data: Payload) -> bool:
+        """Write ``data`` at ``key`` unless it exists. True = we wrote it, False = lost the race.
+
+        ``data`` is bytes or a list of buffers (written back to back without joining on local
+        files; joined once for remote stores, whose clients need one body).
+        """
         path = self._path(key)
         if self.is_local:
             return _local_put_if_absent(self._root, path, data)
         fs = self._filesystem()
+        data = _joined(data)
         if self.protocol == "memory":
             with _MEMORY_LOCK:
                 if fs.exists(path):
@@ -111,25 +118,28 @@ class ObjectStore:
                 return False
             raise
 
-    def put(self, key: str, data: bytes) -> None:
+    def put(self, key: str, data: Payload) -> None:
         """Overwrite ``key`` (only for documents that are not decisions, e.g. run config)."""
         path = self._path(key)
         if self.is_local:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             tmp = _tmp_path(self._root)
-            with open(tmp, "wb") as f:
-                f.write(data)
+            _write_all(tmp, data)
             os.replace(tmp, path)  # atomic on POSIX: readers see the old or the new document
             return
-        self._filesystem().pipe_file(path, data)
+        self._filesystem().pipe_file(path, _joined(data))
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str) -> bytes | bytearray | None:
         """The object's bytes, or None if it does not exist."""
         path = self._path(key)
         if self.is_local:
             try:
                 with open(path, "rb") as f:
-                    return f.read()
+                    # readinto a preallocated bytearray: one copy, and writable for frombuffer
+                    size = os.fstat(f.fileno()).st_size
+                    buf = bytearray(size)
+                    got = f.readinto(buf)
+                    return buf if got == size else buf[:got]
             except (FileNotFoundError, NotADirectoryError):
                 return None
         fs = self._filesystem()
@@ -164,6 +174,17 @@ class ObjectStore:
         # some servers (SeaweedFS) keep an emptied "directory" and list it as itself
         return sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries if e.rstrip("/") != own})
 
+    def delete(self, key: str) -> None:
+        """Delete one object (missing is fine)."""
+        path = self._path(key)
+        try:
+            if self.is_local:
+                os.unlink(path)
+            else:
+                self._filesystem().rm_file(path)
+        except FileNotFoundError:
+            pass
+
     def delete_prefix(self, prefix: str) -> None:
         """Delete everything under ``prefix`` (missing is fine)."""
         path = self._path(prefix.rstrip("/"))
@@ -178,17 +199,26 @@ class ObjectStore:
         fs.invalidate_cache(path)
 
 
+def _joined(data: Payload) -> bytes:
+    return data if isinstance(data, bytes) else b"".join(data)
+
+
+def _write_all(path: str, data: Payload, mode: str = "wb") -> None:
+    with open(path, mode) as f:
+        for buf in [data] if isinstance(data, bytes) else data:
+            f.write(buf)
+
+
 def _tmp_path(root: str) -> str:
     tmp_dir = os.path.join(root, ".tmp")
     os.makedirs(tmp_dir, exist_ok=True)
     return os.path.join(tmp_dir, f"{os.getpid()}-{uuid.uuid4().hex}")
 
 
-def _local_put_if_absent(root: str, path: str, data: bytes) -> bool:
+def _local_put_if_absent(root: str, path: str, data: Payload) -> bool:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = _tmp_path(root)
-    with open(tmp, "wb") as f:
-        f.write(data)
+    _write_all(tmp, data)
     try:
         os.link(tmp, path)  # atomic create-or-fail (O_EXCL semantics) with the full content
         return True
@@ -197,8 +227,7 @@ def _local_put_if_absent(root: str, path: str, data: bytes) -> bool:
     except OSError:
         # Filesystems without hard links: O_EXCL create is still race-safe for the decision.
         try:
-            with open(path, "xb") as f:
-                f.write(data)
+            _write_all(path, data, "xb")
             return True
         except FileExistsError:
             return False

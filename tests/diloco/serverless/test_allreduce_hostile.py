@@ -44,16 +44,18 @@ class _Evil:
 
 def _blob(rank=2, step=0, tensors=None, codec="fp32"):
     tensors = make_tensors(rank, step) if tensors is None else tensors
-    return encode_contribution(tensors, rank=rank, step=step, tokens=1, inner_steps=1, codec=codec)[
-        0
-    ]
+    payload, _ = encode_contribution(
+        tensors, rank=rank, step=step, tokens=1, inner_steps=1, codec=codec
+    )
+    return b"".join(payload)
 
 
 def _forged_header_blob():
     """Valid safetensors + checksum, but the header claims int8 while the parts are fp32."""
-    blob, contrib = encode_contribution(
+    payload, contrib = encode_contribution(
         make_tensors(2, 0), rank=2, step=0, tokens=1, inner_steps=1, codec="fp32"
     )
+    blob = b"".join(payload)
     header = json.loads(blob[8 : 8 + int.from_bytes(blob[:8], "little")])["__metadata__"]
     h = json.loads(header[HEADER_KEY])
     h["codec"] = "int8"

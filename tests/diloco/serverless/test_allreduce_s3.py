@@ -95,6 +95,9 @@ def test_state_and_manifest_round_trip_on_s3(s3):
     assert not ar.publish_state(sd, round=0)
     rnd, got, extra = ar.fetch_state()
     assert rnd == 0 and extra == {"lr": 0.7} and all(torch.equal(got[k], sd[k]) for k in sd)
+    for r in (1, 2, 3, 4):  # keep_steps=4: round 0 is garbage-collected
+        assert ar.publish_state(sd, round=r)
+    assert ar.fetch_state(round=0) is None and ar.fetch_state()[0] == 4
     fp = {"parameters": {"w": [[4, 3], "float32"]}, "num_parameters": 12}
     ar.ensure_manifest(fp)
     ar.ensure_manifest(fp)

@@ -77,7 +77,7 @@ def test_fp32_passes_non_finite_through_and_unknown_codec_raises():
 def test_bytes_on_the_wire_shrink_with_the_codec():
     t = {"w": torch.randn(1_000_000), "b": torch.randn(1000)}
     size = {
-        c: len(encode_contribution(t, rank=0, step=0, tokens=1, inner_steps=1, codec=c)[0])
+        c: encode_contribution(t, rank=0, step=0, tokens=1, inner_steps=1, codec=c)[1].nbytes
         for c in codecs.CODECS
     }
     ratio = {c: size[c] / size["fp32"] for c in codecs.CODECS}
@@ -109,3 +109,45 @@ def test_allreduce_with_codec_is_bit_identical_and_near_mean(tmp_path, codec):
     err = (out[0][0]["w"] - (ts[0]["w"] + ts[1]["w"]) / 2).abs().reshape(-1)
     assert bool((err <= bound).all())
     assert out[0][1].codec == codec and out[0][1].bytes_uploaded < 15000 * 4 * 0.6
+
+
+def test_wire_payload_is_standard_safetensors_both_ways():
+    from safetensors.torch import load as st_load
+    from safetensors.torch import save as st_save
+
+    from composer_replication.diloco.serverless import wire
+    from composer_replication.diloco.serverless.protocol import HEADER_KEY
+
+    t = {"w": torch.randn(300, 7), "s": torch.tensor(2.5), "h": torch.randn(9).bfloat16()}
+    payload, contrib = encode_contribution(t, rank=1, step=3, tokens=5, inner_steps=2, codec="int8")
+    blob = b"".join(payload)
+    theirs = st_load(blob)  # the reference implementation accepts our framing
+    assert theirs.keys() == contrib.parts.keys()
+    assert all(torch.equal(theirs[k], contrib.parts[k]) for k in theirs)
+    meta, ours, data = wire.unframe(blob, "x")
+    assert HEADER_KEY in meta and wire.digest([data]) == contrib.digest
+    ref = {"a": torch.arange(6, dtype=torch.int64).view(2, 3), "b": torch.ones(0), "c": t["h"]}
+    meta, back, _ = wire.unframe(st_save(ref, metadata={"k": "v"}), "y")  # and theirs is ours
+    assert meta == {"k": "v"} and all(torch.equal(back[k], ref[k]) for k in ref)
+
+
+@pytest.mark.parametrize(
+    "entries, match",
+    [
+        ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, "truncated"),
+        ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, "does not follow"),
+        ({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 4]}}, "inconsistent"),
+        ({"a": {"dtype": "O", "shape": [1], "data_offsets": [0, 4]}}, "malformed"),
+        ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4], "x": 1}}, "malformed"),
+    ],
+)
+def test_unframe_rejects_inconsistent_headers(entries, match):
+    import json
+    import struct
+
+    from composer_replication.diloco.serverless import wire
+
+    header = json.dumps(entries).encode()
+    blob = struct.pack("<Q", len(header)) + header + b"\0" * 4
+    with pytest.raises(wire.FrameError, match=match):
+        wire.unframe(blob, "hostile")

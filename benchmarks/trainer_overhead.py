@@ -1,0 +1,246 @@
+"""Seconds per optimizer step: plain TRL GRPOTrainer vs ComposerReplicationTrainer.
+
+Variants (same ~10M-parameter Qwen2-architecture model built from a config, same batch, same
+completion length, same seed):
+
+* ``plain``        trl.GRPOTrainer
+* ``channels_off`` ComposerReplicationTrainer with alpha_sdpo=0, beta_replay=0
+* ``all_on``       ComposerReplicationTrainer with all three channels (JSD hint distillation with
+                   the policy as teacher, DPO trace replay against oracle traces)
+
+Every completion has exactly ``--completion-len`` tokens (``min_new_tokens``) so all variants do
+the same generation work. Variants run round-robin (``--rounds`` times ``--steps`` steps each) so
+machine-load drift hits them equally; the first step of each run is dropped (warm-up) and the
+median step time is reported. Ratios use process CPU seconds (``time.process_time``) with one
+torch thread: on a shared, loaded machine wall time mostly measures the neighbours; CPU time
+measures the work. Wall-time ratios are printed too. For ``all_on`` the time inside the added pieces (hint/pair
+building, teacher forward, chosen forward, reference log-probs) is measured as well.
+
+    python benchmarks/trainer_overhead.py [--quick]
+
+Last line: JSON with ``channels_off_ratio`` and ``all_on_ratio`` (median CPU s/step / plain).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import tempfile
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch
+from datasets import Dataset
+from transformers import TrainerCallback
+from trl import GRPOTrainer
+
+import composer_replication.trainer.channels as channels_module
+import composer_replication.trainer.trainer as trainer_module
+from composer_replication.data import TraceRecord, TraceStore, prompt_key
+from composer_replication.models import build_tiny_model, build_tokenizer
+from composer_replication.trainer import ComposerConfig, ComposerReplicationTrainer
+
+PROMPTS = [f"{a}+{b}=" for a in range(10) for b in range(10)]
+
+
+def reward(completions: list[Any], answer: list[str], **kwargs: Any) -> list[tuple[float, Any]]:
+    """1.0 if the completion starts with the answer, else 0.0 plus feedback (channel 2 input)."""
+    out = []
+    for i, (c, a) in enumerate(zip(completions, answer)):
+        text = c[0]["content"] if isinstance(c, list) else c
+        ok = text.strip().startswith(a) or i % 4 == 0  # one 'success' per group: siblings exist
+        out.append((1.0, None) if ok else (0.0, f"expected {a}, got {text[:6]!r}"))
+    return out
+
+
+def plain_reward(completions: list[Any], answer: list[str], **kwargs: Any) -> list[float]:
+    return [score for score, _ in reward(completions, answer)]
+
+
+class StepTimer(TrainerCallback):
+    """Wall and process-CPU seconds of each optimizer step (generation included)."""
+
+    def __init__(self) -> None:
+        self.wall: list[float] = []
+        self.cpu: list[float] = []
+        self._t0 = self._c0 = 0.0
+
+    def on_step_begin(self, args, state, control, **kw):  # type: ignore[no-untyped-def]
+        self._t0, self._c0 = time.perf_counter(), time.process_time()
+
+    def on_step_end(self, args, state, control, **kw):  # type: ignore[no-untyped-def]
+        self.wall.append(time.perf_counter() - self._t0)
+        self.cpu.append(time.process_time() - self._c0)
+
+
+class Sections:
+    """Accumulates wall time spent inside the composer's added functions."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)  # process CPU seconds
+
+    def wrap(self, owner: Any, name: str, label: str) -> None:
+        original = getattr(owner, name)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.process_time()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.seconds[label] += time.process_time() - t0
+
+        setattr(owner, name, timed)
+
+
+def build(variant: str, args: ComposerConfig, tok: Any, hidden: int, layers: int) -> Any:
+    model = build_tiny_model(
+        tok, hidden_size=hidden, num_layers=layers, num_heads=4, num_kv_heads=2, seed=0
+    )
+    data = Dataset.from_dict(
+        {
+            "prompt": [[{"role": "user", "content": p}] for p in PROMPTS],
+            "answer": [str(eval(p[:-1])) for p in PROMPTS],  # noqa: S307 - our own digits
+        }
+    )
+    if variant == "plain":
+        return GRPOTrainer(
+            model=model,
+            reward_funcs=[plain_reward],
+            args=args,
+            train_dataset=data,
+            processing_class=tok,
+        )
+    if variant == "channels_off":
+        return ComposerReplicationTrainer(
+            model=model,
+            reward_funcs=[reward],
+            args=args,
+            train_dataset=data,
+            processing_class=tok,
+            alpha_sdpo=0.0,
+            beta_replay=0.0,
+        )
+    store = TraceStore(
+        TraceRecord(prompt_key([{"role": "user", "content": p}]), "oracle", a, 1.0)
+        for p, a in zip(data["prompt"] and PROMPTS, data["answer"])
+    )
+    return ComposerReplicationTrainer(
+        model=model,
+        reward_funcs=[reward],
+        args=args,
+        train_dataset=data,
+        processing_class=tok,
+        trace_store=store,
+        alpha_sdpo=0.1,
+        beta_replay=0.05,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer, shorter steps")
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=10)
+    parser.add_argument("--batch", type=int, default=8, help="rollouts per step")
+    parser.add_argument("--generations", type=int, default=4)
+    parser.add_argument("--completion-len", type=int, default=None)
+    parser.add_argument("--steps", type=int, default=None, help="steps per run (first dropped)")
+    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch intra-op threads (1 = least noisy)"
+    )
+    opts = parser.parse_args()
+    steps = opts.steps or (3 if opts.quick else 4)
+    rounds = opts.rounds or (1 if opts.quick else 3)
+    comp_len = opts.completion_len or (16 if opts.quick else 32)
+    logging.getLogger("composer_replication").setLevel(logging.WARNING)
+    torch.set_num_threads(opts.threads)
+
+    tok = build_tokenizer()
+    out = tempfile.mkdtemp(prefix="trainer-overhead-")
+    variants = ["plain", "channels_off", "all_on"]
+    trainers = {}
+    timers = {}
+    sections = Sections()
+    for v in variants:
+        args = ComposerConfig(
+            output_dir=f"{out}/{v}",
+            per_device_train_batch_size=opts.batch,
+            num_generations=opts.generations,
+            max_completion_length=comp_len,
+            generation_kwargs={"min_new_tokens": comp_len},
+            max_steps=steps,
+            learning_rate=1e-5,
+            beta=0.0,
+            logging_steps=10_000,
+            report_to=[],
+            save_strategy="no",
+            disable_tqdm=True,
+            seed=0,
+        )
+        trainers[v] = build(v, args, tok, opts.hidden, opts.layers)
+        timers[v] = StepTimer()
+        trainers[v].add_callback(timers[v])
+    n_params = sum(p.numel() for p in trainers["plain"].model.parameters())
+    all_on = trainers["all_on"]
+    for name, label in (
+        ("_hint_inputs", "build hints (tokenise contexts)"),
+        ("_pair_inputs", "build pairs + reference log-probs"),
+    ):
+        sections.wrap(all_on, name, label)
+    # combine() is wrapped first, so its time is also inside the two *_contribution figures.
+    sections.wrap(channels_module, "combine", "  of which: combine() (JSD / DPO math)")
+    sections.wrap(trainer_module, "sdpo_contribution", "channel 2 loss (teacher forward + JSD)")
+    sections.wrap(trainer_module, "replay_contribution", "channel 3 loss (chosen forward + DPO)")
+
+    cpu: dict[str, list[float]] = {v: [] for v in variants}
+    wall: dict[str, list[float]] = {v: [] for v in variants}
+    for _ in range(rounds):
+        for v in variants:
+            timers[v].wall.clear()
+            timers[v].cpu.clear()
+            trainers[v].train()
+            cpu[v].extend(timers[v].cpu[1:])  # drop the warm-up step
+            wall[v].extend(timers[v].wall[1:])
+    median = {v: statistics.median(cpu[v]) for v in variants}
+    median_wall = {v: statistics.median(wall[v]) for v in variants}
+    steps_all_on = len(cpu["all_on"]) + rounds
+    print(
+        f"model: Qwen2 hidden={opts.hidden} layers={opts.layers} params={n_params / 1e6:.1f}M; "
+        f"batch={opts.batch} rollouts (G={opts.generations}), completion={comp_len} tokens, "
+        f"{rounds} round(s) x {steps} steps"
+    )
+    print("process CPU seconds per optimizer step (ratios use these; wall time is load-dependent)")
+    for v in variants:
+        print(
+            f"{v:>13}: cpu median {median[v]:.3f} s/step (min {min(cpu[v]):.3f}, n={len(cpu[v])})"
+            f"  ratio {median[v] / median['plain']:.3f}   wall median {median_wall[v]:.3f} s"
+        )
+    print("all_on: CPU time inside the added pieces, per step (all steps incl. warm-up):")
+    for label, seconds in sorted(sections.seconds.items(), key=lambda kv: -kv[1]):
+        print(f"  {label:<42} {seconds / steps_all_on:.3f} s")
+    print(
+        json.dumps(
+            {
+                "params_m": round(n_params / 1e6, 2),
+                "completion_len": comp_len,
+                "threads": opts.threads,
+                "plain_s_per_step": round(median["plain"], 4),
+                "channels_off_s_per_step": round(median["channels_off"], 4),
+                "all_on_s_per_step": round(median["all_on"], 4),
+                "wall_channels_off_ratio": round(
+                    median_wall["channels_off"] / median_wall["plain"], 4
+                ),
+                "wall_all_on_ratio": round(median_wall["all_on"] / median_wall["plain"], 4),
+                "channels_off_ratio": round(median["channels_off"] / median["plain"], 4),
+                "all_on_ratio": round(median["all_on"] / median["plain"], 4),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

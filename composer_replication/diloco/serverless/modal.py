@@ -19,16 +19,11 @@ imported from this module inside the container), e.g.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
-from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
 from composer_replication.diloco.serverless.executor import (
-    ERROR_TAIL_LINES,
     ExecutorBase,
     ReplicaHandle,
     ReplicaStatus,
@@ -41,6 +36,7 @@ from composer_replication.diloco.serverless.redact import (
     redact,
     sdk_errors,
 )
+from composer_replication.diloco.serverless.remote import stream_command
 
 __all__ = ["MODAL_GPUS", "ModalExecutor", "modal_credentials", "run_replica"]
 
@@ -56,18 +52,8 @@ def run_replica(command: list[str], env: dict[str, str]) -> dict[str, Any]:
     as the call's log; the last lines also come back in the result, so a failure's reason
     survives even when logs are not available.
     """
-    proc = subprocess.Popen(
-        command, env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, bufsize=1,
-    )  # fmt: skip
-    tail: deque[str] = deque(maxlen=ERROR_TAIL_LINES)
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        sys.stdout.write(line)
-        sys.stdout.flush()
-        tail.append(line)
-    code = proc.wait()
-    return {"exit_code": code if code >= 0 else 128 - code, "log_tail": "".join(tail)}
+    code, tail = stream_command(command, env)
+    return {"exit_code": code, "log_tail": tail}
 
 
 def modal_credentials(modal: Any) -> tuple[str, str]:

@@ -37,10 +37,12 @@ from composer_replication.diloco.serverless.redact import (
     import_sdk,
     sdk_errors,
 )
+from composer_replication.diloco.serverless.remote import FAILURE_FILE
 
 __all__ = ["SageMakerExecutor", "training_instance_types"]
 
 LOG_GROUP = "/aws/sagemaker/TrainingJobs"
+REMOTE_MODULE = "composer_replication.diloco.serverless.remote"
 _EXIT_CODE = re.compile(r"exit ?code:?\s*(-?\d+)", re.IGNORECASE)
 _ENV_KEY = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 _RUNNING_SECONDARY = {"Training", "Uploading"}
@@ -64,6 +66,8 @@ class SageMakerExecutor(ExecutorBase):
     output_path: s3:// prefix for the jobs' output (SageMaker requires one).
     instance_type / instance_count / volume_size_gb / max_runtime_seconds: the job's shape.
     session: a `boto3.Session` (default: boto3's standard credential chain; `region`).
+    failure_file: where the in-container wrapper (`remote.py`) writes "exit code: N" + the log
+      tail on failure (SageMaker reads /opt/ml/output/failure); None runs the command bare.
     endpoint_url / logs_endpoint_url: for tests or VPC endpoints.
     resources at launch: {"instance_type", "instance_count", "max_runtime_seconds"} override.
     """
@@ -83,6 +87,7 @@ class SageMakerExecutor(ExecutorBase):
         job_prefix: str = "diloco",
         tags: dict[str, str] | None = None,
         python: str = "python",
+        failure_file: str | None = FAILURE_FILE,
         session: Any = None,
         region: str | None = None,
         endpoint_url: str | None = None,
@@ -106,6 +111,7 @@ class SageMakerExecutor(ExecutorBase):
         self.job_prefix = re.sub(r"[^a-zA-Z0-9-]", "-", job_prefix)[:30].strip("-") or "diloco"
         self.tags = dict(tags or {})
         self.python, self.poll_interval = python, poll_interval
+        self.failure_file = failure_file
         self.session = session or boto3.Session(region_name=region)
         creds = self.session.get_credentials()
         if creds is None:
@@ -175,7 +181,7 @@ class SageMakerExecutor(ExecutorBase):
                 AlgorithmSpecification={
                     "TrainingImage": self.image,
                     "TrainingInputMode": "File",
-                    "ContainerEntrypoint": command,
+                    "ContainerEntrypoint": self._entrypoint(command),
                 },
                 RoleArn=self.role_arn,
                 OutputDataConfig={"S3OutputPath": self.output_path},
@@ -196,6 +202,14 @@ class SageMakerExecutor(ExecutorBase):
             replica_id=rank, backend=self.backend, job_id=name, status=ReplicaStatus.PENDING,
             start_time=time.time(), log_location=f"cloudwatch:{LOG_GROUP}/{name}",
         )  # fmt: skip
+
+    def _entrypoint(self, command: list[str]) -> list[str]:
+        """The replica command, wrapped so a failure writes its exit code + log tail to the
+        failure file (SageMaker turns it into FailureReason). failure_file=None: run as is."""
+        if self.failure_file is None:
+            return command
+        wrapper = [self.python, "-m", REMOTE_MODULE, "--failure-file", self.failure_file, "--"]
+        return [*wrapper, *command]
 
     def _refresh(self, handle: ReplicaHandle) -> None:
         with sdk_errors(self.backend, f"describing job {handle.job_id}", self._redact):

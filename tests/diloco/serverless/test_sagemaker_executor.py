@@ -55,6 +55,7 @@ def aws(tmp_path: Path):
         def make(**kw):
             kw.setdefault("python", sys.executable)
             kw.setdefault("poll_interval", 0.1)
+            kw.setdefault("failure_file", "$STANDIN_OPT_ML/failure")
             return SageMakerExecutor(
                 IMAGE, role_arn=ROLE, output_path="s3://my-bucket/diloco/out",
                 session=_session(), endpoint_url=server.url, **kw,
@@ -81,8 +82,11 @@ def test_create_and_describe_against_moto_server(tmp_path):
         handles = ex.launch_replicas(2, "composer_replication.diloco.serverless.replica_entrypoint",
                                      _args(tmp_path))  # fmt: skip
         d = ex.sm.describe_training_job(TrainingJobName=handles[1].job_id)
-        assert d["AlgorithmSpecification"]["ContainerEntrypoint"][:3] == [
-            "python3", "-m", "composer_replication.diloco.serverless.replica_entrypoint"]  # fmt: skip
+        assert d["AlgorithmSpecification"]["ContainerEntrypoint"] == [
+            "python3", "-m", "composer_replication.diloco.serverless.remote", "--failure-file",
+            "/opt/ml/output/failure", "--",
+            "python3", "-m", "composer_replication.diloco.serverless.replica_entrypoint",
+            "--rendezvous", f"file://{tmp_path}", "--rank_env", "REPLICA_RANK"]  # fmt: skip
         assert d["ResourceConfig"]["InstanceType"] == "ml.p4d.24xlarge"
         assert d["RoleArn"] == ROLE and d["OutputDataConfig"]["S3OutputPath"] == "s3://b/out"
         # moto finishes jobs at once; the mapping reads its real describe response.
@@ -103,7 +107,8 @@ def test_launch_poll_collect_logs(aws):
     assert [h.status for h in handles] == [ReplicaStatus.PENDING] * 3
     for rank, body in enumerate(standin.created):
         assert body["AlgorithmSpecification"]["TrainingImage"] == IMAGE
-        assert body["AlgorithmSpecification"]["ContainerEntrypoint"][:2] == [sys.executable, "diloco_replica.py"]  # fmt: skip
+        entry = body["AlgorithmSpecification"]["ContainerEntrypoint"]
+        assert entry[entry.index("--") + 1 :][:2] == [sys.executable, "diloco_replica.py"]
         assert body["ResourceConfig"] == {"InstanceType": "ml.g5.2xlarge", "InstanceCount": 1,
                                           "VolumeSizeInGB": 50}  # fmt: skip
         assert body["StoppingCondition"] == {"MaxRuntimeInSeconds": 3600}
@@ -133,7 +138,13 @@ def test_failing_replica_reported_with_exit_code_and_log_tail(aws):
     result = ex.collect(handles, timeout=60)
     assert result[0].status is ReplicaStatus.SUCCEEDED and result[0].exit_code == 0
     assert result[1].status is ReplicaStatus.FAILED and result[1].exit_code == 9
-    assert "AlgorithmError" in result[1].error and "boom: replica 1" in result[1].error
+    assert (
+        "AlgorithmError: exit code: 9" in result[1].error and "boom: replica 1" in result[1].error
+    )
+    # Without the in-container wrapper the service's own wording is all there is to parse.
+    bare = make(failure_file=None)
+    [h] = bare.collect(bare.launch_replicas(1, "diloco_replica.py", _args(tmp / "s2", **{"fail-rank": 0})), timeout=60)  # fmt: skip
+    assert h.status is ReplicaStatus.FAILED and h.exit_code == 3
 
 
 def test_cancel_mid_run_stops_jobs(aws):
@@ -238,3 +249,31 @@ def test_public_exports():
     for name in ("K8sExecutor", "ModalExecutor", "HFJobsExecutor"):
         cls = getattr(serverless, name)
         assert isinstance(cls.backend, str)
+
+
+def test_in_container_wrapper_writes_failure_file_and_forwards_sigterm(tmp_path, capsys):
+    import signal
+    import subprocess
+
+    from composer_replication.diloco.serverless import remote
+
+    failure = tmp_path / "opt" / "failure"
+    code = remote.main(["--failure-file", str(failure), "--", sys.executable, "-c",
+                        "print('working'); raise SystemExit(5)"])  # fmt: skip
+    assert code == 5 and "working" in capsys.readouterr().out
+    assert failure.read_text() == "exit code: 5\nworking\n"
+    failure.unlink()
+    assert remote.main(["--failure-file", str(failure), "--", sys.executable, "-c", "pass"]) == 0
+    assert not failure.exists()
+    # `docker stop` sends SIGTERM to the wrapper (PID 1): the replica must get it and the
+    # wrapper must report 143, not die and orphan the replica.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "composer_replication.diloco.serverless.remote", "--failure-file",
+         str(failure), "--", sys.executable, "-c",
+         "import time; print('up', flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert proc.stdout.readline().strip() == "up"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=10) == 143
+    assert failure.read_text().startswith("exit code: 143\nup\n")

@@ -186,7 +186,10 @@ class FakeFunctionCall:
     def cancel(self, *args: Any, **kwargs: Any) -> None:
         self.fake._record("FunctionCall.cancel", args, kwargs)
         self.cancelled = True
-        self.container.kill()
+        # terminate_containers=True: the container goes away at once, whatever runs in it.
+        self.container.kill(
+            signal.SIGKILL if kwargs.get("terminate_containers") else signal.SIGTERM
+        )
 
     @property
     def logs(self) -> FakeLogs:

@@ -9,7 +9,9 @@ stand-in adds what it lacks: InProgress with secondary statuses Starting -> Down
 Training -> Uploading, then Completed / Failed ("AlgorithmError: ..., exit code: N") /
 Stopping -> Stopped, MaxRuntimeExceeded, and the container's output as a log stream. The
 container is a local process running ContainerEntrypoint + ContainerArguments with the job's
-Environment. Requests must be SigV4-signed with the expected access key id.
+Environment. A failing container's /opt/ml/output/failure file becomes FailureReason (the
+stand-in gives each job its own folder, passed as $STANDIN_OPT_ML). Requests must be
+SigV4-signed with the expected access key id.
 """
 
 from __future__ import annotations
@@ -221,7 +223,11 @@ class SageMakerStandin:
                 alg = b["AlgorithmSpecification"]
                 argv = list(alg["ContainerEntrypoint"]) + list(alg.get("ContainerArguments") or [])
                 log = self.workdir / f"sm-{b['TrainingJobName']}.log"
-                job["container"] = Container(argv, dict(b.get("Environment") or {}), log, str(self.workdir))  # fmt: skip
+                # The container's private /opt/ml: here a per-job folder named by an env var
+                # (jobs share one host), so a test's failure_file is "$STANDIN_OPT_ML/failure".
+                job["opt_ml"] = self.workdir / f"opt-ml-{b['TrainingJobName']}"
+                env = {**(b.get("Environment") or {}), "STANDIN_OPT_ML": str(job["opt_ml"])}
+                job["container"] = Container(argv, env, log, str(self.workdir))
                 job["started"] = job["container"].started_at
                 job["secondary"] = "Training"
             elif age >= self.pending_seconds / 2:
@@ -245,7 +251,11 @@ class SageMakerStandin:
             job["status"] = job["secondary"] = "Completed"
         else:
             job["status"] = job["secondary"] = "Failed"
-            job["failure"] = f"AlgorithmError: , exit code: {code}"
+            failure = job["opt_ml"] / "failure"
+            if failure.exists():  # what the algorithm wrote, cut like SageMaker does
+                job["failure"] = "AlgorithmError: " + failure.read_text()[:1024]
+            else:
+                job["failure"] = f"AlgorithmError: , exit code: {code}"
 
     def close(self) -> None:
         self._stop.set()

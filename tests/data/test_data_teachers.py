@@ -225,3 +225,18 @@ def test_pool_skips_and_counts_empty_and_failed_teachers(tmp_path):
     pool2 = TeacherPool([oracle])
     stats2 = bake_traces(pool2, prompts, tmp_path / "traces.jsonl")
     assert stats2.skipped_existing == 3 and sum(stats2.recorded.values()) == 0
+
+
+def test_hf_model_teacher_generates_greedily():
+    from composer_replication.data.teachers import HFModelTeacher
+    from composer_replication.models import build_tiny_model, build_tokenizer
+
+    tok = build_tokenizer()
+    model = build_tiny_model(tok, hidden_size=32, num_layers=1, seed=0)
+    teacher = HFModelTeacher(model, tok, name="tiny", max_new_tokens=4, batch_size=2)
+    prompts = ["1+1=", [{"role": "user", "content": "2+2="}], "3+3="]
+    first = teacher.complete(prompts)
+    again = teacher.complete(prompts)
+    assert [a.text for a in first] == [a.text for a in again]  # greedy: reproducible
+    assert len(first) == 3 and all(0 < a.completion_tokens <= 4 for a in first)
+    assert all(a.prompt_tokens > 4 for a in first) and tok.padding_side == "left"

@@ -175,3 +175,22 @@ def test_reward_tuples_feed_feedback_and_plain_scores_to_trl(tmp_path):
     assert rewards == [1.0 if i % G == 0 else 0.0 for i in range(2 * G)]
     assert inputs["advantages"][0] > 0 > inputs["advantages"][1]
     assert text_of is not None
+
+
+def test_teacher_pool_fills_the_store_lazily(tmp_path):
+    from composer_replication.data.teachers import OracleTeacher, TeacherPool
+
+    asked = []
+
+    def solve(prompt):
+        asked.append(prompt[0]["content"])
+        return {"1+2=": "3", "3+4=": "7"}[prompt[0]["content"]]
+
+    pool = TeacherPool([OracleTeacher(solve)], verifier=lambda p, c: 1.0)
+    trainer = make_trainer(tmp_path, teacher_pool=pool, alpha_sdpo=0, beta_replay=1)
+    assert trainer.trace_store is pool.store and len(pool.store) == 0
+    inputs = generation_batch(trainer)
+    assert sorted(asked) == ["1+2=", "3+4="] and len(pool.store) == 2
+    assert inputs["replay_pair_mask"].sum() == 2
+    generation_batch(trainer)  # second batch: the store already has both prompts
+    assert len(asked) == 2

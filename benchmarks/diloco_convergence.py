@@ -1,0 +1,409 @@
+"""DiLoCo convergence benchmark: a small reproduction of the DiLoCo paper's Table 2.
+
+A GPT-style byte-level causal LM (a few pre-norm transformer blocks, written out below) is
+trained on the Python standard library's own source files (offline, real text), split into
+train and eval *by file*. Compared, side by side in one run:
+
+  (a) single  one replica, B sequences per step, S steps (the paper's baseline: the same steps
+              as one DiLoCo replica, 1/k of the tokens);
+  (a') single_equal_tokens  one replica, B per step, k*S steps (the same tokens as (b)/(c));
+  (b) dp      the data-parallel equivalent: k*B per step (replica r's batch r of every step),
+              S steps, gradients averaged every step;
+  (c) diloco  k replicas, each B per step, S inner steps, pseudo-gradients exchanged every H
+              steps through a real ObjectStoreAllReduce on file:// and an outer Nesterov step
+              (lr 0.7, momentum 0.9). The k replicas are threads of this process, each with its
+              own model, AdamW, store handle and ObjectStoreManager (the real protocol; threads
+              only avoid k interpreter start-ups).
+
+(b) and (c) see exactly the same tokens. Eval loss is mean cross-entropy (nats per byte) on held-
+out files, on DiLoCo's global weights. Bytes: DiLoCo's are measured by the store (contribution
+uploads + downloads, all replicas); DP's are what the same exchange pattern would move every step
+(each replica uploads its fp32 gradient and downloads the k-1 others), so comm_ratio_vs_dp is
+apples to apples (~H). Checkpoint uploads (the outer state published each round) are reported
+separately.
+
+    python benchmarks/diloco_convergence.py            # full (k=4, H=50), ~10 min on 2 cores
+    python benchmarks/diloco_convergence.py --quick    # a smoke-sized run
+
+Last line: JSON with single_eval_loss, dp_eval_loss, diloco_eval_loss, loss_gap_vs_dp
+(relative, positive = worse than DP), comm_ratio_vs_dp, and the other figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sysconfig
+import tempfile
+import threading
+import time
+import zlib
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# --------------------------------------------------------------------------- data
+
+
+def load_corpus(max_train_bytes: int, max_eval_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stdlib .py files (no site-packages, no tests), sorted; ~1 in 10 files held out by name."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(
+        p
+        for p in root.rglob("*.py")
+        if "site-packages" not in p.parts and "test" not in p.parts and "tests" not in p.parts
+    )
+    train, evals = bytearray(), bytearray()
+    for p in files:
+        rel = str(p.relative_to(root))
+        held_out = zlib.crc32(rel.encode()) % 10 == 0
+        buf = evals if held_out else train
+        cap = max_eval_bytes if held_out else max_train_bytes
+        if len(buf) < cap:
+            try:
+                buf.extend(p.read_bytes()[: cap - len(buf)])
+            except OSError:
+                continue
+        if len(train) >= max_train_bytes and len(evals) >= max_eval_bytes:
+            break
+    if len(train) < 10_000 or len(evals) < 2_000:
+        raise RuntimeError(f"stdlib corpus too small under {root}")
+    return (
+        torch.frombuffer(bytes(train), dtype=torch.uint8).long(),
+        torch.frombuffer(bytes(evals), dtype=torch.uint8).long(),
+    )
+
+
+class Batches:
+    """Replica r's batch at step t: B random windows, a pure function of (seed, r, t)."""
+
+    def __init__(self, data: torch.Tensor, batch: int, ctx: int, seed: int) -> None:
+        self.data, self.batch, self.ctx, self.seed = data, batch, ctx, seed
+
+    def get(self, replica: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + replica * 100_003 + step)
+        starts = torch.randint(0, len(self.data) - self.ctx - 1, (self.batch,), generator=g)
+        idx = starts[:, None] + torch.arange(self.ctx + 1)
+        seq = self.data[idx]
+        return seq[:, :-1], seq[:, 1:]
+
+
+# --------------------------------------------------------------------------- model
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
+        a = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyGPT(nn.Module):
+    """Byte-level GPT: token + position embeddings, pre-norm blocks, tied output head."""
+
+    def __init__(self, d: int, layers: int, heads: int, ctx: int) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(256, d)
+        self.pos = nn.Parameter(torch.zeros(ctx, d))
+        self.layers = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln = nn.LayerNorm(d)
+        nn.init.normal_(self.tok.weight, std=0.02)
+        nn.init.normal_(self.pos, std=0.01)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos[: idx.shape[1]]
+        for blk in self.layers:
+            x = blk(x)
+        return self.ln(x) @ self.tok.weight.t()
+
+
+def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1))
+
+
+@torch.no_grad()
+def eval_loss(model: nn.Module, data: torch.Tensor, ctx: int, n_seq: int) -> float:
+    model.eval()
+    stride = max(1, (len(data) - ctx - 1) // n_seq)
+    starts = torch.arange(n_seq) * stride
+    seq = data[starts[:, None] + torch.arange(ctx + 1)]
+    total = 0.0
+    for i in range(0, n_seq, 32):
+        total += float(loss_of(model, seq[i : i + 32, :-1], seq[i : i + 32, 1:])) * len(
+            seq[i : i + 32]
+        )
+    model.train()
+    return total / n_seq
+
+
+# --------------------------------------------------------------------------- runs
+
+
+class Cfg:
+    def __init__(self, a: argparse.Namespace) -> None:
+        self.__dict__.update(vars(a))
+
+    start: dict[str, torch.Tensor] | None = None  # the shared pretrained checkpoint
+
+    def model(self) -> TinyGPT:
+        torch.manual_seed(self.seed)
+        m = TinyGPT(self.d_model, self.layers, self.heads, self.ctx)
+        if self.start is not None:
+            m.load_state_dict(self.start)
+        return m
+
+    def optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(
+            model.parameters(), lr=self.lr, weight_decay=0.1, betas=(0.9, 0.95)
+        )
+
+    def lr_at(self, step: int) -> float:
+        warm = max(1, self.steps // 20)
+        if step < warm:
+            return self.lr * (step + 1) / warm
+        frac = (step - warm) / max(1, self.steps - warm)
+        return self.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def train_single(cfg: Cfg, batches: Batches, steps: int, schedule_steps: int) -> nn.Module:
+    """One replica; step t uses replica (t mod k)'s batch (t div k), i.e. the DP/DiLoCo tokens
+    in order when steps = k * S, and replica 0's stream when steps = S and k = 1."""
+    model, k = cfg.model(), cfg.k if steps > cfg.steps else 1
+    opt = cfg.optimizer(model)
+    for t in range(steps):
+        for g in opt.param_groups:
+            g["lr"] = cfg.lr_at(t * schedule_steps // steps)
+        x, y = batches.get(t % k, t // k)
+        loss = loss_of(model, x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    return model
+
+
+def pretrain(cfg: Cfg, batches: Batches) -> dict[str, torch.Tensor]:
+    """The shared starting checkpoint: k*B per step on a stream no variant uses afterwards.
+
+    Like the paper's Table 2, which starts every variant from the same pretrained model (DiLoCo's
+    outer Nesterov step on a randomly initialised network is a different, harder regime).
+    """
+    model = cfg.model()
+    opt = cfg.optimizer(model)
+    n = cfg.pretrain_steps
+    for t in range(n):
+        for g in opt.param_groups:
+            g["lr"] = cfg.lr * min(1.0, (t + 1) / max(1, n // 10))
+        xs, ys = zip(*(batches.get(1000 + r, t) for r in range(cfg.k)))
+        loss = loss_of(model, torch.cat(xs), torch.cat(ys))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def train_dp(cfg: Cfg, batches: Batches) -> nn.Module:
+    """k*B per step: the concatenation of every replica's batch of that step."""
+    model = cfg.model()
+    opt = cfg.optimizer(model)
+    for t in range(cfg.steps):
+        for g in opt.param_groups:
+            g["lr"] = cfg.lr_at(t)
+        xs, ys = zip(*(batches.get(r, t) for r in range(cfg.k)))
+        loss = loss_of(model, torch.cat(xs), torch.cat(ys))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    return model
+
+
+def train_diloco(cfg: Cfg, batches: Batches, uri: str) -> tuple[nn.Module, dict[str, int]]:
+    from composer_replication.diloco import make_diloco_outer_loop
+    from composer_replication.diloco.serverless import ObjectStoreAllReduce, ObjectStoreManager
+
+    results: dict[int, tuple[nn.Module, ObjectStoreManager]] = {}
+    errors: list[BaseException] = []
+
+    def replica(rank: int) -> None:
+        try:
+            model = cfg.model()
+            opt = cfg.optimizer(model)
+            store = ObjectStoreAllReduce(uri, world_size=cfg.k, rank=rank, timeout_s=1800.0)
+            manager = ObjectStoreManager(store)
+            outer = make_diloco_outer_loop(opt, manager, cfg.h, model=model)
+            with outer:
+                for t in range(cfg.steps):
+                    for g in opt.param_groups:
+                        g["lr"] = cfg.lr_at(t)
+                    x, y = batches.get(rank, t)
+                    loss = loss_of(model, x, y)
+                    opt.zero_grad(set_to_none=True)
+                    loss.backward()
+                    opt.step()
+            outer.load_global_weights()
+            results[rank] = (model, manager)
+        except BaseException as e:  # reported by the main thread
+            errors.append(e)
+            store_cancel = locals().get("store")
+            if store_cancel is not None:
+                store_cancel.cancel()
+
+    threads = [threading.Thread(target=replica, args=(r,)) for r in range(cfg.k)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    if errors:
+        raise errors[0]
+    model0 = results[0][0]
+    for r in range(1, cfg.k):
+        for p, q in zip(model0.parameters(), results[r][0].parameters()):
+            if not torch.equal(p, q):
+                raise RuntimeError(f"replica {r} ended with different global weights")
+    managers = [m for _, m in results.values()]
+    comm = {
+        "bytes_uploaded": sum(m.bytes_uploaded for m in managers),
+        "bytes_downloaded": sum(m.bytes_downloaded for m in managers),
+        "checkpoint_bytes": sum(m.checkpoint_bytes for m in managers),
+        "rounds": managers[0].current_step(),
+    }
+    return model0, comm
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="DiLoCo vs single vs data-parallel (Table 2)")
+    ap.add_argument("--quick", action="store_true", help="small smoke-sized run")
+    ap.add_argument("--k", type=int, default=4, help="replicas")
+    ap.add_argument("--h", type=int, default=50, help="inner steps per outer round")
+    ap.add_argument("--rounds", type=int, default=8, help="outer rounds (S = rounds * H)")
+    ap.add_argument("--batch", type=int, default=8, help="sequences per replica per step (B)")
+    ap.add_argument("--ctx", type=int, default=128)
+    ap.add_argument("--d-model", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--eval-seqs", type=int, default=256)
+    ap.add_argument("--pretrain-steps", type=int, default=150, help="shared warm start")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (1: OpenMP spin-waiting makes 2 threads ~9x slower on a "
+        "loaded 2-core machine; the DiLoCo replicas are threads anyway)",
+    )
+    a = ap.parse_args()
+    if a.quick:
+        a.h, a.rounds, a.eval_seqs, a.pretrain_steps = 10, 3, 64, 30
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    a.steps = a.rounds * a.h
+    cfg = Cfg(a)
+    t_start = time.time()
+    train, evals = load_corpus(max_train_bytes=8_000_000, max_eval_bytes=600_000)
+    batches = Batches(train, a.batch, a.ctx, a.seed)
+    n_params = sum(p.numel() for p in cfg.model().parameters())
+    t0 = time.time()
+    cfg.start = pretrain(cfg, batches)
+    start_loss = eval_loss(cfg.model(), evals, a.ctx, a.eval_seqs)
+    print(
+        f"pretrained {a.pretrain_steps} steps ({time.time() - t0:.0f}s): eval loss {start_loss:.4f}",
+        flush=True,
+    )
+    tokens_per_replica = a.steps * a.batch * a.ctx
+    print(
+        f"corpus: {len(train):,} train bytes, {len(evals):,} eval bytes (stdlib, split by file); "
+        f"model {n_params:,} params; k={a.k} H={a.h} rounds={a.rounds} steps={a.steps} "
+        f"B={a.batch} ctx={a.ctx}",
+        flush=True,
+    )
+    rows = {}
+    timings = {}
+
+    t0 = time.time()
+    m = train_single(cfg, batches, a.steps, a.steps)
+    rows["single"] = (eval_loss(m, evals, a.ctx, a.eval_seqs), tokens_per_replica, 0)
+    timings["single"] = time.time() - t0
+    print(f"(a) single done in {timings['single']:.0f}s", flush=True)
+
+    t0 = time.time()
+    m = train_single(cfg, batches, a.k * a.steps, a.steps)
+    rows["single_equal_tokens"] = (
+        eval_loss(m, evals, a.ctx, a.eval_seqs),
+        a.k * tokens_per_replica,
+        0,
+    )
+    timings["single_equal_tokens"] = time.time() - t0
+    print(f"(a') single, equal tokens done in {timings['single_equal_tokens']:.0f}s", flush=True)
+
+    t0 = time.time()
+    m = train_dp(cfg, batches)
+    param_bytes = n_params * 4
+    dp_bytes = a.steps * a.k * (param_bytes + (a.k - 1) * param_bytes)
+    rows["dp"] = (eval_loss(m, evals, a.ctx, a.eval_seqs), a.k * tokens_per_replica, dp_bytes)
+    timings["dp"] = time.time() - t0
+    print(f"(b) data-parallel done in {timings['dp']:.0f}s", flush=True)
+
+    t0 = time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        m, comm = train_diloco(cfg, batches, "file://" + os.path.join(tmp, "run"))
+    diloco_bytes = comm["bytes_uploaded"] + comm["bytes_downloaded"]
+    rows["diloco"] = (
+        eval_loss(m, evals, a.ctx, a.eval_seqs),
+        a.k * tokens_per_replica,
+        diloco_bytes,
+    )
+    timings["diloco"] = time.time() - t0
+    print(f"(c) DiLoCo done in {timings['diloco']:.0f}s ({comm['rounds']} rounds)", flush=True)
+
+    print()
+    print(f"{'variant':<22}{'eval loss':>10}{'tokens':>14}{'bytes communicated':>22}")
+    for name, (loss, tok, nbytes) in rows.items():
+        print(f"{name:<22}{loss:>10.4f}{tok:>14,}{nbytes:>22,}")
+    print(
+        f"DiLoCo checkpoint uploads (outer state, not in the ratio): {comm['checkpoint_bytes']:,}"
+    )
+    dp_loss, di_loss = rows["dp"][0], rows["diloco"][0]
+    result = {
+        "start_eval_loss": round(start_loss, 5),
+        "single_eval_loss": round(rows["single"][0], 5),
+        "single_equal_tokens_eval_loss": round(rows["single_equal_tokens"][0], 5),
+        "dp_eval_loss": round(dp_loss, 5),
+        "diloco_eval_loss": round(di_loss, 5),
+        "loss_gap_vs_dp": round((di_loss - dp_loss) / dp_loss, 5),
+        "comm_ratio_vs_dp": round(rows["dp"][2] / diloco_bytes, 2),
+        "dp_bytes": rows["dp"][2],
+        "diloco_bytes": diloco_bytes,
+        "diloco_checkpoint_bytes": comm["checkpoint_bytes"],
+        "k": a.k,
+        "h": a.h,
+        "rounds": a.rounds,
+        "pretrain_steps": a.pretrain_steps,
+        "params": n_params,
+        "tokens_dp_diloco": a.k * tokens_per_replica,
+        "seconds": round(time.time() - t_start, 1),
+        "quick": bool(a.quick),
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

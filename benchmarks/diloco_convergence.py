@@ -73,8 +73,8 @@ def load_corpus(max_train_bytes: int, max_eval_bytes: int) -> tuple[torch.Tensor
     if len(train) < 10_000 or len(evals) < 2_000:
         raise RuntimeError(f"stdlib corpus too small under {root}")
     return (
-        torch.frombuffer(bytes(train), dtype=torch.uint8).long(),
-        torch.frombuffer(bytes(evals), dtype=torch.uint8).long(),
+        torch.frombuffer(train, dtype=torch.uint8).long(),
+        torch.frombuffer(evals, dtype=torch.uint8).long(),
     )
 
 

@@ -35,6 +35,7 @@ class DiLoCoCallback(TrainerCallback):
     def __init__(self, outer: DiLoCoOuterLoop, *, load_global_at_end: bool = True) -> None:
         self.outer = outer
         self.load_global_at_end = load_global_at_end
+        self._tokens_seen = 0
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         model = kwargs.get("model")
@@ -47,8 +48,16 @@ class DiLoCoCallback(TrainerCallback):
             self.outer.bind(model=_unwrap_model(model), optimizer=optimizer)
         self.outer.__enter__()
 
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # Token weighting: the trainer counts input tokens when include_num_input_tokens_seen is
+        # on; report this step's share before the optimizer step that may trigger the sync.
+        seen = int(getattr(state, "num_input_tokens_seen", 0) or 0)
+        if seen > self._tokens_seen:
+            self.outer.record_tokens(seen - self._tokens_seen)
+        self._tokens_seen = seen
+
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        # Expose the outer round in the trainer's logs (state.log_history picks it up on log).
+        # Expose the outer round to other callbacks and the trainer's state.
         state.diloco_round = self.outer.round
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

@@ -26,6 +26,7 @@ Skeleton grammar (JSON)::
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -38,7 +39,10 @@ __all__ = [
     "decode_state",
     "encode_state",
     "fetch_outer_state",
+    "outer_state_exists",
     "publish_outer_state",
+    "state_nbytes",
+    "wait_for_outer_state",
 ]
 
 FORMAT_VERSION = 1
@@ -154,3 +158,35 @@ def fetch_outer_state(store: Any, round: int | None = None) -> OuterState | None
         user=user,
         batches_committed=int(extra.get("batches_committed", 0)),
     )
+
+
+def outer_state_exists(store: Any, round: int) -> bool:
+    """Whether round `round`'s state is in the store (a cheap existence check, no download)."""
+    from composer_replication.diloco.serverless.state import state_key
+
+    raw = getattr(store, "_store", None)
+    if raw is None:  # not an ObjectStoreAllReduce: fall back to reading it
+        return fetch_outer_state(store, round) is not None
+    return bool(raw.exists(state_key(STATE_NAME, round)))
+
+
+def wait_for_outer_state(store: Any, min_round: int, timeout_s: float) -> OuterState | None:
+    """Poll for a stored state of round >= `min_round`; the newest one found by the deadline."""
+    deadline = time.monotonic() + timeout_s
+    poll = float(getattr(store, "poll_interval_s", 0.1))
+    state = fetch_outer_state(store)
+    while (state is None or state.round < min_round) and time.monotonic() < deadline:
+        time.sleep(poll)
+        state = fetch_outer_state(store)
+    return state
+
+
+def state_nbytes(obj: Any) -> int:
+    """Total tensor bytes in a nested state."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, Mapping):
+        return sum(state_nbytes(v) for v in obj.values())
+    if isinstance(obj, list | tuple):
+        return sum(state_nbytes(v) for v in obj)
+    return 0

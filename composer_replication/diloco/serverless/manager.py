@@ -50,7 +50,10 @@ import torch.distributed as dist
 from composer_replication.diloco.outer_state import (
     OuterState,
     fetch_outer_state,
+    outer_state_exists,
     publish_outer_state,
+    state_nbytes,
+    wait_for_outer_state,
 )
 
 __all__ = ["MockManager", "ObjectStoreManager", "RoundRecord"]
@@ -325,9 +328,7 @@ class ObjectStoreManager:
         )
         wrote = publish_outer_state(self.store, state)
         if wrote:
-            self.checkpoint_bytes += sum(
-                t.numel() * t.element_size() for t in _tensors_of(state.user)
-            )
+            self.checkpoint_bytes += state_nbytes(state.user)
         return wrote
 
     # ------------------------------------------------------------------ internals
@@ -350,25 +351,12 @@ class ObjectStoreManager:
 
     def _ensure_published(self) -> None:
         """Publish our current round's state if nobody has (its publisher may have died)."""
-        from composer_replication.diloco.outer_state import STATE_NAME
-        from composer_replication.diloco.serverless.state import state_key
-
-        raw_store = getattr(self.store, "_store", None)
-        if (
-            not self._save_fns
-            or raw_store is None
-            or raw_store.exists(state_key(STATE_NAME, self._round))
-        ):
-            return
-        self._publish()
+        if self._save_fns and not outer_state_exists(self.store, self._round):
+            self._publish()
 
     def _heal(self, latest: int) -> None:
         """Load the newest published outer state (waiting for round `latest` to appear)."""
-        deadline = time.monotonic() + self.state_timeout_s
-        state = fetch_outer_state(self.store)
-        while (state is None or state.round < latest) and time.monotonic() < deadline:
-            time.sleep(float(getattr(self.store, "poll_interval_s", 0.1)))
-            state = fetch_outer_state(self.store)
+        state = wait_for_outer_state(self.store, latest, self.state_timeout_s)
         if state is None or state.round <= self._round:
             from composer_replication.diloco.serverless.protocol import StoreTimeoutError
 
@@ -379,16 +367,10 @@ class ObjectStoreManager:
             )
         logger.info("rank %s healing: round %s -> %s", self.store.rank, self._round, state.round)
         self._load(state)
-        self.bytes_downloaded += sum(t.numel() * t.element_size() for t in _tensors_of(state.user))
+        self.bytes_downloaded += state_nbytes(state.user)
         for fn in self._heal_hooks:
             fn()
-        self.history.append(
-            RoundRecord(
-                round=state.round, store_step=state.round, committed=True, healed=True,
-                included_ranks=[], excluded_ranks=[], bytes_uploaded=0, bytes_downloaded=0,
-                seconds=0.0, error=None,
-            )
-        )  # fmt: skip
+        self.history.append(_record(state.round, committed=True, healed=True))
 
     def _exchange(self) -> None:
         """Run the store allreduce for the queued tensors and record the outcome (any thread)."""
@@ -401,11 +383,7 @@ class ObjectStoreManager:
         step = self._round + 1
         tensors = {f"p{i:06d}": t for i, (t, _) in enumerate(pending)}
         t0 = time.monotonic()
-        record = RoundRecord(
-            round=self._round + 1, store_step=step, committed=False, healed=False,
-            included_ranks=[], excluded_ranks=[], bytes_uploaded=0, bytes_downloaded=0,
-            seconds=0.0, error=None,
-        )  # fmt: skip
+        record = _record(step)
         try:
             out = self.store.allreduce(
                 tensors,
@@ -464,14 +442,13 @@ class ObjectStoreManager:
             raise fatal
 
 
-def _tensors_of(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        return [t for v in obj.values() for t in _tensors_of(v)]
-    if isinstance(obj, list | tuple):
-        return [t for v in obj for t in _tensors_of(v)]
-    return []
+def _record(round_: int, **kw: Any) -> RoundRecord:
+    base: dict[str, Any] = dict(
+        round=round_, store_step=round_, committed=False, healed=False, included_ranks=[],
+        excluded_ranks=[], bytes_uploaded=0, bytes_downloaded=0, seconds=0.0, error=None,
+    )  # fmt: skip
+    base.update(kw)
+    return RoundRecord(base)
 
 
 MockManager = ObjectStoreManager

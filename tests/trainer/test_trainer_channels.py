@@ -120,6 +120,19 @@ def test_channel3_dpo_steps_increase_margin(tmp_path):
     margins = _train_fixed_batch(trainer, inputs, 6, "replay/margin")
     assert margins[-1] > margins[0] + 0.5, margins
     assert trainer._metrics["train"]["replay/accuracy"][-1] == 1.0
+    # The reference really is frozen (its own forward, not the trained policy's).
+    from composer_replication.trainer.channels import forward_completion_logits, sequence_logps
+
+    idx = torch.tensor(rows)
+    c_ids, c_mask = inputs["replay_chosen_ids"][idx], inputs["replay_chosen_mask"][idx]
+    args = (inputs["prompt_ids"][idx], inputs["prompt_mask"][idx], c_ids, c_mask)
+    with torch.no_grad():
+        ref_now = sequence_logps(
+            forward_completion_logits(trainer._replay_ref, *args), c_ids, c_mask
+        )
+        policy_now = sequence_logps(forward_completion_logits(trainer.model, *args), c_ids, c_mask)
+    torch.testing.assert_close(ref_now[0], inputs["replay_ref_chosen_logps"][idx])
+    assert (policy_now[0] > ref_now[0] + 0.1).all()
 
 
 def test_channel3_simpo_needs_no_reference(tmp_path):

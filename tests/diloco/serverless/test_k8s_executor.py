@@ -292,3 +292,22 @@ def test_active_deadline_fails_the_unfinished_replicas(cluster):
     for h in result:
         assert h.status is ReplicaStatus.FAILED
         assert "DeadlineExceeded" in h.error
+
+
+def test_mixed_placement_local_plus_kubernetes(cluster):
+    """One run over two executors (the seed's cross-backend placement): ranks 0 locally,
+    1-2 as a Kubernetes Indexed Job (rank offset through the shell wrapper); one store."""
+    from composer_replication.diloco.serverless import LocalProcessExecutor, MultiExecutor
+
+    _, make, tmp = cluster
+    store = tmp / "mixed-store"
+    multi = MultiExecutor(
+        [(LocalProcessExecutor(cwd=tmp, log_dir=tmp / "local-logs"), 1), (make(), 2)]
+    )
+    handles = multi.launch_replicas(3, "diloco_replica.py", _args(store))
+    assert [h.backend for h in handles] == ["local", "k8s", "k8s"]
+    result = multi.collect(handles, timeout=60)
+    assert {h.replica_id: h.exit_code for h in result} == {0: 0, 1: 0, 2: 0}
+    for rank in range(3):
+        rec = json.loads((store / f"rank-{rank}.json").read_text())
+        assert rec["rank"] == rank and rec["world_size"] == 3

@@ -133,12 +133,12 @@ class ModalExecutor(ExecutorBase):
         self.app_name, self.python, self.detach = app_name, python, detach
         self.add_python = add_python
         self.poll_interval = poll_interval
+        self._app: Any = None
         self._function: Any = None
-        self._run_ctx: Any = None
+        self._run_ctx: Any = None  # the entered `app.run()` context while calls are live
         self._calls: dict[str, Any] = {}  # job_id -> FunctionCall
         self._done_calls: dict[str, Any] = {}  # settled calls, kept for their logs
         self._tails: dict[str, str] = {}  # job_id -> log tail returned by run_replica
-        self._function_options: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ app
     def _build_function(self) -> Any:

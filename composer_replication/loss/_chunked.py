@@ -1,14 +1,17 @@
 """Memory-bounded token-mean of a per-token vocabulary divergence.
 
-A naive full-vocab divergence at B=1, T=1024, V=151936 keeps half a dozen ``(B, T, V)`` float32
-intermediates alive for backward (log-softmaxes, mixture, per-element KL terms): about 7.7 GB.
-Here the tokens are processed in chunks of ``chunk_size`` rows (default: about 1M logits). For each chunk a kernel returns the
-per-token losses and their gradient rows (in closed form for the full-vocabulary divergences, by a
-small per-chunk autograd graph otherwise), written at once into one ``(B, T, V)`` gradient
-buffer; the chunk's temporaries are then freed. Backward only scales that buffer by the incoming
-scalar gradient, so no work is repeated. Peak: the buffer plus backward's scaled copy (two
-``B*T*V`` copies, the gradient itself being the floor) plus one chunk's temporaries, against
-about a dozen copies for the naive formula.
+A naive full-vocab divergence at B=1, T=1024, V=151936 keeps about a dozen ``(B, T, V)`` float32
+intermediates alive for backward (log-softmaxes, mixture, stacked terms, per-element KL): ~7.5 GB.
+Here the tokens are processed in chunks of ``chunk_size`` rows (default: about 1M logits). For
+each chunk a kernel returns the per-token losses and their gradient rows (in closed form for the
+full-vocabulary divergences, by a small per-chunk autograd graph for top-k), written at once into
+one ``(B, T, V)`` gradient buffer; the chunk's temporaries are then freed. Backward only scales
+that buffer by the incoming scalar gradient, so no work is repeated and nothing is recomputed.
+
+Peak: the buffer plus backward's scaled copy (two ``B*T*V`` copies; the gradient itself is the
+floor) plus one chunk's temporaries. Backward returns a new tensor rather than scaling the buffer
+in place so that a retained graph can be back-propagated more than once (gradcheck, GAN-style
+double passes) and autograd may keep the returned tensor as ``.grad``.
 """
 
 from __future__ import annotations

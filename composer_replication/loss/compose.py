@@ -19,155 +19,20 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from composer_replication.loss._config import ComposeConfig, taid_t_for
+from composer_replication.loss import _batch
+from composer_replication.loss._channels import (
+    assemble,
+    grpo_term,
+    replay_term,
+    sample_token_mask,
+    sdpo_term,
+)
+from composer_replication.loss._config import ComposeConfig
 from composer_replication.loss._logprobs import selective_log_softmax
-from composer_replication.loss.distill import entropy_opd_loss, generalized_jsd, taid_loss
-from composer_replication.loss.policy import grpo_loss
-from composer_replication.loss.preference import dpo_loss, simpo_loss
 
 __all__ = ["ComposeConfig", "combine", "compose_loss"]
 
-REPLAY_KEYS = tuple(
-    f"replay_{side}_{part}"
-    for side in ("chosen", "rejected")
-    for part in ("input_ids", "attention_mask", "loss_mask")
-)
-REPLAY_REF_KEYS = ("replay_ref_chosen_logps", "replay_ref_rejected_logps")
-
-
-def _sdpo_term(
-    cfg: ComposeConfig, student: Tensor, teacher: Tensor, token_mask: Tensor
-) -> tuple[Tensor, dict[str, float]]:
-    """Channel-2 divergence on ``(b, T, V)`` completion logits with a ``(b, T)`` token mask."""
-    if cfg.sdpo_wrapper == "taid":
-        t = taid_t_for(cfg)
-        return taid_loss(student, teacher, t, mask=token_mask, temperature=cfg.sdpo_temperature)
-    if cfg.sdpo_wrapper == "entropy_opd":
-        return entropy_opd_loss(
-            student,
-            teacher,
-            h_max=cfg.entropy_opd_h_max,
-            mask=token_mask,
-            temperature=cfg.sdpo_temperature,
-        )
-    return generalized_jsd(
-        student,
-        teacher,
-        beta=cfg.sdpo_jsd_beta,
-        temperature=cfg.sdpo_temperature,
-        mask=token_mask,
-        token_clip=cfg.sdpo_token_clip,
-        top_k=cfg.sdpo_top_k,
-        add_tail=cfg.sdpo_add_tail,
-    )
-
-
-def _replay_term(
-    cfg: ComposeConfig,
-    chosen: Tensor,
-    rejected: Tensor,
-    ref_chosen: Tensor | None,
-    ref_rejected: Tensor | None,
-    ref_names: tuple[str, str],
-) -> tuple[Tensor, dict[str, float]]:
-    """Channel-3 loss; ``chosen``/``rejected`` are summed (dpo) or averaged (simpo) log-probs."""
-    if cfg.dpo_variant == "simpo":
-        loss, m = simpo_loss(
-            chosen,
-            rejected,
-            beta=cfg.simpo_beta,
-            gamma=cfg.simpo_gamma,
-            label_smoothing=cfg.label_smoothing,
-        )
-        prefix = "simpo"
-    else:
-        if ref_chosen is None or ref_rejected is None:
-            raise ValueError(
-                f"dpo_variant='dpo' needs reference log-probs {ref_names[0]!r} and {ref_names[1]!r} "
-                "(summed over each completion); provide them or use dpo_variant='simpo'"
-            )
-        loss, m = dpo_loss(
-            chosen,
-            rejected,
-            ref_chosen,
-            ref_rejected,
-            beta=cfg.replay_dpo_beta,
-            label_smoothing=cfg.label_smoothing,
-        )
-        prefix = "dpo"
-    keys = ("pairs", "accuracy", "margin", "chosen_reward", "rejected_reward")
-    return loss, {f"replay/{k}": m[f"{prefix}/{k}"] for k in keys}
-
-
-def _assemble(
-    cfg: ComposeConfig,
-    grpo: tuple[Tensor, dict[str, float]],
-    sdpo: tuple[Tensor, dict[str, float]] | None,
-    sdpo_frac: float,
-    replay: tuple[Tensor, dict[str, float]] | None,
-) -> tuple[Tensor, dict[str, float]]:
-    total, metrics = grpo[0], dict(grpo[1])
-    metrics["loss/grpo"] = float(total.detach())
-    metrics["sdpo/active"] = 0.0
-    metrics["sdpo/frac_samples"] = sdpo_frac
-    metrics["loss/sdpo"] = 0.0
-    if sdpo is not None:
-        total = total + cfg.alpha_sdpo * sdpo[0]
-        metrics.update(sdpo[1])
-        metrics["sdpo/active"] = 1.0
-        metrics["loss/sdpo"] = float(sdpo[0].detach())
-    metrics["replay/active"] = 0.0
-    metrics["loss/replay"] = 0.0
-    for key in ("pairs", "accuracy", "margin", "chosen_reward", "rejected_reward"):
-        metrics[f"replay/{key}"] = 0.0
-    if replay is not None:
-        total = total + cfg.beta_replay * replay[0]
-        metrics.update(replay[1])
-        metrics["replay/active"] = 1.0
-        metrics["loss/replay"] = float(replay[0].detach())
-    if cfg.sdpo_wrapper == "taid" and cfg.alpha_sdpo != 0.0:
-        metrics["taid/t"] = taid_t_for(cfg)
-    metrics["loss/total"] = float(total.detach())
-    return total, metrics
-
-
-def _grpo(
-    cfg: ComposeConfig,
-    per_token_logps: Tensor,
-    completion_mask: Tensor,
-    advantages: Tensor,
-    old_per_token_logps: Tensor | None,
-    ref_per_token_logps: Tensor | None,
-    num_items_in_batch: int | Tensor | None,
-    max_completion_length: int | None,
-) -> tuple[Tensor, dict[str, float]]:
-    return grpo_loss(
-        per_token_logps,
-        old_per_token_logps,
-        advantages,
-        completion_mask,
-        loss_type=cfg.loss_type,
-        epsilon_low=cfg.epsilon_low,
-        epsilon_high=cfg.epsilon_high,
-        delta=cfg.delta,
-        ref_per_token_logps=ref_per_token_logps,
-        kl_beta=cfg.kl_beta,
-        max_completion_length=max_completion_length,
-        num_items_in_batch=num_items_in_batch,
-    )
-
-
-def _sample_token_mask(completion_mask: Tensor, sdpo_mask: Tensor | None) -> Tensor:
-    token_mask = completion_mask.bool()
-    if sdpo_mask is None:
-        return token_mask
-    if sdpo_mask.shape == completion_mask.shape:
-        return token_mask & sdpo_mask.bool()
-    if sdpo_mask.dim() == 1 and sdpo_mask.shape[0] == completion_mask.shape[0]:
-        return token_mask & sdpo_mask.bool()[:, None]
-    raise ValueError(
-        f"sdpo_mask must be (B,) or (B, T) = {tuple(completion_mask.shape)}, got {tuple(sdpo_mask.shape)}"
-    )
+REPLAY_KEYS = _batch.REPLAY_KEYS
 
 
 def combine(
@@ -209,7 +74,7 @@ def combine(
     Returns ``(loss, metrics)`` as ``compose_loss``.
     """
     cfg = ComposeConfig.from_kwargs(kwargs)
-    grpo = _grpo(
+    grpo = grpo_term(
         cfg,
         per_token_logps,
         completion_mask,
@@ -222,11 +87,11 @@ def combine(
     sdpo = None
     sdpo_frac = 0.0
     if cfg.alpha_sdpo != 0.0 and student_logits is not None and teacher_logits is not None:
-        token_mask = _sample_token_mask(completion_mask, sdpo_mask)
+        token_mask = sample_token_mask(completion_mask, sdpo_mask)
         rows = token_mask.any(-1)
         sdpo_frac = float(rows.float().mean()) if rows.numel() else 0.0
         if bool(rows.any()):
-            sdpo = _sdpo_term(cfg, student_logits, teacher_logits, token_mask)
+            sdpo = sdpo_term(cfg, student_logits, teacher_logits, token_mask)
     replay = None
     if cfg.beta_replay != 0.0:
         if cfg.dpo_variant == "simpo":
@@ -234,7 +99,7 @@ def combine(
         else:
             chosen, rejected = chosen_logps, rejected_logps
         if chosen is not None and rejected is not None and chosen.numel() > 0:
-            replay = _replay_term(
+            replay = replay_term(
                 cfg,
                 chosen,
                 rejected,
@@ -242,37 +107,7 @@ def combine(
                 ref_rejected_logps,
                 ("ref_chosen_logps", "ref_rejected_logps"),
             )
-    return _assemble(cfg, grpo, sdpo, sdpo_frac, replay)
-
-
-def _forward_logits(model: Any, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-    out = model(input_ids=input_ids, attention_mask=attention_mask)
-    logits = out.logits if hasattr(out, "logits") else out
-    if not isinstance(logits, Tensor) or logits.dim() != 3:
-        raise ValueError(
-            "model(input_ids=..., attention_mask=...) must return .logits of shape (B, L, V)"
-        )
-    return logits
-
-
-def _sequence_logps(
-    model: Any, ids: Tensor, attn: Tensor, loss_mask: Tensor
-) -> tuple[Tensor, Tensor]:
-    """Summed and mean log-probs over ``loss_mask`` (token j scored by the logits at j-1)."""
-    logits = _forward_logits(model, ids, attn)
-    per_token = selective_log_softmax(logits[:, :-1], ids[:, 1:])
-    lm = loss_mask[:, 1:].to(per_token.dtype)
-    summed = (per_token * lm).sum(-1)
-    return summed, summed / lm.sum(-1).clamp(min=1.0)
-
-
-def _require(inputs: Mapping[str, Any], key: str) -> Tensor:
-    if key not in inputs or inputs[key] is None:
-        raise ValueError(f"inputs is missing required key {key!r} (see docs/api.md, compose_loss)")
-    value = inputs[key]
-    if not isinstance(value, Tensor):
-        raise ValueError(f"inputs[{key!r}] must be a torch.Tensor, got {type(value).__name__}")
-    return value
+    return assemble(cfg, grpo, sdpo, sdpo_frac, replay)
 
 
 def compose_loss(
@@ -301,26 +136,16 @@ def compose_loss(
     if not isinstance(inputs, Mapping):
         raise ValueError(f"inputs must be a mapping of tensors, got {type(inputs).__name__}")
     cfg = ComposeConfig.from_kwargs(kwargs)
-    prompt_ids, prompt_mask = _require(inputs, "prompt_ids"), _require(inputs, "prompt_mask")
-    completion_ids = _require(inputs, "completion_ids")
-    completion_mask = _require(inputs, "completion_mask")
-    advantages = _require(inputs, "advantages")
-    if prompt_ids.dim() != 2 or prompt_mask.shape != prompt_ids.shape:
-        raise ValueError("prompt_ids and prompt_mask must both be (B, P)")
-    if completion_ids.dim() != 2 or completion_mask.shape != completion_ids.shape:
-        raise ValueError("completion_ids and completion_mask must both be (B, T)")
-    if prompt_ids.shape[0] != completion_ids.shape[0]:
-        raise ValueError("prompt_ids and completion_ids must have the same batch size B")
-    if prompt_ids.shape[1] < 1:
-        raise ValueError("prompt_ids must hold at least one token per row (P >= 1)")
-    P, T = prompt_ids.shape[1], completion_ids.shape[1]
-
-    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
-    logits = _forward_logits(model, input_ids, attention_mask)
-    student = logits[:, P - 1 : -1]
+    prompt_ids, prompt_mask, completion_ids, completion_mask, advantages = _batch.channel1(inputs)
+    P = prompt_ids.shape[1]
+    logits = _batch.forward_logits(
+        model,
+        torch.cat([prompt_ids, completion_ids], dim=1),
+        torch.cat([prompt_mask, completion_mask], dim=1),
+    )
+    student = logits[:, P - 1 : -1]  # position j predicts token j+1: the T completion tokens
     per_token_logps = selective_log_softmax(student, completion_ids, cfg.temperature)
-    grpo = _grpo(
+    grpo = grpo_term(
         cfg,
         per_token_logps,
         completion_mask,
@@ -332,68 +157,16 @@ def compose_loss(
     )
 
     sdpo, sdpo_frac = None, 0.0
-    has_teacher = "sdpo_teacher_logits" in inputs or "sdpo_teacher_input_ids" in inputs
-    if cfg.alpha_sdpo != 0.0 and has_teacher and inputs.get("sdpo_sample_mask") is not None:
-        sample_mask = _require(inputs, "sdpo_sample_mask").bool()
-        if sample_mask.shape != (completion_ids.shape[0],):
-            raise ValueError(f"sdpo_sample_mask must be (B,), got {tuple(sample_mask.shape)}")
-        sdpo_frac = float(sample_mask.float().mean())
-        token_mask = completion_mask.bool() & sample_mask[:, None]
-        rows = token_mask.any(-1).nonzero().squeeze(-1)
-        if rows.numel() > 0:
-            all_rows = rows.numel() == completion_ids.shape[0]
-            if inputs.get("sdpo_teacher_logits") is not None:
-                teacher = _require(inputs, "sdpo_teacher_logits")
-                teacher = teacher if all_rows else teacher.index_select(0, rows)
-            else:
-                t_ids = _require(inputs, "sdpo_teacher_input_ids")
-                t_attn = _require(inputs, "sdpo_teacher_attention_mask")
-                if t_ids.dim() != 2 or t_ids.shape[1] < T + 1 or t_attn.shape != t_ids.shape:
-                    raise ValueError(
-                        "sdpo_teacher_input_ids/attention_mask must be (B, L) with L > T (context + "
-                        "the completion in the last T positions)"
-                    )
-                if not all_rows:
-                    t_ids, t_attn = t_ids.index_select(0, rows), t_attn.index_select(0, rows)
-                L = t_ids.shape[1]
-                with torch.no_grad():
-                    teacher = _forward_logits(model, t_ids, t_attn)[:, L - T - 1 : -1]
-            student_rows = student if all_rows else student.index_select(0, rows)
-            sdpo = _sdpo_term(cfg, student_rows, teacher, token_mask.index_select(0, rows))
+    if cfg.alpha_sdpo != 0.0:  # alpha 0: not even the teacher forward runs (bit-exact channel 1)
+        picked = _batch.sdpo_inputs(model, inputs, student, completion_mask)
+        if picked is not None:
+            student_rows, teacher_rows, token_mask, sdpo_frac = picked
+            if student_rows.shape[0] > 0:
+                sdpo = sdpo_term(cfg, student_rows, teacher_rows, token_mask)
 
     replay = None
-    if cfg.beta_replay != 0.0 and all(inputs.get(k) is not None for k in REPLAY_KEYS):
-        c_ids = _require(inputs, "replay_chosen_input_ids")
-        r_ids = _require(inputs, "replay_rejected_input_ids")
-        if c_ids.shape[0] != r_ids.shape[0]:
-            raise ValueError(
-                "replay_chosen_* and replay_rejected_* must hold the same number of pairs N"
-            )
-        if c_ids.shape[0] > 0:
-            if cfg.dpo_variant == "dpo" and any(inputs.get(k) is None for k in REPLAY_REF_KEYS):
-                raise ValueError(
-                    "dpo_variant='dpo' needs inputs 'replay_ref_chosen_logps' and "
-                    "'replay_ref_rejected_logps' (N,); provide them or use dpo_variant='simpo'"
-                )
-            c_sum, c_avg = _sequence_logps(
-                model,
-                c_ids,
-                _require(inputs, "replay_chosen_attention_mask"),
-                _require(inputs, "replay_chosen_loss_mask"),
-            )
-            r_sum, r_avg = _sequence_logps(
-                model,
-                r_ids,
-                _require(inputs, "replay_rejected_attention_mask"),
-                _require(inputs, "replay_rejected_loss_mask"),
-            )
-            simpo = cfg.dpo_variant == "simpo"
-            replay = _replay_term(
-                cfg,
-                c_avg if simpo else c_sum,
-                r_avg if simpo else r_sum,
-                inputs.get("replay_ref_chosen_logps"),
-                inputs.get("replay_ref_rejected_logps"),
-                REPLAY_REF_KEYS,
-            )
-    return _assemble(cfg, grpo, sdpo, sdpo_frac, replay)
+    if cfg.beta_replay != 0.0:
+        pairs = _batch.replay_inputs(model, inputs, cfg.dpo_variant)
+        if pairs is not None:
+            replay = replay_term(cfg, *pairs, _batch.REPLAY_REF_KEYS)
+    return assemble(cfg, grpo, sdpo, sdpo_frac, replay)

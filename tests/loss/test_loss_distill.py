@@ -81,7 +81,7 @@ def test_generalized_jsd_reference_vectors(beta, temperature, expected):
     s = torch.tensor([[S_VEC]], dtype=torch.float64)
     t = torch.tensor([[T_VEC]], dtype=torch.float64)
     loss, _ = generalized_jsd(s, t, beta=beta, temperature=temperature)
-    assert float(loss) == pytest.approx(expected, abs=1e-9)
+    assert float(loss.detach()) == pytest.approx(expected, abs=1e-9)
 
 
 def test_jsd_convention_beta0_forward_beta1_reverse():
@@ -162,7 +162,7 @@ def test_token_clip_caps_each_token_and_drops_its_gradient():
         )
     clip = sorted(per_token)[3]
     loss, metrics = generalized_jsd(s, t, beta=0.5, token_clip=clip)
-    assert float(loss) == pytest.approx(sum(min(v, clip) for v in per_token) / 6)
+    assert float(loss.detach()) == pytest.approx(sum(min(v, clip) for v in per_token) / 6)
     assert metrics["jsd/clip_frac"] == pytest.approx(sum(v > clip for v in per_token) / 6)
     (g,) = torch.autograd.grad(loss, s)
     for i, v in enumerate(per_token):
@@ -179,7 +179,7 @@ def test_all_false_mask_zero_loss_zero_grad_metric():
         s, t = _logits(12, 2, 3, 7)
         loss, metrics = fn(s, t, torch.zeros(2, 3, dtype=torch.bool))
         (g,) = torch.autograd.grad(loss, s)
-        assert float(loss) == 0.0 and torch.count_nonzero(g) == 0
+        assert float(loss.detach()) == 0.0 and torch.count_nonzero(g) == 0
         assert [v for k, v in metrics.items() if k.endswith("/empty_mask")] == [1.0]
 
 
@@ -190,7 +190,7 @@ def test_bf16_logits_are_upcast():
     loss, _ = generalized_jsd(s16, t.to(torch.bfloat16))
     loss.backward()
     assert s16.grad is not None and s16.grad.dtype == torch.bfloat16
-    assert float(loss) == pytest.approx(float(ref), rel=1e-2)
+    assert float(loss.detach()) == pytest.approx(float(ref.detach()), rel=1e-2)
 
 
 def test_gradcheck_float64_all_distillation_losses():
@@ -252,7 +252,9 @@ def test_taid_t0_zero_teacher_gradient():
     (g,) = torch.autograd.grad(loss, s)
     assert float(g.abs().max()) < 1e-12  # target = the student itself: nothing to learn
     other, _ = taid_loss(s, t * -3 + 1, 0.0)
-    assert float(loss) == pytest.approx(float(other))  # and the teacher does not enter
+    assert float(loss.detach()) == pytest.approx(
+        float(other.detach())
+    )  # and the teacher does not enter
 
 
 def test_taid_t1_gradient_equals_forward_kl():
@@ -265,7 +267,7 @@ def test_taid_t1_gradient_equals_forward_kl():
     torch.testing.assert_close(g_taid, g_fkl, rtol=1e-10, atol=1e-12)
     p = F.softmax(t, -1)
     entropy = -(p * p.log()).sum(-1)[mask].mean()  # CE = KL + teacher entropy
-    assert float(taid - fkl) == pytest.approx(float(entropy), rel=1e-9)
+    assert float((taid - fkl).detach()) == pytest.approx(float(entropy), rel=1e-9)
 
 
 # ------------------------------------------------------------------------------ TAIDScheduler
@@ -372,7 +374,7 @@ def test_entropy_opd_zero_when_student_equals_teacher():
     for mode, h_max in (("switch", 0.5), ("switch", 100.0), ("add", 0.0)):
         loss, _ = entropy_opd_loss(s, s.detach().clone(), h_max=h_max, mode=mode)
         (g,) = torch.autograd.grad(loss, s)
-        assert abs(float(loss)) < 1e-6 and float(g.abs().max()) < 1e-7
+        assert abs(float(loss.detach())) < 1e-6 and float(g.abs().max()) < 1e-7
 
 
 # ------------------------------------------------------------------------------- bad input

@@ -1,0 +1,151 @@
+"""The three channels as pure tensor functions, and how their results are summed and reported.
+
+Shared by ``compose.combine`` (tensors given) and ``compose.compose_loss`` (tensors from forward
+passes). ``assemble`` is the only place the total is formed:
+``grpo + alpha_sdpo * sdpo + beta_replay * replay``, where an inactive channel is not added at
+all (so switching a channel off is bit-exact, not "plus 0.0 times something").
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from composer_replication.loss._config import ComposeConfig, taid_t_for
+from composer_replication.loss.distill import entropy_opd_loss, generalized_jsd, taid_loss
+from composer_replication.loss.policy import grpo_loss
+from composer_replication.loss.preference import dpo_loss, simpo_loss
+
+Result = tuple[Tensor, dict[str, float]]
+REPLAY_METRICS = ("pairs", "accuracy", "margin", "chosen_reward", "rejected_reward")
+
+
+def sdpo_term(cfg: ComposeConfig, student: Tensor, teacher: Tensor, token_mask: Tensor) -> Result:
+    """Channel-2 divergence on ``(b, T, V)`` completion logits with a ``(b, T)`` token mask."""
+    if cfg.sdpo_wrapper == "taid":
+        t = taid_t_for(cfg)
+        return taid_loss(student, teacher, t, mask=token_mask, temperature=cfg.sdpo_temperature)
+    if cfg.sdpo_wrapper == "entropy_opd":
+        return entropy_opd_loss(
+            student,
+            teacher,
+            h_max=cfg.entropy_opd_h_max,
+            mask=token_mask,
+            temperature=cfg.sdpo_temperature,
+        )
+    return generalized_jsd(
+        student,
+        teacher,
+        beta=cfg.sdpo_jsd_beta,
+        temperature=cfg.sdpo_temperature,
+        mask=token_mask,
+        token_clip=cfg.sdpo_token_clip,
+        top_k=cfg.sdpo_top_k,
+        add_tail=cfg.sdpo_add_tail,
+    )
+
+
+def replay_term(
+    cfg: ComposeConfig,
+    chosen: Tensor,
+    rejected: Tensor,
+    ref_chosen: Tensor | None,
+    ref_rejected: Tensor | None,
+    ref_names: tuple[str, str],
+) -> Result:
+    """Channel-3 loss; ``chosen``/``rejected`` are summed (dpo) or averaged (simpo) log-probs."""
+    if cfg.dpo_variant == "simpo":
+        loss, m = simpo_loss(
+            chosen,
+            rejected,
+            beta=cfg.simpo_beta,
+            gamma=cfg.simpo_gamma,
+            label_smoothing=cfg.label_smoothing,
+        )
+        prefix = "simpo"
+    else:
+        if ref_chosen is None or ref_rejected is None:
+            raise ValueError(
+                f"dpo_variant='dpo' needs reference log-probs {ref_names[0]!r} and {ref_names[1]!r} "
+                "(summed over each completion); provide them or use dpo_variant='simpo'"
+            )
+        loss, m = dpo_loss(
+            chosen,
+            rejected,
+            ref_chosen,
+            ref_rejected,
+            beta=cfg.replay_dpo_beta,
+            label_smoothing=cfg.label_smoothing,
+        )
+        prefix = "dpo"
+    return loss, {f"replay/{k}": m[f"{prefix}/{k}"] for k in REPLAY_METRICS}
+
+
+def assemble(
+    cfg: ComposeConfig,
+    grpo: Result,
+    sdpo: Result | None,
+    sdpo_frac: float,
+    replay: Result | None,
+) -> Result:
+    total, metrics = grpo[0], dict(grpo[1])
+    metrics["loss/grpo"] = float(total.detach())
+    metrics["sdpo/active"] = 0.0
+    metrics["sdpo/frac_samples"] = sdpo_frac
+    metrics["loss/sdpo"] = 0.0
+    if sdpo is not None:
+        total = total + cfg.alpha_sdpo * sdpo[0]
+        metrics.update(sdpo[1])
+        metrics["sdpo/active"] = 1.0
+        metrics["loss/sdpo"] = float(sdpo[0].detach())
+    metrics["replay/active"] = 0.0
+    metrics["loss/replay"] = 0.0
+    for key in REPLAY_METRICS:
+        metrics[f"replay/{key}"] = 0.0
+    if replay is not None:
+        total = total + cfg.beta_replay * replay[0]
+        metrics.update(replay[1])
+        metrics["replay/active"] = 1.0
+        metrics["loss/replay"] = float(replay[0].detach())
+    if cfg.sdpo_wrapper == "taid" and cfg.alpha_sdpo != 0.0:
+        metrics["taid/t"] = taid_t_for(cfg)
+    metrics["loss/total"] = float(total.detach())
+    return total, metrics
+
+
+def grpo_term(
+    cfg: ComposeConfig,
+    per_token_logps: Tensor,
+    completion_mask: Tensor,
+    advantages: Tensor,
+    old_per_token_logps: Tensor | None,
+    ref_per_token_logps: Tensor | None,
+    num_items_in_batch: int | Tensor | None,
+    max_completion_length: int | None,
+) -> Result:
+    return grpo_loss(
+        per_token_logps,
+        old_per_token_logps,
+        advantages,
+        completion_mask,
+        loss_type=cfg.loss_type,
+        epsilon_low=cfg.epsilon_low,
+        epsilon_high=cfg.epsilon_high,
+        delta=cfg.delta,
+        ref_per_token_logps=ref_per_token_logps,
+        kl_beta=cfg.kl_beta,
+        max_completion_length=max_completion_length,
+        num_items_in_batch=num_items_in_batch,
+    )
+
+
+def sample_token_mask(completion_mask: Tensor, sdpo_mask: Tensor | None) -> Tensor:
+    token_mask = completion_mask.bool()
+    if sdpo_mask is None:
+        return token_mask
+    if sdpo_mask.shape == completion_mask.shape:
+        return token_mask & sdpo_mask.bool()
+    if sdpo_mask.dim() == 1 and sdpo_mask.shape[0] == completion_mask.shape[0]:
+        return token_mask & sdpo_mask.bool()[:, None]
+    raise ValueError(
+        f"sdpo_mask must be (B,) or (B, T) = {tuple(completion_mask.shape)}, got {tuple(sdpo_mask.shape)}"
+    )

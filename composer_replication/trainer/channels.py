@@ -27,11 +27,23 @@ _CHANNEL_PREFIXES = {
 }
 
 
+def trim_left_padding(ids: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Drop leading columns that are padding in every row.
+
+    Rows are left-padded to the longest context of the whole generation batch; a micro-batch (or
+    the subset of rows a channel uses) is often shorter, and padding costs a full forward.
+    """
+    used = mask.bool().any(0).nonzero()
+    start = int(used[0]) if used.numel() else 0
+    return ids[:, start:], mask[:, start:]
+
+
 def forward_completion_logits(
     model: Any, prompt_ids: Tensor, prompt_mask: Tensor, comp_ids: Tensor, comp_mask: Tensor
 ) -> Tensor:
     """Raw logits ``(N, T, V)`` scoring each completion token (``logits[:, P-1:-1]``)."""
     T = comp_ids.shape[1]
+    prompt_ids, prompt_mask = trim_left_padding(prompt_ids, prompt_mask)
     out = model(
         input_ids=torch.cat([prompt_ids, comp_ids], dim=1),
         attention_mask=torch.cat([prompt_mask, comp_mask], dim=1),
@@ -83,6 +95,10 @@ def sdpo_contribution(
     T = completion_mask.shape[1]
     t_ids = inputs["sdpo_teacher_input_ids"].index_select(0, rows)
     t_attn = inputs["sdpo_teacher_attention_mask"].index_select(0, rows)
+    # Trim only the context part: the last T columns are the completion and must stay aligned.
+    ctx_ids, ctx_attn = trim_left_padding(t_ids[:, :-T], t_attn[:, :-T])
+    t_ids = torch.cat([ctx_ids, t_ids[:, -T:]], dim=1)
+    t_attn = torch.cat([ctx_attn, t_attn[:, -T:]], dim=1)
     with torch.no_grad():
         teacher_logits = teacher_model(
             input_ids=t_ids, attention_mask=t_attn, logits_to_keep=T + 1

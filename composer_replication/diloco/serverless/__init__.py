@@ -27,6 +27,8 @@ _LAZY = {
     "ModalExecutor": "composer_replication.diloco.serverless.modal",
     "HFJobsExecutor": "composer_replication.diloco.serverless.hf_jobs",
     "SageMakerExecutor": "composer_replication.diloco.serverless.sagemaker",
+    "CloudExecutorError": "composer_replication.diloco.serverless.redact",
+    "MissingCredentialsError": "composer_replication.diloco.serverless.redact",
 }
 
 __all__ = sorted(_LAZY)

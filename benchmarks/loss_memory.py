@@ -101,6 +101,7 @@ def _peak_bytes() -> int:
 
 def child(variant: str, B: int, T: int, V: int, out_path: str) -> None:
     """Run one variant in this (fresh) process and write its figures to ``out_path``."""
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     import torch
 
     fn = VARIANTS[variant]

@@ -298,3 +298,22 @@ def test_end_to_end_tiny_qwen2_model(make_batch_fn):
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         assert grads and all(torch.isfinite(g).all() for g in grads)
         assert any(float(g.abs().sum()) > 0 for g in grads)
+
+
+def test_partial_channel_keys_raise_naming_the_missing_key(lm, batch):
+    no_mask = {k: v for k, v in batch.items() if k != "sdpo_sample_mask"}
+    with pytest.raises(ValueError, match="sdpo_sample_mask"):
+        compose_loss(lm, no_mask)
+    no_attn = {k: v for k, v in batch.items() if k != "sdpo_teacher_attention_mask"}
+    with pytest.raises(ValueError, match="sdpo_teacher_attention_mask"):
+        compose_loss(lm, no_attn)
+    partial = {k: v for k, v in batch.items() if k != "replay_rejected_loss_mask"}
+    with pytest.raises(ValueError, match="replay_rejected_loss_mask"):
+        compose_loss(lm, partial)
+    short = dict(batch, sdpo_teacher_input_ids=batch["sdpo_teacher_input_ids"][:, :5])
+    short["sdpo_teacher_attention_mask"] = batch["sdpo_teacher_attention_mask"][:, :5]
+    with pytest.raises(ValueError, match="L > T"):
+        compose_loss(lm, short)
+    # with the channel weight at 0 the channel's keys are not read at all
+    compose_loss(lm, no_mask, alpha_sdpo=0.0)
+    compose_loss(lm, partial, beta_replay=0.0)

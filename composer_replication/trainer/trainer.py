@@ -4,6 +4,7 @@ What is added to TRL 1.16's GRPO step, and where:
 
 * ``_calculate_rewards``: reward functions may return ``(score, feedback)`` pairs (see
   `feedback`); ``feedback_funcs`` are called too. Rewards, completions and feedback are kept for
+  the next step;
 * ``_generate_and_score_completions``: after TRL's rollouts/rewards/advantages, channel-2 inputs
   (hinted teacher contexts, `batch.plan_hints`) and channel-3 inputs (trace pairs and their
   reference log-probs, `batch.plan_pairs`) are added to the generation batch, row-aligned so TRL's
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -36,10 +37,8 @@ from composer_replication.trainer.batch import (
 )
 from composer_replication.trainer.callbacks import EMATeacherCallback, TAIDCallback
 from composer_replication.trainer.channels import (
-    forward_completion_logits,
     replay_contribution,
     sdpo_contribution,
-    sequence_logps,
 )
 from composer_replication.trainer.config import ComposerConfig, ComposerSettings
 from composer_replication.trainer.ema import EMATeacher, frozen_copy
@@ -49,9 +48,13 @@ from composer_replication.trainer.feedback import (
     merge_feedback,
     wrap_reward_func,
 )
+from composer_replication.trainer.reference import (
+    ReferenceScorer,
+    is_peft,
+    reference_from_memory,
+)
 
 try:
-    import trl.trainer.grpo_trainer as _grpo_module
     from accelerate.utils import gather_object
     from trl import GRPOTrainer
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
@@ -61,30 +64,6 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     ) from exc
 
 logger = logging.getLogger(__name__)
-
-
-def _is_peft(model: Any) -> bool:
-    return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
-
-
-@contextlib.contextmanager
-def _reference_from_memory(model: Any, beta: float) -> Iterator[None]:
-    """While TRL builds its KL reference model, build it as a frozen copy of ``model``."""
-    if isinstance(model, str) or beta == 0.0 or _is_peft(model):
-        yield
-        return
-    original = _grpo_module.create_model_from_path
-
-    def from_memory(model_id: str, **kwargs: Any) -> Any:
-        ref = frozen_copy(model)
-        dtype = kwargs.get("dtype")
-        return ref.to(dtype) if isinstance(dtype, torch.dtype) else ref
-
-    _grpo_module.create_model_from_path = from_memory
-    try:
-        yield
-    finally:
-        _grpo_module.create_model_from_path = original
 
 
 class ComposerReplicationTrainer(GRPOTrainer):
@@ -140,7 +119,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
             if trace_store is None:
                 trace_store = teacher_pool.store
             teacher_pool.store = trace_store
-        with _reference_from_memory(model, args.beta):
+        with reference_from_memory(model, args.beta):
             super().__init__(
                 model=model,
                 reward_funcs=reward_funcs,
@@ -179,9 +158,14 @@ class ComposerReplicationTrainer(GRPOTrainer):
         if self._channel3 and s.dpo_variant == "dpo":
             if self.ref_model is not None:
                 self._replay_ref = self.ref_model
-            elif not _is_peft(unwrapped):
+            elif not is_peft(unwrapped):
                 self._replay_ref = frozen_copy(unwrapped)
-        self._ref_chosen_cache: dict[tuple[str, str, str, int], float] = {}
+        self._ref_scorer = ReferenceScorer(
+            self._replay_ref,
+            policy=self.model,
+            unwrap=self.accelerator.unwrap_model,
+            cacheable=not self.args.sync_ref_model,
+        )
         self._taid_t: float | None = s.taid_t
         self._taid_step_losses: list[float] = []
         if self._channel2 and s.taid_scheduled:
@@ -306,69 +290,12 @@ class ComposerReplicationTrainer(GRPOTrainer):
             device=device,
         )
         if s.dpo_variant == "dpo":
-            tensors.update(self._reference_logps(output, tensors, pairs))
+            tensors.update(self._ref_scorer.pair_logps(output, tensors, pairs))
         tensors["replay_num_pairs"] = self._global_count(len(pairs))
         groups = max(len(prompts) // max(self.num_generations, 1), 1)
         self._metrics["train"]["replay/trace_coverage"].append(covered / groups)
         self._metrics["train"]["replay/pairs_built"].append(float(len(pairs)))
         return tensors
-
-    def _reference_logps(self, output: dict[str, Any], tensors: dict, pairs: list) -> dict:
-        """Summed reference log-probs per pair row; chosen ones cached per (trace, model)."""
-        batch = output["completion_ids"].shape[0]
-        device = output["completion_ids"].device
-        ref_c = torch.zeros(batch, device=device)
-        ref_r = torch.zeros(batch, device=device)
-        if not pairs:
-            return {"replay_ref_chosen_logps": ref_c, "replay_ref_rejected_logps": ref_r}
-        rows = torch.tensor([p.row for p in pairs], device=device)
-        p_ids = output["prompt_ids"].index_select(0, rows)
-        p_mask = output["prompt_mask"].index_select(0, rows)
-        c_ids = tensors["replay_chosen_ids"].index_select(0, rows)
-        c_mask = tensors["replay_chosen_mask"].index_select(0, rows)
-        cacheable = not self.args.sync_ref_model
-        keys = [
-            (p.trace.prompt_key, p.trace.teacher, p.trace.completion, int(c_mask[i].sum()))
-            for i, p in enumerate(pairs)
-        ]
-        with torch.no_grad(), self._reference_context() as ref:
-            r_logits = forward_completion_logits(
-                ref,
-                p_ids,
-                p_mask,
-                output["completion_ids"].index_select(0, rows),
-                output["completion_mask"].index_select(0, rows),
-            )
-            ref_r[rows] = sequence_logps(
-                r_logits,
-                output["completion_ids"].index_select(0, rows),
-                output["completion_mask"].index_select(0, rows),
-            )[0].to(ref_r.dtype)
-            todo = [
-                i for i, k in enumerate(keys) if not cacheable or k not in self._ref_chosen_cache
-            ]
-            if todo:
-                idx = torch.tensor(todo, device=device)
-                c_logits = forward_completion_logits(
-                    ref, p_ids[idx], p_mask[idx], c_ids[idx], c_mask[idx]
-                )
-                values = sequence_logps(c_logits, c_ids[idx], c_mask[idx])[0].tolist()
-                for i, v in zip(todo, values):
-                    self._ref_chosen_cache[keys[i]] = v
-        for i, p in enumerate(pairs):
-            ref_c[p.row] = self._ref_chosen_cache[keys[i]]
-        if not cacheable:
-            self._ref_chosen_cache.clear()
-        return {"replay_ref_chosen_logps": ref_c, "replay_ref_rejected_logps": ref_r}
-
-    @contextlib.contextmanager
-    def _reference_context(self) -> Iterator[Any]:
-        if self._replay_ref is not None:
-            yield self._replay_ref
-            return
-        unwrapped = self.accelerator.unwrap_model(self.model)
-        with unwrapped.disable_adapter():  # PEFT: the base model is the reference
-            yield self.model
 
     # -- loss ------------------------------------------------------------------------------
     def _get_per_token_logps_and_entropies(  # type: ignore[override]

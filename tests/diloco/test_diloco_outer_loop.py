@@ -182,11 +182,11 @@ def test_streaming_two_fragments_sync_alternately(tmp_path: Path) -> None:
         assert torch.equal(p, q)
 
 
-@pytest.mark.parametrize("codec,tol", [("int8", 0.05), ("4bit", 0.15)])
+@pytest.mark.parametrize("codec,tol", [("int8", 0.01), ("4bit", 0.05)])
 def test_compressed_codecs_still_converge(tmp_path: Path, codec: str, tol: float) -> None:
     """int8 / 4-bit pseudo-gradients: final loss at most `tol` (relative) above fp32's.
 
-    Measured (8 rounds, H=5): fp32 0.1482, int8 0.1482, 4-bit 0.1344 (start 0.670).
+    Measured (8 rounds, H=5): fp32 0.14823, int8 0.14825, 4-bit 0.14826 (start 0.670).
     """
 
     def eval_loss(model: nn.Module) -> float:
@@ -233,3 +233,17 @@ def test_argument_validation() -> None:
     outer = make_diloco_outer_loop(None, M(), 4)
     with pytest.raises(ValueError, match="no inner optimizer yet"):
         outer.__enter__()
+
+
+def test_torchft_timeouts_must_be_ordered() -> None:
+    from composer_replication.diloco.torchft_path import TorchFTTimeouts
+
+    TorchFTTimeouts()  # the defaults are ordered
+    with pytest.raises(ValueError, match="join_s < quorum_s"):
+        TorchFTTimeouts(process_group_s=10, operation_s=20, join_s=60, quorum_s=30)
+    with pytest.raises(ValueError, match="process_group_s <= operation_s"):
+        TorchFTTimeouts(process_group_s=90, operation_s=20, join_s=60, quorum_s=300)
+    with pytest.raises(ValueError, match="locks healing replicas out"):
+        TorchFTTimeouts(process_group_s=10, operation_s=120, join_s=60, quorum_s=300)
+    with pytest.raises(ValueError, match="heartbeat_s"):
+        TorchFTTimeouts(heartbeat_s=400)

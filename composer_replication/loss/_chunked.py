@@ -91,8 +91,11 @@ class _ChunkedTokenMean(torch.autograd.Function):
         token_clip: float | None,
         chunk_size: int,
         stats: dict[str, float],
+        grad_enabled: bool,
     ) -> Tensor:
-        need_grad = bool(ctx.needs_input_grad[0])
+        # needs_input_grad is True even under torch.no_grad(); grad_enabled (the caller's grad
+        # mode) keeps evaluation passes from building a gradient nobody will read.
+        need_grad = grad_enabled and bool(ctx.needs_input_grad[0])
         # Low-precision logits are upcast per chunk: the sums over 151k entries need fp32.
         low_precision = student.dtype in (torch.float16, torch.bfloat16)
         compute_dtype = torch.float32 if low_precision else student.dtype
@@ -141,11 +144,11 @@ class _ChunkedTokenMean(torch.autograd.Function):
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         grad: Tensor | None = ctx.grad
         if grad is None:
-            return (None,) * 7
+            return (None,) * 8
         # A new tensor, not an in-place scale of the buffer: backward may run more than once
         # through a retained graph (gradcheck, retain_graph=True), and autograd may keep the
         # returned tensor as .grad and accumulate into it.
-        return (grad * grad_output.to(grad.dtype), None, None, None, None, None, None)
+        return (grad * grad_output.to(grad.dtype), None, None, None, None, None, None, None)
 
 
 def chunked_token_mean(
@@ -165,5 +168,7 @@ def chunked_token_mean(
     """
     stats: dict[str, float] = {}
     rows = auto_chunk_size(student.shape[-1]) if chunk_size is None else chunk_size
-    loss = _ChunkedTokenMean.apply(student, teacher.detach(), mask, kernel, token_clip, rows, stats)
+    loss = _ChunkedTokenMean.apply(
+        student, teacher.detach(), mask, kernel, token_clip, rows, stats, torch.is_grad_enabled()
+    )
     return loss, stats

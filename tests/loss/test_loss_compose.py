@@ -317,3 +317,18 @@ def test_partial_channel_keys_raise_naming_the_missing_key(lm, batch):
     # with the channel weight at 0 the channel's keys are not read at all
     compose_loss(lm, no_mask, alpha_sdpo=0.0)
     compose_loss(lm, partial, beta_replay=0.0)
+
+
+def test_selective_log_softmax_matches_log_softmax_and_gradcheck():
+    from composer_replication.loss._logprobs import selective_log_softmax
+
+    g = torch.Generator().manual_seed(5)
+    full = torch.randn(2, 7, 9, generator=g, dtype=torch.float64, requires_grad=True)
+    logits = full[:, 1:-1]  # non-contiguous, as logits[:, P-1:-1]
+    ids = torch.randint(0, 9, (2, 5), generator=g)
+    ours = selective_log_softmax(logits, ids, 0.7)
+    ref = torch.log_softmax(logits / 0.7, -1).gather(-1, ids[..., None])[..., 0]
+    torch.testing.assert_close(ours, ref)
+    assert torch.autograd.gradcheck(lambda x: selective_log_softmax(x[:, 1:-1], ids, 0.7), (full,))
+    bf16 = selective_log_softmax(logits.detach().to(torch.bfloat16), ids)
+    assert bf16.dtype == torch.float32  # log-probs come back in fp32 for low-precision logits

@@ -436,3 +436,12 @@ def test_out_of_range_arguments_raise(call, name):
     s, t = _logits(23, 1, 2, 7)
     with pytest.raises(ValueError, match=name):
         call(s, t)
+
+
+def test_no_grad_mode_builds_no_gradient_and_same_value():
+    s, t = _logits(24, 2, 3, 9)
+    loss, _ = generalized_jsd(s, t)
+    with torch.no_grad():
+        loss_ng, _ = generalized_jsd(s, t)
+    assert not loss_ng.requires_grad
+    assert float(loss_ng) == pytest.approx(float(loss.detach()), rel=1e-6)

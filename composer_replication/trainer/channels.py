@@ -60,7 +60,7 @@ def sequence_logps(logits: Tensor, ids: Tensor, mask: Tensor) -> tuple[Tensor, T
     return summed, summed / m.sum(-1).clamp(min=1.0)
 
 
-def _zeros_channel1(mask: Tensor) -> dict[str, Tensor]:
+def _zeros_channel1(mask: Tensor) -> dict[str, Any]:
     return {
         "per_token_logps": torch.zeros(mask.shape, dtype=torch.float32, device=mask.device),
         "completion_mask": mask,
@@ -149,7 +149,7 @@ def replay_contribution(
     r_sum, r_avg = sequence_logps(
         student_logits.index_select(0, rows), inputs["completion_ids"].index_select(0, rows), r_mask
     )
-    ref: dict[str, Tensor] = {}
+    ref: dict[str, Any] = {}
     if "replay_ref_chosen_logps" in inputs:
         ref = {
             "ref_chosen_logps": inputs["replay_ref_chosen_logps"].index_select(0, rows),

@@ -42,7 +42,7 @@ def reference_from_memory(model: Any, beta: float) -> Iterator[None]:
         dtype = kwargs.get("dtype")
         return ref.to(dtype) if isinstance(dtype, torch.dtype) else ref
 
-    grpo_module.create_model_from_path = from_memory
+    grpo_module.create_model_from_path = from_memory  # type: ignore[assignment]
     try:
         yield
     finally:

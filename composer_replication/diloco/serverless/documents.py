@@ -67,7 +67,7 @@ class RunDocumentsMixin:
             return
         stored_raw = self._store.get(state_mod.MANIFEST_KEY)
         try:
-            stored = json.loads(stored_raw or b"")
+            stored = json.loads(bytes(stored_raw or b""))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ModelMismatchError(f"run manifest at {self.uri} is unreadable ({e})") from e
         diff = state_mod.manifest_diff(stored, ours)
@@ -134,7 +134,7 @@ class RunDocumentsMixin:
         if raw is None:
             return None
         try:
-            return json.loads(raw)
+            return json.loads(bytes(raw))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise CorruptContributionError(f"document {key!r} at {self.uri} is not JSON") from e
 

@@ -326,11 +326,11 @@ def make_commit(
     }
 
 
-def parse_commit(raw: bytes, *, step: int, world_size: int) -> dict[str, Any]:
+def parse_commit(raw: wire.Buffer, *, step: int, world_size: int) -> dict[str, Any]:
     """Validate a commit record read from the store; returns it with int rank keys."""
     what = f"commit record of step {step}"
     try:
-        c = json.loads(raw)
+        c = json.loads(bytes(raw))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CorruptContributionError(f"{what} is not JSON ({e}); the step cannot complete") from e
     ranks = c.get("included_ranks") if isinstance(c, dict) else None

@@ -26,6 +26,8 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 Payload = bytes | Sequence[bytes | bytearray | memoryview]
 _MEMORY_LOCK = threading.Lock()
 _SINGLE_PUT_CHUNK = 5 * 2**30 // 2  # s3fs uses one PUT when size < 2 * chunksize (cap 5 GiB)
@@ -129,15 +131,15 @@ class ObjectStore:
             return
         self._filesystem().pipe_file(path, _joined(data))
 
-    def get(self, key: str) -> bytes | bytearray | None:
-        """The object's bytes, or None if it does not exist."""
+    def get(self, key: str) -> bytes | memoryview | None:
+        """The object's bytes (a writable memoryview for local files), or None if absent."""
         path = self._path(key)
         if self.is_local:
             try:
                 with open(path, "rb") as f:
-                    # readinto a preallocated bytearray: one copy, and writable for frombuffer
+                    # readinto an uninitialised buffer: one copy, no zero-fill of 100s of MB
                     size = os.fstat(f.fileno()).st_size
-                    buf = bytearray(size)
+                    buf = memoryview(np.empty(size, dtype=np.uint8))
                     got = f.readinto(buf)
                     return buf if got == size else buf[:got]
             except (FileNotFoundError, NotADirectoryError):

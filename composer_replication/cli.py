@@ -15,12 +15,9 @@ Exit codes: 0 success, 1 the run failed, 2 a configuration or usage error (nothi
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import signal
 import sys
-import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from composer_replication.config import ConfigError, RunConfig, dump_toml, load_config
@@ -58,29 +55,7 @@ def _load(args: Sequence[str]) -> RunConfig:
 # ----------------------------------------------------------------------------- commands
 
 
-@contextlib.contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
-    """SIGTERM (e.g. `kill`, a CI timeout) stops a run like Ctrl-C: replicas are cancelled."""
-
-    def handler(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    old = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
-
-
 def cmd_train(ns: argparse.Namespace) -> int:
-    with _sigterm_as_interrupt():
-        return _train(ns)
-
-
-def _train(ns: argparse.Namespace) -> int:
     from composer_replication.run import driver
 
     if ns.resume:

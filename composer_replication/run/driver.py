@@ -17,7 +17,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -173,6 +175,7 @@ def run(
     consumed = {int(k): int(v) for k, v in (state.get("metrics_chunks") or {}).items()}
     collector = MetricsCollector(store, config.backend.n_replicas, sink, consumed)
 
+    stop, restore_signals = _install_stop_handlers()
     executor = _make_executor(config, folder)
     env = {
         ENV_STORAGE_OPTIONS: json.dumps(config.store.storage_options),
@@ -218,17 +221,70 @@ def run(
                 ok = all(h.status.value == "succeeded" for h in handles)
                 status = "finished" if ok else "failed"
                 break
+            if stop.is_set():
+                executor.cancel(handles)
+                status = "interrupted"
+                break
             if time.monotonic() > deadline:
                 executor.cancel(handles)
                 status = "timeout"
                 progress.message(f"backend.timeout_s={config.backend.timeout_s:g} reached")
                 break
-            time.sleep(poll_interval)
+            stop.wait(poll_interval)
     except KeyboardInterrupt:
         executor.cancel(handles)
         status = "interrupted"
     finally:
         progress.close()
+    try:
+        summary = _finish(config, folder, store, executor, handles, collector, sink, status)
+    except KeyboardInterrupt:  # a second Ctrl-C while gathering: keep what is there
+        status = "interrupted"
+        folder.update_driver(status=status, ended=time.time())
+        summary = {}
+    finally:
+        restore_signals()
+    exit_code = {"finished": 0, "interrupted": 130}.get(status, 1)
+    wall = time.monotonic() - t_start
+    folder.update_driver(wall_seconds=wall)
+    print(summary_text(folder, status, summary, config, wall), file=stream, flush=True)
+    return TrainResult(folder=folder, exit_code=exit_code, status=status, summary=summary)
+
+
+def _install_stop_handlers() -> tuple[threading.Event, Any]:
+    """Ctrl-C / SIGTERM set a flag the monitoring loop acts on (cancel every replica, then
+    gather what there is); a second one raises KeyboardInterrupt. A flag rather than an
+    exception at an arbitrary point: an exception in the middle of an import would leave a
+    half-initialised module behind. Returns (flag, restore)."""
+    stop = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        return stop, lambda: None
+
+    def handler(signum: int, frame: Any) -> None:
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def restore() -> None:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+    return stop, restore
+
+
+def _finish(
+    config: RunConfig,
+    folder: RunFolder,
+    store: StoreIO,
+    executor: Any,
+    handles: list[Any],
+    collector: MetricsCollector,
+    sink: MetricsSink,
+    status: str,
+) -> dict[str, Any]:
+    """After the replicas ended: last metrics, checkpoints, logs, driver state, report."""
     collector.poll()
     mirror_checkpoints(store, folder.checkpoints)
     _save_remote_logs(executor, handles, folder)
@@ -241,15 +297,10 @@ def run(
     )
     if config.logging.report:
         summary, _ = write_report(folder)
-    else:
-        from composer_replication.run.metrics import read_metrics
+        return summary
+    from composer_replication.run.metrics import read_metrics
 
-        summary = summarize(read_metrics(folder.metrics))
-    exit_code = {"finished": 0, "interrupted": 130}.get(status, 1)
-    wall = time.monotonic() - t_start
-    folder.update_driver(wall_seconds=wall)
-    print(summary_text(folder, status, summary, config, wall), file=stream, flush=True)
-    return TrainResult(folder=folder, exit_code=exit_code, status=status, summary=summary)
+    return summarize(read_metrics(folder.metrics))
 
 
 def _save_remote_logs(executor: Any, handles: list[Any], folder: RunFolder) -> None:

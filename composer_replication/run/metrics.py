@@ -108,14 +108,18 @@ class MetricsSink:
         self.metrics_path = metrics_path
         self.tensorboard_dir = tensorboard_dir
         self._writers: dict[int, Any] = {}
+        if tensorboard_dir is not None:
+            # Import now, not at the first record: a slow import mid-run delays the display, and
+            # a missing package should fail before any replica starts.
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._summary_writer = SummaryWriter
 
     def _writer(self, replica: int) -> Any:
         if replica not in self._writers:
-            from torch.utils.tensorboard import SummaryWriter
-
             assert self.tensorboard_dir is not None
             path = self.tensorboard_dir / f"replica-{replica}"
-            self._writers[replica] = SummaryWriter(log_dir=str(path))
+            self._writers[replica] = self._summary_writer(log_dir=str(path))
         return self._writers[replica]
 
     def write(self, records: Iterable[dict[str, Any]]) -> None:

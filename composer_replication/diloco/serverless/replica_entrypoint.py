@@ -30,7 +30,7 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["build_model", "main", "run_replica"]
+__all__ = ["build_model", "build_trainer", "main", "run_replica"]
 
 ENV_STORAGE_OPTIONS = "COMPOSER_STORAGE_OPTIONS"
 CONFIG_KEY = "run_config.json"
@@ -153,6 +153,41 @@ def _teacher_pool(config: Any, task: Any) -> tuple[Any, Any]:
     return trace_store, TeacherPool(teachers, store=trace_store, verifier=verifier)
 
 
+def build_trainer(
+    config: Any,
+    *,
+    model: Any,
+    tokenizer: Any,
+    task: Any,
+    max_steps: int,
+    seed: int,
+    output_dir: str,
+    callbacks: list[Any] | None = None,
+) -> Any:
+    """The `ComposerReplicationTrainer` of a run: the task's reward (with feedback) and train
+    split, TRL settings from [train]/[loss], channel-3 teachers from [teachers]."""
+    from transformers.trainer_callback import PrinterCallback
+
+    from composer_replication.trainer import ComposerReplicationTrainer
+
+    trace_store, pool = _teacher_pool(config, task)
+    trainer = ComposerReplicationTrainer(
+        model=model,
+        processing_class=tokenizer,
+        reward_funcs=[task.reward_func()],
+        train_dataset=task.to_dataset("train"),
+        args=_trainer_args(config, output_dir, max_steps, seed),
+        callbacks=callbacks,
+        trace_store=trace_store,
+        teacher_pool=pool,
+        **_composer_kwargs(config),
+    )
+    # Every log line already goes to the store as a metric record; printing each one too
+    # would only bloat the replica's log file.
+    trainer.remove_callback(PrinterCallback)
+    return trainer
+
+
 def run_replica(config: Any, rank: int, uri: str, storage_options: dict[str, Any]) -> int:
     """Train this replica of the run (see the module docstring); returns the exit code."""
     import torch
@@ -164,7 +199,6 @@ def run_replica(config: Any, rank: int, uri: str, storage_options: dict[str, Any
     from composer_replication.run.metrics import ReplicaMetricsWriter
     from composer_replication.run.replica import ReplicaReporter
     from composer_replication.run.storeio import StoreIO
-    from composer_replication.trainer import ComposerReplicationTrainer
 
     store = StoreIO(uri, storage_options)
     writer = ReplicaMetricsWriter(store, rank, flush_every_s=config.logging.flush_every_s)
@@ -210,19 +244,11 @@ def run_replica(config: Any, rank: int, uri: str, storage_options: dict[str, Any
         # Different sampling per replica and per relaunch; the weights come from the store.
         seed = config.run.seed + 1000 * rank + start_round
         set_seed(seed)
-        trace_store, pool = _teacher_pool(config, task)
         with tempfile.TemporaryDirectory(prefix=f"composer-replica{rank}-") as scratch:
-            trainer = ComposerReplicationTrainer(
-                model=model,
-                processing_class=tok,
-                reward_funcs=[task.reward_func()],
-                train_dataset=task.to_dataset("train"),
-                args=_trainer_args(config, scratch, remaining, seed),
-                callbacks=[outer.callback(), reporter],
-                trace_store=trace_store,
-                teacher_pool=pool,
-                **_composer_kwargs(config),
-            )
+            trainer = build_trainer(
+                config, model=model, tokenizer=tok, task=task, max_steps=remaining,
+                seed=seed, output_dir=scratch, callbacks=[outer.callback(), reporter],
+            )  # fmt: skip
             trainer.train()
         return 0
     except BaseException as exc:

@@ -1,0 +1,171 @@
+"""`composer-replication train` end to end: 2 local replicas, DiLoCo through file://, all three
+loss channels, metrics, plots, checkpoints, summary; and `--resume` after the run was killed.
+
+The embedded default with a shortened budget and a smaller model (the full default runs in the
+benchmark and from the README).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from composer_replication.cli import main
+from composer_replication.config import load_config
+from composer_replication.run.metrics import read_metrics
+
+# Small and quick, but the same code path as the default: tiny Qwen2, arithmetic with the
+# oracle teacher, alpha_sdpo > 0 and beta_replay > 0, 2 replicas, a file:// store.
+SMALL = [
+    "model.hidden_size=32",
+    "model.num_layers=1",
+    "task.n_train=32",
+    "task.n_eval=8",
+    "train.eval_max_examples=8",
+    "train.batch_size=8",
+    "train.num_generations=4",
+    "train.max_completion_length=4",
+    "logging.flush_every_s=0.2",
+]
+
+pytestmark = pytest.mark.slow
+
+
+def _records(run: Path, kind: str) -> list[dict]:
+    return [r for r in read_metrics(run / "metrics.jsonl") if r["kind"] == kind]
+
+
+def test_train_default_end_to_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    monkeypatch.chdir(tmp_path)
+    code = main(["train", *SMALL, "train.max_steps=4", "diloco.sync_every_h=2", "--name", "e2e"])
+    out = capsys.readouterr().out
+    run = tmp_path / "runs" / "e2e"
+    assert code == 0, out + "\n".join(p.read_text() for p in (run / "logs").glob("*.log"))
+    # the summary: first-10% vs last-10% reward, eval accuracy, where the report is
+    assert "Run e2e: finished" in out and "2 outer rounds" in out
+    assert "mean reward      first 10%:" in out and "eval accuracy    first:" in out
+    assert f"report           {run / 'summary.md'}" in out
+
+    # resolved config and driver state
+    config = load_config(run / "config.toml")
+    assert config.run.name == "e2e" and config.store.uri == (run / "store").as_uri() + "/"
+    assert json.loads((run / "driver.json").read_text())["status"] == "finished"
+
+    # metrics from both replicas, all three channels active, one round record per round
+    train = _records(run, "train")
+    assert {r["replica"] for r in train} == {0, 1}
+    assert {r["step"] for r in train} == {1, 2, 3, 4}
+    assert all(r["reward"] is not None for r in train)
+    assert any(r.get("sdpo/active") == 1.0 for r in train)
+    assert any(r.get("replay/active") == 1.0 for r in train)
+    rounds = _records(run, "round")
+    for rank in (0, 1):
+        mine = [r for r in rounds if r["replica"] == rank]
+        assert [r["round"] for r in mine] == [1, 2] and all(r["round/committed"] for r in mine)
+        assert all(r["round/bytes_up"] > 0 for r in mine)
+    evals = _records(run, "eval")
+    assert [r["step"] for r in evals] == [0, 2, 4]  # baseline, then after each round
+    assert all(0.0 <= r["eval/accuracy"] <= 1.0 for r in evals)
+
+    # TensorBoard, logs, plots, summary
+    assert list((run / "tensorboard" / "replica-0").glob("events.out.tfevents.*"))
+    assert len(list((run / "logs").glob("replica-*.log"))) == 2
+    plots = {p.name for p in (run / "plots").glob("*.png")}
+    assert {"reward.png", "eval_accuracy.png", "outer_rounds.png", "loss_total.png"} <= plots
+    assert {"loss_sdpo.png", "loss_replay.png"} <= plots
+    assert "| mean reward, first 10% of steps |" in (run / "summary.md").read_text()
+
+    # a loadable Hugging Face checkpoint of the final global model, plus outer state
+    final = run / "checkpoints" / "final"
+    model = AutoModelForCausalLM.from_pretrained(final)
+    tok = AutoTokenizer.from_pretrained(final)
+    assert model.config.hidden_size == 32 and tok.pad_token == "<|pad|>"
+    assert (final / "model.safetensors").is_file() and (final / "outer_state.safetensors").is_file()
+    assert json.loads((final / "state.json").read_text())["round"] == 2
+    assert (run / "checkpoints" / "round-000002" / "COMMITTED").is_file()
+
+    # the other commands work on the finished run
+    assert main(["status", str(run)]) == 0
+    status = capsys.readouterr().out
+    assert "run e2e: finished" in status and "outer round 2" in status
+    assert main(["report", "e2e"]) == 0
+    assert "wrote" in capsys.readouterr().out
+
+
+def _latest_state(states: Path) -> int:
+    """Newest round of the global state the outer loop published (-1 when none yet)."""
+    if not states.is_dir():
+        return -1
+    rounds = [int(n.split(".")[0]) for n in os.listdir(states) if n.endswith(".safetensors")]
+    return max(rounds, default=-1)
+
+
+def _wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"driver exited with {proc.returncode} before {what}")
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_resume_after_kill_continues_from_last_committed_round(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    run = tmp_path / "runs" / "killed"
+    states = run / "store" / "states" / "global"
+    args = [*SMALL, "train.max_steps=120", "diloco.sync_every_h=4", "train.eval_every_rounds=10",
+            "checkpoint.every_rounds=10", "--name", "killed"]  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "composer_replication", "train", *args],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    try:
+        _wait_for(lambda: _latest_state(states) >= 2, 240, "round 2", proc)
+        proc.send_signal(signal.SIGTERM)  # what `kill` does; the replicas are cancelled
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130, output
+    assert "continue with    composer-replication train --resume" in output
+    driver = json.loads((run / "driver.json").read_text())
+    assert driver["status"] == "interrupted"
+    assert all(r["status"] == "cancelled" for r in driver["replicas"])
+    killed_at = _latest_state(states)
+    assert 2 <= killed_at < 30
+    before = read_metrics(run / "metrics.jsonl")
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--resume", "killed"]) == 0
+    out = capsys.readouterr().out
+    assert "Resuming run" in out and "Run killed: finished" in out
+    records = read_metrics(run / "metrics.jsonl")
+    assert records[: len(before)] == before  # nothing collected twice
+    starts = [r for r in records[len(before) :] if r.get("event") == "start"]
+    assert sorted(r["replica"] for r in starts) == [0, 1]
+    # each replica restarted from the newest published global state, not from scratch
+    assert all(r["resumed_round"] >= killed_at for r in starts)
+    assert all(r["step"] == 4 * r["resumed_round"] for r in starts)
+    resumed = [r for r in records[len(before) :] if r["kind"] == "train"]
+    assert min(r["step"] for r in resumed) == 4 * min(r["resumed_round"] for r in starts) + 1
+    assert max(r["step"] for r in resumed) == 120
+    final_state = json.loads((run / "checkpoints" / "final" / "state.json").read_text())
+    assert final_state["round"] == 30 and final_state["step"] == 120
+    driver = json.loads((run / "driver.json").read_text())
+    assert driver["status"] == "finished" and driver["attempt"] == 2

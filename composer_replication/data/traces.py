@@ -217,6 +217,17 @@ class TraceStore:
                 store.add(record)
         return store
 
+    @classmethod
+    def from_dicts(cls, records: Iterable[Any], *, source: str = "<records>") -> TraceStore:
+        """Validate and add decoded trace dicts (e.g. ``task.oracle_traces()``).
+
+        Errors are `TraceFormatError` naming ``source`` and the record's 1-based position.
+        """
+        store = cls()
+        for i, obj in enumerate(records, start=1):
+            store.add(TraceRecord.from_json(obj, where=f"{source}:{i}"))
+        return store
+
     def save(self, path: str | Path) -> None:
         """Write every record as JSONL (overwrites ``path``; writes a temp file then renames)."""
         path = Path(path)

@@ -94,3 +94,11 @@ def test_hint_template_renders_sections_and_validates():
     assert tmpl.render_text("Q", None, None) == "Q\n\nCorrectly solve the original question.\n"
     with pytest.raises(ValueError, match="prompt"):
         HintTemplate(reprompt="{question}")
+
+
+def test_from_dicts_reports_position():
+    key = prompt_key(CHAT)
+    good = {"prompt_key": key, "teacher": "a", "completion": "4"}
+    assert len(TraceStore.from_dicts([good, {**good, "teacher": "b"}])) == 2
+    with pytest.raises(TraceFormatError, match=r"oracle:2: missing required field"):
+        TraceStore.from_dicts([good, {"teacher": "a"}], source="oracle")

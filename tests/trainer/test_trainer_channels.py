@@ -207,3 +207,37 @@ def test_teacher_pool_fills_the_store_lazily(tmp_path):
     assert inputs["replay_pair_mask"].sum() == 2
     generation_batch(trainer)  # second batch: the store already has both prompts
     assert len(asked) == 2
+
+
+def test_builtin_task_reward_and_oracle_traces(tmp_path):
+    """What the CLI wires: a task's (score, feedback) reward and its oracle traces."""
+    from composer_replication.data import TraceStore
+    from composer_replication.models import build_tiny_model, build_tokenizer
+    from composer_replication.tasks import get_task
+    from composer_replication.trainer import ComposerReplicationTrainer
+
+    task = get_task("arithmetic", seed=0, n_train=4, n_eval=2)
+    store = TraceStore.from_dicts(task.oracle_traces(), source="arithmetic oracle")
+    tok = build_tokenizer()
+    trainer = ComposerReplicationTrainer(
+        model=build_tiny_model(tok, hidden_size=32, num_layers=2, seed=0),
+        processing_class=tok,
+        reward_funcs=[task.reward_func()],
+        args=config(tmp_path),
+        train_dataset=task.to_dataset("train"),
+        trace_store=store,
+        alpha_sdpo=0.1,
+        beta_replay=0.05,
+    )
+    trainer.current_gradient_accumulation_steps = 1
+    dataset = task.to_dataset("train")
+    rows = [dataset[i] for i in (0, 1) for _ in range(G)]
+    torch.manual_seed(0)
+    trainer.model.train()
+    inputs = trainer._generate_and_score_completions(rows)
+    # A random model fails: every rollout gets the task's feedback, every prompt an oracle pair.
+    assert inputs["sdpo_sample_mask"].all() and inputs["replay_pair_mask"].sum() == 2
+    assert all(fb for fb in trainer._batch["feedback"])
+    loss, _ = loss_and_grads(trainer, inputs)
+    assert torch.isfinite(loss)
+    assert trainer._metrics["train"]["replay/active"][-1] == 1.0

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from composer_replication.loss._logprobs import selective_log_softmax
 from composer_replication.loss.compose import combine
 
 # combine() reports every channel (zeros for inactive ones); keep only the channel computed.
@@ -54,7 +55,7 @@ def forward_completion_logits(
 
 def sequence_logps(logits: Tensor, ids: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
     """Summed and mean log-probs (temperature 1) of ``ids`` (N, T) under ``logits`` (N, T, V)."""
-    per_token = logits.float().log_softmax(-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    per_token = selective_log_softmax(logits, ids)
     m = mask.to(per_token.dtype)
     summed = (per_token * m).sum(-1)
     return summed, summed / m.sum(-1).clamp(min=1.0)

@@ -19,7 +19,6 @@ of it rather than a reload from ``config._name_or_path`` (which TRL would attemp
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -28,6 +27,7 @@ import torch
 from torch import nn
 
 from composer_replication.data.traces import TraceStore
+from composer_replication.loss._logprobs import selective_log_softmax
 from composer_replication.trainer.batch import (
     completion_text,
     hint_tensors,
@@ -334,15 +334,27 @@ class ComposerReplicationTrainer(GRPOTrainer):
             out = model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         logits = out.logits[:, :-1]  # (B, T, V): position t scores completion token t
         ids = input_ids[:, -logits_to_keep:]
-        log_probs = (logits.float() / self.temperature).log_softmax(-1)
-        logps = log_probs.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+        # No full-vocab log-softmax kept for backward: (B, T, V) is already held once (the logits
+        # channels 2/3 reuse); a second and third copy would triple the peak at real vocab sizes.
+        logps = selective_log_softmax(logits, ids, self.temperature)
         entropies = None
         if compute_entropy:
-            grad = contextlib.nullcontext() if self._entropy_bonus_enabled else torch.no_grad()
-            with grad:
-                entropies = -(log_probs.exp() * log_probs).sum(-1)
+            entropies = self._entropies(logits)
         self._captured_logits = logits
         return logps, entropies, (out.aux_loss if compute_aux_loss else None)
+
+    def _entropies(self, logits: torch.Tensor) -> torch.Tensor:
+        """Per-token entropy at TRL's temperature; row by row (and without grad) unless TRL's
+        entropy bonus needs its gradient."""
+        if self._entropy_bonus_enabled:
+            log_probs = (logits.float() / self.temperature).log_softmax(-1)
+            return -(log_probs.exp() * log_probs).sum(-1)
+        with torch.no_grad():
+            rows = []
+            for row in logits:
+                lp = (row.float() / self.temperature).log_softmax(-1)
+                rows.append(-(lp.exp() * lp).sum(-1))
+            return torch.stack(rows)
 
     def _loss_kwargs(self) -> dict[str, Any]:
         kwargs = self.composer.loss_kwargs()

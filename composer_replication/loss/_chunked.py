@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from composer_replication.loss._parallel import auto_chunk_size, ordered_map
+
 # Per-token function for autograd kernels:
 #   (student (n, V), teacher (n, V)) -> (loss (n,), {stat name: (n,) tensor})
 PerTokenFn = Callable[[Tensor, Tensor], tuple[Tensor, dict[str, Tensor]]]
@@ -44,17 +46,6 @@ def autograd_kernel(fn: PerTokenFn) -> Kernel:
         return per_token.detach(), grad, {k: v.detach() for k, v in extra.items()}
 
     return kernel
-
-
-# Elements (tokens x vocab) per chunk when chunk_size is None: 4 MB of fp32 per temporary. A
-# chunk's graph holds ~20 such temporaries, so this stays far under one (B, T, V) buffer, and
-# 4 MB pieces stay in cache better than full-vocab tensors (it is faster than naive, not slower).
-CHUNK_ELEMENTS = 1 << 20
-
-
-def auto_chunk_size(vocab: int) -> int:
-    """Tokens per chunk so one chunk holds about ``CHUNK_ELEMENTS`` logits."""
-    return max(1, CHUNK_ELEMENTS // max(vocab, 1))
 
 
 def _row_ranges(mask: Tensor, chunk_size: int) -> list[tuple[int, Tensor | slice]]:
@@ -106,10 +97,10 @@ class _ChunkedTokenMean(torch.autograd.Function):
             # Rows outside the mask get no gradient; when every row is written, skip the zero fill.
             alloc = torch.empty if bool(mask.all()) else torch.zeros
             grad = alloc(student.shape, dtype=student.dtype, device=student.device)
-        total = torch.zeros((), dtype=torch.float64, device=student.device)
-        sums: dict[str, float] = {}
-        clipped = 0
-        for b, sel in _row_ranges(mask, chunk_size):
+
+        def process(chunk: tuple[int, Tensor | slice]) -> tuple[float, int, dict[str, float]]:
+            """Loss sum, clipped count and stat sums of one chunk; writes its gradient rows."""
+            b, sel = chunk
             s = _take(student, b, sel).detach().to(compute_dtype)
             t = _take(teacher, b, sel).detach().to(compute_dtype)
             # One reduction per input instead of an isfinite mask: a sum is finite iff every
@@ -119,9 +110,10 @@ class _ChunkedTokenMean(torch.autograd.Function):
                     raise ValueError(f"{name} contains NaN or Inf at unmasked positions")
             per_token, g, extra = kernel(s, t, need_grad)
             scale = torch.full_like(per_token, weight)
+            n_clipped = 0
             if token_clip is not None:
                 over = per_token > token_clip
-                clipped += int(over.sum())
+                n_clipped = int(over.sum())
                 per_token = per_token.clamp(max=token_clip)
                 scale = scale.masked_fill(over, 0.0)  # a clipped token is constant: no gradient
             if grad is not None and g is not None:
@@ -130,15 +122,26 @@ class _ChunkedTokenMean(torch.autograd.Function):
                     grad[b, sel] = g
                 else:
                     grad[b].index_copy_(0, sel, g.to(grad.dtype))
-            total += per_token.sum().double() * weight
-            for key, stat in extra.items():
-                sums[key] = sums.get(key, 0.0) + float(stat.sum())
+            # Only python scalars leave the chunk: nothing chunk-sized stays alive.
+            stat_sums = {key: float(stat.sum()) for key, stat in extra.items()}
+            return float(per_token.double().sum()), n_clipped, stat_sums
+
+        total = 0.0
+        sums: dict[str, float] = {}
+        clipped = 0
+        # Chunks write disjoint gradient rows; sums are reduced here in chunk order, so the
+        # result does not depend on thread scheduling.
+        for part, n_clipped, stat_sums in ordered_map(process, _row_ranges(mask, chunk_size)):
+            total += part
+            clipped += n_clipped
+            for key, value in stat_sums.items():
+                sums[key] = sums.get(key, 0.0) + value
         stats["tokens"] = float(n_tokens)
         stats["clip_frac"] = clipped / max(n_tokens, 1)
         for key, acc in sums.items():
             stats[key] = acc / max(n_tokens, 1)
         ctx.grad = grad
-        return total.to(student.dtype)
+        return torch.tensor(total * weight, dtype=student.dtype, device=student.device)
 
     @staticmethod
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]

@@ -13,7 +13,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-_ROWS = 256
+from composer_replication.loss._parallel import auto_chunk_size, ordered_map
+
+
+def _blocks(B: int, T: int, rows: int) -> list[tuple[int, int]]:
+    """(batch row, first token) of each block of ``rows`` tokens."""
+    return [(b, s) for b in range(B) for s in range(0, T, rows)]
 
 
 class _SelectiveLogSoftmax(torch.autograd.Function):
@@ -22,12 +27,16 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
         compute_dtype = (
             torch.float32 if logits.dtype in (torch.float16, torch.bfloat16) else logits.dtype
         )
-        B, T, _ = logits.shape
+        B, T, V = logits.shape
+        rows = auto_chunk_size(V)  # blocks of about 1M logits run on the loss worker threads
         lse = torch.empty((B, T), dtype=compute_dtype, device=logits.device)
-        for b in range(B):
-            for s in range(0, T, _ROWS):
-                chunk = logits[b, s : s + _ROWS].to(compute_dtype) / temperature
-                lse[b, s : s + _ROWS] = torch.logsumexp(chunk, -1)
+
+        def forward_block(block: tuple[int, int]) -> None:
+            b, s = block
+            chunk = logits[b, s : s + rows].to(compute_dtype) / temperature
+            lse[b, s : s + rows] = torch.logsumexp(chunk, -1)
+
+        ordered_map(forward_block, _blocks(B, T, rows))
         picked = logits.gather(-1, index.unsqueeze(-1)).squeeze(-1).to(compute_dtype) / temperature
         ctx.save_for_backward(logits, index, lse)
         ctx.temperature = temperature
@@ -39,16 +48,19 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
         logits, index, lse = ctx.saved_tensors
         temp = ctx.temperature
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-        B, T, _ = logits.shape
-        for b in range(B):
-            for s in range(0, T, _ROWS):
-                chunk = logits[b, s : s + _ROWS].to(lse.dtype) / temp
-                g = grad_out[b, s : s + _ROWS].to(lse.dtype).unsqueeze(-1)
-                # d/dz [z_y/temp - lse(z/temp)] = (onehot(y) - softmax(z/temp)) / temp
-                probs = torch.exp(chunk - lse[b, s : s + _ROWS].unsqueeze(-1))
-                gz = -probs * g
-                gz.scatter_add_(-1, index[b, s : s + _ROWS].unsqueeze(-1), g)
-                grad[b, s : s + _ROWS] = (gz / temp).to(grad.dtype)
+        B, T, V = logits.shape
+        rows = auto_chunk_size(V)
+
+        def backward_block(block: tuple[int, int]) -> None:
+            b, s = block
+            chunk = logits[b, s : s + rows].to(lse.dtype) / temp
+            g = grad_out[b, s : s + rows].to(lse.dtype).unsqueeze(-1)
+            # d/dz [z_y/temp - lse(z/temp)] = (onehot(y) - softmax(z/temp)) / temp
+            gz = torch.exp(chunk - lse[b, s : s + rows].unsqueeze(-1)).mul_(-g)
+            gz.scatter_add_(-1, index[b, s : s + rows].unsqueeze(-1), g)
+            grad[b, s : s + rows] = gz.div_(temp)
+
+        ordered_map(backward_block, _blocks(B, T, rows))
         return grad, None, None
 
 

@@ -445,3 +445,27 @@ def test_no_grad_mode_builds_no_gradient_and_same_value():
         loss_ng, _ = generalized_jsd(s, t)
     assert not loss_ng.requires_grad
     assert float(loss_ng) == pytest.approx(float(loss.detach()), rel=1e-6)
+
+
+def test_worker_threads_give_identical_results_and_propagate_errors():
+    """With >1 torch threads, chunks run on the loss worker pool; results must not change."""
+    from composer_replication.loss._logprobs import selective_log_softmax
+
+    s, t = _logits(25, 2, 9, 13)
+    mask = _mask(25, 2, 9)
+    ids = torch.randint(0, 13, (2, 9), generator=torch.Generator().manual_seed(0))
+    results = []
+    for threads in (1, 2):
+        torch.set_num_threads(threads)  # the autouse fixture restores the setting
+        loss, metrics = entropy_opd_loss(s, t, mask=mask, chunk_size=2, h_max=2.0)
+        (g,) = torch.autograd.grad(loss, s)
+        logps = selective_log_softmax(s, ids, 0.9)
+        (g2,) = torch.autograd.grad(logps.sum(), s)
+        results.append((loss.detach(), g, metrics, logps.detach(), g2))
+    (l1, g1, m1, p1, q1), (l2, g2_, m2, p2, q2) = results
+    assert torch.equal(l1, l2) and torch.equal(g1, g2_) and m1 == m2
+    assert torch.equal(p1, p2) and torch.equal(q1, q2)
+    bad = t.clone()
+    bad[1, 8, 3] = float("nan")
+    with pytest.raises(ValueError, match="teacher_logits"):
+        generalized_jsd(s, bad, chunk_size=1)

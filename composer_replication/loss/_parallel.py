@@ -11,6 +11,7 @@ caller's setting is untouched), and results come back in chunk order (determinis
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -32,7 +33,7 @@ def auto_chunk_size(vocab: int) -> int:
     return max(1, CHUNK_ELEMENTS // max(vocab, 1))
 
 
-_POOLS: dict[int, ThreadPoolExecutor] = {}
+_POOLS: dict[tuple[int, int], ThreadPoolExecutor] = {}  # (pid, workers) -> pool
 _LOCK = threading.Lock()
 
 
@@ -41,15 +42,18 @@ def _single_intra_op_thread() -> None:
 
 
 def _pool(workers: int) -> ThreadPoolExecutor:
+    # Keyed by pid: a forked child inherits the dict but not the threads, and a pool without
+    # threads would never run anything.
+    key = (os.getpid(), workers)
     with _LOCK:
-        pool = _POOLS.get(workers)
+        pool = _POOLS.get(key)
         if pool is None:
             pool = ThreadPoolExecutor(
                 max_workers=workers,
                 thread_name_prefix="composer-loss",
                 initializer=_single_intra_op_thread,
             )
-            _POOLS[workers] = pool
+            _POOLS[key] = pool
         return pool
 
 

@@ -469,3 +469,20 @@ def test_worker_threads_give_identical_results_and_propagate_errors():
     bad[1, 8, 3] = float("nan")
     with pytest.raises(ValueError, match="teacher_logits"):
         generalized_jsd(s, bad, chunk_size=1)
+
+
+def test_worker_pool_survives_fork():
+    import multiprocessing as mp
+
+    torch.set_num_threads(2)
+    s, t = _logits(26, 1, 6, 9)
+    expected = float(generalized_jsd(s, t, chunk_size=1)[0].detach())  # creates the pool
+    ctx = mp.get_context("fork")
+    with ctx.Pool(1) as pool:
+        got = pool.apply_async(_jsd_in_child, (s.detach(), t)).get(timeout=30)
+    assert got == pytest.approx(expected, rel=1e-6)
+
+
+def _jsd_in_child(s, t):
+    torch.set_num_threads(2)
+    return float(generalized_jsd(s, t, chunk_size=1)[0])

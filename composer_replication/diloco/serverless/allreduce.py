@@ -135,6 +135,19 @@ class ObjectStoreAllReduce(RunDocumentsMixin):
             f"rank={self.rank}, codec={self.codec!r})"
         )
 
+    def close(self) -> None:
+        """Stop this handle's upload/fetch threads (an upload still running is abandoned)."""
+        for ex in (self._uploader, self._fetcher):
+            if ex is not None:
+                ex.shutdown(wait=False, cancel_futures=True)
+        self._uploader = self._fetcher = None
+
+    def __enter__(self) -> ObjectStoreAllReduce:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def cancel(self) -> None:
         """Abort the current and future waits with ExchangeCancelledError (thread-safe)."""
         self._cancel.set()

@@ -185,10 +185,14 @@ def check_commit_races(pool, uri, storage_options, world_size=4, races=20, perio
 
 
 def test_cancel_aborts_wait(tmp_path):
-    ar = ObjectStoreAllReduce(str(tmp_path), world_size=2, rank=0, timeout_s=30)
-    ar.cancel()
-    with pytest.raises(ExchangeCancelledError):
-        ar.allreduce({"x": torch.ones(2)}, step=0)
+    import threading
+
+    with ObjectStoreAllReduce(str(tmp_path), world_size=2, rank=0, timeout_s=30) as ar:
+        threading.Timer(0.3, ar.cancel).start()  # cancel from another thread mid-wait
+        t0 = time.monotonic()
+        with pytest.raises(ExchangeCancelledError, match="step 0"):
+            ar.allreduce({"x": torch.ones(2)}, step=0)
+        assert time.monotonic() - t0 < 5
 
 
 def test_stale_step_is_refused_quickly(tmp_path):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,7 +58,8 @@ class TeacherPool:
     ``verifier(prompt, completion) -> reward | None`` (optional) scores each trace so channel 3
     replays the best verified one. Empty completions are skipped and counted in
     ``stats.empty``; a teacher that raises `TeacherError` is counted in ``stats.errors`` and the
-    others still run (``fail_fast=True`` re-raises instead). Records go to ``store`` and, when
+    others still run (``fail_fast=True`` re-raises instead). The teachers are queried
+    concurrently, one thread each. Records go to ``store`` and, when
     ``store_path`` is given, are appended to that JSONL file as they arrive.
     """
 
@@ -89,16 +91,24 @@ class TeacherPool:
             return []
         keys = [prompt_key(p) for p in prompts]
         new: list[TraceRecord] = []
-        for teacher in self.teachers:
-            try:
-                answers = teacher.complete(prompts)
-            except TeacherError as exc:
+        # Teachers are independent (different endpoints / models): ask them all at once, then
+        # record in teacher order so the store and the JSONL file are deterministic.
+        outcomes: list[Any] = []
+        with ThreadPoolExecutor(max_workers=len(self.teachers)) as executor:
+            futures = [executor.submit(t.complete, prompts) for t in self.teachers]
+            for future in futures:
+                try:
+                    outcomes.append(future.result())
+                except TeacherError as exc:
+                    outcomes.append(exc)
+        for teacher, answers in zip(self.teachers, outcomes):
+            if isinstance(answers, TeacherError):
                 self.stats.errors[teacher.name] += len(prompts)
                 logger.warning(
-                    "teacher %s failed on %d prompt(s): %s", teacher.name, len(prompts), exc
+                    "teacher %s failed on %d prompt(s): %s", teacher.name, len(prompts), answers
                 )
                 if self.fail_fast:
-                    raise
+                    raise answers
                 continue
             if len(answers) != len(prompts):
                 raise TeacherError(

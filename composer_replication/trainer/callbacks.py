@@ -7,7 +7,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from transformers import TrainerCallback
+try:
+    from transformers import TrainerCallback
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "composer_replication.trainer needs transformers; install it with "
+        "`pip install composer-replication[train]`."
+    ) from exc
 
 from composer_replication.loss.distill import TAIDScheduler
 

@@ -243,9 +243,14 @@ def train_diloco(cfg: Cfg, batches: Batches, uri: str) -> tuple[nn.Module, dict[
         try:
             model = cfg.model()
             opt = cfg.optimizer(model)
-            store = ObjectStoreAllReduce(uri, world_size=cfg.k, rank=rank, timeout_s=1800.0)
+            store = ObjectStoreAllReduce(
+                uri, world_size=cfg.k, rank=rank, timeout_s=1800.0, codec=cfg.codec
+            )
             manager = ObjectStoreManager(store)
-            outer = make_diloco_outer_loop(opt, manager, cfg.h, model=model)
+            outer = make_diloco_outer_loop(
+                opt, manager, cfg.h, model=model, outer_lr=cfg.outer_lr,
+                outer_momentum=cfg.outer_momentum,
+            )  # fmt: skip
             with outer:
                 for t in range(cfg.steps):
                     for g in opt.param_groups:
@@ -302,6 +307,12 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eval-seqs", type=int, default=256)
+    ap.add_argument("--codec", default="fp32", help="pseudo-gradient wire codec for (c)")
+    ap.add_argument("--outer-lr", type=float, default=0.7)
+    ap.add_argument("--outer-momentum", type=float, default=0.9)
+    ap.add_argument(
+        "--only-diloco", action="store_true", help="tuning aid: run only (c), print its loss"
+    )
     ap.add_argument("--pretrain-steps", type=int, default=150, help="shared warm start")
     ap.add_argument(
         "--threads",
@@ -321,13 +332,6 @@ def main() -> None:
     train, evals = load_corpus(max_train_bytes=8_000_000, max_eval_bytes=600_000)
     batches = Batches(train, a.batch, a.ctx, a.seed)
     n_params = sum(p.numel() for p in cfg.model().parameters())
-    t0 = time.time()
-    cfg.start = pretrain(cfg, batches)
-    start_loss = eval_loss(cfg.model(), evals, a.ctx, a.eval_seqs)
-    print(
-        f"pretrained {a.pretrain_steps} steps ({time.time() - t0:.0f}s): eval loss {start_loss:.4f}",
-        flush=True,
-    )
     tokens_per_replica = a.steps * a.batch * a.ctx
     print(
         f"corpus: {len(train):,} train bytes, {len(evals):,} eval bytes (stdlib, split by file); "
@@ -335,8 +339,22 @@ def main() -> None:
         f"B={a.batch} ctx={a.ctx}",
         flush=True,
     )
+    t0 = time.time()
+    cfg.start = pretrain(cfg, batches)
+    start_loss = eval_loss(cfg.model(), evals, a.ctx, a.eval_seqs)
+    print(
+        f"pretrained {a.pretrain_steps} steps ({time.time() - t0:.0f}s): eval loss {start_loss:.4f}",
+        flush=True,
+    )
     rows = {}
     timings = {}
+    if a.only_diloco:
+        with tempfile.TemporaryDirectory() as tmp:
+            m, comm = train_diloco(cfg, batches, "file://" + os.path.join(tmp, "run"))
+        loss = eval_loss(m, evals, a.ctx, a.eval_seqs)
+        print(json.dumps({"diloco_eval_loss": round(loss, 5), "outer_lr": a.outer_lr,
+                          "outer_momentum": a.outer_momentum}))  # fmt: skip
+        return
 
     t0 = time.time()
     m = train_single(cfg, batches, a.steps, a.steps)
@@ -395,6 +413,7 @@ def main() -> None:
         "diloco_checkpoint_bytes": comm["checkpoint_bytes"],
         "k": a.k,
         "h": a.h,
+        "codec": a.codec,
         "rounds": a.rounds,
         "pretrain_steps": a.pretrain_steps,
         "params": n_params,

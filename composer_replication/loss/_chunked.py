@@ -141,7 +141,8 @@ class _ChunkedTokenMean(torch.autograd.Function):
         for key, acc in sums.items():
             stats[key] = acc / max(n_tokens, 1)
         ctx.grad = grad
-        return torch.tensor(total * weight, dtype=student.dtype, device=student.device)
+        # fp32 for bf16/fp16 logits: the loss value is a sum over many tokens.
+        return torch.tensor(total * weight, dtype=compute_dtype, device=student.device)
 
     @staticmethod
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]

@@ -105,7 +105,7 @@ class TaskConfig:
 class TrainConfig:
     """The inner loop each replica runs (TRL GRPO settings)."""
 
-    max_steps: int = _f(60, "inner optimizer steps per replica")
+    max_steps: int = _f(200, "inner optimizer steps per replica")
     learning_rate: float = _f(3e-3, "inner AdamW learning rate")
     batch_size: int = _f(16, "completions per step per replica (a multiple of num_generations)")
     num_generations: int = _f(8, "completions per prompt (the GRPO group size)")
@@ -210,7 +210,7 @@ class TeachersConfig:
 class DilocoConfig:
     """The outer loop: every H inner steps replicas exchange pseudo-gradients (global - local)."""
 
-    sync_every_h: int = _f(10, "inner steps between outer synchronisations (H)")
+    sync_every_h: int = _f(20, "inner steps between outer synchronisations (H)")
     outer_lr: float = _f(0.7, "outer SGD learning rate")
     outer_momentum: float = _f(0.9, "outer Nesterov momentum")
     nesterov: bool = _f(True, "Nesterov momentum for the outer SGD")

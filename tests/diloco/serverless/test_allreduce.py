@@ -124,16 +124,16 @@ def test_bf16_model_tensors_keep_dtype_and_agree(pool, tmp_path):
 @pytest.mark.slow
 def test_dead_replica_is_left_out_and_reported(pool, tmp_path):
     uri = f"file://{tmp_path}"
-    outs = run_all(pool, uri, 3, [0, 1], [0], timeout_s=2.0, min_replicas=2)
+    outs = run_all(pool, uri, 3, [0, 1], [0], timeout_s=3.0, min_replicas=2)
     assert all(o["error"] is None for o in outs.values()), outs
     assert_bit_identical_and_mean(outs, [0, 1], [0])
     for o in outs.values():
         sr = o["step_results"][0]
         assert sr["included_ranks"] == [0, 1] and sr["excluded_ranks"] == [2]
         assert "missing" in sr["rejected"][2]
-        assert sr["seconds"] >= 2.0
+        assert sr["seconds"] >= 3.0
     # the late replica arrives after the commit: left out, but gets the committed result
-    late = run_all(pool, uri, 3, [2], [0], timeout_s=2.0, min_replicas=2)[2]
+    late = run_all(pool, uri, 3, [2], [0], timeout_s=3.0, min_replicas=2)[2]
     assert late["error"] is None
     assert late["step_results"][0]["excluded_ranks"] == [2]
     for n in SHAPES:
@@ -213,4 +213,4 @@ def test_stale_step_is_refused_quickly(tmp_path):
     t0 = time.monotonic()
     with pytest.raises(StoreTimeoutError, match="already at step 5"):
         res[0].allreduce({"x": torch.ones(2)}, step=3)
-    assert time.monotonic() - t0 < 2
+    assert time.monotonic() - t0 < 4  # far below timeout_s=5 + the wait for a commit

@@ -73,7 +73,7 @@ def test_racing_commits_s3(warm_pool, s3):
 def test_dead_replica_left_out_then_min_unmet_on_s3(warm_pool, s3):
     uri, options = s3
     outs = run_all(
-        warm_pool, uri, 3, [0, 1], [0], storage_options=options, timeout_s=2.0, min_replicas=2
+        warm_pool, uri, 3, [0, 1], [0], storage_options=options, timeout_s=3.0, min_replicas=2
     )
     assert all(o["error"] is None for o in outs.values()), outs
     assert_bit_identical_and_mean(outs, [0, 1], [0])

@@ -63,9 +63,9 @@ def test_overrides_parse_toml_values_with_string_fallback() -> None:
 
 def test_config_file_then_overrides(tmp_path) -> None:
     path = tmp_path / "c.toml"
-    path.write_text('[train]\nmax_steps = 70\n[backend]\nkind = "local"\nn_replicas = 3\n')
-    config = load_config(path, ["train.max_steps=90"])
-    assert config.train.max_steps == 90 and config.backend.n_replicas == 3
+    path.write_text('[train]\nmax_steps = 80\n[backend]\nkind = "local"\nn_replicas = 3\n')
+    config = load_config(path, ["train.max_steps=100"])
+    assert config.train.max_steps == 100 and config.backend.n_replicas == 3
     assert config.model.name == "tiny"  # schema defaults fill the rest
 
 

@@ -8,6 +8,7 @@ NaN loss several steps later.
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 from torch import Tensor
@@ -56,7 +57,7 @@ def check_scalar(
     high_open: bool = False,
 ) -> float:
     """Validate a finite python scalar lies in [low, high] (open ends when ``*_open``)."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):  # numpy scalars welcome
         raise ValueError(f"{name} must be a number, got {type(value).__name__}")
     v = float(value)
     if not math.isfinite(v):

@@ -105,5 +105,5 @@ def taid_t_for(cfg: ComposeConfig) -> float:
     if cfg.taid_t is not None:
         return float(cfg.taid_t)
     assert cfg.taid_schedule_step is not None and cfg.taid_total_steps is not None
-    progress = min(cfg.taid_schedule_step / cfg.taid_total_steps, 1.0)
+    progress = min(float(cfg.taid_schedule_step) / float(cfg.taid_total_steps), 1.0)
     return TAID_T_START + (TAID_T_END - TAID_T_START) * progress

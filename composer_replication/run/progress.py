@@ -99,7 +99,9 @@ class Progress:
         if self._live is not None:
             self._live.update(self._table(rows))
             return
-        key = tuple((r.state, r.round) for r in rows)
+        # A line per outer round or lifecycle change; evaluating/checkpointing flicker too often.
+        busy = ("training", "evaluating", "checkpointing")
+        key = tuple(("training" if r.state in busy else r.state, r.round) for r in rows)
         now = time.monotonic()
         if key != self._last_key or now - self._last_line >= self.plain_every_s:
             self._last_key = key

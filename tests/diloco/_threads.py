@@ -18,6 +18,10 @@ from torch import nn
 from composer_replication.diloco import make_diloco_outer_loop
 from composer_replication.diloco.serverless import ObjectStoreAllReduce, ObjectStoreManager
 
+# Model factories seed torch's *global* RNG; without this lock two threads interleave their
+# draws and the initial weights (hence which round-0 state gets published) become a race.
+_INIT_LOCK = threading.Lock()
+
 
 def run_replicas(
     uri: str,
@@ -39,7 +43,8 @@ def run_replicas(
 
     def one(rank: int) -> None:
         try:
-            model = model_fn(rank)
+            with _INIT_LOCK:
+                model = model_fn(rank)
             opt = torch.optim.SGD(model.parameters(), lr=0.05)
             kw = {"timeout_s": 30.0, "poll_interval_s": 0.01, **(store_kw or {})}
             store = ObjectStoreAllReduce(uri, world_size=world_size, rank=rank, **kw)

@@ -87,6 +87,11 @@ def assemble(
     sdpo_frac: float,
     replay: Result | None,
 ) -> Result:
+    """Sum the active channels and build the metrics dict (inactive channels report 0.0).
+
+    ``sdpo``/``replay`` are None when the channel is off for this step; they are then not added
+    at all, which is what makes ``alpha_sdpo=0`` / ``beta_replay=0`` bit-exact.
+    """
     total, metrics = grpo[0], dict(grpo[1])
     metrics["loss/grpo"] = float(total.detach())
     metrics["sdpo/active"] = 0.0
@@ -122,6 +127,7 @@ def grpo_term(
     num_items_in_batch: int | Tensor | None,
     max_completion_length: int | None,
 ) -> Result:
+    """Channel 1: ``policy.grpo_loss`` with the configured clipping, KL and aggregation."""
     return grpo_loss(
         per_token_logps,
         old_per_token_logps,
@@ -139,6 +145,7 @@ def grpo_term(
 
 
 def sample_token_mask(completion_mask: Tensor, sdpo_mask: Tensor | None) -> Tensor:
+    """``completion_mask`` and-ed with a ``(B,)`` sample mask or ``(B, T)`` token mask."""
     token_mask = completion_mask.bool()
     if sdpo_mask is None:
         return token_mask

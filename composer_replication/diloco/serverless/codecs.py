@@ -55,22 +55,20 @@ def encode(t: torch.Tensor, codec: str) -> dict[str, torch.Tensor]:
         return {"q": flat.contiguous()}
     if codec == "bf16":
         return {"q": flat.to(torch.bfloat16).contiguous()}
-    if not bool(torch.isfinite(flat).all()):
-        raise ValueError(
-            f"codec {codec!r} cannot encode non-finite values (NaN/inf in the pseudo-gradient); "
-            "fix the divergence or use codec='fp32'"
-        )
     n = flat.numel()
     if codec == "int8":
         rows = _chunks(flat)
-        scale = rows.abs().amax(dim=1) / 127.0  # [R]
+        lo, hi = torch.aminmax(rows, dim=1)  # one pass; NaN/inf propagate into the scale
+        scale = torch.maximum(-lo, hi) / 127.0  # [R]
+        _check_finite(scale, codec)
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
         q = torch.round(rows / safe[:, None]).clamp_(-127, 127).to(torch.int8)
         return {"q": q.reshape(-1)[:n].contiguous(), "s": scale.contiguous()}
-    # 4bit: pad with the row's own values would change lo/hi; pad with the first element instead
+    # 4bit: padding with the row's own values would change lo/hi; pad with the first element
     rows = _chunks(flat, pad_value=float(flat[0]) if n else 0.0)
-    lo = rows.amin(dim=1)
-    scale = (rows.amax(dim=1) - lo) / 15.0
+    lo, hi = torch.aminmax(rows, dim=1)
+    scale = (hi - lo) / 15.0
+    _check_finite(scale, codec)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = torch.round((rows - lo[:, None]) / safe[:, None]).clamp_(0, 15).to(torch.uint8)
     q = q.reshape(-1)[:n]
@@ -78,6 +76,15 @@ def encode(t: torch.Tensor, codec: str) -> dict[str, torch.Tensor]:
         q = torch.cat([q, q.new_zeros(1)])
     packed = q[0::2] | (q[1::2] << 4)  # low nibble = even element, high nibble = odd element
     return {"q": packed.contiguous(), "s": scale.contiguous(), "z": lo.contiguous()}
+
+
+def _check_finite(scale: torch.Tensor, codec: str) -> None:
+    """Per-chunk scales are non-finite iff the chunk held NaN/inf (checked on R values, not N)."""
+    if not bool(torch.isfinite(scale).all()):
+        raise ValueError(
+            f"codec {codec!r} cannot encode non-finite values (NaN/inf in the pseudo-gradient); "
+            "fix the divergence or use codec='fp32'"
+        )
 
 
 def expected_parts(codec: str, numel: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:

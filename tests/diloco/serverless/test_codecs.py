@@ -61,10 +61,13 @@ def test_4bit_packing_two_codes_per_byte():
     assert odd["q"].numel() == 3
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 @pytest.mark.parametrize("codec", ["int8", "4bit"])
-def test_non_finite_values_are_refused_by_quantised_codecs(codec):
+def test_non_finite_values_are_refused_by_quantised_codecs(codec, bad):
+    t = torch.randn(5000)
+    t[4500] = bad  # in the third chunk: every chunk is checked, not only the first
     with pytest.raises(ValueError, match="non-finite"):
-        codecs.encode(torch.tensor([1.0, float("nan")]), codec)
+        codecs.encode(t, codec)
 
 
 def test_fp32_passes_non_finite_through_and_unknown_codec_raises():

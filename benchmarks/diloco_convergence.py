@@ -352,7 +352,9 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             m, comm = train_diloco(cfg, batches, "file://" + os.path.join(tmp, "run"))
         loss = eval_loss(m, evals, a.ctx, a.eval_seqs)
-        print(json.dumps({"diloco_eval_loss": round(loss, 5), "outer_lr": a.outer_lr,
+        nbytes = comm["bytes_uploaded"] + comm["bytes_downloaded"]
+        print(json.dumps({"diloco_eval_loss": round(loss, 5), "diloco_bytes": nbytes,
+                          "codec": a.codec, "outer_lr": a.outer_lr,
                           "outer_momentum": a.outer_momentum}))  # fmt: skip
         return
 

@@ -276,8 +276,16 @@ class ObjectStoreAllReduce(RunDocumentsMixin):
             settled = len(valid) + len(rejected) == self.world_size
             timed_out = time.monotonic() >= deadline
             if (settled or timed_out) and len(valid) >= self.min_replicas:
-                commit = self._write_commit(step, valid, rejected)
-                break
+                try:
+                    commit = self._write_commit(step, valid, rejected)
+                    break
+                except OSError as e:  # transient: put-if-absent is safe to retry next poll
+                    last_error = f"; last store error: {e!r}"
+                    log.warning("step %d: writing the commit record failed: %r", step, e)
+                    if timed_out and time.monotonic() >= deadline + self.timeout_s:
+                        raise
+                    time.sleep(self.poll_interval_s)
+                    continue
             if settled:
                 raise CorruptContributionError(
                     f"step {step}: only {len(valid)} valid contributions, min_replicas="

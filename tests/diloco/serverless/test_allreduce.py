@@ -214,3 +214,44 @@ def test_stale_step_is_refused_quickly(tmp_path):
     with pytest.raises(StoreTimeoutError, match="already at step 5"):
         res[0].allreduce({"x": torch.ones(2)}, step=3)
     assert time.monotonic() - t0 < 4  # far below timeout_s=5 + the wait for a commit
+
+
+def test_transient_store_errors_are_retried(tmp_path, monkeypatch):
+    """Injected faults: a failing listing and a failing commit write; the step still agrees."""
+    import threading
+
+    from composer_replication.diloco.serverless.store import ObjectStore
+
+    real_put, real_list = ObjectStore.put_if_absent, ObjectStore.list
+    faults = {"commit": 1, "list": 2}
+    lock = threading.Lock()
+
+    def flaky_put(self, key, data):
+        with lock:
+            if key.endswith("commit.json") and faults["commit"]:
+                faults["commit"] -= 1
+                raise OSError("injected: connection reset while writing the commit")
+        return real_put(self, key, data)
+
+    def flaky_list(self, prefix):
+        with lock:
+            if prefix.endswith("contrib/") and faults["list"]:
+                faults["list"] -= 1
+                raise OSError("injected: 503 slow down")
+        return real_list(self, prefix)
+
+    monkeypatch.setattr(ObjectStore, "put_if_absent", flaky_put)
+    monkeypatch.setattr(ObjectStore, "list", flaky_list)
+    out = {}
+
+    def go(r):
+        ar = ObjectStoreAllReduce(str(tmp_path), 2, r, timeout_s=5, poll_interval_s=0.01)
+        out[r] = ar.allreduce({"x": torch.full((4,), float(r))}, step=0)["x"]
+
+    threads = [threading.Thread(target=go, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert faults == {"commit": 0, "list": 0}
+    assert torch.equal(out[0], torch.full((4,), 0.5)) and torch.equal(out[1], out[0])

@@ -62,7 +62,9 @@ class StoreIO:
         """Write an object; with exclusive, False (and nothing written) when it already exists."""
         path = self.path(key)
         parent = path.rsplit("/", 1)[0]
-        if parent:
+        if parent and local_path(self.uri) is not None:
+            # Only local stores have folders; on S3, makedirs would CREATE A BUCKET that a typo
+            # in store.uri names, instead of failing.
             self.fs.makedirs(parent, exist_ok=True)
         if exclusive:
             try:
@@ -104,10 +106,16 @@ class StoreIO:
             return None  # a torn write on a store without atomic replace; read again later
 
     def exists(self, key: str) -> bool:
+        self.fs.invalidate_cache(self.path(key))
         return bool(self.fs.exists(self.path(key)))
 
     def list(self, key: str) -> list[str]:
-        """Names (not paths) directly under `key`, sorted; [] when it does not exist."""
+        """Names (not paths) directly under `key`, sorted; [] when it does not exist.
+
+        Always a fresh listing: s3fs/gcsfs cache directory listings, and the driver polls the
+        same prefixes for objects other processes keep adding.
+        """
+        self.fs.invalidate_cache(self.path(key))
         try:
             entries = self.fs.ls(self.path(key), detail=False)
         except FileNotFoundError:

@@ -1,6 +1,6 @@
 """DiLoCo with real replica processes: file://, a real S3 server, a killed replica, torchft.
 
-Every replica is a separate Python process (tests/diloco/_replica_worker.py) that dumps its global
+Every replica is a separate Python process (tests/diloco/_diloco_worker.py) that dumps its global
 weights after the initial sync and after each committed round; the test compares the dumps with
 each other (bit-identical) and with the independent single-process reference (1e-6).
 """
@@ -22,9 +22,9 @@ from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _reference import named_params, reference_rounds  # noqa: E402
+from _diloco_reference import named_params, reference_rounds  # noqa: E402
 
-WORKER = Path(__file__).parent / "_replica_worker.py"
+WORKER = Path(__file__).parent / "_diloco_worker.py"
 pytestmark = pytest.mark.slow
 
 

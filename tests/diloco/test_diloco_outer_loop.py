@@ -1,6 +1,6 @@
 """DiLoCo outer loop in one process: sign convention, outer state, fragments, resume, codecs.
 
-Replicas run as threads over a real ``file://`` exchange (tests/diloco/_threads.py); the
+Replicas run as threads over a real ``file://`` exchange (tests/diloco/_diloco_threads.py); the
 multi-process versions are in test_diloco_multiprocess.py.
 """
 
@@ -15,9 +15,9 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _reference import local_after, named_params, reference_rounds  # noqa: E402
-from _replica_worker import batch, build_model  # noqa: E402
-from _threads import run_replicas  # noqa: E402
+from _diloco_reference import local_after, named_params, reference_rounds  # noqa: E402
+from _diloco_threads import run_replicas  # noqa: E402
+from _diloco_worker import batch, build_model  # noqa: E402
 
 from composer_replication.diloco import make_diloco_outer_loop  # noqa: E402
 from composer_replication.diloco.fragments import strided_fragments  # noqa: E402

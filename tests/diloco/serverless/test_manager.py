@@ -13,7 +13,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 
-from _replica_worker import build_model, inner_step  # noqa: E402
+from _diloco_worker import build_model, inner_step  # noqa: E402
 
 from composer_replication.diloco import make_diloco_outer_loop  # noqa: E402
 from composer_replication.diloco.serverless import (  # noqa: E402

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from _replica_worker import build_model, inner_step
+from _diloco_worker import build_model, inner_step
 from torch import nn
 
 from composer_replication.diloco import make_diloco_outer_loop

@@ -11,7 +11,7 @@ out by hand (not torch.optim), so the outer step is checked against the formula,
 from __future__ import annotations
 
 import torch
-from _replica_worker import INNER_LR, build_model, inner_step  # noqa: E402
+from _diloco_worker import INNER_LR, build_model, inner_step  # noqa: E402
 
 
 def named_params(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

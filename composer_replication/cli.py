@@ -85,9 +85,13 @@ def _run_folder(run: str):  # noqa: ANN202 - RunFolder, imported lazily
 
 
 def cmd_report(ns: argparse.Namespace) -> int:
+    import importlib.util
+
     from composer_replication.run.report import write_report
 
     folder = _run_folder(ns.run)
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ConfigError("report needs matplotlib: `pip install composer-replication[report]`")
     summary, plots = write_report(folder)
     for plot in plots:
         print(f"wrote {plot}")

@@ -194,6 +194,21 @@ def check_teachers(config: RunConfig) -> None:
         raise ConfigError(f"teachers.traces_path: {path!r} does not exist")
 
 
+def check_reporting(config: RunConfig) -> None:
+    """TensorBoard files and plots need the `report` extra; say so before the run starts."""
+    needs = []
+    if config.logging.tensorboard:
+        needs.append(("tensorboard", "logging.tensorboard"))
+    if config.logging.report:
+        needs.append(("matplotlib", "logging.report"))
+    for module, key in needs:
+        if importlib.util.find_spec(module) is None:
+            raise ConfigError(
+                f"{key}: needs {module!r}; install it with "
+                f"`pip install composer-replication[report]` or set {key}=false"
+            )
+
+
 def resolve_store_uri(config: RunConfig, folder: RunFolder) -> str:
     return normalise_uri(config.store.uri) if config.store.uri else normalise_uri(str(folder.store))
 
@@ -206,6 +221,7 @@ def check_all(
     check_model(config)
     check_task(config)
     check_teachers(config)
+    check_reporting(config)
     store_uri = resolve_store_uri(config, folder)
     check_backend(config, store_uri)
     if not resume:

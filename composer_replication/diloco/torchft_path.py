@@ -131,7 +131,7 @@ def lighthouse_address(lighthouse: Any, host: str = "127.0.0.1") -> str:
 def build_torchft_manager(
     *,
     replica_id: str,
-    lighthouse_addr: str,
+    lighthouse_addr: str | None = None,
     min_replicas: int,
     timeouts: TorchFTTimeouts | None = None,
     hostname: str = "127.0.0.1",
@@ -150,8 +150,18 @@ def build_torchft_manager(
     itself). Replicas should start from identical weights (same seed); torchft heals replicas
     that are behind from a peer at the next quorum.
 
-    Returns (manager, close); ``close()`` shuts the manager and its store down.
+    ``lighthouse_addr`` points at a running lighthouse (``http://host:port``); None reads
+    ``$TORCHFT_LIGHTHOUSE`` (torchft's own variable). Returns (manager, close); ``close()`` shuts
+    the manager and its store down.
     """
+    import os
+
+    lighthouse_addr = lighthouse_addr or os.environ.get("TORCHFT_LIGHTHOUSE")
+    if not lighthouse_addr:
+        raise ValueError(
+            "no lighthouse: pass lighthouse_addr='http://host:port' (start one with "
+            "start_lighthouse() or the torchft_lighthouse CLI) or set $TORCHFT_LIGHTHOUSE"
+        )
     if min_replicas < 1:
         raise ValueError(f"min_replicas must be >= 1, got {min_replicas}")
     if not replica_id:

@@ -48,9 +48,13 @@ def test_train_default_end_to_end(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     monkeypatch.chdir(tmp_path)
-    code = main(["train", *SMALL, "train.max_steps=4", "diloco.sync_every_h=2", "--name", "e2e"])
-    out = capsys.readouterr().out
     run = tmp_path / "runs" / "e2e"
+    run.mkdir(parents=True)
+    (run / "old-junk.txt").write_text("from an earlier run")  # replaced only with --overwrite
+    code = main(["train", *SMALL, "train.max_steps=4", "diloco.sync_every_h=2", "--name", "e2e",
+                 "--overwrite"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert not (run / "old-junk.txt").exists()
     assert code == 0, out + "\n".join(p.read_text() for p in (run / "logs").glob("*.log"))
     # the summary: first-10% vs last-10% reward, eval accuracy, where the report is
     assert "Run e2e: finished" in out and "2 outer rounds" in out

@@ -1,8 +1,8 @@
 """Zero-copy safetensors framing for large payloads read from and written to an object store.
 
-The bytes are the standard safetensors format (``safetensors.torch.load`` reads what
-:func:`layout` + :func:`header_bytes` write and :func:`unframe` reads what ``safetensors.torch.save`` writes; the tests
-check both directions). We frame ourselves only to avoid copies: ``safetensors.torch.save``
+The bytes are the standard safetensors format: ``safetensors.torch.load`` reads what
+:func:`layout` + :func:`header_bytes` write, and :func:`unframe` reads what
+``safetensors.torch.save`` writes (the tests check both directions). We frame ourselves only to avoid copies: ``safetensors.torch.save``
 materialises one more copy of every tensor and ``load`` another, which for a 100M-parameter
 pseudo-gradient costs more than the file transfer itself. :func:`unframe` validates untrusted
 input as strictly as the reference implementation: a JSON header of known dtypes and shapes

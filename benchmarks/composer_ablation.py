@@ -62,8 +62,13 @@ def steps_to(values: list[float], threshold: float, window: int = WINDOW) -> int
     return None
 
 
-def run_one(variant: str, seed: int, steps: int, task_name: str, extra: list[str]) -> dict:
+def run_one(
+    variant: str, seed: int, steps: int, task_name: str, extra: list[str], threads: int = 0
+) -> dict:
     import torch
+
+    if threads > 0:
+        torch.set_num_threads(threads)
     from transformers import TrainerCallback, set_seed
 
     from composer_replication.config import load_config
@@ -80,7 +85,6 @@ def run_one(variant: str, seed: int, steps: int, task_name: str, extra: list[str
         if value is not None:
             overrides.append(f"loss.{key}={value}")
     config = load_config(overrides=overrides)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     set_seed(seed)
     task = build_task(config)
     model, tok = build_model(config)  # the initial model depends on the seed only
@@ -173,22 +177,35 @@ def main() -> None:
     p.add_argument("--task", default="arithmetic", help="built-in task (default arithmetic)")
     p.add_argument("--threshold", type=float, default=0.4, help="demo reward threshold")
     p.add_argument("--plot", default="docs/composer_ablation.png", help="output PNG")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="runs in parallel processes (each with 1 torch thread)")  # fmt: skip
     p.add_argument("overrides", nargs="*", help="extra section.key=value config overrides")
     args = p.parse_args()
     steps = args.steps or (60 if args.quick else 300)
     seeds = args.seeds or (2 if args.quick else 3)
     t0 = time.monotonic()
+    jobs = [(variant, seed) for seed in range(seeds) for variant in VARIANTS]
+    threads = 1 if args.jobs > 1 else 0
+    if args.jobs > 1:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        ctx = multiprocessing.get_context("spawn")  # no fork of a process holding torch threads
+        with ProcessPoolExecutor(args.jobs, mp_context=ctx) as pool:
+            futures = [pool.submit(run_one, v, s, steps, args.task, args.overrides, threads)
+                       for v, s in jobs]  # fmt: skip
+            outputs = [f.result() for f in futures]
+    else:
+        outputs = [run_one(v, s, steps, args.task, args.overrides) for v, s in jobs]
     results = []
-    for seed in range(seeds):
-        for variant in VARIANTS:
-            r = run_one(variant, seed, steps, args.task, args.overrides)
-            hit = steps_to(r["rewards"], args.threshold)
-            print(f"{variant:12s} seed {seed}: steps to {args.threshold} = "
-                  f"{hit if hit is not None else 'not reached'}, final eval accuracy "
-                  f"{r['eval_accuracy']:.3f}, last-10 reward "
-                  f"{statistics.fmean(r['rewards'][-10:]):.3f} ({r['seconds']:.0f} s)",
-                  flush=True)  # fmt: skip
-            results.append(r)
+    for r in outputs:
+        hit = steps_to(r["rewards"], args.threshold)
+        print(f"{r['variant']:12s} seed {r['seed']}: steps to {args.threshold} = "
+              f"{hit if hit is not None else 'not reached'}, final eval accuracy "
+              f"{r['eval_accuracy']:.3f}, last-10 reward "
+              f"{statistics.fmean(r['rewards'][-10:]):.3f} ({r['seconds']:.0f} s)",
+              flush=True)  # fmt: skip
+        results.append(r)
     summary = summarize(results, steps, args.threshold)
     print(f"\n{args.task}, {steps} inner steps, {seeds} seeds, threshold {args.threshold} "
           f"(10-step moving average of the mean reward)")  # fmt: skip

@@ -18,6 +18,7 @@ import dataclasses
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -39,7 +40,7 @@ from composer_replication.run.folder import RunFolder, default_run_name
 from composer_replication.run.metrics import MetricsCollector, MetricsSink
 from composer_replication.run.progress import Progress, ReplicaRow, choose_mode
 from composer_replication.run.report import summarize, write_report
-from composer_replication.run.storeio import StoreIO
+from composer_replication.run.storeio import StoreIO, local_path
 
 __all__ = ["ENTRYPOINT", "TrainResult", "prepare", "prepare_resume", "run"]
 
@@ -80,6 +81,14 @@ def prepare_resume(run: str, overrides: list[str]) -> tuple[RunConfig, RunFolder
     folder = resolve_run_folder(run)
     if not folder.is_run():
         raise ConfigError(f"--resume: {folder.root} is not a run folder (no config.json in it)")
+    state = folder.read_driver()
+    if state.get("status") == "running" and state.get("host") == socket.gethostname():
+        pid = int(state.get("pid") or 0)
+        if pid > 0 and _alive(pid):
+            raise ConfigError(
+                f"--resume: run {folder.name} is still running (driver pid {pid}); stop it first "
+                "(Ctrl-C or kill, which cancels its replicas)"
+            )
     tree = json.loads(folder.config_json.read_text())
     fixed = {"run.name", "run.runs_dir", "store.uri", "backend.n_replicas"}
     for text in overrides:
@@ -92,6 +101,16 @@ def prepare_resume(run: str, overrides: list[str]) -> tuple[RunConfig, RunFolder
 
 def _forwarded_env(config: RunConfig) -> dict[str, str]:
     return {name: os.environ[name] for name in config.backend.forward_env if name in os.environ}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
 
 
 def _make_executor(config: RunConfig, folder: RunFolder) -> Any:
@@ -162,7 +181,10 @@ def run(
     t_start = time.monotonic()
     state = folder.read_driver()
     attempt = int(state.get("attempt", 0)) + 1
-    folder.update_driver(status="running", attempt=attempt, started=time.time(), ended=None)
+    folder.update_driver(
+        status="running", attempt=attempt, started=time.time(), ended=None, pid=os.getpid(),
+        host=socket.gethostname(),
+    )  # fmt: skip
 
     mode = choose_mode(config.logging.progress, stream)
     progress = Progress(mode, title=f"run {folder.name}", n_rounds=config.n_rounds, stream=stream)
@@ -203,7 +225,9 @@ def run(
             collector.poll()
             statuses = collector.statuses()
             progress.update(_rows(config, handles, statuses))
-            if time.monotonic() - last_mirror > 5.0:
+            # Mid-run mirroring only for a local store (hard links, free); a remote store's
+            # checkpoints (GBs for a real model) are downloaded once, at the end.
+            if local_path(store.uri) is not None and time.monotonic() - last_mirror > 5.0:
                 mirror_checkpoints(store, folder.checkpoints)
                 last_mirror = time.monotonic()
             folder.update_driver(

@@ -169,3 +169,29 @@ def test_replica_without_rank_or_store_exits_2(capsys: pytest.CaptureFixture) ->
         capture_output=True, text=True, env=env, timeout=60,
     )  # fmt: skip
     assert proc.returncode == 2 and "no replica rank" in proc.stderr
+
+
+def test_resume_refuses_a_run_that_is_still_running(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    import json
+    import socket
+
+    from composer_replication.config import load_config, to_dict
+
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "runs" / "busy"
+    run.mkdir(parents=True)
+    config = load_config(overrides=["run.name=busy", f"store.uri={(run / 'store').as_uri()}/"])
+    (run / "config.json").write_text(json.dumps(to_dict(config)))
+    driver = {"status": "running", "pid": os.getpid(), "host": socket.gethostname()}
+    (run / "driver.json").write_text(json.dumps(driver))
+    before = _tree(tmp_path)
+    assert main(["train", "--resume", "busy"]) == 2
+    assert "is still running (driver pid" in capsys.readouterr().err
+    assert _tree(tmp_path) == before
+    (run / "driver.json").write_text(json.dumps({**driver, "pid": 2**22 + 12345}))  # gone
+    before = _tree(tmp_path)
+    assert main(["train", "--resume", "busy", "run.name=other"]) == 2
+    assert "run.name cannot change on resume" in capsys.readouterr().err
+    assert _tree(tmp_path) == before

@@ -1,0 +1,52 @@
+"""The README must keep working as written: its two commands exist and its example runs."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def test_readme_opens_with_the_two_commands() -> None:
+    first_block = re.search(r"```bash\n(.*?)```", README, re.S)
+    assert first_block is not None and README.index("```bash") < README.index("## What it is")
+    commands = [line.split("#")[0].strip() for line in first_block.group(1).splitlines()]
+    commands = [c for c in commands if c]
+    assert commands == [
+        "bash scripts/setup.sh && .venv/bin/composer-replication train",
+        "bash scripts/test.sh",
+    ]
+    for script in ("scripts/setup.sh", "scripts/test.sh"):
+        assert (ROOT / script).is_file()
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "bash scripts/test.sh" in ci, ".ci/run must run the README's test command"
+
+
+@pytest.mark.slow
+def test_readme_example_trains(tmp_path: Path) -> None:
+    example = re.search(r"```python\n(.*?)```", README, re.S)
+    assert example is not None
+    code = example.group(1)
+    assert "max_steps=40" in code and "file:///tmp/run42/" in code
+    # Same code, shorter budget and a private store so the test is quick and isolated.
+    code = code.replace("max_steps=40", "max_steps=2")
+    code = code.replace("file:///tmp/run42/", (tmp_path / "store").as_uri() + "/")
+    script = tmp_path / "readme_example.py"
+    script.write_text(code)
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env={**os.environ, "WORLD_SIZE": "1", "REPLICA_RANK": "0"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "runs" / "example").is_dir()

@@ -439,6 +439,35 @@ class ExecutorBase(SupervisorBase):
     def _validate(self, n_replicas: int, entrypoint: str) -> None:
         validate_launch(n_replicas, entrypoint)
 
+    def _new_handle(
+        self,
+        rank: int,
+        job_id: str,
+        status: ReplicaStatus,
+        log_location: str | None,
+        start_time: float | None = None,
+    ) -> ReplicaHandle:
+        """The handle `_start` returns: this backend's, started now unless start_time is given."""
+        start = time.time() if start_time is None else start_time
+        return ReplicaHandle(
+            replica_id=rank, backend=self.backend, job_id=job_id, status=status,
+            start_time=start, log_location=log_location,
+        )  # fmt: skip
+
+    def _prepare(
+        self,
+        world_size: int,
+        entrypoint: str,
+        entrypoint_args: dict[str, Any] | list[Any] | None,
+        resources: dict[str, Any] | None,
+    ) -> tuple[list[str], dict[str, Any]]:
+        """Check a launch (entrypoint, resources) and return (command, checked resources)."""
+        self._validate(world_size, entrypoint)
+        if resources is not None and not isinstance(resources, dict):
+            raise ValueError(f"resources must be a dict or None, got {type(resources).__name__}")
+        checked = self._check_resources(dict(resources or {}))
+        return build_command(entrypoint, entrypoint_args, python=self.python), checked
+
     def launch_replicas(
         self,
         n_replicas: int,
@@ -476,11 +505,7 @@ class ExecutorBase(SupervisorBase):
         bad = [r for r in ranks if not isinstance(r, int) or not 0 <= r < world_size]
         if bad or len(set(ranks)) != len(ranks):
             raise ValueError(f"ranks must be distinct integers in [0, {world_size}), got {ranks}")
-        self._validate(world_size, entrypoint)
-        if resources is not None and not isinstance(resources, dict):
-            raise ValueError(f"resources must be a dict or None, got {type(resources).__name__}")
-        resources = self._check_resources(dict(resources or {}))
-        command = build_command(entrypoint, entrypoint_args, python=self.python)
+        command, resources = self._prepare(world_size, entrypoint, entrypoint_args, resources)
         envs = {r: replica_env(r, world_size, entrypoint_args, env) for r in ranks}
         launched: list[ReplicaHandle] = []
         try:

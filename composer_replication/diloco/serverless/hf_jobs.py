@@ -147,10 +147,7 @@ class HFJobsExecutor(ExecutorBase):
                 namespace=self.namespace,
                 token=self._token,
             )
-        handle = ReplicaHandle(
-            replica_id=rank, backend=self.backend, job_id=job.id, status=ReplicaStatus.PENDING,
-            start_time=time.time(), log_location=getattr(job, "url", None),
-        )  # fmt: skip
+        handle = self._new_handle(rank, job.id, ReplicaStatus.PENDING, getattr(job, "url", None))
         self._apply(handle, job)
         return handle
 

@@ -32,7 +32,6 @@ from composer_replication.diloco.serverless.executor import (
     ExecutorBase,
     ReplicaHandle,
     ReplicaStatus,
-    build_command,
     replica_env,
     tail_lines,
     validate_launch,
@@ -176,11 +175,7 @@ class K8sExecutor(ExecutorBase):
             raise ValueError(f"ranks must be integers in [0, {world_size}), got {ranks}")
         if ranks != list(range(ranks[0], ranks[0] + len(ranks))):
             raise ValueError(f"K8sExecutor runs consecutive ranks as one Indexed Job, got {ranks}")
-        self._validate(world_size, entrypoint)
-        if resources is not None and not isinstance(resources, dict):
-            raise ValueError(f"resources must be a dict or None, got {type(resources).__name__}")
-        limits = self._check_resources(dict(resources or {}))
-        command = build_command(entrypoint, entrypoint_args, python=self.python)
+        command, limits = self._prepare(world_size, entrypoint, entrypoint_args, resources)
         base_env = replica_env(ranks[0], world_size, entrypoint_args, env)
         rank_keys = {ENV_RANK}
         if isinstance(entrypoint_args, dict) and entrypoint_args.get("rank_env"):
@@ -240,9 +235,8 @@ class K8sExecutor(ExecutorBase):
             raise
         now = time.time()
         return [
-            ReplicaHandle(replica_id=offset + i, backend=self.backend, job_id=f"{name}/{i}",
-                          status=ReplicaStatus.PENDING, start_time=now,
-                          log_location=f"k8s://{self.namespace}/jobs/{name}/{i}")
+            self._new_handle(offset + i, f"{name}/{i}", ReplicaStatus.PENDING,
+                             f"k8s://{self.namespace}/jobs/{name}/{i}", start_time=now)
             for i in range(count)
         ]  # fmt: skip
 

@@ -260,14 +260,7 @@ class LocalProcessExecutor(ExecutorBase):
         proc = spawn_in_group(command, full_env, self.cwd, log_path)
         with self._lock:
             self._replicas[job_id] = _Replica(proc, command, full_env, log_path)
-        return ReplicaHandle(
-            replica_id=rank,
-            backend=self.backend,
-            job_id=job_id,
-            status=ReplicaStatus.RUNNING,
-            start_time=time.time(),
-            log_location=log_path,
-        )
+        return self._new_handle(rank, job_id, ReplicaStatus.RUNNING, log_path)
 
     def _refresh(self, handle: ReplicaHandle) -> None:
         rep = self._replica(handle)

@@ -223,10 +223,8 @@ class ModalExecutor(ExecutorBase):
             call = fn.spawn(command, env)
         job_id = str(call.object_id)
         self._calls[job_id] = call
-        return ReplicaHandle(
-            replica_id=rank, backend=self.backend, job_id=job_id, status=ReplicaStatus.RUNNING,
-            start_time=time.time(), log_location=f"modal://function-call/{job_id}",
-        )  # fmt: skip
+        log_location = f"modal://function-call/{job_id}"
+        return self._new_handle(rank, job_id, ReplicaStatus.RUNNING, log_location)
 
     # ------------------------------------------------------------------ watch
     def _refresh(self, handle: ReplicaHandle) -> None:

@@ -270,14 +270,7 @@ class RayExecutor(ExecutorBase):
         run_ref = actor.run.remote(command, env, self.cwd, worker_log, self._use_worker_python)
         self._replicas[job_id] = _Replica(actor, run_ref, actor.started.remote(), log_path,
                                           self.same_fs)  # fmt: skip
-        return ReplicaHandle(
-            replica_id=rank,
-            backend=self.backend,
-            job_id=job_id,
-            status=ReplicaStatus.PENDING,
-            start_time=time.time(),
-            log_location=log_path,
-        )
+        return self._new_handle(rank, job_id, ReplicaStatus.PENDING, log_path)
 
     def _replica(self, handle: ReplicaHandle) -> _Replica:
         try:

@@ -198,10 +198,8 @@ class SageMakerExecutor(ExecutorBase):
                 Environment=env,
                 Tags=[{"Key": k, "Value": v} for k, v in tags.items()],
             )
-        return ReplicaHandle(
-            replica_id=rank, backend=self.backend, job_id=name, status=ReplicaStatus.PENDING,
-            start_time=time.time(), log_location=f"cloudwatch:{LOG_GROUP}/{name}",
-        )  # fmt: skip
+        log_location = f"cloudwatch:{LOG_GROUP}/{name}"
+        return self._new_handle(rank, name, ReplicaStatus.PENDING, log_location)
 
     def _entrypoint(self, command: list[str]) -> list[str]:
         """The replica command, wrapped so a failure writes its exit code + log tail to the

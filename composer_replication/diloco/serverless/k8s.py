@@ -262,6 +262,18 @@ class K8sExecutor(ExecutorBase):
             plist.sort(key=lambda p: (p.metadata.creation_timestamp or 0, p.metadata.name))
         return by_index
 
+    def _read_job(self, name: str) -> Any | None:
+        """The Job object, or None when it no longer exists (404)."""
+        try:
+            with sdk_errors(self.backend, f"reading job {name}", self._secrets):
+                return self.batch.read_namespaced_job(
+                    name=name, namespace=self.namespace, _request_timeout=self.request_timeout
+                )
+        except Exception as exc:
+            if "404" in str(exc) or "NotFound" in str(exc):
+                return None
+            raise
+
     def poll(self, handles: list[ReplicaHandle]) -> list[ReplicaHandle]:
         """One job read and one pod list per job, whatever the number of replicas."""
         groups: dict[str, list[ReplicaHandle]] = defaultdict(list)
@@ -269,19 +281,11 @@ class K8sExecutor(ExecutorBase):
             if not h.status.done:
                 groups[self._split(h)[0]].append(h)
         for name, group in groups.items():
-            try:
-                with sdk_errors(self.backend, f"reading job {name}", self._secrets):
-                    job = self.batch.read_namespaced_job(
-                        name=name, namespace=self.namespace, _request_timeout=self.request_timeout
-                    )
-            except Exception as exc:
-                if "404" in str(exc) or "NotFound" in str(exc):
-                    for h in group:
-                        self._fail(
-                            h, f"job {name} no longer exists (deleted outside this executor)"
-                        )
-                    continue
-                raise
+            job = self._read_job(name)
+            if job is None:
+                for h in group:
+                    self._fail(h, f"job {name} no longer exists (deleted outside this executor)")
+                continue
             status = job.status
             completed = parse_indexes(status.completed_indexes if status else None)
             failed = parse_indexes(status.failed_indexes if status else None)
@@ -391,15 +395,9 @@ class K8sExecutor(ExecutorBase):
         for name, group in groups.items():
             cancelled = self._cancelled.setdefault(name, set())
             cancelled.update(self._split(h)[1] for h in group)
-            try:
-                with sdk_errors(self.backend, f"reading job {name}", self._secrets):
-                    job = self.batch.read_namespaced_job(
-                        name=name, namespace=self.namespace, _request_timeout=self.request_timeout
-                    )
-            except Exception as exc:
-                if "404" in str(exc) or "NotFound" in str(exc):
-                    continue  # already gone: nothing left to stop
-                raise
+            job = self._read_job(name)
+            if job is None:
+                continue  # already gone: nothing left to stop
             status = job.status
             done = parse_indexes(status.completed_indexes if status else None)
             done |= parse_indexes(status.failed_indexes if status else None)

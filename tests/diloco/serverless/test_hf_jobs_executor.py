@@ -14,13 +14,11 @@ import pytest
 pytest.importorskip("huggingface_hub")
 
 sys.path.insert(0, str(Path(__file__).parent))
+from _executor_helpers import run_seed_driver_snippet  # noqa: E402
 from standins.common import StandinServer  # noqa: E402
 from standins.hf_jobs_api import USER, HFJobsStandin  # noqa: E402
 
-from composer_replication.diloco.serverless.executor import (  # noqa: E402
-    ReplicaStatus,
-    ServerlessExecutor,
-)
+from composer_replication.diloco.serverless.executor import ReplicaStatus  # noqa: E402
 from composer_replication.diloco.serverless.hf_jobs import (  # noqa: E402
     HFJobsExecutor,
     known_flavors,
@@ -147,16 +145,7 @@ def test_collect_timeout_and_hub_timeout(hub):
 def test_seed_driver_snippet_unchanged(hub, capsys):
     _, make, tmp = hub
     executor = make()
-    assert isinstance(executor, ServerlessExecutor)
-    uri = f"file://{tmp / 'seed-store'}"
-    handles = executor.launch_replicas(
-        n_replicas=4,
-        entrypoint="diloco_replica.py",
-        entrypoint_args={"rendezvous": uri, "rank_env": "REPLICA_RANK"},
-    )
-    result = executor.collect(handles, timeout=3600)
-    print({h.replica_id: h.exit_code for h in result})
-    assert capsys.readouterr().out.strip() == "{0: 0, 1: 0, 2: 0, 3: 0}"
+    run_seed_driver_snippet(executor, tmp / "seed-store", capsys)
 
 
 def test_partial_launch_failure_cancels_the_started_jobs(hub, caplog):

@@ -14,13 +14,11 @@ import pytest
 pytest.importorskip("kubernetes")
 
 sys.path.insert(0, str(Path(__file__).parent))
+from _executor_helpers import run_seed_driver_snippet  # noqa: E402
 from standins.common import StandinServer  # noqa: E402
 from standins.k8s_api import K8sApiStandin, compress_indexes  # noqa: E402
 
-from composer_replication.diloco.serverless.executor import (  # noqa: E402
-    ReplicaStatus,
-    ServerlessExecutor,
-)
+from composer_replication.diloco.serverless.executor import ReplicaStatus  # noqa: E402
 from composer_replication.diloco.serverless.k8s import K8sExecutor, parse_indexes  # noqa: E402
 from composer_replication.diloco.serverless.redact import (  # noqa: E402
     CloudExecutorError,
@@ -184,16 +182,7 @@ def test_collect_timeout_cancels_and_reports(cluster):
 def test_seed_driver_snippet_unchanged(cluster, capsys):
     _, make, tmp = cluster
     executor = make()
-    assert isinstance(executor, ServerlessExecutor)
-    uri = f"file://{tmp / 'seed-store'}"
-    handles = executor.launch_replicas(
-        n_replicas=4,
-        entrypoint="diloco_replica.py",
-        entrypoint_args={"rendezvous": uri, "rank_env": "REPLICA_RANK"},
-    )
-    result = executor.collect(handles, timeout=3600)
-    print({h.replica_id: h.exit_code for h in result})
-    assert capsys.readouterr().out.strip() == "{0: 0, 1: 0, 2: 0, 3: 0}"
+    run_seed_driver_snippet(executor, tmp / "seed-store", capsys)
 
 
 def test_rank_offset_for_mixed_placement(cluster):

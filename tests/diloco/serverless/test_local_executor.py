@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import _thread
-import importlib.util
 import os
 import subprocess
 import sys
@@ -20,30 +19,8 @@ from composer_replication.diloco.serverless.local import LocalProcessExecutor
 
 pytestmark = pytest.mark.slow
 
-HERE = Path(__file__).resolve().parent
-PROBE = str(HERE / "replica_probe.py")
-_spec = importlib.util.spec_from_file_location("replica_probe", PROBE)
-probe = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(probe)
-
-
-def alive(pid: int) -> bool:
-    """True if pid is a live process (a zombie counts as dead: PID 1 here may never reap it)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-
-
-def wait_for_records(store: str, n: int, timeout: float = 30.0) -> dict[int, dict]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        recs = probe.read_records(store)
-        if len(recs) >= n:
-            return recs
-        time.sleep(0.05)
-    raise AssertionError(f"only {len(probe.read_records(store))} of {n} replicas wrote a record")
+sys.path.insert(0, str(Path(__file__).parent))
+from _executor_helpers import HERE, PROBE, alive, probe, wait_for_records  # noqa: E402
 
 
 @pytest.fixture

@@ -19,12 +19,10 @@ import pytest
 modal = pytest.importorskip("modal")
 
 sys.path.insert(0, str(Path(__file__).parent))
+from _executor_helpers import run_seed_driver_snippet  # noqa: E402
 from standins.fake_modal import FakeModal  # noqa: E402
 
-from composer_replication.diloco.serverless.executor import (  # noqa: E402
-    ReplicaStatus,
-    ServerlessExecutor,
-)
+from composer_replication.diloco.serverless.executor import ReplicaStatus  # noqa: E402
 from composer_replication.diloco.serverless.modal import (  # noqa: E402
     ModalExecutor,
     modal_credentials,
@@ -157,16 +155,7 @@ def test_collect_timeout(fake, tmp_path):
 
 def test_seed_driver_snippet_unchanged(fake, tmp_path, capsys):
     executor = _make(fake, gpu="A100")
-    assert isinstance(executor, ServerlessExecutor)
-    uri = f"file://{tmp_path / 'seed-store'}"
-    handles = executor.launch_replicas(
-        n_replicas=4,
-        entrypoint="diloco_replica.py",
-        entrypoint_args={"rendezvous": uri, "rank_env": "REPLICA_RANK"},
-    )
-    result = executor.collect(handles, timeout=3600)
-    print({h.replica_id: h.exit_code for h in result})
-    assert capsys.readouterr().out.strip() == "{0: 0, 1: 0, 2: 0, 3: 0}"
+    run_seed_driver_snippet(executor, tmp_path / "seed-store", capsys)
 
 
 def test_partial_launch_failure_cancels_spawned_calls(fake, tmp_path, caplog):

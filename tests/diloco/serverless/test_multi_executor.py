@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
+import sys
 import time
 from pathlib import Path
 
@@ -15,39 +14,14 @@ from composer_replication.diloco.serverless.multi import MultiExecutor
 
 pytestmark = pytest.mark.slow
 
-HERE = Path(__file__).resolve().parent
-PROBE = str(HERE / "replica_probe.py")
-_spec = importlib.util.spec_from_file_location("replica_probe", PROBE)
-probe = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(probe)
-
-
-def alive(pid: int) -> bool:
-    """True if pid is a live process (a zombie counts as dead: PID 1 here may never reap it)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+sys.path.insert(0, str(Path(__file__).parent))
+from _executor_helpers import PROBE, alive, private_ray_executor, probe  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def ray_ex(tmp_path_factory):
-    from composer_replication.diloco.serverless.ray import RayExecutor
-
-    old = os.environ.get("RAY_AUTH_MODE")
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    ex = RayExecutor(
-        init_num_cpus=2, grace_period=1.0, poll_interval=0.05,
-        log_dir=tmp_path_factory.mktemp("ray-logs"),
-    )  # fmt: skip
-    ex._ensure_ray()
-    yield ex
-    ex.shutdown()
-    if old is None:
-        os.environ.pop("RAY_AUTH_MODE", None)
-    else:
-        os.environ["RAY_AUTH_MODE"] = old
+    with private_ray_executor(tmp_path_factory.mktemp("ray-logs"), init_num_cpus=2) as ex:
+        yield ex
 
 
 @pytest.fixture

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import _thread
-import importlib.util
 import os
 import sys
 import textwrap
@@ -17,55 +16,20 @@ from composer_replication.diloco.serverless.executor import ReplicaStatus, Serve
 
 pytestmark = pytest.mark.slow
 
-HERE = Path(__file__).resolve().parent
-PROBE = str(HERE / "replica_probe.py")
-_spec = importlib.util.spec_from_file_location("replica_probe", PROBE)
-probe = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(probe)
-
-
-def alive(pid: int) -> bool:
-    """True if pid is a live process (a zombie counts as dead: PID 1 here may never reap it)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+sys.path.insert(0, str(Path(__file__).parent))
+from _executor_helpers import HERE, PROBE, alive, private_ray_executor, probe  # noqa: E402
+from _executor_helpers import wait_for_records as _wait_for_records  # noqa: E402
 
 
 def wait_for_records(store: str, n: int, timeout: float = 60.0) -> dict[int, dict]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        recs = probe.read_records(store)
-        if len(recs) >= n:
-            return recs
-        time.sleep(0.05)
-    raise AssertionError(f"only {len(probe.read_records(store))} of {n} replicas wrote a record")
+    return _wait_for_records(store, n, timeout)
 
 
 @pytest.fixture(scope="module")
 def ray_ex(tmp_path_factory):
     """The module's RayExecutor; it starts a private local Ray and shuts it down at the end."""
-    import ray
-
-    from composer_replication.diloco.serverless.ray import RayExecutor
-
-    started_here = not ray.is_initialized()
-    old = os.environ.get("RAY_AUTH_MODE")
-    os.environ["RAY_AUTH_MODE"] = "disabled"  # a private local Ray needs no token file in ~
-    ex = RayExecutor(
-        init_num_cpus=4, grace_period=1.0, poll_interval=0.05,
-        log_dir=tmp_path_factory.mktemp("ray-logs"),
-    )  # fmt: skip
-    ex._ensure_ray()
-    yield ex
-    ex.shutdown()
-    if started_here:
-        assert not ray.is_initialized()  # the executor started it, so it stopped it
-    if old is None:
-        os.environ.pop("RAY_AUTH_MODE", None)
-    else:
-        os.environ["RAY_AUTH_MODE"] = old
+    with private_ray_executor(tmp_path_factory.mktemp("ray-logs"), init_num_cpus=4) as ex:
+        yield ex
 
 
 def test_three_replicas_write_rank_and_env(ray_ex, tmp_path):

@@ -15,13 +15,11 @@ import pytest
 boto3 = pytest.importorskip("boto3")
 
 sys.path.insert(0, str(Path(__file__).parent))
+from _executor_helpers import run_seed_driver_snippet  # noqa: E402
 from standins.common import StandinServer  # noqa: E402
 from standins.sagemaker_api import SageMakerStandin  # noqa: E402
 
-from composer_replication.diloco.serverless.executor import (  # noqa: E402
-    ReplicaStatus,
-    ServerlessExecutor,
-)
+from composer_replication.diloco.serverless.executor import ReplicaStatus  # noqa: E402
 from composer_replication.diloco.serverless.redact import (  # noqa: E402
     CloudExecutorError,
     MissingCredentialsError,
@@ -181,16 +179,7 @@ def test_collect_timeout_and_max_runtime(aws):
 def test_seed_driver_snippet_unchanged(aws, capsys):
     _, make, tmp = aws
     executor = make()
-    assert isinstance(executor, ServerlessExecutor)
-    uri = f"file://{tmp / 'seed-store'}"
-    handles = executor.launch_replicas(
-        n_replicas=4,
-        entrypoint="diloco_replica.py",
-        entrypoint_args={"rendezvous": uri, "rank_env": "REPLICA_RANK"},
-    )
-    result = executor.collect(handles, timeout=3600)
-    print({h.replica_id: h.exit_code for h in result})
-    assert capsys.readouterr().out.strip() == "{0: 0, 1: 0, 2: 0, 3: 0}"
+    run_seed_driver_snippet(executor, tmp / "seed-store", capsys)
 
 
 def test_partial_launch_failure_stops_started_jobs_without_leaking_keys(aws, caplog):

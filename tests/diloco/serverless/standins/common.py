@@ -8,6 +8,8 @@ import signal
 import subprocess
 import threading
 import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -81,6 +83,43 @@ class Container:
             return self.log_path.read_text(errors="replace")
         except FileNotFoundError:
             return ""
+
+
+class JobLoop(ABC):
+    """Base of the stand-ins whose jobs move on by themselves.
+
+    `_start_loop()` (at the end of __init__) starts a daemon thread that calls `_tick()` every
+    50 ms under `self._lock` (the lock `handle` takes too); `close()` stops it, then kills and
+    reaps every container still listed by `_containers()`.
+    """
+
+    def _start_loop(self) -> None:
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(0.05):
+            with self._lock:
+                self._tick()
+
+    @abstractmethod
+    def _tick(self) -> None:
+        """Advance every job one step (called with the lock held)."""
+
+    @abstractmethod
+    def _containers(self) -> Iterable[Container | None]:
+        """Every job's (or pod's) container, None where none was started."""
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+        with self._lock:
+            for container in self._containers():
+                if container is not None:
+                    container.kill()
+                    container.wait()
 
 
 class StandinServer:

@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import json
 import secrets as _secrets
-import threading
 import time
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
-from .common import Container, rfc3339
+from .common import Container, JobLoop, rfc3339
 
 USER = "diloco-user"
 
@@ -30,7 +29,7 @@ def _err(code: int, message: str):
     return code, {"error": message}, "application/json"
 
 
-class HFJobsStandin:
+class HFJobsStandin(JobLoop):
     def __init__(
         self,
         workdir: Path,
@@ -48,10 +47,7 @@ class HFJobsStandin:
         self.cancels: list[str] = []
         self.jobs: dict[str, dict[str, Any]] = {}
         self.fail_create_after: int | None = None
-        self._lock = threading.RLock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._scheduler, daemon=True)
-        self._thread.start()
+        self._start_loop()
 
     def handle(self, method: str, path: str, headers: dict[str, str], body: Any):
         if headers.get("authorization") != f"Bearer {self.token}":
@@ -151,11 +147,9 @@ class HFJobsStandin:
         for line in events:
             yield b"data: " + json.dumps({"timestamp": ts, "data": line}).encode() + b"\n\n"
 
-    def _scheduler(self) -> None:
-        while not self._stop.wait(0.05):
-            with self._lock:
-                for job in self.jobs.values():
-                    self._step(job)
+    def _tick(self) -> None:
+        for job in self.jobs.values():
+            self._step(job)
 
     def _step(self, job: dict[str, Any]) -> None:
         b = job["body"]
@@ -180,11 +174,5 @@ class HFJobsStandin:
             else:
                 job["stage"], job["message"] = "ERROR", f"Job failed with exit code: {code}"
 
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(2)
-        with self._lock:
-            for job in self.jobs.values():
-                if job["container"] is not None:
-                    job["container"].kill()
-                    job["container"].wait()
+    def _containers(self) -> list[Container | None]:
+        return [job["container"] for job in self.jobs.values()]

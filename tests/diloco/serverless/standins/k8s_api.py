@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import re
 import secrets as _secrets
-import threading
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
-from .common import Container, rfc3339
+from .common import Container, JobLoop, rfc3339
 
 INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
 _DNS1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -57,7 +56,7 @@ def _status(code: int, reason: str, message: str) -> tuple[int, dict[str, Any], 
     return code, body, "application/json"
 
 
-class K8sApiStandin:
+class K8sApiStandin(JobLoop):
     def __init__(
         self,
         workdir: Path,
@@ -77,10 +76,7 @@ class K8sApiStandin:
         self.pods: dict[tuple[str, str], dict[str, Any]] = {}
         self.fail_create_after: int | None = None  # inject: reject the (k+1)-th create with 500
         self.echo_auth_on_error = False  # inject: a 500 whose message echoes the headers
-        self._lock = threading.RLock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._controller, daemon=True)
-        self._thread.start()
+        self._start_loop()
 
     # ------------------------------------------------------------------ HTTP
     def handle(self, method: str, path: str, headers: dict[str, str], body: Any):
@@ -339,11 +335,9 @@ class K8sApiStandin:
         return 200, text, "text/plain"
 
     # ------------------------------------------------------------------ controller
-    def _controller(self) -> None:
-        while not self._stop.wait(0.05):
-            with self._lock:
-                for key, job in list(self.jobs.items()):
-                    self._step(key, job)
+    def _tick(self) -> None:
+        for key, job in list(self.jobs.items()):
+            self._step(key, job)
 
     def _step(self, key: tuple[str, str], job: dict[str, Any]) -> None:
         ns, name = key
@@ -431,11 +425,5 @@ class K8sApiStandin:
                 status["completionTime"] = now
             status["conditions"] = [{**cond, "lastProbeTime": now, "lastTransitionTime": now}]
 
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(2)
-        with self._lock:
-            for pod in self.pods.values():
-                if pod["_container"] is not None:
-                    pod["_container"].kill()
-                    pod["_container"].wait()
+    def _containers(self) -> list[Container | None]:
+        return [pod["_container"] for pod in self.pods.values()]

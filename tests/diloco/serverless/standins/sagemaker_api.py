@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import functools
 import re
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import botocore.session
 
-from .common import Container
+from .common import Container, JobLoop
 
 LOG_GROUP = "/aws/sagemaker/TrainingJobs"
 _NAME = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}$")
@@ -44,7 +43,7 @@ def _err(kind: str, message: str, code: int = 400):
     return code, {"__type": kind, "message": message}, "application/x-amz-json-1.1"
 
 
-class SageMakerStandin:
+class SageMakerStandin(JobLoop):
     def __init__(
         self,
         workdir: Path,
@@ -64,10 +63,7 @@ class SageMakerStandin:
         self.stops: list[str] = []
         self.jobs: dict[str, dict[str, Any]] = {}
         self.fail_create_after: int | None = None
-        self._lock = threading.RLock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._scheduler, daemon=True)
-        self._thread.start()
+        self._start_loop()
 
     def handle(self, method: str, path: str, headers: dict[str, str], body: Any):
         auth = headers.get("authorization", "")
@@ -209,11 +205,9 @@ class SageMakerStandin:
                      "nextBackwardToken": f"b/{start}"}, "application/x-amz-json-1.1"  # fmt: skip
 
     # ------------------------------------------------------------------ lifecycle
-    def _scheduler(self) -> None:
-        while not self._stop.wait(0.05):
-            with self._lock:
-                for job in self.jobs.values():
-                    self._step(job)
+    def _tick(self) -> None:
+        for job in self.jobs.values():
+            self._step(job)
 
     def _step(self, job: dict[str, Any]) -> None:
         b = job["body"]
@@ -257,11 +251,5 @@ class SageMakerStandin:
             else:
                 job["failure"] = f"AlgorithmError: , exit code: {code}"
 
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(2)
-        with self._lock:
-            for job in self.jobs.values():
-                if job["container"] is not None:
-                    job["container"].kill()
-                    job["container"].wait()
+    def _containers(self) -> list[Container | None]:
+        return [job["container"] for job in self.jobs.values()]

@@ -172,7 +172,12 @@ def plot(results: list[dict], threshold: float, path: Path) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer steps and seeds (a smoke run)")
-    p.add_argument("--steps", type=int, default=None, help="inner steps per run (default 300)")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="inner steps per run (default 200, the default run's budget; --quick: 80)",
+    )
     p.add_argument("--seeds", type=int, default=None, help="seeds per variant (default 3)")
     p.add_argument("--task", default="arithmetic", help="built-in task (default arithmetic)")
     p.add_argument("--threshold", type=float, default=0.4, help="demo reward threshold")
@@ -181,7 +186,7 @@ def main() -> None:
                    help="runs in parallel processes (each with 1 torch thread)")  # fmt: skip
     p.add_argument("overrides", nargs="*", help="extra section.key=value config overrides")
     args = p.parse_args()
-    steps = args.steps or (60 if args.quick else 300)
+    steps = args.steps or (80 if args.quick else 200)
     seeds = args.seeds or (2 if args.quick else 3)
     t0 = time.monotonic()
     jobs = [(variant, seed) for seed in range(seeds) for variant in VARIANTS]

@@ -166,6 +166,19 @@ def test_cancel_subset_keeps_the_others_running(cluster):
     assert job["_indexes"][1]["failures"] == 1 and job["status"]["failedIndexes"] == "1"
 
 
+def test_job_deleted_outside_the_executor(cluster):
+    standin, make, tmp = cluster
+    ex = make()
+    handles = ex.launch_replicas(2, "diloco_replica.py", _args(tmp / "s", sleep=60))
+    with standin._lock:
+        standin.jobs.clear()  # as `kubectl delete job` from elsewhere would (reads give 404)
+    ex.cancel(handles[:1])  # nothing left to stop: no error, no delete request
+    assert handles[0].status is ReplicaStatus.CANCELLED and not standin.deletes
+    ex.poll(handles)
+    assert handles[1].status is ReplicaStatus.FAILED
+    assert "no longer exists (deleted outside this executor)" in handles[1].error
+
+
 def test_collect_timeout_cancels_and_reports(cluster):
     standin, make, tmp = cluster
     ex = make()

@@ -33,6 +33,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 __all__ = [
@@ -47,6 +48,7 @@ __all__ = [
     "args_to_argv",
     "build_command",
     "failure_error",
+    "read_log_file",
     "replica_env",
     "tail_lines",
     "validate_launch",
@@ -289,6 +291,15 @@ def tail_lines(text: str, tail: int | None) -> str:
         return ""
     lines = text.splitlines(keepends=True)
     return "".join(lines[-tail:])
+
+
+def read_log_file(path: str | os.PathLike[str], tail: int | None = None) -> str:
+    """A replica's log file (its last `tail` lines when given); "" while it does not exist."""
+    try:
+        text = Path(path).read_text(encoding="utf-8", errors="replace")
+    except FileNotFoundError:
+        return ""
+    return tail_lines(text, tail)
 
 
 def failure_error(reason: str, log_tail: str) -> str:

@@ -29,7 +29,7 @@ from composer_replication.diloco.serverless.executor import (
     ExecutorBase,
     ReplicaHandle,
     ReplicaStatus,
-    tail_lines,
+    read_log_file,
 )
 
 __all__ = ["LocalProcessExecutor", "exit_reason", "spawn_in_group", "terminate_groups"]
@@ -303,12 +303,7 @@ class LocalProcessExecutor(ExecutorBase):
                 handle.exit_code = rep.proc.returncode
 
     def logs(self, handle: ReplicaHandle, tail: int | None = None) -> str:
-        path = self._replica(handle).log_path
-        try:
-            text = Path(path).read_text(encoding="utf-8", errors="replace")
-        except FileNotFoundError:
-            return ""
-        return tail_lines(text, tail)
+        return read_log_file(self._replica(handle).log_path, tail)
 
     def shutdown(self) -> None:
         """Stop every replica this executor still runs (also done at interpreter exit)."""

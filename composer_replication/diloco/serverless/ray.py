@@ -30,7 +30,7 @@ from composer_replication.diloco.serverless.executor import (
     ExecutorBase,
     ReplicaHandle,
     ReplicaStatus,
-    tail_lines,
+    read_log_file,
     validate_launch,
 )
 from composer_replication.diloco.serverless.local import (
@@ -107,11 +107,7 @@ class ReplicaRunner:
     def read_log(self, tail: int | None) -> str:
         if self._log_path is None:
             return ""
-        try:
-            text = Path(self._log_path).read_text(encoding="utf-8", errors="replace")
-        except FileNotFoundError:
-            return ""
-        return tail_lines(text, tail)
+        return read_log_file(self._log_path, tail)
 
 
 def _shutdown_at_exit(ref: weakref.ref[RayExecutor]) -> None:
@@ -366,11 +362,7 @@ class RayExecutor(ExecutorBase):
     def logs(self, handle: ReplicaHandle, tail: int | None = None) -> str:
         rep = self._replica(handle)
         if rep.same_fs or rep.released:
-            try:
-                text = Path(rep.log_path).read_text(encoding="utf-8", errors="replace")
-            except FileNotFoundError:
-                return ""
-            return tail_lines(text, tail)
+            return read_log_file(rep.log_path, tail)
         return self._ray.get(rep.actor.read_log.remote(tail), timeout=30)
 
     def shutdown(self) -> None:

@@ -26,6 +26,7 @@ from composer_replication.diloco.serverless.executor import (
     args_to_argv,
     build_command,
     failure_error,
+    read_log_file,
     replica_env,
     tail_lines,
     validate_launch,
@@ -114,6 +115,14 @@ def test_status_and_tails():
         tail_lines("a", -1)
     assert failure_error("exit code 1", "x\ny\n") == "exit code 1; last log lines:\nx\ny"
     assert failure_error("exit code 1", "") == "exit code 1 (log is empty)"
+
+
+def test_read_log_file(tmp_path):
+    log = tmp_path / "replica-0.log"
+    assert read_log_file(log, 5) == ""  # not written yet
+    log.write_bytes(b"a\nb\xff\nc\n")
+    assert read_log_file(log) == "a\nb\ufffd\nc\n"
+    assert read_log_file(str(log), 2) == "b\ufffd\nc\n"
 
 
 # ----------------------------------------------------------------------------- launch.py

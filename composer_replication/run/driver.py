@@ -125,6 +125,8 @@ def _make_executor(config: RunConfig, folder: RunFolder) -> Any:
         return cls(**options)
     except TypeError as exc:
         raise ConfigError(f"backend.options: {exc}") from None
+    except (ValueError, ImportError, RuntimeError) as exc:  # bad option, SDK, credentials
+        raise ConfigError(f"backend ({config.backend.kind}): {exc}") from None
 
 
 def _rows(
@@ -171,6 +173,9 @@ def run(
     """Train; see the module docstring. `config` must come from prepare/prepare_resume."""
     stream = stream if stream is not None else sys.stdout
     store = StoreIO(config.store.uri, config.store.storage_options)
+    # Before anything is written: a missing SDK, missing credentials or a bad option of the
+    # backend is a configuration error (exit 2), not a half-created run folder.
+    executor = _make_executor(config, folder)
     if not resume:
         folder.create(overwrite=overwrite)
         if overwrite and store.exists(""):
@@ -198,7 +203,6 @@ def run(
     collector = MetricsCollector(store, config.backend.n_replicas, sink, consumed)
 
     stop, restore_signals = _install_stop_handlers()
-    executor = _make_executor(config, folder)
     env = {
         ENV_STORAGE_OPTIONS: json.dumps(config.store.storage_options),
         "TOKENIZERS_PARALLELISM": "false",

@@ -75,3 +75,23 @@ def test_missing_bucket_is_a_config_error(
     err = capsys.readouterr().err
     assert f"store.uri: cannot write to {uri}" in err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_backend_without_credentials_is_a_config_error(
+    moto_server,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys,  # noqa: ANN001
+) -> None:
+    """A cloud backend whose credentials are missing fails before the run folder exists."""
+    _, bucket, storage_options = moto_server
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "no-kubeconfig"))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    uri = f"s3://{bucket}/{uuid.uuid4().hex}/"
+    code = main(["train", *SMALL, "backend.kind=k8s", 'backend.options={image = "img:1"}',
+                 f"store.uri={uri}", _options(storage_options)])  # fmt: skip
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "error: backend (k8s): no Kubernetes credentials" in err
+    assert list(tmp_path.iterdir()) == []  # no runs/ folder

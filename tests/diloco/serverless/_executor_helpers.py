@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,6 +20,20 @@ PROBE = str(HERE / "replica_probe.py")
 _spec = importlib.util.spec_from_file_location("replica_probe", PROBE)
 probe = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(probe)
+
+
+# The replica the cloud-executor tests launch (standins/replica_script.py), as diloco_replica.py.
+REPLICA_SCRIPT = HERE / "standins" / "replica_script.py"
+
+
+def install_replica_script(workdir: Path) -> None:
+    """Put the stand-in replica script in workdir as diloco_replica.py (the seed's name)."""
+    shutil.copy(REPLICA_SCRIPT, workdir / "diloco_replica.py")
+
+
+def replica_args(store: Path, **extra: Any) -> dict[str, Any]:
+    """entrypoint_args for diloco_replica.py: rendezvous in store, rank in REPLICA_RANK."""
+    return {"rendezvous": f"file://{store}", "rank_env": "REPLICA_RANK", **extra}
 
 
 def alive(pid: int) -> bool:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -14,7 +13,8 @@ import pytest
 pytest.importorskip("huggingface_hub")
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _executor_helpers import run_seed_driver_snippet  # noqa: E402
+from _executor_helpers import install_replica_script, run_seed_driver_snippet  # noqa: E402
+from _executor_helpers import replica_args as _args  # noqa: E402
 from standins.common import StandinServer  # noqa: E402
 from standins.hf_jobs_api import USER, HFJobsStandin  # noqa: E402
 
@@ -31,7 +31,6 @@ from composer_replication.diloco.serverless.redact import (  # noqa: E402
 pytestmark = pytest.mark.server
 
 TOKEN = "hf_StandinToken0123456789abcdef"
-SCRIPT = Path(__file__).parent / "standins" / "replica_script.py"
 
 
 @pytest.fixture
@@ -41,7 +40,7 @@ def hub(tmp_path: Path, monkeypatch):
     for var in ("HF_TOKEN", "HF_TOKEN_PATH", "HF_OIDC_RESOURCE", "HUGGING_FACE_HUB_TOKEN"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))  # no saved token from the machine
-    shutil.copy(SCRIPT, tmp_path / "diloco_replica.py")
+    install_replica_script(tmp_path)
     standin = HFJobsStandin(tmp_path, token=TOKEN, flavors=known_flavors())
     with StandinServer(standin) as server:
 
@@ -53,10 +52,6 @@ def hub(tmp_path: Path, monkeypatch):
             return HFJobsExecutor("pytorch/pytorch:2.6.0-cuda12.4-cudnn9-runtime", api=api, **kw)
 
         yield standin, make, tmp_path
-
-
-def _args(store: Path, **extra):
-    return {"rendezvous": f"file://{store}", "rank_env": "REPLICA_RANK", **extra}
 
 
 def test_flavors_come_from_huggingface_hub():

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -14,7 +13,8 @@ import pytest
 pytest.importorskip("kubernetes")
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _executor_helpers import run_seed_driver_snippet  # noqa: E402
+from _executor_helpers import install_replica_script, run_seed_driver_snippet  # noqa: E402
+from _executor_helpers import replica_args as _args  # noqa: E402
 from standins.common import StandinServer  # noqa: E402
 from standins.k8s_api import K8sApiStandin, compress_indexes  # noqa: E402
 
@@ -28,14 +28,13 @@ from composer_replication.diloco.serverless.redact import (  # noqa: E402
 pytestmark = pytest.mark.server
 
 TOKEN = "k8s-sekrit-token-4f1e9a"
-SCRIPT = Path(__file__).parent / "standins" / "replica_script.py"
 
 
 @pytest.fixture
 def cluster(tmp_path: Path):
     from kubernetes import client
 
-    shutil.copy(SCRIPT, tmp_path / "diloco_replica.py")
+    install_replica_script(tmp_path)
     standin = K8sApiStandin(
         tmp_path, token=TOKEN, secrets={"hf-token": {"HF_TOKEN": "hf_valueFromSecret123"}}
     )
@@ -51,10 +50,6 @@ def cluster(tmp_path: Path):
             return K8sExecutor("python:3.11-slim", api_client=client.ApiClient(cfg), **kw)
 
         yield standin, make, tmp_path
-
-
-def _args(store: Path, **extra):
-    return {"rendezvous": f"file://{store}", "rank_env": "REPLICA_RANK", **extra}
 
 
 def test_parse_indexes_roundtrip():

@@ -9,7 +9,6 @@ from __future__ import annotations
 import inspect
 import json
 import logging
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -19,7 +18,8 @@ import pytest
 modal = pytest.importorskip("modal")
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _executor_helpers import run_seed_driver_snippet  # noqa: E402
+from _executor_helpers import install_replica_script, run_seed_driver_snippet  # noqa: E402
+from _executor_helpers import replica_args as _args  # noqa: E402
 from standins.fake_modal import FakeModal  # noqa: E402
 
 from composer_replication.diloco.serverless.executor import ReplicaStatus  # noqa: E402
@@ -33,12 +33,10 @@ from composer_replication.diloco.serverless.redact import (  # noqa: E402
     MissingCredentialsError,
 )
 
-SCRIPT = Path(__file__).parent / "standins" / "replica_script.py"
-
 
 @pytest.fixture
 def fake(tmp_path: Path):
-    shutil.copy(SCRIPT, tmp_path / "diloco_replica.py")
+    install_replica_script(tmp_path)
     f = FakeModal(tmp_path, secrets={"wandb": {"WANDB_API_KEY": "wandb-secret-abc"}})
     yield f
     f.close()
@@ -48,10 +46,6 @@ def _make(fake: FakeModal, **kw) -> ModalExecutor:
     kw.setdefault("python", sys.executable)
     kw.setdefault("poll_interval", 0.1)
     return ModalExecutor("nvcr.io/nvidia/pytorch:24.08-py3", modal_module=fake, **kw)
-
-
-def _args(store: Path, **extra):
-    return {"rendezvous": f"file://{store}", "rank_env": "REPLICA_RANK", **extra}
 
 
 def _real(name: str):

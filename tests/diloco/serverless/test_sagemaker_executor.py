@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -15,7 +14,8 @@ import pytest
 boto3 = pytest.importorskip("boto3")
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _executor_helpers import run_seed_driver_snippet  # noqa: E402
+from _executor_helpers import install_replica_script, run_seed_driver_snippet  # noqa: E402
+from _executor_helpers import replica_args as _args  # noqa: E402
 from standins.common import StandinServer  # noqa: E402
 from standins.sagemaker_api import SageMakerStandin  # noqa: E402
 
@@ -35,7 +35,6 @@ ACCESS_KEY = "AKIASTANDIN000000001"
 SECRET_KEY = "sm/SecretAccessKey+NeverPrinted0123456789"
 ROLE = "arn:aws:iam::123456789012:role/SageMakerExecution"
 IMAGE = "763104351884.dkr.ecr.us-east-1.amazonaws.com/pytorch-training:2.5-gpu-py311"
-SCRIPT = Path(__file__).parent / "standins" / "replica_script.py"
 
 
 def _session():
@@ -46,7 +45,7 @@ def _session():
 
 @pytest.fixture
 def aws(tmp_path: Path):
-    shutil.copy(SCRIPT, tmp_path / "diloco_replica.py")
+    install_replica_script(tmp_path)
     standin = SageMakerStandin(tmp_path, access_key=ACCESS_KEY, pending_seconds=0.5)
     with StandinServer(standin) as server:
 
@@ -60,10 +59,6 @@ def aws(tmp_path: Path):
             )  # fmt: skip
 
         yield standin, make, tmp_path
-
-
-def _args(store: Path, **extra):
-    return {"rendezvous": f"file://{store}", "rank_env": "REPLICA_RANK", **extra}
 
 
 def test_create_and_describe_against_moto_server(tmp_path):

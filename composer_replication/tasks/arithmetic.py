@@ -37,6 +37,7 @@ from composer_replication.tasks.base import (
     Example,
     Task,
     Verdict,
+    brevity,
     clean_completion,
     shorten,
     strip_answer_prefix,
@@ -85,10 +86,6 @@ def evaluate(tokens: list[int | str]) -> int:
 def _closeness(pred: int, answer: int) -> float:
     scale = max(1.0, abs(answer) / 10)
     return 1.0 / (1.0 + abs(pred - answer) / scale)
-
-
-def _brevity(text: str, answer: str) -> float:
-    return 1.0 / (1.0 + max(0, len(text) - len(answer)) / 8)
 
 
 class ArithmeticTask(Task):
@@ -167,13 +164,13 @@ class ArithmeticTask(Task):
         found = _INT.search(text)
         if found is None:
             return Verdict(
-                0.05 * _brevity(text, example.answer),
+                0.05 * brevity(text, example.answer),
                 False,
                 f"Expected a single integer (digits, optional leading '-'), got {shorten(text)}, "
                 "which has no number in it.",
             )
         pred = int(found.group())
-        reward = (0.1 + 0.1 * _closeness(pred, answer)) * _brevity(text, example.answer)
+        reward = (0.1 + 0.1 * _closeness(pred, answer)) * brevity(text, example.answer)
         verdict = "right" if pred == answer else ("too small" if pred < answer else "too large")
         return Verdict(
             reward,

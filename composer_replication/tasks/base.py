@@ -106,6 +106,12 @@ def chat_prompt(prompt: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": prompt}]
 
 
+def brevity(text: str, reference: str) -> float:
+    """`1 / (1 + extra / 8)`, extra = characters of text beyond the reference's length: the
+    factor the tasks' shaped rewards use so that padding a malformed answer never pays."""
+    return 1.0 / (1.0 + max(0, len(text) - len(reference)) / 8)
+
+
 def shorten(text: str, limit: int = 40) -> str:
     """`repr` of text, cut to `limit` characters, for feedback messages."""
     return repr(text if len(text) <= limit else text[:limit] + "...")

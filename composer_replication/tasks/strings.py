@@ -40,6 +40,7 @@ from composer_replication.tasks.base import (
     Example,
     Task,
     Verdict,
+    brevity,
     clean_completion,
     shorten,
     strip_answer_prefix,
@@ -144,9 +145,8 @@ class StringsTask(Task):
             return Verdict(1.0, True, None)
         if any(c.isspace() for c in text) or len(text) > 2 * len(ref) + 2:
             first = text.split()[0] if text.split() else ""
-            brevity = 1.0 / (1.0 + max(0, len(text) - len(ref)) / 8)
             return Verdict(
-                (0.05 + 0.1 * _overlap(first, ref)) * brevity,
+                (0.05 + 0.1 * _overlap(first, ref)) * brevity(text, ref),
                 False,
                 f"Expected only the transformed string ({_chars(len(ref))}, one word, no "
                 f"spaces or explanation), got {shorten(text)}.",

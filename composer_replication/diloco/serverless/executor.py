@@ -423,7 +423,7 @@ class SupervisorBase(ABC):
 class ExecutorBase(SupervisorBase):
     """SupervisorBase plus launch-all-or-cancel; a backend adds `_start` for one replica.
 
-      _start(rank, world_size, command, env, resources) -> ReplicaHandle
+      _start(rank, world_size, command, env, resources) -> ReplicaHandle   (`_new_handle` builds it)
 
     and may override `_check_resources` (reject bad resources up front), `_validate` (e.g. skip
     local checks for code that lives in an image) and `python` (the interpreter replicas use).

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from composer_replication.diloco.serverless import codecs
+from composer_replication.diloco.serverless import codecs, wire
 from composer_replication.diloco.serverless.aggregate import average_in_rank_order, check_inputs
 from composer_replication.diloco.serverless.documents import RunDocumentsMixin
 from composer_replication.diloco.serverless.protocol import (
@@ -67,6 +67,11 @@ class ObjectStoreAllReduce(RunDocumentsMixin):
 
     ``rank=None`` gives a driver/observer handle (manifest, states, run documents) that cannot
     call :meth:`allreduce` unless ``world_size == 1`` (a passthrough needs no rank).
+    ``checksum`` is the algorithm this replica's contributions are checksummed with:
+    ``"xxh3-128"`` (default when the ``xxhash`` package is installed: fast, detects truncation
+    and corruption) or ``"sha256"`` (default otherwise; also resists deliberate forgery by
+    someone with write access to the bucket). Replicas of one run may differ: headers and commit
+    records name the algorithm, and readers verify with it (xxh3-128 needs xxhash everywhere).
     """
 
     def __init__(
@@ -84,6 +89,7 @@ class ObjectStoreAllReduce(RunDocumentsMixin):
         storage_options: dict[str, Any] | None = None,
         keep_steps: int = 4,
         poll_interval_s: float = 0.1,
+        checksum: str | None = None,
     ) -> None:
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
@@ -116,6 +122,10 @@ class ObjectStoreAllReduce(RunDocumentsMixin):
         self.world_size = world_size
         self.rank = rank
         self.codec = codecs.check_codec(codec)
+        # what this replica writes; readers verify whatever algorithm each header names
+        self.checksum = (
+            wire.default_checksum() if checksum is None else wire.check_checksum(checksum)
+        )
         self.timeout_s = float(timeout_s)
         self.upload_timeout_s = float(upload_timeout_s)
         self.run_timeout_s = run_timeout_s
@@ -230,7 +240,7 @@ class ObjectStoreAllReduce(RunDocumentsMixin):
         ref = {n: (list(t.shape), dtype_name(t.dtype)) for n, t in tensors.items()}
         payload, own = encode_contribution(
             tensors, rank=self.rank, step=step, tokens=tokens, inner_steps=inner_steps,
-            codec=self.codec,
+            codec=self.codec, checksum=self.checksum,
         )  # fmt: skip
         up = down = 0
         valid: dict[int, Contribution] = {}
@@ -346,7 +356,8 @@ class ObjectStoreAllReduce(RunDocumentsMixin):
         """Fetch whatever the commit lists that we lack, then average it (see aggregate.py)."""
         down = 0
         ranks = commit["included_ranks"]
-        refetch = [r for r in ranks if r not in valid or valid[r].digest != commit["sha256"][r]]
+        pinned = commit["checksums"]
+        refetch = [r for r in ranks if r not in valid or valid[r].checksum != pinned[r]]
         for r, (c, nbytes) in zip(refetch, self._fetch_many(step, refetch, ref)):
             down += nbytes
             if not isinstance(c, Contribution):
@@ -355,7 +366,7 @@ class ObjectStoreAllReduce(RunDocumentsMixin):
                     + ("is gone (garbage-collected? keep_steps too small)" if c is None else
                        f"cannot be used: {c}")
                 )  # fmt: skip
-            if c.digest != commit["sha256"][r]:
+            if c.checksum != pinned[r]:
                 raise CorruptContributionError(
                     f"step {step}: rank {r}'s stored contribution does not match the "
                     "checksum in the commit record"
@@ -371,7 +382,7 @@ class ObjectStoreAllReduce(RunDocumentsMixin):
         """Download and validate ``ranks``' contributions concurrently.
 
         Per rank: (Contribution, or the rejection reason, or None if absent; bytes read).
-        Threads overlap network latency and sha256 (hashlib releases the GIL).
+        Threads overlap network latency and checksumming (hashlib and xxhash release the GIL).
         """
         if not ranks:
             return []

@@ -9,7 +9,8 @@ Layout under one run prefix (see docs/object-store.md)::
     <other>.json                                   small run documents (put_json / get_json)
 
 A contribution is a safetensors file whose ``__metadata__`` holds one JSON header (rank, step,
-tokens, inner steps, codec, original names/shapes/dtypes, sha256 of the encoded tensors). Tensor
+tokens, inner steps, codec, original names/shapes/dtypes, and ``checksum``: ``{"algo": "xxh3-128"
+or "sha256", "value": hex}`` of the data section, i.e. of the encoded tensors). Tensor
 ``t<i>.<part>`` is part ``q``/``s``/``z`` of the i-th name in the header (names are never used as
 safetensors keys, so no parameter name can collide with a part name). Nothing read from the
 store is ever unpickled: parsing is JSON plus ``safetensors.torch.load``.
@@ -157,9 +158,15 @@ class Contribution:
     names: list[str]
     shapes: list[list[int]]
     dtypes: list[str]
-    digest: str
+    digest: str  # hex checksum of the data section, computed with ``checksum_algo``
     parts: dict[str, torch.Tensor]
     nbytes: int
+    checksum_algo: str = field(default_factory=wire.default_checksum)
+
+    @property
+    def checksum(self) -> dict[str, str]:
+        """The self-describing checksum as stored in headers and commit records."""
+        return {"algo": self.checksum_algo, "value": self.digest}
 
     def decode(self) -> dict[str, torch.Tensor]:
         """name -> float32 tensor of the original shape (pure function of the stored parts)."""
@@ -179,19 +186,22 @@ def encode_contribution(
     tokens: int | None,
     inner_steps: int | None,
     codec: str,
+    checksum: str | None = None,
 ) -> tuple[list[wire.Buffer], Contribution]:
     """Encode ``tensors`` as a safetensors payload (header + zero-copy data buffers).
 
     Returns the payload as a list of buffers (``b"".join`` gives the file) and the same data as
-    a Contribution. ``sha256`` in the header is the digest of the data section.
+    a Contribution. ``checksum`` in the header is ``{"algo": ..., "value": ...}`` of the data
+    section (``checksum=None``: :func:`wire.default_checksum`).
     """
+    algo = wire.default_checksum() if checksum is None else wire.check_checksum(checksum)
     names = sorted(tensors)
     parts: dict[str, torch.Tensor] = {}
     for i, name in enumerate(names):
         for part, t in codecs.encode(tensors[name], codec).items():
             parts[f"t{i}.{part}"] = t
     entries, buffers = wire.layout(parts)
-    digest = wire.digest(buffers)
+    digest = wire.digest(buffers, algo)
     header = {
         "format": FORMAT,
         "kind": "contribution",
@@ -203,19 +213,29 @@ def encode_contribution(
         "names": names,
         "shapes": [list(tensors[n].shape) for n in names],
         "dtypes": [dtype_name(tensors[n].dtype) for n in names],
-        "sha256": digest,
+        "checksum": {"algo": algo, "value": digest},
     }
     payload: list[wire.Buffer] = [wire.header_bytes(entries, {HEADER_KEY: json.dumps(header)})]
     payload += buffers
     contrib = Contribution(
         rank, step, tokens, inner_steps, codec, names, header["shapes"], header["dtypes"], digest,
-        parts, sum(memoryview(b).nbytes for b in payload),
+        parts, sum(memoryview(b).nbytes for b in payload), algo,
     )  # fmt: skip
     return payload, contrib
 
 
 def _opt_nonneg_int(v: Any) -> bool:
     return v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0)
+
+
+def _is_checksum(v: Any) -> bool:
+    """``{"algo": <known algorithm>, "value": <str>}``, nothing else."""
+    return (
+        isinstance(v, dict)
+        and set(v) == {"algo", "value"}
+        and v["algo"] in wire.CHECKSUMS
+        and isinstance(v["value"], str)
+    )
 
 
 def decode_contribution(
@@ -247,6 +267,10 @@ def decode_contribution(
             f"{what}: header says rank {h.get('rank')!r} step {h.get('step')!r} "
             "(a stale or misplaced object)"
         )
+    if "checksum" not in h:
+        raise CorruptContributionError(
+            f"{what}: header has no checksum (written by an older version of this package?)"
+        )
     names, shapes, dtypes = h.get("names"), h.get("shapes"), h.get("dtypes")
     ok = (
         isinstance(names, list)
@@ -259,7 +283,7 @@ def decode_contribution(
         )
         and all(d in DTYPES for d in dtypes)
         and h.get("codec") in codecs.CODECS
-        and isinstance(h.get("sha256"), str)
+        and _is_checksum(h.get("checksum"))
         and _opt_nonneg_int(h.get("tokens"))
         and _opt_nonneg_int(h.get("inner_steps"))
     )
@@ -276,8 +300,13 @@ def decode_contribution(
                 f"{what}: tensor names/shapes/dtypes differ from this replica's "
                 f"(first differences: {diff[:5]})"
             )
-    if wire.digest([data]) != h["sha256"]:
-        raise CorruptContributionError(f"{what}: sha256 checksum mismatch (corrupted payload)")
+    algo, value = h["checksum"]["algo"], h["checksum"]["value"]
+    try:
+        actual = wire.digest([data], algo)
+    except ImportError as e:  # cannot verify it, so cannot use it
+        raise CorruptContributionError(f"{what}: cannot verify its checksum: {e}") from None
+    if actual != value:
+        raise CorruptContributionError(f"{what}: {algo} checksum mismatch (corrupted payload)")
     expected: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
     for i, shape in enumerate(shapes):
         for part, spec in codecs.expected_parts(h["codec"], math.prod(shape)).items():
@@ -286,8 +315,8 @@ def decode_contribution(
     if got != expected:
         raise CorruptContributionError(f"{what}: encoded tensors do not match the header")
     return Contribution(
-        rank, step, h["tokens"], h["inner_steps"], h["codec"], names, shapes, dtypes, h["sha256"],
-        parts, memoryview(blob).nbytes,
+        rank, step, h["tokens"], h["inner_steps"], h["codec"], names, shapes, dtypes, value,
+        parts, memoryview(blob).nbytes, algo,
     )  # fmt: skip
 
 
@@ -303,7 +332,8 @@ def make_commit(
     committed_by: int,
     excluded: dict[int, str],
 ) -> dict[str, Any]:
-    """Build the commit record deciding ``step``: the included ranks, weights and checksums."""
+    """Build the commit record deciding ``step``: the included ranks, weights and checksums
+    (``{"algo": ..., "value": ...}`` per rank: readers refuse any object that differs)."""
     ranks = sorted(c.rank for c in included)
     if weighting == "tokens":
         total = sum(c.tokens or 0 for c in included)
@@ -318,7 +348,7 @@ def make_commit(
         "world_size": world_size,
         "included_ranks": ranks,
         "weights": {str(r): weights[r] for r in ranks},
-        "sha256": {str(c.rank): c.digest for c in included},
+        "checksums": {str(c.rank): c.checksum for c in included},
         "tokens": {str(c.rank): c.tokens for c in included},
         "weighting": weighting,
         "excluded": {str(r): why for r, why in sorted(excluded.items())},
@@ -344,13 +374,14 @@ def parse_commit(raw: wire.Buffer, *, step: int, world_size: int) -> dict[str, A
         and all(isinstance(r, int) and 0 <= r < world_size for r in ranks)
         and ranks == sorted(set(ranks))
         and isinstance(c.get("weights"), dict)
-        and isinstance(c.get("sha256"), dict)
-        and set(c["weights"]) == set(c["sha256"]) == {str(r) for r in ranks}
+        and isinstance(c.get("checksums"), dict)
+        and set(c["weights"]) == set(c["checksums"]) == {str(r) for r in ranks}
         and all(isinstance(w, float) and math.isfinite(w) and w >= 0 for w in c["weights"].values())
+        and all(_is_checksum(v) for v in c["checksums"].values())
     )
     if not ok:
         raise CorruptContributionError(f"{what} is malformed; the step cannot complete")
     c["weights"] = {int(r): w for r, w in c["weights"].items()}
-    c["sha256"] = {int(r): d for r, d in c["sha256"].items()}
+    c["checksums"] = {int(r): d for r, d in c["checksums"].items()}
     c["excluded"] = {int(r): why for r, why in (c.get("excluded") or {}).items()}
     return c

@@ -26,7 +26,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
+import torch
 
 Payload = bytes | Sequence[bytes | bytearray | memoryview]
 _MEMORY_LOCK = threading.Lock()
@@ -137,9 +137,8 @@ class ObjectStore:
         if self.is_local:
             try:
                 with open(path, "rb") as f:
-                    # readinto an uninitialised buffer: one copy, no zero-fill of 100s of MB
                     size = os.fstat(f.fileno()).st_size
-                    buf = memoryview(np.empty(size, dtype=np.uint8))
+                    buf = _uninitialised(size)
                     got = f.readinto(buf)
                     return buf if got == size else buf[:got]
             except (FileNotFoundError, NotADirectoryError):
@@ -199,6 +198,17 @@ class ObjectStore:
         except FileNotFoundError:
             pass
         fs.invalidate_cache(path)
+
+
+def _uninitialised(size: int) -> memoryview:
+    """A writable byte buffer for ``readinto``: one copy, no zero-fill of 100s of MB.
+
+    Allocated by torch, not numpy: numpy asks for transparent huge pages on large arrays
+    (``madvise(MADV_HUGEPAGE)``), and faulting in fresh huge pages made every 100 MB read 3-5x
+    slower in system time here (measured: 0.28 s vs 0.05 s of kernel time per 100 MB with 4
+    replicas on 2 cores), which dominated the file:// exchange.
+    """
+    return memoryview(torch.empty(size, dtype=torch.uint8).numpy()).cast("B")
 
 
 def _joined(data: Payload) -> bytes:

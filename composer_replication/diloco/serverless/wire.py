@@ -17,6 +17,7 @@ import math
 import struct
 import warnings
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -80,9 +81,54 @@ def header_bytes(entries: dict[str, object], metadata: dict[str, str]) -> bytes:
     return struct.pack("<Q", len(header)) + header
 
 
-def digest(buffers: Sequence[Buffer]) -> str:
-    """sha256 (hex) of the concatenated buffers, without concatenating them."""
-    h = hashlib.sha256()
+CHECKSUMS: tuple[str, ...] = ("xxh3-128", "sha256")
+
+
+def default_checksum() -> str:
+    """``"xxh3-128"`` when the ``xxhash`` package is installed, else ``"sha256"``.
+
+    Every byte of a step is checksummed 4 times per replica (own payload + 3 peers); on the
+    2-core benchmark machine sha256 runs at ~0.9 GB/s and xxh3-128 at 5-10 GB/s, so with
+    sha256 the checksums alone cost more CPU than the whole raw file:// transfer.
+    """
+    try:
+        import xxhash  # noqa: F401
+    except ImportError:
+        return "sha256"
+    return "xxh3-128"
+
+
+def check_checksum(algo: str) -> str:
+    """Return ``algo`` if it is a known checksum whose implementation is importable."""
+    if algo not in CHECKSUMS:
+        raise ValueError(f"unknown checksum {algo!r}; choose one of {', '.join(CHECKSUMS)}")
+    _hasher(algo)  # ImportError now rather than at the first upload
+    return algo
+
+
+def _hasher(algo: str) -> Any:
+    if algo == "sha256":
+        return hashlib.sha256()
+    if algo == "xxh3-128":
+        try:
+            import xxhash
+        except ImportError as e:
+            raise ImportError(
+                "checksum 'xxh3-128' needs the xxhash package: pip install xxhash "
+                "(or use checksum='sha256')"
+            ) from e
+        return xxhash.xxh3_128()
+    raise ValueError(f"unknown checksum {algo!r}; choose one of {', '.join(CHECKSUMS)}")
+
+
+def digest(buffers: Sequence[Buffer], algo: str | None = None) -> str:
+    """Checksum (hex) of the concatenated buffers, without concatenating them.
+
+    ``algo`` is one of :data:`CHECKSUMS` (default :func:`default_checksum`). Both detect
+    truncation and accidental corruption; only sha256 also resists deliberate forgery (someone
+    with write access to the bucket crafting a different payload with the same checksum).
+    """
+    h = _hasher(default_checksum() if algo is None else algo)
     for b in buffers:
         h.update(b)
     return h.hexdigest()

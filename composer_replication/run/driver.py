@@ -212,13 +212,22 @@ def run(
         env.update(_forwarded_env(config))
     if config.train.torch_threads > 0:
         env.setdefault("OMP_NUM_THREADS", str(config.train.torch_threads))
-    handles = executor.launch_replicas(
-        config.backend.n_replicas,
-        ENTRYPOINT,
-        {"rendezvous": config.store.uri},
-        env=env,
-        resources=dict(config.backend.resources) or None,
-    )
+    try:
+        handles = executor.launch_replicas(
+            config.backend.n_replicas,
+            ENTRYPOINT,
+            {"rendezvous": config.store.uri},
+            env=env,
+            resources=dict(config.backend.resources) or None,
+        )
+    except Exception as exc:  # the executor cancelled whatever it had started
+        restore_signals()
+        progress.close()
+        sink.close()
+        message = f"launching the replicas failed: {type(exc).__name__}: {exc}"
+        folder.update_driver(status="failed", ended=time.time(), error=message)
+        print(message, file=stream, flush=True)
+        return TrainResult(folder=folder, exit_code=1, status="failed", summary={})
     status = "running"
     deadline = time.monotonic() + config.backend.timeout_s
     elastic = (config.diloco.min_replicas or config.backend.n_replicas) < len(handles)

@@ -74,7 +74,9 @@ def check_task(config: RunConfig) -> None:
         from composer_replication.tasks import TASKS
     except ImportError as exc:
         raise ConfigError(f"task.name: the built-in tasks cannot be imported ({exc})") from None
-    if config.task.name not in TASKS:
+    # get_task also accepts "reasoning_gym:DATASET"; the registry key is the part before ":".
+    registered_name = config.task.name.split(":", 1)[0]
+    if registered_name not in TASKS:
         import difflib
 
         close = difflib.get_close_matches(config.task.name, list(TASKS), n=1)

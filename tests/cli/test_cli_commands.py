@@ -137,6 +137,9 @@ def test_config_show_and_validate(
     assert "backend.n_replicas: 0 must be >= 1" in capsys.readouterr().err
     assert main(["config", "validate", "model.name=not a model id"]) == 2
     assert "neither 'tiny', an existing folder, nor a hub id" in capsys.readouterr().err
+    # get_task's "reasoning_gym:DATASET" shorthand is a valid task name in a config too.
+    assert main(["config", "validate", "task.name=reasoning_gym:chain_sum"]) == 0
+    assert "task reasoning_gym:chain_sum" in capsys.readouterr().out
     assert not (tmp_path / "runs").exists()
 
 

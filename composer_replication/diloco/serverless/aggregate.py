@@ -30,12 +30,16 @@ def average_in_rank_order(
     for r in ranks:
         c = contributions.pop(r)
         w = commit["weights"][r]
+        # decoded tensors we may overwrite: fresh ones (weighted, or decoded from a narrower
+        # codec) or views of a privately fetched buffer; saves allocating the accumulator
+        scratch = not equal or c.codec != "fp32" or c.private
         for name, x in c.decode().items():
             x = x if equal else x * w
             if name in acc:
                 acc[name].add_(x)
             elif name in pending:
-                acc[name] = pending.pop(name) + x
+                first = pending.pop(name)
+                acc[name] = torch.add(first, x, out=x) if scratch else first + x
             else:
                 pending[name] = x  # may view a peer's payload: never written to
         del c

@@ -162,6 +162,9 @@ class Contribution:
     parts: dict[str, torch.Tensor]
     nbytes: int
     checksum_algo: str = field(default_factory=wire.default_checksum)
+    # parts live in a private writable buffer (a fetched local object) that the aggregation
+    # may overwrite instead of allocating; never True for a replica's own tensors
+    private: bool = False
 
     @property
     def checksum(self) -> dict[str, str]:
@@ -316,7 +319,7 @@ def decode_contribution(
         raise CorruptContributionError(f"{what}: encoded tensors do not match the header")
     return Contribution(
         rank, step, h["tokens"], h["inner_steps"], h["codec"], names, shapes, dtypes, value,
-        parts, memoryview(blob).nbytes, algo,
+        parts, memoryview(blob).nbytes, algo, not memoryview(blob).readonly,
     )  # fmt: skip
 
 

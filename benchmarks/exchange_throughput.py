@@ -7,8 +7,9 @@ default, 4M with --quick). Side by side, on the same store:
   exchange needs one too: readers must not read a half-written object), waits for the others'
   markers and fetches their bytes with one batch ``fs.cat`` (concurrent requests on s3fs).
   Nothing is validated or summed.
-- allreduce: ``ObjectStoreAllReduce.allreduce`` (put-if-absent safetensors payload, sha256
-  verification of every contribution, commit record, float32 average).
+- allreduce: ``ObjectStoreAllReduce.allreduce`` (put-if-absent safetensors payload, checksum
+  verification of every contribution (xxh3-128 by default, sha256 without xxhash), commit
+  record, float32 average).
 
 A step's time is last finish minus first start over the 4 processes (they start together at
 a barrier); the best of --reps repetitions is reported. ``*_ratio`` = raw time / allreduce time

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from composer_replication.data.hints import HintTemplate, coerce_hint_template
+from composer_replication.loss.distill import DEFAULT_ENTROPY_OPD_H_MAX
 
 try:
     from trl import GRPOConfig
@@ -64,7 +65,7 @@ class ComposerSettings:
     taid_t: float | None = None
     taid_schedule_step: int | None = None
     taid_total_steps: int | None = None
-    entropy_opd_h_max: float = 0.8
+    entropy_opd_h_max: float = DEFAULT_ENTROPY_OPD_H_MAX
     replay_dpo_beta: float = 0.1
     dpo_variant: str = "dpo"
     simpo_beta: float = 2.0
@@ -155,7 +156,9 @@ class ComposerConfig(GRPOConfig):
     taid_total_steps: int | None = field(
         default=None, metadata={"help": "TAID schedule length (default: max_steps)."}
     )
-    entropy_opd_h_max: float = field(default=0.8, metadata={"help": "Entropy-OPD gate."})
+    entropy_opd_h_max: float = field(
+        default=DEFAULT_ENTROPY_OPD_H_MAX, metadata={"help": "Entropy-OPD gate (nats)."}
+    )
     replay_dpo_beta: float = field(default=0.1, metadata={"help": "DPO beta for channel 3."})
     dpo_variant: str = field(default="dpo", metadata={"help": "Channel 3: dpo | simpo."})
     simpo_beta: float = field(default=2.0, metadata={"help": "SimPO beta."})

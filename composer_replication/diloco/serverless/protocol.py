@@ -274,6 +274,12 @@ def decode_contribution(
         raise CorruptContributionError(
             f"{what}: header has no checksum (written by an older version of this package?)"
         )
+    checksum = h["checksum"]
+    if isinstance(checksum, dict) and checksum.get("algo") not in wire.CHECKSUMS:
+        raise CorruptContributionError(
+            f"{what}: unknown checksum algorithm {checksum.get('algo')!r}; this version "
+            f"verifies {sorted(wire.CHECKSUMS)} (was it written by a newer version?)"
+        )
     names, shapes, dtypes = h.get("names"), h.get("shapes"), h.get("dtypes")
     ok = (
         isinstance(names, list)

@@ -18,7 +18,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from composer_replication.data.hints import HintTemplate, coerce_hint_template
-from composer_replication.loss.distill import DEFAULT_ENTROPY_OPD_H_MAX
+from composer_replication.loss.compose import ComposeConfig
+
+# The loss keywords' defaults live in one place (the loss library); the trainer repeats the
+# names (they are its public keywords) but not the values.
+_LOSS_DEFAULTS = ComposeConfig()
 
 try:
     from trl import GRPOConfig
@@ -54,23 +58,23 @@ LOSS_KEYS: tuple[str, ...] = (
 class ComposerSettings:
     """Every composer knob, resolved (config, then keyword overrides). See docs/trainer.md."""
 
-    alpha_sdpo: float = 0.1
-    beta_replay: float = 0.05
-    sdpo_jsd_beta: float = 0.5
-    sdpo_temperature: float = 1.0
-    sdpo_token_clip: float | None = None
-    sdpo_top_k: int | None = None
-    sdpo_add_tail: bool = True
-    sdpo_wrapper: str = "none"
-    taid_t: float | None = None
-    taid_schedule_step: int | None = None
-    taid_total_steps: int | None = None
-    entropy_opd_h_max: float = DEFAULT_ENTROPY_OPD_H_MAX
-    replay_dpo_beta: float = 0.1
-    dpo_variant: str = "dpo"
-    simpo_beta: float = 2.0
-    simpo_gamma: float = 1.0
-    label_smoothing: float = 0.0
+    alpha_sdpo: float = _LOSS_DEFAULTS.alpha_sdpo
+    beta_replay: float = _LOSS_DEFAULTS.beta_replay
+    sdpo_jsd_beta: float = _LOSS_DEFAULTS.sdpo_jsd_beta
+    sdpo_temperature: float = _LOSS_DEFAULTS.sdpo_temperature
+    sdpo_token_clip: float | None = _LOSS_DEFAULTS.sdpo_token_clip
+    sdpo_top_k: int | None = _LOSS_DEFAULTS.sdpo_top_k
+    sdpo_add_tail: bool = _LOSS_DEFAULTS.sdpo_add_tail
+    sdpo_wrapper: str = _LOSS_DEFAULTS.sdpo_wrapper
+    taid_t: float | None = _LOSS_DEFAULTS.taid_t
+    taid_schedule_step: int | None = _LOSS_DEFAULTS.taid_schedule_step
+    taid_total_steps: int | None = _LOSS_DEFAULTS.taid_total_steps
+    entropy_opd_h_max: float = _LOSS_DEFAULTS.entropy_opd_h_max
+    replay_dpo_beta: float = _LOSS_DEFAULTS.replay_dpo_beta
+    dpo_variant: str = _LOSS_DEFAULTS.dpo_variant
+    simpo_beta: float = _LOSS_DEFAULTS.simpo_beta
+    simpo_gamma: float = _LOSS_DEFAULTS.simpo_gamma
+    label_smoothing: float = _LOSS_DEFAULTS.label_smoothing
     # Channel-2 plumbing.
     sdpo_teacher: str = "policy"
     sdpo_ema_rate: float = 0.05
@@ -133,37 +137,61 @@ def _cuda_available() -> bool:
 class ComposerConfig(GRPOConfig):
     """`GRPOConfig` + the composer fields (same names and defaults as the trainer keywords)."""
 
-    alpha_sdpo: float = field(default=0.1, metadata={"help": "Channel-2 (SDPO) weight."})
-    beta_replay: float = field(default=0.05, metadata={"help": "Channel-3 (trace replay) weight."})
-    sdpo_jsd_beta: float = field(
-        default=0.5, metadata={"help": "Generalized JSD beta (0 forward KL, 1 reverse KL)."}
+    alpha_sdpo: float = field(
+        default=_LOSS_DEFAULTS.alpha_sdpo, metadata={"help": "Channel-2 (SDPO) weight."}
     )
-    sdpo_temperature: float = field(default=1.0, metadata={"help": "Channel-2 temperature."})
+    beta_replay: float = field(
+        default=_LOSS_DEFAULTS.beta_replay, metadata={"help": "Channel-3 (trace replay) weight."}
+    )
+    sdpo_jsd_beta: float = field(
+        default=_LOSS_DEFAULTS.sdpo_jsd_beta,
+        metadata={"help": "Generalized JSD beta (0 forward KL, 1 reverse KL)."},
+    )
+    sdpo_temperature: float = field(
+        default=_LOSS_DEFAULTS.sdpo_temperature, metadata={"help": "Channel-2 temperature."}
+    )
     sdpo_token_clip: float | None = field(
-        default=None, metadata={"help": "Clip per-token channel-2 divergence at this value."}
+        default=_LOSS_DEFAULTS.sdpo_token_clip,
+        metadata={"help": "Clip per-token channel-2 divergence at this value."},
     )
     sdpo_top_k: int | None = field(
-        default=None, metadata={"help": "Top-k vocabulary for channel 2 (None = full vocab)."}
+        default=_LOSS_DEFAULTS.sdpo_top_k,
+        metadata={"help": "Top-k vocabulary for channel 2 (None = full vocab)."},
     )
-    sdpo_add_tail: bool = field(default=True, metadata={"help": "Top-k: add a tail bucket."})
+    sdpo_add_tail: bool = field(
+        default=_LOSS_DEFAULTS.sdpo_add_tail, metadata={"help": "Top-k: add a tail bucket."}
+    )
     sdpo_wrapper: str = field(
-        default="none", metadata={"help": "Channel-2 divergence: none | taid | entropy_opd."}
+        default=_LOSS_DEFAULTS.sdpo_wrapper,
+        metadata={"help": "Channel-2 divergence: none | taid | entropy_opd."},
     )
-    taid_t: float | None = field(default=None, metadata={"help": "Fixed TAID t in [0, 1]."})
+    taid_t: float | None = field(
+        default=_LOSS_DEFAULTS.taid_t, metadata={"help": "Fixed TAID t in [0, 1]."}
+    )
     taid_schedule_step: int | None = field(
-        default=None, metadata={"help": "Linear TAID schedule step (with taid_total_steps)."}
+        default=_LOSS_DEFAULTS.taid_schedule_step,
+        metadata={"help": "Linear TAID schedule step (with taid_total_steps)."},
     )
     taid_total_steps: int | None = field(
-        default=None, metadata={"help": "TAID schedule length (default: max_steps)."}
+        default=_LOSS_DEFAULTS.taid_total_steps,
+        metadata={"help": "TAID schedule length (default: max_steps)."},
     )
     entropy_opd_h_max: float = field(
-        default=DEFAULT_ENTROPY_OPD_H_MAX, metadata={"help": "Entropy-OPD gate (nats)."}
+        default=_LOSS_DEFAULTS.entropy_opd_h_max, metadata={"help": "Entropy-OPD gate (nats)."}
     )
-    replay_dpo_beta: float = field(default=0.1, metadata={"help": "DPO beta for channel 3."})
-    dpo_variant: str = field(default="dpo", metadata={"help": "Channel 3: dpo | simpo."})
-    simpo_beta: float = field(default=2.0, metadata={"help": "SimPO beta."})
-    simpo_gamma: float = field(default=1.0, metadata={"help": "SimPO margin gamma."})
-    label_smoothing: float = field(default=0.0, metadata={"help": "Channel-3 label smoothing."})
+    replay_dpo_beta: float = field(
+        default=_LOSS_DEFAULTS.replay_dpo_beta, metadata={"help": "DPO beta for channel 3."}
+    )
+    dpo_variant: str = field(
+        default=_LOSS_DEFAULTS.dpo_variant, metadata={"help": "Channel 3: dpo | simpo."}
+    )
+    simpo_beta: float = field(default=_LOSS_DEFAULTS.simpo_beta, metadata={"help": "SimPO beta."})
+    simpo_gamma: float = field(
+        default=_LOSS_DEFAULTS.simpo_gamma, metadata={"help": "SimPO margin gamma."}
+    )
+    label_smoothing: float = field(
+        default=_LOSS_DEFAULTS.label_smoothing, metadata={"help": "Channel-3 label smoothing."}
+    )
     sdpo_teacher: str = field(
         default="policy", metadata={"help": "Channel-2 teacher: policy (no grad) | ema."}
     )

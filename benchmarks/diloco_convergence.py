@@ -234,7 +234,7 @@ def train_dp(cfg: Cfg, batches: Batches) -> nn.Module:
 
 def train_diloco(cfg: Cfg, batches: Batches, uri: str) -> tuple[nn.Module, dict[str, int]]:
     from composer_replication.diloco import make_diloco_outer_loop
-    from composer_replication.diloco.serverless import ObjectStoreAllReduce, ObjectStoreManager
+    from composer_replication.exchange import ObjectStoreAllReduce, ObjectStoreManager
 
     results: dict[int, tuple[nn.Module, ObjectStoreManager]] = {}
     errors: list[BaseException] = []

@@ -54,7 +54,7 @@ def _replica(
     import fsspec
     import torch
 
-    from composer_replication.diloco.serverless.allreduce import ObjectStoreAllReduce
+    from composer_replication.exchange.allreduce import ObjectStoreAllReduce
 
     x = torch.randn(params, generator=torch.Generator().manual_seed(rank))
     raw = memoryview(x.numpy()).cast("B")

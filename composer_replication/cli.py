@@ -157,14 +157,14 @@ def cmd_bake_traces(ns: argparse.Namespace) -> int:
 
 
 def cmd_replica(ns: argparse.Namespace) -> int:
-    from composer_replication.diloco.serverless import replica_entrypoint
+    from composer_replication.run import replica
 
     argv = []
     if ns.rendezvous:
         argv += ["--rendezvous", ns.rendezvous]
     if ns.rank is not None:
         argv += ["--rank", str(ns.rank)]
-    return int(replica_entrypoint.main(argv) or 0)
+    return int(replica.main(argv) or 0)
 
 
 # ----------------------------------------------------------------------------- parser

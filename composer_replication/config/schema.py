@@ -230,7 +230,7 @@ class DilocoConfig:
 
 @dataclass(frozen=True)
 class BackendConfig:
-    """Where the replicas run (an executor from composer_replication.diloco.serverless)."""
+    """Where the replicas run (an executor from composer_replication.executors)."""
 
     kind: Literal["local", "modal", "hf-jobs", "k8s", "ray", "sagemaker"] = _f(
         "local", "executor backend"

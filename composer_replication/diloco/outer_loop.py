@@ -215,7 +215,7 @@ class DiLoCoOuterLoop:
         if hasattr(self.manager, "add_heal_hook"):
             self.manager.add_heal_hook(self.load_global_weights)
         if self.sync_initial_state and hasattr(self.manager, "initial_sync"):
-            from composer_replication.diloco.serverless.state import model_fingerprint
+            from composer_replication.exchange.state import model_fingerprint
 
             fingerprint = model_fingerprint(
                 {f"f{i}.{n}": p for i, f in enumerate(fragments) for n, p in f.named_parameters()}

@@ -54,7 +54,7 @@ def save_checkpoint(
     """Write a complete checkpoint under checkpoints/<name>/ and commit it; return its key.
 
     outer_state is the nested outer-optimizer state (tensors, dicts, lists, scalars); it is
-    stored as safetensors + a JSON skeleton (composer_replication.diloco.outer_state format).
+    stored as safetensors + a JSON skeleton (composer_replication.exchange.outer_state format).
     """
     from safetensors.torch import save_file
 
@@ -65,7 +65,7 @@ def save_checkpoint(
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)
         if outer_state is not None:
-            from composer_replication.diloco.outer_state import encode_state
+            from composer_replication.exchange.outer_state import encode_state
 
             tensors, skeleton = encode_state(outer_state)
             save_file(tensors, str(folder / "outer_state.safetensors"))
@@ -86,7 +86,7 @@ def load_outer_state(folder: Path) -> dict[str, Any] | None:
         return None
     from safetensors.torch import load_file
 
-    from composer_replication.diloco.outer_state import decode_state
+    from composer_replication.exchange.outer_state import decode_state
 
     skeleton = json.loads((folder / "outer_state.json").read_text())["skeleton"]
     state = decode_state(load_file(str(tensors_path)), skeleton)

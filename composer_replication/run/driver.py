@@ -6,7 +6,7 @@
                   from the store into metrics.jsonl / TensorBoard, mirror committed checkpoints,
                   redraw the progress display. At the end: report + summary.
 
-The replicas (composer_replication.diloco.serverless.replica_entrypoint) read the resolved
+The replicas (composer_replication.run.replica) read the resolved
 config from the store, so a replica on Modal and one on this machine run the same thing. A
 replica that fails (after the executor's restarts) stops the run unless diloco.min_replicas
 lets the others continue; Ctrl-C cancels every replica.
@@ -44,7 +44,7 @@ from composer_replication.run.storeio import StoreIO, local_path
 
 __all__ = ["ENTRYPOINT", "TrainResult", "prepare", "prepare_resume", "run"]
 
-ENTRYPOINT = "composer_replication.diloco.serverless.replica_entrypoint"
+ENTRYPOINT = "composer_replication.run.replica"
 ENV_STORAGE_OPTIONS = "COMPOSER_STORAGE_OPTIONS"
 
 

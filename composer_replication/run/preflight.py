@@ -20,18 +20,18 @@ __all__ = ["EXECUTORS", "check_all", "check_backend", "check_model", "check_stor
 
 # backend kind -> (module, class, pip extra, SDK module it needs)
 EXECUTORS: dict[str, tuple[str, str, str | None, str | None]] = {
-    "local": ("composer_replication.diloco.serverless.local", "LocalProcessExecutor", None, None),
-    "ray": ("composer_replication.diloco.serverless.ray", "RayExecutor", "ray", "ray"),
-    "k8s": ("composer_replication.diloco.serverless.k8s", "K8sExecutor", "k8s", "kubernetes"),
-    "modal": ("composer_replication.diloco.serverless.modal", "ModalExecutor", "modal", "modal"),
+    "local": ("composer_replication.executors.local", "LocalProcessExecutor", None, None),
+    "ray": ("composer_replication.executors.ray", "RayExecutor", "ray", "ray"),
+    "k8s": ("composer_replication.executors.k8s", "K8sExecutor", "k8s", "kubernetes"),
+    "modal": ("composer_replication.executors.modal", "ModalExecutor", "modal", "modal"),
     "hf-jobs": (
-        "composer_replication.diloco.serverless.hf_jobs",
+        "composer_replication.executors.hf_jobs",
         "HFJobsExecutor",
         "hf-jobs",
         "huggingface_hub",
     ),
     "sagemaker": (
-        "composer_replication.diloco.serverless.sagemaker",
+        "composer_replication.executors.sagemaker",
         "SageMakerExecutor",
         "sagemaker",
         "boto3",

@@ -168,7 +168,7 @@ def test_bake_traces_with_the_oracle(tmp_path: Path, capsys: pytest.CaptureFixtu
 def test_replica_without_rank_or_store_exits_2(capsys: pytest.CaptureFixture) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("REPLICA_RANK", "DILOCO_RENDEZVOUS")}
     proc = subprocess.run(
-        [sys.executable, "-m", "composer_replication.diloco.serverless.replica_entrypoint"],
+        [sys.executable, "-m", "composer_replication.run.replica"],
         capture_output=True, text=True, env=env, timeout=60,
     )  # fmt: skip
     assert proc.returncode == 2 and "no replica rank" in proc.stderr

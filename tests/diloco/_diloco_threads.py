@@ -16,7 +16,7 @@ from _diloco_worker import build_model, inner_step
 from torch import nn
 
 from composer_replication.diloco import make_diloco_outer_loop
-from composer_replication.diloco.serverless import ObjectStoreAllReduce, ObjectStoreManager
+from composer_replication.exchange import ObjectStoreAllReduce, ObjectStoreManager
 
 # Model factories seed torch's *global* RNG; without this lock two threads interleave their
 # draws and the initial weights (hence which round-0 state gets published) become a race.

@@ -85,7 +85,7 @@ def main() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=INNER_LR)
     close = None
     if a.mode == "store":
-        from composer_replication.diloco.serverless import MockManager, ObjectStoreAllReduce
+        from composer_replication.exchange import MockManager, ObjectStoreAllReduce
 
         rendezvous = ObjectStoreAllReduce(
             uri=a.uri,

@@ -24,7 +24,7 @@ from _trainer_helpers import config, make_trainer, plain_reward  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 from composer_replication.diloco import make_diloco_outer_loop  # noqa: E402
-from composer_replication.diloco.serverless import MockManager, ObjectStoreAllReduce  # noqa: E402
+from composer_replication.exchange import MockManager, ObjectStoreAllReduce  # noqa: E402
 
 H = 2
 STEPS = 4

@@ -104,7 +104,7 @@ def test_two_replica_processes_over_real_s3_match_reference(
 
 def test_killed_replica_is_left_out_then_rejoins_from_the_store(tmp_path: Path) -> None:
     """Rank 2 dies mid-round 1; ranks 0-1 commit without it; restarted, it rejoins and ends equal."""
-    from composer_replication.diloco.serverless import ObjectStoreAllReduce
+    from composer_replication.exchange import ObjectStoreAllReduce
 
     out = tmp_path / "out"
     out.mkdir()

@@ -21,11 +21,11 @@ from _diloco_worker import batch, build_model  # noqa: E402
 
 from composer_replication.diloco import make_diloco_outer_loop  # noqa: E402
 from composer_replication.diloco.fragments import strided_fragments  # noqa: E402
-from composer_replication.diloco.outer_state import decode_state, encode_state  # noqa: E402
-from composer_replication.diloco.serverless import (  # noqa: E402
+from composer_replication.exchange import (  # noqa: E402
     ObjectStoreAllReduce,
     ObjectStoreManager,
 )
+from composer_replication.exchange.outer_state import decode_state, encode_state  # noqa: E402
 
 
 def _uri(tmp_path: Path) -> str:

@@ -1,11 +1,11 @@
-"""Serverless DiLoCo: replicas that meet only through an object store.
+"""The seeds' import path, kept as a compatibility façade (no code lives here).
 
-Two seams (DESIGN.md): `ServerlessExecutor` launches N replicas on a backend; the
-`ObjectStoreAllReduce` exchanges their pseudo-gradients through s3:// / gs:// / file:// /
-memory://. `ObjectStoreManager` (alias `MockManager`, the seed name) lets
-`torchft.local_sgd.DiLoCo` run on top of that exchange.
-
-Names load lazily so that importing this package does not import boto3, ray, modal, ... .
+The seed documents import everything serverless from ``composer_replication.diloco.serverless``.
+Since the floor plan (ARCHITECTURE.md) the pieces live where their job is: the object-store
+exchange in `composer_replication.exchange`, the launchers in `composer_replication.executors`,
+and the replica a run launches in `composer_replication.run.replica`. This package only
+re-exports those names, lazily (importing it imports nothing heavy), and
+``python -m composer_replication.diloco.serverless.replica_entrypoint`` still starts a replica.
 """
 
 from __future__ import annotations
@@ -14,27 +14,31 @@ import importlib
 from typing import Any
 
 _LAZY = {
-    "ObjectStoreAllReduce": "composer_replication.diloco.serverless.allreduce",
-    "ObjectStoreManager": "composer_replication.diloco.serverless.manager",
-    "MockManager": "composer_replication.diloco.serverless.manager",
-    "ServerlessExecutor": "composer_replication.diloco.serverless.executor",
-    "ReplicaHandle": "composer_replication.diloco.serverless.executor",
-    "ReplicaStatus": "composer_replication.diloco.serverless.executor",
-    "LocalProcessExecutor": "composer_replication.diloco.serverless.local",
-    "MultiExecutor": "composer_replication.diloco.serverless.multi",
-    "RayExecutor": "composer_replication.diloco.serverless.ray",
-    "K8sExecutor": "composer_replication.diloco.serverless.k8s",
-    "ModalExecutor": "composer_replication.diloco.serverless.modal",
-    "HFJobsExecutor": "composer_replication.diloco.serverless.hf_jobs",
-    "SageMakerExecutor": "composer_replication.diloco.serverless.sagemaker",
-    "CloudExecutorError": "composer_replication.diloco.serverless.redact",
-    "MissingCredentialsError": "composer_replication.diloco.serverless.redact",
+    "ObjectStoreAllReduce": "composer_replication.exchange.allreduce",
+    "ObjectStoreManager": "composer_replication.exchange.manager",
+    "MockManager": "composer_replication.exchange.manager",
+    "ServerlessExecutor": "composer_replication.executors.base",
+    "ReplicaHandle": "composer_replication.executors.base",
+    "ReplicaStatus": "composer_replication.executors.base",
+    "LocalProcessExecutor": "composer_replication.executors.local",
+    "MultiExecutor": "composer_replication.executors.multi",
+    "RayExecutor": "composer_replication.executors.ray",
+    "K8sExecutor": "composer_replication.executors.k8s",
+    "ModalExecutor": "composer_replication.executors.modal",
+    "HFJobsExecutor": "composer_replication.executors.hf_jobs",
+    "SageMakerExecutor": "composer_replication.executors.sagemaker",
+    "CloudExecutorError": "composer_replication.executors.redact",
+    "MissingCredentialsError": "composer_replication.executors.redact",
 }
+# Modules the seeds name as attributes of this package.
+_MODULES = {"replica_entrypoint": "composer_replication.run.replica"}
 
-__all__ = sorted(_LAZY)
+__all__ = sorted([*_LAZY, *_MODULES])
 
 
 def __getattr__(name: str) -> Any:
+    if name in _MODULES:
+        return importlib.import_module(_MODULES[name])
     module_name = _LAZY.get(name)
     if module_name is None:
         raise AttributeError(

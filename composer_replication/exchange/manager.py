@@ -1,0 +1,455 @@
+"""ObjectStoreManager: the part of `torchft.Manager` that `torchft.local_sgd.DiLoCo` uses, over an
+object store instead of a process group.
+
+`DiLoCo` (torchft 0.2.0, pinned) talks to its manager through a small surface (see
+``../shared/reference/torchft.md``): ``_use_async_quorum``, ``register_state_dict_fn``,
+``allow/disallow_state_dict_read``, ``start_quorum``, ``current_step``, ``allreduce`` (in-place
+average, returns a Work with ``wait`` / ``get_future``) and ``should_commit``. Serverless replicas
+cannot open sockets to each other, so here:
+
+- ``allreduce(t)`` only *queues* t. The whole round's tensors go to the store as one contribution
+  (`ObjectStoreAllReduce.allreduce`) when the first Work is waited on, or, with
+  ``fragment_sync_delay > 0``, in a background thread started at the next inner step so the
+  exchange overlaps computation (Streaming DiLoCo's tau).
+- ``should_commit()`` is True when the store produced a committed average for the round. That is
+  also the case for a replica that arrived after the commit record was written: it is left out
+  of the average but receives it, applies the same outer step and stays bit-identical. It is
+  False when the exchange failed (fewer than ``min_replicas`` within the step timeout); DiLoCo then
+  rolls the model back to the last global weights and the round's local work is dropped.
+- Membership is the store's commit record, so ``start_quorum`` only checks that this replica has
+  not missed a committed round. If it has (it was stalled, or restarted), it *heals*: loads the
+  latest published outer state (global weights, outer momentum, round), sits this round out, and
+  trains the next round from the new global weights without stopping anyone.
+- Every replica starts from the same published global weights: `initial_sync` publishes this
+  replica's state as round 0 if the store holds none (first writer wins), then loads the latest
+  stored state. The same call resumes a whole-run restart exactly.
+- After each committed round the lowest included rank publishes the outer state
+  (``states/global/<round>``), so restarts find it (``checkpoint_every`` rounds apart).
+
+Store step k is the exchange that produces outer round k, so the commit chain has no gaps: a failed
+exchange is retried at the same step next round. Contributions are immutable, so the retry reuses
+what each replica uploaded the first time (a pseudo-gradient from the same global weights, only
+older); never moving on to a new step without a commit is what guarantees that a late replica
+cannot commit a step the others have given up on.
+
+The seed constructor form works unchanged: ``MockManager(allreduce=rendezvous)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from composer_replication.exchange.outer_state import (
+    OuterState,
+    fetch_outer_state,
+    outer_state_exists,
+    publish_outer_state,
+    state_nbytes,
+    wait_for_outer_state,
+)
+
+__all__ = ["MockManager", "ObjectStoreManager", "RoundRecord"]
+
+logger = logging.getLogger(__name__)
+
+
+class _StoreWork(dist._Work):
+    """The Work DiLoCo waits on: waiting runs (or joins) the round's single store exchange."""
+
+    def __init__(self, manager: ObjectStoreManager, tensor: torch.Tensor) -> None:
+        super().__init__()
+        self._manager = manager
+        self._tensor = tensor
+        self._future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        self._manager._finish_exchange()
+        return True
+
+    def get_future(self) -> torch.futures.Future[torch.Tensor]:
+        return self._future
+
+
+class _DoneWork(dist._Work):
+    """An already-completed Work (the tensor is left as it is)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        super().__init__()
+        self._future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        self._future.set_result(tensor)
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        return True
+
+    def get_future(self) -> torch.futures.Future[torch.Tensor]:
+        return self._future
+
+
+class RoundRecord(dict):
+    """One exchange as seen by this replica (a plain dict so it logs as JSON).
+
+    Keys: round (outer round it would produce), store_step, committed (bool), included_ranks,
+    excluded_ranks, bytes_uploaded, bytes_downloaded, seconds, healed (bool), error (str | None).
+    """
+
+
+class ObjectStoreManager:
+    """torchft-Manager stand-in backed by an `ObjectStoreAllReduce` (see the module docstring).
+
+    Args:
+        allreduce: the replica's `ObjectStoreAllReduce` handle (must have a rank).
+        checkpoint_every: publish the outer state every this many committed rounds (1 = every
+            round; a restarted replica waits for the next published state, so larger values
+            trade store traffic for slower rejoin).
+        state_timeout_s: how long a healing replica waits for the state of the latest committed
+            round to be published (default: the store's step timeout).
+    """
+
+    _use_async_quorum: bool = False
+
+    def __init__(
+        self,
+        allreduce: Any,
+        *,
+        checkpoint_every: int = 1,
+        state_timeout_s: float | None = None,
+    ) -> None:
+        if getattr(allreduce, "rank", None) is None:
+            raise ValueError(
+                "ObjectStoreManager needs a replica handle: build the ObjectStoreAllReduce with "
+                "rank=<this replica's rank> (a rank=None handle is for drivers/observers)"
+            )
+        if checkpoint_every < 1:
+            raise ValueError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
+        self.store = allreduce
+        self.checkpoint_every = checkpoint_every
+        self.state_timeout_s = (
+            float(state_timeout_s)
+            if state_timeout_s is not None
+            else float(getattr(allreduce, "timeout_s", 600.0))
+        )
+        self._load_fns: dict[str, Callable[[Any], None]] = {}
+        self._save_fns: dict[str, Callable[[], Any]] = {}
+        self._heal_hooks: list[Callable[[], None]] = []
+
+        self._round = 0  # committed outer steps applied to our global weights
+        self._batches_committed = 0
+        self._tokens: int | None = None
+        self._inner_steps = 0
+        # Snapshot of the counters when the round's first tensor was queued: with
+        # fragment_sync_delay > 0 the exchange runs while the next round's steps are counted.
+        self._round_tokens: int | None = None
+        self._round_inner_steps = 0
+        self._fatal: BaseException | None = None
+
+        self._pending: list[tuple[torch.Tensor, torch.futures.Future[torch.Tensor]]] = []
+        self._thread: threading.Thread | None = None
+        self._outcome: tuple[bool, Any] | None = None  # (committed, StepResult | exception)
+        self._skip_round = False
+        self._commit_pending: bool | None = None
+        self._publish_due = False
+        self._last_included: list[int] = []
+        self.history: list[RoundRecord] = []
+        self.bytes_uploaded = 0
+        self.bytes_downloaded = 0
+        self.checkpoint_bytes = 0
+
+    # ------------------------------------------------------------------ torchft Manager surface
+    def register_state_dict_fn(
+        self, key: str, load_state_dict: Callable[[Any], None], state_dict: Callable[[], Any]
+    ) -> None:
+        """Register a (load, save) pair; DiLoCo registers one per fragment."""
+        if key in self._load_fns:
+            raise ValueError(f"state dict key {key!r} is already registered with this manager")
+        self._load_fns[key] = load_state_dict
+        self._save_fns[key] = state_dict
+
+    def allow_state_dict_read(self) -> None:
+        """No-op: nothing reads our state concurrently (torchft serves it to healing peers)."""
+
+    def disallow_state_dict_read(self) -> None:
+        """Called before every inner optimizer step: start a queued exchange in the background."""
+        if self._pending and self._thread is None and self._outcome is None:
+            self._thread = threading.Thread(
+                target=self._exchange, name="diloco-store-exchange", daemon=True
+            )
+            self._thread.start()
+
+    def start_quorum(
+        self, allow_heal: bool = True, shrink_only: bool = False, timeout: Any = None
+    ) -> None:
+        """Begin a round: heal first if this replica missed a committed round (see the module)."""
+        self._skip_round = False
+        latest = self.store.latest_committed_step()
+        if allow_heal and latest is not None and latest > self._round + 1:
+            # We missed at least one whole committed round (latest == round + 1 only means the
+            # round we are joining is decided already: we still read its result and keep up).
+            self._heal(latest)
+            self._skip_round = True
+        else:
+            self._ensure_published()
+
+    def current_step(self) -> int:
+        """Committed outer rounds so far (DiLoCo picks the fragment to sync from this)."""
+        return self._round
+
+    def batches_committed(self) -> int:
+        return self._batches_committed
+
+    def allreduce(
+        self, tensor: torch.Tensor, should_quantize: bool = False, reduce_op: Any = None
+    ) -> dist._Work:
+        """Queue `tensor` for this round's exchange; it is averaged in place when waited on.
+
+        should_quantize is ignored: the wire codec is the store's (``codec=`` on
+        ObjectStoreAllReduce). Only averaging is supported (DiLoCo's use).
+        """
+        if reduce_op is not None and str(reduce_op).split(".")[-1].upper() not in ("AVG", "0"):
+            raise ValueError(f"ObjectStoreManager only averages; got reduce_op={reduce_op}")
+        if self._skip_round:
+            return _DoneWork(tensor)
+        if self._outcome is not None or self._thread is not None:
+            raise RuntimeError(
+                "allreduce() called while the previous exchange is still unresolved; "
+                "call should_commit() once per round"
+            )
+        if not self._pending:
+            self._round_tokens, self._round_inner_steps = self._tokens, self._inner_steps
+            self._tokens, self._inner_steps = None, 0
+        work = _StoreWork(self, tensor)
+        self._pending.append((tensor, work._future))
+        return work
+
+    def should_commit(self, timeout: Any = None) -> bool:
+        """True if this round's averaged pseudo-gradient may be applied (advances the round)."""
+        if self._skip_round:
+            self._skip_round = False
+            return False
+        if self._pending or self._outcome is not None or self._thread is not None:
+            self._finish_exchange()
+        assert self._outcome is not None
+        committed, result = self._outcome
+        self._outcome = None
+        if committed:
+            self._round += 1
+            self._batches_committed += len(result.included_ranks) if result is not None else 1
+            self._last_included = list(result.included_ranks) if result is not None else []
+            self._publish_due = self._round % self.checkpoint_every == 0
+        return committed
+
+    def errored(self) -> None:
+        return None
+
+    def report_error(self, e: Exception) -> None:
+        logger.warning("ObjectStoreManager: error reported by the outer loop: %s", e)
+
+    def num_participants(self) -> int:
+        return len(self._last_included) or int(getattr(self.store, "world_size", 1))
+
+    def participating_rank(self) -> int | None:
+        return int(self.store.rank)
+
+    def is_participating(self) -> bool:
+        return True
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self._round, "batches_committed": self._batches_committed}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        self._round = int(state_dict["step"])
+        self._batches_committed = int(state_dict["batches_committed"])
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Finish a background exchange (if any) and publish a due checkpoint."""
+        if self._thread is not None and wait:
+            self._thread.join()
+        self.publish_if_due()
+
+    # ------------------------------------------------------------------ outer-loop extensions
+    def record_tokens(self, n: int) -> None:
+        """Add `n` trained tokens to this round's contribution (for weighting="tokens")."""
+        if n < 0:
+            raise ValueError(f"token count must be >= 0, got {n}")
+        self._tokens = (self._tokens or 0) + int(n)
+
+    def record_inner_step(self) -> None:
+        self._inner_steps += 1
+
+    def add_heal_hook(self, fn: Callable[[], None]) -> None:
+        """`fn` runs after a heal loaded new global weights (the outer loop copies them in)."""
+        self._heal_hooks.append(fn)
+
+    def initial_sync(self, fingerprint: dict[str, Any] | None = None) -> int:
+        """Make this replica start from the run's global state; returns the round it resumes at.
+
+        Checks the run manifest (same model, world size, codec), publishes our own state as
+        round 0 if the store holds none (first writer wins, so replicas that raced agree), then
+        loads the newest stored state: round 0 on a fresh run, round r on a restart.
+        """
+        if fingerprint is not None:
+            self.store.ensure_manifest(fingerprint)
+        state = fetch_outer_state(self.store)
+        if state is None:
+            own = OuterState(round=0, user=self._collect(), batches_committed=0)
+            publish_outer_state(self.store, own)
+            state = fetch_outer_state(self.store)
+            if state is None:
+                raise RuntimeError(
+                    f"published the initial state to {self.store.uri} but cannot read it"
+                )
+        self._load(state)
+        return self._round
+
+    def publish_if_due(self) -> bool:
+        """Publish the outer state after a committed round if this replica is the publisher.
+
+        The publisher is the lowest included rank of the round, so exactly one replica uploads;
+        others skip. Returns True if this call wrote the state.
+        """
+        if not self._publish_due:
+            return False
+        self._publish_due = False
+        rank = int(self.store.rank)
+        if self._last_included and rank != min(self._last_included):
+            return False
+        return self._publish()
+
+    def _publish(self) -> bool:
+        state = OuterState(
+            round=self._round, user=self._collect(), batches_committed=self._batches_committed
+        )
+        wrote = publish_outer_state(self.store, state)
+        if wrote:
+            self.checkpoint_bytes += state_nbytes(state.user)
+        return wrote
+
+    # ------------------------------------------------------------------ internals
+    def _collect(self) -> dict[str, Any]:
+        if not self._save_fns:
+            raise RuntimeError("no state registered: build DiLoCo with this manager first")
+        return {key: fn() for key, fn in self._save_fns.items()}
+
+    def _load(self, state: OuterState) -> None:
+        missing = set(self._load_fns) - set(state.user)
+        if missing:
+            raise ValueError(
+                f"stored outer state (round {state.round}) lacks {sorted(missing)}; it was written "
+                "with a different fragment layout (num_fragments / model_fragments)"
+            )
+        for key, fn in self._load_fns.items():
+            fn(state.user[key])
+        self._round = state.round
+        self._batches_committed = state.batches_committed
+
+    def _ensure_published(self) -> None:
+        """Publish our current round's state if nobody has (its publisher may have died)."""
+        if self._save_fns and not outer_state_exists(self.store, self._round):
+            self._publish()
+
+    def _heal(self, latest: int) -> None:
+        """Load the newest published outer state (waiting for round `latest` to appear)."""
+        state = wait_for_outer_state(self.store, latest, self.state_timeout_s)
+        if state is None or state.round <= self._round:
+            from composer_replication.exchange.protocol import StoreTimeoutError
+
+            raise StoreTimeoutError(
+                f"rank {self.store.rank} is at round {self._round} but the run committed step "
+                f"{latest}, and no newer outer state was published within state_timeout_s="
+                f"{self.state_timeout_s}; restart this replica to resume from the store"
+            )
+        logger.info("rank %s healing: round %s -> %s", self.store.rank, self._round, state.round)
+        self._load(state)
+        self.bytes_downloaded += state_nbytes(state.user)
+        for fn in self._heal_hooks:
+            fn()
+        self.history.append(_record(state.round, committed=True, healed=True))
+
+    def _exchange(self) -> None:
+        """Run the store allreduce for the queued tensors and record the outcome (any thread)."""
+        from composer_replication.exchange.protocol import (
+            CorruptContributionError,
+            StoreTimeoutError,
+        )
+
+        pending = self._pending
+        step = self._round + 1
+        tensors = {f"p{i:06d}": t for i, (t, _) in enumerate(pending)}
+        t0 = time.monotonic()
+        record = _record(step)
+        try:
+            out = self.store.allreduce(
+                tensors,
+                step=step,
+                tokens=self._round_tokens,
+                inner_steps=self._round_inner_steps or None,
+            )
+            with torch.no_grad():
+                for key, (t, _) in zip(tensors, pending):
+                    t.copy_(out[key])
+            result = getattr(self.store, "last_result", None)
+            self._outcome = (True, result)
+            if result is not None:
+                record.update(
+                    committed=True,
+                    included_ranks=list(result.included_ranks),
+                    excluded_ranks=list(result.excluded_ranks),
+                    bytes_uploaded=int(result.bytes_uploaded),
+                    bytes_downloaded=int(result.bytes_downloaded),
+                )
+                self.bytes_uploaded += int(result.bytes_uploaded)
+                self.bytes_downloaded += int(result.bytes_downloaded)
+            else:
+                record.update(committed=True)
+        except (StoreTimeoutError, CorruptContributionError) as e:
+            # Nothing was committed for this step (too few replicas in time), or the commit lists
+            # a contribution we cannot verify. DiLoCo rolls back to the global weights and the
+            # step is retried next round (see the module docstring).
+            logger.warning("rank %s: store step %s failed: %s", self.store.rank, step, e)
+            record.update(error=f"{type(e).__name__}: {e}")
+            self._outcome = (False, e)
+        except BaseException as e:  # programming/config errors: surface them in the caller
+            record.update(error=f"{type(e).__name__}: {e}")
+            self._outcome = (False, e)
+            self._fatal = e
+        finally:
+            record["seconds"] = time.monotonic() - t0
+            self.history.append(record)
+            for t, fut in pending:
+                if not fut.done():
+                    fut.set_result(t)
+
+    def _finish_exchange(self) -> None:
+        """Make sure the queued exchange has run (synchronously if it has not started)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        elif self._pending and self._outcome is None:
+            self._fatal = None
+            self._exchange()
+        self._pending = []
+        fatal = self._fatal
+        if fatal is not None:
+            self._fatal = None
+            self._outcome = None
+            raise fatal
+
+
+def _record(round_: int, **kw: Any) -> RoundRecord:
+    base: dict[str, Any] = dict(
+        round=round_, store_step=round_, committed=False, healed=False, included_ranks=[],
+        excluded_ranks=[], bytes_uploaded=0, bytes_downloaded=0, seconds=0.0, error=None,
+    )  # fmt: skip
+    base.update(kw)
+    return RoundRecord(base)
+
+
+MockManager = ObjectStoreManager
+"""The seed documents' name for `ObjectStoreManager` (same class)."""

@@ -1,0 +1,192 @@
+"""Outer-optimizer state <-> object store: global weights, outer momentum and round.
+
+`torchft.local_sgd.DiLoCo` registers one state-dict pair per fragment with its manager
+(``StreamingDiLoCoFragment_{i}`` -> ``{"original_parameters": {name: tensor},
+"outer_optimizer": optimizer.state_dict()}``). That nested structure is what a restarted
+replica, or a whole restarted run, needs to continue exactly where the last committed round left
+off. This module turns it into something an object store can hold *without pickle*:
+
+- every tensor goes into one flat ``dict[str, Tensor]`` (stored as safetensors by
+  `ObjectStoreAllReduce.publish_state`), under a generated key ``t{index}``;
+- everything else (dict/list structure, int keys of optimizer state, hyper-parameters such as
+  ``lr`` and ``momentum``) goes into a JSON *skeleton* that refers to tensors by key.
+
+Decoding only ever builds dicts, lists, tuples, scalars and tensors, so nothing read from a shared
+bucket can execute code.
+
+Skeleton grammar (JSON)::
+
+    {"t": "t12"}                      tensor
+    {"d": [[key, node], ...]}         dict (keys may be str or int; order kept)
+    {"l": [node, ...]}                list
+    {"u": [node, ...]}                tuple
+    null / true / 1 / 1.5 / "s"       scalar
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = [
+    "FORMAT_VERSION",
+    "OuterState",
+    "decode_state",
+    "encode_state",
+    "fetch_outer_state",
+    "outer_state_exists",
+    "publish_outer_state",
+    "state_nbytes",
+    "wait_for_outer_state",
+]
+
+FORMAT_VERSION = 1
+STATE_NAME = "global"
+
+
+def encode_state(obj: Any) -> tuple[dict[str, torch.Tensor], Any]:
+    """Split a nested state into (flat tensors, JSON skeleton). See the module docstring.
+
+    Tensors are detached, made contiguous and moved to CPU (safetensors needs that). Raises
+    ValueError for values that JSON cannot carry faithfully (NaN/inf floats, arbitrary objects).
+    """
+    tensors: dict[str, torch.Tensor] = {}
+
+    def enc(node: Any, path: str) -> Any:
+        if isinstance(node, torch.Tensor):
+            key = f"t{len(tensors)}"
+            tensors[key] = node.detach().to("cpu").contiguous()
+            return {"t": key}
+        if isinstance(node, Mapping):
+            items = []
+            for k, v in node.items():
+                if not isinstance(k, str | int) or isinstance(k, bool):
+                    raise ValueError(
+                        f"state key {k!r} at {path or '<root>'} is {type(k).__name__}; "
+                        "only str and int keys can be stored"
+                    )
+                items.append([k, enc(v, f"{path}.{k}")])
+            return {"d": items}
+        if isinstance(node, list):
+            return {"l": [enc(v, f"{path}[{i}]") for i, v in enumerate(node)]}
+        if isinstance(node, tuple):
+            return {"u": [enc(v, f"{path}[{i}]") for i, v in enumerate(node)]}
+        if node is None or isinstance(node, bool | int | str):
+            return node
+        if isinstance(node, float):
+            if not math.isfinite(node):
+                raise ValueError(f"non-finite float {node} at {path}; cannot be stored as JSON")
+            return node
+        raise ValueError(
+            f"cannot store a {type(node).__name__} at {path or '<root>'} in the outer state; "
+            "only tensors, dicts, lists, tuples and JSON scalars are allowed"
+        )
+
+    return tensors, enc(obj, "")
+
+
+def decode_state(tensors: Mapping[str, torch.Tensor], skeleton: Any) -> Any:
+    """Inverse of `encode_state`. Raises ValueError on a malformed skeleton or missing tensor."""
+
+    def dec(node: Any) -> Any:
+        if node is None or isinstance(node, bool | int | float | str):
+            return node
+        if isinstance(node, dict) and len(node) == 1:
+            (tag, body), *_ = node.items()
+            if tag == "t":
+                if body not in tensors:
+                    raise ValueError(f"outer state refers to missing tensor {body!r}")
+                return tensors[body]
+            if tag == "d":
+                return {k: dec(v) for k, v in body}
+            if tag == "l":
+                return [dec(v) for v in body]
+            if tag == "u":
+                return tuple(dec(v) for v in body)
+        raise ValueError(f"malformed outer-state skeleton node: {str(node)[:120]}")
+
+    return dec(skeleton)
+
+
+@dataclass(frozen=True)
+class OuterState:
+    """One committed outer round as stored: `round` outer steps have been applied.
+
+    user: the manager's registered state dicts (key -> DiLoCo fragment state).
+    batches_committed: sum over committed rounds of the number of included replicas.
+    """
+
+    round: int
+    user: dict[str, Any]
+    batches_committed: int = 0
+
+
+def publish_outer_state(store: Any, state: OuterState) -> bool:
+    """Put-if-absent the state for `state.round`; False if that round was already published."""
+    tensors, skeleton = encode_state(state.user)
+    extra = {
+        "format": FORMAT_VERSION,
+        "skeleton": skeleton,
+        "batches_committed": state.batches_committed,
+    }
+    return bool(store.publish_state(tensors, round=state.round, name=STATE_NAME, extra=extra))
+
+
+def fetch_outer_state(store: Any, round: int | None = None) -> OuterState | None:
+    """The stored state for `round` (None = latest), or None when nothing is stored yet."""
+    found = store.fetch_state(name=STATE_NAME, round=round)
+    if found is None:
+        return None
+    got_round, tensors, extra = found
+    extra = extra or {}
+    if extra.get("format") != FORMAT_VERSION or "skeleton" not in extra:
+        raise ValueError(
+            f"outer state for round {got_round} in {store.uri} has format "
+            f"{extra.get('format')!r}, expected {FORMAT_VERSION}; was it written by another "
+            "version of composer-replication?"
+        )
+    user = decode_state(tensors, extra["skeleton"])
+    if not isinstance(user, dict):
+        raise ValueError(f"outer state for round {got_round} is not a dict of state dicts")
+    return OuterState(
+        round=int(got_round),
+        user=user,
+        batches_committed=int(extra.get("batches_committed", 0)),
+    )
+
+
+def outer_state_exists(store: Any, round: int) -> bool:
+    """Whether round `round`'s state is in the store (a cheap existence check, no download)."""
+    from composer_replication.exchange.state import state_key
+
+    raw = getattr(store, "_store", None)
+    if raw is None:  # not an ObjectStoreAllReduce: fall back to reading it
+        return fetch_outer_state(store, round) is not None
+    return bool(raw.exists(state_key(STATE_NAME, round)))
+
+
+def wait_for_outer_state(store: Any, min_round: int, timeout_s: float) -> OuterState | None:
+    """Poll for a stored state of round >= `min_round`; the newest one found by the deadline."""
+    deadline = time.monotonic() + timeout_s
+    poll = float(getattr(store, "poll_interval_s", 0.1))
+    state = fetch_outer_state(store)
+    while (state is None or state.round < min_round) and time.monotonic() < deadline:
+        time.sleep(poll)
+        state = fetch_outer_state(store)
+    return state
+
+
+def state_nbytes(obj: Any) -> int:
+    """Total tensor bytes in a nested state."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, Mapping):
+        return sum(state_nbytes(v) for v in obj.values())
+    if isinstance(obj, list | tuple):
+        return sum(state_nbytes(v) for v in obj)
+    return 0

@@ -1,0 +1,396 @@
+"""Object-store exchange protocol: keys, payload format, validation and commit records.
+
+Layout under one run prefix (see docs/object-store.md)::
+
+    manifest.json                                  run manifest (put-if-absent)
+    steps/<step:010d>/contrib/<rank:05d>.safetensors   one immutable contribution per rank
+    steps/<step:010d>/commit.json                  the step's decision (put-if-absent, first wins)
+    states/<name>/<round:010d>.safetensors         full state dicts (initial / global weights)
+    <other>.json                                   small run documents (put_json / get_json)
+
+A contribution is a safetensors file whose ``__metadata__`` holds one JSON header (rank, step,
+tokens, inner steps, codec, original names/shapes/dtypes, and ``checksum``: ``{"algo": "xxh3-128"
+or "sha256", "value": hex}`` of the data section, i.e. of the encoded tensors). Tensor
+``t<i>.<part>`` is part ``q``/``s``/``z`` of the i-th name in the header (names are never used as
+safetensors keys, so no parameter name can collide with a part name). Nothing read from the
+store is ever unpickled: parsing is JSON plus ``safetensors.torch.load``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as st_load
+
+from composer_replication.exchange import codecs, wire
+
+FORMAT = 1
+HEADER_KEY = "composer_replication"
+MAX_HEADER_BYTES = 64 * 2**20  # a safetensors header larger than this is hostile, not a model
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+}
+
+
+class StoreTimeoutError(TimeoutError):
+    """A wait on the object store exceeded one of the explicit timeouts (upload/step/run)."""
+
+
+class CorruptContributionError(ValueError):
+    """An object read from the store is malformed, truncated, forged or inconsistent."""
+
+
+class ModelMismatchError(ValueError):
+    """The stored run manifest describes a different model/world size/codec than this replica."""
+
+
+class ExchangeCancelledError(RuntimeError):
+    """``cancel()`` was called while a wait was in progress."""
+
+
+@dataclass
+class StepResult:
+    """What one ``allreduce`` step did (``ObjectStoreAllReduce.last_result``)."""
+
+    step: int
+    included_ranks: list[int]
+    excluded_ranks: list[int]
+    weights: dict[int, float]
+    bytes_uploaded: int
+    bytes_downloaded: int
+    seconds: float
+    codec: str = "fp32"
+    committed_by: int | None = None
+    rejected: dict[int, str] = field(default_factory=dict)  # rank -> why its payload was refused
+
+
+def step_prefix(step: int) -> str:
+    return f"steps/{step:010d}/"
+
+
+def contrib_key(step: int, rank: int) -> str:
+    return f"{step_prefix(step)}contrib/{rank:05d}.safetensors"
+
+
+def commit_key(step: int) -> str:
+    return f"{step_prefix(step)}commit.json"
+
+
+def parse_step_dir(name: str) -> int | None:
+    """``'0000000012'`` -> 12; anything else -> None."""
+    return int(name) if name.isdigit() and len(name) == 10 else None
+
+
+def parse_contrib_name(name: str) -> int | None:
+    """``'00003.safetensors'`` -> 3; anything else -> None."""
+    stem, dot, ext = name.partition(".")
+    return int(stem) if dot and ext == "safetensors" and stem.isdigit() and len(stem) == 5 else None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    for name, dt in DTYPES.items():
+        if dt == dtype:
+            return name
+    raise ValueError(f"unsupported tensor dtype {dtype}; pseudo-gradients must be floating point")
+
+
+def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 over the raw bytes of ``tensors`` in sorted-key order (keys included)."""
+    h = hashlib.sha256()
+    for key in sorted(tensors):
+        t = tensors[key].contiguous().reshape(-1)  # 0-dim tensors cannot be viewed as bytes
+        h.update(key.encode())
+        h.update(t.view(torch.uint8).numpy() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def read_safetensors_metadata(blob: bytes, what: str) -> dict[str, str]:
+    """Parse the safetensors JSON header of ``blob`` without touching its tensor data."""
+    if len(blob) < 8:
+        raise CorruptContributionError(f"{what}: {len(blob)} bytes is not a safetensors payload")
+    (n,) = struct.unpack("<Q", blob[:8])
+    if n == 0 or n > MAX_HEADER_BYTES or 8 + n > len(blob):
+        raise CorruptContributionError(
+            f"{what}: not a safetensors payload (header length {n} for {len(blob)} bytes; "
+            "truncated object, pickle or foreign file)"
+        )
+    try:
+        header = json.loads(bytes(blob[8 : 8 + n]))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CorruptContributionError(f"{what}: safetensors header is not JSON ({e})") from e
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    if not isinstance(meta, dict):
+        raise CorruptContributionError(f"{what}: safetensors file has no metadata header")
+    return meta
+
+
+def load_tensors(blob: bytes, what: str) -> dict[str, torch.Tensor]:
+    """``safetensors.torch.load`` with errors turned into CorruptContributionError."""
+    try:
+        return st_load(bytes(blob))
+    except (SafetensorError, ValueError, RuntimeError) as e:
+        raise CorruptContributionError(f"{what}: malformed or truncated safetensors ({e})") from e
+
+
+# ----------------------------------------------------------------------------- contributions
+
+
+@dataclass
+class Contribution:
+    """A validated contribution: header fields plus the encoded parts (not yet decoded)."""
+
+    rank: int
+    step: int
+    tokens: int | None
+    inner_steps: int | None
+    codec: str
+    names: list[str]
+    shapes: list[list[int]]
+    dtypes: list[str]
+    digest: str  # hex checksum of the data section, computed with ``checksum_algo``
+    parts: dict[str, torch.Tensor]
+    nbytes: int
+    checksum_algo: str = field(default_factory=wire.default_checksum)
+    # parts live in a private writable buffer (a fetched local object) that the aggregation
+    # may overwrite instead of allocating; never True for a replica's own tensors
+    private: bool = False
+
+    @property
+    def checksum(self) -> dict[str, str]:
+        """The self-describing checksum as stored in headers and commit records."""
+        return {"algo": self.checksum_algo, "value": self.digest}
+
+    def decode(self) -> dict[str, torch.Tensor]:
+        """name -> float32 tensor of the original shape (pure function of the stored parts)."""
+        out = {}
+        for i, (name, shape) in enumerate(zip(self.names, self.shapes)):
+            numel = math.prod(shape)
+            sub = {p[len(f"t{i}.") :]: t for p, t in self.parts.items() if p.startswith(f"t{i}.")}
+            out[name] = codecs.decode(sub, self.codec, numel).view(shape)
+        return out
+
+
+def encode_contribution(
+    tensors: dict[str, torch.Tensor],
+    *,
+    rank: int,
+    step: int,
+    tokens: int | None,
+    inner_steps: int | None,
+    codec: str,
+    checksum: str | None = None,
+) -> tuple[list[wire.Buffer], Contribution]:
+    """Encode ``tensors`` as a safetensors payload (header + zero-copy data buffers).
+
+    Returns the payload as a list of buffers (``b"".join`` gives the file) and the same data as
+    a Contribution. ``checksum`` in the header is ``{"algo": ..., "value": ...}`` of the data
+    section (``checksum=None``: :func:`wire.default_checksum`).
+    """
+    algo = wire.default_checksum() if checksum is None else wire.check_checksum(checksum)
+    names = sorted(tensors)
+    parts: dict[str, torch.Tensor] = {}
+    for i, name in enumerate(names):
+        for part, t in codecs.encode(tensors[name], codec).items():
+            parts[f"t{i}.{part}"] = t
+    entries, buffers = wire.layout(parts)
+    digest = wire.digest(buffers, algo)
+    header = {
+        "format": FORMAT,
+        "kind": "contribution",
+        "rank": rank,
+        "step": step,
+        "tokens": tokens,
+        "inner_steps": inner_steps,
+        "codec": codec,
+        "names": names,
+        "shapes": [list(tensors[n].shape) for n in names],
+        "dtypes": [dtype_name(tensors[n].dtype) for n in names],
+        "checksum": {"algo": algo, "value": digest},
+    }
+    payload: list[wire.Buffer] = [wire.header_bytes(entries, {HEADER_KEY: json.dumps(header)})]
+    payload += buffers
+    contrib = Contribution(
+        rank, step, tokens, inner_steps, codec, names, header["shapes"], header["dtypes"], digest,
+        parts, sum(memoryview(b).nbytes for b in payload), algo,
+    )  # fmt: skip
+    return payload, contrib
+
+
+def _opt_nonneg_int(v: Any) -> bool:
+    return v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0)
+
+
+def _is_checksum(v: Any) -> bool:
+    """``{"algo": <known algorithm>, "value": <str>}``, nothing else."""
+    return (
+        isinstance(v, dict)
+        and set(v) == {"algo", "value"}
+        and v["algo"] in wire.CHECKSUMS
+        and isinstance(v["value"], str)
+    )
+
+
+def decode_contribution(
+    blob: wire.Buffer,
+    *,
+    step: int,
+    rank: int,
+    reference: dict[str, tuple[list[int], str]] | None = None,
+) -> Contribution:
+    """Validate ``blob`` (the object at ``contrib_key(step, rank)``) and return it.
+
+    ``reference`` maps name -> (shape, dtype name) of this replica's own tensors; a contribution
+    whose names/shapes/dtypes differ is refused. Raises CorruptContributionError on any problem:
+    truncation, foreign or pickled payload, bad checksum, wrong step/rank, wrong shapes/dtypes.
+    """
+    what = f"contribution of rank {rank} for step {step}"
+    try:
+        meta, parts, data = wire.unframe(blob, what)
+    except wire.FrameError as e:
+        raise CorruptContributionError(str(e)) from None
+    try:
+        h = json.loads(meta[HEADER_KEY])
+    except (KeyError, TypeError, json.JSONDecodeError) as e:
+        raise CorruptContributionError(f"{what}: missing or unreadable protocol header") from e
+    if not isinstance(h, dict) or h.get("format") != FORMAT or h.get("kind") != "contribution":
+        raise CorruptContributionError(f"{what}: not a format-{FORMAT} contribution header")
+    if h.get("step") != step or h.get("rank") != rank:
+        raise CorruptContributionError(
+            f"{what}: header says rank {h.get('rank')!r} step {h.get('step')!r} "
+            "(a stale or misplaced object)"
+        )
+    if "checksum" not in h:
+        raise CorruptContributionError(
+            f"{what}: header has no checksum (written by an older version of this package?)"
+        )
+    checksum = h["checksum"]
+    if isinstance(checksum, dict) and checksum.get("algo") not in wire.CHECKSUMS:
+        raise CorruptContributionError(
+            f"{what}: unknown checksum algorithm {checksum.get('algo')!r}; this version "
+            f"verifies {sorted(wire.CHECKSUMS)} (was it written by a newer version?)"
+        )
+    names, shapes, dtypes = h.get("names"), h.get("shapes"), h.get("dtypes")
+    ok = (
+        isinstance(names, list)
+        and isinstance(shapes, list)
+        and isinstance(dtypes, list)
+        and len(names) == len(shapes) == len(dtypes) > 0
+        and all(isinstance(n, str) for n in names)
+        and all(
+            isinstance(s, list) and all(isinstance(d, int) and d >= 0 for d in s) for s in shapes
+        )
+        and all(d in DTYPES for d in dtypes)
+        and h.get("codec") in codecs.CODECS
+        and _is_checksum(h.get("checksum"))
+        and _opt_nonneg_int(h.get("tokens"))
+        and _opt_nonneg_int(h.get("inner_steps"))
+    )
+    if not ok:
+        raise CorruptContributionError(f"{what}: malformed header fields")
+    if reference is not None:
+        theirs = {n: (list(s), d) for n, s, d in zip(names, shapes, dtypes)}
+        ours = {n: (list(s), d) for n, (s, d) in reference.items()}
+        if theirs != ours:
+            diff = sorted(set(theirs) ^ set(ours)) or [
+                n for n in sorted(theirs) if theirs[n] != ours[n]
+            ]
+            raise CorruptContributionError(
+                f"{what}: tensor names/shapes/dtypes differ from this replica's "
+                f"(first differences: {diff[:5]})"
+            )
+    algo, value = h["checksum"]["algo"], h["checksum"]["value"]
+    try:
+        actual = wire.digest([data], algo)
+    except ImportError as e:  # cannot verify it, so cannot use it
+        raise CorruptContributionError(f"{what}: cannot verify its checksum: {e}") from None
+    if actual != value:
+        raise CorruptContributionError(f"{what}: {algo} checksum mismatch (corrupted payload)")
+    expected: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+    for i, shape in enumerate(shapes):
+        for part, spec in codecs.expected_parts(h["codec"], math.prod(shape)).items():
+            expected[f"t{i}.{part}"] = spec
+    got = {k: (t.dtype, tuple(t.shape)) for k, t in parts.items()}
+    if got != expected:
+        raise CorruptContributionError(f"{what}: encoded tensors do not match the header")
+    return Contribution(
+        rank, step, h["tokens"], h["inner_steps"], h["codec"], names, shapes, dtypes, value,
+        parts, memoryview(blob).nbytes, algo, not memoryview(blob).readonly,
+    )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- commit records
+
+
+def make_commit(
+    *,
+    step: int,
+    world_size: int,
+    included: list[Contribution],
+    weighting: str,
+    committed_by: int,
+    excluded: dict[int, str],
+) -> dict[str, Any]:
+    """Build the commit record deciding ``step``: the included ranks, weights and checksums
+    (``{"algo": ..., "value": ...}`` per rank: readers refuse any object that differs)."""
+    ranks = sorted(c.rank for c in included)
+    if weighting == "tokens":
+        total = sum(c.tokens or 0 for c in included)
+    if weighting == "tokens" and total > 0:
+        weights = {c.rank: (c.tokens or 0) / total for c in included}
+    else:  # equal weighting (also the fallback when every included replica reports 0 tokens)
+        weights = {c.rank: 1.0 / len(included) for c in included}
+    return {
+        "format": FORMAT,
+        "kind": "commit",
+        "step": step,
+        "world_size": world_size,
+        "included_ranks": ranks,
+        "weights": {str(r): weights[r] for r in ranks},
+        "checksums": {str(c.rank): c.checksum for c in included},
+        "tokens": {str(c.rank): c.tokens for c in included},
+        "weighting": weighting,
+        "excluded": {str(r): why for r, why in sorted(excluded.items())},
+        "committed_by": committed_by,
+    }
+
+
+def parse_commit(raw: wire.Buffer, *, step: int, world_size: int) -> dict[str, Any]:
+    """Validate a commit record read from the store; returns it with int rank keys."""
+    what = f"commit record of step {step}"
+    try:
+        c = json.loads(bytes(raw))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CorruptContributionError(f"{what} is not JSON ({e}); the step cannot complete") from e
+    ranks = c.get("included_ranks") if isinstance(c, dict) else None
+    ok = (
+        isinstance(c, dict)
+        and c.get("format") == FORMAT
+        and c.get("kind") == "commit"
+        and c.get("step") == step
+        and isinstance(ranks, list)
+        and len(ranks) > 0
+        and all(isinstance(r, int) and 0 <= r < world_size for r in ranks)
+        and ranks == sorted(set(ranks))
+        and isinstance(c.get("weights"), dict)
+        and isinstance(c.get("checksums"), dict)
+        and set(c["weights"]) == set(c["checksums"]) == {str(r) for r in ranks}
+        and all(isinstance(w, float) and math.isfinite(w) and w >= 0 for w in c["weights"].values())
+        and all(_is_checksum(v) for v in c["checksums"].values())
+    )
+    if not ok:
+        raise CorruptContributionError(f"{what} is malformed; the step cannot complete")
+    c["weights"] = {int(r): w for r, w in c["weights"].items()}
+    c["checksums"] = {int(r): d for r, d in c["checksums"].items()}
+    c["excluded"] = {int(r): why for r, why in (c.get("excluded") or {}).items()}
+    return c

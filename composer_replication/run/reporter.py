@@ -1,0 +1,252 @@
+"""What a replica reports while it trains: metrics, status, evaluations and checkpoints.
+
+`ReplicaReporter` is a Hugging Face `TrainerCallback` added AFTER the DiLoCo callback, so in
+`on_step_end` it sees an outer round that has just been committed (the model then holds the new
+global weights, identical on every replica) and in `on_train_end` the final global weights.
+
+- every TRL log line becomes a "train" record (step = inner step of the whole run, i.e. the
+  resumed round's offset plus the trainer's own step);
+- every exchange in the manager's history becomes a "round" record (seconds, bytes, ranks);
+- replica `evaluator_rank` (0) evaluates the global model on held-out prompts every
+  `eval_every_rounds` committed rounds and at the end, and writes checkpoints;
+- the status document (state, step, round, reward) is refreshed with every flush.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from composer_replication.run.checkpoint import prune_checkpoints, round_dir, save_checkpoint
+from composer_replication.run.metrics import ReplicaMetricsWriter
+from composer_replication.run.storeio import StoreIO
+
+try:
+    from transformers import TrainerCallback
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "the replica needs transformers: pip install composer-replication[train]"
+    ) from exc
+
+__all__ = ["ReplicaReporter", "evaluate"]
+
+_SKIP_LOG_KEYS = ("epoch", "total_flos", "train_runtime")
+
+
+@torch.no_grad()
+def evaluate(
+    model: Any,
+    tokenizer: Any,
+    task: Any,
+    examples: list[Any],
+    *,
+    max_new_tokens: int,
+    batch_size: int = 64,
+) -> dict[str, float]:
+    """Greedy completions for `examples`, judged by the task: accuracy and mean reward."""
+    if not examples:
+        return {}
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    correct = 0
+    reward = 0.0
+    try:
+        for start in range(0, len(examples), batch_size):
+            chunk = examples[start : start + batch_size]
+            texts = [
+                tokenizer.apply_chat_template(
+                    [{"role": "user", "content": ex.prompt}],
+                    tokenize=False,
+                    add_generation_prompt=True,
+                )
+                for ex in chunk
+            ]
+            enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+            enc = {k: v.to(device) for k, v in enc.items()}
+            out = model.generate(
+                **enc,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+            completions = tokenizer.batch_decode(
+                out[:, enc["input_ids"].shape[1] :], skip_special_tokens=False
+            )
+            for ex, completion in zip(chunk, completions):
+                verdict = task.verify(ex, completion)
+                correct += int(verdict.correct)
+                reward += float(verdict.reward)
+    finally:
+        model.train(was_training)
+    return {"eval/accuracy": correct / len(examples), "eval/reward": reward / len(examples)}
+
+
+class ReplicaReporter(TrainerCallback):
+    """See the module docstring. `step_offset` = inner steps done before this launch."""
+
+    def __init__(
+        self,
+        *,
+        writer: ReplicaMetricsWriter,
+        store: StoreIO,
+        outer: Any,
+        rank: int,
+        max_steps: int,
+        step_offset: int,
+        tokenizer: Any,
+        task: Any,
+        eval_examples: list[Any],
+        eval_every_rounds: int,
+        max_new_tokens: int,
+        checkpoint_every_rounds: int,
+        keep_last: int,
+        save_final: bool,
+        evaluator_rank: int = 0,
+    ) -> None:
+        self.writer = writer
+        self.store = store
+        self.outer = outer
+        self.rank = rank
+        self.max_steps = max_steps
+        self.step_offset = step_offset
+        self.tokenizer = tokenizer
+        self.task = task
+        self.eval_examples = eval_examples
+        self.eval_every_rounds = eval_every_rounds
+        self.max_new_tokens = max_new_tokens
+        self.checkpoint_every_rounds = checkpoint_every_rounds
+        self.keep_last = keep_last
+        self.save_final = save_final
+        self.is_evaluator = rank == evaluator_rank
+        self._history_seen = 0
+        self._last_eval_round: int | None = None
+        self._last_ckpt_round: int | None = None
+        self._reward: float | None = None
+
+    # -- helpers
+    def _step(self, state: Any) -> int:
+        return self.step_offset + int(state.global_step)
+
+    def _round(self) -> int:
+        return int(self.outer.round)
+
+    def _status(self, state_name: str, step: int, *, force: bool = False, **extra: Any) -> None:
+        self.writer.status(
+            force=force,
+            state=state_name,
+            step=step,
+            max_steps=self.max_steps,
+            round=self._round(),
+            reward=self._reward,
+            **extra,
+        )
+
+    def evaluate_now(self, model: Any, step: int) -> None:
+        self._status("evaluating", step, force=True)
+        metrics = evaluate(
+            model, self.tokenizer, self.task, self.eval_examples,
+            max_new_tokens=self.max_new_tokens,
+        )  # fmt: skip
+        if metrics:
+            self.writer.log("eval", step=step, round=self._round(), **metrics)
+            self.writer.status(eval_accuracy=metrics["eval/accuracy"])
+        self._last_eval_round = self._round()
+
+    def checkpoint_now(self, model: Any, step: int, name: str | None = None) -> None:
+        from composer_replication.exchange.outer_state import fetch_outer_state
+
+        rnd = self._round()
+        outer_state = None
+        try:
+            stored = fetch_outer_state(self.outer.manager.store, round=rnd)
+        except Exception:  # the state may not be published yet; the weights still are saved
+            stored = None
+        if stored is not None:
+            # The global weights are in model.safetensors already; keep the optimizer state.
+            outer_state = {
+                key: {k: v for k, v in frag.items() if k != "original_parameters"}
+                for key, frag in stored.user.items()
+                if isinstance(frag, dict)
+            }
+        save_checkpoint(
+            self.store, name=name or round_dir(rnd), model=model, tokenizer=self.tokenizer,
+            round=rnd, step=step, outer_state=outer_state,
+        )  # fmt: skip
+        prune_checkpoints(self.store, self.keep_last)
+        self._last_ckpt_round = rnd
+
+    # -- callback events
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        step = self._step(state)
+        self.writer.log("event", step=step, round=self._round(), event="train_begin")
+        self._status("training", step, force=True)
+        model = kwargs.get("model")
+        if self.is_evaluator and self.step_offset == 0 and model is not None:
+            self.evaluate_now(model, step)  # the baseline: global weights before any training
+            self._status("training", step, force=True)
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
+        if not logs or "train_runtime" in logs:
+            return
+        values = {
+            k: float(v)
+            for k, v in logs.items()
+            if k not in _SKIP_LOG_KEYS and isinstance(v, int | float) and not isinstance(v, bool)
+        }
+        if "reward" in values:
+            self._reward = values["reward"]
+        step = self._step(state)
+        self.writer.log("train", step=step, round=self._round(), **values)
+        self._status("training", step)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        history = self.outer.history
+        new = history[self._history_seen :]
+        self._history_seen = len(history)
+        step = self._step(state)
+        committed = False
+        for record in new:
+            self.writer.log(
+                "round",
+                step=step,
+                round=int(record.get("round", 0)),
+                **{
+                    "round/seconds": record.get("seconds"),
+                    "round/bytes_up": record.get("bytes_uploaded"),
+                    "round/bytes_down": record.get("bytes_downloaded"),
+                    "round/included": len(record.get("included_ranks") or []),
+                    "round/committed": bool(record.get("committed")),
+                    "round/healed": bool(record.get("healed")),
+                },
+            )
+            committed = committed or bool(record.get("committed"))
+        if not committed or not self.is_evaluator:
+            return
+        model = kwargs.get("model")
+        rnd = self._round()
+        if self.eval_every_rounds and rnd % self.eval_every_rounds == 0 and model is not None:
+            self.evaluate_now(model, step)
+        if (
+            self.checkpoint_every_rounds
+            and rnd % self.checkpoint_every_rounds == 0
+            and model is not None
+        ):
+            self._status("checkpointing", step, force=True)
+            self.checkpoint_now(model, step)
+        self._status("training", step)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # DiLoCo's callback ran first and loaded the final global weights into the model.
+        model = kwargs.get("model")
+        step = self._step(state)
+        if self.is_evaluator and model is not None:
+            if self._last_eval_round != self._round():
+                self.evaluate_now(model, step)
+            if self.save_final:
+                self._status("checkpointing", step, force=True)
+                self.checkpoint_now(model, step, name="final")
+        self.writer.log("event", step=step, round=self._round(), event="train_end")
+        self._status("done", step)
+        self.writer.flush()

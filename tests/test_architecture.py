@@ -1,0 +1,215 @@
+"""The dependency rule of ARCHITECTURE.md, one test per rule.
+
+Every module of the package is read as text (ast): its ``import`` statements, and every string
+that is exactly a module path of ours (``"composer_replication.run.replica"``), because lazy
+re-export tables and entrypoint names are dependencies too. A failing test names each offending
+module and what it imports.
+
+The one exemption is ``composer_replication.diloco.serverless``: the seeds' import path, kept as a
+façade of lazy re-exports with no code of its own (ARCHITECTURE.md, "Compatibility façade");
+``test_facade_holds_no_code`` keeps it that way.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+import composer_replication
+
+PKG_DIR = Path(composer_replication.__file__).parent
+ROOT = "composer_replication"
+FACADE = "composer_replication.diloco.serverless"
+_MODULE_STRING = re.compile(r"composer_replication(\.[A-Za-z_]\w*)+(:[\w.]+)?")
+
+
+def module_name(path: Path, pkg_dir: Path = PKG_DIR) -> str:
+    rel = path.relative_to(pkg_dir.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def references(path: Path, pkg_dir: Path = PKG_DIR) -> list[str]:
+    """Modules of ours that ``path`` imports or names as a module-path string."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    me = module_name(path, pkg_dir)
+    is_pkg = path.name == "__init__.py"
+    out: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.extend(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = me.split(".")
+                base = base[: len(base) - node.level + (1 if is_pkg else 0)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            out.append(mod)
+            # `from composer_replication.loss import _logprobs` imports a private module too
+            out.extend(f"{mod}.{alias.name}" for alias in node.names if alias.name.startswith("_") and not alias.name.startswith("__"))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            if _MODULE_STRING.fullmatch(node.value):
+                out.append(node.value.split(":")[0])
+    return [m for m in out if m == ROOT or m.startswith(ROOT + ".")]
+
+
+def layer(module: str) -> str:
+    """The top-level package (layer) of a module of ours: 'run', 'cli', 'loss', ..."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def all_modules(pkg_dir: Path = PKG_DIR) -> dict[str, Path]:
+    return {module_name(p, pkg_dir): p for p in sorted(pkg_dir.rglob("*.py"))}
+
+
+def violations(
+    sources: set[str], forbidden: set[str], pkg_dir: Path = PKG_DIR, *, skip_facade: bool = True
+) -> list[str]:
+    """'module -> imported' for every module in a layer of ``sources`` that references a
+    module in a layer of ``forbidden`` (its own layer never counts)."""
+    found = []
+    for mod, path in all_modules(pkg_dir).items():
+        if layer(mod) not in sources:
+            continue
+        if skip_facade and (mod == FACADE or mod.startswith(FACADE + ".")):
+            continue
+        for ref in references(path, pkg_dir):
+            if layer(ref) in forbidden and layer(ref) != layer(mod):
+                found.append(f"{mod} -> {ref}")
+    return sorted(set(found))
+
+
+LAYERS = {
+    "loss", "trainer", "data", "tasks", "models", "diloco", "exchange", "executors",
+    "recipes", "run", "config", "cli",
+}  # fmt: skip
+
+
+def test_every_module_is_in_a_known_layer():
+    unknown = sorted(
+        m for m in all_modules() if m != ROOT and layer(m) not in LAYERS | {"__main__"}
+    )
+    assert unknown == [], "new top-level package: add it to ARCHITECTURE.md and LAYERS"
+
+
+def test_loss_imports_nothing_of_ours():
+    assert violations({"loss"}, LAYERS - {"loss"}) == []
+
+
+def test_trainer_imports_only_loss_and_data():
+    assert violations({"trainer"}, LAYERS - {"trainer", "loss", "data"}) == []
+
+
+def test_data_tasks_models_are_leaves():
+    # tasks may use data's prompt_key (the trainer's data layer); nothing else of ours.
+    assert violations({"data", "models"}, LAYERS) == []
+    assert violations({"tasks"}, LAYERS - {"data"}) == []
+
+
+def test_diloco_and_exchange_know_nothing_of_runs_trainers_or_tasks():
+    forbidden = {"run", "cli", "trainer", "data", "tasks", "models", "config", "loss", "recipes"}
+    assert violations({"diloco", "exchange"}, forbidden | {"executors"}) == []
+
+
+def test_exchange_does_not_import_diloco():
+    # diloco (outer loop, synchronizer) sits on the exchange, never the other way round.
+    assert violations({"exchange"}, {"diloco"}) == []
+
+
+def test_executors_know_nothing_of_training():
+    forbidden = {"loss", "trainer", "diloco", "exchange", "data", "tasks", "models", "recipes"}
+    assert violations({"executors"}, forbidden | {"run", "cli", "config"}) == []
+
+
+def test_config_derives_only_from_loss_and_the_registries():
+    assert violations({"config"}, LAYERS - {"config", "loss", "exchange", "executors"}) == []
+
+
+def test_nothing_imports_run_or_cli():
+    assert violations(LAYERS - {"run", "cli"}, {"run", "cli"}) == []
+    # cli sits on run; run never imports cli
+    assert violations({"run"}, {"cli"}) == []
+
+
+def test_no_private_imports_across_layers():
+    found = []
+    for mod, path in all_modules().items():
+        if mod == FACADE or mod.startswith(FACADE + "."):
+            continue
+        for ref in references(path):
+            if layer(ref) == layer(mod):
+                continue
+            if any(part.startswith("_") for part in ref.split(".")[1:]):
+                found.append(f"{mod} -> {ref}")
+    assert sorted(set(found)) == []
+
+
+def test_facade_holds_no_code():
+    """The seeds' façade only maps names to modules: no function or class definitions."""
+    facade_dir = PKG_DIR / "diloco" / "serverless"
+    for path in facade_dir.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        defs = [
+            n.name
+            for n in tree.body
+            if isinstance(n, ast.FunctionDef | ast.ClassDef) and n.name != "__getattr__"
+        ]
+        assert defs == [], f"{path.name} defines {defs}: code belongs in its layer"
+
+
+# --------------------------------------------------------------- the checker itself can fail
+
+
+@pytest.fixture
+def bad_tree(tmp_path: Path) -> Path:
+    """A copy of the layout with deliberately bad imports, one per rule."""
+    pkg = tmp_path / ROOT
+    files = {
+        "__init__.py": "",
+        "loss/__init__.py": "",
+        "loss/compose.py": "from composer_replication.trainer import ComposerConfig\n",
+        "trainer/__init__.py": "",
+        "trainer/trainer.py": "from composer_replication.loss._logprobs import x\n",
+        "exchange/__init__.py": "",
+        "exchange/manager.py": "from composer_replication.diloco.outer_loop import DiLoCoOuterLoop\n",
+        "diloco/__init__.py": "",
+        "diloco/outer_loop.py": "import composer_replication.run.replica\n",
+        "diloco/serverless/__init__.py": "_LAZY = {'x': 'composer_replication.run.replica'}\n",
+        "executors/__init__.py": "",
+        "executors/local.py": "from ..exchange import store\n",
+        "tasks/__init__.py": "",
+        "tasks/base.py": "ENTRY = 'composer_replication.run.replica:main'\n",
+        "run/__init__.py": "",
+        "run/replica.py": "",
+    }
+    for rel, text in files.items():
+        (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / rel).write_text(text)
+    return pkg
+
+
+def test_the_checker_names_each_bad_import(bad_tree: Path):
+    assert violations({"loss"}, LAYERS - {"loss"}, bad_tree) == [
+        "composer_replication.loss.compose -> composer_replication.trainer"
+    ]
+    assert violations({"exchange"}, {"diloco"}, bad_tree) == [
+        "composer_replication.exchange.manager -> composer_replication.diloco.outer_loop"
+    ]
+    assert violations({"executors"}, {"exchange"}, bad_tree) == [
+        "composer_replication.executors.local -> composer_replication.exchange"
+    ]
+    # import statement and module-path string alike; the façade is exempt
+    assert violations(LAYERS - {"run", "cli"}, {"run"}, bad_tree) == [
+        "composer_replication.diloco.outer_loop -> composer_replication.run.replica",
+        "composer_replication.tasks.base -> composer_replication.run.replica",
+    ]
+    assert "composer_replication.loss._logprobs" in references(
+        bad_tree / "trainer" / "trainer.py", bad_tree
+    )

@@ -265,7 +265,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # such positionals unparsed, so they are appended to the command's own arguments here.
     ns, extra = parser.parse_known_args(list(argv) if argv is not None else None)
     if extra:
-        if not hasattr(ns, "args") or any(e.startswith("-") for e in extra):
+        takes_overrides = "args" in vars(ns)  # the commands with [CONFIG] [overrides...]
+        if not takes_overrides or any(e.startswith("-") for e in extra):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         ns.args = [*ns.args, *extra]
     try:

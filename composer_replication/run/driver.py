@@ -42,13 +42,13 @@ from composer_replication.run.checkpoint import mirror_checkpoints
 from composer_replication.run.folder import RunFolder, default_run_name
 from composer_replication.run.metrics import MetricsCollector, MetricsSink
 from composer_replication.run.progress import Progress, ReplicaRow, choose_mode
+from composer_replication.run.replica import ENV_STORAGE_OPTIONS
 from composer_replication.run.report import summarize, write_report
 from composer_replication.run.storeio import StoreIO, local_path
 
 __all__ = ["ENTRYPOINT", "TrainResult", "prepare", "prepare_resume", "run"]
 
 ENTRYPOINT = "composer_replication.run.replica"
-ENV_STORAGE_OPTIONS = "COMPOSER_STORAGE_OPTIONS"
 
 
 @dataclass

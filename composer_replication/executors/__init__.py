@@ -1,8 +1,10 @@
 """Executors: launch N replica processes on a backend, watch them, collect or cancel them.
 
 `base.ServerlessExecutor` is the protocol; every backend (local processes, Ray, Kubernetes,
-Modal, HF Jobs, SageMaker, and `MultiExecutor` across several) implements it. Executors know
-nothing of training: they start a command with a rank in its environment (ARCHITECTURE.md).
+Modal, HF Jobs, SageMaker, and `MultiExecutor` across several) implements it. `registry` names
+the backends `backend.kind` can choose (module, class, pip extra, SDK, placement facts).
+Executors know nothing of training: they start a command with a rank in its environment
+(ARCHITECTURE.md).
 
 Names load lazily so that importing this package does not import ray, modal, boto3, ... .
 """
@@ -14,6 +16,7 @@ from typing import Any
 
 _LAZY = {
     "ServerlessExecutor": "composer_replication.executors.base",
+    "RankLauncher": "composer_replication.executors.base",
     "ReplicaHandle": "composer_replication.executors.base",
     "ReplicaStatus": "composer_replication.executors.base",
     "LocalProcessExecutor": "composer_replication.executors.local",

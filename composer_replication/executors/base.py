@@ -6,7 +6,9 @@ This module holds everything that is the same for every backend:
 
 - `ReplicaStatus` / `ReplicaHandle`: what the driver sees of one replica.
 - `ServerlessExecutor`: the Protocol every backend satisfies (`launch_replicas`, `poll`,
-  `collect`, `cancel`, `logs`). The seed driver works unchanged with any of them::
+  `collect`, `cancel`, `logs`); `RankLauncher` adds what `MultiExecutor` needs of a
+  sub-executor (`check_launch`, `launch_ranks`). The seed driver works unchanged with any of
+  them::
 
       handles = executor.launch_replicas(n_replicas=4, entrypoint="diloco_replica.py",
           entrypoint_args={"rendezvous": uri, "rank_env": "REPLICA_RANK"})
@@ -42,6 +44,7 @@ __all__ = [
     "ENV_WORLD_SIZE",
     "ExecutorBase",
     "ReplicaHandle",
+    "RankLauncher",
     "ReplicaStatus",
     "ServerlessExecutor",
     "SupervisorBase",
@@ -137,6 +140,29 @@ class ServerlessExecutor(Protocol):
 
     def logs(self, handle: ReplicaHandle, tail: int | None = None) -> str:
         """The replica's combined stdout/stderr (the last `tail` lines when given)."""
+        ...
+
+
+@runtime_checkable
+class RankLauncher(ServerlessExecutor, Protocol):
+    """An executor that can start a subset of a larger run's ranks (what `MultiExecutor` needs
+    of each sub-executor; every `ExecutorBase` is one)."""
+
+    def check_launch(self, n_replicas: int, entrypoint: str) -> None:
+        """Raise ValueError for a launch of `n_replicas` that cannot work; start nothing."""
+        ...
+
+    def launch_ranks(
+        self,
+        ranks: Sequence[int],
+        world_size: int,
+        entrypoint: str,
+        entrypoint_args: dict[str, Any] | list[Any] | None = None,
+        *,
+        env: dict[str, str] | None = None,
+        resources: dict[str, Any] | None = None,
+    ) -> list[ReplicaHandle]:
+        """Start the given ranks of a run of `world_size` replicas."""
         ...
 
 
@@ -425,8 +451,9 @@ class ExecutorBase(SupervisorBase):
 
       _start(rank, world_size, command, env, resources) -> ReplicaHandle   (`_new_handle` builds it)
 
-    and may override `_check_resources` (reject bad resources up front), `_validate` (e.g. skip
-    local checks for code that lives in an image) and `python` (the interpreter replicas use).
+    and may override `_check_resources` (reject bad resources up front), `check_launch` (e.g.
+    skip local checks for code that lives in an image) and `python` (the interpreter replicas
+    use).
     `launch_ranks(ranks, world_size, ...)` starts an arbitrary subset of ranks of a larger run;
     `MultiExecutor` relies on it to spread one run over several executors.
     """
@@ -447,7 +474,8 @@ class ExecutorBase(SupervisorBase):
         """Validate/normalise resources before launch (raise ValueError). Default: any dict."""
         return resources
 
-    def _validate(self, n_replicas: int, entrypoint: str) -> None:
+    def check_launch(self, n_replicas: int, entrypoint: str) -> None:
+        """Raise ValueError for a launch that cannot work (default: `validate_launch`)."""
         validate_launch(n_replicas, entrypoint)
 
     def _new_handle(
@@ -473,7 +501,7 @@ class ExecutorBase(SupervisorBase):
         resources: dict[str, Any] | None,
     ) -> tuple[list[str], dict[str, Any]]:
         """Check a launch (entrypoint, resources) and return (command, checked resources)."""
-        self._validate(world_size, entrypoint)
+        self.check_launch(world_size, entrypoint)
         if resources is not None and not isinstance(resources, dict):
             raise ValueError(f"resources must be a dict or None, got {type(resources).__name__}")
         checked = self._check_resources(dict(resources or {}))
@@ -489,7 +517,7 @@ class ExecutorBase(SupervisorBase):
         resources: dict[str, Any] | None = None,
     ) -> list[ReplicaHandle]:
         """Start ranks 0..n_replicas-1 (see `launch_ranks`)."""
-        self._validate(n_replicas, entrypoint)
+        self.check_launch(n_replicas, entrypoint)
         return self.launch_ranks(
             range(n_replicas), n_replicas, entrypoint, entrypoint_args, env=env,
             resources=resources,

@@ -109,7 +109,7 @@ class HFJobsExecutor(ExecutorBase):
         if flavor not in flavors:
             raise ValueError(f"unknown HF Jobs flavor {flavor!r}; choose one of {flavors}")
 
-    def _validate(self, n_replicas: int, entrypoint: str) -> None:
+    def check_launch(self, n_replicas: int, entrypoint: str) -> None:
         validate_launch(n_replicas, entrypoint, check_local=False)  # the code is in the image
 
     def _check_resources(self, resources: dict[str, Any]) -> dict[str, Any]:

@@ -141,7 +141,7 @@ class K8sExecutor(ExecutorBase):
         return self._client.ApiClient(cfg)
 
     # ------------------------------------------------------------------ launch
-    def _validate(self, n_replicas: int, entrypoint: str) -> None:
+    def check_launch(self, n_replicas: int, entrypoint: str) -> None:
         # The code lives in the image, so nothing is checked on the driver's machine.
         validate_launch(n_replicas, entrypoint, check_local=False)
 

@@ -213,7 +213,7 @@ class LocalProcessExecutor(ExecutorBase):
         self._log_dir.mkdir(parents=True, exist_ok=True)
         return self._log_dir
 
-    def _validate(self, n_replicas: int, entrypoint: str) -> None:
+    def check_launch(self, n_replicas: int, entrypoint: str) -> None:
         from composer_replication.executors.base import validate_launch
 
         validate_launch(n_replicas, entrypoint, cwd=self.cwd)

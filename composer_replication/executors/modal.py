@@ -194,7 +194,7 @@ class ModalExecutor(ExecutorBase):
             pass
 
     # ------------------------------------------------------------------ launch
-    def _validate(self, n_replicas: int, entrypoint: str) -> None:
+    def check_launch(self, n_replicas: int, entrypoint: str) -> None:
         validate_launch(n_replicas, entrypoint, check_local=False)  # the code is in the image
 
     def _check_resources(self, resources: dict[str, Any]) -> dict[str, Any]:

@@ -8,6 +8,12 @@
 Every loss returns ``(loss, metrics)``: a 0-dim tensor and a dict of python floats.
 """
 
+from composer_replication.loss._config import (
+    DPO_VARIANTS,
+    SDPO_WRAPPERS,
+    TAID_T_END,
+    TAID_T_START,
+)
 from composer_replication.loss.compose import ComposeConfig, combine, compose_loss
 from composer_replication.loss.distill import (
     TAIDScheduler,
@@ -15,10 +21,15 @@ from composer_replication.loss.distill import (
     generalized_jsd,
     taid_loss,
 )
-from composer_replication.loss.policy import dppo_mask, grpo_loss
+from composer_replication.loss.policy import LOSS_TYPES, dppo_mask, grpo_loss
 from composer_replication.loss.preference import dpo_loss, simpo_loss
 
 __all__ = [
+    "DPO_VARIANTS",
+    "LOSS_TYPES",
+    "SDPO_WRAPPERS",
+    "TAID_T_END",
+    "TAID_T_START",
     "ComposeConfig",
     "TAIDScheduler",
     "combine",

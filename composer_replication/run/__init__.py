@@ -1,7 +1,11 @@
-"""Orchestration of a training run: run folder, driver, metrics, progress, report, status.
+"""The composition root: everything that knows the run configuration.
 
-The CLI (`composer_replication.cli`) sits on top of this package; the replicas use only
-`storeio`, `metrics` and `checkpoint`. Nothing heavy is imported here.
+`build` turns the configuration into a task, a model, teachers and a trainer; `replica` is the
+process each replica runs (build, then train inside the DiLoCo outer loop); `driver` launches the
+replicas through an executor from the backend registry and gathers metrics (`metrics`),
+checkpoints (`checkpoint`), status (`status`) and the report (`report`); `preflight` checks a
+run before anything is written. The CLI (`composer_replication.cli`) sits on top of this
+package. Nothing heavy is imported here.
 """
 
 from composer_replication.run.folder import RunFolder, default_run_name

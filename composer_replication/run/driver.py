@@ -22,6 +22,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -34,18 +35,20 @@ from composer_replication.config import (
     from_dict,
     to_dict,
 )
+from composer_replication.executors import registry
+from composer_replication.executors.base import ReplicaHandle, ServerlessExecutor
 from composer_replication.run import preflight
 from composer_replication.run.checkpoint import mirror_checkpoints
 from composer_replication.run.folder import RunFolder, default_run_name
 from composer_replication.run.metrics import MetricsCollector, MetricsSink
 from composer_replication.run.progress import Progress, ReplicaRow, choose_mode
+from composer_replication.run.replica import ENV_STORAGE_OPTIONS
 from composer_replication.run.report import summarize, write_report
 from composer_replication.run.storeio import StoreIO, local_path
 
 __all__ = ["ENTRYPOINT", "TrainResult", "prepare", "prepare_resume", "run"]
 
 ENTRYPOINT = "composer_replication.run.replica"
-ENV_STORAGE_OPTIONS = "COMPOSER_STORAGE_OPTIONS"
 
 
 @dataclass
@@ -113,24 +116,25 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _make_executor(config: RunConfig, folder: RunFolder) -> Any:
-    cls = preflight.executor_class(config.backend.kind)
+def _make_executor(config: RunConfig, folder: RunFolder) -> ServerlessExecutor:
+    """The executor of `backend.kind` (from the registry), built from `backend.options`."""
+    spec = registry.backend(config.backend.kind)
     options = dict(config.backend.options)
-    if config.backend.kind in ("local", "ray"):
+    if spec.takes_log_dir:
         options.setdefault("log_dir", str(folder.logs))
-    if config.backend.kind == "hf-jobs" and config.backend.forward_env:
-        # Job env is visible in the job's spec; secrets are stored encrypted by the Hub.
+    if spec.forward_env_as_secrets and config.backend.forward_env:
+        # A job's env is visible in its spec; secrets are stored encrypted by the service.
         options["secrets"] = {**dict(options.get("secrets") or {}), **_forwarded_env(config)}
     try:
-        return cls(**options)
+        return registry.executor_class(spec.name)(**options)
     except TypeError as exc:
         raise ConfigError(f"backend.options: {exc}") from None
     except (ValueError, ImportError, RuntimeError) as exc:  # bad option, SDK, credentials
-        raise ConfigError(f"backend ({config.backend.kind}): {exc}") from None
+        raise ConfigError(f"backend ({spec.name}): {exc}") from None
 
 
 def _rows(
-    config: RunConfig, handles: list[Any], statuses: dict[int, dict[str, Any]]
+    config: RunConfig, handles: list[ReplicaHandle], statuses: dict[int, dict[str, Any]]
 ) -> list[ReplicaRow]:
     rows = []
     now = time.time()
@@ -155,7 +159,7 @@ def _rows(
     return rows
 
 
-def _handle_json(handle: Any) -> dict[str, Any]:
+def _handle_json(handle: ReplicaHandle) -> dict[str, Any]:
     out = dataclasses.asdict(handle)
     out["status"] = str(handle.status.value)
     return out
@@ -208,7 +212,7 @@ def run(
         "TOKENIZERS_PARALLELISM": "false",
         **config.backend.env,
     }
-    if config.backend.kind != "hf-jobs":
+    if not registry.backend(config.backend.kind).forward_env_as_secrets:
         env.update(_forwarded_env(config))
     if config.train.torch_threads > 0:
         env.setdefault("OMP_NUM_THREADS", str(config.train.torch_threads))
@@ -288,7 +292,7 @@ def run(
     return TrainResult(folder=folder, exit_code=exit_code, status=status, summary=summary)
 
 
-def _install_stop_handlers() -> tuple[threading.Event, Any]:
+def _install_stop_handlers() -> tuple[threading.Event, Callable[[], None]]:
     """Ctrl-C / SIGTERM set a flag the monitoring loop acts on (cancel every replica, then
     gather what there is); a second one raises KeyboardInterrupt. A flag rather than an
     exception at an arbitrary point: an exception in the middle of an import would leave a
@@ -315,8 +319,8 @@ def _finish(
     config: RunConfig,
     folder: RunFolder,
     store: StoreIO,
-    executor: Any,
-    handles: list[Any],
+    executor: ServerlessExecutor,
+    handles: list[ReplicaHandle],
     collector: MetricsCollector,
     sink: MetricsSink,
     status: str,
@@ -340,7 +344,9 @@ def _finish(
     return summarize(read_metrics(folder.metrics))
 
 
-def _save_remote_logs(executor: Any, handles: list[Any], folder: RunFolder) -> None:
+def _save_remote_logs(
+    executor: ServerlessExecutor, handles: list[ReplicaHandle], folder: RunFolder
+) -> None:
     """Remote backends keep logs elsewhere: fetch each replica's log into logs/."""
     for handle in handles:
         location = handle.log_location or ""

@@ -8,7 +8,7 @@
 2. The resolved run configuration from the store (`run_config.json`, written by the driver).
 3. The task, the model (tiny: built locally from the config; else `from_pretrained`), the
    channel-3 teachers (configured endpoints, else the task oracle) and the
-   `ComposerReplicationTrainer` with all three loss channels.
+   `ComposerReplicationTrainer` with all three loss channels (`run/build.py`).
 4. The DiLoCo outer loop over `ObjectStoreManager(ObjectStoreAllReduce(URI, world_size, rank))`:
    every replica starts from the store's global weights; a relaunched replica (or a resumed
    run) continues from the latest committed round and trains only the remaining inner steps.
@@ -28,9 +28,14 @@ import tempfile
 import time
 import traceback
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["build_model", "build_trainer", "main", "run_replica"]
+from composer_replication.run.build import build_model, build_task, build_trainer
+
+if TYPE_CHECKING:
+    from composer_replication.config import RunConfig
+
+__all__ = ["main", "run_replica"]
 
 ENV_STORAGE_OPTIONS = "COMPOSER_STORAGE_OPTIONS"
 CONFIG_KEY = "run_config.json"
@@ -60,70 +65,6 @@ def _rank(ns: argparse.Namespace) -> int:
     return int(value)
 
 
-def build_model(config: Any) -> tuple[Any, Any]:
-    """(model, tokenizer) for config.model: the tiny Qwen2 or a hub/local checkpoint."""
-    m = config.model
-    if m.is_tiny:
-        from composer_replication.models import build_tiny_model, build_tokenizer
-
-        tok = build_tokenizer()
-        model = build_tiny_model(
-            tok, hidden_size=m.hidden_size, num_layers=m.num_layers, num_heads=m.num_heads,
-            num_kv_heads=m.num_kv_heads, seed=config.run.seed,
-        )  # fmt: skip
-        return model, tok
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(m.name, trust_remote_code=m.trust_remote_code)
-    tok.padding_side = "left"
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
-    dtype = "auto" if m.dtype == "auto" else getattr(torch, m.dtype)
-    model = AutoModelForCausalLM.from_pretrained(
-        m.name, dtype=dtype, trust_remote_code=m.trust_remote_code
-    )
-    return model, tok
-
-
-def _trainer_args(config: Any, output_dir: str, max_steps: int, seed: int) -> Any:
-    import torch
-
-    from composer_replication.trainer import ComposerConfig
-
-    t, loss = config.train, config.loss
-    cuda = torch.cuda.is_available()
-    return ComposerConfig(
-        output_dir=output_dir,
-        max_steps=max_steps,
-        learning_rate=t.learning_rate,
-        lr_scheduler_type="constant",
-        per_device_train_batch_size=t.batch_size,
-        gradient_accumulation_steps=t.gradient_accumulation_steps,
-        num_generations=t.num_generations,
-        max_completion_length=t.max_completion_length,
-        temperature=t.temperature,
-        logging_steps=config.logging.log_every,
-        report_to=[],
-        save_strategy="no",
-        disable_tqdm=True,
-        use_cpu=not cuda,
-        bf16=cuda and config.model.dtype == "bfloat16",
-        seed=seed,
-        loss_type=loss.loss_type,
-        epsilon=loss.epsilon_low,
-        epsilon_high=loss.epsilon_high,
-        beta=loss.kl_beta,
-    )
-
-
-def _composer_kwargs(config: Any) -> dict[str, Any]:
-    kw = config.loss.compose_kwargs()
-    for key in ("loss_type", "epsilon_low", "epsilon_high", "kl_beta"):
-        kw.pop(key, None)  # channel 1 is configured through TRL's own arguments
-    return kw
-
-
 def _resume_round(store: Any) -> int:
     """The round of the newest published global state (0 on a fresh run)."""
     from composer_replication.exchange.state import parse_state_name, state_prefix
@@ -132,70 +73,13 @@ def _resume_round(store: Any) -> int:
     return max((r for r in rounds if r is not None), default=0)
 
 
-def _teacher_pool(config: Any, task: Any) -> tuple[Any, Any]:
-    """(trace_store, teacher_pool) for channel 3."""
-    from composer_replication.data.teachers import TeacherPool
-    from composer_replication.data.traces import TraceStore, prompt_key
-    from composer_replication.run.bake import build_teachers, task_index
-
-    trace_store = TraceStore()
-    if config.teachers.traces_path:
-        trace_store = TraceStore.load([config.teachers.traces_path])
-    teachers = build_teachers(config, task)
-    if not teachers:
-        return trace_store, None
-    index = task_index(task)
-
-    def verifier(prompt: Any, completion: str) -> float | None:
-        example = index.get(prompt_key(prompt))
-        return None if example is None else float(task.verify(example, completion).reward)
-
-    return trace_store, TeacherPool(teachers, store=trace_store, verifier=verifier)
-
-
-def build_trainer(
-    config: Any,
-    *,
-    model: Any,
-    tokenizer: Any,
-    task: Any,
-    max_steps: int,
-    seed: int,
-    output_dir: str,
-    callbacks: list[Any] | None = None,
-) -> Any:
-    """The `ComposerReplicationTrainer` of a run: the task's reward (with feedback) and train
-    split, TRL settings from [train]/[loss], channel-3 teachers from [teachers]."""
-    from transformers.trainer_callback import PrinterCallback
-
-    from composer_replication.trainer import ComposerReplicationTrainer
-
-    trace_store, pool = _teacher_pool(config, task)
-    trainer = ComposerReplicationTrainer(
-        model=model,
-        processing_class=tokenizer,
-        reward_funcs=[task.reward_func()],
-        train_dataset=task.to_dataset("train"),
-        args=_trainer_args(config, output_dir, max_steps, seed),
-        callbacks=callbacks,
-        trace_store=trace_store,
-        teacher_pool=pool,
-        **_composer_kwargs(config),
-    )
-    # Every log line already goes to the store as a metric record; printing each one too
-    # would only bloat the replica's log file.
-    trainer.remove_callback(PrinterCallback)
-    return trainer
-
-
-def run_replica(config: Any, rank: int, uri: str, storage_options: dict[str, Any]) -> int:
+def run_replica(config: RunConfig, rank: int, uri: str, storage_options: dict[str, Any]) -> int:
     """Train this replica of the run (see the module docstring); returns the exit code."""
     import torch
     from transformers import set_seed
 
     from composer_replication.diloco import make_diloco_outer_loop
     from composer_replication.exchange import ObjectStoreAllReduce, ObjectStoreManager
-    from composer_replication.run.bake import build_task
     from composer_replication.run.metrics import ReplicaMetricsWriter
     from composer_replication.run.reporter import ReplicaReporter
     from composer_replication.run.storeio import StoreIO

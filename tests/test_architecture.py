@@ -52,7 +52,11 @@ def references(path: Path, pkg_dir: Path = PKG_DIR) -> list[str]:
                 mod = node.module or ""
             out.append(mod)
             # `from composer_replication.loss import _logprobs` imports a private module too
-            out.extend(f"{mod}.{alias.name}" for alias in node.names if alias.name.startswith("_") and not alias.name.startswith("__"))
+            out.extend(
+                f"{mod}.{alias.name}"
+                for alias in node.names
+                if alias.name.startswith("_") and not alias.name.startswith("__")
+            )
         elif isinstance(node, ast.Constant) and isinstance(node.value, str):
             if _MODULE_STRING.fullmatch(node.value):
                 out.append(node.value.split(":")[0])

@@ -1,7 +1,8 @@
 """Orchestration of a training run: run folder, driver, metrics, progress, report, status.
 
 The CLI (`composer_replication.cli`) sits on top of this package; the replicas use only
-`storeio`, `metrics` and `checkpoint`. Nothing heavy is imported here.
+`metrics`, `checkpoint` and `reporter` (and the store client `exchange.store`). Nothing heavy
+is imported here.
 """
 
 from composer_replication.run.folder import RunFolder, default_run_name

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from composer_replication.config import ConfigError, RunConfig
+from composer_replication.exchange.store import ObjectStore, normalize_uri
 from composer_replication.run.folder import RunFolder
-from composer_replication.run.storeio import StoreIO, local_path, normalise_uri
 
 __all__ = ["EXECUTORS", "check_all", "check_backend", "check_model", "check_store", "check_task"]
 
@@ -136,7 +136,8 @@ def check_store(config: RunConfig, store_uri: str, *, overwrite: bool = False) -
 
     Local: checked without writing. Remote: one probe object, written and deleted.
     """
-    folder = local_path(store_uri)
+    store = ObjectStore(store_uri, config.store.storage_options)  # connects on first use only
+    folder = store.local_path
     if folder is not None:
         if (folder / "run_config.json").exists() and not overwrite:
             raise ConfigError(
@@ -154,7 +155,6 @@ def check_store(config: RunConfig, store_uri: str, *, overwrite: bool = False) -
             )
         return
     try:
-        store = StoreIO(store_uri, config.store.storage_options)
         taken = store.exists("run_config.json")
         if not taken:
             store.probe_writable()
@@ -212,7 +212,10 @@ def check_reporting(config: RunConfig) -> None:
 
 
 def resolve_store_uri(config: RunConfig, folder: RunFolder) -> str:
-    return normalise_uri(config.store.uri) if config.store.uri else normalise_uri(str(folder.store))
+    try:
+        return normalize_uri(config.store.uri or str(folder.store))
+    except ValueError as exc:
+        raise ConfigError(f"store.uri: {exc}") from None
 
 
 def check_all(

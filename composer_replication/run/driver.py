@@ -298,6 +298,14 @@ def _start_lighthouse(config: RunConfig, env: dict[str, str]) -> Any:
     (its address goes into the replicas' `env`); None otherwise."""
     if config.diloco.manager != "torchft" or config.diloco.lighthouse:
         return None
+    if "torchft" not in sys.modules and "RUST_LOG" not in os.environ:
+        # torchft's Rust logger reads RUST_LOG once, at import: keep the lighthouse's per-quorum
+        # INFO lines out of the progress display (the replicas' own logs keep theirs).
+        os.environ["RUST_LOG"] = "warn"
+        try:
+            import torchft  # noqa: F401
+        finally:
+            del os.environ["RUST_LOG"]
     from composer_replication.diloco.torchft_path import lighthouse_address, start_lighthouse
 
     n = config.backend.n_replicas

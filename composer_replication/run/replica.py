@@ -157,10 +157,13 @@ def _build_manager(config: Any, rank: int, store: Any) -> Any:
         local = host in ("127.0.0.1", "localhost", "::1")
         states = RunDocuments(store, world_size=n, codec=d.codec, keep_steps=config.store.keep_rounds,
                               poll_interval_s=0.5)  # fmt: skip
+        # init_sync=False: every replica builds the same initial weights (same seed or
+        # checkpoint), so the first quorum need not copy them; a replica that is behind (a
+        # restart) is still healed from a peer.
         return build_torchft_manager(
             replica_id=f"replica_{rank}", lighthouse_addr=lighthouse,
             min_replicas=d.min_replicas or n, hostname="127.0.0.1" if local else _hostname(),
-            states=states,
+            init_sync=False, states=states,
         )  # fmt: skip
     from composer_replication.exchange import ObjectStoreAllReduce, ObjectStoreManager
 

@@ -7,7 +7,9 @@ Two halves:
   False), ``register_state_dict_fn``, ``allow/disallow_state_dict_read`` (around every inner
   optimizer step), ``start_quorum``, ``current_step``, ``allreduce`` (in-place average, returns
   a ``Work``) and ``should_commit``;
-- the outer loop's hooks: ``add_heal_hook`` (after a heal loaded new global weights),
+- the outer loop's hooks: ``add_heal_hook`` (called in the round in which a heal replaced this
+  replica's global state, before that round's outer step: the outer loop copies the global
+  weights into the model),
   ``initial_sync`` (make every replica start from the run's global state; returns the round it
   resumes at), ``record_inner_step`` / ``record_tokens`` (what this round trained),
   ``publish_if_due`` (publish the outer state when a committed round calls for it), ``drain``
@@ -33,13 +35,12 @@ import torch.distributed as dist
 from composer_replication.exchange.manager import RoundRecord
 from composer_replication.exchange.outer_state import LoadStateFn, SaveStateFn
 
-__all__ = ["Manager", "RoundRecord"]
+__all__ = ["DiLoCoSurface", "Manager", "RoundRecord"]
 
 
-class Manager(Protocol):
-    """See the module docstring."""
+class DiLoCoSurface(Protocol):
+    """The part of ``torchft.Manager`` that ``torchft.local_sgd.DiLoCo`` calls."""
 
-    # -- the torchft Manager surface DiLoCo drives
     _use_async_quorum: bool
 
     def register_state_dict_fn(
@@ -60,7 +61,10 @@ class Manager(Protocol):
 
     def should_commit(self, timeout: timedelta | None = ...) -> bool: ...
 
-    # -- the outer loop's hooks
+
+class Manager(DiLoCoSurface, Protocol):
+    """What the outer loop needs: DiLoCo's surface plus its hooks (see the module docstring)."""
+
     def add_heal_hook(self, fn: Callable[[], None]) -> None: ...
 
     def initial_sync(self, named_parameters: Mapping[str, torch.Tensor]) -> int: ...

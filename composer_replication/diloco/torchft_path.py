@@ -14,8 +14,9 @@ runs unchanged over torchft's own fault-tolerant Manager instead of the object s
 `composer-replication train` takes this path with ``[diloco] manager = "torchft"``.
 
 `TorchFTManager` adapts a torchft Manager to the outer loop's `Manager` protocol
-(``diloco/manager.py``): it forwards DiLoCo's calls, runs the heal hooks after torchft healed
-this replica from a peer, keeps a `RoundRecord` per round, and, given a ``states`` handle on the
+(``diloco/manager.py``): it forwards DiLoCo's calls, runs the heal hooks in the round in which
+torchft healed this replica from a peer (see `TorchFTManager.start_quorum`), keeps a
+`RoundRecord` per round, and, given a ``states`` handle on the
 run's object store, publishes the outer state after committed rounds (participating rank 0
 only) and loads the newest one in `initial_sync`, so a restarted run resumes from the store as
 it does with the object-store exchange. A raw ``torchft.Manager`` passed to
@@ -55,12 +56,13 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
 
+from composer_replication.diloco.manager import DiLoCoSurface, Manager
 from composer_replication.exchange.documents import RunDocuments
 from composer_replication.exchange.manager import RoundRecord, round_record
 from composer_replication.exchange.outer_state import (
@@ -73,9 +75,6 @@ from composer_replication.exchange.outer_state import (
     publish_outer_state,
 )
 from composer_replication.exchange.state import model_fingerprint
-
-if TYPE_CHECKING:
-    from composer_replication.diloco.manager import Manager
 
 __all__ = [
     "TorchFTManager",
@@ -166,30 +165,10 @@ def lighthouse_address(lighthouse: Any, host: str = "127.0.0.1") -> str:
     return f"http://{host}:{port}"
 
 
-class TorchftManagerSurface(Protocol):
+class TorchftManagerSurface(DiLoCoSurface, Protocol):
     """What `TorchFTManager` uses of a ``torchft.manager.Manager`` (torchft ships no types)."""
 
-    _use_async_quorum: bool
-
-    def register_state_dict_fn(
-        self, key: str, load_state_dict: LoadStateFn, state_dict: SaveStateFn
-    ) -> None: ...
-
-    def allow_state_dict_read(self) -> None: ...
-
-    def disallow_state_dict_read(self) -> None: ...
-
-    def start_quorum(
-        self, allow_heal: bool = ..., shrink_only: bool = ..., timeout: timedelta | None = ...
-    ) -> None: ...
-
-    def current_step(self) -> int: ...
-
     def batches_committed(self) -> int: ...
-
-    def allreduce(self, tensor: torch.Tensor, should_quantize: bool = ...) -> dist.Work: ...
-
-    def should_commit(self, timeout: timedelta | None = ...) -> bool: ...
 
     def num_participants(self) -> int: ...
 
@@ -245,6 +224,7 @@ class TorchFTManager:
         self._state = StateFns()
         self._heal_hooks: list[Callable[[], None]] = []
         self._healed = False
+        self._heal_pending = False
         self._publish_due = False
         self._tokens: int | None = None
         self._inner_steps = 0
@@ -275,15 +255,20 @@ class TorchFTManager:
     def start_quorum(
         self, allow_heal: bool = True, shrink_only: bool = False, timeout: timedelta | None = None
     ) -> None:
-        """torchft's quorum (synchronous: a heal is applied before this returns), then the heal
-        hooks if this replica was healed."""
+        """torchft's quorum (synchronous: a heal from a peer is applied before this returns).
+
+        The heal hooks do not run here: torchft takes a healed replica's pseudo-gradient against
+        the healed global weights (its local work still counts), so copying the global weights
+        into the model now would zero its contribution. They run in `should_commit`, after
+        DiLoCo restored the synced fragment and before the outer step, where they bring the
+        other fragments onto the healed global weights too.
+        """
         self._healed = False
         self._quorum_started = time.monotonic()
         self.manager.start_quorum(allow_heal=allow_heal, shrink_only=shrink_only, timeout=timeout)
         if self._healed:
             logger.info("healed from a peer at step %s", self.manager.current_step())
-            for fn in self._heal_hooks:
-                fn()
+            self._heal_pending = True
             self.history.append(round_record(self.manager.current_step(), committed=True,
                                              healed=True))  # fmt: skip
 
@@ -296,6 +281,10 @@ class TorchFTManager:
 
     def should_commit(self, timeout: timedelta | None = None) -> bool:
         committed = self.manager.should_commit(timeout=timeout)
+        if self._heal_pending:
+            self._heal_pending = False
+            for fn in self._heal_hooks:
+                fn()
         step = self.manager.current_step()
         record = round_record(step if committed else step + 1, committed=committed)
         record["participants"] = self.manager.num_participants()

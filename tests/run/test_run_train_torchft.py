@@ -15,24 +15,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_run_train_e2e import SMALL as E2E_SMALL
 
 from composer_replication.config import load_config
 from composer_replication.run.metrics import read_metrics
 from composer_replication.run.replica import build_model, weights_digest
 
-SMALL = [
-    "model.hidden_size=32",
-    "model.num_layers=1",
-    "task.n_train=32",
-    "task.n_eval=8",
-    "train.eval_max_examples=8",
-    "train.batch_size=8",
-    "train.num_generations=4",
-    "train.max_completion_length=4",
-    "logging.flush_every_s=0.2",
-    "logging.tensorboard=false",
-    "logging.report=false",
-]
+# the e2e test's small config, without TensorBoard files and plots
+SMALL = [*E2E_SMALL, "logging.tensorboard=false", "logging.report=false"]
 
 pytestmark = pytest.mark.slow
 

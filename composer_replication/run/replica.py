@@ -356,12 +356,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     from composer_replication.config.schema import RunConfig
     from composer_replication.exchange.store import ObjectStore
 
-    store = ObjectStore(uri, storage_options)
-    deadline = time.monotonic() + ns.config_timeout
-    doc = store.get_json(CONFIG_KEY)
-    while doc is None and time.monotonic() < deadline:
-        time.sleep(0.5)
+    try:
+        store = ObjectStore(uri, storage_options)
+        deadline = time.monotonic() + ns.config_timeout
         doc = store.get_json(CONFIG_KEY)
+        while doc is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+            doc = store.get_json(CONFIG_KEY)
+    except ValueError as exc:  # a URI without a bucket, a run_config.json that is not JSON
+        print(f"replica: error: {exc}", file=sys.stderr)
+        return 2
     if doc is None:
         print(f"replica: error: no {CONFIG_KEY} in {store.uri} after {ns.config_timeout:g}s; "
               "start runs with `composer-replication train`", file=sys.stderr)  # fmt: skip

@@ -290,6 +290,16 @@ class DilocoConfig:
     min_replicas: int | None = _f(None, "contributions needed to commit a round (unset = all)")
     weighting: Literal["equal", "tokens"] = _f("equal", "how contributions are weighted")
     timeout_s: float = _f(600.0, "how long a round waits for contributions")
+    manager: Literal["object_store", "torchft"] = _f(
+        "object_store",
+        "who averages the replicas: 'object_store' (they meet only in store.uri) or 'torchft' "
+        "(torchft's Manager and lighthouse; replicas must reach each other over TCP)",
+    )
+    lighthouse: str = _f(
+        "",
+        "torchft lighthouse 'http://HOST:PORT' (manager = 'torchft'); empty = the driver runs "
+        "one on 127.0.0.1 (local backend only)",
+    )
 
     def __post_init__(self) -> None:
         _check(self.sync_every_h >= 1, "diloco.sync_every_h", "must be >= 1")
@@ -298,6 +308,36 @@ class DilocoConfig:
         if self.min_replicas is not None:
             _check(self.min_replicas >= 1, "diloco.min_replicas", "must be >= 1")
         _check(self.timeout_s > 0, "diloco.timeout_s", "must be > 0")
+        if self.lighthouse:
+            from urllib.parse import urlparse
+
+            url = urlparse(self.lighthouse)
+            try:
+                port = url.port
+            except ValueError:
+                port = None
+            _check(
+                url.scheme in ("http", "https") and bool(url.hostname) and port is not None,
+                "diloco.lighthouse",
+                f"{self.lighthouse!r} is not an address like 'http://10.0.0.5:29510'",
+            )
+            _check(
+                self.manager == "torchft",
+                "diloco.lighthouse",
+                "is only used with diloco.manager = 'torchft'; remove it or set the manager",
+            )
+        if self.manager == "torchft":
+            _check(
+                self.codec == "fp32",
+                "diloco.codec",
+                f"{self.codec!r} applies to the object-store exchange; torchft averages fp32 "
+                "over gloo (use codec = 'fp32' or manager = 'object_store')",
+            )
+            _check(
+                self.weighting == "equal",
+                "diloco.weighting",
+                "torchft averages replicas equally; 'tokens' needs manager = 'object_store'",
+            )
 
 
 @dataclass(frozen=True)
@@ -389,6 +429,14 @@ class RunConfig:
                 f"train.max_steps: {self.train.max_steps} is not a multiple of "
                 f"diloco.sync_every_h ({h}); the steps after the last sync would be discarded "
                 f"(use e.g. train.max_steps={lower} or {lower + h})"
+            )
+        if self.diloco.manager == "torchft" and not self.diloco.lighthouse:
+            _check(
+                self.backend.kind == "local",
+                "diloco.lighthouse",
+                f"backend {self.backend.kind!r} runs replicas the driver's own lighthouse "
+                "(127.0.0.1) cannot serve; start `torchft_lighthouse` where they can reach it "
+                "and set diloco.lighthouse = 'http://HOST:PORT'",
             )
         if self.diloco.min_replicas is not None:
             _check(

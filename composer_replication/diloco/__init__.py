@@ -9,6 +9,8 @@ from typing import Any
 _LAZY = {
     "make_diloco_outer_loop": "composer_replication.diloco.outer_loop",
     "DiLoCoOuterLoop": "composer_replication.diloco.outer_loop",
+    "Manager": "composer_replication.diloco.manager",
+    "TorchFTManager": "composer_replication.diloco.torchft_path",
 }
 
 __all__ = sorted(_LAZY)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -26,7 +25,7 @@ import torch
 
 from composer_replication.exchange import codecs, wire
 from composer_replication.exchange.aggregate import average_in_rank_order, check_inputs
-from composer_replication.exchange.documents import RunDocumentsMixin
+from composer_replication.exchange.documents import RunDocuments
 from composer_replication.exchange.protocol import (
     Contribution,
     CorruptContributionError,
@@ -62,7 +61,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-class ObjectStoreAllReduce(RunDocumentsMixin):
+class ObjectStoreAllReduce(RunDocuments):
     """Pseudo-gradient exchange through ``uri`` (``file://``, ``memory://``, ``s3://``, ``gs://``).
 
     ``rank=None`` gives a driver/observer handle (manifest, states, run documents) that cannot
@@ -117,11 +116,14 @@ class ObjectStoreAllReduce(RunDocumentsMixin):
             raise ValueError(f"keep_steps must be an int >= 1, got {keep_steps!r}")
         if not poll_interval_s > 0:
             raise ValueError(f"poll_interval_s must be > 0, got {poll_interval_s!r}")
-        self._store = ObjectStore(uri, storage_options)
-        self.uri: str = self._store.uri
-        self.world_size = world_size
+        super().__init__(
+            ObjectStore(uri, storage_options),
+            world_size=world_size,
+            codec=codecs.check_codec(codec),
+            keep_steps=keep_steps,
+            poll_interval_s=float(poll_interval_s),
+        )
         self.rank = rank
-        self.codec = codecs.check_codec(codec)
         # what this replica writes; readers verify whatever algorithm each header names
         self.checksum = (
             wire.default_checksum() if checksum is None else wire.check_checksum(checksum)
@@ -131,10 +133,7 @@ class ObjectStoreAllReduce(RunDocumentsMixin):
         self.run_timeout_s = run_timeout_s
         self.min_replicas = min_replicas
         self.weighting = weighting
-        self.keep_steps = keep_steps
-        self.poll_interval_s = float(poll_interval_s)
         self.last_result: StepResult | None = None
-        self._cancel = threading.Event()
         self._run_deadline = None if run_timeout_s is None else time.monotonic() + run_timeout_s
         self._uploader: ThreadPoolExecutor | None = None
         self._fetcher: ThreadPoolExecutor | None = None
@@ -160,7 +159,7 @@ class ObjectStoreAllReduce(RunDocumentsMixin):
 
     def cancel(self) -> None:
         """Abort the current and future waits with ExchangeCancelledError (thread-safe)."""
-        self._cancel.set()
+        self.cancelled.set()
 
     # ------------------------------------------------------------------ exchange
     def allreduce(
@@ -207,7 +206,7 @@ class ObjectStoreAllReduce(RunDocumentsMixin):
         return result
 
     def _check_cancel_and_run(self, step: int) -> None:
-        if self._cancel.is_set():
+        if self.cancelled.is_set():
             raise ExchangeCancelledError(f"step {step}: exchange cancelled")
         if self._run_deadline is not None and time.monotonic() > self._run_deadline:
             raise StoreTimeoutError(
@@ -216,11 +215,10 @@ class ObjectStoreAllReduce(RunDocumentsMixin):
 
     def _upload(self, step: int, payload: list[Buffer], nbytes: int) -> bool:
         """put-if-absent our contribution within upload_timeout_s; False if one was there."""
+        assert self.rank is not None
         if self._uploader is None:
             self._uploader = ThreadPoolExecutor(1, thread_name_prefix="store-upload")
-        fut = self._uploader.submit(
-            self._store.put_if_absent, contrib_key(step, self.rank), payload
-        )
+        fut = self._uploader.submit(self.store.put_if_absent, contrib_key(step, self.rank), payload)
         try:
             return fut.result(timeout=self.upload_timeout_s)
         except FutureTimeout:
@@ -266,7 +264,7 @@ class ObjectStoreAllReduce(RunDocumentsMixin):
                 present = {
                     r
                     for r in map(
-                        parse_contrib_name, self._store.list(f"{step_prefix(step)}contrib/")
+                        parse_contrib_name, self.store.list(f"{step_prefix(step)}contrib/")
                     )
                     if r is not None and 0 <= r < self.world_size
                 }
@@ -312,13 +310,13 @@ class ObjectStoreAllReduce(RunDocumentsMixin):
                     f"missing ranks {missing}, rejected {sorted(rejected)}; nothing committed by "
                     f"rank {self.rank}{last_error}"
                 )
-            if self._cancel.wait(self.poll_interval_s):
+            if self.cancelled.wait(self.poll_interval_s):
                 raise ExchangeCancelledError(f"step {step}: exchange cancelled")
         result, d = self._aggregate(step, commit, valid, tensors, ref)
         return result, commit, up, down + d
 
     def _read_commit(self, step: int) -> dict[str, Any] | None:
-        raw = self._store.get(commit_key(step))
+        raw = self.store.get(commit_key(step))
         return None if raw is None else parse_commit(raw, step=step, world_size=self.world_size)
 
     def _write_commit(
@@ -334,7 +332,7 @@ class ObjectStoreAllReduce(RunDocumentsMixin):
             weighting=self.weighting, committed_by=self.rank, excluded=excluded,
         )  # fmt: skip
         raw = json.dumps(record, sort_keys=True).encode()
-        if self._store.put_if_absent(commit_key(step), raw):
+        if self.store.put_if_absent(commit_key(step), raw):
             log.info("step %d: rank %d committed ranks %s", step, self.rank, sorted(valid))
             return parse_commit(raw, step=step, world_size=self.world_size)
         # lost the race: the winner's record decides, whatever we saw
@@ -391,11 +389,11 @@ class ObjectStoreAllReduce(RunDocumentsMixin):
             # hashing is CPU, so threads only help with spare cores (measured: on 2 cores with
             # 4 replicas, 3 fetch threads made the step 2x slower than 1).
             spare = max(1, (os.cpu_count() or 1) // 2)
-            workers = min(self.world_size, spare if self._store.is_local else 8)
+            workers = min(self.world_size, spare if self.store.is_local else 8)
             self._fetcher = ThreadPoolExecutor(workers, thread_name_prefix="store-fetch")
 
         def fetch(r: int) -> tuple[Contribution | str | None, int]:
-            raw = self._store.get(contrib_key(step, r))
+            raw = self.store.get(contrib_key(step, r))
             if raw is None:
                 return None, 0
             try:
@@ -419,9 +417,9 @@ class ObjectStoreAllReduce(RunDocumentsMixin):
     def _gc(self, step: int) -> None:
         """Delete steps older than the ``keep_steps`` most recent (done by the committer)."""
         try:
-            for name in self._store.list("steps/"):
+            for name in self.store.list("steps/"):
                 s = parse_step_dir(name)
                 if s is not None and s <= step - self.keep_steps:
-                    self._store.delete_prefix(step_prefix(s))
+                    self.store.delete_prefix(step_prefix(s))
         except OSError as e:  # GC is housekeeping; never fail a committed step for it
             log.warning("garbage collection of old steps failed: %r", e)

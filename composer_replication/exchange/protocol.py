@@ -111,11 +111,11 @@ def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
     for key in sorted(tensors):
         t = tensors[key].contiguous().reshape(-1)  # 0-dim tensors cannot be viewed as bytes
         h.update(key.encode())
-        h.update(t.view(torch.uint8).numpy() if t.numel() else b"")
+        h.update(t.view(torch.uint8).numpy().data if t.numel() else b"")
     return h.hexdigest()
 
 
-def read_safetensors_metadata(blob: bytes, what: str) -> dict[str, str]:
+def read_safetensors_metadata(blob: bytes | memoryview, what: str) -> dict[str, str]:
     """Parse the safetensors JSON header of ``blob`` without touching its tensor data."""
     if len(blob) < 8:
         raise CorruptContributionError(f"{what}: {len(blob)} bytes is not a safetensors payload")
@@ -135,7 +135,7 @@ def read_safetensors_metadata(blob: bytes, what: str) -> dict[str, str]:
     return meta
 
 
-def load_tensors(blob: bytes, what: str) -> dict[str, torch.Tensor]:
+def load_tensors(blob: bytes | memoryview, what: str) -> dict[str, torch.Tensor]:
     """``safetensors.torch.load`` with errors turned into CorruptContributionError."""
     try:
         return st_load(bytes(blob))
@@ -205,6 +205,8 @@ def encode_contribution(
             parts[f"t{i}.{part}"] = t
     entries, buffers = wire.layout(parts)
     digest = wire.digest(buffers, algo)
+    shapes = [list(tensors[n].shape) for n in names]
+    dtypes = [dtype_name(tensors[n].dtype) for n in names]
     header = {
         "format": FORMAT,
         "kind": "contribution",
@@ -214,14 +216,14 @@ def encode_contribution(
         "inner_steps": inner_steps,
         "codec": codec,
         "names": names,
-        "shapes": [list(tensors[n].shape) for n in names],
-        "dtypes": [dtype_name(tensors[n].dtype) for n in names],
+        "shapes": shapes,
+        "dtypes": dtypes,
         "checksum": {"algo": algo, "value": digest},
     }
     payload: list[wire.Buffer] = [wire.header_bytes(entries, {HEADER_KEY: json.dumps(header)})]
     payload += buffers
     contrib = Contribution(
-        rank, step, tokens, inner_steps, codec, names, header["shapes"], header["dtypes"], digest,
+        rank, step, tokens, inner_steps, codec, names, shapes, dtypes, digest,
         parts, sum(memoryview(b).nbytes for b in payload), algo,
     )  # fmt: skip
     return payload, contrib
@@ -298,6 +300,7 @@ def decode_contribution(
     )
     if not ok:
         raise CorruptContributionError(f"{what}: malformed header fields")
+    assert isinstance(names, list) and isinstance(shapes, list) and isinstance(dtypes, list)
     if reference is not None:
         theirs = {n: (list(s), d) for n, s, d in zip(names, shapes, dtypes)}
         ours = {n: (list(s), d) for n, (s, d) in reference.items()}

@@ -131,7 +131,7 @@ def encode_state(
 
 
 def decode_state(
-    blob: bytes, *, name: str, round: int
+    blob: bytes | memoryview, *, name: str, round: int
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Validate a state snapshot; returns (tensors, extra)."""
     what = f"state {name!r} round {round}"

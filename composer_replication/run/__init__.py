@@ -5,7 +5,8 @@ process each replica runs (build, then train inside the DiLoCo outer loop); `dri
 replicas through an executor from the backend registry and gathers metrics (`metrics`),
 checkpoints (`checkpoint`), status (`status`) and the report (`report`); `preflight` checks a
 run before anything is written. The CLI (`composer_replication.cli`) sits on top of this
-package. Nothing heavy is imported here.
+package. The store client is `exchange.store.ObjectStore`.
+Nothing heavy is imported here.
 """
 
 from composer_replication.run.folder import RunFolder, default_run_name

@@ -9,7 +9,9 @@
 The replicas (composer_replication.run.replica) read the resolved
 config from the store, so a replica on Modal and one on this machine run the same thing. A
 replica that fails (after the executor's restarts) stops the run unless diloco.min_replicas
-lets the others continue; Ctrl-C cancels every replica.
+lets the others continue; Ctrl-C cancels every replica. With ``diloco.manager = "torchft"`` and
+no ``diloco.lighthouse`` the driver runs a torchft lighthouse on 127.0.0.1 for the run's
+lifetime and hands its address to the replicas as $TORCHFT_LIGHTHOUSE.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from composer_replication.config import (
     from_dict,
     to_dict,
 )
+from composer_replication.exchange.store import ObjectStore
 from composer_replication.executors import registry
 from composer_replication.executors.base import ReplicaHandle, ServerlessExecutor
 from composer_replication.run import preflight
@@ -44,7 +47,6 @@ from composer_replication.run.metrics import MetricsCollector, MetricsSink
 from composer_replication.run.progress import Progress, ReplicaRow, choose_mode
 from composer_replication.run.replica import ENV_STORAGE_OPTIONS
 from composer_replication.run.report import summarize, write_report
-from composer_replication.run.storeio import StoreIO, local_path
 
 __all__ = ["ENTRYPOINT", "TrainResult", "prepare", "prepare_resume", "run"]
 
@@ -176,17 +178,17 @@ def run(
 ) -> TrainResult:
     """Train; see the module docstring. `config` must come from prepare/prepare_resume."""
     stream = stream if stream is not None else sys.stdout
-    store = StoreIO(config.store.uri, config.store.storage_options)
+    store = ObjectStore(config.store.uri, config.store.storage_options)
     # Before anything is written: a missing SDK, missing credentials or a bad option of the
     # backend is a configuration error (exit 2), not a half-created run folder.
     executor = _make_executor(config, folder)
     if not resume:
         folder.create(overwrite=overwrite)
         if overwrite and store.exists(""):
-            store.remove("")  # a stale run in an explicit store would be resumed otherwise
+            store.delete_prefix("")  # a stale run in an explicit store would be resumed otherwise
     folder.config_toml.write_text(dump_toml(config))
     folder.config_json.write_text(json.dumps(to_dict(config), indent=1))
-    store.write_json("run_config.json", to_dict(config))
+    store.put_json("run_config.json", to_dict(config))
     t_start = time.monotonic()
     state = folder.read_driver()
     attempt = int(state.get("attempt", 0)) + 1
@@ -206,7 +208,6 @@ def run(
     consumed = {int(k): int(v) for k, v in (state.get("metrics_chunks") or {}).items()}
     collector = MetricsCollector(store, config.backend.n_replicas, sink, consumed)
 
-    stop, restore_signals = _install_stop_handlers()
     env = {
         ENV_STORAGE_OPTIONS: json.dumps(config.store.storage_options),
         "TOKENIZERS_PARALLELISM": "false",
@@ -216,6 +217,8 @@ def run(
         env.update(_forwarded_env(config))
     if config.train.torch_threads > 0:
         env.setdefault("OMP_NUM_THREADS", str(config.train.torch_threads))
+    lighthouse = _start_lighthouse(config, env)
+    stop, restore_signals = _install_stop_handlers()
     try:
         handles = executor.launch_replicas(
             config.backend.n_replicas,
@@ -226,6 +229,7 @@ def run(
         )
     except Exception as exc:  # the executor cancelled whatever it had started
         restore_signals()
+        _stop_lighthouse(lighthouse)
         progress.close()
         sink.close()
         message = f"launching the replicas failed: {type(exc).__name__}: {exc}"
@@ -242,9 +246,9 @@ def run(
             collector.poll()
             statuses = collector.statuses()
             progress.update(_rows(config, handles, statuses))
-            # Mid-run mirroring only for a local store (hard links, free); a remote store's
+            # Mid-run mirroring only for a local store (a disk copy); a remote store's
             # checkpoints (GBs for a real model) are downloaded once, at the end.
-            if local_path(store.uri) is not None and time.monotonic() - last_mirror > 5.0:
+            if store.is_local and time.monotonic() - last_mirror > 5.0:
                 mirror_checkpoints(store, folder.checkpoints)
                 last_mirror = time.monotonic()
             folder.update_driver(
@@ -285,11 +289,38 @@ def run(
         summary = {}
     finally:
         restore_signals()
+        _stop_lighthouse(lighthouse)
     exit_code = {"finished": 0, "interrupted": 130}.get(status, 1)
     wall = time.monotonic() - t_start
     folder.update_driver(wall_seconds=wall)
     print(summary_text(folder, status, summary, config, wall), file=stream, flush=True)
     return TrainResult(folder=folder, exit_code=exit_code, status=status, summary=summary)
+
+
+def _start_lighthouse(config: RunConfig, env: dict[str, str]) -> Any:
+    """A torchft lighthouse on 127.0.0.1 when the run uses torchft without one of its own
+    (its address goes into the replicas' `env`); None otherwise."""
+    if config.diloco.manager != "torchft" or config.diloco.lighthouse:
+        return None
+    if "torchft" not in sys.modules and "RUST_LOG" not in os.environ:
+        # torchft's Rust logger reads RUST_LOG once, at import: keep the lighthouse's per-quorum
+        # INFO lines out of the progress display (the replicas' own logs keep theirs).
+        os.environ["RUST_LOG"] = "warn"
+        try:
+            import torchft  # noqa: F401
+        finally:
+            del os.environ["RUST_LOG"]
+    from composer_replication.diloco.torchft_path import lighthouse_address, start_lighthouse
+
+    n = config.backend.n_replicas
+    lighthouse = start_lighthouse(config.diloco.min_replicas or n, bind="127.0.0.1:0")
+    env["TORCHFT_LIGHTHOUSE"] = lighthouse_address(lighthouse)
+    return lighthouse
+
+
+def _stop_lighthouse(lighthouse: Any) -> None:
+    if lighthouse is not None:
+        lighthouse.shutdown()
 
 
 def _install_stop_handlers() -> tuple[threading.Event, Callable[[], None]]:
@@ -318,7 +349,7 @@ def _install_stop_handlers() -> tuple[threading.Event, Callable[[], None]]:
 def _finish(
     config: RunConfig,
     folder: RunFolder,
-    store: StoreIO,
+    store: ObjectStore,
     executor: ServerlessExecutor,
     handles: list[ReplicaHandle],
     collector: MetricsCollector,

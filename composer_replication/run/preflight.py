@@ -12,10 +12,10 @@ import re
 from pathlib import Path
 
 from composer_replication.config import ConfigError, RunConfig
+from composer_replication.exchange.store import ObjectStore, normalize_uri
 from composer_replication.executors import registry
 from composer_replication.run.build import build_task
 from composer_replication.run.folder import RunFolder
-from composer_replication.run.storeio import StoreIO, local_path, normalise_uri
 
 __all__ = [
     "check_all",
@@ -119,7 +119,8 @@ def check_store(config: RunConfig, store_uri: str, *, overwrite: bool = False) -
 
     Local: checked without writing. Remote: one probe object, written and deleted.
     """
-    folder = local_path(store_uri)
+    store = ObjectStore(store_uri, config.store.storage_options)  # connects on first use only
+    folder = store.local_path
     if folder is not None:
         if (folder / "run_config.json").exists() and not overwrite:
             raise ConfigError(
@@ -137,7 +138,6 @@ def check_store(config: RunConfig, store_uri: str, *, overwrite: bool = False) -
             )
         return
     try:
-        store = StoreIO(store_uri, config.store.storage_options)
         taken = store.exists("run_config.json")
         if not taken:
             store.probe_writable()
@@ -195,7 +195,10 @@ def check_reporting(config: RunConfig) -> None:
 
 
 def resolve_store_uri(config: RunConfig, folder: RunFolder) -> str:
-    return normalise_uri(config.store.uri) if config.store.uri else normalise_uri(str(folder.store))
+    try:
+        return normalize_uri(config.store.uri or str(folder.store))
+    except ValueError as exc:
+        raise ConfigError(f"store.uri: {exc}") from None
 
 
 def check_all(

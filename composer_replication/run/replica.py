@@ -9,9 +9,12 @@
 3. The task, the model (tiny: built locally from the config; else `from_pretrained`), the
    channel-3 teachers (configured endpoints, else the task oracle) and the
    `ComposerReplicationTrainer` with all three loss channels (`run/build.py`).
-4. The DiLoCo outer loop over `ObjectStoreManager(ObjectStoreAllReduce(URI, world_size, rank))`:
-   every replica starts from the store's global weights; a relaunched replica (or a resumed
-   run) continues from the latest committed round and trains only the remaining inner steps.
+4. The DiLoCo outer loop over the manager `[diloco] manager` names: "object_store" (default),
+   `ObjectStoreManager(ObjectStoreAllReduce(URI, world_size, rank))`, or "torchft", a torchft
+   Manager dialling the lighthouse `[diloco] lighthouse` (else $TORCHFT_LIGHTHOUSE, which the
+   driver sets when it runs one itself) that publishes its outer state to the same store.
+   Every replica starts from the run's global weights; a relaunched replica (or a resumed
+   run) continues from the latest published round and trains only the remaining inner steps.
 5. Train; metrics, status, evaluations and checkpoints go to the store (`run/reporter.py`).
 
 Exit code 0 when the replica finished, 1 on an error (its status document says which), 2 when
@@ -69,8 +72,56 @@ def _resume_round(store: Any) -> int:
     """The round of the newest published global state (0 on a fresh run)."""
     from composer_replication.exchange.state import parse_state_name, state_prefix
 
-    rounds = [parse_state_name(n) for n in store.list(state_prefix("global").rstrip("/"))]
+    rounds = [parse_state_name(n) for n in store.list(state_prefix("global"))]
     return max((r for r in rounds if r is not None), default=0)
+
+
+def _build_manager(config: Any, rank: int, store: Any) -> Any:
+    """The outer loop's `Manager` that `[diloco] manager` names, for replica `rank`."""
+    d = config.diloco
+    n = config.backend.n_replicas
+    if d.manager == "torchft":
+        import os
+        from urllib.parse import urlparse
+
+        from composer_replication.diloco.torchft_path import build_torchft_manager
+        from composer_replication.exchange.documents import RunDocuments
+
+        lighthouse = d.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
+        if not lighthouse:
+            raise ValueError(
+                "diloco.manager = 'torchft' needs a lighthouse: set diloco.lighthouse = "
+                "'http://HOST:PORT' (the driver starts one itself for local runs)"
+            )
+        # What this replica advertises to its peers: loopback when the run is on this machine.
+        host = urlparse(lighthouse).hostname or ""
+        local = host in ("127.0.0.1", "localhost", "::1")
+        states = RunDocuments(store, world_size=n, codec=d.codec, keep_steps=config.store.keep_rounds,
+                              poll_interval_s=0.5)  # fmt: skip
+        # init_sync=False: every replica builds the same initial weights (same seed or
+        # checkpoint), so the first quorum need not copy them; a replica that is behind (a
+        # restart) is still healed from a peer.
+        return build_torchft_manager(
+            replica_id=f"replica_{rank}", lighthouse_addr=lighthouse,
+            min_replicas=d.min_replicas or n, hostname="127.0.0.1" if local else _hostname(),
+            init_sync=False, states=states,
+        )  # fmt: skip
+    from composer_replication.exchange import ObjectStoreAllReduce, ObjectStoreManager
+
+    allreduce = ObjectStoreAllReduce(
+        store.uri, world_size=n, rank=rank, timeout_s=d.timeout_s, codec=d.codec,
+        min_replicas=d.min_replicas, weighting=d.weighting,
+        storage_options=store.storage_options or None, keep_steps=config.store.keep_rounds,
+    )  # fmt: skip
+    return ObjectStoreManager(allreduce=allreduce)
+
+
+def _hostname() -> str:
+    """This machine's address as its peers should dial it ($TORCHFT_HOSTNAME overrides)."""
+    import os
+    import socket
+
+    return os.environ.get("TORCHFT_HOSTNAME") or socket.getfqdn()
 
 
 def run_replica(config: RunConfig, rank: int, uri: str, storage_options: dict[str, Any]) -> int:
@@ -79,14 +130,14 @@ def run_replica(config: RunConfig, rank: int, uri: str, storage_options: dict[st
     from transformers import set_seed
 
     from composer_replication.diloco import make_diloco_outer_loop
-    from composer_replication.exchange import ObjectStoreAllReduce, ObjectStoreManager
+    from composer_replication.exchange.store import ObjectStore
     from composer_replication.run.metrics import ReplicaMetricsWriter
     from composer_replication.run.reporter import ReplicaReporter
-    from composer_replication.run.storeio import StoreIO
 
-    store = StoreIO(uri, storage_options)
+    store = ObjectStore(uri, storage_options)
     writer = ReplicaMetricsWriter(store, rank, flush_every_s=config.logging.flush_every_s)
     writer.status(state="starting", step=0, round=0, max_steps=config.train.max_steps, force=True)
+    manager = None
     try:
         if config.train.torch_threads > 0:
             torch.set_num_threads(config.train.torch_threads)
@@ -97,18 +148,7 @@ def run_replica(config: RunConfig, rank: int, uri: str, storage_options: dict[st
                    resumed_round=start_round)  # fmt: skip
         task = build_task(config)
         model, tok = build_model(config)
-        allreduce = ObjectStoreAllReduce(
-            store.uri,
-            world_size=config.backend.n_replicas,
-            rank=rank,
-            timeout_s=config.diloco.timeout_s,
-            codec=config.diloco.codec,
-            min_replicas=config.diloco.min_replicas,
-            weighting=config.diloco.weighting,
-            storage_options=storage_options or None,
-            keep_steps=config.store.keep_rounds,
-        )
-        manager = ObjectStoreManager(allreduce=allreduce)
+        manager = _build_manager(config, rank, store)
         outer = make_diloco_outer_loop(
             None, manager, h, model=model, outer_lr=config.diloco.outer_lr,
             outer_momentum=config.diloco.outer_momentum, nesterov=config.diloco.nesterov,
@@ -134,6 +174,10 @@ def run_replica(config: RunConfig, rank: int, uri: str, storage_options: dict[st
                 seed=seed, output_dir=scratch, callbacks=[outer.callback(), reporter],
             )  # fmt: skip
             trainer.train()
+        # The model now holds the global weights (the DiLoCo callback loaded them): their
+        # digest lets anyone check that every replica ended on the same model.
+        writer.log("event", step=config.train.max_steps, round=outer.round,
+                   event="global_weights", sha256=weights_digest(model))  # fmt: skip
         return 0
     except BaseException as exc:
         writer.status(
@@ -145,6 +189,22 @@ def run_replica(config: RunConfig, rank: int, uri: str, storage_options: dict[st
         raise
     finally:
         writer.flush()
+        if manager is not None:
+            manager.close()
+
+
+def weights_digest(model: Any) -> str:
+    """sha256 over the model's named parameters (names, dtypes, shapes and bytes, in order)."""
+    import hashlib
+
+    import torch
+
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        t = p.detach().to("cpu").contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def _finish_without_training(outer: Any, model: Any, reporter: Any, writer: Any, step: int) -> int:
@@ -178,14 +238,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     from composer_replication.config import from_dict
     from composer_replication.config.schema import RunConfig
-    from composer_replication.run.storeio import StoreIO
+    from composer_replication.exchange.store import ObjectStore
 
-    store = StoreIO(uri, storage_options)
-    deadline = time.monotonic() + ns.config_timeout
-    doc = store.read_json(CONFIG_KEY)
-    while doc is None and time.monotonic() < deadline:
-        time.sleep(0.5)
-        doc = store.read_json(CONFIG_KEY)
+    try:
+        store = ObjectStore(uri, storage_options)
+        deadline = time.monotonic() + ns.config_timeout
+        doc = store.get_json(CONFIG_KEY)
+        while doc is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+            doc = store.get_json(CONFIG_KEY)
+    except ValueError as exc:  # a URI without a bucket, a run_config.json that is not JSON
+        print(f"replica: error: {exc}", file=sys.stderr)
+        return 2
     if doc is None:
         print(f"replica: error: no {CONFIG_KEY} in {store.uri} after {ns.config_timeout:g}s; "
               "start runs with `composer-replication train`", file=sys.stderr)  # fmt: skip

@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
+from composer_replication.exchange.store import ObjectStore
 from composer_replication.run.checkpoint import prune_checkpoints, round_dir, save_checkpoint
 from composer_replication.run.metrics import ReplicaMetricsWriter
-from composer_replication.run.storeio import StoreIO
 
 try:
     from transformers import TrainerCallback
@@ -90,7 +90,7 @@ class ReplicaReporter(TrainerCallback):
         self,
         *,
         writer: ReplicaMetricsWriter,
-        store: StoreIO,
+        store: ObjectStore,
         outer: Any,
         rank: int,
         max_steps: int,
@@ -155,24 +155,12 @@ class ReplicaReporter(TrainerCallback):
         self._last_eval_round = self._round()
 
     def checkpoint_now(self, model: Any, step: int, name: str | None = None) -> None:
-        from composer_replication.exchange.outer_state import fetch_outer_state
-
         rnd = self._round()
-        outer_state = None
-        try:
-            stored = fetch_outer_state(self.outer.manager.store, round=rnd)
-        except Exception:  # the state may not be published yet; the weights still are saved
-            stored = None
-        if stored is not None:
-            # The global weights are in model.safetensors already; keep the optimizer state.
-            outer_state = {
-                key: {k: v for k, v in frag.items() if k != "original_parameters"}
-                for key, frag in stored.user.items()
-                if isinstance(frag, dict)
-            }
+        # The global weights go to model.safetensors; the outer optimizer state (momentum) is
+        # the same on every replica after a committed round, so it is taken from this one.
         save_checkpoint(
             self.store, name=name or round_dir(rnd), model=model, tokenizer=self.tokenizer,
-            round=rnd, step=step, outer_state=outer_state,
+            round=rnd, step=step, outer_state=self.outer.outer_optimizer_state(),
         )  # fmt: skip
         prune_checkpoints(self.store, self.keep_last)
         self._last_ckpt_round = rnd
@@ -216,7 +204,7 @@ class ReplicaReporter(TrainerCallback):
                     "round/seconds": record.get("seconds"),
                     "round/bytes_up": record.get("bytes_uploaded"),
                     "round/bytes_down": record.get("bytes_downloaded"),
-                    "round/included": len(record.get("included_ranks") or []),
+                    "round/included": record.get("participants"),
                     "round/committed": bool(record.get("committed")),
                     "round/healed": bool(record.get("healed")),
                 },

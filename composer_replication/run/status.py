@@ -16,10 +16,10 @@ import json
 import time
 from typing import Any
 
+from composer_replication.exchange.store import ObjectStore
 from composer_replication.run.checkpoint import committed_checkpoints
 from composer_replication.run.folder import RunFolder
 from composer_replication.run.metrics import status_key
-from composer_replication.run.storeio import StoreIO
 
 __all__ = ["run_status", "status_text"]
 
@@ -34,9 +34,12 @@ def run_status(folder: RunFolder, *, stale_after_s: float = 120.0) -> dict[str, 
     checkpoints: list[str] = []
     store_error = None
     try:
-        store = StoreIO(store_cfg["uri"], store_cfg.get("storage_options"))
+        store = ObjectStore(store_cfg["uri"], store_cfg.get("storage_options"))
         for rank in range(n):
-            doc = store.read_json(status_key(rank))
+            try:
+                doc = store.get_json(status_key(rank))
+            except ValueError:  # not JSON: shown as not reporting
+                continue
             if isinstance(doc, dict):
                 statuses[rank] = doc
         checkpoints = [name for name, _ in committed_checkpoints(store)]

@@ -65,6 +65,20 @@ def test_replicas_bit_identical_on_s3(warm_pool, s3):
     assert store.list("steps/0000000002/contrib/") == [f"{r:05d}.safetensors" for r in range(3)]
 
 
+# moto's PutObject checks If-None-Match and then stores the object without a lock
+# (moto/s3/responses.py put_object: `get_object(...) is not None` -> PreconditionFailed, later
+# `backend.put_object`), and ThreadedMotoServer serves requests on threads, so two PUTs that
+# arrive together can both pass the check: two commit "winners", each holding its own record.
+# That is the test server's race, not the protocol's (AWS S3 and SeaweedFS decide conditional
+# writes atomically; the race test runs on SeaweedFS and on file://).
+MOTO_RACE = "moto's If-None-Match is check-then-put without a lock (not atomic under races)"
+
+
+@pytest.mark.parametrize(
+    "s3",
+    ["seaweedfs_server", pytest.param("moto_server", marks=pytest.mark.skip(reason=MOTO_RACE))],
+    indirect=True,
+)
 def test_racing_commits_s3(warm_pool, s3):
     uri, options = s3
     check_commit_races(warm_pool, uri, options, world_size=4, races=20, period_s=0.15)

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from composer_replication.exchange.store import ObjectStore
 from composer_replication.models import build_tiny_model, build_tokenizer
 from composer_replication.run.checkpoint import (
     committed_checkpoints,
@@ -15,13 +16,12 @@ from composer_replication.run.checkpoint import (
     prune_checkpoints,
     save_checkpoint,
 )
-from composer_replication.run.storeio import StoreIO
 
 
 def test_checkpoint_round_trip_prune_and_mirror(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    store = StoreIO(str(tmp_path / "store"))
+    store = ObjectStore(str(tmp_path / "store"))
     tok = build_tokenizer()
     model = build_tiny_model(tok, hidden_size=32, num_layers=1, seed=3)
     momentum = {"w": torch.arange(6.0).reshape(2, 3)}
@@ -30,7 +30,7 @@ def test_checkpoint_round_trip_prune_and_mirror(tmp_path: Path) -> None:
         save_checkpoint(store, name=f"round-{rnd:06d}", model=model, tokenizer=tok, round=rnd,
                         step=rnd * 10, outer_state=outer)  # fmt: skip
     # an uncommitted (half-written) checkpoint is ignored
-    store.write_bytes("checkpoints/round-000004/model.safetensors", b"partial")
+    store.put("checkpoints/round-000004/model.safetensors", b"partial")
     assert [n for n, _ in committed_checkpoints(store)] == [
         "round-000001",
         "round-000002",
@@ -38,8 +38,15 @@ def test_checkpoint_round_trip_prune_and_mirror(tmp_path: Path) -> None:
     ]
     prune_checkpoints(store, keep_last=2)
     assert latest_checkpoint(store)[0] == "round-000003"
+    # a COMMITTED marker that is not a JSON object counts as not committed
+    store.put("checkpoints/round-000005/COMMITTED", b"\x80 not json")
+    store.put("checkpoints/round-000006/COMMITTED", b"[6]")
     local = mirror_checkpoints(store, tmp_path / "run" / "checkpoints")
     assert [p.name for p in local] == ["round-000002", "round-000003"]
+    # copies, not hard links into the store: pruning or rewriting there never reaches the mirror
+    mirrored = local[-1] / "model.safetensors"
+    assert mirrored.stat().st_nlink == 1
+    assert mirrored.read_bytes() == bytes(store.get("checkpoints/round-000003/model.safetensors"))
     loaded = AutoModelForCausalLM.from_pretrained(local[-1])
     for (name, a), b in zip(model.state_dict().items(), loaded.state_dict().values()):
         assert torch.equal(a, b), name

@@ -14,7 +14,7 @@ Works with any `transformers.Trainer` subclass, including TRL's GRPOTrainer and
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 try:
     from transformers import TrainerCallback
@@ -24,15 +24,41 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     ) from exc
 
 if TYPE_CHECKING:
-    from composer_replication.diloco.outer_loop import DiLoCoOuterLoop
+    from types import TracebackType
 
-__all__ = ["DiLoCoCallback"]
+__all__ = ["DiLoCoCallback", "OuterLoop"]
+
+
+class OuterLoop(Protocol):
+    """What the callback drives: `DiLoCoOuterLoop` (sync) or `DecoupledLearner` (decoupled)."""
+
+    @property
+    def bound(self) -> bool: ...
+
+    @property
+    def round(self) -> int: ...
+
+    def bind(self, *, model: Any = ..., optimizer: Any = ...) -> Any: ...
+
+    def __enter__(self) -> Any: ...
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> Any: ...
+
+    def record_tokens(self, n: int) -> None: ...
+
+    def load_global_weights(self) -> None: ...
 
 
 class DiLoCoCallback(TrainerCallback):
-    """See the module docstring. ``outer`` is the wrapped `DiLoCoOuterLoop`."""
+    """See the module docstring. ``outer`` is the wrapped `DiLoCoOuterLoop` (or any `OuterLoop`,
+    e.g. a decoupled learner)."""
 
-    def __init__(self, outer: DiLoCoOuterLoop, *, load_global_at_end: bool = True) -> None:
+    def __init__(self, outer: OuterLoop, *, load_global_at_end: bool = True) -> None:
         self.outer = outer
         self.load_global_at_end = load_global_at_end
         self._tokens_seen = 0

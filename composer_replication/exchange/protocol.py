@@ -162,6 +162,7 @@ class Contribution:
     parts: dict[str, torch.Tensor]
     nbytes: int
     checksum_algo: str = field(default_factory=wire.default_checksum)
+    extra: dict[str, Any] = field(default_factory=dict)  # caller-defined header fields (JSON)
     # parts live in a private writable buffer (a fetched local object) that the aggregation
     # may overwrite instead of allocating; never True for a replica's own tensors
     private: bool = False
@@ -190,12 +191,14 @@ def encode_contribution(
     inner_steps: int | None,
     codec: str,
     checksum: str | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> tuple[list[wire.Buffer], Contribution]:
     """Encode ``tensors`` as a safetensors payload (header + zero-copy data buffers).
 
     Returns the payload as a list of buffers (``b"".join`` gives the file) and the same data as
     a Contribution. ``checksum`` in the header is ``{"algo": ..., "value": ...}`` of the data
-    section (``checksum=None``: :func:`wire.default_checksum`).
+    section (``checksum=None``: :func:`wire.default_checksum`). ``extra`` (a JSON object) is
+    stored in the header as is and returned in ``Contribution.extra``.
     """
     algo = wire.default_checksum() if checksum is None else wire.check_checksum(checksum)
     names = sorted(tensors)
@@ -220,11 +223,13 @@ def encode_contribution(
         "dtypes": dtypes,
         "checksum": {"algo": algo, "value": digest},
     }
+    if extra:
+        header["extra"] = extra
     payload: list[wire.Buffer] = [wire.header_bytes(entries, {HEADER_KEY: json.dumps(header)})]
     payload += buffers
     contrib = Contribution(
         rank, step, tokens, inner_steps, codec, names, shapes, dtypes, digest,
-        parts, sum(memoryview(b).nbytes for b in payload), algo,
+        parts, sum(memoryview(b).nbytes for b in payload), algo, dict(extra or {}),
     )  # fmt: skip
     return payload, contrib
 
@@ -297,6 +302,7 @@ def decode_contribution(
         and _is_checksum(h.get("checksum"))
         and _opt_nonneg_int(h.get("tokens"))
         and _opt_nonneg_int(h.get("inner_steps"))
+        and isinstance(h.get("extra", {}), dict)
     )
     if not ok:
         raise CorruptContributionError(f"{what}: malformed header fields")
@@ -328,7 +334,7 @@ def decode_contribution(
         raise CorruptContributionError(f"{what}: encoded tensors do not match the header")
     return Contribution(
         rank, step, h["tokens"], h["inner_steps"], h["codec"], names, shapes, dtypes, value,
-        parts, memoryview(blob).nbytes, algo, not memoryview(blob).readonly,
+        parts, memoryview(blob).nbytes, algo, h.get("extra", {}), not memoryview(blob).readonly,
     )  # fmt: skip
 
 

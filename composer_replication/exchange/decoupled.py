@@ -1,0 +1,618 @@
+"""The object-store protocol of Decoupled DiLoCo: learner pushes, merge records, fragment states.
+
+Learners never wait for each other: each pushes one parameter fragment's pseudo-gradient on its
+own clock, and one synchronizer (diloco/synchronizer.py, holding the lease in exchange/lease.py)
+merges each fragment when enough learners have pushed. Everything they share is under the run
+prefix (docs/object-store.md, "Decoupled mode")::
+
+    decoupled/manifest.json                                   fragment layout, learners, codec
+    decoupled/push/<p:03d>-<base:010d>-<learner:05d>-<seq:04d>.safetensors   one push
+    decoupled/f<p:03d>/merge/<v:010d>.json                    decision producing version v
+    decoupled/f<p:03d>/global/<v:010d>.safetensors            fragment p's global weights at v
+    decoupled/f<p:03d>/outer/<v:010d>.safetensors             its outer momentum at v
+    decoupled/heads.json                                      newest version per fragment (hint)
+    decoupled/learners/<learner:05d>.json                     a learner's progress (step, done)
+    decoupled/final.json                                      the run's final versions
+
+- A **push** is a standard contribution (exchange/protocol.py: safetensors, self-describing
+  checksum, codec) of fragment p's pseudo-gradient ``global_base - local`` where ``base`` is
+  the version of fragment p the learner last loaded. Its header's ``tokens`` / ``inner_steps``
+  are the learner's work since it loaded that base (the merge weight); ``extra`` holds the
+  fragment, the sequence number, the steps since the learner's previous push of this fragment
+  (what goodput counts), the learner's seconds per inner step (the grace window's step time),
+  its total step count and whether it is its final push. Pushes are written with put-if-absent
+  (a learner that finds its key taken, e.g. after a restart, takes the next ``seq``), so an
+  object is never half-visible and never changes.
+- A **merge record** (put-if-absent, first writer wins) decides version v of fragment p: which
+  pushes it merged with which weights and checksums, which it superseded, dropped or rejected,
+  and the aggregation and outer-optimizer settings. Versions v's weights and momentum are a
+  deterministic function of version v-1's and the listed pushes, so a synchronizer that died
+  between writing the record and the states recomputes them. Records and states of a fragment
+  form a chain without gaps; pushes are immutable and a push appears in at most one record.
+- ``global/<v>`` and ``outer/<v>`` are full-state snapshots (exchange/state.py format: lossless,
+  sha256-checked). Version 0 is the initial weights (written by the first learner, put-if-absent)
+  and zero momentum (``outer/0`` absent).
+- ``heads.json``, the progress documents and ``final.json`` are overwritten documents: hints
+  that are validated and never trusted for more than saying where to look.
+
+Nothing read from the store is unpickled. Every reader validates what it reads and raises
+`CorruptContributionError` (naming the object) for anything malformed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from composer_replication.exchange import codecs, wire
+from composer_replication.exchange import state as state_mod
+from composer_replication.exchange.protocol import (
+    DTYPES,
+    Contribution,
+    CorruptContributionError,
+    ModelMismatchError,
+    decode_contribution,
+    dtype_name,
+    encode_contribution,
+)
+from composer_replication.exchange.store import Store
+
+__all__ = [
+    "FINAL_KEY",
+    "HEADS_KEY",
+    "MANIFEST_KEY",
+    "PUSH_PREFIX",
+    "DecoupledStore",
+    "Push",
+    "PushId",
+    "fragment_manifest",
+    "parse_merge",
+]
+
+FORMAT = 1
+PREFIX = "decoupled/"
+MANIFEST_KEY = "decoupled/manifest.json"
+HEADS_KEY = "decoupled/heads.json"
+FINAL_KEY = "decoupled/final.json"
+PUSH_PREFIX = "decoupled/push/"
+_PUSH_RE = re.compile(r"^(\d{3})-(\d{10})-(\d{5})-(\d{4})\.safetensors$")
+MAX_FRAGMENTS = 1000
+MAX_LEARNERS = 100_000
+MAX_SEQ = 10_000
+
+
+def _nonneg_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+@dataclass(frozen=True, order=True)
+class PushId:
+    """Where a push lives: fragment, the global version it is based on, learner, sequence."""
+
+    fragment: int
+    base: int
+    learner: int
+    seq: int
+
+    def __post_init__(self) -> None:
+        ok = (
+            _nonneg_int(self.fragment) and self.fragment < MAX_FRAGMENTS
+            and _nonneg_int(self.base) and self.base < 10**10
+            and _nonneg_int(self.learner) and self.learner < MAX_LEARNERS
+            and _nonneg_int(self.seq) and self.seq < MAX_SEQ
+        )  # fmt: skip
+        if not ok:
+            raise ValueError(f"invalid push id {self!r}")
+
+    @property
+    def name(self) -> str:
+        return f"{self.fragment:03d}-{self.base:010d}-{self.learner:05d}-{self.seq:04d}.safetensors"
+
+    @property
+    def key(self) -> str:
+        return PUSH_PREFIX + self.name
+
+    @classmethod
+    def parse(cls, name: str) -> PushId | None:
+        """``'002-0000000007-00003-0000.safetensors'`` -> PushId; anything else -> None."""
+        m = _PUSH_RE.match(name)
+        return None if m is None else cls(*(int(g) for g in m.groups()))
+
+
+def _fragment_dir(fragment: int) -> str:
+    return f"{PREFIX}f{fragment:03d}/"
+
+
+def merge_key(fragment: int, version: int) -> str:
+    return f"{_fragment_dir(fragment)}merge/{version:010d}.json"
+
+
+def global_key(fragment: int, version: int) -> str:
+    return f"{_fragment_dir(fragment)}global/{version:010d}.safetensors"
+
+
+def outer_key(fragment: int, version: int) -> str:
+    return f"{_fragment_dir(fragment)}outer/{version:010d}.safetensors"
+
+
+def progress_key(learner: int) -> str:
+    return f"{PREFIX}learners/{learner:05d}.json"
+
+
+def _parse_version(name: str, ext: str) -> int | None:
+    stem, dot, e = name.partition(".")
+    return int(stem) if dot and e == ext and stem.isdigit() and len(stem) == 10 else None
+
+
+# ----------------------------------------------------------------------------- pushes
+
+
+@dataclass
+class Push:
+    """A validated push: its id, the contribution (encoded tensors) and the work behind it."""
+
+    id: PushId
+    contribution: Contribution
+    steps: int  # inner steps since the learner loaded version `base` of this fragment
+    tokens: int | None  # tokens since then (None: not reported)
+    steps_since_push: int  # inner steps since this learner's previous push of this fragment
+    step_seconds: float  # the learner's recent seconds per inner step
+    learner_step: int  # the learner's total inner steps when it pushed
+    final: bool  # the learner's last push of this fragment
+    time: float  # the learner's wall clock when it pushed
+
+    @property
+    def checksum(self) -> dict[str, str]:
+        return self.contribution.checksum
+
+    def decode(self) -> dict[str, torch.Tensor]:
+        return self.contribution.decode()
+
+
+def encode_push(
+    tensors: dict[str, torch.Tensor],
+    pid: PushId,
+    *,
+    steps: int,
+    tokens: int | None,
+    steps_since_push: int,
+    step_seconds: float,
+    learner_step: int,
+    final: bool = False,
+    codec: str = "fp32",
+    checksum: str | None = None,
+) -> list[wire.Buffer]:
+    """The payload of a push (a list of buffers; ``b"".join`` gives the object)."""
+    if not _nonneg_int(steps) or not _nonneg_int(steps_since_push) or not _nonneg_int(learner_step):
+        raise ValueError("steps, steps_since_push and learner_step must be ints >= 0")
+    if not _finite(step_seconds) or step_seconds < 0:
+        raise ValueError(f"step_seconds must be a finite number >= 0, got {step_seconds!r}")
+    extra = {
+        "fragment": pid.fragment, "seq": pid.seq, "steps_since_push": steps_since_push,
+        "step_seconds": float(step_seconds), "learner_step": learner_step, "final": bool(final),
+        "time": time.time(),
+    }  # fmt: skip
+    payload, _ = encode_contribution(
+        tensors, rank=pid.learner, step=pid.base, tokens=tokens, inner_steps=steps, codec=codec,
+        checksum=checksum, extra=extra,
+    )  # fmt: skip
+    return payload
+
+
+def decode_push(
+    blob: wire.Buffer, pid: PushId, reference: dict[str, tuple[list[int], str]] | None
+) -> Push:
+    """Validate the object at ``pid.key`` (CorruptContributionError says what is wrong)."""
+    what = f"push {pid.name}"
+    c = decode_contribution(blob, step=pid.base, rank=pid.learner, reference=reference)
+    x = c.extra
+    ok = (
+        x.get("fragment") == pid.fragment
+        and x.get("seq") == pid.seq
+        and _nonneg_int(x.get("steps_since_push"))
+        and _finite(x.get("step_seconds"))
+        and x["step_seconds"] >= 0
+        and _nonneg_int(x.get("learner_step"))
+        and isinstance(x.get("final"), bool)
+        and _finite(x.get("time"))
+        and _nonneg_int(c.inner_steps)
+    )
+    if not ok:
+        raise CorruptContributionError(
+            f"{what}: header fields do not describe this push (fragment/seq/steps/timing)"
+        )
+    return Push(
+        id=pid, contribution=c, steps=int(c.inner_steps or 0), tokens=c.tokens,
+        steps_since_push=x["steps_since_push"], step_seconds=float(x["step_seconds"]),
+        learner_step=x["learner_step"], final=x["final"], time=float(x["time"]),
+    )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- manifest
+
+
+def fragment_manifest(
+    fragments: list[dict[str, torch.Tensor]],
+    *,
+    n_learners: int,
+    codec: str,
+    mean_only: list[list[str]] | None = None,
+) -> dict[str, Any]:
+    """The decoupled run manifest: per fragment its tensor names/shapes/dtypes (and the names
+    merged by plain mean under ``merge='rda'``, e.g. embeddings), the learners and the codec."""
+    if not fragments or any(not f for f in fragments):
+        raise ValueError("need at least one fragment, each with at least one tensor")
+    if not _nonneg_int(n_learners) or n_learners < 1:
+        raise ValueError(f"n_learners must be an int >= 1, got {n_learners!r}")
+    mean_only = mean_only or [[] for _ in fragments]
+    out = []
+    for f, mo in zip(fragments, mean_only):
+        names = sorted(f)
+        out.append({
+            "names": names,
+            "shapes": [list(f[n].shape) for n in names],
+            "dtypes": [dtype_name(f[n].dtype) for n in names],
+            "mean_only": sorted(set(mo) & set(names)),
+        })  # fmt: skip
+    return {
+        "format": FORMAT, "kind": "decoupled-manifest", "n_learners": n_learners,
+        "codec": codecs.check_codec(codec), "fragments": out,
+    }  # fmt: skip
+
+
+def _check_manifest(doc: Any) -> dict[str, Any]:
+    ok = (
+        isinstance(doc, dict)
+        and doc.get("format") == FORMAT
+        and doc.get("kind") == "decoupled-manifest"
+        and _nonneg_int(doc.get("n_learners"))
+        and doc["n_learners"] >= 1
+        and doc.get("codec") in codecs.CODECS
+        and isinstance(doc.get("fragments"), list)
+        and 0 < len(doc["fragments"]) <= MAX_FRAGMENTS
+    )
+    if ok:
+        for f in doc["fragments"]:
+            ok = ok and (
+                isinstance(f, dict)
+                and isinstance(f.get("names"), list)
+                and isinstance(f.get("shapes"), list)
+                and isinstance(f.get("dtypes"), list)
+                and len(f["names"]) == len(f["shapes"]) == len(f["dtypes"]) > 0
+                and all(isinstance(n, str) for n in f["names"])
+                and all(
+                    isinstance(s, list) and all(_nonneg_int(d) for d in s) for s in f["shapes"]
+                )  # fmt: skip
+                and all(d in DTYPES for d in f["dtypes"])
+                and isinstance(f.get("mean_only", []), list)
+            )
+    if not ok:
+        raise CorruptContributionError(f"{MANIFEST_KEY} is not a valid decoupled-run manifest")
+    return doc
+
+
+def _reference(fragment: dict[str, Any]) -> dict[str, tuple[list[int], str]]:
+    return {n: (list(s), d) for n, s, d in zip(fragment["names"], fragment["shapes"],
+                                               fragment["dtypes"])}  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- merge records
+
+
+def parse_merge(raw: wire.Buffer, *, fragment: int, version: int) -> dict[str, Any]:
+    """Validate a merge record read from ``merge_key(fragment, version)``.
+
+    A record holds ``inputs`` (the pushes handed to the aggregation, each with its name, raw
+    weight and pinned checksum), ``decisions`` (per input: "accepted" or why not), ``consumed``
+    (every push this record uses up: inputs, superseded, dropped and refused ones), the
+    ``merge`` / ``aggregate`` methods and the ``outer`` optimizer settings.
+    """
+    what = f"merge record of fragment {fragment} version {version}"
+    try:
+        r = json.loads(bytes(raw))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CorruptContributionError(f"{what} is not JSON ({e})") from None
+    inputs = r.get("inputs") if isinstance(r, dict) else None
+    ok = (
+        isinstance(r, dict)
+        and r.get("format") == FORMAT
+        and r.get("kind") == "merge"
+        and r.get("fragment") == fragment
+        and r.get("version") == version
+        and isinstance(inputs, list)
+        and len(inputs) > 0
+        and isinstance(r.get("merge"), str)
+        and isinstance(r.get("aggregate"), str)
+        and isinstance(r.get("outer"), dict)
+        and _finite(r["outer"].get("lr"))
+        and _finite(r["outer"].get("momentum"))
+        and isinstance(r["outer"].get("nesterov"), bool)
+        and isinstance(r.get("consumed"), list)
+        and all(isinstance(k, str) for k in r["consumed"])
+        and isinstance(r.get("decisions"), dict)
+    )
+    if ok:
+        assert isinstance(inputs, list)
+        for entry in inputs:
+            ok = ok and (
+                isinstance(entry, dict)
+                and isinstance(entry.get("push"), str)
+                and PushId.parse(entry["push"]) is not None
+                and _finite(entry.get("weight"))
+                and entry["weight"] >= 0
+                and isinstance(entry.get("checksum"), dict)
+                and set(entry["checksum"]) == {"algo", "value"}
+                and entry["checksum"]["algo"] in wire.CHECKSUMS
+                and isinstance(entry["checksum"]["value"], str)
+                and entry["push"] in r["consumed"]
+            )
+    if not ok:
+        raise CorruptContributionError(f"{what} is malformed")
+    return r
+
+
+# ----------------------------------------------------------------------------- the store
+
+
+class DecoupledStore:
+    """Decoupled DiLoCo's documents in one run prefix (see the module docstring).
+
+    ``codec`` and ``checksum`` are what this handle writes pushes with; readers verify what each
+    header names.
+    """
+
+    def __init__(self, store: Store, *, codec: str = "fp32", checksum: str | None = None) -> None:
+        self.store = store
+        self.codec = codecs.check_codec(codec)
+        self.checksum = (
+            wire.default_checksum() if checksum is None else wire.check_checksum(checksum)
+        )
+
+    @property
+    def uri(self) -> str:
+        return self.store.uri
+
+    # ------------------------------------------------------------------ manifest
+    def read_manifest(self) -> dict[str, Any] | None:
+        raw = self.store.get(MANIFEST_KEY)
+        if raw is None:
+            return None
+        try:
+            doc = json.loads(bytes(raw))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            doc = None
+        return _check_manifest(doc)
+
+    def ensure_manifest(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        """Write ``manifest`` if absent; ModelMismatchError naming the differences if the stored
+        one describes another fragment layout, learner count or codec."""
+        ours = json.loads(json.dumps(_check_manifest(manifest), sort_keys=True))
+        self.store.put_if_absent(MANIFEST_KEY, json.dumps(ours, sort_keys=True).encode())
+        stored = self.read_manifest()
+        if stored is None:
+            raise CorruptContributionError(f"wrote {MANIFEST_KEY} at {self.uri} but cannot read it")
+        diff = [k for k in ("n_learners", "codec") if stored.get(k) != ours.get(k)]
+        if len(stored["fragments"]) != len(ours["fragments"]):
+            diff.append(f"fragments: stored {len(stored['fragments'])}, this learner "
+                        f"{len(ours['fragments'])}")  # fmt: skip
+        else:
+            for i, (a, b) in enumerate(zip(stored["fragments"], ours["fragments"])):
+                if a != b:
+                    diff.append(f"fragment {i}: tensor names/shapes/dtypes differ")
+        if diff:
+            raise ModelMismatchError(
+                f"this learner does not match the decoupled run at {self.uri}: {diff[:5]}; use "
+                "a new run prefix or the model/num_fragments/learners/codec it was started with"
+            )
+        return stored
+
+    @staticmethod
+    def reference(manifest: dict[str, Any], fragment: int) -> dict[str, tuple[list[int], str]]:
+        """name -> (shape, dtype name) of ``fragment`` (what its pushes must match)."""
+        return _reference(manifest["fragments"][fragment])
+
+    # ------------------------------------------------------------------ fragment states
+    def _publish(self, key: str, kind: str, fragment: int, version: int,
+                 tensors: dict[str, torch.Tensor]) -> bool:  # fmt: skip
+        blob = state_mod.encode_state(tensors, name=f"f{fragment:03d}", round=version,
+                                      extra={"kind": kind})  # fmt: skip
+        return self.store.put_if_absent(key, blob)
+
+    def _fetch(self, key: str, kind: str, fragment: int, version: int,
+               reference: dict[str, tuple[list[int], str]] | None) -> dict[str, torch.Tensor] | None:  # fmt: skip
+        blob = self.store.get(key)
+        if blob is None:
+            return None
+        tensors, extra = state_mod.decode_state(blob, name=f"f{fragment:03d}", round=version)
+        if extra.get("kind") != kind:
+            raise CorruptContributionError(f"{key}: not a {kind} state")
+        if reference is not None:
+            got = {n: (list(t.shape), dtype_name(t.dtype)) for n, t in tensors.items()}
+            if got != reference:
+                raise CorruptContributionError(f"{key}: tensors differ from the run manifest")
+        return tensors
+
+    def publish_global(self, fragment: int, version: int, tensors: dict[str, torch.Tensor]) -> bool:
+        """put-if-absent fragment ``fragment``'s global weights at ``version``."""
+        return self._publish(global_key(fragment, version), "global", fragment, version, tensors)
+
+    def fetch_global(
+        self, fragment: int, version: int, reference: dict[str, tuple[list[int], str]] | None
+    ) -> dict[str, torch.Tensor] | None:
+        """The validated global weights (None if absent; CorruptContributionError if bad)."""
+        return self._fetch(global_key(fragment, version), "global", fragment, version, reference)
+
+    def publish_outer(self, fragment: int, version: int, tensors: dict[str, torch.Tensor]) -> bool:
+        return self._publish(outer_key(fragment, version), "outer", fragment, version, tensors)
+
+    def fetch_outer(
+        self, fragment: int, version: int, reference: dict[str, tuple[list[int], str]] | None
+    ) -> dict[str, torch.Tensor] | None:
+        return self._fetch(outer_key(fragment, version), "outer", fragment, version, reference)
+
+    def repair_global(self, fragment: int, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Overwrite a global state found corrupt with its recomputed content."""
+        blob = state_mod.encode_state(tensors, name=f"f{fragment:03d}", round=version,
+                                      extra={"kind": "global"})  # fmt: skip
+        self.store.put(global_key(fragment, version), blob)
+
+    def versions(self, fragment: int, what: str = "global") -> list[int]:
+        """Stored versions of ``what`` ('global', 'outer' or 'merge') of a fragment (one LIST)."""
+        ext = "json" if what == "merge" else "safetensors"
+        names = self.store.list(f"{_fragment_dir(fragment)}{what}/")
+        return sorted(v for v in (_parse_version(n, ext) for n in names) if v is not None)
+
+    # ------------------------------------------------------------------ heads (a hint)
+    def read_heads(self, n_fragments: int) -> list[int] | None:
+        """Newest version per fragment as last announced, or None (absent or invalid)."""
+        raw = self.store.get(HEADS_KEY)
+        if raw is None:
+            return None
+        try:
+            doc = json.loads(bytes(raw))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            return None
+        v = doc.get("versions") if isinstance(doc, dict) else None
+        if (
+            not isinstance(doc, dict)
+            or doc.get("kind") != "heads"
+            or not isinstance(v, list)
+            or len(v) != n_fragments
+            or not all(_nonneg_int(x) for x in v)
+        ):
+            return None
+        return list(v)
+
+    def write_heads(self, versions: list[int], **info: Any) -> None:
+        self.store.put_json(HEADS_KEY, {"format": FORMAT, "kind": "heads",
+                                        "versions": list(versions), "time": time.time(), **info})  # fmt: skip
+
+    # ------------------------------------------------------------------ pushes
+    def push(
+        self,
+        tensors: dict[str, torch.Tensor],
+        *,
+        fragment: int,
+        base: int,
+        learner: int,
+        seq: int,
+        **fields: Any,
+    ) -> tuple[PushId, int]:
+        """Write a push with put-if-absent, taking the next free ``seq`` if the key is taken
+        (an earlier incarnation of this learner pushed at the same base). Returns its id and
+        its size in bytes."""
+        payload = encode_push(tensors, PushId(fragment, base, learner, seq), codec=self.codec,
+                              checksum=self.checksum, **fields)  # fmt: skip
+        for s in range(seq, MAX_SEQ):
+            pid = PushId(fragment, base, learner, s)
+            if s != seq:  # the header names the seq: re-encode for the new key
+                payload = encode_push(tensors, pid, codec=self.codec, checksum=self.checksum,
+                                      **fields)  # fmt: skip
+            if self.store.put_if_absent(pid.key, payload):
+                return pid, sum(memoryview(b).nbytes for b in payload)
+        raise RuntimeError(f"learner {learner}: {MAX_SEQ} pushes of fragment {fragment} at "
+                           f"base {base}; the run is not making progress")  # fmt: skip
+
+    def list_pushes(self) -> list[PushId]:
+        """Every push in the store (one LIST), sorted."""
+        return sorted(p for p in map(PushId.parse, self.store.list(PUSH_PREFIX)) if p is not None)
+
+    def fetch_push(
+        self, pid: PushId, reference: dict[str, tuple[list[int], str]] | None
+    ) -> tuple[Push | str | None, int]:
+        """(the validated push, or why it is refused, or None if absent; bytes read)."""
+        raw = self.store.get(pid.key)
+        if raw is None:
+            return None, 0
+        try:
+            return decode_push(raw, pid, reference), len(raw)
+        except CorruptContributionError as e:
+            return str(e), len(raw)
+
+    def delete_push(self, pid: PushId) -> None:
+        self.store.delete(pid.key)
+
+    # ------------------------------------------------------------------ merge records
+    def write_merge(self, record: dict[str, Any]) -> bool:
+        """put-if-absent the record; False if that version was decided already."""
+        raw = json.dumps(record, sort_keys=True, allow_nan=False).encode()
+        parse_merge(raw, fragment=record["fragment"], version=record["version"])  # our own check
+        return self.store.put_if_absent(merge_key(record["fragment"], record["version"]), raw)
+
+    def read_merge(self, fragment: int, version: int) -> dict[str, Any] | None:
+        raw = self.store.get(merge_key(fragment, version))
+        return None if raw is None else parse_merge(raw, fragment=fragment, version=version)
+
+    # ------------------------------------------------------------------ progress and the end
+    def write_progress(self, learner: int, **doc: Any) -> None:
+        self.store.put_json(progress_key(learner), {"format": FORMAT, "kind": "progress",
+                                                    "learner": learner, "time": time.time(),
+                                                    **doc})  # fmt: skip
+
+    def read_progress(self, learner: int) -> dict[str, Any] | None:
+        """A learner's progress document (None if absent or invalid: step 0, not done)."""
+        try:
+            doc = self.store.get_json(progress_key(learner))
+        except ValueError:
+            return None
+        ok = (
+            isinstance(doc, dict)
+            and doc.get("kind") == "progress"
+            and doc.get("learner") == learner
+            and _nonneg_int(doc.get("step"))
+            and isinstance(doc.get("done"), bool)
+        )
+        return doc if ok else None
+
+    def write_final(self, versions: list[int], learners: dict[int, int], **info: Any) -> None:
+        self.store.put_json(FINAL_KEY, {"format": FORMAT, "kind": "final", "versions": versions,
+                                        "learners": {str(k): v for k, v in learners.items()},
+                                        "time": time.time(), **info})  # fmt: skip
+
+    def read_final(self, n_fragments: int) -> dict[str, Any] | None:
+        """The final document (versions per fragment, learners' final steps) or None."""
+        try:
+            doc = self.store.get_json(FINAL_KEY)
+        except ValueError:
+            return None
+        ok = (
+            isinstance(doc, dict)
+            and doc.get("kind") == "final"
+            and isinstance(doc.get("versions"), list)
+            and len(doc["versions"]) == n_fragments
+            and all(_nonneg_int(v) for v in doc["versions"])
+            and isinstance(doc.get("learners"), dict)
+            and all(_nonneg_int(v) for v in doc["learners"].values())
+        )
+        if not ok:
+            return None
+        doc["learners"] = {int(k): v for k, v in doc["learners"].items() if k.isdigit()}
+        return doc
+
+    def clear_final(self) -> None:
+        self.store.delete(FINAL_KEY)
+
+    # ------------------------------------------------------------------ housekeeping
+    def gc(self, fragment: int, version: int, keep: int, pushes: list[PushId]) -> list[PushId]:
+        """Delete fragment ``fragment``'s pushes based on versions < version - keep, and its
+        records and states older than that (pushes first, so every push left is covered by
+        the records left). Returns the pushes deleted."""
+        floor = version - keep
+        gone = [p for p in pushes if p.fragment == fragment and p.base < floor]
+        for p in gone:
+            self.store.delete(p.key)
+        for what, key in (("merge", merge_key), ("global", global_key), ("outer", outer_key)):
+            for v in self.versions(fragment, what):
+                if 0 < v < floor:  # version 0 (the initial weights) is kept for good
+                    self.store.delete(key(fragment, v))
+        return gone

@@ -1,0 +1,314 @@
+"""Decoupled DiLoCo: the push/merge protocol, the synchronizer's math against float64 references,
+the lease, and learners + synchronizer training together (threads here; real processes and
+faults in tests/run/test_chaos*.py)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from _decoupled_reference import replay_fragment
+from _decoupled_toy import Blocks, eval_loss, train_step
+
+from composer_replication.diloco.decoupled import DecoupledLearner, push_offsets
+from composer_replication.diloco.synchronizer import (
+    MergeInput,
+    Synchronizer,
+    SynchronizerConfig,
+    aggregate,
+    grace_seconds,
+    outer_step,
+    rda,
+)
+from composer_replication.exchange.decoupled import (
+    DecoupledStore,
+    PushId,
+    decode_push,
+    encode_push,
+    parse_merge,
+)
+from composer_replication.exchange.lease import Lease
+from composer_replication.exchange.protocol import CorruptContributionError
+from composer_replication.exchange.store import ObjectStore
+
+# ----------------------------------------------------------------------------- protocol
+
+
+def test_push_ids_round_trip_and_refuse_anything_else() -> None:
+    pid = PushId(2, 7, 3, 0)
+    assert pid.name == "002-0000000007-00003-0000.safetensors"
+    assert pid.key == "decoupled/push/" + pid.name
+    assert PushId.parse(pid.name) == pid
+    for bad in ("2-7-3-0.safetensors", "002-0000000007-00003-0000.pt", "x" + pid.name, ""):
+        assert PushId.parse(bad) is None
+    with pytest.raises(ValueError):
+        PushId(-1, 0, 0, 0)
+
+
+def test_push_payload_round_trip_and_refusals() -> None:
+    t = {"a": torch.randn(3, 4), "b": torch.randn(5)}
+    pid = PushId(1, 4, 2, 0)
+    fields = dict(steps=12, tokens=480, steps_since_push=12, step_seconds=0.25, learner_step=99)
+    blob = b"".join(bytes(b) for b in encode_push(t, pid, **fields))
+    ref = {"a": ([3, 4], "float32"), "b": ([5], "float32")}
+    push = decode_push(blob, pid, ref)
+    assert (push.steps, push.tokens, push.steps_since_push, push.learner_step) == (12, 480, 12, 99)
+    assert push.step_seconds == 0.25 and push.final is False
+    assert all(torch.equal(push.decode()[k], t[k]) for k in t)
+    # the object must sit at its own key: another fragment/learner/base/seq is refused
+    for other in (PushId(0, 4, 2, 0), PushId(1, 3, 2, 0), PushId(1, 4, 1, 0), PushId(1, 4, 2, 1)):
+        with pytest.raises(CorruptContributionError):
+            decode_push(blob, other, ref)
+    flipped = bytearray(blob)
+    flipped[-3] ^= 0xFF
+    with pytest.raises(CorruptContributionError, match="checksum mismatch"):
+        decode_push(bytes(flipped), pid, ref)
+    with pytest.raises(CorruptContributionError, match="names/shapes/dtypes differ"):
+        decode_push(blob, pid, {"a": ([3, 4], "float32")})
+    with pytest.raises(ValueError, match="step_seconds"):
+        encode_push(t, pid, **{**fields, "step_seconds": float("nan")})
+
+
+def test_merge_records_are_validated() -> None:
+    good = {
+        "format": 1, "kind": "merge", "fragment": 0, "version": 3, "merge": "mean",
+        "aggregate": "mean", "outer": {"lr": 0.7, "momentum": 0.9, "nesterov": True},
+        "inputs": [{"push": PushId(0, 2, 1, 0).name, "weight": 3.0,
+                    "checksum": {"algo": "sha256", "value": "ab"}}],
+        "decisions": {}, "consumed": [PushId(0, 2, 1, 0).name],
+    }  # fmt: skip
+    assert parse_merge(json.dumps(good).encode(), fragment=0, version=3)["version"] == 3
+    with pytest.raises(CorruptContributionError, match="malformed"):
+        parse_merge(json.dumps(good).encode(), fragment=0, version=4)
+    with pytest.raises(CorruptContributionError, match="not JSON"):
+        parse_merge(b"\x00garbage", fragment=0, version=3)
+    bad = json.loads(json.dumps(good))
+    bad["consumed"] = []  # an input that the record does not consume
+    with pytest.raises(CorruptContributionError, match="malformed"):
+        parse_merge(json.dumps(bad).encode(), fragment=0, version=3)
+
+
+# ----------------------------------------------------------------------------- math
+
+
+def test_grace_window_formula() -> None:
+    # gamma * max(0, tau * step - quorum - sync)
+    assert grace_seconds(0.8, 2.0, 1.5, 0.5, 0.25) == pytest.approx(0.8 * (3.0 - 0.75))
+    assert grace_seconds(0.8, 2.0, 0.1, 0.5, 0.25) == 0.0
+    assert grace_seconds(0.8, 2.0, None, None, None) == 0.0
+
+
+def test_weighted_mean_rda_and_outer_step_match_float64_references() -> None:
+    g = torch.Generator().manual_seed(0)
+    xs = [{"w": torch.randn(7, 3, generator=g), "e": torch.randn(4, generator=g)} for _ in range(3)]
+    ws = [3.0, 1.0, 0.5]
+    inputs = [MergeInput(f"p{i}", w, x) for i, (w, x) in enumerate(zip(ws, xs))]
+    merged, decisions = aggregate(inputs, "mean")
+    assert decisions == {"p0": "accepted", "p1": "accepted", "p2": "accepted"}
+    for k in ("w", "e"):
+        ref = sum(w * x[k].double() for w, x in zip(ws, xs)) / sum(ws)
+        assert (merged[k].double() - ref).abs().max() < 1e-6
+    out = rda(inputs, mean_only=["e"])
+    norm = sum(w * float(x["w"].double().norm()) for w, x in zip(ws, xs)) / sum(ws)
+    direction = sum(w * x["w"].double() / x["w"].double().norm() for w, x in zip(ws, xs))
+    ref = direction / direction.norm() * norm
+    assert (out["w"].double() - ref).abs().max() < 1e-6
+    assert float(out["w"].double().norm()) == pytest.approx(norm, rel=1e-6)
+    assert (out["e"].double() - merged["e"].double()).abs().max() < 1e-6  # plain mean
+    # a zero-weight input is refused, never averaged in
+    _, dec = aggregate([MergeInput("a", 0.0, xs[0]), MergeInput("b", 1.0, xs[1])])
+    assert dec == {"a": "rejected: no work (weight 0)", "b": "accepted"}
+    with pytest.raises(ValueError, match="not available"):
+        aggregate(inputs, "trimmed_mean")
+    # two Nesterov steps against the textbook formula in float64
+    theta = {"w": torch.randn(5, generator=g)}
+    grads = [{"w": torch.randn(5, generator=g)} for _ in range(2)]
+    p, m = theta, {}
+    ref_t, ref_m = theta["w"].double(), None
+    for grad in grads:
+        p, m = outer_step(p, m, grad, lr=0.7, mu=0.9, nesterov=True)
+        gd = grad["w"].double()
+        ref_m = gd if ref_m is None else 0.9 * ref_m + gd
+        ref_t = ref_t - 0.7 * (gd + 0.9 * ref_m)
+    assert (p["w"].double() - ref_t).abs().max() < 1e-6
+    # torch's own SGD agrees
+    param = torch.nn.Parameter(theta["w"].clone())
+    sgd = torch.optim.SGD([param], lr=0.7, momentum=0.9, nesterov=True)
+    for grad in grads:
+        param.grad = grad["w"].clone()
+        sgd.step()
+    assert (param.detach() - p["w"]).abs().max() < 1e-6
+
+
+def test_push_schedule_is_staggered() -> None:
+    assert push_offsets(24, 4) == [6, 12, 18, 0]
+    assert push_offsets(8, 1) == [0]
+    with pytest.raises(ValueError, match="multiple of the number of fragments"):
+        DecoupledLearner(ObjectStore("memory://x"), learner=0, n_learners=1, sync_every_h=10,
+                         num_fragments=4)  # fmt: skip
+
+
+def test_config_refuses_bad_values() -> None:
+    with pytest.raises(ValueError, match="late must be one of"):
+        SynchronizerConfig(late="keep")
+    with pytest.raises(ValueError, match="merge='rda'"):
+        SynchronizerConfig(merge="rda", aggregate="median")
+    with pytest.raises(ValueError, match="quorum"):
+        SynchronizerConfig(quorum=0)
+
+
+# ----------------------------------------------------------------------------- lease
+
+
+def test_lease_single_holder_release_expiry_and_fencing(tmp_path: Path) -> None:
+    store = ObjectStore(str(tmp_path / "store"))
+    a = Lease(store, owner="a", ttl_s=1.0, poll_interval_s=0.05)
+    b = Lease(store, owner="b", ttl_s=1.0, poll_interval_s=0.05)
+    assert a.acquire(timeout_s=5) and a.held() and a.epoch == 1
+    assert not b.acquire(timeout_s=0.5)  # a renews: b must wait
+    # a renews while b keeps trying: b never gets it
+    stop = threading.Event()
+
+    def renew() -> None:
+        while not stop.wait(0.2):
+            a.renew()
+
+    t = threading.Thread(target=renew)
+    t.start()
+    assert not b.acquire(timeout_s=2.0)
+    stop.set()
+    t.join()
+    # a goes silent (stopped): b takes over after the TTL on its own clock
+    t0 = time.monotonic()
+    assert b.acquire(timeout_s=10)
+    assert time.monotonic() - t0 >= 0.9 and b.epoch == 2
+    assert not a.held() or time.monotonic() - t0 < 1.0
+    assert a.renew() is False and a.epoch is None  # fenced: epoch 2 exists
+    # release hands over at once
+    b.release()
+    t0 = time.monotonic()
+    assert a.acquire(timeout_s=5) and a.epoch == 3
+    assert time.monotonic() - t0 < 0.9
+    # racing candidates: exactly one wins each epoch
+    a.release()
+    contenders = [Lease(store, owner=f"c{i}", ttl_s=1.0, poll_interval_s=0.02) for i in range(4)]
+    won: list[str] = []
+    threads = [threading.Thread(target=lambda c=c: c.try_acquire() and won.append(c.owner))
+               for c in contenders]  # fmt: skip
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert len(won) == 1
+
+
+# ----------------------------------------------------------------------------- together
+
+
+def _learner_thread(uri: str, rank: int, m: int, steps: int, out: dict, *, h: int = 8,
+                    p: int = 4, sleep: float = 0.0, seed: int | None = None) -> None:  # fmt: skip
+    model = Blocks(seed=100 + rank if seed is None else seed)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    learner = DecoupledLearner(ObjectStore(uri), learner=rank, n_learners=m, sync_every_h=h,
+                               num_fragments=p, model=model, inner_optimizer=opt,
+                               poll_interval_s=0.02, drain_timeout_s=60)  # fmt: skip
+    with learner:
+        for t in range(learner.start_step, steps):
+            train_step(model, opt, rank, t)
+            if sleep:
+                time.sleep(sleep)
+    learner.load_global_weights()
+    out[rank] = {"globals": learner.global_parameters(), "versions": learner.versions,
+                 "final": learner.final_versions, "loss": eval_loss(model),
+                 "pushes": (learner.pushes, learner.pushes_skipped, learner.pushes_replaced),
+                 "history": learner.history}  # fmt: skip
+
+
+def _run(
+    uri: str, m: int, steps: int, config: SynchronizerConfig, **kw
+) -> tuple[dict, Synchronizer]:
+    out: dict = {}
+    sync = Synchronizer(ObjectStore(uri), config)
+    st = threading.Thread(target=sync.run)
+    st.start()
+    threads = [threading.Thread(target=_learner_thread, args=(uri, r, m, steps, out), kwargs=kw)
+               for r in range(m)]  # fmt: skip
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    st.join(60)
+    assert not st.is_alive() and sync.finished
+    return out, sync
+
+
+def _check_chain(store: ObjectStore, n_fragments: int) -> list[str]:
+    consumed: list[str] = []
+    for frag in range(n_fragments):
+        ref = replay_fragment(store, frag)
+        assert ref["max_abs_diff"] < 1e-5, f"fragment {frag}: {ref['max_abs_diff']}"
+        consumed += ref["consumed"]
+    assert len(consumed) == len(set(consumed)), "a push was consumed by two records"
+    return consumed
+
+
+def test_learners_and_synchronizer_train_together(tmp_path: Path) -> None:
+    uri = str(tmp_path / "store")
+    cfg = SynchronizerConfig(quorum=2, keep=1000, poll_interval_s=0.02, lease_ttl_s=2.0,
+                             max_steps=48)  # fmt: skip
+    out, sync = _run(uri, 3, 48, cfg, sleep=0.005, seed=7)
+    store = ObjectStore(uri)
+    final = DecoupledStore(store).read_final(4)
+    assert final is not None and final["learners"] == {0: 48, 1: 48, 2: 48}
+    for r in range(3):  # every learner holds exactly the final global fragments
+        assert out[r]["versions"] == final["versions"] == out[r]["final"]
+        for k, t in out[0]["globals"].items():
+            assert torch.equal(out[r]["globals"][k], t)
+    # each fragment was merged several times; its chain matches the float64 reference and no
+    # push was merged twice
+    assert min(final["versions"]) >= 2
+    _check_chain(store, 4)
+    # staggering: each fragment is due once per H = 8 steps at steps 2, 4, 6, 0 (mod 8): 4 * 6
+    # scheduled pushes, plus a final push of the 3 fragments not pushed at step 48; each was
+    # written, skipped (a new global had just arrived) or replaced by a newer one in the queue
+    for o in out.values():
+        assert sum(o["pushes"]) == 4 * 6 + 3 and o["pushes"][0] >= 12, o["pushes"]
+    # the global model learned something
+    assert out[0]["loss"] < eval_loss(Blocks(seed=7)) - 0.05
+    assert sync.stats.merges == sum(final["versions"])
+
+
+def test_synchronizer_restart_resumes_without_losing_or_repeating_merges(tmp_path: Path) -> None:
+    uri = str(tmp_path / "store")
+    cfg = SynchronizerConfig(quorum=1, keep=1000, poll_interval_s=0.02, lease_ttl_s=1.0,
+                             max_steps=64)  # fmt: skip
+    out: dict = {}
+    threads = [threading.Thread(target=_learner_thread, args=(uri, r, 2, 64, out),
+                                kwargs={"sleep": 0.01, "seed": 3}) for r in range(2)]  # fmt: skip
+    first = Synchronizer(ObjectStore(uri), cfg, owner="first")
+    t1 = threading.Thread(target=first.run)
+    t1.start()
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while first.stats.merges < 6 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    first.stop()  # clean stop: releases the lease
+    t1.join(30)
+    merged_before = sum(first.versions)
+    assert merged_before >= 6
+    second = Synchronizer(ObjectStore(uri), cfg, owner="second")
+    t2 = threading.Thread(target=second.run)
+    t2.start()
+    for t in threads:
+        t.join(120)
+    t2.join(60)
+    assert second.finished
+    final = DecoupledStore(ObjectStore(uri)).read_final(4)
+    assert final is not None and sum(final["versions"]) > merged_before
+    _check_chain(ObjectStore(uri), 4)
+    assert out[0]["versions"] == out[1]["versions"] == final["versions"]

@@ -7,6 +7,7 @@
     composer-replication config show|validate [CONFIG] [overrides]     resolved config / checks
     composer-replication bake-traces [CONFIG] [overrides] --out FILE   record teacher traces
     composer-replication replica --rendezvous URI                      what each replica runs
+    composer-replication synchronizer RUN_FOLDER_OR_URI                a decoupled run's synchronizer
 
 Exit codes: 0 success, 1 the run failed, 2 a configuration or usage error (nothing written),
 130 interrupted.
@@ -172,6 +173,13 @@ def cmd_replica(ns: argparse.Namespace) -> int:
     return int(replica.main(argv) or 0)
 
 
+def cmd_synchronizer(ns: argparse.Namespace) -> int:
+    from composer_replication.run import synchronizer
+
+    argv = [ns.run] + (["--storage-options", ns.storage_options] if ns.storage_options else [])
+    return int(synchronizer.main(argv) or 0)
+
+
 # ----------------------------------------------------------------------------- parser
 
 
@@ -250,6 +258,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rendezvous", help="store URI of the run (default: $DILOCO_RENDEZVOUS)")
     p.add_argument("--rank", type=int, default=None, help="replica rank (default: $REPLICA_RANK)")
     p.set_defaults(func=cmd_replica)
+
+    p = sub.add_parser("synchronizer", help="run a decoupled run's synchronizer",
+                       description="Merge the learners' fragment pushes of a run with "
+                       "diloco.mode = 'decoupled' (the driver runs one itself unless "
+                       "diloco.synchronizer = 'external'). Several may run: a lease in the "
+                       "store keeps one active, the others take over when it dies.")  # fmt: skip
+    p.add_argument("run", metavar="RUN_FOLDER_OR_URI", help="run folder or the run's store URI")
+    p.add_argument("--storage-options", default=None, metavar="JSON",
+                   help="fsspec options (default: $COMPOSER_STORAGE_OPTIONS or the run's)")  # fmt: skip
+    p.set_defaults(func=cmd_synchronizer)
     return parser
 
 

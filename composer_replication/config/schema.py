@@ -36,8 +36,11 @@ from composer_replication.loss import (
 )
 
 __all__ = [
+    "CHAOS_ACTIONS",
     "LOSS_KEYS_SET_BY_THE_RUN",
     "BackendConfig",
+    "ChaosConfig",
+    "ChaosEventConfig",
     "CheckpointConfig",
     "DilocoConfig",
     "EndpointConfig",
@@ -300,9 +303,60 @@ class DilocoConfig:
         "torchft lighthouse 'http://HOST:PORT' (manager = 'torchft'); empty = the driver runs "
         "one on 127.0.0.1 (local backend only)",
     )
+    mode: Literal["sync", "decoupled"] = _f(
+        "sync",
+        "'sync': every round is a barrier; 'decoupled': learners never wait, a synchronizer "
+        "merges each fragment once a quorum has pushed (docs/diloco.md, Decoupled DiLoCo)",
+    )
+    fragments: int = _f(
+        1, "decoupled: P strided fragments; one is pushed every sync_every_h / fragments steps"
+    )
+    quorum: int = _f(1, "decoupled: learners that must push a fragment before it is merged")
+    grace_gamma: float = _f(
+        0.8, "decoupled: grace window = grace_gamma * max(0, grace_tau * step - quorum - sync)"
+    )
+    grace_tau: float = _f(2.0, "decoupled: inner steps a fragment may stay in flight (tau)")
+    merge: Literal["mean", "rda"] = _f(
+        "mean", "decoupled: 'mean' or 'rda' (radial-directional averaging) of the pushes"
+    )
+    late: Literal["drop", "carry"] = _f(
+        "drop", "decoupled: a push based on an already merged version is dropped or merged next"
+    )
+    alpha: float = _f(
+        0.0, "decoupled: a learner takes a new global as lerp(global, local, alpha); 0 = overwrite"
+    )
+    synchronizer: Literal["driver", "external"] = _f(
+        "driver",
+        "decoupled: 'driver' runs the synchronizer beside the driver; 'external': you run "
+        "`composer-replication synchronizer RUN` yourself",
+    )
+    lease_ttl_s: float = _f(
+        10.0,
+        "decoupled: a silent synchronizer's lease expires after this (then another takes over)",
+    )
 
     def __post_init__(self) -> None:
         _check(self.sync_every_h >= 1, "diloco.sync_every_h", "must be >= 1")
+        _check(self.fragments >= 1, "diloco.fragments", "must be >= 1")
+        _check(
+            self.sync_every_h % self.fragments == 0,
+            "diloco.fragments",
+            f"{self.fragments} must divide diloco.sync_every_h ({self.sync_every_h})",
+        )
+        _check(self.quorum >= 1, "diloco.quorum", "must be >= 1")
+        _check(0.0 <= self.grace_gamma <= 1.0, "diloco.grace_gamma", "must be in [0, 1]")
+        _check(self.grace_tau >= 0, "diloco.grace_tau", "must be >= 0")
+        _check(0.0 <= self.alpha <= 1.0, "diloco.alpha", "must be in [0, 1]")
+        _check(self.lease_ttl_s > 0, "diloco.lease_ttl_s", "must be > 0")
+        if self.mode == "sync":
+            _check(self.fragments == 1, "diloco.fragments", "is used with diloco.mode = "
+                   "'decoupled' only")  # fmt: skip
+        else:
+            _check(
+                self.manager == "object_store",
+                "diloco.mode",
+                "'decoupled' learners meet only in the object store: use manager = 'object_store'",
+            )
         _check(self.outer_lr > 0, "diloco.outer_lr", "must be > 0")
         _check(0.0 <= self.outer_momentum < 1.0, "diloco.outer_momentum", "must be in [0, 1)")
         if self.min_replicas is not None:
@@ -403,6 +457,55 @@ class CheckpointConfig:
         _check(self.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")
 
 
+CHAOS_ACTIONS = ("kill", "stop", "slow", "corrupt", "kill_synchronizer", "throttle")
+
+
+@dataclass(frozen=True)
+class ChaosEventConfig:
+    """One fault the chaos harness injects (run/chaos.py; local backend only)."""
+
+    at_s: float = _f(0.0, "seconds after the replicas were launched")
+    action: Literal["kill", "stop", "slow", "corrupt", "kill_synchronizer", "throttle"] = _f(
+        "kill",
+        "kill (-9), stop (SIGSTOP for duration_s), slow (factor x), corrupt (an object), "
+        "kill_synchronizer (restarted after restart_after_s), throttle (the S3 endpoint)",
+    )
+    target: str = _f(
+        "0",
+        "a replica rank; for corrupt 'push', 'push:<rank>', 'global' or 'contribution'; "
+        "ignored by kill_synchronizer and throttle",
+    )
+    during: Literal["any", "upload"] = _f(
+        "any", "kill: at once ('any', i.e. mid inner step) or while the replica uploads"
+    )
+    duration_s: float = _f(0.0, "stop / slow / throttle: how long")
+    factor: float = _f(3.0, "slow: the replica runs this many times slower")
+    rate_bytes_s: float = _f(1e6, "throttle: bytes per second through the store endpoint")
+    restart_after_s: float = _f(1.0, "kill_synchronizer: seconds before it is started again")
+
+    def __post_init__(self) -> None:
+        _check(self.at_s >= 0, "at_s", "must be >= 0")
+        _check(self.duration_s >= 0, "duration_s", "must be >= 0")
+        _check(self.factor >= 1, "factor", "must be >= 1")
+        _check(self.rate_bytes_s > 0, "rate_bytes_s", "must be > 0")
+        _check(self.restart_after_s >= 0, "restart_after_s", "must be >= 0")
+        if self.action in ("stop", "slow", "throttle"):
+            _check(self.duration_s > 0, "duration_s", f"must be > 0 for {self.action!r}")
+
+
+@dataclass(frozen=True)
+class ChaosConfig:
+    """Fault injection while the run trains (local backend): a schedule of events."""
+
+    events: list[ChaosEventConfig] = _f([], "the faults ([[chaos.events]] tables)")
+    upload_wait_s: float = _f(
+        60.0, "kill during='upload': give up if no upload is caught within this many seconds"
+    )
+
+    def __post_init__(self) -> None:
+        _check(self.upload_wait_s > 0, "chaos.upload_wait_s", "must be > 0")
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """The whole run configuration (one attribute per TOML section)."""
@@ -420,6 +523,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(
         default_factory=CheckpointConfig, metadata={"help": "checkpoints"}
     )
+    chaos: ChaosConfig = field(default_factory=ChaosConfig, metadata={"help": "fault injection"})
 
     def __post_init__(self) -> None:
         h = self.diloco.sync_every_h
@@ -438,6 +542,39 @@ class RunConfig:
                 "(127.0.0.1) cannot serve; start `torchft_lighthouse` where they can reach it "
                 "and set diloco.lighthouse = 'http://HOST:PORT'",
             )
+        _check(
+            self.diloco.quorum <= self.backend.n_replicas,
+            "diloco.quorum",
+            f"{self.diloco.quorum} exceeds backend.n_replicas ({self.backend.n_replicas})",
+        )
+        if self.chaos.events:
+            _check(
+                self.backend.kind == "local",
+                "chaos.events",
+                f"fault injection needs the local backend (signals to replica processes), not "
+                f"{self.backend.kind!r}",
+            )
+            for i, ev in enumerate(self.chaos.events):
+                if ev.action not in ("kill_synchronizer", "throttle", "corrupt"):
+                    _check(
+                        ev.target.isdigit() and int(ev.target) < self.backend.n_replicas,
+                        f"chaos.events[{i}].target",
+                        f"{ev.target!r} is not a replica rank in [0, {self.backend.n_replicas})",
+                    )
+                if ev.action == "kill_synchronizer":
+                    _check(
+                        self.diloco.mode == "decoupled" and self.diloco.synchronizer == "driver",
+                        f"chaos.events[{i}].action",
+                        "kill_synchronizer needs diloco.mode = 'decoupled' with the driver's "
+                        "synchronizer",
+                    )
+                if ev.action == "throttle":
+                    _check(
+                        self.store.uri.startswith(("s3://", "s3a://")),
+                        f"chaos.events[{i}].action",
+                        "throttle slows the connection to an S3 endpoint; a file:// store has "
+                        "no connection to throttle (use an s3:// store.uri)",
+                    )
         if self.diloco.min_replicas is not None:
             _check(
                 self.diloco.min_replicas <= self.backend.n_replicas,

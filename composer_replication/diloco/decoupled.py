@@ -49,7 +49,7 @@ from composer_replication.diloco.fragments import strided_fragments, whole_model
 from composer_replication.exchange.decoupled import DecoupledStore, fragment_manifest
 from composer_replication.exchange.liveness import write_heartbeat
 from composer_replication.exchange.manager import RoundRecord, round_record
-from composer_replication.exchange.protocol import CorruptContributionError
+from composer_replication.exchange.protocol import CorruptContributionError, tensors_digest
 from composer_replication.exchange.store import Store
 
 __all__ = ["DecoupledLearner", "LEARNER_ROLE", "push_offsets"]
@@ -76,6 +76,8 @@ class DecoupledLearner:
         codec: wire codec of the pushes (exchange.codecs).
         poll_interval_s: how often the background thread looks for new global versions.
         drain_timeout_s: how long leaving the context waits for the run's final versions.
+        heartbeat_every_s: write this learner's heartbeat (exchange/liveness.py) this often from
+            a thread; None = the caller writes it (the run's replica does).
         start_step: the learner's inner steps so far (None: from its progress document).
     """
 
@@ -94,7 +96,7 @@ class DecoupledLearner:
         codec: str = "fp32",
         poll_interval_s: float = 0.2,
         drain_timeout_s: float = 600.0,
-        heartbeat_every_s: float = 1.0,
+        heartbeat_every_s: float | None = 1.0,
         start_step: int | None = None,
     ) -> None:
         if not isinstance(n_learners, int) or n_learners < 1:
@@ -115,7 +117,7 @@ class DecoupledLearner:
             raise ValueError(f"alpha must be in [0, 1], got {alpha}")
         for key, value in (("poll_interval_s", poll_interval_s),
                            ("drain_timeout_s", drain_timeout_s),
-                           ("heartbeat_every_s", heartbeat_every_s)):  # fmt: skip
+                           ("heartbeat_every_s", heartbeat_every_s or 1.0)):  # fmt: skip
             if not value > 0:
                 raise ValueError(f"{key} must be > 0, got {value!r}")
         self.store = store
@@ -127,7 +129,7 @@ class DecoupledLearner:
         self.alpha = float(alpha)
         self.poll_interval_s = float(poll_interval_s)
         self.drain_timeout_s = float(drain_timeout_s)
-        self.heartbeat_every_s = float(heartbeat_every_s)
+        self.heartbeat_every_s = heartbeat_every_s
         self.model = model
         self.inner_optimizer: torch.optim.Optimizer | None = None
         self._model_fragments = list(model_fragments) if model_fragments is not None else None
@@ -172,6 +174,8 @@ class DecoupledLearner:
         self.history: list[RoundRecord] = []
         self._round_t0 = time.monotonic()
         self.final_versions: list[int] | None = None
+        self.start_versions: list[int] = []  # the global versions this learner started from
+        self.loaded: dict[str, str] = {}  # "<fragment>/<version>" -> sha256 of what it loaded
         if inner_optimizer is not None:
             self.bind(optimizer=inner_optimizer)
 
@@ -229,6 +233,7 @@ class DecoupledLearner:
             self.base.append(tensors)
             self.versions.append(v)
             self._load_fragment(i, tensors, alpha=0.0)
+        self.start_versions = list(self.versions)
         self._bound = True
         log.info("learner %d: starts at step %d from global versions %s", self.learner,
                  self.step, self.versions)  # fmt: skip
@@ -248,6 +253,7 @@ class DecoupledLearner:
                 log.warning("learner %d: %s; trying an older version", self.learner, e)
                 continue
             if tensors is not None:
+                self.loaded[f"{i}/{v}"] = tensors_digest(tensors)
                 return v, tensors
         raise CorruptContributionError(f"fragment {i}: no readable global version in the store")
 
@@ -271,8 +277,10 @@ class DecoupledLearner:
         self._threads = [
             threading.Thread(target=self._upload_loop, name="learner-upload", daemon=True),
             threading.Thread(target=self._fetch_loop, name="learner-fetch", daemon=True),
-            threading.Thread(target=self._heartbeat_loop, name="learner-heartbeat", daemon=True),
         ]
+        if self.heartbeat_every_s is not None:
+            self._threads.append(threading.Thread(target=self._heartbeat_loop,
+                                                  name="learner-heartbeat", daemon=True))  # fmt: skip
         for t in self._threads:
             t.start()
         self._last_step_end = time.monotonic()
@@ -308,7 +316,8 @@ class DecoupledLearner:
         for t in self._threads:
             t.join(timeout=30)
         self._threads = []
-        self._beat()
+        if self.heartbeat_every_s is not None:
+            self._beat()
 
     # ------------------------------------------------------------------ per step
     def record_tokens(self, n: int) -> None:
@@ -461,8 +470,10 @@ class DecoupledLearner:
             if tensors is None:  # announced but gone (pruned): the next poll sees a newer head
                 continue
             self.bytes_downloaded += sum(t.numel() * t.element_size() for t in tensors.values())
+            digest = tensors_digest(tensors)
             with self._lock:
                 self._ready[i] = (v, tensors)
+                self.loaded[f"{i}/{v}"] = digest
             got += 1
         return got
 
@@ -477,9 +488,10 @@ class DecoupledLearner:
             log.warning("learner %d: heartbeat failed: %r", self.learner, e)
 
     def _heartbeat_loop(self) -> None:
+        every = self.heartbeat_every_s or 1.0
         while True:
             self._beat()
-            if self._stop.wait(self.heartbeat_every_s):
+            if self._stop.wait(every):
                 return
 
     # ------------------------------------------------------------------ the end
@@ -505,7 +517,8 @@ class DecoupledLearner:
                         self.drain_timeout_s)  # fmt: skip
         self.docs.write_progress(self.learner, step=self.step, done=True)
         self._state = "done"
-        self._beat()
+        if self.heartbeat_every_s is not None:
+            self._beat()
         deadline = time.monotonic() + self.drain_timeout_s
         final = None
         while time.monotonic() < deadline:

@@ -30,7 +30,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from composer_replication.run.build import build_model, build_task, build_trainer
@@ -116,6 +116,57 @@ def _build_manager(config: Any, rank: int, store: Any) -> Any:
     return ObjectStoreManager(allreduce=allreduce)
 
 
+def _build_learner(config: Any, rank: int, store: Any, model: Any) -> Any:
+    """The decoupled learner of replica `rank` (its heartbeat is the replica's, below)."""
+    from composer_replication.diloco.decoupled import DecoupledLearner
+
+    d = config.diloco
+    return DecoupledLearner(
+        store, learner=rank, n_learners=config.backend.n_replicas, sync_every_h=d.sync_every_h,
+        num_fragments=d.fragments, model=model, alpha=d.alpha, codec=d.codec,
+        poll_interval_s=0.1 if store.is_local else 0.5, drain_timeout_s=d.timeout_s,
+        heartbeat_every_s=None,
+    )  # fmt: skip
+
+
+class _Heartbeat:
+    """This replica's heartbeat (exchange/liveness.py), written every few seconds from a thread
+    from start-up on; ``fields`` (set once the outer loop exists) adds its round and step."""
+
+    def __init__(self, store: Any, role: str, rank: int, every_s: float = 5.0) -> None:
+        import threading
+
+        self.store, self.role, self.rank, self.every_s = store, role, rank, every_s
+        self.fields: Callable[[], dict[str, Any]] = dict
+        self._stop = threading.Event()
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="heartbeat", daemon=True)
+        self._thread.start()
+
+    def beat(self, state: str = "running") -> None:
+        from composer_replication.exchange.liveness import write_heartbeat
+
+        try:
+            write_heartbeat(self.store, self.role, self.rank, state=state, **self.fields())
+        except (OSError, ValueError) as exc:
+            print(f"replica {self.rank}: heartbeat failed: {exc!r}", file=sys.stderr)
+
+    def _loop(self) -> None:
+        while True:
+            self.beat()
+            if self._stop.wait(self.every_s):
+                return
+
+    def close(self, state: str | None = None) -> None:
+        if self._closed:
+            return
+        self._stop.set()
+        self._thread.join(timeout=10)
+        if state is not None:
+            self._closed = True
+            self.beat(state)
+
+
 def _hostname() -> str:
     """This machine's address as its peers should dial it ($TORCHFT_HOSTNAME overrides)."""
     import os
@@ -138,25 +189,39 @@ def run_replica(config: RunConfig, rank: int, uri: str, storage_options: dict[st
     writer = ReplicaMetricsWriter(store, rank, flush_every_s=config.logging.flush_every_s)
     writer.status(state="starting", step=0, round=0, max_steps=config.train.max_steps, force=True)
     manager = None
+    heartbeat = _Heartbeat(store, "learner" if config.diloco.mode == "decoupled" else "replica",
+                           rank)  # fmt: skip
     try:
         if config.train.torch_threads > 0:
             torch.set_num_threads(config.train.torch_threads)
         h = config.diloco.sync_every_h
-        start_round = _resume_round(store)
-        remaining = config.train.max_steps - start_round * h
-        writer.log("event", step=start_round * h, round=start_round, event="start",
-                   resumed_round=start_round)  # fmt: skip
         task = build_task(config)
         model, tok = build_model(config)
-        manager = _build_manager(config, rank, store)
-        outer = make_diloco_outer_loop(
-            None, manager, h, model=model, outer_lr=config.diloco.outer_lr,
-            outer_momentum=config.diloco.outer_momentum, nesterov=config.diloco.nesterov,
-        )  # fmt: skip
+        outer: Any
+        if config.diloco.mode == "decoupled":
+            outer = _build_learner(config, rank, store, model)
+            start_step = outer.start_step
+            start_round = 0
+        else:
+            start_round = _resume_round(store)
+            start_step = start_round * h
+            manager = _build_manager(config, rank, store)
+            outer = make_diloco_outer_loop(
+                None, manager, h, model=model, outer_lr=config.diloco.outer_lr,
+                outer_momentum=config.diloco.outer_momentum, nesterov=config.diloco.nesterov,
+            )  # fmt: skip
+        if config.diloco.mode == "decoupled":
+            heartbeat.fields = lambda: {"round": outer.round, "step": outer.step,
+                                        "versions": list(outer.versions)}  # fmt: skip
+        else:
+            heartbeat.fields = lambda: {"round": outer.round}
+        remaining = config.train.max_steps - start_step
+        writer.log("event", step=start_step, round=start_round, event="start",
+                   resumed_round=start_round, resumed_step=start_step)  # fmt: skip
         n_eval = min(config.train.eval_max_examples, config.task.n_eval)
         reporter = ReplicaReporter(
             writer=writer, store=store, outer=outer, rank=rank,
-            max_steps=config.train.max_steps, step_offset=start_round * h, tokenizer=tok,
+            max_steps=config.train.max_steps, step_offset=start_step, tokenizer=tok,
             task=task, eval_examples=task.eval_examples()[:n_eval],
             eval_every_rounds=config.train.eval_every_rounds,
             max_new_tokens=config.train.max_completion_length,
@@ -164,9 +229,9 @@ def run_replica(config: RunConfig, rank: int, uri: str, storage_options: dict[st
             keep_last=config.checkpoint.keep_last, save_final=config.checkpoint.save_final,
         )  # fmt: skip
         if remaining <= 0:
-            return _finish_without_training(outer, model, reporter, writer, start_round * h)
+            return _finish_without_training(outer, model, reporter, writer, start_step)
         # Different sampling per replica and per relaunch; the weights come from the store.
-        seed = config.run.seed + 1000 * rank + start_round
+        seed = config.run.seed + 1000 * rank + start_round + start_step
         set_seed(seed)
         with tempfile.TemporaryDirectory(prefix=f"composer-replica{rank}-") as scratch:
             trainer = build_trainer(
@@ -178,6 +243,7 @@ def run_replica(config: RunConfig, rank: int, uri: str, storage_options: dict[st
         # digest lets anyone check that every replica ended on the same model.
         writer.log("event", step=config.train.max_steps, round=outer.round,
                    event="global_weights", sha256=weights_digest(model))  # fmt: skip
+        heartbeat.close("done")
         return 0
     except BaseException as exc:
         writer.status(
@@ -186,9 +252,11 @@ def run_replica(config: RunConfig, rank: int, uri: str, storage_options: dict[st
             traceback=traceback.format_exc()[-4000:],
         )
         writer.flush()
+        heartbeat.close("failed")
         raise
     finally:
         writer.flush()
+        heartbeat.close()
         if manager is not None:
             manager.close()
 

@@ -11,12 +11,12 @@ D = 8
 class Blocks(nn.Module):
     """Embedding, 4 residual blocks in a ModuleList (what strided fragments split), a head."""
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, width: int = D) -> None:
         super().__init__()
         torch.manual_seed(seed)
-        self.emb = nn.Embedding(16, D)
-        self.layers = nn.ModuleList(nn.Linear(D, D) for _ in range(4))
-        self.head = nn.Linear(D, 3)
+        self.emb = nn.Embedding(16, width)
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(4))
+        self.head = nn.Linear(width, 3)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.emb(idx).mean(1)

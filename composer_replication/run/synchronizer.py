@@ -1,0 +1,206 @@
+"""`composer-replication synchronizer RUN_FOLDER_OR_URI`: run a decoupled run's synchronizer.
+
+The driver of `composer-replication train` starts one beside itself when ``diloco.mode =
+"decoupled"`` and ``diloco.synchronizer = "driver"`` (`SynchronizerProcess`); with
+``"external"`` run it yourself anywhere that reaches the store, as many times as you like: the
+lease (exchange/lease.py) keeps exactly one active, the others wait and take over when the
+active one dies (after ``diloco.lease_ttl_s``) or stops.
+
+RUN is a run folder (its config.json names the store) or the store URI itself (its
+run_config.json, written by the driver, holds the configuration). fsspec options come from
+``--storage-options`` or $COMPOSER_STORAGE_OPTIONS (JSON). Exit codes: 0 the run's final
+versions are written, 1 an error, 2 unusable arguments, 130 stopped (SIGTERM/SIGINT: the lease
+is released so another synchronizer can take over at once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from composer_replication.config import RunConfig
+    from composer_replication.diloco.synchronizer import SynchronizerConfig
+    from composer_replication.exchange.store import ObjectStore
+
+__all__ = ["SynchronizerProcess", "main", "synchronizer_config"]
+
+MODULE = "composer_replication.run.synchronizer"
+CONFIG_KEY = "run_config.json"
+
+
+def synchronizer_config(config: RunConfig) -> SynchronizerConfig:
+    """The synchronizer's settings from a run configuration's [diloco] section."""
+    from composer_replication.diloco.synchronizer import SynchronizerConfig
+
+    d = config.diloco
+    return SynchronizerConfig(
+        quorum=d.quorum, gamma=d.grace_gamma, tau=d.grace_tau, merge=d.merge,
+        weighting=d.weighting, late=d.late, outer_lr=d.outer_lr,
+        outer_momentum=d.outer_momentum, nesterov=d.nesterov, keep=config.store.keep_rounds,
+        lease_ttl_s=d.lease_ttl_s, poll_interval_s=0.05 if config.store.uri.startswith("file:")
+        else 0.25, max_steps=config.train.max_steps,
+    )  # fmt: skip
+
+
+def resolve(target: str, storage_options: dict[str, Any] | None) -> tuple[RunConfig, ObjectStore]:
+    """(run config, store) of a run folder or a store URI (ValueError saying what is missing)."""
+    from composer_replication.config import from_dict
+    from composer_replication.config.schema import RunConfig
+    from composer_replication.exchange.store import ObjectStore
+
+    folder = Path(target)
+    if folder.is_dir() and (folder / "config.json").is_file():
+        tree = json.loads((folder / "config.json").read_text())
+        config = from_dict(RunConfig, tree)
+        options = storage_options if storage_options is not None else config.store.storage_options
+        return config, ObjectStore(config.store.uri, options)
+    if folder.is_dir() and "://" not in target and not (folder / CONFIG_KEY).is_file():
+        raise ValueError(f"{target} is neither a run folder (no config.json) nor a store "
+                         f"(no {CONFIG_KEY})")  # fmt: skip
+    store = ObjectStore(target, storage_options)
+    doc = store.get_json(CONFIG_KEY)
+    if doc is None:
+        raise ValueError(f"no {CONFIG_KEY} in {store.uri}: start the run with "
+                         "`composer-replication train` (it writes the configuration)")  # fmt: skip
+    return from_dict(RunConfig, doc), store
+
+
+def run(config: RunConfig, store: ObjectStore, stop: threading.Event | None = None) -> int:
+    """Run the synchronizer until the run is final (0) or ``stop`` is set (130)."""
+    from composer_replication.diloco.synchronizer import Synchronizer
+
+    if config.diloco.mode != "decoupled":
+        raise ValueError(f"run {config.run.name!r} has diloco.mode = {config.diloco.mode!r}; "
+                         "only decoupled runs have a synchronizer")  # fmt: skip
+    sync = Synchronizer(store, synchronizer_config(config))
+    if stop is not None:
+
+        def relay() -> None:
+            stop.wait()
+            sync.stop()
+
+        threading.Thread(target=relay, daemon=True).start()
+    print(f"synchronizer {sync.owner}: run {config.run.name} at {store.uri}", flush=True)
+    finished = sync.run()
+    print(f"synchronizer {sync.owner}: {'final versions ' + str(sync.versions) if finished else 'stopped'}"
+          f"; {json.dumps(sync.stats.as_dict())}", flush=True)  # fmt: skip
+    return 0 if finished else 130
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="composer-replication synchronizer",
+                                description="Run the synchronizer of a decoupled run.")  # fmt: skip
+    p.add_argument("run", metavar="RUN_FOLDER_OR_URI", help="a run folder or the run's store URI")
+    p.add_argument("--storage-options", default=None,
+                   help="fsspec options as JSON (default: $COMPOSER_STORAGE_OPTIONS or the run's)")  # fmt: skip
+    ns = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    try:
+        raw = ns.storage_options or os.environ.get("COMPOSER_STORAGE_OPTIONS")
+        options = None if raw is None else json.loads(raw)
+        if options is not None and not isinstance(options, dict):
+            raise ValueError("storage options must be a JSON object")
+        config, store = resolve(ns.run, options)
+    except (ValueError, json.JSONDecodeError) as exc:
+        print(f"synchronizer: error: {exc}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+    try:
+        return run(config, store, stop)
+    except ValueError as exc:
+        print(f"synchronizer: error: {exc}", file=sys.stderr)
+        return 2
+
+
+class SynchronizerProcess:
+    """The driver's synchronizer: a subprocess in its own process group, restarted when it
+    dies (a crash, or `kill` by the chaos harness with a restart delay), stopped at the end."""
+
+    def __init__(self, uri: str, env: dict[str, str], log_path: Path, *,
+                 max_restarts: int = 100) -> None:  # fmt: skip
+        self.command = [sys.executable, "-m", MODULE, uri]
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
+        self.log_path = log_path
+        self.max_restarts = max_restarts
+        self.restarts = 0
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._not_before = 0.0
+        self._lock = threading.Lock()
+        self.exit_codes: list[int] = []
+
+    @property
+    def pid(self) -> int | None:
+        with self._lock:
+            return None if self.proc is None or self.proc.poll() is not None else self.proc.pid
+
+    def start(self) -> None:
+        from composer_replication.executors.local import spawn_in_group
+
+        with self._lock:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            self.proc = spawn_in_group(self.command, self.env, None, str(self.log_path))
+
+    def ensure_running(self) -> bool:
+        """Restart it if it died (not before a requested delay); False once it finished (0)."""
+        with self._lock:
+            proc = self.proc
+        if proc is None:
+            self.start()
+            return True
+        code = proc.poll()
+        if code is None:
+            return True
+        if code == 0:
+            return False
+        if time.monotonic() < self._not_before or self.restarts >= self.max_restarts:
+            return True
+        with self._lock:
+            self.exit_codes.append(code)
+            self.restarts += 1
+        with open(self.log_path, "a", encoding="utf-8") as log:
+            log.write(f"\n=== synchronizer exited ({code}); restart {self.restarts} ===\n")
+        self.start()
+        return True
+
+    def kill(self, restart_after_s: float = 0.0) -> int | None:
+        """SIGKILL it (the chaos harness); `ensure_running` restarts it after the delay."""
+        pid = self.pid
+        self._not_before = time.monotonic() + restart_after_s
+        if pid is not None:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            assert self.proc is not None
+            self.proc.wait(10)
+        return pid
+
+    def stop(self, grace_s: float = 10.0) -> int | None:
+        """SIGTERM (it releases its lease), then SIGKILL after ``grace_s``; the exit code."""
+        from composer_replication.executors.local import terminate_groups
+
+        with self._lock:
+            proc = self.proc
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            terminate_groups([proc], grace_s)
+        return proc.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())

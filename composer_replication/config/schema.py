@@ -464,7 +464,7 @@ CHAOS_ACTIONS = ("kill", "stop", "slow", "corrupt", "kill_synchronizer", "thrott
 class ChaosEventConfig:
     """One fault the chaos harness injects (run/chaos.py; local backend only)."""
 
-    at_s: float = _f(0.0, "seconds after the replicas were launched")
+    at_s: float = _f(0.0, "seconds after every replica started training")
     action: Literal["kill", "stop", "slow", "corrupt", "kill_synchronizer", "throttle"] = _f(
         "kill",
         "kill (-9), stop (SIGSTOP for duration_s), slow (factor x), corrupt (an object), "
@@ -554,7 +554,15 @@ class RunConfig:
                 f"fault injection needs the local backend (signals to replica processes), not "
                 f"{self.backend.kind!r}",
             )
+            restarts = self.backend.options.get("max_restarts", 0)
             for i, ev in enumerate(self.chaos.events):
+                if ev.action == "kill":
+                    _check(
+                        isinstance(restarts, int) and restarts >= 1,
+                        f"chaos.events[{i}]",
+                        "a killed replica must come back: set backend.options.max_restarts "
+                        "to at least the number of kill events",
+                    )
                 if ev.action not in ("kill_synchronizer", "throttle", "corrupt"):
                     _check(
                         ev.target.isdigit() and int(ev.target) < self.backend.n_replicas,

@@ -278,6 +278,7 @@ class SynchronizerStats:
     adopted_merges: int = 0
     repaired_states: int = 0
     steps_merged: int = 0
+    last_rejection: float | None = None  # wall time of the newest refused/rejected push
     last_merges: list[dict[str, Any]] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
@@ -513,10 +514,12 @@ class Synchronizer:
                 log.warning("refusing %s", got)
                 self._refused[pid] = got
                 self.stats.refused += 1
+                self.stats.last_rejection = time.time()
                 continue
             if self.config.weighting == "tokens" and got.tokens is None:
                 self._refused[pid] = f"push {pid.name}: no token count for weighting='tokens'"
                 self.stats.refused += 1
+                self.stats.last_rejection = time.time()
                 continue
             self._pending[pid] = got
             self._arrived[pid] = now
@@ -692,6 +695,8 @@ class Synchronizer:
         self.stats.merges += 1
         self.stats.inputs += len(accepted)
         self.stats.rejected += len(record["inputs"]) - len(accepted)
+        if len(record["inputs"]) > len(accepted):
+            self.stats.last_rejection = time.time()
         self.stats.dropped_late += len(dropped)
         self.stats.carried_late += len(carried)
         self.stats.superseded += len(superseded)

@@ -360,9 +360,12 @@ class ChaosInjector:
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
         self.t0 = time.monotonic()
+        self.started = False
 
     def start(self) -> ChaosInjector:
+        """Schedule every event, ``at_s`` seconds from now."""
         self.t0 = time.monotonic()
+        self.started = True
         for i, ev in enumerate(sorted(self.events, key=lambda e: e.at_s)):
             t = threading.Thread(target=self._run_event, args=(i, ev), name=f"chaos-{i}",
                                  daemon=True)  # fmt: skip

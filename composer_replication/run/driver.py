@@ -218,6 +218,8 @@ def run(
     if config.train.torch_threads > 0:
         env.setdefault("OMP_NUM_THREADS", str(config.train.torch_threads))
     lighthouse = _start_lighthouse(config, env)
+    proxy = _start_proxy(config, env)
+    synchronizer = _start_synchronizer(config, folder, env)
     stop, restore_signals = _install_stop_handlers()
     try:
         handles = executor.launch_replicas(
@@ -230,6 +232,7 @@ def run(
     except Exception as exc:  # the executor cancelled whatever it had started
         restore_signals()
         _stop_lighthouse(lighthouse)
+        _stop_decoupled(synchronizer, proxy)
         progress.close()
         sink.close()
         message = f"launching the replicas failed: {type(exc).__name__}: {exc}"
@@ -238,13 +241,23 @@ def run(
         return TrainResult(folder=folder, exit_code=1, status="failed", summary={})
     status = "running"
     deadline = time.monotonic() + config.backend.timeout_s
-    elastic = (config.diloco.min_replicas or config.backend.n_replicas) < len(handles)
+    decoupled = config.diloco.mode == "decoupled"
+    elastic = decoupled or (config.diloco.min_replicas or config.backend.n_replicas) < len(handles)
     last_mirror = 0.0
+    health = _HealthLog(config, store, sink)
+    injector = _start_chaos(config, executor, handles, synchronizer, store, proxy)
     try:
         while True:
             executor.poll(handles)
+            if synchronizer is not None:
+                synchronizer.ensure_running()
+                _release_failed_learners(config, store, handles)
+            health.poll()
             collector.poll()
             statuses = collector.statuses()
+            if _chaos_due(injector, statuses, len(handles)):
+                injector.start()
+                progress.message(f"chaos: {len(config.chaos.events)} events scheduled from now")
             progress.update(_rows(config, handles, statuses))
             # Mid-run mirroring only for a local store (a disk copy); a remote store's
             # checkpoints (GBs for a real model) are downloaded once, at the end.
@@ -281,6 +294,11 @@ def run(
         status = "interrupted"
     finally:
         progress.close()
+    if injector is not None:
+        injector.stop()
+    chaos = _chaos_report(config, folder, store, injector, status)
+    _stop_decoupled(synchronizer, proxy)
+    health.poll(force=True)
     try:
         summary = _finish(config, folder, store, executor, handles, collector, sink, status)
     except KeyboardInterrupt:  # a second Ctrl-C while gathering: keep what is there
@@ -290,6 +308,12 @@ def run(
     finally:
         restore_signals()
         _stop_lighthouse(lighthouse)
+        _stop_decoupled(synchronizer, proxy)
+    if chaos is not None:
+        summary["chaos_ok"] = chaos["ok"]
+        if not chaos["ok"] and status == "finished":
+            status = "failed"
+            folder.update_driver(status=status, error="chaos check failed: see chaos.json")
     exit_code = {"finished": 0, "interrupted": 130}.get(status, 1)
     wall = time.monotonic() - t_start
     folder.update_driver(wall_seconds=wall)
@@ -321,6 +345,137 @@ def _start_lighthouse(config: RunConfig, env: dict[str, str]) -> Any:
 def _stop_lighthouse(lighthouse: Any) -> None:
     if lighthouse is not None:
         lighthouse.shutdown()
+
+
+# --------------------------------------------------------------------- decoupled mode and chaos
+
+
+def _start_proxy(config: RunConfig, env: dict[str, str]) -> Any:
+    """A throttling proxy in front of the S3 endpoint when chaos throttles the store or kills
+    during an upload (the replicas and the synchronizer are pointed at it); None otherwise."""
+    needs = any(e.action == "throttle" or (e.action == "kill" and e.during == "upload")
+                for e in config.chaos.events)  # fmt: skip
+    endpoint = config.store.storage_options.get("endpoint_url")
+    if not needs or not config.store.uri.startswith(("s3://", "s3a://")) or not endpoint:
+        return None
+    from composer_replication.run.chaos import ThrottleProxy
+
+    proxy = ThrottleProxy(str(endpoint))
+    env[ENV_STORAGE_OPTIONS] = json.dumps({**config.store.storage_options,
+                                           "endpoint_url": proxy.endpoint})  # fmt: skip
+    return proxy
+
+
+def _start_synchronizer(config: RunConfig, folder: RunFolder, env: dict[str, str]) -> Any:
+    """The driver's synchronizer process (decoupled mode, diloco.synchronizer = "driver")."""
+    if config.diloco.mode != "decoupled" or config.diloco.synchronizer != "driver":
+        return None
+    from composer_replication.run.synchronizer import SynchronizerProcess
+
+    proc = SynchronizerProcess(config.store.uri, dict(env), folder.logs / "synchronizer.log")
+    proc.start()
+    return proc
+
+
+def _stop_decoupled(synchronizer: Any, proxy: Any) -> None:
+    if synchronizer is not None:
+        synchronizer.stop()
+    if proxy is not None:
+        proxy.close()
+
+
+def _release_failed_learners(
+    config: RunConfig, store: ObjectStore, handles: list[ReplicaHandle]
+) -> None:
+    """A learner that failed for good will not push again: mark it done (abandoned) so the
+    synchronizer neither waits for it in a quorum nor before the final merge."""
+    from composer_replication.exchange.decoupled import DecoupledStore
+
+    docs = DecoupledStore(store)
+    for h in handles:
+        if h.status.value == "failed":
+            doc = docs.read_progress(h.replica_id)
+            if doc is None or not doc.get("abandoned"):
+                docs.write_progress(h.replica_id, step=config.train.max_steps, done=True,
+                                    abandoned=True, error=str(h.error or "")[:500])  # fmt: skip
+
+
+def _start_chaos(config: RunConfig, executor: Any, handles: list[ReplicaHandle], synchronizer: Any,
+                 store: ObjectStore, proxy: Any) -> Any:  # fmt: skip
+    if not config.chaos.events:
+        return None
+    from composer_replication.run.chaos import ChaosInjector, ProcessTargets
+
+    return ChaosInjector(
+        config.chaos.events, ProcessTargets(executor, handles, synchronizer), store, proxy=proxy,
+        synchronizer_pid=(lambda: synchronizer.pid) if synchronizer is not None else None,
+        upload_wait_s=config.chaos.upload_wait_s, seed=config.run.seed,
+    )  # fmt: skip
+
+
+def _chaos_due(injector: Any, statuses: dict[int, dict[str, Any]], n: int) -> bool:
+    """The schedule starts once every replica reports it trains (times count from then)."""
+    if injector is None or injector.started:
+        return False
+    return len(statuses) == n and all(
+        s.get("state") not in (None, "starting") for s in statuses.values()
+    )
+
+
+def _chaos_report(config: RunConfig, folder: RunFolder, store: ObjectStore, injector: Any,
+                  status: str) -> dict[str, Any] | None:  # fmt: skip
+    """After a chaos run: check the store (decoupled mode) and write <run>/chaos.json."""
+    if injector is None:
+        return None
+    report: dict[str, Any] = {"events": injector.log, "ok": status == "finished"}
+    if config.diloco.mode == "decoupled" and status == "finished":
+        from composer_replication.run.chaos import check_decoupled_run
+
+        kills = [e for e in injector.log if e.get("action") == "kill"]
+        report["check"] = check_decoupled_run(store, None, kills)
+        report["ok"] = bool(report["check"]["ok"])
+    (folder.root / "chaos.json").write_text(json.dumps(report, indent=1, default=str))
+    return report
+
+
+class _HealthLog:
+    """Every few seconds: the run state from the store's heartbeats (run/status.py); a
+    "health" metric record whenever it changes (and every minute)."""
+
+    def __init__(self, config: RunConfig, store: ObjectStore, sink: MetricsSink,
+                 every_s: float = 5.0) -> None:  # fmt: skip
+        d = config.diloco
+        self.store, self.sink, self.every_s = store, sink, every_s
+        self.mode, self.n = d.mode, config.backend.n_replicas
+        self.quorum = d.quorum if d.mode == "decoupled" else (d.min_replicas or self.n)
+        self._last = 0.0
+        self._last_written = 0.0
+        self._state: str | None = None
+
+    def poll(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last < self.every_s:
+            return
+        self._last = now
+        from composer_replication.run.status import health_now
+
+        try:
+            h = health_now(self.store, mode=self.mode, n_replicas=self.n, quorum=self.quorum)
+        except Exception:  # the store is unreachable for a moment: the next poll retries
+            return
+        if h["state"] != self._state or force or now - self._last_written > 60:
+            self._state = h["state"]
+            self._last_written = now
+            sync = h.get("synchronizer") or {}
+            versions = sync.get("versions")
+            self.sink.write([{
+                "time": time.time(), "replica": -1, "kind": "health", "step": 0, "round": 0,
+                "health/state": h["state"], "health/level": h["level"],
+                "health/reasons": "; ".join(h["reasons"]),
+                "health/alive": h["alive_workers"],
+                "health/merges": sync.get("merges"),
+                "health/versions": sum(versions) if isinstance(versions, list) else None,
+            }])  # fmt: skip
 
 
 def _install_stop_handlers() -> tuple[threading.Event, Callable[[], None]]:

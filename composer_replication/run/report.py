@@ -2,7 +2,8 @@
 
 Plots (in `<run>/plots/`, one line per replica): reward.png, loss_<channel>.png for each loss
 channel that was logged (total, grpo, sdpo, replay), eval_accuracy.png, outer_rounds.png
-(seconds and megabytes per outer round). `summarize` computes the headline numbers (first-10%
+(seconds and megabytes per outer round), health.png (the run state the driver recorded:
+healthy / degraded / critical over time, and the decoupled synchronizer's merges). `summarize` computes the headline numbers (first-10%
 vs last-10% mean reward, eval accuracy before/after) that `train` prints at the end.
 """
 
@@ -18,7 +19,7 @@ from typing import Any
 from composer_replication.run.folder import RunFolder
 from composer_replication.run.metrics import read_metrics
 
-__all__ = ["draw_plots", "summarize", "summary_markdown", "write_report"]
+__all__ = ["draw_plots", "health_summary", "summarize", "summary_markdown", "write_report"]
 
 # logged key -> plot name; TRL logs the total optimised loss as "loss".
 LOSS_KEYS = {
@@ -97,7 +98,28 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     times = [float(r["time"]) for r in records if isinstance(r.get("time"), int | float)]
     if times:
         out["wall_seconds"] = max(times) - min(times)
+    out.update(health_summary(records))
     return out
+
+
+def _health_points(records: list[dict[str, Any]]) -> list[tuple[float, int, dict[str, Any]]]:
+    return sorted(
+        (float(r["time"]), int(r["health/level"]), r) for r in records
+        if r.get("kind") == "health" and isinstance(r.get("time"), int | float)
+        and isinstance(r.get("health/level"), int) and not isinstance(r.get("health/level"), bool)
+    )  # fmt: skip
+
+
+def health_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Seconds spent healthy / degraded / critical (each health record holds until the next)."""
+    points = _health_points(records)
+    if len(points) < 2:
+        return {}
+    spent = [0.0, 0.0, 0.0]
+    for (t, level, _), (t_next, _, _) in zip(points, points[1:]):
+        spent[min(max(level, 0), 2)] += t_next - t
+    return {"health_seconds": dict(zip(("healthy", "degraded", "critical"), spent)),
+            "health_last": points[-1][2].get("health/state")}  # fmt: skip
 
 
 def _figure(title: str, ylabel: str, nrows: int = 1) -> tuple[Any, Any]:
@@ -170,6 +192,20 @@ def draw_plots(records: list[dict[str, Any]], out_dir: Path) -> list[Path]:
         _plot_series(axes[1], {k: sorted(v) for k, v in sorted(mb.items())})
         axes[1].set_ylabel("MB up + down")
         save(fig, "outer_rounds.png")
+    points = _health_points(records)
+    if points:
+        t0 = points[0][0]
+        merges = [(t - t0, r.get("health/merges")) for t, _, r in points
+                  if isinstance(r.get("health/merges"), int)]  # fmt: skip
+        fig, axes = _figure("run health", "state", nrows=2 if merges else 1)
+        axes[0].step([t - t0 for t, _, _ in points], [lvl for _, lvl, _ in points], where="post")
+        axes[0].set_yticks([0, 1, 2], ["healthy", "degraded", "critical"])
+        axes[0].set_ylim(-0.3, 2.3)
+        if merges:
+            axes[1].plot(*zip(*merges), marker=".")
+            axes[1].set_ylabel("merges (synchronizer)")
+        axes[-1].set_xlabel("seconds since the first health record")
+        save(fig, "health.png")
     return written
 
 
@@ -209,8 +245,14 @@ def summary_markdown(
         f"| store traffic, all replicas (MB) | "
         f"{_fmt((summary.get('round_bytes_total') or 0) / 1e6, 2)} |",
         f"| wall time (s) | {_fmt(summary.get('wall_seconds'), 1)} |",
-        "",
     ]
+    spent = summary.get("health_seconds")
+    if spent:
+        lines.append(
+            f"| run health (s healthy / degraded / critical) | {spent['healthy']:.0f} / "
+            f"{spent['degraded']:.0f} / {spent['critical']:.0f} |"
+        )
+    lines.append("")
     if plots:
         lines += ["## Plots", ""]
         lines += [f"![{p.stem}](plots/{p.name})" for p in plots]

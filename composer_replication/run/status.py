@@ -1,13 +1,20 @@
 """`composer-replication status RUN`: replicas, outer round, lag and health of a run.
 
 Works while the run is going (from another terminal) and after it ended. Sources: the run
-folder's driver.json (what the executor said: exit codes, errors) and the replicas' status
-documents in the store (what each replica last reported). Health of one replica:
+folder's driver.json (what the executor said: exit codes, errors), the replicas' status
+documents in the store (what each replica last reported) and the heartbeats in the store
+(exchange/liveness.py). Health of one replica:
 
     ok        reported within `stale_after_s` (or finished cleanly)
     stale     running, but silent for longer than `stale_after_s`
     behind    more than one outer round behind the most advanced replica
     failed    the executor reports it failed (its error is shown)
+
+The run state (`health_now`, also written to the metrics by the driver) is ``healthy |
+degraded | critical`` by `exchange.liveness.run_health`'s rules over the heartbeats of the
+replicas (role "replica"; "learner" in decoupled mode) and, in decoupled mode, the
+synchronizer, plus "a contribution was rejected in the last `REJECTION_WINDOW_S` seconds" (from
+the synchronizer's heartbeat).
 """
 
 from __future__ import annotations
@@ -16,12 +23,54 @@ import json
 import time
 from typing import Any
 
+from composer_replication.exchange.liveness import read_liveness, run_health
 from composer_replication.exchange.store import ObjectStore
 from composer_replication.run.checkpoint import committed_checkpoints
 from composer_replication.run.folder import RunFolder
 from composer_replication.run.metrics import status_key
 
-__all__ = ["run_status", "status_text"]
+__all__ = ["health_now", "run_status", "status_text"]
+
+REJECTION_WINDOW_S = 60.0
+HEALTH_LEVEL = {"healthy": 0, "degraded": 1, "critical": 2}
+
+
+def health_now(
+    store: ObjectStore, *, mode: str, n_replicas: int, quorum: int, now: float | None = None
+) -> dict[str, Any]:
+    """The run state from the store's heartbeats (see the module docstring), JSON-able:
+    ``{"state", "level", "reasons", "members": {"role/id": status}, "synchronizer": {...}}``."""
+    now = time.time() if now is None else now
+    decoupled = mode == "decoupled"
+    role = "learner" if decoupled else "replica"
+    members = read_liveness(store, now, roles=[role, "synchronizer"] if decoupled else [role])
+    syncs = sorted((m for m in members.values() if m.role == "synchronizer"),
+                   key=lambda m: (m.status == "alive", -(m.age_s or 1e18)))  # fmt: skip
+    synchronizer: dict[str, Any] | None = None
+    rejections = 0
+    if syncs and syncs[-1].heartbeat is not None:
+        fields = syncs[-1].heartbeat.fields
+        stats = fields.get("stats") if isinstance(fields.get("stats"), dict) else {}
+        assert isinstance(stats, dict)
+        synchronizer = {
+            "id": syncs[-1].id, "status": syncs[-1].status, "active": fields.get("active"),
+            "epoch": fields.get("epoch"), "versions": fields.get("versions"),
+            "merges": stats.get("merges"), "refused": stats.get("refused"),
+            "rejected": stats.get("rejected"), "dropped_late": stats.get("dropped_late"),
+            "carried_late": stats.get("carried_late"),
+        }  # fmt: skip
+        last = stats.get("last_rejection")
+        if isinstance(last, int | float) and now - float(last) < REJECTION_WINDOW_S:
+            rejections = 1
+    health = run_health(members, worker_role=role, n_workers=n_replicas,
+                        quorum=max(1, min(quorum, n_replicas)),
+                        synchronizer_role="synchronizer" if decoupled else None,
+                        rejections=rejections)  # fmt: skip
+    return {
+        **health.as_dict(), "level": HEALTH_LEVEL[health.state],
+        "members": {k: m.status for k, m in sorted(members.items())},
+        "synchronizer": synchronizer,
+    }  # fmt: skip
 
 
 def run_status(folder: RunFolder, *, stale_after_s: float = 120.0) -> dict[str, Any]:
@@ -45,6 +94,16 @@ def run_status(folder: RunFolder, *, stale_after_s: float = 120.0) -> dict[str, 
         checkpoints = [name for name, _ in committed_checkpoints(store)]
     except Exception as exc:  # status must still show what the run folder knows
         store_error = f"{type(exc).__name__}: {exc}"
+    run_state: dict[str, Any] | None = None
+    if store_error is None:
+        diloco = config.get("diloco", {})
+        mode = str(diloco.get("mode", "sync"))
+        quorum = int(diloco.get("quorum", 1) if mode == "decoupled"
+                     else diloco.get("min_replicas") or n)  # fmt: skip
+        try:
+            run_state = health_now(store, mode=mode, n_replicas=n, quorum=quorum)
+        except Exception as exc:  # status must still show the rest
+            store_error = f"{type(exc).__name__}: {exc}"
     handles = {int(h["replica_id"]): h for h in driver.get("replicas", [])}
     now = time.time()
     top_round = max((int(s.get("round") or 0) for s in statuses.values()), default=0)
@@ -97,6 +156,7 @@ def run_status(folder: RunFolder, *, stale_after_s: float = 120.0) -> dict[str, 
         "round": top_round,
         "checkpoints": checkpoints,
         "replicas": replicas,
+        "health": run_state,
     }
 
 
@@ -106,6 +166,18 @@ def status_text(info: dict[str, Any]) -> str:
     ]
     if info.get("store_error"):
         lines.append(f"  store unreachable: {info['store_error']}")
+    health = info.get("health")
+    if health:
+        why = "; ".join(health["reasons"])
+        lines.append(f"  health: {health['state']}" + (f" ({why})" if why else ""))
+        sync = health.get("synchronizer")
+        if sync:
+            lines.append(
+                f"  synchronizer {sync['id']}: {sync['status']}, epoch {sync['epoch']}, "
+                f"{sync['merges']} merges, fragment versions {sync['versions']}, refused "
+                f"{sync['refused']}, rejected {sync['rejected']}, late dropped "
+                f"{sync['dropped_late']} / carried {sync['carried_late']}"
+            )
     lines.append(
         f"  {'rank':>4} {'state':<11} {'step':>9} {'round':>5} {'lag':>4} {'updated':>9} "
         f"{'reward':>7} {'health':<7}"

@@ -20,6 +20,7 @@ SUBCOMMANDS = [
     ["config", "validate"],
     ["bake-traces"],
     ["replica"],
+    ["synchronizer"],
 ]
 
 

@@ -5,6 +5,7 @@ faults in tests/run/test_chaos*.py)."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from pathlib import Path
@@ -312,3 +313,41 @@ def test_synchronizer_restart_resumes_without_losing_or_repeating_merges(tmp_pat
     assert final is not None and sum(final["versions"]) > merged_before
     _check_chain(ObjectStore(uri), 4)
     assert out[0]["versions"] == out[1]["versions"] == final["versions"]
+
+
+# ----------------------------------------------------------------------------- configuration
+
+
+def test_run_config_keys_of_the_decoupled_mode() -> None:
+    from composer_replication.config import ConfigError, load_config
+
+    c = load_config(None, ["diloco.mode=decoupled", "diloco.fragments=4", "diloco.quorum=2"])
+    assert (c.diloco.mode, c.diloco.fragments, c.diloco.quorum) == ("decoupled", 4, 2)
+    assert (c.diloco.grace_gamma, c.diloco.grace_tau, c.diloco.late) == (0.8, 2.0, "drop")
+    for overrides, message in (
+        (["diloco.fragments=2"], "diloco.fragments: is used with diloco.mode = 'decoupled'"),
+        (["diloco.mode=decoupled", "diloco.fragments=3"], "must divide diloco.sync_every_h"),
+        (["diloco.mode=decoupled", "diloco.manager=torchft"], "meet only in the object store"),
+        (["diloco.mode=decoupled", "diloco.quorum=3"], "diloco.quorum: 3 exceeds"),
+        (["diloco.merge=median"], "diloco.merge"),
+        (["diloco.grace_gamma=1.5"], "diloco.grace_gamma: must be in [0, 1]"),
+    ):
+        with pytest.raises((ValueError, ConfigError), match=re.escape(message)):
+            load_config(None, overrides)
+
+
+def test_the_synchronizer_command_refuses_what_it_cannot_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    from composer_replication.cli import main
+    from composer_replication.config import RunConfig, to_dict
+
+    (tmp_path / "empty").mkdir()
+    assert main(["synchronizer", str(tmp_path / "empty")]) == 2
+    assert "neither a run folder" in capsys.readouterr().err
+    store = ObjectStore(str(tmp_path / "store"))
+    assert main(["synchronizer", store.uri]) == 2
+    assert "no run_config.json" in capsys.readouterr().err
+    store.put_json("run_config.json", to_dict(RunConfig()))  # a sync-mode run
+    assert main(["synchronizer", store.uri]) == 2
+    assert "only decoupled runs have a synchronizer" in capsys.readouterr().err

@@ -242,3 +242,24 @@ def test_the_harness_refuses_throttle_without_a_proxy(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="ThrottleProxy"):
         ChaosInjector([ChaosEventConfig(action="throttle", duration_s=1)], None,  # type: ignore[arg-type]
                       ObjectStore(str(tmp_path)))  # fmt: skip
+
+
+def test_chaos_configuration_is_checked() -> None:
+    from composer_replication.config import load_config
+
+    kill = ["chaos.events=[{action='kill', target='1', at_s=1.0}]"]
+    with pytest.raises(ValueError, match="max_restarts"):
+        load_config(None, kill)
+    assert (
+        load_config(None, [*kill, "backend.options={max_restarts=1}"]).chaos.events[0].target == "1"
+    )
+    with pytest.raises(ValueError, match="not a replica rank"):
+        load_config(None, ["chaos.events=[{action='stop', target='7', duration_s=1.0}]"])
+    with pytest.raises(ValueError, match="no connection to throttle"):
+        load_config(None, ["chaos.events=[{action='throttle', duration_s=1.0}]"])
+    with pytest.raises(ValueError, match="kill_synchronizer needs diloco.mode"):
+        load_config(None, ["chaos.events=[{action='kill_synchronizer'}]"])
+    with pytest.raises(ValueError, match="fault injection needs the local backend"):
+        load_config(
+            None, ["backend.kind=modal", "chaos.events=[{action='corrupt', target='push'}]"]
+        )

@@ -73,3 +73,32 @@ def test_decoupled_train_with_a_killed_replica_and_synchronizer(
     assert main(["status", str(run)]) == 0
     text = capsys.readouterr().out
     assert "health: " in text and "synchronizer " in text
+
+
+@pytest.mark.server
+def test_decoupled_train_through_s3_with_a_throttled_store_and_a_stopped_replica(
+    seaweedfs_server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture,  # noqa: ANN001
+) -> None:  # fmt: skip
+    import uuid
+
+    _, bucket, options = seaweedfs_server
+    monkeypatch.chdir(tmp_path)
+    inner = ", ".join(f"{k} = {json.dumps(v)}" for k, v in options.items())
+    args = [*SMALL, "train.max_steps=60", "diloco.sync_every_h=4", "logging.tensorboard=false",
+            f"store.uri=s3://{bucket}/{uuid.uuid4().hex}/", f"store.storage_options={{{inner}}}",
+            "chaos.events=[{action='throttle', at_s=2.0, duration_s=4.0, rate_bytes_s=50000.0},"
+            " {action='stop', target='0', at_s=3.0, duration_s=3.0}]", "--name", "dds3"]  # fmt: skip
+    code = main(["train", *args])
+    out = capsys.readouterr().out
+    run = tmp_path / "runs" / "dds3"
+    logs = "\n".join(p.read_text()[-3000:] for p in sorted((run / "logs").glob("*.log")))
+    assert code == 0, out + logs
+    report = json.loads((run / "chaos.json").read_text())
+    outcomes = [(e["action"], e["outcome"]) for e in report["events"]]
+    assert ("throttle", "throttled") in outcomes and ("throttle", "full speed") in outcomes
+    assert ("stop", "stopped") in outcomes and ("stop", "continued") in outcomes
+    assert report["ok"] and report["check"]["same_final"], report
+    records = read_metrics(run / "metrics.jsonl")
+    digests = {r["replica"]: r["sha256"] for r in records if r.get("event") == "global_weights"}
+    assert set(digests) == {0, 1} and len(set(digests.values())) == 1

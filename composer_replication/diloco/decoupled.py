@@ -174,6 +174,7 @@ class DecoupledLearner:
         self.history: list[RoundRecord] = []
         self._round_t0 = time.monotonic()
         self.final_versions: list[int] | None = None
+        self.trained_until: float | None = None  # wall time its final pushes were written
         self.start_versions: list[int] = []  # the global versions this learner started from
         self.loaded: dict[str, str] = {}  # "<fragment>/<version>" -> sha256 of what it loaded
         if inner_optimizer is not None:
@@ -516,6 +517,7 @@ class DecoupledLearner:
             log.warning("learner %d: final pushes not written within %.0fs", self.learner,
                         self.drain_timeout_s)  # fmt: skip
         self.docs.write_progress(self.learner, step=self.step, done=True)
+        self.trained_until = time.time()
         self._state = "done"
         if self.heartbeat_every_s is not None:
             self._beat()

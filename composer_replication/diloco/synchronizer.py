@@ -66,6 +66,7 @@ __all__ = [
     "Synchronizer",
     "SynchronizerConfig",
     "aggregate",
+    "combine_decided",
     "grace_seconds",
     "outer_step",
     "push_weight",
@@ -119,23 +120,90 @@ def _weighted_mean(inputs: list[MergeInput], names: Iterable[str]) -> Tensors:
     return out
 
 
-def aggregate(inputs: list[MergeInput], method: str = "mean") -> tuple[Tensors, dict[str, str]]:
-    """(merged tensors, per-input decision) over ``inputs`` (in the given order).
+Decision = dict[str, Any]
+"""Per input: ``{"included": bool, "reason": str, "weight": float, "scale": float, "note": str}``
+(``weight`` sums to 1 over included inputs; ``scale`` < 1 when norm clipping shrank it)."""
 
-    ``method="mean"``: the weighted mean, every input accepted. Inputs with weight 0 are
-    refused ("no work"). A pure function of its arguments (the synchronizer replays it).
+
+def _decision(included: bool, reason: str = "", weight: float = 0.0, scale: float = 1.0,
+              note: str = "") -> Decision:  # fmt: skip
+    return {"included": included, "reason": reason, "weight": weight, "scale": scale, "note": note}
+
+
+def _robust() -> Any:
+    """`composer_replication.exchange.robust` (screening and robust merges) or None if this
+    build does not have it."""
+    try:
+        from composer_replication.exchange import robust
+    except ImportError:
+        return None
+    return robust
+
+
+def _policy(robust: Any, method: str, outlier_ratio: float | None) -> Any:
+    # the inputs' work weights go in as weight claims (capped at the robust default multiple of
+    # the round's median claim); no per-step claim bounds: the work is counted by the learners
+    kw = {} if outlier_ratio is None else {"outlier_ratio": outlier_ratio}
+    return robust.AggregatePolicy(method=method, weighting="tokens", **kw)
+
+
+def aggregate(
+    inputs: list[MergeInput], method: str = "mean", *, outlier_ratio: float | None = None
+) -> tuple[Tensors, dict[str, Decision]]:
+    """Screen and merge ``inputs``: (merged tensors, one `Decision` per input id).
+
+    Inputs without work (weight 0) are refused. With the robust-aggregation module
+    (``exchange.robust``) every input is screened (non-finite values, norm outliers against the
+    round's median unless ``outlier_ratio=0``, weight claims capped against the median) and
+    ``method`` is any of its merges (mean, trimmed_mean, median, norm_clip). Without it, only
+    ``method="mean"`` exists: the weighted mean, no screening. Empty tensors: nothing included.
     """
-    if method != "mean":
-        raise ValueError(
-            f"aggregate={method!r} is not available in this build: the decoupled synchronizer "
-            "merges with 'mean' (robust aggregation plugs in here)"
-        )
-    decisions = {i.id: "accepted" if i.weight > 0 else "rejected: no work (weight 0)"
-                 for i in inputs}  # fmt: skip
-    accepted = [i for i in inputs if i.weight > 0]
-    if not accepted:
-        return {}, decisions
-    return _weighted_mean(accepted, sorted(accepted[0].tensors)), decisions
+    decisions = {i.id: _decision(False, "no work (weight 0)") for i in inputs if i.weight <= 0}
+    work = [i for i in inputs if i.weight > 0]
+    robust = _robust()
+    if robust is None:
+        if method != "mean" or outlier_ratio:
+            raise ValueError(
+                f"aggregate={method!r} / outlier screening needs the robust-aggregation module "
+                "(composer_replication.exchange.robust), which this build does not have; use "
+                "aggregate='mean'"
+            )
+        total = sum(i.weight for i in work)
+        decisions.update({i.id: _decision(True, weight=i.weight / total) for i in work})
+    elif work:
+        policy = _policy(robust, method, outlier_ratio)
+        top = max(i.weight for i in work)  # integer claims that keep the ratios to 1e-9
+        candidates = [robust.Candidate(k, i.tensors, tokens=max(1, round(i.weight / top * 1e9)))
+                      for k, i in enumerate(work)]  # fmt: skip
+        for d in robust.screen(candidates, policy):
+            decisions[work[d.rank].id] = _decision(d.included, d.reason, d.weight if d.included
+                                                   else 0.0, d.scale, d.note)  # fmt: skip
+    return combine_decided(inputs, decisions, method), decisions
+
+
+def combine_decided(
+    inputs: list[MergeInput], decisions: dict[str, Decision], method: str
+) -> Tensors:
+    """The merge that ``decisions`` describe (what a replay of a merge record recomputes).
+
+    A pure function of the inputs' tensors and the recorded weights/scales: ``mean`` (and
+    ``norm_clip``) is the weighted mean of ``scale * x`` in input order; ``trimmed_mean`` and
+    ``median`` are the robust module's coordinate-wise merges. Empty when nothing is included.
+    """
+    chosen = [i for i in inputs if decisions[i.id]["included"]]
+    if not chosen:
+        return {}
+    robust = _robust()
+    if robust is None:
+        if method != "mean":
+            raise ValueError(f"aggregate={method!r} needs composer_replication.exchange.robust")
+        scaled = [MergeInput(i.id, decisions[i.id]["weight"], i.tensors) for i in chosen]
+        return _weighted_mean(scaled, sorted(chosen[0].tensors))
+    candidates = [robust.Candidate(k, i.tensors) for k, i in enumerate(chosen)]
+    verdicts = [robust.Decision(rank=k, included=True, weight=decisions[i.id]["weight"],
+                                scale=decisions[i.id]["scale"]) for k, i in enumerate(chosen)]  # fmt: skip
+    merged: Tensors = robust.combine(candidates, verdicts, _policy(robust, method, None))
+    return merged
 
 
 def rda(inputs: list[MergeInput], mean_only: Iterable[str] = ()) -> Tensors:
@@ -200,6 +268,7 @@ class SynchronizerConfig:
     tau: float = 2.0
     merge: str = "mean"
     aggregate: str = "mean"
+    outlier_ratio: float | None = None  # norm screening (exchange.robust); None = its default
     weighting: str = "equal"
     late: str = "drop"
     outer_lr: float = 0.7
@@ -456,7 +525,7 @@ class Synchronizer:
         frag.consumed.update(record["consumed"])
         for entry in record["inputs"]:
             pid = PushId.parse(entry["push"])
-            if pid is not None and record["decisions"].get(entry["push"]) == "accepted":
+            if pid is not None and (record["decisions"].get(entry["push"]) or {}).get("included"):
                 frag.merged_bases.add((pid.learner, pid.base))
 
     # ------------------------------------------------------------------ one poll
@@ -643,10 +712,12 @@ class Synchronizer:
             } for p in pushes],
             "decisions": {},
             "superseded": [p.name for p in superseded],
+            # the steps a superseded push covered are inside the newer push that replaces it
+            "superseded_steps": {p.name: self._pending[p].steps_since_push for p in superseded},
             "dropped": dropped,
             "consumed": sorted({p.name for p in inputs} | {p.name for p in superseded}
                                | set(dropped)),
-            "merge": cfg.merge, "aggregate": cfg.aggregate,
+            "merge": cfg.merge, "aggregate": cfg.aggregate, "outlier_ratio": cfg.outlier_ratio,
             "outer": {"lr": cfg.outer_lr, "momentum": cfg.outer_momentum,
                       "nesterov": cfg.nesterov},
             "timings": {
@@ -691,7 +762,7 @@ class Synchronizer:
             self._pending.pop(p, None)
             self._arrived.pop(p, None)
         frag.first_at = frag.quorum_at = None
-        accepted = [e for e in record["inputs"] if decisions.get(e["push"]) == "accepted"]
+        accepted = [e for e in record["inputs"] if decisions[e["push"]]["included"]]
         self.stats.merges += 1
         self.stats.inputs += len(accepted)
         self.stats.rejected += len(record["inputs"]) - len(accepted)
@@ -711,15 +782,22 @@ class Synchronizer:
             self.on_merge(record)
 
     def _combine(
-        self, record: dict[str, Any], pushes: list[Push], frag: _Fragment
-    ) -> tuple[Tensors, dict[str, str]]:
-        """Aggregate the record's inputs (pure: the same on replay)."""
+        self, record: dict[str, Any], pushes: list[Push], frag: _Fragment, *, replay: bool = False
+    ) -> tuple[Tensors, dict[str, Decision]]:
+        """Aggregate the record's inputs; a replay combines as the record decided (screening
+        norms are not bit-reproducible across machines, the recorded decisions are)."""
         inputs = [MergeInput(e["push"], float(e["weight"]), p.decode())
                   for e, p in zip(record["inputs"], pushes)]  # fmt: skip
-        merged, decisions = aggregate(inputs, record["aggregate"])
+        if replay:
+            decisions = record["decisions"]
+            merged = combine_decided(inputs, decisions, record["aggregate"])
+        else:
+            merged, decisions = aggregate(inputs, record["aggregate"],
+                                          outlier_ratio=record.get("outlier_ratio"))  # fmt: skip
         if merged and record["merge"] == "rda":
-            accepted = [i for i in inputs if decisions.get(i.id) == "accepted"]
-            merged = rda(accepted, frag.mean_only)
+            chosen = [MergeInput(i.id, decisions[i.id]["weight"], i.tensors)
+                      for i in inputs if decisions[i.id]["included"]]  # fmt: skip
+            merged = rda(chosen, frag.mean_only)
         return merged, decisions
 
     def _publish(self, frag: _Fragment, record: dict[str, Any], merged: Tensors) -> None:
@@ -755,7 +833,7 @@ class Synchronizer:
                     + ("is gone" if got is None else "does not match the record's checksum")
                 )
             pushes.append(got)
-        merged, _ = self._combine(record, pushes, frag)
+        merged, _ = self._combine(record, pushes, frag, replay=True)
         self._publish(frag, record, merged)
 
     # ------------------------------------------------------------------ the end

@@ -52,10 +52,13 @@ def replay_fragment(store: ObjectStore, p: int) -> dict[str, Any]:
     for v in versions:
         rec = json.loads(bytes(store.get(f"{base}merge/{v:010d}.json")))
         consumed += rec["consumed"]
-        accepted = [e for e in rec["inputs"] if rec["decisions"][e["push"]] == "accepted"]
-        total = sum(e["weight"] for e in accepted)
+        decided = rec["decisions"]
+        accepted = [e for e in rec["inputs"] if decided[e["push"]]["included"]]
+        assert accepted, f"record {v} merged nothing"
         g = {k: torch.zeros_like(t) for k, t in theta.items()}
-        deltas = [(e["weight"] / total, _push_tensors(store, e["push"])) for e in accepted]
+        deltas = [(decided[e["push"]]["weight"], _push_tensors(store, e["push"]))
+                  for e in accepted]  # fmt: skip
+        assert abs(sum(w for w, _ in deltas) - 1.0) < 1e-9
         if rec["merge"] == "mean":
             for w, d in deltas:
                 for k in g:

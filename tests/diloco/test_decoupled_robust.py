@@ -1,0 +1,95 @@
+"""The decoupled synchronizer with robust aggregation (exchange.robust): screening decisions
+recorded per push, robust merges, a byzantine learner. Skipped where that module is absent."""
+
+from __future__ import annotations
+
+import math
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from _decoupled_toy import Blocks, eval_loss, train_step
+
+from composer_replication.diloco.decoupled import DecoupledLearner
+from composer_replication.diloco.synchronizer import (
+    MergeInput,
+    Synchronizer,
+    SynchronizerConfig,
+    aggregate,
+    combine_decided,
+)
+from composer_replication.exchange.store import ObjectStore
+
+pytest.importorskip("composer_replication.exchange.robust")
+
+
+def _inputs(attack: float) -> tuple[list[MergeInput], torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    common = torch.randn(200, generator=g)
+    xs = [common + 0.05 * torch.randn(200, generator=g) for _ in range(4)]
+    honest = sum(xs[:3]) / 3
+    xs[3] = xs[3] * attack
+    return [MergeInput(f"p{i}", 8.0, {"w": x}) for i, x in enumerate(xs)], honest
+
+
+def test_a_pushed_pseudo_gradient_times_1e6_is_contained() -> None:
+    inputs, honest = _inputs(1e6)
+    merged, dec = aggregate(inputs, "mean")  # screening on: the outlier is refused, with why
+    assert not dec["p3"]["included"] and dec["p3"]["reason"].startswith("norm outlier")
+    assert float((merged["w"] - honest).norm()) < 1e-4
+    for method in ("trimmed_mean", "median"):  # no screening: the merge itself is robust
+        merged, dec = aggregate(inputs, method, outlier_ratio=0)
+        assert all(d["included"] for d in dec.values())
+        assert float((merged["w"] - honest).norm()) < 0.1 * float(honest.norm())
+        assert torch.equal(combine_decided(inputs, dec, method)["w"], merged["w"])  # replay
+    merged, _ = aggregate(inputs, "mean", outlier_ratio=0)  # plain mean: ruined
+    assert float((merged["w"] - honest).norm()) > 1e4 * float(honest.norm())
+
+
+def _learner(uri: str, rank: int, out: dict, attack: float) -> None:
+    model = Blocks(seed=5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    learner = DecoupledLearner(ObjectStore(uri), learner=rank, n_learners=4, sync_every_h=8,
+                               num_fragments=4, model=model, inner_optimizer=opt,
+                               poll_interval_s=0.02, drain_timeout_s=60)  # fmt: skip
+    if attack != 1.0:  # a byzantine learner: every push scaled
+        honest_push = learner.docs.push
+
+        def push(tensors: dict, **kw: object) -> object:
+            return honest_push({k: v * attack for k, v in tensors.items()}, **kw)
+
+        learner.docs.push = push  # type: ignore[method-assign]
+    with learner:
+        for t in range(48):
+            train_step(model, opt, rank, t)
+    learner.load_global_weights()
+    out[rank] = eval_loss(model)
+
+
+def _run(tmp: Path, aggregate_: str, attack: float, outlier_ratio: float | None) -> float:
+    uri = str(tmp / f"{aggregate_}-{attack}-{outlier_ratio}")
+    cfg = SynchronizerConfig(quorum=4, aggregate=aggregate_, outlier_ratio=outlier_ratio,
+                             poll_interval_s=0.02, max_steps=48)  # fmt: skip
+    sync = Synchronizer(ObjectStore(uri), cfg)
+    st = threading.Thread(target=sync.run)
+    st.start()
+    out: dict = {}
+    ts = [threading.Thread(target=_learner, args=(uri, r, out, attack if r == 3 else 1.0))
+          for r in range(4)]  # fmt: skip
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(120)
+    st.join(60)
+    assert sync.finished and len(set(out.values())) == 1
+    return out[0]
+
+
+@pytest.mark.slow
+def test_a_byzantine_learner_with_trimmed_mean_and_with_plain_mean(tmp_path: Path) -> None:
+    clean = _run(tmp_path, "mean", 1.0, None)
+    trimmed = _run(tmp_path, "trimmed_mean", 1e6, 0.0)
+    plain = _run(tmp_path, "mean", 1e6, 0.0)
+    assert abs(trimmed - clean) / clean < 0.05
+    assert not math.isfinite(plain) or plain > 10 * clean

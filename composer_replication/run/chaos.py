@@ -48,11 +48,13 @@ from composer_replication.exchange.store import ObjectStore
 
 __all__ = [
     "ChaosInjector",
+    "LocalRunResult",
     "ProcessTargets",
     "Targets",
     "ThrottleProxy",
     "check_decoupled_run",
     "corrupt_object",
+    "run_local",
     "uploading_file",
 ]
 
@@ -548,6 +550,96 @@ class ChaosInjector:
         self._record(event=i, action="throttle", outcome="full speed")
 
 
+# ----------------------------------------------------------------------------- a whole run
+
+
+@dataclass
+class LocalRunResult:
+    """What `run_local` saw: the injector's log, restarts, exit codes, the run's duration."""
+
+    log: list[dict[str, Any]]
+    restarts: list[int]
+    exit_codes: list[int | None]
+    synchronizer_restarts: int
+    synchronizer_exit: int | None
+    seconds: float
+    logs: str
+
+
+def run_local(
+    *,
+    n: int,
+    entrypoint: str,
+    args: Sequence[Any],
+    env: dict[str, str],
+    store: ObjectStore,
+    events: Sequence[ChaosEventConfig] = (),
+    log_dir: str | os.PathLike[str],
+    synchronizer: bool = False,
+    ready: Callable[[], bool] | None = None,
+    on_ready: Callable[[], None] | None = None,
+    proxy: ThrottleProxy | None = None,
+    max_restarts: int = 5,
+    timeout_s: float = 900.0,
+    upload_wait_s: float = 60.0,
+    seed: int = 0,
+) -> LocalRunResult:
+    """Launch ``n`` replica processes (`LocalProcessExecutor`, restarted when they die) and, with
+    ``synchronizer``, the run's synchronizer (`SynchronizerProcess` on ``store``, configured by
+    the run_config.json the caller put there); once ``ready()`` holds, call ``on_ready`` and
+    start the chaos schedule; supervise until every replica ended; stop the synchronizer.
+    ``env`` reaches every process (put the storage options in $COMPOSER_STORAGE_OPTIONS)."""
+    from pathlib import Path
+
+    from composer_replication.executors.local import LocalProcessExecutor
+    from composer_replication.run.synchronizer import SynchronizerProcess
+
+    log_path = Path(log_dir)
+    sync = (
+        SynchronizerProcess(store.uri, env, log_path / "synchronizer.log") if synchronizer else None
+    )
+    executor = LocalProcessExecutor(log_dir=log_path, max_restarts=max_restarts, grace_period=2)
+    t0 = time.monotonic()
+    if sync is not None:
+        sync.start()
+    handles = executor.launch_replicas(n, entrypoint, list(args), env=env)
+    injector = ChaosInjector(events, ProcessTargets(executor, handles, sync), store, proxy=proxy,
+                             synchronizer_pid=(lambda: sync.pid) if sync else None,
+                             upload_wait_s=upload_wait_s, seed=seed)  # fmt: skip
+    sync_exit: int | None = None
+    try:
+        deadline = t0 + timeout_s
+        while not all(h.status.done for h in handles) and time.monotonic() < deadline:
+            executor.poll(handles)
+            if sync is not None:
+                sync.ensure_running()
+            if not injector.started and (ready is None or ready()):
+                if on_ready is not None:
+                    on_ready()
+                injector.start()
+            time.sleep(0.05)
+        injector.stop()
+        if sync is not None:  # it finishes by itself once every learner is done
+            end = time.monotonic() + 60
+            while sync.pid is not None and time.monotonic() < end:
+                sync.ensure_running()
+                time.sleep(0.1)
+            sync_exit = sync.stop()
+    finally:
+        injector.stop()
+        executor.cancel([h for h in handles if not h.status.done])
+        if sync is not None:
+            sync.stop(grace_s=2)
+    logs = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-4000:]}"
+                     for p in sorted(log_path.glob("*.log")))  # fmt: skip
+    return LocalRunResult(
+        log=list(injector.log), restarts=[h.restarts for h in handles],
+        exit_codes=[h.exit_code for h in handles],
+        synchronizer_restarts=sync.restarts if sync else 0, synchronizer_exit=sync_exit,
+        seconds=time.monotonic() - t0, logs=logs,
+    )  # fmt: skip
+
+
 # ----------------------------------------------------------------------------- checks
 
 
@@ -584,6 +676,7 @@ def check_decoupled_run(
     merges = 0
     stored_digest: dict[str, str] = {}
     damaged: list[str] = []
+    unreadable: set[tuple[int, int]] = set()
     for p in range(n_frag):
         records = docs.versions(p, "merge")
         merges += len(records)
@@ -609,6 +702,7 @@ def check_decoupled_run(
                 tensors = docs.fetch_global(p, v, None)
             except Exception as exc:  # noqa: BLE001 - a snapshot damaged after it was written
                 damaged.append(f"fragment {p} version {v}: {exc}")
+                unreadable.add((p, v))
                 continue
             if tensors is not None:
                 stored_digest[f"{p}/{v}"] = tensors_digest(tensors)
@@ -622,13 +716,19 @@ def check_decoupled_run(
             if key in stored_digest and stored_digest[key] != digest:
                 lost.append(f"learner {rank} applied fragment/version {key} with different "
                             "weights than the stored chain")  # fmt: skip
+    def newest_enough(start: list[int], heads: list[int]) -> bool:
+        # every fragment at least at the version announced when the learner was killed, or
+        # only damaged snapshots (unreadable, so correctly skipped) in between
+        return all(a >= b or all((p, v) in unreadable for v in range(a + 1, b + 1))
+                   for p, (a, b) in enumerate(zip(start, heads)))  # fmt: skip
+
     rejoined: list[str] = []
     for kill in kills:
         rank = int(kill.get("target", -1))
         heads = kill.get("heads")
         starts = (reports.get(rank) or {}).get("starts") or []
         later = starts[1:]  # the starts after the first are restarts
-        if heads and later and not any(all(a >= b for a, b in zip(s, heads)) for s in later):
+        if heads and later and not any(newest_enough(s, heads) for s in later):
             rejoined.append(f"learner {rank} restarted from {later} older than {heads}")
     finals = {r: tuple(rep.get("final_versions") or []) for r, rep in reports.items()
               if rep.get("final_versions") is not None}  # fmt: skip

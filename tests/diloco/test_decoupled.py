@@ -109,7 +109,9 @@ def test_weighted_mean_rda_and_outer_step_match_float64_references() -> None:
     ws = [3.0, 1.0, 0.5]
     inputs = [MergeInput(f"p{i}", w, x) for i, (w, x) in enumerate(zip(ws, xs))]
     merged, decisions = aggregate(inputs, "mean")
-    assert {k: d["included"] for k, d in decisions.items()} == dict.fromkeys(["p0", "p1", "p2"], True)
+    assert {k: d["included"] for k, d in decisions.items()} == dict.fromkeys(
+        ["p0", "p1", "p2"], True
+    )
     assert [decisions[f"p{i}"]["weight"] for i in range(3)] == pytest.approx([w / 4.5 for w in ws])
     for k in ("w", "e"):
         ref = sum(w * x[k].double() for w, x in zip(ws, xs)) / sum(ws)

@@ -7,7 +7,6 @@ rejoined from the newest global, every learner holds the same final global fragm
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -24,15 +23,13 @@ from composer_replication.config.schema import (
     TrainConfig,
 )
 from composer_replication.exchange.store import ObjectStore
-from composer_replication.executors.local import LocalProcessExecutor
 from composer_replication.run.chaos import (
     ChaosInjector,
-    ProcessTargets,
     ThrottleProxy,
     check_decoupled_run,
     corrupt_object,
+    run_local,
 )
-from composer_replication.run.synchronizer import SynchronizerProcess
 
 WORKER = str(Path(__file__).with_name("_chaos_learner.py"))
 ROOT = str(Path(__file__).resolve().parents[2])
@@ -72,54 +69,23 @@ def run_chaos(
     if proxy is not None:
         learner_options["endpoint_url"] = proxy.endpoint
     env = {"PYTHONPATH": ROOT, "COMPOSER_STORAGE_OPTIONS": json.dumps(learner_options)}
-    sync = SynchronizerProcess(uri, env, tmp / "logs" / "synchronizer.log")
-    executor = LocalProcessExecutor(log_dir=tmp / "logs", max_restarts=5, grace_period=2)
     args = ["--uri", uri, "--storage-options", json.dumps(learner_options), "--n", n,
             "--steps", steps, "--h", h, "--p", p, "--width", width, "--step-s", step_s,
             "--out", out]  # fmt: skip
-    sync.start()
-    handles = executor.launch_replicas(n, WORKER, args, env=env)
-    injector = None
-    try:
-        deadline = time.monotonic() + 240
-        # the schedule starts once every learner trains (has pushed at least once)
-        while not all(store.exists(f"decoupled/learners/{r:05d}.json") for r in range(n)):
-            executor.poll(handles)
-            assert time.monotonic() < deadline, _logs(tmp)
-            assert not any(h.status.value == "failed" for h in handles), _logs(tmp)
-            time.sleep(0.1)
-        injector = ChaosInjector(events, ProcessTargets(executor, handles, sync), store,
-                                 proxy=proxy, synchronizer_pid=lambda: sync.pid,
-                                 upload_wait_s=60).start()  # fmt: skip
-        while not all(h.status.done for h in handles):
-            executor.poll(handles)
-            sync.ensure_running()
-            assert time.monotonic() < deadline + 240, "run did not finish\n" + _logs(tmp)
-            time.sleep(0.1)
-        injector.stop()
-        assert all(h.status.value == "succeeded" for h in handles), _logs(tmp)
-        t0 = time.monotonic()
-        while sync.pid is not None and time.monotonic() - t0 < 60:
-            time.sleep(0.1)
-        code = sync.stop()
-        assert code == 0, _logs(tmp)
-    finally:
-        if injector is not None:
-            injector.stop()
-        executor.cancel(handles)
-        sync.stop(grace_s=2)
+    # the schedule starts once every learner trains (has pushed at least once)
+    result = run_local(
+        n=n, entrypoint=WORKER, args=args, env=env, store=store, events=events,
+        log_dir=tmp / "logs", synchronizer=True, proxy=proxy, timeout_s=480,
+        ready=lambda: all(store.exists(f"decoupled/learners/{r:05d}.json") for r in range(n)),
+    )  # fmt: skip
+    assert result.exit_codes == [0] * n, result.logs
+    assert result.synchronizer_exit == 0, result.logs
     reports = {r: json.loads((out / f"learner{r}.json").read_text()) for r in range(n)}
-    kills = [e for e in injector.log if e["action"] == "kill"]
+    kills = [e for e in result.log if e["action"] == "kill"]
     check = check_decoupled_run(store, reports, kills)
     final = store.get_json("decoupled/final.json")
-    return {"check": check, "log": injector.log, "reports": reports, "final": final,
-            "restarts": [h.restarts for h in handles], "sync_restarts": sync.restarts}  # fmt: skip
-
-
-def _logs(tmp: Path) -> str:
-    return "\n".join(
-        f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted((tmp / "logs").glob("*.log"))
-    )
+    return {"check": check, "log": result.log, "reports": reports, "final": final,
+            "restarts": result.restarts, "sync_restarts": result.synchronizer_restarts}  # fmt: skip
 
 
 def _entries(result: dict, action: str) -> list[dict]:

@@ -1,0 +1,389 @@
+"""Goodput and quality of Decoupled DiLoCo vs synchronous DiLoCo under real faults.
+
+Four learner processes train the same byte-level GPT (benchmarks/diloco_convergence.py's model
+and stdlib corpus) for the same number of inner steps each, meeting only in an object store
+(SeaweedFS on 127.0.0.1 by default, behind the chaos harness's throttling proxy), in both modes:
+
+- ``sync``: the object-store DiLoCo of `composer-replication train` (ObjectStoreManager, H inner
+  steps, every round a barrier that waits up to ``timeout_s`` and commits with >= min_replicas);
+- ``decoupled``: DecoupledLearner + the real synchronizer process (P fragments, quorum, grace
+  window, late pushes carried).
+
+The failure schedule (run/chaos.py, real signals and bytes; times after every learner is ready;
+R = one round = H steps): kill -9 a learner mid inner step (restarted at once), SIGSTOP another
+for 2 R, slow a third 3x for 3 R, corrupt a contribution/push, kill and restart the synchronizer
+(decoupled only; sync has none), throttle the store for 2 R, kill a learner mid-upload.
+
+Every inner step runs on a *simulated accelerator*: the real forward/backward (a few ms) is padded
+to ``--step-s`` of the process's running time, measured so that time while the process is stopped
+(SIGSTOP, the 3x duty cycle) does not count. The 2-core machine thus behaves like 4 separate
+devices whose speed the harness controls, and CPU contention from other jobs does not masquerade
+as protocol cost.
+
+Goodput = (useful inner steps x step_s) / replica-seconds. Replica-seconds: per learner, from the
+common start until it finished training (sync: its last round committed; decoupled: its final
+pushes written), dead time after a kill included. Useful steps: sync, H per included rank per
+committed round (commit records); decoupled, per merged push the steps since that learner's
+previous push of the fragment, over all fragments / P (merge records). Work lost to a kill,
+a dropped or excluded contribution, a round that fails, a stalled or waiting learner is not
+useful. Eval loss: mean cross-entropy (nats/byte) of the final global model on held-out files.
+
+    python benchmarks/decoupled_goodput.py            # ~20 min on 2 busy cores
+    python benchmarks/decoupled_goodput.py --quick    # smaller (~8 min)
+
+Last line: JSON with sync_goodput, decoupled_goodput, sync_eval_loss, decoupled_eval_loss,
+loss_gap_vs_sync (no failures, relative), rounds_lost, byzantine_loss_gap, byzantine_mean_diverged
+(null when this build lacks exchange.robust) and the other figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+N = 4
+
+
+# --------------------------------------------------------------------------- the learner process
+
+
+def busy(seconds: float, tick: float = 0.005) -> None:
+    """Occupy the simulated accelerator for ``seconds`` of running time (stopped time excluded:
+    a gap much longer than a tick means the process was stopped, and counts as one tick)."""
+    done, last = 0.0, time.monotonic()
+    while done < seconds:
+        time.sleep(min(tick, seconds - done))
+        now = time.monotonic()
+        dt, last = now - last, now
+        done += dt if dt < 0.08 else tick
+
+
+def learner_main(a: argparse.Namespace) -> None:
+    import torch
+    from diloco_convergence import Batches, TinyGPT, eval_loss, load_corpus, loss_of
+
+    from composer_replication.exchange.protocol import tensors_digest
+    from composer_replication.exchange.store import ObjectStore
+
+    torch.set_num_threads(1)
+    rank = int(os.environ["REPLICA_RANK"])
+    out = Path(a.out)
+    train, evals = load_corpus(max_train_bytes=2_000_000, max_eval_bytes=200_000)
+    batches = Batches(train, 8, a.ctx, seed=1)
+    torch.manual_seed(0)
+    model = TinyGPT(a.d, a.layers, 4, a.ctx)
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.0, betas=(0.9, 0.95))
+    options = json.loads(os.environ.get("COMPOSER_STORAGE_OPTIONS") or "{}")
+    store = ObjectStore(a.uri, options)
+    if a.mode == "sync":
+        from composer_replication.diloco import make_diloco_outer_loop
+        from composer_replication.exchange import ObjectStoreAllReduce, ObjectStoreManager
+
+        ex = ObjectStoreAllReduce(a.uri, world_size=N, rank=rank, timeout_s=a.timeout,
+                                  min_replicas=a.min_replicas, storage_options=options,
+                                  keep_steps=100_000, poll_interval_s=0.05)  # fmt: skip
+        outer: Any = make_diloco_outer_loop(opt, ObjectStoreManager(ex), a.h, model=model)
+        start = outer.round * a.h
+    else:
+        from composer_replication.diloco.decoupled import DecoupledLearner
+
+        outer = DecoupledLearner(store, learner=rank, n_learners=N, sync_every_h=a.h,
+                                 num_fragments=a.p, model=model, inner_optimizer=opt,
+                                 poll_interval_s=0.05, drain_timeout_s=600,
+                                 heartbeat_every_s=1.0)  # fmt: skip
+        start = outer.start_step
+        if a.attack != 1.0 and rank == N - 1:  # the byzantine learner: every push scaled
+            honest = outer.docs.push
+
+            def push(tensors: dict, **kw: Any) -> Any:
+                return honest({k: v * a.attack for k, v in tensors.items()}, **kw)
+
+            outer.docs.push = push
+    (out / f"ready{rank}").write_text("1")
+    go = out / "go"
+    while not go.exists():
+        time.sleep(0.01)
+    t0 = float(go.read_text())
+    while time.time() < t0:
+        time.sleep(0.005)
+    events = open(out / f"learner{rank}.jsonl", "a")
+    events.write(json.dumps({"kind": "start", "t": time.time(), "step": start}) + "\n")
+    events.flush()
+    with outer:
+        for t in range(start, a.steps):
+            s0 = time.monotonic()
+            x, y = batches.get(rank, t)
+            loss = loss_of(model, x, y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            busy(max(0.0, a.step_s - (time.monotonic() - s0)))
+    t_end = time.time() if a.mode == "sync" else outer.trained_until
+    outer.load_global_weights()
+    report = {"kind": "end", "t": time.time(), "t_end": t_end, "step": a.steps,
+              "digest": tensors_digest({k: v.detach() for k, v in model.state_dict().items()})}  # fmt: skip
+    if rank == 0:
+        report["eval_loss"] = eval_loss(model, evals, a.ctx, 128)
+    events.write(json.dumps(report) + "\n")
+    events.close()
+
+
+# --------------------------------------------------------------------------- one run
+
+
+def _schedule(mode: str, s3: bool, run_s: float, round_s: float) -> list[Any]:
+    from composer_replication.config.schema import ChaosEventConfig as E
+
+    ev = [
+        E(at_s=0.15 * run_s, action="kill", target="1"),
+        E(at_s=0.30 * run_s, action="stop", target="2", duration_s=2 * round_s),
+        E(at_s=0.45 * run_s, action="slow", target="3", factor=3.0, duration_s=3 * round_s),
+        E(at_s=0.55 * run_s, action="corrupt",
+          target="push:0" if mode == "decoupled" else "contribution:0"),
+        E(at_s=0.85 * run_s, action="kill", target="0", during="upload"),
+    ]  # fmt: skip
+    if mode == "decoupled":
+        ev.append(E(at_s=0.65 * run_s, action="kill_synchronizer", restart_after_s=1.0))
+    if s3:
+        ev.append(E(at_s=0.75 * run_s, action="throttle", duration_s=2 * round_s,
+                    rate_bytes_s=300_000.0))  # fmt: skip
+    return ev
+
+
+def run_once(a: argparse.Namespace, mode: str, *, faults: bool, attack: float = 1.0,
+             aggregate: str = "mean", outlier_ratio: float | None = None,
+             s3: tuple[str, str, dict] | None = None) -> dict[str, Any]:  # fmt: skip
+    from composer_replication.config import to_dict
+    from composer_replication.config.schema import (
+        BackendConfig,
+        DilocoConfig,
+        RunConfig,
+        StoreConfig,
+        TrainConfig,
+    )
+    from composer_replication.exchange.store import ObjectStore
+    from composer_replication.run.chaos import ThrottleProxy, check_decoupled_run, run_local
+    from composer_replication.run.synchronizer import synchronizer_config
+
+    tmp = Path(tempfile.mkdtemp(prefix=f"ddgoodput-{mode}-"))
+    out = tmp / "out"
+    out.mkdir()
+    proxy = None
+    if s3 is not None:
+        endpoint, bucket, options = s3
+        proxy = ThrottleProxy(endpoint)
+        uri, options = f"s3://{bucket}/{uuid.uuid4().hex}", dict(options)
+        learner_options = {**options, "endpoint_url": proxy.endpoint}
+    else:
+        uri, options = (tmp / "store").as_uri(), {}
+        learner_options = {}
+    store = ObjectStore(uri, options)
+    config = RunConfig(
+        train=TrainConfig(max_steps=a.steps),
+        diloco=DilocoConfig(sync_every_h=a.h, mode="decoupled", fragments=a.p, quorum=a.quorum,
+                            late=a.late, lease_ttl_s=3.0),
+        backend=BackendConfig(n_replicas=N), store=StoreConfig(keep_rounds=100_000),
+    )  # fmt: skip
+    store.put_json("run_config.json", to_dict(config))
+    env = {"PYTHONPATH": str(ROOT), "COMPOSER_STORAGE_OPTIONS": json.dumps(learner_options)}
+    round_s = a.h * a.step_s
+    run_s = a.steps * a.step_s
+    args = ["--role", "learner", "--mode", mode, "--uri", uri, "--out", out,
+            "--steps", a.steps, "--h", a.h, "--p", a.p, "--step-s", a.step_s, "--d", a.d,
+            "--layers", a.layers, "--ctx", a.ctx, "--lr", a.lr, "--timeout", a.timeout,
+            "--min-replicas", a.min_replicas, "--attack", attack]  # fmt: skip
+    t_go: list[float] = []
+
+    def go() -> None:
+        t_go.append(time.time() + 0.5)
+        (out / "go").write_text(repr(t_go[0]))
+        time.sleep(0.5)
+
+    events = _schedule(mode, s3 is not None, run_s, round_s) if faults else []
+    # The synchronizer is the real module in its own process (it is killed in the fault run),
+    # except when this run sets robust-aggregation options that are not run-config keys here:
+    # then it runs in this process with exactly those settings.
+    in_process = mode == "decoupled" and (aggregate != "mean" or outlier_ratio is not None)
+    thread = None
+    if in_process:
+        import dataclasses
+        import threading
+
+        from composer_replication.diloco.synchronizer import Synchronizer
+
+        cfg = dataclasses.replace(synchronizer_config(config), aggregate=aggregate,
+                                  outlier_ratio=outlier_ratio)  # fmt: skip
+        sync = Synchronizer(ObjectStore(uri, options), cfg)
+        thread = threading.Thread(target=sync.run, daemon=True)
+        thread.start()
+    result = run_local(
+        n=N, entrypoint=str(HERE / "decoupled_goodput.py"), args=args, env=env, store=store,
+        events=events, log_dir=tmp / "logs", synchronizer=mode == "decoupled" and not in_process,
+        proxy=proxy, ready=lambda: all((out / f"ready{r}").exists() for r in range(N)),
+        on_ready=go, timeout_s=20 * run_s + 600, seed=a.seed,
+    )  # fmt: skip
+    if thread is not None:
+        thread.join(120)
+    if proxy is not None:
+        proxy.close()
+    if result.exit_codes != [0] * N:
+        raise RuntimeError(f"{mode} run failed: {result.exit_codes}\n{result.logs}")
+    ends = {}
+    eval_loss = None
+    digests = set()
+    for r in range(N):
+        recs = [json.loads(line) for line in open(out / f"learner{r}.jsonl")]
+        end = [x for x in recs if x["kind"] == "end"][-1]
+        ends[r] = end["t_end"]
+        digests.add(end["digest"])
+        if r == 0:
+            eval_loss = end["eval_loss"]
+    slot = sum(ends[r] - t_go[0] for r in range(N))
+    useful = _useful_steps(store, mode, a)
+    out_row: dict[str, Any] = {
+        "mode": mode, "faults": faults, "attack": attack, "aggregate": aggregate,
+        "eval_loss": eval_loss, "useful_steps": useful, "slot_seconds": slot,
+        "goodput": useful * a.step_s / slot, "wall_s": max(ends.values()) - t_go[0],
+        "same_final": len(digests) == 1, "restarts": result.restarts,
+        "events": [(e["action"], e.get("outcome")) for e in result.log],
+    }  # fmt: skip
+    if mode == "decoupled":
+        check = check_decoupled_run(store, None, [e for e in result.log if e["action"] == "kill"])
+        out_row["rounds_lost"] = check["rounds_lost"] + check["applied_twice"]
+        out_row["check_ok"] = check["ok"]
+        out_row["merges"] = check["merges"]
+        out_row["synchronizer_restarts"] = result.synchronizer_restarts
+    return out_row
+
+
+def _useful_steps(store: Any, mode: str, a: argparse.Namespace) -> float:
+    """Inner steps whose work reached the global model (see the module docstring)."""
+    if mode == "sync":
+        total = 0
+        for name in store.list("steps/"):
+            c = store.get_json(f"steps/{name}/commit.json")
+            if c is not None:
+                total += a.h * len(c["included_ranks"])
+        return float(total)
+    total = 0.0
+    for p in range(a.p):
+        for name in store.list(f"decoupled/f{p:03d}/merge/"):
+            rec = store.get_json(f"decoupled/f{p:03d}/merge/{name}")
+            inc = {e["push"] for e in rec["inputs"] if rec["decisions"][e["push"]]["included"]}
+            total += sum(e["steps_since_push"] for e in rec["inputs"] if e["push"] in inc)
+            total += sum(rec.get("superseded_steps", {}).values())
+    return total / a.p
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="Decoupled vs sync DiLoCo goodput under faults")
+    ap.add_argument("--role", default="bench", choices=["bench", "learner"])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--store", default="s3", choices=["s3", "file"])
+    ap.add_argument("--mode", default="decoupled")
+    ap.add_argument("--uri", default="")
+    ap.add_argument("--out", default="")
+    ap.add_argument("--steps", type=int, default=480)
+    ap.add_argument("--h", type=int, default=24)
+    ap.add_argument("--p", type=int, default=4)
+    ap.add_argument("--step-s", type=float, default=0.1)
+    ap.add_argument("--d", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--ctx", type=int, default=64)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--timeout", type=float, default=0.0, help="sync timeout_s (0: 2 rounds)")
+    ap.add_argument("--min-replicas", type=int, default=2)
+    ap.add_argument("--quorum", type=int, default=3)
+    ap.add_argument("--late", default="carry", choices=["carry", "drop"])
+    ap.add_argument("--attack", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--only", default="", help="comma list of runs (tuning aid)")
+    a = ap.parse_args()
+    if not a.timeout:
+        a.timeout = 2 * a.h * a.step_s
+    if a.role == "learner":
+        learner_main(a)
+        return
+    if a.quick:
+        a.steps = 240
+    from s3_servers import run_seaweedfs
+
+    t_start = time.time()
+    rows: dict[str, dict[str, Any]] = {}
+    server = run_seaweedfs() if a.store == "s3" else contextlib.nullcontext(None)
+    with server as s3:
+        plan = [("sync_faults", "sync", True), ("decoupled_faults", "decoupled", True),
+                ("sync_clean", "sync", False), ("decoupled_clean", "decoupled", False)]  # fmt: skip
+        for name, mode, faults in plan:
+            if a.only and name not in a.only.split(","):
+                continue
+            rows[name] = run_once(a, mode, faults=faults, s3=s3)
+            print(json.dumps({name: rows[name]}), flush=True)
+        robust = _has_robust()
+        if robust and (not a.only or "byzantine" in a.only):
+            rows["byz_trimmed"] = run_once(a, "decoupled", faults=False, attack=1e6,
+                                           aggregate="trimmed_mean", outlier_ratio=0.0, s3=s3)  # fmt: skip
+            print(json.dumps({"byz_trimmed": rows["byz_trimmed"]}), flush=True)
+            rows["byz_mean"] = run_once(a, "decoupled", faults=False, attack=1e6,
+                                        aggregate="mean", outlier_ratio=0.0, s3=s3)  # fmt: skip
+            print(json.dumps({"byz_mean": rows["byz_mean"]}), flush=True)
+    print()
+    print(f"{'run':<18}{'goodput':>9}{'eval loss':>11}{'useful':>9}{'slot s':>9}{'wall s':>8}")
+    for name, r in rows.items():
+        print(f"{name:<18}{r['goodput']:>9.3f}{(r['eval_loss'] or math.nan):>11.4f}"
+              f"{r['useful_steps']:>9.0f}{r['slot_seconds']:>9.1f}{r['wall_s']:>8.1f}")  # fmt: skip
+    get = lambda k, f: rows[k][f] if k in rows else None  # noqa: E731
+    clean_s, clean_d = get("sync_clean", "eval_loss"), get("decoupled_clean", "eval_loss")
+    byz_t, byz_m = get("byz_trimmed", "eval_loss"), get("byz_mean", "eval_loss")
+    result = {
+        "sync_goodput": _r(get("sync_faults", "goodput")),
+        "decoupled_goodput": _r(get("decoupled_faults", "goodput")),
+        "sync_eval_loss": _r(get("sync_faults", "eval_loss")),
+        "decoupled_eval_loss": _r(get("decoupled_faults", "eval_loss")),
+        "sync_clean_eval_loss": _r(clean_s),
+        "decoupled_clean_eval_loss": _r(clean_d),
+        "loss_gap_vs_sync": _r((clean_d - clean_s) / clean_s) if clean_s and clean_d else None,
+        "sync_clean_goodput": _r(get("sync_clean", "goodput")),
+        "decoupled_clean_goodput": _r(get("decoupled_clean", "goodput")),
+        "rounds_lost": get("decoupled_faults", "rounds_lost"),
+        "chaos_check_ok": get("decoupled_faults", "check_ok"),
+        "byzantine_loss_gap": _r((byz_t - clean_d) / clean_d) if byz_t and clean_d else None,
+        "byzantine_mean_diverged": None if byz_m is None
+        else bool(not math.isfinite(byz_m) or byz_m > 10 * clean_d),
+        "steps": a.steps, "h": a.h, "p": a.p, "step_s": a.step_s, "quorum": a.quorum,
+        "late": a.late, "sync_timeout_s": a.timeout, "sync_min_replicas": a.min_replicas,
+        "store": a.store, "seconds": round(time.time() - t_start, 1), "quick": a.quick,
+    }  # fmt: skip
+    print(json.dumps(result))
+
+
+def _r(x: float | None) -> float | None:
+    return None if x is None else round(float(x), 4)
+
+
+def _has_robust() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("composer_replication.exchange.robust") is not None
+
+
+if __name__ == "__main__":
+    main()

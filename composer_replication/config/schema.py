@@ -320,7 +320,7 @@ class DilocoConfig:
         "mean", "decoupled: 'mean' or 'rda' (radial-directional averaging) of the pushes"
     )
     late: Literal["drop", "carry"] = _f(
-        "drop", "decoupled: a push based on an already merged version is dropped or merged next"
+        "carry", "decoupled: a push based on an already merged version is merged next or dropped"
     )
     alpha: float = _f(
         0.0, "decoupled: a learner takes a new global as lerp(global, local, alpha); 0 = overwrite"

@@ -270,7 +270,7 @@ class SynchronizerConfig:
     aggregate: str = "mean"
     outlier_ratio: float | None = None  # norm screening (exchange.robust); None = its default
     weighting: str = "equal"
-    late: str = "drop"
+    late: str = "carry"
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     nesterov: bool = True

@@ -6,8 +6,10 @@ backend). Faults are real signals and real bytes, never simulated inside the rep
     kill               SIGKILL a replica's process group; ``during="upload"`` freezes the replica
                        (SIGSTOP) at random moments until it is caught writing a contribution or
                        push (file://: an open temporary file whose safetensors header says
-                       "contribution"; S3: a PUT of its key half-way through the throttling
-                       proxy), then kills it frozen there, so the upload is cut in the middle
+                       "contribution", which only a push of a few MB leaves open long enough
+                       to be caught; S3: a PUT of its key half-way through the throttling proxy,
+                       slowed to 1 MB/s while probing), then kills it frozen there, so the
+                       upload is cut in the middle
     stop               SIGSTOP for ``duration_s``, then SIGCONT
     slow               SIGSTOP/SIGCONT duty cycle for ``duration_s``: runs 1/``factor`` of the time
     corrupt            flip bytes in the middle of an object: the newest push ("push",
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import random
 import re
@@ -59,6 +62,8 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+UPLOAD_PROBE_RATE = 1e6  # bytes/s through the S3 proxy while a kill waits for an upload
 
 
 class Targets(Protocol):
@@ -439,6 +444,20 @@ class ChaosInjector:
         local = self.store.local_path
         patterns = (re.compile(rf"/decoupled/push/\d{{3}}-\d{{10}}-{rank:05d}-\d{{4}}\."),
                     re.compile(rf"/contrib/{rank:05d}\.safetensors"))  # fmt: skip
+        restore = None
+        if local is None and self.proxy is not None:
+            # on localhost a PUT's body is sent in a few ms: slow the wire while probing so
+            # that the freeze lands inside one (the throttle is restored afterwards)
+            restore = self.proxy.rate
+            self.proxy.throttle(min(restore or math.inf, UPLOAD_PROBE_RATE))
+        try:
+            return self._probe(pid, rng, deadline, local, patterns)
+        finally:
+            if self.proxy is not None and local is None:
+                self.proxy.throttle(restore)
+
+    def _probe(self, pid: int, rng: random.Random, deadline: float, local: Any,
+               patterns: tuple[re.Pattern[str], ...]) -> str | None:  # fmt: skip
         while time.monotonic() < deadline and not self._stop.is_set():
             if not _signal(pid, signal.SIGSTOP):
                 return None
@@ -716,6 +735,7 @@ def check_decoupled_run(
             if key in stored_digest and stored_digest[key] != digest:
                 lost.append(f"learner {rank} applied fragment/version {key} with different "
                             "weights than the stored chain")  # fmt: skip
+
     def newest_enough(start: list[int], heads: list[int]) -> bool:
         # every fragment at least at the version announced when the learner was killed, or
         # only damaged snapshots (unreadable, so correctly skipped) in between

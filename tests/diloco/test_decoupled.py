@@ -345,7 +345,7 @@ def test_run_config_keys_of_the_decoupled_mode() -> None:
 
     c = load_config(None, ["diloco.mode=decoupled", "diloco.fragments=4", "diloco.quorum=2"])
     assert (c.diloco.mode, c.diloco.fragments, c.diloco.quorum) == ("decoupled", 4, 2)
-    assert (c.diloco.grace_gamma, c.diloco.grace_tau, c.diloco.late) == (0.8, 2.0, "drop")
+    assert (c.diloco.grace_gamma, c.diloco.grace_tau, c.diloco.late) == (0.8, 2.0, "carry")
     for overrides, message in (
         (["diloco.fragments=2"], "diloco.fragments: is used with diloco.mode = 'decoupled'"),
         (["diloco.mode=decoupled", "diloco.fragments=3"], "must divide diloco.sync_every_h"),

@@ -104,7 +104,8 @@ def learner_main(a: argparse.Namespace) -> None:
 
         outer = DecoupledLearner(store, learner=rank, n_learners=N, sync_every_h=a.h,
                                  num_fragments=a.p, model=model, inner_optimizer=opt,
-                                 poll_interval_s=0.05, drain_timeout_s=600,
+                                 poll_interval_s=0.05 if store.is_local else 0.1,
+                                 drain_timeout_s=600,
                                  heartbeat_every_s=1.0)  # fmt: skip
         start = outer.start_step
         if a.attack != 1.0 and rank == N - 1:  # the byzantine learner: every push scaled
@@ -199,7 +200,7 @@ def run_once(a: argparse.Namespace, mode: str, *, faults: bool, attack: float = 
         diloco=DilocoConfig(sync_every_h=a.h, mode="decoupled", fragments=a.p,
                             quorum=N if attack != 1.0 else a.quorum, late=a.late,
                             lease_ttl_s=3.0),
-        backend=BackendConfig(n_replicas=N), store=StoreConfig(keep_rounds=100_000),
+        backend=BackendConfig(n_replicas=N), store=StoreConfig(),
     )  # fmt: skip
     store.put_json("run_config.json", to_dict(config))
     env = {"PYTHONPATH": str(ROOT), "COMPOSER_STORAGE_OPTIONS": json.dumps(learner_options)}

@@ -27,7 +27,7 @@ from composer_replication.config.loader import (
     toml_value,
     type_name,
 )
-from composer_replication.config.schema import EndpointConfig, RunConfig
+from composer_replication.config.schema import ChaosEventConfig, EndpointConfig, RunConfig
 
 __all__ = ["BEGIN", "END", "main", "reference_markdown", "replace_reference"]
 
@@ -108,8 +108,9 @@ def reference_markdown() -> str:
         cls = hints[section.name]
         lines += ["", f"### `[{section.name}]`: {_first_line(cls.__doc__)}", ""]
         lines += _rows(cls, f"{section.name}.")
-    lines += ["", "### `[[teachers.endpoints]]` entries", ""]
-    lines += _rows(EndpointConfig, "")
+    for table, cls in (("teachers.endpoints", EndpointConfig), ("chaos.events", ChaosEventConfig)):
+        lines += ["", f"### `[[{table}]]` entries", ""]
+        lines += _rows(cls, "")
     lines += ["", END]
     return "\n".join(lines) + "\n"
 

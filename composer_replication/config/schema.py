@@ -36,7 +36,6 @@ from composer_replication.loss import (
 )
 
 __all__ = [
-    "CHAOS_ACTIONS",
     "LOSS_KEYS_SET_BY_THE_RUN",
     "BackendConfig",
     "ChaosConfig",
@@ -455,9 +454,6 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         _check(self.every_rounds >= 0, "checkpoint.every_rounds", "must be >= 0")
         _check(self.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")
-
-
-CHAOS_ACTIONS = ("kill", "stop", "slow", "corrupt", "kill_synchronizer", "throttle")
 
 
 @dataclass(frozen=True)

@@ -390,6 +390,7 @@ class Synchronizer:
         self._arrived: dict[PushId, float] = {}
         self._refused: dict[PushId, str] = {}
         self._future: set[PushId] = set()
+        self._known: set[PushId] = set()  # every push seen in the newest listing
         self._progress: dict[int, dict[str, Any]] = {}
         self._dead: set[int] = set()
         self._step_s: float | None = None
@@ -417,7 +418,7 @@ class Synchronizer:
             while not self._stop.is_set():
                 if not self.lease.held():
                     try:
-                        if not self._become_active():
+                        if not self.activate():
                             break
                     except InterruptedError:
                         break
@@ -441,8 +442,10 @@ class Synchronizer:
                 self._fetcher.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ lease and recovery
-    def _become_active(self) -> bool:
-        """Acquire the lease (waiting out a previous holder), then rebuild state from the store."""
+    def activate(self) -> bool:
+        """Acquire the lease (waiting out a previous holder), then rebuild every fragment's
+        state from the store; False if stopped meanwhile. `run` calls it whenever it does not
+        hold the lease."""
         log.info("synchronizer %s: waiting for the lease", self.owner)
         if not self.lease.acquire(cancelled=self._stop):
             return False
@@ -501,7 +504,9 @@ class Synchronizer:
                 break
         if frag is None:
             raise CorruptContributionError(f"fragment {p}: no readable stored state")
-        for v in merges:  # what the stored records consumed (all records left by the GC)
+        # what the stored records consumed: pushes based below version - keep are deleted, so
+        # only the records after that can name a push that is still in the store
+        for v in (m for m in merges if m > frag.version - self.config.keep - 1):
             try:
                 record = self.docs.read_merge(p, v)
             except CorruptContributionError as e:
@@ -556,6 +561,7 @@ class Synchronizer:
         except OSError as e:
             log.warning("listing pushes failed: %r", e)
             return
+        self._known = set(pids)
         new = []
         for pid in pids:
             if pid.fragment >= len(self.fragments) or pid in self._pending:
@@ -762,6 +768,8 @@ class Synchronizer:
             self._pending.pop(p, None)
             self._arrived.pop(p, None)
         frag.first_at = frag.quorum_at = None
+        if frag.version % cfg.keep == 0:  # housekeeping every `keep` merges of the fragment
+            self._gc(frag)
         accepted = [e for e in record["inputs"] if decisions[e["push"]]["included"]]
         self.stats.merges += 1
         self.stats.inputs += len(accepted)
@@ -780,6 +788,15 @@ class Synchronizer:
         del self.stats.last_merges[:-32]
         if self.on_merge is not None:
             self.on_merge(record)
+
+    def _gc(self, frag: _Fragment) -> None:
+        try:
+            known = [p for p in self._known if p.fragment == frag.index]
+            for p in self.docs.gc(frag.index, frag.version, self.config.keep, known):
+                self._known.discard(p)
+                self._refused.pop(p, None)
+        except OSError as e:  # housekeeping: never fail a merge for it
+            log.warning("garbage collection of fragment %d failed: %r", frag.index, e)
 
     def _combine(
         self, record: dict[str, Any], pushes: list[Push], frag: _Fragment, *, replay: bool = False

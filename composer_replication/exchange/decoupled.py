@@ -7,7 +7,7 @@ prefix (docs/object-store.md, "Decoupled mode")::
 
     decoupled/manifest.json                                   fragment layout, learners, codec
     decoupled/push/<p:03d>-<base:010d>-<learner:05d>-<seq:04d>.safetensors   one push
-    decoupled/f<p:03d>/merge/<v:010d>.json                    decision producing version v
+    decoupled/f<p:03d>/merge/<v:010d>.json                    decision producing version v (kept)
     decoupled/f<p:03d>/global/<v:010d>.safetensors            fragment p's global weights at v
     decoupled/f<p:03d>/outer/<v:010d>.safetensors             its outer momentum at v
     decoupled/heads.json                                      newest version per fragment (hint)
@@ -313,9 +313,10 @@ def parse_merge(raw: wire.Buffer, *, fragment: int, version: int) -> dict[str, A
     """Validate a merge record read from ``merge_key(fragment, version)``.
 
     A record holds ``inputs`` (the pushes handed to the aggregation, each with its name, raw
-    weight and pinned checksum), ``decisions`` (per input: "accepted" or why not), ``consumed``
-    (every push this record uses up: inputs, superseded, dropped and refused ones), the
-    ``merge`` / ``aggregate`` methods and the ``outer`` optimizer settings.
+    weight and pinned checksum), ``decisions`` (per input: included or why not, its final
+    weight and clip scale), ``consumed`` (every push this record uses up: inputs, superseded
+    and dropped ones), the ``merge`` / ``aggregate`` methods and the ``outer`` optimizer
+    settings.
     """
     what = f"merge record of fragment {fragment} version {version}"
     try:
@@ -604,14 +605,17 @@ class DecoupledStore:
 
     # ------------------------------------------------------------------ housekeeping
     def gc(self, fragment: int, version: int, keep: int, pushes: list[PushId]) -> list[PushId]:
-        """Delete fragment ``fragment``'s pushes based on versions < version - keep, and its
-        records and states older than that (pushes first, so every push left is covered by
-        the records left). Returns the pushes deleted."""
+        """Delete fragment ``fragment``'s pushes based on versions < version - keep (from
+        ``pushes``, the ones the caller knows), then its states older than that. Merge records
+        are kept: they are small (about 1-2 KB each) and are the run's audit trail (every merge
+        with its inputs and weights); a push left in the store is covered by the records of
+        the versions after its base, which a restarted synchronizer reads. Returns the pushes
+        deleted."""
         floor = version - keep
         gone = [p for p in pushes if p.fragment == fragment and p.base < floor]
         for p in gone:
             self.store.delete(p.key)
-        for what, key in (("merge", merge_key), ("global", global_key), ("outer", outer_key)):
+        for what, key in (("global", global_key), ("outer", outer_key)):
             for v in self.versions(fragment, what):
                 if 0 < v < floor:  # version 0 (the initial weights) is kept for good
                     self.store.delete(key(fragment, v))

@@ -337,6 +337,25 @@ def test_synchronizer_restart_resumes_without_losing_or_repeating_merges(tmp_pat
     assert out[0]["versions"] == out[1]["versions"] == final["versions"]
 
 
+def test_garbage_collection_keeps_every_record_and_recent_states(tmp_path: Path) -> None:
+    uri = str(tmp_path / "store")
+    cfg = SynchronizerConfig(quorum=2, keep=2, poll_interval_s=0.02, max_steps=48)
+    out, sync = _run(uri, 2, 48, cfg, seed=1)
+    store = ObjectStore(uri)
+    docs = DecoupledStore(store)
+    final = docs.read_final(4)
+    assert final is not None and out[0]["versions"] == out[1]["versions"] == final["versions"]
+    for p, v in enumerate(final["versions"]):
+        assert docs.versions(p, "merge") == list(range(1, v + 1))  # the audit trail is whole
+        kept = docs.versions(p, "global")
+        assert kept[0] == 0 and all(x >= v - 2 - 2 for x in kept[1:])  # old states pruned
+        assert all(pid.base >= v - 2 - 2 for pid in docs.list_pushes() if pid.fragment == p)
+    # a synchronizer started on the pruned store recovers the same versions
+    again = Synchronizer(store, cfg)
+    again.activate()
+    assert again.versions == final["versions"]
+
+
 # ----------------------------------------------------------------------------- configuration
 
 

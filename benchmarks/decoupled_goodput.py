@@ -314,7 +314,9 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--timeout", type=float, default=0.0, help="sync timeout_s (0: 2 rounds)")
     ap.add_argument("--min-replicas", type=int, default=2)
-    ap.add_argument("--quorum", type=int, default=1)
+    ap.add_argument(
+        "--quorum", type=int, default=N - 1, help="the run config's default: all but one"
+    )
     ap.add_argument("--late", default="carry", choices=["carry", "drop"])
     ap.add_argument("--attack", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)

@@ -310,7 +310,10 @@ class DilocoConfig:
     fragments: int = _f(
         1, "decoupled: P strided fragments; one is pushed every sync_every_h / fragments steps"
     )
-    quorum: int = _f(1, "decoupled: learners that must push a fragment before it is merged")
+    quorum: int | None = _f(
+        None,
+        "decoupled: learners that must push a fragment before it is merged (unset = all but one)",
+    )
     grace_gamma: float = _f(
         0.8, "decoupled: grace window = grace_gamma * max(0, grace_tau * step - quorum - sync)"
     )
@@ -342,7 +345,8 @@ class DilocoConfig:
             "diloco.fragments",
             f"{self.fragments} must divide diloco.sync_every_h ({self.sync_every_h})",
         )
-        _check(self.quorum >= 1, "diloco.quorum", "must be >= 1")
+        if self.quorum is not None:
+            _check(self.quorum >= 1, "diloco.quorum", "must be >= 1")
         _check(0.0 <= self.grace_gamma <= 1.0, "diloco.grace_gamma", "must be in [0, 1]")
         _check(self.grace_tau >= 0, "diloco.grace_tau", "must be >= 0")
         _check(0.0 <= self.alpha <= 1.0, "diloco.alpha", "must be in [0, 1]")
@@ -538,11 +542,12 @@ class RunConfig:
                 "(127.0.0.1) cannot serve; start `torchft_lighthouse` where they can reach it "
                 "and set diloco.lighthouse = 'http://HOST:PORT'",
             )
-        _check(
-            self.diloco.quorum <= self.backend.n_replicas,
-            "diloco.quorum",
-            f"{self.diloco.quorum} exceeds backend.n_replicas ({self.backend.n_replicas})",
-        )
+        if self.diloco.quorum is not None:
+            _check(
+                self.diloco.quorum <= self.backend.n_replicas,
+                "diloco.quorum",
+                f"{self.diloco.quorum} exceeds backend.n_replicas ({self.backend.n_replicas})",
+            )
         if self.chaos.events:
             _check(
                 self.backend.kind == "local",
@@ -586,6 +591,12 @@ class RunConfig:
                 f"{self.diloco.min_replicas} exceeds backend.n_replicas "
                 f"({self.backend.n_replicas})",
             )
+
+    @property
+    def quorum(self) -> int:
+        """The decoupled quorum: `diloco.quorum`, or all learners but one (at least one)."""
+        q = self.diloco.quorum
+        return q if q is not None else max(1, self.backend.n_replicas - 1)
 
     @property
     def n_rounds(self) -> int:

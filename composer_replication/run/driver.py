@@ -447,7 +447,7 @@ class _HealthLog:
         d = config.diloco
         self.store, self.sink, self.every_s = store, sink, every_s
         self.mode, self.n = d.mode, config.backend.n_replicas
-        self.quorum = d.quorum if d.mode == "decoupled" else (d.min_replicas or self.n)
+        self.quorum = config.quorum if d.mode == "decoupled" else (d.min_replicas or self.n)
         self._last = 0.0
         self._last_written = 0.0
         self._state: str | None = None

@@ -96,11 +96,13 @@ def run_status(folder: RunFolder, *, stale_after_s: float = 120.0) -> dict[str, 
         store_error = f"{type(exc).__name__}: {exc}"
     run_state: dict[str, Any] | None = None
     if store_error is None:
-        diloco = config.get("diloco", {})
-        mode = str(diloco.get("mode", "sync"))
-        quorum = int(diloco.get("quorum", 1) if mode == "decoupled"
-                     else diloco.get("min_replicas") or n)  # fmt: skip
         try:
+            from composer_replication.config import RunConfig, from_dict
+
+            run_config = from_dict(RunConfig, config)
+            mode = run_config.diloco.mode
+            quorum = (run_config.quorum if mode == "decoupled"
+                      else run_config.diloco.min_replicas or n)  # fmt: skip
             run_state = health_now(store, mode=mode, n_replicas=n, quorum=quorum)
         except Exception as exc:  # status must still show the rest
             store_error = f"{type(exc).__name__}: {exc}"

@@ -363,7 +363,9 @@ def test_run_config_keys_of_the_decoupled_mode() -> None:
     from composer_replication.config import ConfigError, load_config
 
     c = load_config(None, ["diloco.mode=decoupled", "diloco.fragments=4", "diloco.quorum=2"])
-    assert (c.diloco.mode, c.diloco.fragments, c.diloco.quorum) == ("decoupled", 4, 2)
+    assert (c.diloco.mode, c.diloco.fragments, c.quorum) == ("decoupled", 4, 2)
+    c = load_config(None, ["diloco.mode=decoupled", "backend.n_replicas=4"])
+    assert c.diloco.quorum is None and c.quorum == 3  # unset: all learners but one
     assert (c.diloco.grace_gamma, c.diloco.grace_tau, c.diloco.late) == (0.8, 2.0, "carry")
     for overrides, message in (
         (["diloco.fragments=2"], "diloco.fragments: is used with diloco.mode = 'decoupled'"),

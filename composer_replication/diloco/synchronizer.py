@@ -423,7 +423,10 @@ class Synchronizer:
                     except InterruptedError:
                         break
                     continue
-                self.poll_once()
+                try:
+                    self.poll_once()
+                except OSError as e:  # a store hiccup: the next poll retries (state is intact)
+                    log.warning("synchronizer %s: store error, retrying: %r", self.owner, e)
                 if self.finished:
                     return True
                 self._stop.wait(self.config.poll_interval_s)
@@ -475,13 +478,15 @@ class Synchronizer:
         self._arrived.clear()
         self._refused.clear()
         self._future.clear()
+        pushes = self.docs.list_pushes()
         for p, spec in enumerate(manifest["fragments"]):
-            self.fragments.append(self._recover_fragment(p, spec))
+            bases = [pid.base for pid in pushes if pid.fragment == p]
+            self.fragments.append(self._recover_fragment(p, spec, min(bases, default=None)))
         self.docs.write_heads(self.versions, epoch=self.lease.epoch, owner=self.owner)
         log.info("synchronizer %s (epoch %s): resumed at versions %s", self.owner,
                  self.lease.epoch, self.versions)  # fmt: skip
 
-    def _recover_fragment(self, p: int, spec: dict[str, Any]) -> _Fragment:
+    def _recover_fragment(self, p: int, spec: dict[str, Any], oldest_push: int | None) -> _Fragment:
         ref = DecoupledStore.reference({"fragments": [spec]}, 0)
         # version 0 (the initial weights) is written by the first learner
         while not self._stop.is_set() and 0 not in self.docs.versions(p, "global"):
@@ -504,9 +509,10 @@ class Synchronizer:
                 break
         if frag is None:
             raise CorruptContributionError(f"fragment {p}: no readable stored state")
-        # what the stored records consumed: pushes based below version - keep are deleted, so
-        # only the records after that can name a push that is still in the store
-        for v in (m for m in merges if m > frag.version - self.config.keep - 1):
+        # what the stored records consumed: a push based on version b can only be in records
+        # after b, so the records after the oldest push still in the store are enough
+        first = frag.version if oldest_push is None else min(oldest_push, frag.version)
+        for v in (m for m in merges if m > first):
             try:
                 record = self.docs.read_merge(p, v)
             except CorruptContributionError as e:

@@ -691,7 +691,9 @@ def check_decoupled_run(
     versions = final["versions"] if final else docs.read_heads(n_frag) or [0] * n_frag
     lost: list[str] = []
     consumed: dict[str, int] = {}
-    twice: list[str] = []
+    twice: list[str] = []  # merged (included) by two records: a merge applied twice
+    reconsumed: list[str] = []  # consumed again without being merged again (bookkeeping)
+    merged: set[str] = set()
     merges = 0
     stored_digest: dict[str, str] = {}
     damaged: list[str] = []
@@ -712,10 +714,16 @@ def check_decoupled_run(
                 continue
             if rec is None:
                 continue
+            merged_here = {e["push"] for e in rec["inputs"]
+                           if (rec["decisions"].get(e["push"]) or {}).get("included")}  # fmt: skip
             for name in rec["consumed"]:
                 if name in consumed:
-                    twice.append(f"{name} in records {consumed[name]} and {v} of fragment {p}")
+                    both = name in merged_here and name in merged
+                    (twice if both else reconsumed).append(
+                        f"{name} in records {consumed[name]} and {v} of fragment {p}"
+                    )
                 consumed[name] = v
+            merged |= merged_here
         for v in docs.versions(p, "global"):
             try:
                 tensors = docs.fetch_global(p, v, None)
@@ -758,6 +766,7 @@ def check_decoupled_run(
     if not same:
         problems.append(f"learners end on different globals: {finals} {digests}")
     problems += lost + [f"applied twice: {t}" for t in twice] + rejoined
+    problems += [f"consumed twice (not merged twice): {t}" for t in reconsumed]
     return {
         "ok": not problems,
         "problems": problems,

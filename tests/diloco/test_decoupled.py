@@ -339,8 +339,8 @@ def test_synchronizer_restart_resumes_without_losing_or_repeating_merges(tmp_pat
 
 def test_garbage_collection_keeps_every_record_and_recent_states(tmp_path: Path) -> None:
     uri = str(tmp_path / "store")
-    cfg = SynchronizerConfig(quorum=2, keep=2, poll_interval_s=0.02, max_steps=48)
-    out, sync = _run(uri, 2, 48, cfg, seed=1)
+    cfg = SynchronizerConfig(quorum=2, keep=5, poll_interval_s=0.02, max_steps=96)
+    out, sync = _run(uri, 2, 96, cfg, sleep=0.01, seed=1)
     store = ObjectStore(uri)
     docs = DecoupledStore(store)
     final = docs.read_final(4)
@@ -348,12 +348,19 @@ def test_garbage_collection_keeps_every_record_and_recent_states(tmp_path: Path)
     for p, v in enumerate(final["versions"]):
         assert docs.versions(p, "merge") == list(range(1, v + 1))  # the audit trail is whole
         kept = docs.versions(p, "global")
-        assert kept[0] == 0 and all(x >= v - 2 - 2 for x in kept[1:])  # old states pruned
-        assert all(pid.base >= v - 2 - 2 for pid in docs.list_pushes() if pid.fragment == p)
-    # a synchronizer started on the pruned store recovers the same versions
+        assert kept[0] == 0 and all(x >= v - 2 * 5 for x in kept[1:])  # old states pruned
+        assert all(pid.base >= v - 2 * 5 for pid in docs.list_pushes() if pid.fragment == p)
+    # a synchronizer started on the pruned store recovers the same versions and knows every
+    # push still in the store that a record consumed (so it can never merge one again)
     again = Synchronizer(store, cfg)
     again.activate()
     assert again.versions == final["versions"]
+    left = docs.list_pushes()
+    assert left
+    for p, v in enumerate(final["versions"]):
+        named = {n for r in range(1, v + 1) for n in docs.read_merge(p, r)["consumed"]}
+        for pid in (x for x in left if x.fragment == p and x.name in named):
+            assert pid.name in again.fragments[p].consumed, pid
 
 
 # ----------------------------------------------------------------------------- configuration

@@ -72,6 +72,12 @@ class ModelConfig:
     num_layers: int = _f(2, "tiny model only: number of transformer layers")
     num_heads: int = _f(4, "tiny model only: attention heads")
     num_kv_heads: int = _f(2, "tiny model only: key/value heads")
+    tokenizer: Literal["char", "bpe"] = _f(
+        "char",
+        "tiny model only: 'char' (one token per character) or 'bpe' (trained locally on "
+        "the task's training text, cached)",
+    )
+    vocab_size: int = _f(512, "tiny model with tokenizer 'bpe': the largest vocabulary")
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = _f(
         "float32", "parameter dtype for hub/local models"
     )
@@ -79,7 +85,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _check(bool(self.name.strip()), "model.name", "must not be empty (use 'tiny')")
-        for key in ("hidden_size", "num_layers", "num_heads", "num_kv_heads"):
+        for key in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "vocab_size"):
             _check(getattr(self, key) >= 1, f"model.{key}", "must be >= 1")
 
     @property

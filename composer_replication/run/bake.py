@@ -1,9 +1,10 @@
 """Channel-3 teachers of a run: build them from the config, bake their traces ahead of training.
 
 `build_teachers(config, task)` gives the configured OpenAI-compatible endpoints, or, when there
-are none and `teachers.oracle` is on, an `OracleTeacher` that answers with the task's reference
-solution (no network, no cost: what the embedded default replays). `bake` runs them over the
-task's prompts and appends verified traces to a JSONL file (what `bake-traces` does, resumable).
+are none and `teachers.oracle` is on, an `OracleTeacher` that answers the task's TRAIN prompts
+with their reference solution (no network, no cost: what the embedded default replays; held-out
+prompts get no oracle answer). `bake` runs them over the task's prompts and appends verified
+traces to a JSONL file (what `bake-traces` does, resumable).
 """
 
 from __future__ import annotations
@@ -62,10 +63,12 @@ def build_teachers(config: RunConfig, task: Any) -> list[Any]:
         except ValueError as exc:
             raise ConfigError(f"teachers.endpoints[{i}]: {exc}") from None
     if not teachers and config.teachers.oracle:
-        index = task_index(task)
+        # TRAIN prompts only: the oracle never answers a held-out prompt, so no held-out answer
+        # can reach training through channel 3.
+        train = {prompt_key(chat_prompt(ex)): ex for ex in task.train_examples()}
 
         def solve(prompt: Any) -> str | None:
-            example = index.get(prompt_key(prompt))
+            example = train.get(prompt_key(prompt))
             return None if example is None else task.oracle(example)
 
         teachers.append(OracleTeacher(solve, name="oracle"))

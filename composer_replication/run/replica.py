@@ -66,7 +66,16 @@ def build_model(config: Any) -> tuple[Any, Any]:
     if m.is_tiny:
         from composer_replication.models import build_tiny_model, build_tokenizer
 
-        tok = build_tokenizer()
+        if m.tokenizer == "bpe":
+            from composer_replication.models import build_bpe_tokenizer
+            from composer_replication.run.bake import build_task
+
+            # Trained on the TRAIN split's text only (deterministic: every replica gets the same
+            # vocabulary), cached on disk.
+            tok = build_bpe_tokenizer(build_task(config).text_corpus("train"),
+                                      vocab_size=m.vocab_size)  # fmt: skip
+        else:
+            tok = build_tokenizer()
         model = build_tiny_model(
             tok, hidden_size=m.hidden_size, num_layers=m.num_layers, num_heads=m.num_heads,
             num_kv_heads=m.num_kv_heads, seed=config.run.seed,

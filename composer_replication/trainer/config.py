@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from composer_replication.data.hints import HintTemplate, coerce_hint_template
-from composer_replication.loss.compose import ComposeConfig
+from composer_replication.loss import TAID_T_START, ComposeConfig
 
 # The loss keywords' defaults live in one place (the loss library); the trainer repeats the
 # names (they are its public keywords) but not the values.
@@ -94,11 +94,9 @@ class ComposerSettings:
             raise ValueError("sdpo_max_context_length must be >= 1 or None")
         if self.replay_max_length is not None and self.replay_max_length < 1:
             raise ValueError("replay_max_length must be >= 1 or None")
-        from composer_replication.loss.compose import ComposeConfig
-
         kwargs = self.loss_kwargs()
-        if self.sdpo_wrapper == "taid" and self.taid_t is None and self.taid_schedule_step is None:
-            kwargs["taid_t"] = 0.4  # t comes from the TAIDCallback schedule at run time
+        if self.taid_scheduled:  # t comes from the TAIDCallback schedule at run time
+            kwargs["taid_t"] = TAID_T_START
         ComposeConfig.from_kwargs(kwargs)  # validates every loss keyword now, not at step 1
 
     def loss_kwargs(self) -> dict[str, Any]:

@@ -115,22 +115,20 @@ def test_channel3_dpo_steps_increase_margin(tmp_path):
     )
     assert chosen == "7 done<|endoftext|>"
     # Reference log-probs come from a frozen copy of the initial policy (beta=0: no TRL ref).
-    assert trainer.ref_model is None and trainer._replay_ref is not None
+    assert trainer.ref_model is None and trainer.replay_reference is not None
     assert (inputs["replay_ref_chosen_logps"][rows] < 0).all()
     margins = _train_fixed_batch(trainer, inputs, 6, "replay/margin")
     assert margins[-1] > margins[0] + 0.5, margins
     assert trainer._metrics["train"]["replay/accuracy"][-1] == 1.0
     # The reference really is frozen (its own forward, not the trained policy's).
-    from composer_replication.trainer.channels import forward_completion_logits, sequence_logps
+    from composer_replication.loss import completion_logps
 
     idx = torch.tensor(rows)
     c_ids, c_mask = inputs["replay_chosen_ids"][idx], inputs["replay_chosen_mask"][idx]
     args = (inputs["prompt_ids"][idx], inputs["prompt_mask"][idx], c_ids, c_mask)
     with torch.no_grad():
-        ref_now = sequence_logps(
-            forward_completion_logits(trainer._replay_ref, *args), c_ids, c_mask
-        )
-        policy_now = sequence_logps(forward_completion_logits(trainer.model, *args), c_ids, c_mask)
+        ref_now = completion_logps(trainer.replay_reference, *args)
+        policy_now = completion_logps(trainer.model, *args)
     torch.testing.assert_close(ref_now[0], inputs["replay_ref_chosen_logps"][idx])
     assert (policy_now[0] > ref_now[0] + 0.1).all()
 
@@ -144,7 +142,7 @@ def test_channel3_simpo_needs_no_reference(tmp_path):
         beta_replay=1,
         dpo_variant="simpo",
     )
-    assert trainer.ref_model is None and trainer._replay_ref is None
+    assert trainer.ref_model is None and trainer.replay_reference is None
     inputs = generation_batch(trainer)
     assert "replay_ref_chosen_logps" not in inputs and inputs["replay_pair_mask"].sum() == 2
     loss, grads = loss_and_grads(trainer, {**inputs, "advantages": 0 * inputs["advantages"]})

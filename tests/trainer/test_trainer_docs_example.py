@@ -32,7 +32,7 @@ def test_docs_example_trains_all_three_channels(tmp_path, monkeypatch, capsys):
     assert any(isinstance(c, TAIDCallback) for c in trainer.callback_handler.callbacks)
     # The EMA teacher moved with the student but lags it.
     student = dict(trainer.model.named_parameters())
-    teacher = dict(trainer._ema.model.named_parameters())
+    teacher = dict(trainer.ema_teacher.model.named_parameters())
     name = "model.layers.0.mlp.up_proj.weight"
     assert not teacher[name].requires_grad
     assert 0 < float((teacher[name] - student[name].detach()).abs().max())

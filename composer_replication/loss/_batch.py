@@ -206,9 +206,11 @@ def _sequence(model: CausalLM, inputs: Mapping[str, Any], side: str) -> tuple[Te
     return sequence_logps(logits[:, :-1], ids[:, 1:], loss_mask[:, 1:])
 
 
-def _explicit_pairs(
-    model: CausalLM, inputs: Mapping[str, Any], dpo_variant: str
-) -> ReplayPairs | None:
+# (summed, mean) log-probs of the chosen side, of the rejected side, and the reference sums.
+_Sides = tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor], tuple[Tensor | None, Tensor | None]]
+
+
+def _explicit_pairs(model: CausalLM, inputs: Mapping[str, Any], dpo_variant: str) -> _Sides | None:
     for key in REPLAY_KEYS:
         require(inputs, key)  # some replay keys but not all: name the missing one
     n_chosen = require(inputs, "replay_chosen_input_ids").shape[0]
@@ -218,13 +220,8 @@ def _explicit_pairs(
         )
     if n_chosen == 0:
         return None
-    ref_c, ref_r = _references(inputs, dpo_variant, None)
-    c_sum, c_avg = _sequence(model, inputs, "chosen")
-    r_sum, r_avg = _sequence(model, inputs, "rejected")
-    norm = normaliser(inputs, "replay_num_pairs")
-    if dpo_variant == "simpo":
-        return ReplayPairs(c_avg, r_avg, None, None, norm)
-    return ReplayPairs(c_sum, r_sum, ref_c, ref_r, norm)
+    refs = _references(inputs, dpo_variant, None)
+    return _sequence(model, inputs, "chosen"), _sequence(model, inputs, "rejected"), refs
 
 
 def _rollout_pairs(
@@ -233,7 +230,7 @@ def _rollout_pairs(
     student: Tensor | None,
     dpo_variant: str,
     logits_to_keep: bool,
-) -> ReplayPairs | None:
+) -> _Sides | None:
     for key in REPLAY_ROW_KEYS:
         require(inputs, key)
     prompt_ids, prompt_mask = require(inputs, "prompt_ids"), require(inputs, "prompt_mask")
@@ -253,11 +250,11 @@ def _rollout_pairs(
     if rows.numel() == 0:
         return None
     student = check_student(student, completion_mask)
-    ref_c, ref_r = _references(inputs, dpo_variant, rows)
+    refs = _references(inputs, dpo_variant, rows)
     c_mask = c_mask.index_select(0, rows)
     width = max(int(c_mask.sum(-1).max()), 1)  # right-padded: drop the all-padding tail
     c_ids = c_ids.index_select(0, rows)[:, :width]
-    c_sum, c_avg = completion_logps(
+    chosen = completion_logps(
         model,
         prompt_ids.index_select(0, rows),
         prompt_mask.index_select(0, rows),
@@ -265,15 +262,12 @@ def _rollout_pairs(
         c_mask[:, :width],
         logits_to_keep=logits_to_keep,
     )
-    r_sum, r_avg = sequence_logps(
+    rejected = sequence_logps(
         student.index_select(0, rows),
         completion_ids.index_select(0, rows),
         completion_mask.index_select(0, rows),
     )
-    norm = normaliser(inputs, "replay_num_pairs")
-    if dpo_variant == "simpo":
-        return ReplayPairs(c_avg, r_avg, None, None, norm)
-    return ReplayPairs(c_sum, r_sum, ref_c, ref_r, norm)
+    return chosen, rejected, refs
 
 
 def replay_pairs(
@@ -299,7 +293,15 @@ def replay_pairs(
             "rollout pairs (replay_pair_mask, ...); pass one of them"
         )
     if explicit:
-        return _explicit_pairs(model, inputs, dpo_variant)
-    if rollout:
-        return _rollout_pairs(model, inputs, student, dpo_variant, logits_to_keep)
-    return None
+        sides = _explicit_pairs(model, inputs, dpo_variant)
+    elif rollout:
+        sides = _rollout_pairs(model, inputs, student, dpo_variant, logits_to_keep)
+    else:
+        return None
+    if sides is None:
+        return None
+    (c_sum, c_avg), (r_sum, r_avg), (ref_c, ref_r) = sides
+    norm = normaliser(inputs, "replay_num_pairs")
+    if dpo_variant == "simpo":
+        return ReplayPairs(c_avg, r_avg, None, None, norm)
+    return ReplayPairs(c_sum, r_sum, ref_c, ref_r, norm)

@@ -14,16 +14,6 @@ from composer_replication.loss._checks import check_choice, check_scalar
 from composer_replication.loss.distill import DEFAULT_ENTROPY_OPD_H_MAX, TAID_T_END, TAID_T_START
 from composer_replication.loss.policy import LOSS_TYPES
 
-__all__ = [
-    "DPO_VARIANTS",
-    "LOSS_TYPES",
-    "SDPO_WRAPPERS",
-    "TAID_T_END",
-    "TAID_T_START",
-    "ComposeConfig",
-    "taid_t_for",
-]
-
 SDPO_WRAPPERS = ("none", "taid", "entropy_opd")
 DPO_VARIANTS = ("dpo", "simpo")
 

@@ -123,7 +123,7 @@ def trim_left_padding(ids: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
     Contexts are left-padded to the longest one of a whole batch; a subset of rows is often
     shorter, and padding costs a full forward. Dropping columns that no row attends to changes
     nothing for a model that ignores masked positions and uses relative positions (RoPE, as the
-    Hugging Face causal LMs); a row of only padding keeps every column.
+    Hugging Face causal LMs). When no column is attended to at all, nothing is dropped.
     """
     used = mask.bool().any(0).nonzero()
     start = int(used[0]) if used.numel() else 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_loss_compose import _grads, _run
 
 from composer_replication.loss import (
     completion_logps,
@@ -16,19 +17,6 @@ from composer_replication.loss import (
 from composer_replication.loss.compose import REPLAY_KEYS
 
 PAIR_ROWS = [0, 2]
-
-
-def _grads(model):
-    return [
-        p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()
-    ]
-
-
-def _run(model, inputs, **kw):
-    model.zero_grad()
-    loss, metrics = compose_loss(model, inputs, **kw)
-    loss.backward()
-    return loss.detach(), metrics, _grads(model)
 
 
 def _rollout_form(batch, chosen_len=4, seed=7):

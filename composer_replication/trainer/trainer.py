@@ -356,15 +356,15 @@ class ComposerReplicationTrainer(GRPOTrainer):
     # -- loss ------------------------------------------------------------------------------
     def _get_per_token_logps_and_entropies(  # type: ignore[override]
         self,
-        model,
-        input_ids,
-        attention_mask,
-        logits_to_keep,
-        batch_size=None,
-        compute_entropy=False,
-        compute_aux_loss=False,
-        **multimodal,
-    ):
+        model: nn.Module,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        logits_to_keep: int,
+        batch_size: int | None = None,
+        compute_entropy: bool = False,
+        compute_aux_loss: bool = False,
+        **multimodal: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """TRL's per-token log-probs; when channels 2/3 need them, from plain logits kept aside."""
         if not self._capture_logits:
             return super()._get_per_token_logps_and_entropies(
@@ -431,8 +431,8 @@ class ComposerReplicationTrainer(GRPOTrainer):
                 batch[key] = batch[key].clamp(min=1.0) * steps
         return batch
 
-    def _compute_loss(self, model, inputs):  # type: ignore[no-untyped-def]
-        mode = "train" if self.model.training else "eval"
+    def _compute_loss(self, model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
+        mode = "train" if self.model is not None and self.model.training else "eval"
         want2 = self._channel2 and _any_row(inputs, "sdpo_sample_mask")
         want3 = self._channel3 and _any_row(inputs, "replay_pair_mask")
         if not (want2 or want3):

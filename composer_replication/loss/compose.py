@@ -39,7 +39,6 @@ from composer_replication.loss._logprobs import CausalLM, forward_logits, select
 __all__ = ["ComposeConfig", "combine", "compose_loss", "replay_term", "sdpo_term"]
 
 REPLAY_KEYS = _batch.REPLAY_KEYS
-REPLAY_ROW_KEYS = _batch.REPLAY_ROW_KEYS
 
 
 def combine(

@@ -32,6 +32,7 @@ from composer_replication.loss._chunked import PerTokenFn, autograd_kernel, chun
 from composer_replication.loss._kernels import entropy_opd_kernel, jsd_kernel, taid_kernel
 
 DEFAULT_ENTROPY_OPD_H_MAX = 0.8  # nats; the Entropy-aware OPD paper's tau
+TAID_T_START, TAID_T_END = 0.4, 1.0  # TAID's t schedule: start and end (the TAID paper's code)
 
 
 def _check_logits(
@@ -272,8 +273,8 @@ class TAIDScheduler:
 
     def __init__(
         self,
-        t_start: float = 0.4,
-        t_end: float = 1.0,
+        t_start: float = TAID_T_START,
+        t_end: float = TAID_T_END,
         alpha: float = 5e-4,
         beta: float = 0.99,
         *,

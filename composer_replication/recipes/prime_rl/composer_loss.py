@@ -57,18 +57,13 @@ from torch import Tensor
 
 from composer_replication.loss import ComposeConfig, dpo_loss, dppo_mask, simpo_loss
 from composer_replication.recipes.prime_rl.contract import PRIME_RL_DEFAULT_LOSS, LossOutputs
+from composer_replication.recipes.sampled import (
+    SAMPLED_TOKEN_KEYS,
+    reject_logit_keywords,
+    sampled_token_config,
+)
 
 MASKS = ("prob_diff", "log_ratio", "both")
-# The compose_loss keywords that mean the same thing here (defaults: ComposeConfig's).
-COMPOSE_KEYS = (
-    "alpha_sdpo",
-    "beta_replay",
-    "dpo_variant",
-    "replay_dpo_beta",
-    "simpo_beta",
-    "simpo_gamma",
-    "label_smoothing",
-)
 DPO_PAIR_KEYS = ("chosen_logps", "rejected_logps", "ref_chosen_logps", "ref_rejected_logps")
 SIMPO_PAIR_KEYS = ("chosen_avg_logps", "rejected_avg_logps")
 PAIR_KEYS = DPO_PAIR_KEYS + SIMPO_PAIR_KEYS
@@ -110,22 +105,18 @@ class PrimeRLLossConfig:
                 f"({self.log_ratio_high})"
             )
         # The shared keywords are validated by the loss library's own config (one set of checks).
-        ComposeConfig(**{k: getattr(self, k) for k in COMPOSE_KEYS})
+        sampled_token_config({k: getattr(self, k) for k in SAMPLED_TOKEN_KEYS})
 
     @classmethod
     def from_kwargs(cls, kwargs: Mapping[str, Any]) -> PrimeRLLossConfig:
         """Build from ``[trainer.loss.kwargs]``; unknown or inapplicable names raise ValueError."""
         names = {f.name for f in dataclasses.fields(cls)}
-        compose_only = sorted({f.name for f in dataclasses.fields(ComposeConfig)} - names)
-        inapplicable = sorted(k for k in kwargs if k in compose_only)
-        if inapplicable:
-            raise ValueError(
-                f"{', '.join(inapplicable)}: compose_loss keyword(s) that do not apply to the "
-                "PRIME-RL recipe. Channel 1 is PRIME-RL's DPPO loss (set mask, dppo_mask_low, "
-                "dppo_mask_high, log_ratio_low, log_ratio_high, adv_tau, kl_tau instead); channel 2 "
-                "sees only sampled-token log-probs, not logits, so the full-vocabulary divergence "
-                "settings (sdpo_*, taid_*, entropy_opd_h_max) have nothing to act on"
-            )
+        reject_logit_keywords(
+            kwargs,
+            "PRIME-RL",
+            "PRIME-RL's DPPO loss (set mask, dppo_mask_low, dppo_mask_high, log_ratio_low, "
+            "log_ratio_high, adv_tau, kl_tau instead)",
+        )
         unknown = sorted(set(kwargs) - names)
         if unknown:
             raise ValueError(

@@ -354,3 +354,93 @@ def test_external_modules_env_registers_on_import_verl():
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=240
     )
     assert out.returncode != 0 and "Unsupported loss mode: composer" in out.stderr
+
+
+# ---- docs/recipes/verl.md: every snippet runs or is checked against what it names ----
+
+DOC = (ROOT / "docs" / "recipes" / "verl.md").read_text()
+
+
+def doc_blocks(lang):
+    import re
+
+    return re.findall(rf"```{lang}\n(.*?)```", DOC, flags=re.S)
+
+
+def test_docs_seven_parts_and_bash_snippets():
+    import re
+    import tomllib
+
+    titles = re.findall(r"^## \d\. (.+)$", DOC, flags=re.M)
+    assert titles == [
+        "What it is",
+        "Install",
+        "Minimal example",
+        "Config keys",
+        "How the channels map",
+        "Limits",
+        "Troubleshooting",
+    ]
+    install, launch = doc_blocks("bash")
+    assert install.strip() == 'pip install -e ".[verl]"'
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    assert extras["verl"] == ["verl==0.9.1"]
+    assert "VERL_USE_EXTERNAL_MODULES=composer_replication.recipes.verl" in launch
+    assert '--config-path="$PWD/examples/verl" --config-name=composer_grpo' in launch
+    assert (ROOT / "examples" / "verl" / "composer_grpo.yaml").is_file()
+
+
+def test_docs_python_snippets_run(capsys):
+    """The CPU example runs as written; the driver snippet runs against a stand-in trainer (no
+    Ray job here) with the real example config, and the loss function it installs is then
+    driven by verl's own ppo_loss on a verl-shaped micro-batch."""
+    from hydra import compose, initialize_config_dir
+
+    cpu_example, driver = doc_blocks("python")
+    namespace: dict = {}
+    exec(compile(cpu_example, "docs/recipes/verl.md", "exec"), namespace)
+    assert "sdpo active 1.0" in capsys.readouterr().out
+    assert namespace["log_prob"].grad is not None
+
+    installed = []
+
+    class WorkerGroup:
+        def set_loss_fn(self, fn):
+            installed.append(fn)
+
+    class Trainer:
+        actor_rollout_wg = WorkerGroup()
+
+        def init_workers(self):
+            pass
+
+    with initialize_config_dir(config_dir=str(ROOT / "examples" / "verl"), version_base=None):
+        config = compose(config_name="composer_grpo")
+    exec(compile(driver, "docs/recipes/verl.md", "exec"), {"trainer": Trainer(), "config": config})
+    (loss_fn,) = installed
+
+    P = 2
+    old, lp, adv, mask = rollout_tensors(6)
+    flat = torch.zeros(B, P + T)
+    flat[:, P - 1 : P + T - 1] = lp.detach().float()
+    flat = flat.flatten().requires_grad_()
+    td = TensorDict(
+        {
+            "prompts": torch.ones(B, P, dtype=torch.long),
+            "responses": torch.ones(B, T, dtype=torch.long),
+            "attention_mask": torch.ones(B, P + T, dtype=torch.long),
+            "response_mask": mask,
+            "old_log_probs": old.float(),
+            "advantages": adv.float(),
+            "sdpo_teacher_log_prob": lp.detach().float() - 0.2,
+        },
+        batch_size=[B],
+    )
+    tu.assign_non_tensor(td, dp_size=1, batch_num_tokens=int(mask.sum()), global_batch_size=B)
+    # as verl's engines call it: loss_function(model_output=..., data=..., dp_group=...)
+    loss, metrics = loss_fn(model_output={"log_probs": flat}, data=td, dp_group=None)
+    loss.backward()
+    assert metrics["composer/sdpo/active"].values == [1.0]
+    assert flat.grad.abs().sum() > 0

@@ -61,6 +61,31 @@ def grad_of(loss, x):
     return g
 
 
+def verl_micro_batch(P, old, lp_resp, adv, mask, **extra):
+    """A verl-shaped micro-batch (TensorDict) and model output for ``ppo_loss``.
+
+    verl's model output holds one log-prob per token of prompt+response, flattened; the
+    response's log-probs sit one position to the left (no_padding_2_padding slices them out).
+    """
+    flat = torch.zeros(B, P + T)
+    flat[:, P - 1 : P + T - 1] = lp_resp.detach().float()
+    flat = flat.flatten().requires_grad_()
+    td = TensorDict(
+        {
+            "prompts": torch.ones(B, P, dtype=torch.long),
+            "responses": torch.ones(B, T, dtype=torch.long),
+            "attention_mask": torch.ones(B, P + T, dtype=torch.long),
+            "response_mask": mask,
+            "old_log_probs": old.float(),
+            "advantages": adv.float(),
+            **extra,
+        },
+        batch_size=[B],
+    )
+    tu.assign_non_tensor(td, dp_size=1, batch_num_tokens=int(mask.sum()), global_batch_size=B)
+    return flat, td
+
+
 def test_registered_in_verls_registries_idempotently():
     assert core_algos.get_adv_estimator_fn("grpo_composer") is recipe.grpo_composer_advantage
     assert core_algos.get_policy_loss_fn("composer") is recipe.composer_policy_loss
@@ -233,28 +258,10 @@ def test_verls_ppo_loss_drives_the_composer_loss_through_the_bridge():
     P = 3
     old, lp_resp, adv, mask = rollout_tensors(4)
     lp_resp = lp_resp.detach().float()
-    # verl's model output: one log-prob per token of prompt+response, flattened; the response's
-    # log-probs sit one position to the left (no_padding_2_padding slices them back out).
-    flat = torch.zeros(B, P + T)
-    flat[:, P - 1 : P + T - 1] = lp_resp
-    flat = flat.flatten().requires_grad_()
     gen = torch.Generator().manual_seed(9)
     teacher = lp_resp + torch.randn(B, T, generator=gen) * 0.2
     batch = {k: v.float() if v.is_floating_point() else v for k, v in pair_batch().items()}
-    td = TensorDict(
-        {
-            "prompts": torch.ones(B, P, dtype=torch.long),
-            "responses": torch.ones(B, T, dtype=torch.long),
-            "attention_mask": torch.ones(B, P + T, dtype=torch.long),
-            "response_mask": mask,
-            "old_log_probs": old.float(),
-            "advantages": adv.float(),
-            "sdpo_teacher_log_prob": teacher,
-            **batch,
-        },
-        batch_size=[B],
-    )
-    tu.assign_non_tensor(td, dp_size=1, batch_num_tokens=int(mask.sum()), global_batch_size=B)
+    flat, td = verl_micro_batch(P, old, lp_resp, adv, mask, sdpo_teacher_log_prob=teacher, **batch)
     settings = {"alpha_sdpo": 0.3, "beta_replay": 0.2, "dpo_variant": "dpo"}
     loss, metrics = recipe.composer_ppo_loss(actor_config(), {"log_probs": flat}, td, **settings)
 
@@ -421,24 +428,9 @@ def test_docs_python_snippets_run(capsys):
     exec(compile(driver, "docs/recipes/verl.md", "exec"), {"trainer": Trainer(), "config": config})
     (loss_fn,) = installed
 
-    P = 2
     old, lp, adv, mask = rollout_tensors(6)
-    flat = torch.zeros(B, P + T)
-    flat[:, P - 1 : P + T - 1] = lp.detach().float()
-    flat = flat.flatten().requires_grad_()
-    td = TensorDict(
-        {
-            "prompts": torch.ones(B, P, dtype=torch.long),
-            "responses": torch.ones(B, T, dtype=torch.long),
-            "attention_mask": torch.ones(B, P + T, dtype=torch.long),
-            "response_mask": mask,
-            "old_log_probs": old.float(),
-            "advantages": adv.float(),
-            "sdpo_teacher_log_prob": lp.detach().float() - 0.2,
-        },
-        batch_size=[B],
-    )
-    tu.assign_non_tensor(td, dp_size=1, batch_num_tokens=int(mask.sum()), global_batch_size=B)
+    teacher = lp.detach().float() - 0.2
+    flat, td = verl_micro_batch(2, old, lp, adv, mask, sdpo_teacher_log_prob=teacher)
     # as verl's engines call it: loss_function(model_output=..., data=..., dp_group=...)
     loss, metrics = loss_fn(model_output={"log_probs": flat}, data=td, dp_group=None)
     loss.backward()

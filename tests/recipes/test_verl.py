@@ -393,7 +393,7 @@ def test_docs_seven_parts_and_bash_snippets():
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
         "optional-dependencies"
     ]
-    assert extras["verl"] == ["verl==0.9.1"]
+    assert extras["verl"][0] == "verl==0.9.1"
     assert "VERL_USE_EXTERNAL_MODULES=composer_replication.recipes.verl" in launch
     assert '--config-path="$PWD/examples/verl" --config-name=composer_grpo' in launch
     assert (ROOT / "examples" / "verl" / "composer_grpo.yaml").is_file()

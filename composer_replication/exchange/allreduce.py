@@ -454,6 +454,11 @@ class ObjectStoreAllReduce(RunDocuments):
         if unconfirmed:
             ranks = sorted(unconfirmed)
             owners = self._get_many([owner_key(step, r) for r in ranks])
+            silent = [r for r, raw in zip(ranks, owners) if raw is None]
+            for r, raw in zip(silent, self._get_many([squat_key(step, r) for r in silent])):
+                if raw is not None:
+                    unconfirmed.pop(r)
+                    rejected[r] = f"slot squatted: rank {r} reports an object it did not write"
             for r, raw in zip(ranks, owners):
                 if raw is None:
                     continue  # not confirmed yet

@@ -29,7 +29,8 @@ Keys are '/'-separated paths relative to the run prefix. Nothing here unpickles 
 
 Every instance counts the requests it sends (``requests``: PUT, GET, HEAD, LIST, DELETE), one
 per call as the backend sends them: ``get``/``has_object`` are one GET (``has_object`` reads one
-byte), ``put``/``put_if_absent`` one PUT, ``list``/``walk`` one LIST, ``delete_many`` one DELETE
+byte; on S3 an object above 32 MiB adds a HEAD and one ranged GET per further 32 MiB),
+``put``/``put_if_absent`` one PUT, ``list``/``walk`` one LIST, ``delete_many`` one DELETE
 per 1000 keys on S3 (a bulk delete; one per key elsewhere), ``exists`` a HEAD, plus the LIST
 s3fs and gcsfs send after a HEAD that found nothing (they look for a "directory" of that name).
 The exchange records them per round (docs/object-store.md, "Requests per round").
@@ -55,6 +56,7 @@ Names = list[str]  # (`ObjectStore.list` shadows the builtin inside the class bo
 _MEMORY_LOCK = threading.Lock()
 _SINGLE_PUT_CHUNK = 5 * 2**30 // 2  # s3fs uses one PUT when size < 2 * chunksize (cap 5 GiB)
 _BULK_DELETE = 1000  # keys per S3 DeleteObjects request
+_FIRST_READ = 32 * 2**20  # S3: objects below this are read with one GET
 REQUEST_KINDS: tuple[str, ...] = ("put", "get", "head", "list", "delete")
 
 
@@ -254,10 +256,36 @@ class ObjectStore:
             except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
                 return None
         fs = self._filesystem()
+        if self.protocol in ("s3", "s3a"):
+            return self._s3_get(fs, path)
         try:
             return bytes(fs.cat_file(path))
         except FileNotFoundError:
             return None
+
+    def _s3_get(self, fs: Any, path: str) -> bytes | None:
+        """One ranged GET for objects under ``_FIRST_READ`` (and for absent ones): s3fs's plain
+        ``cat_file`` sends a HEAD first, and for an absent key a LIST too, which polling for
+        peers' objects would pay every time. Larger objects: their size (one HEAD), then the rest
+        in concurrent ranged GETs."""
+        try:
+            first = fs.cat_file(path, start=0, end=_FIRST_READ)
+        except FileNotFoundError:
+            return None
+        except OSError as e:  # a zero-byte object answers a range with 416 InvalidRange
+            text = str(e)
+            if not any(m in text for m in ("InvalidRange", "not satisfiable", "416")):
+                raise
+            return b""
+        if len(first) < _FIRST_READ:
+            return bytes(first)
+        size = int(fs.info(path)["size"])
+        self._requests.add("head")
+        starts = list(range(_FIRST_READ, size, _FIRST_READ))
+        ends = [min(start + _FIRST_READ, size) for start in starts]
+        self._requests.add("get", len(starts))
+        rest = fs.cat_ranges([path] * len(starts), starts, ends, on_error="raise")
+        return b"".join([first, *rest])
 
     def exists(self, key: str) -> bool:
         """Whether ``key`` is an object or a non-empty prefix ('' = the run prefix itself)."""

@@ -10,9 +10,35 @@ import pytest
 
 from composer_replication.exchange.store import ObjectStore
 
-pytestmark = pytest.mark.slow
+
+def test_status_lists_the_latest_rounds_rejections_with_rank_and_reason(tmp_path):
+    import json
+
+    from composer_replication.config.loader import to_dict
+    from composer_replication.config.schema import RunConfig
+    from composer_replication.run.folder import RunFolder
+    from composer_replication.run.metrics import ReplicaMetricsWriter
+    from composer_replication.run.status import run_status, status_text
+
+    folder = RunFolder.at(tmp_path / "run")
+    folder.root.mkdir()
+    config = to_dict(RunConfig())
+    config["store"]["uri"] = (tmp_path / "store").as_uri()
+    folder.config_json.write_text(json.dumps(config))
+    store = ObjectStore(config["store"]["uri"])
+    for rank, rnd in ((0, 3), (1, 2)):
+        w = ReplicaMetricsWriter(store, rank)
+        why = f"screened out: non-finite values (seen by rank {rank})"
+        w.status(state="training", round=rnd, rejections={"round": rnd, "ranks": {"1": why}},
+                 force=True)  # fmt: skip
+    info = run_status(folder)
+    assert info["rejections"]["round"] == 3
+    text = status_text(info)
+    assert "rejected in round 3:" in text
+    assert "rank 1: screened out: non-finite values (seen by rank 0)" in text
 
 
+@pytest.mark.slow
 def test_train_with_the_loss_screen_records_each_contributions_loss_change(
     tmp_path, monkeypatch, capsys
 ):

@@ -136,16 +136,27 @@ class TensorStats:
     nonfinite: str | None = None  # "'layer.weight': 3 of 30 values are NaN/inf", or None
 
 
+_STATS_CHUNK = 1 << 22  # elements per slice: float64 temporaries stay at 32 MiB
+
+
 def tensor_stats(tensors: Mapping[str, torch.Tensor]) -> TensorStats:
-    """L2 norm over all tensors (float64 accumulation) and where non-finite values are."""
+    """L2 norm over all tensors (per-slice norms summed in float64; a slice is re-read in float64
+    only if its float32 norm overflows) and where non-finite values are."""
     total = 0.0
     for name in sorted(tensors):
-        t = tensors[name]
-        finite = torch.isfinite(t)
-        if not bool(finite.all()):
-            bad = int(finite.numel() - int(finite.sum()))
-            return TensorStats(math.nan, f"{name!r}: {bad} of {t.numel()} values are NaN/inf")
-        total += float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2
+        flat = tensors[name].reshape(-1)
+        for start in range(0, flat.numel(), _STATS_CHUNK):
+            part = flat[start : start + _STATS_CHUNK]
+            # one fast float32 pass; a NaN/inf value makes it non-finite, and only then (or
+            # when squares overflow float32, values above ~1e19) is the slice looked at again
+            norm = float(torch.linalg.vector_norm(part.float()))
+            if not math.isfinite(norm):
+                if not bool(torch.isfinite(part).all()):
+                    bad = int(flat.numel() - int(torch.isfinite(flat).sum()))
+                    what = f"{name!r}: {bad} of {flat.numel()} values are NaN/inf"
+                    return TensorStats(math.nan, what)
+                norm = float(torch.linalg.vector_norm(part, dtype=torch.float64))
+            total += norm**2
     norm = math.sqrt(total)
     if not math.isfinite(norm):  # finite values whose squares overflow float64
         return TensorStats(norm, f"L2 norm overflows float64 ({norm})")

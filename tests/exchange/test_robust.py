@@ -91,7 +91,7 @@ def test_norm_clip_scales_to_clip_ratio_times_median():
     norms = [math.sqrt(sum(float((v.double() ** 2).sum()) for v in t.values())) for t in ts]
     med = float(np.median(norms))
     scales = [min(1.0, med / x) for x in norms]
-    assert [d.scale for d in decisions] == pytest.approx(scales, rel=1e-9)
+    assert [d.scale for d in decisions] == pytest.approx(scales, rel=1e-6)  # float32 norms
     assert "clipped" in decisions[3].note and decisions[3].included
     for name in SHAPES:
         ref = sum(s * np_stack(ts, name)[i] for i, s in enumerate(scales)) / 4

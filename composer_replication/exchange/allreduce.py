@@ -178,6 +178,8 @@ class ObjectStoreAllReduce(RunDocuments):
         self.policy = policy
         self.loss_probe = loss_probe
         self.timeout_s = float(timeout_s)
+        # how long the others wait for the lowest valid rank's commit record before committing
+        self.commit_grace_s = min(self.timeout_s / 4, max(5.0, 50 * self.poll_interval_s))
         self.upload_timeout_s = float(upload_timeout_s)
         self.run_timeout_s = run_timeout_s
         self.min_replicas = min_replicas
@@ -335,6 +337,7 @@ class ObjectStoreAllReduce(RunDocuments):
         deadline = time.monotonic() + self.timeout_s
         last_error = ""
         stats: dict[int, TensorStats] = {}
+        ready_since: float | None = None
         while commit is None:
             self._check_cancel_and_run(step)
             try:
@@ -349,12 +352,24 @@ class ObjectStoreAllReduce(RunDocuments):
                 continue
             settled = len(valid) + len(rejected) == self.world_size
             timed_out = time.monotonic() >= deadline
-            if (settled or timed_out) and len(valid) >= self.min_replicas:
+            ready = (settled or timed_out) and len(valid) >= self.min_replicas
+            if ready and ready_since is None:
+                ready_since = time.monotonic()
+            # One replica screens and commits: the lowest valid rank. The others wait for its
+            # record and take over after commit_grace_s (it may have died after uploading), so
+            # screening (a pass over every contribution) is not done n times on a busy machine.
+            my_turn = ready and (
+                self.rank == min(valid)
+                or time.monotonic() - (ready_since or 0.0) >= self.commit_grace_s
+            )
+            attempted = False
+            if my_turn:
                 try:
                     screened = self._screen(step, valid, rejected, unconfirmed, stats)
                     if screened is not None:
                         commit = self._write_commit(step, *screened)
                         break
+                    attempted = True  # screening left fewer than min_replicas
                 except OSError as e:  # transient: put-if-absent is safe to retry next poll
                     last_error = f"; last store error: {e!r}"
                     log.warning("step %d: writing the commit record failed: %r", step, e)
@@ -363,12 +378,13 @@ class ObjectStoreAllReduce(RunDocuments):
                     time.sleep(self.poll_interval_s)
                     continue
             settled = len(valid) + len(rejected) == self.world_size
-            if settled and not timed_out:
+            hopeless = attempted or len(valid) < self.min_replicas
+            if settled and not timed_out and hopeless:
                 raise CorruptContributionError(
                     f"step {step}: only {len(valid)} valid contributions, min_replicas="
                     f"{self.min_replicas}; rejected: {rejected}; nothing committed"
                 )
-            if timed_out:
+            if timed_out and hopeless:
                 commit = self._read_commit(step)
                 if commit is not None:
                     break

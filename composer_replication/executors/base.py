@@ -19,7 +19,7 @@ This module holds everything that is the same for every backend:
   k run, with which environment", so all backends start byte-identical commands.
 - per-rank secrets (``launch_replicas(..., secrets={rank: {"NAME": "value"}})``, e.g. each
   replica's own signing key): each rank gets only its own, through the backend's secret
-  mechanism (`ExecutorBase._start_with_secrets`; the process environment by default).
+  mechanism (the `secrets` argument of `ExecutorBase._start`).
 - `SupervisorBase` / `ExecutorBase`: optional base classes with the poll, collect (timeout,
   Ctrl-C) and cancel loops, and the launch-all-or-cancel loop; a backend implements `_start`,
   `_refresh`, `_terminate` and `logs`.
@@ -480,10 +480,10 @@ class SupervisorBase(ABC):
 class ExecutorBase(SupervisorBase):
     """SupervisorBase plus launch-all-or-cancel; a backend adds `_start` for one replica.
 
-      _start(rank, world_size, command, env, resources) -> ReplicaHandle   (`_new_handle` builds it)
+      _start(rank, world_size, command, env, resources, secrets) -> ReplicaHandle
+      (`_new_handle` builds it; `secrets` go through the backend's secret store)
 
-    and may override `_start_with_secrets` (hand a rank its own secrets through the backend's
-    secret store instead of the plain environment), `_check_resources` (reject bad resources up front), `check_launch` (e.g.
+    and may override `_check_resources` (reject bad resources up front), `check_launch` (e.g.
     skip local checks for code that lives in an image) and `python` (the interpreter replicas
     use).
     `launch_ranks(ranks, world_size, ...)` starts an arbitrary subset of ranks of a larger run;
@@ -500,21 +500,11 @@ class ExecutorBase(SupervisorBase):
         command: list[str],
         env: dict[str, str],
         resources: dict[str, Any],
-    ) -> ReplicaHandle: ...
-
-    def _start_with_secrets(
-        self,
-        rank: int,
-        world_size: int,
-        command: list[str],
-        env: dict[str, str],
-        resources: dict[str, Any],
         secrets: dict[str, str],
     ) -> ReplicaHandle:
-        """`_start` for a rank with its own secrets. Default: added to that replica's process
-        environment (right where the environment is private to the replica, e.g. local
-        processes); backends whose environment is visible in a job spec override this."""
-        return self._start(rank, world_size, command, {**env, **secrets}, resources)
+        """Start one replica. ``secrets`` are this rank's own (often empty): hand them over
+        through the backend's secret mechanism, never where other ranks or job specs show
+        them."""
 
     def _check_resources(self, resources: dict[str, Any]) -> dict[str, Any]:
         """Validate/normalise resources before launch (raise ValueError). Default: any dict."""
@@ -598,12 +588,9 @@ class ExecutorBase(SupervisorBase):
         launched: list[ReplicaHandle] = []
         try:
             for rank in ranks:
-                if own.get(rank):
-                    launched.append(self._start_with_secrets(
-                        rank, world_size, command, envs[rank], resources, own[rank]
-                    ))  # fmt: skip
-                    continue
-                launched.append(self._start(rank, world_size, command, envs[rank], resources))
+                launched.append(
+                    self._start(rank, world_size, command, envs[rank], resources, own.get(rank, {}))
+                )
         except BaseException:
             self._cancel_quietly(launched)
             raise

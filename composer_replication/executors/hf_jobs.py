@@ -133,16 +133,6 @@ class HFJobsExecutor(ExecutorBase):
         command: list[str],
         env: dict[str, str],
         resources: dict[str, Any],
-    ) -> ReplicaHandle:
-        return self._start_with_secrets(rank, world_size, command, env, resources, {})
-
-    def _start_with_secrets(
-        self,
-        rank: int,
-        world_size: int,
-        command: list[str],
-        env: dict[str, str],
-        resources: dict[str, Any],
         secrets: dict[str, str],
     ) -> ReplicaHandle:
         """The rank's own secrets join the job's encrypted secrets (never its plain env)."""

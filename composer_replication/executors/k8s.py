@@ -203,20 +203,10 @@ class K8sExecutor(ExecutorBase):
         command: list[str],
         env: dict[str, str],
         resources: dict[str, Any],
-    ) -> ReplicaHandle:
-        """One replica as its own one-index Job (its env already holds its rank)."""
-        return self._create_job(rank, 1, command, env, set(), resources)[0]
-
-    def _start_with_secrets(
-        self,
-        rank: int,
-        world_size: int,
-        command: list[str],
-        env: dict[str, str],
-        resources: dict[str, Any],
         secrets: dict[str, str],
     ) -> ReplicaHandle:
-        """One replica as its own Job, its secrets in its own Kubernetes Secret."""
+        """One replica as its own one-index Job (its env already holds its rank); its secrets,
+        if any, in its own Kubernetes Secret."""
         return self._create_job(rank, 1, command, env, set(), resources, secrets)[0]
 
     def _create_secret(self, name: str, values: dict[str, str]) -> None:

@@ -249,16 +249,6 @@ class RayExecutor(ExecutorBase):
         command: list[str],
         env: dict[str, str],
         resources: dict[str, Any],
-    ) -> ReplicaHandle:
-        return self._start_with_secrets(rank, world_size, command, env, resources, {})
-
-    def _start_with_secrets(
-        self,
-        rank: int,
-        world_size: int,
-        command: list[str],
-        env: dict[str, str],
-        resources: dict[str, Any],
         secrets: dict[str, str],
     ) -> ReplicaHandle:
         """The rank's own secrets go into its actor's ``runtime_env`` env_vars (the replica

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from composer_replication.exchange import codecs
 from composer_replication.exchange.protocol import Contribution, dtype_name
 
 
@@ -30,16 +31,27 @@ def average_in_rank_order(
     for r in ranks:
         c = contributions.pop(r)
         w = commit["weights"][r]
-        # decoded tensors we may overwrite: fresh ones (weighted, or decoded from a narrower
-        # codec) or views of a privately fetched buffer; saves allocating the accumulator
-        scratch = not equal or c.codec != "fp32" or c.private
+        if c.codec != "fp32" or not equal:  # decode and weight into the accumulator, streaming
+            for name, shape, parts in c.encoded():
+                if name in pending:  # an fp32 first addend (mixed codecs): start from a copy
+                    acc[name] = pending.pop(name).clone()
+                fresh = name not in acc
+                if fresh:
+                    acc[name] = torch.empty(shape, dtype=torch.float32)
+                codecs.decode_into(
+                    parts, c.codec, acc[name].view(-1), accumulate=not fresh,
+                    weight=None if equal else w,
+                )  # fmt: skip
+            del c
+            continue
+        # fp32, equal weights: the decoded tensors are views of the payload; one we may
+        # overwrite (a privately fetched buffer) saves allocating the accumulator
         for name, x in c.decode().items():
-            x = x if equal else x * w
             if name in acc:
                 acc[name].add_(x)
             elif name in pending:
                 first = pending.pop(name)
-                acc[name] = torch.add(first, x, out=x) if scratch else first + x
+                acc[name] = torch.add(first, x, out=x) if c.private else first + x
             else:
                 pending[name] = x  # may view a peer's payload: never written to
         del c

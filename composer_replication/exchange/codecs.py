@@ -25,6 +25,12 @@ slice, and :func:`decode_into` dequantises and accumulates straight into a float
 (``out += w * decode(parts)``) without materialising the decoded tensor. No Python work per
 block, so the cost is a few passes over cache-resident data per 2 MiB: several GB/s per core.
 
+The passes run on one torch thread (the calling thread's intra-op thread count is set to 1 for
+the duration and restored; other threads are unaffected): each pass is a dozen small ops, and
+forking an OpenMP team per op is slower than the op itself, catastrophically so when several
+processes share the cores (measured: 4 replica processes on 2 cores with 2 threads each, 35x
+slower than with one).
+
 Decoding is a pure function of the stored parts, and every operation of :func:`decode_into`
 (``q * s``, ``+ z``, ``* w``, ``out + x``) is one elementwise IEEE float32 op rounded on its
 own (no fused multiply-add), so every replica that decodes the same objects in the same order
@@ -34,6 +40,7 @@ decoding to a full tensor first and summing afterwards.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 from collections.abc import Iterator
@@ -58,6 +65,20 @@ def check_codec(codec: str) -> str:
 def num_blocks(numel: int) -> int:
     """Quantisation blocks (= per-block scales) of a tensor of ``numel`` elements (>= 1)."""
     return max(1, math.ceil(numel / CHUNK))
+
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """Run the enclosed torch ops on the calling thread alone (its thread count is restored)."""
+    n = torch.get_num_threads()
+    if n == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
 
 
 def _passes(numel: int) -> Iterator[tuple[int, int, int, int]]:
@@ -94,8 +115,13 @@ def encode(t: torch.Tensor, codec: str) -> dict[str, torch.Tensor]:
         # float64 goes through float32 first (one rounding rule for every input dtype)
         src = flat.to(torch.float32) if flat.dtype == torch.float64 else flat
         return {"q": src.to(torch.bfloat16).contiguous()}
+    with _one_thread():
+        return _quantise(flat.contiguous(), codec)
+
+
+def _quantise(flat: torch.Tensor, codec: str) -> dict[str, torch.Tensor]:
+    """int8 / 4-bit parts of a flat contiguous CPU tensor, streaming (see the module doc)."""
     n = flat.numel()
-    flat = flat.contiguous()
     work = _scratch(n)
     convert = None if flat.dtype == torch.float32 else torch.empty_like(work)
     scale = torch.zeros(num_blocks(n), dtype=torch.float32)
@@ -232,13 +258,14 @@ def decode_into(
     # 4-bit unpacking: two int16 buffers of one pass's bytes (codes, high nibbles)
     pass_bytes = (min(n, PASS_BLOCKS * CHUNK) + 1) // 2
     unpack = torch.empty(2, pass_bytes, dtype=torch.int16) if codec == "4bit" else None
-    for b0, b1, e0, e1 in _passes(n):
-        dst = out[e0:e1] if work is None else work[: e1 - e0]
-        _decode_pass(parts, codec, b0, b1, e0, e1, dst, unpack)
-        if weight is not None:
-            dst.mul_(weight)
-        if work is not None:
-            out[e0:e1].add_(dst)
+    with _one_thread():
+        for b0, b1, e0, e1 in _passes(n):
+            dst = out[e0:e1] if work is None else work[: e1 - e0]
+            _decode_pass(parts, codec, b0, b1, e0, e1, dst, unpack)
+            if weight is not None:
+                dst.mul_(weight)
+            if work is not None:
+                out[e0:e1].add_(dst)
     return out
 
 

@@ -389,3 +389,23 @@ def test_decode_into_refuses_a_wrong_output_buffer():
         codecs.decode_into(parts, "int8", torch.empty(99))
     with pytest.raises(ValueError, match="contiguous"):
         codecs.decode_into(parts, "int8", torch.empty(200)[::2])
+
+
+def test_codecs_run_on_one_thread_and_restore_the_callers_thread_count(monkeypatch):
+    seen = []
+    real_mul = torch.mul
+
+    def spy(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return real_mul(*args, **kwargs)
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        parts = codecs.encode(torch.randn(3 * B), "int8")
+        monkeypatch.setattr(torch, "mul", spy)
+        codecs.decode(parts, "int8", 3 * B)
+        assert seen == [1]  # the decode pass ran single-threaded
+        assert torch.get_num_threads() == 2  # and the caller's setting is back
+    finally:
+        torch.set_num_threads(before)

@@ -21,7 +21,8 @@ see the same store state; ``<codec>_round_ratio_<backend>`` = that codec's step 
 Before that (backend ``codecs``), one process with one torch thread measures the codecs alone:
 ``<codec>_encode_gbps`` (GB of float32 input per second), ``<codec>_decode_gbps`` (decode and
 accumulate into an existing float32 buffer, as the aggregation does), ``<codec>_decode_new_gbps``
-(decode into a newly allocated tensor), medians of 5 runs.
+(decode into a newly allocated tensor), medians of 5 runs, per thread CPU second (``*_wall``:
+per wall second).
 
 Usage: python benchmarks/exchange_throughput.py [--quick] [--params N]
        [--backends codecs,file,s3] [--s3-codecs fp32,int8]
@@ -152,6 +153,8 @@ def run_backend(
 def _codec_throughput(elements: int, reps: int, results: Any) -> None:
     """One process, one torch thread: GB of float32 per second through each codec.
 
+    Rates are per thread CPU second (user + system, so page faults count; on a shared machine
+    wall time mostly measures the neighbours) and, as ``*_wall``, per wall second.
     encode: ``codecs.encode`` of a float32 tensor (outputs allocated by the call, as in an
     exchange). decode: ``codecs.decode_into(..., accumulate=True)`` into an existing float32
     accumulator (what the aggregation does for every contribution). decode_new: ``codecs.decode``
@@ -169,13 +172,15 @@ def _codec_throughput(elements: int, reps: int, results: Any) -> None:
     gb = elements * 4 / 1e9
     out: dict[str, Any] = {}
 
-    def timed(fn: Any) -> list[float]:
-        times = []
+    def timed(fn: Any) -> tuple[list[float], list[float]]:
+        """(thread CPU seconds, wall seconds) of each of ``reps`` calls."""
+        cpu, wall = [], []
         for _ in range(reps):
-            t0 = time.perf_counter()
+            c0, t0 = time.thread_time(), time.perf_counter()
             fn()
-            times.append(time.perf_counter() - t0)
-        return times
+            cpu.append(time.thread_time() - c0)
+            wall.append(time.perf_counter() - t0)
+        return cpu, wall
 
     for c in ("bf16", "int8", "4bit"):
         parts = codecs.encode(x, c)
@@ -184,9 +189,11 @@ def _codec_throughput(elements: int, reps: int, results: Any) -> None:
             "decode": timed(lambda c=c, p=parts: codecs.decode_into(p, c, acc, accumulate=True)),
             "decode_new": timed(lambda c=c, p=parts: codecs.decode(p, c, elements)),
         }
-        for phase, times in phases.items():
-            out[f"{c}_{phase}_gbps"] = round(gb / statistics.median(times), 3)
-            out[f"{c}_{phase}_gbps_range"] = [round(gb / max(times), 3), round(gb / min(times), 3)]
+        for phase, (cpu, wall) in phases.items():
+            for suffix, times in (("", cpu), ("_wall", wall)):
+                key = f"{c}_{phase}_gbps{suffix}"
+                out[key] = round(gb / statistics.median(times), 3)
+                out[key + "_range"] = [round(gb / max(times), 3), round(gb / min(times), 3)]
     results.put(out)
 
 
@@ -229,10 +236,13 @@ def main() -> None:
         tput = codec_throughput(elements, 3 if args.quick else 5)
         report["codec_elements"] = elements
         report.update({k: v for k, v in tput.items() if not k.endswith("_range")})
-        print(f"  codecs, one thread, {elements / 1e6:.0f}M float32 elements, GB/s median [range]:")
+        print(f"  codecs, one thread, {elements / 1e6:.0f}M float32 elements, GB per CPU second "
+              "(per wall second), median [range]:")  # fmt: skip
         for c in ("bf16", "int8", "4bit"):
-            print("    " + "  ".join(f"{c} {ph} {tput[f'{c}_{ph}_gbps']:.2f} {tput[f'{c}_{ph}_gbps_range']}"
-                                    for ph in ("encode", "decode", "decode_new")))  # fmt: skip
+            for ph in ("encode", "decode", "decode_new"):
+                k = f"{c}_{ph}_gbps"
+                print(f"    {c:>4} {ph:<10} {tput[k]:6.2f} {tput[k + '_range']}  "
+                      f"({tput[k + '_wall']:.2f} {tput[k + '_wall_range']})")  # fmt: skip
     if "file" in backends:
         tmp = tempfile.mkdtemp(prefix="exchange-bench-")
         try:

@@ -51,7 +51,7 @@ CODECS: tuple[str, ...] = ("fp32", "bf16", "int8", "4bit")
 CHUNK = 2048  # elements per quantisation block: small enough to track local scale, 0.2% overhead
 PASS_BLOCKS = 256  # blocks per streaming pass: 256 x 2048 float32 = 2 MiB of scratch
 QUANTISED: tuple[str, ...] = ("int8", "4bit")
-# unpacking two nibbles through an int16 view needs the low byte first; elsewhere: strided path
+# (un)packing two nibbles through an int16 view needs the low byte first; else: strided ops
 _LITTLE_ENDIAN = sys.byteorder == "little"
 
 
@@ -139,7 +139,8 @@ def _quantise(flat: torch.Tensor, codec: str) -> dict[str, torch.Tensor]:
         return {"q": q, "s": scale}
     lo = torch.zeros(num_blocks(n), dtype=torch.float32)
     packed = torch.empty((n + 1) // 2, dtype=torch.uint8)
-    pairs = torch.empty(work.numel() // 2 + 1, dtype=torch.float32)
+    codes8 = torch.empty(work.numel() + 1, dtype=torch.int8)  # one pass's codes, even length
+    pairs16 = torch.empty(codes8.numel() // 2, dtype=torch.int16)
     for b0, b1, e0, e1 in _passes(n):
         m = e1 - e0
         x = _as_float32(flat[e0:e1], convert).view(b1 - b0, -1)
@@ -150,12 +151,25 @@ def _quantise(flat: torch.Tensor, codec: str) -> dict[str, torch.Tensor]:
         s.sub_(z).div_(15.0)  # (hi - lo) / 15: inf if the block is non-finite or overflows
         torch.sub(x, z[:, None], out=w).div_(_nonzero(s)[:, None]).round_().clamp_(0, 15)
         work[m] = 0.0  # high nibble of an odd-length tensor's last byte
-        codes = work[: m + m % 2].view(-1, 2)
-        p = pairs[: codes.shape[0]]
-        torch.add(codes[:, 0], codes[:, 1], alpha=16, out=p)  # exact: small integers
-        packed[e0 // 2 : e0 // 2 + p.numel()].copy_(p)
+        _pack_nibbles(work[: m + m % 2], codes8, pairs16, packed[e0 // 2 : (e1 + 1) // 2])
     _check_finite(scale, codec)
     return {"q": packed, "s": scale, "z": lo}
+
+
+def _pack_nibbles(
+    codes: torch.Tensor, codes8: torch.Tensor, pairs16: torch.Tensor, dst: torch.Tensor
+) -> None:
+    """Codes 0..15 (float32, even length) -> bytes ``even | odd << 4`` into ``dst`` (uint8)."""
+    if _LITTLE_ENDIAN:
+        # two int8 codes a, b read as one int16 are a + 256 b; (v | v >> 4) has a + 16 b as its
+        # low byte, which the int16 -> uint8 conversion keeps
+        c = codes8[: codes.numel()].copy_(codes)
+        v = c.view(torch.int16)
+        p = torch.bitwise_right_shift(v, 4, out=pairs16[: v.numel()]).bitwise_or_(v)
+        dst.copy_(p)
+    else:
+        pairs = codes.view(-1, 2)
+        dst.copy_(torch.add(pairs[:, 0], pairs[:, 1], alpha=16))  # exact: small integers
 
 
 def _as_float32(x: torch.Tensor, convert: torch.Tensor | None) -> torch.Tensor:

@@ -313,11 +313,13 @@ def test_decode_into_accumulates_exactly_like_decode_then_sum(codec, weights):
     assert torch.equal(codecs.decode(parts[0], codec, n), slow_decode(parts[0], codec, n))
 
 
-def test_4bit_unpacking_does_not_depend_on_byte_order(monkeypatch):
+def test_4bit_packing_does_not_depend_on_byte_order(monkeypatch):
     x = torch.randn(PASS + B + 3)
     parts = codecs.encode(x, "4bit")
     little = codecs.decode(parts, "4bit", x.numel())
     monkeypatch.setattr(codecs, "_LITTLE_ENDIAN", False)  # the strided path other CPUs take
+    strided = codecs.encode(x, "4bit")
+    assert all(torch.equal(strided[k], parts[k]) for k in parts)
     assert torch.equal(codecs.decode(parts, "4bit", x.numel()), little)
 
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from composer_replication.exchange import codecs
 from composer_replication.exchange.protocol import Contribution, dtype_name
 
 CHUNK = 1 << 20  # elements per coordinate-wise slice (n ranks x 4 MiB of float32)
@@ -109,17 +110,40 @@ def average_in_rank_order(
     equal = commit.get("weighting", "equal") == "equal" and all(
         scales.get(r, 1.0) == 1.0 for r in ranks
     )
-
-    def items() -> Iterable[tuple[Mapping[str, torch.Tensor], float | None, bool]]:
-        for r in ranks:
-            c = contributions.pop(r)
-            coefficient = None if equal else commit["weights"][r] * scales.get(r, 1.0)
-            # decoded tensors we may overwrite: fresh ones (decoded from a narrower codec) or
-            # views of a privately fetched buffer
-            yield c.decode(), coefficient, c.codec != "fp32" or c.private
+    acc: dict[str, torch.Tensor] = {}
+    pending: dict[str, torch.Tensor] = {}  # first fp32 addend, summed with the second in one pass
+    for r in ranks:
+        c = contributions.pop(r)
+        coefficient = None if equal else commit["weights"][r] * scales.get(r, 1.0)
+        if c.codec != "fp32" or not equal:  # decode and weight into the accumulator, streaming
+            for name, shape, parts in c.encoded():
+                if name in pending:  # an fp32 first addend (mixed codecs): start from a copy
+                    acc[name] = pending.pop(name).clone()
+                fresh = name not in acc
+                if fresh:
+                    acc[name] = torch.empty(shape, dtype=torch.float32)
+                codecs.decode_into(
+                    parts, c.codec, acc[name].view(-1), accumulate=not fresh, weight=coefficient
+                )
             del c
-
-    return weighted_average(items(), len(ranks))
+            continue
+        # fp32, equal weights: the decoded tensors are views of the payload; one we may
+        # overwrite (a privately fetched buffer) saves allocating the accumulator
+        for name, x in c.decode().items():
+            if name in acc:
+                acc[name].add_(x)
+            elif name in pending:
+                first = pending.pop(name)
+                acc[name] = torch.add(first, x, out=x) if c.private else first + x
+            else:
+                pending[name] = x  # may view a peer's payload: never written to
+        del c
+    for name, x in pending.items():  # a single included contribution
+        acc[name] = x.clone()
+    if equal:
+        for a in acc.values():
+            a.div_(len(ranks))
+    return acc
 
 
 def check_inputs(tensors: Any, step: Any, tokens: Any, inner_steps: Any, weighting: str) -> None:

@@ -206,14 +206,20 @@ class Contribution:
         """The self-describing checksum as stored in headers and commit records."""
         return {"algo": self.checksum_algo, "value": self.digest}
 
+    def encoded(self) -> list[tuple[str, list[int], dict[str, torch.Tensor]]]:
+        """(name, shape, {part suffix: tensor}) per tensor, in header order, not decoded."""
+        by_index: list[dict[str, torch.Tensor]] = [{} for _ in self.names]
+        for key, t in self.parts.items():  # keys are "t<i>.<part>"
+            i, _, part = key[1:].partition(".")
+            by_index[int(i)][part] = t
+        return [(n, s, p) for n, s, p in zip(self.names, self.shapes, by_index)]
+
     def decode(self) -> dict[str, torch.Tensor]:
         """name -> float32 tensor of the original shape (pure function of the stored parts)."""
-        out = {}
-        for i, (name, shape) in enumerate(zip(self.names, self.shapes)):
-            numel = math.prod(shape)
-            sub = {p[len(f"t{i}.") :]: t for p, t in self.parts.items() if p.startswith(f"t{i}.")}
-            out[name] = codecs.decode(sub, self.codec, numel).view(shape)
-        return out
+        return {
+            name: codecs.decode(parts, self.codec, math.prod(shape)).view(shape)
+            for name, shape, parts in self.encoded()
+        }
 
 
 def encode_contribution(
@@ -379,10 +385,15 @@ def decode_contribution(
     got = {k: (t.dtype, tuple(t.shape)) for k, t in parts.items()}
     if got != expected:
         raise CorruptContributionError(f"{what}: encoded tensors do not match the header")
-    return Contribution(
+    contrib = Contribution(
         rank, step, h["tokens"], h["inner_steps"], h["codec"], names, shapes, dtypes, value,
         parts, memoryview(blob).nbytes, algo, not memoryview(blob).readonly, h.get("writer"),
     )  # fmt: skip
+    for name, _, encoded in contrib.encoded():  # scales/offsets: a few values per 2048
+        why = codecs.check_parts(encoded, contrib.codec)
+        if why is not None:
+            raise CorruptContributionError(f"{what}: tensor {name!r}: {why}")
+    return contrib
 
 
 # ----------------------------------------------------------------------------- commit records

@@ -25,7 +25,8 @@ loss. Variants:
 Values agree: the loss and a sample of gradient rows are compared (``max_abs_diff``, naive vs
 chunked and vs chunked_retain). Last line: JSON with ``peak_memory_ratio``, ``time_ratio``
 (chunked / naive), ``max_abs_diff``, ``floor_ratio`` (one gradient buffer / naive peak),
-``retain_peak_memory_ratio`` and the per-repeat figures (``*_runs``: the spread).
+``retain_peak_memory_ratio``, ``cpu_time_ratio`` (process CPU seconds, all threads: steadier
+than wall time on a shared machine) and the per-repeat figures (``*_runs``: the spread).
 """
 
 from __future__ import annotations
@@ -129,15 +130,20 @@ def child(variant: str, B: int, T: int, V: int, out_path: str, chunk_size: int |
     student = (torch.randn(B, T, V, generator=g) * 2).requires_grad_(True)
     teacher = torch.randn(B, T, V, generator=g) * 2
     baseline = _reset_peak()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     loss = fn(student, teacher)
     loss.backward(retain_graph=retain)
-    elapsed = time.perf_counter() - start
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     peak = _peak_bytes()
     assert student.grad is not None
     rows = student.grad[:, ::ROW_STRIDE].clone()
     torch.save({"loss": loss.detach(), "rows": rows}, out_path)
-    result = {"peak_bytes": peak - baseline, "seconds": elapsed, "loss": float(loss.detach())}
+    result = {
+        "peak_bytes": peak - baseline,
+        "seconds": elapsed,
+        "cpu_seconds": cpu,
+        "loss": float(loss.detach()),
+    }
     with open(out_path + ".json", "w") as fh:
         json.dump(result, fh)
 
@@ -196,6 +202,7 @@ def main() -> None:
         figures = {
             v: {
                 "seconds": min(r["seconds"] for r in rs),
+                "cpu_seconds": min(r["cpu_seconds"] for r in rs),
                 "peak_bytes": sorted(r["peak_bytes"] for r in rs)[len(rs) // 2],
                 "loss": rs[0]["loss"],
             }
@@ -240,6 +247,13 @@ def main() -> None:
         "retain_peak_memory_ratio": round(figures["chunked_retain"]["peak_bytes"] / naive_peak, 4),
         "retain_peak_gib": round(figures["chunked_retain"]["peak_bytes"] / 2**30, 3),
         "retain_seconds": round(figures["chunked_retain"]["seconds"], 3),
+        # process CPU seconds (all threads): less sensitive to other jobs than wall time
+        "cpu_time_ratio": round(
+            figures["chunked"]["cpu_seconds"] / figures["naive"]["cpu_seconds"], 4
+        ),
+        "retain_cpu_time_ratio": round(
+            figures["chunked_retain"]["cpu_seconds"] / figures["naive"]["cpu_seconds"], 4
+        ),
         # per repeat, in run order: ratios against the same repeat's naive run
         "peak_memory_ratio_runs": [
             round(c["peak_bytes"] / n["peak_bytes"], 4)

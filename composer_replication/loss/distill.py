@@ -2,8 +2,10 @@
 
 Shapes: logits ``(B, T, V)``, mask ``(B, T)`` (0/1; None = all tokens). Every loss is a token-mean
 over the mask, computed in chunks of ``chunk_size`` tokens (see ``_chunked``) so memory stays at
-the gradient buffer and its scaled copy (two ``B*T*V`` tensors) instead of a dozen. The teacher side never gets a
-gradient. An all-false mask gives loss 0, zero gradient and ``<name>/empty_mask = 1.0``.
+one ``B*T*V`` gradient buffer (scaled in place by a backward that does not retain the graph; a
+retained graph costs one more) instead of a dozen. The teacher side never gets a gradient.
+Gradients are first order only: a backward with ``create_graph=True`` raises. An all-false mask
+gives loss 0, zero gradient and ``<name>/empty_mask = 1.0``.
 
 Conventions (easy to flip; see reference/loss.md). ``q`` = student, ``p`` = teacher:
 

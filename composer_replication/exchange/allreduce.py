@@ -12,7 +12,9 @@ inconsistent token claims, non-finite values, norm outliers against the round's 
 optionally a loss probe) and records every decision in the commit record, which also names the
 merge (``mean``, ``trimmed_mean``, ``median``, ``norm_clip``); readers replay exactly that.
 
-A slot holds only what its rank wrote: every upload carries a random writer id; in unsigned runs
+A slot holds only what its rank wrote: every upload carries a writer id (an HMAC of the step under
+the rank's writer secret, so nobody without the secret can predict it, while a restarted
+incarnation of the rank given the same secret recognises its earlier upload); in unsigned runs
 the rank confirms its slot with ``owner/<rank>.json`` (and a slot nobody confirmed is never
 committed), and a rank that finds its slot taken by an object it did not write reports it in
 ``squat/<rank>.json`` so the round excludes it. With signing on (``keys``), every contribution
@@ -25,10 +27,11 @@ run_timeout_s``. ``cancel()`` aborts any wait. Nothing read from the store is un
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
 import os
-import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -99,7 +102,11 @@ class ObjectStoreAllReduce(RunDocuments):
     ``"norm_clip"``) or a full `robust.AggregatePolicy` (screening thresholds, claim bounds;
     its ``weighting`` then replaces ``weighting``). ``loss_probe``: the held-out loss callback
     a ``screen="loss"`` policy needs. ``keys``: this replica's `signing.RunKeys` (signing on:
-    sha256 checksums, everything signed and verified).
+    sha256 checksums, everything signed and verified). ``writer_secret``: the key of this rank's
+    writer ids (unsigned runs; >= 16 bytes). Give every incarnation of a rank the same secret
+    (the run driver keeps one per rank in the run folder) so that a restarted rank recognises
+    the upload its earlier incarnation made for a step that is not committed yet; None: a random
+    secret per process (a restarted rank then finds that slot squatted and sits the step out).
     """
 
     def __init__(
@@ -121,6 +128,7 @@ class ObjectStoreAllReduce(RunDocuments):
         aggregate: str | AggregatePolicy = "mean",
         loss_probe: LossProbe | None = None,
         keys: RunKeys | None = None,
+        writer_secret: bytes | None = None,
     ) -> None:
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
@@ -160,6 +168,13 @@ class ObjectStoreAllReduce(RunDocuments):
             raise ValueError(f"keep_steps must be an int >= 1, got {keep_steps!r}")
         if not poll_interval_s > 0:
             raise ValueError(f"poll_interval_s must be > 0, got {poll_interval_s!r}")
+        if writer_secret is not None and (
+            not isinstance(writer_secret, bytes) or len(writer_secret) < 16
+        ):
+            raise ValueError(
+                "writer_secret must be bytes of length >= 16 (e.g. os.urandom(32)), or None for "
+                "a random secret per process"
+            )
         super().__init__(
             ObjectStore(uri, storage_options),
             world_size=world_size,
@@ -185,10 +200,17 @@ class ObjectStoreAllReduce(RunDocuments):
         self.min_replicas = min_replicas
         self.weighting = policy.weighting
         self.last_result: StepResult | None = None
-        self._writers: dict[int, str] = {}  # step -> the writer id of our upload for that step
+        # writer ids: HMAC(step) under this secret; the same secret across a rank's incarnations
+        # lets a restart recognise its earlier upload of a step not committed yet
+        self._writer_secret = os.urandom(32) if writer_secret is None else writer_secret
         self._run_deadline = None if run_timeout_s is None else time.monotonic() + run_timeout_s
         self._uploader: ThreadPoolExecutor | None = None
         self._fetcher: ThreadPoolExecutor | None = None
+
+    def writer_id(self, step: int) -> str:
+        """The writer id this rank puts in its upload for ``step`` (and in its owner record)."""
+        mac = hmac.new(self._writer_secret, f"{self.rank}:{step}".encode(), hashlib.sha256)
+        return mac.hexdigest()[:32]
 
     def __repr__(self) -> str:
         return (
@@ -301,7 +323,7 @@ class ObjectStoreAllReduce(RunDocuments):
         """(merged tensors, commit record, bytes up, bytes down, why our slot was squatted)."""
         assert self.rank is not None
         ref = {n: (list(t.shape), dtype_name(t.dtype)) for n, t in tensors.items()}
-        writer = self._writers.setdefault(step, secrets.token_hex(16))
+        writer = self.writer_id(step)
         payload, own = encode_contribution(
             tensors, rank=self.rank, step=step, tokens=tokens, inner_steps=inner_steps,
             codec=self.codec, checksum=self.checksum, writer=writer, keys=self.keys,

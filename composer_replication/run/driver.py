@@ -50,7 +50,7 @@ from composer_replication.run.metrics import MetricsCollector, MetricsSink
 from composer_replication.run.progress import Progress, ReplicaRow, choose_mode
 from composer_replication.run.replica import ENV_STORAGE_OPTIONS
 from composer_replication.run.report import summarize, write_report
-from composer_replication.run.security import prepare_signing
+from composer_replication.run.security import prepare_signing, writer_secrets
 
 __all__ = ["ENTRYPOINT", "TrainResult", "prepare", "prepare_resume", "run"]
 
@@ -227,6 +227,8 @@ def run(
     if signing is not None:  # every replica: the driver's public key; rank r: its own key only
         env.update(signing.env)
         secrets["secrets"] = signing.per_rank(config.backend.n_replicas)
+    else:  # rank r: its own writer secret (a restarted replica recognises its earlier upload)
+        secrets["secrets"] = writer_secrets(folder, config.backend.n_replicas)
     lighthouse = _start_lighthouse(config, env)
     stop, restore_signals = _install_stop_handlers()
     try:

@@ -88,6 +88,7 @@ def _build_manager(
     keys: RunKeys | None = None,
     policy: AggregatePolicy | None = None,
     loss_probe: LossProbe | None = None,
+    writer_secret: bytes | None = None,
 ) -> Any:
     """The outer loop's `Manager` that `[diloco] manager` names, for replica `rank`."""
     d = config.diloco
@@ -124,7 +125,7 @@ def _build_manager(
         store.uri, world_size=n, rank=rank, timeout_s=d.timeout_s, codec=d.codec,
         min_replicas=d.min_replicas, aggregate=policy or d.aggregate_policy(),
         storage_options=store.storage_options or None, keep_steps=config.store.keep_rounds,
-        keys=keys, loss_probe=loss_probe,
+        keys=keys, loss_probe=loss_probe, writer_secret=writer_secret,
     )  # fmt: skip
     return ObjectStoreManager(allreduce=allreduce)
 
@@ -143,8 +144,12 @@ def run_replica(
     uri: str,
     storage_options: dict[str, Any],
     keys: RunKeys | None = None,
+    writer_secret: bytes | None = None,
 ) -> int:
-    """Train this replica of the run (see the module docstring); returns the exit code."""
+    """Train this replica of the run (see the module docstring); returns the exit code.
+
+    ``keys``: this rank's signing keys (signed runs); ``writer_secret``: its writer secret
+    (unsigned runs; see `run.security.writer_secrets`)."""
     import torch
     from transformers import set_seed
 
@@ -174,7 +179,7 @@ def run_replica(
                 config, lambda: outer.global_parameters(), model, tok, task
             )
             manager = _build_manager(
-                config, rank, store, keys=keys, loss_probe=probe,
+                config, rank, store, keys=keys, loss_probe=probe, writer_secret=writer_secret,
                 policy=screening.aggregate_policy(config, task, tok),
             )  # fmt: skip
         else:
@@ -300,16 +305,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     from composer_replication.exchange.protocol import CorruptContributionError
     from composer_replication.exchange.signing import rank_identity
-    from composer_replication.run.security import participant_keys
+    from composer_replication.run.security import participant_keys, writer_secret_from_env
 
     try:
         keys = participant_keys(store, rank_identity(rank), doc, required=config.security.sign)
+        writer_secret = writer_secret_from_env()
     except (ValueError, CorruptContributionError) as exc:  # missing key, forged config
         print(f"replica: error: {exc}", file=sys.stderr)
         return 2
     print(f"replica {rank}/{config.backend.n_replicas}: run {config.run.name} at {store.uri}",
           flush=True)  # fmt: skip
-    return run_replica(config, rank, store.uri, storage_options, keys=keys)
+    return run_replica(
+        config, rank, store.uri, storage_options, keys=keys, writer_secret=writer_secret
+    )
 
 
 if __name__ == "__main__":

@@ -12,6 +12,12 @@ Driver (`prepare_signing`, before the launch):
 Replica (`participant_keys`): trusts the key manifest and the run configuration only if the
 driver's signature verifies with the public key from its environment, so a bucket writer can
 neither swap keys nor switch signing off by rewriting ``run_config.json``.
+
+Unsigned runs (`writer_secrets`, `writer_secret_from_env`): one random writer secret per rank,
+kept in ``<run folder>/writer-secrets.json`` (mode 0600, reused on resume) and handed to rank r
+only, as ``$COMPOSER_WRITER_SECRET``. The exchange derives the writer ids of the rank's uploads
+from it, so a restarted replica recognises what its earlier incarnation uploaded and nobody
+without the secret can predict the id of a future upload.
 """
 
 from __future__ import annotations
@@ -46,9 +52,21 @@ if TYPE_CHECKING:
     from composer_replication.exchange.store import ObjectStore
     from composer_replication.run.folder import RunFolder
 
-__all__ = ["CONFIG_SIGNATURE_KEY", "KEYS_FILE", "RunSecrets", "participant_keys", "prepare_signing"]
+__all__ = [
+    "CONFIG_SIGNATURE_KEY",
+    "KEYS_FILE",
+    "WRITER_SECRETS_FILE",
+    "WRITER_SECRET_ENV",
+    "RunSecrets",
+    "participant_keys",
+    "prepare_signing",
+    "writer_secret_from_env",
+    "writer_secrets",
+]
 
 KEYS_FILE = "signing-keys.json"  # in the run folder, never in the store
+WRITER_SECRETS_FILE = "writer-secrets.json"  # in the run folder, never in the store
+WRITER_SECRET_ENV = "COMPOSER_WRITER_SECRET"  # rank r's writer secret (hex), rank r only
 CONFIG_SIGNATURE_KEY = "run_config.sig.json"
 
 
@@ -165,3 +183,41 @@ def participant_keys(
             "in the store?)"
         )
     return keys.with_identity(identity, private)
+
+
+def writer_secrets(folder: RunFolder, n: int) -> dict[int, dict[str, str]]:
+    """Rank r's writer secret, for rank r only (created once per run folder, reused on resume;
+    ranks added by a larger ``n`` get new ones)."""
+    path = folder.root / WRITER_SECRETS_FILE
+    stored: dict[str, str] = {}
+    if path.is_file():
+        doc = json.loads(path.read_text())
+        stored = {str(k): str(v) for k, v in (doc.get("secrets") or {}).items()}
+    missing = [r for r in range(n) if str(r) not in stored]
+    if missing:
+        stored.update({str(r): os.urandom(32).hex() for r in missing})
+        tmp = path.with_name(f".{path.name}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"secrets": stored}, f, indent=1)
+        os.replace(tmp, path)
+    return {r: {WRITER_SECRET_ENV: stored[str(r)]} for r in range(n)}
+
+
+def writer_secret_from_env(environ: Mapping[str, str] | None = None) -> bytes | None:
+    """This replica's writer secret (None when the environment has none: the exchange then uses a
+    random one per process). Raises ValueError for a malformed value."""
+    env = os.environ if environ is None else environ
+    value = env.get(WRITER_SECRET_ENV, "").strip()
+    if not value:
+        return None
+    try:
+        secret = bytes.fromhex(value)
+    except ValueError:
+        secret = b""
+    if len(secret) < 16:
+        raise ValueError(
+            f"${WRITER_SECRET_ENV} must be >= 32 hex digits (the driver sets it per rank); "
+            "unset it to use a random writer secret"
+        )
+    return secret

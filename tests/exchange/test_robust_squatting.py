@@ -13,6 +13,7 @@ import json
 import threading
 import time
 
+import pytest
 import torch
 from test_robust_screening import SHAPES, honest, mean_of, run
 
@@ -134,3 +135,38 @@ def test_with_signing_a_planted_object_is_refused_outright(tmp_path):
     for r in range(3):
         assert out[r][1].included_ranks == [0, 2]
         assert "signed by 'rank-2', but only ['rank-1'] may sign it" in out[r][1].rejected[1]
+
+
+def test_a_restarted_incarnation_with_the_same_writer_secret_reuses_its_earlier_upload(tmp_path):
+    """Rank 0 uploads step 0 and dies before the commit; its next incarnation, given the same
+    writer secret (what the run driver hands it), recognises that upload as its own and the step
+    commits with both ranks. A different secret would see a squatted slot."""
+    uri = str(tmp_path)
+    secret = b"s" * 32
+    first = ObjectStoreAllReduce(
+        uri, 2, 0, timeout_s=0.3, poll_interval_s=0.01, writer_secret=secret
+    )
+    with pytest.raises(Exception, match="timeout_s"):
+        first.allreduce(honest(0), step=0)  # rank 1 never came: nothing committed
+    first.close()
+
+    stranger = ObjectStoreAllReduce(uri, 2, 0, timeout_s=10, writer_secret=b"x" * 32)
+    assert stranger.writer_id(0) != first.writer_id(0)
+    restarted = ObjectStoreAllReduce(
+        uri, 2, 0, timeout_s=10, poll_interval_s=0.01, writer_secret=secret
+    )
+    assert restarted.writer_id(0) == first.writer_id(0)
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("r", restarted.allreduce(honest(9), step=0)))
+    t.start()
+    other = ObjectStoreAllReduce(uri, 2, 1, timeout_s=10, poll_interval_s=0.01)
+    res = other.allreduce(honest(1), step=0)
+    t.join(30)
+    assert restarted.last_result.rejected == {} and other.last_result.included_ranks == [0, 1]
+    torch.testing.assert_close(res["w"], mean_of([0, 1])["w"])  # the earlier upload (honest(0))
+    torch.testing.assert_close(box["r"]["w"], res["w"])
+
+
+def test_writer_secret_must_be_long_enough(tmp_path):
+    with pytest.raises(ValueError, match="writer_secret must be bytes of length >= 16"):
+        ObjectStoreAllReduce(str(tmp_path), 2, 0, writer_secret=b"short")

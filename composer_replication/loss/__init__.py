@@ -28,6 +28,8 @@ from composer_replication.loss.compose import (
     sdpo_term,
 )
 from composer_replication.loss.distill import (
+    TAID_ALPHA,
+    TAID_BETA,
     TAIDScheduler,
     entropy_opd_loss,
     generalized_jsd,
@@ -40,6 +42,8 @@ __all__ = [
     "DPO_VARIANTS",
     "LOSS_TYPES",
     "SDPO_WRAPPERS",
+    "TAID_ALPHA",
+    "TAID_BETA",
     "TAID_T_END",
     "TAID_T_START",
     "CausalLM",

@@ -35,6 +35,7 @@ from composer_replication.loss._kernels import entropy_opd_kernel, jsd_kernel, t
 
 DEFAULT_ENTROPY_OPD_H_MAX = 0.8  # nats; the Entropy-aware OPD paper's tau
 TAID_T_START, TAID_T_END = 0.4, 1.0  # TAID's t schedule: start and end (the TAID paper's code)
+TAID_ALPHA, TAID_BETA = 5e-4, 0.99  # TAID's adaptive step size and loss-change momentum (same)
 
 
 def _check_logits(
@@ -277,8 +278,8 @@ class TAIDScheduler:
         self,
         t_start: float = TAID_T_START,
         t_end: float = TAID_T_END,
-        alpha: float = 5e-4,
-        beta: float = 0.99,
+        alpha: float = TAID_ALPHA,
+        beta: float = TAID_BETA,
         *,
         adaptive: bool = True,
     ) -> None:

@@ -17,7 +17,13 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
         "`pip install composer-replication[train]`."
     ) from exc
 
-from composer_replication.loss import TAID_T_END, TAID_T_START, TAIDScheduler
+from composer_replication.loss import (
+    TAID_ALPHA,
+    TAID_BETA,
+    TAID_T_END,
+    TAID_T_START,
+    TAIDScheduler,
+)
 
 
 class TAIDScheduled(Protocol):
@@ -51,8 +57,8 @@ class TAIDCallback(TrainerCallback):
         self,
         t_start: float = TAID_T_START,
         t_end: float = TAID_T_END,
-        alpha: float = 5e-4,
-        beta: float = 0.99,
+        alpha: float = TAID_ALPHA,
+        beta: float = TAID_BETA,
         *,
         adaptive: bool = True,
         total_steps: int | None = None,

@@ -184,7 +184,17 @@ class ObjectStore:
             import fsspec
 
             try:
-                self._fs, root = fsspec.core.url_to_fs(self._uri, **self._options)
+                if self.protocol in ("gs", "gcs") and self._options.get("endpoint_url"):
+                    # A custom endpoint (an emulator, a GCS-compatible service): the plain
+                    # client. gcsfs's default ExtendedGcsFileSystem first asks the endpoint for
+                    # the bucket's layout over gRPC, which such endpoints do not serve: a 60 s
+                    # timeout on every call.
+                    from gcsfs.core import GCSFileSystem
+
+                    self._fs = GCSFileSystem(**self._options)
+                    root = self._fs._strip_protocol(self._uri)
+                else:
+                    self._fs, root = fsspec.core.url_to_fs(self._uri, **self._options)
             except ImportError as e:
                 raise ImportError(
                     f"the {self.protocol}:// object store needs an fsspec backend: "

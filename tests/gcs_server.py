@@ -100,7 +100,9 @@ def run_gcs(bucket: str = BUCKET) -> Iterator[tuple[str, str, dict[str, Any]]]:
                     break
             except OSError:
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"the GCS emulator did not start: {log.read_text()}")
+                    raise RuntimeError(
+                        f"the GCS emulator did not start: {log.read_text()}"
+                    ) from None
                 time.sleep(0.1)
         yield endpoint, bucket, storage_options(endpoint)
     finally:

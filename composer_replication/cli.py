@@ -19,8 +19,15 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from composer_replication.config import ConfigError, RunConfig, dump_toml, load_config
+# Only the error type at import: the schema imports the loss library (torch), so `--help` and
+# usage errors stay instant and each command imports what it needs.
+from composer_replication.config import ConfigError
+
+if TYPE_CHECKING:
+    from composer_replication.config import RunConfig
+    from composer_replication.run.folder import RunFolder
 
 __all__ = ["main"]
 
@@ -48,6 +55,8 @@ def _split_config_args(args: Sequence[str]) -> tuple[str | None, list[str]]:
 
 
 def _load(args: Sequence[str]) -> RunConfig:
+    from composer_replication.config import load_config
+
     path, overrides = _split_config_args(args)
     return load_config(path, overrides)
 
@@ -75,7 +84,7 @@ def cmd_train(ns: argparse.Namespace) -> int:
     return result.exit_code
 
 
-def _run_folder(run: str):  # noqa: ANN202 - RunFolder, imported lazily
+def _run_folder(run: str) -> RunFolder:
     from composer_replication.run.driver import resolve_run_folder
 
     folder = resolve_run_folder(run)
@@ -113,9 +122,11 @@ def cmd_status(ns: argparse.Namespace) -> int:
 
 
 def cmd_config(ns: argparse.Namespace) -> int:
+    from composer_replication.config import dump_toml, to_dict
+
     config = _load(ns.args)
     if ns.config_command == "show":
-        print(json.dumps(_to_dict(config), indent=1) if ns.json else dump_toml(config), end="")
+        print(json.dumps(to_dict(config), indent=1) if ns.json else dump_toml(config), end="")
         if ns.json:
             print()
         return 0
@@ -134,12 +145,6 @@ def cmd_config(ns: argparse.Namespace) -> int:
         f"{config.n_rounds} outer rounds"
     )
     return 0
-
-
-def _to_dict(config: RunConfig) -> dict:
-    from composer_replication.config import to_dict
-
-    return to_dict(config)
 
 
 def cmd_bake_traces(ns: argparse.Namespace) -> int:
@@ -260,7 +265,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # such positionals unparsed, so they are appended to the command's own arguments here.
     ns, extra = parser.parse_known_args(list(argv) if argv is not None else None)
     if extra:
-        if not hasattr(ns, "args") or any(e.startswith("-") for e in extra):
+        takes_overrides = "args" in vars(ns)  # the commands with [CONFIG] [overrides...]
+        if not takes_overrides or any(e.startswith("-") for e in extra):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         ns.args = [*ns.args, *extra]
     try:

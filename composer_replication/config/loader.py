@@ -23,6 +23,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+from composer_replication.config.errors import ConfigError
 from composer_replication.config.schema import RunConfig
 
 __all__ = [
@@ -34,13 +35,11 @@ __all__ = [
     "load_config",
     "parse_override",
     "to_dict",
+    "toml_value",
+    "type_name",
 ]
 
 T = TypeVar("T")
-
-
-class ConfigError(ValueError):
-    """A configuration problem the user must fix (the CLI exits with code 2)."""
 
 
 class _Unset:
@@ -60,15 +59,16 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def _type_name(tp: Any) -> str:
+def type_name(tp: Any) -> str:
+    """How a schema annotation reads in messages and docs: 'int', 'float or unset', ..."""
     origin = typing.get_origin(tp)
     if origin is Literal:
         return " | ".join(repr(a) for a in typing.get_args(tp))
     if origin in (types.UnionType, typing.Union):
-        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+        return " or ".join(type_name(a) for a in typing.get_args(tp))
     if origin is list:
         (inner,) = typing.get_args(tp) or (Any,)
-        return f"list of {_type_name(inner)}"
+        return f"list of {type_name(inner)}"
     if origin is dict:
         return "table"
     if tp is type(None):
@@ -92,7 +92,7 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
             return None
         if tp is str or (origin is Literal and "none" in args):
             return "none"
-        raise ConfigError(f"{key}: cannot be unset (expected {_type_name(tp)})")
+        raise ConfigError(f"{key}: cannot be unset (expected {type_name(tp)})")
     if tp is Any:
         return value
     if origin in (types.UnionType, typing.Union):
@@ -107,7 +107,7 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
                 return _convert(value, arg, key)
             except ConfigError as exc:
                 errors.append(exc)
-        raise ConfigError(f"{key}: expected {_type_name(tp)}, got {_show(value)}")
+        raise ConfigError(f"{key}: expected {type_name(tp)}, got {_show(value)}")
     if origin is Literal:
         choices = typing.get_args(tp)
         if value in choices and type(value) is type(choices[0]):
@@ -122,7 +122,7 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
         return from_dict(tp, value, prefix=key)  # type: ignore[arg-type]
     if origin is list:
         if not isinstance(value, list):
-            raise ConfigError(f"{key}: expected {_type_name(tp)}, got {_show(value)}")
+            raise ConfigError(f"{key}: expected {type_name(tp)}, got {_show(value)}")
         (inner,) = typing.get_args(tp)
         return [_convert(v, inner, f"{key}[{i}]") for i, v in enumerate(value)]
     if origin is dict:
@@ -291,7 +291,8 @@ def config_from_json(text: str) -> RunConfig:
 # ----------------------------------------------------------------------------- TOML output
 
 
-def _toml_value(value: Any) -> str:
+def toml_value(value: Any) -> str:
+    """A plain value (to_dict output) as TOML text."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, int | float):
@@ -299,9 +300,9 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, str):
         return json.dumps(value)  # a JSON string is a valid TOML basic string
     if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
     if isinstance(value, Mapping):
-        inner = ", ".join(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in value.items())
+        inner = ", ".join(f"{_toml_key(k)} = {toml_value(v)}" for k, v in value.items())
         return "{" + (f" {inner} " if inner else "") + "}"
     raise TypeError(f"cannot write {type(value).__name__} as TOML")
 
@@ -328,12 +329,12 @@ def dump_toml(config: RunConfig) -> str:
             elif isinstance(value, list) and value and dataclasses.is_dataclass(value[0]):
                 tables.append((f.name, value))
             else:
-                lines.append(f"{f.name} = {_toml_value(to_dict(value))}")
+                lines.append(f"{f.name} = {toml_value(to_dict(value))}")
         for name, items in tables:
             for item in items:
                 lines.append("")
                 lines.append(f"[[{section.name}.{name}]]")
                 for key, val in to_dict(item).items():
-                    lines.append(f"{key} = {_toml_value(val)}")
+                    lines.append(f"{key} = {toml_value(val)}")
         lines.append("")
     return "\n".join(lines)

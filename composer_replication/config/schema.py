@@ -5,18 +5,41 @@ is type-checked once here, at the edge, so the replicas receive plain validated 
 embedded default (`default.toml`, next to this module) is the CPU demo: a tiny Qwen2 model, a
 built-in task, 2 local replicas synchronised by DiLoCo through `file://` under `./runs/`.
 
-Each field carries `metadata["help"]` (the config reference in docs/cli.md is generated from it).
-Cross-field rules (e.g. "`backend.n_replicas` >= 1") live in each section's `__post_init__` and
-raise `ValueError` naming the key.
+Each field carries `metadata["help"]`; the config reference in docs/cli.md is generated from it
+(`python -m composer_replication.config.reference --write docs/cli.md`). Cross-field rules
+(e.g. "`backend.n_replicas` >= 1") live in each section's `__post_init__` and raise
+`ValueError` naming the key.
+
+Nothing here is a second copy of a name or a default owned elsewhere:
+- `[loss]` keys take their defaults and checks from the loss library's `ComposeConfig`, and their
+  choices from its choice tuples (`LOSS_TYPES`, `SDPO_WRAPPERS`, `DPO_VARIANTS`);
+- `backend.kind` choices are the executor registry's names (`executors.registry.BACKENDS`);
+- `diloco.codec` choices are the exchange's codecs (`exchange.codecs.CODECS`);
+- `diloco.aggregate*` / `diloco.screen*` take their choices, defaults and checks from the
+  exchange's `robust.AggregatePolicy`.
+The choice types are `Literal`s built from those tuples at import time (mypy sees `str`); the
+loader checks values against them and suggests the nearest name.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+from composer_replication.exchange.codecs import CODECS
+from composer_replication.exchange.robust import AGGREGATES, SCREENS, AggregatePolicy
+from composer_replication.executors.registry import BACKEND_NAMES
+from composer_replication.loss import (
+    DPO_VARIANTS,
+    LOSS_TYPES,
+    SDPO_WRAPPERS,
+    TAID_T_END,
+    TAID_T_START,
+    ComposeConfig,
+)
 
 __all__ = [
-    "BACKENDS",
+    "LOSS_KEYS_SET_BY_THE_RUN",
     "BackendConfig",
     "CheckpointConfig",
     "DilocoConfig",
@@ -26,13 +49,40 @@ __all__ = [
     "ModelConfig",
     "RunConfig",
     "RunSection",
+    "SecurityConfig",
     "StoreConfig",
     "TaskConfig",
     "TeachersConfig",
     "TrainConfig",
 ]
 
-BACKENDS = ("local", "modal", "hf-jobs", "k8s", "ray", "sagemaker")
+if TYPE_CHECKING:
+    BackendName = str
+    CodecName = str
+    AggregateName = str
+    ScreenName = str
+    LossType = str
+    SdpoWrapper = str
+    DpoVariant = str
+else:  # the registries' names as Literal choices (the loader validates against them)
+    BackendName = Literal[BACKEND_NAMES]
+    CodecName = Literal[CODECS]
+    AggregateName = Literal[AGGREGATES]
+    ScreenName = Literal[SCREENS]
+    LossType = Literal[LOSS_TYPES]
+    SdpoWrapper = Literal[SDPO_WRAPPERS]
+    DpoVariant = Literal[DPO_VARIANTS]
+
+# The loss library's defaults: every [loss] key's default is read from here.
+_LOSS = ComposeConfig()
+# The exchange's screening defaults: every [diloco] aggregate*/screen* default comes from here.
+_POLICY = AggregatePolicy()
+
+# ComposeConfig keys that are not [loss] keys, and what sets them in a run instead.
+LOSS_KEYS_SET_BY_THE_RUN = {
+    "temperature": "train.temperature (TRL samples and scores rollouts at one temperature)",
+    "taid_schedule_step": "the trainer's step (the TAID schedule runs over loss.taid_total_steps)",
+}
 
 
 def _f(default: Any, help: str) -> Any:
@@ -146,39 +196,71 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class LossConfig:
-    """compose_loss keyword arguments (names as in the seeds; see docs/trainer.md)."""
+    """The composer loss: `loss.ComposeConfig`'s keys, defaults and checks (see docs/api.md)."""
 
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = _f("dapo", "channel-1 aggregation")
-    epsilon_low: float = _f(0.2, "lower PPO clip")
-    epsilon_high: float | None = _f(None, "upper PPO clip (unset = epsilon_low)")
-    kl_beta: float = _f(0.0, "KL-to-reference weight in channel 1")
-    alpha_sdpo: float = _f(0.1, "channel 2 (hint self-distillation) weight; 0 disables it")
-    beta_replay: float = _f(0.05, "channel 3 (trace replay) weight; 0 disables it")
-    sdpo_jsd_beta: float = _f(0.5, "generalized JSD beta (0 forward KL, 1 reverse KL)")
-    sdpo_temperature: float = _f(1.0, "channel 2 softmax temperature")
-    sdpo_token_clip: float | None = _f(None, "per-token clip of the channel-2 divergence")
-    sdpo_top_k: int | None = _f(None, "top-k vocabulary for channel 2 (unset = full vocab)")
-    sdpo_wrapper: Literal["none", "taid", "entropy_opd"] = _f("none", "channel-2 wrapper")
-    taid_t: float | None = _f(None, "fixed TAID interpolation t in [0, 1]")
-    taid_total_steps: int | None = _f(
-        None, "TAID schedule length (schedule used when taid_t unset)"
+    loss_type: LossType = _f(_LOSS.loss_type, "channel-1 aggregation (TRL's loss_type)")
+    epsilon_low: float = _f(_LOSS.epsilon_low, "lower PPO clip (TRL's epsilon)")
+    epsilon_high: float | None = _f(_LOSS.epsilon_high, "upper PPO clip (unset = epsilon_low)")
+    delta: float | None = _f(
+        _LOSS.delta, "two-sided GRPO: cap (> 1) on the unclipped ratio (unset = off)"
     )
-    replay_dpo_beta: float = _f(0.1, "DPO beta for channel 3")
-    dpo_variant: Literal["dpo", "simpo"] = _f("simpo", "channel-3 preference loss")
-    simpo_beta: float = _f(2.0, "SimPO beta")
-    simpo_gamma: float = _f(1.0, "SimPO margin gamma")
+    kl_beta: float = _f(_LOSS.kl_beta, "KL-to-reference weight in channel 1 (TRL's beta)")
+    alpha_sdpo: float = _f(
+        _LOSS.alpha_sdpo, "channel 2 (hint self-distillation) weight; 0 disables it"
+    )
+    beta_replay: float = _f(_LOSS.beta_replay, "channel 3 (trace replay) weight; 0 disables it")
+    sdpo_jsd_beta: float = _f(
+        _LOSS.sdpo_jsd_beta, "generalized JSD beta (0 forward KL, 1 reverse KL)"
+    )
+    sdpo_temperature: float = _f(_LOSS.sdpo_temperature, "channel 2 softmax temperature")
+    sdpo_token_clip: float | None = _f(
+        _LOSS.sdpo_token_clip, "per-token clip of the channel-2 divergence (unset = none)"
+    )
+    sdpo_top_k: int | None = _f(
+        _LOSS.sdpo_top_k, "top-k vocabulary for channel 2 (unset = full vocab)"
+    )
+    sdpo_add_tail: bool = _f(
+        _LOSS.sdpo_add_tail, "top-k channel 2: add one bucket for the rest of the vocabulary"
+    )
+    sdpo_wrapper: SdpoWrapper = _f(_LOSS.sdpo_wrapper, "channel-2 wrapper")
+    taid_t: float | None = _f(_LOSS.taid_t, "fixed TAID interpolation t in [0, 1]")
+    taid_total_steps: int | None = _f(
+        _LOSS.taid_total_steps,
+        f"TAID schedule length: t goes {TAID_T_START} -> {TAID_T_END} over this many inner "
+        "steps (used when taid_t is unset)",
+    )
+    entropy_opd_h_max: float = _f(
+        _LOSS.entropy_opd_h_max, "entropy_opd wrapper: teacher-entropy gate in nats"
+    )
+    replay_dpo_beta: float = _f(_LOSS.replay_dpo_beta, "DPO beta for channel 3")
+    dpo_variant: DpoVariant = _f(
+        _LOSS.dpo_variant,
+        "channel-3 preference loss ('dpo' scores a frozen reference copy of the model; "
+        "'simpo' is reference-free)",
+    )
+    simpo_beta: float = _f(_LOSS.simpo_beta, "SimPO beta")
+    simpo_gamma: float = _f(_LOSS.simpo_gamma, "SimPO margin gamma")
+    label_smoothing: float = _f(_LOSS.label_smoothing, "channel-3 label smoothing in [0, 0.5)")
 
     def __post_init__(self) -> None:
         _check(self.alpha_sdpo >= 0, "loss.alpha_sdpo", "must be >= 0")
         _check(self.beta_replay >= 0, "loss.beta_replay", "must be >= 0")
-        _check(0.0 <= self.sdpo_jsd_beta <= 1.0, "loss.sdpo_jsd_beta", "must be in [0, 1]")
-        if self.taid_t is not None:
-            _check(0.0 <= self.taid_t <= 1.0, "loss.taid_t", "must be in [0, 1]")
-        if self.sdpo_wrapper == "taid" and self.taid_t is None and self.taid_total_steps is None:
+        scheduled = self.sdpo_wrapper == "taid" and self.taid_t is None
+        if scheduled and self.taid_total_steps is None:
             raise ValueError(
                 "loss.sdpo_wrapper: 'taid' needs loss.taid_t or loss.taid_total_steps "
                 "(a fixed t or a schedule length)"
             )
+        # Every other rule is the loss library's (a scheduled TAID starts at step 0).
+        kwargs = self.compose_kwargs()
+        if scheduled:
+            kwargs["taid_schedule_step"] = 0
+        try:
+            ComposeConfig(**kwargs)
+        except ValueError as exc:  # "<key> must be ...": name it as the TOML key
+            key, _, rest = str(exc).partition(" ")
+            where = f"loss.{key}: {rest}" if key in self.__dataclass_fields__ else f"loss: {exc}"
+            raise ValueError(where) from None
 
     def compose_kwargs(self) -> dict[str, Any]:
         """The compose_loss keyword arguments (unset optionals omitted)."""
@@ -220,10 +302,44 @@ class DilocoConfig:
     outer_lr: float = _f(0.7, "outer SGD learning rate")
     outer_momentum: float = _f(0.9, "outer Nesterov momentum")
     nesterov: bool = _f(True, "Nesterov momentum for the outer SGD")
-    codec: Literal["fp32", "bf16", "int8", "4bit"] = _f("fp32", "pseudo-gradient encoding")
+    codec: CodecName = _f("fp32", "pseudo-gradient encoding (exchange.codecs)")
     min_replicas: int | None = _f(None, "contributions needed to commit a round (unset = all)")
     weighting: Literal["equal", "tokens"] = _f("equal", "how contributions are weighted")
     timeout_s: float = _f(600.0, "how long a round waits for contributions")
+    manager: Literal["object_store", "torchft"] = _f(
+        "object_store",
+        "who averages the replicas: 'object_store' (they meet only in store.uri) or 'torchft' "
+        "(torchft's Manager and lighthouse; replicas must reach each other over TCP)",
+    )
+    lighthouse: str = _f(
+        "",
+        "torchft lighthouse 'http://HOST:PORT' (manager = 'torchft'); empty = the driver runs "
+        "one on 127.0.0.1 (local backend only)",
+    )
+    aggregate: AggregateName = _f(
+        _POLICY.method, "how screened contributions are merged (docs/object-store.md)"
+    )
+    aggregate_outlier_ratio: float = _f(
+        _POLICY.outlier_ratio,
+        "leave out a contribution whose L2 norm exceeds this x the round's median (0 = off)",
+    )
+    aggregate_trim_fraction: float = _f(
+        _POLICY.trim_fraction, "trimmed_mean: fraction of values dropped at each end"
+    )
+    aggregate_clip_ratio: float = _f(
+        _POLICY.clip_ratio, "norm_clip: clip each contribution's norm to this x the median"
+    )
+    aggregate_token_cap: float = _f(
+        _POLICY.token_cap, "weighting = 'tokens': cap claims at this x the median claim (0 = off)"
+    )
+    screen: ScreenName = _f(
+        _POLICY.screen,
+        "'loss': also leave out contributions that alone raise a held-out loss (Templar-style)",
+    )
+    screen_loss_tolerance: float = _f(
+        _POLICY.loss_tolerance, "screen = 'loss': tolerated rise, as a fraction of the loss"
+    )
+    screen_examples: int = _f(4, "screen = 'loss': held-out examples in the probe batch")
 
     def __post_init__(self) -> None:
         _check(self.sync_every_h >= 1, "diloco.sync_every_h", "must be >= 1")
@@ -232,15 +348,78 @@ class DilocoConfig:
         if self.min_replicas is not None:
             _check(self.min_replicas >= 1, "diloco.min_replicas", "must be >= 1")
         _check(self.timeout_s > 0, "diloco.timeout_s", "must be > 0")
+        if self.lighthouse:
+            from urllib.parse import urlparse
+
+            url = urlparse(self.lighthouse)
+            try:
+                port = url.port
+            except ValueError:
+                port = None
+            _check(
+                url.scheme in ("http", "https") and bool(url.hostname) and port is not None,
+                "diloco.lighthouse",
+                f"{self.lighthouse!r} is not an address like 'http://10.0.0.5:29510'",
+            )
+            _check(
+                self.manager == "torchft",
+                "diloco.lighthouse",
+                "is only used with diloco.manager = 'torchft'; remove it or set the manager",
+            )
+        try:
+            self.aggregate_policy()
+        except ValueError as exc:  # "<field> must be ...": name it as the TOML key
+            field_name, _, rest = str(exc).partition(" ")
+            key = {"method": "aggregate", "loss_tolerance": "screen_loss_tolerance"}.get(
+                field_name, f"aggregate_{field_name}"
+            )
+            raise ValueError(f"diloco.{key}: {rest}") from None
+        _check(self.screen_examples >= 1, "diloco.screen_examples", "must be >= 1")
+        if self.manager == "torchft":
+            _check(
+                self.aggregate == "mean" and self.screen == "none",
+                "diloco.aggregate",
+                "robust aggregation and screening run in the object-store exchange; torchft "
+                "averages over gloo (use manager = 'object_store')",
+            )
+            _check(
+                self.codec == "fp32",
+                "diloco.codec",
+                f"{self.codec!r} applies to the object-store exchange; torchft averages fp32 "
+                "over gloo (use codec = 'fp32' or manager = 'object_store')",
+            )
+            _check(
+                self.weighting == "equal",
+                "diloco.weighting",
+                "torchft averages replicas equally; 'tokens' needs manager = 'object_store'",
+            )
+
+    def aggregate_policy(self, **bounds: Any) -> AggregatePolicy:
+        """The exchange's policy for these keys (``bounds``: the run's claim bounds)."""
+        return AggregatePolicy(
+            method=self.aggregate, weighting=self.weighting,
+            outlier_ratio=self.aggregate_outlier_ratio, trim_fraction=self.aggregate_trim_fraction,
+            clip_ratio=self.aggregate_clip_ratio, token_cap=self.aggregate_token_cap,
+            screen=self.screen, loss_tolerance=self.screen_loss_tolerance, **bounds,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class SecurityConfig:
+    """Signed contributions (docs/security.md)."""
+
+    sign: bool = _f(
+        False,
+        "Ed25519-sign every contribution, commit record, state and manifest; the driver makes "
+        "one key per rank and hands each replica only its own (object-store exchange)",
+    )
 
 
 @dataclass(frozen=True)
 class BackendConfig:
-    """Where the replicas run (an executor from composer_replication.executors)."""
+    """Where the replicas run (an executor from the registry in composer_replication.executors)."""
 
-    kind: Literal["local", "modal", "hf-jobs", "k8s", "ray", "sagemaker"] = _f(
-        "local", "executor backend"
-    )
+    kind: BackendName = _f("local", "executor backend (docs/backends.md)")
     n_replicas: int = _f(2, "number of DiLoCo replicas")
     timeout_s: float = _f(3600.0, "wall-clock limit for the whole run (replicas then cancelled)")
     options: dict[str, Any] = _f({}, "executor constructor arguments (image, gpu, namespace, ...)")
@@ -316,6 +495,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(
         default_factory=CheckpointConfig, metadata={"help": "checkpoints"}
     )
+    security: SecurityConfig = field(default_factory=SecurityConfig, metadata={"help": "signing"})
 
     def __post_init__(self) -> None:
         h = self.diloco.sync_every_h
@@ -326,6 +506,20 @@ class RunConfig:
                 f"diloco.sync_every_h ({h}); the steps after the last sync would be discarded "
                 f"(use e.g. train.max_steps={lower} or {lower + h})"
             )
+        if self.diloco.manager == "torchft" and not self.diloco.lighthouse:
+            _check(
+                self.backend.kind == "local",
+                "diloco.lighthouse",
+                f"backend {self.backend.kind!r} runs replicas the driver's own lighthouse "
+                "(127.0.0.1) cannot serve; start `torchft_lighthouse` where they can reach it "
+                "and set diloco.lighthouse = 'http://HOST:PORT'",
+            )
+        _check(
+            not (self.security.sign and self.diloco.manager == "torchft"),
+            "security.sign",
+            "signs the object-store exchange; torchft averages over gloo (use diloco.manager = "
+            "'object_store')",
+        )
         if self.diloco.min_replicas is not None:
             _check(
                 self.diloco.min_replicas <= self.backend.n_replicas,

@@ -20,9 +20,11 @@ what our users need around it:
   model/optimizer when it first can: at construction, at ``with``, or in the callback's
   ``on_train_begin``;
 - a plain context manager (``with outer: ...``) and ``outer.callback()`` (a `TrainerCallback`);
-- with an `ObjectStoreManager`: the initial weights come from the store (every replica starts
-  identical; a restart resumes from the latest committed round), the outer state is published
-  after committed rounds, and a replica that fell behind heals from the store;
+- one seam to whoever averages across replicas, the `Manager` protocol (diloco/manager.py):
+  `ObjectStoreManager` (the object store) or `TorchFTManager` (torchft's Manager; a raw
+  ``torchft.Manager`` is wrapped). Through it the initial weights come from the run (every
+  replica starts identical; a restart resumes from the latest committed round), the outer state
+  is published after committed rounds, and a replica that fell behind heals;
 - Streaming DiLoCo via ``num_fragments`` (strided layer assignment) or explicit
   ``model_fragments``.
 """
@@ -31,12 +33,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
 
 from composer_replication.diloco.fragments import strided_fragments, whole_model_fragment
+from composer_replication.diloco.torchft_path import as_manager
+
+if TYPE_CHECKING:
+    from composer_replication.diloco.manager import Manager, RoundRecord
 
 __all__ = ["DiLoCoOuterLoop", "make_diloco_outer_loop", "unwrap_optimizer"]
 
@@ -72,25 +78,28 @@ def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     return optimizer
 
 
+OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9  # DiLoCo's outer Nesterov SGD (the paper's values)
+
+
 class DiLoCoOuterLoop:
     """The outer loop; build it with `make_diloco_outer_loop` (see the module docstring).
 
     Attributes once bound: ``diloco`` (the torchft object), ``fragments``, ``outer_optimizers``,
-    ``model``. ``round`` is the number of committed outer rounds, ``history`` the per-exchange
-    records of an ObjectStoreManager (empty for a torchft Manager).
+    ``model``. ``round`` is the number of committed outer rounds, ``history`` the manager's
+    per-round records (`RoundRecord`).
     """
 
     def __init__(
         self,
         inner_optimizer: Any,
-        manager: Any,
+        manager: Manager,
         sync_every_h: int,
         *,
         model: nn.Module | None = None,
         model_fragments: Sequence[nn.Module] | None = None,
         num_fragments: int = 1,
-        outer_lr: float = 0.7,
-        outer_momentum: float = 0.9,
+        outer_lr: float = OUTER_LR,
+        outer_momentum: float = OUTER_MOMENTUM,
         nesterov: bool = True,
         outer_optimizer_factory: OuterOptimizerFactory | None = None,
         fragment_sync_delay: int = 0,
@@ -101,11 +110,8 @@ class DiLoCoOuterLoop:
         sync_initial_state: bool = True,
     ) -> None:
         if manager is None:
-            raise ValueError("manager is required: an ObjectStoreManager or a torchft.Manager")
-        if getattr(manager, "_use_async_quorum", False):
             raise ValueError(
-                "DiLoCo needs a synchronous quorum: build the torchft Manager with "
-                "use_async_quorum=False (composer_replication.diloco.torchft_path does)"
+                "manager is required: an ObjectStoreManager, a TorchFTManager or a torchft.Manager"
             )
         if not isinstance(sync_every_h, int) or isinstance(sync_every_h, bool) or sync_every_h < 1:
             raise ValueError(f"sync_every_h must be a positive int, got {sync_every_h!r}")
@@ -138,7 +144,7 @@ class DiLoCoOuterLoop:
                     "nesterov=True needs outer_momentum > 0; pass nesterov=False for plain "
                     "outer SGD"
                 )
-        self.manager = manager
+        self.manager: Manager = as_manager(manager)
         self.sync_every_h = sync_every_h
         self.num_fragments = n_frag
         self.outer_lr = outer_lr
@@ -172,8 +178,9 @@ class DiLoCoOuterLoop:
     def bind(self, *, model: nn.Module | None = None, optimizer: Any = None) -> DiLoCoOuterLoop:
         """Attach to the inner optimizer (and model); builds DiLoCo and syncs the initial state.
 
-        Idempotent: a second call is ignored. With an ObjectStoreManager this loads the run's
-        global weights into the model (publishing ours first on a fresh run).
+        Idempotent: a second call is ignored. With ``sync_initial_state`` this loads the run's
+        global weights into the model (`Manager.initial_sync`: with the object store, ours are
+        published first on a fresh run).
         """
         if self.bound:
             return self
@@ -212,15 +219,11 @@ class DiLoCoOuterLoop:
             pin_memory=False,
             **self._kw,
         )
-        if hasattr(self.manager, "add_heal_hook"):
-            self.manager.add_heal_hook(self.load_global_weights)
-        if self.sync_initial_state and hasattr(self.manager, "initial_sync"):
-            from composer_replication.exchange.state import model_fingerprint
-
-            fingerprint = model_fingerprint(
+        self.manager.add_heal_hook(self.load_global_weights)
+        if self.sync_initial_state:
+            self.manager.initial_sync(
                 {f"f{i}.{n}": p for i, f in enumerate(fragments) for n, p in f.named_parameters()}
             )
-            self.manager.initial_sync(fingerprint)
             self.load_global_weights()
         return self
 
@@ -236,6 +239,7 @@ class DiLoCoOuterLoop:
         if self._entered:
             return self
         self.bind(optimizer=self.inner_optimizer)
+        assert self.inner_optimizer is not None
         self.diloco.__enter__()
         # Registered after DiLoCo's own hooks, so the pre-hook counts a step DiLoCo is about to
         # see and the post-hook runs after a sync DiLoCo just performed.
@@ -251,7 +255,7 @@ class DiLoCoOuterLoop:
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
         tb: TracebackType | None,
-    ) -> bool:
+    ) -> Literal[False]:
         if not self._entered:
             return False
         for h in self._hooks:
@@ -259,17 +263,15 @@ class DiLoCoOuterLoop:
         self._hooks = []
         self.diloco.__exit__(exc_type, exc, tb)
         self._entered = False
-        if exc_type is None and hasattr(self.manager, "publish_if_due"):
-            self.manager.shutdown(wait=True)
+        if exc_type is None:
+            self.manager.drain()
         return False
 
-    def _pre_step(self, *_: Any) -> None:
-        if hasattr(self.manager, "record_inner_step"):
-            self.manager.record_inner_step()
+    def _pre_step(self, *_: object) -> None:
+        self.manager.record_inner_step()
 
-    def _post_step(self, *_: Any) -> None:
-        if hasattr(self.manager, "publish_if_due"):
-            self.manager.publish_if_due()
+    def _post_step(self, *_: object) -> None:
+        self.manager.publish_if_due()
 
     # ------------------------------------------------------------------ user API
     def callback(self) -> Any:
@@ -280,8 +282,7 @@ class DiLoCoOuterLoop:
 
     def record_tokens(self, n: int) -> None:
         """Report `n` tokens trained this round (used when the store weights by tokens)."""
-        if hasattr(self.manager, "record_tokens"):
-            self.manager.record_tokens(n)
+        self.manager.record_tokens(n)
 
     @property
     def round(self) -> int:
@@ -294,8 +295,18 @@ class DiLoCoOuterLoop:
         return int(self.diloco._local_step) if self.bound else 0
 
     @property
-    def history(self) -> list[dict[str, Any]]:
-        return list(getattr(self.manager, "history", []))
+    def history(self) -> list[RoundRecord]:
+        return list(self.manager.history)
+
+    def outer_optimizer_state(self) -> dict[str, dict[str, object]]:
+        """Each fragment's outer optimizer state (momentum, lr, ...), keyed ``fragment_<i>``:
+        what a checkpoint needs besides the global weights. Identical on every replica after
+        a committed round."""
+        self._require_bound()
+        return {
+            f"fragment_{i}": {"outer_optimizer": opt.state_dict()}
+            for i, opt in enumerate(self.outer_optimizers)
+        }
 
     def global_parameters(self) -> dict[str, torch.Tensor]:
         """The current global weights (copies), keyed ``f<fragment>.<name>``."""
@@ -318,14 +329,14 @@ class DiLoCoOuterLoop:
 
 def make_diloco_outer_loop(
     inner_optimizer: Any,
-    manager: Any,
+    manager: Manager,
     sync_every_h: int,
     *,
     model: nn.Module | None = None,
     model_fragments: Sequence[nn.Module] | None = None,
     num_fragments: int = 1,
-    outer_lr: float = 0.7,
-    outer_momentum: float = 0.9,
+    outer_lr: float = OUTER_LR,
+    outer_momentum: float = OUTER_MOMENTUM,
     nesterov: bool = True,
     outer_optimizer_factory: OuterOptimizerFactory | None = None,
     fragment_sync_delay: int = 0,
@@ -340,7 +351,8 @@ def make_diloco_outer_loop(
     Args:
         inner_optimizer: the replica's optimizer (torch or accelerate-wrapped), or None to bind
             later through ``outer.callback()`` (Hugging Face trainers create it in ``train()``).
-        manager: `ObjectStoreManager` (serverless) or a `torchft.Manager` (clusters).
+        manager: a `Manager`: `ObjectStoreManager` (serverless), `TorchFTManager` or a raw
+            ``torchft.Manager`` (clusters; wrapped in `TorchFTManager`).
         sync_every_h: H, inner steps between syncs of the whole model.
         model: the module being trained; optional when the optimizer holds all its parameters.
         model_fragments / num_fragments: Streaming DiLoCo; explicit modules, or a strided split
@@ -349,7 +361,7 @@ def make_diloco_outer_loop(
         outer_optimizer_factory: build a different outer optimizer from a fragment's params.
         fragment_sync_delay: tau, inner steps between sending a fragment and applying it.
         fragment_update_alpha: after a sync, model = lerp(global, local, alpha) (0 = take global).
-        sync_initial_state: with an ObjectStoreManager, start from the store's global weights.
+        sync_initial_state: start from the run's global weights (`Manager.initial_sync`).
     """
     return DiLoCoOuterLoop(
         inner_optimizer,

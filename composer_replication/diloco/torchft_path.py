@@ -1,13 +1,26 @@
 """The real torchft path: a lighthouse + `torchft.Manager` over gloo, for clusters.
 
-Where replicas can reach each other (a Ray cluster, Kubernetes, Modal clusters) the outer loop
+Where replicas can reach each other (local processes, a Ray cluster, Kubernetes) the outer loop
 runs unchanged over torchft's own fault-tolerant Manager instead of the object store::
 
     lighthouse = start_lighthouse(min_replicas=2)              # once, somewhere reachable
-    manager, close = build_torchft_manager(
+    manager = build_torchft_manager(
         replica_id="replica_0", lighthouse_addr=lighthouse_address(lighthouse),
         min_replicas=2, timeouts=TorchFTTimeouts())
     outer = make_diloco_outer_loop(opt, manager, sync_every_h=500, model=model)
+    ...
+    manager.close()
+
+`composer-replication train` takes this path with ``[diloco] manager = "torchft"``.
+
+`TorchFTManager` adapts a torchft Manager to the outer loop's `Manager` protocol
+(``diloco/manager.py``): it forwards DiLoCo's calls, runs the heal hooks in the round in which
+torchft healed this replica from a peer (see `TorchFTManager.start_quorum`), keeps a
+`RoundRecord` per round, and, given a ``states`` handle on the
+run's object store, publishes the outer state after committed rounds (participating rank 0
+only) and loads the newest one in `initial_sync`, so a restarted run resumes from the store as
+it does with the object-store exchange. A raw ``torchft.Manager`` passed to
+`make_diloco_outer_loop` is wrapped by `as_manager`.
 
 What each replica needs (torchft 0.2.0): a `ProcessGroupGloo` (reconfigured at every quorum), a
 TCPStore for its replica group (one process per group here, so it hosts its own), and the
@@ -36,19 +49,43 @@ Timeouts (torchft leaves their relation undocumented; torchtitan #2899) must be 
 
 from __future__ import annotations
 
-import socket
-from collections.abc import Callable
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlparse
 
+import torch
+import torch.distributed as dist
+
+from composer_replication.diloco.manager import DiLoCoSurface, Manager
+from composer_replication.exchange.documents import RunDocuments
+from composer_replication.exchange.manager import RoundRecord, round_record
+from composer_replication.exchange.outer_state import (
+    LoadStateFn,
+    OuterState,
+    SaveStateFn,
+    StateDict,
+    StateFns,
+    fetch_outer_state,
+    publish_outer_state,
+)
+from composer_replication.exchange.state import model_fingerprint
+
 __all__ = [
+    "TorchFTManager",
     "TorchFTTimeouts",
+    "as_manager",
     "build_torchft_manager",
     "lighthouse_address",
     "start_lighthouse",
 ]
+
+logger = logging.getLogger(__name__)
 
 
 def _require_torchft() -> Any:
@@ -128,6 +165,206 @@ def lighthouse_address(lighthouse: Any, host: str = "127.0.0.1") -> str:
     return f"http://{host}:{port}"
 
 
+class TorchftManagerSurface(DiLoCoSurface, Protocol):
+    """What `TorchFTManager` uses of a ``torchft.manager.Manager`` (torchft ships no types)."""
+
+    def batches_committed(self) -> int: ...
+
+    def num_participants(self) -> int: ...
+
+    def participating_rank(self) -> int | None: ...
+
+    def errored(self) -> Exception | None: ...
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None: ...
+
+    def shutdown(self, wait: bool = ...) -> None: ...
+
+
+class TorchFTManager:
+    """A torchft Manager seen through the outer loop's `Manager` protocol (see the module).
+
+    Args:
+        manager: the ``torchft.manager.Manager`` (built with ``use_async_quorum=False``).
+        states: the run's documents in an object store (e.g.
+            ``RunDocuments(ObjectStore(uri), world_size=N, codec="fp32", keep_steps=4,
+            poll_interval_s=0.5)``); None = no publishing and no resume from a store.
+        checkpoint_every: publish the outer state every this many committed rounds.
+        on_close: called by `close` after the manager shut down (e.g. to release its TCPStore).
+
+    ``history`` records, per round: committed, ``participants`` (torchft's num_participants),
+    the tokens / inner steps this replica reported, ``bytes_uploaded`` / ``bytes_downloaded``
+    as the payload this replica handed to ``allreduce`` (gloo's ring moves about
+    2 (n-1)/n of it each way) and the seconds from ``start_quorum`` to ``should_commit``.
+    torchft does not name the participating replicas, so ``included_ranks`` stays [].
+    """
+
+    # torchft's name for the quorum mode, read by DiLoCo
+    _use_async_quorum: bool = False
+
+    def __init__(
+        self,
+        manager: TorchftManagerSurface,
+        *,
+        states: RunDocuments | None = None,
+        checkpoint_every: int = 1,
+        on_close: Callable[[], None] | None = None,
+    ) -> None:
+        if manager._use_async_quorum:
+            raise ValueError(
+                "DiLoCo needs a synchronous quorum: build the torchft Manager with "
+                "use_async_quorum=False (build_torchft_manager does)"
+            )
+        if checkpoint_every < 1:
+            raise ValueError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
+        self.manager = manager
+        self.states = states
+        self.checkpoint_every = checkpoint_every
+        self._on_close = on_close
+        self._state = StateFns()
+        self._heal_hooks: list[Callable[[], None]] = []
+        self._healed = False
+        self._heal_pending = False
+        self._publish_due = False
+        self._tokens: int | None = None
+        self._inner_steps = 0
+        self._payload_bytes = 0
+        self._quorum_started: float | None = None
+        self.history: list[RoundRecord] = []
+
+    # ------------------------------------------------------------------ torchft Manager surface
+    def register_state_dict_fn(
+        self, key: str, load_state_dict: LoadStateFn, state_dict: SaveStateFn
+    ) -> None:
+        """Register with torchft (which calls ``load_state_dict`` only when this replica heals
+        from a peer: that is how a heal is noticed) and with the store archive."""
+        self._state.register(key, load_state_dict, state_dict)
+
+        def load_from_peer(sd: StateDict) -> None:
+            self._healed = True
+            load_state_dict(sd)
+
+        self.manager.register_state_dict_fn(key, load_from_peer, state_dict)
+
+    def allow_state_dict_read(self) -> None:
+        self.manager.allow_state_dict_read()
+
+    def disallow_state_dict_read(self) -> None:
+        self.manager.disallow_state_dict_read()
+
+    def start_quorum(
+        self, allow_heal: bool = True, shrink_only: bool = False, timeout: timedelta | None = None
+    ) -> None:
+        """torchft's quorum (synchronous: a heal from a peer is applied before this returns).
+
+        The heal hooks do not run here: torchft takes a healed replica's pseudo-gradient against
+        the healed global weights (its local work still counts), so copying the global weights
+        into the model now would zero its contribution. They run in `should_commit`, after
+        DiLoCo restored the synced fragment and before the outer step, where they bring the
+        other fragments onto the healed global weights too.
+        """
+        self._healed = False
+        self._quorum_started = time.monotonic()
+        self.manager.start_quorum(allow_heal=allow_heal, shrink_only=shrink_only, timeout=timeout)
+        if self._healed:
+            logger.info("healed from a peer at step %s", self.manager.current_step())
+            self._heal_pending = True
+            self.history.append(round_record(self.manager.current_step(), committed=True,
+                                             healed=True))  # fmt: skip
+
+    def current_step(self) -> int:
+        return self.manager.current_step()
+
+    def allreduce(self, tensor: torch.Tensor, should_quantize: bool = False) -> dist.Work:
+        self._payload_bytes += tensor.numel() * tensor.element_size()
+        return self.manager.allreduce(tensor, should_quantize=should_quantize)
+
+    def should_commit(self, timeout: timedelta | None = None) -> bool:
+        committed = self.manager.should_commit(timeout=timeout)
+        if self._heal_pending:
+            self._heal_pending = False
+            for fn in self._heal_hooks:
+                fn()
+        step = self.manager.current_step()
+        record = round_record(step if committed else step + 1, committed=committed)
+        record["participants"] = self.manager.num_participants()
+        record["tokens"], record["inner_steps"] = self._tokens, self._inner_steps
+        record["bytes_uploaded"] = record["bytes_downloaded"] = self._payload_bytes
+        if self._quorum_started is not None:
+            record["seconds"] = time.monotonic() - self._quorum_started
+        if not committed:
+            err = self.manager.errored()
+            record["error"] = (
+                f"{type(err).__name__}: {err}".splitlines()[0] if err is not None
+                else "should_commit was False (fewer than min_replicas, or a peer failed)"
+            )  # fmt: skip
+        self.history.append(record)
+        self._tokens, self._inner_steps, self._payload_bytes = None, 0, 0
+        if committed and step % self.checkpoint_every == 0:
+            self._publish_due = True
+        return committed
+
+    # ------------------------------------------------------------------ outer-loop hooks
+    def add_heal_hook(self, fn: Callable[[], None]) -> None:
+        self._heal_hooks.append(fn)
+
+    def initial_sync(self, named_parameters: Mapping[str, torch.Tensor]) -> int:
+        """Resume from the newest outer state in ``states`` if there is one (all replicas then
+        agree on it); otherwise torchft synchronises the replicas at the first quorum
+        (``init_sync``). Returns the round this replica starts at."""
+        if self.states is not None:
+            self.states.ensure_manifest(model_fingerprint(dict(named_parameters)))
+            state = fetch_outer_state(self.states)
+            if state is not None:
+                self._state.load(state)
+                self.manager.load_state_dict(
+                    {"step": state.round, "batches_committed": state.batches_committed}
+                )
+        return self.manager.current_step()
+
+    def record_inner_step(self) -> None:
+        self._inner_steps += 1
+
+    def record_tokens(self, n: int) -> None:
+        if n < 0:
+            raise ValueError(f"token count must be >= 0, got {n}")
+        self._tokens = (self._tokens or 0) + int(n)
+
+    def publish_if_due(self) -> bool:
+        """Publish the outer state to ``states`` after a committed round (participating rank 0
+        only, so one replica uploads). True if this call wrote it."""
+        if not self._publish_due or self.states is None:
+            return False
+        self._publish_due = False
+        if self.manager.participating_rank() != 0:
+            return False
+        state = OuterState(
+            round=self.manager.current_step(),
+            user=self._state.collect(),
+            batches_committed=self.manager.batches_committed(),
+        )
+        return publish_outer_state(self.states, state)
+
+    def drain(self) -> None:
+        """End of training: publish a due state (torchft has no exchange in flight here)."""
+        self.publish_if_due()
+
+    def close(self) -> None:
+        """Shut the torchft manager down (and whatever ``on_close`` releases)."""
+        self.manager.shutdown(wait=False)
+        if self._on_close is not None:
+            self._on_close()
+
+
+def as_manager(manager: Manager) -> Manager:
+    """``manager`` as the outer loop's `Manager`: a raw ``torchft.manager.Manager`` (the seed
+    recipes pass one) is wrapped in `TorchFTManager`; anything else is returned as it is."""
+    torchft_manager = sys.modules.get("torchft.manager")  # not imported: cannot be one
+    if torchft_manager is not None and isinstance(manager, torchft_manager.Manager):
+        return TorchFTManager(manager)
+    return manager
+
+
 def build_torchft_manager(
     *,
     replica_id: str,
@@ -140,22 +377,23 @@ def build_torchft_manager(
     load_state_dict: Callable[[Any], None] | None = None,
     state_dict: Callable[[], Any] | None = None,
     init_sync: bool = True,
-) -> tuple[Any, Callable[[], None]]:
-    """A `torchft.Manager` for one single-process replica group, ready for DiLoCo.
+    states: RunDocuments | None = None,
+) -> TorchFTManager:
+    """A `TorchFTManager` over a new ``torchft.Manager`` for one single-process replica group.
 
     Hosts the replica group's TCPStore on ``hostname:store_port`` (0 = a free port), builds a
     `ProcessGroupGloo` with ``timeouts.process_group_s`` and a Manager with a synchronous quorum
-    (DiLoCo requires ``use_async_quorum=False``). ``load_state_dict`` / ``state_dict`` register
-    extra user state for healing (DiLoCo registers its global weights and outer optimizer
-    itself). Replicas should start from identical weights (same seed); torchft heals replicas
-    that are behind from a peer at the next quorum.
+    (DiLoCo requires ``use_async_quorum=False``). ``hostname`` is also what this replica
+    advertises to its peers: it must be an address they can reach. ``load_state_dict`` /
+    ``state_dict`` register extra user state for healing (DiLoCo registers its global weights and
+    outer optimizer itself). With ``init_sync`` (default) torchft copies the weights of one
+    replica to the others at the first quorum; replicas built from the same seed may pass False.
+    ``states``: see `TorchFTManager`.
 
     ``lighthouse_addr`` points at a running lighthouse (``http://host:port``); None reads
-    ``$TORCHFT_LIGHTHOUSE`` (torchft's own variable). Returns (manager, close); ``close()`` shuts
-    the manager and its store down.
+    ``$TORCHFT_LIGHTHOUSE`` (torchft's own variable). ``close()`` on the result shuts the
+    manager and its store down.
     """
-    import os
-
     lighthouse_addr = lighthouse_addr or os.environ.get("TORCHFT_LIGHTHOUSE")
     if not lighthouse_addr:
         raise ValueError(
@@ -199,17 +437,5 @@ def build_torchft_manager(
         hostname=hostname,
         init_sync=init_sync,
     )
-
-    def close() -> None:
-        manager.shutdown(wait=False)
-        del store_ref[:]
-
     store_ref = [store]  # keep the TCPStore alive as long as the manager
-    return manager, close
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A currently free TCP port on `host` (for manager/store ports chosen up front)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    return TorchFTManager(manager, states=states, on_close=store_ref.clear)

@@ -1,8 +1,12 @@
 """Run-level documents of an exchange: manifest, state snapshots, small JSON documents.
 
-A mixin for :class:`ObjectStoreAllReduce` (kept apart so each module stays one concept). It
-needs ``self._store`` (an ObjectStore), ``uri``, ``world_size``, ``codec``, ``keep_steps``,
-``poll_interval_s`` and ``_cancel`` (threading.Event) from the host class.
+`RunDocuments` is the base class of :class:`ObjectStoreAllReduce` (kept apart so each module
+stays one concept) and usable on its own by anyone holding a `Store` (a driver, the torchft
+path's state archive). It owns everything it uses: the store, the run's world size and codec,
+how many state rounds to keep, the poll interval and the event that cancels its waits, and
+(signing on) the run's keys: then the manifest and every state snapshot are signed when written
+and refused when read unless correctly signed (exchange/signing.py). A state with non-finite
+values is never published nor loaded.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,28 +27,52 @@ from composer_replication.exchange.protocol import (
     commit_key,
     parse_step_dir,
 )
-from composer_replication.exchange.store import ObjectStore
+from composer_replication.exchange.robust import screen_state
+from composer_replication.exchange.store import Store
+
+if TYPE_CHECKING:
+    from composer_replication.exchange.signing import RunKeys
 
 
-class RunDocumentsMixin:
-    """Manifest, full-state snapshots and JSON documents stored under the run prefix."""
+class RunDocuments:
+    """Manifest, full-state snapshots and JSON documents stored under the run prefix.
 
-    _store: ObjectStore
-    _cancel: threading.Event
-    uri: str
-    world_size: int
-    codec: str
-    keep_steps: int
-    poll_interval_s: float
+        ``keep_steps``: state rounds older than the newest ``keep_steps`` are deleted when a newer
+        one is published. Setting ``cancelled`` aborts `wait_for_json` (and, in ObjectStoreAllReduce,
+    every exchange wait).
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        world_size: int,
+        codec: str,
+        keep_steps: int,
+        poll_interval_s: float,
+        cancelled: threading.Event | None = None,
+        keys: RunKeys | None = None,
+    ) -> None:
+        self.store = store
+        self.keys = keys
+        self.world_size = world_size
+        self.codec = codec
+        self.keep_steps = keep_steps
+        self.poll_interval_s = poll_interval_s
+        self.cancelled = cancelled if cancelled is not None else threading.Event()
+
+    @property
+    def uri(self) -> str:
+        return self.store.uri
 
     def latest_committed_step(self) -> int | None:
         """Highest step that has a commit record, or None."""
         steps = sorted(
-            (s for s in map(parse_step_dir, self._store.list("steps/")) if s is not None),
+            (s for s in map(parse_step_dir, self.store.list("steps/")) if s is not None),
             reverse=True,
         )
         for s in steps:
-            if self._store.exists(commit_key(s)):
+            if self.store.exists(commit_key(s)):
                 return s
         return None
 
@@ -62,14 +90,17 @@ class RunDocumentsMixin:
                 sort_keys=True,
             )
         )
-        raw = json.dumps(ours, sort_keys=True).encode()
-        if self._store.put_if_absent(state_mod.MANIFEST_KEY, raw):
+        signed = ours if self.keys is None else self.keys.sign(ours)
+        raw = json.dumps(signed, sort_keys=True).encode()
+        if self.store.put_if_absent(state_mod.MANIFEST_KEY, raw):
             return
-        stored_raw = self._store.get(state_mod.MANIFEST_KEY)
+        stored_raw = self.store.get(state_mod.MANIFEST_KEY)
         try:
             stored = json.loads(bytes(stored_raw or b""))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ModelMismatchError(f"run manifest at {self.uri} is unreadable ({e})") from e
+        if self.keys is not None and isinstance(stored, dict):
+            self.keys.verify(stored, signers={"rank-*"}, what=f"run manifest at {self.uri}")
         diff = state_mod.manifest_diff(stored, ours)
         if diff:
             raise ModelMismatchError(
@@ -85,20 +116,28 @@ class RunDocumentsMixin:
         round: int,
         name: str = "global",
         extra: dict[str, Any] | None = None,
+        stride: int = 1,
     ) -> bool:
-        """put-if-absent a full state dict for ``round``; False if that round already exists."""
+        """put-if-absent a full state dict for ``round``; False if that round already exists.
+
+        Then deletes, without listing, the rounds that fall out of the newest ``keep_steps``
+        (``stride``: the spacing of published rounds, e.g. a checkpoint every 2 rounds).
+        Raises ValueError for a state with non-finite values (it would poison every rejoin).
+        """
         if not isinstance(state, dict):
             raise ValueError("publish_state(state: dict[str, Tensor], *, round, name, extra)")
         if not isinstance(round, int) or isinstance(round, bool) or not 0 <= round < 10**10:
             raise ValueError(f"round must be an int in [0, 1e10), got {round!r}")
+        bad = screen_state(state)
+        if bad is not None:
+            raise ValueError(f"publish_state: refusing state {name!r} round {round}: {bad}")
         blob = state_mod.encode_state(state, name=state_mod.check_state_name(name), round=round,
-                                  extra=extra)  # fmt: skip
-        wrote = self._store.put_if_absent(state_mod.state_key(name, round), blob)
+                                      extra=extra, keys=self.keys)  # fmt: skip
+        wrote = self.store.put_if_absent(state_mod.state_key(name, round), blob)
         if wrote:
-            for fname in self._store.list(state_mod.state_prefix(name)):
-                r = state_mod.parse_state_name(fname)
-                if r is not None and r <= round - self.keep_steps:
-                    self._store.delete(state_mod.state_prefix(name) + fname)
+            newest_gone = round - self.keep_steps
+            window = range(max(0, newest_gone - max(self.keep_steps, stride) + 1), newest_gone + 1)
+            self.store.delete_many([state_mod.state_key(name, r) for r in window])
         return wrote
 
     def fetch_state(
@@ -106,36 +145,35 @@ class RunDocumentsMixin:
     ) -> tuple[int, dict[str, torch.Tensor], dict[str, Any]] | None:
         """(round, tensors, extra) of ``round`` (None = latest), or None if there is none."""
         rounds = [
-            r for r in map(state_mod.parse_state_name, self._store.list(state_mod.state_prefix(name)))
+            r for r in map(state_mod.parse_state_name, self.store.list(state_mod.state_prefix(name)))
             if r is not None
         ]  # fmt: skip
         if round is None:
             if not rounds:
                 return None
             round = max(rounds)
-        blob = self._store.get(state_mod.state_key(name, round))
+        blob = self.store.get(state_mod.state_key(name, round))
         if blob is None:
             return None
-        tensors, extra = state_mod.decode_state(blob, name=name, round=round)
+        tensors, extra = state_mod.decode_state(blob, name=name, round=round, keys=self.keys)
+        bad = screen_state(tensors)
+        if bad is not None:
+            raise CorruptContributionError(f"state {name!r} round {round} is refused: {bad}")
         return round, tensors, extra
 
-    def put_json(self, key: str, obj: Any, *, exclusive: bool = True) -> bool:
+    def state_exists(self, *, name: str = "global", round: int) -> bool:
+        """Whether the state of ``round`` is stored (one small GET, never a listing)."""
+        return self.store.has_object(state_mod.state_key(name, round))
+
+    def put_json(self, key: str, obj: object, *, exclusive: bool = True) -> bool:
         """Store a small JSON document; exclusive=True is put-if-absent (False if it existed)."""
-        raw = json.dumps(obj, sort_keys=True).encode()
-        key = state_mod.check_doc_key(key)
-        if exclusive:
-            return self._store.put_if_absent(key, raw)
-        self._store.put(key, raw)
-        return True
+        return self.store.put_json(state_mod.check_doc_key(key), obj, exclusive=exclusive)
 
     def get_json(self, key: str) -> Any:
-        """The JSON document at ``key`` or None if absent."""
-        raw = self._store.get(state_mod.check_doc_key(key))
-        if raw is None:
-            return None
+        """The JSON document at ``key`` or None if absent (CorruptContributionError if not JSON)."""
         try:
-            return json.loads(bytes(raw))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            return self.store.get_json(state_mod.check_doc_key(key))
+        except ValueError as e:
             raise CorruptContributionError(f"document {key!r} at {self.uri} is not JSON") from e
 
     def wait_for_json(self, key: str, timeout_s: float) -> Any:
@@ -148,5 +186,5 @@ class RunDocumentsMixin:
             if time.monotonic() >= deadline:
                 raise StoreTimeoutError(f"document {key!r} did not appear at {self.uri} "
                                         f"within {timeout_s} s")  # fmt: skip
-            if self._cancel.wait(self.poll_interval_s):
+            if self.cancelled.wait(self.poll_interval_s):
                 raise ExchangeCancelledError(f"wait for {key!r} cancelled")

@@ -1,8 +1,9 @@
 """ObjectStoreManager: the part of `torchft.Manager` that `torchft.local_sgd.DiLoCo` uses, over an
 object store instead of a process group.
 
-`DiLoCo` (torchft 0.2.0, pinned) talks to its manager through a small surface (see
-``../shared/reference/torchft.md``): ``_use_async_quorum``, ``register_state_dict_fn``,
+`DiLoCo` (torchft 0.2.0, pinned) talks to its manager through a small surface (the `Manager`
+protocol in ``composer_replication.diloco.manager``, which this class satisfies structurally):
+``_use_async_quorum``, ``register_state_dict_fn``,
 ``allow/disallow_state_dict_read``, ``start_quorum``, ``current_step``, ``allreduce`` (in-place
 average, returns a Work with ``wait`` / ``get_future``) and ``should_commit``. Serverless replicas
 cannot open sockets to each other, so here:
@@ -17,12 +18,15 @@ cannot open sockets to each other, so here:
   False when the exchange failed (fewer than ``min_replicas`` within the step timeout); DiLoCo then
   rolls the model back to the last global weights and the round's local work is dropped.
 - Membership is the store's commit record, so ``start_quorum`` only checks that this replica has
-  not missed a committed round. If it has (it was stalled, or restarted), it *heals*: loads the
+  not missed a committed round: one GET of the head hint (a listing only when the hint says it
+  is behind, or after a failed round), so a steady-state round sends no LIST request. If it has
+  missed one (it was stalled, or restarted), it *heals*: loads the
   latest published outer state (global weights, outer momentum, round), sits this round out, and
   trains the next round from the new global weights without stopping anyone.
-- Every replica starts from the same published global weights: `initial_sync` publishes this
-  replica's state as round 0 if the store holds none (first writer wins), then loads the latest
-  stored state. The same call resumes a whole-run restart exactly.
+- Every replica starts from the same published global weights: `initial_sync` checks the run
+  manifest against the model's parameters, publishes this replica's state as round 0 if the
+  store holds none (first writer wins), then loads the latest stored state. The same call
+  resumes a whole-run restart exactly.
 - After each committed round the lowest included rank publishes the outer state
   (``states/global/<round>``), so restarts find it (``checkpoint_every`` rounds apart).
 
@@ -40,28 +44,80 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import timedelta
-from typing import Any
+from typing import TypedDict
 
 import torch
 import torch.distributed as dist
 
+from composer_replication.exchange.allreduce import ObjectStoreAllReduce
 from composer_replication.exchange.outer_state import (
+    LoadStateFn,
     OuterState,
+    SaveStateFn,
+    StateFns,
     fetch_outer_state,
     outer_state_exists,
     publish_outer_state,
     state_nbytes,
     wait_for_outer_state,
 )
+from composer_replication.exchange.protocol import (
+    CorruptContributionError,
+    StepResult,
+    StoreTimeoutError,
+)
+from composer_replication.exchange.state import model_fingerprint
 
-__all__ = ["MockManager", "ObjectStoreManager", "RoundRecord"]
+__all__ = ["MockManager", "ObjectStoreManager", "RoundRecord", "round_record"]
 
 logger = logging.getLogger(__name__)
 
 
-class _StoreWork(dist._Work):
+class RoundRecord(TypedDict):
+    """One exchange as a manager saw it (a plain dict, so it logs as JSON).
+
+    round: the outer round it would produce; store_step: the exchange step (object store; equal
+    to round); committed; included_ranks / excluded_ranks (object store; [] when the manager
+    does not know replica identities); participants: how many replicas the average included;
+    tokens / inner_steps: what this replica trained for the round (tokens None if not
+    reported); bytes_uploaded / bytes_downloaded; seconds; healed: this record is a heal, not an
+    exchange; error: why the round failed (None if it did not); rejected: rank (as a string) ->
+    why its contribution was left out of the round (missing, refused, screened out, squatted);
+    aggregate: the merge method of the commit; requests: store requests this replica sent for
+    the round, by kind (put/get/head/list/delete; object store only, else {}).
+    """
+
+    round: int
+    store_step: int
+    committed: bool
+    included_ranks: list[int]
+    excluded_ranks: list[int]
+    participants: int
+    tokens: int | None
+    inner_steps: int
+    bytes_uploaded: int
+    bytes_downloaded: int
+    seconds: float
+    healed: bool
+    error: str | None
+    rejected: dict[str, str]
+    aggregate: str
+    requests: dict[str, int]
+
+
+def round_record(round_: int, *, committed: bool = False, healed: bool = False) -> RoundRecord:
+    """A `RoundRecord` with nothing measured yet."""
+    return RoundRecord(
+        round=round_, store_step=round_, committed=committed, included_ranks=[],
+        excluded_ranks=[], participants=0, tokens=None, inner_steps=0, bytes_uploaded=0,
+        bytes_downloaded=0, seconds=0.0, healed=healed, error=None, rejected={},
+        aggregate="mean", requests={},
+    )  # fmt: skip
+
+
+class _StoreWork(dist.Work):
     """The Work DiLoCo waits on: waiting runs (or joins) the round's single store exchange."""
 
     def __init__(self, manager: ObjectStoreManager, tensor: torch.Tensor) -> None:
@@ -78,7 +134,7 @@ class _StoreWork(dist._Work):
         return self._future
 
 
-class _DoneWork(dist._Work):
+class _DoneWork(dist.Work):
     """An already-completed Work (the tensor is left as it is)."""
 
     def __init__(self, tensor: torch.Tensor) -> None:
@@ -93,14 +149,6 @@ class _DoneWork(dist._Work):
         return self._future
 
 
-class RoundRecord(dict):
-    """One exchange as seen by this replica (a plain dict so it logs as JSON).
-
-    Keys: round (outer round it would produce), store_step, committed (bool), included_ranks,
-    excluded_ranks, bytes_uploaded, bytes_downloaded, seconds, healed (bool), error (str | None).
-    """
-
-
 class ObjectStoreManager:
     """torchft-Manager stand-in backed by an `ObjectStoreAllReduce` (see the module docstring).
 
@@ -113,31 +161,34 @@ class ObjectStoreManager:
             round to be published (default: the store's step timeout).
     """
 
+    # torchft's name for the quorum mode, read by DiLoCo; the object store's is synchronous
     _use_async_quorum: bool = False
 
     def __init__(
         self,
-        allreduce: Any,
+        allreduce: ObjectStoreAllReduce,
         *,
         checkpoint_every: int = 1,
         state_timeout_s: float | None = None,
     ) -> None:
-        if getattr(allreduce, "rank", None) is None:
+        if not isinstance(allreduce, ObjectStoreAllReduce):
+            raise TypeError(
+                f"ObjectStoreManager needs an ObjectStoreAllReduce, got {type(allreduce).__name__}"
+            )
+        if allreduce.rank is None:
             raise ValueError(
                 "ObjectStoreManager needs a replica handle: build the ObjectStoreAllReduce with "
                 "rank=<this replica's rank> (a rank=None handle is for drivers/observers)"
             )
         if checkpoint_every < 1:
             raise ValueError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
-        self.store = allreduce
+        self.exchange = allreduce
+        self.rank: int = allreduce.rank
         self.checkpoint_every = checkpoint_every
         self.state_timeout_s = (
-            float(state_timeout_s)
-            if state_timeout_s is not None
-            else float(getattr(allreduce, "timeout_s", 600.0))
+            float(state_timeout_s) if state_timeout_s is not None else allreduce.timeout_s
         )
-        self._load_fns: dict[str, Callable[[Any], None]] = {}
-        self._save_fns: dict[str, Callable[[], Any]] = {}
+        self._state = StateFns()
         self._heal_hooks: list[Callable[[], None]] = []
 
         self._round = 0  # committed outer steps applied to our global weights
@@ -152,10 +203,12 @@ class ObjectStoreManager:
 
         self._pending: list[tuple[torch.Tensor, torch.futures.Future[torch.Tensor]]] = []
         self._thread: threading.Thread | None = None
-        self._outcome: tuple[bool, Any] | None = None  # (committed, StepResult | exception)
+        # (committed, the step's result or the exception that failed it)
+        self._outcome: tuple[bool, StepResult | BaseException | None] | None = None
         self._skip_round = False
-        self._commit_pending: bool | None = None
         self._publish_due = False
+        self._last_failed = False  # the last exchange failed: look for missed rounds by listing
+        self._requests_at_quorum = allreduce.store.requests.snapshot()
         self._last_included: list[int] = []
         self.history: list[RoundRecord] = []
         self.bytes_uploaded = 0
@@ -164,13 +217,10 @@ class ObjectStoreManager:
 
     # ------------------------------------------------------------------ torchft Manager surface
     def register_state_dict_fn(
-        self, key: str, load_state_dict: Callable[[Any], None], state_dict: Callable[[], Any]
+        self, key: str, load_state_dict: LoadStateFn, state_dict: SaveStateFn
     ) -> None:
         """Register a (load, save) pair; DiLoCo registers one per fragment."""
-        if key in self._load_fns:
-            raise ValueError(f"state dict key {key!r} is already registered with this manager")
-        self._load_fns[key] = load_state_dict
-        self._save_fns[key] = state_dict
+        self._state.register(key, load_state_dict, state_dict)
 
     def allow_state_dict_read(self) -> None:
         """No-op: nothing reads our state concurrently (torchft serves it to healing peers)."""
@@ -184,12 +234,17 @@ class ObjectStoreManager:
             self._thread.start()
 
     def start_quorum(
-        self, allow_heal: bool = True, shrink_only: bool = False, timeout: Any = None
+        self, allow_heal: bool = True, shrink_only: bool = False, timeout: timedelta | None = None
     ) -> None:
         """Begin a round: heal first if this replica missed a committed round (see the module)."""
         self._skip_round = False
-        latest = self.store.latest_committed_step()
-        if allow_heal and latest is not None and latest > self._round + 1:
+        self._requests_at_quorum = self.exchange.store.requests.snapshot()
+        latest = None
+        if allow_heal:
+            hint = self.exchange.head_step()
+            if self._last_failed or (hint is not None and hint > self._round + 1):
+                latest = self.exchange.latest_committed_step()  # a listing, off the steady state
+        if latest is not None and latest > self._round + 1:
             # We missed at least one whole committed round (latest == round + 1 only means the
             # round we are joining is decided already: we still read its result and keep up).
             self._heal(latest)
@@ -205,8 +260,8 @@ class ObjectStoreManager:
         return self._batches_committed
 
     def allreduce(
-        self, tensor: torch.Tensor, should_quantize: bool = False, reduce_op: Any = None
-    ) -> dist._Work:
+        self, tensor: torch.Tensor, should_quantize: bool = False, reduce_op: object = None
+    ) -> dist.Work:
         """Queue `tensor` for this round's exchange; it is averaged in place when waited on.
 
         should_quantize is ignored: the wire codec is the store's (``codec=`` on
@@ -225,10 +280,10 @@ class ObjectStoreManager:
             self._round_tokens, self._round_inner_steps = self._tokens, self._inner_steps
             self._tokens, self._inner_steps = None, 0
         work = _StoreWork(self, tensor)
-        self._pending.append((tensor, work._future))
+        self._pending.append((tensor, work.get_future()))
         return work
 
-    def should_commit(self, timeout: Any = None) -> bool:
+    def should_commit(self, timeout: timedelta | None = None) -> bool:
         """True if this round's averaged pseudo-gradient may be applied (advances the round)."""
         if self._skip_round:
             self._skip_round = False
@@ -239,9 +294,10 @@ class ObjectStoreManager:
         committed, result = self._outcome
         self._outcome = None
         if committed:
+            included = list(result.included_ranks) if isinstance(result, StepResult) else []
             self._round += 1
-            self._batches_committed += len(result.included_ranks) if result is not None else 1
-            self._last_included = list(result.included_ranks) if result is not None else []
+            self._batches_committed += len(included) or 1
+            self._last_included = included
             self._publish_due = self._round % self.checkpoint_every == 0
         return committed
 
@@ -252,10 +308,10 @@ class ObjectStoreManager:
         logger.warning("ObjectStoreManager: error reported by the outer loop: %s", e)
 
     def num_participants(self) -> int:
-        return len(self._last_included) or int(getattr(self.store, "world_size", 1))
+        return len(self._last_included) or self.exchange.world_size
 
     def participating_rank(self) -> int | None:
-        return int(self.store.rank)
+        return self.rank
 
     def is_participating(self) -> bool:
         return True
@@ -268,12 +324,13 @@ class ObjectStoreManager:
         self._batches_committed = int(state_dict["batches_committed"])
 
     def shutdown(self, wait: bool = True) -> None:
-        """Finish a background exchange (if any) and publish a due checkpoint."""
-        if self._thread is not None and wait:
-            self._thread.join()
-        self.publish_if_due()
+        """torchft's name for `drain` (``wait=False``: publish without joining an exchange)."""
+        if wait:
+            self.drain()
+        else:
+            self.publish_if_due()
 
-    # ------------------------------------------------------------------ outer-loop extensions
+    # ------------------------------------------------------------------ outer-loop hooks
     def record_tokens(self, n: int) -> None:
         """Add `n` trained tokens to this round's contribution (for weighting="tokens")."""
         if n < 0:
@@ -283,27 +340,37 @@ class ObjectStoreManager:
     def record_inner_step(self) -> None:
         self._inner_steps += 1
 
+    def drain(self) -> None:
+        """End of training: finish a background exchange (if any) and publish a due state."""
+        if self._thread is not None:
+            self._thread.join()
+        self.publish_if_due()
+
+    def close(self) -> None:
+        """Release the exchange's upload/fetch threads (the manager is done)."""
+        self.exchange.close()
+
     def add_heal_hook(self, fn: Callable[[], None]) -> None:
         """`fn` runs after a heal loaded new global weights (the outer loop copies them in)."""
         self._heal_hooks.append(fn)
 
-    def initial_sync(self, fingerprint: dict[str, Any] | None = None) -> int:
+    def initial_sync(self, named_parameters: Mapping[str, torch.Tensor]) -> int:
         """Make this replica start from the run's global state; returns the round it resumes at.
 
-        Checks the run manifest (same model, world size, codec), publishes our own state as
-        round 0 if the store holds none (first writer wins, so replicas that raced agree), then
-        loads the newest stored state: round 0 on a fresh run, round r on a restart.
+        Checks the run manifest (same parameter names/shapes/dtypes, world size, codec),
+        publishes our own state as round 0 if the store holds none (first writer wins, so
+        replicas that raced agree), then loads the newest stored state: round 0 on a fresh run,
+        round r on a restart.
         """
-        if fingerprint is not None:
-            self.store.ensure_manifest(fingerprint)
-        state = fetch_outer_state(self.store)
+        self.exchange.ensure_manifest(model_fingerprint(dict(named_parameters)))
+        state = fetch_outer_state(self.exchange)
         if state is None:
-            own = OuterState(round=0, user=self._collect(), batches_committed=0)
-            publish_outer_state(self.store, own)
-            state = fetch_outer_state(self.store)
+            own = OuterState(round=0, user=self._state.collect(), batches_committed=0)
+            publish_outer_state(self.exchange, own)
+            state = fetch_outer_state(self.exchange)
             if state is None:
                 raise RuntimeError(
-                    f"published the initial state to {self.store.uri} but cannot read it"
+                    f"published the initial state to {self.exchange.uri} but cannot read it"
                 )
         self._load(state)
         return self._round
@@ -317,75 +384,61 @@ class ObjectStoreManager:
         if not self._publish_due:
             return False
         self._publish_due = False
-        rank = int(self.store.rank)
-        if self._last_included and rank != min(self._last_included):
+        if self._last_included and self.rank != min(self._last_included):
             return False
         return self._publish()
 
     def _publish(self) -> bool:
         state = OuterState(
-            round=self._round, user=self._collect(), batches_committed=self._batches_committed
+            round=self._round, user=self._state.collect(), batches_committed=self._batches_committed
         )
-        wrote = publish_outer_state(self.store, state)
+        before = self.exchange.store.requests.snapshot()
+        wrote = publish_outer_state(self.exchange, state, stride=self.checkpoint_every)
         if wrote:
             self.checkpoint_bytes += state_nbytes(state.user)
+        last = self.history[-1] if self.history else None
+        if last is not None and last["round"] == self._round and not last["healed"]:
+            spent = self.exchange.store.requests.since(before)
+            last["requests"] = {k: last["requests"].get(k, 0) + v for k, v in spent.items()}
         return wrote
 
     # ------------------------------------------------------------------ internals
-    def _collect(self) -> dict[str, Any]:
-        if not self._save_fns:
-            raise RuntimeError("no state registered: build DiLoCo with this manager first")
-        return {key: fn() for key, fn in self._save_fns.items()}
-
     def _load(self, state: OuterState) -> None:
-        missing = set(self._load_fns) - set(state.user)
-        if missing:
-            raise ValueError(
-                f"stored outer state (round {state.round}) lacks {sorted(missing)}; it was written "
-                "with a different fragment layout (num_fragments / model_fragments)"
-            )
-        for key, fn in self._load_fns.items():
-            fn(state.user[key])
+        self._state.load(state)
         self._round = state.round
         self._batches_committed = state.batches_committed
 
     def _ensure_published(self) -> None:
         """Publish our current round's state if nobody has (its publisher may have died)."""
-        if self._save_fns and not outer_state_exists(self.store, self._round):
+        if self._state and not outer_state_exists(self.exchange, self._round):
             self._publish()
 
     def _heal(self, latest: int) -> None:
         """Load the newest published outer state (waiting for round `latest` to appear)."""
-        state = wait_for_outer_state(self.store, latest, self.state_timeout_s)
+        state = wait_for_outer_state(self.exchange, latest, self.state_timeout_s)
         if state is None or state.round <= self._round:
-            from composer_replication.exchange.protocol import StoreTimeoutError
-
             raise StoreTimeoutError(
-                f"rank {self.store.rank} is at round {self._round} but the run committed step "
+                f"rank {self.rank} is at round {self._round} but the run committed step "
                 f"{latest}, and no newer outer state was published within state_timeout_s="
                 f"{self.state_timeout_s}; restart this replica to resume from the store"
             )
-        logger.info("rank %s healing: round %s -> %s", self.store.rank, self._round, state.round)
+        logger.info("rank %s healing: round %s -> %s", self.rank, self._round, state.round)
         self._load(state)
         self.bytes_downloaded += state_nbytes(state.user)
         for fn in self._heal_hooks:
             fn()
-        self.history.append(_record(state.round, committed=True, healed=True))
+        self.history.append(round_record(state.round, committed=True, healed=True))
 
     def _exchange(self) -> None:
         """Run the store allreduce for the queued tensors and record the outcome (any thread)."""
-        from composer_replication.exchange.protocol import (
-            CorruptContributionError,
-            StoreTimeoutError,
-        )
-
         pending = self._pending
         step = self._round + 1
         tensors = {f"p{i:06d}": t for i, (t, _) in enumerate(pending)}
         t0 = time.monotonic()
-        record = _record(step)
+        record = round_record(step)
+        record["tokens"], record["inner_steps"] = self._round_tokens, self._round_inner_steps
         try:
-            out = self.store.allreduce(
+            out = self.exchange.allreduce(
                 tensors,
                 step=step,
                 tokens=self._round_tokens,
@@ -394,33 +447,35 @@ class ObjectStoreManager:
             with torch.no_grad():
                 for key, (t, _) in zip(tensors, pending):
                     t.copy_(out[key])
-            result = getattr(self.store, "last_result", None)
+            result = self.exchange.last_result
             self._outcome = (True, result)
+            self._last_failed = False
+            record["committed"] = True
             if result is not None:
-                record.update(
-                    committed=True,
-                    included_ranks=list(result.included_ranks),
-                    excluded_ranks=list(result.excluded_ranks),
-                    bytes_uploaded=int(result.bytes_uploaded),
-                    bytes_downloaded=int(result.bytes_downloaded),
-                )
+                record["rejected"] = {str(r): why for r, why in sorted(result.rejected.items())}
+                record["aggregate"] = result.aggregate
+                record["included_ranks"] = list(result.included_ranks)
+                record["excluded_ranks"] = list(result.excluded_ranks)
+                record["participants"] = len(result.included_ranks)
+                record["bytes_uploaded"] = int(result.bytes_uploaded)
+                record["bytes_downloaded"] = int(result.bytes_downloaded)
                 self.bytes_uploaded += int(result.bytes_uploaded)
                 self.bytes_downloaded += int(result.bytes_downloaded)
-            else:
-                record.update(committed=True)
         except (StoreTimeoutError, CorruptContributionError) as e:
             # Nothing was committed for this step (too few replicas in time), or the commit lists
             # a contribution we cannot verify. DiLoCo rolls back to the global weights and the
             # step is retried next round (see the module docstring).
-            logger.warning("rank %s: store step %s failed: %s", self.store.rank, step, e)
-            record.update(error=f"{type(e).__name__}: {e}")
+            logger.warning("rank %s: store step %s failed: %s", self.rank, step, e)
+            record["error"] = f"{type(e).__name__}: {e}"
             self._outcome = (False, e)
+            self._last_failed = True
         except BaseException as e:  # programming/config errors: surface them in the caller
-            record.update(error=f"{type(e).__name__}: {e}")
+            record["error"] = f"{type(e).__name__}: {e}"
             self._outcome = (False, e)
             self._fatal = e
         finally:
             record["seconds"] = time.monotonic() - t0
+            record["requests"] = self.exchange.store.requests.since(self._requests_at_quorum)
             self.history.append(record)
             for t, fut in pending:
                 if not fut.done():
@@ -440,15 +495,6 @@ class ObjectStoreManager:
             self._fatal = None
             self._outcome = None
             raise fatal
-
-
-def _record(round_: int, **kw: Any) -> RoundRecord:
-    base: dict[str, Any] = dict(
-        round=round_, store_step=round_, committed=False, healed=False, included_ranks=[],
-        excluded_ranks=[], bytes_uploaded=0, bytes_downloaded=0, seconds=0.0, error=None,
-    )  # fmt: skip
-    base.update(kw)
-    return RoundRecord(base)
 
 
 MockManager = ObjectStoreManager

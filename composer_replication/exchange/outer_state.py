@@ -27,15 +27,21 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from composer_replication.exchange.documents import RunDocuments
+
 __all__ = [
     "FORMAT_VERSION",
+    "LoadStateFn",
     "OuterState",
+    "SaveStateFn",
+    "StateDict",
+    "StateFns",
     "decode_state",
     "encode_state",
     "fetch_outer_state",
@@ -47,6 +53,11 @@ __all__ = [
 
 FORMAT_VERSION = 1
 STATE_NAME = "global"
+
+StateDict = dict[str, object]
+"""One registered state (DiLoCo: a fragment's ``original_parameters`` and ``outer_optimizer``)."""
+LoadStateFn = Callable[[StateDict], None]
+SaveStateFn = Callable[[], StateDict]
 
 
 def encode_state(obj: Any) -> tuple[dict[str, torch.Tensor], Any]:
@@ -122,22 +133,60 @@ class OuterState:
     """
 
     round: int
-    user: dict[str, Any]
+    user: dict[str, StateDict]
     batches_committed: int = 0
 
 
-def publish_outer_state(store: Any, state: OuterState) -> bool:
-    """Put-if-absent the state for `state.round`; False if that round was already published."""
+class StateFns:
+    """The (load, save) pairs registered with a manager (DiLoCo registers one per fragment)."""
+
+    def __init__(self) -> None:
+        self._load: dict[str, LoadStateFn] = {}
+        self._save: dict[str, SaveStateFn] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._save)
+
+    def register(self, key: str, load_state_dict: LoadStateFn, state_dict: SaveStateFn) -> None:
+        if key in self._load:
+            raise ValueError(f"state dict key {key!r} is already registered with this manager")
+        self._load[key] = load_state_dict
+        self._save[key] = state_dict
+
+    def collect(self) -> dict[str, StateDict]:
+        """Every registered state, now."""
+        if not self._save:
+            raise RuntimeError("no state registered: build DiLoCo with this manager first")
+        return {key: fn() for key, fn in self._save.items()}
+
+    def load(self, state: OuterState) -> None:
+        """Hand each registered key its part of a stored state (all keys must be there)."""
+        missing = set(self._load) - set(state.user)
+        if missing:
+            raise ValueError(
+                f"stored outer state (round {state.round}) lacks {sorted(missing)}; it was written "
+                "with a different fragment layout (num_fragments / model_fragments)"
+            )
+        for key, fn in self._load.items():
+            fn(state.user[key])
+
+
+def publish_outer_state(store: RunDocuments, state: OuterState, *, stride: int = 1) -> bool:
+    """Put-if-absent the state for `state.round`; False if that round was already published.
+    ``stride``: rounds between publications (pruning of old rounds needs it, see
+    `RunDocuments.publish_state`)."""
     tensors, skeleton = encode_state(state.user)
     extra = {
         "format": FORMAT_VERSION,
         "skeleton": skeleton,
         "batches_committed": state.batches_committed,
     }
-    return bool(store.publish_state(tensors, round=state.round, name=STATE_NAME, extra=extra))
+    return bool(
+        store.publish_state(tensors, round=state.round, name=STATE_NAME, extra=extra, stride=stride)
+    )
 
 
-def fetch_outer_state(store: Any, round: int | None = None) -> OuterState | None:
+def fetch_outer_state(store: RunDocuments, round: int | None = None) -> OuterState | None:
     """The stored state for `round` (None = latest), or None when nothing is stored yet."""
     found = store.fetch_state(name=STATE_NAME, round=round)
     if found is None:
@@ -151,7 +200,9 @@ def fetch_outer_state(store: Any, round: int | None = None) -> OuterState | None
             "version of composer-replication?"
         )
     user = decode_state(tensors, extra["skeleton"])
-    if not isinstance(user, dict):
+    if not isinstance(user, dict) or not all(
+        isinstance(k, str) and isinstance(v, dict) for k, v in user.items()
+    ):
         raise ValueError(f"outer state for round {got_round} is not a dict of state dicts")
     return OuterState(
         round=int(got_round),
@@ -160,20 +211,17 @@ def fetch_outer_state(store: Any, round: int | None = None) -> OuterState | None
     )
 
 
-def outer_state_exists(store: Any, round: int) -> bool:
+def outer_state_exists(store: RunDocuments, round: int) -> bool:
     """Whether round `round`'s state is in the store (a cheap existence check, no download)."""
-    from composer_replication.exchange.state import state_key
-
-    raw = getattr(store, "_store", None)
-    if raw is None:  # not an ObjectStoreAllReduce: fall back to reading it
-        return fetch_outer_state(store, round) is not None
-    return bool(raw.exists(state_key(STATE_NAME, round)))
+    return store.state_exists(name=STATE_NAME, round=round)
 
 
-def wait_for_outer_state(store: Any, min_round: int, timeout_s: float) -> OuterState | None:
+def wait_for_outer_state(
+    store: RunDocuments, min_round: int, timeout_s: float
+) -> OuterState | None:
     """Poll for a stored state of round >= `min_round`; the newest one found by the deadline."""
     deadline = time.monotonic() + timeout_s
-    poll = float(getattr(store, "poll_interval_s", 0.1))
+    poll = store.poll_interval_s
     state = fetch_outer_state(store)
     while (state is None or state.round < min_round) and time.monotonic() < deadline:
         time.sleep(poll)

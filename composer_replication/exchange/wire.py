@@ -46,7 +46,7 @@ def _as_bytes_view(t: torch.Tensor) -> memoryview:
     flat = t.detach().contiguous().reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+    return flat.view(torch.uint8).numpy().data.cast("B")
 
 
 def layout(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, object], list[memoryview]]:
@@ -151,8 +151,8 @@ def unframe(blob: Buffer, what: str) -> tuple[dict[str, str], dict[str, torch.Te
         )
     try:
         header = json.loads(bytes(mv[8 : 8 + n]))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise FrameError(f"{what}: safetensors header is not JSON ({e})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise FrameError(f"{what}: safetensors header is not JSON ({exc})") from None
     if not isinstance(header, dict):
         raise FrameError(f"{what}: safetensors header is not a JSON object")
     meta = header.pop("__metadata__", {})

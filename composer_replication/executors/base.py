@@ -6,7 +6,9 @@ This module holds everything that is the same for every backend:
 
 - `ReplicaStatus` / `ReplicaHandle`: what the driver sees of one replica.
 - `ServerlessExecutor`: the Protocol every backend satisfies (`launch_replicas`, `poll`,
-  `collect`, `cancel`, `logs`). The seed driver works unchanged with any of them::
+  `collect`, `cancel`, `logs`); `RankLauncher` adds what `MultiExecutor` needs of a
+  sub-executor (`check_launch`, `launch_ranks`). The seed driver works unchanged with any of
+  them::
 
       handles = executor.launch_replicas(n_replicas=4, entrypoint="diloco_replica.py",
           entrypoint_args={"rendezvous": uri, "rank_env": "REPLICA_RANK"})
@@ -15,6 +17,9 @@ This module holds everything that is the same for every backend:
 
 - `build_command`, `replica_env`, `validate_launch`: the one implementation of "what does replica
   k run, with which environment", so all backends start byte-identical commands.
+- per-rank secrets (``launch_replicas(..., secrets={rank: {"NAME": "value"}})``, e.g. each
+  replica's own signing key): each rank gets only its own, through the backend's secret
+  mechanism (the `secrets` argument of `ExecutorBase._start`).
 - `SupervisorBase` / `ExecutorBase`: optional base classes with the poll, collect (timeout,
   Ctrl-C) and cancel loops, and the launch-all-or-cancel loop; a backend implements `_start`,
   `_refresh`, `_terminate` and `logs`.
@@ -42,11 +47,13 @@ __all__ = [
     "ENV_WORLD_SIZE",
     "ExecutorBase",
     "ReplicaHandle",
+    "RankLauncher",
     "ReplicaStatus",
     "ServerlessExecutor",
     "SupervisorBase",
     "args_to_argv",
     "build_command",
+    "check_secrets",
     "failure_error",
     "read_log_file",
     "replica_env",
@@ -65,6 +72,10 @@ LAUNCH_MODULE = "composer_replication.executors.launch"
 ERROR_TAIL_LINES = 20
 
 _MODULE_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+_ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+SecretsByRank = Mapping[int, Mapping[str, str]]
+"""rank -> {environment variable: secret value} that only that rank may see."""
 
 
 class ReplicaStatus(StrEnum):
@@ -119,8 +130,11 @@ class ServerlessExecutor(Protocol):
         *,
         env: dict[str, str] | None = None,
         resources: dict[str, Any] | None = None,
+        secrets: SecretsByRank | None = None,
     ) -> list[ReplicaHandle]:
-        """Start replicas 0..n_replicas-1; bad input raises ValueError before anything starts."""
+        """Start replicas 0..n_replicas-1; bad input raises ValueError before anything starts.
+        ``secrets[rank]`` reaches only that replica, as environment variables set through the
+        backend's secret mechanism."""
         ...
 
     def poll(self, handles: list[ReplicaHandle]) -> list[ReplicaHandle]:
@@ -137,6 +151,30 @@ class ServerlessExecutor(Protocol):
 
     def logs(self, handle: ReplicaHandle, tail: int | None = None) -> str:
         """The replica's combined stdout/stderr (the last `tail` lines when given)."""
+        ...
+
+
+@runtime_checkable
+class RankLauncher(ServerlessExecutor, Protocol):
+    """An executor that can start a subset of a larger run's ranks (what `MultiExecutor` needs
+    of each sub-executor; every `ExecutorBase` is one)."""
+
+    def check_launch(self, n_replicas: int, entrypoint: str) -> None:
+        """Raise ValueError for a launch of `n_replicas` that cannot work; start nothing."""
+        ...
+
+    def launch_ranks(
+        self,
+        ranks: Sequence[int],
+        world_size: int,
+        entrypoint: str,
+        entrypoint_args: dict[str, Any] | list[Any] | None = None,
+        *,
+        env: dict[str, str] | None = None,
+        resources: dict[str, Any] | None = None,
+        secrets: SecretsByRank | None = None,
+    ) -> list[ReplicaHandle]:
+        """Start the given ranks of a run of `world_size` replicas."""
         ...
 
 
@@ -229,6 +267,25 @@ def replica_env(
             if not isinstance(rank_env, str) or not re.match(r"^[A-Za-z_]\w*$", rank_env):
                 raise ValueError(f"rank_env must be an environment variable name, got {rank_env!r}")
             out[rank_env] = str(rank)
+    return out
+
+
+def check_secrets(secrets: SecretsByRank | None, ranks: Sequence[int]) -> dict[int, dict[str, str]]:
+    """Validated per-rank secrets (ValueError naming what is wrong); {} when None."""
+    if secrets is None:
+        return {}
+    if not isinstance(secrets, Mapping):
+        raise ValueError(f"secrets must map rank -> {{NAME: value}}, got {type(secrets).__name__}")
+    out: dict[int, dict[str, str]] = {}
+    for rank, values in secrets.items():
+        if rank not in ranks:
+            raise ValueError(f"secrets given for rank {rank!r}, which this launch does not start")
+        if not isinstance(values, Mapping) or not all(
+            isinstance(k, str) and _ENV_NAME_RE.match(k) and isinstance(v, str)
+            for k, v in values.items()
+        ):
+            raise ValueError(f"secrets[{rank}] must map environment variable names to strings")
+        out[rank] = dict(values)
     return out
 
 
@@ -423,10 +480,12 @@ class SupervisorBase(ABC):
 class ExecutorBase(SupervisorBase):
     """SupervisorBase plus launch-all-or-cancel; a backend adds `_start` for one replica.
 
-      _start(rank, world_size, command, env, resources) -> ReplicaHandle   (`_new_handle` builds it)
+      _start(rank, world_size, command, env, resources, secrets) -> ReplicaHandle
+      (`_new_handle` builds it; `secrets` go through the backend's secret store)
 
-    and may override `_check_resources` (reject bad resources up front), `_validate` (e.g. skip
-    local checks for code that lives in an image) and `python` (the interpreter replicas use).
+    and may override `_check_resources` (reject bad resources up front), `check_launch` (e.g.
+    skip local checks for code that lives in an image) and `python` (the interpreter replicas
+    use).
     `launch_ranks(ranks, world_size, ...)` starts an arbitrary subset of ranks of a larger run;
     `MultiExecutor` relies on it to spread one run over several executors.
     """
@@ -441,13 +500,18 @@ class ExecutorBase(SupervisorBase):
         command: list[str],
         env: dict[str, str],
         resources: dict[str, Any],
-    ) -> ReplicaHandle: ...
+        secrets: dict[str, str],
+    ) -> ReplicaHandle:
+        """Start one replica. ``secrets`` are this rank's own (often empty): hand them over
+        through the backend's secret mechanism, never where other ranks or job specs show
+        them."""
 
     def _check_resources(self, resources: dict[str, Any]) -> dict[str, Any]:
         """Validate/normalise resources before launch (raise ValueError). Default: any dict."""
         return resources
 
-    def _validate(self, n_replicas: int, entrypoint: str) -> None:
+    def check_launch(self, n_replicas: int, entrypoint: str) -> None:
+        """Raise ValueError for a launch that cannot work (default: `validate_launch`)."""
         validate_launch(n_replicas, entrypoint)
 
     def _new_handle(
@@ -473,7 +537,7 @@ class ExecutorBase(SupervisorBase):
         resources: dict[str, Any] | None,
     ) -> tuple[list[str], dict[str, Any]]:
         """Check a launch (entrypoint, resources) and return (command, checked resources)."""
-        self._validate(world_size, entrypoint)
+        self.check_launch(world_size, entrypoint)
         if resources is not None and not isinstance(resources, dict):
             raise ValueError(f"resources must be a dict or None, got {type(resources).__name__}")
         checked = self._check_resources(dict(resources or {}))
@@ -487,12 +551,13 @@ class ExecutorBase(SupervisorBase):
         *,
         env: dict[str, str] | None = None,
         resources: dict[str, Any] | None = None,
+        secrets: SecretsByRank | None = None,
     ) -> list[ReplicaHandle]:
         """Start ranks 0..n_replicas-1 (see `launch_ranks`)."""
-        self._validate(n_replicas, entrypoint)
+        self.check_launch(n_replicas, entrypoint)
         return self.launch_ranks(
             range(n_replicas), n_replicas, entrypoint, entrypoint_args, env=env,
-            resources=resources,
+            resources=resources, secrets=secrets,
         )  # fmt: skip
 
     def launch_ranks(
@@ -504,6 +569,7 @@ class ExecutorBase(SupervisorBase):
         *,
         env: dict[str, str] | None = None,
         resources: dict[str, Any] | None = None,
+        secrets: SecretsByRank | None = None,
     ) -> list[ReplicaHandle]:
         """Start the given ranks of a run of world_size replicas.
 
@@ -516,12 +582,15 @@ class ExecutorBase(SupervisorBase):
         bad = [r for r in ranks if not isinstance(r, int) or not 0 <= r < world_size]
         if bad or len(set(ranks)) != len(ranks):
             raise ValueError(f"ranks must be distinct integers in [0, {world_size}), got {ranks}")
+        own = check_secrets(secrets, ranks)
         command, resources = self._prepare(world_size, entrypoint, entrypoint_args, resources)
         envs = {r: replica_env(r, world_size, entrypoint_args, env) for r in ranks}
         launched: list[ReplicaHandle] = []
         try:
             for rank in ranks:
-                launched.append(self._start(rank, world_size, command, envs[rank], resources))
+                launched.append(
+                    self._start(rank, world_size, command, envs[rank], resources, own.get(rank, {}))
+                )
         except BaseException:
             self._cancel_quietly(launched)
             raise

@@ -213,7 +213,7 @@ class LocalProcessExecutor(ExecutorBase):
         self._log_dir.mkdir(parents=True, exist_ok=True)
         return self._log_dir
 
-    def _validate(self, n_replicas: int, entrypoint: str) -> None:
+    def check_launch(self, n_replicas: int, entrypoint: str) -> None:
         from composer_replication.executors.base import validate_launch
 
         validate_launch(n_replicas, entrypoint, cwd=self.cwd)
@@ -252,7 +252,9 @@ class LocalProcessExecutor(ExecutorBase):
         command: list[str],
         env: dict[str, str],
         resources: dict[str, Any],
+        secrets: dict[str, str],
     ) -> ReplicaHandle:
+        env = {**env, **secrets}  # the replica's own process environment is private to it
         launch = uuid.uuid4().hex[:8]
         job_id = f"local-{launch}-r{rank}"
         log_path = str(self.log_dir / f"replica-{rank}-{launch}.log")

@@ -17,9 +17,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from composer_replication.executors.base import (
+    RankLauncher,
     ReplicaHandle,
+    SecretsByRank,
     ServerlessExecutor,
     SupervisorBase,
+    check_secrets,
 )
 
 __all__ = ["MultiExecutor"]
@@ -37,7 +40,7 @@ class MultiExecutor(SupervisorBase):
 
     def __init__(
         self,
-        placement: Mapping[Any, int] | Sequence[tuple[Any, int]],
+        placement: Mapping[RankLauncher, int] | Sequence[tuple[RankLauncher, int]],
         *,
         poll_interval: float = 0.2,
     ) -> None:
@@ -54,20 +57,20 @@ class MultiExecutor(SupervisorBase):
                 )
             if not isinstance(executor, ServerlessExecutor):
                 raise ValueError(f"{executor!r} is not a ServerlessExecutor")
-            if not callable(getattr(executor, "launch_ranks", None)):
+            if not isinstance(executor, RankLauncher):
                 raise ValueError(
-                    f"{type(executor).__name__} cannot launch a subset of a run's ranks "
-                    "(it has no launch_ranks(ranks, world_size, ...)); derive it from "
-                    "executor.ExecutorBase"
+                    f"{type(executor).__name__} cannot launch a subset of a run's ranks (it "
+                    "has no check_launch(n_replicas, entrypoint) and launch_ranks(ranks, "
+                    "world_size, ...)); derive it from executors.base.ExecutorBase"
                 )
         if len({id(e) for e, _ in items}) != len(items):
             raise ValueError("each executor may appear only once in a placement")
         if poll_interval <= 0:
             raise ValueError(f"poll_interval must be > 0, got {poll_interval}")
-        self.placement: list[tuple[Any, int]] = items
+        self.placement: list[tuple[RankLauncher, int]] = items
         self.poll_interval = float(poll_interval)
         # id(handle) -> the executor that launched it; handles are the driver's own objects.
-        self._owner: dict[int, Any] = {}
+        self._owner: dict[int, RankLauncher] = {}
         self._handles: dict[int, ReplicaHandle] = {}  # keeps ids from being reused
 
     @property
@@ -82,8 +85,10 @@ class MultiExecutor(SupervisorBase):
         *,
         env: dict[str, str] | None = None,
         resources: dict[str, Any] | None = None,
+        secrets: SecretsByRank | None = None,
     ) -> list[ReplicaHandle]:
-        """Launch ranks 0..n_replicas-1 over the sub-executors (resources go to every one)."""
+        """Launch ranks 0..n_replicas-1 over the sub-executors (resources go to every one,
+        ``secrets[rank]`` only to the sub-executor that starts that rank)."""
         if isinstance(n_replicas, bool) or not isinstance(n_replicas, int) or n_replicas < 1:
             raise ValueError(f"n_replicas must be an integer >= 1, got {n_replicas!r}")
         if n_replicas != self.world_size:
@@ -91,20 +96,21 @@ class MultiExecutor(SupervisorBase):
                 f"n_replicas={n_replicas} but the placement adds up to {self.world_size} "
                 f"({', '.join(f'{type(e).__name__}: {c}' for e, c in self.placement)})"
             )
+        own = check_secrets(secrets, range(n_replicas))
         launched: list[ReplicaHandle] = []
         try:
             # Validate everywhere first, so a bad entrypoint starts nothing on any backend.
             for executor, _ in self.placement:
-                validate = getattr(executor, "_validate", None)
-                if callable(validate):
-                    validate(n_replicas, entrypoint)
+                executor.check_launch(n_replicas, entrypoint)
             start = 0
             for executor, count in self.placement:
                 ranks = list(range(start, start + count))
                 start += count
+                mine = {r: own[r] for r in ranks if r in own}
                 handles = executor.launch_ranks(
-                    ranks, n_replicas, entrypoint, entrypoint_args, env=env, resources=resources
-                )
+                    ranks, n_replicas, entrypoint, entrypoint_args, env=env, resources=resources,
+                    secrets=mine or None,
+                )  # fmt: skip
                 for handle in handles:
                     self._owner[id(handle)] = executor
                     self._handles[id(handle)] = handle
@@ -114,7 +120,7 @@ class MultiExecutor(SupervisorBase):
             raise
         return launched
 
-    def executor_of(self, handle: ReplicaHandle) -> Any:
+    def executor_of(self, handle: ReplicaHandle) -> RankLauncher:
         """The sub-executor that launched handle."""
         try:
             return self._owner[id(handle)]
@@ -124,8 +130,10 @@ class MultiExecutor(SupervisorBase):
                 "MultiExecutor"
             ) from None
 
-    def _groups(self, handles: list[ReplicaHandle]) -> list[tuple[Any, list[ReplicaHandle]]]:
-        groups: dict[int, tuple[Any, list[ReplicaHandle]]] = {}
+    def _groups(
+        self, handles: list[ReplicaHandle]
+    ) -> list[tuple[RankLauncher, list[ReplicaHandle]]]:
+        groups: dict[int, tuple[RankLauncher, list[ReplicaHandle]]] = {}
         for handle in handles:
             executor = self.executor_of(handle)
             groups.setdefault(id(executor), (executor, []))[1].append(handle)

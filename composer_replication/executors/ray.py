@@ -38,6 +38,7 @@ from composer_replication.executors.local import (
     spawn_in_group,
     terminate_groups,
 )
+from composer_replication.executors.redact import import_sdk
 
 __all__ = ["RayExecutor", "ReplicaRunner"]
 
@@ -45,11 +46,7 @@ _RESOURCE_KEYS = ("num_cpus", "num_gpus", "memory", "resources", "accelerator_ty
 
 
 def _import_ray() -> Any:
-    try:
-        import ray
-    except ImportError as exc:
-        raise ImportError("RayExecutor needs Ray: pip install composer-replication[ray]") from exc
-    return ray
+    return import_sdk("ray", "ray")
 
 
 class ReplicaRunner:
@@ -223,7 +220,7 @@ class RayExecutor(ExecutorBase):
         if self._runner_cls is None:
             self._runner_cls = ray.remote(ReplicaRunner)
 
-    def _validate(self, n_replicas: int, entrypoint: str) -> None:
+    def check_launch(self, n_replicas: int, entrypoint: str) -> None:
         # On a cluster the script/module must exist on the nodes, not necessarily here.
         validate_launch(n_replicas, entrypoint, cwd=self.cwd, check_local=self.same_fs)
 
@@ -252,11 +249,18 @@ class RayExecutor(ExecutorBase):
         command: list[str],
         env: dict[str, str],
         resources: dict[str, Any],
+        secrets: dict[str, str],
     ) -> ReplicaHandle:
+        """The rank's own secrets go into its actor's ``runtime_env`` env_vars (the replica
+        process inherits the actor's environment), not into the task arguments."""
         self._ensure_ray()
         options: dict[str, Any] = {**self.defaults, **resources, "max_concurrency": 4}
         if self.runtime_env is not None:
             options["runtime_env"] = self.runtime_env
+        if secrets:
+            runtime_env = dict(self.runtime_env or {})
+            runtime_env["env_vars"] = {**dict(runtime_env.get("env_vars") or {}), **secrets}
+            options["runtime_env"] = runtime_env
         launch = uuid.uuid4().hex[:8]
         # The actor's name is the job id, so `ray list actors` shows which replica is which.
         job_id = f"composer-replication-{launch}-r{rank}"
@@ -286,8 +290,9 @@ class RayExecutor(ExecutorBase):
             if started:
                 handle.status = ReplicaStatus.RUNNING
             return
+        code: int | None = None
         try:
-            code: int | None = ray.get(rep.run_ref)
+            code = int(ray.get(rep.run_ref))
             reason = exit_reason(code)
         except Exception as exc:  # actor died (node lost, OOM) or could not start the command
             code, reason = None, f"ray replica error: {type(exc).__name__}: {exc}"

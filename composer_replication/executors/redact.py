@@ -15,6 +15,8 @@ import re
 from collections.abc import Iterable, Iterator
 from types import ModuleType
 
+from composer_replication.executors.registry import pip_extra
+
 __all__ = ["CloudExecutorError", "MissingCredentialsError", "import_sdk", "redact", "sdk_errors"]
 
 MASK = "***"
@@ -65,14 +67,15 @@ def sdk_errors(backend: str, operation: str, secrets: Iterable[str | None] = ())
         raise CloudExecutorError(f"{backend}: {operation} failed: {message}") from None
 
 
-def import_sdk(module: str, extra: str) -> ModuleType:
-    """Import an optional SDK or raise ImportError naming the extra that installs it."""
+def import_sdk(module: str, backend: str) -> ModuleType:
+    """Import an optional SDK of `backend` (a registry name) or raise ImportError naming the
+    pip extra that installs it (from the backend registry)."""
     try:
         return importlib.import_module(module)
     except ImportError as exc:
         raise ImportError(
             f"this executor needs the '{module.split('.')[0]}' package: "
-            f"pip install 'composer-replication[{extra}]' ({exc})"
+            f"pip install 'composer-replication[{pip_extra(backend)}]' ({exc})"
         ) from None
 
 

@@ -146,7 +146,7 @@ class SageMakerExecutor(ExecutorBase):
         if not isinstance(max_runtime, int) or not 1 <= max_runtime <= MAX_RUNTIME_LIMIT:
             raise ValueError(f"max_runtime_seconds must be in [1, {MAX_RUNTIME_LIMIT}], got {max_runtime!r}")  # fmt: skip
 
-    def _validate(self, n_replicas: int, entrypoint: str) -> None:
+    def check_launch(self, n_replicas: int, entrypoint: str) -> None:
         validate_launch(n_replicas, entrypoint, check_local=False)  # the code is in the image
 
     def _check_resources(self, resources: dict[str, Any]) -> dict[str, Any]:
@@ -168,7 +168,9 @@ class SageMakerExecutor(ExecutorBase):
         command: list[str],
         env: dict[str, str],
         resources: dict[str, Any],
+        secrets: dict[str, str],
     ) -> ReplicaHandle:
+        env = {**env, **secrets}  # the replica's own process environment is private to it
         bad = [k for k, v in env.items() if not _ENV_KEY.match(k) or len(v) > 512]
         if bad or len(env) > 100:
             raise ValueError(f"SageMaker Environment allows <= 100 variables named [a-zA-Z_]"

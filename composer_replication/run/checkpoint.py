@@ -10,8 +10,10 @@ then), into the store under `checkpoints/round-<k>/`:
     COMMITTED                                                written last: complete checkpoint
 
 `AutoModelForCausalLM.from_pretrained(folder)` loads it directly. The driver mirrors committed
-checkpoints into `<run>/checkpoints/` (hard links for a local store). Old rounds are removed
-beyond `keep_last`; the final checkpoint is kept as `final/` too.
+checkpoints into `<run>/checkpoints/` (copies, also for a local store: the mirror must survive
+the store pruning its rounds). Old rounds are removed beyond `keep_last`; the final checkpoint
+is kept as `final/` too. A `COMMITTED` marker that is not a JSON object (a foreign or corrupt
+object) counts as not committed.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from composer_replication.run.storeio import StoreIO
+from composer_replication.exchange.store import ObjectStore
 
 __all__ = [
     "committed_checkpoints",
@@ -42,7 +44,7 @@ def round_dir(round: int) -> str:
 
 
 def save_checkpoint(
-    store: StoreIO,
+    store: ObjectStore,
     *,
     name: str,
     model: Any,
@@ -73,9 +75,9 @@ def save_checkpoint(
         (folder / "state.json").write_text(
             json.dumps({"round": round, "step": step, "time": time.time()})
         )
-        store.remove(key)  # a half-written attempt of an earlier incarnation
+        store.delete_prefix(key)  # a half-written attempt of an earlier incarnation
         store.put_dir(folder, key)
-    store.write_json(f"{key}/{MARKER}", {"round": round, "step": step})
+    store.put_json(f"{key}/{MARKER}", {"round": round, "step": step})
     return key
 
 
@@ -93,38 +95,50 @@ def load_outer_state(folder: Path) -> dict[str, Any] | None:
     return state if isinstance(state, dict) else None
 
 
-def committed_checkpoints(store: StoreIO) -> list[tuple[str, dict[str, Any]]]:
+def committed_checkpoints(store: ObjectStore) -> list[tuple[str, dict[str, Any]]]:
     """(name, commit record) of every committed checkpoint, oldest round first."""
     out = []
     for name in store.list(PREFIX):
-        record = store.read_json(f"{PREFIX}/{name}/{MARKER}")
-        if isinstance(record, dict):
+        try:
+            record = store.get_json(f"{PREFIX}/{name}/{MARKER}")
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("round", 0), int):
             out.append((name, record))
     return sorted(out, key=lambda item: (int(item[1].get("round", 0)), item[0] == "final"))
 
 
-def latest_checkpoint(store: StoreIO) -> tuple[str, dict[str, Any]] | None:
+def latest_checkpoint(store: ObjectStore) -> tuple[str, dict[str, Any]] | None:
     found = committed_checkpoints(store)
     return found[-1] if found else None
 
 
-def prune_checkpoints(store: StoreIO, keep_last: int) -> None:
+def prune_checkpoints(store: ObjectStore, keep_last: int) -> None:
     """Remove round checkpoints beyond the newest keep_last ('final' is never removed)."""
     rounds = [name for name, _ in committed_checkpoints(store) if name.startswith("round-")]
     for name in rounds[: max(0, len(rounds) - keep_last)]:
-        store.remove(f"{PREFIX}/{name}")
+        store.delete_prefix(f"{PREFIX}/{name}")
 
 
-def mirror_checkpoints(store: StoreIO, local_dir: Path) -> list[Path]:
-    """Copy committed checkpoints the run folder does not have yet; drop pruned ones.
+def _local_record(folder: Path) -> Any:
+    try:
+        return json.loads((folder / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def mirror_checkpoints(store: ObjectStore, local_dir: Path) -> list[Path]:
+    """Copy committed checkpoints the run folder does not have yet (or has an older version of:
+    a resumed run rewrites ``final``); drop pruned ones.
 
     Returns the local checkpoint folders present afterwards.
     """
     local_dir.mkdir(parents=True, exist_ok=True)
-    names = [name for name, _ in committed_checkpoints(store)]
-    for name in names:
+    found = committed_checkpoints(store)
+    names = [name for name, _ in found]
+    for name, record in found:
         target = local_dir / name
-        if not (target / MARKER).is_file():
+        if _local_record(target) != record:  # absent, half-copied, or rewritten (e.g. final)
             tmp = local_dir / f".{name}.partial"
             if tmp.exists():
                 shutil.rmtree(tmp)

@@ -9,7 +9,12 @@
 The replicas (composer_replication.run.replica) read the resolved
 config from the store, so a replica on Modal and one on this machine run the same thing. A
 replica that fails (after the executor's restarts) stops the run unless diloco.min_replicas
-lets the others continue; Ctrl-C cancels every replica.
+lets the others continue; Ctrl-C cancels every replica. With ``diloco.manager = "torchft"`` and
+no ``diloco.lighthouse`` the driver runs a torchft lighthouse on 127.0.0.1 for the run's
+lifetime and hands its address to the replicas as $TORCHFT_LIGHTHOUSE. With ``[security] sign``
+the driver makes the run's keys, publishes the signed key manifest and config signature, and
+hands each replica only its own private key through the executor's secret mechanism
+(run/security.py).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -34,18 +40,21 @@ from composer_replication.config import (
     from_dict,
     to_dict,
 )
+from composer_replication.exchange.store import ObjectStore
+from composer_replication.executors import registry
+from composer_replication.executors.base import ReplicaHandle, ServerlessExecutor
 from composer_replication.run import preflight
 from composer_replication.run.checkpoint import mirror_checkpoints
 from composer_replication.run.folder import RunFolder, default_run_name
 from composer_replication.run.metrics import MetricsCollector, MetricsSink
 from composer_replication.run.progress import Progress, ReplicaRow, choose_mode
+from composer_replication.run.replica import ENV_STORAGE_OPTIONS
 from composer_replication.run.report import summarize, write_report
-from composer_replication.run.storeio import StoreIO, local_path
+from composer_replication.run.security import prepare_signing, writer_secrets
 
 __all__ = ["ENTRYPOINT", "TrainResult", "prepare", "prepare_resume", "run"]
 
 ENTRYPOINT = "composer_replication.run.replica"
-ENV_STORAGE_OPTIONS = "COMPOSER_STORAGE_OPTIONS"
 
 
 @dataclass
@@ -113,24 +122,25 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _make_executor(config: RunConfig, folder: RunFolder) -> Any:
-    cls = preflight.executor_class(config.backend.kind)
+def _make_executor(config: RunConfig, folder: RunFolder) -> ServerlessExecutor:
+    """The executor of `backend.kind` (from the registry), built from `backend.options`."""
+    spec = registry.backend(config.backend.kind)
     options = dict(config.backend.options)
-    if config.backend.kind in ("local", "ray"):
+    if spec.takes_log_dir:
         options.setdefault("log_dir", str(folder.logs))
-    if config.backend.kind == "hf-jobs" and config.backend.forward_env:
-        # Job env is visible in the job's spec; secrets are stored encrypted by the Hub.
+    if spec.forward_env_as_secrets and config.backend.forward_env:
+        # A job's env is visible in its spec; secrets are stored encrypted by the service.
         options["secrets"] = {**dict(options.get("secrets") or {}), **_forwarded_env(config)}
     try:
-        return cls(**options)
+        return registry.executor_class(spec.name)(**options)
     except TypeError as exc:
         raise ConfigError(f"backend.options: {exc}") from None
     except (ValueError, ImportError, RuntimeError) as exc:  # bad option, SDK, credentials
-        raise ConfigError(f"backend ({config.backend.kind}): {exc}") from None
+        raise ConfigError(f"backend ({spec.name}): {exc}") from None
 
 
 def _rows(
-    config: RunConfig, handles: list[Any], statuses: dict[int, dict[str, Any]]
+    config: RunConfig, handles: list[ReplicaHandle], statuses: dict[int, dict[str, Any]]
 ) -> list[ReplicaRow]:
     rows = []
     now = time.time()
@@ -155,7 +165,7 @@ def _rows(
     return rows
 
 
-def _handle_json(handle: Any) -> dict[str, Any]:
+def _handle_json(handle: ReplicaHandle) -> dict[str, Any]:
     out = dataclasses.asdict(handle)
     out["status"] = str(handle.status.value)
     return out
@@ -172,17 +182,19 @@ def run(
 ) -> TrainResult:
     """Train; see the module docstring. `config` must come from prepare/prepare_resume."""
     stream = stream if stream is not None else sys.stdout
-    store = StoreIO(config.store.uri, config.store.storage_options)
+    store = ObjectStore(config.store.uri, config.store.storage_options)
     # Before anything is written: a missing SDK, missing credentials or a bad option of the
     # backend is a configuration error (exit 2), not a half-created run folder.
     executor = _make_executor(config, folder)
     if not resume:
         folder.create(overwrite=overwrite)
         if overwrite and store.exists(""):
-            store.remove("")  # a stale run in an explicit store would be resumed otherwise
+            store.delete_prefix("")  # a stale run in an explicit store would be resumed otherwise
     folder.config_toml.write_text(dump_toml(config))
     folder.config_json.write_text(json.dumps(to_dict(config), indent=1))
-    store.write_json("run_config.json", to_dict(config))
+    config_doc = json.loads(json.dumps(to_dict(config)))  # exactly what replicas will read
+    store.put_json("run_config.json", config_doc)
+    signing = prepare_signing(config, folder, store, config_doc)
     t_start = time.monotonic()
     state = folder.read_driver()
     attempt = int(state.get("attempt", 0)) + 1
@@ -202,16 +214,23 @@ def run(
     consumed = {int(k): int(v) for k, v in (state.get("metrics_chunks") or {}).items()}
     collector = MetricsCollector(store, config.backend.n_replicas, sink, consumed)
 
-    stop, restore_signals = _install_stop_handlers()
     env = {
         ENV_STORAGE_OPTIONS: json.dumps(config.store.storage_options),
         "TOKENIZERS_PARALLELISM": "false",
         **config.backend.env,
     }
-    if config.backend.kind != "hf-jobs":
+    if not registry.backend(config.backend.kind).forward_env_as_secrets:
         env.update(_forwarded_env(config))
     if config.train.torch_threads > 0:
         env.setdefault("OMP_NUM_THREADS", str(config.train.torch_threads))
+    secrets: dict[str, Any] = {}
+    if signing is not None:  # every replica: the driver's public key; rank r: its own key only
+        env.update(signing.env)
+        secrets["secrets"] = signing.per_rank(config.backend.n_replicas)
+    else:  # rank r: its own writer secret (a restarted replica recognises its earlier upload)
+        secrets["secrets"] = writer_secrets(folder, config.backend.n_replicas)
+    lighthouse = _start_lighthouse(config, env)
+    stop, restore_signals = _install_stop_handlers()
     try:
         handles = executor.launch_replicas(
             config.backend.n_replicas,
@@ -219,9 +238,11 @@ def run(
             {"rendezvous": config.store.uri},
             env=env,
             resources=dict(config.backend.resources) or None,
+            **secrets,
         )
     except Exception as exc:  # the executor cancelled whatever it had started
         restore_signals()
+        _stop_lighthouse(lighthouse)
         progress.close()
         sink.close()
         message = f"launching the replicas failed: {type(exc).__name__}: {exc}"
@@ -238,9 +259,9 @@ def run(
             collector.poll()
             statuses = collector.statuses()
             progress.update(_rows(config, handles, statuses))
-            # Mid-run mirroring only for a local store (hard links, free); a remote store's
+            # Mid-run mirroring only for a local store (a disk copy); a remote store's
             # checkpoints (GBs for a real model) are downloaded once, at the end.
-            if local_path(store.uri) is not None and time.monotonic() - last_mirror > 5.0:
+            if store.is_local and time.monotonic() - last_mirror > 5.0:
                 mirror_checkpoints(store, folder.checkpoints)
                 last_mirror = time.monotonic()
             folder.update_driver(
@@ -281,6 +302,7 @@ def run(
         summary = {}
     finally:
         restore_signals()
+        _stop_lighthouse(lighthouse)
     exit_code = {"finished": 0, "interrupted": 130}.get(status, 1)
     wall = time.monotonic() - t_start
     folder.update_driver(wall_seconds=wall)
@@ -288,7 +310,33 @@ def run(
     return TrainResult(folder=folder, exit_code=exit_code, status=status, summary=summary)
 
 
-def _install_stop_handlers() -> tuple[threading.Event, Any]:
+def _start_lighthouse(config: RunConfig, env: dict[str, str]) -> Any:
+    """A torchft lighthouse on 127.0.0.1 when the run uses torchft without one of its own
+    (its address goes into the replicas' `env`); None otherwise."""
+    if config.diloco.manager != "torchft" or config.diloco.lighthouse:
+        return None
+    if "torchft" not in sys.modules and "RUST_LOG" not in os.environ:
+        # torchft's Rust logger reads RUST_LOG once, at import: keep the lighthouse's per-quorum
+        # INFO lines out of the progress display (the replicas' own logs keep theirs).
+        os.environ["RUST_LOG"] = "warn"
+        try:
+            import torchft  # noqa: F401
+        finally:
+            del os.environ["RUST_LOG"]
+    from composer_replication.diloco.torchft_path import lighthouse_address, start_lighthouse
+
+    n = config.backend.n_replicas
+    lighthouse = start_lighthouse(config.diloco.min_replicas or n, bind="127.0.0.1:0")
+    env["TORCHFT_LIGHTHOUSE"] = lighthouse_address(lighthouse)
+    return lighthouse
+
+
+def _stop_lighthouse(lighthouse: Any) -> None:
+    if lighthouse is not None:
+        lighthouse.shutdown()
+
+
+def _install_stop_handlers() -> tuple[threading.Event, Callable[[], None]]:
     """Ctrl-C / SIGTERM set a flag the monitoring loop acts on (cancel every replica, then
     gather what there is); a second one raises KeyboardInterrupt. A flag rather than an
     exception at an arbitrary point: an exception in the middle of an import would leave a
@@ -314,9 +362,9 @@ def _install_stop_handlers() -> tuple[threading.Event, Any]:
 def _finish(
     config: RunConfig,
     folder: RunFolder,
-    store: StoreIO,
-    executor: Any,
-    handles: list[Any],
+    store: ObjectStore,
+    executor: ServerlessExecutor,
+    handles: list[ReplicaHandle],
     collector: MetricsCollector,
     sink: MetricsSink,
     status: str,
@@ -340,7 +388,9 @@ def _finish(
     return summarize(read_metrics(folder.metrics))
 
 
-def _save_remote_logs(executor: Any, handles: list[Any], folder: RunFolder) -> None:
+def _save_remote_logs(
+    executor: ServerlessExecutor, handles: list[ReplicaHandle], folder: RunFolder
+) -> None:
     """Remote backends keep logs elsewhere: fetch each replica's log into logs/."""
     for handle in handles:
         location = handle.log_location or ""

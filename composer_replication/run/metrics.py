@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from composer_replication.run.storeio import StoreIO
+from composer_replication.exchange.store import ObjectStore
 
 __all__ = ["MetricsCollector", "MetricsSink", "ReplicaMetricsWriter", "read_metrics"]
 
@@ -55,7 +55,7 @@ class ReplicaMetricsWriter:
     replica never overwrites its earlier records (chunks are written put-if-absent).
     """
 
-    def __init__(self, store: StoreIO, rank: int, *, flush_every_s: float = 2.0) -> None:
+    def __init__(self, store: ObjectStore, rank: int, *, flush_every_s: float = 2.0) -> None:
         self.store = store
         self.rank = rank
         self.flush_every_s = flush_every_s
@@ -83,14 +83,12 @@ class ReplicaMetricsWriter:
         if not self._buffer:
             return
         data = "".join(json.dumps(r) + "\n" for r in self._buffer).encode()
-        while not self.store.write_bytes(
-            f"{chunk_dir(self.rank)}/{self._seq:08d}.jsonl", data, exclusive=True
-        ):
+        while not self.store.put_if_absent(f"{chunk_dir(self.rank)}/{self._seq:08d}.jsonl", data):
             self._seq += 1  # an earlier incarnation of this rank wrote that number
         self._seq += 1
         self._buffer.clear()
         if self._status:
-            self.store.write_json(status_key(self.rank), self._status)
+            self.store.put_json(status_key(self.rank), self._status)
 
     def status(self, *, force: bool = False, **fields: Any) -> None:
         """Update this replica's status document (uploaded with the next flush, or now)."""
@@ -98,7 +96,7 @@ class ReplicaMetricsWriter:
         self._status["rank"] = self.rank
         self._status["updated"] = time.time()
         if force:
-            self.store.write_json(status_key(self.rank), self._status)
+            self.store.put_json(status_key(self.rank), self._status)
 
 
 class MetricsSink:
@@ -156,7 +154,11 @@ class MetricsCollector:
     """
 
     def __init__(
-        self, store: StoreIO, n_replicas: int, sink: MetricsSink, consumed: dict[int, int] | None
+        self,
+        store: ObjectStore,
+        n_replicas: int,
+        sink: MetricsSink,
+        consumed: dict[int, int] | None,
     ) -> None:
         self.store = store
         self.n_replicas = n_replicas
@@ -171,10 +173,10 @@ class MetricsCollector:
             names = [n for n in self.store.list(chunk_dir(rank)) if n.endswith(".jsonl")]
             names = sorted(names, key=lambda n: int(n.split(".")[0]))
             for name in names[self.consumed[rank] :]:
-                data = self.store.read_bytes(f"{chunk_dir(rank)}/{name}")
+                data = self.store.get(f"{chunk_dir(rank)}/{name}")
                 if data is None:
                     break
-                for line in data.decode("utf-8").splitlines():
+                for line in bytes(data).decode("utf-8").splitlines():
                     if line.strip():
                         new.append(json.loads(line))
                 self.consumed[rank] += 1
@@ -187,7 +189,10 @@ class MetricsCollector:
     def statuses(self) -> dict[int, dict[str, Any]]:
         out = {}
         for rank in range(self.n_replicas):
-            status = self.store.read_json(status_key(rank))
+            try:
+                status = self.store.get_json(status_key(rank))
+            except ValueError:  # not JSON: show the replica as not reporting
+                continue
             if isinstance(status, dict):
                 out[rank] = status
         return out

@@ -10,36 +10,24 @@ import importlib.util
 import os
 import re
 from pathlib import Path
-from typing import Any
 
 from composer_replication.config import ConfigError, RunConfig
+from composer_replication.exchange.store import ObjectStore, normalize_uri
+from composer_replication.executors import registry
+from composer_replication.run.build import build_task
 from composer_replication.run.folder import RunFolder
-from composer_replication.run.storeio import StoreIO, local_path, normalise_uri
 
-__all__ = ["EXECUTORS", "check_all", "check_backend", "check_model", "check_store", "check_task"]
-
-# backend kind -> (module, class, pip extra, SDK module it needs)
-EXECUTORS: dict[str, tuple[str, str, str | None, str | None]] = {
-    "local": ("composer_replication.executors.local", "LocalProcessExecutor", None, None),
-    "ray": ("composer_replication.executors.ray", "RayExecutor", "ray", "ray"),
-    "k8s": ("composer_replication.executors.k8s", "K8sExecutor", "k8s", "kubernetes"),
-    "modal": ("composer_replication.executors.modal", "ModalExecutor", "modal", "modal"),
-    "hf-jobs": (
-        "composer_replication.executors.hf_jobs",
-        "HFJobsExecutor",
-        "hf-jobs",
-        "huggingface_hub",
-    ),
-    "sagemaker": (
-        "composer_replication.executors.sagemaker",
-        "SageMakerExecutor",
-        "sagemaker",
-        "boto3",
-    ),
-}
-
-# Backends whose replicas run on other machines: a file:// store on this disk is invisible there.
-REMOTE_BACKENDS = ("modal", "hf-jobs", "sagemaker", "k8s")
+__all__ = [
+    "check_all",
+    "check_backend",
+    "check_model",
+    "check_reporting",
+    "check_run_folder",
+    "check_store",
+    "check_task",
+    "check_teachers",
+    "resolve_store_uri",
+]
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -85,43 +73,38 @@ def check_task(config: RunConfig) -> None:
             f"task.name: unknown task {config.task.name!r}{hint}; built-in tasks: "
             f"{', '.join(sorted(TASKS))}"
         )
-    from composer_replication.tasks import get_task
-
     try:  # construction is cheap (examples are drawn lazily) and checks the options
-        get_task(
-            config.task.name,
-            seed=config.run.seed,
-            n_train=config.task.n_train,
-            n_eval=config.task.n_eval,
-            **config.task.options,
-        )
+        build_task(config)
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"task.options: {exc}") from None
 
 
 def check_backend(config: RunConfig, store_uri: str) -> None:
+    """The backend's SDK is installed, its replicas can see the store, forwarded variables
+    exist, and resources are only given to a backend that places replicas (the registry's
+    facts: `executors.registry.BACKENDS`)."""
     kind = config.backend.kind
-    _, _, extra, sdk = EXECUTORS[kind]
-    if sdk is not None and importlib.util.find_spec(sdk) is None:
-        raise ConfigError(
-            f"backend.kind: {kind!r} needs the {sdk!r} package; install it with "
-            f"`pip install composer-replication[{extra}]`"
-        )
-    if kind in REMOTE_BACKENDS and store_uri.startswith("file://"):
+    spec = registry.backend(kind)
+    missing = registry.missing_sdk_message(kind)
+    if missing is not None:
+        raise ConfigError(f"backend.kind: {missing}")
+    if spec.remote and store_uri.startswith("file://"):
         raise ConfigError(
             f"store.uri: backend {kind!r} runs replicas on other machines, which cannot see "
             f"{store_uri}; set store.uri to a shared store such as s3://bucket/runs/NAME/"
         )
-    missing = [name for name in config.backend.forward_env if name not in os.environ]
-    if missing:
+    missing_env = [name for name in config.backend.forward_env if name not in os.environ]
+    if missing_env:
         raise ConfigError(
-            f"backend.forward_env: {', '.join('$' + n for n in missing)} not set in this "
+            f"backend.forward_env: {', '.join('$' + n for n in missing_env)} not set in this "
             "environment; export it or remove it from the list"
         )
-    if kind == "local" and (config.backend.resources or {}):
+    if not spec.takes_resources and config.backend.resources:
+        placing = [b.name for b in registry.BACKENDS.values() if b.takes_resources]
         raise ConfigError(
-            "backend.resources: the local backend takes no resources (replicas share this "
-            "machine); remove the [backend.resources] table or use backend.kind = 'ray'"
+            f"backend.resources: the {kind} backend takes no resources ({spec.summary}); "
+            f"remove the [backend.resources] table or use a backend that places replicas "
+            f"({', '.join(placing)})"
         )
 
 
@@ -136,7 +119,8 @@ def check_store(config: RunConfig, store_uri: str, *, overwrite: bool = False) -
 
     Local: checked without writing. Remote: one probe object, written and deleted.
     """
-    folder = local_path(store_uri)
+    store = ObjectStore(store_uri, config.store.storage_options)  # connects on first use only
+    folder = store.local_path
     if folder is not None:
         if (folder / "run_config.json").exists() and not overwrite:
             raise ConfigError(
@@ -154,7 +138,6 @@ def check_store(config: RunConfig, store_uri: str, *, overwrite: bool = False) -
             )
         return
     try:
-        store = StoreIO(store_uri, config.store.storage_options)
         taken = store.exists("run_config.json")
         if not taken:
             store.probe_writable()
@@ -212,7 +195,10 @@ def check_reporting(config: RunConfig) -> None:
 
 
 def resolve_store_uri(config: RunConfig, folder: RunFolder) -> str:
-    return normalise_uri(config.store.uri) if config.store.uri else normalise_uri(str(folder.store))
+    try:
+        return normalize_uri(config.store.uri or str(folder.store))
+    except ValueError as exc:
+        raise ConfigError(f"store.uri: {exc}") from None
 
 
 def check_all(
@@ -229,8 +215,3 @@ def check_all(
     if not resume:
         check_store(config, store_uri, overwrite=overwrite)
     return store_uri
-
-
-def executor_class(kind: str) -> Any:
-    module, cls, _, _ = EXECUTORS[kind]
-    return getattr(importlib.import_module(module), cls)

@@ -8,10 +8,15 @@
 2. The resolved run configuration from the store (`run_config.json`, written by the driver).
 3. The task, the model (tiny: built locally from the config; else `from_pretrained`), the
    channel-3 teachers (configured endpoints, else the task oracle) and the
-   `ComposerReplicationTrainer` with all three loss channels.
-4. The DiLoCo outer loop over `ObjectStoreManager(ObjectStoreAllReduce(URI, world_size, rank))`:
-   every replica starts from the store's global weights; a relaunched replica (or a resumed
-   run) continues from the latest committed round and trains only the remaining inner steps.
+   `ComposerReplicationTrainer` with all three loss channels (`run/build.py`).
+4. The DiLoCo outer loop over the manager `[diloco] manager` names: "object_store" (default),
+   `ObjectStoreManager(ObjectStoreAllReduce(URI, world_size, rank))` screening contributions as
+   `[diloco] aggregate*` / `screen*` say (run/screening.py) and, with `[security] sign`, signing
+   with this rank's key from its environment (run/security.py), or "torchft", a torchft
+   Manager dialling the lighthouse `[diloco] lighthouse` (else $TORCHFT_LIGHTHOUSE, which the
+   driver sets when it runs one itself) that publishes its outer state to the same store.
+   Every replica starts from the run's global weights; a relaunched replica (or a resumed
+   run) continues from the latest published round and trains only the remaining inner steps.
 5. Train; metrics, status, evaluations and checkpoints go to the store (`run/reporter.py`).
 
 Exit code 0 when the replica finished, 1 on an error (its status document says which), 2 when
@@ -28,9 +33,16 @@ import tempfile
 import time
 import traceback
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["build_model", "build_trainer", "main", "run_replica"]
+from composer_replication.run.build import build_model, build_task, build_trainer
+
+if TYPE_CHECKING:
+    from composer_replication.config import RunConfig
+    from composer_replication.exchange.robust import AggregatePolicy, LossProbe
+    from composer_replication.exchange.signing import RunKeys
+
+__all__ = ["main", "run_replica"]
 
 ENV_STORAGE_OPTIONS = "COMPOSER_STORAGE_OPTIONS"
 CONFIG_KEY = "run_config.json"
@@ -60,158 +72,96 @@ def _rank(ns: argparse.Namespace) -> int:
     return int(value)
 
 
-def build_model(config: Any) -> tuple[Any, Any]:
-    """(model, tokenizer) for config.model: the tiny Qwen2 or a hub/local checkpoint."""
-    m = config.model
-    if m.is_tiny:
-        from composer_replication.models import build_tiny_model, build_tokenizer
-
-        if m.tokenizer == "bpe":
-            from composer_replication.models import build_bpe_tokenizer
-            from composer_replication.run.bake import build_task
-
-            # Trained on the TRAIN split's text only (deterministic: every replica gets the same
-            # vocabulary), cached on disk.
-            tok = build_bpe_tokenizer(build_task(config).text_corpus("train"),
-                                      vocab_size=m.vocab_size)  # fmt: skip
-        else:
-            tok = build_tokenizer()
-        model = build_tiny_model(
-            tok, hidden_size=m.hidden_size, num_layers=m.num_layers, num_heads=m.num_heads,
-            num_kv_heads=m.num_kv_heads, seed=config.run.seed,
-        )  # fmt: skip
-        return model, tok
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(m.name, trust_remote_code=m.trust_remote_code)
-    tok.padding_side = "left"
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
-    dtype = "auto" if m.dtype == "auto" else getattr(torch, m.dtype)
-    model = AutoModelForCausalLM.from_pretrained(
-        m.name, dtype=dtype, trust_remote_code=m.trust_remote_code
-    )
-    return model, tok
-
-
-def _trainer_args(config: Any, output_dir: str, max_steps: int, seed: int) -> Any:
-    import torch
-
-    from composer_replication.trainer import ComposerConfig
-
-    t, loss = config.train, config.loss
-    cuda = torch.cuda.is_available()
-    return ComposerConfig(
-        output_dir=output_dir,
-        max_steps=max_steps,
-        learning_rate=t.learning_rate,
-        lr_scheduler_type="constant",
-        per_device_train_batch_size=t.batch_size,
-        gradient_accumulation_steps=t.gradient_accumulation_steps,
-        num_generations=t.num_generations,
-        max_completion_length=t.max_completion_length,
-        temperature=t.temperature,
-        logging_steps=config.logging.log_every,
-        report_to=[],
-        save_strategy="no",
-        disable_tqdm=True,
-        use_cpu=not cuda,
-        bf16=cuda and config.model.dtype == "bfloat16",
-        seed=seed,
-        loss_type=loss.loss_type,
-        epsilon=loss.epsilon_low,
-        epsilon_high=loss.epsilon_high,
-        beta=loss.kl_beta,
-    )
-
-
-def _composer_kwargs(config: Any) -> dict[str, Any]:
-    kw = config.loss.compose_kwargs()
-    for key in ("loss_type", "epsilon_low", "epsilon_high", "kl_beta"):
-        kw.pop(key, None)  # channel 1 is configured through TRL's own arguments
-    return kw
-
-
 def _resume_round(store: Any) -> int:
     """The round of the newest published global state (0 on a fresh run)."""
     from composer_replication.exchange.state import parse_state_name, state_prefix
 
-    rounds = [parse_state_name(n) for n in store.list(state_prefix("global").rstrip("/"))]
+    rounds = [parse_state_name(n) for n in store.list(state_prefix("global"))]
     return max((r for r in rounds if r is not None), default=0)
 
 
-def _teacher_pool(config: Any, task: Any) -> tuple[Any, Any]:
-    """(trace_store, teacher_pool) for channel 3."""
-    from composer_replication.data.teachers import TeacherPool
-    from composer_replication.data.traces import TraceStore, prompt_key
-    from composer_replication.run.bake import build_teachers, task_index
-
-    trace_store = TraceStore()
-    if config.teachers.traces_path:
-        trace_store = TraceStore.load([config.teachers.traces_path])
-    teachers = build_teachers(config, task)
-    if not teachers:
-        return trace_store, None
-    index = task_index(task)
-
-    def verifier(prompt: Any, completion: str) -> float | None:
-        example = index.get(prompt_key(prompt))
-        return None if example is None else float(task.verify(example, completion).reward)
-
-    return trace_store, TeacherPool(teachers, store=trace_store, verifier=verifier)
-
-
-def build_trainer(
+def _build_manager(
     config: Any,
+    rank: int,
+    store: Any,
     *,
-    model: Any,
-    tokenizer: Any,
-    task: Any,
-    max_steps: int,
-    seed: int,
-    output_dir: str,
-    callbacks: list[Any] | None = None,
+    keys: RunKeys | None = None,
+    policy: AggregatePolicy | None = None,
+    loss_probe: LossProbe | None = None,
+    writer_secret: bytes | None = None,
 ) -> Any:
-    """The `ComposerReplicationTrainer` of a run: the task's reward (with feedback) and train
-    split, TRL settings from [train]/[loss], channel-3 teachers from [teachers]."""
-    from transformers.trainer_callback import PrinterCallback
+    """The outer loop's `Manager` that `[diloco] manager` names, for replica `rank`."""
+    d = config.diloco
+    n = config.backend.n_replicas
+    if d.manager == "torchft":
+        import os
+        from urllib.parse import urlparse
 
-    from composer_replication.trainer import ComposerReplicationTrainer
+        from composer_replication.diloco.torchft_path import build_torchft_manager
+        from composer_replication.exchange.documents import RunDocuments
 
-    trace_store, pool = _teacher_pool(config, task)
-    trainer = ComposerReplicationTrainer(
-        model=model,
-        processing_class=tokenizer,
-        reward_funcs=[task.reward_func()],
-        train_dataset=task.to_dataset("train"),
-        args=_trainer_args(config, output_dir, max_steps, seed),
-        callbacks=callbacks,
-        trace_store=trace_store,
-        teacher_pool=pool,
-        **_composer_kwargs(config),
-    )
-    # Every log line already goes to the store as a metric record; printing each one too
-    # would only bloat the replica's log file.
-    trainer.remove_callback(PrinterCallback)
-    return trainer
+        lighthouse = d.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
+        if not lighthouse:
+            raise ValueError(
+                "diloco.manager = 'torchft' needs a lighthouse: set diloco.lighthouse = "
+                "'http://HOST:PORT' (the driver starts one itself for local runs)"
+            )
+        # What this replica advertises to its peers: loopback when the run is on this machine.
+        host = urlparse(lighthouse).hostname or ""
+        local = host in ("127.0.0.1", "localhost", "::1")
+        states = RunDocuments(store, world_size=n, codec=d.codec, keep_steps=config.store.keep_rounds,
+                              poll_interval_s=0.5)  # fmt: skip
+        # init_sync=False: every replica builds the same initial weights (same seed or
+        # checkpoint), so the first quorum need not copy them; a replica that is behind (a
+        # restart) is still healed from a peer.
+        return build_torchft_manager(
+            replica_id=f"replica_{rank}", lighthouse_addr=lighthouse,
+            min_replicas=d.min_replicas or n, hostname="127.0.0.1" if local else _hostname(),
+            init_sync=False, states=states,
+        )  # fmt: skip
+    from composer_replication.exchange import ObjectStoreAllReduce, ObjectStoreManager
+
+    allreduce = ObjectStoreAllReduce(
+        store.uri, world_size=n, rank=rank, timeout_s=d.timeout_s, codec=d.codec,
+        min_replicas=d.min_replicas, aggregate=policy or d.aggregate_policy(),
+        storage_options=store.storage_options or None, keep_steps=config.store.keep_rounds,
+        keys=keys, loss_probe=loss_probe, writer_secret=writer_secret,
+    )  # fmt: skip
+    return ObjectStoreManager(allreduce=allreduce)
 
 
-def run_replica(config: Any, rank: int, uri: str, storage_options: dict[str, Any]) -> int:
-    """Train this replica of the run (see the module docstring); returns the exit code."""
+def _hostname() -> str:
+    """This machine's address as its peers should dial it ($TORCHFT_HOSTNAME overrides)."""
+    import os
+    import socket
+
+    return os.environ.get("TORCHFT_HOSTNAME") or socket.getfqdn()
+
+
+def run_replica(
+    config: RunConfig,
+    rank: int,
+    uri: str,
+    storage_options: dict[str, Any],
+    keys: RunKeys | None = None,
+    writer_secret: bytes | None = None,
+) -> int:
+    """Train this replica of the run (see the module docstring); returns the exit code.
+
+    ``keys``: this rank's signing keys (signed runs); ``writer_secret``: its writer secret
+    (unsigned runs; see `run.security.writer_secrets`)."""
     import torch
     from transformers import set_seed
 
     from composer_replication.diloco import make_diloco_outer_loop
-    from composer_replication.exchange import ObjectStoreAllReduce, ObjectStoreManager
-    from composer_replication.run.bake import build_task
+    from composer_replication.exchange.store import ObjectStore
     from composer_replication.run.metrics import ReplicaMetricsWriter
     from composer_replication.run.reporter import ReplicaReporter
-    from composer_replication.run.storeio import StoreIO
 
-    store = StoreIO(uri, storage_options)
+    store = ObjectStore(uri, storage_options)
     writer = ReplicaMetricsWriter(store, rank, flush_every_s=config.logging.flush_every_s)
     writer.status(state="starting", step=0, round=0, max_steps=config.train.max_steps, force=True)
+    manager = None
     try:
         if config.train.torch_threads > 0:
             torch.set_num_threads(config.train.torch_threads)
@@ -222,18 +172,18 @@ def run_replica(config: Any, rank: int, uri: str, storage_options: dict[str, Any
                    resumed_round=start_round)  # fmt: skip
         task = build_task(config)
         model, tok = build_model(config)
-        allreduce = ObjectStoreAllReduce(
-            store.uri,
-            world_size=config.backend.n_replicas,
-            rank=rank,
-            timeout_s=config.diloco.timeout_s,
-            codec=config.diloco.codec,
-            min_replicas=config.diloco.min_replicas,
-            weighting=config.diloco.weighting,
-            storage_options=storage_options or None,
-            keep_steps=config.store.keep_rounds,
-        )
-        manager = ObjectStoreManager(allreduce=allreduce)
+        if config.diloco.manager == "object_store":
+            from composer_replication.run import screening
+
+            probe = screening.loss_probe(
+                config, lambda: outer.global_parameters(), model, tok, task
+            )
+            manager = _build_manager(
+                config, rank, store, keys=keys, loss_probe=probe, writer_secret=writer_secret,
+                policy=screening.aggregate_policy(config, task, tok),
+            )  # fmt: skip
+        else:
+            manager = _build_manager(config, rank, store)
         outer = make_diloco_outer_loop(
             None, manager, h, model=model, outer_lr=config.diloco.outer_lr,
             outer_momentum=config.diloco.outer_momentum, nesterov=config.diloco.nesterov,
@@ -259,6 +209,10 @@ def run_replica(config: Any, rank: int, uri: str, storage_options: dict[str, Any
                 seed=seed, output_dir=scratch, callbacks=[outer.callback(), reporter],
             )  # fmt: skip
             trainer.train()
+        # The model now holds the global weights (the DiLoCo callback loaded them): their
+        # digest lets anyone check that every replica ended on the same model.
+        writer.log("event", step=config.train.max_steps, round=outer.round,
+                   event="global_weights", sha256=weights_digest(model))  # fmt: skip
         return 0
     except BaseException as exc:
         writer.status(
@@ -270,6 +224,22 @@ def run_replica(config: Any, rank: int, uri: str, storage_options: dict[str, Any
         raise
     finally:
         writer.flush()
+        if manager is not None:
+            manager.close()
+
+
+def weights_digest(model: Any) -> str:
+    """sha256 over the model's named parameters (names, dtypes, shapes and bytes, in order)."""
+    import hashlib
+
+    import torch
+
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        t = p.detach().to("cpu").contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def _finish_without_training(outer: Any, model: Any, reporter: Any, writer: Any, step: int) -> int:
@@ -303,14 +273,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     from composer_replication.config import from_dict
     from composer_replication.config.schema import RunConfig
-    from composer_replication.run.storeio import StoreIO
+    from composer_replication.exchange.store import ObjectStore
 
-    store = StoreIO(uri, storage_options)
-    deadline = time.monotonic() + ns.config_timeout
-    doc = store.read_json(CONFIG_KEY)
-    while doc is None and time.monotonic() < deadline:
-        time.sleep(0.5)
-        doc = store.read_json(CONFIG_KEY)
+    try:
+        store = ObjectStore(uri, storage_options)
+        deadline = time.monotonic() + ns.config_timeout
+        doc = store.get_json(CONFIG_KEY)
+        while doc is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+            doc = store.get_json(CONFIG_KEY)
+    except ValueError as exc:  # a URI without a bucket, a run_config.json that is not JSON
+        print(f"replica: error: {exc}", file=sys.stderr)
+        return 2
     if doc is None:
         print(f"replica: error: no {CONFIG_KEY} in {store.uri} after {ns.config_timeout:g}s; "
               "start runs with `composer-replication train`", file=sys.stderr)  # fmt: skip
@@ -329,9 +303,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"replica: error: rank {rank} outside [0, {config.backend.n_replicas})",
               file=sys.stderr)  # fmt: skip
         return 2
+    from composer_replication.exchange.protocol import CorruptContributionError
+    from composer_replication.exchange.signing import rank_identity
+    from composer_replication.run.security import participant_keys, writer_secret_from_env
+
+    try:
+        keys = participant_keys(store, rank_identity(rank), doc, required=config.security.sign)
+        writer_secret = writer_secret_from_env()
+    except (ValueError, CorruptContributionError) as exc:  # missing key, forged config
+        print(f"replica: error: {exc}", file=sys.stderr)
+        return 2
     print(f"replica {rank}/{config.backend.n_replicas}: run {config.run.name} at {store.uri}",
           flush=True)  # fmt: skip
-    return run_replica(config, rank, store.uri, storage_options)
+    return run_replica(
+        config, rank, store.uri, storage_options, keys=keys, writer_secret=writer_secret
+    )
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +30,15 @@ LOSS_KEYS = {
 }
 
 
-def _mean(values: Sequence[float]) -> float | None:
-    values = [v for v in values if v is not None and math.isfinite(v)]
-    return sum(values) / len(values) if values else None
+def _mean(values: Iterable[object]) -> float | None:
+    """Mean of the finite numbers among `values` (metrics are read from JSON: anything else,
+    missing or malformed, is skipped); None when there are none."""
+    numbers = [
+        float(v)
+        for v in values
+        if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+    ]
+    return sum(numbers) / len(numbers) if numbers else None
 
 
 def _series(

@@ -6,7 +6,10 @@ global weights, identical on every replica) and in `on_train_end` the final glob
 
 - every TRL log line becomes a "train" record (step = inner step of the whole run, i.e. the
   resumed round's offset plus the trainer's own step);
-- every exchange in the manager's history becomes a "round" record (seconds, bytes, ranks);
+- every exchange in the manager's history becomes a "round" record (seconds, bytes, ranks,
+  store requests by kind, how many contributions were rejected), and every rejection an
+  "event" record (``event = "rejected"``, ``rank``, ``reason``) and the status document's
+  ``rejections`` (the latest round that rejected something);
 - replica `evaluator_rank` (0) evaluates the global model on held-out prompts every
   `eval_every_rounds` committed rounds and at the end, and writes checkpoints;
 - the status document (state, step, round, reward) is refreshed with every flush.
@@ -18,9 +21,9 @@ from typing import Any
 
 import torch
 
+from composer_replication.exchange.store import ObjectStore
 from composer_replication.run.checkpoint import prune_checkpoints, round_dir, save_checkpoint
 from composer_replication.run.metrics import ReplicaMetricsWriter
-from composer_replication.run.storeio import StoreIO
 
 try:
     from transformers import TrainerCallback
@@ -90,7 +93,7 @@ class ReplicaReporter(TrainerCallback):
         self,
         *,
         writer: ReplicaMetricsWriter,
-        store: StoreIO,
+        store: ObjectStore,
         outer: Any,
         rank: int,
         max_steps: int,
@@ -155,24 +158,12 @@ class ReplicaReporter(TrainerCallback):
         self._last_eval_round = self._round()
 
     def checkpoint_now(self, model: Any, step: int, name: str | None = None) -> None:
-        from composer_replication.exchange.outer_state import fetch_outer_state
-
         rnd = self._round()
-        outer_state = None
-        try:
-            stored = fetch_outer_state(self.outer.manager.store, round=rnd)
-        except Exception:  # the state may not be published yet; the weights still are saved
-            stored = None
-        if stored is not None:
-            # The global weights are in model.safetensors already; keep the optimizer state.
-            outer_state = {
-                key: {k: v for k, v in frag.items() if k != "original_parameters"}
-                for key, frag in stored.user.items()
-                if isinstance(frag, dict)
-            }
+        # The global weights go to model.safetensors; the outer optimizer state (momentum) is
+        # the same on every replica after a committed round, so it is taken from this one.
         save_checkpoint(
             self.store, name=name or round_dir(rnd), model=model, tokenizer=self.tokenizer,
-            round=rnd, step=step, outer_state=outer_state,
+            round=rnd, step=step, outer_state=self.outer.outer_optimizer_state(),
         )  # fmt: skip
         prune_checkpoints(self.store, self.keep_last)
         self._last_ckpt_round = rnd
@@ -208,19 +199,29 @@ class ReplicaReporter(TrainerCallback):
         step = self._step(state)
         committed = False
         for record in new:
+            rnd = int(record.get("round", 0))
+            rejected = dict(record.get("rejected") or {})
+            requests = {f"round/requests_{k}": v for k, v in (record.get("requests") or {}).items()}
             self.writer.log(
                 "round",
                 step=step,
-                round=int(record.get("round", 0)),
+                round=rnd,
                 **{
                     "round/seconds": record.get("seconds"),
                     "round/bytes_up": record.get("bytes_uploaded"),
                     "round/bytes_down": record.get("bytes_downloaded"),
-                    "round/included": len(record.get("included_ranks") or []),
+                    "round/included": record.get("participants"),
                     "round/committed": bool(record.get("committed")),
                     "round/healed": bool(record.get("healed")),
+                    "round/rejected": len(rejected),
+                    **requests,
                 },
             )
+            for rank, why in sorted(rejected.items()):  # every rejection, with rank and reason
+                self.writer.log("event", step=step, round=rnd, event="rejected",
+                                rank=int(rank), reason=str(why))  # fmt: skip
+            if rejected:
+                self.writer.status(rejections={"round": rnd, "ranks": rejected})
             committed = committed or bool(record.get("committed"))
         if not committed or not self.is_evaluator:
             return

@@ -8,6 +8,9 @@ documents in the store (what each replica last reported). Health of one replica:
     stale     running, but silent for longer than `stale_after_s`
     behind    more than one outer round behind the most advanced replica
     failed    the executor reports it failed (its error is shown)
+
+Contributions the exchange left out (refused, screened out, squatted; docs/object-store.md) are
+listed with rank and reason for the latest round that had any (``rejections``).
 """
 
 from __future__ import annotations
@@ -16,10 +19,10 @@ import json
 import time
 from typing import Any
 
+from composer_replication.exchange.store import ObjectStore
 from composer_replication.run.checkpoint import committed_checkpoints
 from composer_replication.run.folder import RunFolder
 from composer_replication.run.metrics import status_key
-from composer_replication.run.storeio import StoreIO
 
 __all__ = ["run_status", "status_text"]
 
@@ -34,9 +37,12 @@ def run_status(folder: RunFolder, *, stale_after_s: float = 120.0) -> dict[str, 
     checkpoints: list[str] = []
     store_error = None
     try:
-        store = StoreIO(store_cfg["uri"], store_cfg.get("storage_options"))
+        store = ObjectStore(store_cfg["uri"], store_cfg.get("storage_options"))
         for rank in range(n):
-            doc = store.read_json(status_key(rank))
+            try:
+                doc = store.get_json(status_key(rank))
+            except ValueError:  # not JSON: shown as not reporting
+                continue
             if isinstance(doc, dict):
                 statuses[rank] = doc
         checkpoints = [name for name, _ in committed_checkpoints(store)]
@@ -45,6 +51,8 @@ def run_status(folder: RunFolder, *, stale_after_s: float = 120.0) -> dict[str, 
     handles = {int(h["replica_id"]): h for h in driver.get("replicas", [])}
     now = time.time()
     top_round = max((int(s.get("round") or 0) for s in statuses.values()), default=0)
+    reports = [s["rejections"] for s in statuses.values() if isinstance(s.get("rejections"), dict)]
+    rejections = max(reports, key=lambda r: int(r.get("round") or 0), default=None)
     replicas = []
     for rank in range(n):
         doc = statuses.get(rank, {})
@@ -94,6 +102,7 @@ def run_status(folder: RunFolder, *, stale_after_s: float = 120.0) -> dict[str, 
         "round": top_round,
         "checkpoints": checkpoints,
         "replicas": replicas,
+        "rejections": rejections,
     }
 
 
@@ -117,6 +126,11 @@ def status_text(info: dict[str, Any]) -> str:
         )
         if r.get("error"):
             lines.append("       " + str(r["error"]).replace("\n", "\n       "))
+    rejections = info.get("rejections")
+    if rejections:
+        lines.append(f"  rejected in round {rejections.get('round')}:")
+        for rank, why in sorted((rejections.get("ranks") or {}).items(), key=lambda kv: int(kv[0])):
+            lines.append(f"    rank {rank}: {why}")
     if info["checkpoints"]:
         lines.append(f"  checkpoints: {', '.join(info['checkpoints'])}")
     return "\n".join(lines)

@@ -18,6 +18,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -84,6 +85,7 @@ def main() -> None:
     model = build_model(a.init_seed if a.init_seed is not None else 100 + a.rank)
     opt = torch.optim.SGD(model.parameters(), lr=INNER_LR)
     close = None
+    manager: Any
     if a.mode == "store":
         from composer_replication.exchange import MockManager, ObjectStoreAllReduce
 
@@ -101,7 +103,7 @@ def main() -> None:
     else:
         from composer_replication.diloco.torchft_path import TorchFTTimeouts, build_torchft_manager
 
-        manager, close = build_torchft_manager(
+        manager = build_torchft_manager(
             replica_id=f"replica_{a.rank}",
             lighthouse_addr=a.lighthouse,
             min_replicas=a.min_replicas or a.world_size,
@@ -109,6 +111,7 @@ def main() -> None:
                 process_group_s=20, operation_s=30, join_s=40, quorum_s=120, heartbeat_s=5
             ),
         )
+        close = manager.close
     outer = make_diloco_outer_loop(
         opt,
         manager,

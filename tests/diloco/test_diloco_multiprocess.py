@@ -157,3 +157,12 @@ def test_real_torchft_manager_two_processes_identical_after_each_round(tmp_path:
     finally:
         lighthouse.shutdown()
     check_identical_and_reference(out, 2, 3, 4)
+    # init_sync: the first quorum healed one replica from the other (TorchFTManager saw it and
+    # ran the heal hook), and its pseudo-gradient still counted: the reference above averages
+    # both replicas in every round
+    history = [json.loads((out / f"rank{r}_history.json").read_text()) for r in range(2)]
+    assert sorted(sum(h["healed"] for h in hist) for hist in history) == [0, 1], history
+    for hist in history:
+        done = [h for h in hist if not h["healed"]]
+        assert [h["round"] for h in done] == [1, 2, 3] and all(h["committed"] for h in done)
+        assert all(h["participants"] == 2 for h in done)

@@ -225,11 +225,13 @@ def test_argument_validation() -> None:
     with pytest.raises(ValueError, match="sync_every_h"):
         make_diloco_outer_loop(opt, M(), 0)
 
-    class Async:
+    class Async:  # the one attribute TorchFTManager reads of an asynchronous torchft Manager
         _use_async_quorum = True
 
+    from composer_replication.diloco.torchft_path import TorchFTManager
+
     with pytest.raises(ValueError, match="use_async_quorum=False"):
-        make_diloco_outer_loop(opt, Async(), 4)
+        TorchFTManager(Async())  # type: ignore[arg-type]
     outer = make_diloco_outer_loop(None, M(), 4)
     with pytest.raises(ValueError, match="no inner optimizer yet"):
         outer.__enter__()

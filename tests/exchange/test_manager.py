@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parents[1]))
+sys.path.insert(0, str(Path(__file__).parents[1] / "diloco"))
 
 from _diloco_worker import build_model, inner_step  # noqa: E402
 
@@ -167,7 +167,7 @@ def test_replica_that_missed_rounds_heals_from_the_published_state(tmp_path: Pat
 def test_heal_without_a_newer_state_fails_loudly(tmp_path: Path) -> None:
     m = ObjectStoreManager(_store(tmp_path, 1), state_timeout_s=0.2)
     m.register_state_dict_fn("x", lambda s: None, lambda: {"w": torch.zeros(1)})
-    m.initial_sync()
+    m.initial_sync({"w": torch.zeros(1)})
     other = _store(tmp_path, 0, world=2)
     # Fake "the run is two rounds ahead" by committing steps as a lone replica would.
     for step in (1, 2):

@@ -160,10 +160,10 @@ class FakeExecutor(ExecutorBase):
         self.started: list[tuple[int, int, list[str], dict[str, str]]] = []
         self.fail_on_rank = fail_on_rank
 
-    def _validate(self, n_replicas: int, entrypoint: str) -> None:
+    def check_launch(self, n_replicas: int, entrypoint: str) -> None:
         validate_launch(n_replicas, entrypoint, check_local=False)
 
-    def _start(self, rank, world_size, command, env, resources) -> ReplicaHandle:
+    def _start(self, rank, world_size, command, env, resources, secrets) -> ReplicaHandle:
         if rank == self.fail_on_rank:
             raise RuntimeError(f"quota exceeded at rank {rank}")
         self.started.append((rank, world_size, command, env))

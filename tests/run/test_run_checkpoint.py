@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 
+from composer_replication.exchange.store import ObjectStore
 from composer_replication.models import build_tiny_model, build_tokenizer
 from composer_replication.run.checkpoint import (
     committed_checkpoints,
@@ -15,13 +17,12 @@ from composer_replication.run.checkpoint import (
     prune_checkpoints,
     save_checkpoint,
 )
-from composer_replication.run.storeio import StoreIO
 
 
 def test_checkpoint_round_trip_prune_and_mirror(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    store = StoreIO(str(tmp_path / "store"))
+    store = ObjectStore(str(tmp_path / "store"))
     tok = build_tokenizer()
     model = build_tiny_model(tok, hidden_size=32, num_layers=1, seed=3)
     momentum = {"w": torch.arange(6.0).reshape(2, 3)}
@@ -30,7 +31,7 @@ def test_checkpoint_round_trip_prune_and_mirror(tmp_path: Path) -> None:
         save_checkpoint(store, name=f"round-{rnd:06d}", model=model, tokenizer=tok, round=rnd,
                         step=rnd * 10, outer_state=outer)  # fmt: skip
     # an uncommitted (half-written) checkpoint is ignored
-    store.write_bytes("checkpoints/round-000004/model.safetensors", b"partial")
+    store.put("checkpoints/round-000004/model.safetensors", b"partial")
     assert [n for n, _ in committed_checkpoints(store)] == [
         "round-000001",
         "round-000002",
@@ -38,8 +39,15 @@ def test_checkpoint_round_trip_prune_and_mirror(tmp_path: Path) -> None:
     ]
     prune_checkpoints(store, keep_last=2)
     assert latest_checkpoint(store)[0] == "round-000003"
+    # a COMMITTED marker that is not a JSON object counts as not committed
+    store.put("checkpoints/round-000005/COMMITTED", b"\x80 not json")
+    store.put("checkpoints/round-000006/COMMITTED", b"[6]")
     local = mirror_checkpoints(store, tmp_path / "run" / "checkpoints")
     assert [p.name for p in local] == ["round-000002", "round-000003"]
+    # copies, not hard links into the store: pruning or rewriting there never reaches the mirror
+    mirrored = local[-1] / "model.safetensors"
+    assert mirrored.stat().st_nlink == 1
+    assert mirrored.read_bytes() == bytes(store.get("checkpoints/round-000003/model.safetensors"))
     loaded = AutoModelForCausalLM.from_pretrained(local[-1])
     for (name, a), b in zip(model.state_dict().items(), loaded.state_dict().values()):
         assert torch.equal(a, b), name
@@ -51,3 +59,17 @@ def test_checkpoint_round_trip_prune_and_mirror(tmp_path: Path) -> None:
     assert [p.name for p in mirror_checkpoints(store, tmp_path / "run" / "checkpoints")] == [
         "round-000003"
     ]
+
+
+def test_mirror_refreshes_a_checkpoint_rewritten_in_the_store(tmp_path: Path) -> None:
+    """A resumed run rewrites ``final``: the run folder must not keep the old copy."""
+    store = ObjectStore(str(tmp_path / "store"))
+    tok = build_tokenizer()
+    model = build_tiny_model(tok, hidden_size=32, num_layers=1, seed=3)
+    save_checkpoint(store, name="final", model=model, tokenizer=None, round=2, step=8)
+    local_dir = tmp_path / "run" / "checkpoints"
+    mirror_checkpoints(store, local_dir)
+    assert json.loads((local_dir / "final" / "state.json").read_text())["round"] == 2
+    save_checkpoint(store, name="final", model=model, tokenizer=None, round=30, step=120)
+    mirror_checkpoints(store, local_dir)
+    assert json.loads((local_dir / "final" / "state.json").read_text())["round"] == 30

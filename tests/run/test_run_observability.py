@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from composer_replication.exchange.store import ObjectStore
 from composer_replication.run.folder import RunFolder
 from composer_replication.run.metrics import (
     MetricsCollector,
@@ -19,14 +20,13 @@ from composer_replication.run.metrics import (
 from composer_replication.run.progress import Progress, ReplicaRow, choose_mode
 from composer_replication.run.report import summarize, write_report
 from composer_replication.run.status import run_status, status_text
-from composer_replication.run.storeio import StoreIO
 
 
-def _fake_run(tmp_path: Path, n_steps: int = 20) -> tuple[RunFolder, StoreIO]:
+def _fake_run(tmp_path: Path, n_steps: int = 20) -> tuple[RunFolder, ObjectStore]:
     """A run folder whose store holds two replicas' metric chunks (reward rising)."""
     folder = RunFolder.at(tmp_path / "runs" / "demo")
     folder.create()
-    store = StoreIO(str(folder.store))
+    store = ObjectStore(str(folder.store))
     config = {
         "backend": {"n_replicas": 2, "kind": "local"},
         "store": {"uri": store.uri, "storage_options": {}},
@@ -145,7 +145,7 @@ def test_status_reports_replicas_round_lag_and_health(tmp_path: Path) -> None:
             {"replica_id": 1, "status": "failed", "exit_code": 1, "error": "exit code 1; boom"},
         ],
     )
-    store.write_json(
+    store.put_json(
         "replicas/0/status.json",
         {"state": "training", "step": 9, "max_steps": 20, "round": 1, "updated": time.time()},
     )

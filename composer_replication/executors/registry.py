@@ -1,0 +1,144 @@
+"""The backend registry: the one place that names the executors `backend.kind` can choose.
+
+Each `Backend` says where its executor class lives, which pip extra installs its SDK, and the
+few facts the driver and the preflight checks need (do its replicas run on other machines, does
+it take a log folder, per-replica resources, forwarded variables as secrets). Everything else
+that names backends derives from `BACKENDS`: the run schema's `backend.kind` choices
+(config/schema.py), the preflight checks and the driver's executor construction (run/), and
+the table in docs/backends.md (checked by tests/executors/test_registry.py).
+
+This module holds strings only, so importing it imports no SDK; `executor_class` imports the
+one adapter asked for.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import cast
+
+from composer_replication.executors.base import ServerlessExecutor
+
+__all__ = [
+    "BACKENDS",
+    "BACKEND_NAMES",
+    "Backend",
+    "backend",
+    "executor_class",
+    "missing_sdk_message",
+    "pip_extra",
+]
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One executor backend, as `backend.kind` names it.
+
+    module, cls: where the executor class lives (imported only by `executor_class`).
+    extra, sdk: the pip extra that installs the backend's SDK and the top-level module that SDK
+      provides (None for the local backend, which needs nothing).
+    remote: replicas run on other machines, so a `file://` store on this disk is invisible to
+      them (Ray is not remote: a private local Ray shares this disk; on a cluster the user picks
+      a shared store).
+    takes_log_dir: the constructor accepts `log_dir=` (the driver points it at `<run>/logs/`).
+    takes_resources: `launch_replicas(resources=...)` means something (local replicas share
+      this machine, so the local backend takes none).
+    forward_env_as_secrets: `backend.forward_env` reaches the replicas through the constructor's
+      `secrets=` option (stored encrypted by the service) instead of their plain environment.
+    summary: one line for the docs table.
+    """
+
+    name: str
+    module: str
+    cls: str
+    extra: str | None
+    sdk: str | None
+    remote: bool
+    takes_log_dir: bool
+    takes_resources: bool
+    forward_env_as_secrets: bool
+    summary: str
+
+
+_ALL = (
+    Backend(
+        name="local", module="composer_replication.executors.local",
+        cls="LocalProcessExecutor", extra=None, sdk=None, remote=False, takes_log_dir=True,
+        takes_resources=False, forward_env_as_secrets=False,
+        summary="subprocesses of this machine, one process group each",
+    ),
+    Backend(
+        name="modal", module="composer_replication.executors.modal", cls="ModalExecutor",
+        extra="modal", sdk="modal", remote=True, takes_log_dir=False, takes_resources=True,
+        forward_env_as_secrets=False,
+        summary="one Modal function call per replica, in your image",
+    ),
+    Backend(
+        name="hf-jobs", module="composer_replication.executors.hf_jobs",
+        cls="HFJobsExecutor", extra="hf-jobs", sdk="huggingface_hub", remote=True,
+        takes_log_dir=False, takes_resources=True, forward_env_as_secrets=True,
+        summary="one Hugging Face Job per replica, in your image",
+    ),
+    Backend(
+        name="k8s", module="composer_replication.executors.k8s", cls="K8sExecutor",
+        extra="k8s", sdk="kubernetes", remote=True, takes_log_dir=False, takes_resources=True,
+        forward_env_as_secrets=False,
+        summary="one Kubernetes Indexed Job, one pod per replica",
+    ),
+    Backend(
+        name="ray", module="composer_replication.executors.ray", cls="RayExecutor",
+        extra="ray", sdk="ray", remote=False, takes_log_dir=True, takes_resources=True,
+        forward_env_as_secrets=False,
+        summary="one Ray actor per replica (a private local Ray or a cluster)",
+    ),
+    Backend(
+        name="sagemaker", module="composer_replication.executors.sagemaker",
+        cls="SageMakerExecutor", extra="sagemaker", sdk="boto3", remote=True,
+        takes_log_dir=False, takes_resources=True, forward_env_as_secrets=False,
+        summary="one single-instance SageMaker training job per replica",
+    ),
+)  # fmt: skip
+
+BACKENDS: dict[str, Backend] = {b.name: b for b in _ALL}
+BACKEND_NAMES: tuple[str, ...] = tuple(BACKENDS)
+
+
+def backend(name: str) -> Backend:
+    """The registry entry of `name`; ValueError listing the known names (with a did-you-mean)."""
+    try:
+        return BACKENDS[name]
+    except KeyError:
+        close = difflib.get_close_matches(str(name), BACKEND_NAMES, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(
+            f"unknown backend {name!r}{hint}; known backends: {', '.join(BACKEND_NAMES)}"
+        ) from None
+
+
+def pip_extra(name: str) -> str:
+    """The pip extra that installs backend `name`'s SDK (ValueError if it needs none)."""
+    extra = backend(name).extra
+    if extra is None:
+        raise ValueError(f"backend {name!r} needs no extra")
+    return extra
+
+
+def missing_sdk_message(name: str) -> str | None:
+    """None when backend `name`'s SDK is importable, else what to install (no import is done)."""
+    spec = backend(name)
+    if spec.sdk is None or importlib.util.find_spec(spec.sdk) is not None:
+        return None
+    return (
+        f"backend {name!r} needs the {spec.sdk!r} package; install it with "
+        f"`pip install 'composer-replication[{spec.extra}]'`"
+    )
+
+
+def executor_class(name: str) -> Callable[..., ServerlessExecutor]:
+    """Import backend `name`'s executor class (its SDK is imported by the constructor)."""
+    spec = backend(name)
+    cls = getattr(importlib.import_module(spec.module), spec.cls)
+    return cast("Callable[..., ServerlessExecutor]", cls)

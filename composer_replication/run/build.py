@@ -1,0 +1,235 @@
+"""Build a run's parts from its configuration: task, model, channel-3 teachers, trainer.
+
+What one replica (run/replica.py), `bake-traces` (run/bake.py) and the channel ablation
+(benchmarks/composer_ablation.py) build, written once:
+
+- `build_task(config)`: the built-in task of `[task]`, split by `run.seed`.
+- `build_model(config)`: `(model, tokenizer)`: the tiny Qwen2 built locally from `[model]`
+  (no download), else `from_pretrained` of a hub id or a local folder.
+- `build_teachers(config, task)`: the `[[teachers.endpoints]]` clients, else (with
+  `teachers.oracle`) an `OracleTeacher` answering with the task's reference solution.
+- `task_verifier(task)`: `(prompt, completion) -> reward or None` for scoring teacher traces.
+- `build_trainer(config, ...)`: the `ComposerReplicationTrainer` with the task's reward (with
+  feedback) and train split, TRL settings from `[train]` and channel 1 of `[loss]`, the
+  composer keywords from the rest of `[loss]`, and channel 3's trace store and teacher pool.
+
+The config -> TRL translation (`trainer_args`, `composer_kwargs`) lives here, in the
+composition root: the trainer knows nothing of the run configuration. Heavy libraries (torch,
+transformers, TRL) are imported inside the functions that need them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from composer_replication.config import ConfigError
+
+if TYPE_CHECKING:
+    from composer_replication.config import RunConfig
+    from composer_replication.data.teachers import TeacherClient, TeacherPool
+    from composer_replication.data.traces import Prompt, TraceStore
+    from composer_replication.tasks import Example, Task
+    from composer_replication.trainer import ComposerConfig, ComposerReplicationTrainer
+
+__all__ = [
+    "build_model",
+    "build_task",
+    "build_teachers",
+    "build_trainer",
+    "composer_kwargs",
+    "task_index",
+    "task_verifier",
+    "teacher_pool",
+    "trainer_args",
+]
+
+# [loss] keys that configure channel 1, which is TRL's own loss: they become TRL arguments
+# (key -> GRPOConfig argument), not composer keywords.
+CHANNEL1_TRL_ARGS = {
+    "loss_type": "loss_type",
+    "epsilon_low": "epsilon",
+    "epsilon_high": "epsilon_high",
+    "delta": "delta",
+    "kl_beta": "beta",
+}
+
+
+def build_task(config: RunConfig) -> Task:
+    """The task of `[task]` (its split is fixed by `run.seed`)."""
+    from composer_replication.tasks import get_task
+
+    return get_task(
+        config.task.name,
+        seed=config.run.seed,
+        n_train=config.task.n_train,
+        n_eval=config.task.n_eval,
+        **config.task.options,
+    )
+
+
+def build_model(config: RunConfig) -> tuple[Any, Any]:
+    """(model, tokenizer) for `[model]`: the tiny Qwen2 or a hub/local checkpoint."""
+    m = config.model
+    if m.is_tiny:
+        from composer_replication.models import build_tiny_model, build_tokenizer
+
+        tok = build_tokenizer()
+        model = build_tiny_model(
+            tok, hidden_size=m.hidden_size, num_layers=m.num_layers, num_heads=m.num_heads,
+            num_kv_heads=m.num_kv_heads, seed=config.run.seed,
+        )  # fmt: skip
+        return model, tok
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(m.name, trust_remote_code=m.trust_remote_code)
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    dtype = "auto" if m.dtype == "auto" else getattr(torch, m.dtype)
+    model = AutoModelForCausalLM.from_pretrained(
+        m.name, dtype=dtype, trust_remote_code=m.trust_remote_code
+    )
+    return model, tok
+
+
+def task_index(task: Task) -> dict[str, Example]:
+    """prompt_key -> Example over both splits (teachers and verifiers see prompts, not ids)."""
+    from composer_replication.data.traces import prompt_key
+    from composer_replication.tasks.base import chat_prompt
+
+    examples = list(task.train_examples()) + list(task.eval_examples())
+    return {prompt_key(chat_prompt(ex.prompt)): ex for ex in examples}
+
+
+def task_verifier(task: Task) -> Callable[[Prompt, str], float | None]:
+    """`(prompt, completion) -> reward` by the task's verifier; None for an unknown prompt."""
+    from composer_replication.data.traces import prompt_key
+
+    index = task_index(task)
+
+    def verifier(prompt: Prompt, completion: str) -> float | None:
+        example = index.get(prompt_key(prompt))
+        return None if example is None else float(task.verify(example, completion).reward)
+
+    return verifier
+
+
+def build_teachers(config: RunConfig, task: Task) -> list[TeacherClient]:
+    """Endpoint teachers from [[teachers.endpoints]], else the task oracle (if enabled)."""
+    from composer_replication.data.teachers import OpenAICompatibleTeacher, OracleTeacher
+    from composer_replication.data.traces import prompt_key
+
+    teachers: list[TeacherClient] = []
+    for i, ep in enumerate(config.teachers.endpoints):
+        try:
+            teachers.append(
+                OpenAICompatibleTeacher(
+                    base_url=ep.base_url,
+                    model=ep.model,
+                    name=ep.name,
+                    api_key_env=ep.api_key_env or None,
+                    max_tokens=ep.max_tokens,
+                    temperature=ep.temperature,
+                )
+            )
+        except ValueError as exc:
+            raise ConfigError(f"teachers.endpoints[{i}]: {exc}") from None
+    if not teachers and config.teachers.oracle:
+        index = task_index(task)
+
+        def solve(prompt: Prompt) -> str | None:
+            example = index.get(prompt_key(prompt))
+            return None if example is None else task.oracle(example)
+
+        teachers.append(OracleTeacher(solve, name="oracle"))
+    return teachers
+
+
+def teacher_pool(config: RunConfig, task: Task) -> tuple[TraceStore, TeacherPool | None]:
+    """(trace_store, teacher_pool) for channel 3: the baked traces of `teachers.traces_path`
+    (if any), and a pool that asks the teachers lazily for prompts without a trace."""
+    from composer_replication.data.teachers import TeacherPool
+    from composer_replication.data.traces import TraceStore
+
+    trace_store = TraceStore()
+    if config.teachers.traces_path:
+        trace_store = TraceStore.load([config.teachers.traces_path])
+    teachers = build_teachers(config, task)
+    if not teachers:
+        return trace_store, None
+    return trace_store, TeacherPool(teachers, store=trace_store, verifier=task_verifier(task))
+
+
+def trainer_args(config: RunConfig, output_dir: str, max_steps: int, seed: int) -> ComposerConfig:
+    """The TRL arguments of a run: `[train]`, channel 1 of `[loss]`, CPU/GPU precision."""
+    import torch
+
+    from composer_replication.trainer import ComposerConfig
+
+    t, loss = config.train, config.loss
+    cuda = torch.cuda.is_available()
+    channel1 = {arg: getattr(loss, key) for key, arg in CHANNEL1_TRL_ARGS.items()}
+    return ComposerConfig(
+        output_dir=output_dir,
+        max_steps=max_steps,
+        learning_rate=t.learning_rate,
+        lr_scheduler_type="constant",
+        per_device_train_batch_size=t.batch_size,
+        gradient_accumulation_steps=t.gradient_accumulation_steps,
+        num_generations=t.num_generations,
+        max_completion_length=t.max_completion_length,
+        temperature=t.temperature,
+        logging_steps=config.logging.log_every,
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+        use_cpu=not cuda,
+        bf16=cuda and config.model.dtype == "bfloat16",
+        seed=seed,
+        **channel1,
+    )
+
+
+def composer_kwargs(config: RunConfig) -> dict[str, Any]:
+    """The trainer's composer keywords: `[loss]` minus channel 1 (unset optionals omitted)."""
+    kw = config.loss.compose_kwargs()
+    for key in CHANNEL1_TRL_ARGS:
+        kw.pop(key, None)
+    return kw
+
+
+def build_trainer(
+    config: RunConfig,
+    *,
+    model: Any,
+    tokenizer: Any,
+    task: Task,
+    max_steps: int,
+    seed: int,
+    output_dir: str,
+    callbacks: list[Any] | None = None,
+) -> ComposerReplicationTrainer:
+    """The `ComposerReplicationTrainer` of a run: the task's reward (with feedback) and train
+    split, TRL settings from [train]/[loss], channel-3 teachers from [teachers]."""
+    from transformers.trainer_callback import PrinterCallback
+
+    from composer_replication.trainer import ComposerReplicationTrainer
+
+    trace_store, pool = teacher_pool(config, task)
+    trainer = ComposerReplicationTrainer(
+        model=model,
+        processing_class=tokenizer,
+        reward_funcs=[task.reward_func()],
+        train_dataset=task.to_dataset("train"),
+        args=trainer_args(config, output_dir, max_steps, seed),
+        callbacks=callbacks,
+        trace_store=trace_store,
+        teacher_pool=pool,
+        **composer_kwargs(config),
+    )
+    # Every log line already goes to the store as a metric record; printing each one too
+    # would only bloat the replica's log file.
+    trainer.remove_callback(PrinterCallback)
+    return trainer

@@ -1,0 +1,205 @@
+"""One source for every default and name: the run schema against the libraries it derives from.
+
+The `[loss]` section against the loss library's `ComposeConfig` (keys, defaults, types, choices,
+checks), `backend.kind` against the executor registry, `diloco.codec` against the exchange's
+codecs, the config -> trainer translation against the trainer's keywords, and docs/cli.md's
+reference against the generator.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import typing
+from pathlib import Path
+
+import pytest
+
+from composer_replication.config import ConfigError, default_toml_text, load_config
+from composer_replication.config.schema import (
+    LOSS_KEYS_SET_BY_THE_RUN,
+    BackendConfig,
+    DilocoConfig,
+    LossConfig,
+)
+from composer_replication.exchange.codecs import CODECS
+from composer_replication.executors.registry import BACKEND_NAMES
+from composer_replication.loss import (
+    DPO_VARIANTS,
+    LOSS_TYPES,
+    SDPO_WRAPPERS,
+    ComposeConfig,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+LOSS_FIELDS = {f.name: f for f in dataclasses.fields(ComposeConfig)}
+SCHEMA_FIELDS = {f.name: f for f in dataclasses.fields(LossConfig)}
+LOSS_HINTS = typing.get_type_hints(ComposeConfig)
+SCHEMA_HINTS = typing.get_type_hints(LossConfig)
+CHOICES = {"loss_type": LOSS_TYPES, "sdpo_wrapper": SDPO_WRAPPERS, "dpo_variant": DPO_VARIANTS}
+
+
+def test_every_compose_config_key_is_a_loss_key_or_set_by_the_run() -> None:
+    assert set(LOSS_KEYS_SET_BY_THE_RUN) <= set(LOSS_FIELDS)
+    assert set(SCHEMA_FIELDS) == set(LOSS_FIELDS) - set(LOSS_KEYS_SET_BY_THE_RUN)
+
+
+@pytest.mark.parametrize("key", sorted(SCHEMA_FIELDS))
+def test_loss_key_has_the_loss_librarys_default_and_type(key: str) -> None:
+    assert SCHEMA_FIELDS[key].default == LOSS_FIELDS[key].default
+    assert SCHEMA_FIELDS[key].metadata["help"]
+    schema_type = SCHEMA_HINTS[key]
+    if typing.get_origin(schema_type) is typing.Literal:  # a choice: the library's tuple
+        assert typing.get_args(schema_type) == CHOICES[key]
+        assert LOSS_HINTS[key] is str
+    else:
+        assert schema_type == LOSS_HINTS[key]
+
+
+def test_schema_defaults_equal_the_loss_librarys() -> None:
+    """The whole [loss] section: what a TOML file without [loss] gets is ComposeConfig()."""
+    loss = ComposeConfig()
+    assert {k: getattr(LossConfig(), k) for k in SCHEMA_FIELDS} == {
+        k: getattr(loss, k) for k in SCHEMA_FIELDS
+    }
+    assert LossConfig().dpo_variant == "dpo"
+
+
+def test_the_embedded_default_chooses_simpo_in_its_toml() -> None:
+    """The demo has no reference model, so default.toml CHOOSES simpo; the default is the
+    loss library's."""
+    assert tomllib.loads(default_toml_text())["loss"]["dpo_variant"] == "simpo"
+    assert load_config().loss.dpo_variant == "simpo"
+    assert load_config(overrides=["loss.dpo_variant=dpo"]).loss.dpo_variant == "dpo"
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("loss.epsilon_low=1.0", "epsilon_low"),
+        ("loss.label_smoothing=0.5", "label_smoothing"),
+        ("loss.sdpo_top_k=0", "sdpo_top_k"),
+        ("loss.delta=1.0", "delta"),
+        ("loss.simpo_beta=0", "simpo_beta"),
+        ("loss.entropy_opd_h_max=-1", "entropy_opd_h_max"),
+        ("loss.sdpo_temperature=0", "sdpo_temperature"),
+        ("loss.taid_t=1.5", "taid_t"),
+    ],
+)
+def test_loss_values_the_library_rejects_are_config_errors(override: str, key: str) -> None:
+    value = tomllib.loads(f"v = {override.partition('=')[2]}")["v"]
+    with pytest.raises(ValueError, match=key):  # the library's own verdict, independently
+        ComposeConfig(**{key: value})
+    with pytest.raises(ConfigError, match=rf"^loss\.{key}: "):
+        load_config(overrides=[override])
+
+
+def test_a_scheduled_taid_is_valid_with_a_schedule_length() -> None:
+    config = load_config(overrides=["loss.sdpo_wrapper=taid", "loss.taid_total_steps=50"])
+    assert config.loss.taid_t is None and config.loss.taid_total_steps == 50
+    with pytest.raises(ConfigError, match="loss.sdpo_wrapper: 'taid' needs"):
+        load_config(overrides=["loss.sdpo_wrapper=taid"])
+
+
+def test_outer_optimizer_defaults_equal_the_outer_loops() -> None:
+    """config may not import diloco (ARCHITECTURE.md), so the run schema repeats DiLoCo's outer
+    SGD defaults; this keeps the two equal."""
+    from composer_replication.diloco.outer_loop import OUTER_LR, OUTER_MOMENTUM
+
+    d = load_config().diloco
+    assert (d.outer_lr, d.outer_momentum) == (OUTER_LR, OUTER_MOMENTUM)
+
+
+def test_backend_and_codec_choices_are_the_registries() -> None:
+    assert typing.get_args(typing.get_type_hints(BackendConfig)["kind"]) == BACKEND_NAMES
+    assert typing.get_args(typing.get_type_hints(DilocoConfig)["codec"]) == CODECS
+    for name in BACKEND_NAMES:
+        assert load_config(overrides=[f"backend.kind={name}"]).backend.kind == name
+    for codec in CODECS:
+        assert load_config(overrides=[f"diloco.codec={codec}"]).diloco.codec == codec
+
+
+def test_every_loss_key_reaches_the_trainer() -> None:
+    """Channel-1 keys become TRL arguments, the rest composer keywords the trainer accepts;
+    non-default values arrive unchanged."""
+    pytest.importorskip("trl")
+    from composer_replication.run.build import CHANNEL1_TRL_ARGS, composer_kwargs, trainer_args
+    from composer_replication.trainer.config import LOSS_KEYS
+
+    config = load_config(
+        overrides=[
+            "loss.loss_type=grpo", "loss.epsilon_low=0.1", "loss.epsilon_high=0.3",
+            "loss.delta=1.5", "loss.kl_beta=0.02", "loss.alpha_sdpo=0.3",
+            "loss.sdpo_add_tail=false", "loss.entropy_opd_h_max=1.2",
+            "loss.label_smoothing=0.1", "loss.dpo_variant=dpo",
+        ]
+    )  # fmt: skip
+    kw = composer_kwargs(config)
+    set_keys = {k for k in SCHEMA_FIELDS if getattr(config.loss, k) is not None}
+    assert set(kw).isdisjoint(CHANNEL1_TRL_ARGS)
+    assert set(kw) | set(CHANNEL1_TRL_ARGS) == set_keys | set(CHANNEL1_TRL_ARGS)
+    assert set(kw) <= set(LOSS_KEYS)
+    assert kw["alpha_sdpo"] == 0.3 and kw["sdpo_add_tail"] is False
+    assert kw["entropy_opd_h_max"] == 1.2 and kw["label_smoothing"] == 0.1
+    assert kw["dpo_variant"] == "dpo"
+    args = trainer_args(config, output_dir="/tmp/unused", max_steps=3, seed=0)
+    assert (args.loss_type, args.epsilon, args.epsilon_high, args.delta, args.beta) == (
+        "grpo", 0.1, 0.3, 1.5, 0.02,
+    )  # fmt: skip
+    assert args.temperature == config.train.temperature  # LOSS_KEYS_SET_BY_THE_RUN
+
+
+def test_docs_reference_is_the_generated_one() -> None:
+    """docs/cli.md's configuration reference is exactly what the schema generates."""
+    from composer_replication.config.reference import reference_markdown
+
+    doc = (ROOT / "docs" / "cli.md").read_text()
+    assert reference_markdown() in doc, (
+        "docs/cli.md is out of date: run "
+        "`python -m composer_replication.config.reference --write docs/cli.md`"
+    )
+
+
+def test_reference_lists_every_key_and_the_embedded_choices() -> None:
+    """The generator itself: every section and key, with help, and default.toml's choices."""
+    from composer_replication.config.reference import reference_markdown
+    from composer_replication.config.schema import EndpointConfig, RunConfig
+
+    text = reference_markdown()
+    hints = typing.get_type_hints(RunConfig)
+    for section in dataclasses.fields(RunConfig):
+        assert f"### `[{section.name}]`" in text
+        for f in dataclasses.fields(hints[section.name]):
+            assert f"| `{section.name}.{f.name}` |" in text, f"{section.name}.{f.name}"
+    for f in dataclasses.fields(EndpointConfig):
+        assert f"| `{f.name}` |" in text, f.name
+    assert "| `loss.dpo_variant` | 'dpo' \\| 'simpo' | `\"dpo\"` |" in text
+    assert '`loss.dpo_variant = "simpo"`' in text  # the embedded default's choice
+
+
+def test_replace_reference_keeps_the_rest_of_the_file() -> None:
+    from composer_replication.config.reference import BEGIN, END, replace_reference
+
+    text = f"# head\n\n{BEGIN}\nstale\n{END}\n\n## after\n"
+    out = replace_reference(text)
+    assert out.startswith("# head\n\n" + BEGIN) and out.endswith(f"{END}\n\n## after\n")
+    assert "stale" not in out and "| `loss.alpha_sdpo` |" in out
+    with pytest.raises(ValueError, match="markers"):
+        replace_reference("no markers")
+
+
+def test_the_cli_starts_without_the_schema() -> None:
+    """`--help` and usage errors do not import the schema (which imports torch)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from composer_replication.cli import main\n"
+        "try: main(['--help'])\n"
+        "except SystemExit: pass\n"
+        "print('torch' in sys.modules, 'composer_replication.config.schema' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    ).stdout
+    assert out.strip().splitlines()[-1] == "False False"

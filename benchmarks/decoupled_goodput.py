@@ -33,7 +33,7 @@ useful. Eval loss: mean cross-entropy (nats/byte) of the final global model on h
 
 Last line: JSON with sync_goodput, decoupled_goodput, sync_eval_loss, decoupled_eval_loss,
 loss_gap_vs_sync (no failures, relative), rounds_lost, byzantine_loss_gap, byzantine_mean_diverged
-(null when this build lacks exchange.robust) and the other figures.
+and the other figures.
 """
 
 from __future__ import annotations
@@ -179,7 +179,6 @@ def run_once(a: argparse.Namespace, mode: str, *, faults: bool, attack: float = 
     )
     from composer_replication.exchange.store import ObjectStore
     from composer_replication.run.chaos import ThrottleProxy, check_decoupled_run, run_local
-    from composer_replication.run.synchronizer import synchronizer_config
 
     tmp = Path(tempfile.mkdtemp(prefix=f"ddgoodput-{mode}-"))
     out = tmp / "out"
@@ -199,7 +198,9 @@ def run_once(a: argparse.Namespace, mode: str, *, faults: bool, attack: float = 
         # robust merges need several pushes per merge: the byzantine runs wait for all 4
         diloco=DilocoConfig(sync_every_h=a.h, mode="decoupled", fragments=a.p,
                             quorum=N if attack != 1.0 else a.quorum, late=a.late,
-                            lease_ttl_s=3.0),
+                            lease_ttl_s=3.0, aggregate=aggregate,
+                            aggregate_outlier_ratio=10.0 if outlier_ratio is None
+                            else outlier_ratio),
         backend=BackendConfig(n_replicas=N), store=StoreConfig(),
     )  # fmt: skip
     store.put_json("run_config.json", to_dict(config))
@@ -218,30 +219,12 @@ def run_once(a: argparse.Namespace, mode: str, *, faults: bool, attack: float = 
         time.sleep(0.5)
 
     events = _schedule(mode, s3 is not None, run_s, round_s) if faults else []
-    # The synchronizer is the real module in its own process (it is killed in the fault run),
-    # except when this run sets robust-aggregation options that are not run-config keys here:
-    # then it runs in this process with exactly those settings.
-    in_process = mode == "decoupled" and (aggregate != "mean" or outlier_ratio is not None)
-    thread = None
-    if in_process:
-        import dataclasses
-        import threading
-
-        from composer_replication.diloco.synchronizer import Synchronizer
-
-        cfg = dataclasses.replace(synchronizer_config(config), aggregate=aggregate,
-                                  outlier_ratio=outlier_ratio)  # fmt: skip
-        sync = Synchronizer(ObjectStore(uri, options), cfg)
-        thread = threading.Thread(target=sync.run, daemon=True)
-        thread.start()
     result = run_local(
         n=N, entrypoint=str(HERE / "decoupled_goodput.py"), args=args, env=env, store=store,
-        events=events, log_dir=tmp / "logs", synchronizer=mode == "decoupled" and not in_process,
+        events=events, log_dir=tmp / "logs", synchronizer=mode == "decoupled",
         proxy=proxy, ready=lambda: all((out / f"ready{r}").exists() for r in range(N)),
         on_ready=go, timeout_s=20 * run_s + 600, seed=a.seed, upload_wait_s=0.1 * run_s,
     )  # fmt: skip
-    if thread is not None:
-        thread.join(120)
     if proxy is not None:
         proxy.close()
     if result.exit_codes != [0] * N:
@@ -342,8 +325,7 @@ def main() -> None:
                 continue
             rows[name] = run_once(a, mode, faults=faults, s3=s3)
             print(json.dumps({name: rows[name]}), flush=True)
-        robust = _has_robust()
-        if robust and (not a.only or "byzantine" in a.only):
+        if not a.only or "byzantine" in a.only:
             rows["byz_trimmed"] = run_once(a, "decoupled", faults=False, attack=1e6,
                                            aggregate="trimmed_mean", outlier_ratio=0.0, s3=s3)  # fmt: skip
             print(json.dumps({"byz_trimmed": rows["byz_trimmed"]}), flush=True)
@@ -382,12 +364,6 @@ def main() -> None:
 
 def _r(x: float | None) -> float | None:
     return None if x is None else round(float(x), 4)
-
-
-def _has_robust() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("composer_replication.exchange.robust") is not None
 
 
 if __name__ == "__main__":

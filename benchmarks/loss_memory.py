@@ -2,6 +2,8 @@
 
     python benchmarks/loss_memory.py            # B=1, T=1024, V=151936 (Qwen2.5 vocabulary)
     python benchmarks/loss_memory.py --quick    # B=1, T=256, V=32768 (a few seconds)
+    python benchmarks/loss_memory.py --child chunked --shape 1,512,32768 --out /tmp/x --chunk-size 8
+                                                # one variant, figures in /tmp/x.json (tests)
 
 Each variant runs in its own fresh subprocess (so one cannot inherit the other's freed pages).
 Inside it: allocate the inputs (student logits with requires_grad, teacher logits), reset the
@@ -14,11 +16,17 @@ loss. Variants:
 - ``naive``: the straightforward plain-autograd formula (log-softmax both sides, mixture via
   logsumexp over a stack, two ``F.kl_div`` terms, token mean) - what TRL's
   ``GKDTrainer.generalized_jsd_loss`` does;
-- ``chunked``: ``composer_replication.loss.distill.generalized_jsd`` (default chunking);
+- ``chunked``: ``composer_replication.loss.distill.generalized_jsd`` (default chunking), one
+  ``loss.backward()``: the gradient buffer is scaled in place and becomes ``.grad``;
+- ``chunked_retain``: the same with ``loss.backward(retain_graph=True)``: backward returns a
+  scaled copy and the retained graph keeps the buffer (what the in-place path saves);
 - ``trl`` (full run only, when trl is installed): TRL's own ``generalized_jsd_loss``, for scale.
 
-Values agree: the loss and a sample of gradient rows are compared (``max_abs_diff``).
-Last line: JSON with ``peak_memory_ratio``, ``time_ratio`` (chunked / naive), ``max_abs_diff``.
+Values agree: the loss and a sample of gradient rows are compared (``max_abs_diff``, naive vs
+chunked and vs chunked_retain). Last line: JSON with ``peak_memory_ratio``, ``time_ratio``
+(chunked / naive), ``max_abs_diff``, ``floor_ratio`` (one gradient buffer / naive peak),
+``retain_peak_memory_ratio``, ``cpu_time_ratio`` (process CPU seconds, all threads: steadier
+than wall time on a shared machine) and the per-repeat figures (``*_runs``: the spread).
 """
 
 from __future__ import annotations
@@ -51,10 +59,12 @@ def _naive(student, teacher):  # type: ignore[no-untyped-def]
     return jsd.mean()
 
 
-def _chunked(student, teacher):  # type: ignore[no-untyped-def]
+def _chunked(student, teacher, chunk_size=None):  # type: ignore[no-untyped-def]
     from composer_replication.loss.distill import generalized_jsd
 
-    return generalized_jsd(student, teacher, beta=BETA, temperature=TEMPERATURE)[0]
+    return generalized_jsd(
+        student, teacher, beta=BETA, temperature=TEMPERATURE, chunk_size=chunk_size
+    )[0]
 
 
 def _trl(student, teacher):  # type: ignore[no-untyped-def]
@@ -67,7 +77,9 @@ def _trl(student, teacher):  # type: ignore[no-untyped-def]
     )
 
 
-VARIANTS = {"naive": _naive, "chunked": _chunked, "trl": _trl}
+VARIANTS = {"naive": _naive, "chunked": _chunked, "chunked_retain": _chunked, "trl": _trl}
+RETAIN = {"chunked_retain"}  # variants whose backward keeps the graph
+CHUNKED = {"chunked", "chunked_retain"}  # variants that take --chunk-size
 
 
 def _status_bytes(field: str) -> int:
@@ -99,29 +111,39 @@ def _peak_bytes() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def child(variant: str, B: int, T: int, V: int, out_path: str) -> None:
+def child(variant: str, B: int, T: int, V: int, out_path: str, chunk_size: int | None) -> None:
     """Run one variant in this (fresh) process and write its figures to ``out_path``."""
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    import functools
+
     import torch
 
     fn = VARIANTS[variant]
+    if variant in CHUNKED:
+        fn = functools.partial(fn, chunk_size=chunk_size)
+    retain = variant in RETAIN
     # warm-up on a small problem: thread pools, kernels, lazy imports
-    ws = torch.randn(1, 4, V // 8, requires_grad=True)
-    fn(ws, torch.randn(1, 4, V // 8)).backward()
+    ws = torch.randn(1, 4, max(V // 8, 1), requires_grad=True)
+    fn(ws, torch.randn(1, 4, max(V // 8, 1))).backward(retain_graph=retain)
     del ws
     g = torch.Generator().manual_seed(0)
     student = (torch.randn(B, T, V, generator=g) * 2).requires_grad_(True)
     teacher = torch.randn(B, T, V, generator=g) * 2
     baseline = _reset_peak()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     loss = fn(student, teacher)
-    loss.backward()
-    elapsed = time.perf_counter() - start
+    loss.backward(retain_graph=retain)
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     peak = _peak_bytes()
     assert student.grad is not None
     rows = student.grad[:, ::ROW_STRIDE].clone()
     torch.save({"loss": loss.detach(), "rows": rows}, out_path)
-    result = {"peak_bytes": peak - baseline, "seconds": elapsed, "loss": float(loss.detach())}
+    result = {
+        "peak_bytes": peak - baseline,
+        "seconds": elapsed,
+        "cpu_seconds": cpu,
+        "loss": float(loss.detach()),
+    }
     with open(out_path + ".json", "w") as fh:
         json.dump(result, fh)
 
@@ -142,11 +164,14 @@ def main() -> None:
     parser.add_argument("--shape", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--no-trl", action="store_true", help="skip the TRL variant")
+    parser.add_argument(
+        "--chunk-size", type=int, default=None, help="tokens per chunk (--child only; auto)"
+    )
     parser.add_argument("--repeats", type=int, default=None, help="runs per variant (3; quick: 2)")
     args = parser.parse_args()
     if args.child:
         B, T, V = (int(x) for x in args.shape.split(","))
-        child(args.child, B, T, V, args.out)
+        child(args.child, B, T, V, args.out, args.chunk_size)
         return
 
     import torch
@@ -154,7 +179,7 @@ def main() -> None:
     B, T, V = (1, 256, 32768) if args.quick else (1, 1024, 151936)
     if args.repeats is None:
         args.repeats = 2 if args.quick else 3
-    variants = ["naive", "chunked"]
+    variants = ["naive", "chunked", "chunked_retain"]
     if not (args.quick or args.no_trl):
         try:
             import trl  # noqa: F401
@@ -177,26 +202,34 @@ def main() -> None:
         figures = {
             v: {
                 "seconds": min(r["seconds"] for r in rs),
+                "cpu_seconds": min(r["cpu_seconds"] for r in rs),
                 "peak_bytes": sorted(r["peak_bytes"] for r in rs)[len(rs) // 2],
                 "loss": rs[0]["loss"],
             }
             for v, rs in runs.items()
         }
         ref = torch.load(os.path.join(tmp, "naive.pt"), weights_only=True)
-        ours = torch.load(os.path.join(tmp, "chunked.pt"), weights_only=True)
-        diff = max(
-            float((ref["loss"] - ours["loss"]).abs()),
-            float((ref["rows"] - ours["rows"]).abs().max()),
-        )
+        diff = 0.0
+        for v in CHUNKED:
+            ours = torch.load(os.path.join(tmp, v + ".pt"), weights_only=True)
+            diff = max(
+                diff,
+                float((ref["loss"] - ours["loss"]).abs()),
+                float((ref["rows"] - ours["rows"]).abs().max()),
+            )
     for v in variants:
         f = figures[v]
         print(
             f"  {v:8s} peak +{f['peak_bytes'] / 2**30:6.2f} GiB   {f['seconds']:6.2f} s   loss {f['loss']:.6f}"
         )
-    grad_gib = B * T * V * 4 / 2**30
-    mem_ratio = figures["chunked"]["peak_bytes"] / figures["naive"]["peak_bytes"]
+    grad_bytes = B * T * V * 4
+    naive_peak = figures["naive"]["peak_bytes"]
+    mem_ratio = figures["chunked"]["peak_bytes"] / naive_peak
     time_ratio = figures["chunked"]["seconds"] / figures["naive"]["seconds"]
-    print(f"  gradient tensor alone: {grad_gib:.2f} GiB (the floor)")
+    print(
+        f"  gradient tensor alone: {grad_bytes / 2**30:.2f} GiB "
+        f"(the floor: {grad_bytes / naive_peak:.3f}x naive)"
+    )
     print(
         f"  chunked / naive: memory {mem_ratio:.3f}x, time {time_ratio:.3f}x, max |diff| {diff:.2e}"
     )
@@ -210,6 +243,26 @@ def main() -> None:
         "chunked_peak_gib": round(figures["chunked"]["peak_bytes"] / 2**30, 3),
         "naive_seconds": round(figures["naive"]["seconds"], 3),
         "chunked_seconds": round(figures["chunked"]["seconds"], 3),
+        "floor_ratio": round(grad_bytes / naive_peak, 4),
+        "retain_peak_memory_ratio": round(figures["chunked_retain"]["peak_bytes"] / naive_peak, 4),
+        "retain_peak_gib": round(figures["chunked_retain"]["peak_bytes"] / 2**30, 3),
+        "retain_seconds": round(figures["chunked_retain"]["seconds"], 3),
+        # process CPU seconds (all threads): less sensitive to other jobs than wall time
+        "cpu_time_ratio": round(
+            figures["chunked"]["cpu_seconds"] / figures["naive"]["cpu_seconds"], 4
+        ),
+        "retain_cpu_time_ratio": round(
+            figures["chunked_retain"]["cpu_seconds"] / figures["naive"]["cpu_seconds"], 4
+        ),
+        # per repeat, in run order: ratios against the same repeat's naive run
+        "peak_memory_ratio_runs": [
+            round(c["peak_bytes"] / n["peak_bytes"], 4)
+            for c, n in zip(runs["chunked"], runs["naive"], strict=True)
+        ],
+        "time_ratio_runs": [
+            round(c["seconds"] / n["seconds"], 4)
+            for c, n in zip(runs["chunked"], runs["naive"], strict=True)
+        ],
     }
     if "trl" in figures:
         result["trl_peak_gib"] = round(figures["trl"]["peak_bytes"] / 2**30, 3)

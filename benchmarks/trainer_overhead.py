@@ -37,7 +37,6 @@ from datasets import Dataset
 from transformers import TrainerCallback
 from trl import GRPOTrainer
 
-import composer_replication.trainer.channels as channels_module
 import composer_replication.trainer.trainer as trainer_module
 from composer_replication.data import TraceRecord, TraceStore, prompt_key
 from composer_replication.models import build_tiny_model, build_tokenizer
@@ -191,10 +190,9 @@ def main() -> None:
         ("_pair_inputs", "build pairs + reference log-probs"),
     ):
         sections.wrap(all_on, name, label)
-    # combine() is wrapped first, so its time is also inside the two *_contribution figures.
-    sections.wrap(channels_module, "combine", "  of which: combine() (JSD / DPO math)")
-    sections.wrap(trainer_module, "sdpo_contribution", "channel 2 loss (teacher forward + JSD)")
-    sections.wrap(trainer_module, "replay_contribution", "channel 3 loss (chosen forward + DPO)")
+    # The loss library's public terms, as the trainer module calls them.
+    sections.wrap(trainer_module, "sdpo_term", "channel 2 loss (teacher forward + JSD)")
+    sections.wrap(trainer_module, "replay_term", "channel 3 loss (chosen forward + DPO)")
 
     cpu: dict[str, list[float]] = {v: [] for v in variants}
     wall: dict[str, list[float]] = {v: [] for v in variants}

@@ -6,7 +6,7 @@ The package root stays cheap to import: heavy names (the TRL trainer) load on fi
 
 from __future__ import annotations
 
-from typing import Any
+from composer_replication.lazy import lazy_getattr
 
 __version__ = "0.1.0"
 
@@ -19,10 +19,4 @@ _LAZY = {
 __all__ = ["ComposerConfig", "ComposerReplicationTrainer", "__version__", "compose_loss"]
 
 
-def __getattr__(name: str) -> Any:
-    module_name = _LAZY.get(name)
-    if module_name is None:
-        raise AttributeError(f"module 'composer_replication' has no attribute {name!r}")
-    import importlib
-
-    return getattr(importlib.import_module(module_name), name)
+__getattr__ = lazy_getattr(__name__, _LAZY)

@@ -6,8 +6,9 @@ while the schema imports the loss library (torch) to take the loss keys' default
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from composer_replication.lazy import lazy_getattr
 
 if TYPE_CHECKING:
     from composer_replication.config.errors import ConfigError
@@ -50,8 +51,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module_name = _LAZY.get(name)
-    if module_name is None:
-        raise AttributeError(f"module 'composer_replication.config' has no attribute {name!r}")
-    return getattr(importlib.import_module(module_name), name)
+__getattr__ = lazy_getattr(__name__, _LAZY)

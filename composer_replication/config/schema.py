@@ -14,7 +14,9 @@ Nothing here is a second copy of a name or a default owned elsewhere:
 - `[loss]` keys take their defaults and checks from the loss library's `ComposeConfig`, and their
   choices from its choice tuples (`LOSS_TYPES`, `SDPO_WRAPPERS`, `DPO_VARIANTS`);
 - `backend.kind` choices are the executor registry's names (`executors.registry.BACKENDS`);
-- `diloco.codec` choices are the exchange's codecs (`exchange.codecs.CODECS`).
+- `diloco.codec` choices are the exchange's codecs (`exchange.codecs.CODECS`);
+- `diloco.aggregate*` / `diloco.screen*` take their choices, defaults and checks from the
+  exchange's `robust.AggregatePolicy`.
 The choice types are `Literal`s built from those tuples at import time (mypy sees `str`); the
 loader checks values against them and suggests the nearest name.
 """
@@ -25,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from composer_replication.exchange.codecs import CODECS
+from composer_replication.exchange.robust import AGGREGATES, SCREENS, AggregatePolicy
 from composer_replication.executors.registry import BACKEND_NAMES
 from composer_replication.loss import (
     DPO_VARIANTS,
@@ -48,6 +51,7 @@ __all__ = [
     "ModelConfig",
     "RunConfig",
     "RunSection",
+    "SecurityConfig",
     "StoreConfig",
     "TaskConfig",
     "TeachersConfig",
@@ -57,18 +61,24 @@ __all__ = [
 if TYPE_CHECKING:
     BackendName = str
     CodecName = str
+    AggregateName = str
+    ScreenName = str
     LossType = str
     SdpoWrapper = str
     DpoVariant = str
 else:  # the registries' names as Literal choices (the loader validates against them)
     BackendName = Literal[BACKEND_NAMES]
     CodecName = Literal[CODECS]
+    AggregateName = Literal[AGGREGATES]
+    ScreenName = Literal[SCREENS]
     LossType = Literal[LOSS_TYPES]
     SdpoWrapper = Literal[SDPO_WRAPPERS]
     DpoVariant = Literal[DPO_VARIANTS]
 
 # The loss library's defaults: every [loss] key's default is read from here.
 _LOSS = ComposeConfig()
+# The exchange's screening defaults: every [diloco] aggregate*/screen* default comes from here.
+_POLICY = AggregatePolicy()
 
 # ComposeConfig keys that are not [loss] keys, and what sets them in a run instead.
 LOSS_KEYS_SET_BY_THE_RUN = {
@@ -114,6 +124,12 @@ class ModelConfig:
     num_layers: int = _f(2, "tiny model only: number of transformer layers")
     num_heads: int = _f(4, "tiny model only: attention heads")
     num_kv_heads: int = _f(2, "tiny model only: key/value heads")
+    tokenizer: Literal["char", "bpe"] = _f(
+        "char",
+        "tiny model only: 'char' (one token per character) or 'bpe' (trained locally on "
+        "the task's training text, cached)",
+    )
+    vocab_size: int = _f(512, "tiny model with tokenizer 'bpe': the largest vocabulary")
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = _f(
         "float32", "parameter dtype for hub/local models"
     )
@@ -121,7 +137,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _check(bool(self.name.strip()), "model.name", "must not be empty (use 'tiny')")
-        for key in ("hidden_size", "num_layers", "num_heads", "num_kv_heads"):
+        for key in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "vocab_size"):
             _check(getattr(self, key) >= 1, f"model.{key}", "must be >= 1")
 
     @property
@@ -336,6 +352,30 @@ class DilocoConfig:
         10.0,
         "decoupled: a silent synchronizer's lease expires after this (then another takes over)",
     )
+    aggregate: AggregateName = _f(
+        _POLICY.method, "how screened contributions are merged (docs/object-store.md)"
+    )
+    aggregate_outlier_ratio: float = _f(
+        _POLICY.outlier_ratio,
+        "leave out a contribution whose L2 norm exceeds this x the round's median (0 = off)",
+    )
+    aggregate_trim_fraction: float = _f(
+        _POLICY.trim_fraction, "trimmed_mean: fraction of values dropped at each end"
+    )
+    aggregate_clip_ratio: float = _f(
+        _POLICY.clip_ratio, "norm_clip: clip each contribution's norm to this x the median"
+    )
+    aggregate_token_cap: float = _f(
+        _POLICY.token_cap, "weighting = 'tokens': cap claims at this x the median claim (0 = off)"
+    )
+    screen: ScreenName = _f(
+        _POLICY.screen,
+        "'loss': also leave out contributions that alone raise a held-out loss (Templar-style)",
+    )
+    screen_loss_tolerance: float = _f(
+        _POLICY.loss_tolerance, "screen = 'loss': tolerated rise, as a fraction of the loss"
+    )
+    screen_examples: int = _f(4, "screen = 'loss': held-out examples in the probe batch")
 
     def __post_init__(self) -> None:
         _check(self.sync_every_h >= 1, "diloco.sync_every_h", "must be >= 1")
@@ -360,6 +400,17 @@ class DilocoConfig:
                 "diloco.mode",
                 "'decoupled' learners meet only in the object store: use manager = 'object_store'",
             )
+            _check(
+                self.screen == "none",
+                "diloco.screen",
+                "the loss screen runs in the synchronous exchange only; decoupled mode screens "
+                "by norm (diloco.aggregate_outlier_ratio): set diloco.screen = 'none'",
+            )
+            _check(
+                self.merge == "mean" or self.aggregate == "mean",
+                "diloco.merge",
+                "'rda' averages directions itself: use diloco.aggregate = 'mean' with it",
+            )
         _check(self.outer_lr > 0, "diloco.outer_lr", "must be > 0")
         _check(0.0 <= self.outer_momentum < 1.0, "diloco.outer_momentum", "must be in [0, 1)")
         if self.min_replicas is not None:
@@ -383,7 +434,22 @@ class DilocoConfig:
                 "diloco.lighthouse",
                 "is only used with diloco.manager = 'torchft'; remove it or set the manager",
             )
+        try:
+            self.aggregate_policy()
+        except ValueError as exc:  # "<field> must be ...": name it as the TOML key
+            field_name, _, rest = str(exc).partition(" ")
+            key = {"method": "aggregate", "loss_tolerance": "screen_loss_tolerance"}.get(
+                field_name, f"aggregate_{field_name}"
+            )
+            raise ValueError(f"diloco.{key}: {rest}") from None
+        _check(self.screen_examples >= 1, "diloco.screen_examples", "must be >= 1")
         if self.manager == "torchft":
+            _check(
+                self.aggregate == "mean" and self.screen == "none",
+                "diloco.aggregate",
+                "robust aggregation and screening run in the object-store exchange; torchft "
+                "averages over gloo (use manager = 'object_store')",
+            )
             _check(
                 self.codec == "fp32",
                 "diloco.codec",
@@ -395,6 +461,26 @@ class DilocoConfig:
                 "diloco.weighting",
                 "torchft averages replicas equally; 'tokens' needs manager = 'object_store'",
             )
+
+    def aggregate_policy(self, **bounds: Any) -> AggregatePolicy:
+        """The exchange's policy for these keys (``bounds``: the run's claim bounds)."""
+        return AggregatePolicy(
+            method=self.aggregate, weighting=self.weighting,
+            outlier_ratio=self.aggregate_outlier_ratio, trim_fraction=self.aggregate_trim_fraction,
+            clip_ratio=self.aggregate_clip_ratio, token_cap=self.aggregate_token_cap,
+            screen=self.screen, loss_tolerance=self.screen_loss_tolerance, **bounds,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class SecurityConfig:
+    """Signed contributions (docs/security.md)."""
+
+    sign: bool = _f(
+        False,
+        "Ed25519-sign every contribution, commit record, state and manifest; the driver makes "
+        "one key per rank and hands each replica only its own (object-store exchange)",
+    )
 
 
 @dataclass(frozen=True)
@@ -524,6 +610,7 @@ class RunConfig:
         default_factory=CheckpointConfig, metadata={"help": "checkpoints"}
     )
     chaos: ChaosConfig = field(default_factory=ChaosConfig, metadata={"help": "fault injection"})
+    security: SecurityConfig = field(default_factory=SecurityConfig, metadata={"help": "signing"})
 
     def __post_init__(self) -> None:
         h = self.diloco.sync_every_h
@@ -541,6 +628,13 @@ class RunConfig:
                 f"backend {self.backend.kind!r} runs replicas the driver's own lighthouse "
                 "(127.0.0.1) cannot serve; start `torchft_lighthouse` where they can reach it "
                 "and set diloco.lighthouse = 'http://HOST:PORT'",
+            )
+        if self.diloco.mode == "decoupled":
+            _check(
+                not self.security.sign,
+                "security.sign",
+                "signs the synchronous object-store exchange; decoupled mode's pushes are not "
+                "signed yet (use diloco.mode = 'sync' for a signed run)",
             )
         if self.diloco.quorum is not None:
             _check(
@@ -584,6 +678,12 @@ class RunConfig:
                         "throttle slows the connection to an S3 endpoint; a file:// store has "
                         "no connection to throttle (use an s3:// store.uri)",
                     )
+        _check(
+            not (self.security.sign and self.diloco.manager == "torchft"),
+            "security.sign",
+            "signs the object-store exchange; torchft averages over gloo (use diloco.manager = "
+            "'object_store')",
+        )
         if self.diloco.min_replicas is not None:
             _check(
                 self.diloco.min_replicas <= self.backend.n_replicas,

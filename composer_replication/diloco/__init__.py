@@ -3,8 +3,7 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from composer_replication.lazy import lazy_getattr
 
 _LAZY = {
     "make_diloco_outer_loop": "composer_replication.diloco.outer_loop",
@@ -16,8 +15,4 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str) -> Any:
-    module_name = _LAZY.get(name)
-    if module_name is None:
-        raise AttributeError(f"module 'composer_replication.diloco' has no attribute {name!r}")
-    return getattr(importlib.import_module(module_name), name)
+__getattr__ = lazy_getattr(__name__, _LAZY)

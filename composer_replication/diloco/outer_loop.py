@@ -78,6 +78,9 @@ def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     return optimizer
 
 
+OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9  # DiLoCo's outer Nesterov SGD (the paper's values)
+
+
 class DiLoCoOuterLoop:
     """The outer loop; build it with `make_diloco_outer_loop` (see the module docstring).
 
@@ -95,8 +98,8 @@ class DiLoCoOuterLoop:
         model: nn.Module | None = None,
         model_fragments: Sequence[nn.Module] | None = None,
         num_fragments: int = 1,
-        outer_lr: float = 0.7,
-        outer_momentum: float = 0.9,
+        outer_lr: float = OUTER_LR,
+        outer_momentum: float = OUTER_MOMENTUM,
         nesterov: bool = True,
         outer_optimizer_factory: OuterOptimizerFactory | None = None,
         fragment_sync_delay: int = 0,
@@ -332,8 +335,8 @@ def make_diloco_outer_loop(
     model: nn.Module | None = None,
     model_fragments: Sequence[nn.Module] | None = None,
     num_fragments: int = 1,
-    outer_lr: float = 0.7,
-    outer_momentum: float = 0.9,
+    outer_lr: float = OUTER_LR,
+    outer_momentum: float = OUTER_MOMENTUM,
     nesterov: bool = True,
     outer_optimizer_factory: OuterOptimizerFactory | None = None,
     fragment_sync_delay: int = 0,

@@ -32,8 +32,8 @@ then rebuilds its state from the store: the newest version of each fragment whos
 momentum are stored, then every later merge record replayed (aggregation is a pure function of
 the pushes the record pins by checksum). So no committed merge is lost and none is applied twice.
 When every learner reports it is done, it merges what is left (no quorum, no grace), writes
-``final.json`` and stops. `aggregate` is the seam to robust aggregation (the plain weighted mean
-here; screening methods plug in behind the same signature).
+``final.json`` and stops. `aggregate` screens and merges through the robust-aggregation module
+(`exchange.robust`), the same rules as the synchronous exchange.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from composer_replication.exchange import robust
 from composer_replication.exchange.decoupled import DecoupledStore, Push, PushId
 from composer_replication.exchange.lease import Lease
 from composer_replication.exchange.liveness import (
@@ -130,21 +131,12 @@ def _decision(included: bool, reason: str = "", weight: float = 0.0, scale: floa
     return {"included": included, "reason": reason, "weight": weight, "scale": scale, "note": note}
 
 
-def _robust() -> Any:
-    """`composer_replication.exchange.robust` (screening and robust merges) or None if this
-    build does not have it."""
-    try:
-        from composer_replication.exchange import robust
-    except ImportError:
-        return None
-    return robust
-
-
-def _policy(robust: Any, method: str, outlier_ratio: float | None) -> Any:
+def _policy(method: str, outlier_ratio: float | None) -> robust.AggregatePolicy:
     # the inputs' work weights go in as weight claims (capped at the robust default multiple of
     # the round's median claim); no per-step claim bounds: the work is counted by the learners
-    kw = {} if outlier_ratio is None else {"outlier_ratio": outlier_ratio}
-    return robust.AggregatePolicy(method=method, weighting="tokens", **kw)
+    if outlier_ratio is None:
+        return robust.AggregatePolicy(method=method, weighting="tokens")
+    return robust.AggregatePolicy(method=method, weighting="tokens", outlier_ratio=outlier_ratio)
 
 
 def aggregate(
@@ -152,26 +144,15 @@ def aggregate(
 ) -> tuple[Tensors, dict[str, Decision]]:
     """Screen and merge ``inputs``: (merged tensors, one `Decision` per input id).
 
-    Inputs without work (weight 0) are refused. With the robust-aggregation module
-    (``exchange.robust``) every input is screened (non-finite values, norm outliers against the
-    round's median unless ``outlier_ratio=0``, weight claims capped against the median) and
-    ``method`` is any of its merges (mean, trimmed_mean, median, norm_clip). Without it, only
-    ``method="mean"`` exists: the weighted mean, no screening. Empty tensors: nothing included.
+    Inputs without work (weight 0) are refused. Every input is screened by the robust-aggregation
+    module (``exchange.robust``: non-finite values, norm outliers against the round's median
+    unless ``outlier_ratio=0``, weight claims capped against the median) and ``method`` is any of
+    its merges (mean, trimmed_mean, median, norm_clip). Empty tensors: nothing included.
     """
     decisions = {i.id: _decision(False, "no work (weight 0)") for i in inputs if i.weight <= 0}
     work = [i for i in inputs if i.weight > 0]
-    robust = _robust()
-    if robust is None:
-        if method != "mean" or outlier_ratio:
-            raise ValueError(
-                f"aggregate={method!r} / outlier screening needs the robust-aggregation module "
-                "(composer_replication.exchange.robust), which this build does not have; use "
-                "aggregate='mean'"
-            )
-        total = sum(i.weight for i in work)
-        decisions.update({i.id: _decision(True, weight=i.weight / total) for i in work})
-    elif work:
-        policy = _policy(robust, method, outlier_ratio)
+    if work:
+        policy = _policy(method, outlier_ratio)
         top = max(i.weight for i in work)  # integer claims that keep the ratios to 1e-9
         candidates = [robust.Candidate(k, i.tensors, tokens=max(1, round(i.weight / top * 1e9)))
                       for k, i in enumerate(work)]  # fmt: skip
@@ -193,16 +174,10 @@ def combine_decided(
     chosen = [i for i in inputs if decisions[i.id]["included"]]
     if not chosen:
         return {}
-    robust = _robust()
-    if robust is None:
-        if method != "mean":
-            raise ValueError(f"aggregate={method!r} needs composer_replication.exchange.robust")
-        scaled = [MergeInput(i.id, decisions[i.id]["weight"], i.tensors) for i in chosen]
-        return _weighted_mean(scaled, sorted(chosen[0].tensors))
     candidates = [robust.Candidate(k, i.tensors) for k, i in enumerate(chosen)]
     verdicts = [robust.Decision(rank=k, included=True, weight=decisions[i.id]["weight"],
                                 scale=decisions[i.id]["scale"]) for k, i in enumerate(chosen)]  # fmt: skip
-    merged: Tensors = robust.combine(candidates, verdicts, _policy(robust, method, None))
+    merged: Tensors = robust.combine(candidates, verdicts, _policy(method, None))
     return merged
 
 

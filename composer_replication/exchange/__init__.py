@@ -10,10 +10,9 @@ Names load lazily so that importing this package stays cheap.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from composer_replication.lazy import lazy_getattr
 
-_LAZY = {
+EXPORTS = {
     "ObjectStore": "composer_replication.exchange.store",
     "normalize_uri": "composer_replication.exchange.store",
     "ObjectStoreAllReduce": "composer_replication.exchange.allreduce",
@@ -22,11 +21,7 @@ _LAZY = {
     "CODECS": "composer_replication.exchange.codecs",
 }
 
-__all__ = sorted(_LAZY)
+__all__ = sorted(EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module_name = _LAZY.get(name)
-    if module_name is None:
-        raise AttributeError(f"module 'composer_replication.exchange' has no attribute {name!r}")
-    return getattr(importlib.import_module(module_name), name)
+__getattr__ = lazy_getattr(__name__, EXPORTS)

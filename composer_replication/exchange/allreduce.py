@@ -7,12 +7,28 @@ sees all ``world_size`` contributions settled (or, after ``timeout_s``, at least
 were too late to be listed, aggregates exactly the listed contributions in rank order in float32.
 That makes the result bit-identical on every replica (docs/object-store.md explains why).
 
-Timeouts are ordered: ``upload_timeout_s < timeout_s < run_timeout_s``. ``cancel()`` aborts
-any wait. Nothing read from the store is unpickled.
+Before committing, the committer screens the contributions it saw (exchange/robust.py:
+inconsistent token claims, non-finite values, norm outliers against the round's median, and
+optionally a loss probe) and records every decision in the commit record, which also names the
+merge (``mean``, ``trimmed_mean``, ``median``, ``norm_clip``); readers replay exactly that.
+
+A slot holds only what its rank wrote: every upload carries a writer id (an HMAC of the step under
+the rank's writer secret, so nobody without the secret can predict it, while a restarted
+incarnation of the rank given the same secret recognises its earlier upload); in unsigned runs
+the rank confirms its slot with ``owner/<rank>.json`` (and a slot nobody confirmed is never
+committed), and a rank that finds its slot taken by an object it did not write reports it in
+``squat/<rank>.json`` so the round excludes it. With signing on (``keys``), every contribution
+and commit record is signed and anything unsigned or mis-signed is refused outright.
+
+A steady-state round sends no LIST request: ranks are polled by key (``requests`` in
+`StepResult` counts what one call sent). Timeouts are ordered: ``upload_timeout_s < timeout_s <
+run_timeout_s``. ``cancel()`` aborts any wait. Nothing read from the store is unpickled.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
 import os
@@ -27,6 +43,7 @@ from composer_replication.exchange import codecs, wire
 from composer_replication.exchange.aggregate import average_in_rank_order, check_inputs
 from composer_replication.exchange.documents import RunDocuments
 from composer_replication.exchange.protocol import (
+    HEAD_KEY,
     Contribution,
     CorruptContributionError,
     ExchangeCancelledError,
@@ -39,11 +56,21 @@ from composer_replication.exchange.protocol import (
     dtype_name,
     encode_contribution,
     make_commit,
+    owner_key,
     parse_commit,
-    parse_contrib_name,
-    parse_step_dir,
-    step_prefix,
+    squat_key,
+    step_keys,
 )
+from composer_replication.exchange.robust import (
+    AggregatePolicy,
+    Candidate,
+    LossProbe,
+    TensorStats,
+    screen,
+    tensor_stats,
+    trim_count,
+)
+from composer_replication.exchange.signing import RunKeys
 from composer_replication.exchange.state import model_fingerprint
 from composer_replication.exchange.store import ObjectStore
 from composer_replication.exchange.wire import Buffer
@@ -71,6 +98,15 @@ class ObjectStoreAllReduce(RunDocuments):
     and corruption) or ``"sha256"`` (default otherwise; also resists deliberate forgery by
     someone with write access to the bucket). Replicas of one run may differ: headers and commit
     records name the algorithm, and readers verify with it (xxh3-128 needs xxhash everywhere).
+    ``aggregate``: the merge method (``"mean"``, ``"trimmed_mean"``, ``"median"``,
+    ``"norm_clip"``) or a full `robust.AggregatePolicy` (screening thresholds, claim bounds;
+    its ``weighting`` then replaces ``weighting``). ``loss_probe``: the held-out loss callback
+    a ``screen="loss"`` policy needs. ``keys``: this replica's `signing.RunKeys` (signing on:
+    sha256 checksums, everything signed and verified). ``writer_secret``: the key of this rank's
+    writer ids (unsigned runs; >= 16 bytes). Give every incarnation of a rank the same secret
+    (the run driver keeps one per rank in the run folder) so that a restarted rank recognises
+    the upload its earlier incarnation made for a step that is not committed yet; None: a random
+    secret per process (a restarted rank then finds that slot squatted and sits the step out).
     """
 
     def __init__(
@@ -89,6 +125,10 @@ class ObjectStoreAllReduce(RunDocuments):
         keep_steps: int = 4,
         poll_interval_s: float = 0.1,
         checksum: str | None = None,
+        aggregate: str | AggregatePolicy = "mean",
+        loss_probe: LossProbe | None = None,
+        keys: RunKeys | None = None,
+        writer_secret: bytes | None = None,
     ) -> None:
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
@@ -112,31 +152,65 @@ class ObjectStoreAllReduce(RunDocuments):
             raise ValueError(f"min_replicas must be in [1, {world_size}], got {min_replicas!r}")
         if weighting not in ("equal", "tokens"):
             raise ValueError(f"weighting must be 'equal' or 'tokens', got {weighting!r}")
+        if isinstance(aggregate, AggregatePolicy):
+            if weighting != "equal" and weighting != aggregate.weighting:
+                raise ValueError(
+                    f"weighting={weighting!r} contradicts the policy's {aggregate.weighting!r}"
+                )
+            policy = aggregate
+        else:
+            policy = AggregatePolicy(method=aggregate, weighting=weighting)
+        if policy.screen == "loss" and loss_probe is None:
+            raise ValueError("a screen='loss' policy needs loss_probe=<held-out loss callback>")
+        if keys is not None and checksum not in (None, "sha256"):
+            raise ValueError(f"signing needs sha256 checksums; checksum={checksum!r} given")
         if not isinstance(keep_steps, int) or keep_steps < 1:
             raise ValueError(f"keep_steps must be an int >= 1, got {keep_steps!r}")
         if not poll_interval_s > 0:
             raise ValueError(f"poll_interval_s must be > 0, got {poll_interval_s!r}")
+        if writer_secret is not None and (
+            not isinstance(writer_secret, bytes) or len(writer_secret) < 16
+        ):
+            raise ValueError(
+                "writer_secret must be bytes of length >= 16 (e.g. os.urandom(32)), or None for "
+                "a random secret per process"
+            )
         super().__init__(
             ObjectStore(uri, storage_options),
             world_size=world_size,
             codec=codecs.check_codec(codec),
             keep_steps=keep_steps,
             poll_interval_s=float(poll_interval_s),
+            keys=keys,
         )
         self.rank = rank
         # what this replica writes; readers verify whatever algorithm each header names
+        if keys is not None:
+            checksum = "sha256"  # xxh3-128 is not collision resistant: a signature must bind
         self.checksum = (
             wire.default_checksum() if checksum is None else wire.check_checksum(checksum)
         )
+        self.policy = policy
+        self.loss_probe = loss_probe
         self.timeout_s = float(timeout_s)
+        # how long the others wait for the lowest valid rank's commit record before committing
+        self.commit_grace_s = min(self.timeout_s / 4, max(5.0, 50 * self.poll_interval_s))
         self.upload_timeout_s = float(upload_timeout_s)
         self.run_timeout_s = run_timeout_s
         self.min_replicas = min_replicas
-        self.weighting = weighting
+        self.weighting = policy.weighting
         self.last_result: StepResult | None = None
+        # writer ids: HMAC(step) under this secret; the same secret across a rank's incarnations
+        # lets a restart recognise its earlier upload of a step not committed yet
+        self._writer_secret = os.urandom(32) if writer_secret is None else writer_secret
         self._run_deadline = None if run_timeout_s is None else time.monotonic() + run_timeout_s
         self._uploader: ThreadPoolExecutor | None = None
         self._fetcher: ThreadPoolExecutor | None = None
+
+    def writer_id(self, step: int) -> str:
+        """The writer id this rank puts in its upload for ``step`` (and in its owner record)."""
+        mac = hmac.new(self._writer_secret, f"{self.rank}:{step}".encode(), hashlib.sha256)
+        return mac.hexdigest()[:32]
 
     def __repr__(self) -> str:
         return (
@@ -179,6 +253,7 @@ class ObjectStoreAllReduce(RunDocuments):
         """
         check_inputs(tensors, step, tokens, inner_steps, self.weighting)
         start = time.monotonic()
+        before = self.store.requests.snapshot()
         if self.world_size == 1:
             self.last_result = StepResult(step, [0], [], {0: 1.0}, 0, 0, 0.0, self.codec, 0)
             return dict(tensors)
@@ -187,8 +262,19 @@ class ObjectStoreAllReduce(RunDocuments):
                 "this ObjectStoreAllReduce is a driver handle (rank=None); construct it with "
                 "rank=<this replica's index> to call allreduce()"
             )
-        result, commit, nbytes_up, nbytes_down = self._exchange(tensors, step, tokens, inner_steps)
+        result, commit, nbytes_up, nbytes_down, own_squat = self._exchange(
+            tensors, step, tokens, inner_steps
+        )
         included = commit["included_ranks"]
+        if commit.get("committed_by") == self.rank:
+            self._gc(step)
+        rejected = dict(commit["excluded"])
+        if own_squat is not None:
+            rejected[self.rank] = own_squat + (
+                " (committed before this rank arrived: included anyway)"
+                if self.rank in included
+                else ""
+            )
         self.last_result = StepResult(
             step=step,
             included_ranks=list(included),
@@ -199,10 +285,10 @@ class ObjectStoreAllReduce(RunDocuments):
             seconds=time.monotonic() - start,
             codec=self.codec,
             committed_by=commit.get("committed_by"),
-            rejected=dict(commit["excluded"]),
+            rejected=rejected,
+            aggregate=str(commit.get("aggregate", "mean")),
+            requests=self.store.requests.since(before),
         )
-        if commit.get("committed_by") == self.rank:
-            self._gc(step)
         return result
 
     def _check_cancel_and_run(self, step: int) -> None:
@@ -233,49 +319,54 @@ class ObjectStoreAllReduce(RunDocuments):
         step: int,
         tokens: int | None,
         inner_steps: int | None,
-    ) -> tuple[dict[str, torch.Tensor], dict[str, Any], int, int]:
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any], int, int, str | None]:
+        """(merged tensors, commit record, bytes up, bytes down, why our slot was squatted)."""
         assert self.rank is not None
         ref = {n: (list(t.shape), dtype_name(t.dtype)) for n, t in tensors.items()}
+        writer = self.writer_id(step)
         payload, own = encode_contribution(
             tensors, rank=self.rank, step=step, tokens=tokens, inner_steps=inner_steps,
-            codec=self.codec, checksum=self.checksum,
+            codec=self.codec, checksum=self.checksum, writer=writer, keys=self.keys,
         )  # fmt: skip
         up = down = 0
         valid: dict[int, Contribution] = {}
         rejected: dict[int, str] = {}
+        unconfirmed: dict[int, Contribution] = {}  # present, its rank has not confirmed it yet
+        own_squat: str | None = None
         commit = self._read_commit(step)
         if commit is None:
             self._check_not_stale(step)
             if self._upload(step, payload, own.nbytes):
                 up += own.nbytes
                 valid[self.rank] = own
-            # else: an earlier incarnation of this rank uploaded; it is fetched like any other
+            else:  # our slot is taken: our own earlier upload, or someone else's object
+                mine, down = self._claim_existing_slot(step, ref, writer)
+                if isinstance(mine, Contribution):
+                    valid[self.rank] = mine
+                else:
+                    own_squat = rejected[self.rank] = mine
+            if own_squat is None and self.keys is None:
+                own_squat = self._confirm_slot(step, writer)
+                if own_squat is not None:
+                    valid.pop(self.rank, None)
+                    rejected[self.rank] = own_squat
+            if own_squat is not None:
+                log.warning("step %d: %s", step, own_squat)
+                self._report_squat(step, own_squat)
         del payload  # the header + views of our tensors; keep memory to one copy per peer
         # The step clock starts once our contribution is in (the upload has its own timeout),
         # so a slow client start-up or upload does not eat into the wait for the others.
         deadline = time.monotonic() + self.timeout_s
         last_error = ""
+        stats: dict[int, TensorStats] = {}
+        ready_since: float | None = None
         while commit is None:
             self._check_cancel_and_run(step)
             try:
                 commit = self._read_commit(step)
                 if commit is not None:
                     break
-                present = {
-                    r
-                    for r in map(
-                        parse_contrib_name, self.store.list(f"{step_prefix(step)}contrib/")
-                    )
-                    if r is not None and 0 <= r < self.world_size
-                }
-                new = sorted(present - valid.keys() - rejected.keys())
-                for r, (c, nbytes) in zip(new, self._fetch_many(step, new, ref)):
-                    down += nbytes
-                    if isinstance(c, Contribution):
-                        valid[r] = c
-                    elif c is not None:
-                        log.warning("rejecting %s", c)
-                        rejected[r] = c
+                down += self._poll_slots(step, ref, valid, rejected, unconfirmed)
             except (OSError, RuntimeError) as e:  # transient store errors: retry until deadline
                 last_error = f"; last store error: {e!r}"
                 log.warning("step %d: store error while polling: %r", step, e)
@@ -283,10 +374,24 @@ class ObjectStoreAllReduce(RunDocuments):
                 continue
             settled = len(valid) + len(rejected) == self.world_size
             timed_out = time.monotonic() >= deadline
-            if (settled or timed_out) and len(valid) >= self.min_replicas:
+            ready = (settled or timed_out) and len(valid) >= self.min_replicas
+            if ready and ready_since is None:
+                ready_since = time.monotonic()
+            # One replica screens and commits: the lowest valid rank. The others wait for its
+            # record and take over after commit_grace_s (it may have died after uploading), so
+            # screening (a pass over every contribution) is not done n times on a busy machine.
+            my_turn = ready and (
+                self.rank == min(valid)
+                or time.monotonic() - (ready_since or 0.0) >= self.commit_grace_s
+            )
+            attempted = False
+            if my_turn:
                 try:
-                    commit = self._write_commit(step, valid, rejected)
-                    break
+                    screened = self._screen(step, valid, rejected, unconfirmed, stats)
+                    if screened is not None:
+                        commit = self._write_commit(step, *screened)
+                        break
+                    attempted = True  # screening left fewer than min_replicas
                 except OSError as e:  # transient: put-if-absent is safe to retry next poll
                     last_error = f"; last store error: {e!r}"
                     log.warning("step %d: writing the commit record failed: %r", step, e)
@@ -294,47 +399,227 @@ class ObjectStoreAllReduce(RunDocuments):
                         raise
                     time.sleep(self.poll_interval_s)
                     continue
-            if settled:
+            settled = len(valid) + len(rejected) == self.world_size
+            hopeless = attempted or len(valid) < self.min_replicas
+            if settled and not timed_out and hopeless:
                 raise CorruptContributionError(
                     f"step {step}: only {len(valid)} valid contributions, min_replicas="
                     f"{self.min_replicas}; rejected: {rejected}; nothing committed"
                 )
-            if timed_out:
+            if timed_out and hopeless:
                 commit = self._read_commit(step)
                 if commit is not None:
                     break
+                self._check_not_stale(step, listing=True)
                 missing = sorted(set(range(self.world_size)) - valid.keys() - rejected.keys())
-                raise StoreTimeoutError(
+                error = StoreTimeoutError if not settled else CorruptContributionError
+                raise error(
                     f"step {step}: timeout_s={self.timeout_s} elapsed with {len(valid)} valid "
                     f"contributions (ranks {sorted(valid)}), min_replicas={self.min_replicas}; "
-                    f"missing ranks {missing}, rejected {sorted(rejected)}; nothing committed by "
+                    f"missing ranks {missing}, rejected {rejected}; nothing committed by "
                     f"rank {self.rank}{last_error}"
                 )
             if self.cancelled.wait(self.poll_interval_s):
                 raise ExchangeCancelledError(f"step {step}: exchange cancelled")
         result, d = self._aggregate(step, commit, valid, tensors, ref)
-        return result, commit, up, down + d
+        return result, commit, up, down + d, own_squat
+
+    def _claim_existing_slot(
+        self, step: int, ref: dict[str, tuple[list[int], str]], writer: str
+    ) -> tuple[Contribution | str, int]:
+        """Our upload found our slot taken: (the object if we wrote it, else why not; bytes).
+
+        "We wrote it": signed by our key (an earlier incarnation of this rank included), or,
+        unsigned, carrying this process's writer id for this step (a retried step).
+        """
+        assert self.rank is not None
+        (found, nbytes) = self._fetch_many(step, [self.rank], ref)[0]
+        what = f"slot squatted: rank {self.rank}'s slot for step {step} holds an object"
+        if found is None:
+            return f"{what} that vanished (deleted by someone else)", nbytes
+        if isinstance(found, str):
+            return f"{what} it did not write, and it is refused: {found}", nbytes
+        if self.keys is None and found.writer != writer:
+            return f"{what} it did not write (writer id {found.writer!r})", nbytes
+        return found, nbytes
+
+    def _confirm_slot(self, step: int, writer: str) -> str | None:
+        """Unsigned runs: write ``owner/<rank>.json`` naming our writer id (None = confirmed)."""
+        assert self.rank is not None
+        key = owner_key(step, self.rank)
+        if self.store.put_if_absent(key, json.dumps({"writer": writer}).encode()):
+            return None
+        raw = self.store.get(key)
+        if _owner_writer(raw) == writer:
+            return None  # we confirmed it before (a retried step)
+        return (
+            f"slot squatted: rank {self.rank}'s owner record for step {step} was written by "
+            "someone else"
+        )
+
+    def _report_squat(self, step: int, reason: str) -> None:
+        assert self.rank is not None
+        try:
+            body = json.dumps({"rank": self.rank, "step": step, "reason": reason}).encode()
+            self.store.put_if_absent(squat_key(step, self.rank), body)
+        except OSError as e:  # the report is advisory; the slot is excluded by us anyway
+            log.warning("step %d: could not write the squat report: %r", step, e)
+
+    def _poll_slots(
+        self,
+        step: int,
+        ref: dict[str, tuple[list[int], str]],
+        valid: dict[int, Contribution],
+        rejected: dict[int, str],
+        unconfirmed: dict[int, Contribution],
+    ) -> int:
+        """Fetch the slots not yet judged, by key (no listing); returns the bytes read."""
+        down = 0
+        pending = [
+            r for r in range(self.world_size)
+            if r not in valid and r not in rejected and r not in unconfirmed
+        ]  # fmt: skip
+        for r, (c, nbytes) in zip(pending, self._fetch_many(step, pending, ref)):
+            down += nbytes
+            if isinstance(c, Contribution):
+                if self.keys is None:
+                    unconfirmed[r] = c  # its owner record decides
+                else:
+                    valid[r] = c
+            elif c is not None:
+                log.warning("rejecting %s", c)
+                rejected[r] = c
+        if unconfirmed:
+            ranks = sorted(unconfirmed)
+            owners = self._get_many([owner_key(step, r) for r in ranks])
+            silent = [r for r, raw in zip(ranks, owners) if raw is None]
+            for r, raw in zip(silent, self._get_many([squat_key(step, r) for r in silent])):
+                if raw is not None:
+                    unconfirmed.pop(r)
+                    rejected[r] = f"slot squatted: rank {r} reports an object it did not write"
+            for r, raw in zip(ranks, owners):
+                if raw is None:
+                    continue  # not confirmed yet
+                c = unconfirmed.pop(r)
+                if _owner_writer(raw) == c.writer and c.writer is not None:
+                    valid[r] = c
+                else:
+                    rejected[r] = (
+                        f"slot squatted: the object in rank {r}'s slot was not written by rank "
+                        f"{r} (its owner record names another writer)"
+                    )
+        return down
+
+    def _screen(
+        self,
+        step: int,
+        valid: dict[int, Contribution],
+        rejected: dict[int, str],
+        unconfirmed: dict[int, Contribution],
+        stats: dict[int, TensorStats],
+    ) -> tuple[dict[int, Contribution], dict[int, str], list[Any]] | None:
+        """The committer's screening: (included, excluded with reasons, decisions), or None
+        when fewer than ``min_replicas`` pass (the caller waits or fails)."""
+        excluded = {r: "missing (not uploaded in time)" for r in range(self.world_size)}
+        for r in unconfirmed:
+            excluded[r] = (
+                "unconfirmed: its object is in the slot but rank never confirmed writing it "
+                "(planted, or the rank died between upload and confirmation)"
+            )
+        if self.keys is None:  # squat reports of ranks we are about to include
+            ranks = sorted(r for r in valid if r != self.rank)
+            for r, raw in zip(ranks, self._get_many([squat_key(step, r) for r in ranks])):
+                if raw is not None:
+                    rejected[r] = f"slot squatted: rank {r} reports an object it did not write"
+                    valid.pop(r, None)
+        excluded.update(rejected)
+        candidates = []
+        for r, c in sorted(valid.items()):
+            need = self.policy.screen == "loss"
+            if r not in stats and not need:
+                stats[r] = tensor_stats(c.decode())
+            candidates.append(
+                Candidate(r, c.decode() if need else None, c.tokens, c.inner_steps, stats.get(r))
+            )
+        decisions = screen(candidates, self.policy, loss_probe=self.loss_probe)
+        chosen = {d.rank: valid[d.rank] for d in decisions if d.included}
+        for d in decisions:
+            if not d.included:
+                excluded[d.rank] = f"screened out: {d.reason}"
+                log.warning("step %d: rank %d screened out: %s", step, d.rank, d.reason)
+        if len(chosen) < self.min_replicas:
+            for d in decisions:
+                if not d.included:
+                    rejected[d.rank] = f"screened out: {d.reason}"
+                    valid.pop(d.rank, None)
+            return None
+        for r in list(excluded):
+            if r in chosen:
+                excluded.pop(r)
+        return chosen, excluded, decisions
 
     def _read_commit(self, step: int) -> dict[str, Any] | None:
         raw = self.store.get(commit_key(step))
-        return None if raw is None else parse_commit(raw, step=step, world_size=self.world_size)
+        if raw is None:
+            return None
+        return parse_commit(raw, step=step, world_size=self.world_size, keys=self.keys)
+
+    def committed(self, step: int) -> bool:
+        """Whether ``step`` has a commit record (one GET, never a listing)."""
+        return self.store.get(commit_key(step)) is not None
+
+    def _write_head(self, step: int) -> None:
+        """Overwrite the head hint with ``step`` (the committer, after its commit record)."""
+        record: dict[str, Any] = {"kind": "head", "step": step}
+        try:
+            body = record if self.keys is None else self.keys.sign(record)
+            self.store.put(HEAD_KEY, json.dumps(body).encode())
+        except OSError as e:  # a hint: readers fall back to a listing when it lags
+            log.warning("step %d: could not update the head hint: %r", step, e)
+
+    def head_step(self) -> int | None:
+        """The newest committed step as the head hint says (one GET, never a listing).
+
+        A hint, not a proof: it is a step that was committed (so the run is at least there),
+        but it may lag behind (a committer died between its commit record and the hint, or two
+        committers wrote it out of order). None when absent, unreadable or (signing on) not
+        signed by a rank of this run. `latest_committed_step` lists and is exact.
+        """
+        raw = self.store.get(HEAD_KEY)
+        if raw is None:
+            return None
+        try:
+            doc = json.loads(bytes(raw))
+            if self.keys is not None:
+                self.keys.verify(doc, signers={"rank-*"}, what="head hint")
+        except (UnicodeDecodeError, json.JSONDecodeError, CorruptContributionError) as e:
+            log.warning("ignoring the head hint at %s: %s", self.uri, e)
+            return None
+        step = doc.get("step") if isinstance(doc, dict) else None
+        return step if isinstance(step, int) and not isinstance(step, bool) else None
 
     def _write_commit(
-        self, step: int, valid: dict[int, Contribution], rejected: dict[int, str]
+        self,
+        step: int,
+        valid: dict[int, Contribution],
+        excluded: dict[int, str],
+        decisions: list[Any] | None = None,
     ) -> dict[str, Any]:
-        excluded = {r: "missing (not uploaded in time)" for r in range(self.world_size)}
-        excluded.update(rejected)
-        for r in valid:
-            excluded.pop(r)
         assert self.rank is not None
+        method = self.policy.method
         record = make_commit(
             step=step, world_size=self.world_size, included=list(valid.values()),
             weighting=self.weighting, committed_by=self.rank, excluded=excluded,
+            decisions=decisions, aggregate=method,
+            trim=trim_count(len(valid), self.policy.trim_fraction)
+            if method == "trimmed_mean" else 0,
+            keys=self.keys,
         )  # fmt: skip
         raw = json.dumps(record, sort_keys=True).encode()
         if self.store.put_if_absent(commit_key(step), raw):
             log.info("step %d: rank %d committed ranks %s", step, self.rank, sorted(valid))
-            return parse_commit(raw, step=step, world_size=self.world_size)
+            self._write_head(step)
+            return parse_commit(raw, step=step, world_size=self.world_size, keys=self.keys)
         # lost the race: the winner's record decides, whatever we saw
         for _ in range(50):
             commit = self._read_commit(step)
@@ -355,6 +640,7 @@ class ObjectStoreAllReduce(RunDocuments):
         down = 0
         ranks = commit["included_ranks"]
         pinned = commit["checksums"]
+        valid = {r: c for r, c in valid.items() if r in ranks}
         refetch = [r for r in ranks if r not in valid or valid[r].checksum != pinned[r]]
         for r, (c, nbytes) in zip(refetch, self._fetch_many(step, refetch, ref)):
             down += nbytes
@@ -384,6 +670,20 @@ class ObjectStoreAllReduce(RunDocuments):
         """
         if not ranks:
             return []
+
+        def fetch(r: int) -> tuple[Contribution | str | None, int]:
+            raw = self.store.get(contrib_key(step, r))
+            if raw is None:
+                return None, 0
+            try:
+                c = decode_contribution(raw, step=step, rank=r, reference=ref, keys=self.keys)
+            except CorruptContributionError as e:
+                return str(e), len(raw)
+            return c, len(raw)
+
+        return list(self._pool().map(fetch, ranks))
+
+    def _pool(self) -> ThreadPoolExecutor:
         if self._fetcher is None:
             # Remote stores: overlap request latency. Local files: reads are memcpy and
             # hashing is CPU, so threads only help with spare cores (measured: on 2 cores with
@@ -391,23 +691,16 @@ class ObjectStoreAllReduce(RunDocuments):
             spare = max(1, (os.cpu_count() or 1) // 2)
             workers = min(self.world_size, spare if self.store.is_local else 8)
             self._fetcher = ThreadPoolExecutor(workers, thread_name_prefix="store-fetch")
+        return self._fetcher
 
-        def fetch(r: int) -> tuple[Contribution | str | None, int]:
-            raw = self.store.get(contrib_key(step, r))
-            if raw is None:
-                return None, 0
-            try:
-                c = decode_contribution(raw, step=step, rank=r, reference=ref)
-            except CorruptContributionError as e:
-                return str(e), len(raw)
-            if self.weighting == "tokens" and c.tokens is None:
-                return f"contribution of rank {r}: no token count for weighting='tokens'", len(raw)
-            return c, len(raw)
+    def _get_many(self, keys: list[str]) -> list[Buffer | None]:
+        """Small objects by key, concurrently on remote stores."""
+        return list(self._pool().map(self.store.get, keys)) if keys else []
 
-        return list(self._fetcher.map(fetch, ranks))
-
-    def _check_not_stale(self, step: int) -> None:
-        latest = self.latest_committed_step()
+    def _check_not_stale(self, step: int, *, listing: bool = False) -> None:
+        """Refuse a step the run has moved past: one GET of the head hint, or (``listing``,
+        only after a wait timed out) a listing of every committed step."""
+        latest = self.latest_committed_step() if listing else self.head_step()
         if latest is not None and latest > step:
             raise StoreTimeoutError(
                 f"step {step} was never committed or was garbage-collected, and the run is "
@@ -415,11 +708,24 @@ class ObjectStoreAllReduce(RunDocuments):
             )
 
     def _gc(self, step: int) -> None:
-        """Delete steps older than the ``keep_steps`` most recent (done by the committer)."""
+        """Delete the step ``keep_steps`` back (done by the committer; no listing: a step
+        whose committer died before its GC stays until the run prefix is deleted)."""
+        old = step - self.keep_steps
+        if old < 0:
+            return
         try:
-            for name in self.store.list("steps/"):
-                s = parse_step_dir(name)
-                if s is not None and s <= step - self.keep_steps:
-                    self.store.delete_prefix(step_prefix(s))
+            self.store.delete_many(step_keys(old, self.world_size))
         except OSError as e:  # GC is housekeeping; never fail a committed step for it
-            log.warning("garbage collection of old steps failed: %r", e)
+            log.warning("garbage collection of step %d failed: %r", old, e)
+
+
+def _owner_writer(raw: Buffer | None) -> str | None:
+    """The writer id an owner record names (None if absent or unreadable)."""
+    if raw is None:
+        return None
+    try:
+        doc = json.loads(bytes(raw))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    writer = doc.get("writer") if isinstance(doc, dict) else None
+    return writer if isinstance(writer, str) else None

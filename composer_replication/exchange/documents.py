@@ -3,7 +3,10 @@
 `RunDocuments` is the base class of :class:`ObjectStoreAllReduce` (kept apart so each module
 stays one concept) and usable on its own by anyone holding a `Store` (a driver, the torchft
 path's state archive). It owns everything it uses: the store, the run's world size and codec,
-how many state rounds to keep, the poll interval and the event that cancels its waits.
+how many state rounds to keep, the poll interval and the event that cancels its waits, and
+(signing on) the run's keys: then the manifest and every state snapshot are signed when written
+and refused when read unless correctly signed (exchange/signing.py). A state with non-finite
+values is never published nor loaded.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,7 +27,11 @@ from composer_replication.exchange.protocol import (
     commit_key,
     parse_step_dir,
 )
+from composer_replication.exchange.robust import screen_state
 from composer_replication.exchange.store import Store
+
+if TYPE_CHECKING:
+    from composer_replication.exchange.signing import RunKeys
 
 
 class RunDocuments:
@@ -44,8 +51,10 @@ class RunDocuments:
         keep_steps: int,
         poll_interval_s: float,
         cancelled: threading.Event | None = None,
+        keys: RunKeys | None = None,
     ) -> None:
         self.store = store
+        self.keys = keys
         self.world_size = world_size
         self.codec = codec
         self.keep_steps = keep_steps
@@ -81,7 +90,8 @@ class RunDocuments:
                 sort_keys=True,
             )
         )
-        raw = json.dumps(ours, sort_keys=True).encode()
+        signed = ours if self.keys is None else self.keys.sign(ours)
+        raw = json.dumps(signed, sort_keys=True).encode()
         if self.store.put_if_absent(state_mod.MANIFEST_KEY, raw):
             return
         stored_raw = self.store.get(state_mod.MANIFEST_KEY)
@@ -89,6 +99,8 @@ class RunDocuments:
             stored = json.loads(bytes(stored_raw or b""))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ModelMismatchError(f"run manifest at {self.uri} is unreadable ({e})") from e
+        if self.keys is not None and isinstance(stored, dict):
+            self.keys.verify(stored, signers={"rank-*"}, what=f"run manifest at {self.uri}")
         diff = state_mod.manifest_diff(stored, ours)
         if diff:
             raise ModelMismatchError(
@@ -104,20 +116,28 @@ class RunDocuments:
         round: int,
         name: str = "global",
         extra: dict[str, Any] | None = None,
+        stride: int = 1,
     ) -> bool:
-        """put-if-absent a full state dict for ``round``; False if that round already exists."""
+        """put-if-absent a full state dict for ``round``; False if that round already exists.
+
+        Then deletes, without listing, the rounds that fall out of the newest ``keep_steps``
+        (``stride``: the spacing of published rounds, e.g. a checkpoint every 2 rounds).
+        Raises ValueError for a state with non-finite values (it would poison every rejoin).
+        """
         if not isinstance(state, dict):
             raise ValueError("publish_state(state: dict[str, Tensor], *, round, name, extra)")
         if not isinstance(round, int) or isinstance(round, bool) or not 0 <= round < 10**10:
             raise ValueError(f"round must be an int in [0, 1e10), got {round!r}")
+        bad = screen_state(state)
+        if bad is not None:
+            raise ValueError(f"publish_state: refusing state {name!r} round {round}: {bad}")
         blob = state_mod.encode_state(state, name=state_mod.check_state_name(name), round=round,
-                                  extra=extra)  # fmt: skip
+                                      extra=extra, keys=self.keys)  # fmt: skip
         wrote = self.store.put_if_absent(state_mod.state_key(name, round), blob)
         if wrote:
-            for fname in self.store.list(state_mod.state_prefix(name)):
-                r = state_mod.parse_state_name(fname)
-                if r is not None and r <= round - self.keep_steps:
-                    self.store.delete(state_mod.state_prefix(name) + fname)
+            newest_gone = round - self.keep_steps
+            window = range(max(0, newest_gone - max(self.keep_steps, stride) + 1), newest_gone + 1)
+            self.store.delete_many([state_mod.state_key(name, r) for r in window])
         return wrote
 
     def fetch_state(
@@ -135,12 +155,15 @@ class RunDocuments:
         blob = self.store.get(state_mod.state_key(name, round))
         if blob is None:
             return None
-        tensors, extra = state_mod.decode_state(blob, name=name, round=round)
+        tensors, extra = state_mod.decode_state(blob, name=name, round=round, keys=self.keys)
+        bad = screen_state(tensors)
+        if bad is not None:
+            raise CorruptContributionError(f"state {name!r} round {round} is refused: {bad}")
         return round, tensors, extra
 
     def state_exists(self, *, name: str = "global", round: int) -> bool:
-        """Whether the state of ``round`` is stored (an existence check, no download)."""
-        return self.store.exists(state_mod.state_key(name, round))
+        """Whether the state of ``round`` is stored (one small GET, never a listing)."""
+        return self.store.has_object(state_mod.state_key(name, round))
 
     def put_json(self, key: str, obj: object, *, exclusive: bool = True) -> bool:
         """Store a small JSON document; exclusive=True is put-if-absent (False if it existed)."""

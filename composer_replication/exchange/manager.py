@@ -18,7 +18,9 @@ cannot open sockets to each other, so here:
   False when the exchange failed (fewer than ``min_replicas`` within the step timeout); DiLoCo then
   rolls the model back to the last global weights and the round's local work is dropped.
 - Membership is the store's commit record, so ``start_quorum`` only checks that this replica has
-  not missed a committed round. If it has (it was stalled, or restarted), it *heals*: loads the
+  not missed a committed round: one GET of the head hint (a listing only when the hint says it
+  is behind, or after a failed round), so a steady-state round sends no LIST request. If it has
+  missed one (it was stalled, or restarted), it *heals*: loads the
   latest published outer state (global weights, outer momentum, round), sits this round out, and
   trains the next round from the new global weights without stopping anyone.
 - Every replica starts from the same published global weights: `initial_sync` checks the run
@@ -81,7 +83,10 @@ class RoundRecord(TypedDict):
     does not know replica identities); participants: how many replicas the average included;
     tokens / inner_steps: what this replica trained for the round (tokens None if not
     reported); bytes_uploaded / bytes_downloaded; seconds; healed: this record is a heal, not an
-    exchange; error: why the round failed (None if it did not).
+    exchange; error: why the round failed (None if it did not); rejected: rank (as a string) ->
+    why its contribution was left out of the round (missing, refused, screened out, squatted);
+    aggregate: the merge method of the commit; requests: store requests this replica sent for
+    the round, by kind (put/get/head/list/delete; object store only, else {}).
     """
 
     round: int
@@ -97,6 +102,9 @@ class RoundRecord(TypedDict):
     seconds: float
     healed: bool
     error: str | None
+    rejected: dict[str, str]
+    aggregate: str
+    requests: dict[str, int]
 
 
 def round_record(round_: int, *, committed: bool = False, healed: bool = False) -> RoundRecord:
@@ -104,7 +112,8 @@ def round_record(round_: int, *, committed: bool = False, healed: bool = False) 
     return RoundRecord(
         round=round_, store_step=round_, committed=committed, included_ranks=[],
         excluded_ranks=[], participants=0, tokens=None, inner_steps=0, bytes_uploaded=0,
-        bytes_downloaded=0, seconds=0.0, healed=healed, error=None,
+        bytes_downloaded=0, seconds=0.0, healed=healed, error=None, rejected={},
+        aggregate="mean", requests={},
     )  # fmt: skip
 
 
@@ -198,6 +207,8 @@ class ObjectStoreManager:
         self._outcome: tuple[bool, StepResult | BaseException | None] | None = None
         self._skip_round = False
         self._publish_due = False
+        self._last_failed = False  # the last exchange failed: look for missed rounds by listing
+        self._requests_at_quorum = allreduce.store.requests.snapshot()
         self._last_included: list[int] = []
         self.history: list[RoundRecord] = []
         self.bytes_uploaded = 0
@@ -227,8 +238,13 @@ class ObjectStoreManager:
     ) -> None:
         """Begin a round: heal first if this replica missed a committed round (see the module)."""
         self._skip_round = False
-        latest = self.exchange.latest_committed_step()
-        if allow_heal and latest is not None and latest > self._round + 1:
+        self._requests_at_quorum = self.exchange.store.requests.snapshot()
+        latest = None
+        if allow_heal:
+            hint = self.exchange.head_step()
+            if self._last_failed or (hint is not None and hint > self._round + 1):
+                latest = self.exchange.latest_committed_step()  # a listing, off the steady state
+        if latest is not None and latest > self._round + 1:
             # We missed at least one whole committed round (latest == round + 1 only means the
             # round we are joining is decided already: we still read its result and keep up).
             self._heal(latest)
@@ -376,9 +392,14 @@ class ObjectStoreManager:
         state = OuterState(
             round=self._round, user=self._state.collect(), batches_committed=self._batches_committed
         )
-        wrote = publish_outer_state(self.exchange, state)
+        before = self.exchange.store.requests.snapshot()
+        wrote = publish_outer_state(self.exchange, state, stride=self.checkpoint_every)
         if wrote:
             self.checkpoint_bytes += state_nbytes(state.user)
+        last = self.history[-1] if self.history else None
+        if last is not None and last["round"] == self._round and not last["healed"]:
+            spent = self.exchange.store.requests.since(before)
+            last["requests"] = {k: last["requests"].get(k, 0) + v for k, v in spent.items()}
         return wrote
 
     # ------------------------------------------------------------------ internals
@@ -428,8 +449,11 @@ class ObjectStoreManager:
                     t.copy_(out[key])
             result = self.exchange.last_result
             self._outcome = (True, result)
+            self._last_failed = False
             record["committed"] = True
             if result is not None:
+                record["rejected"] = {str(r): why for r, why in sorted(result.rejected.items())}
+                record["aggregate"] = result.aggregate
                 record["included_ranks"] = list(result.included_ranks)
                 record["excluded_ranks"] = list(result.excluded_ranks)
                 record["participants"] = len(result.included_ranks)
@@ -444,12 +468,14 @@ class ObjectStoreManager:
             logger.warning("rank %s: store step %s failed: %s", self.rank, step, e)
             record["error"] = f"{type(e).__name__}: {e}"
             self._outcome = (False, e)
+            self._last_failed = True
         except BaseException as e:  # programming/config errors: surface them in the caller
             record["error"] = f"{type(e).__name__}: {e}"
             self._outcome = (False, e)
             self._fatal = e
         finally:
             record["seconds"] = time.monotonic() - t0
+            record["requests"] = self.exchange.store.requests.since(self._requests_at_quorum)
             self.history.append(record)
             for t, fut in pending:
                 if not fut.done():

@@ -171,15 +171,19 @@ class StateFns:
             fn(state.user[key])
 
 
-def publish_outer_state(store: RunDocuments, state: OuterState) -> bool:
-    """Put-if-absent the state for `state.round`; False if that round was already published."""
+def publish_outer_state(store: RunDocuments, state: OuterState, *, stride: int = 1) -> bool:
+    """Put-if-absent the state for `state.round`; False if that round was already published.
+    ``stride``: rounds between publications (pruning of old rounds needs it, see
+    `RunDocuments.publish_state`)."""
     tensors, skeleton = encode_state(state.user)
     extra = {
         "format": FORMAT_VERSION,
         "skeleton": skeleton,
         "batches_committed": state.batches_committed,
     }
-    return bool(store.publish_state(tensors, round=state.round, name=STATE_NAME, extra=extra))
+    return bool(
+        store.publish_state(tensors, round=state.round, name=STATE_NAME, extra=extra, stride=stride)
+    )
 
 
 def fetch_outer_state(store: RunDocuments, round: int | None = None) -> OuterState | None:

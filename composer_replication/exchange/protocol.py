@@ -4,13 +4,19 @@ Layout under one run prefix (see docs/object-store.md)::
 
     manifest.json                                  run manifest (put-if-absent)
     steps/<step:010d>/contrib/<rank:05d>.safetensors   one immutable contribution per rank
+    steps/<step:010d>/owner/<rank:05d>.json        "I wrote my slot" (writer id), unsigned runs
+    steps/<step:010d>/squat/<rank:05d>.json        "my slot holds an object I did not write"
     steps/<step:010d>/commit.json                  the step's decision (put-if-absent, first wins)
+    steps/head.json                                hint: the newest committed step (overwritten)
     states/<name>/<round:010d>.safetensors         full state dicts (initial / global weights)
     <other>.json                                   small run documents (put_json / get_json)
 
 A contribution is a safetensors file whose ``__metadata__`` holds one JSON header (rank, step,
-tokens, inner steps, codec, original names/shapes/dtypes, and ``checksum``: ``{"algo": "xxh3-128"
-or "sha256", "value": hex}`` of the data section, i.e. of the encoded tensors). Tensor
+tokens, inner steps, codec, original names/shapes/dtypes, ``writer``: a random id of the upload
+that lets a rank tell its own object from one planted in its slot, and ``checksum``:
+``{"algo": "xxh3-128" or "sha256", "value": hex}`` of the data section, i.e. of the encoded
+tensors). With signing on (exchange/signing.py) the header, commit records and state headers
+also carry ``run_id``, ``signer`` and ``signature``. Tensor
 ``t<i>.<part>`` is part ``q``/``s``/``z`` of the i-th name in the header (names are never used as
 safetensors keys, so no parameter name can collide with a part name). Nothing read from the
 store is ever unpickled: parsing is JSON plus ``safetensors.torch.load``.
@@ -23,13 +29,17 @@ import json
 import math
 import struct
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 
 from composer_replication.exchange import codecs, wire
+
+if TYPE_CHECKING:
+    from composer_replication.exchange.robust import Decision
+    from composer_replication.exchange.signing import RunKeys
 
 FORMAT = 1
 HEADER_KEY = "composer_replication"
@@ -73,6 +83,9 @@ class StepResult:
     codec: str = "fp32"
     committed_by: int | None = None
     rejected: dict[int, str] = field(default_factory=dict)  # rank -> why its payload was refused
+    aggregate: str = "mean"
+    # requests this call sent to the store, by kind (put/get/head/list/delete)
+    requests: dict[str, int] = field(default_factory=dict)
 
 
 def step_prefix(step: int) -> str:
@@ -85,6 +98,27 @@ def contrib_key(step: int, rank: int) -> str:
 
 def commit_key(step: int) -> str:
     return f"{step_prefix(step)}commit.json"
+
+
+HEAD_KEY = "steps/head.json"  # the newest committed step, as a hint (see ObjectStoreAllReduce)
+
+
+def owner_key(step: int, rank: int) -> str:
+    """Where rank ``rank`` confirms it wrote its slot (unsigned runs: ``{"writer": id}``)."""
+    return f"{step_prefix(step)}owner/{rank:05d}.json"
+
+
+def squat_key(step: int, rank: int) -> str:
+    """Where rank ``rank`` reports that its slot holds an object it did not write."""
+    return f"{step_prefix(step)}squat/{rank:05d}.json"
+
+
+def step_keys(step: int, world_size: int) -> list[str]:
+    """Every key a step may hold (what garbage collection deletes, without listing)."""
+    out = [commit_key(step)]
+    for r in range(world_size):
+        out += [contrib_key(step, r), owner_key(step, r), squat_key(step, r)]
+    return out
 
 
 def parse_step_dir(name: str) -> int | None:
@@ -166,20 +200,27 @@ class Contribution:
     # parts live in a private writable buffer (a fetched local object) that the aggregation
     # may overwrite instead of allocating; never True for a replica's own tensors
     private: bool = False
+    writer: str | None = None  # random id of the upload that wrote it (header "writer")
 
     @property
     def checksum(self) -> dict[str, str]:
         """The self-describing checksum as stored in headers and commit records."""
         return {"algo": self.checksum_algo, "value": self.digest}
 
+    def encoded(self) -> list[tuple[str, list[int], dict[str, torch.Tensor]]]:
+        """(name, shape, {part suffix: tensor}) per tensor, in header order, not decoded."""
+        by_index: list[dict[str, torch.Tensor]] = [{} for _ in self.names]
+        for key, t in self.parts.items():  # keys are "t<i>.<part>"
+            i, _, part = key[1:].partition(".")
+            by_index[int(i)][part] = t
+        return [(n, s, p) for n, s, p in zip(self.names, self.shapes, by_index)]
+
     def decode(self) -> dict[str, torch.Tensor]:
         """name -> float32 tensor of the original shape (pure function of the stored parts)."""
-        out = {}
-        for i, (name, shape) in enumerate(zip(self.names, self.shapes)):
-            numel = math.prod(shape)
-            sub = {p[len(f"t{i}.") :]: t for p, t in self.parts.items() if p.startswith(f"t{i}.")}
-            out[name] = codecs.decode(sub, self.codec, numel).view(shape)
-        return out
+        return {
+            name: codecs.decode(parts, self.codec, math.prod(shape)).view(shape)
+            for name, shape, parts in self.encoded()
+        }
 
 
 def encode_contribution(
@@ -192,14 +233,21 @@ def encode_contribution(
     codec: str,
     checksum: str | None = None,
     extra: dict[str, Any] | None = None,
+    writer: str | None = None,
+    keys: RunKeys | None = None,
 ) -> tuple[list[wire.Buffer], Contribution]:
     """Encode ``tensors`` as a safetensors payload (header + zero-copy data buffers).
 
     Returns the payload as a list of buffers (``b"".join`` gives the file) and the same data as
     a Contribution. ``checksum`` in the header is ``{"algo": ..., "value": ...}`` of the data
-    section (``checksum=None``: :func:`wire.default_checksum`). ``extra`` (a JSON object) is
-    stored in the header as is and returned in ``Contribution.extra``.
+    section (``checksum=None``: :func:`wire.default_checksum`; ``keys``: sha256, signed).
+    ``extra`` (a JSON object) is stored in the header as is (covered by the signature) and
+    returned in ``Contribution.extra``.
     """
+    if keys is not None and checksum not in (None, "sha256"):
+        raise ValueError(f"signed contributions are checksummed with sha256, not {checksum!r}")
+    if keys is not None:
+        checksum = "sha256"
     algo = wire.default_checksum() if checksum is None else wire.check_checksum(checksum)
     names = sorted(tensors)
     parts: dict[str, torch.Tensor] = {}
@@ -222,14 +270,18 @@ def encode_contribution(
         "shapes": shapes,
         "dtypes": dtypes,
         "checksum": {"algo": algo, "value": digest},
+        "writer": writer,
     }
     if extra:
         header["extra"] = extra
+    if keys is not None:
+        header = keys.sign(header)
     payload: list[wire.Buffer] = [wire.header_bytes(entries, {HEADER_KEY: json.dumps(header)})]
     payload += buffers
     contrib = Contribution(
         rank, step, tokens, inner_steps, codec, names, shapes, dtypes, digest,
         parts, sum(memoryview(b).nbytes for b in payload), algo, dict(extra or {}),
+        writer=writer,
     )  # fmt: skip
     return payload, contrib
 
@@ -254,12 +306,14 @@ def decode_contribution(
     step: int,
     rank: int,
     reference: dict[str, tuple[list[int], str]] | None = None,
+    keys: RunKeys | None = None,
 ) -> Contribution:
     """Validate ``blob`` (the object at ``contrib_key(step, rank)``) and return it.
 
     ``reference`` maps name -> (shape, dtype name) of this replica's own tensors; a contribution
     whose names/shapes/dtypes differ is refused. Raises CorruptContributionError on any problem:
-    truncation, foreign or pickled payload, bad checksum, wrong step/rank, wrong shapes/dtypes.
+    truncation, foreign or pickled payload, bad checksum, wrong step/rank, wrong shapes/dtypes,
+    and with ``keys`` (signing on) a missing or wrong signature (`signing.SignatureError`).
     """
     what = f"contribution of rank {rank} for step {step}"
     try:
@@ -277,6 +331,12 @@ def decode_contribution(
             f"{what}: header says rank {h.get('rank')!r} step {h.get('step')!r} "
             "(a stale or misplaced object)"
         )
+    if keys is not None:  # before anything else: an unsigned object is not looked at further
+        from composer_replication.exchange.signing import rank_identity
+
+        keys.verify(h, signers={rank_identity(rank)}, what=what)
+        if not isinstance(h.get("checksum"), dict) or h["checksum"].get("algo") != "sha256":
+            raise CorruptContributionError(f"{what}: a signed contribution must use sha256")
     if "checksum" not in h:
         raise CorruptContributionError(
             f"{what}: header has no checksum (written by an older version of this package?)"
@@ -303,6 +363,7 @@ def decode_contribution(
         and _opt_nonneg_int(h.get("tokens"))
         and _opt_nonneg_int(h.get("inner_steps"))
         and isinstance(h.get("extra", {}), dict)
+        and (h.get("writer") is None or isinstance(h.get("writer"), str))
     )
     if not ok:
         raise CorruptContributionError(f"{what}: malformed header fields")
@@ -332,10 +393,16 @@ def decode_contribution(
     got = {k: (t.dtype, tuple(t.shape)) for k, t in parts.items()}
     if got != expected:
         raise CorruptContributionError(f"{what}: encoded tensors do not match the header")
-    return Contribution(
+    contrib = Contribution(
         rank, step, h["tokens"], h["inner_steps"], h["codec"], names, shapes, dtypes, value,
         parts, memoryview(blob).nbytes, algo, h.get("extra", {}), not memoryview(blob).readonly,
+        h.get("writer"),
     )  # fmt: skip
+    for name, _, encoded in contrib.encoded():  # scales/offsets: a few values per 2048
+        why = codecs.check_parts(encoded, contrib.codec)
+        if why is not None:
+            raise CorruptContributionError(f"{what}: tensor {name!r}: {why}")
+    return contrib
 
 
 # ----------------------------------------------------------------------------- commit records
@@ -349,38 +416,72 @@ def make_commit(
     weighting: str,
     committed_by: int,
     excluded: dict[int, str],
+    decisions: list[Decision] | None = None,
+    aggregate: str = "mean",
+    trim: int = 0,
+    keys: RunKeys | None = None,
 ) -> dict[str, Any]:
-    """Build the commit record deciding ``step``: the included ranks, weights and checksums
-    (``{"algo": ..., "value": ...}`` per rank: readers refuse any object that differs)."""
+    """Build the commit record deciding ``step``: the included ranks, weights, clip scales and
+    checksums (``{"algo": ..., "value": ...}`` per rank: readers refuse any object that differs),
+    the merge method, and every screening decision. ``decisions`` (robust.screen) give the
+    weights and scales; without them weights are equal or proportional to the tokens."""
     ranks = sorted(c.rank for c in included)
-    if weighting == "tokens":
-        total = sum(c.tokens or 0 for c in included)
-    if weighting == "tokens" and total > 0:
-        weights = {c.rank: (c.tokens or 0) / total for c in included}
-    else:  # equal weighting (also the fallback when every included replica reports 0 tokens)
-        weights = {c.rank: 1.0 / len(included) for c in included}
-    return {
+    if decisions is not None:
+        chosen = {d.rank: d for d in decisions if d.included}
+        if sorted(chosen) != ranks:
+            raise ValueError(f"decisions include {sorted(chosen)}, contributions {ranks}")
+        weights = {r: chosen[r].weight for r in ranks}
+        scales = {r: chosen[r].scale for r in ranks}
+    else:
+        total = sum(c.tokens or 0 for c in included) if weighting == "tokens" else 0
+        if total > 0:
+            weights = {c.rank: (c.tokens or 0) / total for c in included}
+        else:  # equal weighting (also the fallback when every included replica reports 0 tokens)
+            weights = {c.rank: 1.0 / len(included) for c in included}
+        scales = {r: 1.0 for r in ranks}
+    record = {
         "format": FORMAT,
         "kind": "commit",
         "step": step,
         "world_size": world_size,
         "included_ranks": ranks,
-        "weights": {str(r): weights[r] for r in ranks},
+        "weights": {str(r): float(weights[r]) for r in ranks},
+        "scales": {str(r): float(scales[r]) for r in ranks},
+        "aggregate": aggregate,
+        "trim": int(trim),
         "checksums": {str(c.rank): c.checksum for c in included},
+        "writers": {str(c.rank): c.writer for c in included},
         "tokens": {str(c.rank): c.tokens for c in included},
         "weighting": weighting,
         "excluded": {str(r): why for r, why in sorted(excluded.items())},
+        "decisions": {str(d.rank): d.to_json() for d in decisions or []},
         "committed_by": committed_by,
     }
+    return record if keys is None else keys.sign(record)
 
 
-def parse_commit(raw: wire.Buffer, *, step: int, world_size: int) -> dict[str, Any]:
-    """Validate a commit record read from the store; returns it with int rank keys."""
+def parse_commit(
+    raw: wire.Buffer, *, step: int, world_size: int, keys: RunKeys | None = None
+) -> dict[str, Any]:
+    """Validate a commit record read from the store; returns it with int rank keys.
+
+    With ``keys`` (signing on) the record must be signed by the rank it names as
+    ``committed_by`` (a `signing.SignatureError` otherwise).
+    """
+    from composer_replication.exchange.robust import AGGREGATES
+
     what = f"commit record of step {step}"
     try:
         c = json.loads(bytes(raw))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CorruptContributionError(f"{what} is not JSON ({e}); the step cannot complete") from e
+    if keys is not None and isinstance(c, dict):
+        from composer_replication.exchange.signing import rank_identity
+
+        by = c.get("committed_by")
+        if not (isinstance(by, int) and not isinstance(by, bool) and 0 <= by < world_size):
+            raise CorruptContributionError(f"{what} names no committing rank of this run")
+        keys.verify(c, signers={rank_identity(by)}, what=what)
     ranks = c.get("included_ranks") if isinstance(c, dict) else None
     ok = (
         isinstance(c, dict)
@@ -393,13 +494,25 @@ def parse_commit(raw: wire.Buffer, *, step: int, world_size: int) -> dict[str, A
         and ranks == sorted(set(ranks))
         and isinstance(c.get("weights"), dict)
         and isinstance(c.get("checksums"), dict)
+        and isinstance(c.get("scales", {}), dict)
         and set(c["weights"]) == set(c["checksums"]) == {str(r) for r in ranks}
-        and all(isinstance(w, float) and math.isfinite(w) and w >= 0 for w in c["weights"].values())
+        and set(c.get("scales", {})) <= {str(r) for r in ranks}
+        and all(_is_weight(w) for w in c["weights"].values())
+        and all(_is_weight(w) for w in c.get("scales", {}).values())
         and all(_is_checksum(v) for v in c["checksums"].values())
+        and c.get("aggregate", "mean") in AGGREGATES
+        and isinstance(c.get("trim", 0), int)
+        and 0 <= 2 * c.get("trim", 0) < len(ranks)
     )
     if not ok:
         raise CorruptContributionError(f"{what} is malformed; the step cannot complete")
     c["weights"] = {int(r): w for r, w in c["weights"].items()}
+    c["scales"] = {int(r): w for r, w in (c.get("scales") or {}).items()}
     c["checksums"] = {int(r): d for r, d in c["checksums"].items()}
+    c["writers"] = {int(r): w for r, w in (c.get("writers") or {}).items()}
     c["excluded"] = {int(r): why for r, why in (c.get("excluded") or {}).items()}
     return c
+
+
+def _is_weight(w: Any) -> bool:
+    return isinstance(w, float) and math.isfinite(w) and w >= 0

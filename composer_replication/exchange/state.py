@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import save as st_save
@@ -26,6 +26,12 @@ from composer_replication.exchange.protocol import (
     read_safetensors_metadata,
     tensors_digest,
 )
+
+if TYPE_CHECKING:
+    from composer_replication.exchange.signing import RunKeys
+
+# who may sign a published state: any rank (sync mode) or the synchronizer (decoupled mode)
+STATE_SIGNERS = frozenset({"rank-*", "synchronizer"})
 
 MANIFEST_KEY = "manifest.json"
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
@@ -104,9 +110,15 @@ def manifest_diff(stored: dict[str, Any], ours: dict[str, Any]) -> list[str]:
 
 
 def encode_state(
-    state: dict[str, torch.Tensor], *, name: str, round: int, extra: dict[str, Any] | None
+    state: dict[str, torch.Tensor],
+    *,
+    name: str,
+    round: int,
+    extra: dict[str, Any] | None,
+    keys: RunKeys | None = None,
 ) -> bytes:
-    """Serialise a full state dict losslessly. Tensors are copied so tied weights are fine."""
+    """Serialise a full state dict losslessly (header signed with ``keys``). Tensors are
+    copied so tied weights are fine."""
     if not state:
         raise ValueError("publish_state: the state dict is empty")
     tensors = {}
@@ -124,6 +136,7 @@ def encode_state(
         "sha256": tensors_digest(tensors),
     }
     try:
+        header = header if keys is None else keys.sign(header)
         meta = json.dumps(header, allow_nan=False)
     except (TypeError, ValueError) as e:
         raise ValueError(f"publish_state: extra must be JSON-serialisable ({e})") from e
@@ -131,15 +144,17 @@ def encode_state(
 
 
 def decode_state(
-    blob: bytes | memoryview, *, name: str, round: int
+    blob: bytes | memoryview, *, name: str, round: int, keys: RunKeys | None = None
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Validate a state snapshot; returns (tensors, extra)."""
+    """Validate a state snapshot (its signature too, with ``keys``); returns (tensors, extra)."""
     what = f"state {name!r} round {round}"
     meta = read_safetensors_metadata(blob, what)
     try:
         h = json.loads(meta[HEADER_KEY])
     except (KeyError, TypeError, json.JSONDecodeError) as e:
         raise CorruptContributionError(f"{what}: missing or unreadable header") from e
+    if keys is not None and isinstance(h, dict):
+        keys.verify(h, signers=STATE_SIGNERS, what=what)
     if not (
         isinstance(h, dict)
         and h.get("format") == FORMAT

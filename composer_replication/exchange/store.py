@@ -26,6 +26,14 @@ would create a bucket that a typo in the URI names, instead of failing.
 
 Keys are '/'-separated paths relative to the run prefix. Nothing here unpickles anything;
 `get_json` parses JSON only.
+
+Every instance counts the requests it sends (``requests``: PUT, GET, HEAD, LIST, DELETE), one
+per call as the backend sends them: ``get``/``has_object`` are one GET (``has_object`` reads one
+byte; on S3 an object above 32 MiB adds a HEAD and one ranged GET per further 32 MiB),
+``put``/``put_if_absent`` one PUT, ``list``/``walk`` one LIST, ``delete_many`` one DELETE
+per 1000 keys on S3 (a bulk delete; one per key elsewhere), ``exists`` a HEAD, plus the LIST
+s3fs and gcsfs send after a HEAD that found nothing (they look for a "directory" of that name).
+The exchange records them per round (docs/object-store.md, "Requests per round").
 """
 
 from __future__ import annotations
@@ -41,12 +49,36 @@ from typing import Any, Protocol
 
 import torch
 
-__all__ = ["ObjectStore", "Payload", "Store", "normalize_uri"]
+__all__ = ["REQUEST_KINDS", "ObjectStore", "Payload", "RequestCounter", "Store", "normalize_uri"]
 
 Payload = bytes | Sequence[bytes | bytearray | memoryview]
 Names = list[str]  # (`ObjectStore.list` shadows the builtin inside the class body)
 _MEMORY_LOCK = threading.Lock()
 _SINGLE_PUT_CHUNK = 5 * 2**30 // 2  # s3fs uses one PUT when size < 2 * chunksize (cap 5 GiB)
+_BULK_DELETE = 1000  # keys per S3 DeleteObjects request
+_FIRST_READ = 32 * 2**20  # S3: objects below this are read with one GET
+REQUEST_KINDS: tuple[str, ...] = ("put", "get", "head", "list", "delete")
+
+
+class RequestCounter:
+    """Thread-safe counts of the requests one store sent, by kind (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts = dict.fromkeys(REQUEST_KINDS, 0)
+
+    def add(self, kind: str, n: int = 1) -> None:
+        with self._lock:
+            self._counts[kind] += n
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+    def since(self, before: dict[str, int]) -> dict[str, int]:
+        """Requests sent since ``before`` (an earlier `snapshot`)."""
+        now = self.snapshot()
+        return {k: now[k] - before.get(k, 0) for k in REQUEST_KINDS}
 
 
 def normalize_uri(uri: str) -> str:
@@ -76,6 +108,9 @@ class Store(Protocol):
     @property
     def is_local(self) -> bool: ...
 
+    @property
+    def requests(self) -> RequestCounter: ...
+
     def put_if_absent(self, key: str, data: Payload) -> bool: ...
 
     def put(self, key: str, data: Payload) -> None: ...
@@ -84,9 +119,13 @@ class Store(Protocol):
 
     def exists(self, key: str) -> bool: ...
 
+    def has_object(self, key: str) -> bool: ...
+
     def list(self, prefix: str) -> list[str]: ...
 
     def delete(self, key: str) -> None: ...
+
+    def delete_many(self, keys: Sequence[str]) -> None: ...
 
     def delete_prefix(self, prefix: str) -> None: ...
 
@@ -109,6 +148,7 @@ class ObjectStore:
             self._options.setdefault("use_listings_cache", False)
         self._fs: Any = None
         self._root = ""
+        self._requests = RequestCounter()
         if self.protocol == "file":
             self._root = self._uri[len("file://") :]
 
@@ -126,6 +166,11 @@ class ObjectStore:
         return self.protocol == "file"
 
     @property
+    def requests(self) -> RequestCounter:
+        """Requests this instance sent so far (see the module docstring)."""
+        return self._requests
+
+    @property
     def local_path(self) -> Path | None:
         """The folder of a ``file://`` store (None for remote stores)."""
         return Path(self._root) if self.is_local else None
@@ -139,7 +184,17 @@ class ObjectStore:
             import fsspec
 
             try:
-                self._fs, root = fsspec.core.url_to_fs(self._uri, **self._options)
+                if self.protocol in ("gs", "gcs") and self._options.get("endpoint_url"):
+                    # A custom endpoint (an emulator, a GCS-compatible service): the plain
+                    # client. gcsfs's default ExtendedGcsFileSystem first asks the endpoint for
+                    # the bucket's layout over gRPC, which such endpoints do not serve: a 60 s
+                    # timeout on every call.
+                    from gcsfs.core import GCSFileSystem
+
+                    self._fs = GCSFileSystem(**self._options)
+                    root = self._fs._strip_protocol(self._uri)
+                else:
+                    self._fs, root = fsspec.core.url_to_fs(self._uri, **self._options)
             except ImportError as e:
                 raise ImportError(
                     f"the {self.protocol}:// object store needs an fsspec backend: "
@@ -162,6 +217,7 @@ class ObjectStore:
         files; joined once for remote stores, whose clients need one body).
         """
         path = self._path(key)
+        self._requests.add("put")
         if self.is_local:
             return _local_put_if_absent(self._root, path, data)
         fs = self._filesystem()
@@ -180,14 +236,14 @@ class ObjectStore:
             return False
         except OSError:
             # SeaweedFS reports the 412 as OSError(EINVAL); only a present object means we lost.
-            fs.invalidate_cache(path)
-            if fs.exists(path):
+            if self.has_object(key):
                 return False
             raise
 
     def put(self, key: str, data: Payload) -> None:
         """Overwrite ``key`` (only for documents that decide nothing: status, config, ...)."""
         path = self._path(key)
+        self._requests.add("put")
         if self.is_local:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             tmp = _tmp_path(self._root)
@@ -199,6 +255,7 @@ class ObjectStore:
     def get(self, key: str) -> bytes | memoryview | None:
         """The object's bytes (a writable memoryview for local files), or None if absent."""
         path = self._path(key)
+        self._requests.add("get")
         if self.is_local:
             try:
                 with open(path, "rb") as f:
@@ -209,24 +266,69 @@ class ObjectStore:
             except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
                 return None
         fs = self._filesystem()
+        if self.protocol in ("s3", "s3a"):
+            return self._s3_get(fs, path)
         try:
             return bytes(fs.cat_file(path))
         except FileNotFoundError:
             return None
 
+    def _s3_get(self, fs: Any, path: str) -> bytes | None:
+        """One ranged GET for objects under ``_FIRST_READ`` (and for absent ones): s3fs's plain
+        ``cat_file`` sends a HEAD first, and for an absent key a LIST too, which polling for
+        peers' objects would pay every time. Larger objects: their size (one HEAD), then the rest
+        in concurrent ranged GETs."""
+        try:
+            first = fs.cat_file(path, start=0, end=_FIRST_READ)
+        except FileNotFoundError:
+            return None
+        except OSError as e:  # a zero-byte object answers a range with 416 InvalidRange
+            text = str(e)
+            if not any(m in text for m in ("InvalidRange", "not satisfiable", "416")):
+                raise
+            return b""
+        if len(first) < _FIRST_READ:
+            return bytes(first)
+        size = int(fs.info(path)["size"])
+        self._requests.add("head")
+        starts = list(range(_FIRST_READ, size, _FIRST_READ))
+        ends = [min(start + _FIRST_READ, size) for start in starts]
+        self._requests.add("get", len(starts))
+        rest = fs.cat_ranges([path] * len(starts), starts, ends, on_error="raise")
+        return b"".join([first, *rest])
+
     def exists(self, key: str) -> bool:
         """Whether ``key`` is an object or a non-empty prefix ('' = the run prefix itself)."""
+        self._requests.add("head")
         if self.is_local:
             return os.path.exists(self._path(key))
         fs = self._filesystem()
         path = self._path(key)
         fs.invalidate_cache(path)
-        return bool(fs.exists(path))
+        found = bool(fs.exists(path))
+        if not found and self.protocol != "memory":
+            self._requests.add("list")  # s3fs/gcsfs then list the key as a "directory"
+        return found
+
+    def has_object(self, key: str) -> bool:
+        """Whether the object ``key`` exists: one GET of its first byte (never a listing, unlike
+        `exists` on S3, which lists when the HEAD finds nothing)."""
+        path = self._path(key)
+        self._requests.add("get")
+        if self.is_local:
+            return os.path.isfile(path)
+        fs = self._filesystem()
+        try:
+            fs.cat_file(path, start=0, end=1)
+        except FileNotFoundError:
+            return False
+        return True
 
     def list(self, prefix: str) -> list[str]:
         """Names (not paths) directly under ``prefix`` (with or without the trailing '/'),
         sorted; [] if there is nothing. Always a fresh listing."""
         path = self._path(prefix.rstrip("/"))
+        self._requests.add("list")
         if self.is_local:
             try:
                 return sorted(os.listdir(path))
@@ -245,6 +347,7 @@ class ObjectStore:
     def walk(self, prefix: str) -> Names:
         """Keys of every object under ``prefix`` (recursively), relative to it, sorted."""
         base = self._path(prefix.rstrip("/"))
+        self._requests.add("list")
         if self.is_local:
             out: Names = []
             for folder, _, files in os.walk(base):
@@ -262,6 +365,7 @@ class ObjectStore:
     def delete(self, key: str) -> None:
         """Delete one object (missing is fine)."""
         path = self._path(key)
+        self._requests.add("delete")
         try:
             if self.is_local:
                 os.unlink(path)
@@ -270,9 +374,37 @@ class ObjectStore:
         except FileNotFoundError:
             pass
 
+    def delete_many(self, keys: Sequence[str]) -> None:
+        """Delete these objects (missing ones are fine) without listing anything: one bulk
+        request per 1000 keys on S3. Local folders left empty are removed too."""
+        if not keys:
+            return
+        paths = [self._path(k) for k in keys]
+        if self.is_local:
+            self._requests.add("delete", len(paths))
+            for path in paths:
+                try:
+                    os.unlink(path)
+                except (FileNotFoundError, NotADirectoryError):
+                    pass
+            _remove_empty_parents(self._root, {os.path.dirname(p) for p in paths})
+            return
+        fs = self._filesystem()
+        if self.protocol in ("s3", "s3a"):
+            self._requests.add("delete", -(-len(paths) // _BULK_DELETE))
+            try:
+                fs.rm(paths)
+            except FileNotFoundError:
+                pass
+            return
+        for key in keys:
+            self.delete(key)
+
     def delete_prefix(self, prefix: str) -> None:
         """Delete everything under ``prefix`` ('' = the whole run prefix; missing is fine)."""
         path = self._path(prefix.rstrip("/"))
+        self._requests.add("list")
+        self._requests.add("delete")
         if self.is_local:
             shutil.rmtree(path, ignore_errors=True)
             return
@@ -324,6 +456,7 @@ class ObjectStore:
     def put_file(self, key: str, local_file: str | os.PathLike[str]) -> None:
         """Upload one local file to ``key`` (overwriting; streamed, not read into memory)."""
         path = self._path(key)
+        self._requests.add("put")
         if self.is_local:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             tmp = _tmp_path(self._root)
@@ -336,6 +469,7 @@ class ObjectStore:
         """Download ``key`` to a local file (a copy); FileNotFoundError if it is absent."""
         Path(local_file).parent.mkdir(parents=True, exist_ok=True)
         path = self._path(key)
+        self._requests.add("get")
         if self.is_local:
             shutil.copyfile(path, local_file)
             return
@@ -355,6 +489,19 @@ class ObjectStore:
                 self.delete(key)
             except OSError:  # the write failed; nothing to clean
                 pass
+
+
+def _remove_empty_parents(root: str, folders: set[str]) -> None:
+    """rmdir each folder and then its parents while they are empty (never ``root`` itself)."""
+    top = os.path.normpath(root)
+    for folder in sorted(folders, key=len, reverse=True):
+        folder = os.path.normpath(folder)
+        while folder != top and folder.startswith(top + os.sep):
+            try:
+                os.rmdir(folder)
+            except OSError:  # not empty (or gone): stop climbing
+                break
+            folder = os.path.dirname(folder)
 
 
 def _uninitialised(size: int) -> memoryview:

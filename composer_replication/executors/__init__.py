@@ -11,10 +11,9 @@ Names load lazily so that importing this package does not import ray, modal, bot
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from composer_replication.lazy import lazy_getattr
 
-_LAZY = {
+EXPORTS = {
     "ServerlessExecutor": "composer_replication.executors.base",
     "RankLauncher": "composer_replication.executors.base",
     "ReplicaHandle": "composer_replication.executors.base",
@@ -30,11 +29,7 @@ _LAZY = {
     "MissingCredentialsError": "composer_replication.executors.redact",
 }
 
-__all__ = sorted(_LAZY)
+__all__ = sorted(EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module_name = _LAZY.get(name)
-    if module_name is None:
-        raise AttributeError(f"module 'composer_replication.executors' has no attribute {name!r}")
-    return getattr(importlib.import_module(module_name), name)
+__getattr__ = lazy_getattr(__name__, EXPORTS)

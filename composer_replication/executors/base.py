@@ -17,6 +17,9 @@ This module holds everything that is the same for every backend:
 
 - `build_command`, `replica_env`, `validate_launch`: the one implementation of "what does replica
   k run, with which environment", so all backends start byte-identical commands.
+- per-rank secrets (``launch_replicas(..., secrets={rank: {"NAME": "value"}})``, e.g. each
+  replica's own signing key): each rank gets only its own, through the backend's secret
+  mechanism (the `secrets` argument of `ExecutorBase._start`).
 - `SupervisorBase` / `ExecutorBase`: optional base classes with the poll, collect (timeout,
   Ctrl-C) and cancel loops, and the launch-all-or-cancel loop; a backend implements `_start`,
   `_refresh`, `_terminate` and `logs`.
@@ -50,6 +53,7 @@ __all__ = [
     "SupervisorBase",
     "args_to_argv",
     "build_command",
+    "check_secrets",
     "failure_error",
     "read_log_file",
     "replica_env",
@@ -68,6 +72,10 @@ LAUNCH_MODULE = "composer_replication.executors.launch"
 ERROR_TAIL_LINES = 20
 
 _MODULE_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+_ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+SecretsByRank = Mapping[int, Mapping[str, str]]
+"""rank -> {environment variable: secret value} that only that rank may see."""
 
 
 class ReplicaStatus(StrEnum):
@@ -122,8 +130,11 @@ class ServerlessExecutor(Protocol):
         *,
         env: dict[str, str] | None = None,
         resources: dict[str, Any] | None = None,
+        secrets: SecretsByRank | None = None,
     ) -> list[ReplicaHandle]:
-        """Start replicas 0..n_replicas-1; bad input raises ValueError before anything starts."""
+        """Start replicas 0..n_replicas-1; bad input raises ValueError before anything starts.
+        ``secrets[rank]`` reaches only that replica, as environment variables set through the
+        backend's secret mechanism."""
         ...
 
     def poll(self, handles: list[ReplicaHandle]) -> list[ReplicaHandle]:
@@ -161,6 +172,7 @@ class RankLauncher(ServerlessExecutor, Protocol):
         *,
         env: dict[str, str] | None = None,
         resources: dict[str, Any] | None = None,
+        secrets: SecretsByRank | None = None,
     ) -> list[ReplicaHandle]:
         """Start the given ranks of a run of `world_size` replicas."""
         ...
@@ -255,6 +267,25 @@ def replica_env(
             if not isinstance(rank_env, str) or not re.match(r"^[A-Za-z_]\w*$", rank_env):
                 raise ValueError(f"rank_env must be an environment variable name, got {rank_env!r}")
             out[rank_env] = str(rank)
+    return out
+
+
+def check_secrets(secrets: SecretsByRank | None, ranks: Sequence[int]) -> dict[int, dict[str, str]]:
+    """Validated per-rank secrets (ValueError naming what is wrong); {} when None."""
+    if secrets is None:
+        return {}
+    if not isinstance(secrets, Mapping):
+        raise ValueError(f"secrets must map rank -> {{NAME: value}}, got {type(secrets).__name__}")
+    out: dict[int, dict[str, str]] = {}
+    for rank, values in secrets.items():
+        if rank not in ranks:
+            raise ValueError(f"secrets given for rank {rank!r}, which this launch does not start")
+        if not isinstance(values, Mapping) or not all(
+            isinstance(k, str) and _ENV_NAME_RE.match(k) and isinstance(v, str)
+            for k, v in values.items()
+        ):
+            raise ValueError(f"secrets[{rank}] must map environment variable names to strings")
+        out[rank] = dict(values)
     return out
 
 
@@ -449,7 +480,8 @@ class SupervisorBase(ABC):
 class ExecutorBase(SupervisorBase):
     """SupervisorBase plus launch-all-or-cancel; a backend adds `_start` for one replica.
 
-      _start(rank, world_size, command, env, resources) -> ReplicaHandle   (`_new_handle` builds it)
+      _start(rank, world_size, command, env, resources, secrets) -> ReplicaHandle
+      (`_new_handle` builds it; `secrets` go through the backend's secret store)
 
     and may override `_check_resources` (reject bad resources up front), `check_launch` (e.g.
     skip local checks for code that lives in an image) and `python` (the interpreter replicas
@@ -468,7 +500,11 @@ class ExecutorBase(SupervisorBase):
         command: list[str],
         env: dict[str, str],
         resources: dict[str, Any],
-    ) -> ReplicaHandle: ...
+        secrets: dict[str, str],
+    ) -> ReplicaHandle:
+        """Start one replica. ``secrets`` are this rank's own (often empty): hand them over
+        through the backend's secret mechanism, never where other ranks or job specs show
+        them."""
 
     def _check_resources(self, resources: dict[str, Any]) -> dict[str, Any]:
         """Validate/normalise resources before launch (raise ValueError). Default: any dict."""
@@ -515,12 +551,13 @@ class ExecutorBase(SupervisorBase):
         *,
         env: dict[str, str] | None = None,
         resources: dict[str, Any] | None = None,
+        secrets: SecretsByRank | None = None,
     ) -> list[ReplicaHandle]:
         """Start ranks 0..n_replicas-1 (see `launch_ranks`)."""
         self.check_launch(n_replicas, entrypoint)
         return self.launch_ranks(
             range(n_replicas), n_replicas, entrypoint, entrypoint_args, env=env,
-            resources=resources,
+            resources=resources, secrets=secrets,
         )  # fmt: skip
 
     def launch_ranks(
@@ -532,6 +569,7 @@ class ExecutorBase(SupervisorBase):
         *,
         env: dict[str, str] | None = None,
         resources: dict[str, Any] | None = None,
+        secrets: SecretsByRank | None = None,
     ) -> list[ReplicaHandle]:
         """Start the given ranks of a run of world_size replicas.
 
@@ -544,12 +582,15 @@ class ExecutorBase(SupervisorBase):
         bad = [r for r in ranks if not isinstance(r, int) or not 0 <= r < world_size]
         if bad or len(set(ranks)) != len(ranks):
             raise ValueError(f"ranks must be distinct integers in [0, {world_size}), got {ranks}")
+        own = check_secrets(secrets, ranks)
         command, resources = self._prepare(world_size, entrypoint, entrypoint_args, resources)
         envs = {r: replica_env(r, world_size, entrypoint_args, env) for r in ranks}
         launched: list[ReplicaHandle] = []
         try:
             for rank in ranks:
-                launched.append(self._start(rank, world_size, command, envs[rank], resources))
+                launched.append(
+                    self._start(rank, world_size, command, envs[rank], resources, own.get(rank, {}))
+                )
         except BaseException:
             self._cancel_quietly(launched)
             raise

@@ -133,14 +133,17 @@ class HFJobsExecutor(ExecutorBase):
         command: list[str],
         env: dict[str, str],
         resources: dict[str, Any],
+        secrets: dict[str, str],
     ) -> ReplicaHandle:
+        """The rank's own secrets join the job's encrypted secrets (never its plain env)."""
         labels = {**self.labels, "diloco-run": self.run_id, "diloco-rank": str(rank)}
+        self._redact += list(secrets.values())
         with sdk_errors(self.backend, f"starting replica {rank}", self._redact):
             job = self.api.run_job(
                 image=self.image,
                 command=command,
                 env=env,
-                secrets=self.secrets or None,
+                secrets={**self.secrets, **secrets} or None,
                 flavor=resources.get("flavor", self.flavor),
                 timeout=resources.get("timeout", self.timeout),
                 labels=labels,

@@ -32,6 +32,8 @@ from composer_replication.executors.base import (
     ExecutorBase,
     ReplicaHandle,
     ReplicaStatus,
+    SecretsByRank,
+    check_secrets,
     replica_env,
     tail_lines,
     validate_launch,
@@ -168,13 +170,25 @@ class K8sExecutor(ExecutorBase):
         *,
         env: dict[str, str] | None = None,
         resources: dict[str, Any] | None = None,
+        secrets: SecretsByRank | None = None,
     ) -> list[ReplicaHandle]:
-        """Create one Indexed Job for ranks a..a+k-1 (they must be consecutive)."""
+        """Create one Indexed Job for ranks a..a+k-1 (they must be consecutive).
+
+        With per-rank ``secrets`` every rank is its own one-index Job whose container reads its
+        values from its own Kubernetes Secret (``secretKeyRef``; owned by the Job, so deleting
+        the Job deletes it): pods of one Indexed Job share one template and could not be given
+        different Secrets.
+        """
         ranks = sorted(ranks)
         if not ranks or any(not isinstance(r, int) or not 0 <= r < world_size for r in ranks):
             raise ValueError(f"ranks must be integers in [0, {world_size}), got {ranks}")
         if ranks != list(range(ranks[0], ranks[0] + len(ranks))):
             raise ValueError(f"K8sExecutor runs consecutive ranks as one Indexed Job, got {ranks}")
+        if check_secrets(secrets, ranks):
+            return super().launch_ranks(
+                ranks, world_size, entrypoint, entrypoint_args, env=env, resources=resources,
+                secrets=secrets,
+            )  # fmt: skip
         command, limits = self._prepare(world_size, entrypoint, entrypoint_args, resources)
         base_env = replica_env(ranks[0], world_size, entrypoint_args, env)
         rank_keys = {ENV_RANK}
@@ -189,9 +203,46 @@ class K8sExecutor(ExecutorBase):
         command: list[str],
         env: dict[str, str],
         resources: dict[str, Any],
+        secrets: dict[str, str],
     ) -> ReplicaHandle:
-        """One replica as its own one-index Job (its env already holds its rank)."""
-        return self._create_job(rank, 1, command, env, set(), resources)[0]
+        """One replica as its own one-index Job (its env already holds its rank); its secrets,
+        if any, in its own Kubernetes Secret."""
+        return self._create_job(rank, 1, command, env, set(), resources, secrets)[0]
+
+    def _create_secret(self, name: str, values: dict[str, str]) -> None:
+        k = self._client
+        body = k.V1Secret(
+            metadata=k.V1ObjectMeta(name=name, labels={**self.labels, "diloco-job": name}),
+            string_data=dict(values), type="Opaque",
+        )  # fmt: skip
+        with sdk_errors(
+            self.backend, f"creating secret {name}", [*self._secrets, *values.values()]
+        ):
+            self.core.create_namespaced_secret(
+                namespace=self.namespace, body=body, _request_timeout=self.request_timeout
+            )
+
+    def _own_secret(self, secret: str, job: str, uid: str | None) -> None:
+        """Make the Job own its Secret, so Kubernetes deletes the Secret with the Job."""
+        if not uid:
+            return
+        ref = {"apiVersion": "batch/v1", "kind": "Job", "name": job, "uid": uid}
+        with sdk_errors(self.backend, f"patching secret {secret}", self._secrets):
+            self.core.patch_namespaced_secret(
+                name=secret, namespace=self.namespace,
+                body={"metadata": {"ownerReferences": [ref]}},
+                _request_timeout=self.request_timeout,
+            )  # fmt: skip
+
+    def _delete_secret(self, name: str) -> None:
+        try:
+            with sdk_errors(self.backend, f"deleting secret {name}", self._secrets):
+                self.core.delete_namespaced_secret(
+                    name=name, namespace=self.namespace, _request_timeout=self.request_timeout
+                )
+        except Exception as exc:  # already gone (owned by its deleted Job) is fine
+            if "404" not in str(exc) and "NotFound" not in str(exc):
+                raise
 
     def _create_job(
         self,
@@ -201,8 +252,14 @@ class K8sExecutor(ExecutorBase):
         base_env: dict[str, str],
         rank_keys: set[str],
         limits: dict[str, str],
+        secrets: dict[str, str] | None = None,
     ) -> list[ReplicaHandle]:
         name = f"{self.name_prefix}-{uuid.uuid4().hex[:10]}"
+        secret_env = dict(self.secret_env)
+        if secrets:
+            secret_name = f"{name}-secrets"
+            self._create_secret(secret_name, secrets)
+            secret_env.update({var: (secret_name, var) for var in secrets})
         job = build_indexed_job(
             self._client,
             name=name,
@@ -213,7 +270,7 @@ class K8sExecutor(ExecutorBase):
             offset=offset,
             count=count,
             limits=limits,
-            secret_env=self.secret_env,
+            secret_env=secret_env,
             env_from_secrets=self.env_from_secrets,
             backoff_limit_per_index=self.backoff_limit_per_index,
             ttl_seconds_after_finished=self.ttl_seconds_after_finished,
@@ -225,13 +282,17 @@ class K8sExecutor(ExecutorBase):
         )
         try:
             with sdk_errors(self.backend, f"creating job {name}", self._secrets):
-                self.batch.create_namespaced_job(
+                created = self.batch.create_namespaced_job(
                     namespace=self.namespace, body=job, _request_timeout=self.request_timeout
                 )
+            if secrets:
+                self._own_secret(f"{name}-secrets", name, created.metadata.uid)
         except Exception:
             # The request may have reached the server even though the call failed (timeout):
             # make sure no half-known job is left running.
             self._delete_job(name, quiet=True)
+            if secrets:
+                self._delete_secret(f"{name}-secrets")
             raise
         now = time.time()
         return [

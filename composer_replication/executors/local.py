@@ -252,7 +252,9 @@ class LocalProcessExecutor(ExecutorBase):
         command: list[str],
         env: dict[str, str],
         resources: dict[str, Any],
+        secrets: dict[str, str],
     ) -> ReplicaHandle:
+        env = {**env, **secrets}  # the replica's own process environment is private to it
         launch = uuid.uuid4().hex[:8]
         job_id = f"local-{launch}-r{rank}"
         log_path = str(self.log_dir / f"replica-{rank}-{launch}.log")

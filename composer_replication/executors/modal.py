@@ -214,12 +214,22 @@ class ModalExecutor(ExecutorBase):
         command: list[str],
         env: dict[str, str],
         resources: dict[str, Any],
+        secrets: dict[str, str],
     ) -> ReplicaHandle:
+        """The rank's own secrets travel as a Modal Secret of that call's function options
+        (``with_options(secrets=...)`` replaces the function's list, so the named ones are
+        repeated), never as call arguments."""
         self._ensure_running()  # first spawn, after every check: a bad launch starts nothing
         fn = self._function
+        self._redact += list(secrets.values())
         with sdk_errors(self.backend, f"spawning replica {rank}", self._redact):
-            if resources:
-                fn = fn.with_options(**resources)
+            options = dict(resources)
+            if secrets:
+                m = self._modal
+                named = [m.Secret.from_name(name) for name in self.secrets]
+                options["secrets"] = [*named, m.Secret.from_dict(dict(secrets))]
+            if options:
+                fn = fn.with_options(**options)
             call = fn.spawn(command, env)
         job_id = str(call.object_id)
         self._calls[job_id] = call

@@ -19,8 +19,10 @@ from typing import Any
 from composer_replication.executors.base import (
     RankLauncher,
     ReplicaHandle,
+    SecretsByRank,
     ServerlessExecutor,
     SupervisorBase,
+    check_secrets,
 )
 
 __all__ = ["MultiExecutor"]
@@ -83,8 +85,10 @@ class MultiExecutor(SupervisorBase):
         *,
         env: dict[str, str] | None = None,
         resources: dict[str, Any] | None = None,
+        secrets: SecretsByRank | None = None,
     ) -> list[ReplicaHandle]:
-        """Launch ranks 0..n_replicas-1 over the sub-executors (resources go to every one)."""
+        """Launch ranks 0..n_replicas-1 over the sub-executors (resources go to every one,
+        ``secrets[rank]`` only to the sub-executor that starts that rank)."""
         if isinstance(n_replicas, bool) or not isinstance(n_replicas, int) or n_replicas < 1:
             raise ValueError(f"n_replicas must be an integer >= 1, got {n_replicas!r}")
         if n_replicas != self.world_size:
@@ -92,6 +96,7 @@ class MultiExecutor(SupervisorBase):
                 f"n_replicas={n_replicas} but the placement adds up to {self.world_size} "
                 f"({', '.join(f'{type(e).__name__}: {c}' for e, c in self.placement)})"
             )
+        own = check_secrets(secrets, range(n_replicas))
         launched: list[ReplicaHandle] = []
         try:
             # Validate everywhere first, so a bad entrypoint starts nothing on any backend.
@@ -101,9 +106,11 @@ class MultiExecutor(SupervisorBase):
             for executor, count in self.placement:
                 ranks = list(range(start, start + count))
                 start += count
+                mine = {r: own[r] for r in ranks if r in own}
                 handles = executor.launch_ranks(
-                    ranks, n_replicas, entrypoint, entrypoint_args, env=env, resources=resources
-                )
+                    ranks, n_replicas, entrypoint, entrypoint_args, env=env, resources=resources,
+                    secrets=mine or None,
+                )  # fmt: skip
                 for handle in handles:
                     self._owner[id(handle)] = executor
                     self._handles[id(handle)] = handle

@@ -249,11 +249,18 @@ class RayExecutor(ExecutorBase):
         command: list[str],
         env: dict[str, str],
         resources: dict[str, Any],
+        secrets: dict[str, str],
     ) -> ReplicaHandle:
+        """The rank's own secrets go into its actor's ``runtime_env`` env_vars (the replica
+        process inherits the actor's environment), not into the task arguments."""
         self._ensure_ray()
         options: dict[str, Any] = {**self.defaults, **resources, "max_concurrency": 4}
         if self.runtime_env is not None:
             options["runtime_env"] = self.runtime_env
+        if secrets:
+            runtime_env = dict(self.runtime_env or {})
+            runtime_env["env_vars"] = {**dict(runtime_env.get("env_vars") or {}), **secrets}
+            options["runtime_env"] = runtime_env
         launch = uuid.uuid4().hex[:8]
         # The actor's name is the job id, so `ray list actors` shows which replica is which.
         job_id = f"composer-replication-{launch}-r{rank}"

@@ -168,7 +168,9 @@ class SageMakerExecutor(ExecutorBase):
         command: list[str],
         env: dict[str, str],
         resources: dict[str, Any],
+        secrets: dict[str, str],
     ) -> ReplicaHandle:
+        env = {**env, **secrets}  # the replica's own process environment is private to it
         bad = [k for k, v in env.items() if not _ENV_KEY.match(k) or len(v) > 512]
         if bad or len(env) > 100:
             raise ValueError(f"SageMaker Environment allows <= 100 variables named [a-zA-Z_]"

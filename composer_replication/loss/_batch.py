@@ -1,6 +1,6 @@
-"""Reading the compose_loss batch (docs/api.md) and running its forward passes.
+"""Reading the composer batch (docs/api.md) and running the forward passes its channels need.
 
-Everything here turns ``inputs`` into the tensors ``combine`` takes; the loss math lives in
+Everything here turns ``inputs`` into the tensors the channel terms take; the loss math lives in
 ``_channels``. A channel whose keys are all absent is off; a channel with only some of its keys
 is a bug upstream and raises ``ValueError`` naming the missing key.
 """
@@ -8,12 +8,19 @@ is a bug upstream and raises ``ValueError`` naming the missing key.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from composer_replication.loss._logprobs import selective_log_softmax
+from composer_replication.loss._logprobs import (
+    CausalLM,
+    completion_logits,
+    completion_logps,
+    forward_logits,
+    sequence_logps,
+)
 
 SDPO_KEYS = (
     "sdpo_teacher_input_ids",
@@ -21,11 +28,14 @@ SDPO_KEYS = (
     "sdpo_sample_mask",
     "sdpo_teacher_logits",
 )
+# Channel 3, explicit pairs: any chosen and rejected sequences, (N, L) each.
 REPLAY_KEYS = tuple(
     f"replay_{side}_{part}"
     for side in ("chosen", "rejected")
     for part in ("input_ids", "attention_mask", "loss_mask")
 )
+# Channel 3, rollout pairs: row-aligned (B, ...); rejected = the rollout on the row.
+REPLAY_ROW_KEYS = ("replay_pair_mask", "replay_chosen_ids", "replay_chosen_mask")
 REPLAY_REF_KEYS = ("replay_ref_chosen_logps", "replay_ref_rejected_logps")
 
 
@@ -39,15 +49,15 @@ def require(inputs: Mapping[str, Any], key: str) -> Tensor:
     return value
 
 
-def forward_logits(model: Any, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-    """``model(input_ids=..., attention_mask=...).logits`` checked to be ``(B, L, V)``."""
-    out = model(input_ids=input_ids, attention_mask=attention_mask)
-    logits = out.logits if hasattr(out, "logits") else out
-    if not isinstance(logits, Tensor) or logits.dim() != 3:
-        raise ValueError(
-            "model(input_ids=..., attention_mask=...) must return .logits of shape (B, L, V)"
-        )
-    return logits
+def normaliser(inputs: Mapping[str, Any], key: str) -> Tensor | None:
+    """The optional 0-dim count ``inputs[key]`` (a positive number) as a float tensor."""
+    value = inputs.get(key)
+    if value is None:
+        return None
+    count = torch.as_tensor(value, dtype=torch.float32)
+    if count.numel() != 1 or not bool(torch.isfinite(count)) or float(count) <= 0:
+        raise ValueError(f"inputs[{key!r}] must be one positive number, got {value!r}")
+    return count.reshape(())
 
 
 def channel1(inputs: Mapping[str, Any]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -67,33 +77,65 @@ def channel1(inputs: Mapping[str, Any]) -> tuple[Tensor, Tensor, Tensor, Tensor,
     return prompt_ids, prompt_mask, completion_ids, completion_mask, advantages
 
 
-def sdpo_inputs(
-    model: Any, inputs: Mapping[str, Any], student: Tensor, completion_mask: Tensor
-) -> tuple[Tensor, Tensor, Tensor, float] | None:
-    """Channel-2 tensors ``(student_rows, teacher_rows, token_mask_rows, frac_samples)``.
+def check_student(student: Tensor | None, completion_mask: Tensor) -> Tensor:
+    """``student_logits`` must be ``(B, T, V)`` over the batch's completion positions."""
+    if not isinstance(student, Tensor) or student.dim() != 3:
+        raise ValueError(
+            "student_logits must be the (B, T, V) completion logits of the channel-1 forward"
+        )
+    if student.shape[:2] != completion_mask.shape:
+        raise ValueError(
+            f"student_logits has shape {tuple(student.shape)} but completion_mask is "
+            f"{tuple(completion_mask.shape)}; they must share (B, T)"
+        )
+    return student
 
-    Only the selected rows are kept: the teacher forward (under no_grad, same model) runs on
-    them alone. ``None`` when no channel-2 key is present. When keys are present but no sample is
-    selected, returns empty row tensors (the caller turns the channel off).
+
+@dataclass(frozen=True)
+class SdpoRows:
+    """Channel-2 tensors of the selected rows (the teacher forward ran on these rows only)."""
+
+    student: Tensor  # (b, T, V)
+    teacher: Tensor  # (b, T, V), no gradient
+    token_mask: Tensor  # (b, T) bool
+    frac: float  # selected rows / B
+    normaliser: Tensor | None  # inputs["sdpo_num_tokens"]
+
+
+def sdpo_rows(
+    teacher: CausalLM,
+    inputs: Mapping[str, Any],
+    student: Tensor,
+    *,
+    logits_to_keep: bool,
+) -> SdpoRows | None:
+    """Channel 2 of ``inputs``, or None when its keys are absent or no row is selected.
+
+    A row enters when ``sdpo_sample_mask`` selects it and it has a completion token. Only those
+    rows are kept: the teacher forward (under no_grad) runs on them alone, with the context's
+    all-padding leading columns trimmed.
     """
     if not any(inputs.get(k) is not None for k in SDPO_KEYS):
         return None
+    completion_mask = require(inputs, "completion_mask")
+    check_student(student, completion_mask)
     sample_mask = require(inputs, "sdpo_sample_mask").bool()
     B, T = completion_mask.shape
     if sample_mask.shape != (B,):
         raise ValueError(f"sdpo_sample_mask must be (B,) = ({B},), got {tuple(sample_mask.shape)}")
     token_mask = completion_mask.bool() & sample_mask[:, None]
-    rows = token_mask.any(-1).nonzero().squeeze(-1)
-    frac = float(sample_mask.float().mean()) if B else 0.0
+    selected = token_mask.any(-1)
+    rows = selected.nonzero().squeeze(-1)
+    if rows.numel() == 0:
+        return None
     all_rows = rows.numel() == B
 
     def pick(x: Tensor) -> Tensor:
         return x if all_rows else x.index_select(0, rows)
 
-    if rows.numel() == 0:
-        return student[:0], student[:0].detach(), token_mask[:0], frac
+    norm = normaliser(inputs, "sdpo_num_tokens")
     if inputs.get("sdpo_teacher_logits") is not None:
-        teacher = pick(require(inputs, "sdpo_teacher_logits"))
+        teacher_logits = pick(require(inputs, "sdpo_teacher_logits"))
     else:
         t_ids = require(inputs, "sdpo_teacher_input_ids")
         t_attn = require(inputs, "sdpo_teacher_attention_mask")
@@ -108,73 +150,158 @@ def sdpo_inputs(
                 f"L > T={T} (teacher context, then the same completion in the last T positions); "
                 f"got {tuple(t_ids.shape)} and {tuple(t_attn.shape)}"
             )
-        L = t_ids.shape[1]
+        t_ids, t_attn = pick(t_ids), pick(t_attn)
         with torch.no_grad():
-            teacher = forward_logits(model, pick(t_ids), pick(t_attn))[:, L - T - 1 : -1]
-    return pick(student), teacher, pick(token_mask), frac
+            teacher_logits = completion_logits(
+                teacher,
+                t_ids[:, :-T],
+                t_attn[:, :-T],
+                t_ids[:, -T:],
+                t_attn[:, -T:],
+                logits_to_keep=logits_to_keep,
+            )
+    frac = float(selected.float().mean())
+    return SdpoRows(pick(student), teacher_logits.to(student.dtype), pick(token_mask), frac, norm)
 
 
-def _sequence_logps(
-    model: Any, ids: Tensor, attn: Tensor, loss_mask: Tensor
-) -> tuple[Tensor, Tensor]:
-    """Summed and mean log-probs over ``loss_mask`` (token j is scored by the logits at j-1)."""
+@dataclass(frozen=True)
+class ReplayPairs:
+    """Channel-3 sequence log-probs of the N local pairs."""
+
+    chosen: Tensor  # (N,) summed (dpo) or mean (simpo) log-probs, with gradient
+    rejected: Tensor  # (N,)
+    ref_chosen: Tensor | None  # (N,) summed reference log-probs (dpo)
+    ref_rejected: Tensor | None
+    normaliser: Tensor | None  # inputs["replay_num_pairs"]
+
+
+def _references(
+    inputs: Mapping[str, Any], dpo_variant: str, rows: Tensor | None
+) -> tuple[Tensor | None, Tensor | None]:
+    if dpo_variant != "dpo":
+        return None, None
+    if any(inputs.get(k) is None for k in REPLAY_REF_KEYS):
+        raise ValueError(
+            "dpo_variant='dpo' needs inputs 'replay_ref_chosen_logps' and "
+            "'replay_ref_rejected_logps', summed reference log-probs; provide them or use "
+            "dpo_variant='simpo'"
+        )
+    ref_c, ref_r = require(inputs, REPLAY_REF_KEYS[0]), require(inputs, REPLAY_REF_KEYS[1])
+    if rows is not None:
+        ref_c, ref_r = ref_c.index_select(0, rows), ref_r.index_select(0, rows)
+    return ref_c, ref_r
+
+
+def _sequence(model: CausalLM, inputs: Mapping[str, Any], side: str) -> tuple[Tensor, Tensor]:
+    """Summed and mean log-probs of one explicit-pairs side (token j scored by logits j-1)."""
+    ids = require(inputs, f"replay_{side}_input_ids")
+    attn = require(inputs, f"replay_{side}_attention_mask")
+    loss_mask = require(inputs, f"replay_{side}_loss_mask")
     if ids.dim() != 2 or attn.shape != ids.shape or loss_mask.shape != ids.shape:
         raise ValueError(
             "replay *_input_ids, *_attention_mask and *_loss_mask must share one (N, L) shape; got "
             f"{tuple(ids.shape)}, {tuple(attn.shape)}, {tuple(loss_mask.shape)}"
         )
     logits = forward_logits(model, ids, attn)
-    per_token = selective_log_softmax(logits[:, :-1], ids[:, 1:])
-    lm = loss_mask[:, 1:].to(per_token.dtype)
-    summed = (per_token * lm).sum(-1)
-    return summed, summed / lm.sum(-1).clamp(min=1.0)
+    return sequence_logps(logits[:, :-1], ids[:, 1:], loss_mask[:, 1:])
 
 
-def replay_inputs(
-    model: Any, inputs: Mapping[str, Any], dpo_variant: str
-) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None] | None:
-    """Channel-3 ``(chosen, rejected, ref_chosen, ref_rejected)`` sequence log-probs.
+# (summed, mean) log-probs of the chosen side, of the rejected side, and the reference sums.
+_Sides = tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor], tuple[Tensor | None, Tensor | None]]
 
-    ``dpo``: summed log-probs and the reference sums from the batch (required);
-    ``simpo``: length-normalised log-probs, references unused. ``None`` when the replay keys are
-    absent or N == 0. One forward per side, with gradient.
-    """
-    present = [k for k in REPLAY_KEYS if inputs.get(k) is not None]
-    if not present:
-        return None
+
+def _explicit_pairs(model: CausalLM, inputs: Mapping[str, Any], dpo_variant: str) -> _Sides | None:
     for key in REPLAY_KEYS:
         require(inputs, key)  # some replay keys but not all: name the missing one
-    c_ids, r_ids = (
-        require(inputs, "replay_chosen_input_ids"),
-        require(inputs, "replay_rejected_input_ids"),
-    )
-    if c_ids.shape[0] != r_ids.shape[0]:
+    n_chosen = require(inputs, "replay_chosen_input_ids").shape[0]
+    if n_chosen != require(inputs, "replay_rejected_input_ids").shape[0]:
         raise ValueError(
             "replay_chosen_* and replay_rejected_* must hold the same number of pairs N"
         )
-    if c_ids.shape[0] == 0:
+    if n_chosen == 0:
         return None
-    refs: tuple[Tensor | None, Tensor | None] = (None, None)
-    if dpo_variant == "dpo":
-        if any(inputs.get(k) is None for k in REPLAY_REF_KEYS):
-            raise ValueError(
-                "dpo_variant='dpo' needs inputs 'replay_ref_chosen_logps' and "
-                "'replay_ref_rejected_logps' (N,) summed reference log-probs; provide them or use "
-                "dpo_variant='simpo'"
-            )
-        refs = (require(inputs, REPLAY_REF_KEYS[0]), require(inputs, REPLAY_REF_KEYS[1]))
-    c_sum, c_avg = _sequence_logps(
+    refs = _references(inputs, dpo_variant, None)
+    return _sequence(model, inputs, "chosen"), _sequence(model, inputs, "rejected"), refs
+
+
+def _rollout_pairs(
+    model: CausalLM,
+    inputs: Mapping[str, Any],
+    student: Tensor | None,
+    dpo_variant: str,
+    logits_to_keep: bool,
+) -> _Sides | None:
+    for key in REPLAY_ROW_KEYS:
+        require(inputs, key)
+    prompt_ids, prompt_mask = require(inputs, "prompt_ids"), require(inputs, "prompt_mask")
+    completion_ids = require(inputs, "completion_ids")
+    completion_mask = require(inputs, "completion_mask")
+    B = completion_mask.shape[0]
+    pair_mask = require(inputs, "replay_pair_mask").bool()
+    c_ids, c_mask = require(inputs, "replay_chosen_ids"), require(inputs, "replay_chosen_mask")
+    if pair_mask.shape != (B,) or c_ids.dim() != 2 or c_ids.shape[0] != B:
+        raise ValueError(
+            f"replay_pair_mask must be (B,) and replay_chosen_ids (B, Tc) with B={B}; got "
+            f"{tuple(pair_mask.shape)} and {tuple(c_ids.shape)}"
+        )
+    if c_mask.shape != c_ids.shape:
+        raise ValueError("replay_chosen_ids and replay_chosen_mask must share one (B, Tc) shape")
+    rows = pair_mask.nonzero().squeeze(-1)
+    if rows.numel() == 0:
+        return None
+    student = check_student(student, completion_mask)
+    refs = _references(inputs, dpo_variant, rows)
+    c_mask = c_mask.index_select(0, rows)
+    width = max(int(c_mask.sum(-1).max()), 1)  # right-padded: drop the all-padding tail
+    c_ids = c_ids.index_select(0, rows)[:, :width]
+    chosen = completion_logps(
         model,
+        prompt_ids.index_select(0, rows),
+        prompt_mask.index_select(0, rows),
         c_ids,
-        require(inputs, "replay_chosen_attention_mask"),
-        require(inputs, "replay_chosen_loss_mask"),
+        c_mask[:, :width],
+        logits_to_keep=logits_to_keep,
     )
-    r_sum, r_avg = _sequence_logps(
-        model,
-        r_ids,
-        require(inputs, "replay_rejected_attention_mask"),
-        require(inputs, "replay_rejected_loss_mask"),
+    rejected = sequence_logps(
+        student.index_select(0, rows),
+        completion_ids.index_select(0, rows),
+        completion_mask.index_select(0, rows),
     )
+    return chosen, rejected, refs
+
+
+def replay_pairs(
+    model: CausalLM,
+    inputs: Mapping[str, Any],
+    student: Tensor | None,
+    dpo_variant: str,
+    *,
+    logits_to_keep: bool,
+) -> ReplayPairs | None:
+    """Channel 3 of ``inputs`` in either form, or None when its keys are absent or N == 0.
+
+    ``dpo``: summed log-probs and the reference sums from the batch (required); ``simpo``:
+    length-normalised log-probs, references unused. Explicit pairs: one forward per side, with
+    gradient. Rollout pairs: one forward with gradient on the chosen side of the paired rows;
+    the rejected side is scored from ``student`` (the channel-1 logits).
+    """
+    explicit = any(inputs.get(k) is not None for k in REPLAY_KEYS)
+    rollout = any(inputs.get(k) is not None for k in REPLAY_ROW_KEYS)
+    if explicit and rollout:
+        raise ValueError(
+            "inputs hold both channel-3 forms: explicit pairs (replay_chosen_input_ids, ...) and "
+            "rollout pairs (replay_pair_mask, ...); pass one of them"
+        )
+    if explicit:
+        sides = _explicit_pairs(model, inputs, dpo_variant)
+    elif rollout:
+        sides = _rollout_pairs(model, inputs, student, dpo_variant, logits_to_keep)
+    else:
+        return None
+    if sides is None:
+        return None
+    (c_sum, c_avg), (r_sum, r_avg), (ref_c, ref_r) = sides
+    norm = normaliser(inputs, "replay_num_pairs")
     if dpo_variant == "simpo":
-        return c_avg, r_avg, None, None
-    return c_sum, r_sum, refs[0], refs[1]
+        return ReplayPairs(c_avg, r_avg, None, None, norm)
+    return ReplayPairs(c_sum, r_sum, ref_c, ref_r, norm)

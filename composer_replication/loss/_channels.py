@@ -1,7 +1,8 @@
 """The three channels as pure tensor functions, and how their results are summed and reported.
 
-Shared by ``compose.combine`` (tensors given) and ``compose.compose_loss`` (tensors from forward
-passes). ``assemble`` is the only place the total is formed:
+Shared by ``compose.combine`` (tensors given) and ``compose.compose_loss`` / ``sdpo_term`` /
+``replay_term`` (tensors from the batch's forward passes). ``assemble`` is the only place the
+total is formed:
 ``grpo + alpha_sdpo * sdpo + beta_replay * replay``, where an inactive channel is not added at
 all (so switching a channel off is bit-exact, not "plus 0.0 times something").
 """
@@ -19,32 +20,40 @@ Result = tuple[Tensor, dict[str, float]]
 REPLAY_METRICS = ("pairs", "accuracy", "margin", "chosen_reward", "rejected_reward")
 
 
-def sdpo_term(cfg: ComposeConfig, student: Tensor, teacher: Tensor, token_mask: Tensor) -> Result:
-    """Channel-2 divergence on ``(b, T, V)`` completion logits with a ``(b, T)`` token mask."""
+def sdpo_divergence(
+    cfg: ComposeConfig, student: Tensor, teacher: Tensor, token_mask: Tensor
+) -> Result:
+    """Channel-2 divergence on ``(b, T, V)`` completion logits with a ``(b, T)`` token mask.
+
+    The token mean over the mask; its metrics plus ``loss/sdpo`` (that mean).
+    """
     if cfg.sdpo_wrapper == "taid":
         t = taid_t_for(cfg)
-        return taid_loss(student, teacher, t, mask=token_mask, temperature=cfg.sdpo_temperature)
-    if cfg.sdpo_wrapper == "entropy_opd":
-        return entropy_opd_loss(
+        loss, m = taid_loss(student, teacher, t, mask=token_mask, temperature=cfg.sdpo_temperature)
+    elif cfg.sdpo_wrapper == "entropy_opd":
+        loss, m = entropy_opd_loss(
             student,
             teacher,
             h_max=cfg.entropy_opd_h_max,
             mask=token_mask,
             temperature=cfg.sdpo_temperature,
         )
-    return generalized_jsd(
-        student,
-        teacher,
-        beta=cfg.sdpo_jsd_beta,
-        temperature=cfg.sdpo_temperature,
-        mask=token_mask,
-        token_clip=cfg.sdpo_token_clip,
-        top_k=cfg.sdpo_top_k,
-        add_tail=cfg.sdpo_add_tail,
-    )
+    else:
+        loss, m = generalized_jsd(
+            student,
+            teacher,
+            beta=cfg.sdpo_jsd_beta,
+            temperature=cfg.sdpo_temperature,
+            mask=token_mask,
+            token_clip=cfg.sdpo_token_clip,
+            top_k=cfg.sdpo_top_k,
+            add_tail=cfg.sdpo_add_tail,
+        )
+    m["loss/sdpo"] = float(loss.detach())
+    return loss, m
 
 
-def replay_term(
+def replay_preference(
     cfg: ComposeConfig,
     chosen: Tensor,
     rejected: Tensor,
@@ -52,7 +61,8 @@ def replay_term(
     ref_rejected: Tensor | None,
     ref_names: tuple[str, str],
 ) -> Result:
-    """Channel-3 loss; ``chosen``/``rejected`` are summed (dpo) or averaged (simpo) log-probs."""
+    """Channel-3 loss, the mean over pairs; ``chosen``/``rejected`` are summed (dpo) or averaged
+    (simpo) log-probs. Metrics ``replay/*`` and ``loss/replay`` (that mean)."""
     if cfg.dpo_variant == "simpo":
         loss, m = simpo_loss(
             chosen,
@@ -77,15 +87,23 @@ def replay_term(
             label_smoothing=cfg.label_smoothing,
         )
         prefix = "dpo"
-    return loss, {f"replay/{k}": m[f"{prefix}/{k}"] for k in REPLAY_METRICS}
+    metrics = {f"replay/{k}": m[f"{prefix}/{k}"] for k in REPLAY_METRICS}
+    metrics["loss/replay"] = float(loss.detach())
+    return loss, metrics
+
+
+def scaled(result: Result, count: Tensor, normaliser: Tensor | None) -> Result:
+    """``mean * count / normaliser``: a mean over ``count`` local items turned into their sum over
+    a global ``normaliser`` (unchanged without one). The metrics keep the local mean."""
+    if normaliser is None:
+        return result
+    loss, metrics = result
+    factor = count.to(device=loss.device, dtype=loss.dtype) / normaliser.to(loss.device)
+    return loss * factor, metrics
 
 
 def assemble(
-    cfg: ComposeConfig,
-    grpo: Result,
-    sdpo: Result | None,
-    sdpo_frac: float,
-    replay: Result | None,
+    cfg: ComposeConfig, grpo: Result, sdpo: Result | None, replay: Result | None
 ) -> Result:
     """Sum the active channels and build the metrics dict (inactive channels report 0.0).
 
@@ -94,23 +112,17 @@ def assemble(
     """
     total, metrics = grpo[0], dict(grpo[1])
     metrics["loss/grpo"] = float(total.detach())
-    metrics["sdpo/active"] = 0.0
-    metrics["sdpo/frac_samples"] = sdpo_frac
-    metrics["loss/sdpo"] = 0.0
+    metrics.update({"sdpo/active": 0.0, "sdpo/frac_samples": 0.0, "loss/sdpo": 0.0})
     if sdpo is not None:
         total = total + cfg.alpha_sdpo * sdpo[0]
         metrics.update(sdpo[1])
         metrics["sdpo/active"] = 1.0
-        metrics["loss/sdpo"] = float(sdpo[0].detach())
-    metrics["replay/active"] = 0.0
-    metrics["loss/replay"] = 0.0
-    for key in REPLAY_METRICS:
-        metrics[f"replay/{key}"] = 0.0
+    metrics.update({"replay/active": 0.0, "loss/replay": 0.0})
+    metrics.update({f"replay/{key}": 0.0 for key in REPLAY_METRICS})
     if replay is not None:
         total = total + cfg.beta_replay * replay[0]
         metrics.update(replay[1])
         metrics["replay/active"] = 1.0
-        metrics["loss/replay"] = float(replay[0].detach())
     if cfg.sdpo_wrapper == "taid" and cfg.alpha_sdpo != 0.0:
         metrics["taid/t"] = taid_t_for(cfg)
     metrics["loss/total"] = float(total.detach())

@@ -8,10 +8,23 @@ full-vocabulary divergences, by a small per-chunk autograd graph for top-k), wri
 one ``(B, T, V)`` gradient buffer; the chunk's temporaries are then freed. Backward only scales
 that buffer by the incoming scalar gradient, so no work is repeated and nothing is recomputed.
 
-Peak: the buffer plus backward's scaled copy (two ``B*T*V`` copies; the gradient itself is the
-floor) plus one chunk's temporaries. Backward returns a new tensor rather than scaling the buffer
-in place so that a retained graph can be back-propagated more than once (gradcheck, GAN-style
-double passes) and autograd may keep the returned tensor as ``.grad``.
+Peak: the buffer (the gradient itself: the floor) plus one chunk's temporaries per worker thread.
+Backward hands the scaled buffer on:
+
+- in place when the running backward pass does not keep the graph (``retain_graph`` false, the
+  default of ``loss.backward()`` and ``torch.autograd.grad``). The buffer is then consumed: the
+  context drops its reference first, so autograd can keep the very buffer as ``.grad`` with no
+  copy, and a second backward through the same graph raises the usual "backward through the
+  graph a second time" error instead of reading a scaled buffer;
+- as a new tensor (one more buffer) when the graph is kept (``retain_graph=True``, gradcheck):
+  the buffer stays intact, so every pass gets the same gradient.
+
+Whether the pass keeps the graph is the autograd engine's own flag for the running graph task
+(``torch._C._autograd._get_current_graph_task_keep_graph``, the flag torch's AOTAutograd reads to
+free saved tensors used once). If a torch build lacks it, every backward takes the copy (correct,
+one more buffer). The closed-form gradient has no graph of its own, so a backward with
+``create_graph=True`` raises a clear error instead of returning a gradient whose own derivative
+would silently miss this loss's second-order term.
 """
 
 from __future__ import annotations
@@ -31,6 +44,31 @@ PerTokenFn = Callable[[Tensor, Tensor], tuple[Tensor, dict[str, Tensor]]]
 #   (loss (n,), d loss_i / d student_i as (n, V) or None, {stat name: (n,) tensor}).
 # Row i of the gradient depends only on token i, so kernels may compute it in closed form.
 Kernel = Callable[[Tensor, Tensor, bool], tuple[Tensor, Tensor | None, dict[str, Tensor]]]
+
+
+# The engine's "keep the graph" flag of the running backward pass; True outside one. Absent in a
+# torch build, every backward is treated as keeping the graph (the copy: correct, not minimal).
+_keep_graph_flag: Callable[[], bool] | None = getattr(
+    torch._C._autograd, "_get_current_graph_task_keep_graph", None
+)
+
+_SECOND_BACKWARD = (
+    "Trying to backward through the graph a second time: the distillation loss's gradient "
+    "buffer was consumed in place by the first backward, which did not retain the graph. "
+    "Specify retain_graph=True on every backward call but the last (or recompute the loss)."
+)
+
+_CREATE_GRAPH = (
+    "create_graph=True is not supported through the chunked distillation losses "
+    "(generalized_jsd, taid_loss, entropy_opd_loss): their gradient is computed in closed form "
+    "during forward and has no graph, so its own derivative would silently miss this loss's "
+    "second-order term. Take this loss's gradient in a backward without create_graph."
+)
+
+
+def graph_retained() -> bool:
+    """Whether the running backward pass keeps the graph (True outside backward or if unknown)."""
+    return True if _keep_graph_flag is None else bool(_keep_graph_flag())
 
 
 def autograd_kernel(fn: PerTokenFn) -> Kernel:
@@ -141,18 +179,28 @@ class _ChunkedTokenMean(torch.autograd.Function):
         for key, acc in sums.items():
             stats[key] = acc / max(n_tokens, 1)
         ctx.grad = grad
+        ctx.consumed = False
         # fp32 for bf16/fp16 logits: the loss value is a sum over many tokens.
         return torch.tensor(total * weight, dtype=compute_dtype, device=student.device)
 
     @staticmethod
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        if ctx.consumed:
+            raise RuntimeError(_SECOND_BACKWARD)
+        if torch.is_grad_enabled():  # backward runs with grad mode on only for create_graph=True
+            raise RuntimeError(_CREATE_GRAPH)
         grad: Tensor | None = ctx.grad
         if grad is None:
             return (None,) * 8
-        # A new tensor, not an in-place scale of the buffer: backward may run more than once
-        # through a retained graph (gradcheck, retain_graph=True), and autograd may keep the
-        # returned tensor as .grad and accumulate into it.
-        return (grad * grad_output.to(grad.dtype), None, None, None, None, None, None, None)
+        scale = grad_output.to(grad.dtype)
+        if graph_retained():
+            # The graph may be back-propagated again: leave the buffer as forward wrote it.
+            return (grad * scale, None, None, None, None, None, None, None)
+        # Last use: drop the context's reference so autograd can keep the buffer itself as .grad
+        # (it copies a gradient that something else still references), then scale it in place.
+        ctx.grad = None
+        ctx.consumed = True
+        return (grad.mul_(scale), None, None, None, None, None, None, None)
 
 
 def chunked_token_mean(

@@ -11,12 +11,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from composer_replication.loss._checks import check_choice, check_scalar
-from composer_replication.loss.distill import DEFAULT_ENTROPY_OPD_H_MAX
+from composer_replication.loss.distill import DEFAULT_ENTROPY_OPD_H_MAX, TAID_T_END, TAID_T_START
 from composer_replication.loss.policy import LOSS_TYPES
 
 SDPO_WRAPPERS = ("none", "taid", "entropy_opd")
 DPO_VARIANTS = ("dpo", "simpo")
-TAID_T_START, TAID_T_END = 0.4, 1.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -85,7 +84,8 @@ class ComposeConfig:
             if self.taid_t is None and self.taid_schedule_step is None:
                 raise ValueError(
                     "sdpo_wrapper='taid' needs taid_t (the interpolation coefficient in [0, 1]) or "
-                    "taid_schedule_step with taid_total_steps (linear 0.4 -> 1.0 schedule)"
+                    "taid_schedule_step with taid_total_steps (linear "
+                    f"{TAID_T_START} -> {TAID_T_END} schedule)"
                 )
             if self.taid_t is None and self.taid_total_steps is None:
                 raise ValueError("taid_schedule_step is given without taid_total_steps; pass both")
@@ -101,7 +101,8 @@ class ComposeConfig:
 
 
 def taid_t_for(cfg: ComposeConfig) -> float:
-    """TAID t: ``taid_t`` if given, else linear 0.4 -> 1.0 over ``taid_schedule_step / taid_total_steps``."""
+    """TAID t: ``taid_t`` if given, else linear ``TAID_T_START -> TAID_T_END`` over
+    ``taid_schedule_step / taid_total_steps``."""
     if cfg.taid_t is not None:
         return float(cfg.taid_t)
     assert cfg.taid_schedule_step is not None and cfg.taid_total_steps is not None

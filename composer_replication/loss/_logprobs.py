@@ -1,14 +1,19 @@
-"""Per-token log-probs of chosen tokens without materialising a ``(B, T, V)`` log-softmax.
+"""Log-probs of given tokens: from logits, and from a causal LM on context + completion.
 
-``log p(y) = z_y / temp - logsumexp(z / temp)``. Autograd through ``log_softmax`` (or through
-``logits / temp`` followed by ``logsumexp``) would keep a full-vocab copy alive until backward.
-This function keeps only the ``(B, T)`` logsumexp and rebuilds ``softmax`` row-chunk by
-row-chunk in backward.
+``selective_log_softmax``: ``log p(y) = z_y / temp - logsumexp(z / temp)`` without materialising
+a ``(B, T, V)`` log-softmax. Autograd through ``log_softmax`` (or through ``logits / temp``
+followed by ``logsumexp``) would keep a full-vocab copy alive until backward; this keeps only the
+``(B, T)`` logsumexp and rebuilds ``softmax`` row-chunk by row-chunk in backward.
+
+``completion_logits`` / ``completion_logps``: the model convention of the loss library
+(`CausalLM`: ``model(input_ids=..., attention_mask=...)`` returning ``.logits`` ``(N, L, V)``)
+applied to ``[context][completion]`` rows; position ``j`` of the completion is scored by the
+logits at the position before it.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -75,3 +80,128 @@ def selective_log_softmax(logits: Tensor, index: Tensor, temperature: float = 1.
         )
     result: Tensor = _SelectiveLogSoftmax.apply(logits, index.long(), float(temperature))
     return result
+
+
+class CausalLM(Protocol):
+    """A causal LM as the loss library calls it (a Hugging Face ``*ForCausalLM`` is one).
+
+    Called with keyword tensors ``input_ids`` and ``attention_mask`` (``(N, L)``), it returns an
+    object whose ``.logits`` is ``(N, L, V)`` (or that tensor itself). With
+    ``logits_to_keep=True`` in the functions below it is also passed ``logits_to_keep=k`` (the
+    Hugging Face keyword: only the last ``k`` positions' logits are computed).
+    """
+
+    def __call__(self, *, input_ids: Tensor, attention_mask: Tensor, **kwargs: Any) -> object: ...
+
+
+def forward_logits(
+    model: CausalLM,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    *,
+    keep: int | None = None,
+    logits_to_keep: bool = False,
+) -> Tensor:
+    """``model(input_ids=..., attention_mask=...).logits`` checked to be ``(N, L, V)``.
+
+    ``keep``: return only the last ``keep`` positions (computed by the model alone when
+    ``logits_to_keep`` is True, else sliced from the full logits).
+    """
+    extra = {"logits_to_keep": keep} if logits_to_keep and keep is not None else {}
+    out = model(input_ids=input_ids, attention_mask=attention_mask, **extra)
+    logits = out if isinstance(out, Tensor) else getattr(out, "logits", None)
+    if not isinstance(logits, Tensor) or logits.dim() != 3:
+        raise ValueError(
+            "model(input_ids=..., attention_mask=...) must return .logits of shape (B, L, V)"
+        )
+    return logits if keep is None else logits[:, -keep:]
+
+
+def trim_left_padding(ids: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Drop the leading columns that are padding in every row.
+
+    Contexts are left-padded to the longest one of a whole batch; a subset of rows is often
+    shorter, and padding costs a full forward. Dropping columns that no row attends to changes
+    nothing for a model that ignores masked positions and uses relative positions (RoPE, as the
+    Hugging Face causal LMs). When no column is attended to at all, nothing is dropped.
+    """
+    used = mask.bool().any(0).nonzero()
+    start = int(used[0]) if used.numel() else 0
+    return ids[:, start:], mask[:, start:]
+
+
+def completion_logits(
+    model: CausalLM,
+    context_ids: Tensor,
+    context_mask: Tensor,
+    completion_ids: Tensor,
+    completion_mask: Tensor,
+    *,
+    logits_to_keep: bool = False,
+) -> Tensor:
+    """Raw logits ``(N, T, V)`` scoring each of the ``T`` completion tokens after its context.
+
+    ``context_ids``/``context_mask``: ``(N, C)`` left-padded (``C >= 1``); ``completion_ids`` /
+    ``completion_mask``: ``(N, T)`` right-padded. One forward on ``cat(context, completion)``
+    with the all-padding leading columns trimmed (`trim_left_padding`); gradient as the caller's
+    grad mode. ``logits_to_keep=True`` asks the model for the last ``T + 1`` positions only.
+    """
+    if context_ids.dim() != 2 or context_mask.shape != context_ids.shape:
+        raise ValueError(
+            f"context ids and mask must both be (N, C); got {tuple(context_ids.shape)} and "
+            f"{tuple(context_mask.shape)}"
+        )
+    if completion_ids.dim() != 2 or completion_mask.shape != completion_ids.shape:
+        raise ValueError(
+            f"completion ids and mask must both be (N, T); got {tuple(completion_ids.shape)} and "
+            f"{tuple(completion_mask.shape)}"
+        )
+    if context_ids.shape[0] != completion_ids.shape[0] or context_ids.shape[1] < 1:
+        raise ValueError(
+            f"context (N, C) = {tuple(context_ids.shape)} and completion (N, T) = "
+            f"{tuple(completion_ids.shape)} need the same N and C >= 1"
+        )
+    T = completion_ids.shape[1]
+    ctx_ids, ctx_mask = trim_left_padding(context_ids, context_mask)
+    logits = forward_logits(
+        model,
+        torch.cat([ctx_ids, completion_ids], dim=1),
+        torch.cat([ctx_mask, completion_mask.to(ctx_mask.dtype)], dim=1),
+        keep=T + 1,
+        logits_to_keep=logits_to_keep,
+    )
+    return logits[:, :-1]
+
+
+def sequence_logps(logits: Tensor, ids: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Summed and mean (over ``mask``) log-probs, temperature 1, of ``ids`` ``(N, T)`` under
+    ``logits`` ``(N, T, V)``: ``(N,)`` each; a row with an empty mask has sum and mean 0."""
+    per_token = selective_log_softmax(logits, ids)
+    m = mask.to(per_token.dtype)
+    summed = (per_token * m).sum(-1)
+    return summed, summed / m.sum(-1).clamp(min=1.0)
+
+
+def completion_logps(
+    model: CausalLM,
+    context_ids: Tensor,
+    context_mask: Tensor,
+    completion_ids: Tensor,
+    completion_mask: Tensor,
+    *,
+    logits_to_keep: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """Summed and mean log-probs ``(N,)`` of each completion given its context (temperature 1).
+
+    `completion_logits` then `sequence_logps`: one forward, gradient as the caller's grad mode
+    (channel 3's chosen side with gradient; DPO reference log-probs under ``torch.no_grad()``).
+    """
+    logits = completion_logits(
+        model,
+        context_ids,
+        context_mask,
+        completion_ids,
+        completion_mask,
+        logits_to_keep=logits_to_keep,
+    )
+    return sequence_logps(logits, completion_ids, completion_mask)

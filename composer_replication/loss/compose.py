@@ -1,8 +1,12 @@
 """The three-channel composer loss: ``grpo + alpha_sdpo * sdpo + beta_replay * replay``.
 
-``compose_loss(model, inputs, **kw)`` runs the forward passes of a Hugging Face causal LM on the
-batch described in ``docs/api.md`` (the fixed batch contract) and hands the tensors to
-``combine(**tensors, **kw)``, which adapters with precomputed log-probs/logits call directly.
+``compose_loss(model, inputs, **kw)`` runs the forward passes of a causal LM on the composer batch
+described in ``docs/api.md`` (the one batch format) and adds up the channels. It is built from
+two public per-channel terms, for trainers that compute channel 1 themselves (the TRL adapter
+keeps TRL's own GRPO loss and adds these): ``sdpo_term(teacher, inputs, student_logits, **kw)``
+and ``replay_term(model, inputs, student_logits, **kw)`` read the same batch and return the
+channel's loss before its weight. ``combine(**tensors, **kw)`` is the tensor-level form for
+adapters that hold log-probs/logits already.
 
 Channels 2 (SDPO hint self-distillation) and 3 (trace replay DPO/SimPO) switch off for a step when
 their inputs are absent, select nothing, or their weight is 0; their metrics then say so
@@ -21,16 +25,18 @@ from torch import Tensor
 
 from composer_replication.loss import _batch
 from composer_replication.loss._channels import (
+    Result,
     assemble,
     grpo_term,
-    replay_term,
+    replay_preference,
     sample_token_mask,
-    sdpo_term,
+    scaled,
+    sdpo_divergence,
 )
 from composer_replication.loss._config import ComposeConfig
-from composer_replication.loss._logprobs import selective_log_softmax
+from composer_replication.loss._logprobs import CausalLM, forward_logits, selective_log_softmax
 
-__all__ = ["ComposeConfig", "combine", "compose_loss"]
+__all__ = ["ComposeConfig", "combine", "compose_loss", "replay_term", "sdpo_term"]
 
 REPLAY_KEYS = _batch.REPLAY_KEYS
 
@@ -85,13 +91,12 @@ def combine(
         max_completion_length,
     )
     sdpo = None
-    sdpo_frac = 0.0
     if cfg.alpha_sdpo != 0.0 and student_logits is not None and teacher_logits is not None:
         token_mask = sample_token_mask(completion_mask, sdpo_mask)
         rows = token_mask.any(-1)
-        sdpo_frac = float(rows.float().mean()) if rows.numel() else 0.0
         if bool(rows.any()):
-            sdpo = sdpo_term(cfg, student_logits, teacher_logits, token_mask)
+            sdpo = sdpo_divergence(cfg, student_logits, teacher_logits, token_mask)
+            sdpo[1]["sdpo/frac_samples"] = float(rows.float().mean())
     replay = None
     if cfg.beta_replay != 0.0:
         if cfg.dpo_variant == "simpo":
@@ -99,7 +104,7 @@ def combine(
         else:
             chosen, rejected = chosen_logps, rejected_logps
         if chosen is not None and rejected is not None and chosen.numel() > 0:
-            replay = replay_term(
+            replay = replay_preference(
                 cfg,
                 chosen,
                 rejected,
@@ -107,11 +112,110 @@ def combine(
                 ref_rejected_logps,
                 ("ref_chosen_logps", "ref_rejected_logps"),
             )
-    return assemble(cfg, grpo, sdpo, sdpo_frac, replay)
+    return assemble(cfg, grpo, sdpo, replay)
+
+
+def _sdpo(
+    cfg: ComposeConfig,
+    teacher: CausalLM,
+    inputs: Mapping[str, Any],
+    student_logits: Tensor,
+    logits_to_keep: bool,
+) -> Result | None:
+    if cfg.alpha_sdpo == 0.0:  # alpha 0: not even the teacher forward runs (bit-exact channel 1)
+        return None
+    rows = _batch.sdpo_rows(teacher, inputs, student_logits, logits_to_keep=logits_to_keep)
+    if rows is None:
+        return None
+    loss, metrics = sdpo_divergence(cfg, rows.student, rows.teacher, rows.token_mask)
+    metrics["sdpo/frac_samples"] = rows.frac
+    return scaled((loss, metrics), rows.token_mask.sum(), rows.normaliser)
+
+
+def _replay(
+    cfg: ComposeConfig,
+    model: CausalLM,
+    inputs: Mapping[str, Any],
+    student_logits: Tensor | None,
+    logits_to_keep: bool,
+) -> Result | None:
+    if cfg.beta_replay == 0.0:
+        return None
+    pairs = _batch.replay_pairs(
+        model, inputs, student_logits, cfg.dpo_variant, logits_to_keep=logits_to_keep
+    )
+    if pairs is None:
+        return None
+    result = replay_preference(
+        cfg,
+        pairs.chosen,
+        pairs.rejected,
+        pairs.ref_chosen,
+        pairs.ref_rejected,
+        _batch.REPLAY_REF_KEYS,
+    )
+    return scaled(result, torch.tensor(float(pairs.chosen.shape[0])), pairs.normaliser)
+
+
+def _check_inputs(inputs: object) -> Mapping[str, Any]:
+    if not isinstance(inputs, Mapping):
+        raise ValueError(f"inputs must be a mapping of tensors, got {type(inputs).__name__}")
+    return inputs
+
+
+def sdpo_term(
+    teacher: CausalLM,
+    inputs: Mapping[str, Any],
+    student_logits: Tensor,
+    *,
+    logits_to_keep: bool = False,
+    **kwargs: Any,
+) -> tuple[Tensor, dict[str, float]] | None:
+    """Channel 2 of the composer batch (docs/api.md), before its weight ``alpha_sdpo``.
+
+    ``student_logits``: ``(B, T, V)`` raw completion logits of the channel-1 forward (with
+    gradient; ``compose_loss`` passes ``logits[:, P-1:-1]``). ``teacher`` scores the hinted
+    contexts ``sdpo_teacher_input_ids`` under ``torch.no_grad()``, on the selected rows only
+    (``compose_loss`` passes its own model; a trainer may pass an EMA copy); unused when
+    ``sdpo_teacher_logits`` is given. ``logits_to_keep=True``: the teacher accepts Hugging Face's
+    ``logits_to_keep`` and computes the completion positions' logits only.
+
+    Returns None when the channel is off (``alpha_sdpo == 0``, keys absent, nothing selected),
+    else ``(loss, metrics)``: the divergence's token mean over the selected tokens, or, when
+    ``sdpo_num_tokens`` is in ``inputs``, their sum divided by it; metrics ``loss/sdpo`` (the
+    token mean), ``sdpo/frac_samples`` and the divergence's own (``jsd/*``, ``taid/*``,
+    ``eopd/*``). ``kwargs``: the ``compose_loss`` keywords.
+    """
+    cfg = ComposeConfig.from_kwargs(kwargs)
+    return _sdpo(cfg, teacher, _check_inputs(inputs), student_logits, logits_to_keep)
+
+
+def replay_term(
+    model: CausalLM,
+    inputs: Mapping[str, Any],
+    student_logits: Tensor | None = None,
+    *,
+    logits_to_keep: bool = False,
+    **kwargs: Any,
+) -> tuple[Tensor, dict[str, float]] | None:
+    """Channel 3 of the composer batch (docs/api.md), before its weight ``beta_replay``.
+
+    ``model``: the policy; the chosen side runs through it with gradient. Rollout pairs
+    (``replay_pair_mask``, ...) score their rejected side from ``student_logits`` (``(B, T, V)``
+    raw completion logits of the channel-1 forward, required for that form; no extra forward);
+    explicit pairs (``replay_chosen_input_ids``, ...) run one forward per side.
+    ``logits_to_keep=True``: ``model`` accepts Hugging Face's ``logits_to_keep``.
+
+    Returns None when the channel is off (``beta_replay == 0``, keys absent, no pair), else
+    ``(loss, metrics)``: the DPO/SimPO mean over the pairs, or, when ``replay_num_pairs`` is in
+    ``inputs``, their sum divided by it; metrics ``loss/replay`` (the mean) and ``replay/*``.
+    """
+    cfg = ComposeConfig.from_kwargs(kwargs)
+    return _replay(cfg, model, _check_inputs(inputs), student_logits, logits_to_keep)
 
 
 def compose_loss(
-    model: Any, inputs: Mapping[str, Any], **kwargs: Any
+    model: CausalLM, inputs: Mapping[str, Any], **kwargs: Any
 ) -> tuple[Tensor, dict[str, float]]:
     """Three-channel composer loss on one micro-batch; see ``docs/api.md`` for ``inputs``.
 
@@ -121,24 +225,20 @@ def compose_loss(
     log-probs; the same (undivided) logits are the channel-2 student, where
     ``sdpo_temperature`` applies to student and teacher alike. The channel-2 teacher forward runs
     under ``torch.no_grad()`` on the selected rows only (or uses ``sdpo_teacher_logits``).
-    Channel 3 runs one forward per side (chosen, rejected) with gradient.
+    Channel 3: explicit pairs run one forward per side with gradient; rollout pairs run one
+    forward on the chosen side and score the rejected side from the channel-1 logits.
+    Channels 2 and 3 are ``sdpo_term`` and ``replay_term`` on the same batch.
 
-    Keywords (``ComposeConfig``): loss_type="dapo", epsilon_low=0.2, epsilon_high=None,
-    delta=None, kl_beta=0.0, temperature=1.0, alpha_sdpo=0.1, beta_replay=0.05,
-    sdpo_jsd_beta=0.5, sdpo_temperature=1.0, sdpo_token_clip=None, sdpo_top_k=None,
-    sdpo_add_tail=True, sdpo_wrapper="none"|"taid"|"entropy_opd", taid_t=None,
-    taid_schedule_step=None, taid_total_steps=None, entropy_opd_h_max=0.8, replay_dpo_beta=0.1,
-    dpo_variant="dpo"|"simpo", simpo_beta=2.0, simpo_gamma=1.0, label_smoothing=0.0.
+    Keywords: the ``ComposeConfig`` fields, with its defaults (docs/api.md lists them).
 
     Returns ``(loss, metrics)``: 0-dim ``grpo + alpha_sdpo * sdpo + beta_replay * replay`` and a
     dict of python floats (``loss/*``, ``grpo/*``, ``sdpo/*``, ``replay/*``, ``taid/t``, ...).
     """
-    if not isinstance(inputs, Mapping):
-        raise ValueError(f"inputs must be a mapping of tensors, got {type(inputs).__name__}")
+    inputs = _check_inputs(inputs)
     cfg = ComposeConfig.from_kwargs(kwargs)
     prompt_ids, prompt_mask, completion_ids, completion_mask, advantages = _batch.channel1(inputs)
     P = prompt_ids.shape[1]
-    logits = _batch.forward_logits(
+    logits = forward_logits(
         model,
         torch.cat([prompt_ids, completion_ids], dim=1),
         torch.cat([prompt_mask, completion_mask], dim=1),
@@ -156,17 +256,6 @@ def compose_loss(
         inputs.get("max_completion_length"),
     )
 
-    sdpo, sdpo_frac = None, 0.0
-    if cfg.alpha_sdpo != 0.0:  # alpha 0: not even the teacher forward runs (bit-exact channel 1)
-        picked = _batch.sdpo_inputs(model, inputs, student, completion_mask)
-        if picked is not None:
-            student_rows, teacher_rows, token_mask, sdpo_frac = picked
-            if student_rows.shape[0] > 0:
-                sdpo = sdpo_term(cfg, student_rows, teacher_rows, token_mask)
-
-    replay = None
-    if cfg.beta_replay != 0.0:
-        pairs = _batch.replay_inputs(model, inputs, cfg.dpo_variant)
-        if pairs is not None:
-            replay = replay_term(cfg, *pairs, _batch.REPLAY_REF_KEYS)
-    return assemble(cfg, grpo, sdpo, sdpo_frac, replay)
+    sdpo = _sdpo(cfg, model, inputs, student, False)
+    replay = _replay(cfg, model, inputs, student, False)
+    return assemble(cfg, grpo, sdpo, replay)

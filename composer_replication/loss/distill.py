@@ -2,8 +2,10 @@
 
 Shapes: logits ``(B, T, V)``, mask ``(B, T)`` (0/1; None = all tokens). Every loss is a token-mean
 over the mask, computed in chunks of ``chunk_size`` tokens (see ``_chunked``) so memory stays at
-the gradient buffer and its scaled copy (two ``B*T*V`` tensors) instead of a dozen. The teacher side never gets a
-gradient. An all-false mask gives loss 0, zero gradient and ``<name>/empty_mask = 1.0``.
+one ``B*T*V`` gradient buffer (scaled in place by a backward that does not retain the graph; a
+retained graph costs one more) instead of a dozen. The teacher side never gets a gradient.
+Gradients are first order only: a backward with ``create_graph=True`` raises. An all-false mask
+gives loss 0, zero gradient and ``<name>/empty_mask = 1.0``.
 
 Conventions (easy to flip; see reference/loss.md). ``q`` = student, ``p`` = teacher:
 
@@ -32,6 +34,8 @@ from composer_replication.loss._chunked import PerTokenFn, autograd_kernel, chun
 from composer_replication.loss._kernels import entropy_opd_kernel, jsd_kernel, taid_kernel
 
 DEFAULT_ENTROPY_OPD_H_MAX = 0.8  # nats; the Entropy-aware OPD paper's tau
+TAID_T_START, TAID_T_END = 0.4, 1.0  # TAID's t schedule: start and end (the TAID paper's code)
+TAID_ALPHA, TAID_BETA = 5e-4, 0.99  # TAID's adaptive step size and loss-change momentum (same)
 
 
 def _check_logits(
@@ -272,10 +276,10 @@ class TAIDScheduler:
 
     def __init__(
         self,
-        t_start: float = 0.4,
-        t_end: float = 1.0,
-        alpha: float = 5e-4,
-        beta: float = 0.99,
+        t_start: float = TAID_T_START,
+        t_end: float = TAID_T_END,
+        alpha: float = TAID_ALPHA,
+        beta: float = TAID_BETA,
         *,
         adaptive: bool = True,
     ) -> None:

@@ -1,81 +1,16 @@
-"""A tiny Qwen2-architecture causal LM and a character-level tokenizer, built locally.
+"""A tiny Qwen2-architecture causal LM, built locally.
 
 The embedded default run and the test suite must work with no network, so nothing here touches a
-model hub: the tokenizer is a `PreTrainedTokenizerFast` over a fixed character set (one token per
-character, plus special tokens) with a Qwen-style chat template, and the model is a randomly
-initialised `Qwen2ForCausalLM` from a small config. Real runs load a hub model instead
-(`AutoModelForCausalLM.from_pretrained`); everything downstream treats both the same way.
+model hub: the model is a randomly initialised `Qwen2ForCausalLM` from a small config, sized to a
+tokenizer from `models/tokenizers.py` (character-level or BPE, both local). Real runs load a hub
+model instead (`AutoModelForCausalLM.from_pretrained`); everything downstream treats both alike.
 """
 
 from __future__ import annotations
 
-import string
 from typing import Any
 
-DEFAULT_CHARSET: str = string.ascii_letters + string.digits + string.punctuation + " \n"
-
-SPECIAL_TOKENS: dict[str, str] = {
-    "pad_token": "<|pad|>",
-    "eos_token": "<|endoftext|>",
-    "bos_token": "<|im_start|>",
-    "unk_token": "<|unk|>",
-}
-IM_END = "<|im_end|>"
-
-# Qwen2.5's template shape (role headers, <|im_end|> after each turn) so prompts built for the tiny
-# model look like the ones a real Qwen model sees.
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-
-
-def _require_transformers() -> Any:
-    try:
-        import tokenizers
-        import transformers
-    except ImportError as exc:  # pragma: no cover - exercised only without the extra
-        raise ImportError(
-            "The tiny model factory needs transformers; "
-            "install it with `pip install composer-replication[train]`."
-        ) from exc
-    return transformers, tokenizers
-
-
-def build_tokenizer(charset: str = DEFAULT_CHARSET) -> Any:
-    """Return a character-level `PreTrainedTokenizerFast` with left padding and a chat template.
-
-    Token ids: the four special tokens and `<|im_end|>` first (ids 0-4), then one id per character
-    of `charset` in order. Characters outside `charset` map to `<|unk|>`.
-    """
-    if len(set(charset)) != len(charset):
-        raise ValueError("charset has repeated characters; each character must appear once")
-    transformers, tokenizers = _require_transformers()
-    from tokenizers import decoders, models, pre_tokenizers
-
-    specials = [*SPECIAL_TOKENS.values(), IM_END]
-    vocab = {tok: i for i, tok in enumerate(specials)}
-    for ch in charset:
-        vocab[ch] = len(vocab)
-    backend = tokenizers.Tokenizer(
-        models.WordLevel(vocab=vocab, unk_token=SPECIAL_TOKENS["unk_token"])
-    )
-    # Split into single characters so WordLevel sees one "word" per character.
-    backend.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
-    # Fuse joins decoded characters with no separator (WordLevel would insert spaces).
-    backend.decoder = decoders.Fuse()
-    backend.add_special_tokens(specials)
-    tok = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        padding_side="left",
-        additional_special_tokens=[IM_END],
-        clean_up_tokenization_spaces=False,
-        **SPECIAL_TOKENS,
-    )
-    tok.chat_template = CHAT_TEMPLATE
-    return tok
+from composer_replication.models.tokenizers import _require_transformers, build_tokenizer
 
 
 def tiny_model_config(

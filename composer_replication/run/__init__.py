@@ -4,7 +4,8 @@
 process each replica runs (build, then train inside the DiLoCo outer loop); `driver` launches the
 replicas through an executor from the backend registry and gathers metrics (`metrics`),
 checkpoints (`checkpoint`), status (`status`) and the report (`report`); `preflight` checks a
-run before anything is written. The CLI (`composer_replication.cli`) sits on top of this
+run before anything is written; `screening` builds the exchange's screening policy and loss
+probe, `security` the run's signing keys. The CLI (`composer_replication.cli`) sits on top of this
 package. The store client is `exchange.store.ObjectStore`.
 Nothing heavy is imported here.
 """

@@ -120,16 +120,25 @@ def prune_checkpoints(store: ObjectStore, keep_last: int) -> None:
         store.delete_prefix(f"{PREFIX}/{name}")
 
 
+def _local_record(folder: Path) -> Any:
+    try:
+        return json.loads((folder / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def mirror_checkpoints(store: ObjectStore, local_dir: Path) -> list[Path]:
-    """Copy committed checkpoints the run folder does not have yet; drop pruned ones.
+    """Copy committed checkpoints the run folder does not have yet (or has an older version of:
+    a resumed run rewrites ``final``); drop pruned ones.
 
     Returns the local checkpoint folders present afterwards.
     """
     local_dir.mkdir(parents=True, exist_ok=True)
-    names = [name for name, _ in committed_checkpoints(store)]
-    for name in names:
+    found = committed_checkpoints(store)
+    names = [name for name, _ in found]
+    for name, record in found:
         target = local_dir / name
-        if not (target / MARKER).is_file():
+        if _local_record(target) != record:  # absent, half-copied, or rewritten (e.g. final)
             tmp = local_dir / f".{name}.partial"
             if tmp.exists():
                 shutil.rmtree(tmp)

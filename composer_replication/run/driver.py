@@ -11,7 +11,10 @@ config from the store, so a replica on Modal and one on this machine run the sam
 replica that fails (after the executor's restarts) stops the run unless diloco.min_replicas
 lets the others continue; Ctrl-C cancels every replica. With ``diloco.manager = "torchft"`` and
 no ``diloco.lighthouse`` the driver runs a torchft lighthouse on 127.0.0.1 for the run's
-lifetime and hands its address to the replicas as $TORCHFT_LIGHTHOUSE.
+lifetime and hands its address to the replicas as $TORCHFT_LIGHTHOUSE. With ``[security] sign``
+the driver makes the run's keys, publishes the signed key manifest and config signature, and
+hands each replica only its own private key through the executor's secret mechanism
+(run/security.py).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from composer_replication.run.metrics import MetricsCollector, MetricsSink
 from composer_replication.run.progress import Progress, ReplicaRow, choose_mode
 from composer_replication.run.replica import ENV_STORAGE_OPTIONS
 from composer_replication.run.report import summarize, write_report
+from composer_replication.run.security import prepare_signing, writer_secrets
 
 __all__ = ["ENTRYPOINT", "TrainResult", "prepare", "prepare_resume", "run"]
 
@@ -188,7 +192,9 @@ def run(
             store.delete_prefix("")  # a stale run in an explicit store would be resumed otherwise
     folder.config_toml.write_text(dump_toml(config))
     folder.config_json.write_text(json.dumps(to_dict(config), indent=1))
-    store.put_json("run_config.json", to_dict(config))
+    config_doc = json.loads(json.dumps(to_dict(config)))  # exactly what replicas will read
+    store.put_json("run_config.json", config_doc)
+    signing = prepare_signing(config, folder, store, config_doc)
     t_start = time.monotonic()
     state = folder.read_driver()
     attempt = int(state.get("attempt", 0)) + 1
@@ -217,6 +223,12 @@ def run(
         env.update(_forwarded_env(config))
     if config.train.torch_threads > 0:
         env.setdefault("OMP_NUM_THREADS", str(config.train.torch_threads))
+    secrets: dict[str, Any] = {}
+    if signing is not None:  # every replica: the driver's public key; rank r: its own key only
+        env.update(signing.env)
+        secrets["secrets"] = signing.per_rank(config.backend.n_replicas)
+    else:  # rank r: its own writer secret (a restarted replica recognises its earlier upload)
+        secrets["secrets"] = writer_secrets(folder, config.backend.n_replicas)
     lighthouse = _start_lighthouse(config, env)
     proxy = _start_proxy(config, env)
     synchronizer = _start_synchronizer(config, folder, env)
@@ -228,6 +240,7 @@ def run(
             {"rendezvous": config.store.uri},
             env=env,
             resources=dict(config.backend.resources) or None,
+            **secrets,
         )
     except Exception as exc:  # the executor cancelled whatever it had started
         restore_signals()

@@ -10,7 +10,9 @@
    channel-3 teachers (configured endpoints, else the task oracle) and the
    `ComposerReplicationTrainer` with all three loss channels (`run/build.py`).
 4. The DiLoCo outer loop over the manager `[diloco] manager` names: "object_store" (default),
-   `ObjectStoreManager(ObjectStoreAllReduce(URI, world_size, rank))`, or "torchft", a torchft
+   `ObjectStoreManager(ObjectStoreAllReduce(URI, world_size, rank))` screening contributions as
+   `[diloco] aggregate*` / `screen*` say (run/screening.py) and, with `[security] sign`, signing
+   with this rank's key from its environment (run/security.py), or "torchft", a torchft
    Manager dialling the lighthouse `[diloco] lighthouse` (else $TORCHFT_LIGHTHOUSE, which the
    driver sets when it runs one itself) that publishes its outer state to the same store.
    Every replica starts from the run's global weights; a relaunched replica (or a resumed
@@ -37,6 +39,8 @@ from composer_replication.run.build import build_model, build_task, build_traine
 
 if TYPE_CHECKING:
     from composer_replication.config import RunConfig
+    from composer_replication.exchange.robust import AggregatePolicy, LossProbe
+    from composer_replication.exchange.signing import RunKeys
 
 __all__ = ["main", "run_replica"]
 
@@ -76,7 +80,16 @@ def _resume_round(store: Any) -> int:
     return max((r for r in rounds if r is not None), default=0)
 
 
-def _build_manager(config: Any, rank: int, store: Any) -> Any:
+def _build_manager(
+    config: Any,
+    rank: int,
+    store: Any,
+    *,
+    keys: RunKeys | None = None,
+    policy: AggregatePolicy | None = None,
+    loss_probe: LossProbe | None = None,
+    writer_secret: bytes | None = None,
+) -> Any:
     """The outer loop's `Manager` that `[diloco] manager` names, for replica `rank`."""
     d = config.diloco
     n = config.backend.n_replicas
@@ -110,8 +123,9 @@ def _build_manager(config: Any, rank: int, store: Any) -> Any:
 
     allreduce = ObjectStoreAllReduce(
         store.uri, world_size=n, rank=rank, timeout_s=d.timeout_s, codec=d.codec,
-        min_replicas=d.min_replicas, weighting=d.weighting,
+        min_replicas=d.min_replicas, aggregate=policy or d.aggregate_policy(),
         storage_options=store.storage_options or None, keep_steps=config.store.keep_rounds,
+        keys=keys, loss_probe=loss_probe, writer_secret=writer_secret,
     )  # fmt: skip
     return ObjectStoreManager(allreduce=allreduce)
 
@@ -175,8 +189,18 @@ def _hostname() -> str:
     return os.environ.get("TORCHFT_HOSTNAME") or socket.getfqdn()
 
 
-def run_replica(config: RunConfig, rank: int, uri: str, storage_options: dict[str, Any]) -> int:
-    """Train this replica of the run (see the module docstring); returns the exit code."""
+def run_replica(
+    config: RunConfig,
+    rank: int,
+    uri: str,
+    storage_options: dict[str, Any],
+    keys: RunKeys | None = None,
+    writer_secret: bytes | None = None,
+) -> int:
+    """Train this replica of the run (see the module docstring); returns the exit code.
+
+    ``keys``: this rank's signing keys (signed runs); ``writer_secret``: its writer secret
+    (unsigned runs; see `run.security.writer_secrets`)."""
     import torch
     from transformers import set_seed
 
@@ -205,7 +229,19 @@ def run_replica(config: RunConfig, rank: int, uri: str, storage_options: dict[st
         else:
             start_round = _resume_round(store)
             start_step = start_round * h
-            manager = _build_manager(config, rank, store)
+            if config.diloco.manager == "object_store":
+                from composer_replication.run import screening
+
+                probe = screening.loss_probe(
+                    config, lambda: outer.global_parameters(), model, tok, task
+                )
+                manager = _build_manager(
+                    config, rank, store, keys=keys, loss_probe=probe,
+                    writer_secret=writer_secret,
+                    policy=screening.aggregate_policy(config, task, tok),
+                )  # fmt: skip
+            else:
+                manager = _build_manager(config, rank, store)
             outer = make_diloco_outer_loop(
                 None, manager, h, model=model, outer_lr=config.diloco.outer_lr,
                 outer_momentum=config.diloco.outer_momentum, nesterov=config.diloco.nesterov,
@@ -336,9 +372,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"replica: error: rank {rank} outside [0, {config.backend.n_replicas})",
               file=sys.stderr)  # fmt: skip
         return 2
+    from composer_replication.exchange.protocol import CorruptContributionError
+    from composer_replication.exchange.signing import rank_identity
+    from composer_replication.run.security import participant_keys, writer_secret_from_env
+
+    try:
+        keys = participant_keys(store, rank_identity(rank), doc, required=config.security.sign)
+        writer_secret = writer_secret_from_env()
+    except (ValueError, CorruptContributionError) as exc:  # missing key, forged config
+        print(f"replica: error: {exc}", file=sys.stderr)
+        return 2
     print(f"replica {rank}/{config.backend.n_replicas}: run {config.run.name} at {store.uri}",
           flush=True)  # fmt: skip
-    return run_replica(config, rank, store.uri, storage_options)
+    return run_replica(
+        config, rank, store.uri, storage_options, keys=keys, writer_secret=writer_secret
+    )
 
 
 if __name__ == "__main__":

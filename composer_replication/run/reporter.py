@@ -6,7 +6,10 @@ global weights, identical on every replica) and in `on_train_end` the final glob
 
 - every TRL log line becomes a "train" record (step = inner step of the whole run, i.e. the
   resumed round's offset plus the trainer's own step);
-- every exchange in the manager's history becomes a "round" record (seconds, bytes, ranks);
+- every exchange in the manager's history becomes a "round" record (seconds, bytes, ranks,
+  store requests by kind, how many contributions were rejected), and every rejection an
+  "event" record (``event = "rejected"``, ``rank``, ``reason``) and the status document's
+  ``rejections`` (the latest round that rejected something);
 - replica `evaluator_rank` (0) evaluates the global model on held-out prompts every
   `eval_every_rounds` committed rounds and at the end, and writes checkpoints;
 - the status document (state, step, round, reward) is refreshed with every flush.
@@ -196,10 +199,13 @@ class ReplicaReporter(TrainerCallback):
         step = self._step(state)
         committed = False
         for record in new:
+            rnd = int(record.get("round", 0))
+            rejected = dict(record.get("rejected") or {})
+            requests = {f"round/requests_{k}": v for k, v in (record.get("requests") or {}).items()}
             self.writer.log(
                 "round",
                 step=step,
-                round=int(record.get("round", 0)),
+                round=rnd,
                 **{
                     "round/seconds": record.get("seconds"),
                     "round/bytes_up": record.get("bytes_uploaded"),
@@ -207,8 +213,15 @@ class ReplicaReporter(TrainerCallback):
                     "round/included": record.get("participants"),
                     "round/committed": bool(record.get("committed")),
                     "round/healed": bool(record.get("healed")),
+                    "round/rejected": len(rejected),
+                    **requests,
                 },
             )
+            for rank, why in sorted(rejected.items()):  # every rejection, with rank and reason
+                self.writer.log("event", step=step, round=rnd, event="rejected",
+                                rank=int(rank), reason=str(why))  # fmt: skip
+            if rejected:
+                self.writer.status(rejections={"round": rnd, "ranks": rejected})
             committed = committed or bool(record.get("committed"))
         if not committed or not self.is_evaluator:
             return

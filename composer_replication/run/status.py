@@ -15,6 +15,9 @@ degraded | critical`` by `exchange.liveness.run_health`'s rules over the heartbe
 replicas (role "replica"; "learner" in decoupled mode) and, in decoupled mode, the
 synchronizer, plus "a contribution was rejected in the last `REJECTION_WINDOW_S` seconds" (from
 the synchronizer's heartbeat).
+
+Contributions the exchange left out (refused, screened out, squatted; docs/object-store.md) are
+listed with rank and reason for the latest round that had any (``rejections``).
 """
 
 from __future__ import annotations
@@ -109,6 +112,8 @@ def run_status(folder: RunFolder, *, stale_after_s: float = 120.0) -> dict[str, 
     handles = {int(h["replica_id"]): h for h in driver.get("replicas", [])}
     now = time.time()
     top_round = max((int(s.get("round") or 0) for s in statuses.values()), default=0)
+    reports = [s["rejections"] for s in statuses.values() if isinstance(s.get("rejections"), dict)]
+    rejections = max(reports, key=lambda r: int(r.get("round") or 0), default=None)
     replicas = []
     for rank in range(n):
         doc = statuses.get(rank, {})
@@ -159,6 +164,7 @@ def run_status(folder: RunFolder, *, stale_after_s: float = 120.0) -> dict[str, 
         "checkpoints": checkpoints,
         "replicas": replicas,
         "health": run_state,
+        "rejections": rejections,
     }
 
 
@@ -194,6 +200,11 @@ def status_text(info: dict[str, Any]) -> str:
         )
         if r.get("error"):
             lines.append("       " + str(r["error"]).replace("\n", "\n       "))
+    rejections = info.get("rejections")
+    if rejections:
+        lines.append(f"  rejected in round {rejections.get('round')}:")
+        for rank, why in sorted((rejections.get("ranks") or {}).items(), key=lambda kv: int(kv[0])):
+            lines.append(f"    rank {rank}: {why}")
     if info["checkpoints"]:
         lines.append(f"  checkpoints: {', '.join(info['checkpoints'])}")
     return "\n".join(lines)

@@ -46,7 +46,8 @@ def synchronizer_config(config: RunConfig) -> SynchronizerConfig:
     d = config.diloco
     return SynchronizerConfig(
         quorum=config.quorum, gamma=d.grace_gamma, tau=d.grace_tau, merge=d.merge,
-        weighting=d.weighting, late=d.late, outer_lr=d.outer_lr,
+        weighting=d.weighting, late=d.late, aggregate=d.aggregate,
+        outlier_ratio=d.aggregate_outlier_ratio, outer_lr=d.outer_lr,
         outer_momentum=d.outer_momentum, nesterov=d.nesterov, keep=config.store.keep_rounds,
         lease_ttl_s=d.lease_ttl_s, poll_interval_s=0.05 if config.store.uri.startswith("file:")
         else 0.25, max_steps=config.train.max_steps,

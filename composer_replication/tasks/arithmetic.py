@@ -19,9 +19,18 @@ off by 10% on a large one score alike), and `brevity = 1 / (1 + extra / 8)` wher
 characters longer than the reference the text is:
 
 * exact integer: 1.0 (the only `correct` case);
-* a bare integer, wrong: `0.3 + 0.1 * same_digit_count_and_sign + 0.4 * closeness` (0.3 .. < 0.8);
-* an integer inside other text ("7 apples"): `(0.1 + 0.1 * closeness) * brevity` (<= 0.2);
-* text without any integer: `0.05 * brevity`; empty: 0.
+* a bare integer, wrong: `0.1 + 0.3 * closeness` (0.1 .. < 0.4);
+* an integer inside other text ("7 apples"): `(0.04 + 0.04 * closeness) * brevity` (< 0.08);
+* text without any integer: `0.02 * brevity`; empty: 0.
+
+Partial credit depends on the prompt's answer, not on the form alone, so that no constant answer
+pays: a constant is far from most answers. Over the easy level's 100 sums the best constant ("9")
+earns 0.27 on average, below the 0.37 that a policy right on 30% of the prompts earns even when
+its other answers are far off (0.3 * 1.0 + 0.7 * 0.1); with a form bonus of 0.3-0.4 for any bare
+integer (the shaping before) a constant "9" earned 0.52, more than a partly-right policy, and
+policies collapsed to it. Every wrong answer stays below 0.5, the channel-2 success threshold, so
+only exact answers are shown to the teacher as a "correct solution". Exact-match accuracy is the
+headline metric; the shaped reward is the learning signal.
 
 Feedback never states the answer: it says what form was expected and whether a number was too
 small or too large, as a checker would.
@@ -68,6 +77,14 @@ LEVELS: dict[str, dict[str, Any]] = {
 }
 
 _INT = re.compile(r"[+-]?\d+")
+
+# Reward shaping weights (module docstring); tests/tasks/test_tasks_reward_shaping.py derives the
+# best constant answer's reward from them.
+WRONG_BASE = 0.1
+WRONG_CLOSE = 0.3
+MALFORMED_BASE = 0.04
+MALFORMED_CLOSE = 0.04
+NO_NUMBER = 0.02
 
 
 def evaluate(tokens: list[int | str]) -> int:
@@ -157,20 +174,24 @@ class ArithmeticTask(Task):
             pred = int(text)
             if pred == answer:
                 return Verdict(1.0, True, None)
-            same_shape = len(str(abs(pred))) == len(str(abs(answer))) and (pred < 0) == (answer < 0)
-            reward = 0.3 + 0.1 * same_shape + 0.4 * _closeness(pred, answer)
             direction = "too small" if pred < answer else "too large"
-            return Verdict(reward, False, f"Wrong answer: {pred} is {direction}.")
+            return Verdict(
+                WRONG_BASE + WRONG_CLOSE * _closeness(pred, answer),
+                False,
+                f"Wrong answer: {pred} is {direction}.",
+            )
         found = _INT.search(text)
         if found is None:
             return Verdict(
-                0.05 * brevity(text, example.answer),
+                NO_NUMBER * brevity(text, example.answer),
                 False,
                 f"Expected a single integer (digits, optional leading '-'), got {shorten(text)}, "
                 "which has no number in it.",
             )
         pred = int(found.group())
-        reward = (0.1 + 0.1 * _closeness(pred, answer)) * brevity(text, example.answer)
+        reward = (MALFORMED_BASE + MALFORMED_CLOSE * _closeness(pred, answer)) * brevity(
+            text, example.answer
+        )
         verdict = "right" if pred == answer else ("too small" if pred < answer else "too large")
         return Verdict(
             reward,

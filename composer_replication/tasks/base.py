@@ -159,6 +159,38 @@ class Task(ABC):
         """Verify a batch; tasks with expensive verifiers override this to work in parallel."""
         return [self.verify(ex, c) for ex, c in zip(examples, completions, strict=True)]
 
+    def _wrong_answers(self, example: Example) -> list[str]:
+        """Typical wrong completions whose feedback goes into `text_corpus`: the empty answer and
+        the reference with its last character doubled. Tasks with an expensive verifier override
+        this to keep the corpus cheap."""
+        answer = self.oracle(example)
+        return ["", answer + answer[-1:]]
+
+    def text_corpus(self, split: str = "train") -> list[str]:
+        """The task's own text, to train a tokenizer on (`models.build_bpe_tokenizer`).
+
+        For each distinct prompt of `split`, in split order: the prompt, its oracle solution, the
+        feedback of typical wrong answers and the channel-2 hinted prompt built from them with
+        the default `HintTemplate` (what the teacher reads). A run trains its tokenizer on the
+        TRAIN split only, so nothing of the held-out prompts or answers reaches the vocabulary.
+        """
+        from composer_replication.data.hints import HintTemplate
+
+        template = HintTemplate()
+        texts: list[str] = []
+        seen: set[str] = set()
+        for ex in self.examples(split):
+            if ex.prompt in seen:
+                continue
+            seen.add(ex.prompt)
+            solution = self.oracle(ex)
+            texts += [ex.prompt, solution]
+            for wrong in self._wrong_answers(ex):
+                feedback = self.verify(ex, wrong).feedback
+                if feedback:
+                    texts += [feedback, template.render_text(ex.prompt, solution, feedback)]
+        return texts
+
     # ---- split --------------------------------------------------------------------------------
 
     def train_examples(self) -> list[Example]:

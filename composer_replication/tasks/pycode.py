@@ -147,6 +147,9 @@ class PyCodeTask(Task):
     def oracle(self, example: Example) -> str:
         return example.answer
 
+    def _wrong_answers(self, example: Example) -> list[str]:
+        return [""]  # any other answer would start a sandbox per prompt just to build a corpus
+
     def verify(self, example: Example, completion: str) -> Verdict:
         code = extract_code(completion)
         fn = str(example.meta.get("function", self.function))

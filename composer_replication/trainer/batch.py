@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -56,7 +56,6 @@ class HintPlan:
     with_sibling: int = 0
     with_feedback: int = 0
     failed: int = 0
-    sibling_index: list[int | None] = field(default_factory=list)
 
 
 def plan_hints(
@@ -80,9 +79,7 @@ def plan_hints(
     n = len(prompts)
     if len(feedback) != n:
         raise ValueError(f"feedback has {len(feedback)} entries for {n} prompts")
-    plan = HintPlan(
-        teacher_prompts=list(prompts), sample_mask=[False] * n, sibling_index=[None] * n
-    )
+    plan = HintPlan(teacher_prompts=list(prompts), sample_mask=[False] * n)
     for i in range(n):
         g = process_start + i
         reward = float(all_rewards[g])
@@ -97,14 +94,15 @@ def plan_hints(
                 continue
             if best is None or r > float(all_rewards[best]):
                 best = j
-        fb = feedback[i] if feedback[i] and feedback[i].strip() else None
+        fb = feedback[i]
+        if fb is not None and not fb.strip():
+            fb = None
         sibling = completion_text(all_completions[best]) if best is not None else None
         if sibling is not None and not sibling.strip():
             sibling = None
         if sibling is None and fb is None:
             continue
         plan.sample_mask[i] = True
-        plan.sibling_index[i] = best if sibling is not None else None
         plan.with_sibling += sibling is not None
         plan.with_feedback += fb is not None
         plan.teacher_prompts[i] = template.render(prompts[i], sibling, fb)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from composer_replication.data.hints import HintTemplate, coerce_hint_template
-from composer_replication.loss.compose import ComposeConfig
+from composer_replication.loss import TAID_T_START, ComposeConfig
 
 # The loss keywords' defaults live in one place (the loss library); the trainer repeats the
 # names (they are its public keywords) but not the values.
@@ -94,11 +94,9 @@ class ComposerSettings:
             raise ValueError("sdpo_max_context_length must be >= 1 or None")
         if self.replay_max_length is not None and self.replay_max_length < 1:
             raise ValueError("replay_max_length must be >= 1 or None")
-        from composer_replication.loss.compose import ComposeConfig
-
         kwargs = self.loss_kwargs()
-        if self.sdpo_wrapper == "taid" and self.taid_t is None and self.taid_schedule_step is None:
-            kwargs["taid_t"] = 0.4  # t comes from the TAIDCallback schedule at run time
+        if self.taid_scheduled:  # t comes from the TAIDCallback schedule at run time
+            kwargs["taid_t"] = TAID_T_START
         ComposeConfig.from_kwargs(kwargs)  # validates every loss keyword now, not at step 1
 
     def loss_kwargs(self) -> dict[str, Any]:
@@ -127,6 +125,10 @@ class ComposerSettings:
         return cls(**values)
 
 
+# ComposerConfig's composer fields take their defaults from ComposerSettings (one source).
+_SETTINGS_DEFAULTS = ComposerSettings()
+
+
 def _cuda_available() -> bool:
     import torch
 
@@ -135,7 +137,8 @@ def _cuda_available() -> bool:
 
 @dataclass
 class ComposerConfig(GRPOConfig):
-    """`GRPOConfig` + the composer fields (same names and defaults as the trainer keywords)."""
+    """`GRPOConfig` + the composer fields (same names and defaults as the trainer keywords:
+    `ComposerSettings`', which are `loss.ComposeConfig`'s for the loss keywords)."""
 
     alpha_sdpo: float = field(
         default=_LOSS_DEFAULTS.alpha_sdpo, metadata={"help": "Channel-2 (SDPO) weight."}
@@ -193,24 +196,31 @@ class ComposerConfig(GRPOConfig):
         default=_LOSS_DEFAULTS.label_smoothing, metadata={"help": "Channel-3 label smoothing."}
     )
     sdpo_teacher: str = field(
-        default="policy", metadata={"help": "Channel-2 teacher: policy (no grad) | ema."}
+        default=_SETTINGS_DEFAULTS.sdpo_teacher,
+        metadata={"help": "Channel-2 teacher: policy (no grad) | ema."},
     )
-    sdpo_ema_rate: float = field(default=0.05, metadata={"help": "EMA teacher update rate."})
+    sdpo_ema_rate: float = field(
+        default=_SETTINGS_DEFAULTS.sdpo_ema_rate, metadata={"help": "EMA teacher update rate."}
+    )
     sdpo_success_threshold: float = field(
-        default=0.5, metadata={"help": "Reward at or above which a rollout counts as solved."}
+        default=_SETTINGS_DEFAULTS.sdpo_success_threshold,
+        metadata={"help": "Reward at or above which a rollout counts as solved."},
     )
     sdpo_max_context_length: int | None = field(
-        default=None, metadata={"help": "Keep at most this many teacher-context tokens."}
+        default=_SETTINGS_DEFAULTS.sdpo_max_context_length,
+        metadata={"help": "Keep at most this many teacher-context tokens."},
     )
     hint_template: str | None = field(
         default=None,
         metadata={"help": "Teacher reprompt template with {prompt}, {solution}, {feedback}."},
     )
     replay_max_length: int | None = field(
-        default=None, metadata={"help": "Max chosen-trace tokens (default max_completion_length)."}
+        default=_SETTINGS_DEFAULTS.replay_max_length,
+        metadata={"help": "Max chosen-trace tokens (default max_completion_length)."},
     )
     replay_skip_if_not_worse: bool = field(
-        default=True, metadata={"help": "Skip a pair when the rollout scored >= the trace."}
+        default=_SETTINGS_DEFAULTS.replay_skip_if_not_worse,
+        metadata={"help": "Skip a pair when the rollout scored >= the trace."},
     )
     trace_files: list[str] | None = field(
         default=None, metadata={"help": "Trace JSONL file(s) to replay in channel 3."}

@@ -26,11 +26,11 @@ def frozen_copy(model: Any) -> Any:
 class EMATeacher:
     """``teacher <- (1 - rate) * teacher + rate * student`` after every optimizer step.
 
-    ``rate`` = SDPO's teacher update rate (0.05 by default): the teacher lags the student, which
-    keeps the distillation target from chasing the student's own noise.
+    ``rate`` = SDPO's teacher update rate (the trainer's ``sdpo_ema_rate``): the teacher lags the
+    student, which keeps the distillation target from chasing the student's own noise.
     """
 
-    def __init__(self, student: Any, rate: float = 0.05) -> None:
+    def __init__(self, student: Any, rate: float) -> None:
         if not 0.0 < rate <= 1.0:
             raise ValueError(f"sdpo_ema_rate must be in (0, 1], got {rate}")
         self.rate = rate

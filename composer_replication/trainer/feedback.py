@@ -85,7 +85,8 @@ def merge_feedback(sources: Sequence[Sequence[str | None]], n: int) -> list[str 
     """Join the non-empty feedback strings of each completion across sources (None if none)."""
     merged: list[str | None] = []
     for i in range(n):
-        parts = [src[i].strip() for src in sources if src[i] is not None and src[i].strip()]
+        texts = (src[i] for src in sources)
+        parts = [text.strip() for text in texts if text is not None and text.strip()]
         merged.append("\n\n".join(parts) if parts else None)
     return merged
 

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
+from composer_replication.loss import completion_logps
 from composer_replication.trainer.batch import Pair
-from composer_replication.trainer.channels import forward_completion_logits, sequence_logps
 from composer_replication.trainer.ema import frozen_copy
 
 
@@ -97,15 +97,15 @@ class ReferenceScorer:
             for i, p in enumerate(pairs)
         ]
         with self._model() as ref:
-            r_logits = forward_completion_logits(ref, p_ids, p_mask, r_ids, r_mask)
-            ref_r[rows] = sequence_logps(r_logits, r_ids, r_mask)[0].to(ref_r.dtype)
+            r_sum, _ = completion_logps(ref, p_ids, p_mask, r_ids, r_mask, logits_to_keep=True)
+            ref_r[rows] = r_sum.to(ref_r.dtype)
             todo = [i for i, k in enumerate(keys) if not self.cacheable or k not in self.cache]
             if todo:
                 idx = torch.tensor(todo, device=device)
-                c_logits = forward_completion_logits(
-                    ref, p_ids[idx], p_mask[idx], c_ids[idx], c_mask[idx]
+                c_sum, _ = completion_logps(
+                    ref, p_ids[idx], p_mask[idx], c_ids[idx], c_mask[idx], logits_to_keep=True
                 )
-                values = sequence_logps(c_logits, c_ids[idx], c_mask[idx])[0].tolist()
+                values = c_sum.tolist()
                 for i, v in zip(todo, values):
                     self.cache[keys[i]] = v
         for i, p in enumerate(pairs):

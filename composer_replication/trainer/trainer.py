@@ -5,13 +5,20 @@ What is added to TRL 1.16's GRPO step, and where:
 * ``_calculate_rewards``: reward functions may return ``(score, feedback)`` pairs (see
   `feedback`); ``feedback_funcs`` are called too. Rewards, completions and feedback are kept for
   the next step;
-* ``_generate_and_score_completions``: after TRL's rollouts/rewards/advantages, channel-2 inputs
-  (hinted teacher contexts, `batch.plan_hints`) and channel-3 inputs (trace pairs and their
-  reference log-probs, `batch.plan_pairs`) are added to the generation batch, row-aligned so TRL's
-  shuffle/split into micro-batches keeps them with their rollouts;
+* ``_generate_and_score_completions``: after TRL's rollouts/rewards/advantages, the channel-2
+  keys (hinted teacher contexts, `batch.plan_hints`) and the channel-3 rollout-pair keys (trace
+  pairs and their reference log-probs, `batch.plan_pairs`) of the composer batch (docs/api.md)
+  are added to the generation batch, row-aligned so TRL's shuffle/split into micro-batches keeps
+  them with their rollouts;
 * ``_compute_loss``: channel 1 is TRL's own loss, computed from ONE student forward whose
-  completion logits are kept (``_get_per_token_logps_and_entropies``) and reused for channel 2's
-  student side and channel 3's rejected side (`channels`).
+  completion logits are kept (``_get_per_token_logps_and_entropies``); channels 2 and 3 are the
+  loss library's public ``sdpo_term`` / ``replay_term`` on the same batch, fed those logits
+  (channel 2's student side, channel 3's rejected side).
+
+Normalisation: like TRL's ``dapo``, each extra channel is divided by its *global* count over the
+accumulated batch (selected completion tokens for channel 2, pairs for channel 3; the batch's
+``sdpo_num_tokens`` / ``replay_num_pairs``), not by the micro-batch's own count, so 1 x N and
+N x 1 gradient accumulation give the same update.
 
 A model that only exists in memory works with ``beta != 0``: the frozen reference is a deep copy
 of it rather than a reload from ``config._name_or_path`` (which TRL would attempt).
@@ -26,8 +33,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from composer_replication.data.teachers import TeacherPool
 from composer_replication.data.traces import TraceStore
-from composer_replication.loss._logprobs import selective_log_softmax
+from composer_replication.loss import replay_term, sdpo_term, selective_log_softmax
 from composer_replication.trainer.batch import (
     completion_text,
     hint_tensors,
@@ -36,10 +44,6 @@ from composer_replication.trainer.batch import (
     plan_pairs,
 )
 from composer_replication.trainer.callbacks import EMATeacherCallback, TAIDCallback
-from composer_replication.trainer.channels import (
-    replay_contribution,
-    sdpo_contribution,
-)
 from composer_replication.trainer.config import ComposerConfig, ComposerSettings
 from composer_replication.trainer.ema import EMATeacher, frozen_copy
 from composer_replication.trainer.feedback import (
@@ -56,7 +60,7 @@ from composer_replication.trainer.reference import (
 
 try:
     from accelerate.utils import gather_object
-    from trl import GRPOTrainer
+    from trl import GRPOConfig, GRPOTrainer
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "ComposerReplicationTrainer needs TRL; install it with "
@@ -75,17 +79,22 @@ class ComposerReplicationTrainer(GRPOTrainer):
     * ``trace_store``: a `TraceStore` of teacher traces for channel 3 (or ``args.trace_files``);
     * ``teacher_pool``: a `TeacherPool` asked lazily for prompts the store lacks (its traces go
       into the trainer's store);
-    * every `ComposerSettings` field as a keyword (``alpha_sdpo=0.1, beta_replay=0.05,
-      sdpo_jsd_beta=0.5, sdpo_temperature=1.0, sdpo_token_clip=None, replay_dpo_beta=0.1``, the
-      other compose_loss keywords, ``sdpo_teacher``, ``sdpo_ema_rate``, ``hint_template``, ...);
-      keywords override the same fields of a `ComposerConfig` ``args``.
+    * every `ComposerSettings` field as a keyword (``alpha_sdpo``, ``beta_replay``, the other
+      compose_loss keywords with `loss.ComposeConfig`'s defaults, ``sdpo_teacher``,
+      ``sdpo_ema_rate``, ``hint_template``, ...); keywords override the same fields of a
+      `ComposerConfig` ``args``.
 
     ``args=None`` builds a CPU-safe `ComposerConfig`. Channel 2 is on when ``alpha_sdpo != 0``,
     channel 3 when ``beta_replay != 0`` and traces exist; each switches itself off for a batch or
     micro-batch with no inputs (metrics ``sdpo/active``, ``replay/active``).
+
+    Public state for callbacks: `taid_t` / `set_taid_t` / `pop_taid_losses` (the TAID schedule),
+    `ema_teacher` / `update_ema_teacher` (channel 2's EMA teacher), `replay_reference` (channel
+    3's DPO reference model).
     """
 
     _tag_names = ["trl", "grpo", "composer-replication"]
+    args: GRPOConfig
 
     def __init__(
         self,
@@ -106,7 +115,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
         *,
         feedback_funcs: Sequence[Callable[..., Any]] | None = None,
         trace_store: TraceStore | None = None,
-        teacher_pool: Any = None,
+        teacher_pool: TeacherPool | None = None,
         **composer_kwargs: Any,
     ) -> None:
         if args is None:
@@ -142,7 +151,9 @@ class ComposerReplicationTrainer(GRPOTrainer):
         self.teacher_pool = teacher_pool
         self._feedback = FeedbackRecorder()
         self.reward_funcs = [
-            f if isinstance(f, nn.Module) else wrap_reward_func(f, i, self._feedback)
+            wrap_reward_func(f, i, self._feedback)
+            if callable(f) and not isinstance(f, nn.Module)
+            else f
             for i, f in enumerate(self.reward_funcs)
         ]
         self._channel2 = s.alpha_sdpo != 0.0
@@ -154,7 +165,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
             self.add_callback(EMATeacherCallback(self))
         # DPO needs reference log-probs: TRL's KL reference if there is one, the adapter-free base
         # for PEFT, else a frozen copy of the initial policy.
-        self._replay_ref: Any = None
+        self._replay_ref: nn.Module | None = None
         if self._channel3 and s.dpo_variant == "dpo":
             if self.ref_model is not None:
                 self._replay_ref = self.ref_model
@@ -179,6 +190,45 @@ class ComposerReplicationTrainer(GRPOTrainer):
         self._capture_logits = False
         self._captured_logits: torch.Tensor | None = None
         self._batch: dict[str, Any] = {}
+
+    # -- public state for callbacks ----------------------------------------------------------------
+    @property
+    def taid_t(self) -> float | None:
+        """TAID's t used by channel 2's next loss (None unless ``sdpo_wrapper="taid"``)."""
+        return self._taid_t
+
+    def set_taid_t(self, t: float) -> None:
+        """Set TAID's t for the next channel-2 losses (the `TAIDCallback` schedule)."""
+        if not 0.0 <= t <= 1.0:
+            raise ValueError(f"TAID t must be in [0, 1], got {t}")
+        self._taid_t = float(t)
+
+    def pop_taid_losses(self) -> list[float]:
+        """The channel-2 (TAID) losses since the last call, oldest first; the list is emptied."""
+        losses, self._taid_step_losses = self._taid_step_losses, []
+        return losses
+
+    @property
+    def ema_teacher(self) -> EMATeacher | None:
+        """Channel 2's EMA teacher (``sdpo_teacher="ema"``), else None."""
+        return self._ema
+
+    def update_ema_teacher(self) -> None:
+        """Move the EMA teacher toward the current policy (no-op without one)."""
+        if self._ema is not None:
+            self._ema.update(self.accelerator.unwrap_model(self.model))
+
+    @property
+    def replay_reference(self) -> nn.Module | None:
+        """Channel 3's frozen DPO reference model (None for SimPO, PEFT or channel 3 off)."""
+        return self._replay_ref
+
+    @property
+    def _group_size(self) -> int:
+        """Rollouts per prompt (TRL's ``num_generations``, set by the time training runs)."""
+        if self.num_generations is None:
+            raise ValueError("num_generations must be set for channels 2 and 3")
+        return self.num_generations
 
     # -- rewards and feedback ------------------------------------------------------------------
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):  # type: ignore[no-untyped-def]
@@ -234,7 +284,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
             all_completions,
             rewards.tolist(),
             self._batch["feedback"],
-            num_generations=self.num_generations,
+            num_generations=self._group_size,
             process_start=start,
             template=s.hint_template,
             success_threshold=s.sdpo_success_threshold,
@@ -268,14 +318,14 @@ class ComposerReplicationTrainer(GRPOTrainer):
         prompts = self._batch["prompts"]
         assert self.trace_store is not None
         if self.teacher_pool is not None:  # lazy teachers: only prompts the store lacks
-            self.teacher_pool.ensure(prompts[:: self.num_generations] or prompts)
+            self.teacher_pool.ensure(prompts[:: self._group_size] or prompts)
         completion_mask = output["completion_mask"]
         pairs, covered = plan_pairs(
             prompts,
             rewards.tolist(),
             completion_mask.sum(-1).tolist(),
             self.trace_store,
-            num_generations=self.num_generations,
+            num_generations=self._group_size,
             process_start=start,
             skip_if_not_worse=s.replay_skip_if_not_worse,
         )
@@ -286,29 +336,35 @@ class ComposerReplicationTrainer(GRPOTrainer):
             lambda text: self._tokenizer(text, add_special_tokens=False)["input_ids"],
             pad_id=self._tokenizer.pad_token_id,
             eos_id=self._tokenizer.eos_token_id,
-            max_length=s.replay_max_length or self.max_completion_length,
+            max_length=self._replay_max_length(),
             device=device,
         )
         if s.dpo_variant == "dpo":
             tensors.update(self._ref_scorer.pair_logps(output, tensors, pairs))
         tensors["replay_num_pairs"] = self._global_count(len(pairs))
-        groups = max(len(prompts) // max(self.num_generations, 1), 1)
+        groups = max(len(prompts) // self._group_size, 1)
         self._metrics["train"]["replay/trace_coverage"].append(covered / groups)
         self._metrics["train"]["replay/pairs_built"].append(float(len(pairs)))
         return tensors
 
+    def _replay_max_length(self) -> int:
+        length = self.composer.replay_max_length or self.max_completion_length
+        if length is None:
+            raise ValueError("channel 3 needs replay_max_length or max_completion_length")
+        return length
+
     # -- loss ------------------------------------------------------------------------------
     def _get_per_token_logps_and_entropies(  # type: ignore[override]
         self,
-        model,
-        input_ids,
-        attention_mask,
-        logits_to_keep,
-        batch_size=None,
-        compute_entropy=False,
-        compute_aux_loss=False,
-        **multimodal,
-    ):
+        model: nn.Module,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        logits_to_keep: int,
+        batch_size: int | None = None,
+        compute_entropy: bool = False,
+        compute_aux_loss: bool = False,
+        **multimodal: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """TRL's per-token log-probs; when channels 2/3 need them, from plain logits kept aside."""
         if not self._capture_logits:
             return super()._get_per_token_logps_and_entropies(
@@ -363,19 +419,22 @@ class ComposerReplicationTrainer(GRPOTrainer):
         kwargs["temperature"] = self.temperature
         return kwargs
 
-    def _normaliser(self, count: torch.Tensor, mode: str) -> torch.Tensor:
-        normaliser = count.clamp(min=1.0)
+    def _loss_batch(self, inputs: dict[str, Any], mode: str) -> dict[str, Any]:
+        """The composer batch of this micro-batch: the generation batch's counts rescaled to one
+        accumulation window (as TRL rescales ``num_items_in_batch`` for ``dapo``)."""
+        batch = dict(inputs)
+        steps = 1.0
         if mode == "train":
             steps = self.current_gradient_accumulation_steps / self.args.steps_per_generation
-            normaliser = normaliser * steps
-        return normaliser
+        for key in ("sdpo_num_tokens", "replay_num_pairs"):
+            if key in batch:
+                batch[key] = batch[key].clamp(min=1.0) * steps
+        return batch
 
-    def _compute_loss(self, model, inputs):  # type: ignore[no-untyped-def]
-        mode = "train" if self.model.training else "eval"
-        want2 = self._channel2 and "sdpo_sample_mask" in inputs
-        want2 = want2 and bool(inputs["sdpo_sample_mask"].any())
-        want3 = self._channel3 and "replay_pair_mask" in inputs
-        want3 = want3 and bool(inputs["replay_pair_mask"].any())
+    def _compute_loss(self, model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
+        mode = "train" if self.model is not None and self.model.training else "eval"
+        want2 = self._channel2 and _any_row(inputs, "sdpo_sample_mask")
+        want3 = self._channel3 and _any_row(inputs, "replay_pair_mask")
         if not (want2 or want3):
             loss = super()._compute_loss(model, inputs)
             self._log_flags(mode, False, False)
@@ -387,23 +446,23 @@ class ComposerReplicationTrainer(GRPOTrainer):
             self._capture_logits = False
         logits, self._captured_logits = self._captured_logits, None
         assert logits is not None
+        s = self.composer
+        batch = self._loss_batch(inputs, mode)
         kwargs = self._loss_kwargs()
         active2 = active3 = False
         if want2:
             teacher = self._ema.model if self._ema is not None else model
-            norm = self._normaliser(inputs["sdpo_num_tokens"], mode)
-            res = sdpo_contribution(logits, teacher, inputs, kwargs, norm)
+            res = sdpo_term(teacher, batch, logits, logits_to_keep=True, **kwargs)
             if res is not None:
-                loss = loss + res[0]
+                loss = loss + s.alpha_sdpo * res[0]
                 active2 = True
                 self._log(mode, res[1])
-                if self.composer.taid_scheduled:
+                if s.taid_scheduled:
                     self._taid_step_losses.append(res[1]["loss/sdpo"])
         if want3:
-            norm = self._normaliser(inputs["replay_num_pairs"], mode)
-            res = replay_contribution(model, logits, inputs, kwargs, norm)
+            res = replay_term(model, batch, logits, logits_to_keep=True, **kwargs)
             if res is not None:
-                loss = loss + res[0]
+                loss = loss + s.beta_replay * res[0]
                 active3 = True
                 self._log(mode, res[1])
         self._log_flags(mode, active2, active3)
@@ -411,17 +470,23 @@ class ComposerReplicationTrainer(GRPOTrainer):
 
     def _log(self, mode: str, metrics: dict[str, float]) -> None:
         for key, value in metrics.items():
-            if key.endswith("/active") or key == "taid/t":
-                continue  # logged by _log_flags once per micro-batch
-            self._metrics[mode][key].append(float(value))
+            if key != "taid/t":  # logged by _log_flags once per micro-batch
+                self._metrics[mode][key].append(float(value))
 
     def _log_flags(self, mode: str, active2: bool, active3: bool) -> None:
         if self._channel2:
             self._metrics[mode]["sdpo/active"].append(float(active2))
-            if self.composer.sdpo_wrapper == "taid" and self._loss_kwargs()["taid_t"] is not None:
-                self._metrics[mode]["taid/t"].append(float(self._loss_kwargs()["taid_t"]))
+            t = self._loss_kwargs()["taid_t"]
+            if self.composer.sdpo_wrapper == "taid" and t is not None:
+                self._metrics[mode]["taid/t"].append(float(t))
         if self._channel3:
             self._metrics[mode]["replay/active"].append(float(active3))
+
+
+def _any_row(inputs: dict[str, Any], key: str) -> bool:
+    """Whether the row mask ``inputs[key]`` (a channel's selection) selects any row."""
+    mask = inputs.get(key)
+    return mask is not None and bool(mask.any())
 
 
 __all__ = ["ComposerReplicationTrainer"]

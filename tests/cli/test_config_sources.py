@@ -101,6 +101,15 @@ def test_a_scheduled_taid_is_valid_with_a_schedule_length() -> None:
         load_config(overrides=["loss.sdpo_wrapper=taid"])
 
 
+def test_outer_optimizer_defaults_equal_the_outer_loops() -> None:
+    """config may not import diloco (ARCHITECTURE.md), so the run schema repeats DiLoCo's outer
+    SGD defaults; this keeps the two equal."""
+    from composer_replication.diloco.outer_loop import OUTER_LR, OUTER_MOMENTUM
+
+    d = load_config().diloco
+    assert (d.outer_lr, d.outer_momentum) == (OUTER_LR, OUTER_MOMENTUM)
+
+
 def test_backend_and_codec_choices_are_the_registries() -> None:
     assert typing.get_args(typing.get_type_hints(BackendConfig)["kind"]) == BACKEND_NAMES
     assert typing.get_args(typing.get_type_hints(DilocoConfig)["codec"]) == CODECS

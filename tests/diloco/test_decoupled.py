@@ -147,19 +147,6 @@ def test_weighted_mean_rda_and_outer_step_match_float64_references() -> None:
     assert (param.detach() - p["w"]).abs().max() < 1e-6
 
 
-def test_robust_merges_need_the_robust_module() -> None:
-    """Screening and robust merges live in exchange.robust; without it only the plain weighted
-    mean exists, and asking for more is a clear error, never a silent mean."""
-    import importlib.util
-
-    if importlib.util.find_spec("composer_replication.exchange.robust") is not None:
-        pytest.skip("this build has exchange.robust (tested with it in test_decoupled_robust)")
-    x = [MergeInput("a", 1.0, {"w": torch.ones(3)})]
-    for kw in ({"method": "trimmed_mean"}, {"method": "mean", "outlier_ratio": 10.0}):
-        with pytest.raises(ValueError, match="needs the robust-aggregation module"):
-            aggregate(x, **kw)
-
-
 def test_push_schedule_is_staggered() -> None:
     assert push_offsets(24, 4) == [6, 12, 18, 0]
     assert push_offsets(8, 1) == [0]

@@ -21,8 +21,6 @@ from composer_replication.diloco.synchronizer import (
 )
 from composer_replication.exchange.store import ObjectStore
 
-pytest.importorskip("composer_replication.exchange.robust")
-
 
 def _inputs(attack: float) -> tuple[list[MergeInput], torch.Tensor]:
     g = torch.Generator().manual_seed(1)

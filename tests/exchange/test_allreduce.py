@@ -110,8 +110,8 @@ def test_replicas_bit_identical_and_equal_to_mean_file(pool, tmp_path):
         sr = o["step_results"][-1]
         assert sr["included_ranks"] == [0, 1, 2, 3] and sr["excluded_ranks"] == []
         assert sr["bytes_uploaded"] > 0 and sr["bytes_downloaded"] >= 3 * sr["bytes_uploaded"]
-    # GC keeps only the newest keep_steps steps
-    assert sorted(os.listdir(f"{tmp_path}/run/steps")) == ["0000000003", "0000000004"]
+    # GC keeps only the newest keep_steps steps (beside them: the head hint)
+    assert sorted(os.listdir(f"{tmp_path}/run/steps")) == ["0000000003", "0000000004", "head.json"]
 
 
 @pytest.mark.slow
@@ -217,13 +217,14 @@ def test_stale_step_is_refused_quickly(tmp_path):
 
 
 def test_transient_store_errors_are_retried(tmp_path, monkeypatch):
-    """Injected faults: a failing listing and a failing commit write; the step still agrees."""
+    """Injected faults: failing reads of peers' slots and a failing commit write; the step
+    still agrees."""
     import threading
 
     from composer_replication.exchange.store import ObjectStore
 
-    real_put, real_list = ObjectStore.put_if_absent, ObjectStore.list
-    faults = {"commit": 1, "list": 2}
+    real_put, real_get = ObjectStore.put_if_absent, ObjectStore.get
+    faults = {"commit": 1, "read": 2}
     lock = threading.Lock()
 
     def flaky_put(self, key, data):
@@ -233,15 +234,15 @@ def test_transient_store_errors_are_retried(tmp_path, monkeypatch):
                 raise OSError("injected: connection reset while writing the commit")
         return real_put(self, key, data)
 
-    def flaky_list(self, prefix):
+    def flaky_get(self, key):
         with lock:
-            if prefix.endswith("contrib/") and faults["list"]:
-                faults["list"] -= 1
+            if "/contrib/" in key and faults["read"]:
+                faults["read"] -= 1
                 raise OSError("injected: 503 slow down")
-        return real_list(self, prefix)
+        return real_get(self, key)
 
     monkeypatch.setattr(ObjectStore, "put_if_absent", flaky_put)
-    monkeypatch.setattr(ObjectStore, "list", flaky_list)
+    monkeypatch.setattr(ObjectStore, "get", flaky_get)
     out = {}
 
     def go(r):
@@ -253,5 +254,5 @@ def test_transient_store_errors_are_retried(tmp_path, monkeypatch):
         t.start()
     for t in threads:
         t.join(30)
-    assert faults == {"commit": 0, "list": 0}
+    assert faults == {"commit": 0, "read": 0}
     assert torch.equal(out[0], torch.full((4,), 0.5)) and torch.equal(out[1], out[0])

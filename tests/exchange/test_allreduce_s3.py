@@ -1,6 +1,8 @@
-"""ObjectStoreAllReduce against real S3 servers on 127.0.0.1 (SeaweedFS ``weed mini``, moto).
+"""ObjectStoreAllReduce against real object-store servers on 127.0.0.1: S3 (SeaweedFS ``weed
+mini``, moto) and GCS (gcp-storage-emulator, gs://), the same protocol tests on each.
 
-The servers come from tests/s3_servers.py; each test uses its own key prefix in the shared bucket.
+The servers come from tests/s3_servers.py and tests/gcs_server.py; each test uses its own key
+prefix in the shared bucket.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from test_allreduce_workers import warm_up
 from composer_replication.exchange.allreduce import ObjectStoreAllReduce
 from composer_replication.exchange.store import ObjectStore
 
-BACKENDS = ["seaweedfs_server", "moto_server"]
+BACKENDS = ["seaweedfs_server", "moto_server", "gcs_server"]
+SCHEME = {"seaweedfs_server": "s3", "moto_server": "s3", "gcs_server": "gs"}
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 
@@ -36,16 +39,18 @@ def warm_pool(pool, seaweedfs_server, moto_server):  # noqa: F811
 
 @pytest.fixture(params=BACKENDS)
 def s3(request):
-    """(uri of a fresh run prefix, storage_options) on each S3 server."""
+    """(uri of a fresh run prefix, storage_options) on each server (s3:// or gs://)."""
     _, bucket, options = request.getfixturevalue(request.param)
-    return f"s3://{bucket}/runs/{uuid.uuid4().hex}", options
+    return f"{SCHEME[request.param]}://{bucket}/runs/{uuid.uuid4().hex}", options
 
 
-def test_put_if_absent_lost_race_is_false_on_both_servers(s3):
+def test_put_if_absent_lost_race_is_false_on_every_server(s3):
     uri, options = s3
     store = ObjectStore(uri, options)
     assert store.put_if_absent("a/b.json", b"first")
-    assert not store.put_if_absent("a/b.json", b"second")  # moto: FileExistsError, weed: OSError
+    assert not store.put_if_absent(
+        "a/b.json", b"second"
+    )  # moto, GCS: FileExistsError, weed: OSError
     assert store.get("a/b.json") == b"first"
     assert store.list("a/") == ["b.json"] and store.get("a/missing") is None
     store.delete_prefix("a/")
@@ -76,7 +81,11 @@ MOTO_RACE = "moto's If-None-Match is check-then-put without a lock (not atomic u
 
 @pytest.mark.parametrize(
     "s3",
-    ["seaweedfs_server", pytest.param("moto_server", marks=pytest.mark.skip(reason=MOTO_RACE))],
+    [
+        "seaweedfs_server",
+        pytest.param("moto_server", marks=pytest.mark.skip(reason=MOTO_RACE)),
+        "gcs_server",
+    ],
     indirect=True,
 )
 def test_racing_commits_s3(warm_pool, s3):

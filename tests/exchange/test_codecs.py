@@ -1,7 +1,9 @@
-"""Wire codecs: round trips within their error bounds, packing, sizes, determinism."""
+"""Wire codecs: round trips within their error bounds, packing, sizes, determinism, and the
+streaming decode-and-accumulate path against slow whole-tensor references."""
 
 from __future__ import annotations
 
+import json
 import math
 import threading
 
@@ -9,10 +11,19 @@ import pytest
 import torch
 
 from composer_replication.exchange import codecs
+from composer_replication.exchange.aggregate import average_in_rank_order
 from composer_replication.exchange.allreduce import ObjectStoreAllReduce
-from composer_replication.exchange.protocol import encode_contribution
+from composer_replication.exchange.protocol import (
+    CorruptContributionError,
+    decode_contribution,
+    encode_contribution,
+    make_commit,
+    parse_commit,
+)
 
-SHAPES = [(), (1,), (7,), (2048,), (2049,), (3, 1000), (2, 3, 4097)]
+B = codecs.CHUNK
+PASS = codecs.PASS_BLOCKS * B  # elements per streaming pass
+SHAPES = [(), (1,), (7,), (2048,), (2049,), (3, 1000), (2, 3, 4097), (2 * PASS + 2 * B + 3,)]
 
 
 def round_trip(t: torch.Tensor, codec: str) -> torch.Tensor:
@@ -154,3 +165,249 @@ def test_unframe_rejects_inconsistent_headers(entries, match):
     blob = struct.pack("<Q", len(header)) + header + b"\0" * 4
     with pytest.raises(wire.FrameError, match=match):
         wire.unframe(blob, "hostile")
+
+
+# ----------------------------------------------------------------------------- references
+# Written the slow, obvious way (whole tensors, padding, Python-level reshapes), independently
+# of the streaming implementation.
+
+
+def blocks64(x: torch.Tensor) -> list[torch.Tensor]:
+    """The float64 values of each quantisation block (the last one may be partial)."""
+    flat = x.detach().reshape(-1).to(torch.float32).to(torch.float64)
+    return list(flat.split(B)) if flat.numel() else []
+
+
+def analytic_step(block: torch.Tensor, codec: str) -> float:
+    """The quantisation step of one block: absmax / 127 (int8), (max - min) / 15 (4-bit)."""
+    if codec == "int8":
+        return block.abs().max().item() / 127
+    return (block.max() - block.min()).item() / 15
+
+
+def slow_decode(parts: dict[str, torch.Tensor], codec: str, n: int) -> torch.Tensor:
+    q = parts["q"]
+    if codec in ("fp32", "bf16"):
+        return q.to(torch.float32).clone()
+    s = parts["s"].repeat_interleave(B)[:n]
+    if codec == "int8":
+        return q.to(torch.float32) * s
+    codes = torch.stack([q & 0x0F, q >> 4], dim=1).reshape(-1)[:n].to(torch.float32)
+    return codes * s + parts["z"].repeat_interleave(B)[:n]
+
+
+def slow_encode(x: torch.Tensor, codec: str) -> dict[str, torch.Tensor]:
+    """The quantiser's formula on padded whole tensors (each block padded with its own value)."""
+    flat = x.reshape(-1).to(torch.float32)
+    n = flat.numel()
+    rows = -(-n // B)
+    pad = rows * B - n
+    padded = torch.cat([flat, flat[-1:].expand(pad)]).view(rows, B)  # repeats the last value
+    if codec == "int8":
+        s = padded.abs().amax(1) / 127.0
+        safe = torch.where(s > 0, s, torch.ones_like(s))
+        q = torch.round(padded / safe[:, None]).clamp(-127, 127).to(torch.int8)
+        return {"q": q.reshape(-1)[:n], "s": s}
+    lo, hi = padded.amin(1), padded.amax(1)
+    s = (hi - lo) / 15.0
+    safe = torch.where(s > 0, s, torch.ones_like(s))
+    codes = torch.round((padded - lo[:, None]) / safe[:, None]).clamp(0, 15).to(torch.uint8)
+    codes = torch.cat([codes.reshape(-1)[:n], codes.new_zeros(n % 2)])
+    return {"q": codes[0::2] | (codes[1::2] << 4), "s": s, "z": lo}
+
+
+def assert_within_analytic_bound(x: torch.Tensor, got: torch.Tensor, codec: str) -> None:
+    """max |error| of every block <= half its step (+ float32 rounding slack)."""
+    for i, (blk, dec) in enumerate(zip(blocks64(x), blocks64(got))):
+        err = (dec - blk).abs().max().item()
+        slack = 8 * 2.0**-24 * blk.abs().max().item() + torch.finfo(torch.float32).tiny
+        bound = analytic_step(blk, codec) / 2
+        assert err <= bound + slack, f"block {i}: max error {err} > bound {bound} (+{slack})"
+
+
+# ----------------------------------------------------------------------------- error bounds
+
+EDGE_CASES = {
+    "zeros": lambda: torch.zeros(3 * B + 5),
+    "constant": lambda: torch.full((2 * B + 1,), -0.37),
+    "constant_block_then_random": lambda: torch.cat([torch.full((B,), 3.5), torch.randn(B + 9)]),
+    "one_huge_value": lambda: torch.randn(3 * B).index_fill_(0, torch.tensor([B + 17]), 1e30),
+    "one_huge_negative": lambda: torch.randn(B + 3).index_fill_(0, torch.tensor([2]), -3e37),
+    "subnormal_block": lambda: torch.randn(B + 100) * 1e-42,
+    "tiny_tail_after_huge_head": lambda: torch.cat([torch.tensor([1e6]), torch.randn(B + 10)]),
+    "multi_pass_odd_tail": lambda: torch.randn(2 * PASS + 7) * 10,
+    "exact_pass_multiple": lambda: torch.randn(PASS),
+    "single_element": lambda: torch.tensor([2.5]),
+}
+
+
+@pytest.mark.parametrize("codec", codecs.QUANTISED)
+@pytest.mark.parametrize("case", sorted(EDGE_CASES))
+def test_error_per_block_within_analytic_bound_edge_cases(codec, case):
+    torch.manual_seed(len(case))
+    x = EDGE_CASES[case]()
+    got = round_trip(x, codec)
+    assert_within_analytic_bound(x, got, codec)
+    for blk, dec in zip(blocks64(x), blocks64(got)):
+        if codec == "4bit" and bool((blk == blk[0]).all()):
+            assert torch.equal(dec, blk)  # constant blocks decode exactly (step 0, offset = value)
+    if case == "one_huge_value":  # the huge value costs only its own block its precision
+        for i in (0, 2):
+            err = (got.view(3, B)[i] - x.view(3, B)[i]).abs().max().item()
+            assert err <= x.view(3, B)[i].abs().max().item() / (127 if codec == "int8" else 7)
+    if case == "tiny_tail_after_huge_head":  # the partial last block has its own scale
+        s = codecs.encode(x, codec)["s"][-1].item()
+        tail = x[B:]
+        expected = tail.abs().max() / 127 if codec == "int8" else (tail.max() - tail.min()) / 15
+        assert s == pytest.approx(expected.item(), rel=1e-6)
+
+
+@pytest.mark.parametrize("codec", codecs.QUANTISED)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_other_input_dtypes_encode_as_their_float32_values(codec, dtype):
+    x = (torch.randn(2 * B + 77) * 3).to(dtype)
+    parts, ref = codecs.encode(x, codec), codecs.encode(x.to(torch.float32), codec)
+    assert all(torch.equal(parts[k], ref[k]) for k in ref)
+    assert_within_analytic_bound(x, round_trip(x, codec), codec)
+
+
+@pytest.mark.parametrize("codec", codecs.QUANTISED)
+@pytest.mark.parametrize("n", [0, 1, 2, B - 1, B, B + 1, PASS + B + 1, 2 * PASS])
+def test_encode_equals_the_whole_tensor_formula(codec, n):
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n)) * torch.logspace(-2, 2, n)
+    got, ref = codecs.encode(x, codec), slow_encode(x, codec)
+    assert got.keys() == ref.keys()
+    if n == 0:  # one block of scale 0 (and offset 0) for an empty tensor
+        ref = {k: (v if k == "q" else torch.zeros(1)) for k, v in ref.items()}
+    for k in ref:
+        assert torch.equal(got[k], ref[k]), k
+
+
+def test_4bit_range_overflow_is_refused_with_a_clear_error():
+    x = torch.tensor([3e38, -3e38, 0.0])
+    with pytest.raises(ValueError, match="overflows float32"):
+        codecs.encode(x, "4bit")
+    assert_within_analytic_bound(x, round_trip(x, "int8"), "int8")  # int8 has no such limit
+
+
+# ----------------------------------------------------------------------------- accumulation
+
+
+@pytest.mark.parametrize("codec", codecs.CODECS)
+@pytest.mark.parametrize("weights", [None, (0.2, 0.5, 0.3)])
+def test_decode_into_accumulates_exactly_like_decode_then_sum(codec, weights):
+    n = PASS + 3 * B + 1  # two passes, odd, partial last block
+    g = torch.Generator().manual_seed(7)
+    xs = [torch.randn(n, generator=g) * 10.0**k for k in (-2, 0, 1)]
+    parts = [codecs.encode(x, codec) for x in xs]
+    out = torch.full((n,), float("nan"))  # every element must be written
+    for i, p in enumerate(parts):
+        w = None if weights is None else weights[i]
+        assert codecs.decode_into(p, codec, out, accumulate=i > 0, weight=w) is out
+    ref = None
+    for i, p in enumerate(parts):
+        x = slow_decode(p, codec, n)
+        x = x if weights is None else x * weights[i]
+        ref = x if ref is None else ref + x
+    assert torch.equal(out, ref)
+    assert torch.equal(codecs.decode(parts[0], codec, n), slow_decode(parts[0], codec, n))
+
+
+def test_4bit_packing_does_not_depend_on_byte_order(monkeypatch):
+    x = torch.randn(PASS + B + 3)
+    parts = codecs.encode(x, "4bit")
+    little = codecs.decode(parts, "4bit", x.numel())
+    monkeypatch.setattr(codecs, "_LITTLE_ENDIAN", False)  # the strided path other CPUs take
+    strided = codecs.encode(x, "4bit")
+    assert all(torch.equal(strided[k], parts[k]) for k in parts)
+    assert torch.equal(codecs.decode(parts, "4bit", x.numel()), little)
+
+
+@pytest.mark.parametrize("codec", codecs.CODECS)
+@pytest.mark.parametrize("weighting", ["equal", "tokens"])
+def test_average_of_contributions_equals_the_slow_reference(codec, weighting):
+    shapes = {"w": (3, B + 5), "b": (7,), "s": ()}
+    contribs, decoded = {}, {}
+    for r in range(3):
+        g = torch.Generator().manual_seed(r)
+        t = {k: torch.randn(sh, generator=g) * (r + 1) for k, sh in shapes.items()}
+        payload, _ = encode_contribution(
+            t, rank=r, step=0, tokens=10 * (r + 1), inner_steps=1, codec=codec
+        )
+        blob = bytearray(b"".join(payload))  # a privately fetched buffer, as from a local store
+        c = decode_contribution(blob, step=0, rank=r)
+        contribs[r] = c
+        decoded[r] = {n: slow_decode(p, codec, max(1, math.prod(sh))).view(sh)
+                      for n, sh, p in c.encoded()}  # fmt: skip
+    record = make_commit(step=0, world_size=3, included=list(contribs.values()),
+                         weighting=weighting, committed_by=0, excluded={})  # fmt: skip
+    commit = parse_commit(json.dumps(record).encode(), step=0, world_size=3)  # as read back
+    got = average_in_rank_order(commit, dict(contribs))
+    for name in shapes:
+        if weighting == "equal":
+            ref = (decoded[0][name] + decoded[1][name] + decoded[2][name]) / 3
+        else:
+            w = commit["weights"]
+            ref = decoded[0][name] * w[0] + decoded[1][name] * w[1] + decoded[2][name] * w[2]
+        assert got[name].dtype == torch.float32 and torch.equal(got[name], ref), name
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize(
+    "codec, part, value, match",
+    [
+        ("int8", "s", float("nan"), "scale"),
+        ("int8", "s", -1.0, "scale"),
+        ("4bit", "s", float("inf"), "scale"),
+        ("4bit", "z", float("nan"), "offset"),
+    ],
+)
+def test_contribution_with_a_forged_scale_is_refused(monkeypatch, codec, part, value, match):
+    """A payload with a valid checksum but a non-finite or negative scale/offset (which our
+    encoder never writes) would poison the average: it is rejected when validated."""
+    x = torch.randn(3 * B)
+    real_encode = codecs.encode
+
+    def forged(t, c):
+        parts = real_encode(t, c)
+        parts[part][1] = value
+        return parts
+
+    monkeypatch.setattr(codecs, "encode", forged)
+    payload, _ = encode_contribution(
+        {"w": x}, rank=0, step=0, tokens=None, inner_steps=None, codec=codec
+    )
+    with pytest.raises(CorruptContributionError, match=f"'w'.*{match}"):
+        decode_contribution(b"".join(payload), step=0, rank=0)
+
+
+def test_decode_into_refuses_a_wrong_output_buffer():
+    parts = codecs.encode(torch.randn(100), "int8")
+    with pytest.raises(ValueError, match="float32"):
+        codecs.decode_into(parts, "int8", torch.empty(100, dtype=torch.float64))
+    with pytest.raises(ValueError, match="wrong length"):
+        codecs.decode_into(parts, "int8", torch.empty(99))
+    with pytest.raises(ValueError, match="contiguous"):
+        codecs.decode_into(parts, "int8", torch.empty(200)[::2])
+
+
+def test_codecs_run_on_one_thread_and_restore_the_callers_thread_count(monkeypatch):
+    seen = []
+    real_mul = torch.mul
+
+    def spy(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return real_mul(*args, **kwargs)
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        parts = codecs.encode(torch.randn(3 * B), "int8")
+        monkeypatch.setattr(torch, "mul", spy)
+        codecs.decode(parts, "int8", 3 * B)
+        assert seen == [1]  # the decode pass ran single-threaded
+        assert torch.get_num_threads() == 2  # and the caller's setting is back
+    finally:
+        torch.set_num_threads(before)

@@ -163,7 +163,7 @@ class FakeExecutor(ExecutorBase):
     def check_launch(self, n_replicas: int, entrypoint: str) -> None:
         validate_launch(n_replicas, entrypoint, check_local=False)
 
-    def _start(self, rank, world_size, command, env, resources) -> ReplicaHandle:
+    def _start(self, rank, world_size, command, env, resources, secrets) -> ReplicaHandle:
         if rank == self.fail_on_rank:
             raise RuntimeError(f"quota exceeded at rank {rank}")
         self.started.append((rank, world_size, command, env))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -58,3 +59,17 @@ def test_checkpoint_round_trip_prune_and_mirror(tmp_path: Path) -> None:
     assert [p.name for p in mirror_checkpoints(store, tmp_path / "run" / "checkpoints")] == [
         "round-000003"
     ]
+
+
+def test_mirror_refreshes_a_checkpoint_rewritten_in_the_store(tmp_path: Path) -> None:
+    """A resumed run rewrites ``final``: the run folder must not keep the old copy."""
+    store = ObjectStore(str(tmp_path / "store"))
+    tok = build_tokenizer()
+    model = build_tiny_model(tok, hidden_size=32, num_layers=1, seed=3)
+    save_checkpoint(store, name="final", model=model, tokenizer=None, round=2, step=8)
+    local_dir = tmp_path / "run" / "checkpoints"
+    mirror_checkpoints(store, local_dir)
+    assert json.loads((local_dir / "final" / "state.json").read_text())["round"] == 2
+    save_checkpoint(store, name="final", model=model, tokenizer=None, round=30, step=120)
+    mirror_checkpoints(store, local_dir)
+    assert json.loads((local_dir / "final" / "state.json").read_text())["round"] == 30

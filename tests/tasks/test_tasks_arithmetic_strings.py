@@ -84,10 +84,11 @@ def test_arithmetic_reward_is_shaped_and_monotone() -> None:
         ]
     }
     assert r["7"] == 1.0
-    assert r["8"] > r["9"] > r["12"] > r["70"] >= 0.3  # closer is better, well-formed >= 0.3
-    assert r["8"] < 0.8  # a wrong answer never gets near an exact one
-    assert r["12"] > r["-7"] >= 0.3  # same digit count and sign earns extra
-    assert 0.3 > r["x7x"] > r["xx"] > r["a long rambling answer without digits"] > r[""] == 0.0
+    # Closer is better; a bare wrong integer earns 0.1 + 0.3 * closeness (< 0.4, so it stays
+    # below the 0.5 channel-2 success threshold and far from an exact answer).
+    assert 0.4 > r["8"] > r["9"] > r["12"] > r["70"] >= 0.1
+    assert r["-7"] >= 0.1  # no bonus for shape alone: only closeness to this prompt's answer
+    assert 0.1 > r["x7x"] > r["xx"] > r["a long rambling answer without digits"] > r[""] == 0.0
     # Closeness scales with the answer: 10% off on 1000 is worth what 1 off on 7 is.
     big = _arith(1000, "500+500")
     assert task.verify(big, "1100").reward == pytest.approx(task.verify(ex, "8").reward)

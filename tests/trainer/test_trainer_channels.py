@@ -115,22 +115,20 @@ def test_channel3_dpo_steps_increase_margin(tmp_path):
     )
     assert chosen == "7 done<|endoftext|>"
     # Reference log-probs come from a frozen copy of the initial policy (beta=0: no TRL ref).
-    assert trainer.ref_model is None and trainer._replay_ref is not None
+    assert trainer.ref_model is None and trainer.replay_reference is not None
     assert (inputs["replay_ref_chosen_logps"][rows] < 0).all()
     margins = _train_fixed_batch(trainer, inputs, 6, "replay/margin")
     assert margins[-1] > margins[0] + 0.5, margins
     assert trainer._metrics["train"]["replay/accuracy"][-1] == 1.0
     # The reference really is frozen (its own forward, not the trained policy's).
-    from composer_replication.trainer.channels import forward_completion_logits, sequence_logps
+    from composer_replication.loss import completion_logps
 
     idx = torch.tensor(rows)
     c_ids, c_mask = inputs["replay_chosen_ids"][idx], inputs["replay_chosen_mask"][idx]
     args = (inputs["prompt_ids"][idx], inputs["prompt_mask"][idx], c_ids, c_mask)
     with torch.no_grad():
-        ref_now = sequence_logps(
-            forward_completion_logits(trainer._replay_ref, *args), c_ids, c_mask
-        )
-        policy_now = sequence_logps(forward_completion_logits(trainer.model, *args), c_ids, c_mask)
+        ref_now = completion_logps(trainer.replay_reference, *args)
+        policy_now = completion_logps(trainer.model, *args)
     torch.testing.assert_close(ref_now[0], inputs["replay_ref_chosen_logps"][idx])
     assert (policy_now[0] > ref_now[0] + 0.1).all()
 
@@ -144,7 +142,7 @@ def test_channel3_simpo_needs_no_reference(tmp_path):
         beta_replay=1,
         dpo_variant="simpo",
     )
-    assert trainer.ref_model is None and trainer._replay_ref is None
+    assert trainer.ref_model is None and trainer.replay_reference is None
     inputs = generation_batch(trainer)
     assert "replay_ref_chosen_logps" not in inputs and inputs["replay_pair_mask"].sum() == 2
     loss, grads = loss_and_grads(trainer, {**inputs, "advantages": 0 * inputs["advantages"]})
@@ -241,3 +239,56 @@ def test_builtin_task_reward_and_oracle_traces(tmp_path):
     loss, _ = loss_and_grads(trainer, inputs)
     assert torch.isfinite(loss)
     assert trainer._metrics["train"]["replay/active"][-1] == 1.0
+
+
+def test_callbacks_drive_the_trainer_through_its_public_state(tmp_path):
+    import types
+
+    import pytest
+
+    from composer_replication.loss import TAID_T_START
+    from composer_replication.trainer import EMATeacherCallback, TAIDCallback
+
+    trainer = make_trainer(
+        tmp_path,
+        args=config(tmp_path, beta=0.0),
+        alpha_sdpo=1.0,
+        beta_replay=0,
+        sdpo_wrapper="taid",
+        sdpo_teacher="ema",
+    )
+    callbacks = trainer.callback_handler.callbacks
+    taid = next(c for c in callbacks if isinstance(c, TAIDCallback))
+    ema = next(c for c in callbacks if isinstance(c, EMATeacherCallback))
+    assert trainer.taid_t == TAID_T_START  # bound by the callback
+    assert trainer.ema_teacher is not None and trainer.replay_reference is None
+
+    inputs = generation_batch(trainer)
+    trainer._metrics["train"].clear()
+    for _ in range(2):
+        loss_and_grads(trainer, inputs)
+    logged = trainer._metrics["train"]["loss/sdpo"]
+    assert trainer._metrics["train"]["taid/t"] == [TAID_T_START] * 2
+    ema_params = dict(trainer.ema_teacher.model.named_parameters())
+    assert all(not p.requires_grad for p in ema_params.values())
+
+    state = types.SimpleNamespace(global_step=1, max_steps=2)
+    with torch.no_grad():
+        for p in trainer.model.parameters():
+            p.add_(0.5)
+    name = "model.layers.0.mlp.up_proj.weight"
+    before = ema_params[name].detach().clone()
+    ema.on_step_end(None, state, None)  # the EMA teacher moves toward the policy
+    student = dict(trainer.model.named_parameters())[name].detach()
+    rate = trainer.composer.sdpo_ema_rate
+    torch.testing.assert_close(ema_params[name], (1 - rate) * before + rate * student)
+
+    taid.on_step_end(None, state, None)  # first step: records the mean loss, t unchanged
+    assert trainer.pop_taid_losses() == []  # the callback consumed both losses
+    assert taid.scheduler.prev_loss == pytest.approx(sum(logged) / 2)
+    state.global_step = 2
+    loss_and_grads(trainer, inputs)
+    taid.on_step_end(None, state, None)
+    assert trainer.taid_t == taid.t == 1.0  # linear floor at the last step
+    with pytest.raises(ValueError, match="TAID t"):
+        trainer.set_taid_t(1.5)

@@ -32,8 +32,30 @@ def test_docs_example_trains_all_three_channels(tmp_path, monkeypatch, capsys):
     assert any(isinstance(c, TAIDCallback) for c in trainer.callback_handler.callbacks)
     # The EMA teacher moved with the student but lags it.
     student = dict(trainer.model.named_parameters())
-    teacher = dict(trainer._ema.model.named_parameters())
+    teacher = dict(trainer.ema_teacher.model.named_parameters())
     name = "model.layers.0.mlp.up_proj.weight"
     assert not teacher[name].requires_grad
     assert 0 < float((teacher[name] - student[name].detach()).abs().max())
     assert "step 3:" in capsys.readouterr().out
+
+
+def test_keyword_table_defaults_are_the_settings_defaults():
+    """docs/trainer.md's keyword table states ComposerSettings' defaults (which are
+    loss.ComposeConfig's for the loss keywords): no second source of a default."""
+    import dataclasses
+    import sys
+
+    sys.path.insert(0, str(DOC.parents[1] / "tests" / "loss"))
+    from test_loss_docs import table_defaults
+
+    from composer_replication.loss import ComposeConfig
+    from composer_replication.trainer import ComposerSettings
+
+    documented = table_defaults(DOC.read_text(), "| keyword | default |")
+    settings = {f.name: f.default for f in dataclasses.fields(ComposerSettings)}
+    loss = {f.name: f.default for f in dataclasses.fields(ComposeConfig)}
+    assert set(documented) <= set(settings) and len(documented) >= 20
+    for name, value in documented.items():
+        assert value == settings[name], name
+        if name in loss:
+            assert settings[name] == loss[name], name

@@ -8,7 +8,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _trainer_helpers import config, generation_batch, loss_and_grads, make_trainer, plain_reward
+from _trainer_helpers import (
+    config,
+    generation_batch,
+    loss_and_grads,
+    make_trainer,
+    oracle_store,
+    plain_reward,
+)
 from trl import GRPOTrainer
 
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo"]
@@ -53,3 +60,123 @@ def test_channels_off_equals_grpo_trainer(tmp_path, loss_type):
     torch.testing.assert_close(loss_k.detach(), loss_p, rtol=1e-5, atol=1e-6)
     for name, param in capturing.model.named_parameters():
         torch.testing.assert_close(param.grad, grads_p[name], rtol=1e-4, atol=1e-6)
+
+
+def _channel_keys_removed(inputs):
+    return {k: v for k, v in inputs.items() if not k.startswith(("sdpo_", "replay_"))}
+
+
+def _reference_tensors(trainer, inputs):
+    """Channel tensors computed with plain torch from full, untrimmed forwards (no loss-library
+    log-prob helpers, no logits_to_keep): the independent side of the comparison."""
+    model = trainer.model
+    prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+    completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+    P, T = prompt_ids.shape[1], completion_ids.shape[1]
+
+    def token_logps(logits, ids):
+        return torch.log_softmax(logits.float(), -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+
+    logits = model(
+        input_ids=torch.cat([prompt_ids, completion_ids], 1),
+        attention_mask=torch.cat([prompt_mask, completion_mask], 1),
+    ).logits
+    student = logits[:, P - 1 : -1]
+    t_ids = inputs["sdpo_teacher_input_ids"]
+    with torch.no_grad():
+        teacher = model(input_ids=t_ids, attention_mask=inputs["sdpo_teacher_attention_mask"])
+    teacher_logits = teacher.logits[:, t_ids.shape[1] - T - 1 : -1]
+
+    rows = inputs["replay_pair_mask"].nonzero().squeeze(-1)
+    chosen_ids = inputs["replay_chosen_ids"][rows]
+    chosen_mask = inputs["replay_chosen_mask"][rows]
+
+    def chosen_sum(m):
+        out = m(
+            input_ids=torch.cat([prompt_ids[rows], chosen_ids], 1),
+            attention_mask=torch.cat([prompt_mask[rows], chosen_mask], 1),
+        ).logits[:, P - 1 : -1]
+        return (token_logps(out, chosen_ids) * chosen_mask).sum(-1)
+
+    rejected = (token_logps(student[rows], completion_ids[rows]) * completion_mask[rows]).sum(-1)
+    with torch.no_grad():
+        ref = trainer.replay_reference
+        ref_chosen = chosen_sum(ref)
+        ref_out = ref(
+            input_ids=torch.cat([prompt_ids[rows], completion_ids[rows]], 1),
+            attention_mask=torch.cat([prompt_mask[rows], completion_mask[rows]], 1),
+        ).logits[:, P - 1 : -1]
+        ref_rejected = (token_logps(ref_out, completion_ids[rows]) * completion_mask[rows]).sum(-1)
+    return {
+        "per_token_logps": token_logps(student / trainer.temperature, completion_ids),
+        "completion_mask": completion_mask,
+        "advantages": inputs["advantages"],
+        "student_logits": student,
+        "teacher_logits": teacher_logits,
+        "sdpo_mask": inputs["sdpo_sample_mask"],
+        "chosen_logps": chosen_sum(model),
+        "rejected_logps": rejected,
+        "ref_chosen_logps": ref_chosen,
+        "ref_rejected_logps": ref_rejected,
+    }
+
+
+def test_channels_on_equal_combine_on_independent_tensors(tmp_path):
+    """The trainer's channel-2/3 loss and gradients = combine's on tensors built by hand."""
+    from composer_replication.loss import combine
+
+    knobs = dict(alpha_sdpo=0.5, beta_replay=0.7, sdpo_jsd_beta=0.3, replay_dpo_beta=0.2)
+    trainer = make_trainer(tmp_path, store=oracle_store(), args=config(tmp_path, beta=0.0), **knobs)
+    inputs = generation_batch(trainer)
+    assert inputs["sdpo_sample_mask"].any() and inputs["replay_pair_mask"].sum() == 2
+    # The hinted contexts are left-padded to different lengths: the trainer trims, we do not.
+    assert not inputs["sdpo_teacher_attention_mask"][:, 0].all()
+
+    trainer._metrics["train"].clear()
+    loss_on, grads_on = loss_and_grads(trainer, inputs)
+    metrics = {k: v[-1] for k, v in trainer._metrics["train"].items() if v}
+    loss_off, grads_off = loss_and_grads(trainer, _channel_keys_removed(inputs))
+
+    tensors = _reference_tensors(trainer, inputs)
+    # The trainer's DPO reference log-probs are the frozen copy's, as computed here.
+    rows = inputs["replay_pair_mask"].nonzero().squeeze(-1)
+    torch.testing.assert_close(inputs["replay_ref_chosen_logps"][rows], tensors["ref_chosen_logps"])
+    torch.testing.assert_close(
+        inputs["replay_ref_rejected_logps"][rows], tensors["ref_rejected_logps"]
+    )
+    params = [p for _, p in trainer.model.named_parameters()]
+    on, ref_metrics = combine(**tensors, **knobs)
+    off, _ = combine(**tensors, **{**knobs, "alpha_sdpo": 0.0, "beta_replay": 0.0})
+    extra = on - off
+    ref_grads = torch.autograd.grad(extra, params, allow_unused=True)
+
+    torch.testing.assert_close(loss_on - loss_off, extra.detach(), rtol=1e-4, atol=1e-6)
+    assert float(extra.detach()) != 0.0
+    for (name, _), g in zip(trainer.model.named_parameters(), ref_grads):
+        expected = torch.zeros_like(grads_on[name]) if g is None else g
+        torch.testing.assert_close(grads_on[name] - grads_off[name], expected, rtol=1e-3, atol=1e-6)
+    for key in ("loss/sdpo", "jsd/tokens", "sdpo/frac_samples", "loss/replay", "replay/margin"):
+        assert metrics[key] == pytest.approx(ref_metrics[key], rel=1e-4, abs=1e-6), key
+    assert metrics["sdpo/active"] == 1.0 and metrics["replay/active"] == 1.0
+
+
+@pytest.mark.parametrize("dpo_variant", ["dpo", "simpo"])
+def test_trainer_loss_is_compose_loss_on_its_batch(tmp_path, dpo_variant):
+    """With TRL's dapo (= loss.grpo_loss) the whole trainer loss is compose_loss on the batch the
+    trainer built: the one batch format, read by the same public functions."""
+    from composer_replication.loss import compose_loss
+
+    knobs = dict(alpha_sdpo=0.5, beta_replay=0.7, dpo_variant=dpo_variant)
+    trainer = make_trainer(
+        tmp_path, store=oracle_store(), args=config(tmp_path, loss_type="dapo", beta=0.0), **knobs
+    )
+    inputs = generation_batch(trainer)
+    assert inputs["sdpo_sample_mask"].any() and inputs["replay_pair_mask"].any()
+    loss, grads = loss_and_grads(trainer, inputs)
+
+    trainer.model.zero_grad(set_to_none=True)
+    expected, _ = compose_loss(trainer.model, inputs, temperature=trainer.temperature, **knobs)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-6)
+    for name, param in trainer.model.named_parameters():
+        torch.testing.assert_close(grads[name], param.grad, rtol=1e-4, atol=1e-6)

@@ -20,7 +20,7 @@ def test_train_with_num_iterations_accumulation_and_kl(tmp_path):
     trainer = make_trainer(
         tmp_path, store=oracle_store(), args=args, alpha_sdpo=0.5, beta_replay=0.5
     )
-    assert trainer.ref_model is not None and trainer._replay_ref is trainer.ref_model
+    assert trainer.ref_model is not None and trainer.replay_reference is trainer.ref_model
     trainer.train()
     # 2 optimizer steps x 2 micro-batches, all from ONE generation batch reused twice.
     assert trainer._step == 4

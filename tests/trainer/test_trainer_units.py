@@ -55,7 +55,7 @@ def test_plan_hints_selection_rules():
     # successful sibling (c2, reward 0.9), not c0.
     assert plan0.sample_mask == [False, True, False, False]
     assert "Correct solution:\n\nc2" in plan0.teacher_prompts[1]
-    assert plan0.sibling_index[1] == 2 and plan0.failed == 1 and plan0.with_sibling == 1
+    assert plan0.failed == 1 and plan0.with_sibling == 1
 
 
 def test_plan_pairs_and_tensors():
@@ -175,3 +175,22 @@ def test_config_parses_from_command_line(tmp_path):
     )
     assert cfg.alpha_sdpo == 0.2 and cfg.sdpo_teacher == "ema"
     assert cfg.trace_files == ["a.jsonl", "b.jsonl"] and cfg.gradient_checkpointing is False
+
+
+def test_config_defaults_are_the_settings_defaults(tmp_path):
+    """ComposerConfig (TRL argument parsing) and ComposerSettings (trainer keywords) agree on
+    every composer field's default; the loss keywords' are loss.ComposeConfig's."""
+    import dataclasses
+
+    from composer_replication.loss import ComposeConfig
+
+    config_defaults = ComposerConfig(output_dir=str(tmp_path))
+    settings = ComposerSettings()
+    loss = ComposeConfig()
+    for f in dataclasses.fields(ComposerSettings):
+        if f.name == "hint_template":  # a HintTemplate here, its text (None = SDPO's) there
+            assert config_defaults.hint_template is None
+            continue
+        assert getattr(config_defaults, f.name) == getattr(settings, f.name), f.name
+        if hasattr(loss, f.name):
+            assert getattr(settings, f.name) == getattr(loss, f.name), f.name

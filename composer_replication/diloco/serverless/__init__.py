@@ -10,38 +10,14 @@ re-exports those names, lazily (importing it imports nothing heavy), and
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from composer_replication import exchange, executors
+from composer_replication.lazy import lazy_getattr
 
-_LAZY = {
-    "ObjectStoreAllReduce": "composer_replication.exchange.allreduce",
-    "ObjectStoreManager": "composer_replication.exchange.manager",
-    "MockManager": "composer_replication.exchange.manager",
-    "ServerlessExecutor": "composer_replication.executors.base",
-    "ReplicaHandle": "composer_replication.executors.base",
-    "ReplicaStatus": "composer_replication.executors.base",
-    "LocalProcessExecutor": "composer_replication.executors.local",
-    "MultiExecutor": "composer_replication.executors.multi",
-    "RayExecutor": "composer_replication.executors.ray",
-    "K8sExecutor": "composer_replication.executors.k8s",
-    "ModalExecutor": "composer_replication.executors.modal",
-    "HFJobsExecutor": "composer_replication.executors.hf_jobs",
-    "SageMakerExecutor": "composer_replication.executors.sagemaker",
-    "CloudExecutorError": "composer_replication.executors.redact",
-    "MissingCredentialsError": "composer_replication.executors.redact",
-}
+_LAZY = {**exchange.EXPORTS, **executors.EXPORTS}
 # Modules the seeds name as attributes of this package.
 _MODULES = {"replica_entrypoint": "composer_replication.run.replica"}
 
 __all__ = sorted([*_LAZY, *_MODULES])
 
 
-def __getattr__(name: str) -> Any:
-    if name in _MODULES:
-        return importlib.import_module(_MODULES[name])
-    module_name = _LAZY.get(name)
-    if module_name is None:
-        raise AttributeError(
-            f"module 'composer_replication.diloco.serverless' has no attribute {name!r}"
-        )
-    return getattr(importlib.import_module(module_name), name)
+__getattr__ = lazy_getattr(__name__, _LAZY, _MODULES)

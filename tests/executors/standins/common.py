@@ -206,4 +206,7 @@ def _make_handler(app: Any) -> type[BaseHTTPRequestHandler]:
         def do_PUT(self) -> None:
             self._dispatch("PUT")
 
+        def do_PATCH(self) -> None:
+            self._dispatch("PATCH")
+
     return Handler

@@ -99,6 +99,14 @@ class FakeModal:
                 fake._record("Secret.from_name", args, kwargs)
                 return SimpleNamespace(kind="secret", name=args[0] if args else kwargs["name"])
 
+            @staticmethod
+            def from_dict(*args: Any, **kwargs: Any) -> Any:
+                fake._record("Secret.from_dict", (), {})  # values are never recorded
+                values = dict(args[0] if args else kwargs["env_dict"])
+                name = f"ephemeral-{len(fake.secret_store)}"
+                fake.secret_store[name] = values
+                return SimpleNamespace(kind="secret", name=name)
+
         def cloud_bucket_mount(*args: Any, **kwargs: Any) -> Any:
             fake._record("CloudBucketMount", args, kwargs)
             return SimpleNamespace(kind="cloud_bucket_mount", **kwargs)

@@ -7,6 +7,9 @@ Serves the endpoints the kubernetes Python client calls for K8sExecutor:
   GET    /api/v1/namespaces/{ns}/pods?labelSelector=..  pods of a job
   DELETE /api/v1/namespaces/{ns}/pods/{pod}             delete one pod (SIGTERM -> exit 143)
   GET    /api/v1/namespaces/{ns}/pods/{pod}/log         container log (tailLines)
+  POST   /api/v1/namespaces/{ns}/secrets                create a Secret (stringData)
+  PATCH  /api/v1/namespaces/{ns}/secrets/{name}         set ownerReferences (deleted with the Job)
+  DELETE /api/v1/namespaces/{ns}/secrets/{name}         delete a Secret
 
 The "controller" runs every index of an Indexed Job as a pod whose container is a local
 process: Pending for `pending_seconds`, then Running, then Succeeded/Failed with the process's
@@ -68,6 +71,7 @@ class K8sApiStandin(JobLoop):
         self.workdir = Path(workdir)
         self.token = token
         self.secrets = secrets or {}
+        self.secret_owners: dict[str, str | None] = {}  # created Secret -> owning Job name
         self.pending_seconds = pending_seconds
         self.requests: list[tuple[str, str, dict[str, str], Any]] = []
         self.created: list[dict[str, Any]] = []  # job bodies as POSTed
@@ -98,6 +102,12 @@ class K8sApiStandin(JobLoop):
                         return self._get_job(ns, parts[6])
                     if method == "DELETE":
                         return self._delete_job(ns, parts[6], body, query)
+            if (
+                parts[:3] == ["api", "v1", "namespaces"]
+                and len(parts) >= 5
+                and (parts[4] == "secrets")
+            ):
+                return self._secret_call(method, parts[3], parts[5:], body)
             if parts[:3] == ["api", "v1", "namespaces"] and len(parts) >= 5 and parts[4] == "pods":
                 ns = parts[3]
                 if len(parts) == 5 and method == "GET":
@@ -107,6 +117,31 @@ class K8sApiStandin(JobLoop):
                 if len(parts) == 7 and parts[6] == "log" and method == "GET":
                     return self._pod_log(ns, parts[5], query)
         return _status(404, "NotFound", f"the server could not find the requested resource {path}")
+
+    # ------------------------------------------------------------------ secrets
+    def _secret_call(self, method: str, ns: str, rest: list[str], body: Any):
+        if method == "POST" and not rest:
+            name = body["metadata"]["name"]
+            if name in self.secrets:
+                return _status(409, "AlreadyExists", f'secrets "{name}" already exists')
+            self.secrets[name] = dict(body.get("stringData") or {})
+            self.secret_owners[name] = None
+            return (
+                201,
+                {"kind": "Secret", "metadata": {"name": name, "namespace": ns}},
+                ("application/json"),
+            )
+        if len(rest) == 1 and rest[0] in self.secrets:
+            name = rest[0]
+            if method == "PATCH":
+                owners = (body.get("metadata") or {}).get("ownerReferences") or []
+                self.secret_owners[name] = owners[0]["name"] if owners else None
+                return 200, {"kind": "Secret", "metadata": {"name": name}}, "application/json"
+            if method == "DELETE":
+                del self.secrets[name]
+                self.secret_owners.pop(name, None)
+                return 200, {"kind": "Status", "status": "Success"}, "application/json"
+        return _status(404, "NotFound", f"secret {rest} not found")
 
     # ------------------------------------------------------------------ jobs
     def _validate(self, body: Any) -> str | None:

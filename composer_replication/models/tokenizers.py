@@ -1,0 +1,288 @@
+"""Tokenizers for the tiny model, built locally: character-level, or BPE trained on the task's text.
+
+Both are `PreTrainedTokenizerFast` objects with the same conventions, so everything downstream
+treats them alike:
+
+* special tokens `<|pad|>` (id 0), `<|endoftext|>` (1, EOS), `<|im_start|>` (2, BOS), `<|unk|>`
+  (3) and `<|im_end|>` (4), in that order, first in the vocabulary;
+* a Qwen-style chat template (`<|im_start|>role\\n...<|im_end|>\\n`), left padding;
+* decoding joins tokens with no separator, so `decode(encode(text)) == text` for any text made of
+  `DEFAULT_CHARSET` characters (other characters become `<|unk|>`).
+
+`build_tokenizer()` is the character-level one: one token per character of `DEFAULT_CHARSET`.
+
+`build_bpe_tokenizer(texts)` trains a byte-pair-encoding vocabulary with the `tokenizers`
+library's `BpeTrainer` on `texts` (a run passes the task's own training text, see
+`Task.text_corpus`) plus the chat template's role headers. Digits are always single tokens (as in
+Qwen and Llama tokenizers), so numbers read digit by digit exactly as with the character-level
+tokenizer, while words and the hint template's phrases become one token each: a channel-2 hinted
+context is about 4x shorter. Training is deterministic (the same texts and settings give the same
+vocabulary and merges, in any process) and takes milliseconds; the result is cached on disk under
+`<cache_dir>/bpe-<key>/` where `key` is a SHA-256 of everything that decides it (texts, vocabulary
+size, minimum frequency, pre-tokenizer pattern, character set, special tokens, library version).
+A cached file is used only if its recorded key and content checksum match and its special tokens
+sit at the expected ids; anything else is rebuilt (with a warning) and rewritten atomically. The
+cache folder is `$COMPOSER_REPLICATION_CACHE/tokenizers`, else `$XDG_CACHE_HOME` or `~/.cache`
++ `/composer-replication/tokenizers`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import string
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "BPE_VOCAB_SIZE",
+    "CACHE_ENV",
+    "CHAT_TEMPLATE",
+    "DEFAULT_CHARSET",
+    "IM_END",
+    "SPECIAL_TOKENS",
+    "TOKENIZER_KINDS",
+    "build_bpe_tokenizer",
+    "build_tokenizer",
+    "default_cache_dir",
+]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CHARSET: str = string.ascii_letters + string.digits + string.punctuation + " \n"
+
+SPECIAL_TOKENS: dict[str, str] = {
+    "pad_token": "<|pad|>",
+    "eos_token": "<|endoftext|>",
+    "bos_token": "<|im_start|>",
+    "unk_token": "<|unk|>",
+}
+IM_END = "<|im_end|>"
+_SPECIALS: tuple[str, ...] = (*SPECIAL_TOKENS.values(), IM_END)
+
+# Qwen2.5's template shape (role headers, <|im_end|> after each turn) so prompts built for the tiny
+# model look like the ones a real Qwen model sees.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+_ROLE_HEADERS = ("system\n", "user\n", "assistant\n")
+
+TOKENIZER_KINDS: tuple[str, ...] = ("char", "bpe")
+BPE_VOCAB_SIZE = 512
+BPE_MIN_FREQUENCY = 2
+# GPT-2's split with every digit on its own: a word with its leading space, a punctuation run with
+# its leading space, whitespace runs (a trailing space stays apart from the next word), digits.
+BPE_SPLIT_PATTERN = r" ?[A-Za-z]+| ?[^\sA-Za-z0-9]+|\s+(?!\S)|\s+|[0-9]"
+CACHE_ENV = "COMPOSER_REPLICATION_CACHE"
+_CACHE_FORMAT = 1
+
+
+def _require_transformers() -> Any:
+    try:
+        import tokenizers
+        import transformers
+    except ImportError as exc:  # pragma: no cover - exercised only without the extra
+        raise ImportError(
+            "The tiny model's tokenizers need transformers and tokenizers; "
+            "install them with `pip install composer-replication[train]`."
+        ) from exc
+    return transformers, tokenizers
+
+
+def _wrap(backend: Any) -> Any:
+    """The `PreTrainedTokenizerFast` over a backend whose ids 0-4 are the special tokens."""
+    transformers, _ = _require_transformers()
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        padding_side="left",
+        additional_special_tokens=[IM_END],
+        clean_up_tokenization_spaces=False,
+        **SPECIAL_TOKENS,
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def build_tokenizer(charset: str = DEFAULT_CHARSET) -> Any:
+    """Return a character-level `PreTrainedTokenizerFast` with left padding and a chat template.
+
+    Token ids: the four special tokens and `<|im_end|>` first (ids 0-4), then one id per character
+    of `charset` in order. Characters outside `charset` map to `<|unk|>`.
+    """
+    if len(set(charset)) != len(charset):
+        raise ValueError("charset has repeated characters; each character must appear once")
+    _, tokenizers = _require_transformers()
+    from tokenizers import decoders, models, pre_tokenizers
+
+    vocab = {tok: i for i, tok in enumerate(_SPECIALS)}
+    for ch in charset:
+        vocab[ch] = len(vocab)
+    backend = tokenizers.Tokenizer(
+        models.WordLevel(vocab=vocab, unk_token=SPECIAL_TOKENS["unk_token"])
+    )
+    # Split into single characters so WordLevel sees one "word" per character.
+    backend.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    # Fuse joins decoded characters with no separator (WordLevel would insert spaces).
+    backend.decoder = decoders.Fuse()
+    backend.add_special_tokens(list(_SPECIALS))
+    return _wrap(backend)
+
+
+def default_cache_dir() -> Path:
+    """Where trained tokenizers are cached (see the module docstring)."""
+    root = os.environ.get(CACHE_ENV)
+    if root:
+        return Path(root) / "tokenizers"
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "composer-replication" / "tokenizers"
+
+
+def _bpe_key(texts: list[str], vocab_size: int, min_frequency: int, version: str) -> str:
+    h = hashlib.sha256()
+    settings = {
+        "format": _CACHE_FORMAT,
+        "vocab_size": vocab_size,
+        "min_frequency": min_frequency,
+        "pattern": BPE_SPLIT_PATTERN,
+        "charset": DEFAULT_CHARSET,
+        "specials": list(_SPECIALS),
+        "roles": list(_ROLE_HEADERS),
+        "tokenizers": version,
+    }
+    h.update(json.dumps(settings, sort_keys=True).encode("utf-8"))
+    for text in texts:
+        # Length-prefixed, so ["ab", "c"] and ["a", "bc"] hash differently.
+        data = text.encode("utf-8")
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+    return h.hexdigest()
+
+
+def _train_bpe(texts: list[str], vocab_size: int, min_frequency: int) -> Any:
+    _, tokenizers = _require_transformers()
+    from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
+
+    backend = tokenizers.Tokenizer(models.BPE(unk_token=SPECIAL_TOKENS["unk_token"]))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(BPE_SPLIT_PATTERN), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=list(_SPECIALS),
+        initial_alphabet=sorted(set(DEFAULT_CHARSET)),
+        show_progress=False,
+    )
+    # Role headers are text the chat template adds around every turn: frequent enough to merge.
+    headers = [h for h in _ROLE_HEADERS for _ in range(min_frequency)]
+    backend.train_from_iterator([*headers, *texts], trainer=trainer)
+    return backend
+
+
+def _check_backend(backend: Any) -> str | None:
+    """None if the special tokens sit at ids 0-4 and every charset character is known."""
+    for i, special in enumerate(_SPECIALS):
+        if backend.token_to_id(special) != i:
+            return f"special token {special!r} is not at id {i}"
+    unknown = [c for c in DEFAULT_CHARSET if backend.token_to_id(c) is None]
+    if unknown:
+        return f"characters {''.join(unknown)!r} are missing from the vocabulary"
+    return None
+
+
+def _load_cached(folder: Path, key: str) -> Any | None:
+    """The cached backend in `folder` if it is valid for `key`, else None (warning if damaged)."""
+    meta_path, tok_path = folder / "meta.json", folder / "tokenizer.json"
+    if not meta_path.exists() and not tok_path.exists():
+        return None
+    _, tokenizers = _require_transformers()
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        text = tok_path.read_text(encoding="utf-8")
+        if not isinstance(meta, dict) or meta.get("key") != key:
+            raise ValueError("its recorded key does not match")
+        if meta.get("sha256") != hashlib.sha256(text.encode("utf-8")).hexdigest():
+            raise ValueError("tokenizer.json does not match its recorded checksum")
+        backend = tokenizers.Tokenizer.from_str(text)
+        problem = _check_backend(backend)
+        if problem:
+            raise ValueError(problem)
+    except Exception as exc:  # tokenizers raises plain Exception on malformed JSON
+        logger.warning("tokenizer cache %s is unusable (%s); rebuilding it", folder, exc)
+        return None
+    return backend
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _store(folder: Path, key: str, backend: Any) -> None:
+    text = backend.to_str()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        # tokenizer.json first: a reader that sees the new meta.json also sees its file.
+        _write_atomic(folder / "tokenizer.json", text)
+        meta = {"key": key, "sha256": hashlib.sha256(text.encode("utf-8")).hexdigest()}
+        _write_atomic(folder / "meta.json", json.dumps(meta, sort_keys=True))
+    except OSError as exc:  # a read-only cache is not an error: the tokenizer is in memory
+        logger.warning(
+            "cannot write the tokenizer cache %s (%s); continuing without it", folder, exc
+        )
+
+
+def build_bpe_tokenizer(
+    texts: Iterable[str],
+    *,
+    vocab_size: int = BPE_VOCAB_SIZE,
+    min_frequency: int = BPE_MIN_FREQUENCY,
+    cache_dir: str | os.PathLike[str] | None = None,
+    use_cache: bool = True,
+) -> Any:
+    """A BPE `PreTrainedTokenizerFast` trained on `texts` (see the module docstring).
+
+    Args:
+        texts: the training text, in a fixed order (order is part of the cache key).
+        vocab_size: the largest vocabulary (specials and every `DEFAULT_CHARSET` character
+            included); a small text may give fewer merges, hence a smaller vocabulary.
+        min_frequency: a pair must occur this often to be merged.
+        cache_dir: cache folder (default: `default_cache_dir()`).
+        use_cache: False trains every time and touches no file.
+    """
+    texts = [str(t) for t in texts]
+    if not texts:
+        raise ValueError("build_bpe_tokenizer needs training text; got an empty corpus")
+    floor = len(_SPECIALS) + len(DEFAULT_CHARSET)
+    if not isinstance(vocab_size, int) or vocab_size < floor:
+        raise ValueError(
+            f"vocab_size must be an int >= {floor} (the special tokens plus one token per "
+            f"character of DEFAULT_CHARSET), got {vocab_size!r}"
+        )
+    if not isinstance(min_frequency, int) or min_frequency < 1:
+        raise ValueError(f"min_frequency must be an int >= 1, got {min_frequency!r}")
+    _, tokenizers = _require_transformers()
+    key = _bpe_key(texts, vocab_size, min_frequency, tokenizers.__version__)
+    folder = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    folder = folder / f"bpe-{key[:24]}"
+    backend = _load_cached(folder, key) if use_cache else None
+    if backend is None:
+        backend = _train_bpe(texts, vocab_size, min_frequency)
+        problem = _check_backend(backend)
+        if problem:  # pragma: no cover - the trainer's contract; guards a library change
+            raise RuntimeError(f"the BPE trainer produced an unusable vocabulary: {problem}")
+        if use_cache:
+            _store(folder, key, backend)
+    return _wrap(backend)

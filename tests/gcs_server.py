@@ -1,0 +1,123 @@
+"""A GCS emulator on 127.0.0.1 for tests (pytest plugin, see tests/conftest.py).
+
+``gcs_server`` (session-scoped fixture; also ``run_gcs()`` as a context manager for scripts)
+starts ``gcp-storage-emulator`` (PyPI) in a subprocess, in memory, with one bucket, and yields
+``(endpoint_url, bucket, storage_options)``; ``storage_options`` is a plain dict for gcsfs
+(endpoint, anonymous token, project) that can be passed to subprocesses.
+
+The emulator ignores upload preconditions, which the object-store protocol relies on (real GCS
+refuses ``ifGenerationMatch=0`` with HTTP 412 when the object exists: that is how ``mode="create"``
+is a put-if-absent). The launcher below adds exactly that rule to the emulator's object-insert
+handler (media and multipart uploads, which is what gcsfs sends for bodies under 50 MiB; a
+resumable upload is checked when it is opened), atomically under one lock, before the emulator's
+routes are built. Everything else is the emulator's own behaviour.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+BUCKET = "composer-test"
+
+LAUNCHER = r"""
+import sys, threading
+from http import HTTPStatus
+from gcp_storage_emulator.handlers import objects
+
+_insert = objects.insert
+_lock = threading.Lock()
+
+def insert(request, response, storage, *args, **kwargs):
+    match = request.query.get("ifGenerationMatch")
+    if not match or match[0] != "0":
+        return _insert(request, response, storage, *args, **kwargs)
+    name = request.query.get("name", [None])[0]
+    if name is None and isinstance(request.data, dict):
+        name = (request.data.get("meta") or {}).get("name") or request.data.get("name")
+    with _lock:  # check and create as one step, as GCS does
+        try:
+            storage.get_file_obj(request.params["bucket_name"], name)
+            exists = True
+        except Exception:
+            exists = False
+        if exists:
+            response.status = HTTPStatus.PRECONDITION_FAILED
+            response.json({"error": {"code": 412, "message": "conditionNotMet",
+                                     "errors": [{"reason": "conditionNotMet"}]}})
+            return None
+        return _insert(request, response, storage, *args, **kwargs)
+
+objects.insert = insert
+from gcp_storage_emulator.server import create_server  # builds its routes with the rule above
+
+create_server(sys.argv[1], int(sys.argv[2]), in_memory=True, default_bucket=sys.argv[3]).run()
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def storage_options(endpoint: str) -> dict[str, Any]:
+    return {"endpoint_url": endpoint, "token": "anon", "project": "composer-test"}
+
+
+@contextlib.contextmanager
+def run_gcs(bucket: str = BUCKET) -> Iterator[tuple[str, str, dict[str, Any]]]:
+    """Start the emulator on loopback; yields (endpoint_url, bucket, storage_options)."""
+    try:
+        import gcp_storage_emulator  # noqa: F401
+    except ImportError:
+        pytest.skip("gcp-storage-emulator is not installed: pip install composer-replication[dev]")
+    port = _free_port()
+    log = Path(tempfile.mkdtemp(prefix="gcs-emulator-")) / "emulator.log"
+    with open(log, "wb") as logf:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", LAUNCHER, "127.0.0.1", str(port), bucket],
+            stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the GCS emulator exited: {log.read_text()[-2000:]}")
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"the GCS emulator did not start: {log.read_text()}"
+                    ) from None
+                time.sleep(0.1)
+        yield endpoint, bucket, storage_options(endpoint)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=15)
+        with contextlib.suppress(OSError):
+            os.remove(log)
+
+
+@pytest.fixture(scope="session")
+def gcs_server() -> Iterator[tuple[str, str, dict[str, Any]]]:
+    """gcp-storage-emulator on loopback; yields (endpoint_url, bucket, storage_options)."""
+    with run_gcs() as server:
+        yield server

@@ -1,0 +1,71 @@
+"""The embedded default's held-out accuracy is honest: held-out prompts never reach training.
+
+Three ways a held-out prompt or its answer could leak, each checked on the default run's task:
+the split itself, channel 3's oracle teacher, and the BPE tokenizer's training text.
+"""
+
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+
+from composer_replication.config import load_config
+from composer_replication.data.traces import prompt_key
+from composer_replication.run.bake import build_task, build_teachers, chat_prompt
+
+
+@pytest.fixture(scope="module")
+def default_task():  # type: ignore[no-untyped-def]
+    return build_task(load_config())
+
+
+@pytest.mark.xfail(
+    strict=True, reason="demo target not reached yet: the default still evaluates 32 prompts"
+)
+def test_default_held_out_prompts_are_many_distinct_and_never_trained_on(default_task) -> None:  # type: ignore[no-untyped-def]
+    config = load_config()
+    train = default_task.train_examples()
+    held_out = default_task.eval_examples()
+    assert len(held_out) == config.task.n_eval >= 200
+    # Evaluation uses all of them (the run evaluates at most eval_max_examples).
+    assert config.train.eval_max_examples >= config.task.n_eval
+    assert len({ex.prompt for ex in held_out}) == len(held_out)
+    assert not {ex.prompt for ex in held_out} & {ex.prompt for ex in train}
+
+
+def test_oracle_teacher_answers_training_prompts_only(default_task) -> None:  # type: ignore[no-untyped-def]
+    (oracle,) = build_teachers(load_config(), default_task)
+    train = default_task.train_examples()[:50]
+    held_out = default_task.eval_examples()
+    answers = oracle.complete([chat_prompt(ex) for ex in train])
+    assert [a.text for a in answers] == [default_task.oracle(ex) for ex in train]
+    assert all(a.text == "" for a in oracle.complete([chat_prompt(ex) for ex in held_out]))
+
+
+def test_tokenizer_text_holds_no_held_out_prompt(default_task) -> None:  # type: ignore[no-untyped-def]
+    corpus = default_task.text_corpus("train")
+    held_out = {ex.prompt for ex in default_task.eval_examples()}
+    # Prompts appear alone and at the start of hinted texts ("12+3=\nCorrect solution: ...").
+    firsts = {text.split("\n", 1)[0] for text in corpus}
+    assert not held_out & (set(corpus) | firsts)
+    assert {ex.prompt for ex in default_task.train_examples()} <= set(corpus)
+
+
+def test_channel3_traces_of_a_default_run_cover_training_prompts_only(default_task) -> None:  # type: ignore[no-untyped-def]
+    """A few real steps of the default run's trainer: every trace the lazy teacher pool recorded
+    is for a training prompt."""
+    from composer_replication.run.replica import build_model, build_trainer
+
+    config = load_config(overrides=["train.max_steps=3", "diloco.sync_every_h=3"])
+    model, tok = build_model(config)
+    with tempfile.TemporaryDirectory() as scratch:
+        trainer = build_trainer(
+            config, model=model, tokenizer=tok, task=default_task, max_steps=3, seed=0,
+            output_dir=scratch,
+        )  # fmt: skip
+        trainer.train()
+    keys = trainer.trace_store.prompt_keys
+    train_keys = {prompt_key(chat_prompt(ex)) for ex in default_task.train_examples()}
+    held_out_keys = {prompt_key(chat_prompt(ex)) for ex in default_task.eval_examples()}
+    assert keys and keys <= train_keys and not keys & held_out_keys

@@ -7,7 +7,8 @@ What one replica (run/replica.py), `bake-traces` (run/bake.py) and the channel a
 - `build_model(config)`: `(model, tokenizer)`: the tiny Qwen2 built locally from `[model]`
   (no download), else `from_pretrained` of a hub id or a local folder.
 - `build_teachers(config, task)`: the `[[teachers.endpoints]]` clients, else (with
-  `teachers.oracle`) an `OracleTeacher` answering with the task's reference solution.
+  `teachers.oracle`) an `OracleTeacher` answering the task's TRAIN prompts with their reference
+  solution (held-out prompts get no answer, so none can leak through channel 3).
 - `task_verifier(task)`: `(prompt, completion) -> reward or None` for scoring teacher traces.
 - `build_trainer(config, ...)`: the `ComposerReplicationTrainer` with the task's reward (with
   feedback) and train split, TRL settings from `[train]` and channel 1 of `[loss]`, the
@@ -74,7 +75,15 @@ def build_model(config: RunConfig) -> tuple[Any, Any]:
     if m.is_tiny:
         from composer_replication.models import build_tiny_model, build_tokenizer
 
-        tok = build_tokenizer()
+        if m.tokenizer == "bpe":
+            from composer_replication.models import build_bpe_tokenizer
+
+            # Trained on the TRAIN split's text only (deterministic: every replica gets the same
+            # vocabulary), cached on disk.
+            corpus = build_task(config).text_corpus("train")
+            tok = build_bpe_tokenizer(corpus, vocab_size=m.vocab_size)
+        else:
+            tok = build_tokenizer()
         model = build_tiny_model(
             tok, hidden_size=m.hidden_size, num_layers=m.num_layers, num_heads=m.num_heads,
             num_kv_heads=m.num_kv_heads, seed=config.run.seed,
@@ -137,10 +146,14 @@ def build_teachers(config: RunConfig, task: Task) -> list[TeacherClient]:
         except ValueError as exc:
             raise ConfigError(f"teachers.endpoints[{i}]: {exc}") from None
     if not teachers and config.teachers.oracle:
-        index = task_index(task)
+        from composer_replication.tasks.base import chat_prompt
+
+        # TRAIN prompts only: the oracle never answers a held-out prompt, so no held-out answer
+        # can reach training through channel 3.
+        train = {prompt_key(chat_prompt(ex.prompt)): ex for ex in task.train_examples()}
 
         def solve(prompt: Prompt) -> str | None:
-            example = index.get(prompt_key(prompt))
+            example = train.get(prompt_key(prompt))
             return None if example is None else task.oracle(example)
 
         teachers.append(OracleTeacher(solve, name="oracle"))

@@ -12,7 +12,8 @@ import pytest
 
 from composer_replication.config import load_config
 from composer_replication.data.traces import prompt_key
-from composer_replication.run.bake import build_task, build_teachers, chat_prompt
+from composer_replication.run.build import build_task, build_teachers
+from composer_replication.tasks.base import chat_prompt
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +39,9 @@ def test_oracle_teacher_answers_training_prompts_only(default_task) -> None:  # 
     (oracle,) = build_teachers(load_config(), default_task)
     train = default_task.train_examples()[:50]
     held_out = default_task.eval_examples()
-    answers = oracle.complete([chat_prompt(ex) for ex in train])
+    answers = oracle.complete([chat_prompt(ex.prompt) for ex in train])
     assert [a.text for a in answers] == [default_task.oracle(ex) for ex in train]
-    assert all(a.text == "" for a in oracle.complete([chat_prompt(ex) for ex in held_out]))
+    assert all(a.text == "" for a in oracle.complete([chat_prompt(ex.prompt) for ex in held_out]))
 
 
 def test_tokenizer_text_holds_no_held_out_prompt(default_task) -> None:  # type: ignore[no-untyped-def]
@@ -55,7 +56,7 @@ def test_tokenizer_text_holds_no_held_out_prompt(default_task) -> None:  # type:
 def test_channel3_traces_of_a_default_run_cover_training_prompts_only(default_task) -> None:  # type: ignore[no-untyped-def]
     """A few real steps of the default run's trainer: every trace the lazy teacher pool recorded
     is for a training prompt."""
-    from composer_replication.run.replica import build_model, build_trainer
+    from composer_replication.run.build import build_model, build_trainer
 
     config = load_config(overrides=["train.max_steps=3", "diloco.sync_every_h=3"])
     model, tok = build_model(config)
@@ -66,6 +67,6 @@ def test_channel3_traces_of_a_default_run_cover_training_prompts_only(default_ta
         )  # fmt: skip
         trainer.train()
     keys = trainer.trace_store.prompt_keys
-    train_keys = {prompt_key(chat_prompt(ex)) for ex in default_task.train_examples()}
-    held_out_keys = {prompt_key(chat_prompt(ex)) for ex in default_task.eval_examples()}
+    train_keys = {prompt_key(chat_prompt(ex.prompt)) for ex in default_task.train_examples()}
+    held_out_keys = {prompt_key(chat_prompt(ex.prompt)) for ex in default_task.eval_examples()}
     assert keys and keys <= train_keys and not keys & held_out_keys

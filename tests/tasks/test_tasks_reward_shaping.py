@@ -21,7 +21,7 @@ import statistics
 import pytest
 
 from composer_replication.config import load_config
-from composer_replication.run.bake import build_task
+from composer_replication.run.build import build_task
 from composer_replication.tasks import Example, Task, get_task
 from composer_replication.tasks.arithmetic import WRONG_BASE, ArithmeticTask
 

@@ -117,14 +117,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"synchronizer: error: {exc}", file=sys.stderr)
         return 2
     stop = threading.Event()
+    previous: dict[signal.Signals, Any] = {}
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
+            previous[sig] = signal.signal(sig, lambda *_: stop.set())
     try:
         return run(config, store, stop)
     except ValueError as exc:
         print(f"synchronizer: error: {exc}", file=sys.stderr)
         return 2
+    finally:  # called in-process (the CLI, tests): give the caller its handlers back
+        for prev_sig, handler in previous.items():
+            signal.signal(prev_sig, handler)
 
 
 class SynchronizerProcess:

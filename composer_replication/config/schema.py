@@ -636,6 +636,13 @@ class RunConfig:
                 "signs the synchronous object-store exchange; decoupled mode's pushes are not "
                 "signed yet (use diloco.mode = 'sync' for a signed run)",
             )
+        if self.diloco.mode == "decoupled" and self.model.is_tiny:
+            _check(
+                self.diloco.fragments <= self.model.num_layers,
+                "diloco.fragments",
+                f"{self.diloco.fragments} exceeds model.num_layers ({self.model.num_layers}): "
+                "each fragment needs at least one transformer block",
+            )
         if self.diloco.quorum is not None:
             _check(
                 self.diloco.quorum <= self.backend.n_replicas,

@@ -7,7 +7,8 @@ This module holds everything that is the same for every backend:
 - `ReplicaStatus` / `ReplicaHandle`: what the driver sees of one replica.
 - `ServerlessExecutor`: the Protocol every backend satisfies (`launch_replicas`, `poll`,
   `collect`, `cancel`, `logs`); `RankLauncher` adds what `MultiExecutor` needs of a
-  sub-executor (`check_launch`, `launch_ranks`). The seed driver works unchanged with any of
+  sub-executor (`check_launch`, `launch_ranks`); `Releasable` executors (`shutdown`) are shut
+  down by the driver when the run is over. The seed driver works unchanged with any of
   them::
 
       handles = executor.launch_replicas(n_replicas=4, entrypoint="diloco_replica.py",
@@ -48,6 +49,7 @@ __all__ = [
     "ExecutorBase",
     "ReplicaHandle",
     "RankLauncher",
+    "Releasable",
     "ReplicaStatus",
     "ServerlessExecutor",
     "SupervisorBase",
@@ -151,6 +153,17 @@ class ServerlessExecutor(Protocol):
 
     def logs(self, handle: ReplicaHandle, tail: int | None = None) -> str:
         """The replica's combined stdout/stderr (the last `tail` lines when given)."""
+        ...
+
+
+@runtime_checkable
+class Releasable(Protocol):
+    """An executor that holds something beyond its replicas' lifetime (a Ray it started, a
+    thread pool): the driver calls `shutdown()` once the run is over. Optional: an executor
+    without it holds nothing."""
+
+    def shutdown(self) -> None:
+        """Stop what is still running and release what this executor started; idempotent."""
         ...
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from composer_replication.executors.base import (
     RankLauncher,
+    Releasable,
     ReplicaHandle,
     SecretsByRank,
     ServerlessExecutor,
@@ -157,3 +158,9 @@ class MultiExecutor(SupervisorBase):
 
     def logs(self, handle: ReplicaHandle, tail: int | None = None) -> str:
         return self.executor_of(handle).logs(handle, tail=tail)
+
+    def shutdown(self) -> None:
+        """Shut down every sub-executor that holds something (`Releasable`)."""
+        for executor, _ in self.placement:
+            if isinstance(executor, Releasable):
+                executor.shutdown()

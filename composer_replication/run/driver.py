@@ -122,6 +122,14 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _release(executor: ServerlessExecutor) -> None:
+    """Shut the executor down if it holds something (a Ray it started): the run is over."""
+    from composer_replication.executors.base import Releasable
+
+    if isinstance(executor, Releasable):
+        executor.shutdown()
+
+
 def _make_executor(config: RunConfig, folder: RunFolder) -> ServerlessExecutor:
     """The executor of `backend.kind` (from the registry), built from `backend.options`."""
     spec = registry.backend(config.backend.kind)
@@ -244,6 +252,7 @@ def run(
         )
     except Exception as exc:  # the executor cancelled whatever it had started
         restore_signals()
+        _release(executor)
         _stop_lighthouse(lighthouse)
         _stop_decoupled(synchronizer, proxy)
         progress.close()
@@ -322,6 +331,7 @@ def run(
         restore_signals()
         _stop_lighthouse(lighthouse)
         _stop_decoupled(synchronizer, proxy)
+        _release(executor)
     if chaos is not None:
         summary["chaos_ok"] = chaos["ok"]
         if not chaos["ok"] and status == "finished":

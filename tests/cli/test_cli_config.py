@@ -116,3 +116,21 @@ def test_cross_section_rules() -> None:
     ok = load_config(overrides=["loss.sdpo_wrapper=taid", "loss.taid_t=0.4"])
     assert ok.loss.compose_kwargs()["taid_t"] == 0.4
     assert "sdpo_token_clip" not in ok.loss.compose_kwargs()  # unset optionals are omitted
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        (["diloco.fragments=4", "model.num_layers=2"],
+         "diloco.fragments: 4 exceeds model.num_layers (2)"),
+        (["security.sign=true"], "security.sign: signs the synchronous object-store exchange"),
+        (["diloco.screen=loss"], "diloco.screen: the loss screen runs in the synchronous"),
+        (["diloco.merge=rda", "diloco.aggregate=median"], "diloco.merge: 'rda' averages"),
+    ],
+)  # fmt: skip
+def test_decoupled_rules_fail_before_any_replica_starts(overrides: list[str], needle: str) -> None:
+    """What decoupled mode cannot do is a config error, not a replica traceback a minute in."""
+    base = ["diloco.mode=decoupled", "diloco.sync_every_h=8", "train.max_steps=16"]
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=[*base, *overrides])
+    assert needle in str(info.value)

@@ -1,5 +1,5 @@
 """The decoupled synchronizer with robust aggregation (exchange.robust): screening decisions
-recorded per push, robust merges, a byzantine learner. Skipped where that module is absent."""
+recorded per push, robust merges, a byzantine learner."""
 
 from __future__ import annotations
 
@@ -43,6 +43,28 @@ def test_a_pushed_pseudo_gradient_times_1e6_is_contained() -> None:
         assert torch.equal(combine_decided(inputs, dec, method)["w"], merged["w"])  # replay
     merged, _ = aggregate(inputs, "mean", outlier_ratio=0)  # plain mean: ruined
     assert float((merged["w"] - honest).norm()) > 1e4 * float(honest.norm())
+
+
+def test_a_push_with_a_nan_is_left_out_with_its_reason() -> None:
+    inputs, _ = _inputs(1.0)
+    inputs[3].tensors["w"][5] = float("nan")
+    merged, dec = aggregate(inputs, "mean")
+    assert not dec["p3"]["included"] and dec["p3"]["reason"].startswith("non-finite values")
+    honest = sum(i.tensors["w"] for i in inputs[:3]) / 3
+    assert torch.allclose(merged["w"], honest, atol=1e-6)
+
+
+def test_a_huge_work_claim_is_capped_at_four_times_the_median() -> None:
+    """A learner claiming 1e12 x the work of the others weighs 4 x the median, not ~1."""
+    inputs, _ = _inputs(1.0)
+    inputs[3] = MergeInput("p3", 8.0e12, inputs[3].tensors)
+    merged, dec = aggregate(inputs, "mean")
+    assert [round(dec[f"p{i}"]["weight"], 9) for i in range(4)] == [
+        round(w / 7, 9) for w in (1, 1, 1, 4)
+    ]
+    assert "capped at 4 x median" in dec["p3"]["note"]
+    expected = sum(w * i.tensors["w"] for w, i in zip((1, 1, 1, 4), inputs, strict=True)) / 7
+    assert torch.allclose(merged["w"], expected, atol=1e-5)
 
 
 def _learner(uri: str, rank: int, out: dict, attack: float) -> None:

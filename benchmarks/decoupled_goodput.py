@@ -173,6 +173,7 @@ def run_once(a: argparse.Namespace, mode: str, *, faults: bool, attack: float = 
     from composer_replication.config.schema import (
         BackendConfig,
         DilocoConfig,
+        ModelConfig,
         RunConfig,
         StoreConfig,
         TrainConfig,
@@ -195,6 +196,7 @@ def run_once(a: argparse.Namespace, mode: str, *, faults: bool, attack: float = 
     store = ObjectStore(uri, options)
     config = RunConfig(
         train=TrainConfig(max_steps=a.steps),
+        model=ModelConfig(num_layers=a.layers),  # the benchmark's GPT: its blocks are fragmented
         # robust merges need several pushes per merge: the byzantine runs wait for all 4
         diloco=DilocoConfig(sync_every_h=a.h, mode="decoupled", fragments=a.p,
                             quorum=N if attack != 1.0 else a.quorum, late=a.late,

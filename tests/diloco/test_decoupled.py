@@ -356,7 +356,10 @@ def test_garbage_collection_keeps_every_record_and_recent_states(tmp_path: Path)
 def test_run_config_keys_of_the_decoupled_mode() -> None:
     from composer_replication.config import ConfigError, load_config
 
-    c = load_config(None, ["diloco.mode=decoupled", "diloco.fragments=4", "diloco.quorum=2"])
+    c = load_config(
+        None,
+        ["diloco.mode=decoupled", "diloco.fragments=4", "diloco.quorum=2", "model.num_layers=4"],
+    )
     assert (c.diloco.mode, c.diloco.fragments, c.quorum) == ("decoupled", 4, 2)
     c = load_config(None, ["diloco.mode=decoupled", "backend.n_replicas=4"])
     assert c.diloco.quorum is None and c.quorum == 3  # unset: all learners but one

@@ -18,6 +18,7 @@ from composer_replication.config.schema import (
     BackendConfig,
     ChaosEventConfig,
     DilocoConfig,
+    ModelConfig,
     RunConfig,
     StoreConfig,
     TrainConfig,
@@ -38,6 +39,7 @@ ROOT = str(Path(__file__).resolve().parents[2])
 def _run_config(n: int, steps: int, h: int, p: int, quorum: int) -> RunConfig:
     return RunConfig(
         train=TrainConfig(max_steps=steps),
+        model=ModelConfig(num_layers=p),  # the toy learner has one block per fragment
         diloco=DilocoConfig(sync_every_h=h, mode="decoupled", fragments=p, quorum=quorum,
                             lease_ttl_s=2.0, late="carry"),
         backend=BackendConfig(n_replicas=n),

@@ -147,10 +147,20 @@ def aggregate(
     Inputs without work (weight 0) are refused. Every input is screened by the robust-aggregation
     module (``exchange.robust``: non-finite values, norm outliers against the round's median
     unless ``outlier_ratio=0``, weight claims capped against the median) and ``method`` is any of
-    its merges (mean, trimmed_mean, median, norm_clip). Empty tensors: nothing included.
+    its merges (mean, trimmed_mean, median, norm_clip). A robust method with fewer than
+    ``robust.MIN_TO_JUDGE`` pushes with work includes none of them. Empty tensors: nothing
+    included.
     """
     decisions = {i.id: _decision(False, "no work (weight 0)") for i in inputs if i.weight <= 0}
     work = [i for i in inputs if i.weight > 0]
+    if method != "mean" and 0 < len(work) < robust.MIN_TO_JUDGE:
+        # A robust merge of one or two pushes cannot leave anyone out (a trimmed mean of two is
+        # their mean): merging them would let a byzantine push through whenever a merge is
+        # small (the end of a run, dead learners). Their work is dropped instead.
+        why = (f"too few pushes for a robust merge ({len(work)} < {robust.MIN_TO_JUDGE}; "
+               f"aggregate={method!r})")  # fmt: skip
+        decisions.update({i.id: _decision(False, why) for i in work})
+        work = []
     if work:
         policy = _policy(method, outlier_ratio)
         top = max(i.weight for i in work)  # integer claims that keep the ratios to 1e-9

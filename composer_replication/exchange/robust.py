@@ -61,6 +61,7 @@ __all__ = [
     "Candidate",
     "Decision",
     "LossProbe",
+    "MIN_TO_JUDGE",
     "TensorStats",
     "combine",
     "included",
@@ -78,6 +79,11 @@ WEIGHTINGS: tuple[str, ...] = ("equal", "tokens")
 LossProbe = Callable[[Mapping[str, torch.Tensor]], float]
 """The held-out loss after applying ``candidate`` alone (the caller decides how: for DiLoCo a
 plain outer step ``global - outer_lr * candidate``); ``zeros`` gives the baseline."""
+
+
+# Fewest contributions among which an outlier can be told apart (with two, the median cannot
+# tell which one is the outlier, and a trimmed mean trims nothing).
+MIN_TO_JUDGE = 3
 
 
 @dataclass(frozen=True)
@@ -278,7 +284,7 @@ def _check_claims(work: _Work, policy: AggregatePolicy) -> None:
 
 def _check_norms(work: _Work, policy: AggregatePolicy) -> None:
     alive = work.alive()
-    if not policy.outlier_ratio or len(alive) < 3:
+    if not policy.outlier_ratio or len(alive) < MIN_TO_JUDGE:
         return
     median = statistics.median(c.get_stats().norm for c in alive)
     for c in alive:

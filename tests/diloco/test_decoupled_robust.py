@@ -54,6 +54,20 @@ def test_a_push_with_a_nan_is_left_out_with_its_reason() -> None:
     assert torch.allclose(merged["w"], honest, atol=1e-6)
 
 
+def test_a_robust_merge_of_two_pushes_includes_neither() -> None:
+    """With two pushes a trimmed mean trims nothing: an attacker among them would get in (the
+    final merges of a run are often that small), so a robust merge refuses them both."""
+    inputs, _ = _inputs(1e6)
+    for method in ("trimmed_mean", "median", "norm_clip"):
+        merged, dec = aggregate(inputs[2:], method, outlier_ratio=0)
+        assert merged == {} and not any(d["included"] for d in dec.values())
+        assert dec["p3"]["reason"].startswith("too few pushes for a robust merge (2 < 3")
+    merged, dec = aggregate(inputs[1:], "trimmed_mean", outlier_ratio=0)  # 3: robust again
+    assert all(d["included"] for d in dec.values()) and merged["w"].abs().max() < 10
+    merged, dec = aggregate(inputs[2:], "mean", outlier_ratio=0)  # plain mean: as configured
+    assert all(d["included"] for d in dec.values())
+
+
 def test_a_huge_work_claim_is_capped_at_four_times_the_median() -> None:
     """A learner claiming 1e12 x the work of the others weighs 4 x the median, not ~1."""
     inputs, _ = _inputs(1.0)

@@ -76,7 +76,7 @@ def run_one(
     from composer_replication.run.reporter import evaluate
 
     overrides = [f"run.seed={seed}", f"train.max_steps={steps}", f"task.name={task_name}",
-                 f"diloco.sync_every_h={steps}", *extra]  # fmt: skip
+                 f"diloco.sync_every_h={steps}", "backend.n_replicas=1", *extra]  # fmt: skip
     for key, value in VARIANTS[variant].items():
         if value is not None:
             overrides.append(f"loss.{key}={value}")

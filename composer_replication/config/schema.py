@@ -153,6 +153,11 @@ class TaskConfig:
     n_train: int = _f(256, "training prompts")
     n_eval: int = _f(32, "held-out evaluation prompts (disjoint from training)")
     options: dict[str, Any] = _f({}, "task-specific options passed to get_task(...)")
+    shard: Literal["disjoint", "shared"] = _f(
+        "disjoint",
+        "'disjoint': replica k trains on every n-th training prompt from k (data islands, the "
+        "DiLoCo setting); 'shared': every replica samples from all of them",
+    )
 
     def __post_init__(self) -> None:
         _check(self.n_train >= 1, "task.n_train", "must be >= 1")
@@ -635,6 +640,16 @@ class RunConfig:
                 "security.sign",
                 "signs the synchronous object-store exchange; decoupled mode's pushes are not "
                 "signed yet (use diloco.mode = 'sync' for a signed run)",
+            )
+        if self.task.shard == "disjoint":
+            per_step = self.train.batch_size // self.train.num_generations
+            n = self.backend.n_replicas
+            _check(
+                self.task.n_train // n >= per_step,
+                "task.shard",
+                f"'disjoint' gives each of the {n} replicas {self.task.n_train // n} training "
+                f"prompts, fewer than the {per_step} one step draws: raise task.n_train or use "
+                "task.shard = 'shared'",
             )
         if self.diloco.mode == "decoupled" and self.model.is_tiny:
             _check(

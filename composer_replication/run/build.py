@@ -42,6 +42,7 @@ __all__ = [
     "task_index",
     "task_verifier",
     "teacher_pool",
+    "train_split",
     "trainer_args",
 ]
 
@@ -213,6 +214,19 @@ def composer_kwargs(config: RunConfig) -> dict[str, Any]:
     return kw
 
 
+def train_split(config: RunConfig, task: Task, rank: int) -> Any:
+    """The training prompts replica `rank` samples from: with `task.shard = "disjoint"` every
+    n-th prompt from `rank` (n = backend.n_replicas, a data island per replica, no prompt in
+    two), else all of them."""
+    dataset = task.to_dataset("train")
+    n = config.backend.n_replicas
+    if config.task.shard == "shared" or n == 1:
+        return dataset
+    if not 0 <= rank < n:
+        raise ValueError(f"rank {rank} is outside backend.n_replicas ({n})")
+    return dataset.shard(num_shards=n, index=rank, contiguous=False)
+
+
 def build_trainer(
     config: RunConfig,
     *,
@@ -223,9 +237,11 @@ def build_trainer(
     seed: int,
     output_dir: str,
     callbacks: list[Any] | None = None,
+    rank: int = 0,
 ) -> ComposerReplicationTrainer:
-    """The `ComposerReplicationTrainer` of a run: the task's reward (with feedback) and train
-    split, TRL settings from [train]/[loss], channel-3 teachers from [teachers]."""
+    """The `ComposerReplicationTrainer` of replica `rank` of a run: the task's reward (with
+    feedback) and its training prompts (`train_split`), TRL settings from [train]/[loss],
+    channel-3 teachers from [teachers]."""
     from transformers.trainer_callback import PrinterCallback
 
     from composer_replication.trainer import ComposerReplicationTrainer
@@ -235,7 +251,7 @@ def build_trainer(
         model=model,
         processing_class=tokenizer,
         reward_funcs=[task.reward_func()],
-        train_dataset=task.to_dataset("train"),
+        train_dataset=train_split(config, task, rank),
         args=trainer_args(config, output_dir, max_steps, seed),
         callbacks=callbacks,
         trace_store=trace_store,

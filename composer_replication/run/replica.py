@@ -272,7 +272,7 @@ def run_replica(
         with tempfile.TemporaryDirectory(prefix=f"composer-replica{rank}-") as scratch:
             trainer = build_trainer(
                 config, model=model, tokenizer=tok, task=task, max_steps=remaining,
-                seed=seed, output_dir=scratch, callbacks=[outer.callback(), reporter],
+                seed=seed, output_dir=scratch, callbacks=[outer.callback(), reporter], rank=rank,
             )  # fmt: skip
             trainer.train()
         # The model now holds the global weights (the DiLoCo callback loaded them): their

@@ -170,6 +170,16 @@ class TrainConfig:
 
     max_steps: int = _f(200, "inner optimizer steps per replica")
     learning_rate: float = _f(3e-3, "inner AdamW learning rate")
+    lr_scheduler: Literal["constant", "constant_with_warmup", "linear", "cosine"] = _f(
+        "constant",
+        "inner learning-rate schedule over train.max_steps (transformers' lr_scheduler_type)",
+    )
+    warmup_steps: int = _f(
+        0, "inner steps of linear warm-up (needs a *_with_warmup, linear or cosine schedule)"
+    )
+    max_grad_norm: float = _f(
+        1.0, "clip each inner step's gradient to this global L2 norm (0 = off)"
+    )
     batch_size: int = _f(16, "completions per step per replica (a multiple of num_generations)")
     num_generations: int = _f(8, "completions per prompt (the GRPO group size)")
     max_completion_length: int = _f(8, "generated tokens per completion")
@@ -186,6 +196,14 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _check(self.max_steps >= 1, "train.max_steps", "must be >= 1")
         _check(self.learning_rate > 0, "train.learning_rate", "must be > 0")
+        _check(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
+        _check(
+            self.warmup_steps == 0 or self.lr_scheduler != "constant",
+            "train.warmup_steps",
+            f"{self.warmup_steps} with lr_scheduler = 'constant', which ignores warm-up: use "
+            "'constant_with_warmup'",
+        )
+        _check(self.max_grad_norm >= 0, "train.max_grad_norm", "must be >= 0 (0 = no clipping)")
         _check(self.num_generations >= 2, "train.num_generations", "must be >= 2 (GRPO groups)")
         _check(
             self.batch_size >= 1 and self.batch_size % self.num_generations == 0,
@@ -306,9 +324,15 @@ class DilocoConfig:
     """The outer loop: every H inner steps replicas exchange pseudo-gradients (global - local)."""
 
     sync_every_h: int = _f(20, "inner steps between outer synchronisations (H)")
-    outer_lr: float = _f(0.7, "outer SGD learning rate")
-    outer_momentum: float = _f(0.9, "outer Nesterov momentum")
-    nesterov: bool = _f(True, "Nesterov momentum for the outer SGD")
+    outer_optimizer: Literal["nesterov", "sgd", "adam"] = _f(
+        "nesterov",
+        "the outer optimizer: 'nesterov' (SGD + Nesterov momentum, DiLoCo's), 'sgd' (heavy-ball "
+        "momentum; 0 = plain averaging at lr 1) or 'adam'",
+    )
+    outer_lr: float = _f(0.7, "outer learning rate")
+    outer_momentum: float = _f(0.9, "outer momentum ('nesterov', 'sgd')")
+    outer_betas: list[float] = _f([0.9, 0.999], "outer Adam betas ('adam')")
+    outer_eps: float = _f(1e-8, "outer Adam epsilon ('adam')")
     codec: CodecName = _f("fp32", "pseudo-gradient encoding (exchange.codecs)")
     min_replicas: int | None = _f(None, "contributions needed to commit a round (unset = all)")
     weighting: Literal["equal", "tokens"] = _f("equal", "how contributions are weighted")
@@ -382,6 +406,11 @@ class DilocoConfig:
     )
     screen_examples: int = _f(4, "screen = 'loss': held-out examples in the probe batch")
 
+    @property
+    def nesterov(self) -> bool:
+        """Nesterov momentum in the outer step (outer_optimizer = 'nesterov')."""
+        return self.outer_optimizer == "nesterov"
+
     def __post_init__(self) -> None:
         _check(self.sync_every_h >= 1, "diloco.sync_every_h", "must be >= 1")
         _check(self.fragments >= 1, "diloco.fragments", "must be >= 1")
@@ -406,6 +435,12 @@ class DilocoConfig:
                 "'decoupled' learners meet only in the object store: use manager = 'object_store'",
             )
             _check(
+                self.outer_optimizer != "adam",
+                "diloco.outer_optimizer",
+                "'adam' runs in sync mode only; the decoupled synchronizer's outer step is "
+                "SGD with (Nesterov) momentum: use 'nesterov' or 'sgd'",
+            )
+            _check(
                 self.screen == "none",
                 "diloco.screen",
                 "the loss screen runs in the synchronous exchange only; decoupled mode screens "
@@ -418,6 +453,17 @@ class DilocoConfig:
             )
         _check(self.outer_lr > 0, "diloco.outer_lr", "must be > 0")
         _check(0.0 <= self.outer_momentum < 1.0, "diloco.outer_momentum", "must be in [0, 1)")
+        _check(
+            self.outer_optimizer != "nesterov" or self.outer_momentum > 0,
+            "diloco.outer_momentum",
+            "0 with outer_optimizer = 'nesterov'; use outer_optimizer = 'sgd' for no momentum",
+        )
+        _check(
+            len(self.outer_betas) == 2 and all(0.0 <= b < 1.0 for b in self.outer_betas),
+            "diloco.outer_betas",
+            f"{self.outer_betas} must be two numbers in [0, 1)",
+        )
+        _check(self.outer_eps > 0, "diloco.outer_eps", "must be > 0")
         if self.min_replicas is not None:
             _check(self.min_replicas >= 1, "diloco.min_replicas", "must be >= 1")
         _check(self.timeout_s > 0, "diloco.timeout_s", "must be > 0")

@@ -44,7 +44,13 @@ from composer_replication.diloco.torchft_path import as_manager
 if TYPE_CHECKING:
     from composer_replication.diloco.manager import Manager, RoundRecord
 
-__all__ = ["DiLoCoOuterLoop", "make_diloco_outer_loop", "unwrap_optimizer"]
+__all__ = [
+    "OUTER_OPTIMIZERS",
+    "DiLoCoOuterLoop",
+    "make_diloco_outer_loop",
+    "outer_optimizer_factory",
+    "unwrap_optimizer",
+]
 
 OuterOptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -79,6 +85,33 @@ def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
 
 
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9  # DiLoCo's outer Nesterov SGD (the paper's values)
+OUTER_OPTIMIZERS = ("nesterov", "sgd", "adam")  # the run config's [diloco] outer_optimizer
+OUTER_BETAS, OUTER_EPS = (0.9, 0.999), 1e-8  # outer Adam (torch's defaults)
+
+
+def outer_optimizer_factory(
+    name: str,
+    *,
+    lr: float = OUTER_LR,
+    momentum: float = OUTER_MOMENTUM,
+    betas: tuple[float, float] = OUTER_BETAS,
+    eps: float = OUTER_EPS,
+) -> OuterOptimizerFactory:
+    """The outer optimizer `name` as a factory of fragment parameters: ``"nesterov"`` (SGD with
+    Nesterov momentum, DiLoCo's), ``"sgd"`` (SGD with heavy-ball ``momentum``; 0 = plain SGD,
+    with lr 1 exactly the average of the replicas) or ``"adam"`` (``betas``, ``eps``)."""
+    if name not in OUTER_OPTIMIZERS:
+        raise ValueError(f"outer optimizer {name!r} is not one of {list(OUTER_OPTIMIZERS)}")
+    if lr <= 0:
+        raise ValueError(f"outer lr must be > 0, got {lr}")
+    if name == "adam":
+        return lambda params: torch.optim.Adam(params, lr=lr, betas=betas, eps=eps)
+    if not 0.0 <= momentum < 1.0:
+        raise ValueError(f"outer momentum must be in [0, 1), got {momentum}")
+    if name == "nesterov" and momentum == 0:
+        raise ValueError("outer optimizer 'nesterov' needs momentum > 0 (use 'sgd' for none)")
+    nesterov = name == "nesterov"
+    return lambda params: torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=nesterov)
 
 
 class DiLoCoOuterLoop:

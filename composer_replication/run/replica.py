@@ -205,6 +205,7 @@ def run_replica(
     from transformers import set_seed
 
     from composer_replication.diloco import make_diloco_outer_loop
+    from composer_replication.diloco.outer_loop import outer_optimizer_factory
     from composer_replication.exchange.store import ObjectStore
     from composer_replication.run.metrics import ReplicaMetricsWriter
     from composer_replication.run.reporter import ReplicaReporter
@@ -242,9 +243,13 @@ def run_replica(
                 )  # fmt: skip
             else:
                 manager = _build_manager(config, rank, store)
+            d = config.diloco
             outer = make_diloco_outer_loop(
-                None, manager, h, model=model, outer_lr=config.diloco.outer_lr,
-                outer_momentum=config.diloco.outer_momentum, nesterov=config.diloco.nesterov,
+                None, manager, h, model=model,
+                outer_optimizer_factory=outer_optimizer_factory(
+                    d.outer_optimizer, lr=d.outer_lr, momentum=d.outer_momentum,
+                    betas=(d.outer_betas[0], d.outer_betas[1]), eps=d.outer_eps,
+                ),
             )  # fmt: skip
         if config.diloco.mode == "decoupled":
             heartbeat.fields = lambda: {"round": outer.round, "step": outer.step,

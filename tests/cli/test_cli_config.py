@@ -121,6 +121,27 @@ def test_cross_section_rules() -> None:
 @pytest.mark.parametrize(
     ("overrides", "needle"),
     [
+        (["diloco.outer_momentum=0"], "diloco.outer_momentum: 0 with outer_optimizer = 'nesterov'"),
+        (["diloco.outer_optimizer=lamb"], "is not one of 'nesterov', 'sgd', 'adam'"),
+        (["diloco.outer_betas=[0.9]"], "diloco.outer_betas: [0.9] must be two numbers"),
+        (["diloco.mode=decoupled", "diloco.outer_optimizer=adam"],
+         "diloco.outer_optimizer: 'adam' runs in sync mode only"),
+        (["train.max_grad_norm=-1"], "train.max_grad_norm: must be >= 0"),
+        (["train.warmup_steps=-1"], "train.warmup_steps: must be >= 0"),
+        (["train.lr_scheduler=cosin"], "(did you mean 'cosine'?)"),
+    ],
+)  # fmt: skip
+def test_optimizer_keys_are_checked(overrides: list[str], needle: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=overrides)
+    assert needle in str(info.value)
+    ok = load_config(overrides=["diloco.outer_optimizer=sgd", "diloco.outer_momentum=0"])
+    assert ok.diloco.nesterov is False
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
         (["diloco.fragments=4", "model.num_layers=2"],
          "diloco.fragments: 4 exceeds model.num_layers (2)"),
         (["security.sign=true"], "security.sign: signs the synchronous object-store exchange"),

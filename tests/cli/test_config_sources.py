@@ -104,10 +104,19 @@ def test_a_scheduled_taid_is_valid_with_a_schedule_length() -> None:
 def test_outer_optimizer_defaults_equal_the_outer_loops() -> None:
     """config may not import diloco (ARCHITECTURE.md), so the run schema repeats DiLoCo's outer
     SGD defaults; this keeps the two equal."""
-    from composer_replication.diloco.outer_loop import OUTER_LR, OUTER_MOMENTUM
+    from composer_replication.diloco.outer_loop import (
+        OUTER_BETAS,
+        OUTER_EPS,
+        OUTER_LR,
+        OUTER_MOMENTUM,
+        OUTER_OPTIMIZERS,
+    )
 
     d = load_config().diloco
     assert (d.outer_lr, d.outer_momentum) == (OUTER_LR, OUTER_MOMENTUM)
+    assert (tuple(d.outer_betas), d.outer_eps) == (OUTER_BETAS, OUTER_EPS)
+    hint = typing.get_type_hints(DilocoConfig)["outer_optimizer"]
+    assert typing.get_args(hint) == OUTER_OPTIMIZERS and d.outer_optimizer == "nesterov"
 
 
 def test_backend_and_codec_choices_are_the_registries() -> None:
@@ -203,3 +212,19 @@ def test_the_cli_starts_without_the_schema() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     ).stdout
     assert out.strip().splitlines()[-1] == "False False"
+
+
+def test_inner_schedule_and_clipping_reach_trl() -> None:
+    from composer_replication.run.build import trainer_args
+
+    config = load_config(
+        overrides=["train.lr_scheduler=cosine", "train.warmup_steps=3", "train.max_grad_norm=0.5"]
+    )
+    args = trainer_args(config, "/tmp/unused", max_steps=10, seed=0)
+    assert (str(args.lr_scheduler_type.value), args.warmup_steps, args.max_grad_norm) == (
+        "cosine",
+        3,
+        0.5,
+    )
+    default = trainer_args(load_config(), "/tmp/unused", max_steps=10, seed=0)
+    assert (str(default.lr_scheduler_type.value), default.max_grad_norm) == ("constant", 1.0)

@@ -55,3 +55,32 @@ def reference_rounds(
         g = new
         out.append({k: v.clone() for k, v in g.items()})
     return out
+
+
+def reference_rounds_adam(
+    init: dict[str, torch.Tensor],
+    *,
+    ranks_per_round: list[list[int]],
+    h: int,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+) -> list[dict[str, torch.Tensor]]:
+    """Global weights after each round with an outer Adam written out by hand (bias-corrected):
+    m <- b1 m + (1-b1) g;  v <- b2 v + (1-b2) g^2;  global <- global - lr m^ / (sqrt(v^) + eps)."""
+    b1, b2 = betas
+    g = {k: v.clone().double() for k, v in init.items()}
+    m: dict[str, torch.Tensor] = {k: torch.zeros_like(v) for k, v in g.items()}
+    v2: dict[str, torch.Tensor] = {k: torch.zeros_like(v) for k, v in g.items()}
+    out = []
+    for k, ranks in enumerate(ranks_per_round):
+        locals_ = [local_after({n: t.float() for n, t in g.items()}, r, k, h) for r in ranks]
+        t = k + 1
+        for name in g:
+            grad = torch.stack([g[name] - loc[name].double() for loc in locals_]).mean(0)
+            m[name] = b1 * m[name] + (1 - b1) * grad
+            v2[name] = b2 * v2[name] + (1 - b2) * grad * grad
+            m_hat, v_hat = m[name] / (1 - b1**t), v2[name] / (1 - b2**t)
+            g[name] = g[name] - lr * m_hat / (v_hat.sqrt() + eps)
+        out.append({n: x.float() for n, x in g.items()})
+    return out

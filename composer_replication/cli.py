@@ -153,12 +153,16 @@ def cmd_bake_traces(ns: argparse.Namespace) -> int:
 
     config = _load(ns.args)
     out = Path(ns.out)
-    if out.exists() and not ns.overwrite:
-        raise ConfigError(f"--out {out} already exists; pass --overwrite to replace it")
     if not out.parent.is_dir():
         raise ConfigError(f"--out: folder {out.parent} does not exist")
+    if out.exists() and not out.is_file():
+        raise ConfigError(f"--out {out} is not a file")
+    if out.exists() and ns.overwrite:
+        out.unlink()
+    elif out.exists():  # resume: prompts already baked are skipped, the rest appended
+        print(f"resuming {out}: prompts that already have traces are skipped", flush=True)
     count = bake(config, out, split=ns.split, limit=ns.limit)
-    print(f"wrote {count} traces to {out}")
+    print(f"wrote {count} new traces to {out}")
     return 0
 
 
@@ -249,7 +253,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output JSONL file")
     p.add_argument("--split", choices=("train", "eval"), default="train", help="prompts to use")
     p.add_argument("--limit", type=int, default=None, help="at most this many prompts")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start --out afresh (default: resume it, asking only for prompts that "
+                   "have no trace yet)")  # fmt: skip
     p.set_defaults(func=cmd_bake_traces)
 
     p = sub.add_parser("replica", help="run one replica (what executors launch)",

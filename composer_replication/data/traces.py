@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -298,9 +299,40 @@ def append_traces(path: str | Path, records: Iterable[TraceRecord]) -> int:
     """Append records to a JSONL file (created if missing); returns how many were written."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    n = 0
+    lines = [json.dumps(record.to_json(), ensure_ascii=False) + "\n" for record in records]
+    if not lines:
+        return 0
+    # One write of whole lines, flushed to disk: a crash leaves at most a torn last line, which
+    # `drop_torn_tail` removes before the next append.
     with path.open("a", encoding="utf-8") as fh:
-        for record in records:
-            fh.write(json.dumps(record.to_json(), ensure_ascii=False) + "\n")
-            n += 1
-    return n
+        fh.write("".join(lines))
+        fh.flush()
+        os.fsync(fh.fileno())
+    return len(lines)
+
+
+def drop_torn_tail(path: str | Path) -> int:
+    """Cut a last line that has no newline (an append interrupted by a crash) off ``path``;
+    returns how many bytes were removed (0 when the file ends cleanly or does not exist)."""
+    path = Path(path)
+    if not path.exists():
+        return 0
+    with path.open("rb+") as fh:
+        size = fh.seek(0, os.SEEK_END)
+        if size == 0:
+            return 0
+        fh.seek(size - 1)
+        if fh.read(1) == b"\n":
+            return 0
+        keep, pos, block = 0, size, 1 << 16
+        while pos > 0:  # the last newline, scanning back in blocks
+            start = max(0, pos - block)
+            fh.seek(start)
+            chunk = fh.read(pos - start)
+            i = chunk.rfind(b"\n")
+            if i >= 0:
+                keep = start + i + 1
+                break
+            pos = start
+        fh.truncate(keep)
+        return size - keep

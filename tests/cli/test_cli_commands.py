@@ -154,16 +154,32 @@ def test_examples_validate(capsys: pytest.CaptureFixture) -> None:
     capsys.readouterr()
 
 
-def test_bake_traces_with_the_oracle(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    out = tmp_path / "traces.jsonl"
-    assert main(["bake-traces", "task.n_train=12", "task.n_eval=4", "--out", str(out)]) == 0
-    assert "wrote 12 traces" in capsys.readouterr().out or out.read_text().count("\n") >= 1
+def test_bake_traces_with_the_oracle_resumes_and_repairs(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A re-run fills the gaps (asks only for prompts without a trace and appends them), after
+    cutting off a line torn by a crash; --overwrite starts afresh."""
     from composer_replication.data.traces import iter_trace_file
 
+    out = tmp_path / "traces.jsonl"
+    cfg = ["task.n_train=12", "task.n_eval=4"]
+    assert main(["bake-traces", *cfg, "--out", str(out), "--limit", "5"]) == 0
+    assert "wrote 5 new traces" in capsys.readouterr().out
+    first = out.read_text()
+    with out.open("a") as fh:  # a crash in the middle of an append
+        fh.write('{"prompt_key": "abc", "comple')
+    assert main(["bake-traces", *cfg, "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "resuming" in printed and "wrote 7 new traces" in printed
+    text = out.read_text()
+    assert text.startswith(first)  # the five paid-for traces are kept as they were
     records = list(iter_trace_file(out))
-    assert records and all(r.teacher == "oracle" and r.reward == 1.0 for r in records)
-    assert main(["bake-traces", "--out", str(out)]) == 2  # exists: needs --overwrite
-    assert "already exists" in capsys.readouterr().err
+    assert len(records) == 12 and len({r.prompt_key for r in records}) == 12
+    assert all(r.teacher == "oracle" and r.reward == 1.0 for r in records)
+    assert main(["bake-traces", *cfg, "--out", str(out)]) == 0  # nothing left to ask
+    assert "wrote 0 new traces" in capsys.readouterr().out and out.read_text() == text
+    assert main(["bake-traces", *cfg, "--out", str(out), "--overwrite", "--limit", "3"]) == 0
+    assert len(list(iter_trace_file(out))) == 3
 
 
 def test_replica_without_rank_or_store_exits_2(capsys: pytest.CaptureFixture) -> None:

@@ -19,6 +19,7 @@ from composer_replication.data.traces import (
     TraceRecord,
     TraceStore,
     append_traces,
+    drop_torn_tail,
     iter_trace_file,
     prompt_key,
 )
@@ -169,6 +170,10 @@ def bake_traces(
     if batch_size < 1:
         raise ValueError("batch_size must be >= 1")
     store_path = Path(store_path)
+    torn = drop_torn_tail(store_path)
+    if torn:
+        logger.warning("%s: removed a torn last line (%d bytes) left by an interrupted append",
+                    store_path, torn)  # fmt: skip
     if store_path.exists():
         for record in iter_trace_file(store_path):
             pool.store.add(record)

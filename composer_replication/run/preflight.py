@@ -20,6 +20,7 @@ from composer_replication.run.folder import RunFolder
 __all__ = [
     "check_all",
     "check_backend",
+    "check_hub_model",
     "check_model",
     "check_reporting",
     "check_run_folder",
@@ -55,6 +56,34 @@ def check_model(config: RunConfig) -> None:
             f"model.name: {name!r} is neither 'tiny', an existing folder, nor a hub id like "
             "'Qwen/Qwen2.5-0.5B-Instruct'"
         )
+    check_hub_model(name)
+
+
+def check_hub_model(name: str, *, timeout_s: float = 10.0) -> None:
+    """A hub model must be in the local cache or reachable now: otherwise every replica fails a
+    minute in with a hub error. One metadata request (no download)."""
+    try:
+        from huggingface_hub import HfApi, constants, try_to_load_from_cache
+    except ImportError:  # pragma: no cover - transformers depends on it
+        return
+    if isinstance(try_to_load_from_cache(name, "config.json"), str):
+        return  # cached: from_pretrained works offline
+    fix = (
+        f"download it where the replicas run (`hf download {name}`), or give a local "
+        "save_pretrained folder"
+    )
+    if constants.HF_HUB_OFFLINE:
+        raise ConfigError(f"model.name: {name!r} is not in the local cache and HF_HUB_OFFLINE is "
+                          f"set; {fix}")  # fmt: skip
+    try:
+        HfApi().model_info(name, timeout=timeout_s)
+    except Exception as exc:  # not found, gated, unauthorised, unreachable: all one message
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise ConfigError(
+            f"model.name: cannot reach hub model {name!r} at {constants.ENDPOINT} "
+            f"({type(exc).__name__}: {reason[:160]}); check the id and your network or "
+            f"HF_TOKEN, or {fix}"
+        ) from None
 
 
 def check_task(config: RunConfig) -> None:

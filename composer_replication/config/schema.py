@@ -541,6 +541,11 @@ class BackendConfig:
     kind: BackendName = _f("local", "executor backend (docs/backends.md)")
     n_replicas: int = _f(2, "number of DiLoCo replicas")
     timeout_s: float = _f(3600.0, "wall-clock limit for the whole run (replicas then cancelled)")
+    max_restarts: int = _f(
+        2,
+        "the driver relaunches a replica that fails (killed, crashed) up to this many times per "
+        "rank; it rejoins from the newest global state (0 = a failure is final)",
+    )
     options: dict[str, Any] = _f({}, "executor constructor arguments (image, gpu, namespace, ...)")
     resources: dict[str, Any] = _f({}, "per-replica resources passed to launch_replicas")
     env: dict[str, str] = _f({}, "extra environment variables for every replica")
@@ -553,6 +558,7 @@ class BackendConfig:
     def __post_init__(self) -> None:
         _check(self.n_replicas >= 1, "backend.n_replicas", f"{self.n_replicas} must be >= 1")
         _check(self.timeout_s > 0, "backend.timeout_s", "must be > 0")
+        _check(self.max_restarts >= 0, "backend.max_restarts", "must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -717,14 +723,15 @@ class RunConfig:
                 f"fault injection needs the local backend (signals to replica processes), not "
                 f"{self.backend.kind!r}",
             )
-            restarts = self.backend.options.get("max_restarts", 0)
+            local = self.backend.options.get("max_restarts", 0)
+            restarts = self.backend.max_restarts + (local if isinstance(local, int) else 0)
             for i, ev in enumerate(self.chaos.events):
                 if ev.action == "kill":
                     _check(
                         isinstance(restarts, int) and restarts >= 1,
                         f"chaos.events[{i}]",
-                        "a killed replica must come back: set backend.options.max_restarts "
-                        "to at least the number of kill events",
+                        "a killed replica must come back: set backend.max_restarts to at least "
+                        "the number of kill events",
                     )
                 if ev.action not in ("kill_synchronizer", "throttle", "corrupt"):
                     _check(

@@ -83,7 +83,7 @@ class ProcessTargets:
 
     def __init__(self, executor: Any, handles: Sequence[Any], synchronizer: Any = None) -> None:
         self.executor = executor
-        self.handles = list(handles)
+        self.handles = handles  # the driver's live list: a restarted replica replaces its handle
         self.synchronizer = synchronizer
 
     def pid(self, rank: int) -> int | None:

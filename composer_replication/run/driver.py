@@ -122,6 +122,52 @@ def _alive(pid: int) -> bool:
     return True
 
 
+class _Restarter:
+    """Relaunch a failed replica (same rank) up to `backend.max_restarts` times: it reads the
+    run config from the store and rejoins from the newest global state, as at a resume. The new
+    handle takes the old one's place in the driver's list (the chaos harness sees it too)."""
+
+    def __init__(self, config: RunConfig, executor: ServerlessExecutor, env: dict[str, str],
+                 secrets: dict[int, dict[str, str]] | None) -> None:  # fmt: skip
+        self.config, self.executor, self.env, self.secrets = config, executor, env, secrets
+        self.used = [0] * config.backend.n_replicas
+        self._refused = False
+
+    def restart_failed(self, handles: list[ReplicaHandle]) -> list[str]:
+        from composer_replication.executors.base import RankLauncher
+
+        messages = []
+        limit = self.config.backend.max_restarts
+        for i, handle in enumerate(handles):
+            rank = handle.replica_id
+            if handle.status.value != "failed" or self.used[rank] >= limit:
+                continue
+            if not isinstance(self.executor, RankLauncher):
+                if not self._refused:
+                    self._refused = True
+                    messages.append(f"the {type(self.executor).__name__} executor cannot "
+                                    "relaunch one rank: failed replicas stay failed")  # fmt: skip
+                continue
+            self.used[rank] += 1
+            why = str(handle.error or f"exit code {handle.exit_code}").splitlines()[0][:200]
+            try:
+                (new,) = self.executor.launch_ranks(
+                    [rank], self.config.backend.n_replicas, ENTRYPOINT,
+                    {"rendezvous": self.config.store.uri}, env=self.env,
+                    resources=dict(self.config.backend.resources) or None,
+                    secrets={rank: self.secrets[rank]} if self.secrets else None,
+                )  # fmt: skip
+            except Exception as exc:  # the old handle stays failed; the run decides as before
+                messages.append(f"replica {rank} failed ({why}); relaunching it failed: "
+                                f"{type(exc).__name__}: {exc}")  # fmt: skip
+                continue
+            new.restarts = handle.restarts + 1
+            handles[i] = new
+            messages.append(f"replica {rank} failed ({why}); restarted "
+                            f"({self.used[rank]} of {limit}), it rejoins from the store")  # fmt: skip
+        return messages
+
+
 def _release(executor: ServerlessExecutor) -> None:
     """Shut the executor down if it holds something (a Ray it started): the run is over."""
     from composer_replication.executors.base import Releasable
@@ -268,9 +314,13 @@ def run(
     last_mirror = 0.0
     health = _HealthLog(config, store, sink)
     injector = _start_chaos(config, executor, handles, synchronizer, store, proxy)
+    restarter = _Restarter(config, executor, env, secrets.get("secrets"))
     try:
         while True:
             executor.poll(handles)
+            if not stop.is_set():
+                for message in restarter.restart_failed(handles):
+                    progress.message(message)
             if synchronizer is not None:
                 synchronizer.ensure_running()
                 _release_failed_learners(config, store, handles)
@@ -340,7 +390,8 @@ def run(
     exit_code = {"finished": 0, "interrupted": 130}.get(status, 1)
     wall = time.monotonic() - t_start
     folder.update_driver(wall_seconds=wall)
-    print(summary_text(folder, status, summary, config, wall), file=stream, flush=True)
+    restarts = sum(h.restarts for h in handles)
+    print(summary_text(folder, status, summary, config, wall, restarts), file=stream, flush=True)
     return TrainResult(folder=folder, exit_code=exit_code, status=status, summary=summary)
 
 
@@ -579,13 +630,16 @@ def summary_text(
     summary: dict[str, Any],
     config: RunConfig,
     wall: float | None = None,
+    restarts: int = 0,
 ) -> str:
     """The lines `train` prints at the end (headline numbers and where to look)."""
     lines = [
         f"Run {folder.name}: {status}"
         + (f" after {wall:.1f} s" if wall is not None else "")
         + f" ({config.backend.n_replicas} replicas, {summary.get('rounds', 0)} outer rounds, "
-        f"{summary.get('steps', 0)} inner steps each)",
+        f"{summary.get('steps', 0)} inner steps each"
+        + (f", {restarts} replica restart{'s' if restarts != 1 else ''}" if restarts else "")
+        + ")",
         f"  mean reward      first 10%: {_num(summary.get('reward_first10'))}   "
         f"last 10%: {_num(summary.get('reward_last10'))}",
         f"  eval accuracy    first: {_num(summary.get('eval_accuracy_first'))}   "

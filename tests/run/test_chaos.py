@@ -216,10 +216,14 @@ def test_chaos_configuration_is_checked() -> None:
     from composer_replication.config import load_config
 
     kill = ["chaos.events=[{action='kill', target='1', at_s=1.0}]"]
-    with pytest.raises(ValueError, match="max_restarts"):
-        load_config(None, kill)
+    with pytest.raises(ValueError, match="backend.max_restarts"):
+        load_config(None, [*kill, "backend.max_restarts=0"])
+    assert load_config(None, kill).chaos.events[0].target == "1"  # default: 2 restarts
     assert (
-        load_config(None, [*kill, "backend.options={max_restarts=1}"]).chaos.events[0].target == "1"
+        load_config(None, [*kill, "backend.max_restarts=0", "backend.options={max_restarts=1}"])
+        .chaos.events[0]
+        .target
+        == "1"
     )
     with pytest.raises(ValueError, match="not a replica rank"):
         load_config(None, ["chaos.events=[{action='stop', target='7', duration_s=1.0}]"])

@@ -160,9 +160,14 @@ def test_kill_mid_upload_corrupt_objects_and_restart_the_synchronizer(
             rec = store.get_json(f"decoupled/f{f:03d}/merge/{v:010d}.json")
             merged |= {e["push"] for e in rec["inputs"]}
     assert name not in merged
-    # the damaged global snapshot was noticed (a superseded version: its merge lives on in
-    # the later versions; the final one was verified) and no committed round was lost
-    assert any(d.startswith("fragment 0 version ") for d in r["check"]["damaged_snapshots"])
+    # the damaged global snapshot was either repaired by the synchronizer (the restarted one
+    # replays the records after the oldest push it finds and rewrites a snapshot that does not
+    # decode; or it was the final version, verified at the end) or noticed by the check as a
+    # superseded version (its merge lives on in the later versions); which one depends on
+    # timing. Either way no committed round was lost.
+    repaired = int((r["final"].get("stats") or {}).get("repaired_states", 0))
+    noticed = any(d.startswith("fragment 0 version ") for d in r["check"]["damaged_snapshots"])
+    assert repaired >= 1 or noticed, (r["final"].get("stats"), r["check"]["damaged_snapshots"])
     assert r["check"]["rounds_lost"] == 0
 
 

@@ -6,6 +6,11 @@
    else REPLICA_RANK; the run's store URI from `--rendezvous`, else DILOCO_RENDEZVOUS; fsspec
    options from COMPOSER_STORAGE_OPTIONS (JSON; credentials stay in each SDK's usual places).
 2. The resolved run configuration from the store (`run_config.json`, written by the driver).
+   Launched directly (no driver: an executor, a cluster job, a seed recipe snippet), a replica
+   that finds no run config takes it from its own arguments, `--config FILE.toml` (else
+   $COMPOSER_CONFIG, else the embedded default) plus `section.key=value` overrides, with
+   `backend.n_replicas` = $WORLD_SIZE when set; the first replica to start publishes it with
+   put-if-absent and every replica then trains with the stored one, so they all agree.
 3. The task, the model (tiny: built locally from the config; else `from_pretrained`), the
    channel-3 teachers (configured endpoints, else the task oracle) and the
    `ComposerReplicationTrainer` with all three loss channels (`run/build.py`).
@@ -58,8 +63,30 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--rank_env", "--rank-env", dest="rank_env", default=None,
                    help="environment variable holding the rank (default: REPLICA_RANK)")  # fmt: skip
     p.add_argument("--config-timeout", type=float, default=120.0,
-                   help="seconds to wait for the run config to appear in the store")  # fmt: skip
+                   help="seconds to wait for the run config to appear in the store when it "
+                   "must come from a driver (--wait-for-driver)")  # fmt: skip
+    p.add_argument("--config", default=None,
+                   help="run config TOML when launched without a driver (default: "
+                   "$COMPOSER_CONFIG, else the embedded default)")  # fmt: skip
+    p.add_argument("--wait-for-driver", action="store_true",
+                   help="never publish a config: wait for `composer-replication train` to")  # fmt: skip
+    p.add_argument("overrides", nargs="*", metavar="section.key=value",
+                   help="overrides of the run config (launched without a driver)")  # fmt: skip
     return p.parse_args(argv)
+
+
+def _standalone_config(ns: argparse.Namespace) -> dict[str, Any]:
+    """The run config of a directly launched replica (no driver): its file or the embedded
+    default, its overrides, backend.n_replicas from $WORLD_SIZE; as the driver stores it."""
+    from composer_replication.config import load_config, to_dict
+
+    path = ns.config or os.environ.get("COMPOSER_CONFIG") or None
+    overrides = list(ns.overrides)
+    world = os.environ.get("WORLD_SIZE")
+    if world is not None and world.isdigit():
+        overrides.append(f"backend.n_replicas={int(world)}")
+    doc: dict[str, Any] = json.loads(json.dumps(to_dict(load_config(path, overrides))))
+    return doc
 
 
 def _rank(ns: argparse.Namespace) -> int:
@@ -345,25 +372,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, json.JSONDecodeError) as exc:
         print(f"replica: error: {exc}", file=sys.stderr)
         return 2
-    from composer_replication.config import from_dict
+    from composer_replication.config import ConfigError, from_dict
     from composer_replication.config.schema import RunConfig
     from composer_replication.exchange.store import ObjectStore
 
     try:
         store = ObjectStore(uri, storage_options)
-        deadline = time.monotonic() + ns.config_timeout
         doc = store.get_json(CONFIG_KEY)
+        if doc is None and not ns.wait_for_driver:
+            # launched directly: publish ours unless another replica was first (then use theirs)
+            mine = _standalone_config(ns)
+            if store.put_json(CONFIG_KEY, mine, exclusive=True):
+                print(f"replica: published the run config to {store.uri}", flush=True)
+            doc = store.get_json(CONFIG_KEY)
+        deadline = time.monotonic() + ns.config_timeout
         while doc is None and time.monotonic() < deadline:
             time.sleep(0.5)
             doc = store.get_json(CONFIG_KEY)
-    except ValueError as exc:  # a URI without a bucket, a run_config.json that is not JSON
+    except (ValueError, ConfigError) as exc:  # a URI without a bucket, a bad config or override
         print(f"replica: error: {exc}", file=sys.stderr)
         return 2
     if doc is None:
         print(f"replica: error: no {CONFIG_KEY} in {store.uri} after {ns.config_timeout:g}s; "
               "start runs with `composer-replication train`", file=sys.stderr)  # fmt: skip
         return 2
-    config = from_dict(RunConfig, doc)
+    try:
+        config = from_dict(RunConfig, doc)
+    except (ValueError, ConfigError) as exc:  # a stored config this version cannot read
+        print(f"replica: error: {CONFIG_KEY} in {store.uri}: {exc}", file=sys.stderr)
+        return 2
     world = os.environ.get("WORLD_SIZE")
     if world is not None and world.isdigit() and int(world) != config.backend.n_replicas:
         print(f"replica: error: WORLD_SIZE={world} but the run has backend.n_replicas="

@@ -1,0 +1,71 @@
+"""The replica module launched directly, without `composer-replication train` (what an executor
+call, a cluster job or the seeds' recipe snippets do): the first replica publishes the run
+config from its own arguments, every replica trains with the stored one, and they end on the
+same global model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from composer_replication.exchange.store import ObjectStore
+from composer_replication.executors import LocalProcessExecutor
+
+pytestmark = pytest.mark.slow
+
+OVERRIDES = [
+    "model.hidden_size=32",
+    "model.num_layers=1",
+    "task.n_train=32",
+    "task.n_eval=8",
+    "train.eval_max_examples=8",
+    "train.batch_size=8",
+    "train.num_generations=4",
+    "train.max_completion_length=4",
+    "train.max_steps=4",
+    "diloco.sync_every_h=2",
+    "logging.flush_every_s=0.2",
+]
+
+
+def test_two_replicas_launched_directly_train_one_model(tmp_path: Path) -> None:
+    uri = (tmp_path / "store").as_uri()
+    ex = LocalProcessExecutor(log_dir=tmp_path / "logs")
+    args = ["--rendezvous", uri, *OVERRIDES]
+    handles = ex.launch_replicas(2, "composer_replication.run.replica", args,
+                                 env={"WORLD_SIZE": "2"})  # fmt: skip
+    done = ex.collect(handles, timeout=600)
+    logs = "\n".join(ex.logs(h, tail=30) for h in done)
+    assert [h.exit_code for h in done] == [0, 0], logs
+    assert logs.count("published the run config") == 1  # one winner of the put-if-absent
+    store = ObjectStore(uri)
+    config = store.get_json("run_config.json")
+    assert config["backend"]["n_replicas"] == 2 and config["train"]["max_steps"] == 4
+    assert config["model"]["hidden_size"] == 32
+    from composer_replication.run.metrics import chunk_dir
+
+    records = [
+        json.loads(line)
+        for rank in (0, 1)
+        for name in sorted(store.list(chunk_dir(rank)))
+        for line in bytes(store.get(f"{chunk_dir(rank)}/{name}")).decode().splitlines()
+        if line.strip()
+    ]
+    digests = {r["replica"]: r["sha256"] for r in records
+               if r["kind"] == "event" and r.get("event") == "global_weights"}  # fmt: skip
+    assert sorted(digests) == [0, 1] and len(set(digests.values())) == 1
+
+
+def test_a_bad_override_is_exit_2_naming_the_key(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "composer_replication.run.replica", "--rank", "0",
+         "--rendezvous", (tmp_path / "s").as_uri(), "train.max_step=3"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert "train.max_step: unknown key" in proc.stderr and "Traceback" not in proc.stderr

@@ -262,7 +262,7 @@ class ObjectStoreAllReduce(RunDocuments):
                 "this ObjectStoreAllReduce is a driver handle (rank=None); construct it with "
                 "rank=<this replica's index> to call allreduce()"
             )
-        result, commit, nbytes_up, nbytes_down, own_squat = self._exchange(
+        result, commit, nbytes_up, nbytes_down, own_squat, phases = self._exchange(
             tensors, step, tokens, inner_steps
         )
         included = commit["included_ranks"]
@@ -288,6 +288,9 @@ class ObjectStoreAllReduce(RunDocuments):
             rejected=rejected,
             aggregate=str(commit.get("aggregate", "mean")),
             requests=self.store.requests.since(before),
+            upload_seconds=phases[0],
+            wait_seconds=phases[1],
+            merge_seconds=phases[2],
         )
         return result
 
@@ -319,9 +322,13 @@ class ObjectStoreAllReduce(RunDocuments):
         step: int,
         tokens: int | None,
         inner_steps: int | None,
-    ) -> tuple[dict[str, torch.Tensor], dict[str, Any], int, int, str | None]:
-        """(merged tensors, commit record, bytes up, bytes down, why our slot was squatted)."""
+    ) -> tuple[
+        dict[str, torch.Tensor], dict[str, Any], int, int, str | None, tuple[float, float, float]
+    ]:
+        """(merged tensors, commit record, bytes up, bytes down, why our slot was squatted,
+        seconds spent (uploading, waiting for the peers, merging))."""
         assert self.rank is not None
+        t_start = time.monotonic()
         ref = {n: (list(t.shape), dtype_name(t.dtype)) for n, t in tensors.items()}
         writer = self.writer_id(step)
         payload, own = encode_contribution(
@@ -356,7 +363,8 @@ class ObjectStoreAllReduce(RunDocuments):
         del payload  # the header + views of our tensors; keep memory to one copy per peer
         # The step clock starts once our contribution is in (the upload has its own timeout),
         # so a slow client start-up or upload does not eat into the wait for the others.
-        deadline = time.monotonic() + self.timeout_s
+        t_in = time.monotonic()
+        deadline = t_in + self.timeout_s
         last_error = ""
         stats: dict[int, TensorStats] = {}
         ready_since: float | None = None
@@ -421,8 +429,10 @@ class ObjectStoreAllReduce(RunDocuments):
                 )
             if self.cancelled.wait(self.poll_interval_s):
                 raise ExchangeCancelledError(f"step {step}: exchange cancelled")
+        t_commit = time.monotonic()
         result, d = self._aggregate(step, commit, valid, tensors, ref)
-        return result, commit, up, down + d, own_squat
+        phases = (t_in - t_start, t_commit - t_in, time.monotonic() - t_commit)
+        return result, commit, up, down + d, own_squat, phases
 
     def _claim_existing_slot(
         self, step: int, ref: dict[str, tuple[list[int], str]], writer: str

@@ -86,7 +86,9 @@ class RoundRecord(TypedDict):
     exchange; error: why the round failed (None if it did not); rejected: rank (as a string) ->
     why its contribution was left out of the round (missing, refused, screened out, squatted);
     aggregate: the merge method of the commit; requests: store requests this replica sent for
-    the round, by kind (put/get/head/list/delete; object store only, else {}).
+    the round, by kind (put/get/head/list/delete; object store only, else {});
+    upload_seconds / wait_seconds / merge_seconds: where the exchange's time went (object store:
+    uploading this replica's contribution, waiting for the peers' and the commit, merging).
     """
 
     round: int
@@ -105,6 +107,9 @@ class RoundRecord(TypedDict):
     rejected: dict[str, str]
     aggregate: str
     requests: dict[str, int]
+    upload_seconds: float
+    wait_seconds: float
+    merge_seconds: float
 
 
 def round_record(round_: int, *, committed: bool = False, healed: bool = False) -> RoundRecord:
@@ -113,7 +118,7 @@ def round_record(round_: int, *, committed: bool = False, healed: bool = False) 
         round=round_, store_step=round_, committed=committed, included_ranks=[],
         excluded_ranks=[], participants=0, tokens=None, inner_steps=0, bytes_uploaded=0,
         bytes_downloaded=0, seconds=0.0, healed=healed, error=None, rejected={},
-        aggregate="mean", requests={},
+        aggregate="mean", requests={}, upload_seconds=0.0, wait_seconds=0.0, merge_seconds=0.0,
     )  # fmt: skip
 
 
@@ -459,6 +464,9 @@ class ObjectStoreManager:
                 record["participants"] = len(result.included_ranks)
                 record["bytes_uploaded"] = int(result.bytes_uploaded)
                 record["bytes_downloaded"] = int(result.bytes_downloaded)
+                record["upload_seconds"] = result.upload_seconds
+                record["wait_seconds"] = result.wait_seconds
+                record["merge_seconds"] = result.merge_seconds
                 self.bytes_uploaded += int(result.bytes_uploaded)
                 self.bytes_downloaded += int(result.bytes_downloaded)
         except (StoreTimeoutError, CorruptContributionError) as e:

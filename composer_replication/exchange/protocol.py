@@ -86,6 +86,12 @@ class StepResult:
     aggregate: str = "mean"
     # requests this call sent to the store, by kind (put/get/head/list/delete)
     requests: dict[str, int] = field(default_factory=dict)
+    # where ``seconds`` went: encoding and uploading this rank's contribution; waiting for the
+    # peers (polling, fetching and checking their contributions, screening, the commit record);
+    # merging what the commit record lists into the result
+    upload_seconds: float = 0.0
+    wait_seconds: float = 0.0
+    merge_seconds: float = 0.0
 
 
 def step_prefix(step: int) -> str:

@@ -2,7 +2,10 @@
 
 Plots (in `<run>/plots/`, one line per replica): reward.png, loss_<channel>.png for each loss
 channel that was logged (total, grpo, sdpo, replay), eval_accuracy.png, outer_rounds.png
-(seconds and megabytes per outer round), health.png (the run state the driver recorded:
+(seconds and megabytes per outer round), time_breakdown.png (where each round's wall time went,
+stacked: training split into generation / channel-2 teacher / loss + backward by the logged step
+shares, then the exchange's upload / wait for peers / merge; replica 0, or the first replica),
+throughput.png (inner steps and tokens per second per round), health.png (the run state the driver recorded:
 healthy / degraded / critical over time, and the decoupled synchronizer's merges). `summarize` computes the headline numbers (first-10%
 vs last-10% mean reward, eval accuracy before/after) that `train` prints at the end.
 """
@@ -192,6 +195,31 @@ def draw_plots(records: list[dict[str, Any]], out_dir: Path) -> list[Path]:
         _plot_series(axes[1], {k: sorted(v) for k, v in sorted(mb.items())})
         axes[1].set_ylabel("MB up + down")
         save(fig, "outer_rounds.png")
+    breakdown = _time_breakdown(records)
+    if breakdown:
+        replica, rows = breakdown
+        fig, (ax,) = _figure(f"where the time goes (replica {replica}, per outer round)", "seconds")
+        rounds = [rnd for rnd, _ in rows]
+        bottom = [0.0] * len(rows)
+        for name in TIME_PARTS:
+            heights = [parts[name] for _, parts in rows]
+            ax.bar(rounds, heights, bottom=bottom, label=name)
+            bottom = [b + h for b, h in zip(bottom, heights)]
+        ax.set_xlabel("outer round")
+        ax.set_xticks(rounds)
+        ax.legend(fontsize=8)
+        save(fig, "time_breakdown.png")
+    pace = _series(records, "round", "round/steps_per_s")
+    if pace:
+        tokens = _series(records, "round", "round/tokens_per_s")
+        fig, axes = _figure(
+            "throughput per outer round", "inner steps / s", nrows=2 if tokens else 1
+        )
+        _plot_series(axes[0], pace)
+        if tokens:
+            _plot_series(axes[1], tokens)
+            axes[1].set_ylabel("tokens / s")
+        save(fig, "throughput.png")
     points = _health_points(records)
     if points:
         t0 = points[0][0]
@@ -207,6 +235,36 @@ def draw_plots(records: list[dict[str, Any]], out_dir: Path) -> list[Path]:
         axes[-1].set_xlabel("seconds since the first health record")
         save(fig, "health.png")
     return written
+
+
+TIME_PARTS = ("generation", "teacher forward", "loss + backward", "upload", "wait for peers",
+              "merge")  # fmt: skip
+
+
+def _time_breakdown(
+    records: list[dict[str, Any]],
+) -> tuple[int, list[tuple[int, dict[str, float]]]] | None:
+    """(replica, [(round, seconds per part of TIME_PARTS)]) for the lowest replica with round
+    timings: the exchange parts as measured; the training time (round/train_s) split by the
+    shares of generation, teacher and the rest in the steps it logged during that round."""
+    rounds = [r for r in records if r.get("kind") == "round" and r.get("round/wall_s")]
+    if not rounds:
+        return None
+    replica = min(int(r.get("replica", 0)) for r in rounds)
+    steps = [r for r in records if r.get("kind") == "train" and r.get("replica", 0) == replica]
+    rows = []
+    for r in sorted((r for r in rounds if r.get("replica", 0) == replica),
+                    key=lambda r: int(r["round"])):  # fmt: skip
+        mine = [s for s in steps if int(s.get("round", -1)) == int(r["round"]) - 1]
+        shares = [sum(float(s.get(k) or 0.0) for s in mine)
+                  for k in ("time/generate_s", "time/teacher_s", "time/loss_backward_s")]  # fmt: skip
+        total = sum(shares)
+        train = float(r.get("round/train_s") or 0.0)
+        split = [train * x / total for x in shares] if total > 0 else [0.0, 0.0, train]
+        parts = dict(zip(TIME_PARTS, [*split, *(float(r.get(k) or 0.0) for k in
+                                              ("round/upload_s", "round/wait_s", "round/merge_s"))]))  # fmt: skip
+        rows.append((int(r["round"]), parts))
+    return replica, rows
 
 
 def _fmt(value: Any, digits: int = 3) -> str:

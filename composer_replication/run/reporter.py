@@ -17,6 +17,7 @@ global weights, identical on every replica) and in `on_train_end` the final glob
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -124,6 +125,7 @@ class ReplicaReporter(TrainerCallback):
         self.save_final = save_final
         self.is_evaluator = rank == evaluator_rank
         self._history_seen = 0
+        self._round_started: float | None = None  # when the current round's inner steps began
         self._last_eval_round: int | None = None
         self._last_ckpt_round: int | None = None
         self._reward: float | None = None
@@ -177,6 +179,7 @@ class ReplicaReporter(TrainerCallback):
         if self.is_evaluator and self.step_offset == 0 and model is not None:
             self.evaluate_now(model, step)  # the baseline: global weights before any training
             self._status("training", step, force=True)
+        self._round_started = time.monotonic()  # after the baseline evaluation
 
     def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
         if not logs or "train_runtime" in logs:
@@ -198,9 +201,27 @@ class ReplicaReporter(TrainerCallback):
         self._history_seen = len(history)
         step = self._step(state)
         committed = False
+        now = time.monotonic()
         for record in new:
             rnd = int(record.get("round", 0))
             rejected = dict(record.get("rejected") or {})
+            # Throughput and where the round's wall time went (from the end of the previous
+            # round, or train start, to the end of this exchange).
+            wall = None if self._round_started is None else now - self._round_started
+            self._round_started = now
+            wait = float(record.get("wait_seconds") or 0.0)
+            steps, tokens = record.get("inner_steps"), record.get("tokens")
+            pace = {}
+            if wall and wall > 0:
+                pace = {
+                    "round/wall_s": wall,
+                    "round/steps_per_s": (steps or 0) / wall,
+                    "round/tokens_per_s": None if tokens is None else tokens / wall,
+                    "round/wait_fraction": min(1.0, wait / wall),
+                    "round/train_s": max(0.0, wall - float(record.get("seconds") or 0.0)),
+                }
+                self.writer.status(steps_per_s=pace["round/steps_per_s"],
+                                   wait_fraction=pace["round/wait_fraction"])  # fmt: skip
             requests = {f"round/requests_{k}": v for k, v in (record.get("requests") or {}).items()}
             self.writer.log(
                 "round",
@@ -214,6 +235,10 @@ class ReplicaReporter(TrainerCallback):
                     "round/committed": bool(record.get("committed")),
                     "round/healed": bool(record.get("healed")),
                     "round/rejected": len(rejected),
+                    "round/upload_s": record.get("upload_seconds"),
+                    "round/wait_s": record.get("wait_seconds"),
+                    "round/merge_s": record.get("merge_seconds"),
+                    **pace,
                     **requests,
                 },
             )
@@ -236,6 +261,7 @@ class ReplicaReporter(TrainerCallback):
         ):
             self._status("checkpointing", step, force=True)
             self.checkpoint_now(model, step)
+        self._round_started = time.monotonic()  # evaluation and checkpoint are not training
         self._status("training", step)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

@@ -148,6 +148,8 @@ def run_status(folder: RunFolder, *, stale_after_s: float = 120.0) -> dict[str, 
                 "seconds_since_update": lag_s,
                 "reward": doc.get("reward"),
                 "eval_accuracy": doc.get("eval_accuracy"),
+                "steps_per_s": doc.get("steps_per_s"),
+                "wait_fraction": doc.get("wait_fraction"),
                 "health": health,
                 "error": handle.get("error"),
             }
@@ -188,15 +190,17 @@ def status_text(info: dict[str, Any]) -> str:
             )
     lines.append(
         f"  {'rank':>4} {'state':<11} {'step':>9} {'round':>5} {'lag':>4} {'updated':>9} "
-        f"{'reward':>7} {'health':<7}"
+        f"{'reward':>7} {'steps/s':>7} {'wait':>5} {'health':<7}"
     )
     for r in info["replicas"]:
         ago = "-" if r["seconds_since_update"] is None else f"{r['seconds_since_update']:.0f}s"
         step = f"{r['step'] if r['step'] is not None else '-'}/{r['max_steps'] or '-'}"
         reward = "-" if r["reward"] is None else f"{r['reward']:.3f}"
+        pace = "-" if r.get("steps_per_s") is None else f"{r['steps_per_s']:.2f}"
+        wait = "-" if r.get("wait_fraction") is None else f"{100 * r['wait_fraction']:.0f}%"
         lines.append(
             f"  {r['rank']:>4} {str(r['state']):<11} {step:>9} {r['round']:>5} "
-            f"{r['round_lag']:>4} {ago:>9} {reward:>7} {r['health']:<7}"
+            f"{r['round_lag']:>4} {ago:>9} {reward:>7} {pace:>7} {wait:>5} {r['health']:<7}"
         )
         if r.get("error"):
             lines.append("       " + str(r["error"]).replace("\n", "\n       "))

@@ -27,6 +27,7 @@ of it rather than a reload from ``config._name_or_path`` (which TRL would attemp
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -188,6 +189,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
                 self.add_callback(taid_cb)
             taid_cb.bind(self)
         self._capture_logits = False
+        self._phase_s: dict[str, float] = {"generate": 0.0, "teacher": 0.0}  # training_step
         self._captured_logits: torch.Tensor | None = None
         self._batch: dict[str, Any] = {}
 
@@ -258,7 +260,36 @@ class ComposerReplicationTrainer(GRPOTrainer):
         return rewards
 
     # -- generation batch: add channel-2/3 inputs -----------------------------------------------
+    # -- where a step's time goes ----------------------------------------------------------------
+    def training_step(  # type: ignore[override]
+        self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None
+    ) -> torch.Tensor:
+        """TRL's step, timed: ``time/step_s`` (the whole micro-step), ``time/generate_s``
+        (rollouts, rewards and the channel inputs, when this step generates), ``time/teacher_s``
+        (channel 2: the teacher's forward over the hinted contexts and the distillation term)
+        and ``time/loss_backward_s`` (the rest: policy forward, losses, backward); wall seconds,
+        averaged over each logging window like every other metric."""
+        self._phase_s = {"generate": 0.0, "teacher": 0.0}
+        t0 = time.perf_counter()
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        step = time.perf_counter() - t0
+        if model.training:
+            gen, teacher = self._phase_s["generate"], self._phase_s["teacher"]
+            metrics = self._metrics["train"]
+            metrics["time/step_s"].append(step)
+            metrics["time/generate_s"].append(gen)
+            metrics["time/teacher_s"].append(teacher)
+            metrics["time/loss_backward_s"].append(max(0.0, step - gen - teacher))
+        return loss
+
     def _generate_and_score_completions(self, inputs):  # type: ignore[no-untyped-def]
+        t0 = time.perf_counter()
+        try:
+            return self._generate_with_channel_inputs(inputs)
+        finally:
+            self._phase_s["generate"] += time.perf_counter() - t0
+
+    def _generate_with_channel_inputs(self, inputs):  # type: ignore[no-untyped-def]
         output = super()._generate_and_score_completions(inputs)
         if not self.model.training or not (self._channel2 or self._channel3):
             return output
@@ -452,7 +483,9 @@ class ComposerReplicationTrainer(GRPOTrainer):
         active2 = active3 = False
         if want2:
             teacher = self._ema.model if self._ema is not None else model
+            t0 = time.perf_counter()
             res = sdpo_term(teacher, batch, logits, logits_to_keep=True, **kwargs)
+            self._phase_s["teacher"] += time.perf_counter() - t0
             if res is not None:
                 loss = loss + s.alpha_sdpo * res[0]
                 active2 = True

@@ -78,6 +78,22 @@ def test_train_default_end_to_end(
         mine = [r for r in rounds if r["replica"] == rank]
         assert [r["round"] for r in mine] == [1, 2] and all(r["round/committed"] for r in mine)
         assert all(r["round/bytes_up"] > 0 for r in mine)
+    # where the time goes, measured: each logged step split into generation, channel 2's
+    # teacher forward and the rest (loss + backward); each round's exchange into upload, wait
+    # and merge, with the round's pace
+    for r in train:
+        assert r["time/generate_s"] > 0 and r["time/loss_backward_s"] > 0
+        assert r["time/step_s"] >= r["time/generate_s"] + r["time/teacher_s"]
+        parts = r["time/generate_s"] + r["time/teacher_s"] + r["time/loss_backward_s"]
+        assert parts == pytest.approx(r["time/step_s"], rel=1e-6)
+    assert any(r["time/teacher_s"] > 0 for r in train)  # channel 2 ran its teacher
+    for r in rounds:
+        phases = r["round/upload_s"] + r["round/wait_s"] + r["round/merge_s"]
+        assert 0 < phases <= r["round/seconds"] + 1e-3
+        assert 0 < r["round/seconds"] < r["round/wall_s"]
+        assert 0.0 <= r["round/wait_fraction"] <= 1.0
+        assert r["round/steps_per_s"] == pytest.approx(2 / r["round/wall_s"])
+        assert r["round/tokens_per_s"] is None or r["round/tokens_per_s"] > 0
     evals = _records(run, "eval")
     assert [r["step"] for r in evals] == [0, 2, 4]  # baseline, then after each round
     assert all(0.0 <= r["eval/accuracy"] <= 1.0 for r in evals)
@@ -88,6 +104,7 @@ def test_train_default_end_to_end(
     plots = {p.name for p in (run / "plots").glob("*.png")}
     assert {"reward.png", "eval_accuracy.png", "outer_rounds.png", "loss_total.png"} <= plots
     assert {"loss_sdpo.png", "loss_replay.png"} <= plots
+    assert {"time_breakdown.png", "throughput.png"} <= plots
     assert "| mean reward, first 10% of steps |" in (run / "summary.md").read_text()
 
     # a loadable Hugging Face checkpoint of the final global model, plus outer state
@@ -103,6 +120,7 @@ def test_train_default_end_to_end(
     assert main(["status", str(run)]) == 0
     status = capsys.readouterr().out
     assert "run e2e: finished" in status and "outer round 2" in status
+    assert "steps/s" in status and "wait" in status
     assert main(["report", "e2e"]) == 0
     assert "wrote" in capsys.readouterr().out
 

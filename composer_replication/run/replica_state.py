@@ -20,7 +20,7 @@ names/shapes/dtypes against its own model and optimizer.
 `resume_point` (used by ``train --resume``) picks the newest round R whose global state is
 valid and for which EVERY replica has a valid resume state (round 0, the initial weights,
 needs none: the replicas start fresh there), warning with one line about each bad object it
-skips; `rollback_to` then removes everything the store holds beyond R (global states, the
+skips (when no round after 0 qualifies, the newest valid global round, resumed inexactly); `rollback_to` then removes everything the store holds beyond R (global states, the
 exchange's step records, resume states), so the relaunched replicas redo those rounds exactly
 as the interrupted run would have.
 """
@@ -211,16 +211,22 @@ def _global_state_ok(store: ObjectStore, round: int) -> str | None:
 def resume_point(
     store: ObjectStore, n_replicas: int, *, warn: Callable[[str], None] | None = None
 ) -> int:
-    """The newest round every replica can resume from exactly (0 = start afresh); see the
-    module docstring. `warn` gets one line per bad object skipped."""
+    """The newest round every replica can resume from exactly; see the module docstring.
+    `warn` gets one line per bad object skipped. When no round after 0 has every replica's
+    resume state (a run of an older version, all of them damaged), the newest valid global
+    round, with a warning: the replicas then continue from its weights with fresh inner state
+    rather than lose every round."""
     say = warn or log.warning
+    newest_valid: int | None = None
     for r in _global_rounds(store):
         why = _global_state_ok(store, r)
         if why is not None:
             say(f"global state of round {r} is unusable, skipped: {why}")
             continue
+        if newest_valid is None:
+            newest_valid = r
         if r == 0:
-            return 0
+            break
         missing = []
         for rank in range(n_replicas):
             if r not in replica_state_rounds(store, rank):
@@ -234,7 +240,10 @@ def resume_point(
         if not missing:
             return r
         log.info("round %d: no usable resume state of replicas %s", r, missing)
-    return 0
+    if newest_valid:
+        say(f"no round has every replica's resume state: resuming from the global state of "
+            f"round {newest_valid} with fresh inner optimizer and sampling state (not exact)")  # fmt: skip
+    return newest_valid or 0
 
 
 def rollback_to(store: ObjectStore, round: int, n_replicas: int) -> None:

@@ -253,7 +253,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
         placed after the trainer's own callbacks (TAID, EMA)."""
         if self.optimizer is None:
             raise RuntimeError("resume_state() needs a running trainer (no optimizer yet)")
-        generate_every = self.args.steps_per_generation * self.num_iterations
+        generate_every = int(self.args.steps_per_generation or 1) * self.num_iterations
         if self._step % generate_every != 0:
             raise RuntimeError(
                 f"resume_state() between two generations (micro step {self._step}, generating "
@@ -315,13 +315,11 @@ class ComposerReplicationTrainer(GRPOTrainer):
                 global_step=global_step,
                 epoch=float(state["epoch"]),
                 max_steps=self.args.max_steps,
-                logging_steps=self.args.logging_steps,
-                eval_steps=self.args.eval_steps,
-                save_steps=self.args.save_steps,
                 train_batch_size=self._train_batch_size,
                 num_input_tokens_seen=int(state["num_input_tokens_seen"]),
                 total_flos=float(state["total_flos"]),
             )
+            trainer_state.compute_steps(self.args, self.args.max_steps)  # as a fresh train()
             trainer_state.save_to_json(os.path.join(folder, "trainer_state.json"))
             try:
                 return self.train(resume_from_checkpoint=folder)

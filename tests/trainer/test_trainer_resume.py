@@ -110,7 +110,9 @@ def test_resume_without_the_state_differs(tmp_path):
     state["optimizer"] = {"state": {}, "param_groups": state["optimizer"]["param_groups"]}
     second = _trainer(tmp_path, "second")
     second.resume_train(state)
-    assert any(not torch.equal(p, straight.model.state_dict()[n]) for n, p in _weights(second).items())
+    assert any(
+        not torch.equal(p, straight.model.state_dict()[n]) for n, p in _weights(second).items()
+    )
 
 
 def test_bad_resume_states_are_refused_by_name(tmp_path):

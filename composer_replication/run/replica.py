@@ -21,7 +21,9 @@
    Manager dialling the lighthouse `[diloco] lighthouse` (else $TORCHFT_LIGHTHOUSE, which the
    driver sets when it runs one itself) that publishes its outer state to the same store.
    Every replica starts from the run's global weights; a relaunched replica (or a resumed
-   run) continues from the latest published round and trains only the remaining inner steps.
+   run) continues from the latest published round and trains only the remaining inner steps:
+   exactly (sync mode) when it finds its own resume state of that round in the store
+   (`run/replica_state.py`, written after every committed round), else with fresh inner state.
 5. Train; metrics, status, evaluations and checkpoints go to the store (`run/reporter.py`).
 
 Exit code 0 when the replica finished, 1 on an error (its status document says which), 2 when
@@ -307,8 +309,8 @@ def run_replica(
             return _finish_without_training(outer, model, reporter, writer, start_step)
         # Different sampling per replica; a fresh start and an exact resume share one stream
         # (the resume state carries its RNG states). A relaunch without a resume state of its
-        # round (a replica restarted mid-run, streaming fragments, decoupled mode) continues
-        # from the global weights with fresh inner state and a new sampling stream.
+        # round (a replica restarted mid-run, decoupled mode) continues from the global
+        # weights with fresh inner state and a new sampling stream.
         fresh = start_step == 0 or resume_state is not None
         seed = config.run.seed + 1000 * rank + (0 if fresh else start_round + start_step)
         set_seed(seed)

@@ -29,6 +29,7 @@ from composer_replication.exchange.protocol import (
     parse_step_dir,
 )
 from composer_replication.exchange.robust import screen_state
+from composer_replication.exchange.signing import SignatureError
 from composer_replication.exchange.store import Store
 
 if TYPE_CHECKING:
@@ -148,9 +149,9 @@ class RunDocuments:
     ) -> tuple[int, dict[str, torch.Tensor], dict[str, Any]] | None:
         """(round, tensors, extra) of ``round`` (None = latest), or None if there is none.
 
-        Latest: a state that fails its checks (truncated, checksum, signature, non-finite
-        values) is skipped with a one-line warning and the newest good one is returned; the
-        first error is raised when none is good."""
+        Latest: a damaged state (truncated, checksum, non-finite values) is skipped with a
+        one-line warning and the newest good one is returned; the first error is raised when
+        none is good. A state with a missing or wrong signature raises at once."""
         if round is None:
             rounds = [
                 r for r in map(state_mod.parse_state_name,
@@ -161,6 +162,8 @@ class RunDocuments:
             for r in sorted(rounds, reverse=True):
                 try:
                     found = self._fetch_state(name, r)
+                except SignatureError:
+                    raise  # a forged state is an attack to report, not damage to route around
                 except CorruptContributionError as exc:
                     log.warning("skipping a damaged state (%s); trying an older one", exc)
                     first = first or exc

@@ -249,7 +249,7 @@ def resume_point(
 def rollback_to(store: ObjectStore, round: int, n_replicas: int) -> None:
     """Forget every round after `round`: global states, exchange step records, resume states
     (the relaunched replicas redo those rounds)."""
-    from composer_replication.exchange.protocol import step_prefix
+    from composer_replication.exchange.protocol import HEAD_KEY, step_prefix
     from composer_replication.exchange.state import state_key
 
     for r in _global_rounds(store):
@@ -258,6 +258,7 @@ def rollback_to(store: ObjectStore, round: int, n_replicas: int) -> None:
     for name in store.list("steps"):
         if name.isdigit() and int(name) > round:
             store.delete_prefix(step_prefix(int(name)).rstrip("/"))
+    store.delete(HEAD_KEY)  # a hint of a forgotten step would mark the redone ones stale
     for rank in range(n_replicas):
         for r in replica_state_rounds(store, rank):
             if r > round:

@@ -1,5 +1,6 @@
 """Exact resume end to end: a run whose driver and replicas are all killed with SIGKILL mid-round
-and resumed with `--resume` ends on bit-identical final weights to the same run uninterrupted.
+(and whose newest global state is then damaged) and resumed with `--resume` ends on
+bit-identical final weights to the same run uninterrupted.
 
 CPU, one torch thread per replica (the default `train.torch_threads = 1`): every kernel is
 deterministic, the DiLoCo merge is in rank order in float32, so equality is exact (no
@@ -116,17 +117,21 @@ def test_sigkill_everything_mid_round_then_resume_gives_the_same_weights(
     killed_at = max(_global_rounds(run))
     assert killed_at < STEPS // H, "the run finished before it was killed"
     assert not (run / "checkpoints" / "final").exists()
+    # and the newest global state was damaged (truncated): --resume must skip it
+    newest = run / "store" / "states" / "global" / f"{killed_at:010d}.safetensors"
+    newest.write_bytes(newest.read_bytes()[:1000])
 
     assert main(["train", "--resume", "killed"]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert "Run killed: finished" in out
+    assert f"global state of round {killed_at} is unusable" in err
     records = read_metrics(run / "metrics.jsonl")
     starts = [r for r in records if r.get("event") == "start" and r["resumed_round"] > 0]
     # both replicas restarted from their own exact state of a round >= 1, not from scratch
     assert sorted(r["replica"] for r in starts) == [0, 1], out
     assert all(r["exact"] for r in starts)
     resumed_round = starts[0]["resumed_round"]
-    assert 1 <= resumed_round <= killed_at and f"Resuming at outer round {resumed_round}" in out
+    assert 1 <= resumed_round < killed_at and f"Resuming at outer round {resumed_round}" in out
 
     expected = _final_weights(straight)
     got = _final_weights(run)

@@ -156,7 +156,10 @@ def test_resume_point_falls_back_past_damage_and_rollback_forgets_later_rounds(
 
     (store_steps := Path(store.local_path) / "steps" / f"{3:010d}").mkdir(parents=True)
     (store_steps / "commit.json").write_text("{}")
+    head = store_steps.parent / "head.json"
+    head.write_text(json.dumps({"step": 3}))
     rollback_to(store, 1, 2)
+    assert not head.exists()  # the exchange would call step 2 stale
     assert sorted(int(p.name[:10]) for p in key.parent.iterdir()) == [0, 1]
     assert not store_steps.exists()
     assert replica_state_rounds(store, 0) == [] and replica_state_rounds(store, 1) == [1]

@@ -297,8 +297,6 @@ def run_replica(
         reporter = ReplicaReporter(
             writer=writer, store=store, outer=outer, rank=rank,
             max_steps=config.train.max_steps, tokenizer=tok,
-            # an exact resume continues at the global step itself
-            step_offset=0 if resume_state is not None else start_step,
             task=task, eval_examples=task.eval_examples()[:n_eval],
             eval_every_rounds=config.train.eval_every_rounds,
             max_new_tokens=config.train.max_completion_length,
@@ -316,8 +314,7 @@ def run_replica(
         set_seed(seed)
         with tempfile.TemporaryDirectory(prefix=f"composer-replica{rank}-") as scratch:
             trainer = build_trainer(
-                config, model=model, tokenizer=tok, task=task,
-                max_steps=config.train.max_steps if fresh else remaining,
+                config, model=model, tokenizer=tok, task=task, max_steps=config.train.max_steps,
                 seed=seed, output_dir=scratch, callbacks=[outer.callback(), reporter], rank=rank,
             )  # fmt: skip
             if exact:  # after the trainer's own callbacks (TAID, EMA): the step's final state
@@ -326,10 +323,12 @@ def run_replica(
                                       sync_every_h=h, keep=config.store.keep_rounds,
                                       flush=writer.flush)
                 )  # fmt: skip
+            # The trainer counts the run's steps: its step, LR schedule and TAID schedule
+            # continue at start_step (exactly, with the resume state).
             if resume_state is not None:
                 trainer.resume_train(resume_state)
             else:
-                trainer.train()
+                trainer.train_from_step(start_step)
         # The model now holds the global weights (the DiLoCo callback loaded them): their
         # digest lets anyone check that every replica ended on the same model.
         writer.log("event", step=config.train.max_steps, round=outer.round,

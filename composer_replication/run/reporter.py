@@ -4,8 +4,8 @@
 `on_step_end` it sees an outer round that has just been committed (the model then holds the new
 global weights, identical on every replica) and in `on_train_end` the final global weights.
 
-- every TRL log line becomes a "train" record (step = inner step of the whole run, i.e. the
-  resumed round's offset plus the trainer's own step);
+- every TRL log line becomes a "train" record (step = inner step of the whole run: the trainer
+  of a relaunched replica continues at its start step);
 - every exchange in the manager's history becomes a "round" record (seconds, bytes, ranks,
   store requests by kind, how many contributions were rejected), and every rejection an
   "event" record (``event = "rejected"``, ``rank``, ``reason``) and the status document's
@@ -89,7 +89,8 @@ def evaluate(
 
 
 class ReplicaReporter(TrainerCallback):
-    """See the module docstring. `step_offset` = inner steps done before this launch."""
+    """See the module docstring. The trainer counts the run's inner steps (a relaunched
+    replica's trainer continues at its start step), so a step here is the run's."""
 
     def __init__(
         self,
@@ -99,7 +100,6 @@ class ReplicaReporter(TrainerCallback):
         outer: Any,
         rank: int,
         max_steps: int,
-        step_offset: int,
         tokenizer: Any,
         task: Any,
         eval_examples: list[Any],
@@ -115,7 +115,6 @@ class ReplicaReporter(TrainerCallback):
         self.outer = outer
         self.rank = rank
         self.max_steps = max_steps
-        self.step_offset = step_offset
         self.tokenizer = tokenizer
         self.task = task
         self.eval_examples = eval_examples
@@ -133,7 +132,7 @@ class ReplicaReporter(TrainerCallback):
 
     # -- helpers
     def _step(self, state: Any) -> int:
-        return self.step_offset + int(state.global_step)
+        return int(state.global_step)
 
     def _round(self) -> int:
         return int(self.outer.round)

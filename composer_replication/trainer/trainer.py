@@ -30,6 +30,7 @@ import logging
 import os
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -326,6 +327,30 @@ class ComposerReplicationTrainer(GRPOTrainer):
             finally:
                 self._pending_resume = None
 
+    def train_from_step(self, step: int) -> Any:
+        """``train()`` as if `step` optimizer steps had already been taken, when no resume
+        state exists (a replica restarted onto newer global weights): the step count, the LR
+        schedule and TAID's step continue from `step` (so ``max_steps`` stays the run's);
+        the optimizer moments, RNG streams and data order start afresh (seed them first)."""
+        if not 0 <= step < self.args.max_steps:
+            raise ValueError(f"step {step} is outside [0, max_steps={self.args.max_steps})")
+        if step == 0:
+            return self.train()
+        self._pending_resume = {"global_step": int(step), "partial": True}
+        self._step = int(step) * self.args.gradient_accumulation_steps
+        self._buffered_inputs = None
+        with tempfile.TemporaryDirectory(prefix="resume-", dir=self.args.output_dir) as folder:
+            trainer_state = TrainerState(
+                global_step=int(step), max_steps=self.args.max_steps,
+                train_batch_size=self._train_batch_size,
+            )  # fmt: skip
+            trainer_state.compute_steps(self.args, self.args.max_steps)
+            trainer_state.save_to_json(os.path.join(folder, "trainer_state.json"))
+            try:
+                return self.train(resume_from_checkpoint=folder)
+            finally:
+                self._pending_resume = None
+
     def _check_resume_state(self, state: Mapping[str, Any]) -> None:
         if not isinstance(state, Mapping) or state.get("format") != RESUME_FORMAT:
             raise ResumeStateError(
@@ -408,6 +433,13 @@ class ComposerReplicationTrainer(GRPOTrainer):
             super()._load_optimizer_and_scheduler(checkpoint)
             return
         assert self.optimizer is not None
+        if pending.get("partial"):  # train_from_step: the schedule continues at the step
+            if self.lr_scheduler is not None:
+                with warnings.catch_warnings():  # "step() before optimizer.step()"
+                    warnings.simplefilter("ignore", UserWarning)
+                    for _ in range(int(pending["global_step"])):
+                        self.lr_scheduler.step()
+            return
         check_optimizer_state(pending["optimizer"], self.optimizer)
         try:
             self.optimizer.load_state_dict(pending["optimizer"])
@@ -433,6 +465,8 @@ class ComposerReplicationTrainer(GRPOTrainer):
         if pending is None:
             super()._load_rng_state(checkpoint)
             return
+        if pending.get("partial"):
+            return  # train_from_step: the caller seeded the RNG streams
         unwrapped = self.accelerator.unwrap_model(self.model)
         with torch.no_grad():
             unwrapped.load_state_dict(dict(pending["model"]), strict=True)

@@ -152,3 +152,19 @@ def test_bad_resume_states_are_refused_by_name(tmp_path):
             "rng.torch")  # fmt: skip
     refused(lambda s: s.update(global_step=STEPS), "nothing left")
     assert dataset  # the helpers' dataset is what both trainers train on
+
+
+def test_train_from_step_continues_the_schedule_with_fresh_state(tmp_path):
+    """No resume state (a replica restarted onto newer global weights): the step count and the
+    LR schedule continue at the step; the optimizer starts afresh."""
+    straight = _trainer(tmp_path, "straight")
+    straight.train()
+    late = _trainer(tmp_path, "late")
+    late.train_from_step(SPLIT)
+    assert late.state.global_step == STEPS
+    assert late.lr_scheduler.get_last_lr() == straight.lr_scheduler.get_last_lr()
+    steps = {float(s["step"]) for s in late.optimizer.state_dict()["state"].values()}
+    assert steps == {float(STEPS - SPLIT)}  # AdamW only saw the steps trained here
+    assert [r["step"] for r in late.state.log_history if "loss" in r] == [4, 5, 6]
+    with pytest.raises(ValueError, match="outside"):
+        _trainer(tmp_path, "too-late").train_from_step(STEPS)

@@ -144,9 +144,18 @@ def test_resume_point_falls_back_past_damage_and_rollback_forgets_later_rounds(
     assert resume_point(store, 2, warn=warnings.append) == 1
     assert any("replica 1 round 2" in w for w in warnings)
 
-    # a NaN global state is never published, and a missing replica state means an older round
+    # a NaN global state is never published; one put there by hand (checksum intact) is
+    # skipped like a truncated one
     with pytest.raises(ValueError, match="non-finite|refusing"):
         _publish_global(store, 4, value=float("nan"))
+    from composer_replication.exchange.state import encode_state, state_key
+
+    nan = encode_state({"w": torch.full((2,), float("nan"))}, name="global", round=4, extra={})
+    store.put(state_key("global", 4), nan)
+    warnings.clear()
+    assert resume_point(store, 2, warn=warnings.append) == 1
+    assert "round 4" in warnings[0] and "NaN" in warnings[0]
+    assert fetch_outer_state(_docs(store)).round == 2  # the replicas skip it too
     # no round after 0 has every replica's state: the newest valid global round, inexactly,
     # rather than starting over
     (Path(store.local_path) / "resume" / "rank-0" / f"{1:010d}.json").unlink()

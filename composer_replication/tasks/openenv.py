@@ -76,7 +76,7 @@ def _require_openenv() -> Any:
         from openenv.core import generic_client
     except ImportError as exc:
         raise ImportError(
-            f"The openenv task needs the `openenv-core` package ({exc}); {EXTRA_HINT}."
+            f"The openenv task needs the openenv-core package ({exc}); {EXTRA_HINT}."
         ) from exc
     return generic_client
 
@@ -193,8 +193,15 @@ class OpenEnvTask(Task):
         env = env.strip()
         parsed = urlparse(env)
         if parsed.scheme in _URL_SCHEMES:
-            if not parsed.hostname:
-                raise ValueError(f"openenv env {env!r} has no host; give http://host:port")
+            try:
+                port = parsed.port
+            except ValueError:
+                port = None
+            bad_port = port is None and re.search(r":[^\]]*$", parsed.netloc)  # "h:", "h:x"
+            if not parsed.hostname or bad_port:
+                raise ValueError(
+                    f"openenv env {env!r} has no valid host and port; give http://host:port"
+                )
             return env.rstrip("/")
         if _HOST_PORT.match(env):
             raise ValueError(
@@ -454,7 +461,13 @@ class OpenEnvTask(Task):
                 0.0, False, f"The environment rejected the answer: {error[1][:_FEEDBACK_LIMIT]}"
             )
         obs = self._observation(result, "step")
-        raw = _number(getattr(result, "reward", None), f"{self._where()}: the step reward")
+        raw = getattr(result, "reward", None)  # OpenEnv allows bool | int | float | None
+        raw = float(raw) if isinstance(raw, bool) else raw
+        if not isinstance(raw, int | float) or not math.isfinite(raw):
+            raise ValueError(
+                f"{self._where()}: the step reward must be a finite number, got {raw!r}; the "
+                "task scores each completion by its episode's first step"
+            )
         reward = min(1.0, max(0.0, (raw - lo) / (hi - lo)))
         if raw >= self.success_reward:
             return Verdict(reward, True, None)

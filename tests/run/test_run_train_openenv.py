@@ -1,16 +1,23 @@
-"""`composer-replication train` on an OpenEnv environment (`task.name = "openenv:URL"`): the run
-goes to the end with its rewards and channel-2 feedback from the environment server; a URL where
-nothing listens fails in the preflight, before any replica starts."""
+"""`composer-replication train` on an OpenEnv environment (`task.name = "openenv:URL"`): the
+command of docs/recipes/openenv.md runs to the end against examples/openenv/sum_env.py, with its
+rewards and channel-2 feedback from the environment server; a URL where nothing listens, or a
+loss screen without reference answers, fails in the preflight, before any replica starts."""
 
 from __future__ import annotations
 
+import re
+import shlex
 import socket
 from pathlib import Path
 
 import pytest
 
 from composer_replication.cli import main
+from composer_replication.config import ConfigError, load_config
+from composer_replication.run import preflight
 from composer_replication.run.metrics import read_metrics
+
+DOC = (Path(__file__).resolve().parents[2] / "docs" / "recipes" / "openenv.md").read_text()
 
 pytest.importorskip("openenv", reason="needs the `openenv` extra (openenv-core)")
 
@@ -36,11 +43,13 @@ SMALL = [
 def test_train_on_an_openenv_server_runs_to_the_end(
     openenv_server: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
 ) -> None:
+    (bash,) = re.findall(r"```bash\n(python examples.*?)```", DOC, flags=re.S)
+    server_line, train_line = bash.strip().splitlines()
+    assert server_line == "python examples/openenv/sum_env.py --port 8000 &"
+    argv = shlex.split(train_line.replace("http://127.0.0.1:8000", openenv_server))
+    assert argv[:2] == ["composer-replication", "train"]
     monkeypatch.chdir(tmp_path)
-    code = main([
-        "train", *SMALL, f"task.name=openenv:{openenv_server}",
-        "task.options={reward_range = [-1.0, 1.0]}", "--name", "oe",
-    ])  # fmt: skip
+    code = main([*argv[1:], *SMALL, "--name", "oe"])  # the doc's command, tiny settings
     run = tmp_path / "runs" / "oe"
     out = capsys.readouterr().out
     assert code == 0, out + "\n".join(p.read_text() for p in (run / "logs").glob("*.log"))
@@ -72,3 +81,12 @@ def test_unreachable_openenv_url_fails_before_any_replica(
     assert f"task.name: 'openenv:http://127.0.0.1:{port}': cannot reach the OpenEnv server" in err
     assert "start the environment server" in err
     assert not (tmp_path / "runs" / "oe").exists()  # nothing written, no replica launched
+
+
+def test_loss_screen_without_reference_answers_fails_in_preflight(openenv_server: str) -> None:
+    config = load_config(
+        overrides=[f"task.name=openenv:{openenv_server}", "task.n_eval=4", "diloco.screen=loss"]
+    )
+    with pytest.raises(ConfigError, match="diloco.screen: 'loss' scores the task's reference"):
+        preflight.check_task(config)
+    preflight.check_task(load_config(overrides=[f"task.name=openenv:{openenv_server}"]))

@@ -177,7 +177,8 @@ def test_image_without_docker_is_a_clear_error(
     [
         ({}, "needs the environment: name the task 'openenv:URL_OR_IMAGE'"),
         ({"env": "127.0.0.1:8000"}, "did you mean 'http://127.0.0.1:8000'"),
-        ({"env": "http://"}, "has no host"),
+        ({"env": "http://"}, "has no valid host and port"),
+        ({"env": "http://127.0.0.1:"}, "has no valid host and port"),
         ({"env": "ftp://x/y"}, "neither an http"),
         ({"env": "Not An Image"}, "neither an http"),
         ({"env": "http://h:1", "reward_range": [1, 1]}, "lo < hi"),

@@ -43,6 +43,7 @@ import json
 import math
 import random
 import re
+import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -182,6 +183,9 @@ class OpenEnvTask(Task):
         self._client: Any = None  # openenv SyncEnvClient, opened on first use
         self._base_url: str | None = None if self.is_image else self.env
         self._close: Callable[[], None] | None = None
+        # One session, one episode at a time: a reset and its step must not interleave with
+        # another thread's (an evaluation callback, say).
+        self._lock = threading.RLock()
 
     @staticmethod
     def _check_env(env: Any) -> str:
@@ -281,10 +285,11 @@ class OpenEnvTask(Task):
 
     def close(self) -> None:
         """Close the session (and stop a container this task started). Reopened on next use."""
-        if self._close is not None:
-            self._close()
-        self._client = None
-        self._close = None
+        with self._lock:
+            if self._close is not None:
+                self._close()
+            self._client = None
+            self._close = None
 
     def _request(self, op: str, *args: Any, **kwargs: Any) -> Any:
         """One client call (`reset` or `step`), reconnecting once after a dropped session and
@@ -411,12 +416,14 @@ class OpenEnvTask(Task):
     def check_ready(self) -> None:
         """Connect (starting the container for an image), reset once, find the prompt and the
         action field: a bad server or option fails here, before any replica starts."""
-        self._prompt_of(self._reset(0))
-        self._resolve_action_field()
+        with self._lock:
+            self._prompt_of(self._reset(0))
+            self._resolve_action_field()
 
     def _sample(self, rng: random.Random) -> tuple[str, str, dict[str, Any]]:
         seed = rng.randrange(_SEED_SPACE)
-        obs = self._reset(seed)
+        with self._lock:
+            obs = self._reset(seed)
         answer = ""
         if self.answer_field is not None:
             value = obs.get(self.answer_field)
@@ -442,6 +449,10 @@ class OpenEnvTask(Task):
                 f"example {example.id!r} was not drawn by the openenv task (meta needs an int "
                 "'reset_seed')"
             )
+        with self._lock:
+            return self._episode(example, seed, completion)
+
+    def _episode(self, example: Example, seed: int, completion: str) -> Verdict:
         action_field = self._resolve_action_field()
         prompt = self._prompt_of(self._reset(seed))
         if prompt != example.prompt:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -93,6 +94,17 @@ def test_rewards_and_feedback_match_the_environment(
         prompts=[ex.prompt] * 3, completions=completions, example_id=[ex.id] * 3
     )
     assert got == [(v.reward, v.feedback) for v in (task.verify(ex, c) for c in completions)]
+    task.close()
+
+
+def test_threads_sharing_a_task_get_their_own_episodes(openenv_server: str) -> None:
+    task = get_task(f"openenv:{openenv_server}", seed=5, **SIZES, reward_range=[-1, 1])
+    pairs = [(ex, c) for ex in task.train_examples()[:6] for c in _answers(ex.prompt)[:4]]
+    with ThreadPoolExecutor(max_workers=4) as pool:  # one session: each reset+step is atomic
+        verdicts = list(pool.map(lambda p: task.verify(*p), pairs))
+    for (ex, completion), verdict in zip(pairs, verdicts, strict=True):
+        raw, _ = score(ex.prompt, completion)
+        assert verdict.reward == pytest.approx((raw + 1) / 2)
     task.close()
 
 

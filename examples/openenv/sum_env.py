@@ -5,8 +5,9 @@
 127.0.0.1 (`--port`, default 8000; `--port 0` takes a free one). It prints `PORT <n>` once it
 accepts connections. Needs the `openenv` extra.
 
-- `reset(seed, offset=0)` draws `a + b` with `random.Random(seed)` (a, b in 0..`SUM_ENV_MAX`, then
-  `offset` added to a) and returns the observation `{"prompt": "a+b=", "hint": ...}`;
+- `reset(seed, offset=0, reveal=False)` draws `a + b` with `random.Random(seed)` (a, b in
+  0..`SUM_ENV_MAX`, then `offset` added to a) and returns the observation
+  `{"prompt": "a+b=", "hint": ..., "answer": ...}` (`answer` is the sum with `reveal`, else "");
 - `step(SumAction(answer=...))` scores the answer with `score(prompt, answer)`: 1.0 exact, 0.0 a
   number within 2 of the sum, -0.5 another number, -1.0 not a number; the observation's
   `feedback` says which (empty when correct) and `done` is True;
@@ -63,6 +64,7 @@ def build_app(max_sessions: int = 8) -> Any:
         prompt: str = ""
         hint: str = ""
         feedback: str = ""
+        answer: str = ""
 
     class SumEnv(Environment):
         SUPPORTS_CONCURRENT_SESSIONS = True  # no state shared between sessions
@@ -73,12 +75,18 @@ def build_app(max_sessions: int = 8) -> Any:
             self._prompt = ""
 
         def reset(
-            self, seed: int | None = None, episode_id: str | None = None, offset: int = 0, **_: Any
+            self,
+            seed: int | None = None,
+            episode_id: str | None = None,
+            offset: int = 0,
+            reveal: bool = False,
+            **_: Any,
         ) -> SumObservation:
             a, b = problem(seed, offset)
             self._prompt = f"{a}+{b}="
             self._state = State(episode_id=episode_id, step_count=0)
-            return SumObservation(prompt=self._prompt, hint="add the two numbers")
+            answer = str(a + b) if reveal else ""
+            return SumObservation(prompt=self._prompt, hint="add the two numbers", answer=answer)
 
         def step(self, action: Any, timeout_s: float | None = None, **_: Any) -> SumObservation:
             if not self._prompt:

@@ -90,3 +90,9 @@ def test_loss_screen_without_reference_answers_fails_in_preflight(openenv_server
     with pytest.raises(ConfigError, match="diloco.screen: 'loss' scores the task's reference"):
         preflight.check_task(config)
     preflight.check_task(load_config(overrides=[f"task.name=openenv:{openenv_server}"]))
+    answered = 'task.options={answer_field = "answer", reset_kwargs = {reveal = true}}'
+    preflight.check_task(
+        load_config(
+            overrides=[f"task.name=openenv:{openenv_server}", "diloco.screen=loss", answered]
+        )
+    )

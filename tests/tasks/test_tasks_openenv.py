@@ -150,6 +150,26 @@ def test_reset_kwargs_reach_the_environment_and_drift_is_caught(openenv_server: 
     plain.close()
 
 
+def test_answer_field_gives_the_oracle(openenv_server: str) -> None:
+    task = get_task(
+        f"openenv:{openenv_server}", seed=0, **SIZES,
+        answer_field="answer", reset_kwargs={"reveal": True},
+    )  # fmt: skip
+    for ex in task.train_examples() + task.eval_examples():
+        x, y = problem(ex.meta["reset_seed"])
+        assert ex.answer == task.oracle(ex) == str(x + y)
+        assert task.verify(ex, task.oracle(ex)).correct
+    traces = list(task.oracle_traces("train"))
+    assert traces and all(t["completion"] and t["teacher"] == "oracle" for t in traces)
+    blind = get_task(f"openenv:{openenv_server}", seed=0, **SIZES)
+    assert all(blind.oracle(ex) == "" for ex in blind.train_examples())  # nothing to replay
+    missing = get_task(f"openenv:{openenv_server}", seed=0, **SIZES, answer_field="nope")
+    with pytest.raises(ValueError, match="'nope' is None, not a string or number"):
+        missing.train_examples()
+    for t in (task, blind, missing):
+        t.close()
+
+
 def test_no_free_session_is_a_clear_error_then_recovers(openenv_server: str) -> None:
     holders = [get_task(f"openenv:{openenv_server}", **SIZES) for _ in range(8)]
     for task in holders:  # the server allows 8 sessions

@@ -280,7 +280,7 @@ class OpenEnvTask(Task):
     def _close_client(client: Any) -> None:
         try:
             client.close()
-        except Exception:  # noqa: S110 - best effort: the session may already be gone
+        except Exception:  # best effort: the session may already be gone
             pass
 
     def close(self) -> None:

@@ -9,6 +9,7 @@ function the server calls), mapped as the task documents: `(r - lo) / (hi - lo)`
 from __future__ import annotations
 
 import socket
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -16,6 +17,8 @@ from pathlib import Path
 import pytest
 from openenv_server import problem, run_openenv_server, score
 
+from composer_replication.config import ConfigError, load_config
+from composer_replication.run import preflight
 from composer_replication.tasks import TASKS, get_task
 from composer_replication.tasks.openenv import OpenEnvTask, OpenEnvUnavailable
 
@@ -202,6 +205,17 @@ def test_image_without_docker_is_a_clear_error(
     assert task.is_image
     with pytest.raises(OpenEnvUnavailable, match="Docker is not available here.*openenv:http"):
         task.check_ready()
+
+
+def test_missing_extra_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    for module in ("openenv", "openenv.core", "openenv.core.generic_client"):
+        monkeypatch.setitem(sys.modules, module, None)  # as if not installed
+    task = get_task("openenv:http://127.0.0.1:1", seed=0, **SIZES)  # options need no openenv
+    with pytest.raises(ImportError, match=r"pip install composer-replication\[openenv\]"):
+        task.check_ready()
+    config = load_config(overrides=["task.name=openenv:http://127.0.0.1:1"])
+    with pytest.raises(ConfigError, match=r"^task.name: .*needs the openenv-core package"):
+        preflight.check_task(config)
 
 
 @pytest.mark.parametrize(

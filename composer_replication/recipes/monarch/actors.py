@@ -62,6 +62,8 @@ __all__ = [
 # The dataset columns the task's reward function reads (tasks/base.py `Task.reward_func`); only
 # these cross to the rewarder (TRL also passes callables and trainer state, which stay here).
 REWARD_COLUMNS = ("example_id", "answer", "task_meta")
+# What `TrainerActor.train` reports of the channels (the trainer's metrics, docs/trainer.md).
+CHANNEL_METRICS = ("sdpo/active", "replay/active", "replay/trace_coverage")
 
 
 def check_supported(config: RunConfig) -> None:
@@ -235,6 +237,14 @@ class TeacherPoolActor(Actor):
         return [] if self.pool is None else [t.name for t in self.pool.teachers]
 
     @endpoint
+    def stats(self) -> dict[str, Any]:
+        """The pool's statistics (`PoolStats.as_dict`) and ``prompts``: the prompts it holds
+        traces for."""
+        if self.pool is None:
+            return {"prompts": 0}
+        return {**self.pool.stats.as_dict(), "prompts": len(self.store.prompt_keys)}
+
+    @endpoint
     def traces(self, prompts: list[Any]) -> list[dict[str, Any]]:
         """Every trace for ``prompts`` (JSON records), asking the teachers for those not yet
         answered; each teacher answers each prompt once for the whole mesh."""
@@ -343,6 +353,16 @@ def _callback(recorder: _RoundRecorder) -> Any:
     return RoundCallback()
 
 
+def _channel_means(log_history: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """The mean of each `CHANNEL_METRICS` key over the trainer's log records that have it."""
+    out = {}
+    for key in CHANNEL_METRICS:
+        values = [float(r[key]) for r in log_history if key in r]
+        if values:
+            out[key] = sum(values) / len(values)
+    return out
+
+
 class TrainerActor(Actor):
     """One DiLoCo replica: `ComposerReplicationTrainer` + the outer loop (see the module
     docstring). ``generators`` / ``rewarders``: meshes with one actor per process (this
@@ -366,7 +386,9 @@ class TrainerActor(Actor):
     @endpoint
     def train(self) -> dict[str, Any]:
         """Train this replica for ``train.max_steps`` inner steps; returns ``{"rank", "rounds":
-        [{"round", "step", "global_sha256", "reward_mean", "rollouts"}], "final_sha256"}``."""
+        [{"round", "step", "global_sha256", "reward_mean", "rollouts"}], "final_sha256",
+        "channels"}`` (``channels``: the run's mean of each `CHANNEL_METRICS` the trainer
+        logged)."""
         from transformers import set_seed
         from transformers.trainer_callback import PrinterCallback
 
@@ -434,6 +456,7 @@ class TrainerActor(Actor):
                 "rank": rank,
                 "rounds": recorder.rounds,
                 "final_sha256": global_digest(outer.global_parameters()),
+                "channels": _channel_means(trainer.state.log_history),
             }
         finally:
             manager.close()

@@ -109,6 +109,7 @@ def run(config: RunConfig, store_uri: str) -> dict[str, Any]:
             "trainer", TrainerActor, doc, store_uri, generators, rewarders, teacher_pool
         )
         results = sorted(trainers.train.call().get().values(), key=lambda r: r["rank"])
+        pool_stats = teacher_pool.stats.call_one().get()
     finally:
         procs.stop().get()
     table = agreement(results)
@@ -118,6 +119,7 @@ def run(config: RunConfig, store_uri: str) -> dict[str, Any]:
         "seconds": time.monotonic() - t0,
         "rounds": table,
         "replicas": results,
+        "teacher_pool": pool_stats,
         "agree": bool(table)
         and all(r["agree"] for r in table)
         and len({res["final_sha256"] for res in results}) == 1,

@@ -13,8 +13,10 @@ import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -46,6 +48,31 @@ def _env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     return env
+
+
+def _mesh_processes(controller: int) -> list[int]:
+    """Pids of the Monarch mesh processes the controller spawned (Linux /proc)."""
+    pids = []
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            ppid = next(ln for ln in status.read_text().splitlines() if ln.startswith("PPid:"))
+            cmdline = (status.parent / "cmdline").read_bytes()
+        except (OSError, StopIteration):
+            continue
+        if int(ppid.split()[1]) == controller and b"bootstrap_main" in cmdline:
+            pids.append(int(status.parent.name))
+    return sorted(pids)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = next(
+            ln for ln in Path(f"/proc/{pid}/status").read_text().splitlines()
+            if ln.startswith("State:")
+        )  # fmt: skip
+    except (OSError, StopIteration):
+        return False
+    return " Z " not in f"{state} "  # a zombie has exited
 
 
 def test_seven_part_template():
@@ -182,3 +209,48 @@ def test_documented_python_snippet_drives_the_actors(tmp_path: Path):
     for k in (0, 1):
         assert results[0]["rounds"][k]["global_sha256"] == results[1]["rounds"][k]["global_sha256"]
     assert (tmp_path / "runs" / "my-run" / "store" / "states" / "global").is_dir()
+
+
+@pytest.mark.slow
+def test_an_actor_that_raises_is_reported_with_its_error_and_exit_1(tmp_path: Path):
+    argv = [sys.executable, "-m", "composer_replication.recipes.monarch.train", str(EXAMPLE),
+            'task.options={level="nope"}']  # fmt: skip
+    proc = subprocess.run(argv, cwd=tmp_path, env=_env(), capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr[-4000:]
+    # which actors failed, and the task's own message, from the actors' process
+    assert "monarch: actor failure: The actor" in proc.stderr and "RewarderActor" in proc.stderr
+    assert "monarch: error: ActorError" in proc.stderr
+    assert "arithmetic level must be one of ['easy', 'hard', 'medium'], got 'nope'" in proc.stderr
+
+
+@pytest.mark.slow
+def test_a_replica_process_killed_mid_run_ends_the_run_promptly_with_exit_1(tmp_path: Path):
+    """SIGKILL one mesh process once round 1 is committed: Monarch's supervision reports it and
+    the controller exits 1 within seconds, not after the exchange's 600 s round timeout, and
+    stops every mesh process."""
+    argv = [sys.executable, "-m", "composer_replication.recipes.monarch.train", str(EXAMPLE),
+            "run.name=killed", "diloco.timeout_s=600"]  # fmt: skip
+    proc = subprocess.Popen(argv, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        committed = tmp_path / "runs" / "killed" / "store" / "states" / "global"
+        deadline = time.monotonic() + 240
+        while not list(committed.glob("0000000001.*")):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "round 1 never committed"
+            time.sleep(0.5)
+        mesh = _mesh_processes(proc.pid)
+        assert len(mesh) == 2, mesh
+        os.kill(mesh[0], signal.SIGKILL)
+        killed_at = time.monotonic()
+        out, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 1, out + err[-4000:]
+    assert time.monotonic() - killed_at < 120
+    assert "monarch: actor failure: The actor" in err and "monarch: error:" in err
+    assert "global weights agree after every round" not in out
+    assert not [pid for pid in mesh if _alive(pid)], "mesh processes left running"

@@ -25,8 +25,10 @@ driver (`recipes/monarch/train.py`) checks that every replica holds the same glo
 after every round.
 
 Failure behaviour: an error inside an actor reaches the caller as Monarch's ``ActorError``
-carrying the remote traceback; a replica that stops contributing makes its peers' round time out
-after ``diloco.timeout_s`` (the object store's rule), as in any composer-replication run.
+carrying the remote traceback; a dead process is a Monarch supervision event, which fails the
+pending calls to its actors (the driver then stops the mesh). A replica that is alive but does
+not contribute makes its peers' round time out after ``diloco.timeout_s`` (the object store's
+rule), as in any composer-replication run.
 """
 
 from __future__ import annotations
@@ -156,12 +158,14 @@ class GeneratorActor(Actor):
         pad = tok.pad_token_id
         input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in prompt_ids])
         mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompt_ids])
-        # Sampling draws from torch's global generator: seed it from this actor's own stream so
-        # the rollouts of a run are reproducible per rank.
-        torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=self._rng)))
         config = copy.deepcopy(generation_config)
         config.return_dict_in_generate, config.output_scores = True, True
-        with torch.no_grad():
+        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=self._rng))
+        # Sampling draws from torch's global generator, which the trainer on this process uses
+        # too: fork it and seed the fork from this actor's own stream, so the rollouts are
+        # reproducible per rank and the trainer's random state is left as it was.
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.manual_seed(seed)
             out = self.model.generate(
                 input_ids=input_ids, attention_mask=mask, generation_config=config
             )

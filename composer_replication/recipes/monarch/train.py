@@ -20,8 +20,8 @@ controller):
    agree), writes the summary JSON (``--summary``) and stops the mesh.
 
 Exit code 0 when every replica finished with the same global weights after every round, 1 when
-they disagree or an actor failed (its remote traceback is printed), 2 when the config or the
-arguments are unusable.
+they disagree, an actor failed or a mesh process died (Monarch's failure report and the remote
+traceback are printed; the mesh is stopped), 2 when the config or the arguments are unusable.
 """
 
 from __future__ import annotations
@@ -87,6 +87,7 @@ def agreement(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def run(config: RunConfig, store_uri: str) -> dict[str, Any]:
     """Spawn the mesh and actors, train, stop the mesh; the run's summary (see `main`)."""
+    import monarch.actor
     from monarch.actor import this_host
 
     from composer_replication.config import to_dict
@@ -100,6 +101,11 @@ def run(config: RunConfig, store_uri: str) -> dict[str, Any]:
     doc = json.loads(json.dumps(to_dict(config)))
     n = config.backend.n_replicas
     t0 = time.monotonic()
+    # A failed actor or a dead process is a supervision event. Monarch's default for events
+    # nobody handles interrupts this (the main) thread; reported here and dropped instead, the
+    # pending call raises ActorError, so the mesh is stopped and the run ends with exit code 1.
+    previous_hook = monarch.actor.unhandled_fault_hook
+    monarch.actor.unhandled_fault_hook = _report_fault
     procs = this_host().spawn_procs(per_host={"procs": n})
     try:
         generators = procs.spawn("generator", GeneratorActor, doc)
@@ -111,7 +117,10 @@ def run(config: RunConfig, store_uri: str) -> dict[str, Any]:
         results = sorted(trainers.train.call().get().values(), key=lambda r: r["rank"])
         pool_stats = teacher_pool.stats.call_one().get()
     finally:
-        procs.stop().get()
+        try:
+            procs.stop().get()
+        finally:
+            monarch.actor.unhandled_fault_hook = previous_hook
     table = agreement(results)
     return {
         "store": store_uri,
@@ -124,6 +133,12 @@ def run(config: RunConfig, store_uri: str) -> dict[str, Any]:
         and all(r["agree"] for r in table)
         and len({res["final_sha256"] for res in results}) == 1,
     }
+
+
+def _report_fault(failure: Any) -> None:
+    """Monarch's unhandled-fault hook for the run: print the failure's report (which actor or
+    process failed, and its traceback) and drop the event; the pending call then fails."""
+    print(f"monarch: actor failure: {failure.report()}", file=sys.stderr, flush=True)
 
 
 def _fmt(x: float | None) -> str:

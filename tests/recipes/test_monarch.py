@@ -192,9 +192,9 @@ def test_documented_python_snippet_drives_the_actors(tmp_path: Path):
     (snippet,) = blocks("python")
     examples = tmp_path / "examples" / "monarch"
     examples.mkdir(parents=True)
-    # the snippet's config, made shorter: 2 rounds of 2 steps
-    text = EXAMPLE.read_text().replace("max_steps = 24", "max_steps = 4")
-    text = text.replace("sync_every_h = 4", "sync_every_h = 2")
+    # the snippet's config, made shorter: 2 rounds of 1 step
+    text = EXAMPLE.read_text().replace("max_steps = 24", "max_steps = 2")
+    text = text.replace("sync_every_h = 4", "sync_every_h = 1")
     (examples / "tiny.toml").write_text(text)
     code = snippet + (
         "\nimport json\n"

@@ -11,10 +11,10 @@ import os
 import re
 from pathlib import Path
 
+from composer_replication.assembly.build import build_task
 from composer_replication.config import ConfigError, RunConfig
 from composer_replication.exchange.store import ObjectStore, normalize_uri
 from composer_replication.executors import registry
-from composer_replication.run.build import build_task
 from composer_replication.run.folder import RunFolder
 
 __all__ = [

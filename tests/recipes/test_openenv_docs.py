@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from composer_replication.assembly.build import build_task
 from composer_replication.config import ConfigError, load_config
 from composer_replication.run import preflight
-from composer_replication.run.build import build_task
 from composer_replication.tasks import get_task
 from composer_replication.tasks.openenv import OpenEnvTask, OpenEnvUnavailable
 

@@ -13,7 +13,7 @@
    put-if-absent and every replica then trains with the stored one, so they all agree.
 3. The task, the model (tiny: built locally from the config; else `from_pretrained`), the
    channel-3 teachers (configured endpoints, else the task oracle) and the
-   `ComposerReplicationTrainer` with all three loss channels (`run/build.py`).
+   `ComposerReplicationTrainer` with all three loss channels (`assembly/build.py`).
 4. The DiLoCo outer loop over the manager `[diloco] manager` names: "object_store" (default),
    `ObjectStoreManager(ObjectStoreAllReduce(URI, world_size, rank))` screening contributions as
    `[diloco] aggregate*` / `screen*` say (run/screening.py) and, with `[security] sign`, signing
@@ -42,7 +42,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from composer_replication.run.build import build_model, build_task, build_trainer
+from composer_replication.assembly.build import build_model, build_task, build_trainer
 
 if TYPE_CHECKING:
     from composer_replication.config import RunConfig

@@ -29,6 +29,7 @@ from composer_replication.executors.base import (
     ExecutorBase,
     ReplicaHandle,
     ReplicaStatus,
+    check_arg_style,
     read_log_file,
 )
 
@@ -176,6 +177,7 @@ class LocalProcessExecutor(ExecutorBase):
         *,
         log_dir: str | os.PathLike[str] | None = None,
         python: str | None = None,
+        arg_style: str = "auto",
         cwd: str | os.PathLike[str] | None = None,
         max_restarts: int = 0,
         grace_period: float = 5.0,
@@ -190,6 +192,7 @@ class LocalProcessExecutor(ExecutorBase):
                 f"{poll_interval}"
             )
         self.python = python or sys.executable
+        self.arg_style = check_arg_style(arg_style)
         self.cwd = os.fspath(cwd) if cwd is not None else None
         if self.cwd is not None and not os.path.isdir(self.cwd):
             raise ValueError(f"cwd {self.cwd!r} is not a directory")

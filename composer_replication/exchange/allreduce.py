@@ -107,6 +107,10 @@ class ObjectStoreAllReduce(RunDocuments):
     (the run driver keeps one per rank in the run folder) so that a restarted rank recognises
     the upload its earlier incarnation made for a step that is not committed yet; None: a random
     secret per process (a restarted rank then finds that slot squatted and sits the step out).
+    ``sparse``: what codec ``"sparseloco"`` keeps of this replica's tensors (`sparse.SparseSpec`:
+    density, chunk, bits; None: its defaults). Its payloads describe their own layout, so
+    readers decode whatever a peer sent (validated); error feedback is the caller's
+    (``diloco/sparseloco.py``).
     """
 
     def __init__(
@@ -129,6 +133,7 @@ class ObjectStoreAllReduce(RunDocuments):
         loss_probe: LossProbe | None = None,
         keys: RunKeys | None = None,
         writer_secret: bytes | None = None,
+        sparse: codecs.SparseSpec | None = None,
     ) -> None:
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
@@ -184,6 +189,9 @@ class ObjectStoreAllReduce(RunDocuments):
             keys=keys,
         )
         self.rank = rank
+        if sparse is not None and not isinstance(sparse, codecs.SparseSpec):
+            raise TypeError(f"sparse must be a SparseSpec, got {type(sparse).__name__}")
+        self.sparse = sparse if sparse is not None else codecs.SparseSpec()
         # what this replica writes; readers verify whatever algorithm each header names
         if keys is not None:
             checksum = "sha256"  # xxh3-128 is not collision resistant: a signature must bind
@@ -334,6 +342,7 @@ class ObjectStoreAllReduce(RunDocuments):
         payload, own = encode_contribution(
             tensors, rank=self.rank, step=step, tokens=tokens, inner_steps=inner_steps,
             codec=self.codec, checksum=self.checksum, writer=writer, keys=self.keys,
+            sparse=self.sparse,
         )  # fmt: skip
         up = down = 0
         valid: dict[int, Contribution] = {}

@@ -478,7 +478,9 @@ class DilocoConfig:
             field_name = str(exc).split(" ")[1]
             raise ValueError(f"diloco.sparseloco_{field_name}: {exc}") from None
         _check(
-            0.0 <= self.sparseloco_ef_decay <= 1.0, "diloco.sparseloco_ef_decay", "must be in [0, 1]"
+            0.0 <= self.sparseloco_ef_decay <= 1.0,
+            "diloco.sparseloco_ef_decay",
+            "must be in [0, 1]",
         )
         if self.codec == "sparseloco":
             _check(

@@ -264,6 +264,8 @@ class ObjectStoreAllReduce(RunDocuments):
         before = self.store.requests.snapshot()
         if self.world_size == 1:
             self.last_result = StepResult(step, [0], [], {0: 1.0}, 0, 0, 0.0, self.codec, 0)
+            if self.codec == codecs.SPARSE:  # the "average" of one replica is its message
+                return {n: self._sparse_round_trip(t) for n, t in tensors.items()}
             return dict(tensors)
         if self.rank is None:
             raise ValueError(
@@ -301,6 +303,12 @@ class ObjectStoreAllReduce(RunDocuments):
             merge_seconds=phases[2],
         )
         return result
+
+    def _sparse_round_trip(self, t: torch.Tensor) -> torch.Tensor:
+        """What a lone replica's sparseloco message decodes to (shape, dtype, device of t)."""
+        flat = torch.empty(t.numel(), dtype=torch.float32)
+        codecs.decode_into(codecs.encode(t, codecs.SPARSE, self.sparse), codecs.SPARSE, flat)
+        return flat.view(t.shape).to(dtype=t.dtype, device=t.device)
 
     def _check_cancel_and_run(self, step: int) -> None:
         if self.cancelled.is_set():

@@ -112,9 +112,7 @@ def _scratch(numel: int) -> torch.Tensor:
     return torch.empty(min(numel, PASS_BLOCKS * CHUNK) + 1, dtype=torch.float32)
 
 
-def encode(
-    t: torch.Tensor, codec: str, spec: SparseSpec | None = None
-) -> dict[str, torch.Tensor]:
+def encode(t: torch.Tensor, codec: str, spec: SparseSpec | None = None) -> dict[str, torch.Tensor]:
     """Encode one tensor into named parts (suffixes ``q``, ``s``, ``z``) for the wire.
 
     ``t`` is any floating tensor; it is flattened (row-major) and read as float32. Quantising
@@ -242,9 +240,7 @@ def expected_parts(
     }
 
 
-def check_parts(
-    parts: dict[str, torch.Tensor], codec: str, numel: int | None = None
-) -> str | None:
+def check_parts(parts: dict[str, torch.Tensor], codec: str, numel: int | None = None) -> str | None:
     """Why parts read from the store (already of :func:`expected_parts`' dtypes and shapes)
     cannot be decoded, or None. Our encoder never writes a non-finite or negative scale or a
     non-finite offset; a payload that has one would silently poison the average.

@@ -215,7 +215,7 @@ def _unpack(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     """Inverse of :func:`_pack`: the first ``count`` codes as uint8."""
     if bits == 8:
         return packed[:count]
-    per, mask = 8 // bits, 2**bits - 1
+    mask = 2**bits - 1
     shifts = torch.arange(0, 8, bits, dtype=torch.uint8)
     return packed[:, None].bitwise_right_shift(shifts).bitwise_and_(mask).view(-1)[:count]
 
@@ -247,8 +247,10 @@ def check_parts(parts: dict[str, torch.Tensor], numel: int) -> str | None:
     full, last, k_last, _ = kept(numel, chunk, k)
     i = parts["i"].to(torch.int64)
     k_full = min(k, chunk)
-    for rows, width, size in ((i[: full * k_full].view(full, k_full), chunk, k_full),
-                              (i[full * k_full :].view(1 if last else 0, k_last), last, k_last)):
+    for rows, width, size in (
+        (i[: full * k_full].view(full, k_full), chunk, k_full),
+        (i[full * k_full :].view(1 if last else 0, k_last), last, k_last),
+    ):
         if rows.numel() == 0:
             continue
         if bool((rows < 0).any()) or bool((rows >= width).any()):

@@ -75,6 +75,9 @@ def main() -> None:
     ap.add_argument("--sl-outer-lr", type=float, default=1.0, help="SparseLoCo's outer lr")
     dc.add_sparseloco_args(ap)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    ap.add_argument(
+        "--only-sparseloco", action="store_true", help="tuning aid: run only SparseLoCo"
+    )
     a = ap.parse_args()
     if a.quick:
         a.h, a.rounds, a.eval_seqs, a.pretrain_steps = 5, 3, 32, 10
@@ -97,11 +100,16 @@ def main() -> None:
     start_loss = dc.eval_loss(cfg.model(), evals, a.ctx, a.eval_seqs)
     print(f"warm start: eval loss {start_loss:.4f}", flush=True)
 
+    sl_cfg = copy.copy(cfg)
+    sl_cfg.codec, sl_cfg.outer_lr = "sparseloco", a.sl_outer_lr
+    if a.only_sparseloco:
+        sl = run(sl_cfg, batches, evals)
+        print(json.dumps({"sparseloco_eval_loss": round(sl["eval_loss"], 5),
+                          "bytes_per_round": round(sl["bytes_per_round"])}))  # fmt: skip
+        return
     dl = run(cfg, batches, evals)
     print(f"diloco (fp32)  eval loss {dl['eval_loss']:.4f}  {dl['bytes_per_round']:,.0f} B/round"
           f"  {dl['seconds']:.0f}s", flush=True)  # fmt: skip
-    sl_cfg = copy.copy(cfg)
-    sl_cfg.codec, sl_cfg.outer_lr = "sparseloco", a.sl_outer_lr
     sl = run(sl_cfg, batches, evals)
     print(f"sparseloco     eval loss {sl['eval_loss']:.4f}  {sl['bytes_per_round']:,.0f} B/round"
           f"  {sl['seconds']:.0f}s", flush=True)  # fmt: skip
@@ -110,6 +118,7 @@ def main() -> None:
         "sparseloco_loss_gap_vs_diloco": round(
             (sl["eval_loss"] - dl["eval_loss"]) / dl["eval_loss"], 5
         ),
+        "sparseloco_upload_ratio": round(sl["uploaded_per_round"] / dl["uploaded_per_round"], 5),
         "diloco_eval_loss": round(dl["eval_loss"], 5),
         "sparseloco_eval_loss": round(sl["eval_loss"], 5),
         "start_eval_loss": round(start_loss, 5),

@@ -356,16 +356,19 @@ def _decode_pass(
     rows.mul_(parts["s"][b0:b1, None]).add_(parts["z"][b0:b1, None])
 
 
-def max_abs_error_bound(t: torch.Tensor, codec: str) -> torch.Tensor:
+def max_abs_error_bound(
+    t: torch.Tensor, codec: str, spec: SparseSpec | None = None
+) -> torch.Tensor:
     """Per-element worst-case absolute error of ``decode(encode(t))`` (flat, float32).
 
     Half a quantisation step of the element's block, plus float32 rounding slack (relative,
     and one smallest normal float32 for blocks whose scale is subnormal). For ``sparseloco``
-    the bound holds for the kept entries only (`sparse.max_abs_error_bound`).
+    the bound holds for the kept entries only (`sparse.max_abs_error_bound`; ``spec`` None:
+    `SparseSpec`'s defaults).
     """
     check_codec(codec)
     if codec == SPARSE:
-        return sparse.max_abs_error_bound(t, SparseSpec())
+        return sparse.max_abs_error_bound(t, spec or SparseSpec())
     flat = t.detach().reshape(-1).to(device="cpu", dtype=torch.float32)
     n = flat.numel()
     if codec == "fp32":

@@ -17,8 +17,9 @@ that lets a rank tell its own object from one planted in its slot, and ``checksu
 ``{"algo": "xxh3-128" or "sha256", "value": hex}`` of the data section, i.e. of the encoded
 tensors). With signing on (exchange/signing.py) the header, commit records and state headers
 also carry ``run_id``, ``signer`` and ``signature``. Tensor
-``t<i>.<part>`` is part ``q``/``s``/``z`` (``sparseloco``: ``i``/``q``/``s``/``m``) of the i-th name in the header (names are never used as
-safetensors keys, so no parameter name can collide with a part name). Nothing read from the
+``t<i>.<part>`` is part ``q``/``s``/``z`` (codec ``sparseloco``: ``i``/``q``/``s``/``m``) of the
+i-th name in the header (names are never used as safetensors keys, so no parameter name can
+collide with a part name). Nothing read from the
 store is ever unpickled: parsing is JSON plus ``safetensors.torch.load``.
 """
 

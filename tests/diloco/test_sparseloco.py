@@ -280,3 +280,22 @@ def test_streaming_fragments_through_the_outer_loop(tmp_path):
     assert {frag for frag, _ in ef.buffers} == {0, 1}
     sizes = sorted(e.numel() for e in ef.buffers.values())
     assert sizes == sorted(p.numel() for p in model.parameters())
+
+
+@pytest.mark.slow
+def test_benchmark_smoke_prints_the_keys(tmp_path):
+    """benchmarks/sparseloco.py --quick: both variants train, the bytes are measured, and the
+    last line is the JSON the docs quote (tiny settings; the figures are not judged here)."""
+    import json
+    import os
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    cmd = [sys.executable, str(root / "benchmarks" / "sparseloco.py"), "--quick"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=True)
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert 0 < result["sparseloco_bytes_ratio"] < 0.1  # headers weigh more on a tiny model
+    assert math.isfinite(result["sparseloco_loss_gap_vs_diloco"])
+    assert result["rounds"] == 3 and result["diloco_bytes_per_round"] > 0
+    assert 0 < result["sparseloco_upload_ratio"] < 0.1

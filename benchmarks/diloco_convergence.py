@@ -252,12 +252,12 @@ def error_feedback(cfg: Cfg, manager: Any) -> Any:
 
 
 def outer_factory(cfg: Cfg) -> Any:
-    """codec 'sparseloco': plain SGD at the outer lr (no momentum); else DiLoCo's Nesterov."""
+    """codec 'sparseloco': plain SGD at --sl-outer-lr (no momentum); else DiLoCo's Nesterov."""
     if cfg.codec != "sparseloco":
         return None
     from composer_replication.diloco.sparseloco import sparseloco_outer_optimizer
 
-    return sparseloco_outer_optimizer(cfg.outer_lr)
+    return sparseloco_outer_optimizer(cfg.sl_outer_lr)
 
 
 def train_diloco(cfg: Cfg, batches: Batches, uri: str) -> tuple[nn.Module, dict[str, int]]:
@@ -331,6 +331,7 @@ def add_sparseloco_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--sl-chunk", type=int, default=d.sparseloco_chunk)
     ap.add_argument("--sl-bits", type=int, default=d.sparseloco_bits)
     ap.add_argument("--sl-ef-decay", type=float, default=d.sparseloco_ef_decay)
+    ap.add_argument("--sl-outer-lr", type=float, default=d.sparseloco_outer_lr)
 
 
 def main() -> None:

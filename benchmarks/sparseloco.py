@@ -72,7 +72,6 @@ def main() -> None:
     ap.add_argument("--pretrain-steps", type=int, default=150, help="shared warm start")
     ap.add_argument("--outer-lr", type=float, default=0.7, help="fp32 DiLoCo's outer lr")
     ap.add_argument("--outer-momentum", type=float, default=0.9, help="fp32 DiLoCo's")
-    ap.add_argument("--sl-outer-lr", type=float, default=1.0, help="SparseLoCo's outer lr")
     dc.add_sparseloco_args(ap)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     ap.add_argument(
@@ -101,7 +100,7 @@ def main() -> None:
     print(f"warm start: eval loss {start_loss:.4f}", flush=True)
 
     sl_cfg = copy.copy(cfg)
-    sl_cfg.codec, sl_cfg.outer_lr = "sparseloco", a.sl_outer_lr
+    sl_cfg.codec = "sparseloco"
     if a.only_sparseloco:
         sl = run(sl_cfg, batches, evals)
         print(json.dumps({"sparseloco_eval_loss": round(sl["eval_loss"], 5),

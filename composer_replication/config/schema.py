@@ -340,8 +340,9 @@ class DilocoConfig:
     codec: CodecName = _f(
         "fp32",
         "pseudo-gradient encoding (exchange.codecs); 'sparseloco' = SparseLoCo: chunk-wise top-k "
-        "+ few-bit values with local error feedback, outer step plain SGD at outer_lr (no "
-        "outer momentum; outer_optimizer/outer_momentum are not used)",
+        "+ few-bit values with local error feedback, outer step plain SGD at "
+        "sparseloco_outer_lr (no outer momentum; outer_optimizer/outer_lr/outer_momentum are "
+        "not used)",
     )
     sparseloco_density: float = _f(
         _SPARSE.density, "codec = 'sparseloco': fraction of each chunk sent (top-k by magnitude)"
@@ -353,6 +354,11 @@ class DilocoConfig:
     sparseloco_ef_decay: float = _f(
         0.95,
         "codec = 'sparseloco': error-feedback decay beta in e = beta * e + delta (in [0, 1])",
+    )
+    sparseloco_outer_lr: float = _f(
+        1.0,
+        "codec = 'sparseloco': lr of the outer SGD step on the mean of the replicas' messages "
+        "(1 = apply it as is; docs/diloco.md has the benchmark's sweep)",
     )
     min_replicas: int | None = _f(None, "contributions needed to commit a round (unset = all)")
     weighting: Literal["equal", "tokens"] = _f("equal", "how contributions are weighted")
@@ -482,6 +488,7 @@ class DilocoConfig:
             "diloco.sparseloco_ef_decay",
             "must be in [0, 1]",
         )
+        _check(self.sparseloco_outer_lr > 0, "diloco.sparseloco_outer_lr", "must be > 0")
         if self.codec == "sparseloco":
             _check(
                 self.mode == "sync",
@@ -495,8 +502,8 @@ class DilocoConfig:
                 self.outer_optimizer != "adam",
                 "diloco.outer_optimizer",
                 "'adam' contradicts codec = 'sparseloco', whose outer step is plain SGD at "
-                "outer_lr (the error feedback replaces the outer momentum); use 'nesterov' or "
-                "'sgd' (their momentum is not used) or another codec",
+                "sparseloco_outer_lr (the error feedback replaces the outer momentum); use "
+                "'nesterov' or 'sgd' (neither is used with it) or another codec",
             )
         _check(0.0 <= self.outer_momentum < 1.0, "diloco.outer_momentum", "must be in [0, 1)")
         _check(

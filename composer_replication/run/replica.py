@@ -279,7 +279,7 @@ def run_replica(
             if d.codec == "sparseloco":  # the error feedback replaces the outer momentum
                 from composer_replication.diloco.sparseloco import sparseloco_outer_optimizer
 
-                factory = sparseloco_outer_optimizer(d.outer_lr)
+                factory = sparseloco_outer_optimizer(d.sparseloco_outer_lr)
             else:
                 factory = outer_optimizer_factory(
                     d.outer_optimizer, lr=d.outer_lr, momentum=d.outer_momentum,

@@ -171,11 +171,13 @@ def test_one_replica_applies_its_own_message(tmp_path):
 def test_config_keys_default_and_validate():
     d = load_config(overrides=["diloco.codec=sparseloco"]).diloco
     assert d.sparse_spec() == SparseSpec() and d.sparseloco_ef_decay == 0.95
+    assert d.sparseloco_outer_lr == 1.0
     for key, value, match in [
         ("sparseloco_density", "0", "diloco.sparseloco_density"),
         ("sparseloco_chunk", "0", "diloco.sparseloco_chunk"),
         ("sparseloco_bits", "3", "diloco.sparseloco_bits"),
         ("sparseloco_ef_decay", "1.5", "diloco.sparseloco_ef_decay"),
+        ("sparseloco_outer_lr", "0", "diloco.sparseloco_outer_lr"),
     ]:
         with pytest.raises(ValueError, match=match):
             load_config(overrides=["diloco.codec=sparseloco", f"diloco.{key}={value}"])

@@ -23,7 +23,8 @@ is dropped except by ``decay``. A round that fails (the exchange did not commit)
 as it was, like DiLoCo drops the round's local work. The store keeps the first upload of a
 step, and a failed step is retried at the same step; the retry therefore accounts the message
 of the first attempt (remembered here), which is what the store holds whenever that first
-upload went through. With streaming fragments, DiLoCo sends fragment ``round % P``; each
+upload went through (a round sat out after a heal uploads nothing and is not remembered). With
+streaming fragments, DiLoCo sends fragment ``round % P``; each
 fragment's tensors have their own accumulators (keyed by fragment and position, checked by
 shape). The accumulators are local state: a replica that restarts starts them at zero.
 """
@@ -107,6 +108,7 @@ class ErrorFeedbackManager:
         self._fragment = 0
         self._calls = 0
         self._step = 0  # the store step this round's messages go to
+        self._healed = False  # this round's quorum healed: the round is sat out
         self._pending: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # acc, sent
         self._failed_step: int | None = None
         self._failed_sent: dict[tuple[int, int], torch.Tensor] = {}
@@ -115,8 +117,12 @@ class ErrorFeedbackManager:
     def start_quorum(
         self, allow_heal: bool = True, shrink_only: bool = False, timeout: timedelta | None = None
     ) -> None:
+        before = self.inner.current_step()
         self.inner.start_quorum(allow_heal=allow_heal, shrink_only=shrink_only, timeout=timeout)
-        # after a heal the round moved: DiLoCo picks the fragment from current_step() too
+        # A heal loaded a newer round: this replica sits the round out (nothing is uploaded,
+        # should_commit says False), which is not a failed exchange to remember. DiLoCo picks
+        # the fragment from current_step() after the quorum too.
+        self._healed = self.inner.current_step() != before
         self._fragment = self.inner.current_step() % self.num_fragments
         self._step = self.inner.current_step() + 1
         self._calls = 0
@@ -152,7 +158,7 @@ class ErrorFeedbackManager:
             for key, (acc, sent) in self._pending.items():
                 self.buffers[key] = acc.sub_(sent)
             self._failed_step, self._failed_sent = None, {}
-        elif self._pending:
+        elif self._pending and not self._healed:
             if self._failed_step != self._step:
                 self._failed_sent = {k: sent for k, (_, sent) in self._pending.items()}
             self._failed_step = self._step

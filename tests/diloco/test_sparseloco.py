@@ -123,6 +123,31 @@ def test_a_retried_step_accounts_the_first_upload():
     assert torch.allclose(ef.buffers[(0, 0)], second - m1, atol=1e-6)
 
 
+def test_a_round_sat_out_after_a_heal_is_not_taken_for_an_upload():
+    inner = FakeStore([False, True])
+    ef = ErrorFeedbackManager(inner, SPEC, decay=1.0)  # type: ignore[arg-type]
+    inner.step = 0
+    real_start = inner.start_quorum
+
+    def healing_start(**kw):  # the store says round 3 is committed: load it, sit this one out
+        real_start(**kw)
+        inner.step = 3
+
+    inner.start_quorum = healing_start  # type: ignore[method-assign]
+    ef.start_quorum()
+    t = torch.randn(500)
+    ef.allreduce(t.clone())  # the real manager returns at once, uploading nothing
+    inner.uploads.clear()
+    assert not ef.should_commit()
+    inner.start_quorum = real_start  # type: ignore[method-assign]
+    ef.start_quorum()
+    second = torch.randn(500)
+    ef.allreduce(second.clone())
+    assert ef.should_commit()
+    sent = inner.uploads[(4, 0)]  # what the exchange really encoded this time
+    assert torch.allclose(ef.buffers[(0, 0)], second - sent, atol=1e-6)
+
+
 def test_fragments_have_their_own_accumulators_and_shapes_are_checked():
     inner = FakeStore([True, True, True])
     ef = ErrorFeedbackManager(inner, SPEC, decay=1.0, num_fragments=2)  # type: ignore[arg-type]

@@ -266,6 +266,7 @@ def train_diloco(cfg: Cfg, batches: Batches, uri: str) -> tuple[nn.Module, dict[
 
     results: dict[int, tuple[nn.Module, ObjectStoreManager]] = {}
     errors: list[BaseException] = []
+    stores: list[ObjectStoreAllReduce] = []
 
     def replica(rank: int) -> None:
         try:
@@ -275,6 +276,7 @@ def train_diloco(cfg: Cfg, batches: Batches, uri: str) -> tuple[nn.Module, dict[
                 uri, world_size=cfg.k, rank=rank, timeout_s=1800.0, codec=cfg.codec,
                 sparse=sparse_spec(cfg),
             )  # fmt: skip
+            stores.append(store)
             manager = ObjectStoreManager(store)
             outer = make_diloco_outer_loop(
                 opt, error_feedback(cfg, manager), cfg.h, model=model, outer_lr=cfg.outer_lr,
@@ -293,9 +295,8 @@ def train_diloco(cfg: Cfg, batches: Batches, uri: str) -> tuple[nn.Module, dict[
             results[rank] = (model, manager)
         except BaseException as e:  # reported by the main thread
             errors.append(e)
-            store_cancel = locals().get("store")
-            if store_cancel is not None:
-                store_cancel.cancel()
+            for other in stores:  # the peers would wait timeout_s for this replica otherwise
+                other.cancel()
 
     threads = [threading.Thread(target=replica, args=(r,)) for r in range(cfg.k)]
     for th in threads:

@@ -214,6 +214,14 @@ def test_config_keys_default_and_validate():
         load_config(overrides=["diloco.codec=sparseloco", "diloco.outer_optimizer=adam"])
 
 
+def test_decoupled_pushes_refuse_the_sparse_codec(tmp_path):
+    from composer_replication.exchange.decoupled import DecoupledStore
+    from composer_replication.exchange.store import ObjectStore
+
+    with pytest.raises(ValueError, match="not for decoupled pushes"):
+        DecoupledStore(ObjectStore(str(tmp_path)), codec="sparseloco")
+
+
 # ----------------------------------------------------------------------------- real processes
 
 

@@ -24,6 +24,11 @@ separately.
 
     python benchmarks/diloco_convergence.py            # full (k=4, H=50), ~10 min on 2 cores
     python benchmarks/diloco_convergence.py --quick    # a smoke-sized run
+    python benchmarks/diloco_convergence.py --codec sparseloco --sl-outer-lr 3   # (c) as SparseLoCo
+
+With ``--codec sparseloco`` (c) is SparseLoCo (error feedback, plain SGD outer step at
+``--sl-outer-lr``; ``--sl-density/--sl-chunk/--sl-bits/--sl-ef-decay``); benchmarks/sparseloco.py
+runs it beside fp32 DiLoCo on the same tokens.
 
 Last line: JSON with single_eval_loss, dp_eval_loss, diloco_eval_loss, loss_gap_vs_dp
 (relative, positive = worse than DP), comm_ratio_vs_dp, and the other figures.

@@ -112,6 +112,21 @@ def _forwarded_env(config: RunConfig) -> dict[str, str]:
     return {name: os.environ[name] for name in config.backend.forward_env if name in os.environ}
 
 
+def _rollback_for_resume(config: RunConfig, store: ObjectStore) -> int | None:
+    """Sync mode: the newest round every replica can resume from exactly; the store forgets
+    the rounds after it (run/replica_state.py). None in decoupled mode."""
+    if config.diloco.mode != "sync":
+        return None
+    from composer_replication.run.replica_state import resume_point, rollback_to
+
+    def warn(line: str) -> None:
+        print(f"warning: {line}", file=sys.stderr, flush=True)
+
+    round_ = resume_point(store, config.backend.n_replicas, warn=warn)
+    rollback_to(store, round_, config.backend.n_replicas)
+    return round_
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -244,6 +259,7 @@ def run(
         folder.create(overwrite=overwrite)
         if overwrite and store.exists(""):
             store.delete_prefix("")  # a stale run in an explicit store would be resumed otherwise
+    resumed_at = _rollback_for_resume(config, store) if resume else None
     folder.config_toml.write_text(dump_toml(config))
     folder.config_json.write_text(json.dumps(to_dict(config), indent=1))
     config_doc = json.loads(json.dumps(to_dict(config)))  # exactly what replicas will read
@@ -264,6 +280,9 @@ def run(
         f"x {config.backend.kind} replicas, model {config.model.name}, task {config.task.name}, "
         f"{config.train.max_steps} inner steps, sync every {config.diloco.sync_every_h})"
     )
+    if resumed_at is not None:
+        progress.message(f"Resuming at outer round {resumed_at} (the newest round every replica "
+                         "saved its exact state for)")  # fmt: skip
     sink = MetricsSink(folder.metrics, folder.tensorboard if config.logging.tensorboard else None)
     consumed = {int(k): int(v) for k, v in (state.get("metrics_chunks") or {}).items()}
     collector = MetricsCollector(store, config.backend.n_replicas, sink, consumed)

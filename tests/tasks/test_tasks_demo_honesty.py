@@ -10,9 +10,9 @@ import tempfile
 
 import pytest
 
+from composer_replication.assembly.build import build_task, build_teachers
 from composer_replication.config import load_config
 from composer_replication.data.traces import prompt_key
-from composer_replication.run.build import build_task, build_teachers
 from composer_replication.tasks.base import chat_prompt
 
 
@@ -21,9 +21,6 @@ def default_task():  # type: ignore[no-untyped-def]
     return build_task(load_config())
 
 
-@pytest.mark.xfail(
-    strict=True, reason="demo target not reached yet: the default still evaluates 32 prompts"
-)
 def test_default_held_out_prompts_are_many_distinct_and_never_trained_on(default_task) -> None:  # type: ignore[no-untyped-def]
     config = load_config()
     train = default_task.train_examples()
@@ -56,7 +53,7 @@ def test_tokenizer_text_holds_no_held_out_prompt(default_task) -> None:  # type:
 def test_channel3_traces_of_a_default_run_cover_training_prompts_only(default_task) -> None:  # type: ignore[no-untyped-def]
     """A few real steps of the default run's trainer: every trace the lazy teacher pool recorded
     is for a training prompt."""
-    from composer_replication.run.build import build_model, build_trainer
+    from composer_replication.assembly.build import build_model, build_trainer
 
     config = load_config(overrides=["train.max_steps=3", "diloco.sync_every_h=3"])
     model, tok = build_model(config)

@@ -228,3 +228,16 @@ def test_inner_schedule_and_clipping_reach_trl() -> None:
     )
     default = trainer_args(load_config(), "/tmp/unused", max_steps=10, seed=0)
     assert (str(default.lr_scheduler_type.value), default.max_grad_norm) == ("constant", 1.0)
+
+
+def test_the_cpu_example_is_the_embedded_default_written_out() -> None:
+    """examples/cpu_default.toml says it is what `train` runs with no arguments: it must stay so
+    (every key but the run's name)."""
+    import dataclasses
+    from pathlib import Path
+
+    from composer_replication.config import load_config
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "cpu_default.toml"
+    written, default = load_config(example), load_config()
+    assert dataclasses.replace(written, run=default.run) == default

@@ -21,10 +21,12 @@ An HTML comment on one of the two lines above the fence changes what is done wit
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import textwrap
@@ -134,7 +136,7 @@ def _check_markers(block: Block) -> bool:
         )
         return True
     if block.skip:
-        pytest.skip(block.skip)
+        pytest.skip(f"{block.id}: {block.skip}")
     return False
 
 
@@ -186,20 +188,42 @@ def test_python_block(block: Block, tmp_path: Path) -> None:
         "OMP_NUM_THREADS": "1",
         "TOKENIZERS_PARALLELISM": "false",
     }
-    try:
-        proc = subprocess.run(
-            [sys.executable, str(script)],
-            cwd=tmp_path,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=PYTHON_TIMEOUT_S,
-        )
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"{block.id}: still running after {PYTHON_TIMEOUT_S} s")
-    assert proc.returncode == 0, (
-        f"{block.id} exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    proc = subprocess.Popen(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
+    try:
+        stdout, stderr = proc.communicate(timeout=PYTHON_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        # The block may have started processes of its own (an executor's replicas, in their
+        # own sessions): kill the whole tree, or they outlive the test.
+        for pid in [*_descendants(proc.pid), proc.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"{block.id}: still running after {PYTHON_TIMEOUT_S} s:\n{stderr[-3000:]}")
+    assert proc.returncode == 0, (
+        f"{block.id} exited {proc.returncode}:\n{stdout[-2000:]}\n{stderr[-4000:]}"
+    )
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live descendant of `pid` (Linux /proc), children first found first."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
 
 
 # ----------------------------------------------------------------------------- bash

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
 import os
 import re
 import shlex
@@ -272,6 +273,18 @@ def cli_invocations(code: str) -> list[list[str]]:
     return [args for words in _commands(code) if (args := _cli_args(words)) is not None]
 
 
+def python_scripts(code: str) -> list[str]:
+    """The relative script paths a bash block runs with python (`python examples/x.py ...`)."""
+    return [
+        words[1]
+        for words in _commands(code)
+        if len(words) > 1
+        and re.fullmatch(r"(.*/)?python(3(\.\d+)?)?", words[0])
+        and words[1].endswith(".py")
+        and not words[1].startswith("/")
+    ]
+
+
 def _check_invocation(block: Block, args: list[str]) -> None:
     from composer_replication.cli import build_parser
     from composer_replication.config import ConfigError, load_config
@@ -279,10 +292,13 @@ def _check_invocation(block: Block, args: list[str]) -> None:
     shown = "composer-replication " + " ".join(shlex.quote(a) for a in args)
     parser = build_parser()
     parser.exit_on_error = False
+    said = io.StringIO()
     try:
-        ns, extra = parser.parse_known_args(args)
+        with contextlib.redirect_stderr(said):
+            ns, extra = parser.parse_known_args(args)
     except (SystemExit, Exception) as exc:  # argparse exits on a bad subcommand/option
-        pytest.fail(f"{block.id}: `{shown}` is not a valid command line: {exc}")
+        why = said.getvalue().strip().splitlines()[-1:] or [str(exc)]
+        pytest.fail(f"{block.id}: `{shown}` is not a valid command line: {why[0]}")
     positional = [*getattr(ns, "args", []), *extra]
     bad = [a for a in extra if a.startswith("-") or "args" not in vars(ns)]
     assert not bad, f"{block.id}: `{shown}`: unrecognized arguments {bad}"
@@ -317,6 +333,8 @@ def test_bash_block(block: Block) -> None:
         pytest.fail(f"{block.id}: cannot split into commands: {exc}")
     if _check_markers(block):
         return
+    for script in python_scripts(block.code):
+        assert (ROOT / script).is_file(), f"{block.id}: `python {script}`: no such file in the repo"
     for args in invocations:
         _check_invocation(block, args)
 
@@ -344,3 +362,6 @@ def test_collector_finds_blocks_and_markers(tmp_path: Path) -> None:
         "python -m composer_replication config show \\\n  --json | head\n"
         "python -m pytest -q\npip install -e .\n"
     ) == [["train", "a.toml", "x.y=1"], ["config", "show", "--json"]]
+    assert python_scripts("python examples/a.py --x 1 &\npython -m pytest\npython /abs.py\n") == [
+        "examples/a.py"
+    ]

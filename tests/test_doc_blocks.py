@@ -341,6 +341,21 @@ def test_bash_block(block: Block) -> None:
 
 # ----------------------------------------------------------------------------- the collector
 
+# Aliases of the checked languages: a block fenced ```sh would escape the checks above.
+ALIASES = {"py": "python", "python3": "python", "sh": "bash", "shell": "bash", "console": "bash",
+           "zsh": "bash"}  # fmt: skip
+
+
+def test_no_block_hides_behind_an_alias() -> None:
+    hidden = []
+    for path in DOC_FILES:
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            m = FENCE.match(line)
+            if m and m.group("lang").lower() in ALIASES:
+                where = f"{path.relative_to(ROOT)}:{number}"
+                hidden.append(f"{where}: fence it ```{ALIASES[m.group('lang').lower()]}")
+    assert not hidden, "blocks the doc tests would not check:\n" + "\n".join(hidden)
+
 
 def test_collector_finds_blocks_and_markers(tmp_path: Path) -> None:
     """The collector itself: fences, languages, indentation, markers and bash splitting."""

@@ -49,7 +49,7 @@ from composer_replication.run.folder import RunFolder, default_run_name
 from composer_replication.run.metrics import MetricsCollector, MetricsSink
 from composer_replication.run.progress import Progress, ReplicaRow, choose_mode
 from composer_replication.run.replica import ENV_STORAGE_OPTIONS
-from composer_replication.run.report import summarize, write_report
+from composer_replication.run.report import LOSS_CHANNELS, run_wall_seconds, summarize, write_report
 from composer_replication.run.security import prepare_signing, writer_secrets
 
 __all__ = ["ENTRYPOINT", "TrainResult", "prepare", "prepare_resume", "run"]
@@ -407,7 +407,10 @@ def run(
             status = "failed"
             folder.update_driver(status=status, error="chaos check failed: see chaos.json")
     exit_code = {"finished": 0, "interrupted": 130}.get(status, 1)
-    wall = time.monotonic() - t_start
+    # one wall time everywhere: driver start to end of training, as summary.md shows it
+    wall = run_wall_seconds(folder.read_driver())
+    if wall is None:
+        wall = time.monotonic() - t_start
     folder.update_driver(wall_seconds=wall)
     restarts = sum(h.restarts for h in handles)
     print(summary_text(folder, status, summary, config, wall, restarts), file=stream, flush=True)
@@ -663,8 +666,19 @@ def summary_text(
         f"last 10%: {_num(summary.get('reward_last10'))}",
         f"  eval accuracy    first: {_num(summary.get('eval_accuracy_first'))}   "
         f"last: {_num(summary.get('eval_accuracy_last'))}   "
-        f"({config.train.eval_max_examples} held-out prompts)",
+        f"({summary.get('eval_n', min(config.train.eval_max_examples, config.task.n_eval))} "
+        "held-out prompts)",
     ]
+    ci = summary.get("eval_accuracy_last_ci95")
+    if isinstance(ci, list | tuple) and len(ci) == 2:
+        lines.append(f"  95% interval     last: {ci[0]:.3f} - {ci[1]:.3f}   (Wilson)")
+    for i, (name, _) in enumerate(LOSS_CHANNELS, start=1):
+        if summary.get(f"{name}_first10") is not None:
+            label = f"loss ch{i} {name.split('_', 1)[1]}"
+            lines.append(
+                f"  {label:<16} first 10%: {_num(summary.get(name + '_first10'), 4)}   "
+                f"last 10%: {_num(summary.get(name + '_last10'), 4)}"
+            )
     final = folder.checkpoints / "final"
     if final.is_dir():
         lines.append(f"  checkpoint       {final}")

@@ -66,6 +66,46 @@ def reward_key(records: list[dict[str, Any]]) -> str | None:
     return candidates[0] if candidates else None
 
 
+# (summary name, logged metric) of each loss channel, in channel order
+LOSS_CHANNELS: tuple[tuple[str, str], ...] = (
+    ("loss_grpo", "loss/grpo"),
+    ("loss_sdpo", "loss/sdpo"),
+    ("loss_replay", "loss/replay"),
+)
+
+
+def wilson_interval(p: float, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """95 % Wilson score interval of a proportion `p` measured on `n` trials."""
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def _first_last10(records: list[dict[str, Any]], key: str) -> tuple[float, float, int] | None:
+    """(mean over the first 10 % of steps, over the last 10 %, last step) of a train metric,
+    pooled over replicas; None when it was never logged."""
+    points = [p for series in _series(records, "train", key).values() for p in series]
+    steps = sorted({s for s, _ in points})
+    if not steps:
+        return None
+    k = max(1, math.ceil(len(steps) / 10))
+    first, last = set(steps[:k]), set(steps[-k:])
+    first_mean = _mean([v for s, v in points if s in first])
+    last_mean = _mean([v for s, v in points if s in last])
+    if first_mean is None or last_mean is None:
+        return None
+    return first_mean, last_mean, steps[-1]
+
+
+def run_wall_seconds(driver: dict[str, Any]) -> float | None:
+    """The run's one wall time: from the driver's start to the end of training (driver.json's
+    `started` / `ended`), what the printout and summary.md both show."""
+    started, ended = driver.get("started"), driver.get("ended")
+    if isinstance(started, int | float) and isinstance(ended, int | float) and ended >= started:
+        return float(ended - started)
+    return None
+
+
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     """Headline numbers of a run.
 
@@ -75,22 +115,25 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {"replicas": sorted({int(r.get("replica", 0)) for r in records})}
     key = reward_key(records)
     if key is not None:
-        points = [p for series in _series(records, "train", key).values() for p in series]
-        steps = sorted({s for s, _ in points})
-        if steps:
-            k = max(1, math.ceil(len(steps) / 10))
-            first, last = set(steps[:k]), set(steps[-k:])
-            out["reward_first10"] = _mean([v for s, v in points if s in first])
-            out["reward_last10"] = _mean([v for s, v in points if s in last])
-            out["steps"] = steps[-1]
+        first_last = _first_last10(records, key)
+        if first_last is not None:
+            out["reward_first10"], out["reward_last10"], out["steps"] = first_last
+    for name, metric in LOSS_CHANNELS:
+        first_last = _first_last10(records, metric)
+        if first_last is not None:
+            out[f"{name}_first10"], out[f"{name}_last10"], _ = first_last
     evals = sorted(
-        ((int(r.get("step", 0)), float(r["eval/accuracy"])) for r in records
+        ((int(r.get("step", 0)), float(r["eval/accuracy"]), r.get("eval/n")) for r in records
          if r.get("kind") == "eval" and isinstance(r.get("eval/accuracy"), int | float)),
     )  # fmt: skip
     if evals:
         out["eval_accuracy_first"] = evals[0][1]
         out["eval_accuracy_last"] = evals[-1][1]
-        out["eval_accuracy_best"] = max(v for _, v in evals)
+        out["eval_accuracy_best"] = max(v for _, v, _ in evals)
+        n = evals[-1][2]
+        if isinstance(n, int | float) and n >= 1:
+            out["eval_n"] = int(n)
+            out["eval_accuracy_last_ci95"] = wilson_interval(evals[-1][1], int(n))
     rounds = [r for r in records if r.get("kind") == "round"]
     if rounds:
         out["rounds"] = max(int(r.get("round", 0)) for r in rounds)
@@ -297,12 +340,20 @@ def summary_markdown(
         f"| mean reward, last 10% of steps | {_fmt(summary.get('reward_last10'))} |",
         f"| eval accuracy, first evaluation | {_fmt(summary.get('eval_accuracy_first'))} |",
         f"| eval accuracy, last evaluation | {_fmt(summary.get('eval_accuracy_last'))} |",
+        f"| eval accuracy, last: 95% interval (Wilson, {summary.get('eval_n', '?')} prompts) | "
+        f"{_fmt_interval(summary.get('eval_accuracy_last_ci95'))} |",
+        *(
+            f"| loss {name.split('_', 1)[1]} (channel {i}), first / last 10% of steps | "
+            f"{_fmt(summary.get(name + '_first10'))} / {_fmt(summary.get(name + '_last10'))} |"
+            for i, (name, _) in enumerate(LOSS_CHANNELS, start=1)
+            if summary.get(name + "_first10") is not None
+        ),
         f"| inner steps per replica | {_fmt(summary.get('steps'))} |",
         f"| outer rounds | {_fmt(summary.get('rounds'))} |",
         f"| mean outer-round time (s) | {_fmt(summary.get('round_seconds_mean'))} |",
         f"| store traffic, all replicas (MB) | "
         f"{_fmt((summary.get('round_bytes_total') or 0) / 1e6, 2)} |",
-        f"| wall time (s) | {_fmt(summary.get('wall_seconds'), 1)} |",
+        f"| wall time (s) | {_fmt(run_wall_seconds(driver) or summary.get('wall_seconds'), 1)} |",
     ]
     spent = summary.get("health_seconds")
     if spent:
@@ -321,6 +372,12 @@ def summary_markdown(
         lines += [f"- `checkpoints/{name}/`" for name in checkpoints]
         lines.append("")
     return "\n".join(lines)
+
+
+def _fmt_interval(ci: Any) -> str:
+    if not isinstance(ci, list | tuple) or len(ci) != 2:
+        return "n/a"
+    return f"{ci[0]:.3f} - {ci[1]:.3f}"
 
 
 def write_report(folder: RunFolder) -> tuple[dict[str, Any], list[Path]]:

@@ -85,7 +85,8 @@ def evaluate(
                 reward += float(verdict.reward)
     finally:
         model.train(was_training)
-    return {"eval/accuracy": correct / len(examples), "eval/reward": reward / len(examples)}
+    n = len(examples)
+    return {"eval/accuracy": correct / n, "eval/reward": reward / n, "eval/n": float(n)}
 
 
 class ReplicaReporter(TrainerCallback):

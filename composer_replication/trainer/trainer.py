@@ -715,6 +715,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
         want3 = self._channel3 and _any_row(inputs, "replay_pair_mask")
         if not (want2 or want3):
             loss = super()._compute_loss(model, inputs)
+            self._metrics[mode]["loss/grpo"].append(float(loss.detach()))
             self._log_flags(mode, False, False)
             return loss
         self._capture_logits = True
@@ -722,6 +723,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
             loss = super()._compute_loss(model, inputs)
         finally:
             self._capture_logits = False
+        self._metrics[mode]["loss/grpo"].append(float(loss.detach()))  # channel 1 alone
         logits, self._captured_logits = self._captured_logits, None
         assert logits is not None
         s = self.composer

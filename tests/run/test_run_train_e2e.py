@@ -60,6 +60,8 @@ def test_train_default_end_to_end(
     # the summary: first-10% vs last-10% reward, eval accuracy, where the report is
     assert "Run e2e: finished" in out and "2 outer rounds" in out
     assert "mean reward      first 10%:" in out and "eval accuracy    first:" in out
+    assert "95% interval     last: " in out and "(Wilson)" in out
+    assert all(f"loss ch{i} {name}" in out for i, name in ((1, "grpo"), (2, "sdpo"), (3, "replay")))
     assert f"report           {run / 'summary.md'}" in out
 
     # resolved config and driver state

@@ -22,10 +22,10 @@ and commit record is signed and anything unsigned or mis-signed is refused outri
 
 A rank the run driver declared departed (``departed/replica/<rank>.json``, exchange/liveness.py:
 its process exited for good, or it is being restarted) is not waited for: the step counts as
-settled once every other rank's slot is judged, so survivors with ``min_replicas`` valid
+ready once every other rank's slot is judged, so survivors with ``min_replicas`` valid
 contributions commit at once instead of waiting ``timeout_s`` (a departed rank's contribution
-still counts if it is there; once the survivors can no longer reach ``min_replicas`` the step
-fails at once). The departure records of missing ranks are read by key, at the first poll for
+still counts if it is there). Departures never make a step fail early: when the others are
+fewer than ``min_replicas`` they wait as before (a rank being restarted may come back in time). The departure records of missing ranks are read by key, at the first poll for
 ranks already known to be departed and then at most once per ``departure_poll_s``.
 
 ``fence`` (a callable, e.g. `fencing.Fence`) is called before this rank writes anything of a
@@ -410,9 +410,12 @@ class ObjectStoreAllReduce(RunDocuments):
                 log.warning("step %d: store error while polling: %r", step, e)
                 time.sleep(self.poll_interval_s)
                 continue
-            settled = self._settled(valid, rejected, departed)
+            settled = self._settled(valid, rejected)
             timed_out = time.monotonic() >= deadline
-            ready = (settled or timed_out) and len(valid) >= self.min_replicas
+            # departed ranks are not waited for when the others are enough; they never make a
+            # step fail early (a rank being restarted may still come back in time)
+            enough = settled or self._settled(valid, rejected, departed)
+            ready = (enough or timed_out) and len(valid) >= self.min_replicas
             if ready and ready_since is None:
                 ready_since = time.monotonic()
             # One replica screens and commits: the lowest valid rank. The others wait for its
@@ -443,13 +446,12 @@ class ObjectStoreAllReduce(RunDocuments):
                         raise
                     time.sleep(self.poll_interval_s)
                     continue
-            settled = self._settled(valid, rejected, departed)
+            settled = self._settled(valid, rejected)
             hopeless = attempted or len(valid) < self.min_replicas
             if settled and not timed_out and hopeless:
-                gone = f"; departed: {departed}" if departed else ""
                 raise CorruptContributionError(
                     f"step {step}: only {len(valid)} valid contributions, min_replicas="
-                    f"{self.min_replicas}; rejected: {rejected}{gone}; nothing committed"
+                    f"{self.min_replicas}; rejected: {rejected}; nothing committed"
                 )
             if timed_out and hopeless:
                 commit = self._read_commit(step)
@@ -474,10 +476,14 @@ class ObjectStoreAllReduce(RunDocuments):
         return result, commit, up, down + d, own_squat, phases
 
     def _settled(
-        self, valid: dict[int, Contribution], rejected: dict[int, str], departed: dict[int, str]
+        self,
+        valid: dict[int, Contribution],
+        rejected: dict[int, str],
+        departed: dict[int, str] | None = None,
     ) -> bool:
-        """Every rank is judged: valid, rejected, or departed (not expected any more)."""
-        return len(valid.keys() | rejected.keys() | departed.keys()) == self.world_size
+        """Every rank is judged: valid, rejected (or, given ``departed``, not expected)."""
+        judged = valid.keys() | rejected.keys() | (departed or {}).keys()
+        return len(judged) == self.world_size
 
     def _poll_departures(
         self,

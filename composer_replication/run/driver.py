@@ -162,10 +162,11 @@ def _live_replicas(store: ObjectStore) -> dict[str, Any]:
 
 
 def _fence_previous_launch(store: ObjectStore, generation: int, say: Callable[[str], None],
-                           wait_s: float = FENCE_WAIT_S) -> None:  # fmt: skip
+                           wait_s: float | None = None) -> None:  # fmt: skip
     """--resume, after writing ``generation``: wait until the replicas of the earlier launch
     that still send heartbeats stop (they check the generation at their next heartbeat and
     write); ConfigError naming them when they do not within ``wait_s``."""
+    wait_s = FENCE_WAIT_S if wait_s is None else wait_s
     live = _live_replicas(store)
     if not live:
         return

@@ -103,3 +103,44 @@ def _alive(pid: int) -> bool:
     except (FileNotFoundError, ProcessLookupError):
         return False
     return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+def test_resume_refuses_while_a_replica_it_cannot_fence_is_alive(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """A replica of the run that keeps sending heartbeats after the resumed launch fenced it
+    (an old version, a process that ignores the store's generation) stops the resume (exit 2,
+    naming it) before anything is launched."""
+    from composer_replication.cli import main
+    from composer_replication.config import load_config, to_dict
+    from composer_replication.run import driver
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(driver, "FENCE_WAIT_S", 2.0)
+    config, folder = driver.prepare(load_config(None, SMALL), name="busy")
+    folder.create()
+    folder.config_json.write_text(json.dumps(to_dict(config)))
+    store = str(tmp_path / "runs" / "busy" / "store")
+    beater = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time\n"
+        "from composer_replication.exchange.store import ObjectStore\n"
+        "from composer_replication.exchange.liveness import write_heartbeat\n"
+        "s = ObjectStore(sys.argv[1])\n"
+        "while True:\n"
+        "    write_heartbeat(s, 'replica', 1)\n"
+        "    time.sleep(0.2)\n"
+    ), store], env=ENV)  # fmt: skip
+    try:
+        heartbeat = Path(store) / "health" / "replica" / "1.json"
+        deadline = time.monotonic() + 30
+        while not heartbeat.is_file() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        assert main(["train", "--resume", "busy"]) == 2
+        assert time.monotonic() - t0 < 30
+    finally:
+        beater.kill()
+        beater.wait()
+    err = capsys.readouterr().err
+    assert "still alive after being fenced" in err and f"pid {beater.pid}" in err, err
+    assert not list((tmp_path / "runs" / "busy" / "logs").glob("replica-*.log"))  # none launched

@@ -51,6 +51,8 @@ from composer_replication.exchange.fencing import bump_generation
 from composer_replication.exchange.liveness import (
     HEARTBEAT_EVERY_S,
     REPLICA_ROLE,
+    STALE_AFTER_S,
+    clear_departure,
     read_liveness,
     write_departure,
 )
@@ -245,14 +247,60 @@ class _Restarter:
         return messages
 
 
+SILENT_AFTER_S = STALE_AFTER_S  # a running replica without a heartbeat this long is departed
+
+
 class _Departures:
     """Sync mode: declare a replica departed in the store the moment its process is seen to
-    have failed (before a relaunch, or for good), so that its peers stop waiting for it."""
+    have failed (before a relaunch, or for good), or when a replica the executor still reports
+    running has sent no heartbeat for SILENT_AFTER_S (stopped, hung, partitioned), so that its
+    peers stop waiting for it; a silent one that beats again is taken back."""
 
-    def __init__(self, config: RunConfig, store: ObjectStore) -> None:
+    def __init__(self, config: RunConfig, store: ObjectStore, every_s: float = 2.0) -> None:
         self.store = store
         self.enabled = config.diloco.mode == "sync" and config.diloco.manager == "object_store"
+        self.every_s = every_s
         self._noted: set[str] = set()  # job ids already declared
+        self._silent: set[int] = set()  # ranks declared for want of heartbeats
+        self._last = 0.0
+
+    def note_silent(self, handles: list[ReplicaHandle]) -> list[str]:
+        """Every few seconds: departures for running replicas whose heartbeats stopped, and
+        their withdrawal when the heartbeats come back."""
+        now_m = time.monotonic()
+        if not self.enabled or now_m - self._last < self.every_s:
+            return []
+        self._last = now_m
+        try:
+            members = read_liveness(self.store, roles=[REPLICA_ROLE])
+        except (OSError, ValueError):  # the store is unreachable for a moment: next time
+            return []
+        messages, now = [], time.time()
+        for h in handles:
+            if h.status.value != "running":
+                continue
+            rank = h.replica_id
+            member = members.get(f"{REPLICA_ROLE}/{rank}")
+            hb = member.heartbeat if member is not None else None
+            # silence counts from this incarnation's first heartbeat (start-up may be long; a
+            # crash before it is a process exit, which `note` sees)
+            if hb is None or hb.state != "running" or hb.time < (h.start_time or 0.0):
+                continue
+            silent = now - hb.time
+            try:
+                if silent > SILENT_AFTER_S and rank not in self._silent:
+                    write_departure(self.store, REPLICA_ROLE, rank,
+                                    reason=f"no heartbeat for {silent:.0f} s")  # fmt: skip
+                    self._silent.add(rank)
+                    messages.append(f"replica {rank} sent no heartbeat for {silent:.0f} s: the "
+                                    "others go on without waiting for it")  # fmt: skip
+                elif silent <= SILENT_AFTER_S and rank in self._silent:
+                    clear_departure(self.store, REPLICA_ROLE, rank)
+                    self._silent.discard(rank)
+                    messages.append(f"replica {rank} sends heartbeats again: it is waited for")
+            except OSError as exc:  # the next poll tries again
+                messages.append(f"could not update replica {rank}'s departure: {exc!r}")
+        return messages
 
     def note(self, handles: list[ReplicaHandle], restarter: _Restarter) -> list[str]:
         messages = []
@@ -260,6 +308,7 @@ class _Departures:
             if not self.enabled or h.status.value != "failed" or h.job_id in self._noted:
                 continue
             self._noted.add(h.job_id)
+            self._silent.discard(h.replica_id)  # its process is gone: no longer just silent
             why = str(h.error or f"exit code {h.exit_code}").splitlines()[0]
             why = why.split("; last log lines")[0][:200]
             again = restarter.will_restart(h.replica_id)
@@ -357,6 +406,8 @@ def run(
         raise ConfigError(f"{config.store.uri}: {exc}; delete that object to resume") from None
     if resume:
         _fence_previous_launch(store, generation, lambda m: print(m, file=stream, flush=True))
+    for rank in range(config.backend.n_replicas):  # a new launch: every rank is expected
+        clear_departure(store, REPLICA_ROLE, rank)
     folder.config_toml.write_text(dump_toml(config))
     folder.config_json.write_text(json.dumps(to_dict(config), indent=1))
     config_doc = json.loads(json.dumps(to_dict(config)))  # exactly what replicas will read
@@ -435,6 +486,8 @@ def run(
             executor.poll(handles)
             if not stop.is_set():
                 for message in departures.note(handles, restarter):
+                    progress.message(message)
+                for message in departures.note_silent(handles):
                     progress.message(message)
                 for message in restarter.restart_failed(handles):
                     progress.message(message)

@@ -250,7 +250,11 @@ def run_replica(
     from composer_replication.diloco import make_diloco_outer_loop
     from composer_replication.diloco.outer_loop import outer_optimizer_factory
     from composer_replication.exchange.fencing import Fence, FencedError, read_generation
-    from composer_replication.exchange.liveness import REPLICA_ROLE, clear_departure
+    from composer_replication.exchange.liveness import (
+        REPLICA_ROLE,
+        clear_departure,
+        write_departure,
+    )
     from composer_replication.exchange.store import ObjectStore
     from composer_replication.run.metrics import ReplicaMetricsWriter
     from composer_replication.run.reporter import ReplicaReporter
@@ -338,6 +342,8 @@ def run_replica(
         # digest lets anyone check that every replica ended on the same model.
         writer.log("event", step=config.train.max_steps, round=outer.round,
                    event="global_weights", sha256=weights_digest(model))  # fmt: skip
+        if config.diloco.mode == "sync":  # a peer still behind need not wait for this rank
+            write_departure(store, REPLICA_ROLE, rank, reason="finished training")
         heartbeat.close("done")
         return 0
     except FencedError as exc:  # a newer launch owns the run: leave without another write

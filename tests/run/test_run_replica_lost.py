@@ -35,8 +35,8 @@ SMALL = [
     "diloco.sync_every_h=4",
     "backend.max_restarts=0",
     "diloco.timeout_s=60",
-    "chaos.events=[{action='kill', target='1', at_s=0.3}]",
 ]
+KILL = "chaos.events=[{action='kill', target='1', at_s=0.3}]"
 
 
 def _run(tmp_path: Path, name: str, extra: list[str], capsys: pytest.CaptureFixture) -> tuple:
@@ -51,7 +51,7 @@ def test_a_lost_replica_is_not_waited_for_and_the_run_finishes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
     monkeypatch.chdir(tmp_path)
-    code, out, run, logs = _run(tmp_path, "lost", ["diloco.min_replicas=1"], capsys)
+    code, out, run, logs = _run(tmp_path, "lost", ["diloco.min_replicas=1", KILL], capsys)
     assert code == 0, out + logs
     assert "replica 1 is lost (killed by signal SIGKILL)" in out
     assert "Run lost: finished, 1 replica lost after" in out
@@ -74,7 +74,7 @@ def test_a_lost_replica_is_not_waited_for_and_the_run_finishes(
 
 def test_without_min_replicas_a_lost_replica_fails_the_run(tmp_path: Path) -> None:
     # chaos refuses a kill nobody survives (config check), so the test kills the replica itself
-    args = [a for a in SMALL if not a.startswith("chaos.")] + ["train.max_steps=400"]
+    args = [*SMALL, "train.max_steps=400"]
     proc = subprocess.Popen(
         [sys.executable, "-m", "composer_replication", "train", *args, "--name", "strict"],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -96,3 +96,26 @@ def test_without_min_replicas_a_lost_replica_fails_the_run(tmp_path: Path) -> No
     assert "Run strict: failed, 1 replica lost" in out
     driver = json.loads((tmp_path / "runs" / "strict" / "driver.json").read_text())
     assert driver["status"] == "failed" and driver["lost"] == [1]
+
+
+def test_a_silent_replica_is_not_waited_for_and_is_taken_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """SIGSTOP rank 1 for 40 s: its process is alive, but its heartbeats stop; after
+    SILENT_AFTER_S the driver declares it departed and the survivor stops waiting; once it
+    runs again it is waited for again and the run finishes with both replicas."""
+    from composer_replication.run import driver
+
+    monkeypatch.setattr(driver, "SILENT_AFTER_S", 10.0)
+    monkeypatch.chdir(tmp_path)
+    stop = "chaos.events=[{action='stop', target='1', at_s=0.3, duration_s=40}]"
+    code, out, run, logs = _run(tmp_path, "silent", ["diloco.min_replicas=1", stop], capsys)
+    assert code == 0, out + logs
+    assert "replica 1 sent no heartbeat for" in out, out
+    assert "replica 1 sends heartbeats again: it is waited for" in out, out
+    assert "Run silent: finished after" in out  # nothing lost
+    records = read_metrics(run / "metrics.jsonl")
+    waits = [r["round/wait_s"] for r in records if r["kind"] == "round" and r["replica"] == 0]
+    assert len(waits) == 6 and max(waits) < 25.0, waits  # not the 40 s stop, nor timeout_s
+    finals = {r["replica"] for r in records if r.get("event") == "global_weights"}
+    assert finals == {0, 1}

@@ -103,7 +103,7 @@ def test_a_silent_replica_is_not_waited_for_and_is_taken_back(
 ) -> None:
     """SIGSTOP rank 1 for 40 s: its process is alive, but its heartbeats stop; after
     SILENT_AFTER_S the driver declares it departed and the survivor stops waiting; once it
-    runs again it is waited for again and the run finishes with both replicas."""
+    runs again it catches up and the run finishes with both replicas."""
     from composer_replication.run import driver
 
     monkeypatch.setattr(driver, "SILENT_AFTER_S", 10.0)
@@ -112,7 +112,10 @@ def test_a_silent_replica_is_not_waited_for_and_is_taken_back(
     code, out, run, logs = _run(tmp_path, "silent", ["diloco.min_replicas=1", stop], capsys)
     assert code == 0, out + logs
     assert "replica 1 sent no heartbeat for" in out, out
-    assert "replica 1 sends heartbeats again: it is waited for" in out, out
+    # back, it finished too: its own departure ("finished training") replaced the driver's
+    # (the driver may have withdrawn the silent one before: "sends heartbeats again")
+    departed = json.loads((run / "store" / "departed" / "replica" / "1.json").read_text())
+    assert departed["reason"] == "finished training"
     assert "Run silent: finished after" in out  # nothing lost
     records = read_metrics(run / "metrics.jsonl")
     waits = [r["round/wait_s"] for r in records if r["kind"] == "round" and r["replica"] == 0]

@@ -324,6 +324,7 @@ def run_replica(
             max_new_tokens=config.train.max_completion_length,
             checkpoint_every_rounds=config.checkpoint.every_rounds,
             keep_last=config.checkpoint.keep_last, save_final=config.checkpoint.save_final,
+            last_round=config.n_rounds if config.diloco.mode == "sync" else None,
         )  # fmt: skip
         if remaining <= 0:
             return _finish_without_training(outer, model, reporter, writer, start_step)

@@ -125,3 +125,25 @@ def test_a_silent_replica_is_not_waited_for_and_is_taken_back(
     assert max(r["round"] for r in records if r["kind"] == "round") == 6
     digests = {r["replica"]: r["sha256"] for r in records if r.get("event") == "global_weights"}
     assert sorted(digests) == [0, 1] and len(set(digests.values())) == 1
+
+
+def test_a_restarting_replica_is_not_waited_for_and_rejoins(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """With restarts (the default) and min_replicas=1: while rank 1 is being relaunched the
+    survivor commits without it at once; the new incarnation takes its departure back when it
+    is ready and the next rounds include it again."""
+    monkeypatch.chdir(tmp_path)
+    extra = ["diloco.min_replicas=1", "backend.max_restarts=2", "train.max_steps=400", KILL]
+    code, out, run, logs = _run(tmp_path, "rejoin", extra, capsys)
+    assert code == 0, out + logs
+    assert "restarted (1 of 2)" in out and "Run rejoin: finished after" in out
+    assert "lost" not in out.split("Run rejoin:")[1].splitlines()[0]
+    records = read_metrics(run / "metrics.jsonl")
+    rounds = sorted((r["round"], r) for r in records if r["kind"] == "round" and r["replica"] == 0)
+    included = [r["round/included"] for _, r in rounds]
+    assert 1 in included, included  # rounds without rank 1 while it restarted...
+    assert included[-1] == 2, included  # ...and with it again once it rejoined
+    assert max(r["round/wait_s"] for _, r in rounds) < 10.0
+    starts = [r for r in records if r.get("event") == "start" and r["replica"] == 1]
+    assert len(starts) == 2 and starts[1]["resumed_round"] > 0  # rejoined from the store

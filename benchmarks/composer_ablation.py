@@ -71,8 +71,8 @@ def run_one(
         torch.set_num_threads(threads)
     from transformers import TrainerCallback, set_seed
 
+    from composer_replication.assembly.build import build_model, build_task, build_trainer
     from composer_replication.config import load_config
-    from composer_replication.run.build import build_model, build_task, build_trainer
     from composer_replication.run.reporter import evaluate
 
     overrides = [f"run.seed={seed}", f"train.max_steps={steps}", f"task.name={task_name}",

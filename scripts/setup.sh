@@ -5,8 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-EXTRAS=${EXTRAS:-train,diloco,serverless,ray,modal,hf-jobs,sagemaker,k8s,tasks,report,dev}
-FRAMEWORK_EXTRAS=${FRAMEWORK_EXTRAS-verl}
+EXTRAS=${EXTRAS:-train,diloco,serverless,ray,modal,hf-jobs,sagemaker,k8s,tasks,openenv,report,dev}
+FRAMEWORK_EXTRAS=${FRAMEWORK_EXTRAS-verl,monarch}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi

@@ -92,7 +92,7 @@ def violations(
 
 LAYERS = {
     "loss", "trainer", "data", "tasks", "models", "diloco", "exchange", "executors",
-    "recipes", "run", "config", "cli",
+    "recipes", "run", "config", "cli", "assembly",
 }  # fmt: skip
 
 
@@ -142,6 +142,15 @@ def test_executors_know_nothing_of_training():
 
 def test_config_derives_only_from_loss_and_the_registries():
     assert violations({"config"}, LAYERS - {"config", "loss", "exchange", "executors"}) == []
+
+
+def test_assembly_builds_from_config_tasks_models_trainer_data():
+    allowed = {"assembly", "config", "tasks", "models", "trainer", "data", "loss"}
+    assert violations({"assembly"}, LAYERS - allowed) == []
+
+
+def test_only_run_and_recipes_import_assembly():
+    assert violations(LAYERS - {"run", "cli", "recipes"}, {"assembly"}) == []
 
 
 def test_nothing_imports_run_or_cli():

@@ -147,9 +147,13 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class TaskConfig:
-    """A built-in verifiable task (composer_replication.tasks)."""
+    """A verifiable task (composer_replication.tasks): built in, or an OpenEnv environment."""
 
-    name: str = _f("arithmetic", "built-in task name (see composer_replication.tasks.TASKS)")
+    name: str = _f(
+        "arithmetic",
+        "built-in task name (see composer_replication.tasks.TASKS), 'reasoning_gym:DATASET', or "
+        "'openenv:URL_OR_IMAGE' for an OpenEnv environment (docs/recipes/openenv.md)",
+    )
     n_train: int = _f(256, "training prompts")
     n_eval: int = _f(32, "held-out evaluation prompts (disjoint from training)")
     options: dict[str, Any] = _f({}, "task-specific options passed to get_task(...)")
@@ -655,7 +659,7 @@ class RunConfig:
 
     run: RunSection = field(default_factory=RunSection, metadata={"help": "run naming"})
     model: ModelConfig = field(default_factory=ModelConfig, metadata={"help": "policy model"})
-    task: TaskConfig = field(default_factory=TaskConfig, metadata={"help": "built-in task"})
+    task: TaskConfig = field(default_factory=TaskConfig, metadata={"help": "the task"})
     train: TrainConfig = field(default_factory=TrainConfig, metadata={"help": "inner loop"})
     loss: LossConfig = field(default_factory=LossConfig, metadata={"help": "composer loss"})
     teachers: TeachersConfig = field(default_factory=TeachersConfig, metadata={"help": "teachers"})

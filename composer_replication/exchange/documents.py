@@ -12,6 +12,7 @@ values is never published nor loaded.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -28,10 +29,13 @@ from composer_replication.exchange.protocol import (
     parse_step_dir,
 )
 from composer_replication.exchange.robust import screen_state
+from composer_replication.exchange.signing import SignatureError
 from composer_replication.exchange.store import Store
 
 if TYPE_CHECKING:
     from composer_replication.exchange.signing import RunKeys
+
+log = logging.getLogger(__name__)
 
 
 class RunDocuments:
@@ -143,15 +147,37 @@ class RunDocuments:
     def fetch_state(
         self, *, name: str = "global", round: int | None = None
     ) -> tuple[int, dict[str, torch.Tensor], dict[str, Any]] | None:
-        """(round, tensors, extra) of ``round`` (None = latest), or None if there is none."""
-        rounds = [
-            r for r in map(state_mod.parse_state_name, self.store.list(state_mod.state_prefix(name)))
-            if r is not None
-        ]  # fmt: skip
+        """(round, tensors, extra) of ``round`` (None = latest), or None if there is none.
+
+        Latest: a damaged state (truncated, checksum, non-finite values) is skipped with a
+        one-line warning and the newest good one is returned; the first error is raised when
+        none is good. A state with a missing or wrong signature raises at once."""
         if round is None:
-            if not rounds:
-                return None
-            round = max(rounds)
+            rounds = [
+                r for r in map(state_mod.parse_state_name,
+                               self.store.list(state_mod.state_prefix(name)))
+                if r is not None
+            ]  # fmt: skip
+            first: CorruptContributionError | None = None
+            for r in sorted(rounds, reverse=True):
+                try:
+                    found = self._fetch_state(name, r)
+                except SignatureError:
+                    raise  # a forged state is an attack to report, not damage to route around
+                except CorruptContributionError as exc:
+                    log.warning("skipping a damaged state (%s); trying an older one", exc)
+                    first = first or exc
+                    continue
+                if found is not None:
+                    return found
+            if first is not None:
+                raise first
+            return None
+        return self._fetch_state(name, round)
+
+    def _fetch_state(
+        self, name: str, round: int
+    ) -> tuple[int, dict[str, torch.Tensor], dict[str, Any]] | None:
         blob = self.store.get(state_mod.state_key(name, round))
         if blob is None:
             return None

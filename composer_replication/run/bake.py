@@ -1,6 +1,6 @@
 """`bake-traces`: run a run's channel-3 teachers over its task's prompts ahead of training.
 
-`bake(config, out)` builds the teachers the run would use (`run.build.build_teachers`: the
+`bake(config, out)` builds the teachers the run would use (`assembly.build.build_teachers`: the
 configured OpenAI-compatible endpoints, else the task oracle), asks them for every prompt of a
 split, scores each trace with the task's verifier and appends the verified traces to a JSONL
 file (resumable: prompts already in the file are skipped). `teachers.traces_path` then points
@@ -12,8 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from composer_replication.assembly.build import build_task, build_teachers, task_verifier
 from composer_replication.config import ConfigError
-from composer_replication.run.build import build_task, build_teachers, task_verifier
 
 if TYPE_CHECKING:
     from composer_replication.config import RunConfig

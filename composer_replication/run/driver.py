@@ -128,6 +128,21 @@ def _forwarded_env(config: RunConfig) -> dict[str, str]:
     return {name: os.environ[name] for name in config.backend.forward_env if name in os.environ}
 
 
+def _rollback_for_resume(config: RunConfig, store: ObjectStore) -> int | None:
+    """Sync mode: the newest round every replica can resume from exactly; the store forgets
+    the rounds after it (run/replica_state.py). None in decoupled mode."""
+    if config.diloco.mode != "sync":
+        return None
+    from composer_replication.run.replica_state import resume_point, rollback_to
+
+    def warn(line: str) -> None:
+        print(f"warning: {line}", file=sys.stderr, flush=True)
+
+    round_ = resume_point(store, config.backend.n_replicas, warn=warn)
+    rollback_to(store, round_, config.backend.n_replicas)
+    return round_
+
+
 def _alive(pid: int) -> bool:
     """Whether process ``pid`` of this machine runs (a zombie, killed but not reaped, does not:
     a killed driver's replicas may be reparented to an init that never reaps)."""
@@ -404,8 +419,9 @@ def run(
         generation = bump_generation(store)  # replicas of an earlier launch are fenced from now
     except ValueError as exc:
         raise ConfigError(f"{config.store.uri}: {exc}; delete that object to resume") from None
-    if resume:
+    if resume:  # fenced and stopped before the rollback rewrites the store under them
         _fence_previous_launch(store, generation, lambda m: print(m, file=stream, flush=True))
+    resumed_at = _rollback_for_resume(config, store) if resume else None
     for rank in range(config.backend.n_replicas):  # a new launch: every rank is expected
         clear_departure(store, REPLICA_ROLE, rank)
     folder.config_toml.write_text(dump_toml(config))
@@ -428,6 +444,9 @@ def run(
         f"x {config.backend.kind} replicas, model {config.model.name}, task {config.task.name}, "
         f"{config.train.max_steps} inner steps, sync every {config.diloco.sync_every_h})"
     )
+    if resumed_at is not None:
+        progress.message(f"Resuming at outer round {resumed_at} (the newest round every replica "
+                         "saved its exact state for)")  # fmt: skip
     sink = MetricsSink(folder.metrics, folder.tensorboard if config.logging.tensorboard else None)
     consumed = {int(k): int(v) for k, v in (state.get("metrics_chunks") or {}).items()}
     collector = MetricsCollector(store, config.backend.n_replicas, sink, consumed)

@@ -13,6 +13,8 @@ synchronisation: `round/seconds`, `round/bytes_up`, `round/bytes_down`, `round/i
 Replicas cannot append to an object (S3 has no append), so `ReplicaMetricsWriter` uploads
 immutable numbered chunks; `MetricsCollector` (driver) reads each chunk once, in order, and
 hands its records to `MetricsSink`, which appends them to metrics.jsonl and TensorBoard.
+`read_metrics` reads the file back with each step once (a resume's redone steps replace the
+discarded ones).
 """
 
 from __future__ import annotations
@@ -199,13 +201,27 @@ class MetricsCollector:
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """All records of a run's metrics.jsonl ([] when absent); a torn last line is skipped."""
+    """The records of a run's metrics.jsonl ([] when absent); a torn last line is skipped.
+
+    A resumed run redoes the steps after the round it resumed from, so the file can hold a
+    "train", "eval" or "round" record of the same (kind, replica, step) twice: the newest (the
+    later line) replaces the discarded one, here, so every reader sees each step once. Events
+    are all kept (they tell the story, including the interruption)."""
     if not path.is_file():
         return []
-    out = []
+    out: list[dict[str, Any] | None] = []
+    where: dict[tuple[Any, Any, Any], int] = {}
     for line in path.read_text(encoding="utf-8").splitlines():
         try:
-            out.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError:
             continue
-    return out
+        if not isinstance(record, dict):
+            continue
+        if record.get("kind") in ("train", "eval", "round"):
+            key = (record.get("kind"), record.get("replica"), record.get("step"))
+            if key in where:
+                out[where[key]] = None  # discarded by a resume
+            where[key] = len(out)
+        out.append(record)
+    return [r for r in out if r is not None]

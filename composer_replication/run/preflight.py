@@ -11,10 +11,10 @@ import os
 import re
 from pathlib import Path
 
+from composer_replication.assembly.build import build_task
 from composer_replication.config import ConfigError, RunConfig
 from composer_replication.exchange.store import ObjectStore, normalize_uri
 from composer_replication.executors import registry
-from composer_replication.run.build import build_task
 from composer_replication.run.folder import RunFolder
 
 __all__ = [
@@ -103,9 +103,25 @@ def check_task(config: RunConfig) -> None:
             f"{', '.join(sorted(TASKS))}"
         )
     try:  # construction is cheap (examples are drawn lazily) and checks the options
-        build_task(config)
+        task = build_task(config)
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"task.options: {exc}") from None
+    try:  # a task served elsewhere (openenv:URL) must answer now, not in every replica later
+        task.check_ready()
+        # diloco.screen = "loss" scores the task's reference answers of held-out prompts
+        unanswered = config.diloco.screen == "loss" and any(
+            not task.oracle(ex) for ex in task.eval_examples()[: config.diloco.screen_examples]
+        )
+    except (ConnectionError, ValueError, ImportError) as exc:
+        raise ConfigError(f"task.name: {config.task.name!r}: {exc}") from None
+    finally:
+        task.close()  # the session (or container) the check opened; replicas open their own
+    if unanswered:
+        raise ConfigError(
+            f"diloco.screen: 'loss' scores the task's reference answers, and task "
+            f"{config.task.name!r} has none (an openenv task needs task.options.answer_field); "
+            "use another diloco.screen"
+        )
 
 
 def check_backend(config: RunConfig, store_uri: str) -> None:

@@ -13,7 +13,7 @@
    put-if-absent and every replica then trains with the stored one, so they all agree.
 3. The task, the model (tiny: built locally from the config; else `from_pretrained`), the
    channel-3 teachers (configured endpoints, else the task oracle) and the
-   `ComposerReplicationTrainer` with all three loss channels (`run/build.py`).
+   `ComposerReplicationTrainer` with all three loss channels (`assembly/build.py`).
 4. The DiLoCo outer loop over the manager `[diloco] manager` names: "object_store" (default),
    `ObjectStoreManager(ObjectStoreAllReduce(URI, world_size, rank))` screening contributions as
    `[diloco] aggregate*` / `screen*` say (run/screening.py) and, with `[security] sign`, signing
@@ -21,7 +21,9 @@
    Manager dialling the lighthouse `[diloco] lighthouse` (else $TORCHFT_LIGHTHOUSE, which the
    driver sets when it runs one itself) that publishes its outer state to the same store.
    Every replica starts from the run's global weights; a relaunched replica (or a resumed
-   run) continues from the latest published round and trains only the remaining inner steps.
+   run) continues from the latest published round and trains only the remaining inner steps:
+   exactly (sync mode) when it finds its own resume state of that round in the store
+   (`run/replica_state.py`, written after every committed round), else with fresh inner state.
 5. Train; metrics, status, evaluations and checkpoints go to the store (`run/reporter.py`).
 
 Fencing: the driver hands the replica its launch's run generation ($COMPOSER_RUN_GENERATION;
@@ -45,8 +47,8 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from composer_replication.assembly.build import build_model, build_task, build_trainer
 from composer_replication.exchange.liveness import HEARTBEAT_EVERY_S
-from composer_replication.run.build import build_model, build_task, build_trainer
 
 if TYPE_CHECKING:
     from composer_replication.config import RunConfig
@@ -257,7 +259,7 @@ def run_replica(
     )
     from composer_replication.exchange.store import ObjectStore
     from composer_replication.run.metrics import ReplicaMetricsWriter
-    from composer_replication.run.reporter import ReplicaReporter
+    from composer_replication.run.reporter import ReplicaReporter, ResumeStateWriter
 
     store = ObjectStore(uri, storage_options)
     fence = Fence(store, read_generation(store) if generation is None else generation)
@@ -313,12 +315,17 @@ def run_replica(
         else:
             heartbeat.fields = lambda: {"round": outer.round}
         remaining = config.train.max_steps - start_step
+        exact = config.diloco.mode == "sync"  # rounds end at step R * H on every replica
+        resume_state = None
+        if exact and remaining > 0:
+            resume_state = _own_resume_state(store, rank, start_round)
         writer.log("event", step=start_step, round=start_round, event="start",
-                   resumed_round=start_round, resumed_step=start_step)  # fmt: skip
+                   resumed_round=start_round, resumed_step=start_step,
+                   exact=start_step == 0 or resume_state is not None)  # fmt: skip
         n_eval = min(config.train.eval_max_examples, config.task.n_eval)
         reporter = ReplicaReporter(
             writer=writer, store=store, outer=outer, rank=rank,
-            max_steps=config.train.max_steps, step_offset=start_step, tokenizer=tok,
+            max_steps=config.train.max_steps, tokenizer=tok,
             task=task, eval_examples=task.eval_examples()[:n_eval],
             eval_every_rounds=config.train.eval_every_rounds,
             max_new_tokens=config.train.max_completion_length,
@@ -328,17 +335,32 @@ def run_replica(
         )  # fmt: skip
         if remaining <= 0:
             return _finish_without_training(outer, model, reporter, writer, start_step)
-        # Different sampling per replica and per relaunch; the weights come from the store.
-        seed = config.run.seed + 1000 * rank + start_round + start_step
+        # Different sampling per replica; a fresh start and an exact resume share one stream
+        # (the resume state carries its RNG states). A relaunch without a resume state of its
+        # round (a replica restarted mid-run, decoupled mode) continues from the global
+        # weights with fresh inner state and a new sampling stream.
+        fresh = start_step == 0 or resume_state is not None
+        seed = config.run.seed + 1000 * rank + (0 if fresh else start_round + start_step)
         set_seed(seed)
         with tempfile.TemporaryDirectory(prefix=f"composer-replica{rank}-") as scratch:
             trainer = build_trainer(
-                config, model=model, tokenizer=tok, task=task, max_steps=remaining,
+                config, model=model, tokenizer=tok, task=task, max_steps=config.train.max_steps,
                 seed=seed, output_dir=scratch, callbacks=[outer.callback(), reporter], rank=rank,
             )  # fmt: skip
+            if exact:  # after the trainer's own callbacks (TAID, EMA): the step's final state
+                trainer.add_callback(
+                    ResumeStateWriter(store=store, rank=rank, outer=outer, trainer=trainer,
+                                      sync_every_h=h, keep=config.store.keep_rounds,
+                                      flush=writer.flush)
+                )  # fmt: skip
             if config.diloco.mode == "sync":  # ready: the peers wait for this rank again
                 clear_departure(store, REPLICA_ROLE, rank)
-            trainer.train()
+            # The trainer counts the run's steps: its step, LR schedule and TAID schedule
+            # continue at start_step (exactly, with the resume state).
+            if resume_state is not None:
+                trainer.resume_train(resume_state)
+            else:
+                trainer.train_from_step(start_step)
         # The model now holds the global weights (the DiLoCo callback loaded them): their
         # digest lets anyone check that every replica ended on the same model.
         writer.log("event", step=config.train.max_steps, round=outer.round,
@@ -369,6 +391,22 @@ def run_replica(
         heartbeat.close()
         if manager is not None:
             manager.close()
+
+
+def _own_resume_state(store: Any, rank: int, round: int) -> dict[str, Any] | None:
+    """This replica's resume state of `round` (None at round 0, or with a one-line warning
+    when it is absent or fails its checks: the replica then starts its inner state afresh)."""
+    from composer_replication.run.replica_state import ReplicaStateError, load_replica_state
+
+    if round == 0:
+        return None
+    try:
+        return load_replica_state(store, rank=rank, round=round)
+    except ReplicaStateError as exc:
+        print(f"replica {rank}: {exc}; continuing from the global weights of round {round} "
+              "with a fresh inner optimizer, schedule position and sampling stream",
+              file=sys.stderr, flush=True)  # fmt: skip
+        return None
 
 
 def weights_digest(model: Any) -> str:

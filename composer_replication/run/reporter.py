@@ -4,8 +4,8 @@
 `on_step_end` it sees an outer round that has just been committed (the model then holds the new
 global weights, identical on every replica) and in `on_train_end` the final global weights.
 
-- every TRL log line becomes a "train" record (step = inner step of the whole run, i.e. the
-  resumed round's offset plus the trainer's own step);
+- every TRL log line becomes a "train" record (step = inner step of the whole run: the trainer
+  of a relaunched replica continues at its start step);
 - every exchange in the manager's history becomes a "round" record (seconds, bytes, ranks,
   store requests by kind, how many contributions were rejected), and every rejection an
   "event" record (``event = "rejected"``, ``rank``, ``reason``) and the status document's
@@ -25,6 +25,7 @@ import torch
 from composer_replication.exchange.store import ObjectStore
 from composer_replication.run.checkpoint import prune_checkpoints, round_dir, save_checkpoint
 from composer_replication.run.metrics import ReplicaMetricsWriter
+from composer_replication.run.replica_state import prune_replica_states, save_replica_state
 
 try:
     from transformers import TrainerCallback
@@ -33,7 +34,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
         "the replica needs transformers: pip install composer-replication[train]"
     ) from exc
 
-__all__ = ["ReplicaReporter", "evaluate"]
+__all__ = ["ReplicaReporter", "ResumeStateWriter", "evaluate"]
 
 _SKIP_LOG_KEYS = ("epoch", "total_flos", "train_runtime")
 
@@ -88,7 +89,8 @@ def evaluate(
 
 
 class ReplicaReporter(TrainerCallback):
-    """See the module docstring. `step_offset` = inner steps done before this launch."""
+    """See the module docstring. The trainer counts the run's inner steps (a relaunched
+    replica's trainer continues at its start step), so a step here is the run's."""
 
     def __init__(
         self,
@@ -98,7 +100,6 @@ class ReplicaReporter(TrainerCallback):
         outer: Any,
         rank: int,
         max_steps: int,
-        step_offset: int,
         tokenizer: Any,
         task: Any,
         eval_examples: list[Any],
@@ -115,7 +116,6 @@ class ReplicaReporter(TrainerCallback):
         self.outer = outer
         self.rank = rank
         self.max_steps = max_steps
-        self.step_offset = step_offset
         self.tokenizer = tokenizer
         self.task = task
         self.eval_examples = eval_examples
@@ -134,7 +134,7 @@ class ReplicaReporter(TrainerCallback):
 
     # -- helpers
     def _step(self, state: Any) -> int:
-        return self.step_offset + int(state.global_step)
+        return int(state.global_step)
 
     def _round(self) -> int:
         return int(self.outer.round)
@@ -178,7 +178,7 @@ class ReplicaReporter(TrainerCallback):
         self.writer.log("event", step=step, round=self._round(), event="train_begin")
         self._status("training", step, force=True)
         model = kwargs.get("model")
-        if self.is_evaluator and self.step_offset == 0 and model is not None:
+        if self.is_evaluator and step == 0 and model is not None:
             self.evaluate_now(model, step)  # the baseline: global weights before any training
             self._status("training", step, force=True)
         self._round_started = time.monotonic()  # after the baseline evaluation
@@ -288,3 +288,50 @@ class ReplicaReporter(TrainerCallback):
         self.writer.log("event", step=step, round=self._round(), event="train_end")
         self._status("done", step)
         self.writer.flush()
+
+
+class ResumeStateWriter(TrainerCallback):
+    """Writes this replica's resume state (`run.replica_state`) after every committed outer
+    round, and prunes its states beyond the newest `keep`. Added to the trainer LAST (after
+    its own TAID/EMA callbacks), so it sees the step's final state. The metrics are flushed
+    first, after the step's log line when the step logs: every record up to a resume point is
+    in the store before that point is. A round whose step is not ``round * sync_every_h`` (a
+    replica that healed onto a newer global state) is skipped: an exact resume from round R
+    starts at step R * H."""
+
+    def __init__(
+        self, *, store: ObjectStore, rank: int, outer: Any, trainer: Any, sync_every_h: int,
+        keep: int, flush: Any,
+    ) -> None:  # fmt: skip
+        self.store, self.rank, self.outer, self.trainer = store, rank, outer, trainer
+        self.sync_every_h, self.keep, self.flush = sync_every_h, keep, flush
+        self._round: int | None = None
+        self._pending: tuple[int, int, dict[str, Any]] | None = None
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._round = int(self.outer.round)  # bound by the DiLoCo callback by now
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        rnd = int(self.outer.round)
+        if rnd == self._round:
+            return
+        self._round = rnd
+        step = int(state.global_step)
+        if step != rnd * self.sync_every_h:
+            return
+        # Nothing trains between here and this step's log line: the live tensors stay valid.
+        self._pending = (rnd, step, self.trainer.resume_state())
+        if not control.should_log:
+            self._write()
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
+        self._write()
+
+    def _write(self) -> None:
+        if self._pending is None:
+            return
+        rnd, step, resume = self._pending
+        self._pending = None
+        self.flush()
+        save_replica_state(self.store, rank=self.rank, round=rnd, step=step, state=resume)
+        prune_replica_states(self.store, self.rank, self.keep)

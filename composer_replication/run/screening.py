@@ -69,7 +69,14 @@ def loss_probe(
     batch = []
     for ex in examples:
         prompt = _prompt_ids(tokenizer, ex.prompt)
-        answer = tokenizer(task.oracle(ex), add_special_tokens=False)["input_ids"]
+        solution = task.oracle(ex)
+        if not solution:
+            raise ValueError(
+                f"diloco.screen = 'loss' scores the task's reference answers, and task "
+                f"{task.name!r} has none for {ex.id!r} (an openenv task needs "
+                "task.options.answer_field); use another diloco.screen"
+            )
+        answer = tokenizer(solution, add_special_tokens=False)["input_ids"]
         batch.append((prompt, list(answer)))
     lr = config.diloco.outer_lr
 

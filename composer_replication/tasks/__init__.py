@@ -7,7 +7,9 @@ channel 2 feeds on) and an oracle solution (what channel 3 replays without a tea
     reward = task.reward_func()                  # per completion: (score, feedback)
 
 `TASKS` is the explicit registry (name -> class). `reasoning_gym` needs the `tasks` extra; its
-generator can be named inline: `get_task("reasoning_gym:chain_sum")`.
+generator can be named inline: `get_task("reasoning_gym:chain_sum")`. `openenv` (extra `openenv`)
+wraps an OpenEnv environment server or image, named inline too:
+`get_task("openenv:http://127.0.0.1:8000")` (see docs/recipes/openenv.md).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 
 from composer_replication.tasks.arithmetic import ArithmeticTask
 from composer_replication.tasks.base import Example, Task, Verdict, clean_completion
+from composer_replication.tasks.openenv import OpenEnvTask
 from composer_replication.tasks.pycode import PyCodeTask
 from composer_replication.tasks.reasoning_gym import ReasoningGymTask
 from composer_replication.tasks.sandbox import SandboxLimits, run_candidate
@@ -26,20 +29,26 @@ TASKS: dict[str, type[Task]] = {
     "strings": StringsTask,
     "pycode": PyCodeTask,
     "reasoning_gym": ReasoningGymTask,
+    "openenv": OpenEnvTask,
 }
+
+# "name:VALUE" shorthands: the part after the first ":" is this option of the task.
+INLINE_OPTION = {"reasoning_gym": "dataset", "openenv": "env"}
 
 
 def get_task(name: str, **options: Any) -> Task:
     """Build the task registered as `name` with its options (seed, n_train, n_eval, level, ...).
 
-    `"reasoning_gym:DATASET"` is shorthand for `get_task("reasoning_gym", dataset="DATASET")`.
+    `"reasoning_gym:DATASET"` is shorthand for `get_task("reasoning_gym", dataset="DATASET")`,
+    `"openenv:URL_OR_IMAGE"` for `get_task("openenv", env="URL_OR_IMAGE")`.
     Unknown names and options raise ValueError naming what is accepted.
     """
-    if name.startswith("reasoning_gym:"):
-        name, dataset = "reasoning_gym", name.split(":", 1)[1]
-        if "dataset" in options and options["dataset"] != dataset:
-            raise ValueError(f"task {name}:{dataset} conflicts with dataset={options['dataset']!r}")
-        options["dataset"] = dataset
+    prefix, colon, value = name.partition(":")
+    if colon and prefix in INLINE_OPTION:
+        key = INLINE_OPTION[prefix]
+        if key in options and options[key] != value:
+            raise ValueError(f"task {name} conflicts with {key}={options[key]!r}")
+        name, options = prefix, {**options, key: value}
     cls = TASKS.get(name)
     if cls is None:
         raise ValueError(f"unknown task {name!r}; built-in tasks are {sorted(TASKS)}")
@@ -54,8 +63,10 @@ def get_task(name: str, **options: Any) -> Task:
 
 __all__ = [
     "TASKS",
+    "INLINE_OPTION",
     "ArithmeticTask",
     "Example",
+    "OpenEnvTask",
     "PyCodeTask",
     "ReasoningGymTask",
     "SandboxLimits",

@@ -151,6 +151,18 @@ class Task(ABC):
     def verify(self, example: Example, completion: str) -> Verdict:
         """Judge one raw completion (text) for `example`."""
 
+    def check_ready(self) -> None:
+        """Checks that need the outside world (a task served by another process must be
+        reachable), run once by the run's preflight before any replica starts. Raises
+        ConnectionError (cannot reach it), ValueError (it answers, but not as the options say) or
+        ImportError (a missing extra), each naming what to do. The built-in tasks need nothing."""
+        return None
+
+    def close(self) -> None:
+        """Release what the task holds open (a session, a container); it reopens on next use.
+        The built-in tasks hold nothing."""
+        return None
+
     def oracle(self, example: Example) -> str:
         """A reference completion (replayed by channel 3 when there is no teacher endpoint)."""
         return example.answer

@@ -13,6 +13,7 @@ itself moves (``sync_ref_model``).
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -65,6 +66,30 @@ class ReferenceScorer:
         self.unwrap = unwrap
         self.cacheable = cacheable
         self.cache: dict[tuple[str, str, str, int], float] = {}
+
+    def state_rows(self) -> list[list[Any]]:
+        """The cache as JSON rows ``[prompt_key, teacher, text, length, logp]`` (exact resume:
+        a value recomputed in another batch may differ in its last bits)."""
+        return [[*key, value] for key, value in self.cache.items()]
+
+    def load_state_rows(self, rows: Sequence[Any]) -> None:
+        """Restore `state_rows`' output (ValueError on a malformed or non-finite row)."""
+        cache: dict[tuple[str, str, str, int], float] = {}
+        for i, row in enumerate(rows):
+            ok = isinstance(row, list | tuple) and len(row) == 5
+            if ok:
+                key, teacher, text, length, value = row
+                ok = (
+                    all(isinstance(x, str) for x in (key, teacher, text))
+                    and isinstance(length, int)
+                    and isinstance(value, int | float)
+                    and not isinstance(value, bool)
+                    and math.isfinite(value)
+                )
+            if not ok:
+                raise ValueError(f"reference cache row {i} is malformed: {str(row)[:80]}")
+            cache[(key, teacher, text, length)] = float(value)
+        self.cache = cache
 
     @contextlib.contextmanager
     def _model(self) -> Iterator[Any]:

@@ -27,15 +27,18 @@ of it rather than a reload from ``config._name_or_path`` (which TRL would attemp
 from __future__ import annotations
 
 import logging
+import os
+import tempfile
 import time
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from composer_replication.data.teachers import TeacherPool
-from composer_replication.data.traces import TraceStore
+from composer_replication.data.traces import TraceRecord, TraceStore
 from composer_replication.loss import replay_term, sdpo_term, selective_log_softmax
 from composer_replication.trainer.batch import (
     completion_text,
@@ -58,9 +61,20 @@ from composer_replication.trainer.reference import (
     is_peft,
     reference_from_memory,
 )
+from composer_replication.trainer.resume import (
+    RESUME_FORMAT,
+    EpochSampler,
+    ResumeStateError,
+    check_optimizer_state,
+    check_tensors,
+    get_rng_state,
+    require,
+    set_rng_state,
+)
 
 try:
     from accelerate.utils import gather_object
+    from transformers import TrainerState
     from trl import GRPOConfig, GRPOTrainer
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
@@ -92,6 +106,9 @@ class ComposerReplicationTrainer(GRPOTrainer):
     Public state for callbacks: `taid_t` / `set_taid_t` / `pop_taid_losses` (the TAID schedule),
     `ema_teacher` / `update_ema_teacher` (channel 2's EMA teacher), `replay_reference` (channel
     3's DPO reference model).
+
+    Exact resume: `resume_state` (after an optimizer step) and `resume_train` (on a fresh
+    trainer of the same run; see `composer_replication.trainer.resume`).
     """
 
     _tag_names = ["trl", "grpo", "composer-replication"]
@@ -180,6 +197,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
         )
         self._taid_t: float | None = s.taid_t
         self._taid_step_losses: list[float] = []
+        self._taid_callback: TAIDCallback | None = None
         if self._channel2 and s.taid_scheduled:
             taid_cb = next(
                 (c for c in self.callback_handler.callbacks if isinstance(c, TAIDCallback)), None
@@ -188,6 +206,10 @@ class ComposerReplicationTrainer(GRPOTrainer):
                 taid_cb = TAIDCallback(total_steps=s.taid_total_steps)
                 self.add_callback(taid_cb)
             taid_cb.bind(self)
+            self._taid_callback = taid_cb
+        self._pool_records: list[TraceRecord] = []  # traces the teacher pool added (resume)
+        self._train_sampler: EpochSampler | None = None
+        self._pending_resume: dict[str, Any] | None = None
         self._capture_logits = False
         self._phase_s: dict[str, float] = {"generate": 0.0, "teacher": 0.0}  # training_step
         self._captured_logits: torch.Tensor | None = None
@@ -224,6 +246,231 @@ class ComposerReplicationTrainer(GRPOTrainer):
     def replay_reference(self) -> nn.Module | None:
         """Channel 3's frozen DPO reference model (None for SimPO, PEFT or channel 3 off)."""
         return self._replay_ref
+
+    # -- exact resume ------------------------------------------------------------------------------
+    def resume_state(self) -> dict[str, Any]:
+        """Everything that decides how training continues from here (see `trainer.resume` for
+        the layout): call it between optimizer steps, e.g. from a callback's ``on_step_end``
+        placed after the trainer's own callbacks (TAID, EMA)."""
+        if self.optimizer is None:
+            raise RuntimeError("resume_state() needs a running trainer (no optimizer yet)")
+        generate_every = int(self.args.steps_per_generation or 1) * self.num_iterations
+        if self._step % generate_every != 0:
+            raise RuntimeError(
+                f"resume_state() between two generations (micro step {self._step}, generating "
+                f"every {generate_every}): the buffered rollouts would be lost; take it at an "
+                "optimizer step that ends a generation batch"
+            )
+        taid = None
+        if self._taid_callback is not None or self._taid_t is not None:
+            taid = {
+                "t": self._taid_t,
+                "pending_losses": list(self._taid_step_losses),
+                "scheduler": None
+                if self._taid_callback is None
+                else self._taid_callback.scheduler.state_dict(),
+            }
+        replay = None
+        if self._channel3:
+            replay = {
+                "traces": [r.to_json() for r in self._pool_records],
+                "reference_cache": self._ref_scorer.state_rows(),
+            }
+        sampler = self._train_sampler
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        return {
+            "format": RESUME_FORMAT,
+            "global_step": int(self.state.global_step),
+            "epoch": float(self.state.epoch or 0.0),
+            "micro_step": int(self._step),
+            "num_input_tokens_seen": int(self.state.num_input_tokens_seen or 0),
+            "total_flos": float(self.state.total_flos or 0.0),
+            "model": dict(unwrapped.state_dict()),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),
+            "sampler_epoch_start": None if sampler is None else sampler.epoch_start_state,
+            "rng": get_rng_state(),
+            "taid": taid,
+            "ema": None if self._ema is None else dict(self._ema.model.state_dict()),
+            "replay": replay,
+        }
+
+    def resume_train(self, state: Mapping[str, Any]) -> Any:
+        """``train()`` continuing from `resume_state`'s output, taken from a trainer of the same
+        run (same model, data, arguments and ``max_steps``). The parts are checked against this
+        trainer first (`ResumeStateError` naming the part); the optimizer, scheduler, data
+        position and TRL's counters are restored by Trainer's own resume path, the RNG states and
+        the weights right before the first resumed step (after the callbacks' ``on_train_begin``,
+        where an outer loop may load other weights)."""
+        self._check_resume_state(state)
+        self._apply_resume_state(state)
+        self._pending_resume = dict(state)
+        global_step = int(state["global_step"])
+        if global_step >= self.args.max_steps:
+            raise ResumeStateError(
+                f"resume state is at step {global_step}, max_steps is {self.args.max_steps}: "
+                "nothing left to train"
+            )
+        with tempfile.TemporaryDirectory(prefix="resume-", dir=self.args.output_dir) as folder:
+            trainer_state = TrainerState(
+                global_step=global_step,
+                epoch=float(state["epoch"]),
+                max_steps=self.args.max_steps,
+                train_batch_size=self._train_batch_size,
+                num_input_tokens_seen=int(state["num_input_tokens_seen"]),
+                total_flos=float(state["total_flos"]),
+            )
+            trainer_state.compute_steps(self.args, self.args.max_steps)  # as a fresh train()
+            trainer_state.save_to_json(os.path.join(folder, "trainer_state.json"))
+            try:
+                return self.train(resume_from_checkpoint=folder)
+            finally:
+                self._pending_resume = None
+
+    def train_from_step(self, step: int) -> Any:
+        """``train()`` as if `step` optimizer steps had already been taken, when no resume
+        state exists (a replica restarted onto newer global weights): the step count, the LR
+        schedule and TAID's step continue from `step` (so ``max_steps`` stays the run's);
+        the optimizer moments, RNG streams and data order start afresh (seed them first)."""
+        if not 0 <= step < self.args.max_steps:
+            raise ValueError(f"step {step} is outside [0, max_steps={self.args.max_steps})")
+        if step == 0:
+            return self.train()
+        self._pending_resume = {"global_step": int(step), "partial": True}
+        self._step = int(step) * self.args.gradient_accumulation_steps
+        self._buffered_inputs = None
+        with tempfile.TemporaryDirectory(prefix="resume-", dir=self.args.output_dir) as folder:
+            trainer_state = TrainerState(
+                global_step=int(step), max_steps=self.args.max_steps,
+                train_batch_size=self._train_batch_size,
+            )  # fmt: skip
+            trainer_state.compute_steps(self.args, self.args.max_steps)
+            trainer_state.save_to_json(os.path.join(folder, "trainer_state.json"))
+            try:
+                return self.train(resume_from_checkpoint=folder)
+            finally:
+                self._pending_resume = None
+
+    def _check_resume_state(self, state: Mapping[str, Any]) -> None:
+        if not isinstance(state, Mapping) or state.get("format") != RESUME_FORMAT:
+            raise ResumeStateError(
+                f"resume state has format {getattr(state, 'get', lambda _: None)('format')!r}, "
+                f"expected {RESUME_FORMAT}"
+            )
+        for key in ("global_step", "micro_step", "num_input_tokens_seen"):
+            if require(state, key, int) < 0:
+                raise ResumeStateError(f"resume state: {key!r} must be >= 0")
+        require(state, "epoch", (int, float))
+        require(state, "total_flos", (int, float))
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        check_tensors("model", state.get("model"), unwrapped.state_dict())
+        if (state.get("ema") is None) != (self._ema is None):
+            raise ResumeStateError("resume state and trainer disagree on channel 2's EMA teacher")
+        if self._ema is not None:
+            check_tensors("ema", state["ema"], self._ema.model.state_dict())
+        if (state.get("replay") is None) != (not self._channel3):
+            raise ResumeStateError("resume state and trainer disagree on channel 3")
+        if (state.get("taid") is None) != (self._taid_callback is None and self._taid_t is None):
+            raise ResumeStateError("resume state and trainer disagree on channel 2's TAID")
+        require(state, "optimizer", Mapping)
+        require(state, "rng", Mapping)
+        epoch_start = state.get("sampler_epoch_start")
+        if epoch_start is not None and (
+            not isinstance(epoch_start, torch.Tensor) or epoch_start.dtype != torch.uint8
+        ):
+            raise ResumeStateError("sampler_epoch_start must be a uint8 generator state")
+
+    def _apply_resume_state(self, state: Mapping[str, Any]) -> None:
+        """The parts that live in this object (not in Trainer's training loop)."""
+        self._step = int(state["micro_step"])
+        self._buffered_inputs = None
+        taid = state.get("taid")
+        if taid is not None:
+            if not isinstance(taid, Mapping):
+                raise ResumeStateError("taid must be a dict")
+            t = taid.get("t")
+            if t is not None:
+                self.set_taid_t(float(t))
+            losses = taid.get("pending_losses") or []
+            self._taid_step_losses = [float(x) for x in losses]
+            sched = taid.get("scheduler")
+            if self._taid_callback is not None:
+                if not isinstance(sched, Mapping):
+                    raise ResumeStateError("taid.scheduler must be a TAIDScheduler state")
+                self._taid_callback.scheduler.load_state_dict(dict(sched))
+        if self._ema is not None:
+            self._ema.model.load_state_dict(dict(state["ema"]), strict=True)
+        replay = state.get("replay")
+        if replay is not None:
+            if not isinstance(replay, Mapping):
+                raise ResumeStateError("replay must be a dict")
+            records = [
+                TraceRecord.from_json(obj, where=f"replay.traces[{i}]")
+                for i, obj in enumerate(replay.get("traces") or [])
+            ]
+            assert self.trace_store is not None
+            for record in records:
+                self.trace_store.add(record)
+            self._pool_records = records
+            self._ref_scorer.load_state_rows(replay.get("reference_cache") or [])
+
+    # Trainer's resume path, fed from the pending resume state instead of torch.load'ed files.
+    def _get_train_sampler(self, dataset: Any = None) -> Any:  # type: ignore[override]
+        sampler = EpochSampler(super()._get_train_sampler(dataset))
+        if self._pending_resume is not None:
+            sampler.restore_epoch_start(self._pending_resume.get("sampler_epoch_start"))
+        self._train_sampler = sampler
+        return sampler
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        if self._pending_resume is None:
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+        # else: the weights are loaded with the RNG states, right before the first step
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        pending = self._pending_resume
+        if pending is None:
+            super()._load_optimizer_and_scheduler(checkpoint)
+            return
+        assert self.optimizer is not None
+        if pending.get("partial"):  # train_from_step: the schedule continues at the step
+            if self.lr_scheduler is not None:
+                with warnings.catch_warnings():  # "step() before optimizer.step()"
+                    warnings.simplefilter("ignore", UserWarning)
+                    for _ in range(int(pending["global_step"])):
+                        self.lr_scheduler.step()
+            return
+        check_optimizer_state(pending["optimizer"], self.optimizer)
+        try:
+            self.optimizer.load_state_dict(pending["optimizer"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ResumeStateError(f"optimizer: {exc}") from None
+        scheduler = pending.get("scheduler")
+        if (scheduler is None) != (self.lr_scheduler is None):
+            raise ResumeStateError("resume state and trainer disagree on the LR scheduler")
+        if self.lr_scheduler is not None:
+            if not isinstance(scheduler, Mapping):
+                raise ResumeStateError("scheduler must be a state_dict")
+            try:
+                self.lr_scheduler.load_state_dict(dict(scheduler))
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ResumeStateError(f"scheduler: {exc}") from None
+
+    def _load_scaler(self, checkpoint: str | None) -> None:
+        if self._pending_resume is None:
+            super()._load_scaler(checkpoint)
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        pending = self._pending_resume
+        if pending is None:
+            super()._load_rng_state(checkpoint)
+            return
+        if pending.get("partial"):
+            return  # train_from_step: the caller seeded the RNG streams
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        with torch.no_grad():
+            unwrapped.load_state_dict(dict(pending["model"]), strict=True)
+        set_rng_state(pending["rng"])
 
     @property
     def _group_size(self) -> int:
@@ -349,7 +596,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
         prompts = self._batch["prompts"]
         assert self.trace_store is not None
         if self.teacher_pool is not None:  # lazy teachers: only prompts the store lacks
-            self.teacher_pool.ensure(prompts[:: self._group_size] or prompts)
+            self._pool_records += self.teacher_pool.ensure(prompts[:: self._group_size] or prompts)
         completion_mask = output["completion_mask"]
         pairs, covered = plan_pairs(
             prompts,

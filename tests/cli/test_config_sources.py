@@ -132,7 +132,7 @@ def test_every_loss_key_reaches_the_trainer() -> None:
     """Channel-1 keys become TRL arguments, the rest composer keywords the trainer accepts;
     non-default values arrive unchanged."""
     pytest.importorskip("trl")
-    from composer_replication.run.build import CHANNEL1_TRL_ARGS, composer_kwargs, trainer_args
+    from composer_replication.assembly.build import CHANNEL1_TRL_ARGS, composer_kwargs, trainer_args
     from composer_replication.trainer.config import LOSS_KEYS
 
     config = load_config(
@@ -215,7 +215,7 @@ def test_the_cli_starts_without_the_schema() -> None:
 
 
 def test_inner_schedule_and_clipping_reach_trl() -> None:
-    from composer_replication.run.build import trainer_args
+    from composer_replication.assembly.build import trainer_args
 
     config = load_config(
         overrides=["train.lr_scheduler=cosine", "train.warmup_steps=3", "train.max_grad_norm=0.5"]

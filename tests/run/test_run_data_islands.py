@@ -8,8 +8,8 @@ import tempfile
 
 import pytest
 
+from composer_replication.assembly.build import build_model, build_task, build_trainer
 from composer_replication.config import ConfigError, load_config
-from composer_replication.run.build import build_model, build_task, build_trainer
 
 SMALL = [
     "model.hidden_size=32",

@@ -10,9 +10,9 @@ import tempfile
 
 import pytest
 
+from composer_replication.assembly.build import build_task, build_teachers
 from composer_replication.config import load_config
 from composer_replication.data.traces import prompt_key
-from composer_replication.run.build import build_task, build_teachers
 from composer_replication.tasks.base import chat_prompt
 
 
@@ -56,7 +56,7 @@ def test_tokenizer_text_holds_no_held_out_prompt(default_task) -> None:  # type:
 def test_channel3_traces_of_a_default_run_cover_training_prompts_only(default_task) -> None:  # type: ignore[no-untyped-def]
     """A few real steps of the default run's trainer: every trace the lazy teacher pool recorded
     is for a training prompt."""
-    from composer_replication.run.build import build_model, build_trainer
+    from composer_replication.assembly.build import build_model, build_trainer
 
     config = load_config(overrides=["train.max_steps=3", "diloco.sync_every_h=3"])
     model, tok = build_model(config)

@@ -20,8 +20,8 @@ import statistics
 
 import pytest
 
+from composer_replication.assembly.build import build_task
 from composer_replication.config import load_config
-from composer_replication.run.build import build_task
 from composer_replication.tasks import Example, Task, get_task
 from composer_replication.tasks.arithmetic import WRONG_BASE, ArithmeticTask
 

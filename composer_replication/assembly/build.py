@@ -1,6 +1,7 @@
 """Build a run's parts from its configuration: task, model, channel-3 teachers, trainer.
 
-What one replica (run/replica.py), `bake-traces` (run/bake.py) and the channel ablation
+What one replica (run/replica.py), `bake-traces` (run/bake.py), the Monarch recipe
+(recipes/monarch) and the channel ablation
 (benchmarks/composer_ablation.py) build, written once:
 
 - `build_task(config)`: the built-in task of `[task]`, split by `run.seed`.

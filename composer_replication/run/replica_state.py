@@ -1,0 +1,266 @@
+"""Per-replica resume checkpoints: what one replica needs to continue a run bit-exactly.
+
+After every committed outer round (sync mode, one fragment) each replica writes its trainer's
+resume state (`ComposerReplicationTrainer.resume_state`: weights, AdamW state, LR scheduler,
+data position, python/numpy/torch RNG states, TAID, EMA teacher, channel-3 traces) under the
+run prefix; the outer optimizer state and round are the published global state of that round
+(``states/global/``). Layout (no pickle anywhere; nothing read back is trusted)::
+
+    resume/rank-<r>/<round:010d>/<nonce>.safetensors   the tensors (exchange.outer_state format)
+    resume/rank-<r>/<round:010d>/<nonce>.json          the JSON skeleton of the nested state
+    resume/rank-<r>/<round:010d>.json                  the manifest, written LAST
+
+The manifest names both objects with their size and sha256: data written under a fresh key
+first and committed by the small manifest afterwards, so a torn checkpoint (killed while
+writing) has no manifest and is never seen, and a damaged one (truncated, overwritten, NaN)
+fails its checks. `load_replica_state` validates everything (manifest fields, sizes,
+checksums, skeleton, finite floating tensors) before returning; the trainer then checks
+names/shapes/dtypes against its own model and optimizer.
+
+`resume_point` (used by ``train --resume``) picks the newest round R whose global state is
+valid and for which EVERY replica has a valid resume state (round 0, the initial weights,
+needs none: the replicas start fresh there), warning with one line about each bad object it
+skips (when no round after 0 qualifies, the newest valid global round, resumed inexactly); `rollback_to` then removes everything the store holds beyond R (global states, the
+exchange's step records, resume states), so the relaunched replicas redo those rounds exactly
+as the interrupted run would have.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import secrets
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from composer_replication.exchange.store import ObjectStore
+
+__all__ = [
+    "FORMAT",
+    "ReplicaStateError",
+    "load_replica_state",
+    "prune_replica_states",
+    "replica_state_rounds",
+    "resume_point",
+    "rollback_to",
+    "save_replica_state",
+]
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+PREFIX = "resume"
+_MANIFEST_RE = re.compile(r"^(\d{10})\.json$")
+_NONCE_RE = re.compile(r"^[0-9a-f]{16}$")
+
+
+class ReplicaStateError(ValueError):
+    """A resume state that is absent, torn, damaged or not this run's."""
+
+
+def _rank_prefix(rank: int) -> str:
+    return f"{PREFIX}/rank-{int(rank)}"
+
+
+def _manifest_key(rank: int, round: int) -> str:
+    return f"{_rank_prefix(rank)}/{round:010d}.json"
+
+
+def _data_prefix(rank: int, round: int) -> str:
+    return f"{_rank_prefix(rank)}/{round:010d}"
+
+
+def save_replica_state(
+    store: ObjectStore, *, rank: int, round: int, step: int, state: Mapping[str, Any]
+) -> str:
+    """Write `state` (tensors + JSON scalars) for (rank, round) and commit it; returns the
+    manifest key. Data first under a fresh nonce, the manifest last."""
+    from safetensors.torch import save as st_save
+
+    from composer_replication.exchange.outer_state import encode_state
+
+    tensors, skeleton = encode_state(dict(state))
+    # Fresh, unshared copies: safetensors refuses tensors that share storage (tied weights).
+    blob = st_save({k: v.clone() for k, v in tensors.items()})
+    doc = json.dumps({"skeleton": skeleton}, allow_nan=False).encode()
+    nonce = secrets.token_hex(8)
+    base = f"{_data_prefix(rank, round)}/{nonce}"
+    store.put(f"{base}.safetensors", blob)
+    store.put(f"{base}.json", doc)
+    manifest = {
+        "format": FORMAT,
+        "rank": int(rank),
+        "round": int(round),
+        "step": int(step),
+        "nonce": nonce,
+        "time": time.time(),
+        "tensors": {"bytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest()},
+        "skeleton": {"bytes": len(doc), "sha256": hashlib.sha256(doc).hexdigest()},
+    }
+    key = _manifest_key(rank, round)
+    store.put_json(key, manifest)
+    # an earlier incarnation's data for this round is no longer referenced
+    for name in store.list(_data_prefix(rank, round)):
+        if not name.startswith(nonce):
+            store.delete(f"{_data_prefix(rank, round)}/{name}")
+    return key
+
+
+def replica_state_rounds(store: ObjectStore, rank: int) -> list[int]:
+    """Rounds with a committed (manifest-bearing) resume state of `rank`, oldest first."""
+    out = []
+    for name in store.list(_rank_prefix(rank)):
+        m = _MANIFEST_RE.match(name)
+        if m:
+            out.append(int(m.group(1)))
+    return sorted(out)
+
+
+def _blob(store: ObjectStore, key: str, spec: Any, what: str) -> bytes:
+    if not isinstance(spec, Mapping):
+        raise ReplicaStateError(f"{what}: the manifest does not describe {key}")
+    raw = store.get(key)
+    if raw is None:
+        raise ReplicaStateError(f"{what}: {key} is missing")
+    data = bytes(raw)
+    if len(data) != spec.get("bytes"):
+        raise ReplicaStateError(f"{what}: {key} has {len(data)} bytes, the manifest says "
+                                f"{spec.get('bytes')} (truncated?)")  # fmt: skip
+    if hashlib.sha256(data).hexdigest() != spec.get("sha256"):
+        raise ReplicaStateError(f"{what}: {key} fails its sha256 checksum")
+    return data
+
+
+def load_replica_state(store: ObjectStore, *, rank: int, round: int) -> dict[str, Any]:
+    """The validated resume state of (rank, round); ReplicaStateError saying what is wrong."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load as st_load
+
+    from composer_replication.exchange.outer_state import decode_state
+
+    what = f"resume state of replica {rank} round {round}"
+    try:
+        manifest = store.get_json(_manifest_key(rank, round))
+    except ValueError:
+        raise ReplicaStateError(f"{what}: the manifest is not JSON") from None
+    if manifest is None:
+        raise ReplicaStateError(f"{what}: not in the store")
+    if not (
+        isinstance(manifest, dict)
+        and manifest.get("format") == FORMAT
+        and manifest.get("rank") == rank
+        and manifest.get("round") == round
+        and isinstance(manifest.get("step"), int)
+        and isinstance(manifest.get("nonce"), str)
+        and _NONCE_RE.match(manifest["nonce"])
+    ):
+        raise ReplicaStateError(f"{what}: the manifest does not describe this state")
+    base = f"{_data_prefix(rank, round)}/{manifest['nonce']}"
+    blob = _blob(store, f"{base}.safetensors", manifest.get("tensors"), what)
+    doc = _blob(store, f"{base}.json", manifest.get("skeleton"), what)
+    try:
+        tensors = st_load(blob)
+        skeleton = json.loads(doc)["skeleton"]
+        state = decode_state(tensors, skeleton)
+    except (SafetensorError, ValueError, KeyError, TypeError) as exc:
+        raise ReplicaStateError(f"{what}: unreadable ({exc})") from None
+    for name, t in tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise ReplicaStateError(f"{what}: tensor {name} holds non-finite values")
+    if not isinstance(state, dict) or state.get("global_step") != manifest["step"]:
+        raise ReplicaStateError(f"{what}: its step does not match the manifest")
+    return state
+
+
+def prune_replica_states(store: ObjectStore, rank: int, keep: int) -> None:
+    """Remove `rank`'s resume states beyond the newest `keep` (manifest first)."""
+    rounds = replica_state_rounds(store, rank)
+    for r in rounds[: max(0, len(rounds) - keep)]:
+        store.delete(_manifest_key(rank, r))
+        store.delete_prefix(_data_prefix(rank, r))
+
+
+def _global_rounds(store: ObjectStore) -> list[int]:
+    from composer_replication.exchange.state import parse_state_name, state_prefix
+
+    rounds = (parse_state_name(n) for n in store.list(state_prefix("global")))
+    return sorted((r for r in rounds if r is not None), reverse=True)
+
+
+def _global_state_ok(store: ObjectStore, round: int) -> str | None:
+    """Why the published global state of `round` is unusable (None when it is fine)."""
+    from composer_replication.exchange.protocol import CorruptContributionError
+    from composer_replication.exchange.robust import screen_state
+    from composer_replication.exchange.state import decode_state, state_key
+
+    blob = store.get(state_key("global", round))
+    if blob is None:
+        return "missing"
+    try:
+        tensors, _ = decode_state(blob, name="global", round=round)
+    except (CorruptContributionError, ValueError) as exc:
+        return str(exc)
+    return screen_state(tensors)
+
+
+def resume_point(
+    store: ObjectStore, n_replicas: int, *, warn: Callable[[str], None] | None = None
+) -> int:
+    """The newest round every replica can resume from exactly; see the module docstring.
+    `warn` gets one line per bad object skipped. When no round after 0 has every replica's
+    resume state (a run of an older version, all of them damaged), the newest valid global
+    round, with a warning: the replicas then continue from its weights with fresh inner state
+    rather than lose every round."""
+    say = warn or log.warning
+    newest_valid: int | None = None
+    for r in _global_rounds(store):
+        why = _global_state_ok(store, r)
+        if why is not None:
+            say(f"global state of round {r} is unusable, skipped: {why}")
+            continue
+        if newest_valid is None:
+            newest_valid = r
+        if r == 0:
+            break
+        missing = []
+        for rank in range(n_replicas):
+            if r not in replica_state_rounds(store, rank):
+                missing.append(rank)
+                continue
+            try:
+                load_replica_state(store, rank=rank, round=r)
+            except ReplicaStateError as exc:
+                say(f"{exc}; skipped")
+                missing.append(rank)
+        if not missing:
+            return r
+        log.info("round %d: no usable resume state of replicas %s", r, missing)
+    if newest_valid:
+        say(f"no round has every replica's resume state: resuming from the global state of "
+            f"round {newest_valid} with fresh inner optimizer and sampling state (not exact)")  # fmt: skip
+    return newest_valid or 0
+
+
+def rollback_to(store: ObjectStore, round: int, n_replicas: int) -> None:
+    """Forget every round after `round`: global states, exchange step records, resume states
+    (the relaunched replicas redo those rounds)."""
+    from composer_replication.exchange.protocol import HEAD_KEY, step_prefix
+    from composer_replication.exchange.state import state_key
+
+    for r in _global_rounds(store):
+        if r > round:
+            store.delete(state_key("global", r))
+    for name in store.list("steps"):
+        if name.isdigit() and int(name) > round:
+            store.delete_prefix(step_prefix(int(name)).rstrip("/"))
+    store.delete(HEAD_KEY)  # a hint of a forgotten step would mark the redone ones stale
+    for rank in range(n_replicas):
+        for r in replica_state_rounds(store, rank):
+            if r > round:
+                store.delete(_manifest_key(rank, r))
+                store.delete_prefix(_data_prefix(rank, r))

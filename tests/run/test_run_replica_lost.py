@@ -70,6 +70,8 @@ def test_a_lost_replica_is_not_waited_for_and_the_run_finishes(
     finals = [r for r in records if r.get("event") == "global_weights"]
     assert [r["replica"] for r in finals] == [0]
     assert (run / "checkpoints" / "final" / "model.safetensors").is_file()
+    assert main(["status", str(run)]) == 0
+    assert "run lost: finished, 1 replica lost   outer round 6" in capsys.readouterr().out
 
 
 def test_without_min_replicas_a_lost_replica_fails_the_run(tmp_path: Path) -> None:

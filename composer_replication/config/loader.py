@@ -279,7 +279,20 @@ def _read_toml(path: str | Path) -> dict[str, Any]:
 def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -> RunConfig:
     """The resolved RunConfig: default.toml or `path`, then the overrides; ConfigError if bad."""
     tree = tomllib.loads(default_toml_text()) if path is None else _read_toml(path)
+    overrides = list(overrides)
+    before = tree.get("task", {}).get("name") if isinstance(tree.get("task"), dict) else None
     tree = apply_overrides(tree, overrides)
+    task = tree.get("task")
+    keys = {o.split("=", 1)[0].strip() for o in overrides}
+    if (
+        isinstance(task, dict)
+        and task.get("name") != before
+        and not any(k == "task.options" or k.startswith("task.options.") for k in keys)
+    ):
+        # task.options belong to the task they were written for: an override that switches
+        # task.name (without new options) drops them, e.g. the default's arithmetic options
+        # under `task.name=strings`.
+        task.pop("options", None)
     return from_dict(RunConfig, tree)
 
 

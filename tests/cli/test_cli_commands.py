@@ -127,9 +127,9 @@ def test_config_show_and_validate(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
     monkeypatch.chdir(tmp_path)
-    assert main(["config", "show", "train.max_steps=40"]) == 0
+    assert main(["config", "show", "train.max_steps=100"]) == 0
     shown = capsys.readouterr().out
-    assert "max_steps = 40" in shown
+    assert "max_steps = 100" in shown
     path = tmp_path / "shown.toml"
     path.write_text(shown)
     assert main(["config", "validate", str(path)]) == 0
@@ -162,7 +162,7 @@ def test_bake_traces_with_the_oracle_resumes_and_repairs(
     from composer_replication.data.traces import iter_trace_file
 
     out = tmp_path / "traces.jsonl"
-    cfg = ["task.n_train=12", "task.n_eval=4"]
+    cfg = ["task.n_train=12", "task.n_eval=4", "task.shard=shared"]
     assert main(["bake-traces", *cfg, "--out", str(out), "--limit", "5"]) == 0
     assert "wrote 5 new traces" in capsys.readouterr().out
     first = out.read_text()

@@ -83,7 +83,7 @@ def test_config_file_then_overrides(tmp_path) -> None:
         ("loss.dpo_variant=simp", "(did you mean 'simpo'?)"),
         ("backend.kind=modall", "(did you mean 'modal'?)"),
         ("backend.n_replicas=0", "backend.n_replicas: 0 must be >= 1"),
-        ("train.batch_size=12", "train.batch_size: 12 must be a positive multiple"),
+        ("train.batch_size=13", "train.batch_size: 13 must be a positive multiple"),
         ("task.options=3", "task.options: expected a table"),
         ("teachers.endpoints=[{model = \"m\"}]", "teachers.endpoints[0]: base_url: must be set"),
         ("train=3", "the key must be section.key"),
@@ -155,3 +155,16 @@ def test_decoupled_rules_fail_before_any_replica_starts(overrides: list[str], ne
     with pytest.raises(ConfigError) as info:
         load_config(overrides=[*base, *overrides])
     assert needle in str(info.value)
+
+
+def test_switching_the_task_drops_the_previous_tasks_options() -> None:
+    """The default's arithmetic options do not follow an override to another task; options given
+    with the switch (or without switching) are kept."""
+    from composer_replication.config import load_config
+
+    assert load_config().task.options == {"num_operands": 3}
+    assert load_config(overrides=["task.name=strings"]).task.options == {}
+    assert load_config(
+        overrides=["task.name=strings", "task.options={level='medium'}"]
+    ).task.options == {"level": "medium"}
+    assert load_config(overrides=["task.n_eval=300"]).task.options == {"num_operands": 3}

@@ -21,9 +21,6 @@ def default_task():  # type: ignore[no-untyped-def]
     return build_task(load_config())
 
 
-@pytest.mark.xfail(
-    strict=True, reason="demo target not reached yet: the default still evaluates 32 prompts"
-)
 def test_default_held_out_prompts_are_many_distinct_and_never_trained_on(default_task) -> None:  # type: ignore[no-untyped-def]
     config = load_config()
     train = default_task.train_examples()

@@ -15,6 +15,7 @@ prompt's answer), so:
 from __future__ import annotations
 
 import math
+from collections import Counter
 import random
 import statistics
 
@@ -58,9 +59,6 @@ def test_best_constant_on_one_digit_sums_is_derived() -> None:
     assert best < partly - 0.1
 
 
-@pytest.mark.xfail(
-    strict=True, reason="demo target not reached yet: the default still evaluates 32 prompts"
-)
 def test_default_run_task_pays_no_constant_more_than_a_partly_right_policy() -> None:
     task = build_task(load_config())  # the embedded default's task, eval split
     examples = task.eval_examples()
@@ -68,6 +66,10 @@ def test_default_run_task_pays_no_constant_more_than_a_partly_right_policy() -> 
     best, constant = _best_constant(task, examples)
     partly = _partly_right(task, examples, 0.3)
     assert best < 0.3 < 0.3 + 0.7 * WRONG_BASE <= partly, (constant, best, partly)
+    # and no constant is right on more than 10 % of the held-out prompts (the sums 13 and 14 are
+    # the most common of three digits, 75 of the 1000 triples each; 24 of the 256 held out)
+    share = max(Counter(ex.answer for ex in examples).values()) / len(examples)
+    assert share <= 0.1, share
 
 
 @pytest.mark.parametrize("level", ["easy", "medium", "hard"])

@@ -426,6 +426,11 @@ class ObjectStoreAllReduce(RunDocuments):
                 or time.monotonic() - (ready_since or 0.0) >= self.commit_grace_s
             )
             attempted = False
+            if my_turn and not settled and not timed_out:
+                # ready only because departed ranks are not waited for: a rank that stalled
+                # past the end of its peers must not commit a step the run has left behind
+                # (its record may be garbage-collected): refused, it heals instead
+                self._check_not_stale(step)
             if my_turn:
                 try:
                     screened = self._screen(step, valid, rejected, unconfirmed, stats)

@@ -12,6 +12,7 @@ import torch
 
 from composer_replication.exchange import ObjectStore, ObjectStoreAllReduce
 from composer_replication.exchange.allreduce import StoreTimeoutError
+from composer_replication.exchange.protocol import HEAD_KEY
 from composer_replication.exchange.fencing import (
     GENERATION_KEY,
     Fence,
@@ -129,6 +130,24 @@ def test_a_rank_that_came_back_is_waited_for_again(tmp_path):
     ar = _ar(uri, 0, timeout_s=1.5, min_replicas=3)
     with pytest.raises(StoreTimeoutError, match=r"missing ranks \[1, 2\]"):
         ar.allreduce({"x": torch.ones(4)}, step=1)  # rank 2 is expected again (and 1 too)
+
+
+def test_a_stalled_rank_does_not_commit_a_step_the_run_left_behind(tmp_path):
+    """Rank 1 stalled in step 1 while rank 0 committed up to step 5 (step 1's record is
+    garbage-collected) and finished: rank 0's departure must not let rank 1 commit step 1
+    alone; it is told to rejoin from the latest state instead."""
+    uri = str(tmp_path)
+    store = ObjectStore(uri)
+    write_departure(store, REPLICA_ROLE, 0, reason="finished training")
+    ar = ObjectStoreAllReduce(uri, 2, 1, timeout_s=30.0, min_replicas=1, poll_interval_s=0.02,
+                              departure_poll_s=1.0)  # fmt: skip
+    # the run moves past step 1 while rank 1 waits in it (after its upload)
+    threading.Timer(0.3, lambda: store.put_json(HEAD_KEY, {"kind": "head", "step": 5})).start()
+    t0 = time.monotonic()
+    with pytest.raises(StoreTimeoutError, match="already at step 5"):
+        ar.allreduce({"x": torch.ones(4)}, step=1)
+    assert time.monotonic() - t0 < 5.0
+    assert store.get("steps/0000000001/commit.json") is None
 
 
 def test_generations_count_launches_and_fence_older_ones(tmp_path):

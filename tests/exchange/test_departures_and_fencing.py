@@ -12,7 +12,6 @@ import torch
 
 from composer_replication.exchange import ObjectStore, ObjectStoreAllReduce
 from composer_replication.exchange.allreduce import StoreTimeoutError
-from composer_replication.exchange.protocol import HEAD_KEY
 from composer_replication.exchange.fencing import (
     GENERATION_KEY,
     Fence,
@@ -27,6 +26,7 @@ from composer_replication.exchange.liveness import (
     read_departure,
     write_departure,
 )
+from composer_replication.exchange.protocol import HEAD_KEY
 
 
 def _ar(uri: str, rank: int, **kw) -> ObjectStoreAllReduce:

@@ -24,6 +24,11 @@ separately.
 
     python benchmarks/diloco_convergence.py            # full (k=4, H=50), ~10 min on 2 cores
     python benchmarks/diloco_convergence.py --quick    # a smoke-sized run
+    python benchmarks/diloco_convergence.py --codec sparseloco --sl-outer-lr 3   # (c) as SparseLoCo
+
+With ``--codec sparseloco`` (c) is SparseLoCo (error feedback, plain SGD outer step at
+``--sl-outer-lr``; ``--sl-density/--sl-chunk/--sl-bits/--sl-ef-decay``); benchmarks/sparseloco.py
+runs it beside fp32 DiLoCo on the same tokens.
 
 Last line: JSON with single_eval_loss, dp_eval_loss, diloco_eval_loss, loss_gap_vs_dp
 (relative, positive = worse than DP), comm_ratio_vs_dp, and the other figures.
@@ -41,6 +46,7 @@ import threading
 import time
 import zlib
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -232,24 +238,54 @@ def train_dp(cfg: Cfg, batches: Batches) -> nn.Module:
     return model
 
 
+def sparse_spec(cfg: Cfg) -> Any:
+    """codec 'sparseloco': what each replica sends (--sl-density, --sl-chunk, --sl-bits)."""
+    from composer_replication.exchange.sparse import SparseSpec
+
+    if cfg.codec != "sparseloco":
+        return None
+    return SparseSpec(density=cfg.sl_density, chunk=cfg.sl_chunk, bits=cfg.sl_bits)
+
+
+def error_feedback(cfg: Cfg, manager: Any) -> Any:
+    """codec 'sparseloco': SparseLoCo's error feedback (decay --sl-ef-decay) around manager."""
+    if cfg.codec != "sparseloco":
+        return manager
+    from composer_replication.diloco.sparseloco import ErrorFeedbackManager
+
+    return ErrorFeedbackManager(manager, sparse_spec(cfg), decay=cfg.sl_ef_decay)
+
+
+def outer_factory(cfg: Cfg) -> Any:
+    """codec 'sparseloco': plain SGD at --sl-outer-lr (no momentum); else DiLoCo's Nesterov."""
+    if cfg.codec != "sparseloco":
+        return None
+    from composer_replication.diloco.sparseloco import sparseloco_outer_optimizer
+
+    return sparseloco_outer_optimizer(cfg.sl_outer_lr)
+
+
 def train_diloco(cfg: Cfg, batches: Batches, uri: str) -> tuple[nn.Module, dict[str, int]]:
     from composer_replication.diloco import make_diloco_outer_loop
     from composer_replication.exchange import ObjectStoreAllReduce, ObjectStoreManager
 
     results: dict[int, tuple[nn.Module, ObjectStoreManager]] = {}
     errors: list[BaseException] = []
+    stores: list[ObjectStoreAllReduce] = []
 
     def replica(rank: int) -> None:
         try:
             model = cfg.model()
             opt = cfg.optimizer(model)
             store = ObjectStoreAllReduce(
-                uri, world_size=cfg.k, rank=rank, timeout_s=1800.0, codec=cfg.codec
-            )
+                uri, world_size=cfg.k, rank=rank, timeout_s=1800.0, codec=cfg.codec,
+                sparse=sparse_spec(cfg),
+            )  # fmt: skip
+            stores.append(store)
             manager = ObjectStoreManager(store)
             outer = make_diloco_outer_loop(
-                opt, manager, cfg.h, model=model, outer_lr=cfg.outer_lr,
-                outer_momentum=cfg.outer_momentum,
+                opt, error_feedback(cfg, manager), cfg.h, model=model, outer_lr=cfg.outer_lr,
+                outer_momentum=cfg.outer_momentum, outer_optimizer_factory=outer_factory(cfg),
             )  # fmt: skip
             with outer:
                 for t in range(cfg.steps):
@@ -264,9 +300,8 @@ def train_diloco(cfg: Cfg, batches: Batches, uri: str) -> tuple[nn.Module, dict[
             results[rank] = (model, manager)
         except BaseException as e:  # reported by the main thread
             errors.append(e)
-            store_cancel = locals().get("store")
-            if store_cancel is not None:
-                store_cancel.cancel()
+            for other in stores:  # the peers would wait timeout_s for this replica otherwise
+                other.cancel()
 
     threads = [threading.Thread(target=replica, args=(r,)) for r in range(cfg.k)]
     for th in threads:
@@ -293,6 +328,18 @@ def train_diloco(cfg: Cfg, batches: Batches, uri: str) -> tuple[nn.Module, dict[
 # --------------------------------------------------------------------------- main
 
 
+def add_sparseloco_args(ap: argparse.ArgumentParser) -> None:
+    """--sl-*: codec 'sparseloco' settings (defaults: the run config's, docs/cli.md)."""
+    from composer_replication.config.schema import DilocoConfig
+
+    d = DilocoConfig()
+    ap.add_argument("--sl-density", type=float, default=d.sparseloco_density)
+    ap.add_argument("--sl-chunk", type=int, default=d.sparseloco_chunk)
+    ap.add_argument("--sl-bits", type=int, default=d.sparseloco_bits)
+    ap.add_argument("--sl-ef-decay", type=float, default=d.sparseloco_ef_decay)
+    ap.add_argument("--sl-outer-lr", type=float, default=d.sparseloco_outer_lr)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description="DiLoCo vs single vs data-parallel (Table 2)")
     ap.add_argument("--quick", action="store_true", help="small smoke-sized run")
@@ -310,6 +357,7 @@ def main() -> None:
     ap.add_argument("--codec", default="fp32", help="pseudo-gradient wire codec for (c)")
     ap.add_argument("--outer-lr", type=float, default=0.7)
     ap.add_argument("--outer-momentum", type=float, default=0.9)
+    add_sparseloco_args(ap)
     ap.add_argument(
         "--only-diloco", action="store_true", help="tuning aid: run only (c), print its loss"
     )

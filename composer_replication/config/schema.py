@@ -15,6 +15,8 @@ Nothing here is a second copy of a name or a default owned elsewhere:
   choices from its choice tuples (`LOSS_TYPES`, `SDPO_WRAPPERS`, `DPO_VARIANTS`);
 - `backend.kind` choices are the executor registry's names (`executors.registry.BACKENDS`);
 - `diloco.codec` choices are the exchange's codecs (`exchange.codecs.CODECS`);
+- `diloco.sparseloco_density/chunk/bits` take their defaults and checks from the exchange's
+  `sparse.SparseSpec` (`sparseloco_ef_decay` is the replica's, and its default lives here);
 - `diloco.aggregate*` / `diloco.screen*` take their choices, defaults and checks from the
   exchange's `robust.AggregatePolicy`.
 The choice types are `Literal`s built from those tuples at import time (mypy sees `str`); the
@@ -28,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from composer_replication.exchange.codecs import CODECS
 from composer_replication.exchange.robust import AGGREGATES, SCREENS, AggregatePolicy
+from composer_replication.exchange.sparse import BITS, SparseSpec
 from composer_replication.executors.registry import BACKEND_NAMES
 from composer_replication.loss import (
     DPO_VARIANTS,
@@ -79,6 +82,7 @@ else:  # the registries' names as Literal choices (the loader validates against 
 _LOSS = ComposeConfig()
 # The exchange's screening defaults: every [diloco] aggregate*/screen* default comes from here.
 _POLICY = AggregatePolicy()
+_SPARSE = SparseSpec()
 
 # ComposeConfig keys that are not [loss] keys, and what sets them in a run instead.
 LOSS_KEYS_SET_BY_THE_RUN = {
@@ -337,7 +341,29 @@ class DilocoConfig:
     outer_momentum: float = _f(0.9, "outer momentum ('nesterov', 'sgd')")
     outer_betas: list[float] = _f([0.9, 0.999], "outer Adam betas ('adam')")
     outer_eps: float = _f(1e-8, "outer Adam epsilon ('adam')")
-    codec: CodecName = _f("fp32", "pseudo-gradient encoding (exchange.codecs)")
+    codec: CodecName = _f(
+        "fp32",
+        "pseudo-gradient encoding (exchange.codecs); 'sparseloco' = SparseLoCo: chunk-wise top-k "
+        "+ few-bit values with local error feedback, outer step plain SGD at "
+        "sparseloco_outer_lr (no outer momentum; outer_optimizer/outer_lr/outer_momentum are "
+        "not used)",
+    )
+    sparseloco_density: float = _f(
+        _SPARSE.density, "codec = 'sparseloco': fraction of each chunk sent (top-k by magnitude)"
+    )
+    sparseloco_chunk: int = _f(_SPARSE.chunk, "codec = 'sparseloco': elements per top-k chunk")
+    sparseloco_bits: int = _f(
+        _SPARSE.bits, f"codec = 'sparseloco': bits per sent value, one of {list(BITS)}"
+    )
+    sparseloco_ef_decay: float = _f(
+        0.95,
+        "codec = 'sparseloco': error-feedback decay beta in e = beta * e + delta (in [0, 1])",
+    )
+    sparseloco_outer_lr: float = _f(
+        1.0,
+        "codec = 'sparseloco': lr of the outer SGD step on the mean of the replicas' messages "
+        "(1 = apply it as is; docs/diloco.md has the benchmark's sweep)",
+    )
     min_replicas: int | None = _f(None, "contributions needed to commit a round (unset = all)")
     weighting: Literal["equal", "tokens"] = _f("equal", "how contributions are weighted")
     timeout_s: float = _f(600.0, "how long a round waits for contributions")
@@ -456,6 +482,33 @@ class DilocoConfig:
                 "'rda' averages directions itself: use diloco.aggregate = 'mean' with it",
             )
         _check(self.outer_lr > 0, "diloco.outer_lr", "must be > 0")
+        try:
+            self.sparse_spec()
+        except ValueError as exc:  # "sparseloco <field> must be ...": name the TOML key
+            field_name = str(exc).split(" ")[1]
+            raise ValueError(f"diloco.sparseloco_{field_name}: {exc}") from None
+        _check(
+            0.0 <= self.sparseloco_ef_decay <= 1.0,
+            "diloco.sparseloco_ef_decay",
+            "must be in [0, 1]",
+        )
+        _check(self.sparseloco_outer_lr > 0, "diloco.sparseloco_outer_lr", "must be > 0")
+        if self.codec == "sparseloco":
+            _check(
+                self.mode == "sync",
+                "diloco.codec",
+                "'sparseloco' runs in sync mode only: a decoupled push is the whole change since "
+                "the last global version the learner loaded (a later push repeats an earlier "
+                "one's work, and a queued push can be replaced by a newer one), so a per-push "
+                "error-feedback accumulator would count work twice; use diloco.mode = 'sync'",
+            )
+            _check(
+                self.outer_optimizer != "adam",
+                "diloco.outer_optimizer",
+                "'adam' contradicts codec = 'sparseloco', whose outer step is plain SGD at "
+                "sparseloco_outer_lr (the error feedback replaces the outer momentum); use "
+                "'nesterov' or 'sgd' (neither is used with it) or another codec",
+            )
         _check(0.0 <= self.outer_momentum < 1.0, "diloco.outer_momentum", "must be in [0, 1)")
         _check(
             self.outer_optimizer != "nesterov" or self.outer_momentum > 0,
@@ -516,6 +569,12 @@ class DilocoConfig:
                 "diloco.weighting",
                 "torchft averages replicas equally; 'tokens' needs manager = 'object_store'",
             )
+
+    def sparse_spec(self) -> SparseSpec:
+        """What codec 'sparseloco' keeps (the exchange's `sparse.SparseSpec`)."""
+        return SparseSpec(
+            density=self.sparseloco_density, chunk=self.sparseloco_chunk, bits=self.sparseloco_bits
+        )
 
     def aggregate_policy(self, **bounds: Any) -> AggregatePolicy:
         """The exchange's policy for these keys (``bounds``: the run's claim bounds)."""

@@ -360,7 +360,10 @@ def as_manager(manager: Manager) -> Manager:
     """``manager`` as the outer loop's `Manager`: a raw ``torchft.manager.Manager`` (the seed
     recipes pass one) is wrapped in `TorchFTManager`; anything else is returned as it is."""
     torchft_manager = sys.modules.get("torchft.manager")  # not imported: cannot be one
-    if torchft_manager is not None and isinstance(manager, torchft_manager.Manager):
+    # another thread may be importing torchft right now: a module without its Manager class
+    # yet cannot have produced an instance of it
+    manager_class = getattr(torchft_manager, "Manager", None)
+    if manager_class is not None and isinstance(manager, manager_class):
         return TorchFTManager(manager)
     return manager
 

@@ -121,6 +121,10 @@ class ObjectStoreAllReduce(RunDocuments):
     (the run driver keeps one per rank in the run folder) so that a restarted rank recognises
     the upload its earlier incarnation made for a step that is not committed yet; None: a random
     secret per process (a restarted rank then finds that slot squatted and sits the step out).
+    ``sparse``: what codec ``"sparseloco"`` keeps of this replica's tensors (`sparse.SparseSpec`:
+    density, chunk, bits; None: its defaults). Its payloads describe their own layout, so
+    readers decode whatever a peer sent (validated); error feedback is the caller's
+    (``diloco/sparseloco.py``).
     """
 
     def __init__(
@@ -143,6 +147,7 @@ class ObjectStoreAllReduce(RunDocuments):
         loss_probe: LossProbe | None = None,
         keys: RunKeys | None = None,
         writer_secret: bytes | None = None,
+        sparse: codecs.SparseSpec | None = None,
         departure_poll_s: float = 1.0,
         fence: Callable[[], None] | None = None,
     ) -> None:
@@ -202,6 +207,9 @@ class ObjectStoreAllReduce(RunDocuments):
             keys=keys,
         )
         self.rank = rank
+        if sparse is not None and not isinstance(sparse, codecs.SparseSpec):
+            raise TypeError(f"sparse must be a SparseSpec, got {type(sparse).__name__}")
+        self.sparse = sparse if sparse is not None else codecs.SparseSpec()
         # what this replica writes; readers verify whatever algorithm each header names
         if keys is not None:
             checksum = "sha256"  # xxh3-128 is not collision resistant: a signature must bind
@@ -278,6 +286,8 @@ class ObjectStoreAllReduce(RunDocuments):
         before = self.store.requests.snapshot()
         if self.world_size == 1:
             self.last_result = StepResult(step, [0], [], {0: 1.0}, 0, 0, 0.0, self.codec, 0)
+            if self.codec == codecs.SPARSE:  # the "average" of one replica is its message
+                return {n: self._sparse_round_trip(t) for n, t in tensors.items()}
             return dict(tensors)
         if self.rank is None:
             raise ValueError(
@@ -315,6 +325,12 @@ class ObjectStoreAllReduce(RunDocuments):
             merge_seconds=phases[2],
         )
         return result
+
+    def _sparse_round_trip(self, t: torch.Tensor) -> torch.Tensor:
+        """What a lone replica's sparseloco message decodes to (shape, dtype, device of t)."""
+        flat = torch.empty(t.numel(), dtype=torch.float32)
+        codecs.decode_into(codecs.encode(t, codecs.SPARSE, self.sparse), codecs.SPARSE, flat)
+        return flat.view(t.shape).to(dtype=t.dtype, device=t.device)
 
     def _check_cancel_and_run(self, step: int) -> None:
         if self.cancelled.is_set():
@@ -356,6 +372,7 @@ class ObjectStoreAllReduce(RunDocuments):
         payload, own = encode_contribution(
             tensors, rank=self.rank, step=step, tokens=tokens, inner_steps=inner_steps,
             codec=self.codec, checksum=self.checksum, writer=writer, keys=self.keys,
+            sparse=self.sparse,
         )  # fmt: skip
         up = down = 0
         valid: dict[int, Contribution] = {}

@@ -13,6 +13,13 @@ Codecs (bytes per element, excluding per-block scales):
 - ``4bit``: per-block min-max uint4, ``q = round((x - lo) / s)`` with ``s = (hi - lo) / 15``,
   two codes packed per byte, the even element in the low nibble (0.5 B + 8 B per block);
   absolute error <= s / 2 per element.
+- ``sparseloco``: chunk-wise top-k of the values, each quantised to a few bits (SparseLoCo;
+  exchange/sparse.py has its layout, parameters (`sparse.SparseSpec`) and error bound). It
+  drops most entries, so it is meant to be used with the replica-side error feedback of
+  ``diloco/sparseloco.py``; its parts describe themselves (part ``m``: chunk, k, bits).
+
+The dense codecs (:data:`DENSE`) are described below; ``sparseloco`` dispatches to
+exchange/sparse.py.
 
 Blocks are :data:`CHUNK` consecutive elements of the flattened tensor; the last block holds the
 remaining ``numel % CHUNK`` elements (its scale is computed from those elements only). A tensor
@@ -47,7 +54,12 @@ from collections.abc import Iterator
 
 import torch
 
-CODECS: tuple[str, ...] = ("fp32", "bf16", "int8", "4bit")
+from composer_replication.exchange import sparse
+from composer_replication.exchange.sparse import SparseSpec
+
+DENSE: tuple[str, ...] = ("fp32", "bf16", "int8", "4bit")  # every element on the wire
+SPARSE = "sparseloco"
+CODECS: tuple[str, ...] = (*DENSE, SPARSE)
 CHUNK = 2048  # elements per quantisation block: small enough to track local scale, 0.2% overhead
 PASS_BLOCKS = 256  # blocks per streaming pass: 256 x 2048 float32 = 2 MiB of scratch
 QUANTISED: tuple[str, ...] = ("int8", "4bit")
@@ -100,14 +112,18 @@ def _scratch(numel: int) -> torch.Tensor:
     return torch.empty(min(numel, PASS_BLOCKS * CHUNK) + 1, dtype=torch.float32)
 
 
-def encode(t: torch.Tensor, codec: str) -> dict[str, torch.Tensor]:
+def encode(t: torch.Tensor, codec: str, spec: SparseSpec | None = None) -> dict[str, torch.Tensor]:
     """Encode one tensor into named parts (suffixes ``q``, ``s``, ``z``) for the wire.
 
     ``t`` is any floating tensor; it is flattened (row-major) and read as float32. Quantising
     codecs refuse non-finite values because a NaN/inf scale would poison the whole block
     silently. The parts are fresh tensors of their final size (see :func:`expected_parts`).
+    ``spec``: what ``sparseloco`` keeps (None: `SparseSpec()`'s defaults); other codecs
+    ignore it.
     """
     check_codec(codec)
+    if codec == SPARSE:
+        return sparse.encode(t, spec or SparseSpec())
     flat = t.detach().reshape(-1).to(device="cpu")
     if codec == "fp32":
         return {"q": flat.to(torch.float32).contiguous()}
@@ -194,9 +210,22 @@ def _check_finite(scale: torch.Tensor, codec: str) -> None:
         )
 
 
-def expected_parts(codec: str, numel: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-    """Dtype and shape of each encoded part for a tensor of ``numel`` elements (for validation)."""
+def expected_parts(
+    codec: str, numel: int, meta: torch.Tensor | None = None
+) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """Dtype and shape of each encoded part for a tensor of ``numel`` elements (for validation).
+
+    ``sparseloco`` parts describe their own layout: pass the payload's ``m`` part as ``meta``
+    (ValueError if it is missing or malformed: the payload cannot be decoded).
+    """
     check_codec(codec)
+    if codec == SPARSE:
+        if meta is None:
+            raise ValueError("codec 'sparseloco': the payload has no 'm' part [chunk, k, bits]")
+        read = sparse.read_meta(meta)
+        if isinstance(read, str):
+            raise ValueError(read)
+        return sparse.expected_parts(numel, *read)
     rows = num_blocks(numel)
     if codec == "fp32":
         return {"q": (torch.float32, (numel,))}
@@ -211,11 +240,17 @@ def expected_parts(codec: str, numel: int) -> dict[str, tuple[torch.dtype, tuple
     }
 
 
-def check_parts(parts: dict[str, torch.Tensor], codec: str) -> str | None:
+def check_parts(parts: dict[str, torch.Tensor], codec: str, numel: int | None = None) -> str | None:
     """Why parts read from the store (already of :func:`expected_parts`' dtypes and shapes)
     cannot be decoded, or None. Our encoder never writes a non-finite or negative scale or a
-    non-finite offset; a payload that has one would silently poison the average."""
+    non-finite offset; a payload that has one would silently poison the average.
+    ``sparseloco`` also checks its positions (inside their chunk, no repeats): it needs the
+    tensor's ``numel``."""
     check_codec(codec)
+    if codec == SPARSE:
+        if numel is None:
+            raise ValueError("check_parts: codec 'sparseloco' needs numel=")
+        return sparse.check_parts(parts, numel)
     if codec not in QUANTISED:
         return None  # fp32/bf16 carry the values themselves (non-finite ones pass through)
     s = parts["s"]
@@ -261,11 +296,13 @@ def decode_into(
     if not out.is_contiguous():
         raise ValueError("decode_into needs a contiguous output tensor (use .contiguous())")
     n = out.numel()
-    if parts["q"].numel() != expected_parts(codec, n)["q"][1][0]:
+    if parts["q"].numel() != expected_parts(codec, n, parts.get("m"))["q"][1][0]:
         raise ValueError(
             f"decode_into: {parts['q'].numel()} encoded {codec} codes do not describe "
             f"{n} elements; the output has the wrong length"
         )
+    if codec == SPARSE:
+        return sparse.decode_into(parts, out, accumulate=accumulate, weight=weight)
     if codec == "fp32" and weight is None:  # nothing to decode: one pass either way
         return out.add_(parts["q"]) if accumulate else out.copy_(parts["q"])
     work = _scratch(n) if accumulate else None
@@ -319,13 +356,19 @@ def _decode_pass(
     rows.mul_(parts["s"][b0:b1, None]).add_(parts["z"][b0:b1, None])
 
 
-def max_abs_error_bound(t: torch.Tensor, codec: str) -> torch.Tensor:
+def max_abs_error_bound(
+    t: torch.Tensor, codec: str, spec: SparseSpec | None = None
+) -> torch.Tensor:
     """Per-element worst-case absolute error of ``decode(encode(t))`` (flat, float32).
 
     Half a quantisation step of the element's block, plus float32 rounding slack (relative,
-    and one smallest normal float32 for blocks whose scale is subnormal).
+    and one smallest normal float32 for blocks whose scale is subnormal). For ``sparseloco``
+    the bound holds for the kept entries only (`sparse.max_abs_error_bound`; ``spec`` None:
+    `SparseSpec`'s defaults).
     """
     check_codec(codec)
+    if codec == SPARSE:
+        return sparse.max_abs_error_bound(t, spec or SparseSpec())
     flat = t.detach().reshape(-1).to(device="cpu", dtype=torch.float32)
     n = flat.numel()
     if codec == "fp32":

@@ -17,8 +17,9 @@ that lets a rank tell its own object from one planted in its slot, and ``checksu
 ``{"algo": "xxh3-128" or "sha256", "value": hex}`` of the data section, i.e. of the encoded
 tensors). With signing on (exchange/signing.py) the header, commit records and state headers
 also carry ``run_id``, ``signer`` and ``signature``. Tensor
-``t<i>.<part>`` is part ``q``/``s``/``z`` of the i-th name in the header (names are never used as
-safetensors keys, so no parameter name can collide with a part name). Nothing read from the
+``t<i>.<part>`` is part ``q``/``s``/``z`` (codec ``sparseloco``: ``i``/``q``/``s``/``m``) of the
+i-th name in the header (names are never used as safetensors keys, so no parameter name can
+collide with a part name). Nothing read from the
 store is ever unpickled: parsing is JSON plus ``safetensors.torch.load``.
 """
 
@@ -241,6 +242,7 @@ def encode_contribution(
     extra: dict[str, Any] | None = None,
     writer: str | None = None,
     keys: RunKeys | None = None,
+    sparse: codecs.SparseSpec | None = None,
 ) -> tuple[list[wire.Buffer], Contribution]:
     """Encode ``tensors`` as a safetensors payload (header + zero-copy data buffers).
 
@@ -248,7 +250,8 @@ def encode_contribution(
     a Contribution. ``checksum`` in the header is ``{"algo": ..., "value": ...}`` of the data
     section (``checksum=None``: :func:`wire.default_checksum`; ``keys``: sha256, signed).
     ``extra`` (a JSON object) is stored in the header as is (covered by the signature) and
-    returned in ``Contribution.extra``.
+    returned in ``Contribution.extra``. ``sparse``: what codec ``sparseloco`` keeps (None:
+    `sparse.SparseSpec`'s defaults).
     """
     if keys is not None and checksum not in (None, "sha256"):
         raise ValueError(f"signed contributions are checksummed with sha256, not {checksum!r}")
@@ -258,7 +261,7 @@ def encode_contribution(
     names = sorted(tensors)
     parts: dict[str, torch.Tensor] = {}
     for i, name in enumerate(names):
-        for part, t in codecs.encode(tensors[name], codec).items():
+        for part, t in codecs.encode(tensors[name], codec, sparse).items():
             parts[f"t{i}.{part}"] = t
     entries, buffers = wire.layout(parts)
     digest = wire.digest(buffers, algo)
@@ -394,7 +397,11 @@ def decode_contribution(
         raise CorruptContributionError(f"{what}: {algo} checksum mismatch (corrupted payload)")
     expected: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
     for i, shape in enumerate(shapes):
-        for part, spec in codecs.expected_parts(h["codec"], math.prod(shape)).items():
+        try:  # sparseloco parts describe their layout in part "m" (checked here)
+            want = codecs.expected_parts(h["codec"], math.prod(shape), parts.get(f"t{i}.m"))
+        except ValueError as e:
+            raise CorruptContributionError(f"{what}: tensor {names[i]!r}: {e}") from None
+        for part, spec in want.items():
             expected[f"t{i}.{part}"] = spec
     got = {k: (t.dtype, tuple(t.shape)) for k, t in parts.items()}
     if got != expected:
@@ -404,8 +411,8 @@ def decode_contribution(
         parts, memoryview(blob).nbytes, algo, h.get("extra", {}), not memoryview(blob).readonly,
         h.get("writer"),
     )  # fmt: skip
-    for name, _, encoded in contrib.encoded():  # scales/offsets: a few values per 2048
-        why = codecs.check_parts(encoded, contrib.codec)
+    for name, shape, encoded in contrib.encoded():  # scales/offsets: a few values per 2048
+        why = codecs.check_parts(encoded, contrib.codec, math.prod(shape))
         if why is not None:
             raise CorruptContributionError(f"{what}: tensor {name!r}: {why}")
     return contrib

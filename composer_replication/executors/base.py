@@ -53,8 +53,10 @@ __all__ = [
     "ReplicaStatus",
     "ServerlessExecutor",
     "SupervisorBase",
+    "ARG_STYLES",
     "args_to_argv",
     "build_command",
+    "check_arg_style",
     "check_secrets",
     "failure_error",
     "read_log_file",
@@ -194,13 +196,43 @@ class RankLauncher(ServerlessExecutor, Protocol):
 # ----------------------------------------------------------------------------- shared helpers
 
 
-def args_to_argv(entrypoint_args: Mapping[str, Any] | Sequence[Any] | None) -> list[str]:
+ARG_STYLES: tuple[str, ...] = ("auto", "flags", "hydra")
+_HYDRA_PREFIXES = ("+", "~")  # Hydra's append (+key, ++key) and delete (~key) overrides
+
+
+def check_arg_style(arg_style: str) -> str:
+    """`arg_style`, or ValueError naming the choices."""
+    if arg_style not in ARG_STYLES:
+        raise ValueError(f"arg_style must be one of {list(ARG_STYLES)}, got {arg_style!r}")
+    return arg_style
+
+
+def _hydra_value(value: Any) -> str:
+    if value is True or value is False:
+        return "true" if value else "false"
+    if isinstance(value, list | tuple):
+        return "[" + ",".join(_hydra_value(v) for v in value) + "]"
+    return str(value)
+
+
+def args_to_argv(
+    entrypoint_args: Mapping[str, Any] | Sequence[Any] | None, arg_style: str = "auto"
+) -> list[str]:
     """Turn entrypoint_args into command-line arguments.
 
-    A dict becomes ["--key", "value", ...] with the key spelled as given: True gives the bare
-    flag, False/None omit it, a list/tuple repeats the flag once per element. A list is passed
-    through as strings. None gives [].
+    A dict's entries become, by `arg_style`:
+
+    - ``"flags"``: ["--key", "value", ...] with the key spelled as given: True gives the bare
+      flag, False/None omit it, a list/tuple repeats the flag once per element (argparse style).
+    - ``"hydra"``: ["key=value", ...] (Hydra/OmegaConf overrides, as verl's and PRIME-RL's
+      entry points take them): True/False become true/false, a list ``[a,b]``, None omits it.
+    - ``"auto"`` (the default): a key that is a Hydra override (``+key``, ``++key``, ``~key``)
+      the Hydra way, every other key as a flag; so ``{"config": "x.yaml",
+      "+diloco.sync_every_h": 500}`` gives ``--config x.yaml +diloco.sync_every_h=500``.
+
+    A list is passed through as strings. None gives [].
     """
+    check_arg_style(arg_style)
     if entrypoint_args is None:
         return []
     if isinstance(entrypoint_args, Mapping):
@@ -208,8 +240,19 @@ def args_to_argv(entrypoint_args: Mapping[str, Any] | Sequence[Any] | None) -> l
         for key, value in entrypoint_args.items():
             if not isinstance(key, str) or not key:
                 raise ValueError(f"entrypoint_args keys must be non-empty strings, got {key!r}")
+            if value is None:
+                continue
+            hydra_key = key.startswith(_HYDRA_PREFIXES)
+            if arg_style == "hydra" or (arg_style == "auto" and hydra_key):
+                argv.append(f"{key}={_hydra_value(value)}")
+                continue
+            if hydra_key:
+                raise ValueError(
+                    f"entrypoint_args key {key!r} is a Hydra override, which arg_style='flags' "
+                    f"would pass as '--{key}'; use arg_style='hydra' or 'auto'"
+                )
             flag = f"--{key}"
-            if value is None or value is False:
+            if value is False:
                 continue
             if value is True:
                 argv.append(flag)
@@ -239,6 +282,7 @@ def build_command(
     entrypoint: str,
     entrypoint_args: Mapping[str, Any] | Sequence[Any] | None = None,
     python: str = "python",
+    arg_style: str = "auto",
 ) -> list[str]:
     """The argv replica processes run.
 
@@ -247,7 +291,7 @@ def build_command(
                            pkg.mod:function, *args]   (launch calls function(argv), exits with it)
     "path/x.py"        -> [python, path/x.py, *args]
     """
-    argv = args_to_argv(entrypoint_args)
+    argv = args_to_argv(entrypoint_args, arg_style)
     if _is_script(entrypoint):
         return [python, entrypoint, *argv]
     if ":" in entrypoint:
@@ -498,12 +542,14 @@ class ExecutorBase(SupervisorBase):
 
     and may override `_check_resources` (reject bad resources up front), `check_launch` (e.g.
     skip local checks for code that lives in an image) and `python` (the interpreter replicas
-    use).
+    use). Every backend takes ``arg_style`` ("auto", "flags", "hydra"; see `args_to_argv`): how
+    a dict of entrypoint_args becomes the replicas' argv.
     `launch_ranks(ranks, world_size, ...)` starts an arbitrary subset of ranks of a larger run;
     `MultiExecutor` relies on it to spread one run over several executors.
     """
 
     python: str = "python"
+    arg_style: str = "auto"  # how a dict of entrypoint_args becomes argv (`args_to_argv`)
 
     @abstractmethod
     def _start(
@@ -554,7 +600,8 @@ class ExecutorBase(SupervisorBase):
         if resources is not None and not isinstance(resources, dict):
             raise ValueError(f"resources must be a dict or None, got {type(resources).__name__}")
         checked = self._check_resources(dict(resources or {}))
-        return build_command(entrypoint, entrypoint_args, python=self.python), checked
+        command = build_command(entrypoint, entrypoint_args, self.python, self.arg_style)
+        return command, checked
 
     def launch_replicas(
         self,

@@ -26,6 +26,7 @@ from composer_replication.executors.base import (
     ExecutorBase,
     ReplicaHandle,
     ReplicaStatus,
+    check_arg_style,
     validate_launch,
 )
 from composer_replication.executors.redact import (
@@ -74,6 +75,7 @@ class HFJobsExecutor(ExecutorBase):
         labels: dict[str, str] | None = None,
         namespace: str | None = None,
         python: str = "python",
+        arg_style: str = "auto",
         api: Any = None,
         endpoint: str | None = None,
         token: str | None = None,
@@ -91,6 +93,7 @@ class HFJobsExecutor(ExecutorBase):
         self.labels = dict(labels or {})
         self.namespace = namespace
         self.python = python
+        self.arg_style = check_arg_style(arg_style)
         self.poll_interval = poll_interval
         self.api = api if api is not None else hub.HfApi(endpoint=endpoint, token=token)
         # Resolve the token the SDK would use, only to fail early and to know what to redact.

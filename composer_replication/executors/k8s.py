@@ -33,6 +33,7 @@ from composer_replication.executors.base import (
     ReplicaHandle,
     ReplicaStatus,
     SecretsByRank,
+    check_arg_style,
     check_secrets,
     replica_env,
     tail_lines,
@@ -89,6 +90,7 @@ class K8sExecutor(ExecutorBase):
         image_pull_secrets: Sequence[str] = (),
         labels: dict[str, str] | None = None,
         python: str = "python",
+        arg_style: str = "auto",
         api_client: Any = None,
         config_file: str | None = None,
         context: str | None = None,
@@ -114,6 +116,7 @@ class K8sExecutor(ExecutorBase):
         self.image_pull_secrets = list(image_pull_secrets)
         self.labels = dict(labels or {})
         self.python = python
+        self.arg_style = check_arg_style(arg_style)
         self.poll_interval = poll_interval
         self.request_timeout = request_timeout  # a hung API server must not hang collect()
         self.api_client = api_client or self._load_client(config_file, context)

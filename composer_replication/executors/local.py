@@ -39,6 +39,7 @@ from composer_replication.executors.base import (
     ExecutorBase,
     ReplicaHandle,
     ReplicaStatus,
+    check_arg_style,
     read_log_file,
 )
 
@@ -224,6 +225,7 @@ class LocalProcessExecutor(ExecutorBase):
         *,
         log_dir: str | os.PathLike[str] | None = None,
         python: str | None = None,
+        arg_style: str = "auto",
         cwd: str | os.PathLike[str] | None = None,
         max_restarts: int = 0,
         grace_period: float = 5.0,
@@ -239,6 +241,7 @@ class LocalProcessExecutor(ExecutorBase):
                 f"{poll_interval}"
             )
         self.python = python or sys.executable
+        self.arg_style = check_arg_style(arg_style)
         self.cwd = os.fspath(cwd) if cwd is not None else None
         if self.cwd is not None and not os.path.isdir(self.cwd):
             raise ValueError(f"cwd {self.cwd!r} is not a directory")

@@ -27,6 +27,7 @@ from composer_replication.executors.base import (
     ExecutorBase,
     ReplicaHandle,
     ReplicaStatus,
+    check_arg_style,
     tail_lines,
     validate_launch,
 )
@@ -112,6 +113,7 @@ class ModalExecutor(ExecutorBase):
         add_python: str | None = None,
         app_name: str = "composer-replication-diloco",
         python: str = "python",
+        arg_style: str = "auto",
         detach: bool = True,
         poll_interval: float = 5.0,
         modal_module: Any = None,
@@ -131,6 +133,7 @@ class ModalExecutor(ExecutorBase):
         self.timeout, self.cpu, self.memory = timeout, cpu, memory
         self.bucket_mount = dict(bucket_mount) if bucket_mount else None
         self.app_name, self.python, self.detach = app_name, python, detach
+        self.arg_style = check_arg_style(arg_style)
         self.add_python = add_python
         self.poll_interval = poll_interval
         self._app: Any = None

@@ -30,6 +30,7 @@ from composer_replication.executors.base import (
     ExecutorBase,
     ReplicaHandle,
     ReplicaStatus,
+    check_arg_style,
     read_log_file,
     validate_launch,
 )
@@ -159,6 +160,7 @@ class RayExecutor(ExecutorBase):
         log_dir: str | os.PathLike[str] | None = None,
         cwd: str | os.PathLike[str] | None = None,
         python: str | None = None,
+        arg_style: str = "auto",
         grace_period: float = 5.0,
         poll_interval: float = 0.2,
         ray_init_kwargs: dict[str, Any] | None = None,
@@ -178,6 +180,7 @@ class RayExecutor(ExecutorBase):
         self._cwd = os.fspath(cwd) if cwd is not None else None
         self._use_worker_python = python is None
         self.python = python or "python"
+        self.arg_style = check_arg_style(arg_style)
         self.grace_period = float(grace_period)
         self.poll_interval = float(poll_interval)
         self.ray_init_kwargs = dict(ray_init_kwargs or {})

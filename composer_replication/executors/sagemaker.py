@@ -30,6 +30,7 @@ from composer_replication.executors.base import (
     ExecutorBase,
     ReplicaHandle,
     ReplicaStatus,
+    check_arg_style,
     validate_launch,
 )
 from composer_replication.executors.redact import (
@@ -87,6 +88,7 @@ class SageMakerExecutor(ExecutorBase):
         job_prefix: str = "diloco",
         tags: dict[str, str] | None = None,
         python: str = "python",
+        arg_style: str = "auto",
         failure_file: str | None = FAILURE_FILE,
         session: Any = None,
         region: str | None = None,
@@ -111,6 +113,7 @@ class SageMakerExecutor(ExecutorBase):
         self.job_prefix = re.sub(r"[^a-zA-Z0-9-]", "-", job_prefix)[:30].strip("-") or "diloco"
         self.tags = dict(tags or {})
         self.python, self.poll_interval = python, poll_interval
+        self.arg_style = check_arg_style(arg_style)
         self.failure_file = failure_file
         self.session = session or boto3.Session(region_name=region)
         creds = self.session.get_credentials()

@@ -163,9 +163,15 @@ def _build_manager(
         store.uri, world_size=n, rank=rank, timeout_s=d.timeout_s, codec=d.codec,
         min_replicas=d.min_replicas, aggregate=policy or d.aggregate_policy(),
         storage_options=store.storage_options or None, keep_steps=config.store.keep_rounds,
-        keys=keys, loss_probe=loss_probe, writer_secret=writer_secret, fence=fence,
+        keys=keys, loss_probe=loss_probe, writer_secret=writer_secret, sparse=d.sparse_spec(),
+        fence=fence,
     )  # fmt: skip
-    return ObjectStoreManager(allreduce=allreduce)
+    manager = ObjectStoreManager(allreduce=allreduce)
+    if d.codec == "sparseloco":  # SparseLoCo: the replica's error feedback around the exchange
+        from composer_replication.diloco.sparseloco import ErrorFeedbackManager
+
+        return ErrorFeedbackManager(manager, d.sparse_spec(), decay=d.sparseloco_ef_decay)
+    return manager
 
 
 def _build_learner(config: Any, rank: int, store: Any, model: Any) -> Any:
@@ -302,13 +308,17 @@ def run_replica(
             else:
                 manager = _build_manager(config, rank, store)
             d = config.diloco
-            outer = make_diloco_outer_loop(
-                None, manager, h, model=model,
-                outer_optimizer_factory=outer_optimizer_factory(
+            if d.codec == "sparseloco":  # the error feedback replaces the outer momentum
+                from composer_replication.diloco.sparseloco import sparseloco_outer_optimizer
+
+                factory = sparseloco_outer_optimizer(d.sparseloco_outer_lr)
+            else:
+                factory = outer_optimizer_factory(
                     d.outer_optimizer, lr=d.outer_lr, momentum=d.outer_momentum,
                     betas=(d.outer_betas[0], d.outer_betas[1]), eps=d.outer_eps,
-                ),
-            )  # fmt: skip
+                )  # fmt: skip
+            outer = make_diloco_outer_loop(None, manager, h, model=model,
+                                           outer_optimizer_factory=factory)  # fmt: skip
         if config.diloco.mode == "decoupled":
             heartbeat.fields = lambda: {"round": outer.round, "step": outer.step,
                                         "versions": list(outer.versions)}  # fmt: skip

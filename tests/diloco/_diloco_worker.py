@@ -64,6 +64,10 @@ def main() -> None:
     ap.add_argument("--h", type=int, required=True)
     ap.add_argument("--timeout", type=float, default=60.0)
     ap.add_argument("--codec", default="fp32")
+    ap.add_argument("--density", type=float, default=0.02, help="codec sparseloco")
+    ap.add_argument("--chunk", type=int, default=4096, help="codec sparseloco")
+    ap.add_argument("--bits", type=int, default=2, help="codec sparseloco")
+    ap.add_argument("--ef-decay", type=float, default=0.95, help="codec sparseloco")
     ap.add_argument("--outer-lr", type=float, default=0.7)
     ap.add_argument("--momentum", type=float, default=0.9)
     ap.add_argument("--nesterov", type=int, default=1)
@@ -88,7 +92,9 @@ def main() -> None:
     manager: Any
     if a.mode == "store":
         from composer_replication.exchange import MockManager, ObjectStoreAllReduce
+        from composer_replication.exchange.sparse import SparseSpec
 
+        spec = SparseSpec(density=a.density, chunk=a.chunk, bits=a.bits)
         rendezvous = ObjectStoreAllReduce(
             uri=a.uri,
             world_size=a.world_size,
@@ -98,8 +104,13 @@ def main() -> None:
             min_replicas=a.min_replicas,
             storage_options=json.loads(a.storage_options),
             poll_interval_s=0.05,
+            sparse=spec,
         )
         manager = MockManager(allreduce=rendezvous)
+        if a.codec == "sparseloco":
+            from composer_replication.diloco.sparseloco import ErrorFeedbackManager
+
+            manager = ErrorFeedbackManager(manager, spec, decay=a.ef_decay)
     else:
         from composer_replication.diloco.torchft_path import TorchFTTimeouts, build_torchft_manager
 
@@ -112,6 +123,11 @@ def main() -> None:
             ),
         )
         close = manager.close
+    factory = None
+    if a.codec == "sparseloco":
+        from composer_replication.diloco.sparseloco import sparseloco_outer_optimizer
+
+        factory = sparseloco_outer_optimizer(a.outer_lr)
     outer = make_diloco_outer_loop(
         opt,
         manager,
@@ -120,6 +136,7 @@ def main() -> None:
         outer_lr=a.outer_lr,
         outer_momentum=a.momentum,
         nesterov=bool(a.nesterov),
+        outer_optimizer_factory=factory,
     )
     exit_round, exit_step = (int(v) for v in a.exit_at.split(",")) if a.exit_at else (-1, -1)
 

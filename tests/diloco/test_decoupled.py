@@ -359,7 +359,14 @@ def test_run_config_keys_of_the_decoupled_mode() -> None:
 
     c = load_config(
         None,
-        ["diloco.mode=decoupled", "diloco.fragments=4", "diloco.quorum=2", "model.num_layers=4"],
+        [
+            "diloco.mode=decoupled",
+            "diloco.fragments=4",
+            "diloco.quorum=2",
+            "model.num_layers=4",
+            "diloco.sync_every_h=20",
+            "train.max_steps=200",
+        ],
     )
     assert (c.diloco.mode, c.diloco.fragments, c.quorum) == ("decoupled", 4, 2)
     c = load_config(None, ["diloco.mode=decoupled", "backend.n_replicas=4"])

@@ -399,13 +399,33 @@ def test_docs_seven_parts_and_bash_snippets():
     assert (ROOT / "examples" / "verl" / "composer_grpo.yaml").is_file()
 
 
+def _check_launch_snippet(launch):
+    """The executor launch names verl's entry point with the arguments that
+    tests/executors/test_arg_style.py runs through verl's real Hydra entry point."""
+    import ast
+
+    call = next(
+        n for n in ast.walk(ast.parse(launch))
+        if isinstance(n, ast.Call) and getattr(n.func, "attr", "") == "launch_replicas"
+    )  # fmt: skip
+    kw = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
+    assert kw["entrypoint"] == "verl.trainer.main_ppo"
+    assert kw["entrypoint_args"] == {
+        "++algorithm.adv_estimator": "grpo_composer",
+        "+algorithm.diloco.rendezvous": "s3://verl-diloco/run/",
+        "+algorithm.diloco.sync_every_h": 500,
+    }
+    assert kw["env"] == {"VERL_USE_EXTERNAL_MODULES": "composer_replication.recipes.verl"}
+
+
 def test_docs_python_snippets_run(capsys):
     """The CPU example runs as written; the driver snippet runs against a stand-in trainer (no
     Ray job here) with the real example config, and the loss function it installs is then
     driven by verl's own ppo_loss on a verl-shaped micro-batch."""
     from hydra import compose, initialize_config_dir
 
-    cpu_example, driver = doc_blocks("python")
+    cpu_example, driver, launch = doc_blocks("python")
+    _check_launch_snippet(launch)
     namespace: dict = {}
     exec(compile(cpu_example, "docs/recipes/verl.md", "exec"), namespace)
     assert "sdpo active 1.0" in capsys.readouterr().out

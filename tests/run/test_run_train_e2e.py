@@ -32,6 +32,7 @@ SMALL = [
     "train.batch_size=8",
     "train.num_generations=4",
     "train.max_completion_length=4",
+    "train.eval_every_rounds=1",
     "logging.flush_every_s=0.2",
 ]
 

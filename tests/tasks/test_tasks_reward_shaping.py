@@ -15,9 +15,9 @@ prompt's answer), so:
 from __future__ import annotations
 
 import math
-from collections import Counter
 import random
 import statistics
+from collections import Counter
 
 import pytest
 

@@ -446,8 +446,10 @@ class ObjectStoreAllReduce(RunDocuments):
             if my_turn and not settled and not timed_out:
                 # ready only because departed ranks are not waited for: a rank that stalled
                 # past the end of its peers must not commit a step the run has left behind
-                # (its record may be garbage-collected): refused, it heals instead
-                self._check_not_stale(step)
+                # (its record may be garbage-collected): refused, it heals instead. A listing,
+                # not the head hint: a committer stopped between its record and the hint may
+                # have set the hint back (the run has lost a member: off the steady state)
+                self._check_not_stale(step, listing=True)
             if my_turn:
                 try:
                     screened = self._screen(step, valid, rejected, unconfirmed, stats)

@@ -26,7 +26,7 @@ from composer_replication.exchange.liveness import (
     read_departure,
     write_departure,
 )
-from composer_replication.exchange.protocol import HEAD_KEY
+from composer_replication.exchange.protocol import HEAD_KEY, commit_key
 
 
 def _ar(uri: str, rank: int, **kw) -> ObjectStoreAllReduce:
@@ -139,10 +139,12 @@ def test_a_stalled_rank_does_not_commit_a_step_the_run_left_behind(tmp_path):
     uri = str(tmp_path)
     store = ObjectStore(uri)
     write_departure(store, REPLICA_ROLE, 0, reason="finished training")
+    # the head hint lags (a committer stopped between its record and the hint set it back)
+    store.put_json(HEAD_KEY, {"kind": "head", "step": 0})
     ar = ObjectStoreAllReduce(uri, 2, 1, timeout_s=30.0, min_replicas=1, poll_interval_s=0.02,
                               departure_poll_s=1.0)  # fmt: skip
     # the run moves past step 1 while rank 1 waits in it (after its upload)
-    threading.Timer(0.3, lambda: store.put_json(HEAD_KEY, {"kind": "head", "step": 5})).start()
+    threading.Timer(0.3, lambda: store.put(commit_key(5), b"{}")).start()
     t0 = time.monotonic()
     with pytest.raises(StoreTimeoutError, match="already at step 5"):
         ar.allreduce({"x": torch.ones(4)}, step=1)

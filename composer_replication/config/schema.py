@@ -788,13 +788,17 @@ class RunConfig:
             )
             local = self.backend.options.get("max_restarts", 0)
             restarts = self.backend.max_restarts + (local if isinstance(local, int) else 0)
+            n = self.backend.n_replicas
+            # sync mode with min_replicas < n goes on without a replica that is lost for good
+            elastic = self.diloco.mode == "sync" and (self.diloco.min_replicas or n) < n
             for i, ev in enumerate(self.chaos.events):
                 if ev.action == "kill":
                     _check(
-                        isinstance(restarts, int) and restarts >= 1,
+                        (isinstance(restarts, int) and restarts >= 1) or elastic,
                         f"chaos.events[{i}]",
                         "a killed replica must come back: set backend.max_restarts to at least "
-                        "the number of kill events",
+                        "the number of kill events, or let the run go on without it "
+                        "(diloco.min_replicas < backend.n_replicas)",
                     )
                 if ev.action not in ("kill_synchronizer", "throttle", "corrupt"):
                     _check(

@@ -20,6 +20,18 @@ committed), and a rank that finds its slot taken by an object it did not write r
 ``squat/<rank>.json`` so the round excludes it. With signing on (``keys``), every contribution
 and commit record is signed and anything unsigned or mis-signed is refused outright.
 
+A rank the run driver declared departed (``departed/replica/<rank>.json``, exchange/liveness.py:
+its process exited for good, or it is being restarted) is not waited for: the step counts as
+ready once every other rank's slot is judged, so survivors with ``min_replicas`` valid
+contributions commit at once instead of waiting ``timeout_s`` (a departed rank's contribution
+still counts if it is there). Departures never make a step fail early: when the others are
+fewer than ``min_replicas`` they wait as before (a rank being restarted may come back in time). The departure records of missing ranks are read by key, at the first poll for
+ranks already known to be departed and then at most once per ``departure_poll_s``.
+
+``fence`` (a callable, e.g. `fencing.Fence`) is called before this rank writes anything of a
+step (its contribution, and again before a commit record): it raises when a newer launch of the
+run has taken over, and the step stops before the write.
+
 A steady-state round sends no LIST request: ranks are polled by key (``requests`` in
 `StepResult` counts what one call sent). Timeouts are ordered: ``upload_timeout_s < timeout_s <
 run_timeout_s``. ``cancel()`` aborts any wait. Nothing read from the store is unpickled.
@@ -33,6 +45,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
@@ -42,6 +55,7 @@ import torch
 from composer_replication.exchange import codecs, wire
 from composer_replication.exchange.aggregate import average_in_rank_order, check_inputs
 from composer_replication.exchange.documents import RunDocuments
+from composer_replication.exchange.liveness import REPLICA_ROLE, read_departure
 from composer_replication.exchange.protocol import (
     HEAD_KEY,
     Contribution,
@@ -134,6 +148,8 @@ class ObjectStoreAllReduce(RunDocuments):
         keys: RunKeys | None = None,
         writer_secret: bytes | None = None,
         sparse: codecs.SparseSpec | None = None,
+        departure_poll_s: float = 1.0,
+        fence: Callable[[], None] | None = None,
     ) -> None:
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
@@ -173,6 +189,8 @@ class ObjectStoreAllReduce(RunDocuments):
             raise ValueError(f"keep_steps must be an int >= 1, got {keep_steps!r}")
         if not poll_interval_s > 0:
             raise ValueError(f"poll_interval_s must be > 0, got {poll_interval_s!r}")
+        if not departure_poll_s > 0:
+            raise ValueError(f"departure_poll_s must be > 0, got {departure_poll_s!r}")
         if writer_secret is not None and (
             not isinstance(writer_secret, bytes) or len(writer_secret) < 16
         ):
@@ -214,6 +232,10 @@ class ObjectStoreAllReduce(RunDocuments):
         self._run_deadline = None if run_timeout_s is None else time.monotonic() + run_timeout_s
         self._uploader: ThreadPoolExecutor | None = None
         self._fetcher: ThreadPoolExecutor | None = None
+        self.departure_poll_s = float(departure_poll_s)
+        self.fence = fence
+        # ranks seen departed at an earlier step: checked at the first poll of the next ones
+        self._known_departed: set[int] = set()
 
     def writer_id(self, step: int) -> str:
         """The writer id this rank puts in its upload for ``step`` (and in its owner record)."""
@@ -360,6 +382,8 @@ class ObjectStoreAllReduce(RunDocuments):
         commit = self._read_commit(step)
         if commit is None:
             self._check_not_stale(step)
+            if self.fence is not None:
+                self.fence()
             if self._upload(step, payload, own.nbytes):
                 up += own.nbytes
                 valid[self.rank] = own
@@ -385,6 +409,8 @@ class ObjectStoreAllReduce(RunDocuments):
         last_error = ""
         stats: dict[int, TensorStats] = {}
         ready_since: float | None = None
+        departed: dict[int, str] = {}  # rank -> why the driver declared it gone
+        next_departure_poll = t_in  # known departed ranks: at the first poll; others: later
         while commit is None:
             self._check_cancel_and_run(step)
             try:
@@ -392,14 +418,21 @@ class ObjectStoreAllReduce(RunDocuments):
                 if commit is not None:
                     break
                 down += self._poll_slots(step, ref, valid, rejected, unconfirmed)
+                if time.monotonic() >= next_departure_poll:
+                    self._poll_departures(step, valid, rejected, departed,
+                                          first=next_departure_poll == t_in)  # fmt: skip
+                    next_departure_poll = time.monotonic() + self.departure_poll_s
             except (OSError, RuntimeError) as e:  # transient store errors: retry until deadline
                 last_error = f"; last store error: {e!r}"
                 log.warning("step %d: store error while polling: %r", step, e)
                 time.sleep(self.poll_interval_s)
                 continue
-            settled = len(valid) + len(rejected) == self.world_size
+            settled = self._settled(valid, rejected)
             timed_out = time.monotonic() >= deadline
-            ready = (settled or timed_out) and len(valid) >= self.min_replicas
+            # departed ranks are not waited for when the others are enough; they never make a
+            # step fail early (a rank being restarted may still come back in time)
+            enough = settled or self._settled(valid, rejected, departed)
+            ready = (enough or timed_out) and len(valid) >= self.min_replicas
             if ready and ready_since is None:
                 ready_since = time.monotonic()
             # One replica screens and commits: the lowest valid rank. The others wait for its
@@ -410,11 +443,24 @@ class ObjectStoreAllReduce(RunDocuments):
                 or time.monotonic() - (ready_since or 0.0) >= self.commit_grace_s
             )
             attempted = False
+            if my_turn and not settled and not timed_out:
+                # ready only because departed ranks are not waited for: a rank that stalled
+                # past the end of its peers must not commit a step the run has left behind
+                # (its record may be garbage-collected): refused, it heals instead. A listing,
+                # not the head hint: a committer stopped between its record and the hint may
+                # have set the hint back (the run has lost a member: off the steady state)
+                self._check_not_stale(step, listing=True)
             if my_turn:
                 try:
                     screened = self._screen(step, valid, rejected, unconfirmed, stats)
                     if screened is not None:
-                        commit = self._write_commit(step, *screened)
+                        chosen, excluded, decisions = screened
+                        for r, why in departed.items():
+                            if r not in chosen and r not in rejected:
+                                excluded[r] = f"departed: {why}"
+                        if self.fence is not None:
+                            self.fence()
+                        commit = self._write_commit(step, chosen, excluded, decisions)
                         break
                     attempted = True  # screening left fewer than min_replicas
                 except OSError as e:  # transient: put-if-absent is safe to retry next poll
@@ -424,7 +470,7 @@ class ObjectStoreAllReduce(RunDocuments):
                         raise
                     time.sleep(self.poll_interval_s)
                     continue
-            settled = len(valid) + len(rejected) == self.world_size
+            settled = self._settled(valid, rejected)
             hopeless = attempted or len(valid) < self.min_replicas
             if settled and not timed_out and hopeless:
                 raise CorruptContributionError(
@@ -436,12 +482,14 @@ class ObjectStoreAllReduce(RunDocuments):
                 if commit is not None:
                     break
                 self._check_not_stale(step, listing=True)
-                missing = sorted(set(range(self.world_size)) - valid.keys() - rejected.keys())
+                missing = sorted(set(range(self.world_size)) - valid.keys() - rejected.keys()
+                                 - departed.keys())  # fmt: skip
                 error = StoreTimeoutError if not settled else CorruptContributionError
                 raise error(
                     f"step {step}: timeout_s={self.timeout_s} elapsed with {len(valid)} valid "
                     f"contributions (ranks {sorted(valid)}), min_replicas={self.min_replicas}; "
-                    f"missing ranks {missing}, rejected {rejected}; nothing committed by "
+                    f"missing ranks {missing}, rejected {rejected}, departed "
+                    f"{sorted(departed)}; nothing committed by "
                     f"rank {self.rank}{last_error}"
                 )
             if self.cancelled.wait(self.poll_interval_s):
@@ -450,6 +498,43 @@ class ObjectStoreAllReduce(RunDocuments):
         result, d = self._aggregate(step, commit, valid, tensors, ref)
         phases = (t_in - t_start, t_commit - t_in, time.monotonic() - t_commit)
         return result, commit, up, down + d, own_squat, phases
+
+    def _settled(
+        self,
+        valid: dict[int, Contribution],
+        rejected: dict[int, str],
+        departed: dict[int, str] | None = None,
+    ) -> bool:
+        """Every rank is judged: valid, rejected (or, given ``departed``, not expected)."""
+        judged = valid.keys() | rejected.keys() | (departed or {}).keys()
+        return len(judged) == self.world_size
+
+    def _poll_departures(
+        self,
+        step: int,
+        valid: dict[int, Contribution],
+        rejected: dict[int, str],
+        departed: dict[int, str],
+        *,
+        first: bool,
+    ) -> None:
+        """Read the departure records of the ranks still missing (by key, no listing); at the
+        first poll of a step only those of ranks already known to be departed."""
+        pending = [r for r in range(self.world_size)
+                   if r not in valid and r not in rejected and r not in departed
+                   and r != self.rank and (not first or r in self._known_departed)]  # fmt: skip
+        if not pending:
+            return
+        reasons = list(self._pool().map(lambda r: read_departure(self.store, REPLICA_ROLE, r),
+                                        pending))  # fmt: skip
+        for r, why in zip(pending, reasons):
+            if why is None:
+                self._known_departed.discard(r)  # it is back (a restarted incarnation)
+                continue
+            if r not in self._known_departed:
+                log.warning("step %d: rank %d departed (%s): not waiting for it", step, r, why)
+            self._known_departed.add(r)
+            departed[r] = why
 
     def _claim_existing_slot(
         self, step: int, ref: dict[str, tuple[list[int], str]], writer: str

@@ -23,6 +23,18 @@ A heartbeat is written from a thread of the member's process, so a process stopp
 or killed stops writing at once. What the member is doing (its step, round, fragment versions)
 goes in ``fields``; readers treat fields as untrusted JSON.
 
+A member that is gone for good, or gone while it is being restarted, can be declared *departed*
+by whoever watches its process (the run driver)::
+
+    <prefix>/departed/<role>/<member id>.json
+    {"format": 1, "kind": "departure", "role": "replica", "id": "1", "time": 1732233600.5,
+     "reason": "killed by signal SIGKILL; restarts exhausted (0 of 0)"}
+
+Peers stop waiting for a departed member at once (the sync exchange treats it as not expected;
+its contribution still counts if one arrives). A restarted incarnation deletes its record when
+it is ready to take part again (`clear_departure`). A record that is not a valid departure
+document is ignored (the member stays expected), so a damaged record never drops anyone.
+
 `run_health` turns the members' liveness into the run-level state ``healthy | degraded |
 critical`` (rules in its docstring and in docs/diloco.md). Everything here is a pure function of
 the store's documents and the clock; nothing is unpickled.
@@ -43,22 +55,32 @@ from composer_replication.exchange.store import Store
 
 __all__ = [
     "DEAD_AFTER_S",
+    "DEPARTED_PREFIX",
     "HEALTH_PREFIX",
+    "HEARTBEAT_EVERY_S",
+    "REPLICA_ROLE",
     "STALE_AFTER_S",
     "Heartbeat",
     "HealthState",
     "MemberLiveness",
     "RunHealth",
+    "clear_departure",
+    "departure_key",
     "heartbeat_key",
     "parse_heartbeat",
+    "read_departure",
     "read_liveness",
     "run_health",
+    "write_departure",
     "write_heartbeat",
 ]
 
 HEALTH_PREFIX = "health/"
+DEPARTED_PREFIX = "departed/"
+REPLICA_ROLE = "replica"  # the role of a sync-mode replica (decoupled learners: "learner")
 FORMAT = 1
 STALE_AFTER_S = 30.0
+HEARTBEAT_EVERY_S = 5.0  # how often a run's replicas and learners write theirs
 DEAD_AFTER_S = 120.0
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 STATES = ("running", "done", "failed")
@@ -147,6 +169,52 @@ def parse_heartbeat(doc: Any, *, role: str, member_id: str) -> Heartbeat:
     if not isinstance(fields, dict):
         raise ValueError("heartbeat fields is not an object")
     return Heartbeat(role, member_id, float(t), doc["state"], pid, host, fields)
+
+
+def departure_key(role: str, member_id: str | int) -> str:
+    """``departed/<role>/<id>.json`` (ValueError for a role or id that is not a plain name)."""
+    return f"{DEPARTED_PREFIX}{_check_name('role', role)}/{_check_name('id', str(member_id))}.json"
+
+
+def write_departure(
+    store: Store, role: str, member_id: str | int, *, reason: str, now: float | None = None
+) -> None:
+    """Declare a member departed (overwrites an earlier record); ``reason`` says why."""
+    if not isinstance(reason, str) or not reason:
+        raise ValueError("a departure needs a reason (e.g. 'exit code 1; restarts exhausted')")
+    store.put_json(departure_key(role, member_id), {
+        "format": FORMAT, "kind": "departure", "role": role, "id": str(member_id),
+        "time": time.time() if now is None else float(now), "reason": reason[:500],
+    })  # fmt: skip
+
+
+def read_departure(store: Store, role: str, member_id: str | int) -> str | None:
+    """The reason a member departed, or None when it has not (or the record is not valid).
+
+    One GET. The record is untrusted input: anything but a format-1 departure document naming
+    this very member is ignored (the member stays expected)."""
+    key = departure_key(role, member_id)
+    try:
+        doc = store.get_json(key)
+    except ValueError:  # not JSON
+        return None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        return None
+    if doc.get("kind") != "departure" or doc.get("role") != role:
+        return None
+    reason = doc.get("reason")
+    if doc.get("id") != str(member_id) or not isinstance(reason, str) or not reason:
+        return None
+    return reason
+
+
+def clear_departure(store: Store, role: str, member_id: str | int) -> bool:
+    """Delete a member's departure record (it is back); True if there was one."""
+    key = departure_key(role, member_id)
+    if store.get(key) is None:
+        return False
+    store.delete(key)
+    return True
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,9 @@ marker with put-if-absent; nothing is ever renamed. Listing caches are off for s
 listing and existence check asks the server. Remote stores never get ``makedirs``: on S3 that
 would create a bucket that a typo in the URI names, instead of failing.
 
+``write_guard`` (None by default) is called before every write or delete an instance sends; it
+raises to stop the write (a replica of a superseded launch is fenced this way: exchange/fencing.py).
+
 Keys are '/'-separated paths relative to the run prefix. Nothing here unpickles anything;
 `get_json` parses JSON only.
 
@@ -43,7 +46,7 @@ import os
 import shutil
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -149,6 +152,7 @@ class ObjectStore:
         self._fs: Any = None
         self._root = ""
         self._requests = RequestCounter()
+        self.write_guard: Callable[[], None] | None = None  # called before each write/delete
         if self.protocol == "file":
             self._root = self._uri[len("file://") :]
 
@@ -216,6 +220,8 @@ class ObjectStore:
         ``data`` is bytes or a list of buffers (written back to back without joining on local
         files; joined once for remote stores, whose clients need one body).
         """
+        if self.write_guard is not None:
+            self.write_guard()
         path = self._path(key)
         self._requests.add("put")
         if self.is_local:
@@ -242,6 +248,8 @@ class ObjectStore:
 
     def put(self, key: str, data: Payload) -> None:
         """Overwrite ``key`` (only for documents that decide nothing: status, config, ...)."""
+        if self.write_guard is not None:
+            self.write_guard()
         path = self._path(key)
         self._requests.add("put")
         if self.is_local:
@@ -364,6 +372,8 @@ class ObjectStore:
 
     def delete(self, key: str) -> None:
         """Delete one object (missing is fine)."""
+        if self.write_guard is not None:
+            self.write_guard()
         path = self._path(key)
         self._requests.add("delete")
         try:
@@ -377,6 +387,8 @@ class ObjectStore:
     def delete_many(self, keys: Sequence[str]) -> None:
         """Delete these objects (missing ones are fine) without listing anything: one bulk
         request per 1000 keys on S3. Local folders left empty are removed too."""
+        if self.write_guard is not None:
+            self.write_guard()
         if not keys:
             return
         paths = [self._path(k) for k in keys]
@@ -402,6 +414,8 @@ class ObjectStore:
 
     def delete_prefix(self, prefix: str) -> None:
         """Delete everything under ``prefix`` ('' = the whole run prefix; missing is fine)."""
+        if self.write_guard is not None:
+            self.write_guard()
         path = self._path(prefix.rstrip("/"))
         self._requests.add("list")
         self._requests.add("delete")
@@ -455,6 +469,8 @@ class ObjectStore:
 
     def put_file(self, key: str, local_file: str | os.PathLike[str]) -> None:
         """Upload one local file to ``key`` (overwriting; streamed, not read into memory)."""
+        if self.write_guard is not None:
+            self.write_guard()
         path = self._path(key)
         self._requests.add("put")
         if self.is_local:

@@ -6,13 +6,22 @@ reaches only the driver, which then cancels the replicas in order instead of lea
 half-killed. Stopping a replica is SIGTERM to its group, a grace period, then SIGKILL to the
 group. stdout and stderr go to one log file per replica.
 
-Limits: a process that calls setsid() itself leaves the group and escapes cleanup; if the driver
-is SIGKILLed nothing can stop the replicas (they are ended at interpreter exit otherwise).
+Replicas die with their driver (``die_with_driver=True``, the default, Linux): each child asks the
+kernel for SIGKILL when its parent dies (``prctl(PR_SET_PDEATHSIG)`` through ctypes, set between
+fork and exec), so a driver that is SIGKILLed or crashes leaves no replica behind to write into
+the run next to the ones a `--resume` starts (the run generation in the store fences any that
+escape: exchange/fencing.py). The kernel ties the signal to the *thread* that started the child,
+so it is set only for launches from the main thread (a launch from another thread, which may end
+before the driver does, gets none). Elsewhere (macOS) the option does nothing.
+
+Limits: a process that calls setsid() itself leaves the group and escapes cleanup; the replica's
+own children (data loaders) are not covered by its parent-death signal.
 """
 
 from __future__ import annotations
 
 import atexit
+import ctypes
 import os
 import signal
 import subprocess
@@ -21,6 +30,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -35,11 +45,46 @@ from composer_replication.executors.base import (
 
 __all__ = ["LocalProcessExecutor", "exit_reason", "spawn_in_group", "terminate_groups"]
 
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _parent_death_hook() -> Callable[[], None] | None:
+    """A preexec_fn that makes the child get SIGKILL when this thread dies (None: unavailable).
+
+    libc and prctl are looked up here, before the fork: the hook itself only calls prctl and
+    getppid (no imports, no allocation-heavy work between fork and exec)."""
+    if (
+        not sys.platform.startswith("linux")
+        or threading.current_thread() is not threading.main_thread()
+    ):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    prctl.restype = ctypes.c_int
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong,
+                      ctypes.c_ulong]  # fmt: skip
+    parent = os.getpid()
+    sigkill = int(signal.SIGKILL)
+
+    def hook() -> None:
+        prctl(_PR_SET_PDEATHSIG, sigkill, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died between fork and prctl
+            os._exit(1)
+
+    return hook
+
 
 def spawn_in_group(
-    command: list[str], env: dict[str, str], cwd: str | None, log_path: str
-) -> subprocess.Popen[bytes]:
-    """Start command in a new session/process group, stdout+stderr appended to log_path."""
+    command: list[str], env: dict[str, str], cwd: str | None, log_path: str,
+    *, die_with_parent: bool = False,
+) -> subprocess.Popen[bytes]:  # fmt: skip
+    """Start command in a new session/process group, stdout+stderr appended to log_path.
+
+    ``die_with_parent``: the child gets SIGKILL when this process dies (Linux, main thread;
+    see the module docstring)."""
+    hook = _parent_death_hook() if die_with_parent else None
     log: IO[bytes] = open(log_path, "ab")  # noqa: SIM115  (the child keeps its own copy)
     try:
         return subprocess.Popen(
@@ -51,6 +96,7 @@ def spawn_in_group(
             stderr=subprocess.STDOUT,
             start_new_session=True,
             close_fds=True,
+            preexec_fn=hook,  # noqa: PLW1509  (only prctl + getppid between fork and exec)
         )
     finally:
         log.close()
@@ -168,6 +214,8 @@ class LocalProcessExecutor(ExecutorBase):
       grace_period: seconds between SIGTERM and SIGKILL when stopping a replica.
       poll_interval: seconds between polls in collect().
       inherit_env: start from the driver's environment (True) or from an empty one.
+      die_with_driver: the replicas get SIGKILL when this process dies, however it dies
+        (Linux parent-death signal; see the module docstring).
     """
 
     backend = "local"
@@ -183,6 +231,7 @@ class LocalProcessExecutor(ExecutorBase):
         grace_period: float = 5.0,
         poll_interval: float = 0.2,
         inherit_env: bool = True,
+        die_with_driver: bool = True,
     ) -> None:
         if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
             raise ValueError(f"max_restarts must be an integer >= 0, got {max_restarts!r}")
@@ -200,6 +249,9 @@ class LocalProcessExecutor(ExecutorBase):
         self.grace_period = float(grace_period)
         self.poll_interval = float(poll_interval)
         self.inherit_env = inherit_env
+        if not isinstance(die_with_driver, bool):
+            raise ValueError(f"die_with_driver must be true or false, got {die_with_driver!r}")
+        self.die_with_driver = die_with_driver
         self._log_dir = Path(log_dir) if log_dir is not None else None
         self._replicas: dict[str, _Replica] = {}
         self._lock = threading.Lock()
@@ -262,7 +314,8 @@ class LocalProcessExecutor(ExecutorBase):
         job_id = f"local-{launch}-r{rank}"
         log_path = str(self.log_dir / f"replica-{rank}-{launch}.log")
         full_env = self._full_env(env)
-        proc = spawn_in_group(command, full_env, self.cwd, log_path)
+        proc = spawn_in_group(command, full_env, self.cwd, log_path,
+                              die_with_parent=self.die_with_driver)  # fmt: skip
         with self._lock:
             self._replicas[job_id] = _Replica(proc, command, full_env, log_path)
         return self._new_handle(rank, job_id, ReplicaStatus.RUNNING, log_path)
@@ -293,7 +346,8 @@ class LocalProcessExecutor(ExecutorBase):
                 f"\n=== composer-replication: replica {handle.replica_id} {exit_reason(code)}; "
                 f"restart {handle.restarts} of {self.max_restarts} ===\n"
             )
-        rep.proc = spawn_in_group(rep.command, rep.env, self.cwd, rep.log_path)
+        rep.proc = spawn_in_group(rep.command, rep.env, self.cwd, rep.log_path,
+                                  die_with_parent=self.die_with_driver)  # fmt: skip
         handle.status = ReplicaStatus.RUNNING
 
     def _terminate(self, handle: ReplicaHandle) -> None:

@@ -8,8 +8,15 @@
 
 The replicas (composer_replication.run.replica) read the resolved
 config from the store, so a replica on Modal and one on this machine run the same thing. A
-replica that fails (after the executor's restarts) stops the run unless diloco.min_replicas
-lets the others continue; Ctrl-C cancels every replica. With ``diloco.manager = "torchft"`` and
+replica that fails is relaunched up to `backend.max_restarts` times; the moment its process
+exits the driver declares it departed in the store (exchange/liveness.py), so the others stop
+waiting for it in the next rounds (the relaunched incarnation takes the record back when it
+rejoins). One that fails for good stops the run unless diloco.min_replicas lets the others
+continue; when they then finish, the run is "finished, N replicas lost" (exit 0).
+Every launch writes the next run generation to the store (exchange/fencing.py) and hands it to
+its replicas: replicas of an older launch stop before writing anything. `--resume` refuses to
+start while replicas of the run still send fresh heartbeats after being fenced. Ctrl-C cancels
+every replica. With ``diloco.manager = "torchft"`` and
 no ``diloco.lighthouse`` the driver runs a torchft lighthouse on 127.0.0.1 for the run's
 lifetime and hands its address to the replicas as $TORCHFT_LIGHTHOUSE. With ``[security] sign``
 the driver makes the run's keys, publishes the signed key manifest and config signature, and
@@ -40,6 +47,15 @@ from composer_replication.config import (
     from_dict,
     to_dict,
 )
+from composer_replication.exchange.fencing import bump_generation
+from composer_replication.exchange.liveness import (
+    HEARTBEAT_EVERY_S,
+    REPLICA_ROLE,
+    STALE_AFTER_S,
+    clear_departure,
+    read_liveness,
+    write_departure,
+)
 from composer_replication.exchange.store import ObjectStore
 from composer_replication.executors import registry
 from composer_replication.executors.base import ReplicaHandle, ServerlessExecutor
@@ -48,7 +64,7 @@ from composer_replication.run.checkpoint import mirror_checkpoints
 from composer_replication.run.folder import RunFolder, default_run_name
 from composer_replication.run.metrics import MetricsCollector, MetricsSink
 from composer_replication.run.progress import Progress, ReplicaRow, choose_mode
-from composer_replication.run.replica import ENV_STORAGE_OPTIONS
+from composer_replication.run.replica import ENV_GENERATION, ENV_STORAGE_OPTIONS
 from composer_replication.run.report import LOSS_CHANNELS, run_wall_seconds, summarize, write_report
 from composer_replication.run.security import prepare_signing, writer_secrets
 
@@ -128,13 +144,70 @@ def _rollback_for_resume(config: RunConfig, store: ObjectStore) -> int | None:
 
 
 def _alive(pid: int) -> bool:
+    """Whether process ``pid`` of this machine runs (a zombie, killed but not reaped, does not:
+    a killed driver's replicas may be reparented to an init that never reaps)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # exists, owned by someone else
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):  # no /proc (macOS), or it exited while we looked
+        return True
+    return state not in (b"Z", b"X")
+
+
+FENCE_WAIT_S = 4 * HEARTBEAT_EVERY_S  # how long --resume waits for fenced replicas to stop
+
+
+def _live_replicas(store: ObjectStore) -> dict[str, Any]:
+    """The run's replicas/learners whose heartbeats are fresh and whose process may still run
+    (a heartbeat from this machine whose pid is gone is not alive), keyed role/id."""
+    here = socket.gethostname()
+    out = {}
+    for key, member in read_liveness(store, roles=[REPLICA_ROLE, "learner"]).items():
+        hb = member.heartbeat
+        if member.status != "alive" or hb is None:
+            continue
+        if hb.host == here and hb.pid is not None and not _alive(hb.pid):
+            continue
+        out[key] = member
+    return out
+
+
+def _fence_previous_launch(store: ObjectStore, generation: int, say: Callable[[str], None],
+                           wait_s: float | None = None) -> None:  # fmt: skip
+    """--resume, after writing ``generation``: wait until the replicas of the earlier launch
+    that still send heartbeats stop (they check the generation at their next heartbeat and
+    write); ConfigError naming them when they do not within ``wait_s``."""
+    wait_s = FENCE_WAIT_S if wait_s is None else wait_s
+    live = _live_replicas(store)
+    if not live:
+        return
+    names = ", ".join(f"{k} (pid {m.heartbeat.pid} on {m.heartbeat.host})" for k, m in live.items())
+    say(f"--resume: replicas of the earlier launch still run: {names}; fenced them "
+        f"(run generation {generation}), waiting up to {wait_s:g} s for them to stop")  # fmt: skip
+    fenced_at = time.time()
+    deadline = time.monotonic() + wait_s
+    while True:
+        # alive = a heartbeat written well after the fence (a fenced replica writes none), or
+        # a process of this machine that still runs
+        here = socket.gethostname()
+        still = {k: m for k, m in _live_replicas(store).items()
+                 if m.heartbeat.host == here or m.heartbeat.time > fenced_at - 1.0}  # fmt: skip
+        if not still or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    if still:
+        names = ", ".join(f"{k} (pid {m.heartbeat.pid} on {m.heartbeat.host}, heartbeat "
+                          f"{m.age_s:.0f} s ago)" for k, m in still.items())  # fmt: skip
+        raise ConfigError(
+            f"--resume: replicas of this run are still alive after being fenced: {names}. Stop "
+            "them first (kill the pid, or cancel the job on its backend), then resume again"
+        )
 
 
 class _Restarter:
@@ -147,6 +220,12 @@ class _Restarter:
         self.config, self.executor, self.env, self.secrets = config, executor, env, secrets
         self.used = [0] * config.backend.n_replicas
         self._refused = False
+
+    def will_restart(self, rank: int) -> bool:
+        from composer_replication.executors.base import RankLauncher
+
+        limit = self.config.backend.max_restarts
+        return isinstance(self.executor, RankLauncher) and self.used[rank] < limit
 
     def restart_failed(self, handles: list[ReplicaHandle]) -> list[str]:
         from composer_replication.executors.base import RankLauncher
@@ -180,6 +259,83 @@ class _Restarter:
             handles[i] = new
             messages.append(f"replica {rank} failed ({why}); restarted "
                             f"({self.used[rank]} of {limit}), it rejoins from the store")  # fmt: skip
+        return messages
+
+
+SILENT_AFTER_S = STALE_AFTER_S  # a running replica without a heartbeat this long is departed
+
+
+class _Departures:
+    """Sync mode: declare a replica departed in the store the moment its process is seen to
+    have failed (before a relaunch, or for good), or when a replica the executor still reports
+    running has sent no heartbeat for SILENT_AFTER_S (stopped, hung, partitioned), so that its
+    peers stop waiting for it; a silent one that beats again is taken back."""
+
+    def __init__(self, config: RunConfig, store: ObjectStore, every_s: float = 2.0) -> None:
+        self.store = store
+        self.enabled = config.diloco.mode == "sync" and config.diloco.manager == "object_store"
+        self.every_s = every_s
+        self._noted: set[str] = set()  # job ids already declared
+        self._silent: set[int] = set()  # ranks declared for want of heartbeats
+        self._last = 0.0
+
+    def note_silent(self, handles: list[ReplicaHandle]) -> list[str]:
+        """Every few seconds: departures for running replicas whose heartbeats stopped, and
+        their withdrawal when the heartbeats come back."""
+        now_m = time.monotonic()
+        if not self.enabled or now_m - self._last < self.every_s:
+            return []
+        self._last = now_m
+        try:
+            members = read_liveness(self.store, roles=[REPLICA_ROLE])
+        except (OSError, ValueError):  # the store is unreachable for a moment: next time
+            return []
+        messages, now = [], time.time()
+        for h in handles:
+            if h.status.value != "running":
+                continue
+            rank = h.replica_id
+            member = members.get(f"{REPLICA_ROLE}/{rank}")
+            hb = member.heartbeat if member is not None else None
+            # silence counts from this incarnation's first heartbeat (start-up may be long; a
+            # crash before it is a process exit, which `note` sees)
+            if hb is None or hb.state != "running" or hb.time < (h.start_time or 0.0):
+                continue
+            silent = now - hb.time
+            try:
+                if silent > SILENT_AFTER_S and rank not in self._silent:
+                    write_departure(self.store, REPLICA_ROLE, rank,
+                                    reason=f"no heartbeat for {silent:.0f} s")  # fmt: skip
+                    self._silent.add(rank)
+                    messages.append(f"replica {rank} sent no heartbeat for {silent:.0f} s: the "
+                                    "others go on without waiting for it")  # fmt: skip
+                elif silent <= SILENT_AFTER_S and rank in self._silent:
+                    clear_departure(self.store, REPLICA_ROLE, rank)
+                    self._silent.discard(rank)
+                    messages.append(f"replica {rank} sends heartbeats again: it is waited for")
+            except OSError as exc:  # the next poll tries again
+                messages.append(f"could not update replica {rank}'s departure: {exc!r}")
+        return messages
+
+    def note(self, handles: list[ReplicaHandle], restarter: _Restarter) -> list[str]:
+        messages = []
+        for h in handles:
+            if not self.enabled or h.status.value != "failed" or h.job_id in self._noted:
+                continue
+            self._noted.add(h.job_id)
+            self._silent.discard(h.replica_id)  # its process is gone: no longer just silent
+            why = str(h.error or f"exit code {h.exit_code}").splitlines()[0]
+            why = why.split("; last log lines")[0][:200]
+            again = restarter.will_restart(h.replica_id)
+            reason = f"{why}; {'being restarted' if again else 'no restarts left'}"
+            try:
+                write_departure(self.store, REPLICA_ROLE, h.replica_id, reason=reason)
+            except OSError as exc:  # the peers then wait for it as before (timeout_s)
+                messages.append(f"could not declare replica {h.replica_id} departed: {exc!r}")
+                continue
+            if not again:
+                messages.append(f"replica {h.replica_id} is lost ({why}); the others go on "
+                                "without waiting for it")  # fmt: skip
         return messages
 
 
@@ -259,7 +415,15 @@ def run(
         folder.create(overwrite=overwrite)
         if overwrite and store.exists(""):
             store.delete_prefix("")  # a stale run in an explicit store would be resumed otherwise
+    try:
+        generation = bump_generation(store)  # replicas of an earlier launch are fenced from now
+    except ValueError as exc:
+        raise ConfigError(f"{config.store.uri}: {exc}; delete that object to resume") from None
+    if resume:  # fenced and stopped before the rollback rewrites the store under them
+        _fence_previous_launch(store, generation, lambda m: print(m, file=stream, flush=True))
     resumed_at = _rollback_for_resume(config, store) if resume else None
+    for rank in range(config.backend.n_replicas):  # a new launch: every rank is expected
+        clear_departure(store, REPLICA_ROLE, rank)
     folder.config_toml.write_text(dump_toml(config))
     folder.config_json.write_text(json.dumps(to_dict(config), indent=1))
     config_doc = json.loads(json.dumps(to_dict(config)))  # exactly what replicas will read
@@ -289,6 +453,7 @@ def run(
 
     env = {
         ENV_STORAGE_OPTIONS: json.dumps(config.store.storage_options),
+        ENV_GENERATION: str(generation),
         "TOKENIZERS_PARALLELISM": "false",
         **config.backend.env,
     }
@@ -334,10 +499,15 @@ def run(
     health = _HealthLog(config, store, sink)
     injector = _start_chaos(config, executor, handles, synchronizer, store, proxy)
     restarter = _Restarter(config, executor, env, secrets.get("secrets"))
+    departures = _Departures(config, store)
     try:
         while True:
             executor.poll(handles)
             if not stop.is_set():
+                for message in departures.note(handles, restarter):
+                    progress.message(message)
+                for message in departures.note_silent(handles):
+                    progress.message(message)
                 for message in restarter.restart_failed(handles):
                     progress.message(message)
             if synchronizer is not None:
@@ -367,8 +537,7 @@ def run(
                     progress.message(f"replica {h.replica_id} failed: {h.error}")
                 break
             if all(h.status.done for h in handles):
-                ok = all(h.status.value == "succeeded" for h in handles)
-                status = "finished" if ok else "failed"
+                status = _final_status(config, handles, elastic)
                 break
             if stop.is_set():
                 executor.cancel(handles)
@@ -413,8 +582,25 @@ def run(
         wall = time.monotonic() - t_start
     folder.update_driver(wall_seconds=wall)
     restarts = sum(h.restarts for h in handles)
-    print(summary_text(folder, status, summary, config, wall, restarts), file=stream, flush=True)
+    lost = [h.replica_id for h in handles if h.status.value == "failed"]
+    folder.update_driver(lost=lost)
+    print(summary_text(folder, status, summary, config, wall, restarts, lost=len(lost)),
+          file=stream, flush=True)  # fmt: skip
     return TrainResult(folder=folder, exit_code=exit_code, status=status, summary=summary)
+
+
+def _final_status(config: RunConfig, handles: list[ReplicaHandle], elastic: bool) -> str:
+    """Every replica has ended: "finished" when all succeeded, or (sync mode, elastic) when the
+    ones that failed for good left at least diloco.min_replicas that completed training."""
+    failed = [h for h in handles if h.status.value != "succeeded"]
+    if not failed:
+        return "finished"
+    survivors = len(handles) - len(failed)
+    need = config.diloco.min_replicas or config.backend.n_replicas
+    lost_only = all(h.status.value == "failed" for h in failed)
+    if elastic and config.diloco.mode == "sync" and lost_only and survivors >= need:
+        return "finished"
+    return "failed"
 
 
 def _start_lighthouse(config: RunConfig, env: dict[str, str]) -> Any:
@@ -653,10 +839,13 @@ def summary_text(
     config: RunConfig,
     wall: float | None = None,
     restarts: int = 0,
+    *,
+    lost: int = 0,
 ) -> str:
     """The lines `train` prints at the end (headline numbers and where to look)."""
     lines = [
         f"Run {folder.name}: {status}"
+        + (f", {lost} replica{'s' if lost != 1 else ''} lost" if lost else "")
         + (f" after {wall:.1f} s" if wall is not None else "")
         + f" ({config.backend.n_replicas} replicas, {summary.get('rounds', 0)} outer rounds, "
         f"{summary.get('steps', 0)} inner steps each"

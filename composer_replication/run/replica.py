@@ -26,8 +26,13 @@
    (`run/replica_state.py`, written after every committed round), else with fresh inner state.
 5. Train; metrics, status, evaluations and checkpoints go to the store (`run/reporter.py`).
 
+Fencing: the driver hands the replica its launch's run generation ($COMPOSER_RUN_GENERATION;
+launched by hand: the store's current one). Every write to the store checks it first
+(exchange/fencing.py): once a newer launch (`--resume`) has written a higher generation, the
+replica stops without writing anything more, at its next write or heartbeat at the latest.
+
 Exit code 0 when the replica finished, 1 on an error (its status document says which), 2 when
-the arguments or environment are unusable.
+the arguments or environment are unusable, 3 when it was fenced by a newer launch of the run.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from composer_replication.assembly.build import build_model, build_task, build_trainer
+from composer_replication.exchange.liveness import HEARTBEAT_EVERY_S
 
 if TYPE_CHECKING:
     from composer_replication.config import RunConfig
@@ -52,7 +58,9 @@ if TYPE_CHECKING:
 __all__ = ["main", "run_replica"]
 
 ENV_STORAGE_OPTIONS = "COMPOSER_STORAGE_OPTIONS"
+ENV_GENERATION = "COMPOSER_RUN_GENERATION"
 CONFIG_KEY = "run_config.json"
+EXIT_FENCED = 3
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -118,6 +126,7 @@ def _build_manager(
     policy: AggregatePolicy | None = None,
     loss_probe: LossProbe | None = None,
     writer_secret: bytes | None = None,
+    fence: Callable[[], None] | None = None,
 ) -> Any:
     """The outer loop's `Manager` that `[diloco] manager` names, for replica `rank`."""
     d = config.diloco
@@ -155,6 +164,7 @@ def _build_manager(
         min_replicas=d.min_replicas, aggregate=policy or d.aggregate_policy(),
         storage_options=store.storage_options or None, keep_steps=config.store.keep_rounds,
         keys=keys, loss_probe=loss_probe, writer_secret=writer_secret, sparse=d.sparse_spec(),
+        fence=fence,
     )  # fmt: skip
     manager = ObjectStoreManager(allreduce=allreduce)
     if d.codec == "sparseloco":  # SparseLoCo: the replica's error feedback around the exchange
@@ -181,7 +191,8 @@ class _Heartbeat:
     """This replica's heartbeat (exchange/liveness.py), written every few seconds from a thread
     from start-up on; ``fields`` (set once the outer loop exists) adds its round and step."""
 
-    def __init__(self, store: Any, role: str, rank: int, every_s: float = 5.0) -> None:
+    def __init__(self, store: Any, role: str, rank: int, every_s: float = HEARTBEAT_EVERY_S
+                 ) -> None:  # fmt: skip
         import threading
 
         self.store, self.role, self.rank, self.every_s = store, role, rank, every_s
@@ -192,10 +203,14 @@ class _Heartbeat:
         self._thread.start()
 
     def beat(self, state: str = "running") -> None:
+        from composer_replication.exchange.fencing import FencedError
         from composer_replication.exchange.liveness import write_heartbeat
 
         try:
             write_heartbeat(self.store, self.role, self.rank, state=state, **self.fields())
+        except FencedError as exc:  # a newer launch owns the run: stop here, writing nothing
+            print(f"replica {self.rank}: {exc}", file=sys.stderr, flush=True)
+            os._exit(EXIT_FENCED)
         except (OSError, ValueError) as exc:
             print(f"replica {self.rank}: heartbeat failed: {exc!r}", file=sys.stderr)
 
@@ -230,21 +245,36 @@ def run_replica(
     storage_options: dict[str, Any],
     keys: RunKeys | None = None,
     writer_secret: bytes | None = None,
+    generation: int | None = None,
 ) -> int:
     """Train this replica of the run (see the module docstring); returns the exit code.
 
     ``keys``: this rank's signing keys (signed runs); ``writer_secret``: its writer secret
-    (unsigned runs; see `run.security.writer_secrets`)."""
+    (unsigned runs; see `run.security.writer_secrets`); ``generation``: the run generation of
+    its launch (None: the store's current one), checked before every write."""
     import torch
     from transformers import set_seed
 
     from composer_replication.diloco import make_diloco_outer_loop
     from composer_replication.diloco.outer_loop import outer_optimizer_factory
+    from composer_replication.exchange.fencing import Fence, FencedError, read_generation
+    from composer_replication.exchange.liveness import (
+        REPLICA_ROLE,
+        clear_departure,
+        write_departure,
+    )
     from composer_replication.exchange.store import ObjectStore
     from composer_replication.run.metrics import ReplicaMetricsWriter
     from composer_replication.run.reporter import ReplicaReporter, ResumeStateWriter
 
     store = ObjectStore(uri, storage_options)
+    fence = Fence(store, read_generation(store) if generation is None else generation)
+    store.write_guard = fence
+    try:
+        fence()
+    except FencedError as exc:
+        print(f"replica {rank}: {exc}", file=sys.stderr, flush=True)
+        return EXIT_FENCED
     writer = ReplicaMetricsWriter(store, rank, flush_every_s=config.logging.flush_every_s)
     writer.status(state="starting", step=0, round=0, max_steps=config.train.max_steps, force=True)
     manager = None
@@ -272,7 +302,7 @@ def run_replica(
                 )
                 manager = _build_manager(
                     config, rank, store, keys=keys, loss_probe=probe,
-                    writer_secret=writer_secret,
+                    writer_secret=writer_secret, fence=fence,
                     policy=screening.aggregate_policy(config, task, tok),
                 )  # fmt: skip
             else:
@@ -311,6 +341,7 @@ def run_replica(
             max_new_tokens=config.train.max_completion_length,
             checkpoint_every_rounds=config.checkpoint.every_rounds,
             keep_last=config.checkpoint.keep_last, save_final=config.checkpoint.save_final,
+            last_round=config.n_rounds if config.diloco.mode == "sync" else None,
         )  # fmt: skip
         if remaining <= 0:
             return _finish_without_training(outer, model, reporter, writer, start_step)
@@ -332,6 +363,8 @@ def run_replica(
                                       sync_every_h=h, keep=config.store.keep_rounds,
                                       flush=writer.flush)
                 )  # fmt: skip
+            if config.diloco.mode == "sync":  # ready: the peers wait for this rank again
+                clear_departure(store, REPLICA_ROLE, rank)
             # The trainer counts the run's steps: its step, LR schedule and TAID schedule
             # continue at start_step (exactly, with the resume state).
             if resume_state is not None:
@@ -342,19 +375,29 @@ def run_replica(
         # digest lets anyone check that every replica ended on the same model.
         writer.log("event", step=config.train.max_steps, round=outer.round,
                    event="global_weights", sha256=weights_digest(model))  # fmt: skip
+        if config.diloco.mode == "sync":  # a peer still behind need not wait for this rank
+            write_departure(store, REPLICA_ROLE, rank, reason="finished training")
         heartbeat.close("done")
         return 0
+    except FencedError as exc:  # a newer launch owns the run: leave without another write
+        heartbeat.close()
+        print(f"replica {rank}: {exc}", file=sys.stderr, flush=True)
+        return EXIT_FENCED
     except BaseException as exc:
-        writer.status(
-            state="failed",
-            error=f"{type(exc).__name__}: {exc}",
-            traceback=traceback.format_exc()[-4000:],
-        )
-        writer.flush()
-        heartbeat.close("failed")
+        try:
+            writer.status(
+                state="failed",
+                error=f"{type(exc).__name__}: {exc}",
+                traceback=traceback.format_exc()[-4000:],
+            )
+            writer.flush()
+            heartbeat.close("failed")
+        except FencedError:  # fenced meanwhile: the failure is reported in the log only
+            heartbeat.close()
         raise
     finally:
-        writer.flush()
+        if fence.tripped is None:
+            writer.flush()
         heartbeat.close()
         if manager is not None:
             manager.close()
@@ -471,11 +514,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, CorruptContributionError) as exc:  # missing key, forged config
         print(f"replica: error: {exc}", file=sys.stderr)
         return 2
+    generation = os.environ.get(ENV_GENERATION)
+    if generation is not None and not generation.isdigit():
+        print(f"replica: error: ${ENV_GENERATION}={generation!r} is not an integer >= 0",
+              file=sys.stderr)  # fmt: skip
+        return 2
     print(f"replica {rank}/{config.backend.n_replicas}: run {config.run.name} at {store.uri}",
           flush=True)  # fmt: skip
     return run_replica(
-        config, rank, store.uri, storage_options, keys=keys, writer_secret=writer_secret
-    )
+        config, rank, store.uri, storage_options, keys=keys, writer_secret=writer_secret,
+        generation=None if generation is None else int(generation),
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

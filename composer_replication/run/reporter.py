@@ -110,6 +110,7 @@ class ReplicaReporter(TrainerCallback):
         keep_last: int,
         save_final: bool,
         evaluator_rank: int = 0,
+        last_round: int | None = None,
     ) -> None:
         self.writer = writer
         self.store = store
@@ -125,6 +126,7 @@ class ReplicaReporter(TrainerCallback):
         self.keep_last = keep_last
         self.save_final = save_final
         self.is_evaluator = rank == evaluator_rank
+        self.last_round = last_round  # sync mode: training stops once it is committed
         self._history_seen = 0
         self._round_started: float | None = None  # when the current round's inner steps began
         self._last_eval_round: int | None = None
@@ -249,6 +251,15 @@ class ReplicaReporter(TrainerCallback):
             if rejected:
                 self.writer.status(rejections={"round": rnd, "ranks": rejected})
             committed = committed or bool(record.get("committed"))
+        if (
+            self.last_round is not None
+            and self._round() >= self.last_round > 0
+            and (step < self.max_steps)
+        ):
+            # healed onto the run's last round (it stalled while the others finished): there
+            # is nothing left to synchronise, and training on would commit rounds past the end
+            self.writer.log("event", step=step, round=self._round(), event="last_round_reached")
+            control.should_training_stop = True
         if not committed or not self.is_evaluator:
             return
         model = kwargs.get("model")

@@ -158,6 +158,7 @@ def run_status(folder: RunFolder, *, stale_after_s: float = 120.0) -> dict[str, 
         "run": folder.name,
         "folder": str(folder.root),
         "status": driver.get("status", "unknown"),
+        "lost": [r for r in driver.get("lost") or [] if isinstance(r, int)],
         "started": driver.get("started"),
         "ended": driver.get("ended"),
         "store": store_cfg.get("uri"),
@@ -171,8 +172,10 @@ def run_status(folder: RunFolder, *, stale_after_s: float = 120.0) -> dict[str, 
 
 
 def status_text(info: dict[str, Any]) -> str:
+    lost = len(info.get("lost") or [])
+    status = info["status"] + (f", {lost} replica{'s' if lost != 1 else ''} lost" if lost else "")
     lines = [
-        f"run {info['run']}: {info['status']}   outer round {info['round']}   store {info['store']}",
+        f"run {info['run']}: {status}   outer round {info['round']}   store {info['store']}",
     ]
     if info.get("store_error"):
         lines.append(f"  store unreachable: {info['store_error']}")

@@ -157,7 +157,9 @@ class SynchronizerProcess:
 
         with self._lock:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
-            self.proc = spawn_in_group(self.command, self.env, None, str(self.log_path))
+            # it dies with the driver (a resumed run starts its own; never two merging)
+            self.proc = spawn_in_group(self.command, self.env, None, str(self.log_path),
+                                       die_with_parent=True)  # fmt: skip
 
     def ensure_running(self) -> bool:
         """Restart it if it died (not before a requested delay); False once it finished (0)."""

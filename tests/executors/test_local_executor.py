@@ -256,3 +256,36 @@ def test_replicas_end_when_driver_exits_without_collect(tmp_path):
     subprocess.run([sys.executable, "-c", driver], check=True, timeout=60)
     rec = probe.read_records(store)[0]
     assert not alive(rec["pid"]) and not alive(rec["grandchild_pid"])
+
+
+@pytest.mark.parametrize("die_with_driver", [True, False])
+def test_replicas_die_with_a_sigkilled_driver(tmp_path, die_with_driver):
+    """kill -9 of the driver: no atexit runs, only the parent-death signal ends the replicas
+    (with die_with_driver=False they survive it, reparented, as before)."""
+    import signal
+
+    store = str(tmp_path / "store")
+    driver = textwrap.dedent(
+        f"""
+        from composer_replication.executors.local import LocalProcessExecutor
+        import sys, time
+        sys.path.insert(0, {str(HERE)!r})
+        ex = LocalProcessExecutor(grace_period=1.0, die_with_driver={die_with_driver!r})
+        ex.launch_replicas(2, {PROBE!r}, {{"store": {store!r}, "sleep": 120}})
+        time.sleep(120)
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", driver])
+    try:
+        recs = wait_for_records(store, 2, timeout=60)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        pids = [r["pid"] for r in recs.values()]
+        deadline = time.monotonic() + 5
+        while any(alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [alive(p) for p in pids] == [not die_with_driver] * 2
+    finally:
+        for r in probe.read_records(store).values():
+            if alive(r["pid"]):
+                os.killpg(r["pid"], signal.SIGKILL)

@@ -224,6 +224,11 @@ def test_chaos_configuration_is_checked() -> None:
     with pytest.raises(ValueError, match="backend.max_restarts"):
         load_config(None, [*kill, "backend.max_restarts=0"])
     assert load_config(None, kill).chaos.events[0].target == "1"  # default: 2 restarts
+    # an elastic sync run may lose the replica for good (the others go on without it)
+    lost = load_config(None, [*kill, "backend.max_restarts=0", "diloco.min_replicas=1"])
+    assert lost.chaos.events[0].target == "1"
+    with pytest.raises(ValueError, match="min_replicas"):
+        load_config(None, [*kill, "backend.max_restarts=0", "diloco.min_replicas=2"])
     assert (
         load_config(None, [*kill, "backend.max_restarts=0", "backend.options={max_restarts=1}"])
         .chaos.events[0]

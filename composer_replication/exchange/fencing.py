@@ -1,0 +1,110 @@
+"""Run generations: one writer per rank after a driver crash and a `--resume`.
+
+Every launch of a run (the first one and each `--resume`) writes the run's generation to the
+store, one counter that only grows::
+
+    <prefix>/run_generation.json
+    {"format": 1, "kind": "generation", "generation": 3, "time": 1732233600.5,
+     "pid": 4242, "host": "laptop"}
+
+The driver hands its generation to the replicas it launches. A replica whose generation is
+older than the store's belongs to a launch that has been superseded (its driver crashed and the
+run was resumed): `Fence` raises `FencedError` before it writes anything, and the replica stops.
+The document is written with a plain overwrite (object stores have no compare-and-swap on every
+backend); two drivers resuming the same run at the same moment are refused earlier, by the run
+folder's driver record and the liveness check of `--resume`.
+
+`Fence` is a callable so that writers take it without knowing this module (`ObjectStore`'s write
+guard, the exchange's ``fence=``). Each check is one GET. The document is untrusted input: a
+value that is not a format-1 generation document raises ValueError naming the key.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import time
+from typing import Any
+
+from composer_replication.exchange.store import Store
+
+__all__ = [
+    "GENERATION_KEY",
+    "Fence",
+    "FencedError",
+    "bump_generation",
+    "read_generation",
+]
+
+GENERATION_KEY = "run_generation.json"
+FORMAT = 1
+
+
+class FencedError(RuntimeError):
+    """A newer launch of the run owns the store: this process must not write anything."""
+
+
+def _parse(doc: Any) -> int:
+    if doc is None:
+        return 0
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT or doc.get("kind") != "generation":
+        raise ValueError(f"{GENERATION_KEY} is not a format-1 generation document")
+    g = doc.get("generation")
+    if not isinstance(g, int) or isinstance(g, bool) or g < 0:
+        raise ValueError(f"{GENERATION_KEY}: generation {g!r} is not an integer >= 0")
+    return g
+
+
+def read_generation(store: Store) -> int:
+    """The run's current generation (0 when no launch wrote one: a replica started by hand)."""
+    return _parse(store.get_json(GENERATION_KEY))
+
+
+def bump_generation(store: Store) -> int:
+    """Write generation = current + 1 (what every launch of a run does first); returns it."""
+    generation = read_generation(store) + 1
+    store.put_json(GENERATION_KEY, {
+        "format": FORMAT, "kind": "generation", "generation": generation, "time": time.time(),
+        "pid": os.getpid(), "host": socket.gethostname(),
+    })  # fmt: skip
+    return generation
+
+
+class Fence:
+    """``fence()`` raises `FencedError` when the store's generation is newer than ours.
+
+    ``min_interval_s``: re-read the store at most this often (0: every call); a fence that has
+    tripped stays tripped without asking again. A store that cannot be read does not trip it
+    (the write that follows meets the same store error)."""
+
+    def __init__(self, store: Store, generation: int, *, min_interval_s: float = 0.0) -> None:
+        if not isinstance(generation, int) or isinstance(generation, bool) or generation < 0:
+            raise ValueError(f"generation must be an integer >= 0, got {generation!r}")
+        if not (math.isfinite(min_interval_s) and min_interval_s >= 0):
+            raise ValueError(f"min_interval_s must be >= 0, got {min_interval_s!r}")
+        self.store = store
+        self.generation = generation
+        self.min_interval_s = float(min_interval_s)
+        self.tripped: str | None = None
+        self._checked_at: float | None = None
+
+    def __call__(self) -> None:
+        if self.tripped is not None:
+            raise FencedError(self.tripped)
+        now = time.monotonic()
+        if self._checked_at is not None and now - self._checked_at < self.min_interval_s:
+            return
+        try:
+            current = read_generation(self.store)
+        except OSError:
+            return
+        except ValueError as exc:  # a damaged document: nobody can prove a newer launch exists
+            raise FencedError(f"cannot tell whether this launch is current: {exc}") from None
+        self._checked_at = now
+        if current > self.generation:
+            self.tripped = (
+                f"fenced: this process belongs to launch {self.generation} of the run, but the "
+                f"store is at launch {current} (the run was resumed): it stops without writing"
+            )
+            raise FencedError(self.tripped)

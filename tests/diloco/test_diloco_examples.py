@@ -4,7 +4,7 @@ The driver launches 2 replica processes with LocalProcessExecutor; each replica 
 ComposerReplicationTrainer wired to DiLoCo exactly as in the seed. Run against a real S3 server
 (SeaweedFS) with the documented ``--endpoint-url`` flag and AWS credential variables; the
 ``file://`` store is exercised by the other DiLoCo tests (and by the same scripts by hand, see
-docs/diloco.md).
+docs/diloco.md). docs/recipes/serverless.md shows the driver's core as its minimal example.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ model and a local dataset, the `s3://` bucket a `file://` store, and the run is 
 `make_diloco_outer_loop(inner_optimizer=trainer.optimizer, ...)` before `train()`,
 `outer.callback()`) is the seed's text. Recipe 4 is tests/diloco/test_diloco_examples.py;
 Recipes 2, 3 and 5 are the recipe tests under tests/recipes and tests/executors/test_arg_style.py.
+docs/recipes/trl.md shows section 3 as its minimal example.
 """
 
 from __future__ import annotations

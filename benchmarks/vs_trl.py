@@ -1,6 +1,7 @@
 """Our trainer against TRL's on the embedded default's task, at equal wall-time budget (issue 14).
 
-    python benchmarks/vs_trl.py [--quick] [--budget-s S] [--seeds K] [--channels] [--jobs N]
+    python benchmarks/vs_trl.py [--quick] [--budget-s S] [--clock wall|cpu] [--seeds K]
+                                [--first-seed N] [--trainers a,b] [--channels] [--jobs N]
                                 [section.key=value ...]
 
 Setting: the embedded default (`composer-replication config show`): sums of three digits, the
@@ -9,10 +10,12 @@ held-out prompts (disjoint from training), 16 prompts x 2 completions per step, 
 task's shaped reward. Per seed every trainer starts from the bit-identical initial model (the
 seed fixes the model init and the train/held-out split) and samples from the same training
 prompts. ONE process, one replica (no DiLoCo: it would add the same averaging to every
-trainer). Each run trains until its wall-time budget (`--budget-s`, from the trainer's
-`on_train_begin`) is spent, then its final model answers every held-out prompt greedily and is
-scored by exact match. Runs go one after another (`--jobs 1`, the default), so they see the same
-machine.
+trainer), `train.torch_threads` (1) torch threads as a replica. Each run trains until its time
+budget (`--budget-s`, from the trainer's `on_train_begin`) is spent, then its final model
+answers every held-out prompt greedily and is scored by exact match. The budget counts wall
+seconds (`--clock wall`, the default; runs go one after another with `--jobs 1`, so they share
+the machine alike) or the run's own CPU seconds (`--clock cpu`: the same work whatever other
+jobs load the machine meanwhile; with one thread it is the wall time on a free core).
 
 Trainers (names as in the output):
 
@@ -276,6 +279,8 @@ def main() -> None:
                    help="a smoke run: 1 seed, 12 s per run (the figures mean nothing)")  # fmt: skip
     p.add_argument("--budget-s", type=float, default=None,
                    help="training wall seconds per run (default 120; --quick: 12)")  # fmt: skip
+    p.add_argument("--first-seed", type=int, default=0,
+                   help="seeds are first-seed .. first-seed+K-1 (default 0)")  # fmt: skip
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="what the budget counts: wall seconds (default) or the run's CPU "
                         "seconds (the same work whatever the machine's load)")  # fmt: skip
@@ -304,7 +309,7 @@ def main() -> None:
             p.error(f"--trainers: unknown {unknown}; choose from "
                     f"{', '.join([*TRAINERS, *CHANNEL_VARIANTS])}")  # fmt: skip
         trainers = chosen
-    jobs = [(t, s) for s in range(seeds) for t in trainers]
+    jobs = [(t, s) for s in range(args.first_seed, args.first_seed + seeds) for t in trainers]
     t0 = time.monotonic()
     if args.jobs > 1:
         import multiprocessing

@@ -69,46 +69,33 @@ def run_one(
 
     if threads > 0:
         torch.set_num_threads(threads)
-    from transformers import TrainerCallback, set_seed
+    from _inprocess import RewardLog, build_parts, held_out, run_config
 
-    from composer_replication.assembly.build import build_model, build_task, build_trainer
-    from composer_replication.config import load_config
-    from composer_replication.run.reporter import evaluate
+    from composer_replication.assembly.build import build_trainer
 
-    overrides = [f"run.seed={seed}", f"train.max_steps={steps}", f"task.name={task_name}",
-                 f"diloco.sync_every_h={steps}", "backend.n_replicas=1", *extra]  # fmt: skip
+    overrides = [f"task.name={task_name}", *extra]
     for key, value in VARIANTS[variant].items():
         if value is not None:
             overrides.append(f"loss.{key}={value}")
-    config = load_config(overrides=overrides)
-    set_seed(seed)
-    task = build_task(config)
-    model, tok = build_model(config)  # the initial model depends on the seed only
-
-    rewards: list[float] = []
-
-    class Rewards(TrainerCallback):
-        def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
-            if logs and "reward" in logs:
-                rewards.append(float(logs["reward"]))
-
+    config = run_config(seed, steps, overrides)
+    task, model, tok = build_parts(config)  # the initial model depends on the seed only
+    log = RewardLog()
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="composer-ablation-") as scratch:
         trainer = build_trainer(
             config, model=model, tokenizer=tok, task=task, max_steps=steps, seed=seed,
-            output_dir=scratch, callbacks=[Rewards()],
+            output_dir=scratch, callbacks=[log],
         )  # fmt: skip
         trainer.train()
     seconds = time.monotonic() - t0
-    n_eval = min(config.train.eval_max_examples, config.task.n_eval)
-    metrics = evaluate(model, tok, task, task.eval_examples()[:n_eval],
-                       max_new_tokens=config.train.max_completion_length)  # fmt: skip
+    metrics = held_out(model, tok, task, config)
+    rewards = log.rewards
     return {
         "variant": variant,
         "seed": seed,
         "rewards": rewards,
-        "eval_accuracy": metrics["eval/accuracy"],
-        "eval_reward": metrics["eval/reward"],
+        "eval_accuracy": metrics["accuracy"],
+        "eval_reward": metrics["reward"],
         "seconds": seconds,
     }
 

@@ -39,12 +39,14 @@ __all__ = [
     "build_task",
     "build_teachers",
     "build_trainer",
+    "channel1_args",
     "composer_kwargs",
     "task_index",
     "task_verifier",
     "teacher_pool",
     "train_split",
     "trainer_args",
+    "trl_training_args",
 ]
 
 # [loss] keys that configure channel 1, which is TRL's own loss: they become TRL arguments
@@ -177,35 +179,49 @@ def teacher_pool(config: RunConfig, task: Task) -> tuple[TraceStore, TeacherPool
     return trace_store, TeacherPool(teachers, store=trace_store, verifier=task_verifier(task))
 
 
-def trainer_args(config: RunConfig, output_dir: str, max_steps: int, seed: int) -> ComposerConfig:
-    """The TRL arguments of a run: `[train]`, channel 1 of `[loss]`, CPU/GPU precision."""
+def trl_training_args(
+    config: RunConfig, output_dir: str, max_steps: int, seed: int
+) -> dict[str, Any]:
+    """The TRL/transformers training keywords `[train]` fixes (optimizer, batch, generation,
+    logging, CPU/GPU precision): what `trainer_args` builds on, and what a stock TRL trainer
+    gets to train on the same settings (benchmarks/vs_trl.py)."""
     import torch
 
+    t = config.train
+    cuda = torch.cuda.is_available()
+    return {
+        "output_dir": output_dir,
+        "max_steps": max_steps,
+        "learning_rate": t.learning_rate,
+        "lr_scheduler_type": t.lr_scheduler,
+        "warmup_steps": t.warmup_steps,
+        "max_grad_norm": t.max_grad_norm,
+        "per_device_train_batch_size": t.batch_size,
+        "gradient_accumulation_steps": t.gradient_accumulation_steps,
+        "num_generations": t.num_generations,
+        "max_completion_length": t.max_completion_length,
+        "temperature": t.temperature,
+        "logging_steps": config.logging.log_every,
+        "report_to": [],
+        "save_strategy": "no",
+        "disable_tqdm": True,
+        "use_cpu": not cuda,
+        "bf16": cuda and config.model.dtype == "bfloat16",
+        "seed": seed,
+    }
+
+
+def channel1_args(config: RunConfig) -> dict[str, Any]:
+    """Channel 1 of `[loss]` as TRL `GRPOConfig` keywords (`CHANNEL1_TRL_ARGS`)."""
+    return {arg: getattr(config.loss, key) for key, arg in CHANNEL1_TRL_ARGS.items()}
+
+
+def trainer_args(config: RunConfig, output_dir: str, max_steps: int, seed: int) -> ComposerConfig:
+    """The TRL arguments of a run: `[train]`, channel 1 of `[loss]`, CPU/GPU precision."""
     from composer_replication.trainer import ComposerConfig
 
-    t, loss = config.train, config.loss
-    cuda = torch.cuda.is_available()
-    channel1 = {arg: getattr(loss, key) for key, arg in CHANNEL1_TRL_ARGS.items()}
     return ComposerConfig(
-        output_dir=output_dir,
-        max_steps=max_steps,
-        learning_rate=t.learning_rate,
-        lr_scheduler_type=t.lr_scheduler,
-        warmup_steps=t.warmup_steps,
-        max_grad_norm=t.max_grad_norm,
-        per_device_train_batch_size=t.batch_size,
-        gradient_accumulation_steps=t.gradient_accumulation_steps,
-        num_generations=t.num_generations,
-        max_completion_length=t.max_completion_length,
-        temperature=t.temperature,
-        logging_steps=config.logging.log_every,
-        report_to=[],
-        save_strategy="no",
-        disable_tqdm=True,
-        use_cpu=not cuda,
-        bf16=cuda and config.model.dtype == "bfloat16",
-        seed=seed,
-        **channel1,
+        **trl_training_args(config, output_dir, max_steps, seed), **channel1_args(config)
     )
 
 

@@ -34,12 +34,53 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
         "the replica needs transformers: pip install composer-replication[train]"
     ) from exc
 
-__all__ = ["ReplicaReporter", "ResumeStateWriter", "evaluate"]
+__all__ = ["ReplicaReporter", "ResumeStateWriter", "evaluate", "greedy_completions"]
 
 _SKIP_LOG_KEYS = ("epoch", "total_flos", "train_runtime")
 
 
 @torch.no_grad()
+def greedy_completions(
+    model: Any,
+    tokenizer: Any,
+    prompts: list[str],
+    *,
+    max_new_tokens: int,
+    batch_size: int = 64,
+) -> list[str]:
+    """The greedy completion (raw text, special tokens kept) of each user prompt in `prompts`,
+    in order; the model's train/eval mode is restored afterwards."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    completions: list[str] = []
+    try:
+        for start in range(0, len(prompts), batch_size):
+            chunk = prompts[start : start + batch_size]
+            texts = [
+                tokenizer.apply_chat_template(
+                    [{"role": "user", "content": prompt}],
+                    tokenize=False,
+                    add_generation_prompt=True,
+                )
+                for prompt in chunk
+            ]
+            enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+            enc = {k: v.to(device) for k, v in enc.items()}
+            out = model.generate(
+                **enc,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+            completions += tokenizer.batch_decode(
+                out[:, enc["input_ids"].shape[1] :], skip_special_tokens=False
+            )
+    finally:
+        model.train(was_training)
+    return completions
+
+
 def evaluate(
     model: Any,
     tokenizer: Any,
@@ -52,39 +93,16 @@ def evaluate(
     """Greedy completions for `examples`, judged by the task: accuracy and mean reward."""
     if not examples:
         return {}
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
+    completions = greedy_completions(
+        model, tokenizer, [ex.prompt for ex in examples],
+        max_new_tokens=max_new_tokens, batch_size=batch_size,
+    )  # fmt: skip
     correct = 0
     reward = 0.0
-    try:
-        for start in range(0, len(examples), batch_size):
-            chunk = examples[start : start + batch_size]
-            texts = [
-                tokenizer.apply_chat_template(
-                    [{"role": "user", "content": ex.prompt}],
-                    tokenize=False,
-                    add_generation_prompt=True,
-                )
-                for ex in chunk
-            ]
-            enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-            enc = {k: v.to(device) for k, v in enc.items()}
-            out = model.generate(
-                **enc,
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                pad_token_id=tokenizer.pad_token_id,
-            )
-            completions = tokenizer.batch_decode(
-                out[:, enc["input_ids"].shape[1] :], skip_special_tokens=False
-            )
-            for ex, completion in zip(chunk, completions):
-                verdict = task.verify(ex, completion)
-                correct += int(verdict.correct)
-                reward += float(verdict.reward)
-    finally:
-        model.train(was_training)
+    for ex, completion in zip(examples, completions, strict=True):
+        verdict = task.verify(ex, completion)
+        correct += int(verdict.correct)
+        reward += float(verdict.reward)
     n = len(examples)
     return {"eval/accuracy": correct / n, "eval/reward": reward / n, "eval/n": float(n)}
 

@@ -105,7 +105,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
 
     Public state for callbacks: `taid_t` / `set_taid_t` / `pop_taid_losses` (the TAID schedule),
     `ema_teacher` / `update_ema_teacher` (channel 2's EMA teacher), `replay_reference` (channel
-    3's DPO reference model).
+    3's DPO reference model); `set_loss_probe` (each micro-batch's loss terms before backward).
 
     Exact resume: `resume_state` (after an optimizer step) and `resume_train` (on a fresh
     trainer of the same run; see `composer_replication.trainer.resume`).
@@ -214,6 +214,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
         self._phase_s: dict[str, float] = {"generate": 0.0, "teacher": 0.0}  # training_step
         self._captured_logits: torch.Tensor | None = None
         self._batch: dict[str, Any] = {}
+        self._loss_probe: Callable[[dict[str, torch.Tensor | None]], None] | None = None
 
     # -- public state for callbacks ----------------------------------------------------------------
     @property
@@ -246,6 +247,18 @@ class ComposerReplicationTrainer(GRPOTrainer):
     def replay_reference(self) -> nn.Module | None:
         """Channel 3's frozen DPO reference model (None for SimPO, PEFT or channel 3 off)."""
         return self._replay_ref
+
+    def set_loss_probe(
+        self, probe: Callable[[dict[str, torch.Tensor | None]], None] | None
+    ) -> None:
+        """Call ``probe(terms)`` on every training micro-batch, before backward, with the loss
+        terms as they are summed: ``{"grpo": channel 1, "sdpo": alpha_sdpo * channel 2,
+        "replay": beta_replay * channel 3, "total": their sum}`` (a channel that is off or has
+        no inputs in this micro-batch is None). The tensors are still attached to the graph: a
+        probe may take ``torch.autograd.grad(term, params, retain_graph=True)`` of them (e.g. to
+        measure each channel's share of the gradient, benchmarks/vs_trl.py) but must not call
+        ``backward``. ``None`` removes the probe."""
+        self._loss_probe = probe
 
     # -- exact resume ------------------------------------------------------------------------------
     def resume_state(self) -> dict[str, Any]:
@@ -717,6 +730,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
             loss = super()._compute_loss(model, inputs)
             self._metrics[mode]["loss/grpo"].append(float(loss.detach()))
             self._log_flags(mode, False, False)
+            self._call_loss_probe(mode, loss, None, None, loss)
             return loss
         self._capture_logits = True
         try:
@@ -724,6 +738,9 @@ class ComposerReplicationTrainer(GRPOTrainer):
         finally:
             self._capture_logits = False
         self._metrics[mode]["loss/grpo"].append(float(loss.detach()))  # channel 1 alone
+        grpo_loss = loss
+        term2: torch.Tensor | None = None
+        term3: torch.Tensor | None = None
         logits, self._captured_logits = self._captured_logits, None
         assert logits is not None
         s = self.composer
@@ -736,7 +753,8 @@ class ComposerReplicationTrainer(GRPOTrainer):
             res = sdpo_term(teacher, batch, logits, logits_to_keep=True, **kwargs)
             self._phase_s["teacher"] += time.perf_counter() - t0
             if res is not None:
-                loss = loss + s.alpha_sdpo * res[0]
+                term2 = s.alpha_sdpo * res[0]
+                loss = loss + term2
                 active2 = True
                 self._log(mode, res[1])
                 if s.taid_scheduled:
@@ -744,11 +762,24 @@ class ComposerReplicationTrainer(GRPOTrainer):
         if want3:
             res = replay_term(model, batch, logits, logits_to_keep=True, **kwargs)
             if res is not None:
-                loss = loss + s.beta_replay * res[0]
+                term3 = s.beta_replay * res[0]
+                loss = loss + term3
                 active3 = True
                 self._log(mode, res[1])
         self._log_flags(mode, active2, active3)
+        self._call_loss_probe(mode, grpo_loss, term2, term3, loss)
         return loss
+
+    def _call_loss_probe(
+        self,
+        mode: str,
+        grpo: torch.Tensor,
+        sdpo: torch.Tensor | None,
+        replay: torch.Tensor | None,
+        total: torch.Tensor,
+    ) -> None:
+        if self._loss_probe is not None and mode == "train":
+            self._loss_probe({"grpo": grpo, "sdpo": sdpo, "replay": replay, "total": total})
 
     def _log(self, mode: str, metrics: dict[str, float]) -> None:
         for key, value in metrics.items():

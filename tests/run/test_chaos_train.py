@@ -40,12 +40,12 @@ def test_decoupled_train_with_a_killed_replica_and_synchronizer(
     chaos = tmp_path / "chaos.toml"
     chaos.write_text(
         "[backend]\noptions = {max_restarts = 2}\n\n"
-        "[[chaos.events]]\nat_s = 3.0\naction = 'kill'\ntarget = '1'\n\n"
-        "[[chaos.events]]\nat_s = 8.0\naction = 'kill_synchronizer'\nrestart_after_s = 1.0\n"
-    )
-    config = load_config(chaos, [*SMALL, "train.max_steps=80", "diloco.sync_every_h=4"])
+        "[[chaos.events]]\nat_s = 1.0\naction = 'kill'\ntarget = '1'\n\n"
+        "[[chaos.events]]\nat_s = 3.0\naction = 'kill_synchronizer'\nrestart_after_s = 1.0\n"
+    )  # early enough that a fast machine is still training (it once finished before 8 s)
+    config = load_config(chaos, [*SMALL, "train.max_steps=120", "diloco.sync_every_h=4"])
     assert config.diloco.mode == "decoupled" and len(config.chaos.events) == 2
-    code = main(["train", str(chaos), *SMALL, "train.max_steps=80", "diloco.sync_every_h=4",
+    code = main(["train", str(chaos), *SMALL, "train.max_steps=120", "diloco.sync_every_h=4",
                  "--name", "dd"])  # fmt: skip
     out = capsys.readouterr().out
     logs = "\n".join(p.read_text()[-3000:] for p in sorted((run / "logs").glob("*.log")))

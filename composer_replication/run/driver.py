@@ -861,12 +861,12 @@ def summary_text(
     ci = summary.get("eval_accuracy_last_ci95")
     if isinstance(ci, list | tuple) and len(ci) == 2:
         lines.append(f"  95% interval     last: {ci[0]:.3f} - {ci[1]:.3f}   (Wilson)")
-    for i, (name, _) in enumerate(LOSS_CHANNELS, start=1):
-        if summary.get(f"{name}_first10") is not None:
-            label = f"loss ch{i} {name.split('_', 1)[1]}"
+    for ch in LOSS_CHANNELS:
+        if summary.get(f"{ch.key}_first10") is not None:
+            label = f"loss ch{ch.number} {ch.label}"
             lines.append(
-                f"  {label:<16} first 10%: {_num(summary.get(name + '_first10'), 4)}   "
-                f"last 10%: {_num(summary.get(name + '_last10'), 4)}"
+                f"  {label:<16} first 10%: {_num(summary.get(ch.key + '_first10'), 4)}   "
+                f"last 10%: {_num(summary.get(ch.key + '_last10'), 4)}"
             )
     final = folder.checkpoints / "final"
     if final.is_dir():

@@ -17,7 +17,7 @@ import math
 from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from composer_replication.run.folder import RunFolder
 from composer_replication.run.metrics import read_metrics
@@ -67,10 +67,18 @@ def reward_key(records: list[dict[str, Any]]) -> str | None:
 
 
 # (summary name, logged metric) of each loss channel, in channel order
-LOSS_CHANNELS: tuple[tuple[str, str], ...] = (
-    ("loss_grpo", "loss/grpo"),
-    ("loss_sdpo", "loss/sdpo"),
-    ("loss_replay", "loss/replay"),
+class LossChannel(NamedTuple):
+    """One loss channel as the summary and the printout name it."""
+
+    number: int  # 1, 2, 3: the channel's number in `total = grpo + alpha sdpo + beta replay`
+    label: str  # short name in the printout and summary.md ("grpo")
+    key: str  # summary key prefix ("loss_grpo" -> loss_grpo_first10 / loss_grpo_last10)
+    metric: str  # the trainer's logged metric ("loss/grpo")
+
+
+LOSS_CHANNELS: tuple[LossChannel, ...] = tuple(
+    LossChannel(i, label, f"loss_{label}", f"loss/{label}")
+    for i, label in enumerate(("grpo", "sdpo", "replay"), start=1)
 )
 
 
@@ -118,10 +126,10 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         first_last = _first_last10(records, key)
         if first_last is not None:
             out["reward_first10"], out["reward_last10"], out["steps"] = first_last
-    for name, metric in LOSS_CHANNELS:
-        first_last = _first_last10(records, metric)
+    for channel in LOSS_CHANNELS:
+        first_last = _first_last10(records, channel.metric)
         if first_last is not None:
-            out[f"{name}_first10"], out[f"{name}_last10"], _ = first_last
+            out[f"{channel.key}_first10"], out[f"{channel.key}_last10"], _ = first_last
     evals = sorted(
         ((int(r.get("step", 0)), float(r["eval/accuracy"]), r.get("eval/n")) for r in records
          if r.get("kind") == "eval" and isinstance(r.get("eval/accuracy"), int | float)),
@@ -343,10 +351,10 @@ def summary_markdown(
         f"| eval accuracy, last: 95% interval (Wilson, {summary.get('eval_n', '?')} prompts) | "
         f"{_fmt_interval(summary.get('eval_accuracy_last_ci95'))} |",
         *(
-            f"| loss {name.split('_', 1)[1]} (channel {i}), first / last 10% of steps | "
-            f"{_fmt(summary.get(name + '_first10'))} / {_fmt(summary.get(name + '_last10'))} |"
-            for i, (name, _) in enumerate(LOSS_CHANNELS, start=1)
-            if summary.get(name + "_first10") is not None
+            f"| loss {ch.label} (channel {ch.number}), first / last 10% of steps | "
+            f"{_fmt(summary.get(ch.key + '_first10'))} / {_fmt(summary.get(ch.key + '_last10'))} |"
+            for ch in LOSS_CHANNELS
+            if summary.get(ch.key + "_first10") is not None
         ),
         f"| inner steps per replica | {_fmt(summary.get('steps'))} |",
         f"| outer rounds | {_fmt(summary.get('rounds'))} |",

@@ -9,21 +9,15 @@ import json
 from pathlib import Path
 
 import pytest
+from _run_small import TINY_RUN
 
 from composer_replication.cli import main
 from composer_replication.config import load_config
 from composer_replication.run.metrics import read_metrics
 
 SMALL = [
-    "model.hidden_size=32",
+    *TINY_RUN,
     "model.num_layers=2",
-    "task.n_train=32",
-    "task.n_eval=8",
-    "train.eval_max_examples=8",
-    "train.batch_size=8",
-    "train.num_generations=4",
-    "train.max_completion_length=4",
-    "logging.flush_every_s=0.2",
     "diloco.mode=decoupled",
     "diloco.fragments=2",
     "diloco.lease_ttl_s=3",

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _run_small import TINY_RUN
 
 from composer_replication.cli import main
 from composer_replication.config import load_config
@@ -24,16 +25,8 @@ from composer_replication.run.metrics import read_metrics
 # Small and quick, but the same code path as the default: tiny Qwen2, arithmetic with the
 # oracle teacher, alpha_sdpo > 0 and beta_replay > 0, 2 replicas, a file:// store.
 SMALL = [
-    "model.hidden_size=32",
-    "model.num_layers=1",
-    "task.n_train=32",
-    "task.n_eval=8",
-    "train.eval_max_examples=8",
-    "train.batch_size=8",
-    "train.num_generations=4",
-    "train.max_completion_length=4",
+    *TINY_RUN,
     "train.eval_every_rounds=1",
-    "logging.flush_every_s=0.2",
 ]
 
 pytestmark = pytest.mark.slow

@@ -11,6 +11,7 @@ import socket
 from pathlib import Path
 
 import pytest
+from _run_small import TINY_RUN
 
 from composer_replication.cli import main
 from composer_replication.config import ConfigError, load_config
@@ -23,17 +24,9 @@ pytest.importorskip("openenv", reason="needs the `openenv` extra (openenv-core)"
 
 # tests/run/test_run_train_e2e.py's small settings, one round of two inner steps
 SMALL = [
-    "model.hidden_size=32",
-    "model.num_layers=1",
-    "task.n_train=32",
-    "task.n_eval=8",
-    "train.eval_max_examples=8",
-    "train.batch_size=8",
-    "train.num_generations=4",
-    "train.max_completion_length=4",
+    *TINY_RUN,
     "train.max_steps=2",
     "diloco.sync_every_h=2",
-    "logging.flush_every_s=0.2",
     "logging.tensorboard=false",
     "logging.report=false",
 ]

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+from _run_small import TINY_RUN
 
 from composer_replication.cli import main
 from composer_replication.run.metrics import read_metrics
@@ -18,15 +19,7 @@ pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
 
 SMALL = [
-    "model.hidden_size=32",
-    "model.num_layers=1",
-    "task.n_train=32",
-    "task.n_eval=8",
-    "train.eval_max_examples=8",
-    "train.batch_size=8",
-    "train.num_generations=4",
-    "train.max_completion_length=4",
-    "logging.flush_every_s=0.2",
+    *TINY_RUN,
     "logging.tensorboard=false",
     "backend.kind=ray",
     # a private local Ray with room for both replicas (each asks for one CPU)

@@ -117,6 +117,9 @@ def prune_checkpoints(store: ObjectStore, keep_last: int) -> None:
     """Remove round checkpoints beyond the newest keep_last ('final' is never removed)."""
     rounds = [name for name, _ in committed_checkpoints(store) if name.startswith("round-")]
     for name in rounds[: max(0, len(rounds) - keep_last)]:
+        # The marker goes first: from then on no reader counts the round as committed while
+        # its files disappear.
+        store.delete(f"{PREFIX}/{name}/{MARKER}")
         store.delete_prefix(f"{PREFIX}/{name}")
 
 
@@ -142,7 +145,13 @@ def mirror_checkpoints(store: ObjectStore, local_dir: Path) -> list[Path]:
             tmp = local_dir / f".{name}.partial"
             if tmp.exists():
                 shutil.rmtree(tmp)
-            store.get_dir(f"{PREFIX}/{name}", tmp)
+            try:
+                store.get_dir(f"{PREFIX}/{name}", tmp)
+            except FileNotFoundError:
+                # Pruned (or rewritten) by a replica while we copied it: skip it this time (a
+                # local copy, if any, stays); the next pass mirrors or drops it.
+                shutil.rmtree(tmp, ignore_errors=True)
+                continue
             if target.exists():
                 shutil.rmtree(target)
             tmp.rename(target)

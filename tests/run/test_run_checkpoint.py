@@ -73,3 +73,31 @@ def test_mirror_refreshes_a_checkpoint_rewritten_in_the_store(tmp_path: Path) ->
     save_checkpoint(store, name="final", model=model, tokenizer=None, round=30, step=120)
     mirror_checkpoints(store, local_dir)
     assert json.loads((local_dir / "final" / "state.json").read_text())["round"] == 30
+
+
+def test_mirror_survives_a_round_pruned_while_it_copies(tmp_path: Path) -> None:
+    """Replica 0 commits round 2 and prunes round 1 (keep_last=1) just after the driver listed
+    round 1 as committed and began copying it: the driver skips it (no crash, no partial
+    folder) and mirrors round 2 on its next pass."""
+    tok = build_tokenizer()
+    model = build_tiny_model(tok, hidden_size=32, num_layers=1, seed=3)
+
+    class PrunedMidCopy(ObjectStore):
+        """The real file:// store; the replica's commit + prune runs before the first copy."""
+
+        interleaved = False
+
+        def get_file(self, key: str, local_file: str | Path) -> None:  # type: ignore[override]
+            if not self.interleaved:
+                self.interleaved = True
+                save_checkpoint(self, name="round-000002", model=model, tokenizer=tok,
+                                round=2, step=2)  # fmt: skip
+                prune_checkpoints(self, keep_last=1)
+            super().get_file(key, local_file)
+
+    store = PrunedMidCopy(str(tmp_path / "store"))
+    save_checkpoint(store, name="round-000001", model=model, tokenizer=tok, round=1, step=1)
+    local_dir = tmp_path / "run" / "checkpoints"
+    assert mirror_checkpoints(store, local_dir) == []
+    assert not list(local_dir.glob(".*"))
+    assert [p.name for p in mirror_checkpoints(store, local_dir)] == ["round-000002"]

@@ -438,7 +438,10 @@ def run(
     )  # fmt: skip
 
     mode = choose_mode(config.logging.progress, stream)
-    progress = Progress(mode, title=f"run {folder.name}", n_rounds=config.n_rounds, stream=stream)
+    # Decoupled mode counts the synchronizer's global versions (one per merge, any number of
+    # them per H steps), not a fixed number of rounds.
+    n_rounds = config.n_rounds if config.diloco.mode == "sync" else None
+    progress = Progress(mode, title=f"run {folder.name}", n_rounds=n_rounds, stream=stream)
     progress.message(
         f"{'Resuming' if resume else 'Starting'} run {folder.root} ({config.backend.n_replicas} "
         f"x {config.backend.kind} replicas, model {config.model.name}, task {config.task.name}, "

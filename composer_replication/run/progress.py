@@ -56,7 +56,7 @@ class Progress:
         mode: str,
         *,
         title: str,
-        n_rounds: int,
+        n_rounds: int | None,
         stream: TextIO | None = None,
         plain_every_s: float = 15.0,
     ) -> None:
@@ -64,7 +64,7 @@ class Progress:
             raise ValueError(f"progress mode must be live, plain or none, got {mode!r}")
         self.mode = mode
         self.title = title
-        self.n_rounds = n_rounds
+        self.n_rounds = n_rounds  # None: no fixed number (decoupled mode's global versions)
         self.stream = stream if stream is not None else sys.stdout
         self.plain_every_s = plain_every_s
         self._start = time.monotonic()
@@ -108,9 +108,12 @@ class Progress:
             self._last_line = now
             print(self._line(rows), file=self.stream, flush=True)
 
+    def _of(self, round_: int) -> str:
+        return str(round_) if self.n_rounds is None else f"{round_}/{self.n_rounds}"
+
     def _line(self, rows: list[ReplicaRow]) -> str:
         done_round = min((r.round for r in rows), default=0)
-        parts = [f"[{self.elapsed:6.1f}s] round {done_round}/{self.n_rounds}"]
+        parts = [f"[{self.elapsed:6.1f}s] round {self._of(done_round)}"]
         for r in rows:
             parts.append(
                 f"r{r.rank} {r.state} step {r.step}/{r.max_steps} reward {_num(r.reward, 2)}"
@@ -129,7 +132,7 @@ class Progress:
                 str(r.rank),
                 r.state,
                 f"{r.step}/{r.max_steps}",
-                f"{r.round}/{self.n_rounds}",
+                self._of(r.round),
                 _num(r.reward),
                 _num(r.eval_accuracy),
                 ago,

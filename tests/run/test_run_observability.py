@@ -128,6 +128,17 @@ def test_plain_progress_prints_lines_on_changes_only() -> None:
     assert "round 1/3" in lines[1] and "r0 training step 3/30 reward 0.25" in lines[1]
 
 
+def test_progress_without_a_round_count_shows_the_version_alone() -> None:
+    """Decoupled mode: the synchronizer's global versions have no fixed total (a run of 20
+    H-step rounds printed "round 22/20")."""
+    out = io.StringIO()
+    progress = Progress("plain", title="t", n_rounds=None, stream=out, plain_every_s=1e9)
+    progress.update([ReplicaRow(rank=0, state="training", step=3, max_steps=30, round=22)])
+    progress.close()
+    line = out.getvalue().splitlines()[0]
+    assert "round 22 |" in line and "/" not in line.split("|")[0]
+
+
 def test_live_progress_renders_a_table() -> None:
     out = io.StringIO()
     progress = Progress("live", title="run x", n_rounds=2, stream=out)

@@ -159,7 +159,8 @@ def main() -> None:
         "--steps",
         type=int,
         default=None,
-        help="inner steps per run (default 200, the default run's budget; --quick: 80)",
+        help="inner steps per run (default: the embedded default's train.max_steps, 900; "
+        "--quick: 80)",
     )
     p.add_argument("--seeds", type=int, default=None, help="seeds per variant (default 3)")
     p.add_argument("--task", default="arithmetic", help="built-in task (default arithmetic)")
@@ -169,7 +170,11 @@ def main() -> None:
                    help="runs in parallel processes (each with 1 torch thread)")  # fmt: skip
     p.add_argument("overrides", nargs="*", help="extra section.key=value config overrides")
     args = p.parse_args()
-    steps = args.steps or (80 if args.quick else 200)
+    if args.steps is None and not args.quick:
+        from composer_replication.config import load_config
+
+        args.steps = load_config().train.max_steps  # the default run's budget per replica
+    steps = args.steps or 80
     seeds = args.seeds or (2 if args.quick else 3)
     t0 = time.monotonic()
     jobs = [(variant, seed) for seed in range(seeds) for variant in VARIANTS]

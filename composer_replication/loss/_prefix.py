@@ -84,16 +84,21 @@ def plan_groups(contexts: list[list[int]]) -> PrefixPlan:
     order = sorted(range(n), key=lambda i: contexts[i])
     adjacent = [_common(contexts[order[k]], contexts[order[k + 1]]) for k in range(n - 1)]
 
+    length = [len(contexts[i]) for i in order]
+
     def shared(i: int, j: int) -> int:  # prefix of sorted rows i..j (inclusive), i < j
-        p = min(adjacent[i:j])
-        return min(p, min(len(contexts[order[k]]) - 1 for k in range(i, j + 1)))
+        return min(min(adjacent[i:j]), min(length[i : j + 1]) - 1)
 
     best = [0] * (n + 1)  # best[j]: tokens saved by the first j sorted rows
     cut = [0] * (n + 1)
     for j in range(1, n + 1):
         best[j], cut[j] = best[j - 1], j - 1
-        for i in range(j - 1):
-            saved = best[i] + (j - 1 - i) * shared(i, j - 1)
+        p = length[j - 1] - 1  # running prefix of the run i..j-1, widened leftwards
+        for i in range(j - 2, -1, -1):
+            p = min(p, adjacent[i], length[i] - 1)
+            if p <= 0:
+                break
+            saved = best[i] + (j - 1 - i) * p
             if saved > best[j]:
                 best[j], cut[j] = saved, i
     runs: list[tuple[int, int]] = []
@@ -152,6 +157,8 @@ def shared_prefix_completion_logits(
     completions; returns ``(N, T, V)``. Call it under ``torch.no_grad()`` (channel 2's teacher):
     the prefix batch's cache is shared by several rows.
     """
+    if getattr(model, "is_gradient_checkpointing", False) and getattr(model, "training", False):
+        return None  # Hugging Face layers drop the cache then: do not waste the prefix forward
     contexts = _left_padded_rows(context_ids, context_mask)
     if contexts is None or any(len(c) == 0 for c in contexts) or len(contexts) < 2:
         return None

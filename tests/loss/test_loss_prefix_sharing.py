@@ -179,6 +179,8 @@ def test_falls_back_when_nothing_is_shared_or_no_cache_is_filled(tiny) -> None:
     parts = (ids[rows, :-T], mask[rows, :-T], ids[rows, -T:], mask[rows, -T:])
     with torch.no_grad():
         assert shared_prefix_completion_logits(ckpt, *parts) is None
+        # a wrapper hiding the flag: the prefix forward runs, its empty cache is detected
+        assert shared_prefix_completion_logits(lambda **kw: ckpt(**kw), *parts) is None
     student = torch.randn(8, T, ckpt.config.vocab_size)
     a, _ = sdpo_term(ckpt, batch, student, share_prefix=True)
     b, _ = sdpo_term(ckpt, batch, student, share_prefix=False)

@@ -8,17 +8,28 @@ completion length, same seed):
 * ``all_on``       ComposerReplicationTrainer with all three channels (JSD hint distillation with
                    the policy as teacher, DPO trace replay against oracle traces)
 
-Every completion has exactly ``--completion-len`` tokens (``min_new_tokens``) so all variants do
-the same generation work. Variants run round-robin (``--rounds`` times ``--steps`` steps each) so
+Every completion has exactly the given number of tokens (``min_new_tokens``) so all variants do
+the same generation work; ``--completion-lens 32,64,128`` measures each length in turn (fresh
+trainers per length). Variants run round-robin (``--rounds`` times ``--steps`` steps each) so
 machine-load drift hits them equally; the first step of each run is dropped (warm-up) and the
 median step time is reported. Ratios use process CPU seconds (``time.process_time``) with one
 torch thread: on a shared, loaded machine wall time mostly measures the neighbours; CPU time
-measures the work. Wall-time ratios are printed too. For ``all_on`` the time inside the added pieces (hint/pair
-building, teacher forward, chosen forward, reference log-probs) is measured as well.
+measures the work. Wall-time ratios are printed too. For ``all_on`` the time inside the added
+pieces (hint/pair building, teacher forward, chosen forward, reference log-probs) is measured as
+well.
 
-    python benchmarks/trainer_overhead.py [--quick]
+``--tokenizer bpe`` (the default) trains the tiny model's BPE vocabulary on the benchmark task's
+own text (prompts, answers, feedback and hinted prompts, as a run's ``[model] tokenizer = "bpe"``
+trains on its task's text; deterministic, cached): every real model has a subword tokenizer, so
+this gives the hinted teacher context its realistic length relative to the completion.
+``--tokenizer char`` (one token per character, the tiny model's other tokenizer) makes the hint
+template alone ~140 tokens and is kept to compare with earlier figures.
 
-Last line: JSON with ``channels_off_ratio`` and ``all_on_ratio`` (median CPU s/step / plain).
+    python benchmarks/trainer_overhead.py [--quick] [--tokenizer bpe|char] [--completion-lens 32,64,128]
+
+Last line: JSON with ``channels_off_ratio`` and ``all_on_ratio`` (median CPU s/step / plain) at
+the first completion length (32 by default) and ``all_on_ratio_<n>`` / ``channels_off_ratio_<n>``
+for every other length ``n``.
 """
 
 from __future__ import annotations
@@ -39,10 +50,36 @@ from trl import GRPOTrainer
 
 import composer_replication.trainer.trainer as trainer_module
 from composer_replication.data import TraceRecord, TraceStore, prompt_key
-from composer_replication.models import build_tiny_model, build_tokenizer
+from composer_replication.data.hints import HintTemplate
+from composer_replication.models import build_bpe_tokenizer, build_tiny_model, build_tokenizer
 from composer_replication.trainer import ComposerConfig, ComposerReplicationTrainer
 
 PROMPTS = [f"{a}+{b}=" for a in range(10) for b in range(10)]
+
+
+def answer_of(prompt: str) -> str:
+    a, b = prompt[:-1].split("+")
+    return str(int(a) + int(b))
+
+
+def feedback_text(answer: str, text: str) -> str:
+    """What the reward says about a wrong completion (channel 2's feedback)."""
+    return f"expected {answer}, got {text[:6]!r}"
+
+
+def task_corpus() -> list[str]:
+    """The benchmark task's own text, to train the BPE tokenizer on (as `Task.text_corpus`):
+    each prompt, its answer, the feedback on a few wrong answers and the hinted prompt the
+    channel-2 teacher reads, rendered with the default hint template."""
+    template = HintTemplate()
+    texts: list[str] = []
+    for p in PROMPTS:
+        a = answer_of(p)
+        texts += [p, a]
+        for wrong in (str(int(a) + 1), a[::-1] + "0", "x"):
+            fb = feedback_text(a, wrong)
+            texts += [fb, template.render_text(p, a, fb)]
+    return texts
 
 
 def reward(completions: list[Any], answer: list[str], **kwargs: Any) -> list[tuple[float, Any]]:
@@ -51,7 +88,7 @@ def reward(completions: list[Any], answer: list[str], **kwargs: Any) -> list[tup
     for i, (c, a) in enumerate(zip(completions, answer)):
         text = c[0]["content"] if isinstance(c, list) else c
         ok = text.strip().startswith(a) or i % 4 == 0  # one 'success' per group: siblings exist
-        out.append((1.0, None) if ok else (0.0, f"expected {a}, got {text[:6]!r}"))
+        out.append((1.0, None) if ok else (0.0, feedback_text(a, text)))
     return out
 
 
@@ -101,7 +138,7 @@ def build(variant: str, args: ComposerConfig, tok: Any, hidden: int, layers: int
     data = Dataset.from_dict(
         {
             "prompt": [[{"role": "user", "content": p}] for p in PROMPTS],
-            "answer": [str(eval(p[:-1])) for p in PROMPTS],  # noqa: S307 - our own digits
+            "answer": [answer_of(p) for p in PROMPTS],
         }
     )
     if variant == "plain":
@@ -138,27 +175,10 @@ def build(variant: str, args: ComposerConfig, tok: Any, hidden: int, layers: int
     )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer, shorter steps")
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=10)
-    parser.add_argument("--batch", type=int, default=8, help="rollouts per step")
-    parser.add_argument("--generations", type=int, default=4)
-    parser.add_argument("--completion-len", type=int, default=None)
-    parser.add_argument("--steps", type=int, default=None, help="steps per run (first dropped)")
-    parser.add_argument("--rounds", type=int, default=None)
-    parser.add_argument(
-        "--threads", type=int, default=1, help="torch intra-op threads (1 = least noisy)"
-    )
-    opts = parser.parse_args()
-    steps = opts.steps or (3 if opts.quick else 4)
-    rounds = opts.rounds or (1 if opts.quick else 3)
-    comp_len = opts.completion_len or (16 if opts.quick else 32)
-    logging.getLogger("composer_replication").setLevel(logging.WARNING)
-    torch.set_num_threads(opts.threads)
-
-    tok = build_tokenizer()
+def measure(
+    opts: argparse.Namespace, tok: Any, comp_len: int, steps: int, rounds: int
+) -> dict[str, Any]:
+    """One completion length: fresh trainers, round-robin runs, the medians and the sections."""
     out = tempfile.mkdtemp(prefix="trainer-overhead-")
     variants = ["plain", "channels_off", "all_on"]
     trainers = {}
@@ -191,53 +211,142 @@ def main() -> None:
     ):
         sections.wrap(all_on, name, label)
     # The loss library's public terms, as the trainer module calls them.
+    originals = {name: getattr(trainer_module, name) for name in ("sdpo_term", "replay_term")}
+    if opts.no_share_prefix:  # A/B: the teacher forward over whole contexts, as before 13.4
+
+        def unshared(*a: Any, **kw: Any) -> Any:
+            return originals["sdpo_term"](*a, **{**kw, "share_prefix": False})
+
+        trainer_module.sdpo_term = unshared  # type: ignore[assignment]
     sections.wrap(trainer_module, "sdpo_term", "channel 2 loss (teacher forward + JSD)")
     sections.wrap(trainer_module, "replay_term", "channel 3 loss (chosen forward + DPO)")
+    contexts: list[int] = []
+    original_hint_inputs = all_on._hint_inputs
 
+    def hint_inputs(*a: Any, **kw: Any) -> Any:  # hinted context lengths (tokens, hinted rows)
+        tensors = original_hint_inputs(*a, **kw)
+        rows = tensors["sdpo_sample_mask"]
+        ctx = tensors["sdpo_teacher_attention_mask"][:, :-comp_len].sum(-1)
+        contexts.extend(ctx[rows].tolist())
+        return tensors
+
+    all_on._hint_inputs = hint_inputs  # type: ignore[method-assign]
     cpu: dict[str, list[float]] = {v: [] for v in variants}
     wall: dict[str, list[float]] = {v: [] for v in variants}
-    for _ in range(rounds):
-        for v in variants:
-            timers[v].wall.clear()
-            timers[v].cpu.clear()
-            trainers[v].train()
-            cpu[v].extend(timers[v].cpu[1:])  # drop the warm-up step
-            wall[v].extend(timers[v].wall[1:])
-    median = {v: statistics.median(cpu[v]) for v in variants}
-    median_wall = {v: statistics.median(wall[v]) for v in variants}
-    steps_all_on = len(cpu["all_on"]) + rounds
-    print(
-        f"model: Qwen2 hidden={opts.hidden} layers={opts.layers} params={n_params / 1e6:.1f}M; "
-        f"batch={opts.batch} rollouts (G={opts.generations}), completion={comp_len} tokens, "
-        f"{rounds} round(s) x {steps} steps"
+    try:
+        for _ in range(rounds):
+            for v in variants:
+                timers[v].wall.clear()
+                timers[v].cpu.clear()
+                trainers[v].train()
+                cpu[v].extend(timers[v].cpu[1:])  # drop the warm-up step
+                wall[v].extend(timers[v].wall[1:])
+    finally:
+        for name, fn in originals.items():
+            setattr(trainer_module, name, fn)
+    return {
+        "n_params": n_params,
+        "cpu": cpu,
+        "median": {v: statistics.median(cpu[v]) for v in variants},
+        "median_wall": {v: statistics.median(wall[v]) for v in variants},
+        "sections": dict(sections.seconds),
+        "steps_all_on": len(cpu["all_on"]) + rounds,
+        "context_tokens": statistics.median(contexts) if contexts else 0.0,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer, shorter steps")
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=10)
+    parser.add_argument("--batch", type=int, default=8, help="rollouts per step")
+    parser.add_argument("--generations", type=int, default=4)
+    parser.add_argument(
+        "--completion-lens",
+        default=None,
+        help="comma-separated completion lengths; the first one gives the headline keys "
+        "(default 32,64,128; --quick 16)",
     )
-    print("process CPU seconds per optimizer step (ratios use these; wall time is load-dependent)")
-    for v in variants:
+    parser.add_argument(
+        "--tokenizer",
+        choices=("bpe", "char"),
+        default="bpe",
+        help="bpe: trained on the task's text (realistic context lengths); char: one per character",
+    )
+    parser.add_argument(
+        "--no-share-prefix",
+        action="store_true",
+        help="A/B: channel 2's teacher forward over whole contexts (no shared-prefix cache)",
+    )
+    parser.add_argument("--steps", type=int, default=None, help="steps per run (first dropped)")
+    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch intra-op threads (1 = least noisy)"
+    )
+    opts = parser.parse_args()
+    steps = opts.steps or (3 if opts.quick else 4)
+    rounds = opts.rounds or (1 if opts.quick else 3)
+    raw = opts.completion_lens or ("16" if opts.quick else "32,64,128")
+    try:
+        lens = [int(x) for x in raw.split(",") if x.strip()]
+    except ValueError:
+        parser.error(f"--completion-lens must be comma-separated integers, got {raw!r}")
+    if not lens or any(n < 1 for n in lens):
+        parser.error(f"--completion-lens needs positive lengths, got {raw!r}")
+    logging.getLogger("composer_replication").setLevel(logging.WARNING)
+    torch.set_num_threads(opts.threads)
+
+    tok = build_bpe_tokenizer(task_corpus()) if opts.tokenizer == "bpe" else build_tokenizer()
+    summary: dict[str, Any] = {
+        "tokenizer": opts.tokenizer,
+        "vocab": len(tok),
+        "share_prefix": not opts.no_share_prefix,
+    }
+    for k, comp_len in enumerate(lens):
+        r = measure(opts, tok, comp_len, steps, rounds)
+        median, median_wall, cpu = r["median"], r["median_wall"], r["cpu"]
         print(
-            f"{v:>13}: cpu median {median[v]:.3f} s/step (min {min(cpu[v]):.3f}, n={len(cpu[v])})"
-            f"  ratio {median[v] / median['plain']:.3f}   wall median {median_wall[v]:.3f} s"
+            f"model: Qwen2 hidden={opts.hidden} layers={opts.layers} "
+            f"params={r['n_params'] / 1e6:.1f}M, {opts.tokenizer} tokenizer ({len(tok)} tokens); "
+            f"batch={opts.batch} rollouts (G={opts.generations}), completion={comp_len} tokens, "
+            f"hinted context median {r['context_tokens']:.0f} tokens, "
+            f"{rounds} round(s) x {steps} steps"
         )
-    print("all_on: CPU time inside the added pieces, per step (all steps incl. warm-up):")
-    for label, seconds in sorted(sections.seconds.items(), key=lambda kv: -kv[1]):
-        print(f"  {label:<42} {seconds / steps_all_on:.3f} s")
-    print(
-        json.dumps(
-            {
-                "params_m": round(n_params / 1e6, 2),
-                "completion_len": comp_len,
-                "threads": opts.threads,
-                "plain_s_per_step": round(median["plain"], 4),
-                "channels_off_s_per_step": round(median["channels_off"], 4),
-                "all_on_s_per_step": round(median["all_on"], 4),
-                "wall_channels_off_ratio": round(
-                    median_wall["channels_off"] / median_wall["plain"], 4
-                ),
-                "wall_all_on_ratio": round(median_wall["all_on"] / median_wall["plain"], 4),
-                "channels_off_ratio": round(median["channels_off"] / median["plain"], 4),
-                "all_on_ratio": round(median["all_on"] / median["plain"], 4),
-            }
-        )
-    )
+        print("process CPU seconds per optimizer step (ratios use these; wall is load-dependent)")
+        for v in median:
+            print(
+                f"{v:>13}: cpu median {median[v]:.3f} s/step (min {min(cpu[v]):.3f}, "
+                f"max {max(cpu[v]):.3f}, n={len(cpu[v])})  ratio "
+                f"{median[v] / median['plain']:.3f}   wall median {median_wall[v]:.3f} s"
+            )
+        print("all_on: CPU time inside the added pieces, per step (all steps incl. warm-up):")
+        for label, seconds in sorted(r["sections"].items(), key=lambda kv: -kv[1]):
+            print(f"  {label:<42} {seconds / r['steps_all_on']:.3f} s")
+        off = round(median["channels_off"] / median["plain"], 4)
+        on = round(median["all_on"] / median["plain"], 4)
+        if k == 0:
+            summary.update(
+                {
+                    "params_m": round(r["n_params"] / 1e6, 2),
+                    "completion_len": comp_len,
+                    "threads": opts.threads,
+                    "context_tokens": r["context_tokens"],
+                    "plain_s_per_step": round(median["plain"], 4),
+                    "channels_off_s_per_step": round(median["channels_off"], 4),
+                    "all_on_s_per_step": round(median["all_on"], 4),
+                    "wall_channels_off_ratio": round(
+                        median_wall["channels_off"] / median_wall["plain"], 4
+                    ),
+                    "wall_all_on_ratio": round(median_wall["all_on"] / median_wall["plain"], 4),
+                    "channels_off_ratio": off,
+                    "all_on_ratio": on,
+                }
+            )
+        else:
+            summary[f"channels_off_ratio_{comp_len}"] = off
+            summary[f"all_on_ratio_{comp_len}"] = on
+    print(json.dumps(summary))
 
 
 if __name__ == "__main__":

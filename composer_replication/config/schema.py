@@ -256,6 +256,11 @@ class LossConfig:
         _LOSS.sdpo_add_tail, "top-k channel 2: add one bucket for the rest of the vocabulary"
     )
     sdpo_wrapper: SdpoWrapper = _f(_LOSS.sdpo_wrapper, "channel-2 wrapper")
+    sdpo_max_context_length: int | None = _f(
+        _LOSS.sdpo_max_context_length,
+        "cap (tokens) on a channel-2 hinted teacher context: longer ones lose their middle "
+        "(first half = question, last half = end of the hint); unset = no cap",
+    )
     taid_t: float | None = _f(_LOSS.taid_t, "fixed TAID interpolation t in [0, 1]")
     taid_total_steps: int | None = _f(
         _LOSS.taid_total_steps,

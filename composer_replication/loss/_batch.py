@@ -16,11 +16,13 @@ from torch import Tensor
 
 from composer_replication.loss._logprobs import (
     CausalLM,
+    cap_context,
     completion_logits,
     completion_logps,
     forward_logits,
     sequence_logps,
 )
+from composer_replication.loss._prefix import shared_prefix_completion_logits
 
 SDPO_KEYS = (
     "sdpo_teacher_input_ids",
@@ -108,12 +110,18 @@ def sdpo_rows(
     student: Tensor,
     *,
     logits_to_keep: bool,
+    share_prefix: bool = False,
+    max_context_length: int | None = None,
 ) -> SdpoRows | None:
     """Channel 2 of ``inputs``, or None when its keys are absent or no row is selected.
 
     A row enters when ``sdpo_sample_mask`` selects it and it has a completion token. Only those
     rows are kept: the teacher forward (under no_grad) runs on them alone, with the context's
-    all-padding leading columns trimmed.
+    all-padding leading columns trimmed. ``share_prefix``: context prefixes that several rows
+    share run once (`_prefix.shared_prefix_completion_logits`; a Hugging Face teacher), else,
+    or when sharing saves nothing, one forward over the whole rows. ``max_context_length``:
+    contexts longer than that many tokens are cut from the middle first (`cap_context`); the
+    completion is never cut.
     """
     if not any(inputs.get(k) is not None for k in SDPO_KEYS):
         return None
@@ -151,14 +159,20 @@ def sdpo_rows(
                 f"got {tuple(t_ids.shape)} and {tuple(t_attn.shape)}"
             )
         t_ids, t_attn = pick(t_ids), pick(t_attn)
+        ctx_ids, ctx_attn = t_ids[:, :-T], t_attn[:, :-T]
+        if max_context_length is not None:
+            ctx_ids, ctx_attn = cap_context(ctx_ids, ctx_attn, max_context_length)
+        parts = (ctx_ids, ctx_attn, t_ids[:, -T:], t_attn[:, -T:])
         with torch.no_grad():
-            teacher_logits = completion_logits(
-                teacher,
-                t_ids[:, :-T],
-                t_attn[:, :-T],
-                t_ids[:, -T:],
-                t_attn[:, -T:],
-                logits_to_keep=logits_to_keep,
+            shared = None
+            if share_prefix:
+                shared = shared_prefix_completion_logits(
+                    teacher, *parts, logits_to_keep=logits_to_keep
+                )
+            teacher_logits = (
+                shared
+                if shared is not None
+                else completion_logits(teacher, *parts, logits_to_keep=logits_to_keep)
             )
     frac = float(selected.float().mean())
     return SdpoRows(pick(student), teacher_logits.to(student.dtype), pick(token_mask), frac, norm)

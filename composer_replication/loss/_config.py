@@ -36,6 +36,7 @@ class ComposeConfig:
     sdpo_top_k: int | None = None
     sdpo_add_tail: bool = True
     sdpo_wrapper: str = "none"
+    sdpo_max_context_length: int | None = None
     taid_t: float | None = None
     taid_schedule_step: int | None = None
     taid_total_steps: int | None = None
@@ -69,6 +70,11 @@ class ComposeConfig:
             or self.sdpo_top_k < 1
         ):
             raise ValueError(f"sdpo_top_k must be a positive int or None, got {self.sdpo_top_k!r}")
+        cap = self.sdpo_max_context_length
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+            raise ValueError(
+                f"sdpo_max_context_length must be a positive int or None (no cap), got {cap!r}"
+            )
         check_scalar("entropy_opd_h_max", self.entropy_opd_h_max, low=0.0)
         check_scalar("replay_dpo_beta", self.replay_dpo_beta, low=0.0, low_open=True)
         check_scalar("simpo_beta", self.simpo_beta, low=0.0, low_open=True)

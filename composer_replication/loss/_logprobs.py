@@ -130,6 +130,40 @@ def trim_left_padding(ids: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
     return ids[:, start:], mask[:, start:]
 
 
+def cap_context(ids: Tensor, mask: Tensor, cap: int) -> tuple[Tensor, Tensor]:
+    """Left-padded ``(N, C)`` contexts with every row cut to at most ``cap`` tokens, from the
+    middle: a longer row keeps its first ``cap // 2`` and its last ``cap - cap // 2`` tokens.
+
+    Channel 2's hinted context is ``[chat header][question][hint][closing instruction][generation
+    prompt]``; the hint (a sibling's whole solution, the feedback) is what grows. Cutting the
+    middle keeps the question's start at the head and, at the tail, the end of the hint and the
+    tokens the completion continues from; cutting from the left would drop the question first.
+    Rows are re-left-padded to the longest kept length; rows within the cap are unchanged. A
+    row's kept tokens get consecutive positions (a model that derives positions from the layout,
+    as the Hugging Face causal LMs do, sees the tail right after the head).
+    """
+    if cap < 1:
+        raise ValueError(f"the context cap must be >= 1 token, got {cap}")
+    lengths = mask.bool().sum(-1)
+    if lengths.numel() == 0 or int(lengths.max()) <= cap:
+        return ids, mask
+    head = cap // 2
+    rows = []
+    for row, m in zip(ids, mask.bool()):
+        kept = row[m]
+        if kept.numel() > cap:
+            kept = torch.cat([kept[:head], kept[kept.numel() - (cap - head) :]])
+        rows.append(kept)
+    width = max(r.numel() for r in rows)
+    out_ids = ids.new_zeros((ids.shape[0], width))
+    out_mask = mask.new_zeros((ids.shape[0], width))
+    for i, kept in enumerate(rows):
+        if kept.numel():
+            out_ids[i, width - kept.numel() :] = kept
+            out_mask[i, width - kept.numel() :] = 1
+    return out_ids, out_mask
+
+
 def completion_logits(
     model: CausalLM,
     context_ids: Tensor,

@@ -121,10 +121,18 @@ def _sdpo(
     inputs: Mapping[str, Any],
     student_logits: Tensor,
     logits_to_keep: bool,
+    share_prefix: bool = False,
 ) -> Result | None:
     if cfg.alpha_sdpo == 0.0:  # alpha 0: not even the teacher forward runs (bit-exact channel 1)
         return None
-    rows = _batch.sdpo_rows(teacher, inputs, student_logits, logits_to_keep=logits_to_keep)
+    rows = _batch.sdpo_rows(
+        teacher,
+        inputs,
+        student_logits,
+        logits_to_keep=logits_to_keep,
+        share_prefix=share_prefix,
+        max_context_length=cfg.sdpo_max_context_length,
+    )
     if rows is None:
         return None
     loss, metrics = sdpo_divergence(cfg, rows.student, rows.teacher, rows.token_mask)
@@ -169,6 +177,7 @@ def sdpo_term(
     student_logits: Tensor,
     *,
     logits_to_keep: bool = False,
+    share_prefix: bool = False,
     **kwargs: Any,
 ) -> tuple[Tensor, dict[str, float]] | None:
     """Channel 2 of the composer batch (docs/api.md), before its weight ``alpha_sdpo``.
@@ -178,7 +187,12 @@ def sdpo_term(
     contexts ``sdpo_teacher_input_ids`` under ``torch.no_grad()``, on the selected rows only
     (``compose_loss`` passes its own model; a trainer may pass an EMA copy); unused when
     ``sdpo_teacher_logits`` is given. ``logits_to_keep=True``: the teacher accepts Hugging Face's
-    ``logits_to_keep`` and computes the completion positions' logits only.
+    ``logits_to_keep`` and computes the completion positions' logits only. ``share_prefix=True``:
+    the teacher is a Hugging Face causal LM (``position_ids``, ``past_key_values``,
+    ``use_cache``); context prefixes that several rows share (a group's prompt, hint template
+    and sibling solution) run once and their key/value cache is reused for the rest of each row;
+    the logits equal the unshared forward's up to float rounding, and it falls back to that
+    forward when sharing would not save tokens or the teacher fills no cache.
 
     Returns None when the channel is off (``alpha_sdpo == 0``, keys absent, nothing selected),
     else ``(loss, metrics)``: the divergence's token mean over the selected tokens, or, when
@@ -187,7 +201,7 @@ def sdpo_term(
     ``eopd/*``). ``kwargs``: the ``compose_loss`` keywords.
     """
     cfg = ComposeConfig.from_kwargs(kwargs)
-    return _sdpo(cfg, teacher, _check_inputs(inputs), student_logits, logits_to_keep)
+    return _sdpo(cfg, teacher, _check_inputs(inputs), student_logits, logits_to_keep, share_prefix)
 
 
 def replay_term(

@@ -140,16 +140,12 @@ def hint_tensors(
     completion_mask: torch.Tensor,
     *,
     pad_id: int,
-    max_context_length: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Teacher inputs per the batch contract: [left pad][hinted context][the same completion].
 
-    ``max_context_length`` keeps the last tokens of over-long contexts (the question's end, the
-    hint and the generation prompt survive; SDPO truncates the same way).
+    Whole contexts: the loss library applies ``sdpo_max_context_length`` (cut from the middle).
     """
     contexts = [list(ids) for ids in tokenize_prompts(plan.teacher_prompts)]
-    if max_context_length is not None:
-        contexts = [c[-max_context_length:] for c in contexts]
     ctx_ids, ctx_mask = left_pad(contexts, pad_id)
     device = completion_ids.device
     return {

@@ -42,6 +42,7 @@ LOSS_KEYS: tuple[str, ...] = (
     "sdpo_top_k",
     "sdpo_add_tail",
     "sdpo_wrapper",
+    "sdpo_max_context_length",
     "taid_t",
     "taid_schedule_step",
     "taid_total_steps",
@@ -66,6 +67,7 @@ class ComposerSettings:
     sdpo_top_k: int | None = _LOSS_DEFAULTS.sdpo_top_k
     sdpo_add_tail: bool = _LOSS_DEFAULTS.sdpo_add_tail
     sdpo_wrapper: str = _LOSS_DEFAULTS.sdpo_wrapper
+    sdpo_max_context_length: int | None = _LOSS_DEFAULTS.sdpo_max_context_length
     taid_t: float | None = _LOSS_DEFAULTS.taid_t
     taid_schedule_step: int | None = _LOSS_DEFAULTS.taid_schedule_step
     taid_total_steps: int | None = _LOSS_DEFAULTS.taid_total_steps
@@ -79,7 +81,6 @@ class ComposerSettings:
     sdpo_teacher: str = "policy"
     sdpo_ema_rate: float = 0.05
     sdpo_success_threshold: float = 0.5
-    sdpo_max_context_length: int | None = None
     hint_template: HintTemplate = field(default_factory=HintTemplate)
     # Channel-3 plumbing.
     replay_max_length: int | None = None
@@ -90,8 +91,6 @@ class ComposerSettings:
             raise ValueError(f"sdpo_teacher must be 'policy' or 'ema', got {self.sdpo_teacher!r}")
         if not 0.0 < self.sdpo_ema_rate <= 1.0:
             raise ValueError(f"sdpo_ema_rate must be in (0, 1], got {self.sdpo_ema_rate}")
-        if self.sdpo_max_context_length is not None and self.sdpo_max_context_length < 1:
-            raise ValueError("sdpo_max_context_length must be >= 1 or None")
         if self.replay_max_length is not None and self.replay_max_length < 1:
             raise ValueError("replay_max_length must be >= 1 or None")
         kwargs = self.loss_kwargs()
@@ -168,6 +167,10 @@ class ComposerConfig(GRPOConfig):
         default=_LOSS_DEFAULTS.sdpo_wrapper,
         metadata={"help": "Channel-2 divergence: none | taid | entropy_opd."},
     )
+    sdpo_max_context_length: int | None = field(
+        default=_LOSS_DEFAULTS.sdpo_max_context_length,
+        metadata={"help": "Cap (tokens) on a hinted teacher context; cut from the middle."},
+    )
     taid_t: float | None = field(
         default=_LOSS_DEFAULTS.taid_t, metadata={"help": "Fixed TAID t in [0, 1]."}
     )
@@ -205,10 +208,6 @@ class ComposerConfig(GRPOConfig):
     sdpo_success_threshold: float = field(
         default=_SETTINGS_DEFAULTS.sdpo_success_threshold,
         metadata={"help": "Reward at or above which a rollout counts as solved."},
-    )
-    sdpo_max_context_length: int | None = field(
-        default=_SETTINGS_DEFAULTS.sdpo_max_context_length,
-        metadata={"help": "Keep at most this many teacher-context tokens."},
     )
     hint_template: str | None = field(
         default=None,

@@ -586,7 +586,6 @@ class ComposerReplicationTrainer(GRPOTrainer):
             output["completion_ids"],
             output["completion_mask"],
             pad_id=self._tokenizer.pad_token_id,
-            max_context_length=s.sdpo_max_context_length,
         )
         tokens = (output["completion_mask"].bool() & tensors["sdpo_sample_mask"][:, None]).sum()
         tensors["sdpo_num_tokens"] = self._global_count(tokens)
@@ -750,7 +749,9 @@ class ComposerReplicationTrainer(GRPOTrainer):
         if want2:
             teacher = self._ema.model if self._ema is not None else model
             t0 = time.perf_counter()
-            res = sdpo_term(teacher, batch, logits, logits_to_keep=True, **kwargs)
+            res = sdpo_term(
+                teacher, batch, logits, logits_to_keep=True, share_prefix=True, **kwargs
+            )
             self._phase_s["teacher"] += time.perf_counter() - t0
             if res is not None:
                 term2 = s.alpha_sdpo * res[0]

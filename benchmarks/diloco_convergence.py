@@ -26,6 +26,17 @@ separately.
     python benchmarks/diloco_convergence.py --quick    # a smoke-sized run
     python benchmarks/diloco_convergence.py --codec sparseloco --sl-outer-lr 3   # (c) as SparseLoCo
 
+Sweeps (each an extra run on the same warm start and tokens; the default run's point is reused):
+``--sweep-h 10,25,50,100`` (DiLoCo at each H with the same S, so rounds = S / H),
+``--sweep-outer-lr 0.4,0.7,1.0``, ``--sweep-diloco-lr`` (DiLoCo's inner lr) and
+``--sweep-dp-lr 1e-3,2e-3,4e-3`` (the data-parallel baseline's lr, so that it is tuned fairly;
+the JSON then also has ``dp_best_lr`` and ``loss_gap_vs_best_dp``). With any sweep the result is
+written to ``--out`` (default docs/diloco_convergence.json) and a plot of eval loss against bytes
+communicated (like the DiLoCo paper's figures) next to it (.png; needs matplotlib, the
+``report`` extra). ``--outer-warmup R`` ramps the outer lr linearly over the first R rounds.
+
+    python benchmarks/diloco_convergence.py --sweep-h 10,25,50,100
+
 With ``--codec sparseloco`` (c) is SparseLoCo (error feedback, plain SGD outer step at
 ``--sl-outer-lr``; ``--sl-density/--sl-chunk/--sl-bits/--sl-ef-decay``); benchmarks/sparseloco.py
 runs it beside fp32 DiLoCo on the same tokens.

@@ -431,7 +431,7 @@ def plot_sweeps(result: dict[str, Any], path: Path) -> None:
                    color="C1", label=f"DiLoCo H={result['h']}, outer lr sweep", zorder=3)  # fmt: skip
         for p in pts:
             ax.annotate(f"{p['outer_lr']}", (p["bytes"], p["eval_loss"]),
-                        textcoords="offset points", xytext=(-22, -10), fontsize=8, color="C1")  # fmt: skip
+                        textcoords="offset points", xytext=(6, -3), fontsize=8, color="C1")  # fmt: skip
     ax.scatter([result["diloco_bytes"]], [result["diloco_eval_loss"]], marker="*", s=160,
                color="C3", label=f"DiLoCo H={result['h']} (default run)", zorder=4)  # fmt: skip
     ax.scatter([result["dp_bytes"]], [result["dp_eval_loss"]], marker="D", color="k",

@@ -26,6 +26,17 @@ separately.
     python benchmarks/diloco_convergence.py --quick    # a smoke-sized run
     python benchmarks/diloco_convergence.py --codec sparseloco --sl-outer-lr 3   # (c) as SparseLoCo
 
+Sweeps (each an extra run on the same warm start and tokens; the default run's point is reused):
+``--sweep-h 10,25,50,100`` (DiLoCo at each H with the same S, so rounds = S / H),
+``--sweep-outer-lr 0.4,0.7,1.0``, ``--sweep-diloco-lr`` (DiLoCo's inner lr) and
+``--sweep-dp-lr 1e-3,2e-3,4e-3`` (the data-parallel baseline's lr, so that it is tuned fairly;
+the JSON then also has ``dp_best_lr`` and ``loss_gap_vs_best_dp``). With any sweep the result is
+written to ``--out`` (default docs/diloco_convergence.json) and a plot of eval loss against bytes
+communicated (like the DiLoCo paper's figures) next to it (.png; needs matplotlib, the
+``report`` extra). ``--outer-warmup R`` ramps the outer lr linearly over the first R rounds.
+
+    python benchmarks/diloco_convergence.py --sweep-h 10,25,50,100
+
 With ``--codec sparseloco`` (c) is SparseLoCo (error feedback, plain SGD outer step at
 ``--sl-outer-lr``; ``--sl-density/--sl-chunk/--sl-bits/--sl-ef-decay``); benchmarks/sparseloco.py
 runs it beside fp32 DiLoCo on the same tokens.
@@ -166,6 +177,7 @@ class Cfg:
         self.__dict__.update(vars(a))
 
     start: dict[str, torch.Tensor] | None = None  # the shared pretrained checkpoint
+    outer_warmup: int = 0  # rounds of outer-lr warm-up (callers without the flag: none)
 
     def model(self) -> TinyGPT:
         torch.manual_seed(self.seed)
@@ -179,12 +191,22 @@ class Cfg:
             model.parameters(), lr=self.lr, weight_decay=0.1, betas=(0.9, 0.95)
         )
 
+    def outer_lr_at(self, round_: int) -> float:
+        return outer_lr_at(self, round_)
+
     def lr_at(self, step: int) -> float:
         warm = max(1, self.steps // 20)
         if step < warm:
             return self.lr * (step + 1) / warm
         frac = (step - warm) / max(1, self.steps - warm)
         return self.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def outer_lr_at(cfg: Cfg, round_: int) -> float:
+    """--outer-warmup R: the outer lr rises linearly over the first R rounds (0: constant)."""
+    if cfg.outer_warmup <= 0:
+        return float(cfg.outer_lr)
+    return float(cfg.outer_lr) * min(1.0, (round_ + 1) / cfg.outer_warmup)
 
 
 def train_single(cfg: Cfg, batches: Batches, steps: int, schedule_steps: int) -> nn.Module:
@@ -291,6 +313,10 @@ def train_diloco(cfg: Cfg, batches: Batches, uri: str) -> tuple[nn.Module, dict[
                 for t in range(cfg.steps):
                     for g in opt.param_groups:
                         g["lr"] = cfg.lr_at(t)
+                    if t % cfg.h == 0:  # the outer step that ends this round uses this lr
+                        for oopt in outer.outer_optimizers:
+                            for g in oopt.param_groups:
+                                g["lr"] = cfg.outer_lr_at(t // cfg.h)
                     x, y = batches.get(rank, t)
                     loss = loss_of(model, x, y)
                     opt.zero_grad(set_to_none=True)
@@ -323,6 +349,108 @@ def train_diloco(cfg: Cfg, batches: Batches, uri: str) -> tuple[nn.Module, dict[
         "rounds": managers[0].current_step(),
     }
     return model0, comm
+
+
+# --------------------------------------------------------------------------- sweeps
+
+
+def parse_list(text: str, kind: type, flag: str) -> list[Any]:
+    """'10,25,50' -> [10, 25, 50]; a clear error naming the flag otherwise."""
+    try:
+        values = [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise SystemExit(
+            f"{flag}: expected comma-separated {kind.__name__}s, got {text!r}"
+        ) from None
+    if not values or any(v <= 0 for v in values):
+        raise SystemExit(f"{flag}: expected positive values, got {text!r}")
+    return values
+
+
+def diloco_point(cfg: Cfg, batches: Batches, evals: torch.Tensor, **changes: Any) -> dict[str, Any]:
+    """One DiLoCo run with some settings changed (h keeps S = rounds * H fixed)."""
+    import copy
+
+    c = copy.copy(cfg)
+    for key, value in changes.items():
+        setattr(c, key, value)
+    if c.steps % c.h:
+        raise SystemExit(f"--sweep-h: H={c.h} does not divide S={c.steps} inner steps")
+    c.rounds = c.steps // c.h
+    t0 = time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        m, comm = train_diloco(c, batches, "file://" + os.path.join(tmp, "run"))
+    point = {
+        "h": c.h, "outer_lr": c.outer_lr, "outer_momentum": c.outer_momentum, "lr": c.lr,
+        "outer_warmup": c.outer_warmup, "rounds": comm["rounds"],
+        "eval_loss": round(eval_loss(m, evals, c.ctx, c.eval_seqs), 5),
+        "bytes": comm["bytes_uploaded"] + comm["bytes_downloaded"],
+        "seconds": round(time.time() - t0, 1),
+    }  # fmt: skip
+    print(f"  diloco {changes}: {json.dumps(point)}", flush=True)
+    return point
+
+
+def dp_point(cfg: Cfg, batches: Batches, evals: torch.Tensor, lr: float) -> dict[str, Any]:
+    """One data-parallel run at inner lr `lr` (same tokens, optimizer and schedule shape)."""
+    import copy
+
+    c = copy.copy(cfg)
+    c.lr = lr
+    t0 = time.time()
+    m = train_dp(c, batches)
+    point = {"lr": lr, "eval_loss": round(eval_loss(m, evals, c.ctx, c.eval_seqs), 5),
+             "seconds": round(time.time() - t0, 1)}  # fmt: skip
+    print(f"  dp lr={lr}: {json.dumps(point)}", flush=True)
+    return point
+
+
+def plot_sweeps(result: dict[str, Any], path: Path) -> None:
+    """Eval loss against bytes communicated (log x), like the DiLoCo paper's figures."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as exc:
+        raise SystemExit(
+            "the sweep plot needs matplotlib: pip install 'composer-replication[report]'"
+        ) from exc
+    fig = Figure(figsize=(7, 4.2), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    sweeps = result["sweeps"]
+    if sweeps.get("h"):
+        pts = sorted(sweeps["h"], key=lambda p: p["bytes"])
+        ax.plot([p["bytes"] for p in pts], [p["eval_loss"] for p in pts], "o-", color="C0",
+                label=f"DiLoCo k={result['k']}, H sweep (outer lr {result['outer_lr']})")  # fmt: skip
+        for p in pts:
+            ax.annotate(f"H={p['h']}", (p["bytes"], p["eval_loss"]), textcoords="offset points",
+                        xytext=(4, 4), fontsize=8)  # fmt: skip
+    if sweeps.get("outer_lr"):
+        pts = sweeps["outer_lr"]
+        ax.scatter([p["bytes"] for p in pts], [p["eval_loss"] for p in pts], marker="s",
+                   color="C1", label=f"DiLoCo H={result['h']}, outer lr sweep", zorder=3)  # fmt: skip
+        for p in pts:
+            ax.annotate(f"{p['outer_lr']}", (p["bytes"], p["eval_loss"]),
+                        textcoords="offset points", xytext=(6, -3), fontsize=8, color="C1")  # fmt: skip
+    ax.scatter([result["diloco_bytes"]], [result["diloco_eval_loss"]], marker="*", s=160,
+               color="C3", label=f"DiLoCo H={result['h']} (default run)", zorder=4)  # fmt: skip
+    ax.scatter([result["dp_bytes"]], [result["dp_eval_loss"]], marker="D", color="k",
+               label=f"data parallel (lr {result['lr']})", zorder=4)  # fmt: skip
+    if sweeps.get("dp_lr"):
+        best = min(sweeps["dp_lr"], key=lambda p: p["eval_loss"])
+        ax.scatter([result["dp_bytes"]], [best["eval_loss"]], marker="D", facecolors="none",
+                   edgecolors="k", label=f"data parallel, best lr of sweep ({best['lr']})")  # fmt: skip
+    ax.axhline(result["single_eval_loss"], color="gray", linestyle="--", linewidth=1,
+               label="single replica, 1/k tokens (no communication)")  # fmt: skip
+    ax.set_xscale("log")
+    ax.set_xlabel("bytes communicated (all replicas, whole run)")
+    ax.set_ylabel("eval loss (nats/byte)")
+    ax.set_title(f"DiLoCo vs data parallel, same {result['tokens_dp_diloco']:,} tokens")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
 
 
 # --------------------------------------------------------------------------- main
@@ -362,6 +490,18 @@ def main() -> None:
         "--only-diloco", action="store_true", help="tuning aid: run only (c), print its loss"
     )
     ap.add_argument("--pretrain-steps", type=int, default=150, help="shared warm start")
+    ap.add_argument("--outer-warmup", type=int, default=0,
+                    help="rounds over which the outer lr rises linearly (0: constant)")  # fmt: skip
+    ap.add_argument("--sweep-h", default="",
+                    help="extra DiLoCo runs at these H (e.g. 10,25,50,100), same S = rounds * H")  # fmt: skip
+    ap.add_argument("--sweep-outer-lr", default="",
+                    help="extra DiLoCo runs at --h with these outer lrs (e.g. 0.4,0.7,1.0)")  # fmt: skip
+    ap.add_argument("--sweep-dp-lr", default="",
+                    help="extra data-parallel runs at these inner lrs (e.g. 1e-3,2e-3,4e-3)")  # fmt: skip
+    ap.add_argument("--sweep-diloco-lr", default="",
+                    help="extra DiLoCo runs at --h with these inner lrs")  # fmt: skip
+    ap.add_argument("--out", default="docs/diloco_convergence.json",
+                    help="with a sweep: write the result JSON here and the plot next to it (.png)")  # fmt: skip
     ap.add_argument(
         "--threads",
         type=int,
@@ -370,6 +510,12 @@ def main() -> None:
         "loaded 2-core machine; the DiLoCo replicas are threads anyway)",
     )
     a = ap.parse_args()
+    sweep_h = parse_list(a.sweep_h, int, "--sweep-h") if a.sweep_h else []
+    sweep_olr = parse_list(a.sweep_outer_lr, float, "--sweep-outer-lr") if a.sweep_outer_lr else []
+    sweep_dp = parse_list(a.sweep_dp_lr, float, "--sweep-dp-lr") if a.sweep_dp_lr else []
+    sweep_dl = (
+        parse_list(a.sweep_diloco_lr, float, "--sweep-diloco-lr") if a.sweep_diloco_lr else []
+    )
     if a.quick:
         a.h, a.rounds, a.eval_seqs, a.pretrain_steps = 10, 3, 64, 30
     if a.threads:
@@ -471,6 +617,43 @@ def main() -> None:
         "seconds": round(time.time() - t_start, 1),
         "quick": bool(a.quick),
     }
+    if sweep_h or sweep_olr or sweep_dp or sweep_dl:
+        print("sweeps (same tokens, same warm start; the default run's points are reused):")
+        main_point = {"h": a.h, "outer_lr": a.outer_lr, "outer_momentum": a.outer_momentum,
+                      "lr": a.lr, "outer_warmup": a.outer_warmup, "rounds": comm["rounds"],
+                      "eval_loss": round(di_loss, 5), "bytes": diloco_bytes,
+                      "seconds": round(timings["diloco"], 1)}  # fmt: skip
+        sweeps: dict[str, list[dict[str, Any]]] = {"h": [], "outer_lr": [], "dp_lr": [], "lr": []}
+        for h in sweep_h:
+            sweeps["h"].append(main_point if h == a.h else diloco_point(cfg, batches, evals, h=h))
+        for olr in sweep_olr:
+            sweeps["outer_lr"].append(
+                main_point if olr == a.outer_lr else diloco_point(cfg, batches, evals, outer_lr=olr)
+            )
+        for lr in sweep_dl:
+            sweeps["lr"].append(
+                main_point if lr == a.lr else diloco_point(cfg, batches, evals, lr=lr)
+            )
+        for lr in sweep_dp:
+            sweeps["dp_lr"].append(
+                {"lr": lr, "eval_loss": round(dp_loss, 5), "seconds": round(timings["dp"], 1)}
+                if lr == a.lr
+                else dp_point(cfg, batches, evals, lr)
+            )
+        if sweep_dp:
+            best = min(sweeps["dp_lr"], key=lambda p: p["eval_loss"])
+            result["dp_best_lr"] = best["lr"]
+            result["loss_gap_vs_best_dp"] = round(
+                (di_loss - best["eval_loss"]) / best["eval_loss"], 5
+            )
+        result.update(lr=a.lr, outer_lr=a.outer_lr, outer_momentum=a.outer_momentum,
+                      outer_warmup=a.outer_warmup)  # fmt: skip
+        result["seconds"] = round(time.time() - t_start, 1)
+        out = Path(a.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({**result, "sweeps": sweeps}, indent=1) + "\n")
+        plot_sweeps({**result, "sweeps": sweeps}, out.with_suffix(".png"))
+        print(f"sweeps: {out}, plot: {out.with_suffix('.png')}")
     print(json.dumps(result))
 
 

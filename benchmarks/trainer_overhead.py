@@ -131,7 +131,9 @@ class Sections:
         setattr(owner, name, timed)
 
 
-def build(variant: str, args: ComposerConfig, tok: Any, hidden: int, layers: int) -> Any:
+def build(
+    variant: str, args: ComposerConfig, tok: Any, hidden: int, layers: int, share_prefix: bool
+) -> Any:
     model = build_tiny_model(
         tok, hidden_size=hidden, num_layers=layers, num_heads=4, num_kv_heads=2, seed=0
     )
@@ -172,6 +174,7 @@ def build(variant: str, args: ComposerConfig, tok: Any, hidden: int, layers: int
         trace_store=store,
         alpha_sdpo=0.1,
         beta_replay=0.05,
+        sdpo_share_prefix=share_prefix,
     )
 
 
@@ -200,7 +203,7 @@ def measure(
             disable_tqdm=True,
             seed=0,
         )
-        trainers[v] = build(v, args, tok, opts.hidden, opts.layers)
+        trainers[v] = build(v, args, tok, opts.hidden, opts.layers, not opts.no_share_prefix)
         timers[v] = StepTimer()
         trainers[v].add_callback(timers[v])
     n_params = sum(p.numel() for p in trainers["plain"].model.parameters())
@@ -212,12 +215,6 @@ def measure(
         sections.wrap(all_on, name, label)
     # The loss library's public terms, as the trainer module calls them.
     originals = {name: getattr(trainer_module, name) for name in ("sdpo_term", "replay_term")}
-    if opts.no_share_prefix:  # A/B: the teacher forward over whole contexts, as before 13.4
-
-        def unshared(*a: Any, **kw: Any) -> Any:
-            return originals["sdpo_term"](*a, **{**kw, "share_prefix": False})
-
-        trainer_module.sdpo_term = unshared  # type: ignore[assignment]
     sections.wrap(trainer_module, "sdpo_term", "channel 2 loss (teacher forward + JSD)")
     sections.wrap(trainer_module, "replay_term", "channel 3 loss (chosen forward + DPO)")
     contexts: list[int] = []

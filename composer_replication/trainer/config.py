@@ -81,6 +81,10 @@ class ComposerSettings:
     sdpo_teacher: str = "policy"
     sdpo_ema_rate: float = 0.05
     sdpo_success_threshold: float = 0.5
+    # Run the context prefix that several hinted rows share once (loss.sdpo_term's share_prefix):
+    # the same logits up to float rounding, but RL amplifies rounding into another trajectory
+    # (docs/trainer.md), so it is opt-in.
+    sdpo_share_prefix: bool = False
     hint_template: HintTemplate = field(default_factory=HintTemplate)
     # Channel-3 plumbing.
     replay_max_length: int | None = None
@@ -208,6 +212,10 @@ class ComposerConfig(GRPOConfig):
     sdpo_success_threshold: float = field(
         default=_SETTINGS_DEFAULTS.sdpo_success_threshold,
         metadata={"help": "Reward at or above which a rollout counts as solved."},
+    )
+    sdpo_share_prefix: bool = field(
+        default=_SETTINGS_DEFAULTS.sdpo_share_prefix,
+        metadata={"help": "Teacher forward over shared context prefixes once (opt-in)."},
     )
     hint_template: str | None = field(
         default=None,

@@ -750,7 +750,12 @@ class ComposerReplicationTrainer(GRPOTrainer):
             teacher = self._ema.model if self._ema is not None else model
             t0 = time.perf_counter()
             res = sdpo_term(
-                teacher, batch, logits, logits_to_keep=True, share_prefix=True, **kwargs
+                teacher,
+                batch,
+                logits,
+                logits_to_keep=True,
+                share_prefix=s.sdpo_share_prefix,
+                **kwargs,
             )
             self._phase_s["teacher"] += time.perf_counter() - t0
             if res is not None:

@@ -121,12 +121,29 @@ def _reference_tensors(trainer, inputs):
     }
 
 
-def test_channels_on_equal_combine_on_independent_tensors(tmp_path):
-    """The trainer's channel-2/3 loss and gradients = combine's on tensors built by hand."""
-    from composer_replication.loss import combine
+@pytest.mark.parametrize("share_prefix", [False, True])
+def test_channels_on_equal_combine_on_independent_tensors(tmp_path, monkeypatch, share_prefix):
+    """The trainer's channel-2/3 loss and gradients = combine's on tensors built by hand (the
+    teacher scored here over whole contexts), with and without the shared-prefix teacher."""
+    from composer_replication.loss import _batch, combine
 
+    shared_calls = []
+    real = _batch.shared_prefix_completion_logits
+
+    def counting(*a, **kw):
+        out = real(*a, **kw)
+        shared_calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(_batch, "shared_prefix_completion_logits", counting)
     knobs = dict(alpha_sdpo=0.5, beta_replay=0.7, sdpo_jsd_beta=0.3, replay_dpo_beta=0.2)
-    trainer = make_trainer(tmp_path, store=oracle_store(), args=config(tmp_path, beta=0.0), **knobs)
+    trainer = make_trainer(
+        tmp_path,
+        store=oracle_store(),
+        args=config(tmp_path, beta=0.0),
+        sdpo_share_prefix=share_prefix,
+        **knobs,
+    )
     inputs = generation_batch(trainer)
     assert inputs["sdpo_sample_mask"].any() and inputs["replay_pair_mask"].sum() == 2
     # The hinted contexts are left-padded to different lengths: the trainer trims, we do not.
@@ -158,6 +175,8 @@ def test_channels_on_equal_combine_on_independent_tensors(tmp_path):
     for key in ("loss/sdpo", "jsd/tokens", "sdpo/frac_samples", "loss/replay", "replay/margin"):
         assert metrics[key] == pytest.approx(ref_metrics[key], rel=1e-4, abs=1e-6), key
     assert metrics["sdpo/active"] == 1.0 and metrics["replay/active"] == 1.0
+    # opt-in: the shared forward ran (and shared) only when asked for
+    assert any(shared_calls) if share_prefix else not shared_calls, shared_calls
 
 
 @pytest.mark.parametrize("dpo_variant", ["dpo", "simpo"])

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+from _run_small import TINY_RUN
 
 from composer_replication.exchange.store import ObjectStore
 from composer_replication.executors import LocalProcessExecutor
@@ -16,17 +17,9 @@ from composer_replication.executors import LocalProcessExecutor
 pytestmark = pytest.mark.slow
 
 OVERRIDES = [
-    "model.hidden_size=32",
-    "model.num_layers=1",
-    "task.n_train=32",
-    "task.n_eval=8",
-    "train.eval_max_examples=8",
-    "train.batch_size=8",
-    "train.num_generations=4",
-    "train.max_completion_length=4",
+    *TINY_RUN,
     "train.max_steps=4",
     "diloco.sync_every_h=2",
-    "logging.flush_every_s=0.2",
 ]
 
 

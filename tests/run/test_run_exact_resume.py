@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _run_small import TINY_RUN
 from safetensors.torch import load_file
 
 from composer_replication.cli import main
@@ -29,18 +30,10 @@ pytestmark = pytest.mark.slow
 
 STEPS, H = 24, 3  # 8 rounds: a fast machine must not finish before the kill after round 2
 ARGS = [
-    "model.hidden_size=32",
-    "model.num_layers=1",
-    "task.n_train=32",
-    "task.n_eval=8",
-    "train.eval_max_examples=8",
-    "train.batch_size=8",
-    "train.num_generations=4",
-    "train.max_completion_length=4",
+    *TINY_RUN,
     "train.lr_scheduler=linear",
     "loss.sdpo_wrapper=taid",
     f"loss.taid_total_steps={STEPS}",
-    "logging.flush_every_s=0.2",
     "logging.tensorboard=false",
     f"train.max_steps={STEPS}",
     f"diloco.sync_every_h={H}",

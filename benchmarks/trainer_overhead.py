@@ -7,6 +7,8 @@ completion length, same seed):
 * ``channels_off`` ComposerReplicationTrainer with alpha_sdpo=0, beta_replay=0
 * ``all_on``       ComposerReplicationTrainer with all three channels (JSD hint distillation with
                    the policy as teacher, DPO trace replay against oracle traces)
+* ``all_on_simpo`` the same with SimPO as channel 3 (reference-free: no reference forward; the
+                   variant the embedded default run uses)
 
 Every completion has exactly the given number of tokens (``min_new_tokens``) so all variants do
 the same generation work; ``--completion-lens 32,64,128`` measures each length in turn (fresh
@@ -27,9 +29,9 @@ template alone ~140 tokens and is kept to compare with earlier figures.
 
     python benchmarks/trainer_overhead.py [--quick] [--tokenizer bpe|char] [--completion-lens 32,64,128]
 
-Last line: JSON with ``channels_off_ratio`` and ``all_on_ratio`` (median CPU s/step / plain) at
-the first completion length (32 by default) and ``all_on_ratio_<n>`` / ``channels_off_ratio_<n>``
-for every other length ``n``.
+Last line: JSON with ``channels_off_ratio``, ``all_on_ratio`` and ``all_on_simpo_ratio`` (median
+CPU s/step / plain) at the first completion length (32 by default) and ``all_on_ratio_<n>`` /
+``all_on_simpo_ratio_<n>`` / ``channels_off_ratio_<n>`` for every other length ``n``.
 """
 
 from __future__ import annotations
@@ -113,10 +115,12 @@ class StepTimer(TrainerCallback):
 
 
 class Sections:
-    """Accumulates wall time spent inside the composer's added functions."""
+    """Accumulates CPU time spent inside the composer's added functions while ``active``
+    (the module-level loss terms are shared by both all-on variants; only ``all_on`` counts)."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)  # process CPU seconds
+        self.active = False
 
     def wrap(self, owner: Any, name: str, label: str) -> None:
         original = getattr(owner, name)
@@ -126,7 +130,8 @@ class Sections:
             try:
                 return original(*args, **kwargs)
             finally:
-                self.seconds[label] += time.process_time() - t0
+                if self.active:
+                    self.seconds[label] += time.process_time() - t0
 
         setattr(owner, name, timed)
 
@@ -134,6 +139,7 @@ class Sections:
 def build(
     variant: str, args: ComposerConfig, tok: Any, hidden: int, layers: int, share_prefix: bool
 ) -> Any:
+    """One variant's trainer (``plain``, ``channels_off``, ``all_on`` or ``all_on_simpo``)."""
     model = build_tiny_model(
         tok, hidden_size=hidden, num_layers=layers, num_heads=4, num_kv_heads=2, seed=0
     )
@@ -175,6 +181,7 @@ def build(
         alpha_sdpo=0.1,
         beta_replay=0.05,
         sdpo_share_prefix=share_prefix,
+        dpo_variant="simpo" if variant == "all_on_simpo" else "dpo",
     )
 
 
@@ -183,7 +190,7 @@ def measure(
 ) -> dict[str, Any]:
     """One completion length: fresh trainers, round-robin runs, the medians and the sections."""
     out = tempfile.mkdtemp(prefix="trainer-overhead-")
-    variants = ["plain", "channels_off", "all_on"]
+    variants = ["plain", "channels_off", "all_on", "all_on_simpo"]
     trainers = {}
     timers = {}
     sections = Sections()
@@ -233,6 +240,7 @@ def measure(
     try:
         for _ in range(rounds):
             for v in variants:
+                sections.active = v == "all_on"
                 timers[v].wall.clear()
                 timers[v].cpu.clear()
                 trainers[v].train()
@@ -322,6 +330,7 @@ def main() -> None:
             print(f"  {label:<42} {seconds / r['steps_all_on']:.3f} s")
         off = round(median["channels_off"] / median["plain"], 4)
         on = round(median["all_on"] / median["plain"], 4)
+        simpo = round(median["all_on_simpo"] / median["plain"], 4)
         if k == 0:
             summary.update(
                 {
@@ -338,11 +347,13 @@ def main() -> None:
                     "wall_all_on_ratio": round(median_wall["all_on"] / median_wall["plain"], 4),
                     "channels_off_ratio": off,
                     "all_on_ratio": on,
+                    "all_on_simpo_ratio": simpo,
                 }
             )
         else:
             summary[f"channels_off_ratio_{comp_len}"] = off
             summary[f"all_on_ratio_{comp_len}"] = on
+            summary[f"all_on_simpo_ratio_{comp_len}"] = simpo
     print(json.dumps(summary))
 
 

@@ -45,6 +45,13 @@ def test_quick_run_prints_the_keys_for_every_length():
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["tokenizer"] == "bpe" and result["share_prefix"] is True
     assert result["completion_len"] == 4
-    for key in ("channels_off_ratio", "all_on_ratio", "channels_off_ratio_8", "all_on_ratio_8"):
+    for key in (
+        "channels_off_ratio",
+        "all_on_ratio",
+        "all_on_simpo_ratio",
+        "channels_off_ratio_8",
+        "all_on_ratio_8",
+        "all_on_simpo_ratio_8",
+    ):
         assert result[key] > 0, key
     assert result["context_tokens"] > 0  # channel 2 had hinted rows

@@ -12,7 +12,8 @@ completion length, same seed):
 
 Every completion has exactly the given number of tokens (``min_new_tokens``) so all variants do
 the same generation work; ``--completion-lens 32,64,128`` measures each length in turn (fresh
-trainers per length). Variants run round-robin (``--rounds`` times ``--steps`` steps each) so
+trainers per length). Variants run round-robin (``--rounds`` times ``--steps`` steps each, 5 x 4
+by default: with 3 rounds the 32-token ratio spread over 1.30-1.39 between runs) so
 machine-load drift hits them equally; the first step of each run is dropped (warm-up) and the
 median step time is reported. Ratios use process CPU seconds (``time.process_time``) with one
 torch thread: on a shared, loaded machine wall time mostly measures the neighbours; CPU time
@@ -285,13 +286,15 @@ def main() -> None:
         help="A/B: channel 2's teacher forward over whole contexts (no shared-prefix cache)",
     )
     parser.add_argument("--steps", type=int, default=None, help="steps per run (first dropped)")
-    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument(
+        "--rounds", type=int, default=None, help="round-robin rounds (5; --quick 1)"
+    )
     parser.add_argument(
         "--threads", type=int, default=1, help="torch intra-op threads (1 = least noisy)"
     )
     opts = parser.parse_args()
     steps = opts.steps or (3 if opts.quick else 4)
-    rounds = opts.rounds or (1 if opts.quick else 3)
+    rounds = opts.rounds or (1 if opts.quick else 5)
     raw = opts.completion_lens or ("16" if opts.quick else "32,64,128")
     try:
         lens = [int(x) for x in raw.split(",") if x.strip()]

@@ -405,6 +405,28 @@ def dp_point(cfg: Cfg, batches: Batches, evals: torch.Tensor, lr: float) -> dict
     return point
 
 
+def batch_point(cfg: Cfg, train: torch.Tensor, evals: torch.Tensor, batch: int) -> dict[str, Any]:
+    """DP and DiLoCo (the default settings) at another per-replica batch B: its own warm start
+    (``pretrain_steps`` at k*B) and token stream, so each B is a complete default run."""
+    import copy
+
+    c = copy.copy(cfg)
+    c.batch = batch
+    t0 = time.time()
+    batches = Batches(train, batch, c.ctx, c.seed)
+    c.start = pretrain(c, batches)
+    start = eval_loss(c.model(), evals, c.ctx, c.eval_seqs)
+    dp = eval_loss(train_dp(c, batches), evals, c.ctx, c.eval_seqs)
+    with tempfile.TemporaryDirectory() as tmp:
+        m, _ = train_diloco(c, batches, "file://" + os.path.join(tmp, "run"))
+    di = eval_loss(m, evals, c.ctx, c.eval_seqs)
+    point = {"batch": batch, "start_eval_loss": round(start, 5), "dp_eval_loss": round(dp, 5),
+             "diloco_eval_loss": round(di, 5), "loss_gap_vs_dp": round((di - dp) / dp, 5),
+             "seconds": round(time.time() - t0, 1)}  # fmt: skip
+    print(f"  batch {batch}: {json.dumps(point)}", flush=True)
+    return point
+
+
 def plot_sweeps(result: dict[str, Any], path: Path) -> None:
     """Eval loss against bytes communicated (log x), like the DiLoCo paper's figures."""
     try:
@@ -414,10 +436,26 @@ def plot_sweeps(result: dict[str, Any], path: Path) -> None:
         raise SystemExit(
             "the sweep plot needs matplotlib: pip install 'composer-replication[report]'"
         ) from exc
-    fig = Figure(figsize=(7, 4.2), dpi=100)
-    FigureCanvasAgg(fig)
-    ax = fig.subplots()
     sweeps = result["sweeps"]
+    by_batch = sorted(sweeps.get("batch") or [], key=lambda p: p["batch"])
+    fig = Figure(figsize=(12 if by_batch else 7, 4.2), dpi=100)
+    FigureCanvasAgg(fig)
+    if by_batch:
+        ax, bx = fig.subplots(1, 2, gridspec_kw={"width_ratios": [7, 5]})
+        bx.plot([p["batch"] for p in by_batch], [100 * p["loss_gap_vs_dp"] for p in by_batch],
+                "o-", color="C3")  # fmt: skip
+        for p in by_batch:
+            bx.annotate(f"{100 * p['loss_gap_vs_dp']:.1f}%", (p["batch"], 100 * p["loss_gap_vs_dp"]),
+                        textcoords="offset points", xytext=(5, 4), fontsize=8)  # fmt: skip
+        bx.axhline(2.0, color="gray", linestyle="--", linewidth=1, label="2% target")
+        bx.set_xscale("log", base=2)
+        bx.set_xlabel("sequences per replica per step (B; DP steps on k*B)")
+        bx.set_ylabel("DiLoCo eval loss above DP (%)")
+        bx.set_title(f"gap vs per-replica batch (k={result['k']}, H={result['h']})")
+        bx.grid(alpha=0.3, which="both")
+        bx.legend(fontsize=7)
+    else:
+        ax = fig.subplots()
     if sweeps.get("h"):
         pts = sorted(sweeps["h"], key=lambda p: p["bytes"])
         ax.plot([p["bytes"] for p in pts], [p["eval_loss"] for p in pts], "o-", color="C0",
@@ -498,6 +536,8 @@ def main() -> None:
                     help="extra DiLoCo runs at --h with these outer lrs (e.g. 0.4,0.7,1.0)")  # fmt: skip
     ap.add_argument("--sweep-dp-lr", default="",
                     help="extra data-parallel runs at these inner lrs (e.g. 1e-3,2e-3,4e-3)")  # fmt: skip
+    ap.add_argument("--sweep-batch", default="",
+                    help="comma-separated per-replica batches: DP and DiLoCo at each, own warm start")  # fmt: skip
     ap.add_argument("--sweep-diloco-lr", default="",
                     help="extra DiLoCo runs at --h with these inner lrs")  # fmt: skip
     ap.add_argument("--out", default="docs/diloco_convergence.json",
@@ -516,6 +556,7 @@ def main() -> None:
     sweep_dl = (
         parse_list(a.sweep_diloco_lr, float, "--sweep-diloco-lr") if a.sweep_diloco_lr else []
     )
+    sweep_b = parse_list(a.sweep_batch, int, "--sweep-batch") if a.sweep_batch else []
     if a.quick:
         a.h, a.rounds, a.eval_seqs, a.pretrain_steps = 10, 3, 64, 30
     if a.threads:
@@ -609,6 +650,7 @@ def main() -> None:
         "diloco_checkpoint_bytes": comm["checkpoint_bytes"],
         "k": a.k,
         "h": a.h,
+        "batch": a.batch,
         "codec": a.codec,
         "rounds": a.rounds,
         "pretrain_steps": a.pretrain_steps,
@@ -617,13 +659,15 @@ def main() -> None:
         "seconds": round(time.time() - t_start, 1),
         "quick": bool(a.quick),
     }
-    if sweep_h or sweep_olr or sweep_dp or sweep_dl:
+    if sweep_h or sweep_olr or sweep_dp or sweep_dl or sweep_b:
         print("sweeps (same tokens, same warm start; the default run's points are reused):")
         main_point = {"h": a.h, "outer_lr": a.outer_lr, "outer_momentum": a.outer_momentum,
                       "lr": a.lr, "outer_warmup": a.outer_warmup, "rounds": comm["rounds"],
                       "eval_loss": round(di_loss, 5), "bytes": diloco_bytes,
                       "seconds": round(timings["diloco"], 1)}  # fmt: skip
-        sweeps: dict[str, list[dict[str, Any]]] = {"h": [], "outer_lr": [], "dp_lr": [], "lr": []}
+        sweeps: dict[str, list[dict[str, Any]]] = {
+            "h": [], "outer_lr": [], "dp_lr": [], "lr": [], "batch": []
+        }  # fmt: skip
         for h in sweep_h:
             sweeps["h"].append(main_point if h == a.h else diloco_point(cfg, batches, evals, h=h))
         for olr in sweep_olr:
@@ -633,6 +677,19 @@ def main() -> None:
         for lr in sweep_dl:
             sweeps["lr"].append(
                 main_point if lr == a.lr else diloco_point(cfg, batches, evals, lr=lr)
+            )
+        for b in sweep_b:
+            sweeps["batch"].append(
+                {
+                    "batch": b,
+                    "start_eval_loss": round(start_loss, 5),
+                    "dp_eval_loss": round(dp_loss, 5),
+                    "diloco_eval_loss": round(di_loss, 5),
+                    "loss_gap_vs_dp": round((di_loss - dp_loss) / dp_loss, 5),
+                    "seconds": round(timings["dp"] + timings["diloco"], 1),
+                }  # fmt: skip
+                if b == a.batch
+                else batch_point(cfg, train, evals, b)
             )
         for lr in sweep_dp:
             sweeps["dp_lr"].append(

@@ -53,7 +53,8 @@ def test_sweeps_write_json_and_plot(tmp_path: Path) -> None:
     out = tmp_path / "sweep.json"
     tiny = ["--quick", "--k", "2", "--batch", "2", "--ctx", "32", "--d-model", "32",
             ]  # fmt: skip
-    sweeps = ["--sweep-h", "5,10,15", "--sweep-outer-lr", "0.7,1.0", "--sweep-dp-lr", "2e-3,4e-3"]
+    sweeps = ["--sweep-h", "5,10,15", "--sweep-outer-lr", "0.7,1.0", "--sweep-dp-lr", "2e-3,4e-3",
+              "--sweep-batch", "2,4"]  # fmt: skip
     cmd = [sys.executable, str(ROOT / "benchmarks" / "diloco_convergence.py"), *tiny, *sweeps,
            "--out", str(out)]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -74,3 +75,14 @@ def test_sweeps_write_json_and_plot(tmp_path: Path) -> None:
     dp = {p["lr"]: p["eval_loss"] for p in saved["sweeps"]["dp_lr"]}
     assert dp[2e-3] == last["dp_eval_loss"] and dp[4e-3] != dp[2e-3]
     assert last["dp_best_lr"] == min(dp, key=lambda lr: dp[lr])
+    # the batch sweep: B=2 is the default run; B=4 is a complete run of its own (own warm start)
+    by_b = {p["batch"]: p for p in saved["sweeps"]["batch"]}
+    assert last["batch"] == 2 and set(by_b) == {2, 4}
+    assert by_b[2]["dp_eval_loss"] == last["dp_eval_loss"]
+    assert by_b[2]["diloco_eval_loss"] == last["diloco_eval_loss"]
+    assert by_b[2]["start_eval_loss"] == last["start_eval_loss"]
+    assert by_b[4]["start_eval_loss"] != last["start_eval_loss"]
+    for p in by_b.values():
+        assert p["loss_gap_vs_dp"] == pytest.approx(
+            (p["diloco_eval_loss"] - p["dp_eval_loss"]) / p["dp_eval_loss"], abs=1e-4
+        )

@@ -28,7 +28,9 @@ separately.
 
 Sweeps (each an extra run on the same warm start and tokens; the default run's point is reused):
 ``--sweep-h 10,25,50,100`` (DiLoCo at each H with the same S, so rounds = S / H),
-``--sweep-outer-lr 0.4,0.7,1.0``, ``--sweep-diloco-lr`` (DiLoCo's inner lr) and
+``--sweep-outer-lr 0.4,0.7,1.0``, ``--sweep-diloco-lr`` (DiLoCo's inner lr),
+``--sweep-batch 8,32,64,128`` (DP and DiLoCo at other per-replica batches, each a complete run
+with its own warm start and token stream: the gap's dependence on the batch) and
 ``--sweep-dp-lr 1e-3,2e-3,4e-3`` (the data-parallel baseline's lr, so that it is tuned fairly;
 the JSON then also has ``dp_best_lr`` and ``loss_gap_vs_best_dp``). With any sweep the result is
 written to ``--out`` (default docs/diloco_convergence.json) and a plot of eval loss against bytes

@@ -407,6 +407,14 @@ def dp_point(cfg: Cfg, batches: Batches, evals: torch.Tensor, lr: float) -> dict
     return point
 
 
+def batch_record(batch: int, start: float, dp: float, di: float, seconds: float) -> dict[str, Any]:
+    """One point of ``--sweep-batch``: the eval losses at per-replica batch ``batch`` and the
+    seconds its warm start, DP and DiLoCo runs took."""
+    return {"batch": batch, "start_eval_loss": round(start, 5), "dp_eval_loss": round(dp, 5),
+            "diloco_eval_loss": round(di, 5), "loss_gap_vs_dp": round((di - dp) / dp, 5),
+            "seconds": round(seconds, 1)}  # fmt: skip
+
+
 def batch_point(cfg: Cfg, train: torch.Tensor, evals: torch.Tensor, batch: int) -> dict[str, Any]:
     """DP and DiLoCo (the default settings) at another per-replica batch B: its own warm start
     (``pretrain_steps`` at k*B) and token stream, so each B is a complete default run."""
@@ -422,9 +430,7 @@ def batch_point(cfg: Cfg, train: torch.Tensor, evals: torch.Tensor, batch: int) 
     with tempfile.TemporaryDirectory() as tmp:
         m, _ = train_diloco(c, batches, "file://" + os.path.join(tmp, "run"))
     di = eval_loss(m, evals, c.ctx, c.eval_seqs)
-    point = {"batch": batch, "start_eval_loss": round(start, 5), "dp_eval_loss": round(dp, 5),
-             "diloco_eval_loss": round(di, 5), "loss_gap_vs_dp": round((di - dp) / dp, 5),
-             "seconds": round(time.time() - t0, 1)}  # fmt: skip
+    point = batch_record(batch, start, dp, di, time.time() - t0)
     print(f"  batch {batch}: {json.dumps(point)}", flush=True)
     return point
 
@@ -579,12 +585,13 @@ def main() -> None:
     t0 = time.time()
     cfg.start = pretrain(cfg, batches)
     start_loss = eval_loss(cfg.model(), evals, a.ctx, a.eval_seqs)
+    timings = {"pretrain": time.time() - t0}
     print(
-        f"pretrained {a.pretrain_steps} steps ({time.time() - t0:.0f}s): eval loss {start_loss:.4f}",
+        f"pretrained {a.pretrain_steps} steps ({timings['pretrain']:.0f}s): eval loss "
+        f"{start_loss:.4f}",
         flush=True,
     )
     rows = {}
-    timings = {}
     if a.only_diloco:
         with tempfile.TemporaryDirectory() as tmp:
             m, comm = train_diloco(cfg, batches, "file://" + os.path.join(tmp, "run"))
@@ -680,16 +687,10 @@ def main() -> None:
             sweeps["lr"].append(
                 main_point if lr == a.lr else diloco_point(cfg, batches, evals, lr=lr)
             )
+        main_seconds = timings["pretrain"] + timings["dp"] + timings["diloco"]
         for b in sweep_b:
             sweeps["batch"].append(
-                {
-                    "batch": b,
-                    "start_eval_loss": round(start_loss, 5),
-                    "dp_eval_loss": round(dp_loss, 5),
-                    "diloco_eval_loss": round(di_loss, 5),
-                    "loss_gap_vs_dp": round((di_loss - dp_loss) / dp_loss, 5),
-                    "seconds": round(timings["dp"] + timings["diloco"], 1),
-                }  # fmt: skip
+                batch_record(b, start_loss, dp_loss, di_loss, main_seconds)
                 if b == a.batch
                 else batch_point(cfg, train, evals, b)
             )

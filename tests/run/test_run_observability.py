@@ -128,6 +128,33 @@ def test_plain_progress_prints_lines_on_changes_only() -> None:
     assert "round 1/3" in lines[1] and "r0 training step 3/30 reward 0.25" in lines[1]
 
 
+def test_a_start_up_prints_one_starting_line() -> None:
+    """Replicas starting for 37 s: one line, not one every plain_every_s; once the steps move,
+    a line every plain_every_s; a stall repeats its line only every quiet_every_s."""
+    now = [0.0]
+    out = io.StringIO()
+    progress = Progress("plain", title="t", n_rounds=3, stream=out, plain_every_s=15,
+                        quiet_every_s=120, clock=lambda: now[0])  # fmt: skip
+    rows = [ReplicaRow(rank=r, state="starting", max_steps=60) for r in (0, 1)]
+    for now[0] in range(0, 38):
+        progress.update(rows)
+    assert [line.count("starting step 0/60") for line in out.getvalue().splitlines()] == [2]
+    for row in rows:
+        row.state = "training"
+    for now[0] in range(38, 80):
+        for row in rows:
+            row.step = int(now[0]) - 37
+        progress.update(rows)
+    lines = out.getvalue().splitlines()
+    assert [line[:9] for line in lines] == ["[   0.0s]", "[  38.0s]", "[  53.0s]", "[  68.0s]"]
+    for now[0] in range(80, 300):  # stalled at step 42: its line once, then every 120 s
+        progress.update(rows)
+    stalled = out.getvalue().splitlines()[len(lines) :]
+    assert [line[:9] for line in stalled] == ["[  83.0s]", "[ 203.0s]"]
+    assert all("training step 42/60" in line for line in stalled)
+    progress.close()
+
+
 def test_progress_without_a_round_count_shows_the_version_alone() -> None:
     """Decoupled mode: the synchronizer's global versions have no fixed total (a run of 20
     H-step rounds printed "round 22/20")."""

@@ -733,6 +733,7 @@ class _HealthLog:
         self.store, self.sink, self.every_s = store, sink, every_s
         self.mode, self.n = d.mode, config.backend.n_replicas
         self.quorum = config.quorum if d.mode == "decoupled" else (d.min_replicas or self.n)
+        self.started = time.time()  # built as the replicas are launched: the start-up window
         self._last = 0.0
         self._last_written = 0.0
         self._state: str | None = None
@@ -745,7 +746,8 @@ class _HealthLog:
         from composer_replication.run.status import health_now
 
         try:
-            h = health_now(self.store, mode=self.mode, n_replicas=self.n, quorum=self.quorum)
+            h = health_now(self.store, mode=self.mode, n_replicas=self.n, quorum=self.quorum,
+                           started=self.started)  # fmt: skip
         except Exception:  # the store is unreachable for a moment: the next poll retries
             return
         if h["state"] != self._state or force or now - self._last_written > 60:

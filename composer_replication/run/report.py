@@ -6,7 +6,7 @@ channel that was logged (total, grpo, sdpo, replay), eval_accuracy.png, outer_ro
 stacked: training split into generation / channel-2 teacher / loss + backward by the logged step
 shares, then the exchange's upload / wait for peers / merge; replica 0, or the first replica),
 throughput.png (inner steps and tokens per second per round), health.png (the run state the driver recorded:
-healthy / degraded / critical over time, and the decoupled synchronizer's merges). `summarize` computes the headline numbers (first-10%
+starting / healthy / degraded / critical over time, and the decoupled synchronizer's merges). `summarize` computes the headline numbers (first-10%
 vs last-10% mean reward, eval accuracy before/after) that `train` prints at the end.
 """
 
@@ -164,15 +164,19 @@ def _health_points(records: list[dict[str, Any]]) -> list[tuple[float, int, dict
     )  # fmt: skip
 
 
+HEALTH_STATES = ("starting", "healthy", "degraded", "critical")  # health/level -1, 0, 1, 2
+
+
 def health_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """Seconds spent healthy / degraded / critical (each health record holds until the next)."""
+    """Seconds spent starting / healthy / degraded / critical (each health record holds until
+    the next)."""
     points = _health_points(records)
     if len(points) < 2:
         return {}
-    spent = [0.0, 0.0, 0.0]
+    spent = [0.0] * len(HEALTH_STATES)
     for (t, level, _), (t_next, _, _) in zip(points, points[1:]):
-        spent[min(max(level, 0), 2)] += t_next - t
-    return {"health_seconds": dict(zip(("healthy", "degraded", "critical"), spent)),
+        spent[min(max(level + 1, 0), len(HEALTH_STATES) - 1)] += t_next - t
+    return {"health_seconds": dict(zip(HEALTH_STATES, spent)),
             "health_last": points[-1][2].get("health/state")}  # fmt: skip
 
 
@@ -278,8 +282,8 @@ def draw_plots(records: list[dict[str, Any]], out_dir: Path) -> list[Path]:
                   if isinstance(r.get("health/merges"), int)]  # fmt: skip
         fig, axes = _figure("run health", "state", nrows=2 if merges else 1)
         axes[0].step([t - t0 for t, _, _ in points], [lvl for _, lvl, _ in points], where="post")
-        axes[0].set_yticks([0, 1, 2], ["healthy", "degraded", "critical"])
-        axes[0].set_ylim(-0.3, 2.3)
+        axes[0].set_yticks([-1, 0, 1, 2], list(HEALTH_STATES))
+        axes[0].set_ylim(-1.3, 2.3)
         if merges:
             axes[1].plot(*zip(*merges), marker=".")
             axes[1].set_ylabel("merges (synchronizer)")
@@ -366,8 +370,9 @@ def summary_markdown(
     spent = summary.get("health_seconds")
     if spent:
         lines.append(
-            f"| run health (s healthy / degraded / critical) | {spent['healthy']:.0f} / "
-            f"{spent['degraded']:.0f} / {spent['critical']:.0f} |"
+            f"| run health (s {' / '.join(HEALTH_STATES)}) | "
+            + " / ".join(f"{spent.get(name, 0.0):.0f}" for name in HEALTH_STATES)
+            + " |"
         )
     lines.append("")
     if plots:

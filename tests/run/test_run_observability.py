@@ -194,3 +194,25 @@ def test_status_reports_replicas_round_lag_and_health(tmp_path: Path) -> None:
     assert r1["health"] == "failed" and "boom" in r1["error"]
     text = status_text(info)
     assert "behind" in text and "boom" in text
+
+
+def test_a_run_whose_replicas_have_not_reported_yet_is_starting(tmp_path: Path) -> None:
+    """Just launched, no heartbeat yet: status says "starting" (not "critical"), and so does
+    the report's health row; the same silence 10 minutes after the launch is critical."""
+    from composer_replication.run.report import health_summary
+
+    folder, _ = _fake_run(tmp_path)
+    folder.update_driver(status="running", started=time.time())
+    info = run_status(folder)
+    assert info["health"]["state"] == "starting" and info["health"]["level"] == -1
+    assert "health: starting (0 of 2 replicas up; waiting for the first heartbeat of replica " \
+        "0, 1)" in status_text(info)  # fmt: skip
+    folder.update_driver(started=time.time() - 600)
+    assert run_status(folder)["health"]["state"] == "critical"
+    records = [
+        {"kind": "health", "time": t, "health/level": level, "health/state": state}
+        for t, level, state in ((0.0, -1, "starting"), (20.0, 0, "healthy"), (500.0, 0, "healthy"))
+    ]
+    assert health_summary(records)["health_seconds"] == {
+        "starting": 20.0, "healthy": 480.0, "degraded": 0.0, "critical": 0.0
+    }  # fmt: skip

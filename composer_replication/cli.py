@@ -97,7 +97,7 @@ def _run_folder(run: str) -> RunFolder:
 def cmd_report(ns: argparse.Namespace) -> int:
     import importlib.util
 
-    from composer_replication.run.report import write_report
+    from composer_replication.run.report import headline_lines, write_report
 
     folder = _run_folder(ns.run)
     if importlib.util.find_spec("matplotlib") is None:
@@ -106,11 +106,9 @@ def cmd_report(ns: argparse.Namespace) -> int:
     for plot in plots:
         print(f"wrote {plot}")
     print(f"wrote {folder.summary}")
-    if summary.get("reward_first10") is not None:
-        print(
-            f"mean reward first 10%: {summary['reward_first10']:.3f}  "
-            f"last 10%: {summary['reward_last10']:.3f}"
-        )
+    # The headline numbers `train` printed at the end: reward, held-out accuracy, losses.
+    print(f"Run {folder.name}:")
+    print("\n".join(headline_lines(summary)))
     return 0
 
 

@@ -65,7 +65,12 @@ from composer_replication.run.folder import RunFolder, default_run_name
 from composer_replication.run.metrics import MetricsCollector, MetricsSink
 from composer_replication.run.progress import Progress, ReplicaRow, choose_mode
 from composer_replication.run.replica import ENV_GENERATION, ENV_STORAGE_OPTIONS
-from composer_replication.run.report import LOSS_CHANNELS, run_wall_seconds, summarize, write_report
+from composer_replication.run.report import (
+    headline_lines,
+    run_wall_seconds,
+    summarize,
+    write_report,
+)
 from composer_replication.run.security import prepare_signing, writer_secrets
 
 __all__ = ["ENTRYPOINT", "TrainResult", "prepare", "prepare_resume", "run"]
@@ -833,10 +838,6 @@ def _save_remote_logs(
         (folder.logs / f"replica-{handle.replica_id}-{handle.job_id}.log").write_text(text)
 
 
-def _num(value: Any, digits: int = 3) -> str:
-    return "n/a" if value is None else f"{value:.{digits}f}"
-
-
 def summary_text(
     folder: RunFolder,
     status: str,
@@ -856,23 +857,8 @@ def summary_text(
         f"{summary.get('steps', 0)} inner steps each"
         + (f", {restarts} replica restart{'s' if restarts != 1 else ''}" if restarts else "")
         + ")",
-        f"  mean reward      first 10%: {_num(summary.get('reward_first10'))}   "
-        f"last 10%: {_num(summary.get('reward_last10'))}",
-        f"  eval accuracy    first: {_num(summary.get('eval_accuracy_first'))}   "
-        f"last: {_num(summary.get('eval_accuracy_last'))}   "
-        f"({summary.get('eval_n', min(config.train.eval_max_examples, config.task.n_eval))} "
-        "held-out prompts)",
     ]
-    ci = summary.get("eval_accuracy_last_ci95")
-    if isinstance(ci, list | tuple) and len(ci) == 2:
-        lines.append(f"  95% interval     last: {ci[0]:.3f} - {ci[1]:.3f}   (Wilson)")
-    for ch in LOSS_CHANNELS:
-        if summary.get(f"{ch.key}_first10") is not None:
-            label = f"loss ch{ch.number} {ch.label}"
-            lines.append(
-                f"  {label:<16} first 10%: {_num(summary.get(ch.key + '_first10'), 4)}   "
-                f"last 10%: {_num(summary.get(ch.key + '_last10'), 4)}"
-            )
+    lines += headline_lines(summary, eval_n=min(config.train.eval_max_examples, config.task.n_eval))
     final = folder.checkpoints / "final"
     if final.is_dir():
         lines.append(f"  checkpoint       {final}")

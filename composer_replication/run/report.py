@@ -22,7 +22,14 @@ from typing import Any, NamedTuple
 from composer_replication.run.folder import RunFolder
 from composer_replication.run.metrics import read_metrics
 
-__all__ = ["draw_plots", "health_summary", "summarize", "summary_markdown", "write_report"]
+__all__ = [
+    "draw_plots",
+    "headline_lines",
+    "health_summary",
+    "summarize",
+    "summary_markdown",
+    "write_report",
+]
 
 # logged key -> plot name; TRL logs the total optimised loss as "loss".
 LOSS_KEYS = {
@@ -103,6 +110,63 @@ def _first_last10(records: list[dict[str, Any]], key: str) -> tuple[float, float
     if first_mean is None or last_mean is None:
         return None
     return first_mean, last_mean, steps[-1]
+
+
+# Why the distillation channels' losses can go up on a run that learns (the printout says it in
+# one line, summary.md in full).
+LOSS_RISE_NOTE = (
+    "Channels 2 and 3 can rise while reward and accuracy improve, and usually do when a model "
+    "learns from scratch: channel 2 (hint self-distillation) measures how much the model's "
+    "predictions change when it is shown a correct sibling's answer and the feedback, which "
+    "grows as it learns to use that hint (at first it predicts as little with the hint as "
+    "without); channel 3 (trace replay) prefers the teacher's trace to the model's own rollout, "
+    "and as the rollouts become right they resemble the trace, so the preference margin shrinks "
+    "and the loss rises. Judge a run by its reward and held-out accuracy."
+)
+LOSS_RISE_LINE = (
+    "(ch2/ch3 rising is expected while accuracy improves: ch2 grows as the model learns to use "
+    "the hint, ch3 as its own answers come to match the teacher's; see summary.md)"
+)
+
+
+def _num(value: Any, digits: int = 3) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def losses_rose(summary: dict[str, Any]) -> bool:
+    """Whether channel 2 or 3 ended above where it started (last vs first 10% of steps)."""
+    for ch in LOSS_CHANNELS[1:]:
+        first, last = summary.get(f"{ch.key}_first10"), summary.get(f"{ch.key}_last10")
+        if isinstance(first, int | float) and isinstance(last, int | float) and last > first:
+            return True
+    return False
+
+
+def headline_lines(summary: dict[str, Any], *, eval_n: int | None = None) -> list[str]:
+    """The headline numbers as `train` prints them at the end and `report` prints them: mean
+    reward first/last 10%, held-out accuracy first/last with its 95% interval, each loss
+    channel first/last 10% (and why channels 2/3 rising is no alarm, when they rose)."""
+    n = summary.get("eval_n", eval_n)
+    lines = [
+        f"  mean reward      first 10%: {_num(summary.get('reward_first10'))}   "
+        f"last 10%: {_num(summary.get('reward_last10'))}",
+        f"  eval accuracy    first: {_num(summary.get('eval_accuracy_first'))}   "
+        f"last: {_num(summary.get('eval_accuracy_last'))}"
+        + (f"   ({n} held-out prompts)" if n is not None else ""),
+    ]
+    ci = summary.get("eval_accuracy_last_ci95")
+    if isinstance(ci, list | tuple) and len(ci) == 2:
+        lines.append(f"  95% interval     last: {ci[0]:.3f} - {ci[1]:.3f}   (Wilson)")
+    for ch in LOSS_CHANNELS:
+        if summary.get(f"{ch.key}_first10") is not None:
+            label = f"loss ch{ch.number} {ch.label}"
+            lines.append(
+                f"  {label:<16} first 10%: {_num(summary.get(ch.key + '_first10'), 4)}   "
+                f"last 10%: {_num(summary.get(ch.key + '_last10'), 4)}"
+            )
+    if losses_rose(summary):
+        lines.append(f"  {LOSS_RISE_LINE}")
+    return lines
 
 
 def run_wall_seconds(driver: dict[str, Any]) -> float | None:
@@ -195,12 +259,19 @@ def _figure(title: str, ylabel: str, nrows: int = 1) -> tuple[Any, Any]:
     return fig, axes
 
 
-def _plot_series(ax: Any, series: dict[int, list[tuple[int, float]]], label: str = "") -> None:
+def _plot_series(
+    ax: Any, series: dict[int, list[tuple[int, float]]], legend: str = "replica {replica}"
+) -> None:
     for replica, points in series.items():
         xs, ys = zip(*points)
-        ax.plot(xs, ys, marker="." if len(xs) < 40 else None, label=f"{label}replica {replica}")
+        ax.plot(xs, ys, marker="." if len(xs) < 40 else None, label=legend.format(replica=replica))
     if series:
         ax.legend(fontsize=8)
+
+
+# The evaluator replica evaluates the global weights (identical on every replica after a
+# committed round): the line is the global model's, not that replica's own.
+EVAL_LEGEND = "global model (evaluated by replica {replica})"
 
 
 def draw_plots(records: list[dict[str, Any]], out_dir: Path) -> list[Path]:
@@ -235,7 +306,7 @@ def draw_plots(records: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     series = _series(records, "eval", "eval/accuracy")
     if series:
         fig, (ax,) = _figure("eval accuracy of the global model", "accuracy")
-        _plot_series(ax, series)
+        _plot_series(ax, series, EVAL_LEGEND)
         ax.set_ylim(-0.02, 1.02)
         save(fig, "eval_accuracy.png")
     seconds = _series(records, "round", "round/seconds")
@@ -367,6 +438,8 @@ def summary_markdown(
         f"{_fmt((summary.get('round_bytes_total') or 0) / 1e6, 2)} |",
         f"| wall time (s) | {_fmt(run_wall_seconds(driver) or summary.get('wall_seconds'), 1)} |",
     ]
+    if losses_rose(summary):
+        lines += ["", LOSS_RISE_NOTE]
     spent = summary.get("health_seconds")
     if spent:
         lines.append(

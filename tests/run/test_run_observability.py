@@ -43,7 +43,7 @@ def _fake_run(tmp_path: Path, n_steps: int = 20) -> tuple[RunFolder, ObjectStore
                 step=step,
                 round=step // 5,
                 reward=step / n_steps + 0.01 * rank,
-                **{"loss/grpo": 1.0 / step, "loss/replay": 0.5, "loss/total": 1.0},
+                **{"loss/grpo": 1.0 / step, "loss/replay": 0.4 + step / 100, "loss/total": 1.0},
             )
             if step % 5 == 0:
                 writer.log(
@@ -216,3 +216,34 @@ def test_a_run_whose_replicas_have_not_reported_yet_is_starting(tmp_path: Path) 
     assert health_summary(records)["health_seconds"] == {
         "starting": 20.0, "healthy": 480.0, "degraded": 0.0, "critical": 0.0
     }  # fmt: skip
+
+
+def test_report_prints_the_headline_numbers_and_labels_the_global_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """`report RUN` prints what `train` printed at the end (reward, held-out accuracy with its
+    interval, losses, and why channel 3 rising is expected); the accuracy plot's line is the
+    global model's."""
+    from composer_replication.cli import main
+    from composer_replication.run import report
+
+    folder, store = _fake_run(tmp_path)
+    MetricsCollector(store, 2, MetricsSink(folder.metrics, None), None).poll()
+    figures: list = []
+    original = report._figure
+
+    def recording(*args, **kwargs):  # type: ignore[no-untyped-def]
+        fig, axes = original(*args, **kwargs)
+        figures.append(axes)
+        return fig, axes
+
+    monkeypatch.setattr(report, "_figure", recording)
+    assert main(["report", str(folder.root)]) == 0
+    out = capsys.readouterr().out
+    assert "  mean reward      first 10%: 0.080   last 10%: 0.980" in out
+    assert "  eval accuracy    first: 0.125   last: 0.500" in out
+    assert "  loss ch3 replay  first 10%:" in out and report.LOSS_RISE_LINE in out
+    assert report.LOSS_RISE_NOTE in folder.summary.read_text()
+    (eval_axes,) = [a for a in figures if a[0].get_title() == "eval accuracy of the global model"]
+    legend = [t.get_text() for t in eval_axes[0].get_legend().get_texts()]
+    assert legend == ["global model (evaluated by replica 0)"]

@@ -76,6 +76,10 @@ def cmd_train(ns: argparse.Namespace) -> int:
             raise ConfigError(
                 f"--resume uses the run's stored config; drop {path!r} (overrides are allowed)"
             )
+        done = driver.finished_already(ns.resume, overrides)
+        if done is not None:
+            print(done)
+            return 0
         config, folder = driver.prepare_resume(ns.resume, overrides)
         result = driver.run(config, folder, resume=True)
     else:

@@ -66,9 +66,11 @@ from composer_replication.run.metrics import MetricsCollector, MetricsSink
 from composer_replication.run.progress import Progress, ReplicaRow, choose_mode
 from composer_replication.run.replica import ENV_GENERATION, ENV_STORAGE_OPTIONS
 from composer_replication.run.report import (
+    closed_attempts,
     headline_lines,
     run_wall_seconds,
     summarize,
+    wall_text,
     write_report,
 )
 from composer_replication.run.security import prepare_signing, writer_secrets
@@ -104,6 +106,30 @@ def resolve_run_folder(run: str, runs_dir: str = "runs") -> RunFolder:
     if path.is_dir():
         return RunFolder.at(path)
     return RunFolder.at(Path(runs_dir) / run)
+
+
+def finished_already(run: str, overrides: list[str]) -> str | None:
+    """What `train --resume RUN` says, and then exits 0 without launching anything, when RUN
+    has finished and the overrides ask for no more inner steps than it trained; None otherwise
+    (not finished, or a larger `train.max_steps`: the run trains on)."""
+    folder = resolve_run_folder(run)
+    if not folder.is_run():
+        return None
+    state = folder.read_driver()
+    if state.get("status") != "finished":
+        return None
+    tree = json.loads(folder.config_json.read_text())
+    trained = int(tree.get("train", {}).get("max_steps", 0))
+    if from_dict(RunConfig, apply_overrides(tree, overrides)).train.max_steps > trained:
+        return None
+    wall = wall_text(state)
+    return (
+        f"Run {folder.name} has already finished ({trained} inner steps"
+        + (f", {wall}" if wall else "")
+        + f"): nothing to resume. Report: {folder.summary}; final checkpoint: "
+        f"{folder.checkpoints / 'final'}. To train it longer: composer-replication train "
+        f"--resume {folder.root} train.max_steps=N (N > {trained})."
+    )
 
 
 def prepare_resume(run: str, overrides: list[str]) -> tuple[RunConfig, RunFolder]:
@@ -437,9 +463,10 @@ def run(
     t_start = time.monotonic()
     state = folder.read_driver()
     attempt = int(state.get("attempt", 0)) + 1
+    # The earlier attempts' wall times (one killed mid-run counts until its last update).
     folder.update_driver(
-        status="running", attempt=attempt, started=time.time(), ended=None, pid=os.getpid(),
-        host=socket.gethostname(),
+        status="running", attempt=attempt, attempts=closed_attempts(state), started=time.time(),
+        ended=None, updated=None, pid=os.getpid(), host=socket.gethostname(),
     )  # fmt: skip
 
     mode = choose_mode(config.logging.progress, stream)
@@ -536,6 +563,7 @@ def run(
             folder.update_driver(
                 replicas=[_handle_json(h) for h in handles],
                 metrics_chunks={str(k): v for k, v in collector.consumed.items()},
+                updated=time.time(),
             )
             failed = [h for h in handles if h.status.value == "failed"]
             if failed and not elastic:
@@ -584,7 +612,10 @@ def run(
             status = "failed"
             folder.update_driver(status=status, error="chaos check failed: see chaos.json")
     exit_code = {"finished": 0, "interrupted": 130}.get(status, 1)
-    # one wall time everywhere: driver start to end of training, as summary.md shows it
+    # one wall time everywhere: driver start to end of training, summed over the run's attempts
+    # (a resumed run's earlier launches count), as summary.md shows it
+    attempts = closed_attempts(folder.read_driver())
+    folder.update_driver(attempts=attempts)
     wall = run_wall_seconds(folder.read_driver())
     if wall is None:
         wall = time.monotonic() - t_start
@@ -592,7 +623,8 @@ def run(
     restarts = sum(h.restarts for h in handles)
     lost = [h.replica_id for h in handles if h.status.value == "failed"]
     folder.update_driver(lost=lost)
-    print(summary_text(folder, status, summary, config, wall, restarts, lost=len(lost)),
+    print(summary_text(folder, status, summary, config, wall, restarts, lost=len(lost),
+                       attempts=[a["seconds"] for a in attempts]),
           file=stream, flush=True)  # fmt: skip
     return TrainResult(folder=folder, exit_code=exit_code, status=status, summary=summary)
 
@@ -847,12 +879,19 @@ def summary_text(
     restarts: int = 0,
     *,
     lost: int = 0,
+    attempts: list[float] | None = None,
 ) -> str:
-    """The lines `train` prints at the end (headline numbers and where to look)."""
+    """The lines `train` prints at the end (headline numbers and where to look). `attempts`:
+    the wall seconds of each launch of a resumed run (`wall` is their sum)."""
+    per_attempt = ""
+    if attempts and len(attempts) > 1:
+        per_attempt = (
+            f" over {len(attempts)} attempts ({' + '.join(f'{a:.1f}' for a in attempts)} s)"
+        )
     lines = [
         f"Run {folder.name}: {status}"
         + (f", {lost} replica{'s' if lost != 1 else ''} lost" if lost else "")
-        + (f" after {wall:.1f} s" if wall is not None else "")
+        + (f" after {wall:.1f} s{per_attempt}" if wall is not None else "")
         + f" ({config.backend.n_replicas} replicas, {summary.get('rounds', 0)} outer rounds, "
         f"{summary.get('steps', 0)} inner steps each"
         + (f", {restarts} replica restart{'s' if restarts != 1 else ''}" if restarts else "")

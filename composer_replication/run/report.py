@@ -169,13 +169,44 @@ def headline_lines(summary: dict[str, Any], *, eval_n: int | None = None) -> lis
     return lines
 
 
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def closed_attempts(driver: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every launch of the run with its wall time, oldest first: driver.json's `attempts`, plus
+    the current attempt once it has an end (`ended`; for a driver that was killed, its last
+    `updated`). Each: ``{"attempt", "started", "ended", "seconds", "status"}``."""
+    attempts = [a for a in driver.get("attempts") or []
+                if isinstance(a, dict) and _number(a.get("seconds")) is not None]  # fmt: skip
+    current = driver.get("attempt")
+    started = _number(driver.get("started"))
+    ended = _number(driver.get("ended"))
+    ended = ended if ended is not None else _number(driver.get("updated"))
+    recorded = {a.get("attempt") for a in attempts}
+    if started is not None and ended is not None and ended >= started and current not in recorded:
+        attempts.append({"attempt": current, "started": started, "ended": ended,
+                         "seconds": ended - started, "status": driver.get("status")})  # fmt: skip
+    return attempts
+
+
 def run_wall_seconds(driver: dict[str, Any]) -> float | None:
     """The run's one wall time: from the driver's start to the end of training (driver.json's
-    `started` / `ended`), what the printout and summary.md both show."""
-    started, ended = driver.get("started"), driver.get("ended")
-    if isinstance(started, int | float) and isinstance(ended, int | float) and ended >= started:
-        return float(ended - started)
-    return None
+    `started` / `ended`), summed over the run's attempts (a resumed run's earlier launches
+    count: `closed_attempts`); what the printout and summary.md both show."""
+    seconds = [float(a["seconds"]) for a in closed_attempts(driver)]
+    return sum(seconds) if seconds else None
+
+
+def wall_text(driver: dict[str, Any]) -> str:
+    """ "651.0 s over 2 attempts (616.2 + 34.8 s)", "616.2 s", or "" when unknown."""
+    seconds = [float(a["seconds"]) for a in closed_attempts(driver)]
+    if not seconds:
+        return ""
+    if len(seconds) == 1:
+        return f"{seconds[0]:.1f} s"
+    return (f"{sum(seconds):.1f} s over {len(seconds)} attempts "
+            f"({' + '.join(f'{s:.1f}' for s in seconds)} s)")  # fmt: skip
 
 
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -436,7 +467,7 @@ def summary_markdown(
         f"| mean outer-round time (s) | {_fmt(summary.get('round_seconds_mean'))} |",
         f"| store traffic, all replicas (MB) | "
         f"{_fmt((summary.get('round_bytes_total') or 0) / 1e6, 2)} |",
-        f"| wall time (s) | {_fmt(run_wall_seconds(driver) or summary.get('wall_seconds'), 1)} |",
+        f"| wall time | {wall_text(driver) or _fmt(summary.get('wall_seconds'), 1) + ' s'} |",
     ]
     if losses_rose(summary):
         lines += ["", LOSS_RISE_NOTE]

@@ -215,3 +215,33 @@ def test_resume_refuses_a_run_that_is_still_running(
     assert main(["train", "--resume", "busy", "run.name=other"]) == 2
     assert "run.name cannot change on resume" in capsys.readouterr().err
     assert _tree(tmp_path) == before
+
+
+def test_resume_of_a_finished_run_says_so_and_launches_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """`train --resume` of a finished run: exit 0 with a message, nothing written (its wall
+    time stays); with a larger train.max_steps it trains on."""
+    import json
+
+    from composer_replication.config import load_config, to_dict
+    from composer_replication.run.driver import finished_already
+
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "runs" / "done"
+    run.mkdir(parents=True)
+    config = load_config(overrides=["run.name=done", f"store.uri={(run / 'store').as_uri()}/"])
+    (run / "config.json").write_text(json.dumps(to_dict(config)))
+    driver = {"status": "finished", "attempt": 1, "started": 1000.0, "ended": 1616.2,
+              "wall_seconds": 616.2}  # fmt: skip
+    (run / "driver.json").write_text(json.dumps(driver))
+    before = _tree(tmp_path)
+    assert main(["train", "--resume", "done"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("Run done has already finished (900 inner steps, 616.2 s): nothing to")
+    assert "train.max_steps=N (N > 900)" in out
+    assert main(["train", "--resume", "done", "train.max_steps=900"]) == 0
+    assert _tree(tmp_path) == before
+    # More steps: the run trains on (the resume is not stopped here).
+    assert finished_already("done", ["train.max_steps=1000"]) is None
+    assert finished_already("done", []) is not None

@@ -232,22 +232,28 @@ def _check_invocation(block: Block, args: list[str]) -> None:
         command = command[:1]
     if command not in RESOLVING:
         return
-    path = None
-    if positional and "=" not in positional[0]:
-        path = positional.pop(0)
+    paths: list[str | None] = []
+    # `config validate` takes any number of files; the others one at most.
+    while positional and "=" not in positional[0] and (command == ("config", "validate")
+                                                       or not paths):  # fmt: skip
+        paths.append(positional.pop(0))
     loose = [a for a in positional if "=" not in a]
     assert not loose, f"{block.id}: `{shown}`: {loose[0]!r} is neither a config nor key=value"
-    if path is not None:
+    for i, path in enumerate(paths):
         assert not getattr(ns, "resume", None), (
             f"{block.id}: `{shown}`: --resume takes no config file"
         )
-        assert (ROOT / path).is_file(), f"{block.id}: `{shown}`: {path} is not a file in the repo"
-        path = str(ROOT / path)
-    try:
-        # With --resume the run's stored config is used; the overrides must still be real keys.
-        load_config(path, positional)
-    except ConfigError as exc:
-        pytest.fail(f"{block.id}: `{shown}`: the config does not resolve: {exc}")
+        assert (ROOT / str(path)).is_file(), (
+            f"{block.id}: `{shown}`: {path} is not a file in the repo"
+        )
+        paths[i] = str(ROOT / str(path))
+    for path in paths or [None]:
+        try:
+            # With --resume the run's stored config is used; the overrides must still be real
+            # keys.
+            load_config(path, positional)
+        except ConfigError as exc:
+            pytest.fail(f"{block.id}: `{shown}`: the config does not resolve: {exc}")
 
 
 CHEAP_PROGRAMS = {"echo", "cat", "head", "tail", "grep", "wc", "sort", "ls", "true"}

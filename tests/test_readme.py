@@ -28,13 +28,20 @@ def test_readme_opens_with_the_two_commands() -> None:
 
 
 @pytest.mark.slow
-def test_readme_example_trains(tmp_path: Path) -> None:
-    # The README's own text, with a shorter budget and a private store so the test is quick and
-    # isolated.
-    run_doc_block(
-        "README.md", "make_diloco_outer_loop(", cwd=tmp_path, timeout=280,
-        replace={"max_steps=40": "max_steps=2",
-                 "file:///tmp/run42/": (tmp_path / "store").as_uri() + "/"},
-        env={"WORLD_SIZE": "1", "REPLICA_RANK": "0"},
-    )  # fmt: skip
+def test_readme_example_trains_on_a_fresh_store_each_time(tmp_path: Path) -> None:
+    """The README's own text, with a shorter budget: run twice, it trains twice from scratch,
+    each time in a new store (a fixed store path made the second run continue the first)."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    for _ in range(2):
+        run_doc_block(
+            "README.md", "make_diloco_outer_loop(", cwd=tmp_path, timeout=280,
+            replace={"max_steps=40": "max_steps=2", "sync_every_h=10": "sync_every_h=1"},
+            env={"WORLD_SIZE": "1", "REPLICA_RANK": "0", "TMPDIR": str(tmp)},
+        )  # fmt: skip
+    stores = sorted(tmp.glob("composer-run-*"))
+    assert len(stores) == 2
+    for store in stores:  # rounds 1 and 2 on top of the initial global state, in each
+        states = sorted(p.name for p in (store / "states" / "global").glob("*.safetensors"))
+        assert states == [f"{k:010d}.safetensors" for k in range(3)]
     assert (tmp_path / "runs" / "example").is_dir()

@@ -45,3 +45,11 @@ def test_readme_example_trains_on_a_fresh_store_each_time(tmp_path: Path) -> Non
         states = sorted(p.name for p in (store / "states" / "global").glob("*.safetensors"))
         assert states == [f"{k:010d}.safetensors" for k in range(3)]
     assert (tmp_path / "runs" / "example").is_dir()
+
+
+def test_readme_quotes_the_measured_figures_the_run_prints() -> None:
+    """The README's demo figures are run/expected.py's (what `train` prints when it starts the
+    embedded default): ranges over seeds and machines, wall time with its load."""
+    from composer_replication.run.expected import readme_sentence
+
+    assert " ".join(readme_sentence().split()) in " ".join(README.split())

@@ -61,6 +61,7 @@ from composer_replication.executors import registry
 from composer_replication.executors.base import ReplicaHandle, ServerlessExecutor
 from composer_replication.run import preflight
 from composer_replication.run.checkpoint import mirror_checkpoints
+from composer_replication.run.expected import expected_lines
 from composer_replication.run.folder import RunFolder, default_run_name
 from composer_replication.run.metrics import MetricsCollector, MetricsSink
 from composer_replication.run.progress import Progress, ReplicaRow, choose_mode
@@ -482,6 +483,9 @@ def run(
     if resumed_at is not None:
         progress.message(f"Resuming at outer round {resumed_at} (the newest round every replica "
                          "saved its exact state for)")  # fmt: skip
+    if not resume:
+        for line in expected_lines(config):  # the embedded default's measured ranges
+            progress.message(line)
     sink = MetricsSink(folder.metrics, folder.tensorboard if config.logging.tensorboard else None)
     consumed = {int(k): int(v) for k, v in (state.get("metrics_chunks") or {}).items()}
     collector = MetricsCollector(store, config.backend.n_replicas, sink, consumed)

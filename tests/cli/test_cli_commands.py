@@ -144,9 +144,7 @@ def test_config_show_and_validate(
     assert not (tmp_path / "runs").exists()
 
 
-def test_config_validate_takes_several_files(
-    tmp_path: Path, capsys: pytest.CaptureFixture
-) -> None:
+def test_config_validate_takes_several_files(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """`config validate a.toml b.toml ... overrides`: each file checked, the overrides applied
     to each, one line per file; any failure exits 2 naming its file, after the others ran."""
     good = tmp_path / "good.toml"

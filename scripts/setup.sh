@@ -22,7 +22,7 @@ fi
 # A torch already in .venv of the other build is removed first: `torch==2.13.0` (the CUDA
 # requirement) is satisfied by 2.13.0+cpu, so pip would keep it.
 if .venv/bin/python -c "import torch" >/dev/null 2>&1; then
-  if ! .venv/bin/python - "$TORCH_CHOICE" <<'PY'
+  if ! .venv/bin/python -W ignore - "$TORCH_CHOICE" <<'PY'
 import sys
 import torch
 has_cuda = torch.version.cuda is not None
@@ -56,7 +56,7 @@ PY
     ;;
 esac
 .venv/bin/python -m pip install --quiet "$TORCH_REQUIREMENT" ${INDEX_ARGS[@]+"${INDEX_ARGS[@]}"}
-.venv/bin/python - "$TORCH_CHOICE" <<'PY'
+.venv/bin/python -W ignore - "$TORCH_CHOICE" <<'PY'
 import sys
 import torch
 cuda = torch.version.cuda

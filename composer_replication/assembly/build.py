@@ -125,9 +125,9 @@ def load_tokenizer(name: str, *, trust_remote_code: bool = False) -> Any:
     One exception, for local folders only: a folder whose `tokenizer_config.json` records a
     generic fast tokenizer (`TokenizersBackend` / `PreTrainedTokenizerFast`: how checkpoints of
     this project were saved before their tokenizers became `Qwen2Tokenizer`s) is loaded as that
-    class, from its `tokenizer.json` as written, with a warning: for a Qwen2 model `AutoTokenizer`
-    would rebuild it as a `Qwen2Tokenizer` that drops the spaces and newlines of the tiny
-    model's vocabulary.
+    class, from its `tokenizer.json` as written (never a loss), with a warning: for a Qwen2 model
+    `AutoTokenizer` would rebuild it as a `Qwen2Tokenizer`, which drops the spaces and newlines
+    of the tiny model's old vocabulary.
     """
     from transformers import AutoTokenizer
 
@@ -139,10 +139,11 @@ def load_tokenizer(name: str, *, trust_remote_code: bool = False) -> Any:
         from transformers import PreTrainedTokenizerFast
 
         logger.warning(
-            "%s records tokenizer class %s, but AutoTokenizer.from_pretrained builds a %s "
-            "from it, which encodes differently; loading it as %s instead. Re-save the folder's "
-            "tokenizer with this version (or train again) so that AutoTokenizer loads it as is.",
-            name, recorded, type(tok).__name__, recorded,
+            "%s records tokenizer class %s, but AutoTokenizer.from_pretrained builds a %s from "
+            "it (transformers overrides the class for this model type), which may encode "
+            "differently; loading its tokenizer.json as written instead. Elsewhere, load it with "
+            "PreTrainedTokenizerFast.from_pretrained(%r).",
+            name, recorded, type(tok).__name__, name,
         )  # fmt: skip
         tok = PreTrainedTokenizerFast.from_pretrained(name)
     return tok

@@ -199,7 +199,7 @@ def bad_tree(tmp_path: Path) -> Path:
         "trainer/__init__.py": "",
         "trainer/trainer.py": "from composer_replication.loss._logprobs import x\n",
         "exchange/__init__.py": "",
-        "exchange/manager.py": "from composer_replication.diloco.outer_loop import DiLoCoOuterLoop\n",
+        "exchange/store_manager.py": "from composer_replication.diloco.outer_loop import DiLoCoOuterLoop\n",
         "diloco/__init__.py": "",
         "diloco/outer_loop.py": "import composer_replication.run.replica\n",
         "diloco/serverless/__init__.py": "_LAZY = {'x': 'composer_replication.run.replica'}\n",
@@ -221,7 +221,7 @@ def test_the_checker_names_each_bad_import(bad_tree: Path):
         "composer_replication.loss.compose -> composer_replication.trainer"
     ]
     assert violations({"exchange"}, {"diloco"}, bad_tree) == [
-        "composer_replication.exchange.manager -> composer_replication.diloco.outer_loop"
+        "composer_replication.exchange.store_manager -> composer_replication.diloco.outer_loop"
     ]
     assert violations({"executors"}, {"exchange"}, bad_tree) == [
         "composer_replication.executors.local -> composer_replication.exchange"

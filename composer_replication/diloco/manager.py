@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 import torch.distributed as dist
 
-from composer_replication.exchange.manager import RoundRecord
 from composer_replication.exchange.outer_state import LoadStateFn, SaveStateFn
+from composer_replication.exchange.store_manager import RoundRecord
 
 __all__ = ["DiLoCoSurface", "Manager", "RoundRecord"]
 
@@ -85,7 +85,7 @@ class Manager(DiLoCoSurface, Protocol):
 
 if TYPE_CHECKING:  # mypy proves that both implementations satisfy the protocol
     from composer_replication.diloco.torchft_path import TorchFTManager
-    from composer_replication.exchange.manager import ObjectStoreManager
+    from composer_replication.exchange.store_manager import ObjectStoreManager
 
     def _implementations(a: ObjectStoreManager, b: TorchFTManager) -> tuple[Manager, Manager]:
         return a, b

@@ -64,7 +64,6 @@ import torch.distributed as dist
 
 from composer_replication.diloco.manager import DiLoCoSurface, Manager
 from composer_replication.exchange.documents import RunDocuments
-from composer_replication.exchange.manager import RoundRecord, round_record
 from composer_replication.exchange.outer_state import (
     LoadStateFn,
     OuterState,
@@ -75,6 +74,7 @@ from composer_replication.exchange.outer_state import (
     publish_outer_state,
 )
 from composer_replication.exchange.state import model_fingerprint
+from composer_replication.exchange.store_manager import RoundRecord, round_record
 
 __all__ = [
     "TorchFTManager",

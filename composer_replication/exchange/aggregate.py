@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from composer_replication.exchange import codecs
-from composer_replication.exchange.protocol import Contribution, dtype_name
+from composer_replication.exchange.vocabulary import Contribution, dtype_name
 
 CHUNK = 1 << 20  # elements per coordinate-wise slice (n ranks x 4 MiB of float32)
 

@@ -52,22 +52,15 @@ from typing import Any
 
 import torch
 
-from composer_replication.exchange import codecs, wire
+from composer_replication.exchange import checksums, codecs
 from composer_replication.exchange.aggregate import average_in_rank_order, check_inputs
 from composer_replication.exchange.documents import RunDocuments
 from composer_replication.exchange.liveness import REPLICA_ROLE, read_departure
 from composer_replication.exchange.protocol import (
     HEAD_KEY,
-    Contribution,
-    CorruptContributionError,
-    ExchangeCancelledError,
-    ModelMismatchError,
-    StepResult,
-    StoreTimeoutError,
     commit_key,
     contrib_key,
     decode_contribution,
-    dtype_name,
     encode_contribution,
     make_commit,
     owner_key,
@@ -87,6 +80,15 @@ from composer_replication.exchange.robust import (
 from composer_replication.exchange.signing import RunKeys
 from composer_replication.exchange.state import model_fingerprint
 from composer_replication.exchange.store import ObjectStore
+from composer_replication.exchange.vocabulary import (
+    Contribution,
+    CorruptContributionError,
+    ExchangeCancelledError,
+    ModelMismatchError,
+    StepResult,
+    StoreTimeoutError,
+    dtype_name,
+)
 from composer_replication.exchange.wire import Buffer
 
 __all__ = [
@@ -214,7 +216,7 @@ class ObjectStoreAllReduce(RunDocuments):
         if keys is not None:
             checksum = "sha256"  # xxh3-128 is not collision resistant: a signature must bind
         self.checksum = (
-            wire.default_checksum() if checksum is None else wire.check_checksum(checksum)
+            checksums.default_checksum() if checksum is None else checksums.check_checksum(checksum)
         )
         self.policy = policy
         self.loss_probe = loss_probe

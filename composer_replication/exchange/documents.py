@@ -15,25 +15,21 @@ import json
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from composer_replication.exchange import state as state_mod
-from composer_replication.exchange.protocol import (
+from composer_replication.exchange.protocol import commit_key, parse_step_dir
+from composer_replication.exchange.robust import screen_state
+from composer_replication.exchange.signing import RunKeys, SignatureError
+from composer_replication.exchange.store import Store
+from composer_replication.exchange.vocabulary import (
     CorruptContributionError,
     ExchangeCancelledError,
     ModelMismatchError,
     StoreTimeoutError,
-    commit_key,
-    parse_step_dir,
 )
-from composer_replication.exchange.robust import screen_state
-from composer_replication.exchange.signing import SignatureError
-from composer_replication.exchange.store import Store
-
-if TYPE_CHECKING:
-    from composer_replication.exchange.signing import RunKeys
 
 log = logging.getLogger(__name__)
 

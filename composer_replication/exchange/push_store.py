@@ -50,18 +50,17 @@ from typing import Any
 
 import torch
 
-from composer_replication.exchange import codecs, wire
+from composer_replication.exchange import checksums, codecs, wire
 from composer_replication.exchange import state as state_mod
-from composer_replication.exchange.protocol import (
+from composer_replication.exchange.protocol import decode_contribution, encode_contribution
+from composer_replication.exchange.store import Store
+from composer_replication.exchange.vocabulary import (
     DTYPES,
     Contribution,
     CorruptContributionError,
     ModelMismatchError,
-    decode_contribution,
     dtype_name,
-    encode_contribution,
 )
-from composer_replication.exchange.store import Store
 
 __all__ = [
     "FINAL_KEY",
@@ -353,7 +352,7 @@ def parse_merge(raw: wire.Buffer, *, fragment: int, version: int) -> dict[str, A
                 and entry["weight"] >= 0
                 and isinstance(entry.get("checksum"), dict)
                 and set(entry["checksum"]) == {"algo", "value"}
-                and entry["checksum"]["algo"] in wire.CHECKSUMS
+                and entry["checksum"]["algo"] in checksums.CHECKSUMS
                 and isinstance(entry["checksum"]["value"], str)
                 and entry["push"] in r["consumed"]
             )
@@ -383,7 +382,7 @@ class DecoupledStore:
                 "count twice; use fp32/bf16/int8/4bit, or mode 'sync' for SparseLoCo"
             )
         self.checksum = (
-            wire.default_checksum() if checksum is None else wire.check_checksum(checksum)
+            checksums.default_checksum() if checksum is None else checksums.check_checksum(checksum)
         )
 
     @property

@@ -35,7 +35,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from composer_replication.exchange.protocol import CorruptContributionError
+from composer_replication.exchange.vocabulary import CorruptContributionError
 
 __all__ = [
     "DRIVER",

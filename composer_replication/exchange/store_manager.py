@@ -63,12 +63,12 @@ from composer_replication.exchange.outer_state import (
     state_nbytes,
     wait_for_outer_state,
 )
-from composer_replication.exchange.protocol import (
+from composer_replication.exchange.state import model_fingerprint
+from composer_replication.exchange.vocabulary import (
     CorruptContributionError,
     StepResult,
     StoreTimeoutError,
 )
-from composer_replication.exchange.state import model_fingerprint
 
 __all__ = ["MockManager", "ObjectStoreManager", "RoundRecord", "round_record"]
 

@@ -115,15 +115,16 @@ def average_in_rank_order(
     for r in ranks:
         c = contributions.pop(r)
         coefficient = None if equal else commit["weights"][r] * scales.get(r, 1.0)
-        if c.codec != "fp32" or not equal:  # decode and weight into the accumulator, streaming
+        codec = codecs.get(c.codec)
+        if not codec.zero_copy_decode or not equal:  # decode and weight into the accumulator
             for name, shape, parts in c.encoded():
-                if name in pending:  # an fp32 first addend (mixed codecs): start from a copy
+                if name in pending:  # a zero-copy first addend (mixed codecs): start from a copy
                     acc[name] = pending.pop(name).clone()
                 fresh = name not in acc
                 if fresh:
                     acc[name] = torch.empty(shape, dtype=torch.float32)
-                codecs.decode_into(
-                    parts, c.codec, acc[name].view(-1), accumulate=not fresh, weight=coefficient
+                codec.decode_into(
+                    parts, acc[name].view(-1), accumulate=not fresh, weight=coefficient
                 )
             del c
             continue

@@ -212,6 +212,7 @@ class ObjectStoreAllReduce(RunDocuments):
         if sparse is not None and not isinstance(sparse, codecs.SparseSpec):
             raise TypeError(f"sparse must be a SparseSpec, got {type(sparse).__name__}")
         self.sparse = sparse if sparse is not None else codecs.SparseSpec()
+        self._codec = codecs.configured(self.codec, self.sparse)  # what this replica sends
         # what this replica writes; readers verify whatever algorithm each header names
         if keys is not None:
             checksum = "sha256"  # xxh3-128 is not collision resistant: a signature must bind
@@ -288,8 +289,8 @@ class ObjectStoreAllReduce(RunDocuments):
         before = self.store.requests.snapshot()
         if self.world_size == 1:
             self.last_result = StepResult(step, [0], [], {0: 1.0}, 0, 0, 0.0, self.codec, 0)
-            if self.codec == codecs.SPARSE:  # the "average" of one replica is its message
-                return {n: self._sparse_round_trip(t) for n, t in tensors.items()}
+            if self._codec.needs_error_feedback:  # the "average" of one replica is its message
+                return {n: self._round_trip(t) for n, t in tensors.items()}
             return dict(tensors)
         if self.rank is None:
             raise ValueError(
@@ -328,10 +329,10 @@ class ObjectStoreAllReduce(RunDocuments):
         )
         return result
 
-    def _sparse_round_trip(self, t: torch.Tensor) -> torch.Tensor:
-        """What a lone replica's sparseloco message decodes to (shape, dtype, device of t)."""
+    def _round_trip(self, t: torch.Tensor) -> torch.Tensor:
+        """What a lone replica's message decodes to (shape, dtype, device of t)."""
         flat = torch.empty(t.numel(), dtype=torch.float32)
-        codecs.decode_into(codecs.encode(t, codecs.SPARSE, self.sparse), codecs.SPARSE, flat)
+        self._codec.decode_into(self._codec.encode(t), flat)
         return flat.view(t.shape).to(dtype=t.dtype, device=t.device)
 
     def _check_cancel_and_run(self, step: int) -> None:

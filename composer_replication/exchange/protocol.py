@@ -162,10 +162,11 @@ def encode_contribution(
     if keys is not None:
         checksum = "sha256"
     algo = checksums.default_checksum() if checksum is None else checksums.check_checksum(checksum)
+    encoder = codecs.configured(codec, sparse)
     names = sorted(tensors)
     parts: dict[str, torch.Tensor] = {}
     for i, name in enumerate(names):
-        for part, t in codecs.encode(tensors[name], codec, sparse).items():
+        for part, t in encoder.encode(tensors[name]).items():
             parts[f"t{i}.{part}"] = t
     entries, buffers = wire.layout(parts)
     digest = checksums.digest(buffers, algo)
@@ -294,10 +295,11 @@ def decode_contribution(
         raise CorruptContributionError(f"{what}: cannot verify its checksum: {e}") from None
     if actual != value:
         raise CorruptContributionError(f"{what}: {algo} checksum mismatch (corrupted payload)")
+    codec = codecs.get(h["codec"])
     expected: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
     for i, shape in enumerate(shapes):
         try:  # sparseloco parts describe their layout in part "m" (checked here)
-            want = codecs.expected_parts(h["codec"], math.prod(shape), parts.get(f"t{i}.m"))
+            want = codec.expected_parts(math.prod(shape), parts.get(f"t{i}.m"))
         except ValueError as e:
             raise CorruptContributionError(f"{what}: tensor {names[i]!r}: {e}") from None
         for part, spec in want.items():
@@ -311,7 +313,7 @@ def decode_contribution(
         h.get("writer"),
     )  # fmt: skip
     for name, shape, encoded in contrib.encoded():  # scales/offsets: a few values per 2048
-        why = codecs.check_parts(encoded, contrib.codec, math.prod(shape))
+        why = codec.check_parts(encoded, math.prod(shape))
         if why is not None:
             raise CorruptContributionError(f"{what}: tensor {name!r}: {why}")
     return contrib

@@ -374,12 +374,13 @@ class DecoupledStore:
     def __init__(self, store: Store, *, codec: str = "fp32", checksum: str | None = None) -> None:
         self.store = store
         self.codec = codecs.check_codec(codec)
-        if self.codec == codecs.SPARSE:
+        if codecs.get(codec).needs_error_feedback:
+            usable = [c for c in codecs.CODECS if not codecs.get(c).needs_error_feedback]
             raise ValueError(
-                "codec 'sparseloco' is not for decoupled pushes: it drops most of each push and "
+                f"codec {codec!r} is not for decoupled pushes: it drops most of each push and "
                 "relies on the sender's error feedback, which decoupled pushes (each the whole "
                 "change since the learner's base version, possibly replaced in the queue) would "
-                "count twice; use fp32/bf16/int8/4bit, or mode 'sync' for SparseLoCo"
+                f"count twice; use {'/'.join(usable)}, or mode 'sync' for this codec"
             )
         self.checksum = (
             checksums.default_checksum() if checksum is None else checksums.check_checksum(checksum)

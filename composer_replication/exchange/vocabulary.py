@@ -130,7 +130,8 @@ class Contribution:
 
     def decode(self) -> dict[str, torch.Tensor]:
         """name -> float32 tensor of the original shape (pure function of the stored parts)."""
+        codec = codecs.get(self.codec)
         return {
-            name: codecs.decode(parts, self.codec, math.prod(shape)).view(shape)
+            name: codec.decode(parts, math.prod(shape)).view(shape)
             for name, shape, parts in self.encoded()
         }

@@ -79,7 +79,7 @@ from composer_replication.exchange.robust import (
 )
 from composer_replication.exchange.signing import RunKeys
 from composer_replication.exchange.state import model_fingerprint
-from composer_replication.exchange.store import ObjectStore
+from composer_replication.exchange.store import ObjectStore, Store, normalize_uri
 from composer_replication.exchange.vocabulary import (
     Contribution,
     CorruptContributionError,
@@ -126,7 +126,9 @@ class ObjectStoreAllReduce(RunDocuments):
     ``sparse``: what codec ``"sparseloco"`` keeps of this replica's tensors (`sparse.SparseSpec`:
     density, chunk, bits; None: its defaults). Its payloads describe their own layout, so
     readers decode whatever a peer sent (validated); error feedback is the caller's
-    (``diloco/sparseloco.py``).
+    (``diloco/sparseloco.py``). ``store``: the `store.Store` of ``uri`` to use (e.g. a
+    `faulty_store.FaultyStore` that injects faults; None: a new ``ObjectStore(uri,
+    storage_options)``).
     """
 
     def __init__(
@@ -152,6 +154,7 @@ class ObjectStoreAllReduce(RunDocuments):
         sparse: codecs.SparseSpec | None = None,
         departure_poll_s: float = 1.0,
         fence: Callable[[], None] | None = None,
+        store: Store | None = None,
     ) -> None:
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
@@ -200,8 +203,17 @@ class ObjectStoreAllReduce(RunDocuments):
                 "writer_secret must be bytes of length >= 16 (e.g. os.urandom(32)), or None for "
                 "a random secret per process"
             )
+        if store is None:
+            store = ObjectStore(uri, storage_options)
+        elif store.uri != normalize_uri(uri):
+            raise ValueError(f"store= is a store of {store.uri}, not of uri={uri!r}")
+        elif storage_options:
+            raise ValueError(
+                "storage_options configure the store built here; with store= they belong to "
+                "that store"
+            )
         super().__init__(
-            ObjectStore(uri, storage_options),
+            store,
             world_size=world_size,
             codec=codecs.check_codec(codec),
             keep_steps=keep_steps,

@@ -71,6 +71,7 @@ from composer_replication.exchange.protocol import (
 from composer_replication.exchange.robust import (
     AggregatePolicy,
     Candidate,
+    Decision,
     LossProbe,
     TensorStats,
     screen,
@@ -81,6 +82,7 @@ from composer_replication.exchange.signing import RunKeys
 from composer_replication.exchange.state import model_fingerprint
 from composer_replication.exchange.store import ObjectStore, Store, normalize_uri
 from composer_replication.exchange.vocabulary import (
+    CommitRecord,
     Contribution,
     CorruptContributionError,
     ExchangeCancelledError,
@@ -376,7 +378,7 @@ class ObjectStoreAllReduce(RunDocuments):
         tokens: int | None,
         inner_steps: int | None,
     ) -> tuple[
-        dict[str, torch.Tensor], dict[str, Any], int, int, str | None, tuple[float, float, float]
+        dict[str, torch.Tensor], CommitRecord, int, int, str | None, tuple[float, float, float]
     ]:
         """(merged tensors, commit record, bytes up, bytes down, why our slot was squatted,
         seconds spent (uploading, waiting for the peers, merging))."""
@@ -385,10 +387,17 @@ class ObjectStoreAllReduce(RunDocuments):
         ref = {n: (list(t.shape), dtype_name(t.dtype)) for n, t in tensors.items()}
         writer = self.writer_id(step)
         payload, own = encode_contribution(
-            tensors, rank=self.rank, step=step, tokens=tokens, inner_steps=inner_steps,
-            codec=self.codec, checksum=self.checksum, writer=writer, keys=self.keys,
+            tensors,
+            rank=self.rank,
+            step=step,
+            tokens=tokens,
+            inner_steps=inner_steps,
+            codec=self.codec,
+            checksum=self.checksum,
+            writer=writer,
+            keys=self.keys,
             sparse=self.sparse,
-        )  # fmt: skip
+        )
         up = down = 0
         valid: dict[int, Contribution] = {}
         rejected: dict[int, str] = {}
@@ -434,8 +443,9 @@ class ObjectStoreAllReduce(RunDocuments):
                     break
                 down += self._poll_slots(step, ref, valid, rejected, unconfirmed)
                 if time.monotonic() >= next_departure_poll:
-                    self._poll_departures(step, valid, rejected, departed,
-                                          first=next_departure_poll == t_in)  # fmt: skip
+                    self._poll_departures(
+                        step, valid, rejected, departed, first=next_departure_poll == t_in
+                    )
                     next_departure_poll = time.monotonic() + self.departure_poll_s
             except (OSError, RuntimeError) as e:  # transient store errors: retry until deadline
                 last_error = f"; last store error: {e!r}"
@@ -497,8 +507,9 @@ class ObjectStoreAllReduce(RunDocuments):
                 if commit is not None:
                     break
                 self._check_not_stale(step, listing=True)
-                missing = sorted(set(range(self.world_size)) - valid.keys() - rejected.keys()
-                                 - departed.keys())  # fmt: skip
+                missing = sorted(
+                    set(range(self.world_size)) - valid.keys() - rejected.keys() - departed.keys()
+                )
                 error = StoreTimeoutError if not settled else CorruptContributionError
                 raise error(
                     f"step {step}: timeout_s={self.timeout_s} elapsed with {len(valid)} valid "
@@ -535,13 +546,20 @@ class ObjectStoreAllReduce(RunDocuments):
     ) -> None:
         """Read the departure records of the ranks still missing (by key, no listing); at the
         first poll of a step only those of ranks already known to be departed."""
-        pending = [r for r in range(self.world_size)
-                   if r not in valid and r not in rejected and r not in departed
-                   and r != self.rank and (not first or r in self._known_departed)]  # fmt: skip
+        pending = [
+            r
+            for r in range(self.world_size)
+            if r not in valid
+            and r not in rejected
+            and r not in departed
+            and r != self.rank
+            and (not first or r in self._known_departed)
+        ]
         if not pending:
             return
-        reasons = list(self._pool().map(lambda r: read_departure(self.store, REPLICA_ROLE, r),
-                                        pending))  # fmt: skip
+        reasons = list(
+            self._pool().map(lambda r: read_departure(self.store, REPLICA_ROLE, r), pending)
+        )
         for r, why in zip(pending, reasons):
             if why is None:
                 self._known_departed.discard(r)  # it is back (a restarted incarnation)
@@ -603,9 +621,10 @@ class ObjectStoreAllReduce(RunDocuments):
         """Fetch the slots not yet judged, by key (no listing); returns the bytes read."""
         down = 0
         pending = [
-            r for r in range(self.world_size)
+            r
+            for r in range(self.world_size)
             if r not in valid and r not in rejected and r not in unconfirmed
-        ]  # fmt: skip
+        ]
         for r, (c, nbytes) in zip(pending, self._fetch_many(step, pending, ref)):
             down += nbytes
             if isinstance(c, Contribution):
@@ -644,7 +663,7 @@ class ObjectStoreAllReduce(RunDocuments):
         rejected: dict[int, str],
         unconfirmed: dict[int, Contribution],
         stats: dict[int, TensorStats],
-    ) -> tuple[dict[int, Contribution], dict[int, str], list[Any]] | None:
+    ) -> tuple[dict[int, Contribution], dict[int, str], list[Decision]] | None:
         """The committer's screening: (included, excluded with reasons, decisions), or None
         when fewer than ``min_replicas`` pass (the caller waits or fails)."""
         excluded = {r: "missing (not uploaded in time)" for r in range(self.world_size)}
@@ -685,7 +704,7 @@ class ObjectStoreAllReduce(RunDocuments):
                 excluded.pop(r)
         return chosen, excluded, decisions
 
-    def _read_commit(self, step: int) -> dict[str, Any] | None:
+    def _read_commit(self, step: int) -> CommitRecord | None:
         raw = self.store.get(commit_key(step))
         if raw is None:
             return None
@@ -697,7 +716,7 @@ class ObjectStoreAllReduce(RunDocuments):
 
     def _write_head(self, step: int) -> None:
         """Overwrite the head hint with ``step`` (the committer, after its commit record)."""
-        record: dict[str, Any] = {"kind": "head", "step": step}
+        record: dict[str, object] = {"kind": "head", "step": step}
         try:
             body = record if self.keys is None else self.keys.sign(record)
             self.store.put(HEAD_KEY, json.dumps(body).encode())
@@ -730,18 +749,23 @@ class ObjectStoreAllReduce(RunDocuments):
         step: int,
         valid: dict[int, Contribution],
         excluded: dict[int, str],
-        decisions: list[Any] | None = None,
-    ) -> dict[str, Any]:
+        decisions: list[Decision] | None = None,
+    ) -> CommitRecord:
         assert self.rank is not None
         method = self.policy.method
+        trimmed = method == "trimmed_mean"
         record = make_commit(
-            step=step, world_size=self.world_size, included=list(valid.values()),
-            weighting=self.weighting, committed_by=self.rank, excluded=excluded,
-            decisions=decisions, aggregate=method,
-            trim=trim_count(len(valid), self.policy.trim_fraction)
-            if method == "trimmed_mean" else 0,
+            step=step,
+            world_size=self.world_size,
+            included=list(valid.values()),
+            weighting=self.weighting,
+            committed_by=self.rank,
+            excluded=excluded,
+            decisions=decisions,
+            aggregate=method,
+            trim=trim_count(len(valid), self.policy.trim_fraction) if trimmed else 0,
             keys=self.keys,
-        )  # fmt: skip
+        )
         raw = json.dumps(record, sort_keys=True).encode()
         if self.store.put_if_absent(commit_key(step), raw):
             log.info("step %d: rank %d committed ranks %s", step, self.rank, sorted(valid))
@@ -758,7 +782,7 @@ class ObjectStoreAllReduce(RunDocuments):
     def _aggregate(
         self,
         step: int,
-        commit: dict[str, Any],
+        commit: CommitRecord,
         valid: dict[int, Contribution],
         tensors: dict[str, torch.Tensor],
         ref: dict[str, tuple[list[int], str]],
@@ -774,9 +798,12 @@ class ObjectStoreAllReduce(RunDocuments):
             if not isinstance(c, Contribution):
                 raise CorruptContributionError(
                     f"step {step}: the commit lists rank {r} but its contribution "
-                    + ("is gone (garbage-collected? keep_steps too small)" if c is None else
-                       f"cannot be used: {c}")
-                )  # fmt: skip
+                    + (
+                        "is gone (garbage-collected? keep_steps too small)"
+                        if c is None
+                        else f"cannot be used: {c}"
+                    )
+                )
             if c.checksum != pinned[r]:
                 raise CorruptContributionError(
                     f"step {step}: rank {r}'s stored contribution does not match the "

@@ -37,6 +37,7 @@ from composer_replication.exchange.robust import AGGREGATES, Decision
 from composer_replication.exchange.signing import RunKeys, rank_identity
 from composer_replication.exchange.vocabulary import (
     DTYPES,
+    CommitRecord,
     Contribution,
     CorruptContributionError,
     ExchangeCancelledError,
@@ -51,6 +52,7 @@ __all__ = [
     "FORMAT",
     "HEADER_KEY",
     "HEAD_KEY",
+    "CommitRecord",
     "Contribution",
     "CorruptContributionError",
     "ExchangeCancelledError",
@@ -193,18 +195,29 @@ def encode_contribution(
     payload: list[wire.Buffer] = [wire.header_bytes(entries, {HEADER_KEY: json.dumps(header)})]
     payload += buffers
     contrib = Contribution(
-        rank, step, tokens, inner_steps, codec, names, shapes, dtypes, digest,
-        parts, sum(memoryview(b).nbytes for b in payload), algo, dict(extra or {}),
+        rank=rank,
+        step=step,
+        tokens=tokens,
+        inner_steps=inner_steps,
+        codec=codec,
+        names=names,
+        shapes=shapes,
+        dtypes=dtypes,
+        digest=digest,
+        parts=parts,
+        nbytes=sum(memoryview(b).nbytes for b in payload),
+        checksum_algo=algo,
+        extra=dict(extra or {}),
         writer=writer,
-    )  # fmt: skip
+    )
     return payload, contrib
 
 
-def _opt_nonneg_int(v: Any) -> bool:
+def _opt_nonneg_int(v: object) -> bool:
     return v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0)
 
 
-def _is_checksum(v: Any) -> bool:
+def _is_checksum(v: object) -> bool:
     """``{"algo": <known algorithm>, "value": <str>}``, nothing else."""
     return (
         isinstance(v, dict)
@@ -308,10 +321,22 @@ def decode_contribution(
     if got != expected:
         raise CorruptContributionError(f"{what}: encoded tensors do not match the header")
     contrib = Contribution(
-        rank, step, h["tokens"], h["inner_steps"], h["codec"], names, shapes, dtypes, value,
-        parts, memoryview(blob).nbytes, algo, h.get("extra", {}), not memoryview(blob).readonly,
-        h.get("writer"),
-    )  # fmt: skip
+        rank=rank,
+        step=step,
+        tokens=h["tokens"],
+        inner_steps=h["inner_steps"],
+        codec=h["codec"],
+        names=names,
+        shapes=shapes,
+        dtypes=dtypes,
+        digest=value,
+        parts=parts,
+        nbytes=memoryview(blob).nbytes,
+        checksum_algo=algo,
+        extra=h.get("extra", {}),
+        private=not memoryview(blob).readonly,
+        writer=h.get("writer"),
+    )
     for name, shape, encoded in contrib.encoded():  # scales/offsets: a few values per 2048
         why = codec.check_parts(encoded, math.prod(shape))
         if why is not None:
@@ -376,7 +401,7 @@ def make_commit(
 
 def parse_commit(
     raw: wire.Buffer, *, step: int, world_size: int, keys: RunKeys | None = None
-) -> dict[str, Any]:
+) -> CommitRecord:
     """Validate a commit record read from the store; returns it with int rank keys.
 
     With ``keys`` (signing on) the record must be signed by the rank it names as
@@ -421,8 +446,9 @@ def parse_commit(
     c["checksums"] = {int(r): d for r, d in c["checksums"].items()}
     c["writers"] = {int(r): w for r, w in (c.get("writers") or {}).items()}
     c["excluded"] = {int(r): why for r, why in (c.get("excluded") or {}).items()}
-    return c
+    record: CommitRecord = c  # validated above, rank keys now ints
+    return record
 
 
-def _is_weight(w: Any) -> bool:
+def _is_weight(w: object) -> bool:
     return isinstance(w, float) and math.isfinite(w) and w >= 0

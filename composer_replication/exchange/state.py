@@ -62,11 +62,14 @@ def parse_state_name(fname: str) -> int | None:
     )
 
 
-def model_fingerprint(model_or_state_dict: Any) -> dict[str, Any]:
+def model_fingerprint(
+    model_or_state_dict: torch.nn.Module | dict[str, torch.Tensor],
+) -> dict[str, Any]:
     """Parameter names, shapes and dtypes of an ``nn.Module`` (named_parameters) or a dict.
 
     Returns ``{"parameters": {name: [shape, dtype]}, "num_parameters": int}`` (JSON-able).
     """
+    items: list[tuple[str, torch.Tensor]]
     if isinstance(model_or_state_dict, torch.nn.Module):
         items = list(model_or_state_dict.named_parameters())
     elif isinstance(model_or_state_dict, dict):

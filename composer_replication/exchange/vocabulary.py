@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 import torch
 
@@ -20,6 +20,7 @@ from composer_replication.exchange import checksums, codecs
 
 __all__ = [
     "DTYPES",
+    "CommitRecord",
     "Contribution",
     "CorruptContributionError",
     "ExchangeCancelledError",
@@ -91,6 +92,36 @@ class StepResult:
     upload_seconds: float = 0.0
     wait_seconds: float = 0.0
     merge_seconds: float = 0.0
+
+
+class CommitRecord(TypedDict):
+    """A validated commit record (`protocol.parse_commit`): what decides a step for everyone.
+
+    Ranks are ints here (JSON object keys are strings in the stored record). The fields marked
+    NotRequired are absent in records of older versions; readers apply their defaults
+    (``aggregate`` "mean", ``trim`` 0, ``weighting`` "equal"). With signing on it also carries
+    ``run_id``, ``signer`` and ``signature``.
+    """
+
+    format: int
+    kind: str
+    step: int
+    included_ranks: list[int]
+    weights: dict[int, float]  # rank -> its weight in the mean (sum 1)
+    scales: dict[int, float]  # rank -> its norm_clip scale ({} or 1.0: unclipped)
+    checksums: dict[int, dict[str, str]]  # rank -> {"algo", "value"} every reader pins
+    writers: dict[int, str | None]  # rank -> the writer id of the included upload
+    excluded: dict[int, str]  # rank -> why it is not in the step
+    world_size: NotRequired[int]
+    aggregate: NotRequired[str]
+    trim: NotRequired[int]
+    weighting: NotRequired[str]
+    tokens: NotRequired[dict[str, int | None]]
+    decisions: NotRequired[dict[str, dict[str, Any]]]  # rank -> robust.Decision.to_json()
+    committed_by: NotRequired[int]
+    run_id: NotRequired[str]
+    signer: NotRequired[str]
+    signature: NotRequired[str]
 
 
 @dataclass

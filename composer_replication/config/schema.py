@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from composer_replication.exchange import codecs
 from composer_replication.exchange.codecs import CODECS
 from composer_replication.exchange.robust import AGGREGATES, SCREENS, AggregatePolicy
 from composer_replication.exchange.sparse import BITS, SparseSpec
@@ -498,7 +499,7 @@ class DilocoConfig:
             "must be in [0, 1]",
         )
         _check(self.sparseloco_outer_lr > 0, "diloco.sparseloco_outer_lr", "must be > 0")
-        if self.codec == "sparseloco":
+        if codecs.get(self.codec).needs_error_feedback:
             _check(
                 self.mode == "sync",
                 "diloco.codec",

@@ -46,11 +46,11 @@ import torch
 from torch import nn
 
 from composer_replication.diloco.fragments import strided_fragments, whole_model_fragment
-from composer_replication.exchange.decoupled import DecoupledStore, fragment_manifest
 from composer_replication.exchange.liveness import write_heartbeat
-from composer_replication.exchange.manager import RoundRecord, round_record
 from composer_replication.exchange.protocol import CorruptContributionError, tensors_digest
+from composer_replication.exchange.push_store import DecoupledStore, fragment_manifest
 from composer_replication.exchange.store import Store
+from composer_replication.exchange.store_manager import RoundRecord, round_record
 
 __all__ = ["DecoupledLearner", "LEARNER_ROLE", "push_offsets"]
 

@@ -44,8 +44,8 @@ from composer_replication.exchange.sparse import SparseSpec
 
 if TYPE_CHECKING:
     from composer_replication.diloco.manager import Manager
-    from composer_replication.exchange.manager import RoundRecord
     from composer_replication.exchange.outer_state import LoadStateFn, SaveStateFn
+    from composer_replication.exchange.store_manager import RoundRecord
 
 __all__ = ["ErrorFeedbackManager", "compress", "sparseloco_outer_optimizer"]
 

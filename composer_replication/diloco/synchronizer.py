@@ -1,7 +1,7 @@
 """The Decoupled DiLoCo synchronizer: merge each fragment once a quorum has pushed, then step.
 
 One synchronizer is active per run (it holds the lease of exchange/lease.py). It watches the
-learners' pushes (exchange/decoupled.py) and, for each fragment p at version v:
+learners' pushes (exchange/push_store.py) and, for each fragment p at version v:
 
 1. **Quorum**: it waits until ``quorum`` distinct learners have pushed fragment p based on
    version v ("on time"), counting only learners that have not finished and are not dead (so a
@@ -49,7 +49,6 @@ from typing import Any
 import torch
 
 from composer_replication.exchange import robust
-from composer_replication.exchange.decoupled import DecoupledStore, Push, PushId
 from composer_replication.exchange.lease import Lease
 from composer_replication.exchange.liveness import (
     DEAD_AFTER_S,
@@ -58,6 +57,7 @@ from composer_replication.exchange.liveness import (
     write_heartbeat,
 )
 from composer_replication.exchange.protocol import CorruptContributionError
+from composer_replication.exchange.push_store import DecoupledStore, Push, PushId
 from composer_replication.exchange.store import Store
 
 __all__ = [

@@ -134,13 +134,25 @@ def write_heartbeat(
         raise ValueError(f"heartbeat state must be one of {STATES}, got {state!r}")
     key = heartbeat_key(role, member_id)
     hb = Heartbeat(
-        role=role, id=str(member_id), time=time.time() if now is None else float(now),
-        state=state, pid=os.getpid(), host=socket.gethostname(), fields=dict(fields),
-    )  # fmt: skip
+        role=role,
+        id=str(member_id),
+        time=time.time() if now is None else float(now),
+        state=state,
+        pid=os.getpid(),
+        host=socket.gethostname(),
+        fields=dict(fields),
+    )
     doc = {
-        "format": FORMAT, "kind": "heartbeat", "role": hb.role, "id": hb.id, "time": hb.time,
-        "state": hb.state, "pid": hb.pid, "host": hb.host, "fields": hb.fields,
-    }  # fmt: skip
+        "format": FORMAT,
+        "kind": "heartbeat",
+        "role": hb.role,
+        "id": hb.id,
+        "time": hb.time,
+        "state": hb.state,
+        "pid": hb.pid,
+        "host": hb.host,
+        "fields": hb.fields,
+    }
     try:
         store.put_json(key, doc)
     except TypeError as e:  # json.dumps of something that is not JSON
@@ -148,7 +160,7 @@ def write_heartbeat(
     return hb
 
 
-def parse_heartbeat(doc: Any, *, role: str, member_id: str) -> Heartbeat:
+def parse_heartbeat(doc: object, *, role: str, member_id: str) -> Heartbeat:
     """Validate a heartbeat read from ``health/<role>/<member_id>.json`` (ValueError says why)."""
     if not isinstance(doc, dict) or doc.get("format") != FORMAT or doc.get("kind") != "heartbeat":
         raise ValueError("not a format-1 heartbeat document")
@@ -182,10 +194,17 @@ def write_departure(
     """Declare a member departed (overwrites an earlier record); ``reason`` says why."""
     if not isinstance(reason, str) or not reason:
         raise ValueError("a departure needs a reason (e.g. 'exit code 1; restarts exhausted')")
-    store.put_json(departure_key(role, member_id), {
-        "format": FORMAT, "kind": "departure", "role": role, "id": str(member_id),
-        "time": time.time() if now is None else float(now), "reason": reason[:500],
-    })  # fmt: skip
+    store.put_json(
+        departure_key(role, member_id),
+        {
+            "format": FORMAT,
+            "kind": "departure",
+            "role": role,
+            "id": str(member_id),
+            "time": time.time() if now is None else float(now),
+            "reason": reason[:500],
+        },
+    )
 
 
 def read_departure(store: Store, role: str, member_id: str | int) -> str | None:
@@ -327,11 +346,13 @@ def run_health(
     members are all that keep the run from healthy.
     """
     if n_workers < 1 or not 1 <= quorum <= n_workers:
-        raise ValueError(f"need n_workers >= 1 and 1 <= quorum <= n_workers, got {n_workers}, "
-                         f"{quorum}")  # fmt: skip
+        raise ValueError(
+            f"need n_workers >= 1 and 1 <= quorum <= n_workers, got {n_workers}, {quorum}"
+        )
     workers = {m.id: m for m in members.values() if m.role == worker_role}
-    status = {str(i): workers[str(i)].status if str(i) in workers else "missing"
-              for i in range(n_workers)}  # fmt: skip
+    status = {
+        str(i): workers[str(i)].status if str(i) in workers else "missing" for i in range(n_workers)
+    }
     unfinished = [i for i, s in status.items() if s != "done"]
     alive = [i for i in unfinished if status[i] == "alive"]
     coming = [i for i in unfinished if starting and status[i] == "missing"]

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from composer_replication.config.schema import ChaosEventConfig
-from composer_replication.exchange.decoupled import DecoupledStore
+from composer_replication.exchange.push_store import DecoupledStore
 from composer_replication.exchange.store import ObjectStore
 
 __all__ = [
@@ -519,7 +519,7 @@ class ChaosInjector:
         if kind == "global":
             versions = DecoupledStore(self.store).versions(0, "global")
             if versions:
-                from composer_replication.exchange.decoupled import global_key
+                from composer_replication.exchange.push_store import global_key
 
                 key = global_key(0, versions[-1])
         elif kind == "contribution":

@@ -715,7 +715,7 @@ def _release_failed_learners(
 ) -> None:
     """A learner that failed for good will not push again: mark it done (abandoned) so the
     synchronizer neither waits for it in a quorum nor before the final merge."""
-    from composer_replication.exchange.decoupled import DecoupledStore
+    from composer_replication.exchange.push_store import DecoupledStore
 
     docs = DecoupledStore(store)
     for h in handles:

@@ -48,6 +48,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from composer_replication.assembly.build import build_model, build_task, build_trainer
+from composer_replication.exchange import codecs
 from composer_replication.exchange.liveness import HEARTBEAT_EVERY_S
 
 if TYPE_CHECKING:
@@ -167,7 +168,7 @@ def _build_manager(
         fence=fence,
     )  # fmt: skip
     manager = ObjectStoreManager(allreduce=allreduce)
-    if d.codec == "sparseloco":  # SparseLoCo: the replica's error feedback around the exchange
+    if codecs.get(d.codec).needs_error_feedback:  # SparseLoCo: the replica's error feedback
         from composer_replication.diloco.sparseloco import ErrorFeedbackManager
 
         return ErrorFeedbackManager(manager, d.sparse_spec(), decay=d.sparseloco_ef_decay)
@@ -308,7 +309,7 @@ def run_replica(
             else:
                 manager = _build_manager(config, rank, store)
             d = config.diloco
-            if d.codec == "sparseloco":  # the error feedback replaces the outer momentum
+            if codecs.get(d.codec).needs_error_feedback:  # it replaces the outer momentum
                 from composer_replication.diloco.sparseloco import sparseloco_outer_optimizer
 
                 factory = sparseloco_outer_optimizer(d.sparseloco_outer_lr)

@@ -25,15 +25,15 @@ from composer_replication.diloco.synchronizer import (
     outer_step,
     rda,
 )
-from composer_replication.exchange.decoupled import (
+from composer_replication.exchange.lease import Lease
+from composer_replication.exchange.protocol import CorruptContributionError
+from composer_replication.exchange.push_store import (
     DecoupledStore,
     PushId,
     decode_push,
     encode_push,
     parse_merge,
 )
-from composer_replication.exchange.lease import Lease
-from composer_replication.exchange.protocol import CorruptContributionError
 from composer_replication.exchange.store import ObjectStore
 
 # ----------------------------------------------------------------------------- protocol

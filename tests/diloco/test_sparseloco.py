@@ -215,7 +215,7 @@ def test_config_keys_default_and_validate():
 
 
 def test_decoupled_pushes_refuse_the_sparse_codec(tmp_path):
-    from composer_replication.exchange.decoupled import DecoupledStore
+    from composer_replication.exchange.push_store import DecoupledStore
     from composer_replication.exchange.store import ObjectStore
 
     with pytest.raises(ValueError, match="not for decoupled pushes"):

@@ -216,37 +216,24 @@ def test_stale_step_is_refused_quickly(tmp_path):
     assert time.monotonic() - t0 < 4  # far below timeout_s=5 + the wait for a commit
 
 
-def test_transient_store_errors_are_retried(tmp_path, monkeypatch):
-    """Injected faults: failing reads of peers' slots and a failing commit write; the step
-    still agrees."""
+def test_transient_store_errors_are_retried(tmp_path):
+    """Faults injected through each replica's store (one rule set shared by both, hitting
+    whichever replica gets there first): failing reads of peers' slots and a failing commit
+    write; the step still agrees."""
     import threading
 
+    from composer_replication.exchange.faulty_store import Fault, FaultyStore
     from composer_replication.exchange.store import ObjectStore
 
-    real_put, real_get = ObjectStore.put_if_absent, ObjectStore.get
-    faults = {"commit": 1, "read": 2}
-    lock = threading.Lock()
-
-    def flaky_put(self, key, data):
-        with lock:
-            if key.endswith("commit.json") and faults["commit"]:
-                faults["commit"] -= 1
-                raise OSError("injected: connection reset while writing the commit")
-        return real_put(self, key, data)
-
-    def flaky_get(self, key):
-        with lock:
-            if "/contrib/" in key and faults["read"]:
-                faults["read"] -= 1
-                raise OSError("injected: 503 slow down")
-        return real_get(self, key)
-
-    monkeypatch.setattr(ObjectStore, "put_if_absent", flaky_put)
-    monkeypatch.setattr(ObjectStore, "get", flaky_get)
+    commit_write = Fault("put_if_absent", "steps/*/commit.json", "fail")  # connection reset
+    slot_reads = Fault("get", "steps/*/contrib/*", "fail", times=2)  # 503 slow down
     out = {}
 
     def go(r):
-        ar = ObjectStoreAllReduce(str(tmp_path), 2, r, timeout_s=5, poll_interval_s=0.01)
+        store = FaultyStore(ObjectStore(str(tmp_path)), [commit_write, slot_reads])
+        ar = ObjectStoreAllReduce(
+            str(tmp_path), 2, r, timeout_s=5, poll_interval_s=0.01, store=store
+        )
         out[r] = ar.allreduce({"x": torch.full((4,), float(r))}, step=0)["x"]
 
     threads = [threading.Thread(target=go, args=(r,)) for r in range(2)]
@@ -254,5 +241,5 @@ def test_transient_store_errors_are_retried(tmp_path, monkeypatch):
         t.start()
     for t in threads:
         t.join(30)
-    assert faults == {"commit": 0, "read": 0}
+    assert commit_write.hits == 1 and slot_reads.hits == 2
     assert torch.equal(out[0], torch.full((4,), 0.5)) and torch.equal(out[1], out[0])

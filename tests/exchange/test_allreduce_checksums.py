@@ -19,11 +19,11 @@ import torch
 from safetensors.torch import save as st_save
 from test_allreduce_workers import SHAPES, make_tensors
 
-from composer_replication.exchange import wire
 from composer_replication.exchange.allreduce import (
     CorruptContributionError,
     ObjectStoreAllReduce,
 )
+from composer_replication.exchange.checksums import default_checksum
 from composer_replication.exchange.protocol import (
     HEADER_KEY,
     commit_key,
@@ -108,7 +108,7 @@ def flip_last_data_byte(b: bytes) -> bytes:
 
 @pytest.fixture
 def no_xxhash(monkeypatch):
-    """This process cannot import xxhash (wire imports it lazily, at each use)."""
+    """This process cannot import xxhash (checksums imports it lazily, at each use)."""
     monkeypatch.setitem(sys.modules, "xxhash", None)
 
 
@@ -140,7 +140,7 @@ def test_all_sha256_replicas_agree_and_headers_say_sha256(tmp_path):
 
 def test_default_is_xxh3_when_xxhash_imports(tmp_path):
     pytest.importorskip("xxhash")
-    assert wire.default_checksum() == "xxh3-128"
+    assert default_checksum() == "xxh3-128"
     uri = str(tmp_path / "run")
     ar = ObjectStoreAllReduce(uri, 2, 0)
     assert ar.checksum == "xxh3-128"
@@ -151,7 +151,7 @@ def test_default_is_xxh3_when_xxhash_imports(tmp_path):
 
 
 def test_default_is_sha256_without_xxhash(tmp_path, no_xxhash):
-    assert wire.default_checksum() == "sha256"
+    assert default_checksum() == "sha256"
     assert ObjectStoreAllReduce(str(tmp_path / "run"), 2, 0).checksum == "sha256"
     with pytest.raises(ImportError, match="pip install xxhash"):
         ObjectStoreAllReduce(str(tmp_path / "run"), 2, 0, checksum="xxh3-128")

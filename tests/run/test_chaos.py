@@ -199,7 +199,7 @@ def test_a_corrupted_push_no_longer_decodes(tmp_path: Path) -> None:
     """corrupt_object flips bytes in the middle of an object: a push then fails its checksum."""
     import torch
 
-    from composer_replication.exchange.decoupled import DecoupledStore
+    from composer_replication.exchange.push_store import DecoupledStore
 
     store = ObjectStore(str(tmp_path / "s"))
     docs = DecoupledStore(store)

@@ -52,8 +52,9 @@ def test_recipe4_driver_and_replicas_run_against_local_s3(
 @pytest.mark.slow
 def test_serverless_doc_snippet_launches_and_collects_its_replicas(tmp_path: Path) -> None:
     """docs/recipes/serverless.md's driver core, run from the doc's text: 2 replicas instead of
-    4, fewer steps, and a file:// store for its bucket (the test above runs the same replicas
-    against an S3 server)."""
+    4, fewer steps, a file:// store for its bucket (the test above runs the same replicas
+    against an S3 server), and the replica script's path made absolute (the doc runs from the
+    repo root)."""
     from docblocks import run_doc_block
 
     out = run_doc_block(
@@ -64,6 +65,7 @@ def test_serverless_doc_snippet_launches_and_collects_its_replicas(tmp_path: Pat
             "n_replicas=4": "n_replicas=2",
             '"rank_env": "REPLICA_RANK"': '"rank_env": "REPLICA_RANK", "steps": 4, "sync-every-h": 2',
             "timeout=3600": "timeout=540",
+            '"examples/diloco_replica.py"': repr(str(DRIVER.parent / "diloco_replica.py")),
         },
     )  # fmt: skip
     assert out == "{0: 0, 1: 0}\n"

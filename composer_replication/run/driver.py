@@ -61,11 +61,19 @@ from composer_replication.executors import registry
 from composer_replication.executors.base import ReplicaHandle, ServerlessExecutor
 from composer_replication.run import preflight
 from composer_replication.run.checkpoint import mirror_checkpoints
+from composer_replication.run.expected import expected_lines
 from composer_replication.run.folder import RunFolder, default_run_name
 from composer_replication.run.metrics import MetricsCollector, MetricsSink
 from composer_replication.run.progress import Progress, ReplicaRow, choose_mode
 from composer_replication.run.replica import ENV_GENERATION, ENV_STORAGE_OPTIONS
-from composer_replication.run.report import LOSS_CHANNELS, run_wall_seconds, summarize, write_report
+from composer_replication.run.report import (
+    closed_attempts,
+    headline_lines,
+    run_wall_seconds,
+    summarize,
+    wall_text,
+    write_report,
+)
 from composer_replication.run.security import prepare_signing, writer_secrets
 
 __all__ = ["ENTRYPOINT", "TrainResult", "prepare", "prepare_resume", "run"]
@@ -99,6 +107,30 @@ def resolve_run_folder(run: str, runs_dir: str = "runs") -> RunFolder:
     if path.is_dir():
         return RunFolder.at(path)
     return RunFolder.at(Path(runs_dir) / run)
+
+
+def finished_already(run: str, overrides: list[str]) -> str | None:
+    """What `train --resume RUN` says, and then exits 0 without launching anything, when RUN
+    has finished and the overrides ask for no more inner steps than it trained; None otherwise
+    (not finished, or a larger `train.max_steps`: the run trains on)."""
+    folder = resolve_run_folder(run)
+    if not folder.is_run():
+        return None
+    state = folder.read_driver()
+    if state.get("status") != "finished":
+        return None
+    tree = json.loads(folder.config_json.read_text())
+    trained = int(tree.get("train", {}).get("max_steps", 0))
+    if from_dict(RunConfig, apply_overrides(tree, overrides)).train.max_steps > trained:
+        return None
+    wall = wall_text(state)
+    return (
+        f"Run {folder.name} has already finished ({trained} inner steps"
+        + (f", {wall}" if wall else "")
+        + f"): nothing to resume. Report: {folder.summary}; final checkpoint: "
+        f"{folder.checkpoints / 'final'}. To train it longer: composer-replication train "
+        f"--resume {folder.root} train.max_steps=N (N > {trained})."
+    )
 
 
 def prepare_resume(run: str, overrides: list[str]) -> tuple[RunConfig, RunFolder]:
@@ -432,9 +464,10 @@ def run(
     t_start = time.monotonic()
     state = folder.read_driver()
     attempt = int(state.get("attempt", 0)) + 1
+    # The earlier attempts' wall times (one killed mid-run counts until its last update).
     folder.update_driver(
-        status="running", attempt=attempt, started=time.time(), ended=None, pid=os.getpid(),
-        host=socket.gethostname(),
+        status="running", attempt=attempt, attempts=closed_attempts(state), started=time.time(),
+        ended=None, updated=None, pid=os.getpid(), host=socket.gethostname(),
     )  # fmt: skip
 
     mode = choose_mode(config.logging.progress, stream)
@@ -450,6 +483,9 @@ def run(
     if resumed_at is not None:
         progress.message(f"Resuming at outer round {resumed_at} (the newest round every replica "
                          "saved its exact state for)")  # fmt: skip
+    if not resume:
+        for line in expected_lines(config):  # the embedded default's measured ranges
+            progress.message(line)
     sink = MetricsSink(folder.metrics, folder.tensorboard if config.logging.tensorboard else None)
     consumed = {int(k): int(v) for k, v in (state.get("metrics_chunks") or {}).items()}
     collector = MetricsCollector(store, config.backend.n_replicas, sink, consumed)
@@ -531,6 +567,7 @@ def run(
             folder.update_driver(
                 replicas=[_handle_json(h) for h in handles],
                 metrics_chunks={str(k): v for k, v in collector.consumed.items()},
+                updated=time.time(),
             )
             failed = [h for h in handles if h.status.value == "failed"]
             if failed and not elastic:
@@ -579,7 +616,10 @@ def run(
             status = "failed"
             folder.update_driver(status=status, error="chaos check failed: see chaos.json")
     exit_code = {"finished": 0, "interrupted": 130}.get(status, 1)
-    # one wall time everywhere: driver start to end of training, as summary.md shows it
+    # one wall time everywhere: driver start to end of training, summed over the run's attempts
+    # (a resumed run's earlier launches count), as summary.md shows it
+    attempts = closed_attempts(folder.read_driver())
+    folder.update_driver(attempts=attempts)
     wall = run_wall_seconds(folder.read_driver())
     if wall is None:
         wall = time.monotonic() - t_start
@@ -587,7 +627,8 @@ def run(
     restarts = sum(h.restarts for h in handles)
     lost = [h.replica_id for h in handles if h.status.value == "failed"]
     folder.update_driver(lost=lost)
-    print(summary_text(folder, status, summary, config, wall, restarts, lost=len(lost)),
+    print(summary_text(folder, status, summary, config, wall, restarts, lost=len(lost),
+                       attempts=[a["seconds"] for a in attempts]),
           file=stream, flush=True)  # fmt: skip
     return TrainResult(folder=folder, exit_code=exit_code, status=status, summary=summary)
 
@@ -733,6 +774,7 @@ class _HealthLog:
         self.store, self.sink, self.every_s = store, sink, every_s
         self.mode, self.n = d.mode, config.backend.n_replicas
         self.quorum = config.quorum if d.mode == "decoupled" else (d.min_replicas or self.n)
+        self.started = time.time()  # built as the replicas are launched: the start-up window
         self._last = 0.0
         self._last_written = 0.0
         self._state: str | None = None
@@ -745,7 +787,8 @@ class _HealthLog:
         from composer_replication.run.status import health_now
 
         try:
-            h = health_now(self.store, mode=self.mode, n_replicas=self.n, quorum=self.quorum)
+            h = health_now(self.store, mode=self.mode, n_replicas=self.n, quorum=self.quorum,
+                           started=self.started)  # fmt: skip
         except Exception:  # the store is unreachable for a moment: the next poll retries
             return
         if h["state"] != self._state or force or now - self._last_written > 60:
@@ -831,10 +874,6 @@ def _save_remote_logs(
         (folder.logs / f"replica-{handle.replica_id}-{handle.job_id}.log").write_text(text)
 
 
-def _num(value: Any, digits: int = 3) -> str:
-    return "n/a" if value is None else f"{value:.{digits}f}"
-
-
 def summary_text(
     folder: RunFolder,
     status: str,
@@ -844,33 +883,25 @@ def summary_text(
     restarts: int = 0,
     *,
     lost: int = 0,
+    attempts: list[float] | None = None,
 ) -> str:
-    """The lines `train` prints at the end (headline numbers and where to look)."""
+    """The lines `train` prints at the end (headline numbers and where to look). `attempts`:
+    the wall seconds of each launch of a resumed run (`wall` is their sum)."""
+    per_attempt = ""
+    if attempts and len(attempts) > 1:
+        per_attempt = (
+            f" over {len(attempts)} attempts ({' + '.join(f'{a:.1f}' for a in attempts)} s)"
+        )
     lines = [
         f"Run {folder.name}: {status}"
         + (f", {lost} replica{'s' if lost != 1 else ''} lost" if lost else "")
-        + (f" after {wall:.1f} s" if wall is not None else "")
+        + (f" after {wall:.1f} s{per_attempt}" if wall is not None else "")
         + f" ({config.backend.n_replicas} replicas, {summary.get('rounds', 0)} outer rounds, "
         f"{summary.get('steps', 0)} inner steps each"
         + (f", {restarts} replica restart{'s' if restarts != 1 else ''}" if restarts else "")
         + ")",
-        f"  mean reward      first 10%: {_num(summary.get('reward_first10'))}   "
-        f"last 10%: {_num(summary.get('reward_last10'))}",
-        f"  eval accuracy    first: {_num(summary.get('eval_accuracy_first'))}   "
-        f"last: {_num(summary.get('eval_accuracy_last'))}   "
-        f"({summary.get('eval_n', min(config.train.eval_max_examples, config.task.n_eval))} "
-        "held-out prompts)",
     ]
-    ci = summary.get("eval_accuracy_last_ci95")
-    if isinstance(ci, list | tuple) and len(ci) == 2:
-        lines.append(f"  95% interval     last: {ci[0]:.3f} - {ci[1]:.3f}   (Wilson)")
-    for ch in LOSS_CHANNELS:
-        if summary.get(f"{ch.key}_first10") is not None:
-            label = f"loss ch{ch.number} {ch.label}"
-            lines.append(
-                f"  {label:<16} first 10%: {_num(summary.get(ch.key + '_first10'), 4)}   "
-                f"last 10%: {_num(summary.get(ch.key + '_last10'), 4)}"
-            )
+    lines += headline_lines(summary, eval_n=min(config.train.eval_max_examples, config.task.n_eval))
     final = folder.checkpoints / "final"
     if final.is_dir():
         lines.append(f"  checkpoint       {final}")

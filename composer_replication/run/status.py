@@ -10,11 +10,13 @@ documents in the store (what each replica last reported) and the heartbeats in t
     behind    more than one outer round behind the most advanced replica
     failed    the executor reports it failed (its error is shown)
 
-The run state (`health_now`, also written to the metrics by the driver) is ``healthy |
-degraded | critical`` by `exchange.liveness.run_health`'s rules over the heartbeats of the
-replicas (role "replica"; "learner" in decoupled mode) and, in decoupled mode, the
+The run state (`health_now`, also written to the metrics by the driver) is ``starting |
+healthy | degraded | critical`` by `exchange.liveness.run_health`'s rules over the heartbeats of
+the replicas (role "replica"; "learner" in decoupled mode) and, in decoupled mode, the
 synchronizer, plus "a contribution was rejected in the last `REJECTION_WINDOW_S` seconds" (from
-the synchronizer's heartbeat).
+the synchronizer's heartbeat). For `STARTUP_GRACE_S` after a launch (the driver's start of the
+current attempt), a replica that has not sent its first heartbeat yet is starting, not missing:
+the run is ``starting`` until every replica reports, not ``critical``.
 
 Contributions the exchange left out (refused, screened out, squatted; docs/object-store.md) are
 listed with rank and reason for the latest round that had any (``rejections``).
@@ -35,15 +37,20 @@ from composer_replication.run.metrics import status_key
 __all__ = ["health_now", "run_status", "status_text"]
 
 REJECTION_WINDOW_S = 60.0
-HEALTH_LEVEL = {"healthy": 0, "degraded": 1, "critical": 2}
+STARTUP_GRACE_S = 300.0
+HEALTH_LEVEL = {"starting": -1, "healthy": 0, "degraded": 1, "critical": 2}
 
 
 def health_now(
-    store: ObjectStore, *, mode: str, n_replicas: int, quorum: int, now: float | None = None
-) -> dict[str, Any]:
+    store: ObjectStore, *, mode: str, n_replicas: int, quorum: int, now: float | None = None,
+    started: float | None = None,
+) -> dict[str, Any]:  # fmt: skip
     """The run state from the store's heartbeats (see the module docstring), JSON-able:
-    ``{"state", "level", "reasons", "members": {"role/id": status}, "synchronizer": {...}}``."""
+    ``{"state", "level", "reasons", "members": {"role/id": status}, "synchronizer": {...}}``.
+    `started`: when the replicas were launched (epoch seconds; None: not known, no start-up
+    window)."""
     now = time.time() if now is None else now
+    starting = started is not None and 0 <= now - started < STARTUP_GRACE_S
     decoupled = mode == "decoupled"
     role = "learner" if decoupled else "replica"
     members = read_liveness(store, now, roles=[role, "synchronizer"] if decoupled else [role])
@@ -68,7 +75,7 @@ def health_now(
     health = run_health(members, worker_role=role, n_workers=n_replicas,
                         quorum=max(1, min(quorum, n_replicas)),
                         synchronizer_role="synchronizer" if decoupled else None,
-                        rejections=rejections)  # fmt: skip
+                        rejections=rejections, starting=starting)  # fmt: skip
     return {
         **health.as_dict(), "level": HEALTH_LEVEL[health.state],
         "members": {k: m.status for k, m in sorted(members.items())},
@@ -106,7 +113,9 @@ def run_status(folder: RunFolder, *, stale_after_s: float = 120.0) -> dict[str, 
             mode = run_config.diloco.mode
             quorum = (run_config.quorum if mode == "decoupled"
                       else run_config.diloco.min_replicas or n)  # fmt: skip
-            run_state = health_now(store, mode=mode, n_replicas=n, quorum=quorum)
+            started = driver.get("started") if driver.get("status") == "running" else None
+            run_state = health_now(store, mode=mode, n_replicas=n, quorum=quorum,
+                                   started=started if isinstance(started, int | float) else None)  # fmt: skip
         except Exception as exc:  # status must still show the rest
             store_error = f"{type(exc).__name__}: {exc}"
     handles = {int(h["replica_id"]): h for h in driver.get("replicas", [])}

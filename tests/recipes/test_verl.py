@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from docblocks import exec_doc_block
 
 pytest.importorskip(
     "verl",
@@ -424,10 +425,9 @@ def test_docs_python_snippets_run(capsys):
     driven by verl's own ppo_loss on a verl-shaped micro-batch."""
     from hydra import compose, initialize_config_dir
 
-    cpu_example, driver, launch = doc_blocks("python")
+    _cpu_example, _driver, launch = doc_blocks("python")
     _check_launch_snippet(launch)
-    namespace: dict = {}
-    exec(compile(cpu_example, "docs/recipes/verl.md", "exec"), namespace)
+    namespace = exec_doc_block("docs/recipes/verl.md", 'get_adv_estimator_fn("grpo_composer")')
     assert "sdpo active 1.0" in capsys.readouterr().out
     assert namespace["log_prob"].grad is not None
 
@@ -445,7 +445,8 @@ def test_docs_python_snippets_run(capsys):
 
     with initialize_config_dir(config_dir=str(ROOT / "examples" / "verl"), version_base=None):
         config = compose(config_name="composer_grpo")
-    exec(compile(driver, "docs/recipes/verl.md", "exec"), {"trainer": Trainer(), "config": config})
+    exec_doc_block("docs/recipes/verl.md", "trainer.actor_rollout_wg.set_loss_fn(",
+                   {"trainer": Trainer(), "config": config})  # fmt: skip
     (loss_fn,) = installed
 
     old, lp, adv, mask = rollout_tensors(6)

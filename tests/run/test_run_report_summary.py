@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from composer_replication.run.report import run_wall_seconds, summarize, wilson_interval
+from composer_replication.run.report import (
+    closed_attempts,
+    run_wall_seconds,
+    summarize,
+    wall_text,
+    wilson_interval,
+)
 
 
 def test_wilson_interval_matches_the_textbook_values() -> None:
@@ -41,3 +47,21 @@ def test_summary_has_the_interval_and_each_loss_channel() -> None:
 def test_one_wall_time_from_the_driver_record() -> None:
     assert run_wall_seconds({"started": 100.0, "ended": 131.25}) == 31.25
     assert run_wall_seconds({"started": 100.0, "ended": None}) is None
+
+
+def test_wall_time_adds_up_the_attempts_of_a_resumed_run() -> None:
+    """Attempt 1 ran 616.2 s and was killed (its last update is its end), attempt 2 ran 34.8 s:
+    the run's wall time is 651.0 s, each attempt shown; a finished attempt is counted once."""
+    killed = {"attempt": 1, "status": "running", "started": 1000.0, "ended": None,
+              "updated": 1616.2}  # fmt: skip
+    (first,) = closed_attempts(killed)
+    assert first == {"attempt": 1, "started": 1000.0, "ended": 1616.2,
+                     "seconds": pytest.approx(616.2), "status": "running"}  # fmt: skip
+    resumed = {"attempt": 2, "attempts": [first], "status": "finished", "started": 2000.0,
+               "ended": 2034.8, "updated": 2030.0}  # fmt: skip
+    assert [a["seconds"] for a in closed_attempts(resumed)] == pytest.approx([616.2, 34.8])
+    assert run_wall_seconds(resumed) == pytest.approx(651.0)
+    assert wall_text(resumed) == "651.0 s over 2 attempts (616.2 + 34.8 s)"
+    recorded = {**resumed, "attempts": closed_attempts(resumed)}
+    assert run_wall_seconds(recorded) == pytest.approx(651.0)  # not 685.8
+    assert wall_text({"started": 100.0, "ended": 131.25}) == "31.2 s"

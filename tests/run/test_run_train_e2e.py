@@ -120,6 +120,11 @@ def test_train_default_end_to_end(
     assert "steps/s" in status and "wait" in status
     assert main(["report", "e2e"]) == 0
     assert "wrote" in capsys.readouterr().out
+    # resuming the finished run relaunches nothing and keeps its wall time
+    wall = json.loads((run / "driver.json").read_text())["wall_seconds"]
+    assert main(["train", "--resume", "e2e"]) == 0
+    assert "has already finished" in capsys.readouterr().out
+    assert json.loads((run / "driver.json").read_text())["wall_seconds"] == wall
 
 
 def _latest_state(states: Path) -> int:
@@ -192,3 +197,8 @@ def test_resume_after_kill_continues_from_last_committed_round(
     assert final_state["round"] == 30 and final_state["step"] == 120
     driver = json.loads((run / "driver.json").read_text())
     assert driver["status"] == "finished" and driver["attempt"] == 2
+    # the wall time adds up both attempts, each shown
+    first, second = driver["attempts"]
+    assert (first["status"], second["status"]) == ("interrupted", "finished")
+    assert driver["wall_seconds"] == pytest.approx(first["seconds"] + second["seconds"])
+    assert f"over 2 attempts ({first['seconds']:.1f} + {second['seconds']:.1f} s)" in out

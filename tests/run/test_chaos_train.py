@@ -23,7 +23,7 @@ SMALL = [
     "diloco.lease_ttl_s=3",
 ]
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 
 
 def test_decoupled_train_with_a_killed_replica_and_synchronizer(

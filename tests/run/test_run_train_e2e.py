@@ -29,7 +29,7 @@ SMALL = [
     "train.eval_every_rounds=1",
 ]
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 
 
 def _records(run: Path, kind: str) -> list[dict]:

@@ -111,7 +111,7 @@ def _take(x: Tensor, b: int, sel: Tensor | slice) -> Tensor:
 
 class _ChunkedTokenMean(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         student: Tensor,
         teacher: Tensor,
@@ -184,7 +184,7 @@ class _ChunkedTokenMean(torch.autograd.Function):
         return torch.tensor(total * weight, dtype=compute_dtype, device=student.device)
 
     @staticmethod
-    def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:
         if ctx.consumed:
             raise RuntimeError(_SECOND_BACKWARD)
         if torch.is_grad_enabled():  # backward runs with grad mode on only for create_graph=True
@@ -220,7 +220,7 @@ def chunked_token_mean(
     """
     stats: dict[str, float] = {}
     rows = auto_chunk_size(student.shape[-1]) if chunk_size is None else chunk_size
-    loss = _ChunkedTokenMean.apply(
+    loss: Tensor = _ChunkedTokenMean.apply(  # type: ignore[no-untyped-call]
         student, teacher.detach(), mask, kernel, token_clip, rows, stats, torch.is_grad_enabled()
     )
     return loss, stats

@@ -35,6 +35,7 @@ from composer_replication.loss._channels import (
     sample_token_mask,
     scaled,
     sdpo_divergence,
+    weighted_total,
 )
 from composer_replication.loss._channels import assemble as _assemble
 from composer_replication.loss._config import ComposeConfig
@@ -62,6 +63,8 @@ def assemble(
     grpo: Result,
     sdpo: Result | None = None,
     replay: Result | None = None,
+    *,
+    metrics: bool = True,
     **kwargs: Any,
 ) -> tuple[Tensor, dict[str, float]]:
     """The composer total from channel results: ``grpo + alpha_sdpo * sdpo + beta_replay * replay``.
@@ -71,10 +74,21 @@ def assemble(
     channel that is off changes nothing bit for bit). ``kwargs``: the ``compose_loss`` keywords
     (``alpha_sdpo``, ``beta_replay``, ...; ``ComposeConfig``). Returns ``(total, metrics)``: the
     channels' metrics merged, ``loss/grpo``, ``loss/total``, ``sdpo/active``, ``replay/active``
-    and 0.0 for the metrics of a channel that is off, as ``compose_loss``. This is where every
-    trainer and recipe forms the total (``combine`` and ``compose_loss`` call it too).
+    and 0.0 for the metrics of a channel that is off, as ``compose_loss``. ``metrics=False``:
+    the total and an empty dict, with no float conversion (no device synchronisation; for
+    adapters that report tensor metrics themselves). This is where every trainer and recipe
+    forms the total (``combine`` and ``compose_loss`` call it too).
     """
-    return _assemble(ComposeConfig.from_kwargs(kwargs), grpo, sdpo, replay)
+    cfg = ComposeConfig.from_kwargs(kwargs)
+    if not metrics:
+        total = weighted_total(
+            cfg,
+            grpo[0],
+            None if sdpo is None else sdpo[0],
+            None if replay is None else replay[0],
+        )
+        return total, {}
+    return _assemble(cfg, grpo, sdpo, replay)
 
 
 REPLAY_KEYS = _batch.REPLAY_KEYS

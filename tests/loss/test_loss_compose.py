@@ -8,7 +8,14 @@ import pytest
 import torch
 
 import composer_replication
-from composer_replication.loss import combine, compose_loss, generalized_jsd, grpo_loss
+from composer_replication.loss import (
+    assemble,
+    combine,
+    compose_loss,
+    dpo_loss,
+    generalized_jsd,
+    grpo_loss,
+)
 from composer_replication.loss.compose import REPLAY_KEYS
 
 CONTRACT_METRICS = {
@@ -281,6 +288,51 @@ def test_combine_sdpo_token_mask_and_off_switches():
     assert m3["sdpo/active"] == 0.0
     with pytest.raises(ValueError, match="sdpo_mask"):
         combine(**base, student_logits=student, teacher_logits=teacher, sdpo_mask=torch.ones(3))
+
+
+def test_assemble_is_the_one_total():
+    """``assemble`` on the channels' own results gives combine's total bit for bit (the trainer
+    and the recipes form their totals with it), ``metrics=False`` the same tensor, and a channel
+    that is off adds nothing at all."""
+    g = torch.Generator().manual_seed(4)
+    B, T, V = 2, 4, 6
+    student = torch.randn(B, T, V, generator=g, requires_grad=True)
+    teacher = torch.randn(B, T, V, generator=g)
+    logps = torch.log_softmax(student, -1)[..., 0]
+    mask = torch.ones(B, T)
+    adv = torch.tensor([1.0, -0.5])
+    chosen, rejected = torch.tensor([-3.0, -4.0]), torch.tensor([-5.0, -3.5])
+    ref_c, ref_r = torch.tensor([-3.5, -4.2]), torch.tensor([-4.0, -3.0])
+    knobs = dict(alpha_sdpo=0.3, beta_replay=0.2, sdpo_jsd_beta=0.4, replay_dpo_beta=0.1)
+    total, metrics = combine(
+        per_token_logps=logps, completion_mask=mask, advantages=adv, student_logits=student,
+        teacher_logits=teacher, chosen_logps=chosen, rejected_logps=rejected,
+        ref_chosen_logps=ref_c, ref_rejected_logps=ref_r, **knobs,
+    )  # fmt: skip
+    grpo = grpo_loss(logps, None, adv, mask, loss_type="dapo", epsilon_low=0.2)
+    sdpo_loss, sdpo_m = generalized_jsd(student, teacher, beta=0.4)
+    sdpo = (sdpo_loss, {**sdpo_m, "loss/sdpo": float(sdpo_loss.detach())})
+    replay_loss, _ = dpo_loss(chosen, rejected, ref_c, ref_r, beta=0.1)
+    replay = (replay_loss, {"loss/replay": float(replay_loss.detach())})
+    ours, ours_m = assemble(grpo, sdpo, replay, **knobs)
+    assert torch.equal(ours, total)  # the same operations in the same order: bit-exact
+    assert ours_m["loss/total"] == metrics["loss/total"] and ours_m["sdpo/active"] == 1.0
+    bare, empty = assemble(grpo, sdpo, replay, metrics=False, **knobs)
+    assert torch.equal(bare, total) and empty == {}
+    off, off_m = assemble(grpo, None, None, **knobs)
+    assert torch.equal(off, grpo[0]) and off_m["sdpo/active"] == off_m["replay/active"] == 0.0
+    # combine with a channel 2 computed by the caller (recipes/verl's sampled-token form)
+    given, given_m = combine(
+        per_token_logps=logps, completion_mask=mask, advantages=adv, sdpo_result=sdpo,
+        chosen_logps=chosen, rejected_logps=rejected, ref_chosen_logps=ref_c,
+        ref_rejected_logps=ref_r, **knobs,
+    )  # fmt: skip
+    assert torch.equal(given, total) and given_m["sdpo/active"] == 1.0
+    with pytest.raises(ValueError, match="not both"):
+        combine(
+            per_token_logps=logps, completion_mask=mask, advantages=adv, sdpo_result=sdpo,
+            student_logits=student, teacher_logits=teacher,
+        )  # fmt: skip
 
 
 def test_end_to_end_tiny_qwen2_model(make_batch_fn):

@@ -13,7 +13,7 @@ logits at the position before it.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -26,9 +26,16 @@ def _blocks(B: int, T: int, rows: int) -> list[tuple[int, int]]:
     return [(b, s) for b in range(B) for s in range(0, T, rows)]
 
 
+class _Ctx(Protocol):
+    saved_tensors: tuple[Tensor, ...]
+    temperature: float
+
+    def save_for_backward(self, *tensors: Tensor) -> None: ...
+
+
 class _SelectiveLogSoftmax(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, logits: Tensor, index: Tensor, temperature: float) -> Tensor:
+    def forward(ctx: _Ctx, logits: Tensor, index: Tensor, temperature: float) -> Tensor:
         compute_dtype = (
             torch.float32 if logits.dtype in (torch.float16, torch.bfloat16) else logits.dtype
         )
@@ -49,7 +56,7 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
         return picked - lse
 
     @staticmethod
-    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, None, None]:
+    def backward(ctx: _Ctx, grad_out: Tensor) -> tuple[Tensor | None, None, None]:
         logits, index, lse = ctx.saved_tensors
         temp = ctx.temperature
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
@@ -93,7 +100,9 @@ class CausalLM(Protocol):
     Hugging Face keyword: only the last ``k`` positions' logits are computed).
     """
 
-    def __call__(self, *, input_ids: Tensor, attention_mask: Tensor, **kwargs: Any) -> object: ...
+    def __call__(
+        self, *, input_ids: Tensor, attention_mask: Tensor, **kwargs: object
+    ) -> object: ...
 
 
 class HiddenStateLM(Protocol):
@@ -104,7 +113,9 @@ class HiddenStateLM(Protocol):
     same object when a cache is asked for), or that tensor itself.
     """
 
-    def __call__(self, *, input_ids: Tensor, attention_mask: Tensor, **kwargs: Any) -> object: ...
+    def __call__(
+        self, *, input_ids: Tensor, attention_mask: Tensor, **kwargs: object
+    ) -> object: ...
 
 
 class _Output:
@@ -131,7 +142,7 @@ class HiddenStatesAsLogits:
     def is_gradient_checkpointing(self) -> bool:
         return bool(getattr(self.body, "is_gradient_checkpointing", False))
 
-    def __call__(self, *, input_ids: Tensor, attention_mask: Tensor, **kwargs: Any) -> object:
+    def __call__(self, *, input_ids: Tensor, attention_mask: Tensor, **kwargs: object) -> object:
         out = self.body(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         hidden = out if isinstance(out, Tensor) else getattr(out, "last_hidden_state", None)
         if not isinstance(hidden, Tensor) or hidden.dim() != 3:

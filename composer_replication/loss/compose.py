@@ -22,7 +22,6 @@ the channel is not computed at all.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -65,7 +64,7 @@ def assemble(
     replay: Result | None = None,
     *,
     metrics: bool = True,
-    **kwargs: Any,
+    **kwargs: object,
 ) -> tuple[Tensor, dict[str, float]]:
     """The composer total from channel results: ``grpo + alpha_sdpo * sdpo + beta_replay * replay``.
 
@@ -113,7 +112,7 @@ def combine(
     num_items_in_batch: int | Tensor | None = None,
     max_completion_length: int | None = None,
     sdpo_result: Result | None = None,
-    **kwargs: Any,
+    **kwargs: object,
 ) -> tuple[Tensor, dict[str, float]]:
     """Tensor-level composer loss for adapters that already hold log-probs / logits.
 
@@ -180,7 +179,7 @@ def combine(
 def _sdpo(
     cfg: ComposeConfig,
     teacher: CausalLM,
-    inputs: Mapping[str, Any],
+    inputs: _batch.Batch,
     student_logits: Tensor,
     logits_to_keep: bool,
     share_prefix: bool = False,
@@ -205,7 +204,7 @@ def _sdpo(
 def _replay(
     cfg: ComposeConfig,
     model: CausalLM,
-    inputs: Mapping[str, Any],
+    inputs: _batch.Batch,
     student_logits: Tensor | None,
     logits_to_keep: bool,
 ) -> Result | None:
@@ -227,7 +226,12 @@ def _replay(
     return scaled(result, torch.tensor(float(pairs.chosen.shape[0])), pairs.normaliser)
 
 
-def _check_inputs(inputs: object) -> Mapping[str, Any]:
+def _max_length(inputs: _batch.Batch) -> int | None:
+    value = _batch.optional_count(inputs, "max_completion_length")
+    return int(value) if isinstance(value, Tensor) else value
+
+
+def _check_inputs(inputs: object) -> _batch.Batch:
     if not isinstance(inputs, Mapping):
         raise ValueError(f"inputs must be a mapping of tensors, got {type(inputs).__name__}")
     return inputs
@@ -235,12 +239,12 @@ def _check_inputs(inputs: object) -> Mapping[str, Any]:
 
 def sdpo_term(
     teacher: CausalLM,
-    inputs: Mapping[str, Any],
+    inputs: _batch.Batch,
     student_logits: Tensor,
     *,
     logits_to_keep: bool = False,
     share_prefix: bool = False,
-    **kwargs: Any,
+    **kwargs: object,
 ) -> tuple[Tensor, dict[str, float]] | None:
     """Channel 2 of the composer batch (docs/api.md), before its weight ``alpha_sdpo``.
 
@@ -268,7 +272,7 @@ def sdpo_term(
 
 def fused_sdpo_term(
     teacher: HiddenStateLM,
-    inputs: Mapping[str, Any],
+    inputs: _batch.Batch,
     student_hidden: Tensor,
     weight: Tensor,
     bias: Tensor | None = None,
@@ -277,7 +281,7 @@ def fused_sdpo_term(
     teacher_bias: Tensor | None = None,
     share_prefix: bool = False,
     backend: str = "auto",
-    **kwargs: Any,
+    **kwargs: object,
 ) -> tuple[Tensor, dict[str, float]] | None:
     """``sdpo_term`` fused with the output layer: the same channel 2 from last hidden states.
 
@@ -341,11 +345,11 @@ def fused_sdpo_term(
 
 def replay_term(
     model: CausalLM,
-    inputs: Mapping[str, Any],
+    inputs: _batch.Batch,
     student_logits: Tensor | None = None,
     *,
     logits_to_keep: bool = False,
-    **kwargs: Any,
+    **kwargs: object,
 ) -> tuple[Tensor, dict[str, float]] | None:
     """Channel 3 of the composer batch (docs/api.md), before its weight ``beta_replay``.
 
@@ -364,7 +368,7 @@ def replay_term(
 
 
 def compose_loss(
-    model: CausalLM, inputs: Mapping[str, Any], **kwargs: Any
+    model: CausalLM, inputs: _batch.Batch, **kwargs: object
 ) -> tuple[Tensor, dict[str, float]]:
     """Three-channel composer loss on one micro-batch; see ``docs/api.md`` for ``inputs``.
 
@@ -399,10 +403,10 @@ def compose_loss(
         per_token_logps,
         completion_mask,
         advantages,
-        inputs.get("old_per_token_logps"),
-        inputs.get("ref_per_token_logps"),
-        inputs.get("num_items_in_batch"),
-        inputs.get("max_completion_length"),
+        _batch.optional_tensor(inputs, "old_per_token_logps"),
+        _batch.optional_tensor(inputs, "ref_per_token_logps"),
+        _batch.optional_count(inputs, "num_items_in_batch"),
+        _max_length(inputs),
     )
 
     sdpo = _sdpo(cfg, model, inputs, student, False)

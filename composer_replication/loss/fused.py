@@ -21,7 +21,7 @@ tensors when it does; ``create_graph=True`` raises.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -102,10 +102,19 @@ def _check_finite(name: str, x: Tensor) -> None:
         raise ValueError(f"{name} contains NaN or Inf at unmasked positions")
 
 
+_Grads = tuple[Tensor | None, Tensor | None, Tensor | None]  # hidden, weight, bias
+
+
+class _Ctx(Protocol):
+    needs_input_grad: tuple[bool, ...]
+    grads: _Grads
+    consumed: bool
+
+
 class _FusedLinearJSD(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any,
+        ctx: _Ctx,
         student_hidden: Tensor,
         weight: Tensor,
         bias: Tensor | None,
@@ -171,12 +180,12 @@ class _FusedLinearJSD(torch.autograd.Function):
         return torch.tensor(loss_sum / max(n_tokens, 1), dtype=out_dtype, device=weight.device)
 
     @staticmethod
-    def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:
+    def backward(ctx: _Ctx, grad_output: Tensor) -> tuple[Tensor | None, ...]:
         if ctx.consumed:
             raise RuntimeError(_SECOND_BACKWARD)
         if torch.is_grad_enabled():  # backward runs with grad mode on only for create_graph=True
             raise RuntimeError(_CREATE_GRAPH)
-        grads: tuple[Tensor | None, Tensor | None, Tensor | None] = ctx.grads
+        grads = ctx.grads
         keep = graph_retained()
         if not keep:  # last use: autograd may keep the very buffers as .grad (no copy)
             ctx.grads = (None, None, None)

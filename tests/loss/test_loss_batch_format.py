@@ -225,7 +225,7 @@ def test_completion_logps_and_left_padding_trim(lm):
     tok = torch.log_softmax(logits[:, 2:-1], -1).gather(-1, ids[..., None])[..., 0]
     # log-probs (V = 11 terms per log-sum-exp), summed over <= 3 tokens: float32 budget on the
     # magnitude of the summed log-probs
-    size = float((tok * mask).abs().sum(-1).max())
+    size = float((tok * mask).detach().abs().sum(-1).max())
     assert_close(summed, (tok * mask).sum(-1), n=11 + 3, ops=8, scale=size)
     assert_close(mean, (tok * mask).sum(-1) / mask.sum(-1), n=11 + 3, ops=9, scale=size)
     assert_close(selective_log_softmax(logits[:, 2:-1], ids), tok, n=11, ops=8, scale=size)

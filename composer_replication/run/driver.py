@@ -861,6 +861,8 @@ def summary_text(
         f"({summary.get('eval_n', min(config.train.eval_max_examples, config.task.n_eval))} "
         "held-out prompts)",
     ]
+    # what the replicas trained on, right under the headline (report.device_lines)
+    lines[1:1] = [f"  device           {line}" for line in summary.get("devices") or []]
     ci = summary.get("eval_accuracy_last_ci95")
     if isinstance(ci, list | tuple) and len(ci) == 2:
         lines.append(f"  95% interval     last: {ci[0]:.3f} - {ci[1]:.3f}   (Wilson)")

@@ -528,11 +528,12 @@ class ComposerReplicationTrainer(GRPOTrainer):
         (rollouts, rewards and the channel inputs, when this step generates), ``time/teacher_s``
         (channel 2: the teacher's forward over the hinted contexts and the distillation term)
         and ``time/loss_backward_s`` (the rest: policy forward, losses, backward); wall seconds,
-        averaged over each logging window like every other metric."""
+        averaged over each logging window like every other metric. On a GPU each reading waits
+        for the device's queued work (`_clock`), so the split is of work done, not launched."""
         self._phase_s = {"generate": 0.0, "teacher": 0.0}
-        t0 = time.perf_counter()
+        t0 = self._clock()
         loss = super().training_step(model, inputs, num_items_in_batch)
-        step = time.perf_counter() - t0
+        step = self._clock() - t0
         if model.training:
             gen, teacher = self._phase_s["generate"], self._phase_s["teacher"]
             metrics = self._metrics["train"]
@@ -542,12 +543,21 @@ class ComposerReplicationTrainer(GRPOTrainer):
             metrics["time/loss_backward_s"].append(max(0.0, step - gen - teacher))
         return loss
 
+    def _clock(self) -> float:
+        """``time.perf_counter()`` once the accelerator's queued kernels have finished (CUDA runs
+        asynchronously: without the wait a phase would be charged for its launches only and the
+        next one for its work). A no-op wait on CPU."""
+        device = self.accelerator.device
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
     def _generate_and_score_completions(self, inputs):  # type: ignore[no-untyped-def]
-        t0 = time.perf_counter()
+        t0 = self._clock()
         try:
             return self._generate_with_channel_inputs(inputs)
         finally:
-            self._phase_s["generate"] += time.perf_counter() - t0
+            self._phase_s["generate"] += self._clock() - t0
 
     def _generate_with_channel_inputs(self, inputs):  # type: ignore[no-untyped-def]
         output = super()._generate_and_score_completions(inputs)
@@ -748,7 +758,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
         active2 = active3 = False
         if want2:
             teacher = self._ema.model if self._ema is not None else model
-            t0 = time.perf_counter()
+            t0 = self._clock()
             res = sdpo_term(
                 teacher,
                 batch,
@@ -757,7 +767,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
                 share_prefix=s.sdpo_share_prefix,
                 **kwargs,
             )
-            self._phase_s["teacher"] += time.perf_counter() - t0
+            self._phase_s["teacher"] += self._clock() - t0
             if res is not None:
                 term2 = s.alpha_sdpo * res[0]
                 loss = loss + term2

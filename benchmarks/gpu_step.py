@@ -28,9 +28,11 @@ growth); medians of the rest. Peak memory: ``torch.cuda.max_memory_allocated`` o
 steps (on CPU the process's peak resident memory, reset the same way).
 
 Generation: TRL's rollout engines (``[train] generation``: ``generate``, ``paged``,
-``paged_eager``; assembly.build.GENERATION_ARGS) are timed on the plain arm at the first shape
-(``--generation-options``; ``--gen-steps`` steps each, the first dropped). Every step counts: TRL
-sets up continuous batching afresh at each generation (its CUDA-graph warm-up included).
+``paged_eager``; assembly.build.GENERATION_ARGS) are timed on the plain arm at the first shape,
+right after its arms (``--generation-options``; ``--gen-steps`` steps each, the first dropped).
+Every step counts: TRL sets continuous batching up afresh at each generation (its CUDA-graph
+warm-up included). ``--out`` keeps the JSON so far on disk after every arm, so a run cut short
+by a time limit (scripts/gpu-check.sh) keeps its first shape.
 
     python benchmarks/gpu_step.py                        # one GPU: qwen05b and qwen15b
     python benchmarks/gpu_step.py --device cpu --tiny    # the same code on a tiny model (tests)
@@ -272,6 +274,25 @@ def _gb(n: int | None) -> float | None:
     return None if n is None else round(n / 1e9, 3)
 
 
+def time_engines(
+    opts: argparse.Namespace, tok: Any, shape: str, plain_generation: float, result: dict
+) -> None:
+    """TRL's rollout engines on the plain arm at `shape` (the arms' own engine is reused)."""
+    print(f"  {shape} generation engines (plain arm, {opts.gen_steps} steps each):")
+    times: dict[str, float] = {}
+    for engine in opts.engines:
+        if engine == opts.generation:  # the plain arm measured it already
+            times[engine] = plain_generation
+        else:
+            run = run_arm(opts, tok, shape, "plain", engine, opts.gen_steps)
+            times[engine] = run["median"]["generation"]
+        result[f"generation_{engine}_s"] = round(times[engine], 4)
+        print(f"    {engine}: {times[engine]:.3f} s per generation", flush=True)
+        if "generate" in times and engine != "generate":
+            result[f"gpu_generation_{engine}_ratio"] = round(times[engine] / times["generate"], 4)
+    result["generation_fastest"] = min(times, key=lambda e: times[e])
+
+
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu")
@@ -296,6 +317,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--share-prefix", action="store_true",
                     help="channel 2's shared-prefix teacher forward (opt-in, as in a run)")  # fmt: skip
     ap.add_argument("--no-gradient-checkpointing", action="store_true")
+    ap.add_argument("--out", default=None,
+                    help="also write the JSON so far here after every arm (a run cut short by a "
+                    "time limit keeps what it measured)")  # fmt: skip
     opts = ap.parse_args(argv)
     try:
         opts.device = torch.device(opts.device)
@@ -353,6 +377,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "shapes": opts.shape_list,
     }  # fmt: skip
     t_start = time.perf_counter()
+
+    def save() -> None:
+        result["seconds"] = round(time.perf_counter() - t_start, 1)
+        if opts.out:
+            tmp = Path(opts.out + ".tmp")
+            tmp.write_text(json.dumps(result) + "\n")
+            tmp.replace(opts.out)
+
     for k, shape in enumerate(opts.shape_list):
         runs = {}
         for arm in ARMS:
@@ -371,6 +403,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 result[f"{shape}_{arm}_{part}_s"] = round(med[part], 4)
             result[f"{shape}_{arm}_peak_gb"] = _gb(r["peak"])
             result[f"{shape}_{arm}_resident_before_gb"] = _gb(r["resident_before"])
+            save()
         result["gradient_checkpointing"] = runs["plain"]["gradient_checkpointing"]
         result[f"{shape}_params_m"] = round(runs["plain"]["params"] / 1e6, 1)
         plain = runs["plain"]["median"]["step"]
@@ -383,25 +416,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result[f"gpu_peak_memory_ratio{suffix}"] = (
             round(peaks[1] / peaks[0], 4) if peaks[0] and peaks[1] else None
         )
-        if k == 0 and opts.engines:
-            print(f"  {shape} generation engines (plain arm, {opts.gen_steps} steps each):")
-            times = {}
-            for engine in opts.engines:
-                if engine == opts.generation:  # the plain arm measured it already
-                    times[engine] = runs["plain"]["median"]["generation"]
-                else:
-                    run = run_arm(opts, tok, shape, "plain", engine, opts.gen_steps)
-                    times[engine] = run["median"]["generation"]
-                result[f"generation_{engine}_s"] = round(times[engine], 4)
-                print(f"    {engine}: {times[engine]:.3f} s per generation", flush=True)
-            if "generate" in times:
-                for engine, seconds in times.items():
-                    if engine != "generate":
-                        result[f"gpu_generation_{engine}_ratio"] = round(
-                            seconds / times["generate"], 4
-                        )
-            result["generation_fastest"] = min(times, key=lambda e: times[e])
-    result["seconds"] = round(time.perf_counter() - t_start, 1)
+        save()
+        if k == 0 and opts.engines:  # before the next shape: a time limit cuts the largest last
+            time_engines(opts, tok, shape, runs["plain"]["median"]["generation"], result)
+            save()
+    save()
     print(json.dumps(result))
     return result
 

@@ -56,6 +56,7 @@ def test_bad_flags_and_a_missing_gpu_fail_clearly(capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)  # six arms of a tiny model; ~6 min on a loaded 2-core machine
 def test_tiny_cpu_run_prints_every_key():
     pytest.importorskip("trl")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

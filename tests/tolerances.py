@@ -3,7 +3,7 @@
 The rounding model (Higham, *Accuracy and Stability of Numerical Algorithms*, 2nd ed., 2002,
 sections 2.2 and 3.1): every floating-point operation returns the exact result times (1 + d) with
 |d| <= u, the unit roundoff of the format: fp32 ``U32 = 2**-24``, bf16 ``UBF16 = 2**-8`` (8
-significant bits), TF32 matmul inputs ``UTF32 = 2**-11``. A sum (or dot product) of n terms in any
+significant bits), TF32 matmul inputs ``UTF32 = 2**-11``, float64 ``U64 = 2**-53``. A sum (or dot product) of n terms in any
 order is within ``gamma(n) * sum|x_i|`` of the exact value, ``gamma(n) = n u / (1 - n u)``; two
 computations that order or group the same n terms differently (two kernels, ATen's default /
 AVX2 / AVX-512 code paths, a CUDA or Triton kernel) therefore differ by at most twice that.
@@ -34,11 +34,12 @@ from typing import Any
 
 import torch
 
+U64 = 2.0**-53  # float64 unit roundoff
 U32 = 2.0**-24  # fp32 unit roundoff
 UBF16 = 2.0**-8  # bf16 unit roundoff (8 significant bits)
 UTF32 = 2.0**-11  # TF32 matmul inputs (11 significant bits)
 
-__all__ = ["U32", "UBF16", "UTF32", "assert_close", "gamma", "tol"]
+__all__ = ["U32", "U64", "UBF16", "UTF32", "assert_close", "gamma", "tol"]
 
 
 def gamma(n: int, u: float = U32) -> float:

@@ -29,7 +29,8 @@ steps (on CPU the process's peak resident memory, reset the same way).
 
 Generation: TRL's rollout engines (``[train] generation``: ``generate``, ``paged``,
 ``paged_eager``; assembly.build.GENERATION_ARGS) are timed on the plain arm at the first shape,
-right after its arms (``--generation-options``; ``--gen-steps`` steps each, the first dropped).
+right after its arms (``--generation-options``; ``--gen-steps`` steps each, the first dropped
+when there are several: the process is warm by then).
 Every step counts: TRL sets continuous batching up afresh at each generation (its CUDA-graph
 warm-up included). ``--out`` keeps the JSON so far on disk after every arm, so a run cut short
 by a time limit (scripts/gpu-check.sh) keeps its first shape.
@@ -312,7 +313,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     help="rollout engine of the three arms")  # fmt: skip
     ap.add_argument("--generation-options", default=",".join(GENERATION_ARGS),
                     help="engines timed on the plain arm at the first shape ('' = none)")  # fmt: skip
-    ap.add_argument("--gen-steps", type=int, default=2, help="steps per engine (first dropped)")
+    ap.add_argument("--gen-steps", type=int, default=2,
+                    help="steps per engine, the first dropped when there are several")  # fmt: skip
     ap.add_argument("--dpo", action="store_true", help="all_on with DPO (a frozen reference copy)")
     ap.add_argument("--share-prefix", action="store_true",
                     help="channel 2's shared-prefix teacher forward (opt-in, as in a run)")  # fmt: skip
@@ -342,8 +344,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     if bad:
         ap.error(f"--generation-options: unknown {bad}; choose from {', '.join(GENERATION_ARGS)}")
     opts.engines = engines
-    if opts.steps < 2 or not 1 <= opts.warmup < opts.steps or opts.gen_steps < 2:
-        ap.error("need --steps >= 2, 1 <= --warmup < --steps and --gen-steps >= 2")
+    if opts.steps < 2 or not 1 <= opts.warmup < opts.steps or opts.gen_steps < 1:
+        ap.error("need --steps >= 2, 1 <= --warmup < --steps and --gen-steps >= 1")
     if opts.batch % opts.generations:
         ap.error(f"--batch {opts.batch} must be a multiple of --generations {opts.generations}")
     default_dtype = "bfloat16" if opts.device.type == "cuda" else "float32"

@@ -61,7 +61,7 @@ if [ $DRY = 1 ]; then
   TESTS_ARGS=(-m "not slow and not gpu" tests/trainer/test_trainer_units.py)
   LOSS_ARGS=(--quick --no-trl)
   STEP_ARGS=(--device cpu --tiny --steps 2 --batch 4 --generations 2 --completion-len 4
-             --generation-options generate)
+             --generation-options generate,paged --gen-steps 1)
   DILOCO_ARGS=(--device cpu --quick --k 2 --batch 2 --ctx 32 --d-model 32 --sweep-batch 2,4
                --sweep-dp-lr 2e-3,4e-3 --sweep-diloco-lr 2e-3)
   : "${GPU_S:=900}" "${TESTS_S:=900}" "${LOSS_S:=600}" "${STEP_S:=900}" "${DILOCO_S:=900}"
@@ -69,12 +69,15 @@ else
   DEVICE=cuda
   TESTS_ARGS=(-m "not slow and not gpu" tests/loss tests/trainer)
   LOSS_ARGS=(--device cuda)
-  STEP_ARGS=(--device cuda --steps 3 --warmup 1 --gen-steps 2)
+  # 3 steps per arm (1 dropped); each rollout engine 1 step (the process is warm by then, and
+  # TRL sets the paged engine up afresh at every generation anyway)
+  STEP_ARGS=(--device cuda --steps 3 --warmup 1 --gen-steps 1)
   # k=4 replicas, H=25, 4 rounds (100 inner steps) per run; every batch tuned on both grids.
   DILOCO_ARGS=(--device cuda --k 4 --h 25 --rounds 4 --pretrain-steps 60 --eval-seqs 128
-               --batch 128 --sweep-batch 128,256,512 --sweep-dp-lr 1e-3,2e-3,4e-3
-               --sweep-diloco-lr 1e-3,2e-3,4e-3)
-  : "${GPU_S:=60}" "${TESTS_S:=150}" "${LOSS_S:=50}" "${STEP_S:=170}" "${DILOCO_S:=80}"
+               --batch 128 --lr 4e-3 --sweep-batch 128,256,512 --sweep-dp-lr 2e-3,4e-3,8e-3
+               --sweep-diloco-lr 2e-3,4e-3,8e-3)
+  # 500 s in all; if a phase runs out, rerun it alone (PHASES=..., a larger *_S)
+  : "${GPU_S:=70}" "${TESTS_S:=120}" "${LOSS_S:=45}" "${STEP_S:=190}" "${DILOCO_S:=75}"
 fi
 
 {

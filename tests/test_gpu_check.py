@@ -113,7 +113,8 @@ def test_dry_run_runs_every_phase_on_the_cpu(tmp_path):
     report = json.loads((tmp_path / "keys.json").read_text())
     assert set(report["phases"].values()) == {"ok"} and report["problems"] == []
     for key in ("gpu_channels_off_ratio", "gpu_all_on_ratio", "gpu_peak_memory_ratio",
-                "loss_gap_vs_dp_b2", "loss_gap_vs_dp_b4", "critical_batch", "peak_memory_ratio"):  # fmt: skip
+                "loss_gap_vs_dp_b2", "loss_gap_vs_dp_b4", "critical_batch", "peak_memory_ratio",
+                "step.gpu_generation_paged_ratio"):  # fmt: skip
         assert report["keys"][key] is not None, key
     gpu = report["tests"]["gpu"]
     assert gpu["tests"] >= 4 and len(gpu["gpu_skipped"]) == gpu["tests"]  # collected, skipped

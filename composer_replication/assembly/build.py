@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from composer_replication.config import ConfigError
+from composer_replication.config.schema import GENERATION_ENGINES
 
 if TYPE_CHECKING:
     from composer_replication.config import RunConfig
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
     from composer_replication.trainer import ComposerConfig, ComposerReplicationTrainer
 
 __all__ = [
+    "GENERATION_ARGS",
     "build_model",
     "build_task",
     "build_teachers",
@@ -70,6 +72,23 @@ CHANNEL1_TRL_ARGS = {
     "delta": "delta",
     "kl_beta": "beta",
 }
+
+
+# `[train] generation` -> the TRL GRPOConfig arguments that select that rollout engine; keyed by
+# the schema's choices (config.schema.GENERATION_ENGINES). benchmarks/gpu_step.py measures them.
+GENERATION_ARGS: dict[str, dict[str, Any]] = {
+    "generate": {},  # TRL's default path: model.generate on the left-padded prompt batch
+    "paged": {"use_transformers_continuous_batching": True},
+    "paged_eager": {
+        "use_transformers_continuous_batching": True,
+        "transformers_continuous_batching_config": {"use_cuda_graph": False},
+    },
+}
+if set(GENERATION_ARGS) != set(GENERATION_ENGINES):  # pragma: no cover - a programming error
+    raise RuntimeError(
+        f"GENERATION_ARGS {sorted(GENERATION_ARGS)} must cover config.schema.GENERATION_ENGINES "
+        f"{sorted(GENERATION_ENGINES)}"
+    )
 
 
 def build_task(config: RunConfig) -> Task:
@@ -261,6 +280,7 @@ def trl_training_args(
         "use_cpu": not cuda,
         "bf16": cuda and config.model.dtype == "bfloat16",
         "seed": seed,
+        **GENERATION_ARGS[t.generation],
     }
 
 

@@ -43,6 +43,7 @@ from composer_replication.loss import (
 )
 
 __all__ = [
+    "GENERATION_ENGINES",
     "LOSS_KEYS_SET_BY_THE_RUN",
     "BackendConfig",
     "ChaosConfig",
@@ -62,7 +63,13 @@ __all__ = [
     "TrainConfig",
 ]
 
+# [train] generation: how TRL samples the rollouts. The names are here (the schema's choices);
+# what each one sets in TRL is assembly.build.GENERATION_ARGS, keyed by them (a test checks that
+# the two agree). docs/trainer.md, "On a GPU", says which to pick.
+GENERATION_ENGINES: tuple[str, ...] = ("generate", "paged", "paged_eager")
+
 if TYPE_CHECKING:
+    GenerationEngine = str
     BackendName = str
     CodecName = str
     AggregateName = str
@@ -71,6 +78,7 @@ if TYPE_CHECKING:
     SdpoWrapper = str
     DpoVariant = str
 else:  # the registries' names as Literal choices (the loader validates against them)
+    GenerationEngine = Literal[GENERATION_ENGINES]
     BackendName = Literal[BACKEND_NAMES]
     CodecName = Literal[CODECS]
     AggregateName = Literal[AGGREGATES]
@@ -201,6 +209,13 @@ class TrainConfig:
         32, "eval prompts used per evaluation (at most task.n_eval of them)"
     )
     torch_threads: int = _f(1, "torch intra-op threads per replica (0 = torch default)")
+    generation: GenerationEngine = _f(
+        "generate",
+        "rollout engine: 'generate' (TRL's default: transformers' generate on a left-padded "
+        "batch), 'paged' (transformers' continuous batching over a paged KV cache, TRL's "
+        "use_transformers_continuous_batching, formerly use_transformers_paged; CUDA graphs "
+        "captured each generation) or 'paged_eager' (the same without CUDA graphs)",
+    )
 
     def __post_init__(self) -> None:
         _check(self.max_steps >= 1, "train.max_steps", "must be >= 1")

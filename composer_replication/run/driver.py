@@ -902,6 +902,8 @@ def summary_text(
         + ")",
     ]
     lines += headline_lines(summary, eval_n=min(config.train.eval_max_examples, config.task.n_eval))
+    # what the replicas trained on, right under the headline (report.device_lines)
+    lines[1:1] = [f"  device           {line}" for line in summary.get("devices") or []]
     final = folder.checkpoints / "final"
     if final.is_dir():
         lines.append(f"  checkpoint       {final}")

@@ -358,6 +358,9 @@ def run_replica(
                 config, model=model, tokenizer=tok, task=task, max_steps=config.train.max_steps,
                 seed=seed, output_dir=scratch, callbacks=[outer.callback(), reporter], rank=rank,
             )  # fmt: skip
+            # what this replica trains on, for the run summary (report.device_lines)
+            writer.log("event", step=start_step, round=start_round, event="device",
+                       **device_record(trainer, config.train.generation))  # fmt: skip
             if exact:  # after the trainer's own callbacks (TAID, EMA): the step's final state
                 trainer.add_callback(
                     ResumeStateWriter(store=store, rank=rank, outer=outer, trainer=trainer,
@@ -418,6 +421,29 @@ def _own_resume_state(store: Any, rank: int, round: int) -> dict[str, Any] | Non
               "with a fresh inner optimizer, schedule position and sampling stream",
               file=sys.stderr, flush=True)  # fmt: skip
         return None
+
+
+def device_record(trainer: Any, generation: str) -> dict[str, Any]:
+    """What a trainer trains on: the device (and the GPU's name), the parameters' dtype, the
+    autocast dtype (TRL's ``bf16`` / ``fp16`` mixed precision, else none), gradient
+    checkpointing and the rollout engine (`[train] generation`)."""
+    import torch
+
+    param = next(trainer.model.parameters())
+    device = param.device
+    name = ""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    args = trainer.args
+    autocast = "bfloat16" if args.bf16 else "float16" if args.fp16 else "none"
+    return {
+        "device": str(device),
+        "device_name": name,
+        "param_dtype": str(param.dtype).removeprefix("torch."),
+        "autocast": autocast,
+        "gradient_checkpointing": bool(args.gradient_checkpointing),
+        "generation": generation,
+    }
 
 
 def weights_digest(model: Any) -> str:

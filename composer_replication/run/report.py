@@ -23,6 +23,7 @@ from composer_replication.run.folder import RunFolder
 from composer_replication.run.metrics import read_metrics
 
 __all__ = [
+    "device_lines",
     "draw_plots",
     "headline_lines",
     "health_summary",
@@ -247,8 +248,43 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     times = [float(r["time"]) for r in records if isinstance(r.get("time"), int | float)]
     if times:
         out["wall_seconds"] = max(times) - min(times)
+    devices = device_lines(records)
+    if devices:
+        out["devices"] = devices
     out.update(health_summary(records))
     return out
+
+
+def _device_text(r: dict[str, Any]) -> str:
+    device = str(r.get("device") or "?")
+    if r.get("device_name"):
+        device += f" ({r['device_name']})"
+    checkpointing = "on" if r.get("gradient_checkpointing") else "off"
+    return (
+        f"{device}, weights {r.get('param_dtype') or '?'}, autocast {r.get('autocast') or '?'}, "
+        f"gradient checkpointing {checkpointing}, generation {r.get('generation') or '?'}"
+    )
+
+
+def device_lines(records: list[dict[str, Any]]) -> list[str]:
+    """One line per distinct device setup the replicas reported (their ``device`` event: device,
+    GPU name, parameter and autocast dtypes, gradient checkpointing, rollout engine), each with
+    the replicas that used it when they differ; the latest report of each replica counts."""
+    latest: dict[int, dict[str, Any]] = {}
+    for r in records:
+        if r.get("kind") == "event" and r.get("event") == "device":
+            replica = int(r.get("replica", 0))
+            if replica not in latest or float(r.get("time") or 0) >= float(
+                latest[replica].get("time") or 0
+            ):
+                latest[replica] = r
+    by_text: dict[str, list[int]] = defaultdict(list)
+    for replica, r in sorted(latest.items()):
+        by_text[_device_text(r)].append(replica)
+    if len(by_text) == 1:
+        return list(by_text)
+    return [f"{text} (replica{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))})"
+            for text, rs in by_text.items()]  # fmt: skip
 
 
 def _health_points(records: list[dict[str, Any]]) -> list[tuple[float, int, dict[str, Any]]]:
@@ -446,6 +482,7 @@ def summary_markdown(
         f"{backend.get('n_replicas', '?')} replicas",
         f"- loss: alpha_sdpo={loss.get('alpha_sdpo')}, beta_replay={loss.get('beta_replay')}, "
         f"dpo_variant={loss.get('dpo_variant')}",
+        *(f"- device: {line}" for line in summary.get("devices") or []),
         f"- status: {driver.get('status', 'unknown')}",
         "",
         "| metric | value |",

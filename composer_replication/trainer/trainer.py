@@ -574,11 +574,12 @@ class ComposerReplicationTrainer(GRPOTrainer):
         (rollouts, rewards and the channel inputs, when this step generates), ``time/teacher_s``
         (channel 2: the teacher's forward over the hinted contexts and the distillation term)
         and ``time/loss_backward_s`` (the rest: policy forward, losses, backward); wall seconds,
-        averaged over each logging window like every other metric."""
+        averaged over each logging window like every other metric. On a GPU each reading waits
+        for the device's queued work (`_clock`), so the split is of work done, not launched."""
         self._phase_s = {"generate": 0.0, "teacher": 0.0}
-        t0 = time.perf_counter()
+        t0 = self._clock()
         loss = super().training_step(model, inputs, num_items_in_batch)
-        step = time.perf_counter() - t0
+        step = self._clock() - t0
         if model.training:
             gen, teacher = self._phase_s["generate"], self._phase_s["teacher"]
             metrics = self._metrics["train"]
@@ -588,12 +589,21 @@ class ComposerReplicationTrainer(GRPOTrainer):
             metrics["time/loss_backward_s"].append(max(0.0, step - gen - teacher))
         return loss
 
+    def _clock(self) -> float:
+        """``time.perf_counter()`` once the accelerator's queued kernels have finished (CUDA runs
+        asynchronously: without the wait a phase would be charged for its launches only and the
+        next one for its work). A no-op wait on CPU."""
+        device = self.accelerator.device
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
     def _generate_and_score_completions(self, inputs):  # type: ignore[no-untyped-def]
-        t0 = time.perf_counter()
+        t0 = self._clock()
         try:
             return self._generate_with_channel_inputs(inputs)
         finally:
-            self._phase_s["generate"] += time.perf_counter() - t0
+            self._phase_s["generate"] += self._clock() - t0
 
     def _generate_with_channel_inputs(self, inputs):  # type: ignore[no-untyped-def]
         output = super()._generate_and_score_completions(inputs)
@@ -840,7 +850,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
         sdpo: tuple[torch.Tensor, dict[str, float]] | None = None
         replay: tuple[torch.Tensor, dict[str, float]] | None = None
         if want2:
-            t0 = time.perf_counter()
+            t0 = self._clock()
             if fused2:
                 assert hidden is not None and self._fused2 is not None
                 student, teacher = self._fused2
@@ -867,7 +877,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
                     share_prefix=s.sdpo_share_prefix,
                     **kwargs,
                 )
-            self._phase_s["teacher"] += time.perf_counter() - t0
+            self._phase_s["teacher"] += self._clock() - t0
             if sdpo is not None:
                 self._log(mode, sdpo[1])
                 if s.taid_scheduled:

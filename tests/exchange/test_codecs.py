@@ -9,6 +9,7 @@ import threading
 
 import pytest
 import torch
+from tolerances import tol
 
 from composer_replication.exchange import codec_4bit, codecs
 from composer_replication.exchange.aggregate import average_in_rank_order
@@ -259,7 +260,10 @@ def test_error_per_block_within_analytic_bound_edge_cases(codec, case):
         s = codecs.encode(x, codec)["s"][-1].item()
         tail = x[B:]
         expected = tail.abs().max() / 127 if codec == "int8" else (tail.max() - tail.min()) / 15
-        assert s == pytest.approx(expected.item(), rel=1e-6)
+        # the codec's scale and this one: a max (or max - min, one rounding) and one division in
+        # fp32, possibly grouped differently: 2 gamma_2
+        bound = tol(2, abs(expected.item()))
+        assert s == pytest.approx(expected.item(), rel=bound["rtol"], abs=bound["atol"])
 
 
 @pytest.mark.parametrize("codec", codecs.QUANTISED)

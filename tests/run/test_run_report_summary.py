@@ -65,3 +65,58 @@ def test_wall_time_adds_up_the_attempts_of_a_resumed_run() -> None:
     recorded = {**resumed, "attempts": closed_attempts(resumed)}
     assert run_wall_seconds(recorded) == pytest.approx(651.0)  # not 685.8
     assert wall_text({"started": 100.0, "ended": 131.25}) == "31.2 s"
+
+
+def test_the_summary_names_the_device_and_dtypes_each_replica_used(tmp_path) -> None:
+    """Each replica logs a ``device`` event (run/replica.device_record); the summary prints one
+    line per distinct setup, naming the replicas only when they differ."""
+    from composer_replication.config import load_config
+    from composer_replication.run.driver import summary_text
+    from composer_replication.run.folder import RunFolder
+    from composer_replication.run.report import device_lines
+
+    gpu = {"kind": "event", "event": "device", "device": "cuda:0", "device_name": "NVIDIA H200",
+           "param_dtype": "bfloat16", "autocast": "bfloat16", "gradient_checkpointing": True,
+           "generation": "generate"}  # fmt: skip
+    records = [{**gpu, "replica": r, "time": 1.0} for r in (0, 1)]
+    line = (
+        "cuda:0 (NVIDIA H200), weights bfloat16, autocast bfloat16, gradient checkpointing on, "
+        "generation generate"
+    )
+    assert device_lines(records) == [line]
+    assert summarize(records)["devices"] == [line]
+    # a replica restarted on a CPU: its latest report counts, and the lines name the replicas
+    cpu = {**gpu, "replica": 1, "time": 2.0, "device": "cpu", "device_name": "",
+           "param_dtype": "float32", "autocast": "none", "gradient_checkpointing": False}  # fmt: skip
+    lines = device_lines([*records, cpu])
+    assert lines == [
+        f"{line} (replica 0)",
+        "cpu, weights float32, autocast none, gradient checkpointing off, generation generate "
+        "(replica 1)",
+    ]
+    text = summary_text(RunFolder(tmp_path / "r"), "finished", {"devices": [line]}, load_config())
+    assert text.splitlines()[1] == f"  device           {line}"
+    assert "device" not in summary_text(RunFolder(tmp_path / "r"), "finished", {}, load_config())
+
+
+def test_a_replica_reports_its_trainers_device_and_dtypes(tmp_path) -> None:
+    """device_record reads the built trainer: on a CPU the tiny model trains in float32 without
+    autocast or recomputation (test_trainer_gpu.py checks the CUDA side)."""
+    pytest.importorskip("trl")
+    import torch
+
+    from composer_replication.assembly.build import build_model, build_task, build_trainer
+    from composer_replication.config import load_config
+    from composer_replication.run.replica import device_record
+
+    config = load_config(overrides=["task.n_train=32", "task.n_eval=2", "train.generation=paged"])
+    model, tok = build_model(config)
+    trainer = build_trainer(config, model=model, tokenizer=tok, task=build_task(config),
+                            max_steps=1, seed=0, output_dir=str(tmp_path))  # fmt: skip
+    record = device_record(trainer, config.train.generation)
+    if torch.cuda.is_available():
+        assert record["device"].startswith("cuda") and record["device_name"]
+    else:
+        assert record == {"device": "cpu", "device_name": "", "param_dtype": "float32",
+                          "autocast": "none", "gradient_checkpointing": False,
+                          "generation": "paged"}  # fmt: skip

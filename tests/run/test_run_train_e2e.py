@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from _run_small import TINY_RUN
 
 from composer_replication.cli import main
@@ -53,6 +54,9 @@ def test_train_default_end_to_end(
     # the summary: first-10% vs last-10% reward, eval accuracy, where the report is
     assert "Run e2e: finished" in out and "2 outer rounds" in out
     assert "mean reward      first 10%:" in out and "eval accuracy    first:" in out
+    assert "device           cpu, weights float32, autocast none" in out or (
+        torch.cuda.is_available()  # there: "cuda:0 (<GPU name>), ..."
+    )
     assert "95% interval     last: " in out and "(Wilson)" in out
     assert all(f"loss ch{i} {name}" in out for i, name in ((1, "grpo"), (2, "sdpo"), (3, "replay")))
     assert f"report           {run / 'summary.md'}" in out

@@ -76,4 +76,12 @@ PY
 if [ -n "${FRAMEWORK_EXTRAS}" ]; then
   .venv/bin/python -m pip install --quiet -e ".[${FRAMEWORK_EXTRAS}]"
 fi
+# The gpu extra (Triton, Liger-Kernel): on the CPU the tests run our Triton kernels and Liger-Kernel's
+# in Triton's interpreter. liger-kernel declares torch, so it goes in without dependencies (pip
+# would otherwise swap the torch build chosen above); a CUDA torch already brings its triton.
+if [ "${GPU_EXTRA:-1}" = 1 ]; then
+  .venv/bin/python -c "import triton" >/dev/null 2>&1 \
+    || .venv/bin/python -m pip install --quiet "triton>=3.2"
+  .venv/bin/python -m pip install --quiet --no-deps "liger-kernel==0.8.5"
+fi
 echo "composer-replication installed in .venv (torch ${TORCH_CHOICE} build; extras: ${EXTRAS},${FRAMEWORK_EXTRAS})"

@@ -864,6 +864,12 @@ def summary_text(
     ci = summary.get("eval_accuracy_last_ci95")
     if isinstance(ci, list | tuple) and len(ci) == 2:
         lines.append(f"  95% interval     last: {ci[0]:.3f} - {ci[1]:.3f}   (Wilson)")
+    if summary.get("eval_ood_accuracy_last") is not None:
+        lines.append(
+            f"  out-of-distrib.  first: {_num(summary.get('eval_ood_accuracy_first'))}   "
+            f"last: {_num(summary.get('eval_ood_accuracy_last'))}   "
+            f"({summary.get('eval_ood_n', '?')} prompts outside the training distribution)"
+        )
     for ch in LOSS_CHANNELS:
         if summary.get(f"{ch.key}_first10") is not None:
             label = f"loss ch{ch.number} {ch.label}"

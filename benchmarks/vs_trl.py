@@ -89,7 +89,7 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 
 HERE = Path(__file__).resolve().parent
-ARMS = ("composer", "trl_grpo", "trl_sft", "trl_sft_grpo", "trl_sdpo")
+ARMS = ("composer", "trl_sft", "trl_sft_grpo", "trl_sdpo", "trl_grpo")  # in the order they run
 TRL_ARMS = tuple(a for a in ARMS if a.startswith("trl_"))
 # Our trainer with one channel set per variant ([loss] overrides; "composer" is the default's).
 CHANNEL_VARIANTS: dict[str, list[str]] = {
@@ -364,6 +364,7 @@ def run_one(spec: Spec, probe_every: int, extra: list[str], cache: str) -> dict[
         "n": metrics["n"],
         "correct": metrics["correct"],
         "classes": [task.canonical(ex) for ex in examples],
+        "prompts": [ex.prompt for ex in examples],
         "ood_acc": ood["accuracy"],
         "steps": sum(b.steps for b in budgets),
         "phase_steps": [b.steps for b in budgets],
@@ -451,13 +452,17 @@ def bootstrap(per_arm: dict[str, list[dict[str, Any]]], reps: int = BOOTSTRAP_RE
     tables = []
     for s in seeds:
         runs = {a: next(r for r in per_arm[a] if r["seed"] == s) for a in arms}
-        classes = runs[arms[0]]["classes"]
-        names = sorted(set(classes))
+        ref = runs[arms[0]]
+        names = sorted(set(ref["classes"]))
         index = {c: i for i, c in enumerate(names)}
-        idx = np.array([index[c] for c in classes])
-        sizes = np.bincount(idx, minlength=len(names)).astype(float)
-        correct = {a: np.bincount(idx, weights=np.array(runs[a]["correct"], dtype=float),
-                                  minlength=len(names)) for a in arms}  # fmt: skip
+        sizes = np.bincount([index[c] for c in ref["classes"]], minlength=len(names)).astype(float)
+        correct = {}
+        for a in arms:  # per class, aligned by prompt (the same held-out set for every arm)
+            if sorted(runs[a]["prompts"]) != sorted(ref["prompts"]):
+                raise ValueError(f"seed {s}: arm {a} was evaluated on other held-out prompts")
+            idx = [index[c] for c in runs[a]["classes"]]
+            correct[a] = np.bincount(idx, weights=np.array(runs[a]["correct"], dtype=float),
+                                     minlength=len(names))  # fmt: skip
         tables.append((sizes, correct))
     k = len(seeds)
     meds = {a: np.empty(reps) for a in arms}
@@ -544,7 +549,7 @@ def _r2(pair: tuple[float, float]) -> list[float]:
 
 
 def _brief(r: dict[str, Any]) -> dict[str, Any]:
-    skip = {"correct", "classes", "key", "arm"}
+    skip = {"correct", "classes", "prompts", "key", "arm"}
     return {k: v for k, v in r.items() if k not in skip}
 
 

@@ -11,7 +11,8 @@ owns everything that is the same for every task:
   not a reordering of a training prompt. The eval set is drawn first: each draw of a new class
   holds the class out whole (`_equivalents`: every member the task can list, the drawn prompt
   first; the last class is cut at `n_eval`), so the eval set holds `n_eval` distinct prompts and
-  every prompt has the same chance of being held out. The train set holds prompts of the other
+  every prompt has the same chance of being held out; its order is then shuffled, so that any
+  first k of them span many classes. The train set holds prompts of the other
   classes only. When a task's problem space is smaller than `n_train + n_eval` distinct prompts
   (the "easy" levels are deliberately tiny), the train set cycles through the remaining prompts,
   so train may repeat a prompt but never shares a class with eval;
@@ -377,6 +378,10 @@ class Task(ABC):
                 f"task {self.name!r} with these options has only {len(evals)} distinct problems, "
                 f"fewer than n_eval={self.n_eval}; lower n_eval or choose a harder level"
             )
+        # Whole classes are drawn together; the eval order is shuffled (by its own stream, so
+        # the train draw is unchanged) so that the first k held-out prompts (a run evaluates
+        # `eval_max_examples` of them, the loss screen `screen_examples`) span many classes.
+        random.Random(f"{self.name}:{self.seed}:eval-order").shuffle(evals)
         pool = self._draw_train(rng, held)
         if not pool:
             raise ValueError(

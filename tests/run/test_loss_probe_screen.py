@@ -92,17 +92,17 @@ def test_the_real_loss_probe_refuses_a_harmful_contribution_through_the_exchange
     tmp_path: Path,
 ) -> None:
     config = load_config(overrides=["diloco.screen=loss", f"backend.n_replicas={N}",
-                                    f"diloco.min_replicas={N}", "diloco.screen_examples=8"])  # fmt: skip
+                                    f"diloco.min_replicas={N - 1}", "diloco.screen_examples=32"])  # fmt: skip
     task = build_task(config)
     model, tok = build_model(config)
     train = task.train_examples()
-    _sft(model, tok, task, train[-64:], steps=30, lr=3e-3)  # the global model: partly trained
+    _sft(model, tok, task, train[-128:], steps=30, lr=3e-3)  # the global model: partly trained
     names = [n for n, _ in model.named_parameters()]
     global_w = {n: p.detach().clone() for n, p in model.named_parameters()}
     honest = []
-    for r in range(N - 1):  # each honest replica learns from its own 32 training prompts
+    for r in range(N - 1):  # each honest replica learns from its own 64 training prompts
         local = copy.deepcopy(model)
-        _sft(local, tok, task, train[32 * r : 32 * (r + 1)], steps=8, lr=1e-3)
+        _sft(local, tok, task, train[64 * r : 64 * (r + 1)], steps=5, lr=1e-3)
         local_w = dict(local.named_parameters())
         honest.append({f"p{i:06d}": (global_w[n] - local_w[n].detach()).clone()
                        for i, n in enumerate(names)})  # fmt: skip
@@ -126,8 +126,11 @@ def test_the_real_loss_probe_refuses_a_harmful_contribution_through_the_exchange
     for p, want in zip(payloads, losses, strict=True):
         assert probe(p) == pytest.approx(want, rel=1e-5)
     tolerance = config.diloco.screen_loss_tolerance
-    assert all(loss < base for loss in losses[:-1]), (base, losses)  # honest: lower
-    assert losses[-1] > (1 + tolerance) * base, (base, losses)  # harmful: well above
+    # honest: within the screen's tolerance (one may nudge these prompts' loss up a little,
+    # the three together lower it); harmful: well above it
+    assert all(loss <= (1 + tolerance) * base for loss in losses[:-1]), (base, losses)
+    assert sum(losses[:-1]) / 3 < base, (base, losses)
+    assert losses[-1] > (1 + 2 * tolerance) * base, (base, losses)
 
     # Through the real exchange, with the run's policy and each replica's own probe.
     policy = screening.aggregate_policy(config, task, tok)
@@ -137,7 +140,7 @@ def test_the_real_loss_probe_refuses_a_harmful_contribution_through_the_exchange
     def replica(r: int) -> None:
         own = screening.loss_probe(config, lambda: flat, copy.deepcopy(model), tok, task)
         ar = ObjectStoreAllReduce(uri, N, r, timeout_s=120, poll_interval_s=0.01,
-                                  min_replicas=N, aggregate=policy, loss_probe=own)  # fmt: skip
+                                  min_replicas=N - 1, aggregate=policy, loss_probe=own)  # fmt: skip
         try:
             out[r] = (ar.allreduce(payloads[r], step=1), ar.last_result)
         except Exception as e:  # noqa: BLE001 - reported by the assertion below

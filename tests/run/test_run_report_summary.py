@@ -41,3 +41,20 @@ def test_summary_has_the_interval_and_each_loss_channel() -> None:
 def test_one_wall_time_from_the_driver_record() -> None:
     assert run_wall_seconds({"started": 100.0, "ended": 131.25}) == 31.25
     assert run_wall_seconds({"started": 100.0, "ended": None}) is None
+
+
+def test_the_out_of_distribution_row_is_reported_beside_the_held_out_one() -> None:
+    records = [
+        {"kind": "eval", "replica": 0, "step": 0, "eval/accuracy": 0.0, "eval/n": 256.0,
+         "eval/ood_accuracy": 0.0, "eval/ood_n": 256.0},
+        {"kind": "eval", "replica": 0, "step": 20, "eval/accuracy": 0.8, "eval/n": 256.0,
+         "eval/ood_accuracy": 0.05, "eval/ood_n": 256.0},
+    ]  # fmt: skip
+    s = summarize(records)
+    assert (s["eval_ood_accuracy_first"], s["eval_ood_accuracy_last"], s["eval_ood_n"]) == (
+        0.0, 0.05, 256,
+    )  # fmt: skip
+    assert s["eval_accuracy_last"] == 0.8  # the held-out row is unchanged by it
+    # a task without an out-of-distribution split logs no such keys: no row
+    plain = [{k: v for k, v in r.items() if "ood" not in k} for r in records]
+    assert "eval_ood_accuracy_last" not in summarize(plain)

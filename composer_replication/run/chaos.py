@@ -24,8 +24,10 @@ backend). Faults are real signals and real bytes, never simulated inside the rep
 `ChaosInjector` runs a schedule against `Targets` (pids of replicas, the synchronizer) and logs
 what it did. `check_decoupled_run` checks the store afterwards: the run finished; no committed
 merge was lost (every version a learner loaded is the stored one, the version chain has no
-gaps) or applied twice (no push in two merge records); restarted learners started from the
-newest global; every live learner holds the same final global fragments.
+gaps) or applied twice (no push in two merge records); every push written was consumed by a
+merge record or refused (a refusal record); killed learners started again, from the newest
+global; every live learner holds the same final global fragments
+(tests/run/test_chaos_checker.py plants each violation and shows it caught).
 """
 
 from __future__ import annotations

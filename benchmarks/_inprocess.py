@@ -66,8 +66,11 @@ class WallBudget(TrainerCallback):
     not training). `steps` and `seconds` say what was spent.
 
     `clock="wall"` counts wall seconds; `clock="cpu"` counts this process's CPU seconds (all
-    its threads), which on a machine shared with other jobs is the same budget for every run
-    whatever the load while it ran (with one torch thread, ~ wall seconds on a free core)."""
+    its threads), which on a machine shared with other jobs removes the time a run waits for a
+    core, but not all of the load's effect: a loaded machine does less work per CPU second
+    (shared caches and memory bandwidth; docs/benchmarks.md measured ~10%), so runs compared
+    side by side should run under similar load (with one torch thread, ~ wall seconds on a free
+    core)."""
 
     def __init__(self, seconds: float, clock: str = "wall") -> None:
         if seconds <= 0:

@@ -12,9 +12,11 @@ arm starts from the bit-identical initial model (the seed fixes the init and the
 process, one replica (no DiLoCo), `train.torch_threads` (1) torch threads. Each run trains until
 its budget (`--budget-s`, default 220: the embedded default run's own compute, 2 replicas x
 ~110 CPU s) is spent, counted in the run's CPU seconds from `on_train_begin` (`--clock cpu`, the
-default: the same work whatever else loads the machine), then its final model answers every
-held-out prompt greedily, scored by exact match, and every out-of-distribution prompt (sums of
-four digits: a second row, how far the learning reaches; a figure, not a target).
+default: the time a run waits for a core is not charged; a loaded machine still does up to
+~10% less work per CPU second, so the arms of one seed run side by side under the same load),
+then its final model answers every held-out prompt greedily, scored by exact match, and every
+out-of-distribution prompt (sums of four digits: a second row, how far the learning reaches; a
+figure, not a target).
 
 Arms (each may use the task's oracle answers for the TRAINING prompts, as ours does; none ever
 sees a held-out answer):

@@ -588,7 +588,9 @@ def execute(specs: list[Spec], log: Log, jobs: int, probe_every: int, extra: lis
         from concurrent.futures import ProcessPoolExecutor, as_completed
 
         ctx = multiprocessing.get_context("spawn")  # no fork of a process holding torch threads
-        with ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
+        # each worker in a session of its own, as the run's replica processes are: a Linux
+        # scheduler with autogroups then gives each worker a replica's share of the machine
+        with ProcessPoolExecutor(jobs, mp_context=ctx, initializer=os.setsid) as pool:
             futures = [pool.submit(run_one, s, probe_every, extra, cache) for s in todo]
             for f in as_completed(futures):
                 log.add(f.result())

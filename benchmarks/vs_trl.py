@@ -13,7 +13,7 @@ process, one replica (no DiLoCo), `train.torch_threads` (1) torch threads. Each 
 its budget (`--budget-s`, default 220: the embedded default run's own compute, 2 replicas x
 ~110 CPU s) is spent, counted in the run's CPU seconds from `on_train_begin` (`--clock cpu`, the
 default: the time a run waits for a core is not charged; a loaded machine still does up to
-~10% less work per CPU second, so the arms of one seed run side by side under the same load),
+less work per CPU second, so the arms of one comparison run side by side, see below),
 then its final model answers every held-out prompt greedily, scored by exact match, and every
 out-of-distribution prompt (sums of four digits: a second row, how far the learning reaches; a
 figure, not a target).
@@ -62,6 +62,12 @@ the probe's time is not charged to the budget).
 TRL's ``SFTTrainer`` on the oracle traces of half the training prompts, the same start for every
 variant of a seed, not charged to the budget), where a hint can change what the teacher
 predicts.
+
+Runs compared with each other run at the same time (``--jobs``, default 5: one process and
+session per run; the arms of one seed together, the arms at one grid point together), because
+under load a CPU second does less work (up to ~4x on the loaded 2-core machine,
+docs/benchmarks.md): the budget is equal CPU seconds, and side by side the load affects every
+arm of a comparison alike. Each record has the load average at its start and end.
 
 Every finished run is appended to ``--log`` (JSON lines; default
 ``benchmarks/results/vs_trl.jsonl``); a rerun skips the runs already there (same settings,
@@ -318,6 +324,7 @@ def run_one(spec: Spec, probe_every: int, extra: list[str], cache: str) -> dict[
     import torch
     from _inprocess import RewardLog, WallBudget, build_parts, held_out, run_config
 
+    load_start = round(os.getloadavg()[0], 1)
     config = run_config(spec.seed, MAX_STEPS, arm_overrides(spec, extra))
     if config.train.torch_threads > 0:  # as a replica of the run does
         torch.set_num_threads(config.train.torch_threads)
@@ -377,6 +384,7 @@ def run_one(spec: Spec, probe_every: int, extra: list[str], cache: str) -> dict[
         "channel3_loss_share": None if probe is None else probe.mean("replay"),
         "probed_micro_batches": 0 if probe is None else len(probe.shares["sdpo"]),
         "torch_threads": torch.get_num_threads(),
+        "load_start": load_start,
         **provenance(),
     }
 
@@ -579,28 +587,33 @@ class Log:
             f.write(json.dumps(r) + "\n")
 
 
-def execute(specs: list[Spec], log: Log, jobs: int, probe_every: int, extra: list[str],
+def execute(batches: list[list[Spec]], log: Log, jobs: int, probe_every: int, extra: list[str],
             cache: str) -> list[dict[str, Any]]:  # fmt: skip
-    """Run every spec not in the log (in parallel processes with jobs > 1); all their records."""
-    todo = [s for s in dict.fromkeys(specs) if s.key() not in log.done]
-    if jobs > 1 and len(todo) > 1:
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor, as_completed
+    """Run every spec not in the log, a batch at a time: the specs of one batch run CONCURRENTLY
+    (up to `jobs` at once; a larger batch is split), each in a process and a session of its own
+    (as the run's replica processes are), so that the machine's load affects the runs compared
+    with each other alike: under load a CPU second does less work. Returns every spec's record.
+    """
+    for batch in batches:
+        todo = [s for s in dict.fromkeys(batch) if s.key() not in log.done]
+        for i in range(0, len(todo), jobs):
+            chunk = todo[i : i + jobs]
+            if len(chunk) == 1 and jobs == 1:
+                r = run_one(chunk[0], probe_every, extra, cache)
+                log.add(r)
+                _print_run(r)
+                continue
+            import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor
 
-        ctx = multiprocessing.get_context("spawn")  # no fork of a process holding torch threads
-        # each worker in a session of its own, as the run's replica processes are: a Linux
-        # scheduler with autogroups then gives each worker a replica's share of the machine
-        with ProcessPoolExecutor(jobs, mp_context=ctx, initializer=os.setsid) as pool:
-            futures = [pool.submit(run_one, s, probe_every, extra, cache) for s in todo]
-            for f in as_completed(futures):
-                log.add(f.result())
-                _print_run(log.done[f.result()["key"]])
-    else:
-        for s in todo:
-            r = run_one(s, probe_every, extra, cache)
-            log.add(r)
-            _print_run(r)
-    return [log.done[s.key()] for s in specs]
+            ctx = multiprocessing.get_context("spawn")  # no fork of a process holding threads
+            with ProcessPoolExecutor(len(chunk), mp_context=ctx, initializer=os.setsid) as pool:
+                futures = [pool.submit(run_one, s, probe_every, extra, cache) for s in chunk]
+                for f in futures:  # every run of the chunk finishes before the next starts
+                    r = f.result()
+                    log.add(r)
+                    _print_run(r)
+    return [log.done[s.key()] for batch in batches for s in batch]
 
 
 def _fmt(value: float | None, digits: int = 3) -> str:
@@ -621,13 +634,23 @@ def _print_run(r: dict[str, Any]) -> None:
 
 
 def tune(arms: list[str], a: argparse.Namespace, log: Log, budget: float) -> dict[str, Any]:
-    """Every arm's coordinate search on the validation split; {arm: choice + its runs}."""
+    """Every arm's coordinate search on the validation split; {arm: choice + its runs}. Each
+    stage's pending runs go in batches across arms (the k-th pending run of every arm together:
+    in stage A, one learning rate for every arm at once), run concurrently."""
     while True:  # each pass runs the next stage of every arm's search
-        specs = [s for arm in arms
-                 for s in tuning_specs(arm, a.tune_seed, budget, a.clock, a.quick, log.done)]  # fmt: skip
-        if all(s.key() in log.done for s in specs):
+        pending = {arm: [s for s in tuning_specs(arm, a.tune_seed, budget, a.clock, a.quick,
+                                                 log.done) if s.key() not in log.done]
+                   for arm in arms}  # fmt: skip
+        depth = max(len(v) for v in pending.values())
+        if depth == 0:
             break
-        execute(specs, log, a.jobs, a.probe_every, a.overrides, a.cache)
+        busy = [arm for arm in arms if pending[arm]]
+        if len(busy) == 1:  # one arm's runs (trl_sft_grpo's budget splits) all at once
+            batches = [pending[busy[0]]]
+        else:
+            batches = [[pending[arm][k] for arm in busy if k < len(pending[arm])]
+                       for k in range(depth)]  # fmt: skip
+        execute(batches, log, a.jobs, a.probe_every, a.overrides, a.cache)
     tuned: dict[str, Any] = {}
     for arm in arms:
         runs = [log.done[s.key()]
@@ -676,8 +699,9 @@ def main() -> None:
     p.add_argument(
         "--jobs",
         type=int,
-        default=1,
-        help="runs in parallel processes (default 1; each has train.torch_threads)",
+        default=len(ARMS),
+        help="at most this many runs at once (default 5: the arms of a comparison run side by "
+        "side, so the load affects them alike; each has train.torch_threads)",
     )
     p.add_argument("--log", default=str(HERE / "results" / "vs_trl.jsonl"),
                    help="finished runs, appended as JSON lines; a rerun skips those already "
@@ -716,9 +740,9 @@ def main() -> None:
     if a.ablation:
         ablation(a, log, tuned["composer"], budget, final_seeds, t0)
         return
-    specs = [Spec(arm, s, tuned[arm]["lr"], tuned[arm]["g"], tuned[arm]["share"], "heldout", 0,
-                  budget, a.clock) for s in final_seeds for arm in arms]  # fmt: skip
-    final = execute(specs, log, a.jobs, a.probe_every, a.overrides, a.cache)
+    batches = [[Spec(arm, s, tuned[arm]["lr"], tuned[arm]["g"], tuned[arm]["share"], "heldout",
+                     0, budget, a.clock) for arm in arms] for s in final_seeds]  # fmt: skip
+    final = execute(batches, log, a.jobs, a.probe_every, a.overrides, a.cache)
     summary = summarize(final, arms, a.bootstrap)
     n = final[0]["n"]
     n_classes = len(set(final[0]["classes"]))
@@ -746,9 +770,9 @@ def ablation(a: argparse.Namespace, log: Log, chosen: dict[str, Any], budget: fl
     """Our channel variants at ours' tuned (lr, G), from scratch and from the SFT warm start."""
     variants = [*CHANNEL_VARIANTS, "composer"]
     starts = [0, a.warm_start_steps] if a.warm_start_steps else [0]
-    specs = [Spec(v, s, chosen["lr"], chosen["g"], None, "heldout", w, budget, a.clock)
-             for w in starts for s in seeds for v in variants]  # fmt: skip
-    runs = execute(specs, log, a.jobs, a.probe_every, a.overrides, a.cache)
+    batches = [[Spec(v, s, chosen["lr"], chosen["g"], None, "heldout", w, budget, a.clock)
+                for v in variants] for w in starts for s in seeds]  # fmt: skip
+    runs = execute(batches, log, a.jobs, a.probe_every, a.overrides, a.cache)
     result: dict[str, Any] = {"budget_s": budget, "clock": a.clock, "seeds": len(seeds),
                               "lr": chosen["lr"], "g": chosen["g"]}  # fmt: skip
     print(

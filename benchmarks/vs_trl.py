@@ -320,6 +320,18 @@ def warm_start(config: Any, model: Any, tok: Any, task: Any, steps: int, cache: 
     torch.manual_seed(config.run.seed)  # the run starts from the same RNG state either way
 
 
+def prepare_warm_start(seed: int, steps: int, extra: list[str], cache: str) -> None:
+    """Build (and cache) seed's SFT warm start in this process (see `warm_start`)."""
+    import torch
+    from _inprocess import build_parts, run_config
+
+    config = run_config(seed, MAX_STEPS, extra)
+    if config.train.torch_threads > 0:
+        torch.set_num_threads(config.train.torch_threads)
+    task, model, tok = build_parts(config)
+    warm_start(config, model, tok, task, steps, Path(cache))
+
+
 def run_one(spec: Spec, probe_every: int, extra: list[str], cache: str) -> dict[str, Any]:
     import torch
     from _inprocess import RewardLog, WallBudget, build_parts, held_out, run_config
@@ -772,6 +784,10 @@ def ablation(a: argparse.Namespace, log: Log, chosen: dict[str, Any], budget: fl
     starts = [0, a.warm_start_steps] if a.warm_start_steps else [0]
     batches = [[Spec(v, s, chosen["lr"], chosen["g"], None, "heldout", w, budget, a.clock)
                 for v in variants] for w in starts for s in seeds]  # fmt: skip
+    for s in seeds:  # the warm starts, once per seed, before the variants that share them
+        if a.warm_start_steps and any(x.key() not in log.done for b in batches for x in b
+                                      if x.warm and x.seed == s):  # fmt: skip
+            prepare_warm_start(s, a.warm_start_steps, a.overrides, a.cache)
     runs = execute(batches, log, a.jobs, a.probe_every, a.overrides, a.cache)
     result: dict[str, Any] = {"budget_s": budget, "clock": a.clock, "seeds": len(seeds),
                               "lr": chosen["lr"], "g": chosen["g"]}  # fmt: skip

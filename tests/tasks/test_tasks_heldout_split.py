@@ -149,6 +149,10 @@ def test_the_out_of_distribution_split_is_outside_training() -> None:
     assert ood == task.ood_examples(256)
     strings = get_task("strings", level="medium", n_train=20, n_eval=5)
     assert all(len(ex.meta["input"]) > strings.max_length for ex in strings.ood_examples(20))
+    tiny = get_task("arithmetic", n_train=2, n_eval=2, max_operand=1)  # 8 three-operand sums
+    assert sorted(ex.prompt for ex in tiny.ood_examples(50)) == sorted(
+        f"{a}+{b}+{c}=" for a in (0, 1) for b in (0, 1) for c in (0, 1)
+    )  # all there are, not 50
     pycode = get_task("pycode", n_train=5, n_eval=2)
     assert not pycode.has_ood()
     with pytest.raises(ValueError, match="no out-of-distribution split"):

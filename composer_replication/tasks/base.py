@@ -12,10 +12,10 @@ owns everything that is the same for every task:
   holds the class out whole (`_equivalents`: every member the task can list, the drawn prompt
   first; the last class is cut at `n_eval`), so the eval set holds `n_eval` distinct prompts and
   every prompt has the same chance of being held out; its order is then shuffled, so that any
-  first k of them span many classes. The train set holds prompts of the other
-  classes only. When a task's problem space is smaller than `n_train + n_eval` distinct prompts
-  (the "easy" levels are deliberately tiny), the train set cycles through the remaining prompts,
-  so train may repeat a prompt but never shares a class with eval;
+  first k of them span many classes. The train set holds prompts of the other classes only.
+  When a task's problem space is smaller than `n_train + n_eval` distinct prompts (the "easy"
+  levels are deliberately tiny), the train set cycles through the remaining prompts, so train
+  may repeat a prompt but never shares a class with eval;
 * a **validation view** (`validation_view`): whole classes of the training split carved out as
   the view's eval set, for choosing hyperparameters without touching the held-out prompts;
 * an optional **out-of-distribution split** (`ood_examples`): problems outside the training

@@ -578,19 +578,30 @@ class Synchronizer:
                 continue  # deleted meanwhile
             if isinstance(got, str):
                 log.warning("refusing %s", got)
-                self._refused[pid] = got
-                self.stats.refused += 1
-                self.stats.last_rejection = time.time()
+                self._refuse(pid, got)
                 continue
             if self.config.weighting == "tokens" and got.tokens is None:
-                self._refused[pid] = f"push {pid.name}: no token count for weighting='tokens'"
-                self.stats.refused += 1
-                self.stats.last_rejection = time.time()
+                self._refuse(pid, f"push {pid.name}: no token count for weighting='tokens'")
                 continue
             self._pending[pid] = got
             self._arrived[pid] = now
             if got.step_seconds > 0:
                 self._step_s = _ema(self._step_s, got.step_seconds, self.config.ema)
+
+    def _refuse(self, pid: PushId, reason: str) -> None:
+        """Refuse a push for good, recorded in the store (`DecoupledStore.write_refusal`)."""
+        self._refused[pid] = reason
+        self.stats.refused += 1
+        self.stats.last_rejection = time.time()
+        self._record_unmerged(pid, reason)
+
+    def _record_unmerged(self, pid: PushId, reason: str) -> None:
+        """Record a push consumed without a merge record naming it (refused, or dropped when no
+        merge happens), so that an audit can account for every push written."""
+        try:
+            self.docs.write_refusal(pid, reason)
+        except OSError as e:  # housekeeping: the decision stands either way
+            log.warning("recording why %s was not merged failed: %r", pid.name, e)
 
     def _fetch_push(self, pid: PushId) -> tuple[Push | str | None, int]:
         return self.docs.fetch_push(pid, self.fragments[pid.fragment].reference)
@@ -690,7 +701,11 @@ class Synchronizer:
         carried = sorted(newest_late.values())
         inputs = sorted(inputs) + carried
         if not inputs:
-            # only late pushes to drop: consume them without a new version
+            # only late pushes to drop: consume them without a new version (recorded, as no
+            # merge record will name them)
+            for pid in late:
+                if pid.name in dropped:
+                    self._record_unmerged(pid, f"dropped: {dropped[pid.name]}")
             for name in dropped:
                 frag.consumed.add(name)
             for pid in late:
@@ -728,8 +743,15 @@ class Synchronizer:
         t0 = time.monotonic()
         merged, decisions = self._combine(record, pushes, frag)
         record["decisions"] = decisions
-        if not merged:  # every input refused: consume them, no new version
+        if not merged:  # every input refused: consume them, no new version (recorded)
             log.warning("fragment %d: every input refused (%s)", frag.index, decisions)
+            why = {**{k: f"dropped: {v}" for k, v in dropped.items()},
+                   **{p.name: "superseded by a push that was refused" for p in superseded},
+                   **{k: f"refused by the merge: {(d or {}).get('reason', d)}"
+                      for k, d in decisions.items()}}  # fmt: skip
+            for pid in inputs + superseded + late:
+                if pid.name in record["consumed"]:
+                    self._record_unmerged(pid, why.get(pid.name, "refused by the merge"))
             frag.consumed.update(record["consumed"])
             for p in inputs + superseded + late:
                 self._pending.pop(p, None)

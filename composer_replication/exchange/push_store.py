@@ -67,6 +67,7 @@ __all__ = [
     "HEADS_KEY",
     "MANIFEST_KEY",
     "PUSH_PREFIX",
+    "REFUSED_PREFIX",
     "DecoupledStore",
     "Push",
     "PushId",
@@ -80,6 +81,7 @@ MANIFEST_KEY = "decoupled/manifest.json"
 HEADS_KEY = "decoupled/heads.json"
 FINAL_KEY = "decoupled/final.json"
 PUSH_PREFIX = "decoupled/push/"
+REFUSED_PREFIX = "decoupled/refused/"  # <push name>.json: a push used up without a merge
 _PUSH_RE = re.compile(r"^(\d{3})-(\d{10})-(\d{5})-(\d{4})\.safetensors$")
 MAX_FRAGMENTS = 1000
 MAX_LEARNERS = 100_000
@@ -169,6 +171,7 @@ class Push:
     steps: int  # inner steps since the learner loaded version `base` of this fragment
     tokens: int | None  # tokens since then (None: not reported)
     steps_since_push: int  # inner steps since this learner's previous push of this fragment
+    # or since a newer global replaced the fragment, whichever is later: the work it adds
     step_seconds: float  # the learner's recent seconds per inner step
     learner_step: int  # the learner's total inner steps when it pushed
     final: bool  # the learner's last push of this fragment
@@ -603,6 +606,35 @@ class DecoupledStore:
 
     def delete_push(self, pid: PushId) -> None:
         self.store.delete(pid.key)
+
+    def write_refusal(self, pid: PushId, reason: str) -> None:
+        """Record (put-if-absent, kept for good: the run's audit trail) that a push was used up
+        without a merge record naming it, with why: refused (it does not decode or verify), or
+        dropped or screened out when no merge happened. So that an audit can tell such a push
+        from one the synchronizer never looked at."""
+        self.store.put_if_absent(f"{REFUSED_PREFIX}{pid.name}.json", json.dumps(
+            {"format": FORMAT, "kind": "refused", "push": pid.name, "reason": str(reason)[:2000],
+             "time": time.time()}).encode())  # fmt: skip
+
+    def read_refusals(self) -> dict[str, str]:
+        """push name -> why it was refused, for every refusal record (malformed records are
+        skipped: they refuse nothing)."""
+        out: dict[str, str] = {}
+        for name in self.store.list(REFUSED_PREFIX):
+            try:
+                doc = self.store.get_json(REFUSED_PREFIX + name)
+            except ValueError:
+                continue
+            if (
+                isinstance(doc, dict)
+                and doc.get("kind") == "refused"
+                and isinstance(doc.get("push"), str)
+                and name == f"{doc['push']}.json"
+                and PushId.parse(doc["push"]) is not None
+                and isinstance(doc.get("reason"), str)
+            ):
+                out[doc["push"]] = doc["reason"]
+        return out
 
     # ------------------------------------------------------------------ merge records
     def write_merge(self, record: dict[str, Any]) -> bool:

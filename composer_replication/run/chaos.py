@@ -24,8 +24,10 @@ backend). Faults are real signals and real bytes, never simulated inside the rep
 `ChaosInjector` runs a schedule against `Targets` (pids of replicas, the synchronizer) and logs
 what it did. `check_decoupled_run` checks the store afterwards: the run finished; no committed
 merge was lost (every version a learner loaded is the stored one, the version chain has no
-gaps) or applied twice (no push in two merge records); restarted learners started from the
-newest global; every live learner holds the same final global fragments.
+gaps) or applied twice (no push in two merge records); every push written was consumed by a
+merge record or refused (a refusal record); killed learners started again, from the newest
+global; every live learner holds the same final global fragments
+(tests/run/test_chaos_checker.py plants each violation and shows it caught).
 """
 
 from __future__ import annotations
@@ -670,12 +672,28 @@ def check_decoupled_run(
     """The after-run assertions over the store (and the learners' reports, if any).
 
     ``reports[rank]``: ``{"final_versions": [...], "digest": str, "starts": [[versions], ...],
-    "loaded": {"<fragment>/<version>": digest}}`` (what each live learner held at the end, the
-    versions it started from at each (re)start, the digests of the globals it loaded).
-    ``kills``: the injector's kill entries (with ``heads`` at the kill), in order.
+    "loaded": {"<fragment>/<version>": digest}, "written": [push names]}`` (what each live
+    learner held at the end, the versions it started from at each (re)start, the digests of
+    the globals it loaded, the pushes it wrote). ``kills``: the injector's kill entries (with
+    ``heads`` at the kill), in order.
+
+    Invariants (each a problem when broken):
+
+    * no merge is lost: each fragment's merge records run 1, 2, ... up to its final version,
+      and the final version's state reads back;
+    * every push written (in the store now, or in a report's ``written``) was consumed by a
+      merge record (merged, rejected by screening, superseded or dropped) or refused (a
+      refusal record): none was silently ignored;
+    * no push is merged by two records;
+    * a learner applied exactly the stored weights of every version it loaded;
+    * a killed learner came back (a later start in its report) from at least the versions
+      announced when it was killed;
+    * every learner ends on the same final versions and weights.
+
     Returns {"ok": bool, "problems": [...], "finished", "versions", "merges",
-    "rounds_lost", "applied_twice", "rejoined", "same_final", "damaged_snapshots"} (stored
-    snapshots of superseded versions that no longer read back: reported, not a failure).
+    "rounds_lost", "pushes_unaccounted", "applied_twice", "rejoined", "same_final",
+    "damaged_snapshots"} (stored snapshots of superseded versions that no longer read back:
+    reported, not a failure).
     """
     from composer_replication.exchange.protocol import tensors_digest
 
@@ -701,10 +719,14 @@ def check_decoupled_run(
     for p in range(n_frag):
         records = docs.versions(p, "merge")
         merges += len(records)
-        if records and records != list(range(records[0], records[-1] + 1)):
-            lost.append(f"fragment {p}: gap in merge records {records}")
-        if records and records[-1] != versions[p]:
-            lost.append(f"fragment {p}: newest record {records[-1]} but final version "
+        # every version 1..final is in the final model, each made by its record (kept for good)
+        missing = sorted(set(range(1, versions[p] + 1)) - set(records))
+        if missing:
+            lost.append(f"fragment {p}: merge records {missing} missing; versions 1-"
+                        f"{versions[p]} make the final model")  # fmt: skip
+        beyond = [v for v in records if v > versions[p]]
+        if beyond:
+            lost.append(f"fragment {p}: merge records {beyond} beyond the final version "
                         f"{versions[p]}")  # fmt: skip
         for v in records:
             try:
@@ -738,6 +760,13 @@ def check_decoupled_run(
         if records and f"{p}/{versions[p]}" not in stored_digest and versions[p] in records:
             lost.append(f"fragment {p}: the final version {versions[p]} has no readable state")
     reports = reports or {}
+    written = {pid.name for pid in docs.list_pushes()}
+    for rep in reports.values():
+        written |= set(rep.get("written") or [])
+    refused = docs.read_refusals()
+    unaccounted = sorted(written - set(consumed) - set(refused))
+    lost_pushes = [f"push {name} was written but never consumed by a merge or refused"
+                   for name in unaccounted]  # fmt: skip
     for rank, rep in sorted(reports.items()):
         for key, digest in (rep.get("loaded") or {}).items():
             if key in stored_digest and stored_digest[key] != digest:
@@ -756,7 +785,13 @@ def check_decoupled_run(
         heads = kill.get("heads")
         starts = (reports.get(rank) or {}).get("starts") or []
         later = starts[1:]  # the starts after the first are restarts
-        if heads and later and not any(newest_enough(s, heads) for s in later):
+        if (
+            rank in reports
+            and str(kill.get("outcome", "killed")).startswith("killed")
+            and not later
+        ):
+            rejoined.append(f"learner {rank} was killed and never started again")
+        elif heads and later and not any(newest_enough(s, heads) for s in later):
             rejoined.append(f"learner {rank} restarted from {later} older than {heads}")
     finals = {r: tuple(rep.get("final_versions") or []) for r, rep in reports.items()
               if rep.get("final_versions") is not None}  # fmt: skip
@@ -765,7 +800,7 @@ def check_decoupled_run(
             and all(list(f) == list(versions) for f in finals.values()))  # fmt: skip
     if not same:
         problems.append(f"learners end on different globals: {finals} {digests}")
-    problems += lost + [f"applied twice: {t}" for t in twice] + rejoined
+    problems += lost + lost_pushes + [f"applied twice: {t}" for t in twice] + rejoined
     problems += [f"consumed twice (not merged twice): {t}" for t in reconsumed]
     return {
         "ok": not problems,
@@ -774,6 +809,7 @@ def check_decoupled_run(
         "versions": list(versions),
         "merges": merges,
         "rounds_lost": len(lost),
+        "pushes_unaccounted": len(unaccounted),
         "applied_twice": len(twice),
         "rejoined": not rejoined,
         "same_final": same,

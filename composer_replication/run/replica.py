@@ -343,6 +343,7 @@ def run_replica(
             checkpoint_every_rounds=config.checkpoint.every_rounds,
             keep_last=config.checkpoint.keep_last, save_final=config.checkpoint.save_final,
             last_round=config.n_rounds if config.diloco.mode == "sync" else None,
+            ood_examples=task.ood_examples(n_eval) if n_eval and task.has_ood() else None,
         )  # fmt: skip
         if remaining <= 0:
             return _finish_without_training(outer, model, reporter, writer, start_step)

@@ -158,6 +158,12 @@ def headline_lines(summary: dict[str, Any], *, eval_n: int | None = None) -> lis
     ci = summary.get("eval_accuracy_last_ci95")
     if isinstance(ci, list | tuple) and len(ci) == 2:
         lines.append(f"  95% interval     last: {ci[0]:.3f} - {ci[1]:.3f}   (Wilson)")
+    if summary.get("eval_ood_accuracy_last") is not None:
+        lines.append(
+            f"  out-of-distrib.  first: {_num(summary.get('eval_ood_accuracy_first'))}   "
+            f"last: {_num(summary.get('eval_ood_accuracy_last'))}   "
+            f"({summary.get('eval_ood_n', '?')} prompts outside the training distribution)"
+        )
     for ch in LOSS_CHANNELS:
         if summary.get(f"{ch.key}_first10") is not None:
             label = f"loss ch{ch.number} {ch.label}"
@@ -238,6 +244,15 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         if isinstance(n, int | float) and n >= 1:
             out["eval_n"] = int(n)
             out["eval_accuracy_last_ci95"] = wilson_interval(evals[-1][1], int(n))
+    ood = sorted(
+        ((int(r.get("step", 0)), float(r["eval/ood_accuracy"]), r.get("eval/ood_n")) for r in records
+         if r.get("kind") == "eval" and isinstance(r.get("eval/ood_accuracy"), int | float)),
+    )  # fmt: skip
+    if ood:  # the task's out-of-distribution row (a figure, not a target)
+        out["eval_ood_accuracy_first"] = ood[0][1]
+        out["eval_ood_accuracy_last"] = ood[-1][1]
+        if isinstance(ood[-1][2], int | float) and ood[-1][2] >= 1:
+            out["eval_ood_n"] = int(ood[-1][2])
     rounds = [r for r in records if r.get("kind") == "round"]
     if rounds:
         out["rounds"] = max(int(r.get("round", 0)) for r in rounds)
@@ -493,6 +508,15 @@ def summary_markdown(
         f"| eval accuracy, last evaluation | {_fmt(summary.get('eval_accuracy_last'))} |",
         f"| eval accuracy, last: 95% interval (Wilson, {summary.get('eval_n', '?')} prompts) | "
         f"{_fmt_interval(summary.get('eval_accuracy_last_ci95'))} |",
+        *(
+            [
+                f"| out-of-distribution accuracy, first / last ({summary.get('eval_ood_n', '?')} "
+                f"prompts) | {_fmt(summary.get('eval_ood_accuracy_first'))} / "
+                f"{_fmt(summary.get('eval_ood_accuracy_last'))} |"
+            ]
+            if summary.get("eval_ood_accuracy_last") is not None
+            else []
+        ),
         *(
             f"| loss {ch.label} (channel {ch.number}), first / last 10% of steps | "
             f"{_fmt(summary.get(ch.key + '_first10'))} / {_fmt(summary.get(ch.key + '_last10'))} |"

@@ -353,7 +353,10 @@ def test_backend_registry_picks_and_explains(monkeypatch):
     assert _fused_backends.select_backend(_problem(), "auto").name == "torch"
     monkeypatch.delenv("TRITON_INTERPRET")
     hs, ht, w, b, _, _, mask = _inputs(1, torch.float32, bias=True)
-    with pytest.raises(ValueError, match="backend 'triton' cannot run this problem: .*(CUDA|Triton is not installed)"):
+    with pytest.raises(
+        ValueError,
+        match="backend 'triton' cannot run this problem: .*(CUDA|Triton is not installed)",
+    ):
         fused_linear_jsd(hs, ht, w, mask=mask, backend="triton")
     with pytest.raises(ValueError, match="no output-layer bias|not installed|CUDA"):
         fused_linear_jsd(hs, ht, w, b, mask=mask, backend="liger")

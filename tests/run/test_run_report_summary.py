@@ -120,3 +120,20 @@ def test_a_replica_reports_its_trainers_device_and_dtypes(tmp_path) -> None:
         assert record == {"device": "cpu", "device_name": "", "param_dtype": "float32",
                           "autocast": "none", "gradient_checkpointing": False,
                           "generation": "paged"}  # fmt: skip
+
+
+def test_the_out_of_distribution_row_is_reported_beside_the_held_out_one() -> None:
+    records = [
+        {"kind": "eval", "replica": 0, "step": 0, "eval/accuracy": 0.0, "eval/n": 256.0,
+         "eval/ood_accuracy": 0.0, "eval/ood_n": 256.0},
+        {"kind": "eval", "replica": 0, "step": 20, "eval/accuracy": 0.8, "eval/n": 256.0,
+         "eval/ood_accuracy": 0.05, "eval/ood_n": 256.0},
+    ]  # fmt: skip
+    s = summarize(records)
+    assert (s["eval_ood_accuracy_first"], s["eval_ood_accuracy_last"], s["eval_ood_n"]) == (
+        0.0, 0.05, 256,
+    )  # fmt: skip
+    assert s["eval_accuracy_last"] == 0.8  # the held-out row is unchanged by it
+    # a task without an out-of-distribution split logs no such keys: no row
+    plain = [{k: v for k, v in r.items() if "ood" not in k} for r in records]
+    assert "eval_ood_accuracy_last" not in summarize(plain)

@@ -300,6 +300,11 @@ def test_peak_memory_is_one_gradient_buffer(tmp_path):
     grad_bytes = shape[0] * shape[1] * shape[2] * 4
     ours = _peak("chunked", tmp_path, shape, chunk_size=4)
     retained = _peak("chunked_retain", tmp_path, shape, chunk_size=4)
-    # measured 1.06x and 2.05x: the retained graph keeps the buffer while .grad gets a copy
-    assert ours < 1.3 * grad_bytes, f"peak {ours / grad_bytes:.2f}x one gradient buffer"
-    assert retained > 1.8 * grad_bytes, f"retained peak {retained / grad_bytes:.2f}x"
+    # measured 1.06x and 2.05x (torch 2.13 CPU build, AMD EPYC) and 1.43x for `ours` (torch
+    # 2.11+cu130 on an H200 machine's CPU, 2026-11-27: that build's allocator holds ~0.4 buffer of
+    # chunk temporaries more). The retained graph keeps the buffer while .grad gets a copy: one
+    # whole buffer more, whatever the allocator's overhead.
+    assert ours < 1.5 * grad_bytes, f"peak {ours / grad_bytes:.2f}x one gradient buffer"
+    assert retained - ours > 0.7 * grad_bytes, (
+        f"retained peak {retained / grad_bytes:.2f}x vs {ours / grad_bytes:.2f}x: no copy?"
+    )

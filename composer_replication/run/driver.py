@@ -64,6 +64,7 @@ from composer_replication.run.checkpoint import mirror_checkpoints
 from composer_replication.run.expected import expected_lines
 from composer_replication.run.folder import RunFolder, default_run_name
 from composer_replication.run.metrics import MetricsCollector, MetricsSink
+from composer_replication.run.processes import pid_alive as _alive
 from composer_replication.run.progress import Progress, ReplicaRow, choose_mode
 from composer_replication.run.replica import ENV_GENERATION, ENV_STORAGE_OPTIONS
 from composer_replication.run.report import (
@@ -173,23 +174,6 @@ def _rollback_for_resume(config: RunConfig, store: ObjectStore) -> int | None:
     round_ = resume_point(store, config.backend.n_replicas, warn=warn)
     rollback_to(store, round_, config.backend.n_replicas)
     return round_
-
-
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` of this machine runs (a zombie, killed but not reaped, does not:
-    a killed driver's replicas may be reparented to an init that never reaps)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-    except (OSError, IndexError):  # no /proc (macOS), or it exited while we looked
-        return True
-    return state not in (b"Z", b"X")
 
 
 FENCE_WAIT_S = 4 * HEARTBEAT_EVERY_S  # how long --resume waits for fenced replicas to stop

@@ -46,6 +46,7 @@ __all__ = [
     "load_replica_state",
     "prune_replica_states",
     "replica_state_rounds",
+    "resume_plan",
     "resume_point",
     "rollback_to",
     "save_replica_state",
@@ -244,6 +245,16 @@ def resume_point(
         say(f"no round has every replica's resume state: resuming from the global state of "
             f"round {newest_valid} with fresh inner optimizer and sampling state (not exact)")  # fmt: skip
     return newest_valid or 0
+
+
+def resume_plan(round_: int) -> str:
+    """What resuming at `round_` (from `resume_point`) means, for the driver's printout and
+    `status`: round 0 is the initial weights, so resuming there starts the run over."""
+    if round_ <= 0:
+        return ("starting over from outer round 0 (no later round has a usable global state "
+                "and resume state; every inner step is redone)")  # fmt: skip
+    return (f"resuming at outer round {round_} (the newest round every replica saved its exact "
+            "state for)")  # fmt: skip
 
 
 def rollback_to(store: ObjectStore, round: int, n_replicas: int) -> None:

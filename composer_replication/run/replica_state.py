@@ -259,13 +259,17 @@ def resume_plan(round_: int) -> str:
 
 def rollback_to(store: ObjectStore, round: int, n_replicas: int) -> None:
     """Forget every round after `round`: global states, exchange step records, resume states
-    (the relaunched replicas redo those rounds)."""
+    (the relaunched replicas redo those rounds); at round 0 also a damaged initial state."""
     from composer_replication.exchange.protocol import HEAD_KEY, step_prefix
     from composer_replication.exchange.state import state_key
 
     for r in _global_rounds(store):
         if r > round:
             store.delete(state_key("global", r))
+    if round == 0 and 0 in _global_rounds(store) and _global_state_ok(store, 0) is not None:
+        # starting over: a damaged initial state goes too, so the first replica publishes the
+        # initial weights again (put-if-absent) instead of every replica failing to load it
+        store.delete(state_key("global", 0))
     for name in store.list("steps"):
         if name.isdigit() and int(name) > round:
             store.delete_prefix(step_prefix(int(name)).rstrip("/"))

@@ -63,7 +63,7 @@ from composer_replication.run import preflight
 from composer_replication.run.checkpoint import mirror_checkpoints
 from composer_replication.run.expected import expected_lines
 from composer_replication.run.folder import RunFolder, default_run_name
-from composer_replication.run.metrics import MetricsCollector, MetricsSink
+from composer_replication.run.metrics import MetricsCollector, MetricsSink, mark_resume
 from composer_replication.run.processes import pid_alive as _alive
 from composer_replication.run.progress import Progress, ReplicaRow, choose_mode
 from composer_replication.run.replica import ENV_GENERATION, ENV_STORAGE_OPTIONS
@@ -499,6 +499,11 @@ def run(
     sink = MetricsSink(folder.metrics, folder.tensorboard if config.logging.tensorboard else None)
     consumed = {int(k): int(v) for k, v in (state.get("metrics_chunks") or {}).items()}
     collector = MetricsCollector(store, config.backend.n_replicas, sink, consumed)
+    if resumed_at is not None:  # the crashed launch's last chunks, then its redone steps flagged
+        collector.poll()
+        mark_resume(folder.metrics, sink, resumed_round=resumed_at,
+                    redo_after_step=resumed_at * config.diloco.sync_every_h,
+                    n_replicas=config.backend.n_replicas)  # fmt: skip
 
     env = {
         ENV_STORAGE_OPTIONS: json.dumps(config.store.storage_options),

@@ -149,3 +149,79 @@ def test_a_live_driver_of_this_host_reads_running(tmp_path: Path) -> None:
     assert info["status"] == "stopped"
     assert info["driver_gone"]["how"] == f"pid {sleeper.pid} on {socket.gethostname()} no " \
         "longer exists"  # fmt: skip
+
+
+def _chunk_steps(run: Path, rank: int) -> set[int]:
+    """The train steps replica `rank` has uploaded to the store so far."""
+    folder = run / "store" / "replicas" / str(rank) / "metrics"
+    steps: set[int] = set()
+    for path in folder.glob("*.jsonl") if folder.is_dir() else []:
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if record.get("kind") == "train":
+                steps.add(int(record["step"]))
+    return steps
+
+
+@pytest.mark.slow
+def test_redone_steps_after_kill_9_and_resume_are_marked_in_metrics_jsonl(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """Issue 22 item 8: the raw metrics.jsonl (as pandas reads it) has one unsuperseded row per
+    (replica, step) after a driver crash and `--resume`; each first copy of a redone step says
+    `"superseded": true` and each replica has a `resume` event."""
+    pd = pytest.importorskip("pandas")
+    monkeypatch.chdir(tmp_path)
+    steps, h = 18, 3
+    args = [*ARGS, f"train.max_steps={steps}", f"diloco.sync_every_h={h}"]
+    run = tmp_path / "runs" / "redo"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "composer_replication", "train", *args, "--name", "redo"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+
+    def mid_round() -> bool:
+        # both replicas saved round k's state and uploaded step k*h + 1 of the next round
+        saved = [max(_resume_saved(run, rank), default=0) for rank in (0, 1)]
+        k = min(saved)
+        return k >= 1 and all(k * h + 1 in _chunk_steps(run, rank) for rank in (0, 1))
+
+    try:
+        deadline = time.monotonic() + 300
+        while not mid_round():
+            assert proc.poll() is None, proc.communicate()[0]
+            assert time.monotonic() < deadline, "timed out waiting for a step after round 1"
+            time.sleep(0.02)
+        replicas = _children(proc.pid)
+        proc.send_signal(signal.SIGKILL)
+        for pid in replicas:
+            os.killpg(pid, signal.SIGKILL)
+        proc.communicate(timeout=30)
+        while any(pid_alive(pid) for pid in replicas):
+            assert time.monotonic() < deadline + 60, "the killed replicas did not exit"
+            time.sleep(0.05)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert main(["train", "--resume", "redo"]) == 0, capsys.readouterr()
+    out = capsys.readouterr().out
+    resumed = int(re.search(r"Resuming at outer round (\d+)", out).group(1))  # type: ignore[union-attr]
+    assert resumed >= 1
+
+    df = pd.read_json(run / "metrics.jsonl", lines=True)
+    events = df[(df["kind"] == "event") & (df["event"] == "resume")]
+    assert sorted(events["replica"]) == [0, 1]
+    assert set(events["redo_after_step"]) == {resumed * h}
+    train = df[df["kind"] == "train"]
+    kept = train[train["superseded"] != True]  # noqa: E712 - the column is True or NaN
+    for rank in (0, 1):
+        mine = kept[kept["replica"] == rank]["step"]
+        assert sorted(mine) == list(range(1, steps + 1)), rank  # one row per step
+    dropped = train[train["superseded"] == True]  # noqa: E712
+    assert len(dropped) >= 2 and (dropped["step"] > resumed * h).all()
+    assert int(events["superseded_records"].sum()) >= len(dropped)

@@ -492,7 +492,8 @@ def run(
         f"{config.train.max_steps} inner steps, sync every {config.diloco.sync_every_h})"
     )
     if resumed_at is not None:
-        progress.message(resume_plan(resumed_at).capitalize())
+        plan = resume_plan(resumed_at)
+        progress.message(plan[:1].upper() + plan[1:])
     if not resume:
         for line in expected_lines(config):  # the embedded default's measured ranges
             progress.message(line)

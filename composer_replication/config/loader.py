@@ -4,6 +4,9 @@
   None, else that TOML file on top of the schema defaults; then `section.key=value` overrides.
 - Unknown sections/keys and wrong types raise `ConfigError` with the key path and a hint
   (did-you-mean for misspellings, the allowed values for a choice).
+- Every float setting must be finite: `inf`, `-inf` and `nan` are refused here, once, for every
+  key the schema types as float (`train`, `--resume` and `config validate` all load through
+  `from_dict`), so no section has to remember it.
 - `to_dict` / `from_dict` round-trip a `RunConfig` through plain JSON-able dicts (the driver
   sends the resolved config to the replicas as JSON through the store); `dump_toml` writes the
   resolved TOML kept in every run folder.
@@ -16,6 +19,7 @@ import dataclasses
 import difflib
 import importlib.resources
 import json
+import math
 import tomllib
 import types
 import typing
@@ -107,6 +111,8 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
                 return _convert(value, arg, key)
             except ConfigError as exc:
                 errors.append(exc)
+        if len(errors) == 1:  # `float | None` and the like: the one type's own message
+            raise errors[0]
         raise ConfigError(f"{key}: expected {type_name(tp)}, got {_show(value)}")
     if origin is Literal:
         choices = typing.get_args(tp)
@@ -140,7 +146,13 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
         raise ConfigError(f"{key}: expected an integer, got {_show(value)}")
     if tp is float:
         if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
+            number = float(value)
+            if not math.isfinite(number):
+                raise ConfigError(
+                    f"{key}: {number!r} is not a finite number (inf, -inf and nan are refused); "
+                    "give a finite value"
+                )
+            return number
         raise ConfigError(f"{key}: expected a number, got {_show(value)}")
     if tp is str:
         if isinstance(value, str):

@@ -63,9 +63,11 @@ from composer_replication.run import preflight
 from composer_replication.run.checkpoint import mirror_checkpoints
 from composer_replication.run.expected import expected_lines
 from composer_replication.run.folder import RunFolder, default_run_name
-from composer_replication.run.metrics import MetricsCollector, MetricsSink
+from composer_replication.run.metrics import MetricsCollector, MetricsSink, mark_resume
+from composer_replication.run.processes import pid_alive as _alive
 from composer_replication.run.progress import Progress, ReplicaRow, choose_mode
 from composer_replication.run.replica import ENV_GENERATION, ENV_STORAGE_OPTIONS
+from composer_replication.run.replica_state import resume_plan
 from composer_replication.run.report import (
     closed_attempts,
     headline_lines,
@@ -104,7 +106,7 @@ def prepare(
 def resolve_run_folder(run: str, runs_dir: str = "runs") -> RunFolder:
     """RUN given as a path to a run folder, or as a name under runs_dir."""
     path = Path(run)
-    if path.is_dir():
+    if path.is_dir() or len(path.parts) > 1 or path.is_absolute():  # a path, existing or not
         return RunFolder.at(path)
     return RunFolder.at(Path(runs_dir) / run)
 
@@ -136,6 +138,9 @@ def finished_already(run: str, overrides: list[str]) -> str | None:
 def prepare_resume(run: str, overrides: list[str]) -> tuple[RunConfig, RunFolder]:
     """The stored config of RUN (plus overrides, e.g. a larger train.max_steps), checked."""
     folder = resolve_run_folder(run)
+    if not folder.exists():
+        raise ConfigError(f"--resume: no run folder {folder.root} (give a run folder or the name "
+                          "of one under runs/)")  # fmt: skip
     if not folder.is_run():
         raise ConfigError(f"--resume: {folder.root} is not a run folder (no config.json in it)")
     state = folder.read_driver()
@@ -173,23 +178,6 @@ def _rollback_for_resume(config: RunConfig, store: ObjectStore) -> int | None:
     round_ = resume_point(store, config.backend.n_replicas, warn=warn)
     rollback_to(store, round_, config.backend.n_replicas)
     return round_
-
-
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` of this machine runs (a zombie, killed but not reaped, does not:
-    a killed driver's replicas may be reparented to an init that never reaps)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-    except (OSError, IndexError):  # no /proc (macOS), or it exited while we looked
-        return True
-    return state not in (b"Z", b"X")
 
 
 FENCE_WAIT_S = 4 * HEARTBEAT_EVERY_S  # how long --resume waits for fenced replicas to stop
@@ -275,7 +263,7 @@ class _Restarter:
                                     "relaunch one rank: failed replicas stay failed")  # fmt: skip
                 continue
             self.used[rank] += 1
-            why = str(handle.error or f"exit code {handle.exit_code}").splitlines()[0][:200]
+            why = _failure_reason(handle)
             try:
                 (new,) = self.executor.launch_ranks(
                     [rank], self.config.backend.n_replicas, ENTRYPOINT,
@@ -297,6 +285,25 @@ class _Restarter:
 SILENT_AFTER_S = STALE_AFTER_S  # a running replica without a heartbeat this long is departed
 
 
+def _failure_reason(handle: ReplicaHandle) -> str:
+    """The one-line reason a replica failed, without the log tail that follows it in `error`
+    (shown by `status` and kept in driver.json)."""
+    why = str(handle.error or f"exit code {handle.exit_code}").splitlines()[0]
+    return why.split("; last log lines")[0][:200]
+
+
+def _without_it(config: RunConfig, gone: int) -> str:
+    """What the other replicas do once `gone` replicas have departed, by `diloco.min_replicas`
+    (unset: every replica): go on, or wait up to `diloco.timeout_s` and fail the round."""
+    n = config.backend.n_replicas
+    quorum = config.diloco.min_replicas or n
+    if n - gone >= quorum:
+        return "the others go on without waiting for it"
+    return (f"the others cannot go on without it: diloco.min_replicas = {quorum} of {n} "
+            f"replicas (they wait up to diloco.timeout_s = {config.diloco.timeout_s:g} s, then "
+            f"the round fails; set diloco.min_replicas below {n} to go on without a replica)")  # fmt: skip
+
+
 class _Departures:
     """Sync mode: declare a replica departed in the store the moment its process is seen to
     have failed (before a relaunch, or for good), or when a replica the executor still reports
@@ -304,11 +311,13 @@ class _Departures:
     peers stop waiting for it; a silent one that beats again is taken back."""
 
     def __init__(self, config: RunConfig, store: ObjectStore, every_s: float = 2.0) -> None:
+        self.config = config
         self.store = store
         self.enabled = config.diloco.mode == "sync" and config.diloco.manager == "object_store"
         self.every_s = every_s
         self._noted: set[str] = set()  # job ids already declared
         self._silent: set[int] = set()  # ranks declared for want of heartbeats
+        self._lost: set[int] = set()  # ranks that failed with no restart left
         self._last = 0.0
 
     def note_silent(self, handles: list[ReplicaHandle]) -> list[str]:
@@ -339,8 +348,9 @@ class _Departures:
                     write_departure(self.store, REPLICA_ROLE, rank,
                                     reason=f"no heartbeat for {silent:.0f} s")  # fmt: skip
                     self._silent.add(rank)
-                    messages.append(f"replica {rank} sent no heartbeat for {silent:.0f} s: the "
-                                    "others go on without waiting for it")  # fmt: skip
+                    gone = len(self._silent | self._lost)
+                    messages.append(f"replica {rank} sent no heartbeat for {silent:.0f} s: "
+                                    f"{_without_it(self.config, gone)}")  # fmt: skip
                 elif silent <= SILENT_AFTER_S and rank in self._silent:
                     clear_departure(self.store, REPLICA_ROLE, rank)
                     self._silent.discard(rank)
@@ -356,8 +366,7 @@ class _Departures:
                 continue
             self._noted.add(h.job_id)
             self._silent.discard(h.replica_id)  # its process is gone: no longer just silent
-            why = str(h.error or f"exit code {h.exit_code}").splitlines()[0]
-            why = why.split("; last log lines")[0][:200]
+            why = _failure_reason(h)
             again = restarter.will_restart(h.replica_id)
             reason = f"{why}; {'being restarted' if again else 'no restarts left'}"
             try:
@@ -366,8 +375,10 @@ class _Departures:
                 messages.append(f"could not declare replica {h.replica_id} departed: {exc!r}")
                 continue
             if not again:
-                messages.append(f"replica {h.replica_id} is lost ({why}); the others go on "
-                                "without waiting for it")  # fmt: skip
+                self._lost.add(h.replica_id)
+                gone = len(self._silent | self._lost)
+                messages.append(f"replica {h.replica_id} is lost ({why}); "
+                                f"{_without_it(self.config, gone)}")  # fmt: skip
         return messages
 
 
@@ -481,14 +492,19 @@ def run(
         f"{config.train.max_steps} inner steps, sync every {config.diloco.sync_every_h})"
     )
     if resumed_at is not None:
-        progress.message(f"Resuming at outer round {resumed_at} (the newest round every replica "
-                         "saved its exact state for)")  # fmt: skip
+        plan = resume_plan(resumed_at)
+        progress.message(plan[:1].upper() + plan[1:])
     if not resume:
         for line in expected_lines(config):  # the embedded default's measured ranges
             progress.message(line)
     sink = MetricsSink(folder.metrics, folder.tensorboard if config.logging.tensorboard else None)
     consumed = {int(k): int(v) for k, v in (state.get("metrics_chunks") or {}).items()}
     collector = MetricsCollector(store, config.backend.n_replicas, sink, consumed)
+    if resumed_at is not None:  # the crashed launch's last chunks, then its redone steps flagged
+        collector.poll()
+        mark_resume(folder.metrics, sink, resumed_round=resumed_at,
+                    redo_after_step=resumed_at * config.diloco.sync_every_h,
+                    n_replicas=config.backend.n_replicas)  # fmt: skip
 
     env = {
         ENV_STORAGE_OPTIONS: json.dumps(config.store.storage_options),

@@ -15,6 +15,14 @@ immutable numbered chunks; `MetricsCollector` (driver) reads each chunk once, in
 hands its records to `MetricsSink`, which appends them to metrics.jsonl and TensorBoard.
 `read_metrics` reads the file back with each step once (a resume's redone steps replace the
 discarded ones).
+
+Redone steps are marked in the file itself, for readers of the raw JSONL (pandas): at a sync-mode
+`--resume` to round R, `mark_resume` flags every "train", "eval" and "round" record of a step
+after R * sync_every_h already in metrics.jsonl with ``"superseded": true`` (the resumed launch
+writes those steps again) and appends one ``{"kind": "event", "event": "resume"}`` record per
+replica (``resumed_round``, ``redo_after_step``, ``superseded_records``: how many of its records
+were flagged). `pd.read_json(path, lines=True)` then gives one row per (kind, replica, step) with
+``df[df["superseded"] != True]``.
 """
 
 from __future__ import annotations
@@ -28,7 +36,13 @@ from typing import Any
 
 from composer_replication.exchange.store import ObjectStore
 
-__all__ = ["MetricsCollector", "MetricsSink", "ReplicaMetricsWriter", "read_metrics"]
+__all__ = [
+    "MetricsCollector",
+    "MetricsSink",
+    "ReplicaMetricsWriter",
+    "mark_resume",
+    "read_metrics",
+]
 
 KINDS = ("train", "eval", "round", "event")
 
@@ -198,6 +212,52 @@ class MetricsCollector:
             if isinstance(status, dict):
                 out[rank] = status
         return out
+
+
+STEP_KINDS = ("train", "eval", "round")  # the kinds with one record per (replica, step)
+
+
+def mark_resume(
+    path: Path, sink: MetricsSink, *, resumed_round: int, redo_after_step: int, n_replicas: int
+) -> dict[int, int]:
+    """A resume redoes every step after `redo_after_step`: flag their records already in
+    metrics.jsonl ``"superseded": true`` (the file is rewritten atomically) and append one
+    "resume" event per replica through `sink`; returns the flagged count per replica."""
+    flagged = dict.fromkeys(range(n_replicas), 0)
+    if path.is_file():
+        lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+        out = []
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                out.append(line)  # a torn line stays as it was (readers skip it)
+                continue
+            step = record.get("step") if isinstance(record, dict) else None
+            if (
+                isinstance(record, dict)
+                and record.get("kind") in STEP_KINDS
+                and isinstance(step, int)
+                and step > redo_after_step
+                and not record.get("superseded")
+            ):
+                record["superseded"] = True
+                rank = record.get("replica")
+                if isinstance(rank, int):
+                    flagged[rank] = flagged.get(rank, 0) + 1
+                line = json.dumps(record) + "\n"
+            out.append(line)
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(out), encoding="utf-8")
+        tmp.replace(path)
+    now = time.time()
+    sink.write(
+        {"time": now, "replica": rank, "kind": "event", "event": "resume", "step": redo_after_step,
+         "round": resumed_round, "resumed_round": resumed_round,
+         "redo_after_step": redo_after_step, "superseded_records": count}
+        for rank, count in sorted(flagged.items())
+    )  # fmt: skip
+    return flagged
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

@@ -1,12 +1,15 @@
 """Checks that run before anything is written: a bad run fails fast with one clear message.
 
 Every check raises `ConfigError` (the CLI prints it and exits with code 2). Nothing here writes
-to the run folder; a remote store is probed with one small object that is deleted again.
+to the run folder (a `--resume` into a read-only or unwritable folder is found from the file
+system's flags and permissions); a remote store is probed with one small object that is deleted
+again.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import os
 import re
 from pathlib import Path
@@ -22,7 +25,9 @@ __all__ = [
     "check_backend",
     "check_hub_model",
     "check_model",
+    "check_backend_options",
     "check_reporting",
+    "check_resume_writable",
     "check_run_folder",
     "check_store",
     "check_task",
@@ -151,6 +156,43 @@ def check_backend(config: RunConfig, store_uri: str) -> None:
             f"remove the [backend.resources] table or use a backend that places replicas "
             f"({', '.join(placing)})"
         )
+    check_backend_options(config)
+
+
+def check_backend_options(config: RunConfig) -> None:
+    """`backend.options` names every argument the backend's executor requires (e.g. the image
+    of sagemaker, k8s and hf-jobs) and no argument it does not take, as `train` would find when
+    it builds the executor; read from the executor's signature, so no backend is listed here."""
+    kind = config.backend.kind
+    spec = registry.backend(kind)
+    try:
+        params = inspect.signature(registry.executor_class(kind)).parameters
+    except (ImportError, ValueError, TypeError):  # an SDK that imports badly: train will say
+        return
+    options = config.backend.options
+    supplied_by_driver = {"log_dir"} if spec.takes_log_dir else set()
+    for name, param in params.items():
+        if param.kind not in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY):
+            continue
+        if param.default is param.empty and name not in supplied_by_driver:
+            value = options.get(name)
+            if value is None or value == "":
+                raise ConfigError(
+                    f"backend.options.{name}: the {kind} backend needs it (set "
+                    f"backend.options.{name} = ..., see docs/backends.md)"
+                )
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    if not takes_any:
+        import difflib
+
+        for name in options:
+            if name not in params:
+                close = difflib.get_close_matches(name, list(params), n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise ConfigError(
+                    f"backend.options.{name}: not an option of the {kind} backend{hint}; it "
+                    f"takes {', '.join(p for p in params if p not in supplied_by_driver)}"
+                )
 
 
 def _nearest_existing(path: Path) -> Path:
@@ -201,6 +243,34 @@ def check_store(config: RunConfig, store_uri: str, *, overwrite: bool = False) -
             f"store.uri: {store_uri} already holds a run; use a fresh prefix, `--resume` that "
             "run, or `--overwrite` to clear it"
         )
+
+
+def _unwritable(path: Path) -> str | None:
+    """Why the driver could not write `path` (a read-only mount, no permission), or None."""
+    try:
+        if os.statvfs(path).f_flag & os.ST_RDONLY:
+            return f"{path} is on a read-only file system"
+    except (OSError, AttributeError):  # gone meanwhile, or no statvfs (Windows)
+        return None
+    if not os.access(path, os.W_OK):
+        return f"no write permission on {path}"
+    return None
+
+
+def check_resume_writable(folder: RunFolder, store_uri: str) -> None:
+    """`--resume` rewrites the run folder (driver.json, config, metrics) and, for a local store,
+    the store: all of it must be writable, or the resume stops here with one line."""
+    local_store = ObjectStore(store_uri).local_path if store_uri.startswith("file://") else None
+    paths = [folder.root, *sorted(folder.root.iterdir())]
+    if local_store is not None and local_store.is_dir():
+        paths.append(local_store)
+    for path in paths:
+        reason = _unwritable(path)
+        if reason is not None:
+            raise ConfigError(
+                f"--resume: cannot write the run folder {folder.root} ({reason}); remount it "
+                "read-write, or copy the folder somewhere writable and resume the copy"
+            )
 
 
 def check_run_folder(folder: RunFolder, *, resume: bool, overwrite: bool) -> None:
@@ -257,6 +327,8 @@ def check_all(
     check_reporting(config)
     store_uri = resolve_store_uri(config, folder)
     check_backend(config, store_uri)
-    if not resume:
+    if resume:
+        check_resume_writable(folder, store_uri)
+    else:
         check_store(config, store_uri, overwrite=overwrite)
     return store_uri

@@ -46,6 +46,7 @@ __all__ = [
     "load_replica_state",
     "prune_replica_states",
     "replica_state_rounds",
+    "resume_plan",
     "resume_point",
     "rollback_to",
     "save_replica_state",
@@ -246,15 +247,29 @@ def resume_point(
     return newest_valid or 0
 
 
+def resume_plan(round_: int) -> str:
+    """What resuming at `round_` (from `resume_point`) means, for the driver's printout and
+    `status`: round 0 is the initial weights, so resuming there starts the run over."""
+    if round_ <= 0:
+        return ("starting over from outer round 0 (no later round has a usable global state "
+                "and resume state; every inner step is redone)")  # fmt: skip
+    return (f"resuming at outer round {round_} (the newest round every replica saved its exact "
+            "state for)")  # fmt: skip
+
+
 def rollback_to(store: ObjectStore, round: int, n_replicas: int) -> None:
     """Forget every round after `round`: global states, exchange step records, resume states
-    (the relaunched replicas redo those rounds)."""
+    (the relaunched replicas redo those rounds); at round 0 also a damaged initial state."""
     from composer_replication.exchange.protocol import HEAD_KEY, step_prefix
     from composer_replication.exchange.state import state_key
 
     for r in _global_rounds(store):
         if r > round:
             store.delete(state_key("global", r))
+    if round == 0 and 0 in _global_rounds(store) and _global_state_ok(store, 0) is not None:
+        # starting over: a damaged initial state goes too, so the first replica publishes the
+        # initial weights again (put-if-absent) instead of every replica failing to load it
+        store.delete(state_key("global", 0))
     for name in store.list("steps"):
         if name.isdigit() and int(name) > round:
             store.delete_prefix(step_prefix(int(name)).rstrip("/"))

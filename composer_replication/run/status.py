@@ -20,19 +20,29 @@ the run is ``starting`` until every replica reports, not ``critical``.
 
 Contributions the exchange left out (refused, screened out, squatted; docs/object-store.md) are
 listed with rank and reason for the latest round that had any (``rejections``).
+
+Dead or alive: driver.json says ``running`` from launch until the driver ends, so a driver killed
+with SIGKILL (or whose machine died) leaves it saying so. `status` reads ``running`` only while
+the driver runs: a driver pid of this host that is gone, or (a driver on another host) no replica heartbeat within the liveness window
+(`exchange.liveness.STALE_AFTER_S`) and a driver.json not updated for `DEAD_AFTER_S` (the driver
+updates it every second while it polls), reads ``stopped (driver gone since ...)``, with what
+`train --resume` would do (`driver_gone`, `resume`) and the replicas that still send heartbeats
+without a driver (a remote backend's; `--resume` fences them first).
 """
 
 from __future__ import annotations
 
 import json
+import socket
 import time
 from typing import Any
 
-from composer_replication.exchange.liveness import read_liveness, run_health
+from composer_replication.exchange.liveness import DEAD_AFTER_S, read_liveness, run_health
 from composer_replication.exchange.store import ObjectStore
 from composer_replication.run.checkpoint import committed_checkpoints
 from composer_replication.run.folder import RunFolder
 from composer_replication.run.metrics import status_key
+from composer_replication.run.processes import pid_alive
 
 __all__ = ["health_now", "run_status", "status_text"]
 
@@ -83,6 +93,59 @@ def health_now(
     }  # fmt: skip
 
 
+def _live_workers(store: ObjectStore, role: str, now: float) -> list[str]:
+    """role/id of the workers whose heartbeat is fresh and whose process may still run (one of
+    this host whose pid is gone does not)."""
+    here = socket.gethostname()
+    out = []
+    for key, member in read_liveness(store, now, roles=[role]).items():
+        hb = member.heartbeat
+        if member.status != "alive" or hb is None:
+            continue
+        if hb.host == here and hb.pid is not None and not pid_alive(hb.pid):
+            continue
+        out.append(f"{key} (pid {hb.pid} on {hb.host})")
+    return out
+
+
+def driver_gone(
+    driver: dict[str, Any], *, live_workers: list[str], now: float | None = None,
+    window_s: float = DEAD_AFTER_S,
+) -> dict[str, Any] | None:  # fmt: skip
+    """None while the driver of a run that says "running" may still run; else when it was last
+    seen (epoch seconds), how we know, and its pid and host. A driver of this host: its pid is
+    gone. Of another host: no replica heartbeat within the liveness window (`live_workers`
+    empty) and driver.json (updated every poll) older than `window_s`."""
+    if driver.get("status") != "running":
+        return None
+    now = time.time() if now is None else now
+    seen = driver.get("updated") or driver.get("started")
+    seen = float(seen) if isinstance(seen, int | float) else None
+    pid, host = driver.get("pid"), driver.get("host")
+    if host == socket.gethostname() and isinstance(pid, int) and pid > 0:
+        if pid_alive(pid):
+            return None
+        how = f"pid {pid} on {host} no longer exists"
+    else:
+        if live_workers or seen is None or now - seen <= window_s:
+            return None
+        how = (f"driver.json not updated for {now - seen:.0f} s and no heartbeat within "
+               f"{window_s:g} s")  # fmt: skip
+    return {"since": seen, "how": how, "pid": pid, "host": host}
+
+
+def _resume_plan(store: ObjectStore, mode: str, n: int) -> tuple[str, list[str]]:
+    """What `train --resume` would do now (read only), and the lines it would warn with."""
+    if mode != "sync":
+        return ("relaunch the learners from the newest global state (decoupled mode resumes "
+                "from global weights, not exactly)"), []  # fmt: skip
+    from composer_replication.run.replica_state import resume_plan, resume_point
+
+    warnings: list[str] = []
+    plan = resume_plan(resume_point(store, n, warn=warnings.append))
+    return plan.replace("resuming at", "resume at").replace("starting over", "start over"), warnings
+
+
 def run_status(folder: RunFolder, *, stale_after_s: float = 120.0) -> dict[str, Any]:
     """A JSON-able description of the run (see the module docstring)."""
     config = json.loads(folder.config_json.read_text())
@@ -118,6 +181,25 @@ def run_status(folder: RunFolder, *, stale_after_s: float = 120.0) -> dict[str, 
                                    started=started if isinstance(started, int | float) else None)  # fmt: skip
         except Exception as exc:  # status must still show the rest
             store_error = f"{type(exc).__name__}: {exc}"
+    gone: dict[str, Any] | None = None
+    resume: dict[str, Any] | None = None
+    if driver.get("status") == "running":
+        run_mode = str(config.get("diloco", {}).get("mode", "sync"))
+        live: list[str] = []
+        if store_error is None:
+            try:
+                live = _live_workers(store, "learner" if run_mode == "decoupled" else "replica",
+                                     time.time())  # fmt: skip
+            except Exception as exc:  # an unreadable store: the driver check still stands
+                store_error = f"{type(exc).__name__}: {exc}"
+        gone = driver_gone(driver, live_workers=live)
+        if gone is not None:
+            resume = {"plan": None, "warnings": [], "still_running": live}
+            if store_error is None:
+                try:
+                    resume["plan"], resume["warnings"] = _resume_plan(store, run_mode, n)
+                except Exception as exc:  # what is known about the driver is still shown
+                    resume["plan"] = f"unknown ({type(exc).__name__}: {exc})"
     handles = {int(h["replica_id"]): h for h in driver.get("replicas", [])}
     now = time.time()
     top_round = max((int(s.get("round") or 0) for s in statuses.values()), default=0)
@@ -166,7 +248,9 @@ def run_status(folder: RunFolder, *, stale_after_s: float = 120.0) -> dict[str, 
     return {
         "run": folder.name,
         "folder": str(folder.root),
-        "status": driver.get("status", "unknown"),
+        "status": "stopped" if gone is not None else driver.get("status", "unknown"),
+        "driver_gone": gone,
+        "resume": resume,
         "lost": [r for r in driver.get("lost") or [] if isinstance(r, int)],
         "started": driver.get("started"),
         "ended": driver.get("ended"),
@@ -183,9 +267,23 @@ def run_status(folder: RunFolder, *, stale_after_s: float = 120.0) -> dict[str, 
 def status_text(info: dict[str, Any]) -> str:
     lost = len(info.get("lost") or [])
     status = info["status"] + (f", {lost} replica{'s' if lost != 1 else ''} lost" if lost else "")
+    gone = info.get("driver_gone")
+    if gone:
+        since = gone.get("since")
+        when = "-" if since is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(since))
+        status += f" (driver gone since {when}: {gone['how']})"
     lines = [
         f"run {info['run']}: {status}   outer round {info['round']}   store {info['store']}",
     ]
+    resume = info.get("resume")
+    if resume:
+        if resume.get("still_running"):
+            lines.append(f"  still running without a driver: {', '.join(resume['still_running'])}"
+                         " (`--resume` fences them first)")  # fmt: skip
+        for warning in resume.get("warnings") or []:
+            lines.append(f"  resume would skip: {warning}")
+        lines.append(f"  `composer-replication train --resume {info['folder']}` would "
+                     f"{resume.get('plan') or 'resume from the newest global state'}")  # fmt: skip
     if info.get("store_error"):
         lines.append(f"  store unreachable: {info['store_error']}")
     health = info.get("health")

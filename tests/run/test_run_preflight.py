@@ -14,8 +14,20 @@ SHARED = "s3://bucket/runs/x/"
 LOCAL = "file:///tmp/runs/x/store/"
 
 
+NEEDS_IMAGE = ("hf-jobs", "k8s", "sagemaker")  # their executors' one required option
+
+
 def _config(kind: str, *extra: str):  # noqa: ANN202 - RunConfig
-    return load_config(overrides=[f"backend.kind={kind}", *extra])
+    image = ["backend.options.image=registry/repo:tag"] if kind in NEEDS_IMAGE else []
+    return load_config(overrides=[f"backend.kind={kind}", *image, *extra])
+
+
+@pytest.mark.parametrize("name", NEEDS_IMAGE)
+def test_a_backend_without_its_image_is_refused(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(registry, "missing_sdk_message", lambda kind: None)
+    config = load_config(overrides=[f"backend.kind={name}"])
+    with pytest.raises(ConfigError, match=rf"^backend.options.image: the {name} backend needs it"):
+        preflight.check_backend(config, SHARED)
 
 
 @pytest.mark.parametrize("name", [b.name for b in registry.BACKENDS.values() if b.sdk])

@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Any
 from composer_replication.config import ConfigError
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback
+
     from composer_replication.config import RunConfig
     from composer_replication.data.teachers import TeacherClient, TeacherPool
     from composer_replication.data.traces import Prompt, TraceStore
@@ -73,7 +75,7 @@ def build_task(config: RunConfig) -> Task:
     )
 
 
-def build_model(config: RunConfig) -> tuple[Any, Any]:
+def build_model(config: RunConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """(model, tokenizer) for `[model]`: the tiny Qwen2 or a hub/local checkpoint."""
     m = config.model
     if m.is_tiny:
@@ -249,13 +251,13 @@ def train_split(config: RunConfig, task: Task, rank: int) -> Any:
 def build_trainer(
     config: RunConfig,
     *,
-    model: Any,
-    tokenizer: Any,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
     task: Task,
     max_steps: int,
     seed: int,
     output_dir: str,
-    callbacks: list[Any] | None = None,
+    callbacks: list[TrainerCallback] | None = None,
     rank: int = 0,
 ) -> ComposerReplicationTrainer:
     """The `ComposerReplicationTrainer` of replica `rank` of a run: the task's reward (with

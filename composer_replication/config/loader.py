@@ -176,9 +176,13 @@ def from_dict(cls: type[T], data: Mapping[str, Any], *, prefix: str = "") -> T:
         if isinstance(exc, ConfigError):
             raise
         message = str(exc)
-        # Section validators name their key without the section prefix only when nested in
-        # lists (endpoints); give the full path where the message does not start with it.
-        if prefix and not message.startswith(prefix.split("[")[0]):
+        # A component's config names its key as the section holds it ("outer_lr: ..."): give
+        # the full path ("diloco.outer_lr: ..."); a message naming no key of the section gets
+        # the section's path in front.
+        key = message.partition(":")[0]
+        if prefix and key in fields:
+            message = f"{prefix}.{message}"
+        elif prefix and not message.startswith(prefix.split("[")[0]):
             message = f"{prefix}: {message}"
         raise ConfigError(message) from None
 

@@ -10,35 +10,39 @@ Each field carries `metadata["help"]`; the config reference in docs/cli.md is ge
 (e.g. "`backend.n_replicas` >= 1") live in each section's `__post_init__` and raise
 `ValueError` naming the key.
 
-Nothing here is a second copy of a name or a default owned elsewhere:
+The sections of the outer loop are its components' own configs: `[diloco]` is
+`diloco.section.DilocoConfig`, composed of the outer optimizer's, the exchange's, SparseLoCo's,
+the decoupled mode's and torchft's configs (each beside its component, with its defaults, help
+and checks); the outer-loop mode it names checks its rules across sections here
+(`diloco.mode_registry.outer_loop_mode`). Nothing here is a second copy of a name or a default
+owned elsewhere:
 - `[loss]` keys take their defaults and checks from the loss library's `ComposeConfig`, and their
-  choices from its choice tuples (`LOSS_TYPES`, `SDPO_WRAPPERS`, `DPO_VARIANTS`);
-- `backend.kind` choices are the executor registry's names (`executors.registry.BACKENDS`);
-- `diloco.codec` choices are the exchange's codecs (`exchange.codecs.CODECS`);
-- `diloco.sparseloco_density/chunk/bits` take their defaults and checks from the exchange's
-  `sparse.SparseSpec` (`sparseloco_ef_decay` is the replica's, and its default lives here);
-- `diloco.aggregate*` / `diloco.screen*` take their choices, defaults and checks from the
-  exchange's `robust.AggregatePolicy`.
-The choice types are `Literal`s built from those tuples at import time (mypy sees `str`); the
-loader checks values against them and suggests the nearest name.
+  choices from its `Literal` types (`LossType`, `SdpoWrapper`, `DpoVariant`);
+- `backend.kind` choices are the executor registry's names (`executors.registry.BackendName`);
+- `store.keep_rounds` defaults to the decoupled synchronizer's `KEEP_ROUNDS`.
+The loader checks values against the `Literal` choices and suggests the nearest name.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
-from composer_replication.exchange.codecs import CODECS
-from composer_replication.exchange.robust import AGGREGATES, SCREENS, AggregatePolicy
-from composer_replication.exchange.sparse import BITS, SparseSpec
-from composer_replication.executors.registry import BACKEND_NAMES
+from composer_replication.diloco.mode_registry import outer_loop_mode
+from composer_replication.diloco.outer_mode import OuterLoopMode, RunShape
+from composer_replication.diloco.section import DilocoConfig
+from composer_replication.diloco.synchronizer_config import KEEP_ROUNDS
+from composer_replication.executors.registry import BackendName
+from composer_replication.faults.events import ChaosConfig, ChaosEventConfig
+from composer_replication.fields import require as _check
+from composer_replication.fields import setting as _f
 from composer_replication.loss import (
-    DPO_VARIANTS,
-    LOSS_TYPES,
-    SDPO_WRAPPERS,
     TAID_T_END,
     TAID_T_START,
     ComposeConfig,
+    DpoVariant,
+    LossType,
+    SdpoWrapper,
 )
 
 __all__ = [
@@ -61,46 +65,14 @@ __all__ = [
     "TrainConfig",
 ]
 
-if TYPE_CHECKING:
-    BackendName = str
-    CodecName = str
-    AggregateName = str
-    ScreenName = str
-    LossType = str
-    SdpoWrapper = str
-    DpoVariant = str
-else:  # the registries' names as Literal choices (the loader validates against them)
-    BackendName = Literal[BACKEND_NAMES]
-    CodecName = Literal[CODECS]
-    AggregateName = Literal[AGGREGATES]
-    ScreenName = Literal[SCREENS]
-    LossType = Literal[LOSS_TYPES]
-    SdpoWrapper = Literal[SDPO_WRAPPERS]
-    DpoVariant = Literal[DPO_VARIANTS]
-
 # The loss library's defaults: every [loss] key's default is read from here.
 _LOSS = ComposeConfig()
-# The exchange's screening defaults: every [diloco] aggregate*/screen* default comes from here.
-_POLICY = AggregatePolicy()
-_SPARSE = SparseSpec()
 
 # ComposeConfig keys that are not [loss] keys, and what sets them in a run instead.
 LOSS_KEYS_SET_BY_THE_RUN = {
     "temperature": "train.temperature (TRL samples and scores rollouts at one temperature)",
     "taid_schedule_step": "the trainer's step (the TAID schedule runs over loss.taid_total_steps)",
 }
-
-
-def _f(default: Any, help: str) -> Any:
-    """A dataclass field with a default and a help string (dicts/lists get a factory)."""
-    if isinstance(default, dict | list):
-        return field(default_factory=lambda: type(default)(default), metadata={"help": help})
-    return field(default=default, metadata={"help": help})
-
-
-def _check(cond: bool, key: str, message: str) -> None:
-    if not cond:
-        raise ValueError(f"{key}: {message}")
 
 
 @dataclass(frozen=True)
@@ -333,265 +305,6 @@ class TeachersConfig:
 
 
 @dataclass(frozen=True)
-class DilocoConfig:
-    """The outer loop: every H inner steps replicas exchange pseudo-gradients (global - local)."""
-
-    sync_every_h: int = _f(20, "inner steps between outer synchronisations (H)")
-    outer_optimizer: Literal["nesterov", "sgd", "adam"] = _f(
-        "nesterov",
-        "the outer optimizer: 'nesterov' (SGD + Nesterov momentum, DiLoCo's), 'sgd' (heavy-ball "
-        "momentum; 0 = plain averaging at lr 1) or 'adam'",
-    )
-    outer_lr: float = _f(0.7, "outer learning rate")
-    outer_momentum: float = _f(0.9, "outer momentum ('nesterov', 'sgd')")
-    outer_betas: list[float] = _f([0.9, 0.999], "outer Adam betas ('adam')")
-    outer_eps: float = _f(1e-8, "outer Adam epsilon ('adam')")
-    codec: CodecName = _f(
-        "fp32",
-        "pseudo-gradient encoding (exchange.codecs); 'sparseloco' = SparseLoCo: chunk-wise top-k "
-        "+ few-bit values with local error feedback, outer step plain SGD at "
-        "sparseloco_outer_lr (no outer momentum; outer_optimizer/outer_lr/outer_momentum are "
-        "not used)",
-    )
-    sparseloco_density: float = _f(
-        _SPARSE.density, "codec = 'sparseloco': fraction of each chunk sent (top-k by magnitude)"
-    )
-    sparseloco_chunk: int = _f(_SPARSE.chunk, "codec = 'sparseloco': elements per top-k chunk")
-    sparseloco_bits: int = _f(
-        _SPARSE.bits, f"codec = 'sparseloco': bits per sent value, one of {list(BITS)}"
-    )
-    sparseloco_ef_decay: float = _f(
-        0.95,
-        "codec = 'sparseloco': error-feedback decay beta in e = beta * e + delta (in [0, 1])",
-    )
-    sparseloco_outer_lr: float = _f(
-        1.0,
-        "codec = 'sparseloco': lr of the outer SGD step on the mean of the replicas' messages "
-        "(1 = apply it as is; docs/diloco.md has the benchmark's sweep)",
-    )
-    min_replicas: int | None = _f(None, "contributions needed to commit a round (unset = all)")
-    weighting: Literal["equal", "tokens"] = _f("equal", "how contributions are weighted")
-    timeout_s: float = _f(600.0, "how long a round waits for contributions")
-    manager: Literal["object_store", "torchft"] = _f(
-        "object_store",
-        "who averages the replicas: 'object_store' (they meet only in store.uri) or 'torchft' "
-        "(torchft's Manager and lighthouse; replicas must reach each other over TCP)",
-    )
-    lighthouse: str = _f(
-        "",
-        "torchft lighthouse 'http://HOST:PORT' (manager = 'torchft'); empty = the driver runs "
-        "one on 127.0.0.1 (local backend only)",
-    )
-    mode: Literal["sync", "decoupled"] = _f(
-        "sync",
-        "'sync': every round is a barrier; 'decoupled': learners never wait, a synchronizer "
-        "merges each fragment once a quorum has pushed (docs/diloco.md, Decoupled DiLoCo)",
-    )
-    fragments: int = _f(
-        1, "decoupled: P strided fragments; one is pushed every sync_every_h / fragments steps"
-    )
-    quorum: int | None = _f(
-        None,
-        "decoupled: learners that must push a fragment before it is merged (unset = all but one)",
-    )
-    grace_gamma: float = _f(
-        0.8, "decoupled: grace window = grace_gamma * max(0, grace_tau * step - quorum - sync)"
-    )
-    grace_tau: float = _f(2.0, "decoupled: inner steps a fragment may stay in flight (tau)")
-    merge: Literal["mean", "rda"] = _f(
-        "mean", "decoupled: 'mean' or 'rda' (radial-directional averaging) of the pushes"
-    )
-    late: Literal["drop", "carry"] = _f(
-        "carry", "decoupled: a push based on an already merged version is merged next or dropped"
-    )
-    alpha: float = _f(
-        0.0, "decoupled: a learner takes a new global as lerp(global, local, alpha); 0 = overwrite"
-    )
-    synchronizer: Literal["driver", "external"] = _f(
-        "driver",
-        "decoupled: 'driver' runs the synchronizer beside the driver; 'external': you run "
-        "`composer-replication synchronizer RUN` yourself",
-    )
-    lease_ttl_s: float = _f(
-        10.0,
-        "decoupled: a silent synchronizer's lease expires after this (then another takes over)",
-    )
-    aggregate: AggregateName = _f(
-        _POLICY.method, "how screened contributions are merged (docs/object-store.md)"
-    )
-    aggregate_outlier_ratio: float = _f(
-        _POLICY.outlier_ratio,
-        "leave out a contribution whose L2 norm exceeds this x the round's median (0 = off)",
-    )
-    aggregate_trim_fraction: float = _f(
-        _POLICY.trim_fraction, "trimmed_mean: fraction of values dropped at each end"
-    )
-    aggregate_clip_ratio: float = _f(
-        _POLICY.clip_ratio, "norm_clip: clip each contribution's norm to this x the median"
-    )
-    aggregate_token_cap: float = _f(
-        _POLICY.token_cap, "weighting = 'tokens': cap claims at this x the median claim (0 = off)"
-    )
-    screen: ScreenName = _f(
-        _POLICY.screen,
-        "'loss': also leave out contributions that alone raise a held-out loss (Templar-style)",
-    )
-    screen_loss_tolerance: float = _f(
-        _POLICY.loss_tolerance, "screen = 'loss': tolerated rise, as a fraction of the loss"
-    )
-    screen_examples: int = _f(4, "screen = 'loss': held-out examples in the probe batch")
-
-    @property
-    def nesterov(self) -> bool:
-        """Nesterov momentum in the outer step (outer_optimizer = 'nesterov')."""
-        return self.outer_optimizer == "nesterov"
-
-    def __post_init__(self) -> None:
-        _check(self.sync_every_h >= 1, "diloco.sync_every_h", "must be >= 1")
-        _check(self.fragments >= 1, "diloco.fragments", "must be >= 1")
-        _check(
-            self.sync_every_h % self.fragments == 0,
-            "diloco.fragments",
-            f"{self.fragments} must divide diloco.sync_every_h ({self.sync_every_h})",
-        )
-        if self.quorum is not None:
-            _check(self.quorum >= 1, "diloco.quorum", "must be >= 1")
-        _check(0.0 <= self.grace_gamma <= 1.0, "diloco.grace_gamma", "must be in [0, 1]")
-        _check(self.grace_tau >= 0, "diloco.grace_tau", "must be >= 0")
-        _check(0.0 <= self.alpha <= 1.0, "diloco.alpha", "must be in [0, 1]")
-        _check(self.lease_ttl_s > 0, "diloco.lease_ttl_s", "must be > 0")
-        if self.mode == "sync":
-            _check(self.fragments == 1, "diloco.fragments", "is used with diloco.mode = "
-                   "'decoupled' only")  # fmt: skip
-        else:
-            _check(
-                self.manager == "object_store",
-                "diloco.mode",
-                "'decoupled' learners meet only in the object store: use manager = 'object_store'",
-            )
-            _check(
-                self.outer_optimizer != "adam",
-                "diloco.outer_optimizer",
-                "'adam' runs in sync mode only; the decoupled synchronizer's outer step is "
-                "SGD with (Nesterov) momentum: use 'nesterov' or 'sgd'",
-            )
-            _check(
-                self.screen == "none",
-                "diloco.screen",
-                "the loss screen runs in the synchronous exchange only; decoupled mode screens "
-                "by norm (diloco.aggregate_outlier_ratio): set diloco.screen = 'none'",
-            )
-            _check(
-                self.merge == "mean" or self.aggregate == "mean",
-                "diloco.merge",
-                "'rda' averages directions itself: use diloco.aggregate = 'mean' with it",
-            )
-        _check(self.outer_lr > 0, "diloco.outer_lr", "must be > 0")
-        try:
-            self.sparse_spec()
-        except ValueError as exc:  # "sparseloco <field> must be ...": name the TOML key
-            field_name = str(exc).split(" ")[1]
-            raise ValueError(f"diloco.sparseloco_{field_name}: {exc}") from None
-        _check(
-            0.0 <= self.sparseloco_ef_decay <= 1.0,
-            "diloco.sparseloco_ef_decay",
-            "must be in [0, 1]",
-        )
-        _check(self.sparseloco_outer_lr > 0, "diloco.sparseloco_outer_lr", "must be > 0")
-        if self.codec == "sparseloco":
-            _check(
-                self.mode == "sync",
-                "diloco.codec",
-                "'sparseloco' runs in sync mode only: a decoupled push is the whole change since "
-                "the last global version the learner loaded (a later push repeats an earlier "
-                "one's work, and a queued push can be replaced by a newer one), so a per-push "
-                "error-feedback accumulator would count work twice; use diloco.mode = 'sync'",
-            )
-            _check(
-                self.outer_optimizer != "adam",
-                "diloco.outer_optimizer",
-                "'adam' contradicts codec = 'sparseloco', whose outer step is plain SGD at "
-                "sparseloco_outer_lr (the error feedback replaces the outer momentum); use "
-                "'nesterov' or 'sgd' (neither is used with it) or another codec",
-            )
-        _check(0.0 <= self.outer_momentum < 1.0, "diloco.outer_momentum", "must be in [0, 1)")
-        _check(
-            self.outer_optimizer != "nesterov" or self.outer_momentum > 0,
-            "diloco.outer_momentum",
-            "0 with outer_optimizer = 'nesterov'; use outer_optimizer = 'sgd' for no momentum",
-        )
-        _check(
-            len(self.outer_betas) == 2 and all(0.0 <= b < 1.0 for b in self.outer_betas),
-            "diloco.outer_betas",
-            f"{self.outer_betas} must be two numbers in [0, 1)",
-        )
-        _check(self.outer_eps > 0, "diloco.outer_eps", "must be > 0")
-        if self.min_replicas is not None:
-            _check(self.min_replicas >= 1, "diloco.min_replicas", "must be >= 1")
-        _check(self.timeout_s > 0, "diloco.timeout_s", "must be > 0")
-        if self.lighthouse:
-            from urllib.parse import urlparse
-
-            url = urlparse(self.lighthouse)
-            try:
-                port = url.port
-            except ValueError:
-                port = None
-            _check(
-                url.scheme in ("http", "https") and bool(url.hostname) and port is not None,
-                "diloco.lighthouse",
-                f"{self.lighthouse!r} is not an address like 'http://10.0.0.5:29510'",
-            )
-            _check(
-                self.manager == "torchft",
-                "diloco.lighthouse",
-                "is only used with diloco.manager = 'torchft'; remove it or set the manager",
-            )
-        try:
-            self.aggregate_policy()
-        except ValueError as exc:  # "<field> must be ...": name it as the TOML key
-            field_name, _, rest = str(exc).partition(" ")
-            key = {"method": "aggregate", "loss_tolerance": "screen_loss_tolerance"}.get(
-                field_name, f"aggregate_{field_name}"
-            )
-            raise ValueError(f"diloco.{key}: {rest}") from None
-        _check(self.screen_examples >= 1, "diloco.screen_examples", "must be >= 1")
-        if self.manager == "torchft":
-            _check(
-                self.aggregate == "mean" and self.screen == "none",
-                "diloco.aggregate",
-                "robust aggregation and screening run in the object-store exchange; torchft "
-                "averages over gloo (use manager = 'object_store')",
-            )
-            _check(
-                self.codec == "fp32",
-                "diloco.codec",
-                f"{self.codec!r} applies to the object-store exchange; torchft averages fp32 "
-                "over gloo (use codec = 'fp32' or manager = 'object_store')",
-            )
-            _check(
-                self.weighting == "equal",
-                "diloco.weighting",
-                "torchft averages replicas equally; 'tokens' needs manager = 'object_store'",
-            )
-
-    def sparse_spec(self) -> SparseSpec:
-        """What codec 'sparseloco' keeps (the exchange's `sparse.SparseSpec`)."""
-        return SparseSpec(
-            density=self.sparseloco_density, chunk=self.sparseloco_chunk, bits=self.sparseloco_bits
-        )
-
-    def aggregate_policy(self, **bounds: Any) -> AggregatePolicy:
-        """The exchange's policy for these keys (``bounds``: the run's claim bounds)."""
-        return AggregatePolicy(
-            method=self.aggregate, weighting=self.weighting,
-            outlier_ratio=self.aggregate_outlier_ratio, trim_fraction=self.aggregate_trim_fraction,
-            clip_ratio=self.aggregate_clip_ratio, token_cap=self.aggregate_token_cap,
-            screen=self.screen, loss_tolerance=self.screen_loss_tolerance, **bounds,
-        )  # fmt: skip
-
-
-@dataclass(frozen=True)
 class SecurityConfig:
     """Signed contributions (docs/security.md)."""
 
@@ -635,7 +348,7 @@ class StoreConfig:
 
     uri: str = _f("", "file:///..., s3://bucket/prefix/, gs://...; empty = <run folder>/store/")
     storage_options: dict[str, Any] = _f({}, "fsspec options (e.g. endpoint_url for S3)")
-    keep_rounds: int = _f(4, "rounds of pseudo-gradients kept before garbage collection")
+    keep_rounds: int = _f(KEEP_ROUNDS, "rounds of pseudo-gradients kept before garbage collection")
 
     def __post_init__(self) -> None:
         _check(self.keep_rounds >= 1, "store.keep_rounds", "must be >= 1")
@@ -672,52 +385,6 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
-class ChaosEventConfig:
-    """One fault the chaos harness injects (run/chaos.py; local backend only)."""
-
-    at_s: float = _f(0.0, "seconds after every replica started training")
-    action: Literal["kill", "stop", "slow", "corrupt", "kill_synchronizer", "throttle"] = _f(
-        "kill",
-        "kill (-9), stop (SIGSTOP for duration_s), slow (factor x), corrupt (an object), "
-        "kill_synchronizer (restarted after restart_after_s), throttle (the S3 endpoint)",
-    )
-    target: str = _f(
-        "0",
-        "a replica rank; for corrupt 'push', 'push:<rank>', 'global' or 'contribution'; "
-        "ignored by kill_synchronizer and throttle",
-    )
-    during: Literal["any", "upload"] = _f(
-        "any", "kill: at once ('any', i.e. mid inner step) or while the replica uploads"
-    )
-    duration_s: float = _f(0.0, "stop / slow / throttle: how long")
-    factor: float = _f(3.0, "slow: the replica runs this many times slower")
-    rate_bytes_s: float = _f(1e6, "throttle: bytes per second through the store endpoint")
-    restart_after_s: float = _f(1.0, "kill_synchronizer: seconds before it is started again")
-
-    def __post_init__(self) -> None:
-        _check(self.at_s >= 0, "at_s", "must be >= 0")
-        _check(self.duration_s >= 0, "duration_s", "must be >= 0")
-        _check(self.factor >= 1, "factor", "must be >= 1")
-        _check(self.rate_bytes_s > 0, "rate_bytes_s", "must be > 0")
-        _check(self.restart_after_s >= 0, "restart_after_s", "must be >= 0")
-        if self.action in ("stop", "slow", "throttle"):
-            _check(self.duration_s > 0, "duration_s", f"must be > 0 for {self.action!r}")
-
-
-@dataclass(frozen=True)
-class ChaosConfig:
-    """Fault injection while the run trains (local backend): a schedule of events."""
-
-    events: list[ChaosEventConfig] = _f([], "the faults ([[chaos.events]] tables)")
-    upload_wait_s: float = _f(
-        60.0, "kill during='upload': give up if no upload is caught within this many seconds"
-    )
-
-    def __post_init__(self) -> None:
-        _check(self.upload_wait_s > 0, "chaos.upload_wait_s", "must be > 0")
-
-
-@dataclass(frozen=True)
 class RunConfig:
     """The whole run configuration (one attribute per TOML section)."""
 
@@ -746,21 +413,16 @@ class RunConfig:
                 f"diloco.sync_every_h ({h}); the steps after the last sync would be discarded "
                 f"(use e.g. train.max_steps={lower} or {lower + h})"
             )
-        if self.diloco.manager == "torchft" and not self.diloco.lighthouse:
-            _check(
-                self.backend.kind == "local",
-                "diloco.lighthouse",
-                f"backend {self.backend.kind!r} runs replicas the driver's own lighthouse "
-                "(127.0.0.1) cannot serve; start `torchft_lighthouse` where they can reach it "
-                "and set diloco.lighthouse = 'http://HOST:PORT'",
+        mode = outer_loop_mode(self.diloco)  # its rules on [diloco] (ValueError naming the key)
+        mode.check_run(
+            RunShape(
+                n_replicas=self.backend.n_replicas,
+                backend=self.backend.kind,
+                local_backend=self.backend.kind == "local",
+                signed=self.security.sign,
+                model_blocks=self.model.num_layers if self.model.is_tiny else None,
             )
-        if self.diloco.mode == "decoupled":
-            _check(
-                not self.security.sign,
-                "security.sign",
-                "signs the synchronous object-store exchange; decoupled mode's pushes are not "
-                "signed yet (use diloco.mode = 'sync' for a signed run)",
-            )
+        )
         if self.task.shard == "disjoint":
             per_step = self.train.batch_size // self.train.num_generations
             n = self.backend.n_replicas
@@ -771,66 +433,7 @@ class RunConfig:
                 f"prompts, fewer than the {per_step} one step draws: raise task.n_train or use "
                 "task.shard = 'shared'",
             )
-        if self.diloco.mode == "decoupled" and self.model.is_tiny:
-            _check(
-                self.diloco.fragments <= self.model.num_layers,
-                "diloco.fragments",
-                f"{self.diloco.fragments} exceeds model.num_layers ({self.model.num_layers}): "
-                "each fragment needs at least one transformer block",
-            )
-        if self.diloco.quorum is not None:
-            _check(
-                self.diloco.quorum <= self.backend.n_replicas,
-                "diloco.quorum",
-                f"{self.diloco.quorum} exceeds backend.n_replicas ({self.backend.n_replicas})",
-            )
-        if self.chaos.events:
-            _check(
-                self.backend.kind == "local",
-                "chaos.events",
-                f"fault injection needs the local backend (signals to replica processes), not "
-                f"{self.backend.kind!r}",
-            )
-            local = self.backend.options.get("max_restarts", 0)
-            restarts = self.backend.max_restarts + (local if isinstance(local, int) else 0)
-            n = self.backend.n_replicas
-            # sync mode with min_replicas < n goes on without a replica that is lost for good
-            elastic = self.diloco.mode == "sync" and (self.diloco.min_replicas or n) < n
-            for i, ev in enumerate(self.chaos.events):
-                if ev.action == "kill":
-                    _check(
-                        (isinstance(restarts, int) and restarts >= 1) or elastic,
-                        f"chaos.events[{i}]",
-                        "a killed replica must come back: set backend.max_restarts to at least "
-                        "the number of kill events, or let the run go on without it "
-                        "(diloco.min_replicas < backend.n_replicas)",
-                    )
-                if ev.action not in ("kill_synchronizer", "throttle", "corrupt"):
-                    _check(
-                        ev.target.isdigit() and int(ev.target) < self.backend.n_replicas,
-                        f"chaos.events[{i}].target",
-                        f"{ev.target!r} is not a replica rank in [0, {self.backend.n_replicas})",
-                    )
-                if ev.action == "kill_synchronizer":
-                    _check(
-                        self.diloco.mode == "decoupled" and self.diloco.synchronizer == "driver",
-                        f"chaos.events[{i}].action",
-                        "kill_synchronizer needs diloco.mode = 'decoupled' with the driver's "
-                        "synchronizer",
-                    )
-                if ev.action == "throttle":
-                    _check(
-                        self.store.uri.startswith(("s3://", "s3a://")),
-                        f"chaos.events[{i}].action",
-                        "throttle slows the connection to an S3 endpoint; a file:// store has "
-                        "no connection to throttle (use an s3:// store.uri)",
-                    )
-        _check(
-            not (self.security.sign and self.diloco.manager == "torchft"),
-            "security.sign",
-            "signs the object-store exchange; torchft averages over gloo (use diloco.manager = "
-            "'object_store')",
-        )
+        self._check_chaos(mode)
         if self.diloco.min_replicas is not None:
             _check(
                 self.diloco.min_replicas <= self.backend.n_replicas,
@@ -839,11 +442,55 @@ class RunConfig:
                 f"({self.backend.n_replicas})",
             )
 
+    def _check_chaos(self, mode: OuterLoopMode) -> None:
+        """The chaos schedule against the backend, the restarts, the ranks and the mode."""
+        if not self.chaos.events:
+            return
+        _check(
+            self.backend.kind == "local",
+            "chaos.events",
+            f"fault injection needs the local backend (signals to replica processes), not "
+            f"{self.backend.kind!r}",
+        )
+        local = self.backend.options.get("max_restarts", 0)
+        restarts = self.backend.max_restarts + (local if isinstance(local, int) else 0)
+        n = self.backend.n_replicas
+        # a mode that may finish without a replica lost for good (sync, min_replicas < n)
+        elastic = mode.may_finish_without(n - 1, n)
+        for i, ev in enumerate(self.chaos.events):
+            if ev.action == "kill":
+                _check(
+                    (isinstance(restarts, int) and restarts >= 1) or elastic,
+                    f"chaos.events[{i}]",
+                    "a killed replica must come back: set backend.max_restarts to at least "
+                    "the number of kill events, or let the run go on without it "
+                    "(diloco.min_replicas < backend.n_replicas)",
+                )
+            if ev.action not in ("kill_synchronizer", "throttle", "corrupt"):
+                _check(
+                    ev.target.isdigit() and int(ev.target) < self.backend.n_replicas,
+                    f"chaos.events[{i}].target",
+                    f"{ev.target!r} is not a replica rank in [0, {self.backend.n_replicas})",
+                )
+            if ev.action == "kill_synchronizer":
+                _check(
+                    mode.driver_synchronizer,
+                    f"chaos.events[{i}].action",
+                    "kill_synchronizer needs diloco.mode = 'decoupled' with the driver's "
+                    "synchronizer",
+                )
+            if ev.action == "throttle":
+                _check(
+                    self.store.uri.startswith(("s3://", "s3a://")),
+                    f"chaos.events[{i}].action",
+                    "throttle slows the connection to an S3 endpoint; a file:// store has "
+                    "no connection to throttle (use an s3:// store.uri)",
+                )
+
     @property
     def quorum(self) -> int:
-        """The decoupled quorum: `diloco.quorum`, or all learners but one (at least one)."""
-        q = self.diloco.quorum
-        return q if q is not None else max(1, self.backend.n_replicas - 1)
+        """Replicas the run needs alive (the outer-loop mode's `quorum`)."""
+        return outer_loop_mode(self.diloco).quorum(self.backend.n_replicas)
 
     @property
     def n_rounds(self) -> int:

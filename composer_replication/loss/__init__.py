@@ -8,7 +8,8 @@
   themselves) and the tensor-level ``combine``
 - log-probs: ``selective_log_softmax`` (from logits), ``completion_logps`` (from a causal LM)
 - ``ComposeConfig``: every keyword and its default; ``TAID_T_START``/``TAID_T_END`` and the
-  choice tuples ``LOSS_TYPES``, ``SDPO_WRAPPERS``, ``DPO_VARIANTS``
+  choice tuples ``LOSS_TYPES``, ``SDPO_WRAPPERS``, ``DPO_VARIANTS`` (and their ``Literal``
+  types ``LossType``, ``SdpoWrapper``, ``DpoVariant``)
 
 Every loss returns ``(loss, metrics)``: a 0-dim tensor and a dict of python floats.
 """
@@ -18,6 +19,8 @@ from composer_replication.loss._config import (
     SDPO_WRAPPERS,
     TAID_T_END,
     TAID_T_START,
+    DpoVariant,
+    SdpoWrapper,
 )
 from composer_replication.loss._logprobs import CausalLM, completion_logps, selective_log_softmax
 from composer_replication.loss.compose import (
@@ -35,7 +38,7 @@ from composer_replication.loss.distill import (
     generalized_jsd,
     taid_loss,
 )
-from composer_replication.loss.policy import LOSS_TYPES, dppo_mask, grpo_loss
+from composer_replication.loss.policy import LOSS_TYPES, LossType, dppo_mask, grpo_loss
 from composer_replication.loss.preference import dpo_loss, simpo_loss
 
 __all__ = [
@@ -48,6 +51,9 @@ __all__ = [
     "TAID_T_START",
     "CausalLM",
     "ComposeConfig",
+    "DpoVariant",
+    "LossType",
+    "SdpoWrapper",
     "TAIDScheduler",
     "combine",
     "completion_logps",

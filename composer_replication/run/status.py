@@ -12,9 +12,9 @@ documents in the store (what each replica last reported) and the heartbeats in t
 
 The run state (`health_now`, also written to the metrics by the driver) is ``healthy |
 degraded | critical`` by `exchange.liveness.run_health`'s rules over the heartbeats of the
-replicas (role "replica"; "learner" in decoupled mode) and, in decoupled mode, the
-synchronizer, plus "a contribution was rejected in the last `REJECTION_WINDOW_S` seconds" (from
-the synchronizer's heartbeat).
+replicas (their role is the outer-loop mode's: "replica", decoupled "learner") and, where the
+mode has one, the synchronizer, plus "a contribution was rejected in the last
+`REJECTION_WINDOW_S` seconds" (from the synchronizer's heartbeat).
 
 Contributions the exchange left out (refused, screened out, squatted; docs/object-store.md) are
 listed with rank and reason for the latest round that had any (``rejections``).
@@ -26,6 +26,10 @@ import json
 import time
 from typing import Any
 
+from composer_replication.assembly.outer import outer_loop_mode
+from composer_replication.config import RunConfig, from_dict
+from composer_replication.diloco.outer_mode import OuterLoopMode
+from composer_replication.diloco.synchronizer import ROLE as SYNCHRONIZER_ROLE
 from composer_replication.exchange.liveness import read_liveness, run_health
 from composer_replication.exchange.store import ObjectStore
 from composer_replication.run.checkpoint import committed_checkpoints
@@ -39,15 +43,18 @@ HEALTH_LEVEL = {"healthy": 0, "degraded": 1, "critical": 2}
 
 
 def health_now(
-    store: ObjectStore, *, mode: str, n_replicas: int, quorum: int, now: float | None = None
+    store: ObjectStore, *, mode: OuterLoopMode, n_replicas: int, now: float | None = None
 ) -> dict[str, Any]:
     """The run state from the store's heartbeats (see the module docstring), JSON-able:
-    ``{"state", "level", "reasons", "members": {"role/id": status}, "synchronizer": {...}}``."""
+    ``{"state", "level", "reasons", "members": {"role/id": status}, "synchronizer": {...}}``.
+    ``mode``: the run's outer-loop mode (its replicas' role, its quorum, its synchronizer)."""
     now = time.time() if now is None else now
-    decoupled = mode == "decoupled"
-    role = "learner" if decoupled else "replica"
-    members = read_liveness(store, now, roles=[role, "synchronizer"] if decoupled else [role])
-    syncs = sorted((m for m in members.values() if m.role == "synchronizer"),
+    role = mode.worker_role
+    sync_role = SYNCHRONIZER_ROLE if mode.has_synchronizer else None
+    roles = [role] if sync_role is None else [role, sync_role]
+    quorum = mode.quorum(n_replicas)
+    members = read_liveness(store, now, roles=roles)
+    syncs = sorted((m for m in members.values() if m.role == SYNCHRONIZER_ROLE),
                    key=lambda m: (m.status == "alive", -(m.age_s or 1e18)))  # fmt: skip
     synchronizer: dict[str, Any] | None = None
     rejections = 0
@@ -67,7 +74,7 @@ def health_now(
             rejections = 1
     health = run_health(members, worker_role=role, n_workers=n_replicas,
                         quorum=max(1, min(quorum, n_replicas)),
-                        synchronizer_role="synchronizer" if decoupled else None,
+                        synchronizer_role=sync_role,
                         rejections=rejections)  # fmt: skip
     return {
         **health.as_dict(), "level": HEALTH_LEVEL[health.state],
@@ -100,13 +107,8 @@ def run_status(folder: RunFolder, *, stale_after_s: float = 120.0) -> dict[str, 
     run_state: dict[str, Any] | None = None
     if store_error is None:
         try:
-            from composer_replication.config import RunConfig, from_dict
-
-            run_config = from_dict(RunConfig, config)
-            mode = run_config.diloco.mode
-            quorum = (run_config.quorum if mode == "decoupled"
-                      else run_config.diloco.min_replicas or n)  # fmt: skip
-            run_state = health_now(store, mode=mode, n_replicas=n, quorum=quorum)
+            mode = outer_loop_mode(from_dict(RunConfig, config))
+            run_state = health_now(store, mode=mode, n_replicas=n)
         except Exception as exc:  # status must still show the rest
             store_error = f"{type(exc).__name__}: {exc}"
     handles = {int(h["replica_id"]): h for h in driver.get("replicas", [])}
@@ -114,46 +116,18 @@ def run_status(folder: RunFolder, *, stale_after_s: float = 120.0) -> dict[str, 
     top_round = max((int(s.get("round") or 0) for s in statuses.values()), default=0)
     reports = [s["rejections"] for s in statuses.values() if isinstance(s.get("rejections"), dict)]
     rejections = max(reports, key=lambda r: int(r.get("round") or 0), default=None)
-    replicas = []
-    for rank in range(n):
-        doc = statuses.get(rank, {})
-        handle = handles.get(rank, {})
-        updated = doc.get("updated")
-        lag_s = None if updated is None else max(0.0, now - float(updated))
-        rnd = int(doc.get("round") or 0)
-        executor_state = handle.get("status")
-        state = doc.get("state", "unknown")
-        if executor_state == "failed":
-            health = "failed"
-        elif (
-            driver.get("status") == "running"
-            and state not in ("done",)
-            and (lag_s is None or lag_s > stale_after_s)
-        ):
-            health = "stale"
-        elif top_round - rnd > 1:
-            health = "behind"
-        else:
-            health = "ok"
-        replicas.append(
-            {
-                "rank": rank,
-                "state": state,
-                "executor": executor_state,
-                "exit_code": handle.get("exit_code"),
-                "step": doc.get("step"),
-                "max_steps": doc.get("max_steps"),
-                "round": rnd,
-                "round_lag": top_round - rnd,
-                "seconds_since_update": lag_s,
-                "reward": doc.get("reward"),
-                "eval_accuracy": doc.get("eval_accuracy"),
-                "steps_per_s": doc.get("steps_per_s"),
-                "wait_fraction": doc.get("wait_fraction"),
-                "health": health,
-                "error": handle.get("error"),
-            }
-        )
+    replicas = [
+        _replica_row(
+            rank,
+            statuses.get(rank, {}),
+            handles.get(rank, {}),
+            top_round,
+            running=driver.get("status") == "running",
+            now=now,
+            stale_after_s=stale_after_s,
+        )  # fmt: skip
+        for rank in range(n)
+    ]
     return {
         "run": folder.name,
         "folder": str(folder.root),
@@ -168,6 +142,42 @@ def run_status(folder: RunFolder, *, stale_after_s: float = 120.0) -> dict[str, 
         "replicas": replicas,
         "health": run_state,
         "rejections": rejections,
+    }
+
+
+def _replica_row(rank: int, doc: dict[str, Any], handle: dict[str, Any], top_round: int, *,
+                 running: bool, now: float, stale_after_s: float) -> dict[str, Any]:  # fmt: skip
+    """One replica's line of `run_status`: its last status document, what the executor said,
+    and its health (failed / stale / behind / ok)."""
+    updated = doc.get("updated")
+    lag_s = None if updated is None else max(0.0, now - float(updated))
+    rnd = int(doc.get("round") or 0)
+    executor_state = handle.get("status")
+    state = doc.get("state", "unknown")
+    if executor_state == "failed":
+        health = "failed"
+    elif running and state not in ("done",) and (lag_s is None or lag_s > stale_after_s):
+        health = "stale"
+    elif top_round - rnd > 1:
+        health = "behind"
+    else:
+        health = "ok"
+    return {
+        "rank": rank,
+        "state": state,
+        "executor": executor_state,
+        "exit_code": handle.get("exit_code"),
+        "step": doc.get("step"),
+        "max_steps": doc.get("max_steps"),
+        "round": rnd,
+        "round_lag": top_round - rnd,
+        "seconds_since_update": lag_s,
+        "reward": doc.get("reward"),
+        "eval_accuracy": doc.get("eval_accuracy"),
+        "steps_per_s": doc.get("steps_per_s"),
+        "wait_fraction": doc.get("wait_fraction"),
+        "health": health,
+        "error": handle.get("error"),
     }
 
 

@@ -101,20 +101,25 @@ def test_a_scheduled_taid_is_valid_with_a_schedule_length() -> None:
         load_config(overrides=["loss.sdpo_wrapper=taid"])
 
 
-def test_outer_optimizer_defaults_equal_the_outer_loops() -> None:
-    """config may not import diloco (ARCHITECTURE.md), so the run schema repeats DiLoCo's outer
-    SGD defaults; this keeps the two equal."""
-    from composer_replication.diloco.outer_loop import (
-        OUTER_BETAS,
-        OUTER_EPS,
-        OUTER_LR,
-        OUTER_MOMENTUM,
-        OUTER_OPTIMIZERS,
-    )
+def test_outer_optimizer_keys_are_the_outer_optimizers_own() -> None:
+    """[diloco] outer_* are `OuterOptimizerConfig`'s fields (one default each, written there):
+    the run schema, the outer loop's arguments and the decoupled synchronizer take them from
+    it."""
+    import inspect
 
+    from composer_replication.diloco.outer_loop import make_diloco_outer_loop
+    from composer_replication.diloco.outer_optimizer import OUTER_OPTIMIZERS, OuterOptimizerConfig
+    from composer_replication.diloco.synchronizer_config import SynchronizerConfig
+
+    assert issubclass(DilocoConfig, OuterOptimizerConfig)
+    assert issubclass(SynchronizerConfig, OuterOptimizerConfig)
+    own = OuterOptimizerConfig()
     d = load_config().diloco
-    assert (d.outer_lr, d.outer_momentum) == (OUTER_LR, OUTER_MOMENTUM)
-    assert (tuple(d.outer_betas), d.outer_eps) == (OUTER_BETAS, OUTER_EPS)
+    for f in dataclasses.fields(OuterOptimizerConfig):
+        assert getattr(d, f.name) == getattr(own, f.name) == getattr(SynchronizerConfig(), f.name)
+    signature = inspect.signature(make_diloco_outer_loop).parameters
+    assert signature["outer_lr"].default == own.outer_lr == 0.7
+    assert signature["outer_momentum"].default == own.outer_momentum
     hint = typing.get_type_hints(DilocoConfig)["outer_optimizer"]
     assert typing.get_args(hint) == OUTER_OPTIMIZERS and d.outer_optimizer == "nesterov"
 

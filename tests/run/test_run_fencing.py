@@ -106,10 +106,10 @@ def test_resume_refuses_while_a_replica_it_cannot_fence_is_alive(
     naming it) before anything is launched."""
     from composer_replication.cli import main
     from composer_replication.config import load_config, to_dict
-    from composer_replication.run import driver
+    from composer_replication.run import driver, supervision
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(driver, "FENCE_WAIT_S", 2.0)
+    monkeypatch.setattr(supervision, "FENCE_WAIT_S", 2.0)
     config, folder = driver.prepare(load_config(None, SMALL), name="busy")
     folder.create()
     folder.config_json.write_text(json.dumps(to_dict(config)))

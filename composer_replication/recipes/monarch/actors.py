@@ -405,7 +405,6 @@ class TrainerActor(Actor):
         )
         from composer_replication.data.traces import TraceStore
         from composer_replication.diloco import make_diloco_outer_loop
-        from composer_replication.diloco.outer_loop import outer_optimizer_factory
         from composer_replication.exchange import ObjectStoreAllReduce, ObjectStoreManager
         from composer_replication.trainer import ComposerReplicationTrainer
 
@@ -428,10 +427,7 @@ class TrainerActor(Actor):
         try:
             outer = make_diloco_outer_loop(
                 None, manager, d.sync_every_h, model=model,
-                outer_optimizer_factory=outer_optimizer_factory(
-                    d.outer_optimizer, lr=d.outer_lr, momentum=d.outer_momentum,
-                    betas=(d.outer_betas[0], d.outer_betas[1]), eps=d.outer_eps,
-                ),
+                outer_optimizer_factory=d.build_outer_optimizer(),
             )  # fmt: skip
             reward = _RemoteReward(self.rewarder, self.rewarder.name.call_one().get())
             store = TraceStore()

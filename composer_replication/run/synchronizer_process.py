@@ -1,7 +1,9 @@
 """`composer-replication synchronizer RUN_FOLDER_OR_URI`: run a decoupled run's synchronizer.
 
-The driver of `composer-replication train` starts one beside itself when ``diloco.mode =
-"decoupled"`` and ``diloco.synchronizer = "driver"`` (`SynchronizerProcess`); with
+The driver of `composer-replication train` starts one beside itself when the run's outer-loop
+mode has a synchronizer it runs (``diloco.mode = "decoupled"``, ``diloco.synchronizer =
+"driver"``): `SynchronizerProcess` runs ``python -m composer_replication.run.synchronizer_process
+URI`` in its own process group and restarts it when it dies. With
 ``"external"`` run it yourself anywhere that reaches the store, as many times as you like: the
 lease (exchange/lease.py) keeps exactly one active, the others wait and take over when the
 active one dies (after ``diloco.lease_ttl_s``) or stops.
@@ -28,30 +30,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from composer_replication.assembly.outer import build_synchronizer
+from composer_replication.executors.local import spawn_in_group, terminate_groups
+
 if TYPE_CHECKING:
     from composer_replication.config import RunConfig
-    from composer_replication.diloco.synchronizer import SynchronizerConfig
     from composer_replication.exchange.store import ObjectStore
 
-__all__ = ["SynchronizerProcess", "main", "synchronizer_config"]
+__all__ = ["SynchronizerProcess", "main"]
 
-MODULE = "composer_replication.run.synchronizer"
+MODULE = "composer_replication.run.synchronizer_process"
 CONFIG_KEY = "run_config.json"
-
-
-def synchronizer_config(config: RunConfig) -> SynchronizerConfig:
-    """The synchronizer's settings from a run configuration's [diloco] section."""
-    from composer_replication.diloco.synchronizer import SynchronizerConfig
-
-    d = config.diloco
-    return SynchronizerConfig(
-        quorum=config.quorum, gamma=d.grace_gamma, tau=d.grace_tau, merge=d.merge,
-        weighting=d.weighting, late=d.late, aggregate=d.aggregate,
-        outlier_ratio=d.aggregate_outlier_ratio, outer_lr=d.outer_lr,
-        outer_momentum=d.outer_momentum, nesterov=d.nesterov, keep=config.store.keep_rounds,
-        lease_ttl_s=d.lease_ttl_s, poll_interval_s=0.05 if config.store.uri.startswith("file:")
-        else 0.25, max_steps=config.train.max_steps,
-    )  # fmt: skip
 
 
 def resolve(target: str, storage_options: dict[str, Any] | None) -> tuple[RunConfig, ObjectStore]:
@@ -79,12 +68,7 @@ def resolve(target: str, storage_options: dict[str, Any] | None) -> tuple[RunCon
 
 def run(config: RunConfig, store: ObjectStore, stop: threading.Event | None = None) -> int:
     """Run the synchronizer until the run is final (0) or ``stop`` is set (130)."""
-    from composer_replication.diloco.synchronizer import Synchronizer
-
-    if config.diloco.mode != "decoupled":
-        raise ValueError(f"run {config.run.name!r} has diloco.mode = {config.diloco.mode!r}; "
-                         "only decoupled runs have a synchronizer")  # fmt: skip
-    sync = Synchronizer(store, synchronizer_config(config))
+    sync = build_synchronizer(config, store)  # ValueError when the run's mode has none
     if stop is not None:
 
         def relay() -> None:
@@ -153,8 +137,6 @@ class SynchronizerProcess:
             return None if self.proc is None or self.proc.poll() is not None else self.proc.pid
 
     def start(self) -> None:
-        from composer_replication.executors.local import spawn_in_group
-
         with self._lock:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             # it dies with the driver (a resumed run starts its own; never two merging)
@@ -198,8 +180,6 @@ class SynchronizerProcess:
 
     def stop(self, grace_s: float = 10.0) -> int | None:
         """SIGTERM (it releases its lease), then SIGKILL after ``grace_s``; the exit code."""
-        from composer_replication.executors.local import terminate_groups
-
         with self._lock:
             proc = self.proc
         if proc is None:

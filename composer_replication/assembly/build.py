@@ -91,9 +91,13 @@ def build_model(config: RunConfig) -> tuple[PreTrainedModel, PreTrainedTokenizer
         else:
             tok = build_tokenizer()
         model = build_tiny_model(
-            tok, hidden_size=m.hidden_size, num_layers=m.num_layers, num_heads=m.num_heads,
-            num_kv_heads=m.num_kv_heads, seed=config.run.seed,
-        )  # fmt: skip
+            tok,
+            hidden_size=m.hidden_size,
+            num_layers=m.num_layers,
+            num_heads=m.num_heads,
+            num_kv_heads=m.num_kv_heads,
+            seed=config.run.seed,
+        )
         return model, tok
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

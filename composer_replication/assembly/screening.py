@@ -54,8 +54,9 @@ class RunScreening:
 def _prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
     from composer_replication.tasks.base import chat_prompt
 
-    ids = tokenizer.apply_chat_template(chat_prompt(prompt), tokenize=True,
-                                        add_generation_prompt=True)  # fmt: skip
+    ids = tokenizer.apply_chat_template(
+        chat_prompt(prompt), tokenize=True, add_generation_prompt=True
+    )
     return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
 
 

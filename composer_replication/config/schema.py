@@ -34,8 +34,7 @@ from composer_replication.diloco.section import DilocoConfig
 from composer_replication.diloco.synchronizer_config import KEEP_ROUNDS
 from composer_replication.executors.registry import BackendName
 from composer_replication.faults.events import ChaosConfig, ChaosEventConfig
-from composer_replication.fields import require as _check
-from composer_replication.fields import setting as _f
+from composer_replication.fields import require, setting
 from composer_replication.loss import (
     TAID_T_END,
     TAID_T_START,
@@ -79,12 +78,14 @@ LOSS_KEYS_SET_BY_THE_RUN = {
 class RunSection:
     """Naming and seeding of the run; its folder is `<runs_dir>/<name>/`."""
 
-    name: str = _f("", "run name; empty = 'run-YYYYmmdd-HHMMSS' (a fresh folder every time)")
-    runs_dir: str = _f("runs", "folder that holds run folders (relative to the working directory)")
-    seed: int = _f(0, "seed for the model init, the task split and sampling")
+    name: str = setting("", "run name; empty = 'run-YYYYmmdd-HHMMSS' (a fresh folder every time)")
+    runs_dir: str = setting(
+        "runs", "folder that holds run folders (relative to the working directory)"
+    )
+    seed: int = setting(0, "seed for the model init, the task split and sampling")
 
     def __post_init__(self) -> None:
-        _check(
+        require(
             "/" not in self.name and "\\" not in self.name and self.name not in (".", ".."),
             "run.name",
             f"{self.name!r} must be a plain folder name (no path separators)",
@@ -95,26 +96,26 @@ class RunSection:
 class ModelConfig:
     """The policy: 'tiny' (built locally, no download), a hub id, or a local folder."""
 
-    name: str = _f("tiny", "'tiny', a Hugging Face hub id (org/name) or a local model folder")
-    hidden_size: int = _f(64, "tiny model only: hidden size")
-    num_layers: int = _f(2, "tiny model only: number of transformer layers")
-    num_heads: int = _f(4, "tiny model only: attention heads")
-    num_kv_heads: int = _f(2, "tiny model only: key/value heads")
-    tokenizer: Literal["char", "bpe"] = _f(
+    name: str = setting("tiny", "'tiny', a Hugging Face hub id (org/name) or a local model folder")
+    hidden_size: int = setting(64, "tiny model only: hidden size")
+    num_layers: int = setting(2, "tiny model only: number of transformer layers")
+    num_heads: int = setting(4, "tiny model only: attention heads")
+    num_kv_heads: int = setting(2, "tiny model only: key/value heads")
+    tokenizer: Literal["char", "bpe"] = setting(
         "char",
         "tiny model only: 'char' (one token per character) or 'bpe' (trained locally on "
         "the task's training text, cached)",
     )
-    vocab_size: int = _f(512, "tiny model with tokenizer 'bpe': the largest vocabulary")
-    dtype: Literal["float32", "bfloat16", "float16", "auto"] = _f(
+    vocab_size: int = setting(512, "tiny model with tokenizer 'bpe': the largest vocabulary")
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = setting(
         "float32", "parameter dtype for hub/local models"
     )
-    trust_remote_code: bool = _f(False, "passed to from_pretrained for hub/local models")
+    trust_remote_code: bool = setting(False, "passed to from_pretrained for hub/local models")
 
     def __post_init__(self) -> None:
-        _check(bool(self.name.strip()), "model.name", "must not be empty (use 'tiny')")
+        require(bool(self.name.strip()), "model.name", "must not be empty (use 'tiny')")
         for key in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "vocab_size"):
-            _check(getattr(self, key) >= 1, f"model.{key}", "must be >= 1")
+            require(getattr(self, key) >= 1, f"model.{key}", "must be >= 1")
 
     @property
     def is_tiny(self) -> bool:
@@ -125,136 +126,140 @@ class ModelConfig:
 class TaskConfig:
     """A verifiable task (composer_replication.tasks): built in, or an OpenEnv environment."""
 
-    name: str = _f(
+    name: str = setting(
         "arithmetic",
         "built-in task name (see composer_replication.tasks.TASKS), 'reasoning_gym:DATASET', or "
         "'openenv:URL_OR_IMAGE' for an OpenEnv environment (docs/recipes/openenv.md)",
     )
-    n_train: int = _f(256, "training prompts")
-    n_eval: int = _f(32, "held-out evaluation prompts (disjoint from training)")
-    options: dict[str, Any] = _f({}, "task-specific options passed to get_task(...)")
-    shard: Literal["disjoint", "shared"] = _f(
+    n_train: int = setting(256, "training prompts")
+    n_eval: int = setting(32, "held-out evaluation prompts (disjoint from training)")
+    options: dict[str, Any] = setting({}, "task-specific options passed to get_task(...)")
+    shard: Literal["disjoint", "shared"] = setting(
         "disjoint",
         "'disjoint': replica k trains on every n-th training prompt from k (data islands, the "
         "DiLoCo setting); 'shared': every replica samples from all of them",
     )
 
     def __post_init__(self) -> None:
-        _check(self.n_train >= 1, "task.n_train", "must be >= 1")
-        _check(self.n_eval >= 0, "task.n_eval", "must be >= 0")
+        require(self.n_train >= 1, "task.n_train", "must be >= 1")
+        require(self.n_eval >= 0, "task.n_eval", "must be >= 0")
 
 
 @dataclass(frozen=True)
 class TrainConfig:
     """The inner loop each replica runs (TRL GRPO settings)."""
 
-    max_steps: int = _f(200, "inner optimizer steps per replica")
-    learning_rate: float = _f(3e-3, "inner AdamW learning rate")
-    lr_scheduler: Literal["constant", "constant_with_warmup", "linear", "cosine"] = _f(
+    max_steps: int = setting(200, "inner optimizer steps per replica")
+    learning_rate: float = setting(3e-3, "inner AdamW learning rate")
+    lr_scheduler: Literal["constant", "constant_with_warmup", "linear", "cosine"] = setting(
         "constant",
         "inner learning-rate schedule over train.max_steps (transformers' lr_scheduler_type)",
     )
-    warmup_steps: int = _f(
+    warmup_steps: int = setting(
         0, "inner steps of linear warm-up (needs a *_with_warmup, linear or cosine schedule)"
     )
-    max_grad_norm: float = _f(
+    max_grad_norm: float = setting(
         1.0, "clip each inner step's gradient to this global L2 norm (0 = off)"
     )
-    batch_size: int = _f(16, "completions per step per replica (a multiple of num_generations)")
-    num_generations: int = _f(8, "completions per prompt (the GRPO group size)")
-    max_completion_length: int = _f(8, "generated tokens per completion")
-    temperature: float = _f(1.0, "sampling temperature for rollouts")
-    gradient_accumulation_steps: int = _f(1, "micro-batches per optimizer step")
-    eval_every_rounds: int = _f(
+    batch_size: int = setting(
+        16, "completions per step per replica (a multiple of num_generations)"
+    )
+    num_generations: int = setting(8, "completions per prompt (the GRPO group size)")
+    max_completion_length: int = setting(8, "generated tokens per completion")
+    temperature: float = setting(1.0, "sampling temperature for rollouts")
+    gradient_accumulation_steps: int = setting(1, "micro-batches per optimizer step")
+    eval_every_rounds: int = setting(
         1, "evaluate the global model every N outer rounds (0 = only at end)"
     )
-    eval_max_examples: int = _f(
+    eval_max_examples: int = setting(
         32, "eval prompts used per evaluation (at most task.n_eval of them)"
     )
-    torch_threads: int = _f(1, "torch intra-op threads per replica (0 = torch default)")
+    torch_threads: int = setting(1, "torch intra-op threads per replica (0 = torch default)")
 
     def __post_init__(self) -> None:
-        _check(self.max_steps >= 1, "train.max_steps", "must be >= 1")
-        _check(self.learning_rate > 0, "train.learning_rate", "must be > 0")
-        _check(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
-        _check(
+        require(self.max_steps >= 1, "train.max_steps", "must be >= 1")
+        require(self.learning_rate > 0, "train.learning_rate", "must be > 0")
+        require(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
+        require(
             self.warmup_steps == 0 or self.lr_scheduler != "constant",
             "train.warmup_steps",
             f"{self.warmup_steps} with lr_scheduler = 'constant', which ignores warm-up: use "
             "'constant_with_warmup'",
         )
-        _check(self.max_grad_norm >= 0, "train.max_grad_norm", "must be >= 0 (0 = no clipping)")
-        _check(self.num_generations >= 2, "train.num_generations", "must be >= 2 (GRPO groups)")
-        _check(
+        require(self.max_grad_norm >= 0, "train.max_grad_norm", "must be >= 0 (0 = no clipping)")
+        require(self.num_generations >= 2, "train.num_generations", "must be >= 2 (GRPO groups)")
+        require(
             self.batch_size >= 1 and self.batch_size % self.num_generations == 0,
             "train.batch_size",
             f"{self.batch_size} must be a positive multiple of train.num_generations "
             f"({self.num_generations})",
         )
         for key in ("max_completion_length", "gradient_accumulation_steps"):
-            _check(getattr(self, key) >= 1, f"train.{key}", "must be >= 1")
-        _check(self.temperature > 0, "train.temperature", "must be > 0")
-        _check(self.eval_every_rounds >= 0, "train.eval_every_rounds", "must be >= 0")
-        _check(self.eval_max_examples >= 0, "train.eval_max_examples", "must be >= 0")
-        _check(self.torch_threads >= 0, "train.torch_threads", "must be >= 0")
+            require(getattr(self, key) >= 1, f"train.{key}", "must be >= 1")
+        require(self.temperature > 0, "train.temperature", "must be > 0")
+        require(self.eval_every_rounds >= 0, "train.eval_every_rounds", "must be >= 0")
+        require(self.eval_max_examples >= 0, "train.eval_max_examples", "must be >= 0")
+        require(self.torch_threads >= 0, "train.torch_threads", "must be >= 0")
 
 
 @dataclass(frozen=True)
 class LossConfig:
     """The composer loss: `loss.ComposeConfig`'s keys, defaults and checks (see docs/api.md)."""
 
-    loss_type: LossType = _f(_LOSS.loss_type, "channel-1 aggregation (TRL's loss_type)")
-    epsilon_low: float = _f(_LOSS.epsilon_low, "lower PPO clip (TRL's epsilon)")
-    epsilon_high: float | None = _f(_LOSS.epsilon_high, "upper PPO clip (unset = epsilon_low)")
-    delta: float | None = _f(
+    loss_type: LossType = setting(_LOSS.loss_type, "channel-1 aggregation (TRL's loss_type)")
+    epsilon_low: float = setting(_LOSS.epsilon_low, "lower PPO clip (TRL's epsilon)")
+    epsilon_high: float | None = setting(_LOSS.epsilon_high, "upper PPO clip (unset = epsilon_low)")
+    delta: float | None = setting(
         _LOSS.delta, "two-sided GRPO: cap (> 1) on the unclipped ratio (unset = off)"
     )
-    kl_beta: float = _f(_LOSS.kl_beta, "KL-to-reference weight in channel 1 (TRL's beta)")
-    alpha_sdpo: float = _f(
+    kl_beta: float = setting(_LOSS.kl_beta, "KL-to-reference weight in channel 1 (TRL's beta)")
+    alpha_sdpo: float = setting(
         _LOSS.alpha_sdpo, "channel 2 (hint self-distillation) weight; 0 disables it"
     )
-    beta_replay: float = _f(_LOSS.beta_replay, "channel 3 (trace replay) weight; 0 disables it")
-    sdpo_jsd_beta: float = _f(
+    beta_replay: float = setting(
+        _LOSS.beta_replay, "channel 3 (trace replay) weight; 0 disables it"
+    )
+    sdpo_jsd_beta: float = setting(
         _LOSS.sdpo_jsd_beta, "generalized JSD beta (0 forward KL, 1 reverse KL)"
     )
-    sdpo_temperature: float = _f(_LOSS.sdpo_temperature, "channel 2 softmax temperature")
-    sdpo_token_clip: float | None = _f(
+    sdpo_temperature: float = setting(_LOSS.sdpo_temperature, "channel 2 softmax temperature")
+    sdpo_token_clip: float | None = setting(
         _LOSS.sdpo_token_clip, "per-token clip of the channel-2 divergence (unset = none)"
     )
-    sdpo_top_k: int | None = _f(
+    sdpo_top_k: int | None = setting(
         _LOSS.sdpo_top_k, "top-k vocabulary for channel 2 (unset = full vocab)"
     )
-    sdpo_add_tail: bool = _f(
+    sdpo_add_tail: bool = setting(
         _LOSS.sdpo_add_tail, "top-k channel 2: add one bucket for the rest of the vocabulary"
     )
-    sdpo_wrapper: SdpoWrapper = _f(_LOSS.sdpo_wrapper, "channel-2 wrapper")
-    sdpo_max_context_length: int | None = _f(
+    sdpo_wrapper: SdpoWrapper = setting(_LOSS.sdpo_wrapper, "channel-2 wrapper")
+    sdpo_max_context_length: int | None = setting(
         _LOSS.sdpo_max_context_length,
         "cap (tokens) on a channel-2 hinted teacher context: longer ones lose their middle "
         "(first half = question, last half = end of the hint); unset = no cap",
     )
-    taid_t: float | None = _f(_LOSS.taid_t, "fixed TAID interpolation t in [0, 1]")
-    taid_total_steps: int | None = _f(
+    taid_t: float | None = setting(_LOSS.taid_t, "fixed TAID interpolation t in [0, 1]")
+    taid_total_steps: int | None = setting(
         _LOSS.taid_total_steps,
         f"TAID schedule length: t goes {TAID_T_START} -> {TAID_T_END} over this many inner "
         "steps (used when taid_t is unset)",
     )
-    entropy_opd_h_max: float = _f(
+    entropy_opd_h_max: float = setting(
         _LOSS.entropy_opd_h_max, "entropy_opd wrapper: teacher-entropy gate in nats"
     )
-    replay_dpo_beta: float = _f(_LOSS.replay_dpo_beta, "DPO beta for channel 3")
-    dpo_variant: DpoVariant = _f(
+    replay_dpo_beta: float = setting(_LOSS.replay_dpo_beta, "DPO beta for channel 3")
+    dpo_variant: DpoVariant = setting(
         _LOSS.dpo_variant,
         "channel-3 preference loss ('dpo' scores a frozen reference copy of the model; "
         "'simpo' is reference-free)",
     )
-    simpo_beta: float = _f(_LOSS.simpo_beta, "SimPO beta")
-    simpo_gamma: float = _f(_LOSS.simpo_gamma, "SimPO margin gamma")
-    label_smoothing: float = _f(_LOSS.label_smoothing, "channel-3 label smoothing in [0, 0.5)")
+    simpo_beta: float = setting(_LOSS.simpo_beta, "SimPO beta")
+    simpo_gamma: float = setting(_LOSS.simpo_gamma, "SimPO margin gamma")
+    label_smoothing: float = setting(_LOSS.label_smoothing, "channel-3 label smoothing in [0, 0.5)")
 
     def __post_init__(self) -> None:
-        _check(self.alpha_sdpo >= 0, "loss.alpha_sdpo", "must be >= 0")
-        _check(self.beta_replay >= 0, "loss.beta_replay", "must be >= 0")
+        require(self.alpha_sdpo >= 0, "loss.alpha_sdpo", "must be >= 0")
+        require(self.beta_replay >= 0, "loss.beta_replay", "must be >= 0")
         scheduled = self.sdpo_wrapper == "taid" and self.taid_t is None
         if scheduled and self.taid_total_steps is None:
             raise ValueError(
@@ -282,33 +287,39 @@ class LossConfig:
 class EndpointConfig:
     """An OpenAI-compatible teacher endpoint (channel 3 traces)."""
 
-    name: str = _f("teacher", "label recorded in the traces")
-    base_url: str = _f("", "e.g. https://openrouter.ai/api/v1 or http://127.0.0.1:8000/v1")
-    model: str = _f("", "model name sent to the endpoint")
-    api_key_env: str = _f("OPENAI_API_KEY", "environment variable holding the API key")
-    max_tokens: int = _f(256, "completion tokens per trace")
-    temperature: float = _f(0.7, "sampling temperature")
+    name: str = setting("teacher", "label recorded in the traces")
+    base_url: str = setting("", "e.g. https://openrouter.ai/api/v1 or http://127.0.0.1:8000/v1")
+    model: str = setting("", "model name sent to the endpoint")
+    api_key_env: str = setting("OPENAI_API_KEY", "environment variable holding the API key")
+    max_tokens: int = setting(256, "completion tokens per trace")
+    temperature: float = setting(0.7, "sampling temperature")
 
     def __post_init__(self) -> None:
         # from_dict prefixes these with the entry's path, e.g. "teachers.endpoints[0]".
-        _check(bool(self.base_url), "base_url", "must be set")
-        _check(bool(self.model), "model", "must be set")
+        require(bool(self.base_url), "base_url", "must be set")
+        require(bool(self.model), "model", "must be set")
 
 
 @dataclass(frozen=True)
 class TeachersConfig:
     """Where channel 3's teacher traces come from."""
 
-    oracle: bool = _f(True, "replay the task's oracle solutions when no endpoint/traces are given")
-    traces_path: str = _f("", "pre-baked traces JSONL (from `composer-replication bake-traces`)")
-    endpoints: list[EndpointConfig] = _f([], "OpenAI-compatible teachers ([[teachers.endpoints]])")
+    oracle: bool = setting(
+        True, "replay the task's oracle solutions when no endpoint/traces are given"
+    )
+    traces_path: str = setting(
+        "", "pre-baked traces JSONL (from `composer-replication bake-traces`)"
+    )
+    endpoints: list[EndpointConfig] = setting(
+        [], "OpenAI-compatible teachers ([[teachers.endpoints]])"
+    )
 
 
 @dataclass(frozen=True)
 class SecurityConfig:
     """Signed contributions (docs/security.md)."""
 
-    sign: bool = _f(
+    sign: bool = setting(
         False,
         "Ed25519-sign every contribution, commit record, state and manifest; the driver makes "
         "one key per rank and hands each replica only its own (object-store exchange)",
@@ -319,69 +330,79 @@ class SecurityConfig:
 class BackendConfig:
     """Where the replicas run (an executor from the registry in composer_replication.executors)."""
 
-    kind: BackendName = _f("local", "executor backend (docs/backends.md)")
-    n_replicas: int = _f(2, "number of DiLoCo replicas")
-    timeout_s: float = _f(3600.0, "wall-clock limit for the whole run (replicas then cancelled)")
-    max_restarts: int = _f(
+    kind: BackendName = setting("local", "executor backend (docs/backends.md)")
+    n_replicas: int = setting(2, "number of DiLoCo replicas")
+    timeout_s: float = setting(
+        3600.0, "wall-clock limit for the whole run (replicas then cancelled)"
+    )
+    max_restarts: int = setting(
         2,
         "the driver relaunches a replica that fails (killed, crashed) up to this many times per "
         "rank; it rejoins from the newest global state (0 = a failure is final)",
     )
-    options: dict[str, Any] = _f({}, "executor constructor arguments (image, gpu, namespace, ...)")
-    resources: dict[str, Any] = _f({}, "per-replica resources passed to launch_replicas")
-    env: dict[str, str] = _f({}, "extra environment variables for every replica")
-    forward_env: list[str] = _f(
+    options: dict[str, Any] = setting(
+        {}, "executor constructor arguments (image, gpu, namespace, ...)"
+    )
+    resources: dict[str, Any] = setting({}, "per-replica resources passed to launch_replicas")
+    env: dict[str, str] = setting({}, "extra environment variables for every replica")
+    forward_env: list[str] = setting(
         [],
         "names of driver environment variables (e.g. AWS_ACCESS_KEY_ID) copied to every "
         "replica; hf-jobs receives them as encrypted job secrets",
     )
 
     def __post_init__(self) -> None:
-        _check(self.n_replicas >= 1, "backend.n_replicas", f"{self.n_replicas} must be >= 1")
-        _check(self.timeout_s > 0, "backend.timeout_s", "must be > 0")
-        _check(self.max_restarts >= 0, "backend.max_restarts", "must be >= 0")
+        require(self.n_replicas >= 1, "backend.n_replicas", f"{self.n_replicas} must be >= 1")
+        require(self.timeout_s > 0, "backend.timeout_s", "must be > 0")
+        require(self.max_restarts >= 0, "backend.max_restarts", "must be >= 0")
 
 
 @dataclass(frozen=True)
 class StoreConfig:
     """The object store the replicas meet in (one prefix per run)."""
 
-    uri: str = _f("", "file:///..., s3://bucket/prefix/, gs://...; empty = <run folder>/store/")
-    storage_options: dict[str, Any] = _f({}, "fsspec options (e.g. endpoint_url for S3)")
-    keep_rounds: int = _f(KEEP_ROUNDS, "rounds of pseudo-gradients kept before garbage collection")
+    uri: str = setting(
+        "", "file:///..., s3://bucket/prefix/, gs://...; empty = <run folder>/store/"
+    )
+    storage_options: dict[str, Any] = setting({}, "fsspec options (e.g. endpoint_url for S3)")
+    keep_rounds: int = setting(
+        KEEP_ROUNDS, "rounds of pseudo-gradients kept before garbage collection"
+    )
 
     def __post_init__(self) -> None:
-        _check(self.keep_rounds >= 1, "store.keep_rounds", "must be >= 1")
+        require(self.keep_rounds >= 1, "store.keep_rounds", "must be >= 1")
 
 
 @dataclass(frozen=True)
 class LoggingConfig:
     """What the driver shows and records."""
 
-    progress: Literal["auto", "live", "plain", "none"] = _f(
+    progress: Literal["auto", "live", "plain", "none"] = setting(
         "auto", "auto = live display on a terminal, plain log lines otherwise"
     )
-    tensorboard: bool = _f(True, "write TensorBoard event files under <run>/tensorboard/")
-    report: bool = _f(True, "draw the report (plots + summary.md) when training ends")
-    log_every: int = _f(1, "replicas record train metrics every N inner steps")
-    flush_every_s: float = _f(2.0, "replicas upload buffered metrics at most this often")
+    tensorboard: bool = setting(True, "write TensorBoard event files under <run>/tensorboard/")
+    report: bool = setting(True, "draw the report (plots + summary.md) when training ends")
+    log_every: int = setting(1, "replicas record train metrics every N inner steps")
+    flush_every_s: float = setting(2.0, "replicas upload buffered metrics at most this often")
 
     def __post_init__(self) -> None:
-        _check(self.log_every >= 1, "logging.log_every", "must be >= 1")
-        _check(self.flush_every_s > 0, "logging.flush_every_s", "must be > 0")
+        require(self.log_every >= 1, "logging.log_every", "must be >= 1")
+        require(self.flush_every_s > 0, "logging.flush_every_s", "must be > 0")
 
 
 @dataclass(frozen=True)
 class CheckpointConfig:
     """HF save_pretrained checkpoints (safetensors) of the global model + outer optimizer state."""
 
-    every_rounds: int = _f(1, "checkpoint every N committed outer rounds (0 = only at the end)")
-    keep_last: int = _f(2, "checkpoints kept in the store (the final one is always kept)")
-    save_final: bool = _f(True, "checkpoint the final global model")
+    every_rounds: int = setting(
+        1, "checkpoint every N committed outer rounds (0 = only at the end)"
+    )
+    keep_last: int = setting(2, "checkpoints kept in the store (the final one is always kept)")
+    save_final: bool = setting(True, "checkpoint the final global model")
 
     def __post_init__(self) -> None:
-        _check(self.every_rounds >= 0, "checkpoint.every_rounds", "must be >= 0")
-        _check(self.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")
+        require(self.every_rounds >= 0, "checkpoint.every_rounds", "must be >= 0")
+        require(self.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -426,7 +447,7 @@ class RunConfig:
         if self.task.shard == "disjoint":
             per_step = self.train.batch_size // self.train.num_generations
             n = self.backend.n_replicas
-            _check(
+            require(
                 self.task.n_train // n >= per_step,
                 "task.shard",
                 f"'disjoint' gives each of the {n} replicas {self.task.n_train // n} training "
@@ -435,7 +456,7 @@ class RunConfig:
             )
         self._check_chaos(mode)
         if self.diloco.min_replicas is not None:
-            _check(
+            require(
                 self.diloco.min_replicas <= self.backend.n_replicas,
                 "diloco.min_replicas",
                 f"{self.diloco.min_replicas} exceeds backend.n_replicas "
@@ -446,7 +467,7 @@ class RunConfig:
         """The chaos schedule against the backend, the restarts, the ranks and the mode."""
         if not self.chaos.events:
             return
-        _check(
+        require(
             self.backend.kind == "local",
             "chaos.events",
             f"fault injection needs the local backend (signals to replica processes), not "
@@ -459,7 +480,7 @@ class RunConfig:
         elastic = mode.may_finish_without(n - 1, n)
         for i, ev in enumerate(self.chaos.events):
             if ev.action == "kill":
-                _check(
+                require(
                     (isinstance(restarts, int) and restarts >= 1) or elastic,
                     f"chaos.events[{i}]",
                     "a killed replica must come back: set backend.max_restarts to at least "
@@ -467,20 +488,20 @@ class RunConfig:
                     "(diloco.min_replicas < backend.n_replicas)",
                 )
             if ev.action not in ("kill_synchronizer", "throttle", "corrupt"):
-                _check(
+                require(
                     ev.target.isdigit() and int(ev.target) < self.backend.n_replicas,
                     f"chaos.events[{i}].target",
                     f"{ev.target!r} is not a replica rank in [0, {self.backend.n_replicas})",
                 )
             if ev.action == "kill_synchronizer":
-                _check(
+                require(
                     mode.driver_synchronizer,
                     f"chaos.events[{i}].action",
                     "kill_synchronizer needs diloco.mode = 'decoupled' with the driver's "
                     "synchronizer",
                 )
             if ev.action == "throttle":
-                _check(
+                require(
                     self.store.uri.startswith(("s3://", "s3a://")),
                     f"chaos.events[{i}].action",
                     "throttle slows the connection to an S3 endpoint; a file:// store has "

@@ -136,8 +136,9 @@ class DecoupledDiLoCo:
             },
         )
 
-    def synchronizer_config(self, *, keep_rounds: int, max_steps: int, local: bool
-                            ) -> SynchronizerConfig:  # fmt: skip
+    def synchronizer_config(
+        self, *, keep_rounds: int, max_steps: int, local: bool
+    ) -> SynchronizerConfig:
         """The synchronizer's config: the section's keys under the same names, the store's
         ``keep_rounds`` and the run's length."""
         d = self.config

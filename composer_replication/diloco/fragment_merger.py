@@ -200,8 +200,9 @@ class FragmentMerger:
             if frag.quorum_at is None:
                 frag.quorum_at = now
                 t = self.timings
-                frag.grace_s = grace_seconds(self.config.grace_gamma, self.config.grace_tau,
-                                             t.step_s, t.quorum_s, t.sync_s)  # fmt: skip
+                frag.grace_s = grace_seconds(
+                    self.config.grace_gamma, self.config.grace_tau, t.step_s, t.quorum_s, t.sync_s
+                )
             everyone = active <= set(on_time)
             if not everyone and now - frag.quorum_at < frag.grace_s:
                 return
@@ -230,8 +231,11 @@ class FragmentMerger:
             self.stats.rejected += len(sel.inputs)
             return
         if not self.lease.held() or not self.lease.renew():
-            log.warning("synchronizer %s lost the lease before merging fragment %d",
-                        self.lease.owner, frag.index)  # fmt: skip
+            log.warning(
+                "synchronizer %s lost the lease before merging fragment %d",
+                self.lease.owner,
+                frag.index,
+            )
             return
         if not self.docs.write_merge(record):
             self._adopt(frag)
@@ -286,35 +290,58 @@ class FragmentMerger:
         if frag.quorum_at is not None and frag.first_at is not None:
             to_quorum = frag.quorum_at - frag.first_at
         return {
-            "format": 1, "kind": "merge", "fragment": frag.index, "version": frag.version + 1,
+            "format": 1,
+            "kind": "merge",
+            "fragment": frag.index,
+            "version": frag.version + 1,
             "base_version": frag.version,
-            "inputs": [{
-                "push": p.id.name, "learner": p.id.learner, "base": p.id.base,
-                "weight": push_weight(p, cfg.weighting), "checksum": p.checksum, "steps": p.steps,
-                "tokens": p.tokens, "steps_since_push": p.steps_since_push,
-                "learner_step": p.learner_step, "late": p.id.base < frag.version,
-            } for p in pushes],
+            "inputs": [
+                {
+                    "push": p.id.name,
+                    "learner": p.id.learner,
+                    "base": p.id.base,
+                    "weight": push_weight(p, cfg.weighting),
+                    "checksum": p.checksum,
+                    "steps": p.steps,
+                    "tokens": p.tokens,
+                    "steps_since_push": p.steps_since_push,
+                    "learner_step": p.learner_step,
+                    "late": p.id.base < frag.version,
+                }
+                for p in pushes
+            ],
             "decisions": {},
             "superseded": [p.name for p in sel.superseded],
             # the steps a superseded push covered are inside the newer push that replaces it
             "superseded_steps": {p.name: pending[p].steps_since_push for p in sel.superseded},
             "dropped": sel.dropped,
-            "consumed": sorted({p.name for p in sel.inputs} | {p.name for p in sel.superseded}
-                               | set(sel.dropped)),
-            "merge": cfg.merge, "aggregate": cfg.aggregate,
+            "consumed": sorted(
+                {p.name for p in sel.inputs} | {p.name for p in sel.superseded} | set(sel.dropped)
+            ),
+            "merge": cfg.merge,
+            "aggregate": cfg.aggregate,
             "outlier_ratio": cfg.aggregate_outlier_ratio,
-            "outer": {"lr": cfg.outer_lr, "momentum": cfg.outer_momentum,
-                      "nesterov": cfg.nesterov},
-            "timings": {"first_to_quorum_s": to_quorum, "grace_s": frag.grace_s,
-                        "step_s": self.timings.step_s, "waited_s": waited},
-            "epoch": self.lease.epoch, "owner": self.lease.owner, "time": time.time(),
-        }  # fmt: skip
+            "outer": {"lr": cfg.outer_lr, "momentum": cfg.outer_momentum, "nesterov": cfg.nesterov},
+            "timings": {
+                "first_to_quorum_s": to_quorum,
+                "grace_s": frag.grace_s,
+                "step_s": self.timings.step_s,
+                "waited_s": waited,
+            },
+            "epoch": self.lease.epoch,
+            "owner": self.lease.owner,
+            "time": time.time(),
+        }
 
     def _adopt(self, frag: FragmentState) -> None:
         """A rival decided this version first: replay its record instead of ours."""
         stored = self.docs.read_merge(frag.index, frag.version + 1)
-        log.warning("fragment %d version %d was decided by %s; adopting it", frag.index,
-                    frag.version + 1, None if stored is None else stored.get("owner"))  # fmt: skip
+        log.warning(
+            "fragment %d version %d was decided by %s; adopting it",
+            frag.index,
+            frag.version + 1,
+            None if stored is None else stored.get("owner"),
+        )
         if stored is None:
             return
         self.apply_record(frag, stored)
@@ -336,11 +363,15 @@ class FragmentMerger:
         stats.carried_late += len(sel.carried)
         stats.superseded += len(sel.superseded)
         stats.steps_merged += sum(int(e["steps_since_push"]) for e in accepted)
-        stats.last_merges.append({
-            "fragment": frag.index, "version": frag.version,
-            "learners": sorted(int(e["learner"]) for e in accepted),
-            "late": sum(bool(e["late"]) for e in accepted), "grace_s": frag.grace_s,
-        })  # fmt: skip
+        stats.last_merges.append(
+            {
+                "fragment": frag.index,
+                "version": frag.version,
+                "learners": sorted(int(e["learner"]) for e in accepted),
+                "late": sum(bool(e["late"]) for e in accepted),
+                "grace_s": frag.grace_s,
+            }
+        )
         del stats.last_merges[:-32]
 
     def _gc(self, frag: FragmentState) -> None:
@@ -362,17 +393,23 @@ class FragmentMerger:
     ) -> tuple[Tensors, dict[str, Decision]]:
         """Aggregate the record's inputs; a replay combines as the record decided (screening
         norms are not bit-reproducible across machines, the recorded decisions are)."""
-        inputs = [MergeInput(e["push"], float(e["weight"]), p.decode())
-                  for e, p in zip(record["inputs"], pushes)]  # fmt: skip
+        inputs = [
+            MergeInput(e["push"], float(e["weight"]), p.decode())
+            for e, p in zip(record["inputs"], pushes)
+        ]
         if replay:
             decisions = record["decisions"]
             merged = combine_decided(inputs, decisions, record["aggregate"])
         else:
-            merged, decisions = aggregate(inputs, record["aggregate"],
-                                          outlier_ratio=record.get("outlier_ratio"))  # fmt: skip
+            merged, decisions = aggregate(
+                inputs, record["aggregate"], outlier_ratio=record.get("outlier_ratio")
+            )
         if merged and record["merge"] == "rda":
-            chosen = [MergeInput(i.id, decisions[i.id]["weight"], i.tensors)
-                      for i in inputs if decisions[i.id]["included"]]  # fmt: skip
+            chosen = [
+                MergeInput(i.id, decisions[i.id]["weight"], i.tensors)
+                for i in inputs
+                if decisions[i.id]["included"]
+            ]
             merged = rda(chosen, frag.mean_only)
         return merged, decisions
 
@@ -380,8 +417,14 @@ class FragmentMerger:
         """Apply the outer step of a decided record and store the new version (put-if-absent:
         a version already stored, e.g. by a predecessor, is read back and used instead)."""
         o = record["outer"]
-        params, mom = outer_step(frag.params, frag.momentum, merged, lr=float(o["lr"]),
-                                 mu=float(o["momentum"]), nesterov=bool(o["nesterov"]))  # fmt: skip
+        params, mom = outer_step(
+            frag.params,
+            frag.momentum,
+            merged,
+            lr=float(o["lr"]),
+            mu=float(o["momentum"]),
+            nesterov=bool(o["nesterov"]),
+        )
         v = record["version"]
         if not self.docs.publish_outer(frag.index, v, mom):
             mom = self.docs.fetch_outer(frag.index, v, frag.reference) or mom

@@ -81,8 +81,9 @@ Decision = dict[str, Any]
 (``weight`` sums to 1 over included inputs; ``scale`` < 1 when norm clipping shrank it)."""
 
 
-def _decision(included: bool, reason: str = "", weight: float = 0.0, scale: float = 1.0,
-              note: str = "") -> Decision:  # fmt: skip
+def _decision(
+    included: bool, reason: str = "", weight: float = 0.0, scale: float = 1.0, note: str = ""
+) -> Decision:
     return {"included": included, "reason": reason, "weight": weight, "scale": scale, "note": note}
 
 
@@ -112,18 +113,23 @@ def aggregate(
         # A robust merge of one or two pushes cannot leave anyone out (a trimmed mean of two is
         # their mean): merging them would let a byzantine push through whenever a merge is
         # small (the end of a run, dead learners). Their work is dropped instead.
-        why = (f"too few pushes for a robust merge ({len(work)} < {robust.MIN_TO_JUDGE}; "
-               f"aggregate={method!r})")  # fmt: skip
+        why = (
+            f"too few pushes for a robust merge ({len(work)} < {robust.MIN_TO_JUDGE}; "
+            f"aggregate={method!r})"
+        )
         decisions.update({i.id: _decision(False, why) for i in work})
         work = []
     if work:
         policy = _policy(method, outlier_ratio)
         top = max(i.weight for i in work)  # integer claims that keep the ratios to 1e-9
-        candidates = [robust.Candidate(k, i.tensors, tokens=max(1, round(i.weight / top * 1e9)))
-                      for k, i in enumerate(work)]  # fmt: skip
+        candidates = [
+            robust.Candidate(k, i.tensors, tokens=max(1, round(i.weight / top * 1e9)))
+            for k, i in enumerate(work)
+        ]
         for d in robust.screen(candidates, policy):
-            decisions[work[d.rank].id] = _decision(d.included, d.reason, d.weight if d.included
-                                                   else 0.0, d.scale, d.note)  # fmt: skip
+            decisions[work[d.rank].id] = _decision(
+                d.included, d.reason, d.weight if d.included else 0.0, d.scale, d.note
+            )
     return combine_decided(inputs, decisions, method), decisions
 
 
@@ -140,8 +146,12 @@ def combine_decided(
     if not chosen:
         return {}
     candidates = [robust.Candidate(k, i.tensors) for k, i in enumerate(chosen)]
-    verdicts = [robust.Decision(rank=k, included=True, weight=decisions[i.id]["weight"],
-                                scale=decisions[i.id]["scale"]) for k, i in enumerate(chosen)]  # fmt: skip
+    verdicts = [
+        robust.Decision(
+            rank=k, included=True, weight=decisions[i.id]["weight"], scale=decisions[i.id]["scale"]
+        )
+        for k, i in enumerate(chosen)
+    ]
     merged: Tensors = robust.combine(candidates, verdicts, _policy(method, None))
     return merged
 

@@ -66,14 +66,24 @@ class OuterLoopSettings:
 # exchange, SparseLoCo, the decoupled mode, torchft.
 @dataclass(frozen=True, kw_only=True)
 class DilocoConfig(
-    TorchftConfig, DecoupledConfig, SparseLoCoConfig, ExchangeConfig, OuterOptimizerConfig,
+    TorchftConfig,
+    DecoupledConfig,
+    SparseLoCoConfig,
+    ExchangeConfig,
+    OuterOptimizerConfig,
     OuterLoopSettings,
-):  # fmt: skip
+):
     """The outer loop: every H inner steps replicas exchange pseudo-gradients (global - local)."""
 
     def __post_init__(self) -> None:
-        for part in (OuterLoopSettings, OuterOptimizerConfig, ExchangeConfig, SparseLoCoConfig,
-                     DecoupledConfig, TorchftConfig):  # fmt: skip
+        for part in (
+            OuterLoopSettings,
+            OuterOptimizerConfig,
+            ExchangeConfig,
+            SparseLoCoConfig,
+            DecoupledConfig,
+            TorchftConfig,
+        ):
             part.__post_init__(self)
         require(
             self.sync_every_h % self.fragments == 0,

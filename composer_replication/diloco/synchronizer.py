@@ -48,6 +48,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from composer_replication.diloco.decoupled import LEARNER_ROLE
 from composer_replication.diloco.fragment_merger import (
     FragmentMerger,
     FragmentState,
@@ -92,7 +93,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 ROLE = "synchronizer"
-LEARNER_ROLE = "learner"
 
 
 class Synchronizer:
@@ -114,16 +114,27 @@ class Synchronizer:
         self.config = config or SynchronizerConfig()
         self.store = store
         self.docs = DecoupledStore(store)
-        self.lease = Lease(store, ROLE, owner=owner, ttl_s=self.config.lease_ttl_s,
-                           poll_interval_s=min(self.config.poll_interval_s * 2,
-                                               self.config.lease_ttl_s / 4))  # fmt: skip
+        self.lease = Lease(
+            store,
+            ROLE,
+            owner=owner,
+            ttl_s=self.config.lease_ttl_s,
+            poll_interval_s=min(self.config.poll_interval_s * 2, self.config.lease_ttl_s / 4),
+        )
         self.owner = self.lease.owner
         self.manifest_timeout_s = manifest_timeout_s
         self.stats = SynchronizerStats()
         self.inbox = Inbox()
         self.timings = Timings()
-        self.merger = FragmentMerger(self.config, self.docs, self.lease, stats=self.stats,
-                                     inbox=self.inbox, timings=self.timings, on_merge=on_merge)  # fmt: skip
+        self.merger = FragmentMerger(
+            self.config,
+            self.docs,
+            self.lease,
+            stats=self.stats,
+            inbox=self.inbox,
+            timings=self.timings,
+            on_merge=on_merge,
+        )
         self.n_learners = 0
         self.finished = False
         self._stop = threading.Event()
@@ -217,8 +228,12 @@ class Synchronizer:
             bases = [pid.base for pid in pushes if pid.fragment == p]
             self.merger.fragments.append(self._recover_fragment(p, spec, min(bases, default=None)))
         self.docs.write_heads(self.versions, epoch=self.lease.epoch, owner=self.owner)
-        log.info("synchronizer %s (epoch %s): resumed at versions %s", self.owner,
-                 self.lease.epoch, self.versions)  # fmt: skip
+        log.info(
+            "synchronizer %s (epoch %s): resumed at versions %s",
+            self.owner,
+            self.lease.epoch,
+            self.versions,
+        )
 
     def _recover_fragment(
         self, p: int, spec: dict[str, Any], oldest_push: int | None
@@ -308,8 +323,11 @@ class Synchronizer:
             if pid.base > frag.version:
                 if pid not in self.inbox.future:
                     self.inbox.future.add(pid)
-                    log.warning("push %s is based on a version this synchronizer has not "
-                                "published (%d)", pid.name, frag.version)  # fmt: skip
+                    log.warning(
+                        "push %s is based on a version this synchronizer has not published (%d)",
+                        pid.name,
+                        frag.version,
+                    )
                 continue
             new.append(pid)
         if not new:
@@ -351,9 +369,12 @@ class Synchronizer:
 
     def _refresh_liveness(self) -> None:
         try:
-            live = read_liveness(self.store, roles=[LEARNER_ROLE],
-                                 stale_after_s=self.config.stale_after_s,
-                                 dead_after_s=self.config.dead_after_s)  # fmt: skip
+            live = read_liveness(
+                self.store,
+                roles=[LEARNER_ROLE],
+                stale_after_s=self.config.stale_after_s,
+                dead_after_s=self.config.dead_after_s,
+            )
         except OSError as e:
             log.warning("reading liveness failed: %r", e)
             return
@@ -382,8 +403,9 @@ class Synchronizer:
             if not ok:
                 self.docs.repair_global(frag.index, frag.version, frag.params)
                 self.stats.repaired_states += 1
-        learners = {i: int((self._progress.get(i) or {}).get("step", 0))
-                    for i in range(self.n_learners)}  # fmt: skip
+        learners = {
+            i: int((self._progress.get(i) or {}).get("step", 0)) for i in range(self.n_learners)
+        }
         self.docs.write_heads(self.versions, epoch=self.lease.epoch, owner=self.owner)
         self.docs.write_final(self.versions, learners, owner=self.owner, stats=self.stats.as_dict())
         log.info("synchronizer %s: final versions %s", self.owner, self.versions)
@@ -393,12 +415,18 @@ class Synchronizer:
     def _beat(self, state: str = "running") -> None:
         try:
             write_heartbeat(
-                self.store, ROLE, _member_id(self.owner), state=state,
-                active=self.lease.held(), epoch=self.lease.epoch, versions=self.versions,
-                step_s=self.timings.step_s, quorum_s=self.timings.quorum_s,
+                self.store,
+                ROLE,
+                _member_id(self.owner),
+                state=state,
+                active=self.lease.held(),
+                epoch=self.lease.epoch,
+                versions=self.versions,
+                step_s=self.timings.step_s,
+                quorum_s=self.timings.quorum_s,
                 sync_s=self.timings.sync_s,
                 stats=self.stats.as_dict(),
-            )  # fmt: skip
+            )
         except (OSError, ValueError) as e:
             log.warning("heartbeat failed: %r", e)
 

@@ -165,11 +165,15 @@ def _newest_contribution(store: ObjectStore, rank: int | None) -> str | None:
         step_prefix,
     )
 
-    steps = sorted((s for s in map(parse_step_dir, store.list("steps/")) if s is not None),
-                   reverse=True)  # fmt: skip
+    steps = sorted(
+        (s for s in map(parse_step_dir, store.list("steps/")) if s is not None), reverse=True
+    )
     for s in steps:
-        ranks = [r for r in map(parse_contrib_name, store.list(step_prefix(s) + "contrib/"))
-                 if r is not None and (rank is None or r == rank)]  # fmt: skip
+        ranks = [
+            r
+            for r in map(parse_contrib_name, store.list(step_prefix(s) + "contrib/"))
+            if r is not None and (rank is None or r == rank)
+        ]
         if ranks:
             return contrib_key(s, ranks[-1])
     return None
@@ -211,8 +215,9 @@ class ChaosInjector:
         self.t0 = time.monotonic()
         self.started = True
         for i, ev in enumerate(sorted(self.events, key=lambda e: e.at_s)):
-            t = threading.Thread(target=self._run_event, args=(i, ev), name=f"chaos-{i}",
-                                 daemon=True)  # fmt: skip
+            t = threading.Thread(
+                target=self._run_event, args=(i, ev), name=f"chaos-{i}", daemon=True
+            )
             t.start()
             self._threads.append(t)
         return self
@@ -238,8 +243,13 @@ class ChaosInjector:
         try:
             getattr(self, f"_do_{ev.action}")(i, ev)
         except Exception as exc:  # a harness failure is a finding, not a crash of the run
-            self._record(event=i, action=ev.action, target=ev.target, outcome="error",
-                         error=f"{type(exc).__name__}: {exc}")  # fmt: skip
+            self._record(
+                event=i,
+                action=ev.action,
+                target=ev.target,
+                outcome="error",
+                error=f"{type(exc).__name__}: {exc}",
+            )
 
     def _pid(self, ev: ChaosEventConfig) -> int | None:
         return self.targets.pid(int(ev.target))
@@ -264,14 +274,28 @@ class ChaosInjector:
             heads = self._heads()
             _signal(pid, signal.SIGKILL)
             _signal(pid, signal.SIGCONT)
-            self._record(event=i, action="kill", target=ev.target, pid=pid, during="upload",
-                         outcome="killed mid-upload" if caught else "killed (no upload caught)",
-                         upload=caught, heads=heads)  # fmt: skip
+            self._record(
+                event=i,
+                action="kill",
+                target=ev.target,
+                pid=pid,
+                during="upload",
+                outcome="killed mid-upload" if caught else "killed (no upload caught)",
+                upload=caught,
+                heads=heads,
+            )
             return
         heads = self._heads()
         _signal(pid, signal.SIGKILL)
-        self._record(event=i, action="kill", target=ev.target, pid=pid, during="any",
-                     outcome="killed", heads=heads)  # fmt: skip
+        self._record(
+            event=i,
+            action="kill",
+            target=ev.target,
+            pid=pid,
+            during="any",
+            outcome="killed",
+            heads=heads,
+        )
 
     def _freeze_during_upload(self, pid: int, rank: int) -> str | None:
         """SIGSTOP ``pid`` at random moments until it is frozen mid-upload (returns what it was
@@ -279,8 +303,10 @@ class ChaosInjector:
         rng = random.Random(self.seed + pid)
         deadline = time.monotonic() + self.upload_wait_s
         local = self.store.local_path
-        patterns = (re.compile(rf"/decoupled/push/\d{{3}}-\d{{10}}-{rank:05d}-\d{{4}}\."),
-                    re.compile(rf"/contrib/{rank:05d}\.safetensors"))  # fmt: skip
+        patterns = (
+            re.compile(rf"/decoupled/push/\d{{3}}-\d{{10}}-{rank:05d}-\d{{4}}\."),
+            re.compile(rf"/contrib/{rank:05d}\.safetensors"),
+        )
         restore = None
         if local is None and self.proxy is not None:
             # on localhost a PUT's body is sent in a few ms: slow the wire while probing so
@@ -293,8 +319,14 @@ class ChaosInjector:
             if self.proxy is not None and local is None:
                 self.proxy.throttle(restore)
 
-    def _probe(self, pid: int, rng: random.Random, deadline: float, local: Any,
-               patterns: tuple[re.Pattern[str], ...]) -> str | None:  # fmt: skip
+    def _probe(
+        self,
+        pid: int,
+        rng: random.Random,
+        deadline: float,
+        local: Any,
+        patterns: tuple[re.Pattern[str], ...],
+    ) -> str | None:
         while time.monotonic() < deadline and not self._stop.is_set():
             if not _signal(pid, signal.SIGSTOP):
                 return None
@@ -318,8 +350,14 @@ class ChaosInjector:
         if pid is None or not _signal(pid, signal.SIGSTOP):
             self._record(event=i, action="stop", target=ev.target, outcome="not running")
             return
-        self._record(event=i, action="stop", target=ev.target, pid=pid, outcome="stopped",
-                     duration_s=ev.duration_s)  # fmt: skip
+        self._record(
+            event=i,
+            action="stop",
+            target=ev.target,
+            pid=pid,
+            outcome="stopped",
+            duration_s=ev.duration_s,
+        )
         self._stop.wait(ev.duration_s)
         _signal(pid, signal.SIGCONT)
         self._record(event=i, action="stop", target=ev.target, pid=pid, outcome="continued")
@@ -331,8 +369,15 @@ class ChaosInjector:
             return
         run_s = 0.05
         end = time.monotonic() + ev.duration_s
-        self._record(event=i, action="slow", target=ev.target, pid=pid, outcome="slowed",
-                     factor=ev.factor, duration_s=ev.duration_s)  # fmt: skip
+        self._record(
+            event=i,
+            action="slow",
+            target=ev.target,
+            pid=pid,
+            outcome="slowed",
+            factor=ev.factor,
+            duration_s=ev.duration_s,
+        )
         try:
             while time.monotonic() < end and not self._stop.is_set():
                 if not _signal(pid, signal.SIGSTOP):
@@ -350,8 +395,13 @@ class ChaosInjector:
         key: str | None = None
         if kind == "push":  # corrupted while the synchronizer is frozen
             key = self._fresh_push(rank)
-            self._record(event=i, action="corrupt", target=ev.target, key=key,
-                         outcome="corrupted" if key else "no new push")  # fmt: skip
+            self._record(
+                event=i,
+                action="corrupt",
+                target=ev.target,
+                key=key,
+                outcome="corrupted" if key else "no new push",
+            )
             return
         if kind == "global":
             versions = DecoupledStore(self.store).versions(0, "global")
@@ -362,11 +412,17 @@ class ChaosInjector:
         elif kind == "contribution":
             key = _newest_contribution(self.store, rank)
         else:
-            raise ValueError(f"corrupt target {ev.target!r}: use push[:rank], global or "
-                             "contribution[:rank]")  # fmt: skip
+            raise ValueError(
+                f"corrupt target {ev.target!r}: use push[:rank], global or contribution[:rank]"
+            )
         ok = key is not None and corrupt_object(self.store, key, seed=self.seed + i)
-        self._record(event=i, action="corrupt", target=ev.target, key=key,
-                     outcome="corrupted" if ok else "nothing to corrupt")  # fmt: skip
+        self._record(
+            event=i,
+            action="corrupt",
+            target=ev.target,
+            key=key,
+            outcome="corrupted" if ok else "nothing to corrupt",
+        )
 
     def _fresh_push(self, rank: int | None) -> str | None:
         """Freeze the synchronizer, wait for a push it cannot have seen, corrupt it, continue
@@ -379,8 +435,9 @@ class ChaosInjector:
             before = set(docs.list_pushes())
             deadline = time.monotonic() + self.upload_wait_s
             while time.monotonic() < deadline and not self._stop.is_set():
-                new = sorted(p for p in set(docs.list_pushes()) - before
-                             if rank is None or p.learner == rank)  # fmt: skip
+                new = sorted(
+                    p for p in set(docs.list_pushes()) - before if rank is None or p.learner == rank
+                )
                 if new:
                     key = new[-1].key
                     corrupt_object(self.store, key, seed=self.seed)
@@ -393,9 +450,13 @@ class ChaosInjector:
 
     def _do_kill_synchronizer(self, i: int, ev: ChaosEventConfig) -> None:
         pid = self.targets.kill_synchronizer(ev.restart_after_s)
-        self._record(event=i, action="kill_synchronizer", pid=pid,
-                     outcome="killed" if pid else "not running",
-                     restart_after_s=ev.restart_after_s)  # fmt: skip
+        self._record(
+            event=i,
+            action="kill_synchronizer",
+            pid=pid,
+            outcome="killed" if pid else "not running",
+            restart_after_s=ev.restart_after_s,
+        )
 
     def _do_throttle(self, i: int, ev: ChaosEventConfig) -> None:
         assert self.proxy is not None

@@ -55,8 +55,11 @@ class ThrottleProxy:
     def inflight_puts(self) -> list[dict[str, Any]]:
         """PUT requests whose body has started but not finished: {path, sent, length}."""
         with self._lock:
-            return [dict(r) for r in self._inflight.values()
-                    if r["method"] == "PUT" and 0 < r["sent"] < r["length"]]  # fmt: skip
+            return [
+                dict(r)
+                for r in self._inflight.values()
+                if r["method"] == "PUT" and 0 < r["sent"] < r["length"]
+            ]
 
     def close(self) -> None:
         self._stop.set()
@@ -102,10 +105,12 @@ class ThrottleProxy:
             with self._lock:
                 self._conns += [client, upstream]
             cid = id(client)
-            threading.Thread(target=self._pump, args=(client, upstream, cid, True),
-                             daemon=True).start()  # fmt: skip
-            threading.Thread(target=self._pump, args=(upstream, client, cid, False),
-                             daemon=True).start()  # fmt: skip
+            threading.Thread(
+                target=self._pump, args=(client, upstream, cid, True), daemon=True
+            ).start()
+            threading.Thread(
+                target=self._pump, args=(upstream, client, cid, False), daemon=True
+            ).start()
 
     def _pump(self, src: socket.socket, dst: socket.socket, cid: int, requests: bool) -> None:
         buf = b""

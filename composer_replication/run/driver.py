@@ -197,8 +197,9 @@ class _Services:
     """What the driver runs beside the replicas for the run's outer-loop mode and its chaos
     schedule (each built in assembly/ or, the synchronizer's process, here)."""
 
-    def __init__(self, config: RunConfig, folder: RunFolder, mode: OuterLoopMode,
-                 env: dict[str, str]) -> None:  # fmt: skip
+    def __init__(
+        self, config: RunConfig, folder: RunFolder, mode: OuterLoopMode, env: dict[str, str]
+    ) -> None:
         self.lighthouse: Lighthouse | None = build_lighthouse(config)
         if self.lighthouse is not None:  # the replicas dial it
             env.update(self.lighthouse.env)
@@ -272,10 +273,13 @@ def run(
     stop, restore_signals = _install_stop_handlers()
     try:
         launch.handles = executor.launch_replicas(
-            config.backend.n_replicas, ENTRYPOINT, {"rendezvous": config.store.uri},
-            env=launch.env, resources=dict(config.backend.resources) or None,
+            config.backend.n_replicas,
+            ENTRYPOINT,
+            {"rendezvous": config.store.uri},
+            env=launch.env,
+            resources=dict(config.backend.resources) or None,
             secrets=launch.secrets,
-        )  # fmt: skip
+        )
     except Exception as exc:  # the executor cancelled whatever it had started
         restore_signals()
         return _launch_failed(launch, exc)
@@ -284,8 +288,15 @@ def run(
     return _end(launch, watch, status, restore_signals, t_start)
 
 
-def _claim_store(config: RunConfig, folder: RunFolder, store: ObjectStore, mode: OuterLoopMode,
-                 resume: bool, overwrite: bool, stream: TextIO) -> tuple[int, int | None]:  # fmt: skip
+def _claim_store(
+    config: RunConfig,
+    folder: RunFolder,
+    store: ObjectStore,
+    mode: OuterLoopMode,
+    resume: bool,
+    overwrite: bool,
+    stream: TextIO,
+) -> tuple[int, int | None]:
     """Create the run folder (a fresh run), fence every earlier launch (a new run generation)
     and, on resume, roll the store back to the newest exact resume point: (generation, the
     round resumed at or None)."""
@@ -316,21 +327,36 @@ def _publish_config(config: RunConfig, folder: RunFolder, store: ObjectStore) ->
     return config_doc
 
 
-def _open(config: RunConfig, folder: RunFolder, store: ObjectStore, executor: ServerlessExecutor,
-          mode: OuterLoopMode, stream: TextIO, generation: int, signing: RunSecrets | None,
-          ) -> _Launch:  # fmt: skip
+def _open(
+    config: RunConfig,
+    folder: RunFolder,
+    store: ObjectStore,
+    executor: ServerlessExecutor,
+    mode: OuterLoopMode,
+    stream: TextIO,
+    generation: int,
+    signing: RunSecrets | None,
+) -> _Launch:
     """The driver's state, display, metrics and the replicas' environment for this launch; the
     services of the run's mode are started."""
     state = folder.read_driver()
     folder.update_driver(
-        status="running", attempt=int(state.get("attempt", 0)) + 1, started=time.time(),
-        ended=None, pid=os.getpid(), host=socket.gethostname(),
-    )  # fmt: skip
+        status="running",
+        attempt=int(state.get("attempt", 0)) + 1,
+        started=time.time(),
+        ended=None,
+        pid=os.getpid(),
+        host=socket.gethostname(),
+    )
     # A lockstep mode has a fixed number of rounds; decoupled mode counts the synchronizer's
     # global versions (one per merge, any number of them per H steps).
     n_rounds = config.n_rounds if mode.lockstep else None
-    progress = Progress(choose_mode(config.logging.progress, stream), title=f"run {folder.name}",
-                        n_rounds=n_rounds, stream=stream)  # fmt: skip
+    progress = Progress(
+        choose_mode(config.logging.progress, stream),
+        title=f"run {folder.name}",
+        n_rounds=n_rounds,
+        stream=stream,
+    )
     sink = MetricsSink(folder.metrics, folder.tensorboard if config.logging.tensorboard else None)
     consumed = {int(k): int(v) for k, v in (state.get("metrics_chunks") or {}).items()}
     collector = MetricsCollector(store, config.backend.n_replicas, sink, consumed)
@@ -350,8 +376,20 @@ def _open(config: RunConfig, folder: RunFolder, store: ObjectStore, executor: Se
     else:  # rank r: its own writer secret (a restarted replica recognises its earlier upload)
         secrets = writer_secrets(folder, config.backend.n_replicas)
     services = _Services(config, folder, mode, env)
-    return _Launch(config, folder, store, executor, mode, progress, sink, collector, env,
-                   secrets, services, stream)  # fmt: skip
+    return _Launch(
+        config,
+        folder,
+        store,
+        executor,
+        mode,
+        progress,
+        sink,
+        collector,
+        env,
+        secrets,
+        services,
+        stream,
+    )
 
 
 def _announce(launch: _Launch, resume: bool, resumed_at: int | None) -> None:
@@ -363,8 +401,10 @@ def _announce(launch: _Launch, resume: bool, resumed_at: int | None) -> None:
         f"sync every {config.diloco.sync_every_h})"
     )
     if resumed_at is not None:
-        progress.message(f"Resuming at outer round {resumed_at} (the newest round every replica "
-                         "saved its exact state for)")  # fmt: skip
+        progress.message(
+            f"Resuming at outer round {resumed_at} (the newest round every replica "
+            "saved its exact state for)"
+        )
 
 
 def _launch_failed(launch: _Launch, exc: Exception) -> TrainResult:
@@ -413,10 +453,14 @@ class _Watch:
         sync = launch.services.synchronizer
         targets = ProcessTargets(launch.executor, launch.handles, sync)
         self.launch = launch
-        self.injector = build_chaos(config, targets, store, launch.services.proxy,
-                                    (lambda: sync.pid) if sync is not None else None)  # fmt: skip
-        self.restarter = Restarter(config, launch.executor, ENTRYPOINT, launch.env,
-                                   launch.secrets)  # fmt: skip
+        self.injector = build_chaos(
+            config,
+            targets,
+            store,
+            launch.services.proxy,
+            (lambda: sync.pid) if sync is not None else None,
+        )
+        self.restarter = Restarter(config, launch.executor, ENTRYPOINT, launch.env, launch.secrets)
         self.departures = Departures(mode, store)
         self.health = HealthLog(mode, n, store, launch.sink)
         self.elastic = mode.elastic(n)
@@ -427,9 +471,11 @@ class _Watch:
         launch, handles = self.launch, self.launch.handles
         launch.executor.poll(handles)
         if not stopping:
-            for message in (*self.departures.note(handles, self.restarter),
-                            *self.departures.note_silent(handles),
-                            *self.restarter.restart_failed(handles)):  # fmt: skip
+            for message in (
+                *self.departures.note(handles, self.restarter),
+                *self.departures.note_silent(handles),
+                *self.restarter.restart_failed(handles),
+            ):
                 launch.progress.message(message)
         self._services()
         self.health.poll()
@@ -459,8 +505,9 @@ class _Watch:
         if launch.services.synchronizer is None:
             return
         launch.services.synchronizer.ensure_running()
-        failed = {h.replica_id: str(h.error or "") for h in launch.handles
-                  if h.status.value == "failed"}  # fmt: skip
+        failed = {
+            h.replica_id: str(h.error or "") for h in launch.handles if h.status.value == "failed"
+        }
         launch.mode.release_failed(launch.store, failed, launch.config.train.max_steps)
 
     def _record(self) -> None:
@@ -476,8 +523,9 @@ class _Watch:
         )
 
 
-def _end(launch: _Launch, watch: _Watch, status: str, restore_signals: Callable[[], None],
-         t_start: float) -> TrainResult:  # fmt: skip
+def _end(
+    launch: _Launch, watch: _Watch, status: str, restore_signals: Callable[[], None], t_start: float
+) -> TrainResult:
     """After the replicas ended: stop the services, check the chaos run, gather everything."""
     config, folder = launch.config, launch.folder
     if watch.injector is not None:
@@ -509,13 +557,15 @@ def _end(launch: _Launch, watch: _Watch, status: str, restore_signals: Callable[
     restarts = sum(h.restarts for h in launch.handles)
     lost = [h.replica_id for h in launch.handles if h.status.value == "failed"]
     folder.update_driver(lost=lost)
-    print(summary_text(folder, status, summary, config, wall, restarts, lost=len(lost)),
-          file=launch.stream, flush=True)  # fmt: skip
+    print(
+        summary_text(folder, status, summary, config, wall, restarts, lost=len(lost)),
+        file=launch.stream,
+        flush=True,
+    )
     return TrainResult(folder=folder, exit_code=exit_code, status=status, summary=summary)
 
 
-def _chaos_due(injector: ChaosInjector | None, statuses: dict[int, dict[str, Any]], n: int
-               ) -> bool:  # fmt: skip
+def _chaos_due(injector: ChaosInjector | None, statuses: dict[int, dict[str, Any]], n: int) -> bool:
     """The schedule starts once every replica reports it trains (times count from then)."""
     if injector is None or injector.started:
         return False
@@ -524,8 +574,9 @@ def _chaos_due(injector: ChaosInjector | None, statuses: dict[int, dict[str, Any
     )
 
 
-def _chaos_report(launch: _Launch, injector: ChaosInjector | None, status: str
-                  ) -> dict[str, Any] | None:  # fmt: skip
+def _chaos_report(
+    launch: _Launch, injector: ChaosInjector | None, status: str
+) -> dict[str, Any] | None:
     """After a chaos run: check the store (a mode with a synchronizer) and write
     <run>/chaos.json."""
     if injector is None:

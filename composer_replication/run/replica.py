@@ -65,18 +65,37 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--rendezvous", help="the run's store URI (default: $DILOCO_RENDEZVOUS)")
     p.add_argument("--rank", type=int, default=None, help="this replica's rank")
-    p.add_argument("--rank_env", "--rank-env", dest="rank_env", default=None,
-                   help="environment variable holding the rank (default: REPLICA_RANK)")  # fmt: skip
-    p.add_argument("--config-timeout", type=float, default=120.0,
-                   help="seconds to wait for the run config to appear in the store when it "
-                   "must come from a driver (--wait-for-driver)")  # fmt: skip
-    p.add_argument("--config", default=None,
-                   help="run config TOML when launched without a driver (default: "
-                   "$COMPOSER_CONFIG, else the embedded default)")  # fmt: skip
-    p.add_argument("--wait-for-driver", action="store_true",
-                   help="never publish a config: wait for `composer-replication train` to")  # fmt: skip
-    p.add_argument("overrides", nargs="*", metavar="section.key=value",
-                   help="overrides of the run config (launched without a driver)")  # fmt: skip
+    p.add_argument(
+        "--rank_env",
+        "--rank-env",
+        dest="rank_env",
+        default=None,
+        help="environment variable holding the rank (default: REPLICA_RANK)",
+    )
+    p.add_argument(
+        "--config-timeout",
+        type=float,
+        default=120.0,
+        help="seconds to wait for the run config to appear in the store when it "
+        "must come from a driver (--wait-for-driver)",
+    )
+    p.add_argument(
+        "--config",
+        default=None,
+        help="run config TOML when launched without a driver (default: "
+        "$COMPOSER_CONFIG, else the embedded default)",
+    )
+    p.add_argument(
+        "--wait-for-driver",
+        action="store_true",
+        help="never publish a config: wait for `composer-replication train` to",
+    )
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="section.key=value",
+        help="overrides of the run config (launched without a driver)",
+    )
     return p.parse_args(argv)
 
 

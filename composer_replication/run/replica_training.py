@@ -95,8 +95,17 @@ def run_replica(
             torch.set_num_threads(config.train.torch_threads)
         task = build_task(config)
         model, tok = build_model(config)
-        loop = build_outer_loop(config, rank, store, model, tok, task, keys=keys,
-                                writer_secret=writer_secret, fence=fence)  # fmt: skip
+        loop = build_outer_loop(
+            config,
+            rank,
+            store,
+            model,
+            tok,
+            task,
+            keys=keys,
+            writer_secret=writer_secret,
+            fence=fence,
+        )
         heartbeat.fields = loop.heartbeat
         if _train(_Replica(config, rank, store, loop, task, model, tok, writer)):
             heartbeat.close("done")
@@ -116,13 +125,17 @@ def run_replica(
             loop.close()
 
 
-def _report_failure(writer: ReplicaMetricsWriter, heartbeat: HeartbeatWriter,
-                    exc: BaseException) -> None:  # fmt: skip
+def _report_failure(
+    writer: ReplicaMetricsWriter, heartbeat: HeartbeatWriter, exc: BaseException
+) -> None:
     """The replica's status and heartbeat say it failed, and why (not once fenced meanwhile:
     the failure is then reported in the log only)."""
     try:
-        writer.status(state="failed", error=f"{type(exc).__name__}: {exc}",
-                      traceback=traceback.format_exc()[-4000:])  # fmt: skip
+        writer.status(
+            state="failed",
+            error=f"{type(exc).__name__}: {exc}",
+            traceback=traceback.format_exc()[-4000:],
+        )
         writer.flush()
         heartbeat.close("failed")
     except FencedError:
@@ -153,9 +166,15 @@ def _train(r: _Replica) -> bool:
     resume_state = None
     if mode.lockstep and remaining > 0:  # rounds end at step R * H on every replica
         resume_state = _own_resume_state(store, rank, start_round)
-    writer.log("event", step=start_step, round=start_round, event="start",
-               resumed_round=start_round, resumed_step=start_step,
-               exact=start_step == 0 or resume_state is not None)  # fmt: skip
+    writer.log(
+        "event",
+        step=start_step,
+        round=start_round,
+        event="start",
+        resumed_round=start_round,
+        resumed_step=start_step,
+        exact=start_step == 0 or resume_state is not None,
+    )
     reporter = _reporter(r, last_round=config.n_rounds if mode.lockstep else None)
     if remaining <= 0:
         _finish_without_training(loop.outer, r.model, reporter, writer, start_step)
@@ -169,16 +188,28 @@ def _train(r: _Replica) -> bool:
     set_seed(seed)
     with tempfile.TemporaryDirectory(prefix=f"composer-replica{rank}-") as scratch:
         trainer = build_trainer(
-            config, model=r.model, tokenizer=r.tokenizer, task=r.task, seed=seed,
-            max_steps=config.train.max_steps, output_dir=scratch, rank=rank,
+            config,
+            model=r.model,
+            tokenizer=r.tokenizer,
+            task=r.task,
+            seed=seed,
+            max_steps=config.train.max_steps,
+            output_dir=scratch,
+            rank=rank,
             callbacks=[loop.outer.callback(), reporter],
-        )  # fmt: skip
+        )
         if mode.lockstep:  # after the trainer's own callbacks (TAID, EMA): the step's final state
             trainer.add_callback(
-                ResumeStateWriter(store=store, rank=rank, outer=loop.outer, trainer=trainer,
-                                  sync_every_h=config.diloco.sync_every_h,
-                                  keep_rounds=config.store.keep_rounds, flush=writer.flush)
-            )  # fmt: skip
+                ResumeStateWriter(
+                    store=store,
+                    rank=rank,
+                    outer=loop.outer,
+                    trainer=trainer,
+                    sync_every_h=config.diloco.sync_every_h,
+                    keep_rounds=config.store.keep_rounds,
+                    flush=writer.flush,
+                )
+            )
         if mode.store_departures:  # ready: the peers wait for this rank again
             clear_departure(store, mode.worker_role, rank)
         # The trainer counts the run's steps: its step, LR schedule and TAID schedule
@@ -189,8 +220,13 @@ def _train(r: _Replica) -> bool:
             trainer.train_from_step(start_step)
     # The model now holds the global weights (the DiLoCo callback loaded them): their
     # digest lets anyone check that every replica ended on the same model.
-    writer.log("event", step=config.train.max_steps, round=loop.outer.round,
-               event="global_weights", sha256=weights_digest(r.model))  # fmt: skip
+    writer.log(
+        "event",
+        step=config.train.max_steps,
+        round=loop.outer.round,
+        event="global_weights",
+        sha256=weights_digest(r.model),
+    )
     if mode.store_departures:  # a peer still behind need not wait for this rank
         write_departure(store, mode.worker_role, rank, reason="finished training")
     return True
@@ -201,15 +237,21 @@ def _reporter(r: _Replica, *, last_round: int | None) -> ReplicaReporter:
     config = r.config
     n_eval = min(config.train.eval_max_examples, config.task.n_eval)
     return ReplicaReporter(
-        writer=r.writer, store=r.store, outer=r.loop.outer, rank=r.rank,
-        max_steps=config.train.max_steps, tokenizer=r.tokenizer, task=r.task,
+        writer=r.writer,
+        store=r.store,
+        outer=r.loop.outer,
+        rank=r.rank,
+        max_steps=config.train.max_steps,
+        tokenizer=r.tokenizer,
+        task=r.task,
         eval_examples=r.task.eval_examples()[:n_eval],
         eval_every_rounds=config.train.eval_every_rounds,
         max_new_tokens=config.train.max_completion_length,
         checkpoint_every_rounds=config.checkpoint.every_rounds,
-        keep_last=config.checkpoint.keep_last, save_final=config.checkpoint.save_final,
+        keep_last=config.checkpoint.keep_last,
+        save_final=config.checkpoint.save_final,
         last_round=last_round,
-    )  # fmt: skip
+    )
 
 
 def _own_resume_state(store: ObjectStore, rank: int, round: int) -> dict[str, Any] | None:
@@ -220,9 +262,12 @@ def _own_resume_state(store: ObjectStore, rank: int, round: int) -> dict[str, An
     try:
         return load_replica_state(store, rank=rank, round=round)
     except ReplicaStateError as exc:
-        print(f"replica {rank}: {exc}; continuing from the global weights of round {round} "
-              "with a fresh inner optimizer, schedule position and sampling stream",
-              file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"replica {rank}: {exc}; continuing from the global weights of round {round} "
+            "with a fresh inner optimizer, schedule position and sampling stream",
+            file=sys.stderr,
+            flush=True,
+        )
         return None
 
 
@@ -236,8 +281,13 @@ def weights_digest(model: nn.Module) -> str:
     return h.hexdigest()
 
 
-def _finish_without_training(outer: OuterLoop, model: PreTrainedModel, reporter: ReplicaReporter,
-                             writer: ReplicaMetricsWriter, step: int) -> None:  # fmt: skip
+def _finish_without_training(
+    outer: OuterLoop,
+    model: PreTrainedModel,
+    reporter: ReplicaReporter,
+    writer: ReplicaMetricsWriter,
+    step: int,
+) -> None:
     """Every round is already committed (a resumed run that had finished): load the global
     weights, and let the evaluator write the final evaluation/checkpoint if it is missing."""
     outer.bind(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0))
@@ -264,10 +314,19 @@ def start(ns: argparse.Namespace, rank: int, uri: str, storage_options: dict[str
     except _Unusable as exc:
         print(f"replica: error: {exc}", file=sys.stderr)
         return EXIT_UNUSABLE
-    print(f"replica {rank}/{config.backend.n_replicas}: run {config.run.name} at {store.uri}",
-          flush=True)  # fmt: skip
-    return run_replica(config, rank, store.uri, storage_options, keys=keys,
-                       writer_secret=writer_secret, generation=generation)  # fmt: skip
+    print(
+        f"replica {rank}/{config.backend.n_replicas}: run {config.run.name} at {store.uri}",
+        flush=True,
+    )
+    return run_replica(
+        config,
+        rank,
+        store.uri,
+        storage_options,
+        keys=keys,
+        writer_secret=writer_secret,
+        generation=generation,
+    )
 
 
 def _open_store(uri: str, storage_options: dict[str, Any]) -> ObjectStore:
@@ -305,8 +364,10 @@ def _config_doc(ns: argparse.Namespace, store: ObjectStore) -> dict[str, Any]:
     except (ValueError, ConfigError) as exc:  # a bad config or override
         raise _Unusable(str(exc)) from None
     if doc is None:
-        raise _Unusable(f"no {CONFIG_KEY} in {store.uri} after {ns.config_timeout:g}s; start "
-                        "runs with `composer-replication train`")  # fmt: skip
+        raise _Unusable(
+            f"no {CONFIG_KEY} in {store.uri} after {ns.config_timeout:g}s; start "
+            "runs with `composer-replication train`"
+        )
     return dict(doc)
 
 
@@ -329,8 +390,9 @@ def _replica_config(doc: dict[str, Any], store: ObjectStore, rank: int) -> RunCo
     return config
 
 
-def _identity(store: ObjectStore, rank: int, doc: dict[str, Any], config: RunConfig
-              ) -> tuple[RunKeys | None, bytes | None]:  # fmt: skip
+def _identity(
+    store: ObjectStore, rank: int, doc: dict[str, Any], config: RunConfig
+) -> tuple[RunKeys | None, bytes | None]:
     """This rank's signing keys (signed runs) and writer secret, from its environment."""
     try:
         keys = participant_keys(store, rank_identity(rank), doc, required=config.security.sign)

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from composer_replication.diloco.outer_mode import OuterLoop
+from composer_replication.exchange.manager import RoundRecord
 from composer_replication.exchange.store import ObjectStore
 from composer_replication.run.checkpoint import prune_checkpoints, round_dir, save_checkpoint
 from composer_replication.run.metrics import ReplicaMetricsWriter
@@ -243,50 +244,7 @@ class ReplicaReporter(TrainerCallback):
         committed = False
         now = time.monotonic()
         for record in new:
-            rnd = int(record.get("round", 0))
-            rejected = dict(record.get("rejected") or {})
-            # Throughput and where the round's wall time went (from the end of the previous
-            # round, or train start, to the end of this exchange).
-            wall = None if self._round_started is None else now - self._round_started
-            self._round_started = now
-            wait = float(record.get("wait_seconds") or 0.0)
-            steps, tokens = record.get("inner_steps"), record.get("tokens")
-            pace = {}
-            if wall and wall > 0:
-                pace = {
-                    "round/wall_s": wall,
-                    "round/steps_per_s": (steps or 0) / wall,
-                    "round/tokens_per_s": None if tokens is None else tokens / wall,
-                    "round/wait_fraction": min(1.0, wait / wall),
-                    "round/train_s": max(0.0, wall - float(record.get("seconds") or 0.0)),
-                }
-                self.writer.status(steps_per_s=pace["round/steps_per_s"],
-                                   wait_fraction=pace["round/wait_fraction"])  # fmt: skip
-            requests = {f"round/requests_{k}": v for k, v in (record.get("requests") or {}).items()}
-            self.writer.log(
-                "round",
-                step=step,
-                round=rnd,
-                **{
-                    "round/seconds": record.get("seconds"),
-                    "round/bytes_up": record.get("bytes_uploaded"),
-                    "round/bytes_down": record.get("bytes_downloaded"),
-                    "round/included": record.get("participants"),
-                    "round/committed": bool(record.get("committed")),
-                    "round/healed": bool(record.get("healed")),
-                    "round/rejected": len(rejected),
-                    "round/upload_s": record.get("upload_seconds"),
-                    "round/wait_s": record.get("wait_seconds"),
-                    "round/merge_s": record.get("merge_seconds"),
-                    **pace,
-                    **requests,
-                },
-            )
-            for rank, why in sorted(rejected.items()):  # every rejection, with rank and reason
-                self.writer.log("event", step=step, round=rnd, event="rejected",
-                                rank=int(rank), reason=str(why))  # fmt: skip
-            if rejected:
-                self.writer.status(rejections={"round": rnd, "ranks": rejected})
+            self._log_round(record, step, now)
             committed = committed or bool(record.get("committed"))
         if (
             self.last_round is not None
@@ -312,6 +270,55 @@ class ReplicaReporter(TrainerCallback):
             self.checkpoint_now(model, step)
         self._round_started = time.monotonic()  # evaluation and checkpoint are not training
         self._status("training", step)
+
+    def _log_round(self, record: RoundRecord, step: int, now: float) -> None:
+        """One exchange of the outer loop's history: a "round" record (throughput and where
+        the round's wall time went, from the end of the previous round or train start to the
+        end of this exchange), and an "event" record per rejected contribution."""
+        rnd = int(record.get("round", 0))
+        rejected = dict(record.get("rejected") or {})
+        wall = None if self._round_started is None else now - self._round_started
+        self._round_started = now
+        wait = float(record.get("wait_seconds") or 0.0)
+        steps, tokens = record.get("inner_steps"), record.get("tokens")
+        pace = {}
+        if wall and wall > 0:
+            pace = {
+                "round/wall_s": wall,
+                "round/steps_per_s": (steps or 0) / wall,
+                "round/tokens_per_s": None if tokens is None else tokens / wall,
+                "round/wait_fraction": min(1.0, wait / wall),
+                "round/train_s": max(0.0, wall - float(record.get("seconds") or 0.0)),
+            }
+            self.writer.status(
+                steps_per_s=pace["round/steps_per_s"], wait_fraction=pace["round/wait_fraction"]
+            )
+        requests = {f"round/requests_{k}": v for k, v in (record.get("requests") or {}).items()}
+        self.writer.log(
+            "round",
+            step=step,
+            round=rnd,
+            **{
+                "round/seconds": record.get("seconds"),
+                "round/bytes_up": record.get("bytes_uploaded"),
+                "round/bytes_down": record.get("bytes_downloaded"),
+                "round/included": record.get("participants"),
+                "round/committed": bool(record.get("committed")),
+                "round/healed": bool(record.get("healed")),
+                "round/rejected": len(rejected),
+                "round/upload_s": record.get("upload_seconds"),
+                "round/wait_s": record.get("wait_seconds"),
+                "round/merge_s": record.get("merge_seconds"),
+                **pace,
+                **requests,
+            },
+        )
+        for rank, why in sorted(rejected.items()):  # every rejection, with rank and reason
+            self.writer.log(
+                "event", step=step, round=rnd, event="rejected", rank=int(rank), reason=str(why)
+            )
+        if rejected:
+            self.writer.status(rejections={"round": rnd, "ranks": rejected})
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any

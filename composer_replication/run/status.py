@@ -54,8 +54,10 @@ def health_now(
     roles = [role] if sync_role is None else [role, sync_role]
     quorum = mode.quorum(n_replicas)
     members = read_liveness(store, now, roles=roles)
-    syncs = sorted((m for m in members.values() if m.role == SYNCHRONIZER_ROLE),
-                   key=lambda m: (m.status == "alive", -(m.age_s or 1e18)))  # fmt: skip
+    syncs = sorted(
+        (m for m in members.values() if m.role == SYNCHRONIZER_ROLE),
+        key=lambda m: (m.status == "alive", -(m.age_s or 1e18)),
+    )
     synchronizer: dict[str, Any] | None = None
     rejections = 0
     if syncs and syncs[-1].heartbeat is not None:
@@ -63,24 +65,34 @@ def health_now(
         stats = fields.get("stats") if isinstance(fields.get("stats"), dict) else {}
         assert isinstance(stats, dict)
         synchronizer = {
-            "id": syncs[-1].id, "status": syncs[-1].status, "active": fields.get("active"),
-            "epoch": fields.get("epoch"), "versions": fields.get("versions"),
-            "merges": stats.get("merges"), "refused": stats.get("refused"),
-            "rejected": stats.get("rejected"), "dropped_late": stats.get("dropped_late"),
+            "id": syncs[-1].id,
+            "status": syncs[-1].status,
+            "active": fields.get("active"),
+            "epoch": fields.get("epoch"),
+            "versions": fields.get("versions"),
+            "merges": stats.get("merges"),
+            "refused": stats.get("refused"),
+            "rejected": stats.get("rejected"),
+            "dropped_late": stats.get("dropped_late"),
             "carried_late": stats.get("carried_late"),
-        }  # fmt: skip
+        }
         last = stats.get("last_rejection")
         if isinstance(last, int | float) and now - float(last) < REJECTION_WINDOW_S:
             rejections = 1
-    health = run_health(members, worker_role=role, n_workers=n_replicas,
-                        quorum=max(1, min(quorum, n_replicas)),
-                        synchronizer_role=sync_role,
-                        rejections=rejections)  # fmt: skip
+    health = run_health(
+        members,
+        worker_role=role,
+        n_workers=n_replicas,
+        quorum=max(1, min(quorum, n_replicas)),
+        synchronizer_role=sync_role,
+        rejections=rejections,
+    )
     return {
-        **health.as_dict(), "level": HEALTH_LEVEL[health.state],
+        **health.as_dict(),
+        "level": HEALTH_LEVEL[health.state],
         "members": {k: m.status for k, m in sorted(members.items())},
         "synchronizer": synchronizer,
-    }  # fmt: skip
+    }
 
 
 def run_status(folder: RunFolder, *, stale_after_s: float = 120.0) -> dict[str, Any]:
@@ -125,7 +137,7 @@ def run_status(folder: RunFolder, *, stale_after_s: float = 120.0) -> dict[str, 
             running=driver.get("status") == "running",
             now=now,
             stale_after_s=stale_after_s,
-        )  # fmt: skip
+        )
         for rank in range(n)
     ]
     return {
@@ -145,8 +157,16 @@ def run_status(folder: RunFolder, *, stale_after_s: float = 120.0) -> dict[str, 
     }
 
 
-def _replica_row(rank: int, doc: dict[str, Any], handle: dict[str, Any], top_round: int, *,
-                 running: bool, now: float, stale_after_s: float) -> dict[str, Any]:  # fmt: skip
+def _replica_row(
+    rank: int,
+    doc: dict[str, Any],
+    handle: dict[str, Any],
+    top_round: int,
+    *,
+    running: bool,
+    now: float,
+    stale_after_s: float,
+) -> dict[str, Any]:
     """One replica's line of `run_status`: its last status document, what the executor said,
     and its health (failed / stale / behind / ok)."""
     updated = doc.get("updated")

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from composer_replication.config import ConfigError, RunConfig
+from composer_replication.diloco.decoupled import LEARNER_ROLE
 from composer_replication.diloco.outer_mode import OuterLoopMode
 from composer_replication.exchange.liveness import (
     HEARTBEAT_EVERY_S,
@@ -71,7 +72,7 @@ def live_replicas(store: ObjectStore) -> dict[str, Any]:
     (a heartbeat from this machine whose pid is gone is not alive), keyed role/id."""
     here = socket.gethostname()
     out = {}
-    for key, member in read_liveness(store, roles=[REPLICA_ROLE, "learner"]).items():
+    for key, member in read_liveness(store, roles=[REPLICA_ROLE, LEARNER_ROLE]).items():
         hb = member.heartbeat
         if member.status != "alive" or hb is None:
             continue
@@ -81,8 +82,9 @@ def live_replicas(store: ObjectStore) -> dict[str, Any]:
     return out
 
 
-def fence_previous_launch(store: ObjectStore, generation: int, say: Callable[[str], None],
-                           wait_s: float | None = None) -> None:  # fmt: skip
+def fence_previous_launch(
+    store: ObjectStore, generation: int, say: Callable[[str], None], wait_s: float | None = None
+) -> None:
     """--resume, after writing ``generation``: wait until the replicas of the earlier launch
     that still send heartbeats stop (they check the generation at their next heartbeat and
     write); ConfigError naming them when they do not within ``wait_s``."""
@@ -91,22 +93,29 @@ def fence_previous_launch(store: ObjectStore, generation: int, say: Callable[[st
     if not live:
         return
     names = ", ".join(f"{k} (pid {m.heartbeat.pid} on {m.heartbeat.host})" for k, m in live.items())
-    say(f"--resume: replicas of the earlier launch still run: {names}; fenced them "
-        f"(run generation {generation}), waiting up to {wait_s:g} s for them to stop")  # fmt: skip
+    say(
+        f"--resume: replicas of the earlier launch still run: {names}; fenced them "
+        f"(run generation {generation}), waiting up to {wait_s:g} s for them to stop"
+    )
     fenced_at = time.time()
     deadline = time.monotonic() + wait_s
     while True:
         # alive = a heartbeat written well after the fence (a fenced replica writes none), or
         # a process of this machine that still runs
         here = socket.gethostname()
-        still = {k: m for k, m in live_replicas(store).items()
-                 if m.heartbeat.host == here or m.heartbeat.time > fenced_at - 1.0}  # fmt: skip
+        still = {
+            k: m
+            for k, m in live_replicas(store).items()
+            if m.heartbeat.host == here or m.heartbeat.time > fenced_at - 1.0
+        }
         if not still or time.monotonic() > deadline:
             break
         time.sleep(0.5)
     if still:
-        names = ", ".join(f"{k} (pid {m.heartbeat.pid} on {m.heartbeat.host}, heartbeat "
-                          f"{m.age_s:.0f} s ago)" for k, m in still.items())  # fmt: skip
+        names = ", ".join(
+            f"{k} (pid {m.heartbeat.pid} on {m.heartbeat.host}, heartbeat {m.age_s:.0f} s ago)"
+            for k, m in still.items()
+        )
         raise ConfigError(
             f"--resume: replicas of this run are still alive after being fenced: {names}. Stop "
             "them first (kill the pid, or cancel the job on its backend), then resume again"
@@ -118,8 +127,14 @@ class Restarter:
     run config from the store and rejoins from the newest global state, as at a resume. The new
     handle takes the old one's place in the driver's list (the chaos harness sees it too)."""
 
-    def __init__(self, config: RunConfig, executor: ServerlessExecutor, entrypoint: str,
-                 env: dict[str, str], secrets: dict[int, dict[str, str]] | None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        config: RunConfig,
+        executor: ServerlessExecutor,
+        entrypoint: str,
+        env: dict[str, str],
+        secrets: dict[int, dict[str, str]] | None,
+    ) -> None:
         self.config, self.executor, self.env, self.secrets = config, executor, env, secrets
         self.entrypoint = entrypoint
         self.used = [0] * config.backend.n_replicas
@@ -139,26 +154,35 @@ class Restarter:
             if not isinstance(self.executor, RankLauncher):
                 if not self._refused:
                     self._refused = True
-                    messages.append(f"the {type(self.executor).__name__} executor cannot "
-                                    "relaunch one rank: failed replicas stay failed")  # fmt: skip
+                    messages.append(
+                        f"the {type(self.executor).__name__} executor cannot "
+                        "relaunch one rank: failed replicas stay failed"
+                    )
                 continue
             self.used[rank] += 1
             why = str(handle.error or f"exit code {handle.exit_code}").splitlines()[0][:200]
             try:
                 (new,) = self.executor.launch_ranks(
-                    [rank], self.config.backend.n_replicas, self.entrypoint,
-                    {"rendezvous": self.config.store.uri}, env=self.env,
+                    [rank],
+                    self.config.backend.n_replicas,
+                    self.entrypoint,
+                    {"rendezvous": self.config.store.uri},
+                    env=self.env,
                     resources=dict(self.config.backend.resources) or None,
                     secrets={rank: self.secrets[rank]} if self.secrets else None,
-                )  # fmt: skip
+                )
             except Exception as exc:  # the old handle stays failed; the run decides as before
-                messages.append(f"replica {rank} failed ({why}); relaunching it failed: "
-                                f"{type(exc).__name__}: {exc}")  # fmt: skip
+                messages.append(
+                    f"replica {rank} failed ({why}); relaunching it failed: "
+                    f"{type(exc).__name__}: {exc}"
+                )
                 continue
             new.restarts = handle.restarts + 1
             handles[i] = new
-            messages.append(f"replica {rank} failed ({why}); restarted "
-                            f"({self.used[rank]} of {limit}), it rejoins from the store")  # fmt: skip
+            messages.append(
+                f"replica {rank} failed ({why}); restarted "
+                f"({self.used[rank]} of {limit}), it rejoins from the store"
+            )
         return messages
 
 
@@ -207,11 +231,14 @@ class Departures:
             silent = now - hb.time
             try:
                 if silent > SILENT_AFTER_S and rank not in self._silent:
-                    write_departure(self.store, self.role, rank,
-                                    reason=f"no heartbeat for {silent:.0f} s")  # fmt: skip
+                    write_departure(
+                        self.store, self.role, rank, reason=f"no heartbeat for {silent:.0f} s"
+                    )
                     self._silent.add(rank)
-                    messages.append(f"replica {rank} sent no heartbeat for {silent:.0f} s: the "
-                                    "others go on without waiting for it")  # fmt: skip
+                    messages.append(
+                        f"replica {rank} sent no heartbeat for {silent:.0f} s: the "
+                        "others go on without waiting for it"
+                    )
                 elif silent <= SILENT_AFTER_S and rank in self._silent:
                     clear_departure(self.store, self.role, rank)
                     self._silent.discard(rank)
@@ -237,8 +264,10 @@ class Departures:
                 messages.append(f"could not declare replica {h.replica_id} departed: {exc!r}")
                 continue
             if not again:
-                messages.append(f"replica {h.replica_id} is lost ({why}); the others go on "
-                                "without waiting for it")  # fmt: skip
+                messages.append(
+                    f"replica {h.replica_id} is lost ({why}); the others go on "
+                    "without waiting for it"
+                )
         return messages
 
 
@@ -246,8 +275,14 @@ class HealthLog:
     """Every few seconds: the run state from the store's heartbeats (run/status.py); a
     "health" metric record whenever it changes (and every minute)."""
 
-    def __init__(self, mode: OuterLoopMode, n_replicas: int, store: ObjectStore,
-                 sink: MetricsSink, every_s: float = 5.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        mode: OuterLoopMode,
+        n_replicas: int,
+        store: ObjectStore,
+        sink: MetricsSink,
+        every_s: float = 5.0,
+    ) -> None:
         self.store, self.sink, self.every_s = store, sink, every_s
         self.mode, self.n = mode, n_replicas
         self._last = 0.0
@@ -268,14 +303,23 @@ class HealthLog:
             self._last_written = now
             sync = h.get("synchronizer") or {}
             versions = sync.get("versions")
-            self.sink.write([{
-                "time": time.time(), "replica": -1, "kind": "health", "step": 0, "round": 0,
-                "health/state": h["state"], "health/level": h["level"],
-                "health/reasons": "; ".join(h["reasons"]),
-                "health/alive": h["alive_workers"],
-                "health/merges": sync.get("merges"),
-                "health/versions": sum(versions) if isinstance(versions, list) else None,
-            }])  # fmt: skip
+            self.sink.write(
+                [
+                    {
+                        "time": time.time(),
+                        "replica": -1,
+                        "kind": "health",
+                        "step": 0,
+                        "round": 0,
+                        "health/state": h["state"],
+                        "health/level": h["level"],
+                        "health/reasons": "; ".join(h["reasons"]),
+                        "health/alive": h["alive_workers"],
+                        "health/merges": sync.get("merges"),
+                        "health/versions": sum(versions) if isinstance(versions, list) else None,
+                    }
+                ]
+            )
 
 
 def final_status(mode: OuterLoopMode, handles: list[ReplicaHandle], n_replicas: int) -> str:

@@ -56,13 +56,16 @@ def resolve(target: str, storage_options: dict[str, Any] | None) -> tuple[RunCon
         options = storage_options if storage_options is not None else config.store.storage_options
         return config, ObjectStore(config.store.uri, options)
     if folder.is_dir() and "://" not in target and not (folder / CONFIG_KEY).is_file():
-        raise ValueError(f"{target} is neither a run folder (no config.json) nor a store "
-                         f"(no {CONFIG_KEY})")  # fmt: skip
+        raise ValueError(
+            f"{target} is neither a run folder (no config.json) nor a store (no {CONFIG_KEY})"
+        )
     store = ObjectStore(target, storage_options)
     doc = store.get_json(CONFIG_KEY)
     if doc is None:
-        raise ValueError(f"no {CONFIG_KEY} in {store.uri}: start the run with "
-                         "`composer-replication train` (it writes the configuration)")  # fmt: skip
+        raise ValueError(
+            f"no {CONFIG_KEY} in {store.uri}: start the run with "
+            "`composer-replication train` (it writes the configuration)"
+        )
     return from_dict(RunConfig, doc), store
 
 
@@ -78,17 +81,25 @@ def run(config: RunConfig, store: ObjectStore, stop: threading.Event | None = No
         threading.Thread(target=relay, daemon=True).start()
     print(f"synchronizer {sync.owner}: run {config.run.name} at {store.uri}", flush=True)
     finished = sync.run()
-    print(f"synchronizer {sync.owner}: {'final versions ' + str(sync.versions) if finished else 'stopped'}"
-          f"; {json.dumps(sync.stats.as_dict())}", flush=True)  # fmt: skip
+    print(
+        f"synchronizer {sync.owner}: {'final versions ' + str(sync.versions) if finished else 'stopped'}"
+        f"; {json.dumps(sync.stats.as_dict())}",
+        flush=True,
+    )
     return 0 if finished else 130
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="composer-replication synchronizer",
-                                description="Run the synchronizer of a decoupled run.")  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="composer-replication synchronizer",
+        description="Run the synchronizer of a decoupled run.",
+    )
     p.add_argument("run", metavar="RUN_FOLDER_OR_URI", help="a run folder or the run's store URI")
-    p.add_argument("--storage-options", default=None,
-                   help="fsspec options as JSON (default: $COMPOSER_STORAGE_OPTIONS or the run's)")  # fmt: skip
+    p.add_argument(
+        "--storage-options",
+        default=None,
+        help="fsspec options as JSON (default: $COMPOSER_STORAGE_OPTIONS or the run's)",
+    )
     ns = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
@@ -119,8 +130,9 @@ class SynchronizerProcess:
     """The driver's synchronizer: a subprocess in its own process group, restarted when it
     dies (a crash, or `kill` by the chaos harness with a restart delay), stopped at the end."""
 
-    def __init__(self, uri: str, env: dict[str, str], log_path: Path, *,
-                 max_restarts: int = 100) -> None:  # fmt: skip
+    def __init__(
+        self, uri: str, env: dict[str, str], log_path: Path, *, max_restarts: int = 100
+    ) -> None:
         self.command = [sys.executable, "-m", MODULE, uri]
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
         self.log_path = log_path
@@ -140,8 +152,9 @@ class SynchronizerProcess:
         with self._lock:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             # it dies with the driver (a resumed run starts its own; never two merging)
-            self.proc = spawn_in_group(self.command, self.env, None, str(self.log_path),
-                                       die_with_parent=True)  # fmt: skip
+            self.proc = spawn_in_group(
+                self.command, self.env, None, str(self.log_path), die_with_parent=True
+            )
 
     def ensure_running(self) -> bool:
         """Restart it if it died (not before a requested delay); False once it finished (0)."""

@@ -127,7 +127,10 @@ class GeneratorActor(Actor):
 
         config = _config(config_doc)
         self.rank = _rank()
-        self.model, self.tokenizer = build_model(config)
+        model, self.tokenizer = build_model(config)
+        # a causal LM: its generate() comes from GenerationMixin, which PreTrainedModel's type
+        # does not carry
+        self.model: Any = model
         self.model.eval()
         self.version: int | None = None
         self._rng = torch.Generator().manual_seed(config.run.seed + 1000 * self.rank + 1)

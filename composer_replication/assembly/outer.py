@@ -23,8 +23,8 @@ from composer_replication.diloco.outer_mode import (
     OuterLoopMode,
     ReplicaContext,
     ReplicaLoop,
+    Synchronizing,
 )
-from composer_replication.diloco.synchronizer import Synchronizer
 from composer_replication.exchange.signing import RunKeys
 from composer_replication.exchange.store import ObjectStore
 
@@ -69,7 +69,7 @@ def build_outer_loop(
     return outer_loop_mode(config).build_learner(ctx)
 
 
-def build_synchronizer(config: RunConfig, store: ObjectStore) -> Synchronizer:
+def build_synchronizer(config: RunConfig, store: ObjectStore) -> Synchronizing:
     """The run's synchronizer (ValueError when its mode has none)."""
     synchronizer = outer_loop_mode(config).build_synchronizer(
         store, keep_rounds=config.store.keep_rounds, max_steps=config.train.max_steps

@@ -49,14 +49,13 @@ from torch import nn
 from composer_replication.diloco.fragments import strided_fragments, whole_model_fragment
 from composer_replication.diloco.synchronizer_config import SynchronizerSettings
 from composer_replication.exchange.decoupled import DecoupledStore, fragment_manifest
-from composer_replication.exchange.liveness import write_heartbeat
+from composer_replication.exchange.liveness import LEARNER_ROLE, write_heartbeat
 from composer_replication.exchange.manager import RoundRecord, round_record
 from composer_replication.exchange.protocol import CorruptContributionError, tensors_digest
 from composer_replication.exchange.store import Store
 from composer_replication.fields import require, setting
 
 __all__ = [
-    "LEARNER_ROLE",
     "SYNCHRONIZER_PLACES",
     "DecoupledConfig",
     "DecoupledLearner",
@@ -64,8 +63,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-LEARNER_ROLE = "learner"
 
 SynchronizerPlace = Literal["driver", "external"]
 SYNCHRONIZER_PLACES: tuple[SynchronizerPlace, ...] = get_args(SynchronizerPlace)

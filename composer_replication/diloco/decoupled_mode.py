@@ -14,13 +14,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import ClassVar
 
-from composer_replication.diloco.decoupled import LEARNER_ROLE, DecoupledLearner
+from composer_replication.diloco.decoupled import DecoupledLearner
 from composer_replication.diloco.outer_mode import Lighthouse, ReplicaContext, ReplicaLoop, RunShape
 from composer_replication.diloco.section import DilocoConfig, ManagerName, ModeName
 from composer_replication.diloco.synchronizer import Synchronizer
 from composer_replication.diloco.synchronizer_config import SynchronizerConfig
 from composer_replication.exchange import codecs
 from composer_replication.exchange.decoupled import DecoupledStore
+from composer_replication.exchange.liveness import LEARNER_ROLE
 from composer_replication.exchange.store import ObjectStore
 from composer_replication.fields import require
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -37,9 +37,6 @@ from composer_replication.exchange.manager import RoundRecord
 from composer_replication.exchange.robust import AggregatePolicy, LossProbe
 from composer_replication.exchange.signing import RunKeys
 from composer_replication.exchange.store import ObjectStore
-
-if TYPE_CHECKING:
-    from composer_replication.diloco.synchronizer import Synchronizer
 
 __all__ = [
     "GlobalWeights",
@@ -50,6 +47,7 @@ __all__ = [
     "ReplicaLoop",
     "RunShape",
     "Screening",
+    "Synchronizing",
 ]
 
 GlobalWeights = Callable[[], Mapping[str, torch.Tensor]]
@@ -155,6 +153,28 @@ class RunShape:
     model_blocks: int | None  # transformer blocks of a model built locally; None = unknown
 
 
+class SynchronizerStats(Protocol):
+    def as_dict(self) -> dict[str, Any]: ...
+
+
+class Synchronizing(Protocol):
+    """The service side of a mode with a synchronizer (`diloco.synchronizer.Synchronizer`):
+    `run` merges until the run is final (True) or `stop` is called (False)."""
+
+    @property
+    def owner(self) -> str: ...
+
+    @property
+    def versions(self) -> list[int]: ...
+
+    @property
+    def stats(self) -> SynchronizerStats: ...
+
+    def run(self) -> bool: ...
+
+    def stop(self) -> None: ...
+
+
 class Lighthouse(Protocol):
     """A torchft lighthouse the driver runs for the run's lifetime."""
 
@@ -216,7 +236,7 @@ class OuterLoopMode(Protocol):
 
     def build_synchronizer(
         self, store: ObjectStore, *, keep_rounds: int, max_steps: int
-    ) -> Synchronizer | None:
+    ) -> Synchronizing | None:
         """The service that merges the replicas' work, if the mode has one."""
         ...
 

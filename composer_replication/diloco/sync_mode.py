@@ -26,10 +26,10 @@ from composer_replication.diloco.outer_mode import (
     ReplicaContext,
     ReplicaLoop,
     RunShape,
+    Synchronizing,
 )
 from composer_replication.diloco.outer_optimizer import OuterOptimizerFactory
 from composer_replication.diloco.section import DilocoConfig, ManagerName, ModeName
-from composer_replication.diloco.synchronizer import Synchronizer
 from composer_replication.exchange import codecs
 from composer_replication.exchange.allreduce import ObjectStoreAllReduce
 from composer_replication.exchange.liveness import REPLICA_ROLE
@@ -146,7 +146,7 @@ class SyncDiLoCo:
 
     def build_synchronizer(
         self, store: ObjectStore, *, keep_rounds: int, max_steps: int
-    ) -> Synchronizer | None:
+    ) -> Synchronizing | None:
         return None
 
     def build_lighthouse(self, n_replicas: int) -> Lighthouse | None:

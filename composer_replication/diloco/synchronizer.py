@@ -48,7 +48,6 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from composer_replication.diloco.decoupled import LEARNER_ROLE
 from composer_replication.diloco.fragment_merger import (
     FragmentMerger,
     FragmentState,
@@ -71,7 +70,7 @@ from composer_replication.diloco.merge import (
 from composer_replication.diloco.synchronizer_config import SynchronizerConfig
 from composer_replication.exchange.decoupled import DecoupledStore, Push, PushId
 from composer_replication.exchange.lease import Lease
-from composer_replication.exchange.liveness import read_liveness, write_heartbeat
+from composer_replication.exchange.liveness import LEARNER_ROLE, read_liveness, write_heartbeat
 from composer_replication.exchange.protocol import CorruptContributionError
 from composer_replication.exchange.store import Store
 

@@ -20,10 +20,10 @@ from collections.abc import Callable
 from typing import Any
 
 from composer_replication.config import ConfigError, RunConfig
-from composer_replication.diloco.decoupled import LEARNER_ROLE
 from composer_replication.diloco.outer_mode import OuterLoopMode
 from composer_replication.exchange.liveness import (
     HEARTBEAT_EVERY_S,
+    LEARNER_ROLE,
     REPLICA_ROLE,
     STALE_AFTER_S,
     clear_departure,

@@ -66,8 +66,11 @@ class WallBudget(TrainerCallback):
     not training). `steps` and `seconds` say what was spent.
 
     `clock="wall"` counts wall seconds; `clock="cpu"` counts this process's CPU seconds (all
-    its threads), which on a machine shared with other jobs is the same budget for every run
-    whatever the load while it ran (with one torch thread, ~ wall seconds on a free core)."""
+    its threads), which on a machine shared with other jobs removes the time a run waits for a
+    core, but not all of the load's effect: a loaded machine does less work per CPU second
+    (cold caches every time slice, shared memory bandwidth; docs/benchmarks.md measured up to
+    ~4x at load 12-20 on 2 cores), so runs compared with each other must run at the same time
+    (with one torch thread, ~ wall seconds on a free core)."""
 
     def __init__(self, seconds: float, clock: str = "wall") -> None:
         if seconds <= 0:
@@ -105,17 +108,21 @@ class WallBudget(TrainerCallback):
             control.should_training_stop = True
 
 
-def held_out(model: Any, tokenizer: Any, task: Any, config: Any) -> dict[str, Any]:
+def held_out(
+    model: Any, tokenizer: Any, task: Any, config: Any, examples: list[Any] | None = None
+) -> dict[str, Any]:
     """Greedy exact match on the run's held-out prompts (the first `train.eval_max_examples`
-    of the task's eval split, as the run evaluates), and how concentrated the answers are:
-    `constant_answer_share` is the largest share of one answer text (after the task's own
-    cleaning: end markers and special tokens cut, an "Answer:" prefix dropped; an empty answer
-    counts as the answer ""), so 1.0 is a policy that answers the same thing to every prompt."""
+    of the task's eval split, as the run evaluates; or `examples`), and how concentrated the
+    answers are: `constant_answer_share` is the largest share of one answer text (after the
+    task's own cleaning: end markers and special tokens cut, an "Answer:" prefix dropped; an
+    empty answer counts as the answer ""), so 1.0 is a policy that answers the same thing to
+    every prompt. `correct` is the 0/1 verdict per prompt, in order."""
     from composer_replication.run.reporter import greedy_completions
     from composer_replication.tasks.base import clean_completion, strip_answer_prefix
 
-    n = min(config.train.eval_max_examples, config.task.n_eval)
-    examples = list(task.eval_examples())[:n]
+    if examples is None:
+        n = min(config.train.eval_max_examples, config.task.n_eval)
+        examples = list(task.eval_examples())[:n]
     if not examples:
         raise ValueError("the task has no held-out prompts (task.n_eval = 0)")
     completions = greedy_completions(
@@ -131,4 +138,5 @@ def held_out(model: Any, tokenizer: Any, task: Any, config: Any) -> dict[str, An
         "constant_answer_share": count / len(examples),
         "top_answer": top,
         "n": len(examples),
+        "correct": [int(v.correct) for v in verdicts],
     }

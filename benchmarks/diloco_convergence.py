@@ -32,12 +32,26 @@ Sweeps (each an extra run on the same warm start and tokens; the default run's p
 ``--sweep-batch 8,32,64,128`` (DP and DiLoCo at other per-replica batches, each a complete run
 with its own warm start and token stream: the gap's dependence on the batch) and
 ``--sweep-dp-lr 1e-3,2e-3,4e-3`` (the data-parallel baseline's lr, so that it is tuned fairly;
-the JSON then also has ``dp_best_lr`` and ``loss_gap_vs_best_dp``). With any sweep the result is
+the JSON then also has ``dp_best_lr`` and ``loss_gap_vs_best_dp``). With ``--sweep-batch``,
+``--sweep-dp-lr`` and ``--sweep-diloco-lr`` are swept at EVERY batch: each batch's
+``loss_gap_vs_dp`` is tuned DiLoCo (its best inner lr) against tuned data parallel (its best lr),
+printed per batch (and as ``loss_gap_vs_dp_b<B>``); ``critical_batch`` is the first swept batch
+from which the next larger one improves tuned DP's eval loss by less than ``--critical-gain``
+(1% by default: data parallel has stopped gaining from a larger batch), with
+``loss_gap_vs_dp_at_critical_batch`` (``critical_batch_reached`` false: DP still gained at the
+largest batch, which is then reported).
+
+``--device cuda`` trains every model on the GPU (the corpus, every batch and the evaluation live
+there; DiLoCo's replicas are threads sharing the device, their pseudo-gradients still go through
+the object store, whose codecs move them to the CPU and back). The token streams are the same on
+every device (a CPU generator picks the windows). With any sweep the result is
 written to ``--out`` (default docs/diloco_convergence.json) and a plot of eval loss against bytes
 communicated (like the DiLoCo paper's figures) next to it (.png; needs matplotlib, the
 ``report`` extra). ``--outer-warmup R`` ramps the outer lr linearly over the first R rounds.
 
     python benchmarks/diloco_convergence.py --sweep-h 10,25,50,100
+    python benchmarks/diloco_convergence.py --device cuda --sweep-batch 128,256,512 \
+        --sweep-dp-lr 1e-3,2e-3,4e-3 --sweep-diloco-lr 1e-3,2e-3,4e-3
 
 With ``--codec sparseloco`` (c) is SparseLoCo (error feedback, plain SGD outer step at
 ``--sl-outer-lr``; ``--sl-density/--sl-chunk/--sl-bits/--sl-ef-decay``); benchmarks/sparseloco.py
@@ -98,7 +112,8 @@ def load_corpus(max_train_bytes: int, max_eval_bytes: int) -> tuple[torch.Tensor
 
 
 class Batches:
-    """Replica r's batch at step t: B random windows, a pure function of (seed, r, t)."""
+    """Replica r's batch at step t: B random windows, a pure function of (seed, r, t), drawn by a
+    CPU generator (the same windows on every device) from the corpus on ``data``'s device."""
 
     def __init__(self, data: torch.Tensor, batch: int, ctx: int, seed: int) -> None:
         self.data, self.batch, self.ctx, self.seed = data, batch, ctx, seed
@@ -107,7 +122,7 @@ class Batches:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + replica * 100_003 + step)
         starts = torch.randint(0, len(self.data) - self.ctx - 1, (self.batch,), generator=g)
         idx = starts[:, None] + torch.arange(self.ctx + 1)
-        seq = self.data[idx]
+        seq = self.data[idx.to(self.data.device)]
         return seq[:, :-1], seq[:, 1:]
 
 
@@ -160,8 +175,8 @@ def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def eval_loss(model: nn.Module, data: torch.Tensor, ctx: int, n_seq: int) -> float:
     model.eval()
     stride = max(1, (len(data) - ctx - 1) // n_seq)
-    starts = torch.arange(n_seq) * stride
-    seq = data[starts[:, None] + torch.arange(ctx + 1)]
+    starts = torch.arange(n_seq, device=data.device) * stride
+    seq = data[starts[:, None] + torch.arange(ctx + 1, device=data.device)]
     total = 0.0
     for i in range(0, n_seq, 32):
         total += float(loss_of(model, seq[i : i + 32, :-1], seq[i : i + 32, 1:])) * len(
@@ -180,13 +195,14 @@ class Cfg:
 
     start: dict[str, torch.Tensor] | None = None  # the shared pretrained checkpoint
     outer_warmup: int = 0  # rounds of outer-lr warm-up (callers without the flag: none)
+    device: str = "cpu"  # where every model trains (--device)
 
     def model(self) -> TinyGPT:
         torch.manual_seed(self.seed)
-        m = TinyGPT(self.d_model, self.layers, self.heads, self.ctx)
+        m = TinyGPT(self.d_model, self.layers, self.heads, self.ctx)  # initialised on the CPU
         if self.start is not None:
             m.load_state_dict(self.start)
-        return m
+        return m.to(self.device)
 
     def optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         return torch.optim.AdamW(
@@ -407,17 +423,48 @@ def dp_point(cfg: Cfg, batches: Batches, evals: torch.Tensor, lr: float) -> dict
     return point
 
 
-def batch_record(batch: int, start: float, dp: float, di: float, seconds: float) -> dict[str, Any]:
-    """One point of ``--sweep-batch``: the eval losses at per-replica batch ``batch`` and the
-    seconds its warm start, DP and DiLoCo runs took."""
-    return {"batch": batch, "start_eval_loss": round(start, 5), "dp_eval_loss": round(dp, 5),
-            "diloco_eval_loss": round(di, 5), "loss_gap_vs_dp": round((di - dp) / dp, 5),
+def batch_record(
+    batch: int,
+    start: float,
+    dp: dict[float, float],
+    di: dict[float, float],
+    seconds: float,
+) -> dict[str, Any]:
+    """One point of ``--sweep-batch``: at per-replica batch ``batch``, the eval loss of data
+    parallel and of DiLoCo at each inner lr tried (``dp`` / ``di``: lr -> eval loss), the best of
+    each, and ``loss_gap_vs_dp``: tuned DiLoCo against tuned data parallel."""
+    dp_lr = min(dp, key=lambda lr: dp[lr])
+    di_lr = min(di, key=lambda lr: di[lr])
+    best_dp, best_di = dp[dp_lr], di[di_lr]
+    return {"batch": batch, "start_eval_loss": round(start, 5),
+            "dp_eval_loss": round(best_dp, 5), "dp_best_lr": dp_lr,
+            "diloco_eval_loss": round(best_di, 5), "diloco_best_lr": di_lr,
+            "loss_gap_vs_dp": round((best_di - best_dp) / best_dp, 5),
+            "dp_lr": [{"lr": lr, "eval_loss": round(v, 5)} for lr, v in sorted(dp.items())],
+            "diloco_lr": [{"lr": lr, "eval_loss": round(v, 5)} for lr, v in sorted(di.items())],
             "seconds": round(seconds, 1)}  # fmt: skip
 
 
-def batch_point(cfg: Cfg, train: torch.Tensor, evals: torch.Tensor, batch: int) -> dict[str, Any]:
-    """DP and DiLoCo (the default settings) at another per-replica batch B: its own warm start
-    (``pretrain_steps`` at k*B) and token stream, so each B is a complete default run."""
+def print_batch(point: dict[str, Any]) -> None:
+    print(
+        f"  batch {point['batch']}: DP {point['dp_eval_loss']:.4f} (lr {point['dp_best_lr']:g}), "
+        f"DiLoCo {point['diloco_eval_loss']:.4f} (lr {point['diloco_best_lr']:g}), "
+        f"loss_gap_vs_dp {100 * point['loss_gap_vs_dp']:+.2f}%  {json.dumps(point)}",
+        flush=True,
+    )
+
+
+def batch_point(
+    cfg: Cfg,
+    train: torch.Tensor,
+    evals: torch.Tensor,
+    batch: int,
+    dp_lrs: list[float],
+    diloco_lrs: list[float],
+) -> dict[str, Any]:
+    """DP and DiLoCo at another per-replica batch B, each at every inner lr of its list: its own
+    warm start (``pretrain_steps`` at k*B, at ``--lr``) and token stream, so each B is a complete
+    run, tuned on the same grid for both."""
     import copy
 
     c = copy.copy(cfg)
@@ -426,13 +473,36 @@ def batch_point(cfg: Cfg, train: torch.Tensor, evals: torch.Tensor, batch: int) 
     batches = Batches(train, batch, c.ctx, c.seed)
     c.start = pretrain(c, batches)
     start = eval_loss(c.model(), evals, c.ctx, c.eval_seqs)
-    dp = eval_loss(train_dp(c, batches), evals, c.ctx, c.eval_seqs)
-    with tempfile.TemporaryDirectory() as tmp:
-        m, _ = train_diloco(c, batches, "file://" + os.path.join(tmp, "run"))
-    di = eval_loss(m, evals, c.ctx, c.eval_seqs)
+    dp: dict[float, float] = {}
+    di: dict[float, float] = {}
+    for lr in dp_lrs:
+        c.lr = lr
+        dp[lr] = eval_loss(train_dp(c, batches), evals, c.ctx, c.eval_seqs)
+    for lr in diloco_lrs:
+        c.lr = lr
+        with tempfile.TemporaryDirectory() as tmp:
+            m, _ = train_diloco(c, batches, "file://" + os.path.join(tmp, "run"))
+        di[lr] = eval_loss(m, evals, c.ctx, c.eval_seqs)
     point = batch_record(batch, start, dp, di, time.time() - t0)
-    print(f"  batch {batch}: {json.dumps(point)}", flush=True)
+    print_batch(point)
     return point
+
+
+def critical_batch(points: list[dict[str, Any]], gain: float) -> tuple[dict[str, Any], bool]:
+    """The batch where data parallel stops gaining from a larger one: the first swept batch
+    (ascending) from which the next improves tuned DP's eval loss by less than ``gain``
+    (relative); (the largest batch, False) when every step up still gained that much. Sets each
+    point's ``dp_gain_vs_previous`` (None for the smallest)."""
+    pts = sorted(points, key=lambda p: p["batch"])
+    pts[0]["dp_gain_vs_previous"] = None
+    for prev, this in zip(pts, pts[1:]):
+        this["dp_gain_vs_previous"] = round(
+            (prev["dp_eval_loss"] - this["dp_eval_loss"]) / prev["dp_eval_loss"], 5
+        )
+    for this, nxt in zip(pts, pts[1:]):
+        if nxt["dp_gain_vs_previous"] < gain:
+            return this, True
+    return pts[-1], False
 
 
 def plot_sweeps(result: dict[str, Any], path: Path) -> None:
@@ -557,7 +627,21 @@ def main() -> None:
         help="torch intra-op threads (1: OpenMP spin-waiting makes 2 threads ~9x slower on a "
         "loaded 2-core machine; the DiLoCo replicas are threads anyway)",
     )
+    ap.add_argument("--critical-gain", type=float, default=0.01,
+                    help="--sweep-batch: relative DP improvement below which a larger batch no "
+                    "longer gains (the critical batch)")  # fmt: skip
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda: where models train")
     a = ap.parse_args()
+    try:
+        device = torch.device(a.device)
+    except RuntimeError:
+        raise SystemExit(f"--device: {a.device!r} is not a torch device (cpu or cuda)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(
+            f"--device cuda: torch {torch.__version__} sees no CUDA device (use --device cpu)"
+        )
+    if device.type not in ("cpu", "cuda"):
+        raise SystemExit(f"--device: {a.device!r} (cpu or cuda)")
     sweep_h = parse_list(a.sweep_h, int, "--sweep-h") if a.sweep_h else []
     sweep_olr = parse_list(a.sweep_outer_lr, float, "--sweep-outer-lr") if a.sweep_outer_lr else []
     sweep_dp = parse_list(a.sweep_dp_lr, float, "--sweep-dp-lr") if a.sweep_dp_lr else []
@@ -570,16 +654,19 @@ def main() -> None:
     if a.threads:
         torch.set_num_threads(a.threads)
     a.steps = a.rounds * a.h
+    a.device = str(device)
     cfg = Cfg(a)
     t_start = time.time()
     train, evals = load_corpus(max_train_bytes=8_000_000, max_eval_bytes=600_000)
+    train, evals = train.to(device), evals.to(device)
     batches = Batches(train, a.batch, a.ctx, a.seed)
     n_params = sum(p.numel() for p in cfg.model().parameters())
     tokens_per_replica = a.steps * a.batch * a.ctx
     print(
         f"corpus: {len(train):,} train bytes, {len(evals):,} eval bytes (stdlib, split by file); "
         f"model {n_params:,} params; k={a.k} H={a.h} rounds={a.rounds} steps={a.steps} "
-        f"B={a.batch} ctx={a.ctx}",
+        f"B={a.batch} ctx={a.ctx}; device {device}"
+        + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""),
         flush=True,
     )
     t0 = time.time()
@@ -667,6 +754,7 @@ def main() -> None:
         "tokens_dp_diloco": a.k * tokens_per_replica,
         "seconds": round(time.time() - t_start, 1),
         "quick": bool(a.quick),
+        "device": str(device),
     }
     if sweep_h or sweep_olr or sweep_dp or sweep_dl or sweep_b:
         print("sweeps (same tokens, same warm start; the default run's points are reused):")
@@ -687,18 +775,40 @@ def main() -> None:
             sweeps["lr"].append(
                 main_point if lr == a.lr else diloco_point(cfg, batches, evals, lr=lr)
             )
-        main_seconds = timings["pretrain"] + timings["dp"] + timings["diloco"]
-        for b in sweep_b:
-            sweeps["batch"].append(
-                batch_record(b, start_loss, dp_loss, di_loss, main_seconds)
-                if b == a.batch
-                else batch_point(cfg, train, evals, b)
-            )
         for lr in sweep_dp:
             sweeps["dp_lr"].append(
                 {"lr": lr, "eval_loss": round(dp_loss, 5), "seconds": round(timings["dp"], 1)}
                 if lr == a.lr
                 else dp_point(cfg, batches, evals, lr)
+            )
+        # Every batch is tuned on the same grids (the default lr when a grid is not given); the
+        # default batch reuses the default run and the lr sweeps above.
+        dp_lrs, diloco_lrs = sweep_dp or [a.lr], sweep_dl or [a.lr]
+        main_seconds = (timings["pretrain"] + timings["dp"] + timings["diloco"]
+                        + sum(p["seconds"] for p in sweeps["dp_lr"] + sweeps["lr"] if p["lr"] != a.lr))  # fmt: skip
+        for b in sweep_b:
+            if b == a.batch:
+                point = batch_record(
+                    b, start_loss,
+                    {a.lr: dp_loss, **{p["lr"]: p["eval_loss"] for p in sweeps["dp_lr"]}},
+                    {a.lr: di_loss, **{p["lr"]: p["eval_loss"] for p in sweeps["lr"]}},
+                    main_seconds,
+                )  # fmt: skip
+                print_batch(point)
+            else:
+                point = batch_point(cfg, train, evals, b, dp_lrs, diloco_lrs)
+            sweeps["batch"].append(point)
+        if sweep_b:
+            crit, reached = critical_batch(sweeps["batch"], a.critical_gain)
+            for p in sweeps["batch"]:
+                result[f"loss_gap_vs_dp_b{p['batch']}"] = p["loss_gap_vs_dp"]
+            result.update(critical_batch=crit["batch"], critical_batch_reached=reached,
+                          loss_gap_vs_dp_at_critical_batch=crit["loss_gap_vs_dp"])  # fmt: skip
+            print(
+                f"critical batch {crit['batch']}"
+                + ("" if reached else f" (not reached: DP still gained >= {a.critical_gain:.0%})")
+                + f": tuned DiLoCo {100 * crit['loss_gap_vs_dp']:+.2f}% vs tuned DP",
+                flush=True,
             )
         if sweep_dp:
             best = min(sweeps["dp_lr"], key=lambda p: p["eval_loss"])

@@ -138,12 +138,21 @@ class Sections:
 
 
 def build(
-    variant: str, args: ComposerConfig, tok: Any, hidden: int, layers: int, share_prefix: bool
+    variant: str,
+    args: ComposerConfig,
+    tok: Any,
+    hidden: int,
+    layers: int,
+    share_prefix: bool,
+    model: Any = None,
 ) -> Any:
-    """One variant's trainer (``plain``, ``channels_off``, ``all_on`` or ``all_on_simpo``)."""
-    model = build_tiny_model(
-        tok, hidden_size=hidden, num_layers=layers, num_heads=4, num_kv_heads=2, seed=0
-    )
+    """One variant's trainer (``plain``, ``channels_off``, ``all_on`` or ``all_on_simpo``) on
+    ``model`` (default: a fresh tiny Qwen2 of ``hidden`` x ``layers``; benchmarks/gpu_step.py
+    passes Qwen2.5-shaped ones)."""
+    if model is None:
+        model = build_tiny_model(
+            tok, hidden_size=hidden, num_layers=layers, num_heads=4, num_kv_heads=2, seed=0
+        )
     data = Dataset.from_dict(
         {
             "prompt": [[{"role": "user", "content": p}] for p in PROMPTS],

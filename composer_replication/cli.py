@@ -4,7 +4,8 @@
     composer-replication train --resume RUN [section.key=value ...]    continue a stopped run
     composer-replication report RUN                                    plots + summary.md
     composer-replication status RUN                                    replicas, round, health
-    composer-replication config show|validate [CONFIG] [overrides]     resolved config / checks
+    composer-replication config show [CONFIG] [overrides]              the resolved config
+    composer-replication config validate [CONFIG ...] [overrides]      check configs (no run)
     composer-replication bake-traces [CONFIG] [overrides] --out FILE   record teacher traces
     composer-replication replica --rendezvous URI                      what each replica runs
     composer-replication synchronizer RUN_FOLDER_OR_URI                a decoupled run's synchronizer
@@ -76,6 +77,10 @@ def cmd_train(ns: argparse.Namespace) -> int:
             raise ConfigError(
                 f"--resume uses the run's stored config; drop {path!r} (overrides are allowed)"
             )
+        done = driver.finished_already(ns.resume, overrides)
+        if done is not None:
+            print(done)
+            return 0
         config, folder = driver.prepare_resume(ns.resume, overrides)
         result = driver.run(config, folder, resume=True)
     else:
@@ -97,7 +102,7 @@ def _run_folder(run: str) -> RunFolder:
 def cmd_report(ns: argparse.Namespace) -> int:
     import importlib.util
 
-    from composer_replication.run.report import write_report
+    from composer_replication.run.report import headline_lines, write_report
 
     folder = _run_folder(ns.run)
     if importlib.util.find_spec("matplotlib") is None:
@@ -106,11 +111,9 @@ def cmd_report(ns: argparse.Namespace) -> int:
     for plot in plots:
         print(f"wrote {plot}")
     print(f"wrote {folder.summary}")
-    if summary.get("reward_first10") is not None:
-        print(
-            f"mean reward first 10%: {summary['reward_first10']:.3f}  "
-            f"last 10%: {summary['reward_last10']:.3f}"
-        )
+    # The headline numbers `train` printed at the end: reward, held-out accuracy, losses.
+    print(f"Run {folder.name}:")
+    print("\n".join(headline_lines(summary)))
     return 0
 
 
@@ -122,15 +125,22 @@ def cmd_status(ns: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_config(ns: argparse.Namespace) -> int:
-    from composer_replication.config import dump_toml, to_dict
+def _split_configs(args: Sequence[str]) -> tuple[list[str], list[str]]:
+    """[CONFIG.toml ...] [overrides...] -> (config paths, overrides)."""
+    args = list(args)
+    split = next((i for i, a in enumerate(args) if "=" in a), len(args))
+    paths, overrides = args[:split], args[split:]
+    bad = [a for a in overrides if "=" not in a]
+    if bad:
+        raise ConfigError(
+            f"unexpected argument {bad[0]!r}: after the config files only section.key=value "
+            "overrides are allowed"
+        )
+    return paths, overrides
 
-    config = _load(ns.args)
-    if ns.config_command == "show":
-        print(json.dumps(to_dict(config), indent=1) if ns.json else dump_toml(config), end="")
-        if ns.json:
-            print()
-        return 0
+
+def _validate(config: RunConfig, check_store: bool) -> str:
+    """Run the pre-flight checks a `train` would run (nothing written); the "ok: ..." line."""
     from composer_replication.run import preflight
 
     preflight.check_model(config)
@@ -138,13 +148,40 @@ def cmd_config(ns: argparse.Namespace) -> int:
     preflight.check_teachers(config)
     store_uri = config.store.uri or "file:///tmp/composer-replication-validate/"
     preflight.check_backend(config, store_uri)
-    if ns.check_store and config.store.uri:
+    if check_store and config.store.uri:
         preflight.check_store(config, config.store.uri, overwrite=True)
-    print(
+    return (
         f"ok: {config.backend.n_replicas} x {config.backend.kind} replicas, model "
         f"{config.model.name}, task {config.task.name}, {config.train.max_steps} inner steps, "
         f"{config.n_rounds} outer rounds"
     )
+
+
+def cmd_config(ns: argparse.Namespace) -> int:
+    from composer_replication.config import dump_toml, load_config, to_dict
+
+    if ns.config_command == "show":
+        config = _load(ns.args)
+        print(json.dumps(to_dict(config), indent=1) if ns.json else dump_toml(config), end="")
+        if ns.json:
+            print()
+        return 0
+    paths, overrides = _split_configs(ns.args)
+    if len(paths) <= 1:
+        print(_validate(load_config(paths[0] if paths else None, overrides), ns.check_store))
+        return 0
+    # Several files (`config validate examples/*.toml`): each checked on its own, the
+    # overrides applied to every one; exit 2 when any fails.
+    failed = 0
+    for path in paths:
+        try:
+            print(f"{path}: {_validate(load_config(path, overrides), ns.check_store)}", flush=True)
+        except ConfigError as exc:
+            failed += 1
+            print(f"{PROG}: error: {path}: {exc}", file=sys.stderr, flush=True)
+    if failed:
+        print(f"{PROG}: {failed} of {len(paths)} configs failed", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -238,10 +275,13 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("args", nargs="*", metavar="[CONFIG.toml] [section.key=value]", help=CONFIG_HELP)
     q.add_argument("--json", action="store_true", help="print JSON instead of TOML")
     q.set_defaults(func=cmd_config)
-    q = csub.add_parser("validate", help="check a config without running it",
-                        description="Check types, keys, model path, task and backend; exit 2 "
-                        "with a message when something is wrong.")  # fmt: skip
-    q.add_argument("args", nargs="*", metavar="[CONFIG.toml] [section.key=value]", help=CONFIG_HELP)
+    q = csub.add_parser("validate", help="check configs without running them",
+                        description="Check types, keys, model path, task and backend of each "
+                        "config given (`config validate examples/*.toml`; the overrides apply "
+                        "to every one); exit 2 with a message when something is wrong.")  # fmt: skip
+    q.add_argument("args", nargs="*", metavar="[CONFIG.toml ...] [section.key=value]",
+                   help="any number of TOML configs (none: the embedded demo) followed by "
+                   "section.key=value overrides applied to each")  # fmt: skip
     q.add_argument("--check-store", action="store_true",
                    help="also probe that store.uri is writable (writes and deletes one object)")  # fmt: skip
     q.set_defaults(func=cmd_config)

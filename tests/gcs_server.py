@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import tempfile
-import time
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -61,14 +60,13 @@ def insert(request, response, storage, *args, **kwargs):
 objects.insert = insert
 from gcp_storage_emulator.server import create_server  # builds its routes with the rule above
 
-create_server(sys.argv[1], int(sys.argv[2]), in_memory=True, default_bucket=sys.argv[3]).run()
+# Port 0: the server binds a free port itself (atomically: no other process can be handed the
+# same one), and says which on its first stdout line.
+server = create_server(sys.argv[1], 0, in_memory=True, default_bucket=sys.argv[2])
+server.start()
+print("PORT", server._api._httpd.server_address[1], flush=True)
+threading.Event().wait()
 """
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def storage_options(endpoint: str) -> dict[str, Any]:
@@ -82,28 +80,20 @@ def run_gcs(bucket: str = BUCKET) -> Iterator[tuple[str, str, dict[str, Any]]]:
         import gcp_storage_emulator  # noqa: F401
     except ImportError:
         pytest.skip("gcp-storage-emulator is not installed: pip install composer-replication[dev]")
-    port = _free_port()
     log = Path(tempfile.mkdtemp(prefix="gcs-emulator-")) / "emulator.log"
     with open(log, "wb") as logf:
         proc = subprocess.Popen(
-            [sys.executable, "-c", LAUNCHER, "127.0.0.1", str(port), bucket],
-            stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,
+            [sys.executable, "-c", LAUNCHER, "127.0.0.1", bucket],
+            stdout=subprocess.PIPE, stderr=logf, start_new_session=True, text=True,
         )  # fmt: skip
-    endpoint = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the GCS emulator exited: {log.read_text()[-2000:]}")
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                    break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"the GCS emulator did not start: {log.read_text()}"
-                    ) from None
-                time.sleep(0.1)
+        assert proc.stdout is not None
+        line = proc.stdout.readline()  # blocks until the server listens (or exits)
+        if not line.startswith("PORT "):
+            proc.wait(timeout=15)
+            raise RuntimeError(f"the GCS emulator did not start: {log.read_text()[-2000:]}")
+        threading.Thread(target=proc.stdout.read, daemon=True).start()  # never let it block
+        endpoint = f"http://127.0.0.1:{int(line.split()[1])}"
         yield endpoint, bucket, storage_options(endpoint)
     finally:
         proc.terminate()

@@ -5,9 +5,11 @@ framework and served by uvicorn) in a subprocess on a free port. `problem` and `
 module's: the environment's own rule, which the tests compare the task adapter's rewards and
 feedback with.
 
-Fixture: ``openenv_server`` (session-scoped, started on first use) yields the base URL
-``http://127.0.0.1:PORT``; ``run_openenv_server(log_dir)`` is the same as a context manager (a
-server of one's own, e.g. to kill it).
+Fixture: ``openenv_server`` (one server per test module, started on first use) yields the base
+URL ``http://127.0.0.1:PORT``; ``run_openenv_server(log_dir)`` is the same as a context manager (a
+server of one's own, e.g. to kill it). Module scope, not session scope: the server holds at most
+``max_sessions`` sessions, and a test elsewhere that leaves sessions open (a replica killed by a
+timeout) must not make the next module's tests fail with "no free session".
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -49,6 +52,9 @@ def run_openenv_server(log_dir: Path) -> Iterator[str]:
             if not line.startswith("PORT "):
                 log.flush()
                 raise RuntimeError(f"OpenEnv test server did not start: {log_path.read_text()}")
+            # Keep reading what the server prints: an undrained pipe fills up (64 KiB) and then
+            # blocks the server in its next print, which a test sees as a hung environment.
+            threading.Thread(target=proc.stdout.read, daemon=True).start()
             yield f"http://127.0.0.1:{int(line.split()[1])}"
         finally:
             proc.terminate()
@@ -59,7 +65,7 @@ def run_openenv_server(log_dir: Path) -> Iterator[str]:
                 proc.wait()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def openenv_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     pytest.importorskip("openenv", reason="needs the `openenv` extra (openenv-core)")
     # openenv.core takes seconds to import (it loads its web UI's stack); pay it here, once, not

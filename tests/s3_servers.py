@@ -9,7 +9,11 @@ servers are available as context managers ``run_seaweedfs()`` / ``run_moto()`` f
 
 Each yields ``(endpoint_url, bucket, storage_options)``; ``storage_options`` is a plain dict for
 ``fsspec``/``s3fs`` (endpoint, dummy credentials, region) that can be passed to subprocesses.
-Use a unique key prefix per test (``s3://{bucket}/{uuid}/``): the bucket is shared.
+Use a unique key prefix per test (``s3://{bucket}/{uuid}/``): the bucket is shared. Each server
+gets a bucket name of its own (``composer-test-<random>``): SeaweedFS must be given its ports, so
+two servers starting at once (pytest-xdist workers) can be handed the same free port; the one that
+loses the bind exits and is started again on other ports, and the readiness check, which writes to
+*its* bucket, cannot be answered by the other server.
 
 Both servers enforce ``If-None-Match: *`` conditional PUTs, which the object-store protocol
 relies on; SeaweedFS reports the lost race as HTTP 412 with a body s3fs maps to ``OSError``,
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
 import socket
 import subprocess
@@ -32,7 +37,9 @@ from typing import Any
 
 import pytest
 
-BUCKET = "composer-test"
+BUCKET_PREFIX = "composer-test"
+# Start-up attempts of a server whose ports were taken between choosing and binding them.
+START_ATTEMPTS = 3
 _DUMMY = {"key": "testing", "secret": "testing"}
 
 
@@ -57,15 +64,24 @@ def _storage_options(endpoint: str) -> dict[str, Any]:
     }
 
 
+def _unique_bucket() -> str:
+    return f"{BUCKET_PREFIX}-{secrets.token_hex(4)}"
+
+
+class _ExitedEarly(RuntimeError):
+    """The server process ended during start-up (e.g. one of its ports was taken)."""
+
+
 def _wait_for_bucket(endpoint: str, bucket: str, proc: subprocess.Popen | None, log: Path) -> None:
-    """Poll until a small object can be written and read back in ``bucket`` (<= 60 s)."""
+    """Poll until a small object can be written and read back in ``bucket`` (<= 120 s: start-up
+    under a loaded machine is slow; a dead process ends the wait at once)."""
     import s3fs
 
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 120
     last: Exception | None = None
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"S3 server exited early (code {proc.returncode}); see {log}")
+            raise _ExitedEarly(f"S3 server exited early (code {proc.returncode}); see {log}")
         try:
             fs = s3fs.S3FileSystem(**_storage_options(endpoint))
             fs.pipe_file(f"{bucket}/.ready", b"ok")
@@ -74,7 +90,7 @@ def _wait_for_bucket(endpoint: str, bucket: str, proc: subprocess.Popen | None, 
         except Exception as e:  # server still starting: connection refused, no bucket yet...
             last = e
         time.sleep(0.25)
-    raise RuntimeError(f"S3 server at {endpoint} not ready after 60 s ({last!r}); see {log}")
+    raise RuntimeError(f"S3 server at {endpoint} not ready after 120 s ({last!r}); see {log}")
 
 
 def _weed_binary() -> str:
@@ -89,9 +105,32 @@ def _weed_binary() -> str:
 
 
 @contextlib.contextmanager
-def run_seaweedfs(bucket: str = BUCKET) -> Iterator[tuple[str, str, dict[str, Any]]]:
-    """Start ``weed mini`` on loopback; yields (endpoint_url, bucket, storage_options)."""
-    data_dir = tempfile.mkdtemp(prefix="seaweedfs-test-")
+def run_seaweedfs(bucket: str | None = None) -> Iterator[tuple[str, str, dict[str, Any]]]:
+    """Start ``weed mini`` on loopback; yields (endpoint_url, bucket, storage_options).
+
+    ``bucket`` defaults to a fresh ``composer-test-<random>``. A start that dies (a port taken
+    between choosing and binding it) is retried on new ports, up to START_ATTEMPTS times."""
+    bucket = bucket or _unique_bucket()
+    for attempt in range(1, START_ATTEMPTS + 1):
+        data_dir = tempfile.mkdtemp(prefix="seaweedfs-test-")
+        proc, endpoint = _start_weed(data_dir, bucket)
+        log = Path(data_dir) / "weed.log"
+        try:
+            try:
+                _wait_for_bucket(endpoint, bucket, proc, log)
+            except _ExitedEarly:
+                if attempt == START_ATTEMPTS:
+                    raise
+                continue
+            yield endpoint, bucket, _storage_options(endpoint)
+            return
+        finally:
+            _stop(proc)
+            shutil.rmtree(data_dir, ignore_errors=True)
+
+
+def _start_weed(data_dir: str, bucket: str) -> tuple[subprocess.Popen, str]:
+    """``weed mini`` on free loopback ports; returns the process and its S3 endpoint."""
     names = ["master", "volume", "filer", "s3", "admin"]
     free = _free_ports(2 * len(names))
     ports, grpc = dict(zip(names, free[::2])), dict(zip(names, free[1::2]))
@@ -110,35 +149,34 @@ def run_seaweedfs(bucket: str = BUCKET) -> Iterator[tuple[str, str, dict[str, An
     ]
     for name in names:
         cmd += [f"-{name}.port={ports[name]}", f"-{name}.port.grpc={grpc[name]}"]
-    log = Path(data_dir) / "weed.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    with open(log, "wb") as logf:
+    with open(Path(data_dir) / "weed.log", "wb") as logf:
         proc = subprocess.Popen(
             cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
-    endpoint = f"http://127.0.0.1:{ports['s3']}"
+    return proc, f"http://127.0.0.1:{ports['s3']}"
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
     try:
-        _wait_for_bucket(endpoint, bucket, proc, log)
-        yield endpoint, bucket, _storage_options(endpoint)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=15)
-        shutil.rmtree(data_dir, ignore_errors=True)
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=15)
 
 
 @contextlib.contextmanager
-def run_moto(bucket: str = BUCKET) -> Iterator[tuple[str, str, dict[str, Any]]]:
-    """Start moto's ThreadedMotoServer on loopback; yields (endpoint_url, bucket, options)."""
+def run_moto(bucket: str | None = None) -> Iterator[tuple[str, str, dict[str, Any]]]:
+    """Start moto's ThreadedMotoServer on loopback (port 0: bound atomically); yields
+    (endpoint_url, bucket, options); ``bucket`` defaults to a fresh ``composer-test-<random>``."""
     import logging
 
     import s3fs
     from moto.server import ThreadedMotoServer
 
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one INFO line per request
+    bucket = bucket or _unique_bucket()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()

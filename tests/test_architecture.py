@@ -236,11 +236,10 @@ def test_run_asks_the_outer_loop_mode_instead_of_testing_it():
     assert mode_tests(PKG_DIR / "run") == []
 
 
-# Names still shared: "decoupled" and "manager" until the exchange side of issue 21 renames
-# exchange/decoupled.py and exchange/manager.py (remove them once merged); "base" (the
-# executor and task protocols) and "reference" (config's docs generator, the trainer's
-# reference model) in packages other engineers own, to rename with them.
-SHARED_MODULE_NAMES: set[str] = {"decoupled", "manager", "base", "reference"}
+# Names still shared: "base" (the executor and task protocols), "reference" (config's docs
+# generator, the trainer's reference model) and "fused" (loss's fused channel 2, the trainer's
+# use of it) in packages other engineers own, to rename with them.
+SHARED_MODULE_NAMES: set[str] = {"base", "fused", "reference"}
 
 
 def test_every_module_name_is_unique():
@@ -251,6 +250,83 @@ def test_every_module_name_is_unique():
             seen.setdefault(path.stem, []).append(mod)
     shared = {name: mods for name, mods in seen.items() if len(mods) > 1}
     assert set(shared) <= SHARED_MODULE_NAMES, shared
+
+
+def imported_modules(path: Path, pkg_dir: Path = PKG_DIR) -> list[str]:
+    """Modules of ours that ``path`` imports with an import statement anywhere in it: at module
+    level, inside a function, under ``if TYPE_CHECKING:``. ``from package import name`` counts as
+    importing the submodule ``package.name`` when there is one, else the package itself."""
+    modules = all_modules(pkg_dir)
+    tree = ast.parse(path.read_text(), filename=str(path))
+    me = module_name(path, pkg_dir)
+    is_pkg = path.name == "__init__.py"
+    out: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.extend(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = me.split(".")
+                base = base[: len(base) - node.level + (1 if is_pkg else 0)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            for alias in node.names:
+                sub = f"{mod}.{alias.name}"
+                out.append(sub if sub in modules else mod)
+    return sorted({m for m in out if m in modules and m != me})
+
+
+def import_cycles(pkg_dir: Path = PKG_DIR) -> list[list[str]]:
+    """Every import circle among the modules of one package (layer): the strongly connected
+    components of its import graph with more than one module, each sorted.
+
+    Function-level imports count: they only postpone the circle to run time. Module paths named
+    as strings (lazy re-export tables, registries of entrypoints) do not: they are looked up by
+    name when used, which is how a registry names its implementations without a circle.
+    """
+    modules = all_modules(pkg_dir)
+    graph = {
+        mod: [m for m in imported_modules(path, pkg_dir) if layer(m) == layer(mod)]
+        for mod, path in modules.items()
+    }
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(cycles)
+
+
+def test_no_import_cycle_inside_a_package():
+    """A circle means the modules are one concept split in two, or a shared vocabulary that
+    belongs in a leaf module (exchange/vocabulary.py is the exchange's)."""
+    assert import_cycles() == []
 
 
 # --------------------------------------------------------------- the checker itself can fail
@@ -267,7 +343,7 @@ def bad_tree(tmp_path: Path) -> Path:
         "trainer/__init__.py": "",
         "trainer/trainer.py": "from composer_replication.loss._logprobs import x\n",
         "exchange/__init__.py": "",
-        "exchange/manager.py": "from composer_replication.diloco.outer_loop import DiLoCoOuterLoop\n",
+        "exchange/store_manager.py": "from composer_replication.diloco.outer_loop import DiLoCoOuterLoop\n",
         "diloco/__init__.py": "",
         "diloco/outer_loop.py": "import composer_replication.run.replica\n",
         "diloco/serverless/__init__.py": "_LAZY = {'x': 'composer_replication.run.replica'}\n",
@@ -277,6 +353,9 @@ def bad_tree(tmp_path: Path) -> Path:
         "tasks/base.py": "ENTRY = 'composer_replication.run.replica:main'\n",
         "run/__init__.py": "",
         "run/replica.py": "",
+        # a circle inside exchange/, closed by a function-level import
+        "exchange/protocol.py": "from composer_replication.exchange import robust\n",
+        "exchange/robust.py": "def f():\n    from .protocol import x\n",
     }
     for rel, text in files.items():
         (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -301,7 +380,7 @@ def test_the_checker_names_each_bad_import(bad_tree: Path):
         "composer_replication.loss.compose -> composer_replication.trainer"
     ]
     assert violations({"exchange"}, {"diloco"}, bad_tree) == [
-        "composer_replication.exchange.manager -> composer_replication.diloco.outer_loop"
+        "composer_replication.exchange.store_manager -> composer_replication.diloco.outer_loop"
     ]
     assert violations({"executors"}, {"exchange"}, bad_tree) == [
         "composer_replication.executors.local -> composer_replication.exchange"
@@ -310,6 +389,9 @@ def test_the_checker_names_each_bad_import(bad_tree: Path):
     assert violations(LAYERS - {"run", "cli"}, {"run"}, bad_tree) == [
         "composer_replication.diloco.outer_loop -> composer_replication.run.replica",
         "composer_replication.tasks.base -> composer_replication.run.replica",
+    ]
+    assert import_cycles(bad_tree) == [
+        ["composer_replication.exchange.protocol", "composer_replication.exchange.robust"]
     ]
     assert "composer_replication.loss._logprobs" in references(
         bad_tree / "trainer" / "trainer.py", bad_tree

@@ -7,112 +7,52 @@ A false sentence in the docs must fail CI. Each block (id ``file:line`` of its o
 - python: compiles, then runs in a fresh interpreter in a temporary working directory.
 - bash: every ``composer-replication`` / ``python -m composer_replication`` command names a real
   subcommand with real options, and the config of ``train`` / ``config show`` /
-  ``config validate`` (file relative to the repo root, plus key=value overrides) resolves.
-  Other lines (pip, git, export, python -m pytest, ...) are not run.
+  ``config validate`` (file relative to the repo root, plus key=value overrides) resolves. A
+  cheap block (only ``config show`` / ``config validate`` / ``--help`` / ``--version`` and text
+  tools such as ``head`` or ``grep``, no redirection) then runs for real, from the repo root;
+  the others (``train``, ``pip``, ``python examples/...``) are parsed, not run.
+- a python or bash block followed by a fenced ```output block must print that output
+  (tests/docblocks.py: trailing spaces aside, ``...`` matches any text). A block followed by an
+  unlabelled fence fails: label it ```output (checked) or ```text (shown as is).
 
 An HTML comment on one of the two lines above the fence changes what is done with a block:
 
     <!-- doc-test: skip REASON -->             not run (still parsed/compiled); pytest shows REASON
-    <!-- doc-test: covered-by tests/x.py -->   another test runs it; that file must exist and
-                                               name the doc, e.g. docs/cli.md (so the pointer
-                                               cannot rot)
+    <!-- doc-test: covered-by tests/x.py -->   another test runs it: that file must call
+                                               ``run_doc_block("docs/cli.md", "<text of the
+                                               block>", ...)`` (or ``exec_doc_block``) with
+                                               arguments that select this block: it runs the
+                                               block's text as the doc has it and checks its
+                                               output
     <!-- doc-test: slow -->                    runs, but the case is marked slow
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import dataclasses
 import io
-import os
 import re
 import shlex
-import signal
-import subprocess
-import sys
-import textwrap
 import tomllib
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from docblocks import (
+    DOC_FILES,
+    FENCE,
+    OUTPUT,
+    ROOT,
+    Block,
+    all_blocks,
+    collect_blocks,
+    doc_block,
+    output_matches,
+    run_block,
+)
 
-ROOT = Path(__file__).resolve().parents[1]
-DOC_FILES = [
-    ROOT / "README.md",
-    *sorted((ROOT / "docs").glob("*.md")),
-    *sorted((ROOT / "docs" / "recipes").glob("*.md")),
-]
-LANGUAGES = ("python", "bash", "toml")
-FENCE = re.compile(r"^(?P<indent>\s*)(?P<fence>`{3,}|~{3,})\s*(?P<lang>[\w+-]*)\s*$")
-MARKER = re.compile(r"<!--\s*doc-test:\s*(?P<kind>skip|covered-by|slow)\b\s*(?P<arg>.*?)\s*-->")
-PYTHON_TIMEOUT_S = 180
-
-
-@dataclass(frozen=True)
-class Block:
-    doc: str  # path relative to the repo root, e.g. "docs/cli.md"
-    line: int  # 1-based line of the opening fence
-    lang: str
-    code: str
-    skip: str | None = None  # the reason
-    covered_by: str | None = None
-    slow: bool = False
-
-    @property
-    def id(self) -> str:
-        return f"{self.doc}:{self.line}"
-
-
-def _markers(lines: list[str], fence_index: int, doc: str) -> dict[str, str]:
-    found: dict[str, str] = {}
-    for text in lines[max(0, fence_index - 2) : fence_index]:
-        for m in MARKER.finditer(text):
-            kind, arg = m.group("kind"), m.group("arg")
-            if kind in ("skip", "covered-by") and not arg:
-                raise ValueError(
-                    f"{doc}:{fence_index + 1}: '<!-- doc-test: {kind} -->' needs "
-                    + ("a reason" if kind == "skip" else "a test file path")
-                )
-            found[kind] = arg
-    return found
-
-
-def collect_blocks(path: Path, doc: str | None = None) -> list[Block]:
-    """The python/bash/toml blocks of one markdown file, with their markers."""
-    doc = doc or path.relative_to(ROOT).as_posix()
-    lines = path.read_text().splitlines()
-    blocks: list[Block] = []
-    i = 0
-    while i < len(lines):
-        m = FENCE.match(lines[i])
-        if not m:
-            i += 1
-            continue
-        fence, lang = m.group("fence"), m.group("lang")
-        end = i + 1
-        while end < len(lines) and not lines[end].strip().startswith(fence):
-            end += 1
-        if end == len(lines):
-            raise ValueError(f"{doc}:{i + 1}: the fence opened here is never closed")
-        if lang in LANGUAGES:
-            marks = _markers(lines, i, doc)
-            blocks.append(
-                Block(
-                    doc=doc,
-                    line=i + 1,
-                    lang=lang,
-                    code=textwrap.dedent("\n".join(lines[i + 1 : end])) + "\n",
-                    skip=marks.get("skip"),
-                    covered_by=marks.get("covered-by"),
-                    slow="slow" in marks,
-                )
-            )
-        i = end + 1
-    return blocks
-
-
-BLOCKS = [b for path in DOC_FILES for b in collect_blocks(path)]
+BLOCKS = all_blocks()
 
 
 def _params(lang: str) -> list:
@@ -123,6 +63,32 @@ def _params(lang: str) -> list:
     ]
 
 
+def runs_doc_block(test_source: str, block: Block) -> bool:
+    """True when `test_source` calls ``run_doc_block(doc, contains, ...)`` or
+    ``exec_doc_block(doc, contains, ...)`` with literal arguments that select `block`."""
+    for node in ast.walk(ast.parse(test_source)):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)
+        if name not in ("run_doc_block", "exec_doc_block"):
+            continue
+        args = list(node.args[:2])
+        keywords = {k.arg: k.value for k in node.keywords}
+        args += [keywords[k] for k in ("doc", "contains")[len(args) :] if k in keywords]
+        if len(args) != 2 or not all(
+            isinstance(a, ast.Constant) and isinstance(a.value, str) for a in args
+        ):
+            continue
+        doc, contains = (a.value for a in args)  # type: ignore[attr-defined]
+        if doc != block.doc:
+            continue
+        with contextlib.suppress(LookupError):
+            if doc_block(doc, contains).line == block.line:
+                return True
+    return False
+
+
 def _check_markers(block: Block) -> bool:
     """True when a marker settles the block: a covered-by pointer that holds (else the test
     fails) or a skip (pytest.skip with the doc's reason). False: the block is to be run."""
@@ -131,9 +97,11 @@ def _check_markers(block: Block) -> bool:
         assert test.is_file(), (
             f"{block.id}: covered-by points at {block.covered_by}, which does not exist"
         )
-        assert block.doc in test.read_text(), (
-            f"{block.id}: {block.covered_by} does not mention {block.doc}; the test that runs "
-            "this block must name the doc it checks"
+        assert runs_doc_block(test.read_text(), block), (
+            f"{block.id}: covered-by names {block.covered_by}, which never runs this block: a "
+            f"test there must call run_doc_block({block.doc!r}, <text found only in this "
+            "block>, cwd=...) or exec_doc_block(...) (tests/docblocks.py), which run the doc's "
+            "own text"
         )
         return True
     if block.skip:
@@ -181,50 +149,7 @@ def test_python_block(block: Block, tmp_path: Path) -> None:
         pytest.fail(f"{block.id}: does not compile: {exc}")
     if _check_markers(block):
         return
-    script = tmp_path / "doc_block.py"
-    script.write_text(block.code)
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-        "OMP_NUM_THREADS": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-    }
-    proc = subprocess.Popen(
-        [sys.executable, str(script)],
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=PYTHON_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        # The block may have started processes of its own (an executor's replicas, in their
-        # own sessions): kill the whole tree, or they outlive the test.
-        for pid in [*_descendants(proc.pid), proc.pid]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"{block.id}: still running after {PYTHON_TIMEOUT_S} s:\n{stderr[-3000:]}")
-    assert proc.returncode == 0, (
-        f"{block.id} exited {proc.returncode}:\n{stdout[-2000:]}\n{stderr[-4000:]}"
-    )
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every live descendant of `pid` (Linux /proc), children first found first."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
+    run_block(block, cwd=tmp_path)
 
 
 # ----------------------------------------------------------------------------- bash
@@ -307,22 +232,52 @@ def _check_invocation(block: Block, args: list[str]) -> None:
         command = command[:1]
     if command not in RESOLVING:
         return
-    path = None
-    if positional and "=" not in positional[0]:
-        path = positional.pop(0)
+    paths: list[str | None] = []
+    # `config validate` takes any number of files; the others one at most.
+    while positional and "=" not in positional[0] and (command == ("config", "validate")
+                                                       or not paths):  # fmt: skip
+        paths.append(positional.pop(0))
     loose = [a for a in positional if "=" not in a]
     assert not loose, f"{block.id}: `{shown}`: {loose[0]!r} is neither a config nor key=value"
-    if path is not None:
+    for i, path in enumerate(paths):
         assert not getattr(ns, "resume", None), (
             f"{block.id}: `{shown}`: --resume takes no config file"
         )
-        assert (ROOT / path).is_file(), f"{block.id}: `{shown}`: {path} is not a file in the repo"
-        path = str(ROOT / path)
-    try:
-        # With --resume the run's stored config is used; the overrides must still be real keys.
-        load_config(path, positional)
-    except ConfigError as exc:
-        pytest.fail(f"{block.id}: `{shown}`: the config does not resolve: {exc}")
+        assert (ROOT / str(path)).is_file(), (
+            f"{block.id}: `{shown}`: {path} is not a file in the repo"
+        )
+        paths[i] = str(ROOT / str(path))
+    for path in paths or [None]:
+        try:
+            # With --resume the run's stored config is used; the overrides must still be real
+            # keys.
+            load_config(path, positional)
+        except ConfigError as exc:
+            pytest.fail(f"{block.id}: `{shown}`: the config does not resolve: {exc}")
+
+
+CHEAP_PROGRAMS = {"echo", "cat", "head", "tail", "grep", "wc", "sort", "ls", "true"}
+CHEAP_CLI = {("config", "show"), ("config", "validate")}
+
+
+def expensive_command(code: str) -> str | None:
+    """The first command of a bash block that is not cheap to run (None: all are): cheap are
+    `config show`, `config validate` (without --check-store), `--help`, `--version` and text
+    tools; a redirection is not (it would write into the repo)."""
+    for words in _commands(code):
+        if any(w.startswith((">", "<")) or w[:1].isdigit() and ">" in w for w in words):
+            return " ".join(words)
+        args = _cli_args(words)
+        if args is None:
+            if Path(words[0]).name not in CHEAP_PROGRAMS:
+                return " ".join(words)
+            continue
+        if "--help" in args or "-h" in args or "--version" in args:
+            continue
+        command = tuple(a for a in args if not a.startswith("-"))[:2]
+        if command not in CHEAP_CLI or "--check-store" in args:
+            return " ".join(words)
+    return None
 
 
 @pytest.mark.parametrize("block", _params("bash"))
@@ -337,6 +292,13 @@ def test_bash_block(block: Block) -> None:
         assert (ROOT / script).is_file(), f"{block.id}: `python {script}`: no such file in the repo"
     for args in invocations:
         _check_invocation(block, args)
+    expensive = expensive_command(block.code)
+    assert expensive is None or block.expected is None, (
+        f"{block.id}: shows an output but is not run (`{expensive}` is not cheap); run it from "
+        "a test with run_doc_block and a covered-by marker, or label the output ```text"
+    )
+    if expensive is None:
+        run_block(block, cwd=ROOT)
 
 
 # ----------------------------------------------------------------------------- the collector
@@ -357,6 +319,60 @@ def test_no_block_hides_behind_an_alias() -> None:
     assert not hidden, "blocks the doc tests would not check:\n" + "\n".join(hidden)
 
 
+def test_every_shown_output_is_checked() -> None:
+    """An unlabelled fence right after a python/bash block reads as its output but would go
+    unchecked (docs/tasks.md's went stale that way); an ```output block must follow a block."""
+    loose = [
+        f"{b.doc}:{b.bare_after}: after {b.id}: label it ```{OUTPUT} (checked) or ```text"
+        for b in BLOCKS
+        if b.bare_after is not None and b.lang in ("python", "bash")
+    ]
+    attached = {(b.doc, b.expected_line) for b in BLOCKS if b.expected_line is not None}
+    for path in DOC_FILES:
+        doc = path.relative_to(ROOT).as_posix()
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            m = FENCE.match(line)
+            if m and m.group("lang") == OUTPUT and (doc, number) not in attached:
+                loose.append(f"{doc}:{number}: an ```{OUTPUT} block right after no python/bash "
+                             "block; nothing checks it")  # fmt: skip
+    assert not loose, "\n".join(loose)
+
+
+def test_output_comparison() -> None:
+    assert output_matches("a 1\nb\n", "a 1   \nb\n\n")
+    assert not output_matches("a 1\n", "a 2\n")
+    assert output_matches("took ... s\nlandlock_abi: ...\n", "took 3.2 s\nlandlock_abi: 7\n")
+    assert output_matches("start\n...\nend\n", "start\nx\ny\nend\n")
+    assert not output_matches("start\n...\nend\n", "start\nx\n")
+
+
+def test_covered_by_needs_a_test_that_runs_the_block(tmp_path: Path) -> None:
+    """The pointer holds only for a run_doc_block call whose literal arguments select the
+    block: naming the doc in a comment or a docstring, or selecting another block, does not."""
+    doc = "docs/tasks.md"
+    block = next(b for b in BLOCKS if b.doc == doc and "ParityTask" in b.code)
+    other = next(b for b in BLOCKS if b.doc == doc and "chain_sum" in b.code)
+    assert runs_doc_block(f"run_doc_block({doc!r}, 'class ParityTask', cwd=tmp)\n", block)
+    assert runs_doc_block(f"docblocks.run_doc_block(doc={doc!r}, contains='ParityTask')", block)
+    assert not runs_doc_block(f"# {doc} runs ParityTask\nx = {doc!r}\n", block)
+    assert not runs_doc_block(f"run_doc_block({doc!r}, 'chain_sum', cwd=tmp)\n", block)
+    assert runs_doc_block(f"run_doc_block({doc!r}, 'chain_sum', cwd=tmp)\n", other)
+    assert not runs_doc_block(f"run_doc_block({doc!r}, 'get_task', cwd=tmp)\n", block)  # many
+    assert runs_doc_block(f"exec_doc_block({doc!r}, 'ParityTask', {{}})\n", block)
+
+
+def test_cheap_bash_blocks_are_told_apart() -> None:
+    assert expensive_command("composer-replication config show | head -n 3\n") is None
+    assert (
+        expensive_command(".venv/bin/composer-replication config validate a.toml b.toml\n") is None
+    )
+    assert expensive_command("composer-replication train --help\n") is None
+    assert expensive_command("composer-replication train\n") == "composer-replication train"
+    assert expensive_command("composer-replication config validate x.toml --check-store\n")
+    assert expensive_command("pip install -e .\n") == "pip install -e ."
+    assert expensive_command("composer-replication config show > out.toml\n")
+
+
 def test_collector_finds_blocks_and_markers(tmp_path: Path) -> None:
     """The collector itself: fences, languages, indentation, markers and bash splitting."""
     doc = tmp_path / "selftest.md"
@@ -365,13 +381,18 @@ def test_collector_finds_blocks_and_markers(tmp_path: Path) -> None:
         "- item\n\n  ```toml\n  [run]\n  name = 'a'\n  ```\n\n"
         "<!-- doc-test: covered-by tests/test_readme.py -->\n\n```bash\necho hi\n```\n"
         "```text\nnot collected\n```\n"
+        "```python\nprint(1)\n```\n\n```output\n1\n```\n```bash\necho 2\n```\n```\n2\n```\n"
     )
     doc.write_text(text)
     blocks = collect_blocks(doc, "docs/selftest.md")
-    assert [(b.line, b.lang) for b in blocks] == [(4, "python"), (10, "toml"), (17, "bash")]
+    assert [(b.line, b.lang) for b in blocks] == [
+        (4, "python"), (10, "toml"), (17, "bash"), (23, "python"), (30, "bash")
+    ]  # fmt: skip
     assert blocks[0].skip == "needs a GPU" and blocks[0].code == "x = 1\n"
     assert blocks[1].code == "[run]\nname = 'a'\n" and blocks[1].skip is None
-    assert blocks[2].covered_by == "tests/test_readme.py"
+    assert blocks[2].covered_by == "tests/test_readme.py" and blocks[2].expected is None
+    assert (blocks[3].line, blocks[3].expected, blocks[3].bare_after) == (23, "1\n", None)
+    assert (blocks[4].expected, blocks[4].bare_after) == (None, 33)
     assert cli_invocations(
         "FOO=1 .venv/bin/composer-replication train a.toml x.y=1 && echo ok  # c\n"
         "python -m composer_replication config show \\\n  --json | head\n"

@@ -6,7 +6,9 @@ What one replica (run/replica.py), `bake-traces` (run/bake.py), the Monarch reci
 
 - `build_task(config)`: the built-in task of `[task]`, split by `run.seed`.
 - `build_model(config)`: `(model, tokenizer)`: the tiny Qwen2 built locally from `[model]`
-  (no download), else `from_pretrained` of a hub id or a local folder.
+  (no download), else `from_pretrained` of a hub id or a local folder, as a Hugging Face user
+  loads it: `AutoModelForCausalLM` and `AutoTokenizer` (`load_tokenizer`; a checkpoint of a
+  run, `runs/<run>/checkpoints/final`, comes back with the exact tokenizer it trained with).
 - `build_teachers(config, task)`: the `[[teachers.endpoints]]` clients, else (with
   `teachers.oracle`) an `OracleTeacher` answering the task's TRAIN prompts with their reference
   solution (held-out prompts get no answer, so none can leak through channel 3).
@@ -22,10 +24,14 @@ transformers, TRL) are imported inside the functions that need them.
 
 from __future__ import annotations
 
+import json
+import logging
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from composer_replication.config import ConfigError
+from composer_replication.config.schema import GENERATION_ENGINES
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback
@@ -37,12 +43,14 @@ if TYPE_CHECKING:
     from composer_replication.trainer import ComposerConfig, ComposerReplicationTrainer
 
 __all__ = [
+    "GENERATION_ARGS",
     "build_model",
     "build_task",
     "build_teachers",
     "build_trainer",
     "channel1_args",
     "composer_kwargs",
+    "load_tokenizer",
     "task_index",
     "task_verifier",
     "teacher_pool",
@@ -50,6 +58,12 @@ __all__ = [
     "trainer_args",
     "trl_training_args",
 ]
+
+logger = logging.getLogger(__name__)
+
+# The generic tokenizer classes transformers writes for a tokenizer built from a `tokenizers`
+# object; transformers 5 replaces them for some model types (Qwen2 among them).
+_GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 # [loss] keys that configure channel 1, which is TRL's own loss: they become TRL arguments
 # (key -> GRPOConfig argument), not composer keywords.
@@ -60,6 +74,23 @@ CHANNEL1_TRL_ARGS = {
     "delta": "delta",
     "kl_beta": "beta",
 }
+
+
+# `[train] generation` -> the TRL GRPOConfig arguments that select that rollout engine; keyed by
+# the schema's choices (config.schema.GENERATION_ENGINES). benchmarks/gpu_step.py measures them.
+GENERATION_ARGS: dict[str, dict[str, Any]] = {
+    "generate": {},  # TRL's default path: model.generate on the left-padded prompt batch
+    "paged": {"use_transformers_continuous_batching": True},
+    "paged_eager": {
+        "use_transformers_continuous_batching": True,
+        "transformers_continuous_batching_config": {"use_cuda_graph": False},
+    },
+}
+if set(GENERATION_ARGS) != set(GENERATION_ENGINES):  # pragma: no cover - a programming error
+    raise RuntimeError(
+        f"GENERATION_ARGS {sorted(GENERATION_ARGS)} must cover config.schema.GENERATION_ENGINES "
+        f"{sorted(GENERATION_ENGINES)}"
+    )
 
 
 def build_task(config: RunConfig) -> Task:
@@ -100,9 +131,9 @@ def build_model(config: RunConfig) -> tuple[PreTrainedModel, PreTrainedTokenizer
         )
         return model, tok
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    tok = AutoTokenizer.from_pretrained(m.name, trust_remote_code=m.trust_remote_code)
+    tok = load_tokenizer(m.name, trust_remote_code=m.trust_remote_code)
     tok.padding_side = "left"
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
@@ -111,6 +142,47 @@ def build_model(config: RunConfig) -> tuple[PreTrainedModel, PreTrainedTokenizer
         m.name, dtype=dtype, trust_remote_code=m.trust_remote_code
     )
     return model, tok
+
+
+def load_tokenizer(name: str, *, trust_remote_code: bool = False) -> Any:
+    """`AutoTokenizer.from_pretrained(name)`, as a Hugging Face user loads a hub id or a folder.
+
+    One exception, for local folders only: a folder whose `tokenizer_config.json` records a
+    generic fast tokenizer (`TokenizersBackend` / `PreTrainedTokenizerFast`: how checkpoints of
+    this project were saved before their tokenizers became `Qwen2Tokenizer`s) is loaded as that
+    class, from its `tokenizer.json` as written (never a loss), with a warning: for a Qwen2 model
+    `AutoTokenizer` would rebuild it as a `Qwen2Tokenizer`, which drops the spaces and newlines
+    of the tiny model's old vocabulary.
+    """
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
+    recorded = _recorded_tokenizer_class(Path(name).expanduser())
+    if recorded in _GENERIC_TOKENIZER_CLASSES and type(tok).__name__ not in (
+        _GENERIC_TOKENIZER_CLASSES
+    ):
+        from transformers import PreTrainedTokenizerFast
+
+        logger.warning(
+            "%s records tokenizer class %s, but AutoTokenizer.from_pretrained builds a %s from "
+            "it (transformers overrides the class for this model type), which may encode "
+            "differently; loading its tokenizer.json as written instead. Elsewhere, load it with "
+            "PreTrainedTokenizerFast.from_pretrained(%r).",
+            name, recorded, type(tok).__name__, name,
+        )  # fmt: skip
+        tok = PreTrainedTokenizerFast.from_pretrained(name)
+    return tok
+
+
+def _recorded_tokenizer_class(folder: Path) -> str | None:
+    """The `tokenizer_class` a local folder's tokenizer_config.json names (None: none, or not
+    a folder)."""
+    try:
+        recorded = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    value = recorded.get("tokenizer_class") if isinstance(recorded, dict) else None
+    return value if isinstance(value, str) else None
 
 
 def task_index(task: Task) -> dict[str, Example]:
@@ -214,6 +286,7 @@ def trl_training_args(
         "use_cpu": not cuda,
         "bf16": cuda and config.model.dtype == "bfloat16",
         "seed": seed,
+        **GENERATION_ARGS[t.generation],
     }
 
 

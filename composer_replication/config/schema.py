@@ -26,7 +26,7 @@ The loader checks values against the `Literal` choices and suggests the nearest 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from composer_replication.diloco.mode_registry import outer_loop_mode
 from composer_replication.diloco.outer_mode import OuterLoopMode, RunShape
@@ -45,6 +45,7 @@ from composer_replication.loss import (
 )
 
 __all__ = [
+    "GENERATION_ENGINES",
     "LOSS_KEYS_SET_BY_THE_RUN",
     "BackendConfig",
     "ChaosConfig",
@@ -63,6 +64,12 @@ __all__ = [
     "TeachersConfig",
     "TrainConfig",
 ]
+
+# [train] generation: how TRL samples the rollouts. The names are here (the schema's choices);
+# what each one sets in TRL is assembly.build.GENERATION_ARGS, keyed by them (a test checks that
+# the two agree). docs/trainer.md, "On a GPU", says which to pick.
+GenerationEngine = Literal["generate", "paged", "paged_eager"]
+GENERATION_ENGINES: tuple[GenerationEngine, ...] = get_args(GenerationEngine)
 
 # The loss library's defaults: every [loss] key's default is read from here.
 _LOSS = ComposeConfig()
@@ -175,6 +182,13 @@ class TrainConfig:
         32, "eval prompts used per evaluation (at most task.n_eval of them)"
     )
     torch_threads: int = setting(1, "torch intra-op threads per replica (0 = torch default)")
+    generation: GenerationEngine = setting(
+        "generate",
+        "rollout engine: 'generate' (TRL's default: transformers' generate on a left-padded "
+        "batch), 'paged' (transformers' continuous batching over a paged KV cache, TRL's "
+        "use_transformers_continuous_batching, formerly use_transformers_paged; CUDA graphs "
+        "captured each generation) or 'paged_eager' (the same without CUDA graphs)",
+    )
 
     def __post_init__(self) -> None:
         require(self.max_steps >= 1, "train.max_steps", "must be >= 1")

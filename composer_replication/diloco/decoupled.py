@@ -48,11 +48,11 @@ from torch import nn
 
 from composer_replication.diloco.fragments import strided_fragments, whole_model_fragment
 from composer_replication.diloco.synchronizer_config import SynchronizerSettings
-from composer_replication.exchange.decoupled import DecoupledStore, fragment_manifest
 from composer_replication.exchange.liveness import LEARNER_ROLE, write_heartbeat
-from composer_replication.exchange.manager import RoundRecord, round_record
 from composer_replication.exchange.protocol import CorruptContributionError, tensors_digest
+from composer_replication.exchange.push_store import DecoupledStore, fragment_manifest
 from composer_replication.exchange.store import Store
+from composer_replication.exchange.store_manager import RoundRecord, round_record
 from composer_replication.fields import require, setting
 
 __all__ = [
@@ -202,6 +202,7 @@ class DecoupledLearner:
         self._bound = False
         self._state = "running"
         self.pushes = 0  # written
+        self.written: list[str] = []  # the names of the pushes written, in order
         self.pushes_skipped = 0  # nothing trained since the base (a new global just arrived)
         self.pushes_replaced = 0  # a newer push of the fragment replaced it in the queue
         self.pushes_failed = 0  # store errors (retried)
@@ -405,9 +406,11 @@ class DecoupledLearner:
         self._since_push[i] = 0
         with self._queue_cv:
             replaced = self._queue.get(i)
-            if replaced is not None:  # the newer push covers the queued one's work
-                fields["steps_since_push"] += replaced[1]["steps_since_push"]
+            if replaced is not None:
                 self.pushes_replaced += 1
+                if replaced[1]["base"] == fields["base"]:  # the newer push covers its work
+                    fields["steps_since_push"] += replaced[1]["steps_since_push"]
+                # (from an older base its work is not in the newer push: it is lost)
             self._queue[i] = (delta, fields)
             self._queue_cv.notify_all()
 
@@ -423,6 +426,10 @@ class DecoupledLearner:
             self.base[i] = tensors
             self.versions[i] = v
             self._since_base[i] = 0
+            # The steps since the last push were trained on the fragment just replaced: their
+            # work is gone (alpha = 0) or only partly kept (alpha > 0, not counted), so they do
+            # not count towards the next push's `steps_since_push`.
+            self._since_push[i] = 0
             self._tokens_base[i] = 0 if self._tokens_reported else None
             self.applied += 1
         after = min(self.versions) if self.versions else 0
@@ -465,14 +472,17 @@ class DecoupledLearner:
                 self.pushes_failed += 1
                 log.warning("learner %d: push of fragment %d failed: %r", self.learner, i, e)
                 with self._queue_cv:
-                    if i in self._queue:  # superseded while we retried: its work includes ours
-                        self._queue[i][1]["steps_since_push"] += fields["steps_since_push"]
+                    if i in self._queue:  # superseded while we retried
+                        newer = self._queue[i][1]
+                        if newer["base"] == fields["base"]:  # its work includes ours
+                            newer["steps_since_push"] += fields["steps_since_push"]
                         self.pushes_replaced += 1
                         return
                 if self._stop.wait(backoff):
                     return
                 backoff = min(backoff * 2, 5.0)
         self.pushes += 1
+        self.written.append(pid.name)
         self.bytes_uploaded += nbytes
         try:
             self.docs.write_progress(self.learner, step=int(fields["learner_step"]), done=False,

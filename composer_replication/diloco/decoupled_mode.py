@@ -20,8 +20,8 @@ from composer_replication.diloco.section import DilocoConfig, ManagerName, ModeN
 from composer_replication.diloco.synchronizer import Synchronizer
 from composer_replication.diloco.synchronizer_config import SynchronizerConfig
 from composer_replication.exchange import codecs
-from composer_replication.exchange.decoupled import DecoupledStore
 from composer_replication.exchange.liveness import LEARNER_ROLE
+from composer_replication.exchange.push_store import DecoupledStore
 from composer_replication.exchange.store import ObjectStore
 from composer_replication.fields import require
 
@@ -67,9 +67,9 @@ class DecoupledDiLoCo:
             "'rda' averages directions itself: use diloco.aggregate = 'mean' with it",
         )
         require(
-            d.codec != codecs.SPARSE,
+            not codecs.get(d.codec).needs_error_feedback,
             "diloco.codec",
-            "'sparseloco' runs in sync mode only: a decoupled push is the whole change since "
+            f"{d.codec!r} runs in sync mode only: a decoupled push is the whole change since "
             "the last global version the learner loaded (a later push repeats an earlier "
             "one's work, and a queued push can be replaced by a newer one), so a per-push "
             "error-feedback accumulator would count work twice; use diloco.mode = 'sync'",

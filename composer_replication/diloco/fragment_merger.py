@@ -38,9 +38,9 @@ from composer_replication.diloco.merge import (
     rda,
 )
 from composer_replication.diloco.synchronizer_config import SynchronizerConfig
-from composer_replication.exchange.decoupled import DecoupledStore, Push, PushId
 from composer_replication.exchange.lease import Lease
 from composer_replication.exchange.protocol import CorruptContributionError
+from composer_replication.exchange.push_store import DecoupledStore, Push, PushId
 
 __all__ = ["FragmentMerger", "FragmentState", "Inbox", "SynchronizerStats", "Timings"]
 
@@ -212,7 +212,12 @@ class FragmentMerger:
         self, frag: FragmentState, on_time: dict[int, list[PushId]], late: list[PushId], now: float
     ) -> None:
         sel = self._select(frag, on_time, late)
-        if not sel.inputs:  # only late pushes to drop: consume them without a new version
+        if not sel.inputs:
+            # only late pushes to drop: consume them without a new version (recorded, as no
+            # merge record will name them)
+            for pid in late:
+                if pid.name in sel.dropped:
+                    self.record_unmerged(pid, f"dropped: {sel.dropped[pid.name]}")
             frag.consumed.update(sel.dropped)
             for pid in late:
                 self.inbox.pending.pop(pid, None)
@@ -223,8 +228,9 @@ class FragmentMerger:
         pushes = [self.inbox.pending[p] for p in sel.inputs]
         merged, decisions = self._combine(record, pushes, frag)
         record["decisions"] = decisions
-        if not merged:  # every input refused: consume them, no new version
+        if not merged:  # every input refused: consume them, no new version (recorded)
             log.warning("fragment %d: every input refused (%s)", frag.index, decisions)
+            self._record_refused_merge(record, sel, late)
             frag.consumed.update(record["consumed"])
             for p in sel.inputs + sel.superseded + late:
                 self.inbox.pending.pop(p, None)
@@ -252,6 +258,26 @@ class FragmentMerger:
         self._count(frag, record, sel)
         if self.on_merge is not None:
             self.on_merge(record)
+
+    def record_unmerged(self, pid: PushId, reason: str) -> None:
+        """Record a push consumed without a merge record naming it (refused, or dropped when no
+        merge happens), so that an audit can account for every push written."""
+        try:
+            self.docs.write_refusal(pid, reason)
+        except OSError as e:  # housekeeping: the decision stands either way
+            log.warning("recording why %s was not merged failed: %r", pid.name, e)
+
+    def _record_refused_merge(
+        self, record: dict[str, Any], sel: _Selection, late: list[PushId]
+    ) -> None:
+        """Every push a merge that refused all its inputs consumes, recorded with why."""
+        why = {k: f"dropped: {v}" for k, v in sel.dropped.items()}
+        why.update({p.name: "superseded by a push that was refused" for p in sel.superseded})
+        for k, d in record["decisions"].items():
+            why[k] = f"refused by the merge: {(d or {}).get('reason', d)}"
+        for pid in sel.inputs + sel.superseded + late:
+            if pid.name in record["consumed"]:
+                self.record_unmerged(pid, why.get(pid.name, "refused by the merge"))
 
     def _select(
         self, frag: FragmentState, on_time: dict[int, list[PushId]], late: list[PushId]

@@ -20,7 +20,8 @@ Two halves:
 Implementations: `composer_replication.exchange.ObjectStoreManager` (replicas that meet only in an
 object store; it satisfies the protocol structurally, the exchange does not import this
 package) and `composer_replication.diloco.torchft_path.TorchFTManager` (a real torchft Manager
-and lighthouse). mypy checks both against the protocol below.
+and lighthouse). mypy checks both against the protocol (each proof sits beside what it proves
+and imports this module, never the other way round: no import circle).
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 import torch.distributed as dist
 
-from composer_replication.exchange.manager import RoundRecord
 from composer_replication.exchange.outer_state import LoadStateFn, SaveStateFn
+from composer_replication.exchange.store_manager import RoundRecord
 
 __all__ = ["DiLoCoSurface", "Manager", "RoundRecord"]
 
@@ -83,9 +84,8 @@ class Manager(DiLoCoSurface, Protocol):
     def history(self) -> Sequence[RoundRecord]: ...
 
 
-if TYPE_CHECKING:  # mypy proves that both implementations satisfy the protocol
-    from composer_replication.diloco.torchft_path import TorchFTManager
-    from composer_replication.exchange.manager import ObjectStoreManager
+if TYPE_CHECKING:  # mypy proves that the object-store implementation satisfies the protocol
+    from composer_replication.exchange.store_manager import ObjectStoreManager
 
-    def _implementations(a: ObjectStoreManager, b: TorchFTManager) -> tuple[Manager, Manager]:
-        return a, b
+    def _implementation(a: ObjectStoreManager) -> Manager:
+        return a  # (torchft_path.py holds the same proof for TorchFTManager)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from composer_replication.exchange import robust
-from composer_replication.exchange.decoupled import Push
+from composer_replication.exchange.push_store import Push
 
 __all__ = [
     "LATE_POLICIES",

@@ -33,10 +33,10 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from composer_replication.exchange.manager import RoundRecord
 from composer_replication.exchange.robust import AggregatePolicy, LossProbe
 from composer_replication.exchange.signing import RunKeys
 from composer_replication.exchange.store import ObjectStore
+from composer_replication.exchange.store_manager import RoundRecord
 
 __all__ = [
     "GlobalWeights",

@@ -46,8 +46,8 @@ from composer_replication.fields import require, setting
 
 if TYPE_CHECKING:
     from composer_replication.diloco.manager import Manager
-    from composer_replication.exchange.manager import RoundRecord
     from composer_replication.exchange.outer_state import LoadStateFn, SaveStateFn
+    from composer_replication.exchange.store_manager import RoundRecord
 
 __all__ = ["ErrorFeedbackManager", "SparseLoCoConfig", "compress", "sparseloco_outer_optimizer"]
 

@@ -33,9 +33,9 @@ from composer_replication.diloco.section import DilocoConfig, ManagerName, ModeN
 from composer_replication.exchange import codecs
 from composer_replication.exchange.allreduce import ObjectStoreAllReduce
 from composer_replication.exchange.liveness import REPLICA_ROLE
-from composer_replication.exchange.manager import ObjectStoreManager
 from composer_replication.exchange.state import parse_state_name, state_prefix
 from composer_replication.exchange.store import ObjectStore, Store
+from composer_replication.exchange.store_manager import ObjectStoreManager
 from composer_replication.fields import require
 
 __all__ = ["SyncDiLoCo", "resume_round"]
@@ -71,7 +71,7 @@ class SyncDiLoCo:
             "diloco.lighthouse",
             "is only used with diloco.manager = 'torchft'; remove it or set the manager",
         )
-        if d.codec == codecs.SPARSE:
+        if codecs.get(d.codec).needs_error_feedback:
             require(
                 d.outer_optimizer != "adam",
                 "diloco.outer_optimizer",
@@ -134,13 +134,17 @@ class SyncDiLoCo:
             fence=ctx.fence,
         )
         manager = ObjectStoreManager(allreduce=allreduce)
-        if d.codec == codecs.SPARSE:  # SparseLoCo: the replica's error feedback around it
+        if codecs.get(
+            d.codec
+        ).needs_error_feedback:  # SparseLoCo: the replica's error feedback around it
             return d.build_error_feedback(manager)
         return manager
 
     def outer_factory(self) -> OuterOptimizerFactory:
         """The outer optimizer in use: `[diloco] outer_*`, or SparseLoCo's plain SGD."""
-        if self.config.codec == codecs.SPARSE:  # the error feedback replaces the momentum
+        if codecs.get(
+            self.config.codec
+        ).needs_error_feedback:  # the error feedback replaces the momentum
             return self.config.build_sparse_outer_optimizer()
         return self.config.build_outer_optimizer()
 

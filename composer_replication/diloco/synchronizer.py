@@ -1,7 +1,7 @@
 """The Decoupled DiLoCo synchronizer: merge each fragment once a quorum has pushed, then step.
 
 One synchronizer is active per run (it holds the lease of exchange/lease.py). It watches the
-learners' pushes (exchange/decoupled.py) and, for each fragment p at version v:
+learners' pushes (exchange/push_store.py) and, for each fragment p at version v:
 
 1. **Quorum**: it waits until ``quorum`` distinct learners have pushed fragment p based on
    version v ("on time"), counting only learners that have not finished and are not dead (so a
@@ -68,10 +68,10 @@ from composer_replication.diloco.merge import (
     rda,
 )
 from composer_replication.diloco.synchronizer_config import SynchronizerConfig
-from composer_replication.exchange.decoupled import DecoupledStore, Push, PushId
 from composer_replication.exchange.lease import Lease
 from composer_replication.exchange.liveness import LEARNER_ROLE, read_liveness, write_heartbeat
 from composer_replication.exchange.protocol import CorruptContributionError
+from composer_replication.exchange.push_store import DecoupledStore, Push, PushId
 from composer_replication.exchange.store import Store
 
 __all__ = [
@@ -340,19 +340,22 @@ class Synchronizer:
                 continue  # deleted meanwhile
             if isinstance(got, str):
                 log.warning("refusing %s", got)
-                self.inbox.refused[pid] = got
-                self.stats.refused += 1
-                self.stats.last_rejection = time.time()
+                self._refuse(pid, got)
                 continue
             if self.config.weighting == "tokens" and got.tokens is None:
-                self.inbox.refused[pid] = f"push {pid.name}: no token count for weighting='tokens'"
-                self.stats.refused += 1
-                self.stats.last_rejection = time.time()
+                self._refuse(pid, f"push {pid.name}: no token count for weighting='tokens'")
                 continue
             self.inbox.pending[pid] = got
             self.inbox.arrived[pid] = now
             if got.step_seconds > 0:
                 self.timings.step_s = ema(self.timings.step_s, got.step_seconds, self.config.ema)
+
+    def _refuse(self, pid: PushId, reason: str) -> None:
+        """Refuse a push for good, recorded in the store (`DecoupledStore.write_refusal`)."""
+        self.inbox.refused[pid] = reason
+        self.stats.refused += 1
+        self.stats.last_rejection = time.time()
+        self.merger.record_unmerged(pid, reason)
 
     def _fetch_push(self, pid: PushId) -> tuple[Push | str | None, int]:
         return self.docs.fetch_push(pid, self.fragments[pid.fragment].reference)

@@ -56,7 +56,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlparse
 
 import torch
@@ -64,7 +64,6 @@ import torch.distributed as dist
 
 from composer_replication.diloco.manager import DiLoCoSurface, Manager
 from composer_replication.exchange.documents import RunDocuments
-from composer_replication.exchange.manager import RoundRecord, round_record
 from composer_replication.exchange.outer_state import (
     LoadStateFn,
     OuterState,
@@ -75,6 +74,7 @@ from composer_replication.exchange.outer_state import (
     publish_outer_state,
 )
 from composer_replication.exchange.state import model_fingerprint
+from composer_replication.exchange.store_manager import RoundRecord, round_record
 from composer_replication.fields import require, setting
 
 __all__ = [
@@ -381,6 +381,12 @@ class TorchFTManager:
         self.manager.shutdown(wait=False)
         if self._on_close is not None:
             self._on_close()
+
+
+if TYPE_CHECKING:  # mypy proves that TorchFTManager satisfies the outer loop's protocol
+
+    def _implementation(m: TorchFTManager) -> Manager:
+        return m
 
 
 def as_manager(manager: Manager) -> Manager:

@@ -16,8 +16,8 @@ EXPORTS = {
     "ObjectStore": "composer_replication.exchange.store",
     "normalize_uri": "composer_replication.exchange.store",
     "ObjectStoreAllReduce": "composer_replication.exchange.allreduce",
-    "ObjectStoreManager": "composer_replication.exchange.manager",
-    "MockManager": "composer_replication.exchange.manager",
+    "ObjectStoreManager": "composer_replication.exchange.store_manager",
+    "MockManager": "composer_replication.exchange.store_manager",
     "CODECS": "composer_replication.exchange.codecs",
 }
 

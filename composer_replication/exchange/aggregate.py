@@ -16,12 +16,11 @@ order, so every replica gets the same bits:
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
 
 import torch
 
 from composer_replication.exchange import codecs
-from composer_replication.exchange.protocol import Contribution, dtype_name
+from composer_replication.exchange.vocabulary import CommitRecord, Contribution, dtype_name
 
 CHUNK = 1 << 20  # elements per coordinate-wise slice (n ranks x 4 MiB of float32)
 
@@ -93,7 +92,7 @@ def coordinatewise(
 
 
 def average_in_rank_order(
-    commit: dict[str, Any], contributions: dict[int, Contribution]
+    commit: CommitRecord, contributions: dict[int, Contribution]
 ) -> dict[str, torch.Tensor]:
     """name -> float32 merge over ``commit["included_ranks"]`` as the commit says (entries are
     popped as used, so each peer's payload is freed as soon as it has been added).
@@ -115,15 +114,16 @@ def average_in_rank_order(
     for r in ranks:
         c = contributions.pop(r)
         coefficient = None if equal else commit["weights"][r] * scales.get(r, 1.0)
-        if c.codec != "fp32" or not equal:  # decode and weight into the accumulator, streaming
+        codec = codecs.get(c.codec)
+        if not codec.zero_copy_decode or not equal:  # decode and weight into the accumulator
             for name, shape, parts in c.encoded():
-                if name in pending:  # an fp32 first addend (mixed codecs): start from a copy
+                if name in pending:  # a zero-copy first addend (mixed codecs): start from a copy
                     acc[name] = pending.pop(name).clone()
                 fresh = name not in acc
                 if fresh:
                     acc[name] = torch.empty(shape, dtype=torch.float32)
-                codecs.decode_into(
-                    parts, c.codec, acc[name].view(-1), accumulate=not fresh, weight=coefficient
+                codec.decode_into(
+                    parts, acc[name].view(-1), accumulate=not fresh, weight=coefficient
                 )
             del c
             continue
@@ -146,7 +146,9 @@ def average_in_rank_order(
     return acc
 
 
-def check_inputs(tensors: Any, step: Any, tokens: Any, inner_steps: Any, weighting: str) -> None:
+def check_inputs(
+    tensors: object, step: object, tokens: object, inner_steps: object, weighting: str
+) -> None:
     """ValueError for anything ``allreduce`` cannot exchange (before any I/O)."""
     if not isinstance(tensors, dict) or not tensors:
         raise ValueError("allreduce expects a non-empty dict[str, torch.Tensor]")

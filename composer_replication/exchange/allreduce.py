@@ -52,22 +52,15 @@ from typing import Any
 
 import torch
 
-from composer_replication.exchange import codecs, wire
+from composer_replication.exchange import checksums, codecs
 from composer_replication.exchange.aggregate import average_in_rank_order, check_inputs
 from composer_replication.exchange.documents import RunDocuments
 from composer_replication.exchange.liveness import REPLICA_ROLE, read_departure
 from composer_replication.exchange.protocol import (
     HEAD_KEY,
-    Contribution,
-    CorruptContributionError,
-    ExchangeCancelledError,
-    ModelMismatchError,
-    StepResult,
-    StoreTimeoutError,
     commit_key,
     contrib_key,
     decode_contribution,
-    dtype_name,
     encode_contribution,
     make_commit,
     owner_key,
@@ -78,6 +71,7 @@ from composer_replication.exchange.protocol import (
 from composer_replication.exchange.robust import (
     AggregatePolicy,
     Candidate,
+    Decision,
     LossProbe,
     TensorStats,
     screen,
@@ -86,7 +80,17 @@ from composer_replication.exchange.robust import (
 )
 from composer_replication.exchange.signing import RunKeys
 from composer_replication.exchange.state import model_fingerprint
-from composer_replication.exchange.store import ObjectStore
+from composer_replication.exchange.store import ObjectStore, Store, normalize_uri
+from composer_replication.exchange.vocabulary import (
+    CommitRecord,
+    Contribution,
+    CorruptContributionError,
+    ExchangeCancelledError,
+    ModelMismatchError,
+    StepResult,
+    StoreTimeoutError,
+    dtype_name,
+)
 from composer_replication.exchange.wire import Buffer
 
 __all__ = [
@@ -124,7 +128,9 @@ class ObjectStoreAllReduce(RunDocuments):
     ``sparse``: what codec ``"sparseloco"`` keeps of this replica's tensors (`sparse.SparseSpec`:
     density, chunk, bits; None: its defaults). Its payloads describe their own layout, so
     readers decode whatever a peer sent (validated); error feedback is the caller's
-    (``diloco/sparseloco.py``).
+    (``diloco/sparseloco.py``). ``store``: the `store.Store` of ``uri`` to use (e.g. a
+    `faulty_store.FaultyStore` that injects faults; None: a new ``ObjectStore(uri,
+    storage_options)``).
     """
 
     def __init__(
@@ -150,6 +156,7 @@ class ObjectStoreAllReduce(RunDocuments):
         sparse: codecs.SparseSpec | None = None,
         departure_poll_s: float = 1.0,
         fence: Callable[[], None] | None = None,
+        store: Store | None = None,
     ) -> None:
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
@@ -198,8 +205,17 @@ class ObjectStoreAllReduce(RunDocuments):
                 "writer_secret must be bytes of length >= 16 (e.g. os.urandom(32)), or None for "
                 "a random secret per process"
             )
+        if store is None:
+            store = ObjectStore(uri, storage_options)
+        elif store.uri != normalize_uri(uri):
+            raise ValueError(f"store= is a store of {store.uri}, not of uri={uri!r}")
+        elif storage_options:
+            raise ValueError(
+                "storage_options configure the store built here; with store= they belong to "
+                "that store"
+            )
         super().__init__(
-            ObjectStore(uri, storage_options),
+            store,
             world_size=world_size,
             codec=codecs.check_codec(codec),
             keep_steps=keep_steps,
@@ -210,11 +226,12 @@ class ObjectStoreAllReduce(RunDocuments):
         if sparse is not None and not isinstance(sparse, codecs.SparseSpec):
             raise TypeError(f"sparse must be a SparseSpec, got {type(sparse).__name__}")
         self.sparse = sparse if sparse is not None else codecs.SparseSpec()
+        self._codec = codecs.configured(self.codec, self.sparse)  # what this replica sends
         # what this replica writes; readers verify whatever algorithm each header names
         if keys is not None:
             checksum = "sha256"  # xxh3-128 is not collision resistant: a signature must bind
         self.checksum = (
-            wire.default_checksum() if checksum is None else wire.check_checksum(checksum)
+            checksums.default_checksum() if checksum is None else checksums.check_checksum(checksum)
         )
         self.policy = policy
         self.loss_probe = loss_probe
@@ -286,8 +303,8 @@ class ObjectStoreAllReduce(RunDocuments):
         before = self.store.requests.snapshot()
         if self.world_size == 1:
             self.last_result = StepResult(step, [0], [], {0: 1.0}, 0, 0, 0.0, self.codec, 0)
-            if self.codec == codecs.SPARSE:  # the "average" of one replica is its message
-                return {n: self._sparse_round_trip(t) for n, t in tensors.items()}
+            if self._codec.needs_error_feedback:  # the "average" of one replica is its message
+                return {n: self._round_trip(t) for n, t in tensors.items()}
             return dict(tensors)
         if self.rank is None:
             raise ValueError(
@@ -326,10 +343,10 @@ class ObjectStoreAllReduce(RunDocuments):
         )
         return result
 
-    def _sparse_round_trip(self, t: torch.Tensor) -> torch.Tensor:
-        """What a lone replica's sparseloco message decodes to (shape, dtype, device of t)."""
+    def _round_trip(self, t: torch.Tensor) -> torch.Tensor:
+        """What a lone replica's message decodes to (shape, dtype, device of t)."""
         flat = torch.empty(t.numel(), dtype=torch.float32)
-        codecs.decode_into(codecs.encode(t, codecs.SPARSE, self.sparse), codecs.SPARSE, flat)
+        self._codec.decode_into(self._codec.encode(t), flat)
         return flat.view(t.shape).to(dtype=t.dtype, device=t.device)
 
     def _check_cancel_and_run(self, step: int) -> None:
@@ -361,7 +378,7 @@ class ObjectStoreAllReduce(RunDocuments):
         tokens: int | None,
         inner_steps: int | None,
     ) -> tuple[
-        dict[str, torch.Tensor], dict[str, Any], int, int, str | None, tuple[float, float, float]
+        dict[str, torch.Tensor], CommitRecord, int, int, str | None, tuple[float, float, float]
     ]:
         """(merged tensors, commit record, bytes up, bytes down, why our slot was squatted,
         seconds spent (uploading, waiting for the peers, merging))."""
@@ -370,10 +387,17 @@ class ObjectStoreAllReduce(RunDocuments):
         ref = {n: (list(t.shape), dtype_name(t.dtype)) for n, t in tensors.items()}
         writer = self.writer_id(step)
         payload, own = encode_contribution(
-            tensors, rank=self.rank, step=step, tokens=tokens, inner_steps=inner_steps,
-            codec=self.codec, checksum=self.checksum, writer=writer, keys=self.keys,
+            tensors,
+            rank=self.rank,
+            step=step,
+            tokens=tokens,
+            inner_steps=inner_steps,
+            codec=self.codec,
+            checksum=self.checksum,
+            writer=writer,
+            keys=self.keys,
             sparse=self.sparse,
-        )  # fmt: skip
+        )
         up = down = 0
         valid: dict[int, Contribution] = {}
         rejected: dict[int, str] = {}
@@ -419,8 +443,9 @@ class ObjectStoreAllReduce(RunDocuments):
                     break
                 down += self._poll_slots(step, ref, valid, rejected, unconfirmed)
                 if time.monotonic() >= next_departure_poll:
-                    self._poll_departures(step, valid, rejected, departed,
-                                          first=next_departure_poll == t_in)  # fmt: skip
+                    self._poll_departures(
+                        step, valid, rejected, departed, first=next_departure_poll == t_in
+                    )
                     next_departure_poll = time.monotonic() + self.departure_poll_s
             except (OSError, RuntimeError) as e:  # transient store errors: retry until deadline
                 last_error = f"; last store error: {e!r}"
@@ -482,8 +507,9 @@ class ObjectStoreAllReduce(RunDocuments):
                 if commit is not None:
                     break
                 self._check_not_stale(step, listing=True)
-                missing = sorted(set(range(self.world_size)) - valid.keys() - rejected.keys()
-                                 - departed.keys())  # fmt: skip
+                missing = sorted(
+                    set(range(self.world_size)) - valid.keys() - rejected.keys() - departed.keys()
+                )
                 error = StoreTimeoutError if not settled else CorruptContributionError
                 raise error(
                     f"step {step}: timeout_s={self.timeout_s} elapsed with {len(valid)} valid "
@@ -520,13 +546,20 @@ class ObjectStoreAllReduce(RunDocuments):
     ) -> None:
         """Read the departure records of the ranks still missing (by key, no listing); at the
         first poll of a step only those of ranks already known to be departed."""
-        pending = [r for r in range(self.world_size)
-                   if r not in valid and r not in rejected and r not in departed
-                   and r != self.rank and (not first or r in self._known_departed)]  # fmt: skip
+        pending = [
+            r
+            for r in range(self.world_size)
+            if r not in valid
+            and r not in rejected
+            and r not in departed
+            and r != self.rank
+            and (not first or r in self._known_departed)
+        ]
         if not pending:
             return
-        reasons = list(self._pool().map(lambda r: read_departure(self.store, REPLICA_ROLE, r),
-                                        pending))  # fmt: skip
+        reasons = list(
+            self._pool().map(lambda r: read_departure(self.store, REPLICA_ROLE, r), pending)
+        )
         for r, why in zip(pending, reasons):
             if why is None:
                 self._known_departed.discard(r)  # it is back (a restarted incarnation)
@@ -588,9 +621,10 @@ class ObjectStoreAllReduce(RunDocuments):
         """Fetch the slots not yet judged, by key (no listing); returns the bytes read."""
         down = 0
         pending = [
-            r for r in range(self.world_size)
+            r
+            for r in range(self.world_size)
             if r not in valid and r not in rejected and r not in unconfirmed
-        ]  # fmt: skip
+        ]
         for r, (c, nbytes) in zip(pending, self._fetch_many(step, pending, ref)):
             down += nbytes
             if isinstance(c, Contribution):
@@ -629,7 +663,7 @@ class ObjectStoreAllReduce(RunDocuments):
         rejected: dict[int, str],
         unconfirmed: dict[int, Contribution],
         stats: dict[int, TensorStats],
-    ) -> tuple[dict[int, Contribution], dict[int, str], list[Any]] | None:
+    ) -> tuple[dict[int, Contribution], dict[int, str], list[Decision]] | None:
         """The committer's screening: (included, excluded with reasons, decisions), or None
         when fewer than ``min_replicas`` pass (the caller waits or fails)."""
         excluded = {r: "missing (not uploaded in time)" for r in range(self.world_size)}
@@ -670,7 +704,7 @@ class ObjectStoreAllReduce(RunDocuments):
                 excluded.pop(r)
         return chosen, excluded, decisions
 
-    def _read_commit(self, step: int) -> dict[str, Any] | None:
+    def _read_commit(self, step: int) -> CommitRecord | None:
         raw = self.store.get(commit_key(step))
         if raw is None:
             return None
@@ -682,7 +716,7 @@ class ObjectStoreAllReduce(RunDocuments):
 
     def _write_head(self, step: int) -> None:
         """Overwrite the head hint with ``step`` (the committer, after its commit record)."""
-        record: dict[str, Any] = {"kind": "head", "step": step}
+        record: dict[str, object] = {"kind": "head", "step": step}
         try:
             body = record if self.keys is None else self.keys.sign(record)
             self.store.put(HEAD_KEY, json.dumps(body).encode())
@@ -715,18 +749,23 @@ class ObjectStoreAllReduce(RunDocuments):
         step: int,
         valid: dict[int, Contribution],
         excluded: dict[int, str],
-        decisions: list[Any] | None = None,
-    ) -> dict[str, Any]:
+        decisions: list[Decision] | None = None,
+    ) -> CommitRecord:
         assert self.rank is not None
         method = self.policy.method
+        trimmed = method == "trimmed_mean"
         record = make_commit(
-            step=step, world_size=self.world_size, included=list(valid.values()),
-            weighting=self.weighting, committed_by=self.rank, excluded=excluded,
-            decisions=decisions, aggregate=method,
-            trim=trim_count(len(valid), self.policy.trim_fraction)
-            if method == "trimmed_mean" else 0,
+            step=step,
+            world_size=self.world_size,
+            included=list(valid.values()),
+            weighting=self.weighting,
+            committed_by=self.rank,
+            excluded=excluded,
+            decisions=decisions,
+            aggregate=method,
+            trim=trim_count(len(valid), self.policy.trim_fraction) if trimmed else 0,
             keys=self.keys,
-        )  # fmt: skip
+        )
         raw = json.dumps(record, sort_keys=True).encode()
         if self.store.put_if_absent(commit_key(step), raw):
             log.info("step %d: rank %d committed ranks %s", step, self.rank, sorted(valid))
@@ -743,7 +782,7 @@ class ObjectStoreAllReduce(RunDocuments):
     def _aggregate(
         self,
         step: int,
-        commit: dict[str, Any],
+        commit: CommitRecord,
         valid: dict[int, Contribution],
         tensors: dict[str, torch.Tensor],
         ref: dict[str, tuple[list[int], str]],
@@ -759,9 +798,12 @@ class ObjectStoreAllReduce(RunDocuments):
             if not isinstance(c, Contribution):
                 raise CorruptContributionError(
                     f"step {step}: the commit lists rank {r} but its contribution "
-                    + ("is gone (garbage-collected? keep_steps too small)" if c is None else
-                       f"cannot be used: {c}")
-                )  # fmt: skip
+                    + (
+                        "is gone (garbage-collected? keep_steps too small)"
+                        if c is None
+                        else f"cannot be used: {c}"
+                    )
+                )
             if c.checksum != pinned[r]:
                 raise CorruptContributionError(
                     f"step {step}: rank {r}'s stored contribution does not match the "

@@ -15,25 +15,21 @@ import json
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from composer_replication.exchange import state as state_mod
-from composer_replication.exchange.protocol import (
+from composer_replication.exchange.protocol import commit_key, parse_step_dir
+from composer_replication.exchange.robust import screen_state
+from composer_replication.exchange.signing import RunKeys, SignatureError
+from composer_replication.exchange.store import Store
+from composer_replication.exchange.vocabulary import (
     CorruptContributionError,
     ExchangeCancelledError,
     ModelMismatchError,
     StoreTimeoutError,
-    commit_key,
-    parse_step_dir,
 )
-from composer_replication.exchange.robust import screen_state
-from composer_replication.exchange.signing import SignatureError
-from composer_replication.exchange.store import Store
-
-if TYPE_CHECKING:
-    from composer_replication.exchange.signing import RunKeys
 
 log = logging.getLogger(__name__)
 
@@ -135,8 +131,9 @@ class RunDocuments:
         bad = screen_state(state)
         if bad is not None:
             raise ValueError(f"publish_state: refusing state {name!r} round {round}: {bad}")
-        blob = state_mod.encode_state(state, name=state_mod.check_state_name(name), round=round,
-                                      extra=extra, keys=self.keys)  # fmt: skip
+        blob = state_mod.encode_state(
+            state, name=state_mod.check_state_name(name), round=round, extra=extra, keys=self.keys
+        )
         wrote = self.store.put_if_absent(state_mod.state_key(name, round), blob)
         if wrote:
             newest_gone = round - self.keep_steps
@@ -154,10 +151,12 @@ class RunDocuments:
         none is good. A state with a missing or wrong signature raises at once."""
         if round is None:
             rounds = [
-                r for r in map(state_mod.parse_state_name,
-                               self.store.list(state_mod.state_prefix(name)))
+                r
+                for r in map(
+                    state_mod.parse_state_name, self.store.list(state_mod.state_prefix(name))
+                )
                 if r is not None
-            ]  # fmt: skip
+            ]
             first: CorruptContributionError | None = None
             for r in sorted(rounds, reverse=True):
                 try:
@@ -210,7 +209,8 @@ class RunDocuments:
             if obj is not None:
                 return obj
             if time.monotonic() >= deadline:
-                raise StoreTimeoutError(f"document {key!r} did not appear at {self.uri} "
-                                        f"within {timeout_s} s")  # fmt: skip
+                raise StoreTimeoutError(
+                    f"document {key!r} did not appear at {self.uri} within {timeout_s} s"
+                )
             if self.cancelled.wait(self.poll_interval_s):
                 raise ExchangeCancelledError(f"wait for {key!r} cancelled")

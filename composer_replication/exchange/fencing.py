@@ -25,7 +25,6 @@ import math
 import os
 import socket
 import time
-from typing import Any
 
 from composer_replication.exchange.store import Store
 
@@ -45,7 +44,7 @@ class FencedError(RuntimeError):
     """A newer launch of the run owns the store: this process must not write anything."""
 
 
-def _parse(doc: Any) -> int:
+def _parse(doc: object) -> int:
     if doc is None:
         return 0
     if not isinstance(doc, dict) or doc.get("format") != FORMAT or doc.get("kind") != "generation":
@@ -64,10 +63,17 @@ def read_generation(store: Store) -> int:
 def bump_generation(store: Store) -> int:
     """Write generation = current + 1 (what every launch of a run does first); returns it."""
     generation = read_generation(store) + 1
-    store.put_json(GENERATION_KEY, {
-        "format": FORMAT, "kind": "generation", "generation": generation, "time": time.time(),
-        "pid": os.getpid(), "host": socket.gethostname(),
-    })  # fmt: skip
+    store.put_json(
+        GENERATION_KEY,
+        {
+            "format": FORMAT,
+            "kind": "generation",
+            "generation": generation,
+            "time": time.time(),
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+        },
+    )
     return generation
 
 

@@ -149,12 +149,18 @@ class Lease:
     def _doc(self, epoch: int, renewals: int, released: bool = False) -> bytes:
         return json.dumps(
             {
-                "format": FORMAT, "kind": "lease", "name": self.name, "epoch": epoch,
-                "owner": self.owner, "ttl_s": self.ttl_s, "renewals": renewals,
-                "released": released, "time": time.time(),
+                "format": FORMAT,
+                "kind": "lease",
+                "name": self.name,
+                "epoch": epoch,
+                "owner": self.owner,
+                "ttl_s": self.ttl_s,
+                "renewals": renewals,
+                "released": released,
+                "time": time.time(),
             },
             sort_keys=True,
-        ).encode()  # fmt: skip
+        ).encode()
 
     # ------------------------------------------------------------------ holding
     def held(self) -> bool:
@@ -229,8 +235,9 @@ class Lease:
             return False
         started = time.monotonic()
         if self.store.exists(self._key(epoch + 1)):
-            log.warning("lease %s: epoch %d superseded; %s steps down", self.name, epoch,
-                        self.owner)  # fmt: skip
+            log.warning(
+                "lease %s: epoch %d superseded; %s steps down", self.name, epoch, self.owner
+            )
             with self._lock:
                 self.epoch = None
             return False
@@ -263,5 +270,10 @@ class Lease:
     def info(self) -> dict[str, Any]:
         """JSON-able view for status documents."""
         with self._lock:
-            return {"name": self.name, "owner": self.owner, "epoch": self.epoch,
-                    "renewals": self._renewals, "ttl_s": self.ttl_s}  # fmt: skip
+            return {
+                "name": self.name,
+                "owner": self.owner,
+                "epoch": self.epoch,
+                "renewals": self._renewals,
+                "ttl_s": self.ttl_s,
+            }

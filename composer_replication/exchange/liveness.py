@@ -35,8 +35,8 @@ its contribution still counts if one arrives). A restarted incarnation deletes i
 it is ready to take part again (`clear_departure`). A record that is not a valid departure
 document is ignored (the member stays expected), so a damaged record never drops anyone.
 
-`run_health` turns the members' liveness into the run-level state ``healthy | degraded |
-critical`` (rules in its docstring and in docs/diloco.md). Everything here is a pure function of
+`run_health` turns the members' liveness into the run-level state ``starting | healthy |
+degraded | critical`` (rules in its docstring and in docs/diloco.md). Everything here is a pure function of
 the store's documents and the clock; nothing is unpickled.
 """
 
@@ -88,7 +88,7 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 STATES = ("running", "done", "failed")
 
 Status = Literal["alive", "stale", "dead", "done"]
-HealthState = Literal["healthy", "degraded", "critical"]
+HealthState = Literal["starting", "healthy", "degraded", "critical"]
 
 
 def _check_name(label: str, value: str) -> str:
@@ -136,13 +136,25 @@ def write_heartbeat(
         raise ValueError(f"heartbeat state must be one of {STATES}, got {state!r}")
     key = heartbeat_key(role, member_id)
     hb = Heartbeat(
-        role=role, id=str(member_id), time=time.time() if now is None else float(now),
-        state=state, pid=os.getpid(), host=socket.gethostname(), fields=dict(fields),
-    )  # fmt: skip
+        role=role,
+        id=str(member_id),
+        time=time.time() if now is None else float(now),
+        state=state,
+        pid=os.getpid(),
+        host=socket.gethostname(),
+        fields=dict(fields),
+    )
     doc = {
-        "format": FORMAT, "kind": "heartbeat", "role": hb.role, "id": hb.id, "time": hb.time,
-        "state": hb.state, "pid": hb.pid, "host": hb.host, "fields": hb.fields,
-    }  # fmt: skip
+        "format": FORMAT,
+        "kind": "heartbeat",
+        "role": hb.role,
+        "id": hb.id,
+        "time": hb.time,
+        "state": hb.state,
+        "pid": hb.pid,
+        "host": hb.host,
+        "fields": hb.fields,
+    }
     try:
         store.put_json(key, doc)
     except TypeError as e:  # json.dumps of something that is not JSON
@@ -150,7 +162,7 @@ def write_heartbeat(
     return hb
 
 
-def parse_heartbeat(doc: Any, *, role: str, member_id: str) -> Heartbeat:
+def parse_heartbeat(doc: object, *, role: str, member_id: str) -> Heartbeat:
     """Validate a heartbeat read from ``health/<role>/<member_id>.json`` (ValueError says why)."""
     if not isinstance(doc, dict) or doc.get("format") != FORMAT or doc.get("kind") != "heartbeat":
         raise ValueError("not a format-1 heartbeat document")
@@ -184,10 +196,17 @@ def write_departure(
     """Declare a member departed (overwrites an earlier record); ``reason`` says why."""
     if not isinstance(reason, str) or not reason:
         raise ValueError("a departure needs a reason (e.g. 'exit code 1; restarts exhausted')")
-    store.put_json(departure_key(role, member_id), {
-        "format": FORMAT, "kind": "departure", "role": role, "id": str(member_id),
-        "time": time.time() if now is None else float(now), "reason": reason[:500],
-    })  # fmt: skip
+    store.put_json(
+        departure_key(role, member_id),
+        {
+            "format": FORMAT,
+            "kind": "departure",
+            "role": role,
+            "id": str(member_id),
+            "time": time.time() if now is None else float(now),
+            "reason": reason[:500],
+        },
+    )
 
 
 def read_departure(store: Store, role: str, member_id: str | int) -> str | None:
@@ -311,6 +330,7 @@ def run_health(
     quorum: int,
     synchronizer_role: str | None = None,
     rejections: int = 0,
+    starting: bool = False,
 ) -> RunHealth:
     """The run state from the members' liveness (rules, in order):
 
@@ -321,32 +341,43 @@ def run_health(
     - **degraded** when any unfinished worker is stale or dead (or missing), a synchronizer is
       stale, or ``rejections`` > 0 (contributions were rejected since the caller last looked);
     - **healthy** otherwise (also once every worker has finished).
+
+    With ``starting`` (the caller's start-up window, e.g. the first minutes after a launch), a
+    worker or synchronizer that has not written its first heartbeat yet is starting, not
+    missing: it counts toward neither rule above, and the state is **starting** when such
+    members are all that keep the run from healthy.
     """
     if n_workers < 1 or not 1 <= quorum <= n_workers:
-        raise ValueError(f"need n_workers >= 1 and 1 <= quorum <= n_workers, got {n_workers}, "
-                         f"{quorum}")  # fmt: skip
+        raise ValueError(
+            f"need n_workers >= 1 and 1 <= quorum <= n_workers, got {n_workers}, {quorum}"
+        )
     workers = {m.id: m for m in members.values() if m.role == worker_role}
-    status = {str(i): workers[str(i)].status if str(i) in workers else "missing"
-              for i in range(n_workers)}  # fmt: skip
+    status = {
+        str(i): workers[str(i)].status if str(i) in workers else "missing" for i in range(n_workers)
+    }
     unfinished = [i for i, s in status.items() if s != "done"]
     alive = [i for i in unfinished if status[i] == "alive"]
+    coming = [i for i in unfinished if starting and status[i] == "missing"]
     critical: list[str] = []
     degraded: list[str] = []
     need = min(quorum, len(unfinished))
-    if len(alive) < need:
+    if len(alive) + len(coming) < need:
         critical.append(
             f"{len(alive)} of {len(unfinished)} unfinished {worker_role}s alive, "
             f"fewer than the quorum of {need}"
         )
     for i in unfinished:
-        if status[i] != "alive":
+        if status[i] != "alive" and i not in coming:
             degraded.append(f"{worker_role} {i} is {status[i]}")
+    sync_coming = False
     if synchronizer_role is not None and unfinished:
         syncs = [m for m in members.values() if m.role == synchronizer_role]
         if any(m.status == "alive" for m in syncs):
             pass
         elif any(m.status == "stale" for m in syncs):
             degraded.append(f"{synchronizer_role} is stale (stopped or partitioned?)")
+        elif starting and not syncs:
+            sync_coming = True
         else:
             critical.append(
                 f"no {synchronizer_role} alive ("
@@ -356,4 +387,11 @@ def run_health(
     if rejections > 0:
         degraded.append(f"{rejections} contribution(s) rejected")
     state: HealthState = "critical" if critical else "degraded" if degraded else "healthy"
-    return RunHealth(state, critical + degraded, len(alive), n_workers)
+    reasons = critical + degraded
+    if state == "healthy" and (coming or sync_coming):
+        state = "starting"
+        waiting = [f"{worker_role} {', '.join(coming)}"] if coming else []
+        waiting += [f"the {synchronizer_role}"] if sync_coming else []
+        reasons = [f"{len(alive)} of {len(unfinished)} {worker_role}s up; waiting for the first "
+                   f"heartbeat of {' and '.join(waiting)}"]  # fmt: skip
+    return RunHealth(state, reasons, len(alive), n_workers)

@@ -60,7 +60,7 @@ LoadStateFn = Callable[[StateDict], None]
 SaveStateFn = Callable[[], StateDict]
 
 
-def encode_state(obj: Any) -> tuple[dict[str, torch.Tensor], Any]:
+def encode_state(obj: object) -> tuple[dict[str, torch.Tensor], Any]:
     """Split a nested state into (flat tensors, JSON skeleton). See the module docstring.
 
     Tensors are detached, made contiguous and moved to CPU (safetensors needs that). Raises
@@ -68,7 +68,7 @@ def encode_state(obj: Any) -> tuple[dict[str, torch.Tensor], Any]:
     """
     tensors: dict[str, torch.Tensor] = {}
 
-    def enc(node: Any, path: str) -> Any:
+    def enc(node: object, path: str) -> Any:
         if isinstance(node, torch.Tensor):
             key = f"t{len(tensors)}"
             tensors[key] = node.detach().to("cpu").contiguous()
@@ -101,10 +101,10 @@ def encode_state(obj: Any) -> tuple[dict[str, torch.Tensor], Any]:
     return tensors, enc(obj, "")
 
 
-def decode_state(tensors: Mapping[str, torch.Tensor], skeleton: Any) -> Any:
+def decode_state(tensors: Mapping[str, torch.Tensor], skeleton: object) -> object:
     """Inverse of `encode_state`. Raises ValueError on a malformed skeleton or missing tensor."""
 
-    def dec(node: Any) -> Any:
+    def dec(node: object) -> object:
         if node is None or isinstance(node, bool | int | float | str):
             return node
         if isinstance(node, dict) and len(node) == 1:
@@ -229,7 +229,7 @@ def wait_for_outer_state(
     return state
 
 
-def state_nbytes(obj: Any) -> int:
+def state_nbytes(obj: object) -> int:
     """Total tensor bytes in a nested state."""
     if isinstance(obj, torch.Tensor):
         return obj.numel() * obj.element_size()

@@ -28,71 +28,55 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import struct
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load as st_load
 
-from composer_replication.exchange import codecs, wire
+from composer_replication.exchange import checksums, codecs, wire
+from composer_replication.exchange.robust import AGGREGATES, Decision
+from composer_replication.exchange.signing import RunKeys, rank_identity
+from composer_replication.exchange.vocabulary import (
+    DTYPES,
+    CommitRecord,
+    Contribution,
+    CorruptContributionError,
+    ExchangeCancelledError,
+    ModelMismatchError,
+    StepResult,
+    StoreTimeoutError,
+    dtype_name,
+)
 
-if TYPE_CHECKING:
-    from composer_replication.exchange.robust import Decision
-    from composer_replication.exchange.signing import RunKeys
+__all__ = [
+    "DTYPES",
+    "FORMAT",
+    "HEADER_KEY",
+    "HEAD_KEY",
+    "CommitRecord",
+    "Contribution",
+    "CorruptContributionError",
+    "ExchangeCancelledError",
+    "ModelMismatchError",
+    "StepResult",
+    "StoreTimeoutError",
+    "commit_key",
+    "contrib_key",
+    "decode_contribution",
+    "dtype_name",
+    "encode_contribution",
+    "make_commit",
+    "owner_key",
+    "parse_commit",
+    "parse_contrib_name",
+    "parse_step_dir",
+    "squat_key",
+    "step_keys",
+    "step_prefix",
+    "tensors_digest",
+]  # the vocabulary (errors, Contribution, StepResult, DTYPES) is re-exported from its leaf
 
 FORMAT = 1
 HEADER_KEY = "composer_replication"
-MAX_HEADER_BYTES = 64 * 2**20  # a safetensors header larger than this is hostile, not a model
-
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-}
-
-
-class StoreTimeoutError(TimeoutError):
-    """A wait on the object store exceeded one of the explicit timeouts (upload/step/run)."""
-
-
-class CorruptContributionError(ValueError):
-    """An object read from the store is malformed, truncated, forged or inconsistent."""
-
-
-class ModelMismatchError(ValueError):
-    """The stored run manifest describes a different model/world size/codec than this replica."""
-
-
-class ExchangeCancelledError(RuntimeError):
-    """``cancel()`` was called while a wait was in progress."""
-
-
-@dataclass
-class StepResult:
-    """What one ``allreduce`` step did (``ObjectStoreAllReduce.last_result``)."""
-
-    step: int
-    included_ranks: list[int]
-    excluded_ranks: list[int]
-    weights: dict[int, float]
-    bytes_uploaded: int
-    bytes_downloaded: int
-    seconds: float
-    codec: str = "fp32"
-    committed_by: int | None = None
-    rejected: dict[int, str] = field(default_factory=dict)  # rank -> why its payload was refused
-    aggregate: str = "mean"
-    # requests this call sent to the store, by kind (put/get/head/list/delete)
-    requests: dict[str, int] = field(default_factory=dict)
-    # where ``seconds`` went: encoding and uploading this rank's contribution; waiting for the
-    # peers (polling, fetching and checking their contributions, screening, the commit record);
-    # merging what the commit record lists into the result
-    upload_seconds: float = 0.0
-    wait_seconds: float = 0.0
-    merge_seconds: float = 0.0
 
 
 def step_prefix(step: int) -> str:
@@ -139,13 +123,6 @@ def parse_contrib_name(name: str) -> int | None:
     return int(stem) if dot and ext == "safetensors" and stem.isdigit() and len(stem) == 5 else None
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    for name, dt in DTYPES.items():
-        if dt == dtype:
-            return name
-    raise ValueError(f"unsupported tensor dtype {dtype}; pseudo-gradients must be floating point")
-
-
 def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
     """sha256 over the raw bytes of ``tensors`` in sorted-key order (keys included)."""
     h = hashlib.sha256()
@@ -156,78 +133,7 @@ def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def read_safetensors_metadata(blob: bytes | memoryview, what: str) -> dict[str, str]:
-    """Parse the safetensors JSON header of ``blob`` without touching its tensor data."""
-    if len(blob) < 8:
-        raise CorruptContributionError(f"{what}: {len(blob)} bytes is not a safetensors payload")
-    (n,) = struct.unpack("<Q", blob[:8])
-    if n == 0 or n > MAX_HEADER_BYTES or 8 + n > len(blob):
-        raise CorruptContributionError(
-            f"{what}: not a safetensors payload (header length {n} for {len(blob)} bytes; "
-            "truncated object, pickle or foreign file)"
-        )
-    try:
-        header = json.loads(bytes(blob[8 : 8 + n]))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CorruptContributionError(f"{what}: safetensors header is not JSON ({e})") from e
-    meta = header.get("__metadata__") if isinstance(header, dict) else None
-    if not isinstance(meta, dict):
-        raise CorruptContributionError(f"{what}: safetensors file has no metadata header")
-    return meta
-
-
-def load_tensors(blob: bytes | memoryview, what: str) -> dict[str, torch.Tensor]:
-    """``safetensors.torch.load`` with errors turned into CorruptContributionError."""
-    try:
-        return st_load(bytes(blob))
-    except (SafetensorError, ValueError, RuntimeError) as e:
-        raise CorruptContributionError(f"{what}: malformed or truncated safetensors ({e})") from e
-
-
 # ----------------------------------------------------------------------------- contributions
-
-
-@dataclass
-class Contribution:
-    """A validated contribution: header fields plus the encoded parts (not yet decoded)."""
-
-    rank: int
-    step: int
-    tokens: int | None
-    inner_steps: int | None
-    codec: str
-    names: list[str]
-    shapes: list[list[int]]
-    dtypes: list[str]
-    digest: str  # hex checksum of the data section, computed with ``checksum_algo``
-    parts: dict[str, torch.Tensor]
-    nbytes: int
-    checksum_algo: str = field(default_factory=wire.default_checksum)
-    extra: dict[str, Any] = field(default_factory=dict)  # caller-defined header fields (JSON)
-    # parts live in a private writable buffer (a fetched local object) that the aggregation
-    # may overwrite instead of allocating; never True for a replica's own tensors
-    private: bool = False
-    writer: str | None = None  # random id of the upload that wrote it (header "writer")
-
-    @property
-    def checksum(self) -> dict[str, str]:
-        """The self-describing checksum as stored in headers and commit records."""
-        return {"algo": self.checksum_algo, "value": self.digest}
-
-    def encoded(self) -> list[tuple[str, list[int], dict[str, torch.Tensor]]]:
-        """(name, shape, {part suffix: tensor}) per tensor, in header order, not decoded."""
-        by_index: list[dict[str, torch.Tensor]] = [{} for _ in self.names]
-        for key, t in self.parts.items():  # keys are "t<i>.<part>"
-            i, _, part = key[1:].partition(".")
-            by_index[int(i)][part] = t
-        return [(n, s, p) for n, s, p in zip(self.names, self.shapes, by_index)]
-
-    def decode(self) -> dict[str, torch.Tensor]:
-        """name -> float32 tensor of the original shape (pure function of the stored parts)."""
-        return {
-            name: codecs.decode(parts, self.codec, math.prod(shape)).view(shape)
-            for name, shape, parts in self.encoded()
-        }
 
 
 def encode_contribution(
@@ -248,7 +154,7 @@ def encode_contribution(
 
     Returns the payload as a list of buffers (``b"".join`` gives the file) and the same data as
     a Contribution. ``checksum`` in the header is ``{"algo": ..., "value": ...}`` of the data
-    section (``checksum=None``: :func:`wire.default_checksum`; ``keys``: sha256, signed).
+    section (``checksum=None``: :func:`checksums.default_checksum`; ``keys``: sha256, signed).
     ``extra`` (a JSON object) is stored in the header as is (covered by the signature) and
     returned in ``Contribution.extra``. ``sparse``: what codec ``sparseloco`` keeps (None:
     `sparse.SparseSpec`'s defaults).
@@ -257,14 +163,15 @@ def encode_contribution(
         raise ValueError(f"signed contributions are checksummed with sha256, not {checksum!r}")
     if keys is not None:
         checksum = "sha256"
-    algo = wire.default_checksum() if checksum is None else wire.check_checksum(checksum)
+    algo = checksums.default_checksum() if checksum is None else checksums.check_checksum(checksum)
+    encoder = codecs.configured(codec, sparse)
     names = sorted(tensors)
     parts: dict[str, torch.Tensor] = {}
     for i, name in enumerate(names):
-        for part, t in codecs.encode(tensors[name], codec, sparse).items():
+        for part, t in encoder.encode(tensors[name]).items():
             parts[f"t{i}.{part}"] = t
     entries, buffers = wire.layout(parts)
-    digest = wire.digest(buffers, algo)
+    digest = checksums.digest(buffers, algo)
     shapes = [list(tensors[n].shape) for n in names]
     dtypes = [dtype_name(tensors[n].dtype) for n in names]
     header = {
@@ -288,23 +195,34 @@ def encode_contribution(
     payload: list[wire.Buffer] = [wire.header_bytes(entries, {HEADER_KEY: json.dumps(header)})]
     payload += buffers
     contrib = Contribution(
-        rank, step, tokens, inner_steps, codec, names, shapes, dtypes, digest,
-        parts, sum(memoryview(b).nbytes for b in payload), algo, dict(extra or {}),
+        rank=rank,
+        step=step,
+        tokens=tokens,
+        inner_steps=inner_steps,
+        codec=codec,
+        names=names,
+        shapes=shapes,
+        dtypes=dtypes,
+        digest=digest,
+        parts=parts,
+        nbytes=sum(memoryview(b).nbytes for b in payload),
+        checksum_algo=algo,
+        extra=dict(extra or {}),
         writer=writer,
-    )  # fmt: skip
+    )
     return payload, contrib
 
 
-def _opt_nonneg_int(v: Any) -> bool:
+def _opt_nonneg_int(v: object) -> bool:
     return v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0)
 
 
-def _is_checksum(v: Any) -> bool:
+def _is_checksum(v: object) -> bool:
     """``{"algo": <known algorithm>, "value": <str>}``, nothing else."""
     return (
         isinstance(v, dict)
         and set(v) == {"algo", "value"}
-        and v["algo"] in wire.CHECKSUMS
+        and v["algo"] in checksums.CHECKSUMS
         and isinstance(v["value"], str)
     )
 
@@ -325,10 +243,7 @@ def decode_contribution(
     and with ``keys`` (signing on) a missing or wrong signature (`signing.SignatureError`).
     """
     what = f"contribution of rank {rank} for step {step}"
-    try:
-        meta, parts, data = wire.unframe(blob, what)
-    except wire.FrameError as e:
-        raise CorruptContributionError(str(e)) from None
+    meta, parts, data = wire.unframe(blob, what)  # FrameError is a CorruptContributionError
     try:
         h = json.loads(meta[HEADER_KEY])
     except (KeyError, TypeError, json.JSONDecodeError) as e:
@@ -341,8 +256,6 @@ def decode_contribution(
             "(a stale or misplaced object)"
         )
     if keys is not None:  # before anything else: an unsigned object is not looked at further
-        from composer_replication.exchange.signing import rank_identity
-
         keys.verify(h, signers={rank_identity(rank)}, what=what)
         if not isinstance(h.get("checksum"), dict) or h["checksum"].get("algo") != "sha256":
             raise CorruptContributionError(f"{what}: a signed contribution must use sha256")
@@ -351,10 +264,10 @@ def decode_contribution(
             f"{what}: header has no checksum (written by an older version of this package?)"
         )
     checksum = h["checksum"]
-    if isinstance(checksum, dict) and checksum.get("algo") not in wire.CHECKSUMS:
+    if isinstance(checksum, dict) and checksum.get("algo") not in checksums.CHECKSUMS:
         raise CorruptContributionError(
             f"{what}: unknown checksum algorithm {checksum.get('algo')!r}; this version "
-            f"verifies {sorted(wire.CHECKSUMS)} (was it written by a newer version?)"
+            f"verifies {sorted(checksums.CHECKSUMS)} (was it written by a newer version?)"
         )
     names, shapes, dtypes = h.get("names"), h.get("shapes"), h.get("dtypes")
     ok = (
@@ -390,15 +303,16 @@ def decode_contribution(
             )
     algo, value = h["checksum"]["algo"], h["checksum"]["value"]
     try:
-        actual = wire.digest([data], algo)
+        actual = checksums.digest([data], algo)
     except ImportError as e:  # cannot verify it, so cannot use it
         raise CorruptContributionError(f"{what}: cannot verify its checksum: {e}") from None
     if actual != value:
         raise CorruptContributionError(f"{what}: {algo} checksum mismatch (corrupted payload)")
+    codec = codecs.get(h["codec"])
     expected: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
     for i, shape in enumerate(shapes):
         try:  # sparseloco parts describe their layout in part "m" (checked here)
-            want = codecs.expected_parts(h["codec"], math.prod(shape), parts.get(f"t{i}.m"))
+            want = codec.expected_parts(math.prod(shape), parts.get(f"t{i}.m"))
         except ValueError as e:
             raise CorruptContributionError(f"{what}: tensor {names[i]!r}: {e}") from None
         for part, spec in want.items():
@@ -407,12 +321,24 @@ def decode_contribution(
     if got != expected:
         raise CorruptContributionError(f"{what}: encoded tensors do not match the header")
     contrib = Contribution(
-        rank, step, h["tokens"], h["inner_steps"], h["codec"], names, shapes, dtypes, value,
-        parts, memoryview(blob).nbytes, algo, h.get("extra", {}), not memoryview(blob).readonly,
-        h.get("writer"),
-    )  # fmt: skip
+        rank=rank,
+        step=step,
+        tokens=h["tokens"],
+        inner_steps=h["inner_steps"],
+        codec=h["codec"],
+        names=names,
+        shapes=shapes,
+        dtypes=dtypes,
+        digest=value,
+        parts=parts,
+        nbytes=memoryview(blob).nbytes,
+        checksum_algo=algo,
+        extra=h.get("extra", {}),
+        private=not memoryview(blob).readonly,
+        writer=h.get("writer"),
+    )
     for name, shape, encoded in contrib.encoded():  # scales/offsets: a few values per 2048
-        why = codecs.check_parts(encoded, contrib.codec, math.prod(shape))
+        why = codec.check_parts(encoded, math.prod(shape))
         if why is not None:
             raise CorruptContributionError(f"{what}: tensor {name!r}: {why}")
     return contrib
@@ -475,22 +401,18 @@ def make_commit(
 
 def parse_commit(
     raw: wire.Buffer, *, step: int, world_size: int, keys: RunKeys | None = None
-) -> dict[str, Any]:
+) -> CommitRecord:
     """Validate a commit record read from the store; returns it with int rank keys.
 
     With ``keys`` (signing on) the record must be signed by the rank it names as
     ``committed_by`` (a `signing.SignatureError` otherwise).
     """
-    from composer_replication.exchange.robust import AGGREGATES
-
     what = f"commit record of step {step}"
     try:
         c = json.loads(bytes(raw))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CorruptContributionError(f"{what} is not JSON ({e}); the step cannot complete") from e
     if keys is not None and isinstance(c, dict):
-        from composer_replication.exchange.signing import rank_identity
-
         by = c.get("committed_by")
         if not (isinstance(by, int) and not isinstance(by, bool) and 0 <= by < world_size):
             raise CorruptContributionError(f"{what} names no committing rank of this run")
@@ -524,8 +446,9 @@ def parse_commit(
     c["checksums"] = {int(r): d for r, d in c["checksums"].items()}
     c["writers"] = {int(r): w for r, w in (c.get("writers") or {}).items()}
     c["excluded"] = {int(r): why for r, why in (c.get("excluded") or {}).items()}
-    return c
+    record: CommitRecord = c  # validated above, rank keys now ints
+    return record
 
 
-def _is_weight(w: Any) -> bool:
+def _is_weight(w: object) -> bool:
     return isinstance(w, float) and math.isfinite(w) and w >= 0

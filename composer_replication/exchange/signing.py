@@ -33,9 +33,15 @@ import re
 import secrets
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from composer_replication.exchange.protocol import CorruptContributionError
+from composer_replication.exchange.vocabulary import CorruptContributionError
+
+if TYPE_CHECKING:  # cryptography is imported where a key is used (the [security] extra)
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import (
+        Ed25519PrivateKey,
+        Ed25519PublicKey,
+    )
 
 __all__ = [
     "DRIVER",
@@ -83,14 +89,15 @@ def canonical_bytes(record: Mapping[str, Any]) -> bytes:
     """What is signed: DOMAIN + the record without ``signature`` as canonical JSON."""
     body = {k: v for k, v in record.items() if k != "signature"}
     try:
-        text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
-                          allow_nan=False)  # fmt: skip
+        text = json.dumps(
+            body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
+        )
     except (TypeError, ValueError) as e:
         raise ValueError(f"cannot sign a record that is not plain JSON: {e}") from None
     return DOMAIN + text.encode()
 
 
-def _private(hex_key: str, what: str) -> Any:
+def _private(hex_key: str, what: str) -> Ed25519PrivateKey:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
     if not isinstance(hex_key, str) or not _HEX64.match(hex_key.strip().lower()):
@@ -98,7 +105,7 @@ def _private(hex_key: str, what: str) -> Any:
     return Ed25519PrivateKey.from_private_bytes(bytes.fromhex(hex_key.strip().lower()))
 
 
-def _public(hex_key: str, what: str) -> Any:
+def _public(hex_key: str, what: str) -> Ed25519PublicKey:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
     if not isinstance(hex_key, str) or not _HEX64.match(hex_key.strip().lower()):
@@ -129,11 +136,11 @@ def public_key_of(private_hex: str) -> str:
     return key.public_bytes(Encoding.Raw, PublicFormat.Raw).hex()
 
 
-def _sign(private_key: Any, record: Mapping[str, Any]) -> str:
-    return str(private_key.sign(canonical_bytes(record)).hex())
+def _sign(private_key: Ed25519PrivateKey, record: Mapping[str, Any]) -> str:
+    return private_key.sign(canonical_bytes(record)).hex()
 
 
-def _verify(public_key: Any, record: Mapping[str, Any], signature: str) -> bool:
+def _verify(public_key: Ed25519PublicKey, record: Mapping[str, Any], signature: str) -> bool:
     from cryptography.exceptions import InvalidSignature
 
     try:
@@ -154,8 +161,13 @@ def make_key_manifest(
     if keys.get(DRIVER, driver_public) != driver_public:
         raise ValueError("the manifest's 'driver' key is not the signing driver key")
     keys[DRIVER] = driver_public
-    record = {"format": 1, "kind": "keys", "run_id": run_id, "signer": DRIVER,
-              "public_keys": dict(sorted(keys.items()))}  # fmt: skip
+    record = {
+        "format": 1,
+        "kind": "keys",
+        "run_id": run_id,
+        "signer": DRIVER,
+        "public_keys": dict(sorted(keys.items())),
+    }
     record["signature"] = _sign(_private(driver_private_hex, "driver key"), record)
     return record
 
@@ -198,8 +210,8 @@ class RunKeys:
     public_keys: dict[str, str]
     identity: str | None = None
     private_key_hex: str | None = field(default=None, repr=False)
-    _private_key: Any = field(default=None, repr=False, compare=False)
-    _publics: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    _private_key: Ed25519PrivateKey | None = field(default=None, repr=False, compare=False)
+    _publics: dict[str, Ed25519PublicKey] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if (self.identity is None) != (self.private_key_hex is None):

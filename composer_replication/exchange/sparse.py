@@ -40,8 +40,12 @@ from dataclasses import dataclass
 
 import torch
 
+from composer_replication.exchange.codec_blocks import PartLayout, Parts, check_length, check_output
+
 __all__ = [
     "BITS",
+    "NAME",
+    "SparseCodec",
     "SparseSpec",
     "check_parts",
     "decode_into",
@@ -51,6 +55,7 @@ __all__ = [
     "max_abs_error_bound",
 ]
 
+NAME = "sparseloco"
 BITS: tuple[int, ...] = (1, 2, 4, 8)  # code widths that pack whole codes into a byte
 MAX_CHUNK = 1 << 20  # a larger chunk is not a chunk any more (and a hostile header)
 ROWS_PER_PASS = 256  # chunks per streaming pass (256 x 4096 float32 = 4 MiB of scratch)
@@ -322,3 +327,69 @@ def max_abs_error_bound(t: torch.Tensor, spec: SparseSpec) -> torch.Tensor:
         m = x.abs().topk(min(spec.k, x.numel())).values.max()
         out[c * chunk : c * chunk + x.numel()] = m / (2**spec.bits - 1)
     return out * (1 + 1e-5) + flat.abs() * 1e-6 + torch.finfo(torch.float32).tiny
+
+
+class SparseCodec:
+    """The ``sparseloco`` codec as the registry serves it: :class:`SparseSpec` is its config.
+
+    It drops most entries, so it relies on the sender's error feedback
+    (``needs_error_feedback``): a lone replica applies its own message, and decoupled pushes
+    (each the whole change since the learner's base version, possibly replaced in the queue)
+    cannot use it. Its payloads describe their own layout (part ``m``), so any instance decodes
+    any valid payload, whatever spec wrote it.
+    """
+
+    needs_error_feedback = True
+    zero_copy_decode = False
+
+    def __init__(self, config: SparseSpec | None = None) -> None:
+        self.config = SparseSpec() if config is None else config
+
+    def __repr__(self) -> str:
+        return f"SparseCodec({self.config})"
+
+    def layout(self, numel: int) -> PartLayout:
+        """What :meth:`encode` writes for ``numel`` elements under this codec's spec."""
+        c = self.config
+        return expected_parts(numel, c.chunk, min(c.k, c.chunk), c.bits)
+
+    def wire_size(self, numel: int) -> int:
+        return sum(
+            math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            for dtype, shape in self.layout(numel).values()
+        )
+
+    def encode(self, t: torch.Tensor) -> Parts:
+        return encode(t, self.config)
+
+    def expected_parts(self, numel: int, meta: torch.Tensor | None = None) -> PartLayout:
+        """The layout a received payload's ``m`` part announces (ValueError if it is missing or
+        malformed: the payload cannot be decoded)."""
+        if meta is None:
+            raise ValueError(f"codec {NAME!r}: the payload has no 'm' part [chunk, k, bits]")
+        read = read_meta(meta)
+        if isinstance(read, str):
+            raise ValueError(read)
+        return expected_parts(numel, *read)
+
+    def check_parts(self, parts: Parts, numel: int) -> str | None:
+        return check_parts(parts, numel)
+
+    def decode(self, parts: Parts, numel: int) -> torch.Tensor:
+        return self.decode_into(parts, torch.empty(numel, dtype=torch.float32))
+
+    def decode_into(
+        self,
+        parts: Parts,
+        out: torch.Tensor,
+        *,
+        accumulate: bool = False,
+        weight: float | None = None,
+    ) -> torch.Tensor:
+        check_output(out)
+        want = self.expected_parts(out.numel(), parts.get("m"))["q"][1][0]
+        check_length(out, parts["q"].numel(), want, NAME)
+        return decode_into(parts, out, accumulate=accumulate, weight=weight)
+
+    def max_abs_error_bound(self, t: torch.Tensor) -> torch.Tensor:
+        return max_abs_error_bound(t, self.config)

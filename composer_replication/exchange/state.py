@@ -13,22 +13,15 @@ from __future__ import annotations
 
 import json
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from safetensors.torch import save as st_save
 
-from composer_replication.exchange.protocol import (
-    FORMAT,
-    HEADER_KEY,
-    CorruptContributionError,
-    load_tensors,
-    read_safetensors_metadata,
-    tensors_digest,
-)
-
-if TYPE_CHECKING:
-    from composer_replication.exchange.signing import RunKeys
+from composer_replication.exchange import wire
+from composer_replication.exchange.protocol import FORMAT, HEADER_KEY, tensors_digest
+from composer_replication.exchange.signing import RunKeys
+from composer_replication.exchange.vocabulary import CorruptContributionError
 
 # who may sign a published state: any rank (sync mode) or the synchronizer (decoupled mode)
 STATE_SIGNERS = frozenset({"rank-*", "synchronizer"})
@@ -69,11 +62,14 @@ def parse_state_name(fname: str) -> int | None:
     )
 
 
-def model_fingerprint(model_or_state_dict: Any) -> dict[str, Any]:
+def model_fingerprint(
+    model_or_state_dict: torch.nn.Module | dict[str, torch.Tensor],
+) -> dict[str, Any]:
     """Parameter names, shapes and dtypes of an ``nn.Module`` (named_parameters) or a dict.
 
     Returns ``{"parameters": {name: [shape, dtype]}, "num_parameters": int}`` (JSON-able).
     """
+    items: list[tuple[str, torch.Tensor]]
     if isinstance(model_or_state_dict, torch.nn.Module):
         items = list(model_or_state_dict.named_parameters())
     elif isinstance(model_or_state_dict, dict):
@@ -148,7 +144,7 @@ def decode_state(
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Validate a state snapshot (its signature too, with ``keys``); returns (tensors, extra)."""
     what = f"state {name!r} round {round}"
-    meta = read_safetensors_metadata(blob, what)
+    meta, views, _ = wire.unframe(blob, what)  # one header parser for every object we read
     try:
         h = json.loads(meta[HEADER_KEY])
     except (KeyError, TypeError, json.JSONDecodeError) as e:
@@ -164,7 +160,8 @@ def decode_state(
         and isinstance(h.get("extra"), dict)
     ):
         raise CorruptContributionError(f"{what}: header does not describe this snapshot")
-    tensors = load_tensors(blob, what)
+    # copies the caller owns (the views alias the fetched buffer, read-only for remote stores)
+    tensors = {k: t.clone() for k, t in views.items()}
     if tensors_digest(tensors) != h.get("sha256"):
         raise CorruptContributionError(f"{what}: sha256 checksum mismatch")
     return tensors, h["extra"]

@@ -52,7 +52,15 @@ from typing import Any, Protocol
 
 import torch
 
-__all__ = ["REQUEST_KINDS", "ObjectStore", "Payload", "RequestCounter", "Store", "normalize_uri"]
+__all__ = [
+    "REQUEST_KINDS",
+    "ObjectStore",
+    "Payload",
+    "RequestCounter",
+    "Store",
+    "normalize_uri",
+    "probe_writable",
+]
 
 Payload = bytes | Sequence[bytes | bytearray | memoryview]
 Names = list[str]  # (`ObjectStore.list` shadows the builtin inside the class body)
@@ -494,17 +502,23 @@ class ObjectStore:
     # ------------------------------------------------------------------ preflight
     def probe_writable(self) -> None:
         """Write, read back and delete one small object; raise OSError saying what failed."""
-        key = f"_probe-{uuid.uuid4().hex[:12]}"
+        probe_writable(self)
+
+
+def probe_writable(store: Store) -> None:
+    """Write, read back and delete one small object of ``store``; raise OSError saying what
+    failed (`ObjectStore.probe_writable`)."""
+    key = f"_probe-{uuid.uuid4().hex[:12]}"
+    try:
+        store.put(key, b"ok")
+        got = store.get(key)
+        if got is None or bytes(got) != b"ok":
+            raise OSError(f"a probe object written to {store.uri} read back differently")
+    finally:
         try:
-            self.put(key, b"ok")
-            got = self.get(key)
-            if got is None or bytes(got) != b"ok":
-                raise OSError(f"a probe object written to {self._uri} read back differently")
-        finally:
-            try:
-                self.delete(key)
-            except OSError:  # the write failed; nothing to clean
-                pass
+            store.delete(key)
+        except OSError:  # the write failed; nothing to clean
+            pass
 
 
 def _remove_empty_parents(root: str, folders: set[str]) -> None:

@@ -2,24 +2,40 @@
 
 The bytes are the standard safetensors format: ``safetensors.torch.load`` reads what
 :func:`layout` + :func:`header_bytes` write, and :func:`unframe` reads what
-``safetensors.torch.save`` writes (the tests check both directions). We frame ourselves only to avoid copies: ``safetensors.torch.save``
-materialises one more copy of every tensor and ``load`` another, which for a 100M-parameter
-pseudo-gradient costs more than the file transfer itself. :func:`unframe` validates untrusted
-input as strictly as the reference implementation: a JSON header of known dtypes and shapes
-whose data offsets tile the data section exactly. Nothing is ever unpickled.
+``safetensors.torch.save`` writes (the tests check both directions). We frame ourselves only to
+avoid copies: ``safetensors.torch.save`` materialises one more copy of every tensor and ``load``
+another, which for a 100M-parameter pseudo-gradient costs more than the file transfer itself.
+
+:func:`parse_header` is the package's one parser of untrusted safetensors headers (contributions,
+pushes and state snapshots): it validates as strictly as the reference implementation, a JSON
+header of known dtypes and shapes whose data offsets tile the data section exactly, and raises
+`FrameError` (a `CorruptContributionError`) saying what is wrong. Nothing is ever unpickled.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import struct
 import warnings
-from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
 
 import torch
+
+from composer_replication.exchange.vocabulary import FrameError
+
+__all__ = [
+    "MAX_HEADER_BYTES",
+    "ST_DTYPES",
+    "Buffer",
+    "Entry",
+    "FrameError",
+    "Header",
+    "header_bytes",
+    "layout",
+    "parse_header",
+    "unframe",
+]
 
 MAX_HEADER_BYTES = 64 * 2**20  # a safetensors header larger than this is hostile, not a model
 ST_DTYPES: dict[str, torch.dtype] = {
@@ -31,15 +47,15 @@ ST_DTYPES: dict[str, torch.dtype] = {
     "I32": torch.int32,
     "I16": torch.int16,
     "I8": torch.int8,
+    "U64": torch.uint64,
+    "U32": torch.uint32,
+    "U16": torch.uint16,
     "U8": torch.uint8,
+    "BOOL": torch.bool,
 }
 _ST_NAMES = {v: k for k, v in ST_DTYPES.items()}
 
 Buffer = bytes | bytearray | memoryview
-
-
-class FrameError(ValueError):
-    """The bytes are not a well-formed safetensors payload (message says why)."""
 
 
 def _as_bytes_view(t: torch.Tensor) -> memoryview:
@@ -82,64 +98,37 @@ def header_bytes(entries: dict[str, object], metadata: dict[str, str]) -> bytes:
     return struct.pack("<Q", len(header)) + header
 
 
-CHECKSUMS: tuple[str, ...] = ("xxh3-128", "sha256")
+@dataclass(frozen=True)
+class Entry:
+    """One tensor a safetensors header describes: its bytes are ``data[begin:end]``."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int
+    end: int
 
 
-def default_checksum() -> str:
-    """``"xxh3-128"`` when the ``xxhash`` package is installed, else ``"sha256"``.
+@dataclass(frozen=True)
+class Header:
+    """A validated safetensors header: the metadata, the entries in data order (their byte
+    ranges tile the data section exactly), and where the data section starts in the blob."""
 
-    Every byte of a step is checksummed 4 times per replica (own payload + 3 peers); on the
-    2-core benchmark machine sha256 runs at ~0.9 GB/s and xxh3-128 at 5-10 GB/s, so with
-    sha256 the checksums alone cost more CPU than the whole raw file:// transfer.
-    """
-    try:
-        import xxhash  # noqa: F401
-    except ImportError:
-        return "sha256"
-    return "xxh3-128"
+    metadata: dict[str, str]
+    entries: tuple[Entry, ...]
+    data_start: int
 
 
-def check_checksum(algo: str) -> str:
-    """Return ``algo`` if it is a known checksum whose implementation is importable."""
-    if algo not in CHECKSUMS:
-        raise ValueError(f"unknown checksum {algo!r}; choose one of {', '.join(CHECKSUMS)}")
-    _hasher(algo)  # ImportError now rather than at the first upload
-    return algo
+def parse_header(blob: Buffer, what: str) -> Header:
+    """Parse and validate the safetensors header of ``blob`` without touching its tensor data.
 
-
-def _hasher(algo: str) -> Any:
-    if algo == "sha256":
-        return hashlib.sha256()
-    if algo == "xxh3-128":
-        try:
-            import xxhash
-        except ImportError as e:
-            raise ImportError(
-                "checksum 'xxh3-128' needs the xxhash package: pip install xxhash "
-                "(or use checksum='sha256')"
-            ) from e
-        return xxhash.xxh3_128()
-    raise ValueError(f"unknown checksum {algo!r}; choose one of {', '.join(CHECKSUMS)}")
-
-
-def digest(buffers: Sequence[Buffer], algo: str | None = None) -> str:
-    """Checksum (hex) of the concatenated buffers, without concatenating them.
-
-    ``algo`` is one of :data:`CHECKSUMS` (default :func:`default_checksum`). Both detect
-    truncation and accidental corruption; only sha256 also resists deliberate forgery (someone
-    with write access to the bucket crafting a different payload with the same checksum).
-    """
-    h = _hasher(default_checksum() if algo is None else algo)
-    for b in buffers:
-        h.update(b)
-    return h.hexdigest()
-
-
-def unframe(blob: Buffer, what: str) -> tuple[dict[str, str], dict[str, torch.Tensor], memoryview]:
-    """Parse and validate a safetensors payload: (metadata, tensors, data section).
-
-    The tensors are zero-copy views into ``blob`` (read-only if ``blob`` is ``bytes``: never
-    write into them). Raises FrameError saying what is wrong.
+    The one parser of untrusted safetensors headers in the package (contributions, pushes and
+    state snapshots all go through it). Raises `FrameError` naming ``what`` and the fault: a
+    blob too short for the length prefix, a header length of 0, above ``MAX_HEADER_BYTES`` or
+    past the end (truncated object, pickle or foreign file), a header that is not a JSON object,
+    metadata that is not strings, an entry with unknown keys, an unknown dtype or a bad shape,
+    offsets that disagree with the shape, and byte ranges that overlap, leave gaps or do not end
+    where the data section ends.
     """
     mv = memoryview(blob).cast("B")
     if mv.nbytes < 8:
@@ -159,51 +148,71 @@ def unframe(blob: Buffer, what: str) -> tuple[dict[str, str], dict[str, torch.Te
     meta = header.pop("__metadata__", {})
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise FrameError(f"{what}: safetensors metadata must map strings to strings")
-    data = mv[8 + n :]
-    spans = []
-    for name, e in header.items():
-        ok = (
-            isinstance(e, dict)
-            and set(e) == {"dtype", "shape", "data_offsets"}
-            and e["dtype"] in ST_DTYPES
-            and isinstance(e["shape"], list)
-            and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in e["shape"])
-            and isinstance(e["data_offsets"], list)
-            and len(e["data_offsets"]) == 2
-            and all(isinstance(o, int) and not isinstance(o, bool) for o in e["data_offsets"])
-        )
-        if not ok:
-            raise FrameError(f"{what}: malformed safetensors entry {name!r}")
-        begin, end = e["data_offsets"]
-        itemsize = torch.empty((), dtype=ST_DTYPES[e["dtype"]]).element_size()
-        if not 0 <= begin <= end or end - begin != math.prod(e["shape"]) * itemsize:
-            raise FrameError(f"{what}: entry {name!r} has inconsistent offsets/shape")
-        spans.append((begin, end, name))
-    spans.sort()
+    entries = [_entry(name, e, what) for name, e in header.items()]
+    entries.sort(key=lambda e: (e.begin, e.end, e.name))
     pos = 0
-    for begin, end, name in spans:
-        if begin != pos:
-            raise FrameError(f"{what}: data of {name!r} does not follow the previous tensor")
-        pos = end
-    if pos != data.nbytes:
+    for e in entries:
+        if e.begin != pos:
+            raise FrameError(f"{what}: data of {e.name!r} does not follow the previous tensor")
+        pos = e.end
+    data_bytes = mv.nbytes - 8 - n
+    if pos != data_bytes:
         raise FrameError(
-            f"{what}: malformed or truncated safetensors (data section is {data.nbytes} bytes, "
+            f"{what}: malformed or truncated safetensors (data section is {data_bytes} bytes, "
             f"header describes {pos})"
         )
+    return Header(metadata=meta, entries=tuple(entries), data_start=8 + n)
+
+
+def _entry(name: str, e: object, what: str) -> Entry:
+    """One header entry, validated (FrameError otherwise)."""
+    ok = (
+        isinstance(e, dict)
+        and set(e) == {"dtype", "shape", "data_offsets"}
+        and e["dtype"] in ST_DTYPES
+        and isinstance(e["shape"], list)
+        and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in e["shape"])
+        and isinstance(e["data_offsets"], list)
+        and len(e["data_offsets"]) == 2
+        and all(isinstance(o, int) and not isinstance(o, bool) for o in e["data_offsets"])
+    )
+    if not ok:
+        raise FrameError(f"{what}: malformed safetensors entry {name!r}")
+    assert isinstance(e, dict)
+    begin, end = e["data_offsets"]
+    dtype = ST_DTYPES[e["dtype"]]
+    shape = tuple(e["shape"])
+    if not 0 <= begin <= end or end - begin != math.prod(shape) * _itemsize(dtype):
+        raise FrameError(f"{what}: entry {name!r} has inconsistent offsets/shape")
+    return Entry(name, dtype, shape, begin, end)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def unframe(blob: Buffer, what: str) -> tuple[dict[str, str], dict[str, torch.Tensor], memoryview]:
+    """Parse and validate a safetensors payload: (metadata, tensors, data section).
+
+    The tensors are zero-copy views into ``blob`` (read-only if ``blob`` is ``bytes``: never
+    write into them). Raises FrameError saying what is wrong (see :func:`parse_header`).
+    """
+    header = parse_header(blob, what)
+    mv = memoryview(blob).cast("B")
+    data = mv[header.data_start :]
     tensors = {}
     with warnings.catch_warnings():  # bytes are read-only; we never write into these views
         warnings.simplefilter("ignore", UserWarning)
-        for begin, end, name in spans:
-            dtype = ST_DTYPES[header[name]["dtype"]]
-            shape = header[name]["shape"]
-            if end == begin:
-                tensors[name] = torch.empty(shape, dtype=dtype)
+        for e in header.entries:
+            if e.end == e.begin:
+                tensors[e.name] = torch.empty(e.shape, dtype=e.dtype)
                 continue
-            itemsize = torch.empty((), dtype=dtype).element_size()
+            itemsize = _itemsize(e.dtype)
             src: Buffer = mv
-            offset = 8 + n + begin
+            offset = header.data_start + e.begin
             if offset % itemsize:  # misaligned (not written by us): copy to an aligned buffer
-                src, offset = bytearray(data[begin:end]), 0
-            t = torch.frombuffer(src, dtype=dtype, count=(end - begin) // itemsize, offset=offset)
-            tensors[name] = t.view(shape)
-    return meta, tensors, data
+                src, offset = bytearray(data[e.begin : e.end]), 0
+            count = (e.end - e.begin) // itemsize
+            t = torch.frombuffer(src, dtype=e.dtype, count=count, offset=offset)
+            tensors[e.name] = t.view(e.shape)
+    return header.metadata, tensors, data

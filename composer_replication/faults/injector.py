@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from composer_replication.exchange.decoupled import DecoupledStore
+from composer_replication.exchange.push_store import DecoupledStore
 from composer_replication.exchange.store import ObjectStore
 from composer_replication.faults.events import ChaosEventConfig
 from composer_replication.faults.proxy import ThrottleProxy
@@ -406,7 +406,7 @@ class ChaosInjector:
         if kind == "global":
             versions = DecoupledStore(self.store).versions(0, "global")
             if versions:
-                from composer_replication.exchange.decoupled import global_key
+                from composer_replication.exchange.push_store import global_key
 
                 key = global_key(0, versions[-1])
         elif kind == "contribution":

@@ -4,9 +4,14 @@
 - ``distill``: ``generalized_jsd``, ``taid_loss`` + ``TAIDScheduler``, ``entropy_opd_loss`` (channel 2)
 - ``preference``: ``dpo_loss``, ``simpo_loss`` (channel 3)
 - ``compose``: ``compose_loss(model, inputs, **kw)`` on the one composer batch (docs/api.md), its
-  per-channel terms ``sdpo_term`` / ``replay_term`` (for trainers that compute channel 1
-  themselves) and the tensor-level ``combine``
-- log-probs: ``selective_log_softmax`` (from logits), ``completion_logps`` (from a causal LM)
+  per-channel terms ``sdpo_term`` / ``fused_sdpo_term`` / ``replay_term`` (for trainers that
+  compute channel 1 themselves), the tensor-level ``combine``, and ``assemble`` (the total from
+  channel results: the one place it is formed)
+- ``fused``: ``fused_linear_jsd``, channel 2's generalized JSD from last hidden states through the
+  output layer (no ``(B, T, V)`` logits; backends ``FUSED_JSD_BACKENDS``: PyTorch, our Triton
+  kernels, Liger-Kernel)
+- log-probs: ``selective_log_softmax`` (from logits), ``completion_logps`` (from a causal LM);
+  the model protocols ``CausalLM`` and ``HiddenStateLM`` (a causal LM's body)
 - ``ComposeConfig``: every keyword and its default; ``TAID_T_START``/``TAID_T_END`` and the
   choice tuples ``LOSS_TYPES``, ``SDPO_WRAPPERS``, ``DPO_VARIANTS`` (and their ``Literal``
   types ``LossType``, ``SdpoWrapper``, ``DpoVariant``)
@@ -14,35 +19,39 @@
 Every loss returns ``(loss, metrics)``: a 0-dim tensor and a dict of python floats.
 """
 
-from composer_replication.loss._config import (
-    DPO_VARIANTS,
-    SDPO_WRAPPERS,
-    TAID_T_END,
-    TAID_T_START,
-    DpoVariant,
-    SdpoWrapper,
+from composer_replication.loss._config import DPO_VARIANTS, SDPO_WRAPPERS, DpoVariant, SdpoWrapper
+from composer_replication.loss._logprobs import (
+    CausalLM,
+    HiddenStateLM,
+    completion_logps,
+    selective_log_softmax,
 )
-from composer_replication.loss._logprobs import CausalLM, completion_logps, selective_log_softmax
 from composer_replication.loss.compose import (
     ComposeConfig,
+    assemble,
     combine,
     compose_loss,
+    fused_sdpo_term,
     replay_term,
     sdpo_term,
 )
 from composer_replication.loss.distill import (
     TAID_ALPHA,
     TAID_BETA,
+    TAID_T_END,
+    TAID_T_START,
     TAIDScheduler,
     entropy_opd_loss,
     generalized_jsd,
     taid_loss,
 )
+from composer_replication.loss.fused import FUSED_JSD_BACKENDS, fused_linear_jsd
 from composer_replication.loss.policy import LOSS_TYPES, LossType, dppo_mask, grpo_loss
 from composer_replication.loss.preference import dpo_loss, simpo_loss
 
 __all__ = [
     "DPO_VARIANTS",
+    "FUSED_JSD_BACKENDS",
     "LOSS_TYPES",
     "SDPO_WRAPPERS",
     "TAID_ALPHA",
@@ -52,15 +61,19 @@ __all__ = [
     "CausalLM",
     "ComposeConfig",
     "DpoVariant",
+    "HiddenStateLM",
     "LossType",
     "SdpoWrapper",
     "TAIDScheduler",
+    "assemble",
     "combine",
     "completion_logps",
     "compose_loss",
     "dpo_loss",
     "dppo_mask",
     "entropy_opd_loss",
+    "fused_linear_jsd",
+    "fused_sdpo_term",
     "generalized_jsd",
     "grpo_loss",
     "replay_term",

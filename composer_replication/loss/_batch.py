@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -23,6 +22,9 @@ from composer_replication.loss._logprobs import (
     sequence_logps,
 )
 from composer_replication.loss._prefix import shared_prefix_completion_logits
+
+# The composer batch (docs/api.md): key -> tensor (or a count); values are checked where read.
+Batch = Mapping[str, object]
 
 SDPO_KEYS = (
     "sdpo_teacher_input_ids",
@@ -41,7 +43,7 @@ REPLAY_ROW_KEYS = ("replay_pair_mask", "replay_chosen_ids", "replay_chosen_mask"
 REPLAY_REF_KEYS = ("replay_ref_chosen_logps", "replay_ref_rejected_logps")
 
 
-def require(inputs: Mapping[str, Any], key: str) -> Tensor:
+def require(inputs: Batch, key: str) -> Tensor:
     """``inputs[key]`` as a tensor, or ValueError naming the key."""
     value = inputs.get(key)
     if value is None:
@@ -51,7 +53,22 @@ def require(inputs: Mapping[str, Any], key: str) -> Tensor:
     return value
 
 
-def normaliser(inputs: Mapping[str, Any], key: str) -> Tensor | None:
+def optional_tensor(inputs: Batch, key: str) -> Tensor | None:
+    """``inputs[key]`` when present (a tensor, else ValueError naming the key), else None."""
+    return None if inputs.get(key) is None else require(inputs, key)
+
+
+def optional_count(inputs: Batch, key: str) -> int | Tensor | None:
+    """An optional count (an int or a tensor): ``num_items_in_batch``, ``max_completion_length``."""
+    value = inputs.get(key)
+    if value is None or isinstance(value, Tensor):
+        return value
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"inputs[{key!r}] must be an int or a tensor, got {type(value).__name__}")
+    return value
+
+
+def normaliser(inputs: Batch, key: str) -> Tensor | None:
     """The optional 0-dim count ``inputs[key]`` (a positive number) as a float tensor."""
     value = inputs.get(key)
     if value is None:
@@ -62,7 +79,7 @@ def normaliser(inputs: Mapping[str, Any], key: str) -> Tensor | None:
     return count.reshape(())
 
 
-def channel1(inputs: Mapping[str, Any]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def channel1(inputs: Batch) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Validated ``prompt_ids, prompt_mask, completion_ids, completion_mask, advantages``."""
     prompt_ids, prompt_mask = require(inputs, "prompt_ids"), require(inputs, "prompt_mask")
     completion_ids = require(inputs, "completion_ids")
@@ -106,7 +123,7 @@ class SdpoRows:
 
 def sdpo_rows(
     teacher: CausalLM,
-    inputs: Mapping[str, Any],
+    inputs: Batch,
     student: Tensor,
     *,
     logits_to_keep: bool,
@@ -190,7 +207,7 @@ class ReplayPairs:
 
 
 def _references(
-    inputs: Mapping[str, Any], dpo_variant: str, rows: Tensor | None
+    inputs: Batch, dpo_variant: str, rows: Tensor | None
 ) -> tuple[Tensor | None, Tensor | None]:
     if dpo_variant != "dpo":
         return None, None
@@ -206,7 +223,7 @@ def _references(
     return ref_c, ref_r
 
 
-def _sequence(model: CausalLM, inputs: Mapping[str, Any], side: str) -> tuple[Tensor, Tensor]:
+def _sequence(model: CausalLM, inputs: Batch, side: str) -> tuple[Tensor, Tensor]:
     """Summed and mean log-probs of one explicit-pairs side (token j scored by logits j-1)."""
     ids = require(inputs, f"replay_{side}_input_ids")
     attn = require(inputs, f"replay_{side}_attention_mask")
@@ -224,7 +241,7 @@ def _sequence(model: CausalLM, inputs: Mapping[str, Any], side: str) -> tuple[Te
 _Sides = tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor], tuple[Tensor | None, Tensor | None]]
 
 
-def _explicit_pairs(model: CausalLM, inputs: Mapping[str, Any], dpo_variant: str) -> _Sides | None:
+def _explicit_pairs(model: CausalLM, inputs: Batch, dpo_variant: str) -> _Sides | None:
     for key in REPLAY_KEYS:
         require(inputs, key)  # some replay keys but not all: name the missing one
     n_chosen = require(inputs, "replay_chosen_input_ids").shape[0]
@@ -240,7 +257,7 @@ def _explicit_pairs(model: CausalLM, inputs: Mapping[str, Any], dpo_variant: str
 
 def _rollout_pairs(
     model: CausalLM,
-    inputs: Mapping[str, Any],
+    inputs: Batch,
     student: Tensor | None,
     dpo_variant: str,
     logits_to_keep: bool,
@@ -286,7 +303,7 @@ def _rollout_pairs(
 
 def replay_pairs(
     model: CausalLM,
-    inputs: Mapping[str, Any],
+    inputs: Batch,
     student: Tensor | None,
     dpo_variant: str,
     *,

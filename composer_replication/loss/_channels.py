@@ -1,8 +1,8 @@
 """The three channels as pure tensor functions, and how their results are summed and reported.
 
 Shared by ``compose.combine`` (tensors given) and ``compose.compose_loss`` / ``sdpo_term`` /
-``replay_term`` (tensors from the batch's forward passes). ``assemble`` is the only place the
-total is formed:
+``replay_term`` (tensors from the batch's forward passes). ``weighted_total`` (which ``assemble``
+calls, adding the metrics) is the only place the total is formed:
 ``grpo + alpha_sdpo * sdpo + beta_replay * replay``, where an inactive channel is not added at
 all (so switching a channel off is bit-exact, not "plus 0.0 times something").
 """
@@ -102,6 +102,18 @@ def scaled(result: Result, count: Tensor, normaliser: Tensor | None) -> Result:
     return loss * factor, metrics
 
 
+def weighted_total(
+    cfg: ComposeConfig, grpo: Tensor, sdpo: Tensor | None, replay: Tensor | None
+) -> Tensor:
+    """``grpo + alpha_sdpo * sdpo + beta_replay * replay``, a channel given as None not added."""
+    total = grpo
+    if sdpo is not None:
+        total = total + cfg.alpha_sdpo * sdpo
+    if replay is not None:
+        total = total + cfg.beta_replay * replay
+    return total
+
+
 def assemble(
     cfg: ComposeConfig, grpo: Result, sdpo: Result | None, replay: Result | None
 ) -> Result:
@@ -110,17 +122,21 @@ def assemble(
     ``sdpo``/``replay`` are None when the channel is off for this step; they are then not added
     at all, which is what makes ``alpha_sdpo=0`` / ``beta_replay=0`` bit-exact.
     """
-    total, metrics = grpo[0], dict(grpo[1])
-    metrics["loss/grpo"] = float(total.detach())
+    total = weighted_total(
+        cfg,
+        grpo[0],
+        None if sdpo is None else sdpo[0],
+        None if replay is None else replay[0],
+    )
+    metrics = dict(grpo[1])
+    metrics["loss/grpo"] = float(grpo[0].detach())
     metrics.update({"sdpo/active": 0.0, "sdpo/frac_samples": 0.0, "loss/sdpo": 0.0})
     if sdpo is not None:
-        total = total + cfg.alpha_sdpo * sdpo[0]
         metrics.update(sdpo[1])
         metrics["sdpo/active"] = 1.0
     metrics.update({"replay/active": 0.0, "loss/replay": 0.0})
     metrics.update({f"replay/{key}": 0.0 for key in REPLAY_METRICS})
     if replay is not None:
-        total = total + cfg.beta_replay * replay[0]
         metrics.update(replay[1])
         metrics["replay/active"] = 1.0
     if cfg.sdpo_wrapper == "taid" and cfg.alpha_sdpo != 0.0:

@@ -30,7 +30,7 @@ would silently miss this loss's second-order term.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -109,10 +109,18 @@ def _take(x: Tensor, b: int, sel: Tensor | slice) -> Tensor:
     return x[b, sel] if isinstance(sel, slice) else x[b].index_select(0, sel)
 
 
+class _Ctx(Protocol):
+    """What the chunked losses keep on autograd's context object."""
+
+    needs_input_grad: tuple[bool, ...]
+    grad: Tensor | None
+    consumed: bool
+
+
 class _ChunkedTokenMean(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
+    def forward(
+        ctx: _Ctx,
         student: Tensor,
         teacher: Tensor,
         mask: Tensor,
@@ -184,7 +192,7 @@ class _ChunkedTokenMean(torch.autograd.Function):
         return torch.tensor(total * weight, dtype=compute_dtype, device=student.device)
 
     @staticmethod
-    def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: _Ctx, grad_output: Tensor) -> tuple[Tensor | None, ...]:
         if ctx.consumed:
             raise RuntimeError(_SECOND_BACKWARD)
         if torch.is_grad_enabled():  # backward runs with grad mode on only for create_graph=True
@@ -220,7 +228,7 @@ def chunked_token_mean(
     """
     stats: dict[str, float] = {}
     rows = auto_chunk_size(student.shape[-1]) if chunk_size is None else chunk_size
-    loss = _ChunkedTokenMean.apply(
+    loss: Tensor = _ChunkedTokenMean.apply(  # type: ignore[no-untyped-call]
         student, teacher.detach(), mask, kernel, token_clip, rows, stats, torch.is_grad_enabled()
     )
     return loss, stats

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any, Literal, get_args
+from typing import Literal, get_args
 
 from composer_replication.loss._checks import check_choice, check_scalar
 from composer_replication.loss.distill import DEFAULT_ENTROPY_OPD_H_MAX, TAID_T_END, TAID_T_START
@@ -99,13 +99,14 @@ class ComposeConfig:
                 raise ValueError("taid_schedule_step is given without taid_total_steps; pass both")
 
     @classmethod
-    def from_kwargs(cls, kwargs: Mapping[str, Any]) -> ComposeConfig:
-        """Build from ``**kwargs``; an unknown keyword is a ValueError naming it."""
+    def from_kwargs(cls, kwargs: Mapping[str, object]) -> ComposeConfig:
+        """Build from ``**kwargs``; an unknown keyword is a ValueError naming it (the values are
+        checked by ``__post_init__``)."""
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(kwargs) - names)
         if unknown:
             raise ValueError(f"unknown compose_loss keyword(s): {', '.join(unknown)}")
-        return cls(**kwargs)
+        return cls(**kwargs)  # type: ignore[arg-type]
 
 
 def taid_t_for(cfg: ComposeConfig) -> float:

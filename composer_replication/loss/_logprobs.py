@@ -13,7 +13,7 @@ logits at the position before it.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -26,9 +26,16 @@ def _blocks(B: int, T: int, rows: int) -> list[tuple[int, int]]:
     return [(b, s) for b in range(B) for s in range(0, T, rows)]
 
 
+class _Ctx(Protocol):
+    saved_tensors: tuple[Tensor, ...]
+    temperature: float
+
+    def save_for_backward(self, *tensors: Tensor) -> None: ...
+
+
 class _SelectiveLogSoftmax(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, logits: Tensor, index: Tensor, temperature: float) -> Tensor:  # type: ignore[override]
+    def forward(ctx: _Ctx, logits: Tensor, index: Tensor, temperature: float) -> Tensor:
         compute_dtype = (
             torch.float32 if logits.dtype in (torch.float16, torch.bfloat16) else logits.dtype
         )
@@ -49,7 +56,7 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
         return picked - lse
 
     @staticmethod
-    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, None, None]:  # type: ignore[override]
+    def backward(ctx: _Ctx, grad_out: Tensor) -> tuple[Tensor | None, None, None]:
         logits, index, lse = ctx.saved_tensors
         temp = ctx.temperature
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
@@ -78,7 +85,9 @@ def selective_log_softmax(logits: Tensor, index: Tensor, temperature: float = 1.
         raise ValueError(
             f"logits must be (B, T, V) and index (B, T); got {tuple(logits.shape)} and {tuple(index.shape)}"
         )
-    result: Tensor = _SelectiveLogSoftmax.apply(logits, index.long(), float(temperature))
+    result: Tensor = _SelectiveLogSoftmax.apply(  # type: ignore[no-untyped-call]
+        logits, index.long(), float(temperature)
+    )
     return result
 
 
@@ -91,7 +100,57 @@ class CausalLM(Protocol):
     Hugging Face keyword: only the last ``k`` positions' logits are computed).
     """
 
-    def __call__(self, *, input_ids: Tensor, attention_mask: Tensor, **kwargs: Any) -> object: ...
+    def __call__(
+        self, *, input_ids: Tensor, attention_mask: Tensor, **kwargs: object
+    ) -> object: ...
+
+
+class HiddenStateLM(Protocol):
+    """A causal LM's body (the layers before the output layer), called as `CausalLM` is.
+
+    It returns an object whose ``.last_hidden_state`` is ``(N, L, H)`` (a Hugging Face base
+    model, e.g. ``model.base_model`` of a ``*ForCausalLM``; ``past_key_values`` is read from the
+    same object when a cache is asked for), or that tensor itself.
+    """
+
+    def __call__(
+        self, *, input_ids: Tensor, attention_mask: Tensor, **kwargs: object
+    ) -> object: ...
+
+
+class _Output:
+    """What `forward_logits` reads: ``.logits`` (here the hidden states) and the cache."""
+
+    def __init__(self, logits: Tensor, past_key_values: object) -> None:
+        self.logits = logits
+        self.past_key_values = past_key_values
+
+
+class HiddenStatesAsLogits:
+    """A `HiddenStateLM` wrapped so that the logits machinery (`completion_logits`, the shared
+    prefix forward) returns its last hidden states ``(N, L, H)`` where it would return logits:
+    positions are selected and sliced alike, whatever the last dimension holds."""
+
+    def __init__(self, body: HiddenStateLM) -> None:
+        self.body = body
+
+    @property
+    def training(self) -> bool:
+        return bool(getattr(self.body, "training", False))
+
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        return bool(getattr(self.body, "is_gradient_checkpointing", False))
+
+    def __call__(self, *, input_ids: Tensor, attention_mask: Tensor, **kwargs: object) -> object:
+        out = self.body(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        hidden = out if isinstance(out, Tensor) else getattr(out, "last_hidden_state", None)
+        if not isinstance(hidden, Tensor) or hidden.dim() != 3:
+            raise ValueError(
+                "the teacher body must return .last_hidden_state of shape (B, L, H) (a Hugging "
+                "Face base model, e.g. model.base_model)"
+            )
+        return _Output(hidden, getattr(out, "past_key_values", None))
 
 
 def forward_logits(

@@ -31,7 +31,7 @@ returns None, and the caller runs the unshared forward, when sharing would not s
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol, TypeGuard, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -131,9 +131,20 @@ def _left_padded_rows(ids: Tensor, mask: Tensor) -> list[list[int]] | None:
     return [row[width - int(k) :].tolist() for row, k in zip(ids, lengths)]
 
 
-def _filled(cache: Any, length: int) -> bool:
+@runtime_checkable
+class KVCache(Protocol):
+    """The part of a Hugging Face ``Cache`` the shared prefix uses."""
+
+    def reorder_cache(self, beam_idx: Tensor) -> None: ...
+
+    def get_seq_length(self, layer_idx: int = 0) -> int: ...
+
+    def __len__(self) -> int: ...
+
+
+def _filled(cache: object, length: int) -> TypeGuard[KVCache]:
     """Whether the returned cache holds ``length`` positions in every layer."""
-    if cache is None or not hasattr(cache, "reorder_cache"):
+    if not isinstance(cache, KVCache):
         return False
     try:
         layers = len(cache)
@@ -187,7 +198,7 @@ def shared_prefix_completion_logits(
         **extra,
     )
     cache = getattr(out, "past_key_values", None)
-    if cache is None or not _filled(cache, P):
+    if not _filled(cache, P):
         return None
     group = torch.tensor(plan.group, dtype=torch.long, device=device)
     cache.reorder_cache(group)
@@ -216,10 +227,10 @@ def shared_prefix_completion_logits(
 class _WithCache:
     """The model called on the suffix batch, on top of the expanded prefix cache."""
 
-    def __init__(self, model: CausalLM, cache: Any, positions: Tensor) -> None:
+    def __init__(self, model: CausalLM, cache: KVCache, positions: Tensor) -> None:
         self.model, self.cache, self.positions = model, cache, positions
 
-    def __call__(self, *, input_ids: Tensor, attention_mask: Tensor, **kwargs: Any) -> object:
+    def __call__(self, *, input_ids: Tensor, attention_mask: Tensor, **kwargs: object) -> object:
         return self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,

@@ -6,7 +6,11 @@ two public per-channel terms, for trainers that compute channel 1 themselves (th
 keeps TRL's own GRPO loss and adds these): ``sdpo_term(teacher, inputs, student_logits, **kw)``
 and ``replay_term(model, inputs, student_logits, **kw)`` read the same batch and return the
 channel's loss before its weight. ``combine(**tensors, **kw)`` is the tensor-level form for
-adapters that hold log-probs/logits already.
+adapters that hold log-probs/logits already. ``fused_sdpo_term(teacher_body, inputs,
+student_hidden, weight, ...)`` is channel 2 from last hidden states through the output layer
+(``fused.fused_linear_jsd``: no ``(B, T, V)`` logits). ``assemble(grpo, sdpo, replay, **kw)`` sums
+channel results an adapter computed itself; it (and ``combine``, ``compose_loss``, which call it)
+is the only place the total is formed.
 
 Channels 2 (SDPO hint self-distillation) and 3 (trace replay DPO/SimPO) switch off for a step when
 their inputs are absent, select nothing, or their weight is 0; their metrics then say so
@@ -18,7 +22,6 @@ the channel is not computed at all.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -26,17 +29,66 @@ from torch import Tensor
 from composer_replication.loss import _batch
 from composer_replication.loss._channels import (
     Result,
-    assemble,
     grpo_term,
     replay_preference,
     sample_token_mask,
     scaled,
     sdpo_divergence,
+    weighted_total,
 )
+from composer_replication.loss._channels import assemble as _assemble
 from composer_replication.loss._config import ComposeConfig
-from composer_replication.loss._logprobs import CausalLM, forward_logits, selective_log_softmax
+from composer_replication.loss._logprobs import (
+    CausalLM,
+    HiddenStateLM,
+    HiddenStatesAsLogits,
+    forward_logits,
+    selective_log_softmax,
+)
+from composer_replication.loss.fused import fused_linear_jsd
 
-__all__ = ["ComposeConfig", "combine", "compose_loss", "replay_term", "sdpo_term"]
+__all__ = [
+    "ComposeConfig",
+    "assemble",
+    "combine",
+    "compose_loss",
+    "fused_sdpo_term",
+    "replay_term",
+    "sdpo_term",
+]
+
+
+def assemble(
+    grpo: Result,
+    sdpo: Result | None = None,
+    replay: Result | None = None,
+    *,
+    metrics: bool = True,
+    **kwargs: object,
+) -> tuple[Tensor, dict[str, float]]:
+    """The composer total from channel results: ``grpo + alpha_sdpo * sdpo + beta_replay * replay``.
+
+    Each channel is a ``(loss, metrics)`` pair before its weight (``grpo`` always; ``sdpo`` /
+    ``replay`` None when the channel is off for this step: it is then not added at all, so a
+    channel that is off changes nothing bit for bit). ``kwargs``: the ``compose_loss`` keywords
+    (``alpha_sdpo``, ``beta_replay``, ...; ``ComposeConfig``). Returns ``(total, metrics)``: the
+    channels' metrics merged, ``loss/grpo``, ``loss/total``, ``sdpo/active``, ``replay/active``
+    and 0.0 for the metrics of a channel that is off, as ``compose_loss``. ``metrics=False``:
+    the total and an empty dict, with no float conversion (no device synchronisation; for
+    adapters that report tensor metrics themselves). This is where every trainer and recipe
+    forms the total (``combine`` and ``compose_loss`` call it too).
+    """
+    cfg = ComposeConfig.from_kwargs(kwargs)
+    if not metrics:
+        total = weighted_total(
+            cfg,
+            grpo[0],
+            None if sdpo is None else sdpo[0],
+            None if replay is None else replay[0],
+        )
+        return total, {}
+    return _assemble(cfg, grpo, sdpo, replay)
+
 
 REPLAY_KEYS = _batch.REPLAY_KEYS
 
@@ -59,7 +111,8 @@ def combine(
     rejected_avg_logps: Tensor | None = None,
     num_items_in_batch: int | Tensor | None = None,
     max_completion_length: int | None = None,
-    **kwargs: Any,
+    sdpo_result: Result | None = None,
+    **kwargs: object,
 ) -> tuple[Tensor, dict[str, float]]:
     """Tensor-level composer loss for adapters that already hold log-probs / logits.
 
@@ -69,7 +122,9 @@ def combine(
     Channel 2: ``student_logits`` and ``teacher_logits`` ``(B, T, V)`` completion logits (raw, not
     divided by ``temperature``; ``sdpo_temperature`` applies), ``sdpo_mask`` ``(B,)`` sample mask or
     ``(B, T)`` token mask (None = all), combined with ``completion_mask``. Off when either logits
-    tensor is None, nothing is selected, or ``alpha_sdpo == 0``.
+    tensor is None, nothing is selected, or ``alpha_sdpo == 0``. ``sdpo_result``: channel 2
+    already computed by the caller, ``(loss, metrics)`` before ``alpha_sdpo`` (e.g. a sampled-token
+    form, recipes/verl), used instead of the logits (not with them); off when ``alpha_sdpo == 0``.
     Channel 3: ``dpo_variant="dpo"`` reads ``chosen_logps``/``rejected_logps`` ``(N,)`` summed
     log-probs and needs ``ref_chosen_logps``/``ref_rejected_logps``; ``"simpo"`` reads
     ``chosen_avg_logps``/``rejected_avg_logps``. Off when they are None, N == 0, or
@@ -91,7 +146,13 @@ def combine(
         max_completion_length,
     )
     sdpo = None
-    if cfg.alpha_sdpo != 0.0 and student_logits is not None and teacher_logits is not None:
+    if sdpo_result is not None and (student_logits is not None or teacher_logits is not None):
+        raise ValueError(
+            "pass channel 2 either as student_logits/teacher_logits or as sdpo_result, not both"
+        )
+    if cfg.alpha_sdpo != 0.0 and sdpo_result is not None:
+        sdpo = (sdpo_result[0], dict(sdpo_result[1]))
+    elif cfg.alpha_sdpo != 0.0 and student_logits is not None and teacher_logits is not None:
         token_mask = sample_token_mask(completion_mask, sdpo_mask)
         rows = token_mask.any(-1)
         if bool(rows.any()):
@@ -112,13 +173,13 @@ def combine(
                 ref_rejected_logps,
                 ("ref_chosen_logps", "ref_rejected_logps"),
             )
-    return assemble(cfg, grpo, sdpo, replay)
+    return _assemble(cfg, grpo, sdpo, replay)
 
 
 def _sdpo(
     cfg: ComposeConfig,
     teacher: CausalLM,
-    inputs: Mapping[str, Any],
+    inputs: _batch.Batch,
     student_logits: Tensor,
     logits_to_keep: bool,
     share_prefix: bool = False,
@@ -143,7 +204,7 @@ def _sdpo(
 def _replay(
     cfg: ComposeConfig,
     model: CausalLM,
-    inputs: Mapping[str, Any],
+    inputs: _batch.Batch,
     student_logits: Tensor | None,
     logits_to_keep: bool,
 ) -> Result | None:
@@ -165,7 +226,12 @@ def _replay(
     return scaled(result, torch.tensor(float(pairs.chosen.shape[0])), pairs.normaliser)
 
 
-def _check_inputs(inputs: object) -> Mapping[str, Any]:
+def _max_length(inputs: _batch.Batch) -> int | None:
+    value = _batch.optional_count(inputs, "max_completion_length")
+    return int(value) if isinstance(value, Tensor) else value
+
+
+def _check_inputs(inputs: object) -> _batch.Batch:
     if not isinstance(inputs, Mapping):
         raise ValueError(f"inputs must be a mapping of tensors, got {type(inputs).__name__}")
     return inputs
@@ -173,12 +239,12 @@ def _check_inputs(inputs: object) -> Mapping[str, Any]:
 
 def sdpo_term(
     teacher: CausalLM,
-    inputs: Mapping[str, Any],
+    inputs: _batch.Batch,
     student_logits: Tensor,
     *,
     logits_to_keep: bool = False,
     share_prefix: bool = False,
-    **kwargs: Any,
+    **kwargs: object,
 ) -> tuple[Tensor, dict[str, float]] | None:
     """Channel 2 of the composer batch (docs/api.md), before its weight ``alpha_sdpo``.
 
@@ -204,13 +270,86 @@ def sdpo_term(
     return _sdpo(cfg, teacher, _check_inputs(inputs), student_logits, logits_to_keep, share_prefix)
 
 
+def fused_sdpo_term(
+    teacher: HiddenStateLM,
+    inputs: _batch.Batch,
+    student_hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    *,
+    teacher_weight: Tensor | None = None,
+    teacher_bias: Tensor | None = None,
+    share_prefix: bool = False,
+    backend: str = "auto",
+    **kwargs: object,
+) -> tuple[Tensor, dict[str, float]] | None:
+    """``sdpo_term`` fused with the output layer: the same channel 2 from last hidden states.
+
+    ``student_hidden``: ``(B, T, H)`` the student's last hidden states at the completion
+    positions (the output layer's input for ``logits[:, P-1:-1]``), with gradient; ``weight`` /
+    ``bias``: its output layer (``lm_head``; tied or not), which gets a gradient. ``teacher``:
+    the teacher's body (`HiddenStateLM`, e.g. ``model.base_model`` of a Hugging Face causal LM),
+    run under ``torch.no_grad()`` on the hinted contexts of the selected rows exactly as
+    ``sdpo_term`` runs the teacher (``share_prefix`` too); its output layer is ``teacher_weight``
+    / ``teacher_bias`` (default: the student's, without gradient: the same model). The divergence
+    is ``fused.fused_linear_jsd`` (``backend``: its backend), so neither side's ``(B, T, V)``
+    logits are built. Equal to ``sdpo_term`` on the logits ``student_hidden @ weight.T + bias``
+    up to float rounding, with the same result and metrics.
+
+    Only the full-vocabulary generalized JSD is fused: ``sdpo_wrapper`` other than "none", or
+    ``sdpo_top_k``, is a ValueError (use ``sdpo_term``), and so is a batch carrying
+    ``sdpo_teacher_logits`` (precomputed logits: use ``sdpo_term``).
+    """
+    cfg = ComposeConfig.from_kwargs(kwargs)
+    inputs = _check_inputs(inputs)
+    if cfg.sdpo_wrapper != "none" or cfg.sdpo_top_k is not None:
+        raise ValueError(
+            "fused_sdpo_term computes the full-vocabulary generalized JSD only; with "
+            f"sdpo_wrapper={cfg.sdpo_wrapper!r} or sdpo_top_k={cfg.sdpo_top_k!r} use sdpo_term on "
+            "the logits"
+        )
+    if cfg.alpha_sdpo == 0.0:
+        return None
+    if inputs.get("sdpo_teacher_logits") is not None:
+        raise ValueError(
+            "inputs carry sdpo_teacher_logits (precomputed teacher logits); fused_sdpo_term needs "
+            "the teacher's hidden states: use sdpo_term for this batch"
+        )
+    rows = _batch.sdpo_rows(
+        HiddenStatesAsLogits(teacher),
+        inputs,
+        student_hidden,
+        logits_to_keep=False,
+        share_prefix=share_prefix,
+        max_context_length=cfg.sdpo_max_context_length,
+    )
+    if rows is None:
+        return None
+    loss, metrics = fused_linear_jsd(
+        rows.student,
+        rows.teacher,
+        weight,
+        bias,
+        teacher_weight=teacher_weight,
+        teacher_bias=teacher_bias,
+        beta=cfg.sdpo_jsd_beta,
+        temperature=cfg.sdpo_temperature,
+        mask=rows.token_mask,
+        token_clip=cfg.sdpo_token_clip,
+        backend=backend,
+    )
+    metrics["loss/sdpo"] = float(loss.detach())
+    metrics["sdpo/frac_samples"] = rows.frac
+    return scaled((loss, metrics), rows.token_mask.sum(), rows.normaliser)
+
+
 def replay_term(
     model: CausalLM,
-    inputs: Mapping[str, Any],
+    inputs: _batch.Batch,
     student_logits: Tensor | None = None,
     *,
     logits_to_keep: bool = False,
-    **kwargs: Any,
+    **kwargs: object,
 ) -> tuple[Tensor, dict[str, float]] | None:
     """Channel 3 of the composer batch (docs/api.md), before its weight ``beta_replay``.
 
@@ -229,7 +368,7 @@ def replay_term(
 
 
 def compose_loss(
-    model: CausalLM, inputs: Mapping[str, Any], **kwargs: Any
+    model: CausalLM, inputs: _batch.Batch, **kwargs: object
 ) -> tuple[Tensor, dict[str, float]]:
     """Three-channel composer loss on one micro-batch; see ``docs/api.md`` for ``inputs``.
 
@@ -264,12 +403,12 @@ def compose_loss(
         per_token_logps,
         completion_mask,
         advantages,
-        inputs.get("old_per_token_logps"),
-        inputs.get("ref_per_token_logps"),
-        inputs.get("num_items_in_batch"),
-        inputs.get("max_completion_length"),
+        _batch.optional_tensor(inputs, "old_per_token_logps"),
+        _batch.optional_tensor(inputs, "ref_per_token_logps"),
+        _batch.optional_count(inputs, "num_items_in_batch"),
+        _max_length(inputs),
     )
 
     sdpo = _sdpo(cfg, model, inputs, student, False)
     replay = _replay(cfg, model, inputs, student, False)
-    return assemble(cfg, grpo, sdpo, replay)
+    return _assemble(cfg, grpo, sdpo, replay)

@@ -1,29 +1,40 @@
 """Tokenizers for the tiny model, built locally: character-level, or BPE trained on the task's text.
 
-Both are `PreTrainedTokenizerFast` objects with the same conventions, so everything downstream
-treats them alike:
+Both are `transformers.Qwen2Tokenizer` objects (byte-level BPE, Qwen2's pre-tokenizer, NFC
+normalizer and byte-level decoder), the tokenizer class `AutoTokenizer` picks for the tiny
+model's Qwen2 architecture: a checkpoint folder (`model.save_pretrained` +
+`tokenizer.save_pretrained`) loads back with `AutoTokenizer.from_pretrained(folder)` as the very
+same tokenizer (same class, vocabulary, merges, special tokens, padding side and chat template),
+with no `trust_remote_code`. (transformers 5 ignores a `tokenizer_class` other than
+`Qwen2Tokenizer` in a folder whose model is a Qwen2: a generic fast tokenizer saved next to a
+Qwen2 model would come back as a `Qwen2Tokenizer` rebuilt from its vocabulary, with other
+pre-tokenization.) Both share these conventions, so everything downstream treats them alike:
 
 * special tokens `<|pad|>` (id 0), `<|endoftext|>` (1, EOS), `<|im_start|>` (2, BOS), `<|unk|>`
   (3) and `<|im_end|>` (4), in that order, first in the vocabulary;
 * a Qwen-style chat template (`<|im_start|>role\\n...<|im_end|>\\n`), left padding;
-* decoding joins tokens with no separator, so `decode(encode(text)) == text` for any text made of
-  `DEFAULT_CHARSET` characters (other characters become `<|unk|>`).
+* `decode(encode(text)) == text` for any text made of `DEFAULT_CHARSET` characters. The
+  vocabulary holds the byte-level symbols of those characters only (as in Qwen2, a space is
+  `Ġ` and a newline `Ċ` in the vocabulary), so a character outside it is dropped when encoding,
+  as by any byte-level BPE whose vocabulary lacks its bytes.
 
-`build_tokenizer()` is the character-level one: one token per character of `DEFAULT_CHARSET`.
+`build_tokenizer()` is the character-level one: one token per character of `DEFAULT_CHARSET`
+(no merges).
 
 `build_bpe_tokenizer(texts)` trains a byte-pair-encoding vocabulary with the `tokenizers`
 library's `BpeTrainer` on `texts` (a run passes the task's own training text, see
-`Task.text_corpus`) plus the chat template's role headers. Digits are always single tokens (as in
-Qwen and Llama tokenizers), so numbers read digit by digit exactly as with the character-level
-tokenizer, while words and the hint template's phrases become one token each: a channel-2 hinted
-context is about 4x shorter. Training is deterministic (the same texts and settings give the same
-vocabulary and merges, in any process) and takes milliseconds; the result is cached on disk under
+`Task.text_corpus`) plus the chat template's role headers, pre-tokenized exactly as
+`Qwen2Tokenizer` pre-tokenizes. Digits are always single tokens (as in Qwen and Llama
+tokenizers), so numbers read digit by digit exactly as with the character-level tokenizer, while
+words and the hint template's phrases become one token each: a channel-2 hinted context is about
+3x shorter. Training is deterministic (the same texts and settings give the same vocabulary and
+merges, in any process) and takes milliseconds; the result is cached on disk under
 `<cache_dir>/bpe-<key>/` where `key` is a SHA-256 of everything that decides it (texts, vocabulary
-size, minimum frequency, pre-tokenizer pattern, character set, special tokens, library version).
-A cached file is used only if its recorded key and content checksum match and its special tokens
-sit at the expected ids; anything else is rebuilt (with a warning) and rewritten atomically. The
-cache folder is `$COMPOSER_REPLICATION_CACHE/tokenizers`, else `$XDG_CACHE_HOME` or `~/.cache`
-+ `/composer-replication/tokenizers`.
+size, minimum frequency, character set, special tokens, the `tokenizers` and `transformers`
+versions). A cached file is used only if its recorded key and content checksum match and its
+special tokens sit at the expected ids; anything else is rebuilt (with a warning) and rewritten
+atomically. The cache folder is `$COMPOSER_REPLICATION_CACHE/tokenizers`, else
+`$XDG_CACHE_HOME` or `~/.cache` + `/composer-replication/tokenizers`.
 """
 
 from __future__ import annotations
@@ -77,11 +88,9 @@ _ROLE_HEADERS = ("system\n", "user\n", "assistant\n")
 TOKENIZER_KINDS: tuple[str, ...] = ("char", "bpe")
 BPE_VOCAB_SIZE = 512
 BPE_MIN_FREQUENCY = 2
-# GPT-2's split with every digit on its own: a word with its leading space, a punctuation run with
-# its leading space, whitespace runs (a trailing space stays apart from the next word), digits.
-BPE_SPLIT_PATTERN = r" ?[A-Za-z]+| ?[^\sA-Za-z0-9]+|\s+(?!\S)|\s+|[0-9]"
 CACHE_ENV = "COMPOSER_REPLICATION_CACHE"
-_CACHE_FORMAT = 1
+# 2: byte-level vocabularies trained with Qwen2Tokenizer's pre-tokenizer (1: a character split).
+_CACHE_FORMAT = 2
 
 
 def _require_transformers() -> Any:
@@ -96,13 +105,15 @@ def _require_transformers() -> Any:
     return transformers, tokenizers
 
 
-def _wrap(backend: Any) -> Any:
-    """The `PreTrainedTokenizerFast` over a backend whose ids 0-4 are the special tokens."""
+def _wrap(vocab: dict[str, int], merges: list[tuple[str, str]]) -> Any:
+    """The `Qwen2Tokenizer` over `vocab` and `merges` (ids 0-4 are the special tokens): exactly
+    what `AutoTokenizer.from_pretrained` rebuilds from a folder it was saved to."""
     transformers, _ = _require_transformers()
-    tok = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=backend,
+    tok = transformers.Qwen2Tokenizer(
+        vocab=dict(vocab),
+        merges=list(merges),
         padding_side="left",
-        additional_special_tokens=[IM_END],
+        extra_special_tokens=[IM_END],
         clean_up_tokenization_spaces=False,
         **SPECIAL_TOKENS,
     )
@@ -110,29 +121,43 @@ def _wrap(backend: Any) -> Any:
     return tok
 
 
+def _byte_symbols(text: str) -> list[str]:
+    """`text`'s characters as byte-level symbols, one per UTF-8 byte (`' '` -> `'Ġ'`), by the
+    same `ByteLevel` pre-tokenizer `Qwen2Tokenizer` applies."""
+    _, tokenizers = _require_transformers()
+    byte_level = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    return [sym for piece, _ in byte_level.pre_tokenize_str(text) for sym in piece]
+
+
+def _vocab_and_merges(backend: Any) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """The BPE vocabulary and merges of a `tokenizers.Tokenizer` (from its JSON form)."""
+    model = json.loads(backend.to_str())["model"]
+    if model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
+        raise ValueError("not a BPE tokenizer")
+    merges = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    if any(len(m) != 2 for m in merges):
+        raise ValueError("a merge is not a pair of tokens")
+    return dict(model["vocab"]), [(a, b) for a, b in merges]
+
+
 def build_tokenizer(charset: str = DEFAULT_CHARSET) -> Any:
-    """Return a character-level `PreTrainedTokenizerFast` with left padding and a chat template.
+    """Return a character-level `Qwen2Tokenizer` with left padding and a chat template.
 
     Token ids: the four special tokens and `<|im_end|>` first (ids 0-4), then one id per character
-    of `charset` in order. Characters outside `charset` map to `<|unk|>`.
+    of `charset` in order (its byte-level symbol; no merges). Characters outside `charset` are
+    dropped when encoding. `charset` holds ASCII characters (one byte each), each once.
     """
     if len(set(charset)) != len(charset):
         raise ValueError("charset has repeated characters; each character must appear once")
-    _, tokenizers = _require_transformers()
-    from tokenizers import decoders, models, pre_tokenizers
-
+    wide = [c for c in charset if len(c.encode("utf-8")) != 1]
+    if wide:
+        raise ValueError(
+            f"charset characters must be ASCII (one byte each, one token each); got {wide[:5]!r}"
+        )
     vocab = {tok: i for i, tok in enumerate(_SPECIALS)}
-    for ch in charset:
-        vocab[ch] = len(vocab)
-    backend = tokenizers.Tokenizer(
-        models.WordLevel(vocab=vocab, unk_token=SPECIAL_TOKENS["unk_token"])
-    )
-    # Split into single characters so WordLevel sees one "word" per character.
-    backend.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
-    # Fuse joins decoded characters with no separator (WordLevel would insert spaces).
-    backend.decoder = decoders.Fuse()
-    backend.add_special_tokens(list(_SPECIALS))
-    return _wrap(backend)
+    for symbol in _byte_symbols(charset):
+        vocab[symbol] = len(vocab)
+    return _wrap(vocab, [])
 
 
 def default_cache_dir() -> Path:
@@ -144,17 +169,19 @@ def default_cache_dir() -> Path:
     return Path(base) / "composer-replication" / "tokenizers"
 
 
-def _bpe_key(texts: list[str], vocab_size: int, min_frequency: int, version: str) -> str:
+def _bpe_key(texts: list[str], vocab_size: int, min_frequency: int) -> str:
+    transformers, tokenizers = _require_transformers()
     h = hashlib.sha256()
     settings = {
         "format": _CACHE_FORMAT,
         "vocab_size": vocab_size,
         "min_frequency": min_frequency,
-        "pattern": BPE_SPLIT_PATTERN,
         "charset": DEFAULT_CHARSET,
         "specials": list(_SPECIALS),
         "roles": list(_ROLE_HEADERS),
-        "tokenizers": version,
+        # The pre-tokenizer is Qwen2Tokenizer's: it comes with transformers.
+        "tokenizers": tokenizers.__version__,
+        "transformers": transformers.__version__,
     }
     h.update(json.dumps(settings, sort_keys=True).encode("utf-8"))
     for text in texts:
@@ -166,17 +193,17 @@ def _bpe_key(texts: list[str], vocab_size: int, min_frequency: int, version: str
 
 
 def _train_bpe(texts: list[str], vocab_size: int, min_frequency: int) -> Any:
+    """A trained backend: the BPE model learnt on the pipeline of an empty `Qwen2Tokenizer`
+    (its normalizer and pre-tokenizer), so the merges are the ones it will apply."""
     _, tokenizers = _require_transformers()
-    from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
+    from tokenizers import trainers
 
-    backend = tokenizers.Tokenizer(models.BPE(unk_token=SPECIAL_TOKENS["unk_token"]))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex(BPE_SPLIT_PATTERN), behavior="isolated")
-    backend.decoder = decoders.Fuse()
+    backend = _wrap({tok: i for i, tok in enumerate(_SPECIALS)}, []).backend_tokenizer
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         min_frequency=min_frequency,
         special_tokens=list(_SPECIALS),
-        initial_alphabet=sorted(set(DEFAULT_CHARSET)),
+        initial_alphabet=_byte_symbols(DEFAULT_CHARSET),
         show_progress=False,
     )
     # Role headers are text the chat template adds around every turn: frequent enough to merge.
@@ -190,9 +217,13 @@ def _check_backend(backend: Any) -> str | None:
     for i, special in enumerate(_SPECIALS):
         if backend.token_to_id(special) != i:
             return f"special token {special!r} is not at id {i}"
-    unknown = [c for c in DEFAULT_CHARSET if backend.token_to_id(c) is None]
+    unknown = [c for c in DEFAULT_CHARSET if backend.token_to_id(_byte_symbols(c)[0]) is None]
     if unknown:
         return f"characters {''.join(unknown)!r} are missing from the vocabulary"
+    try:
+        _vocab_and_merges(backend)
+    except (ValueError, KeyError, TypeError) as exc:
+        return str(exc)
     return None
 
 
@@ -252,7 +283,7 @@ def build_bpe_tokenizer(
     cache_dir: str | os.PathLike[str] | None = None,
     use_cache: bool = True,
 ) -> Any:
-    """A BPE `PreTrainedTokenizerFast` trained on `texts` (see the module docstring).
+    """A BPE `Qwen2Tokenizer` trained on `texts` (see the module docstring).
 
     Args:
         texts: the training text, in a fixed order (order is part of the cache key).
@@ -273,8 +304,7 @@ def build_bpe_tokenizer(
         )
     if not isinstance(min_frequency, int) or min_frequency < 1:
         raise ValueError(f"min_frequency must be an int >= 1, got {min_frequency!r}")
-    _, tokenizers = _require_transformers()
-    key = _bpe_key(texts, vocab_size, min_frequency, tokenizers.__version__)
+    key = _bpe_key(texts, vocab_size, min_frequency)
     folder = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     folder = folder / f"bpe-{key[:24]}"
     backend = _load_cached(folder, key) if use_cache else None
@@ -285,4 +315,4 @@ def build_bpe_tokenizer(
             raise RuntimeError(f"the BPE trainer produced an unusable vocabulary: {problem}")
         if use_cache:
             _store(folder, key, backend)
-    return _wrap(backend)
+    return _wrap(*_vocab_and_merges(backend))

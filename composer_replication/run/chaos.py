@@ -25,8 +25,10 @@ The injector and the proxy live in `composer_replication.faults` (built from the
 in assembly/services.py; their names are re-exported here). This module runs a whole local run
 under faults (`run_local`) and checks the store afterwards (`check_decoupled_run`): the run
 finished; no committed merge was lost (every version a learner loaded is the stored one, the
-version chain has no gaps) or applied twice (no push in two merge records); restarted learners
-started from the newest global; every live learner holds the same final global fragments.
+version chain has no gaps) or applied twice (no push in two merge records); every push written
+was consumed by a merge record or refused (a refusal record); killed learners started again,
+from the newest global; every live learner holds the same final global fragments
+(tests/run/test_chaos_checker.py plants each violation and shows it caught).
 """
 
 from __future__ import annotations
@@ -39,8 +41,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from composer_replication.exchange.decoupled import DecoupledStore
 from composer_replication.exchange.protocol import tensors_digest
+from composer_replication.exchange.push_store import DecoupledStore
 from composer_replication.exchange.store import ObjectStore
 from composer_replication.faults.events import ChaosEventConfig
 from composer_replication.faults.injector import (
@@ -168,12 +170,28 @@ def check_decoupled_run(
     """The after-run assertions over the store (and the learners' reports, if any).
 
     ``reports[rank]``: ``{"final_versions": [...], "digest": str, "starts": [[versions], ...],
-    "loaded": {"<fragment>/<version>": digest}}`` (what each live learner held at the end, the
-    versions it started from at each (re)start, the digests of the globals it loaded).
-    ``kills``: the injector's kill entries (with ``heads`` at the kill), in order.
+    "loaded": {"<fragment>/<version>": digest}, "written": [push names]}`` (what each live
+    learner held at the end, the versions it started from at each (re)start, the digests of
+    the globals it loaded, the pushes it wrote). ``kills``: the injector's kill entries (with
+    ``heads`` at the kill), in order.
+
+    Invariants (each a problem when broken):
+
+    * no merge is lost: each fragment's merge records run 1, 2, ... up to its final version,
+      and the final version's state reads back;
+    * every push written (in the store now, or in a report's ``written``) was consumed by a
+      merge record (merged, rejected by screening, superseded or dropped) or refused (a
+      refusal record): none was silently ignored;
+    * no push is merged by two records;
+    * a learner applied exactly the stored weights of every version it loaded;
+    * a killed learner came back (a later start in its report) from at least the versions
+      announced when it was killed;
+    * every learner ends on the same final versions and weights.
+
     Returns {"ok": bool, "problems": [...], "finished", "versions", "merges",
-    "rounds_lost", "applied_twice", "rejoined", "same_final", "damaged_snapshots"} (stored
-    snapshots of superseded versions that no longer read back: reported, not a failure).
+    "rounds_lost", "pushes_unaccounted", "applied_twice", "rejoined", "same_final",
+    "damaged_snapshots"} (stored snapshots of superseded versions that no longer read back:
+    reported, not a failure).
     """
     docs = DecoupledStore(store)
     manifest = docs.read_manifest()
@@ -188,6 +206,9 @@ def check_decoupled_run(
     for p in range(n_frag):
         chain.check_fragment(p, versions[p])
     reports = reports or {}
+    unaccounted = _unaccounted_pushes(docs, reports, chain.consumed)
+    lost_pushes = [f"push {name} was written but never consumed by a merge or refused"
+                   for name in unaccounted]  # fmt: skip
     for rank, rep in sorted(reports.items()):
         for key, digest in (rep.get("loaded") or {}).items():
             if key in chain.stored_digest and chain.stored_digest[key] != digest:
@@ -202,7 +223,8 @@ def check_decoupled_run(
     problems = chain.problems
     if not same:
         problems.append(f"learners end on different globals: {finals} {digests}")
-    problems += chain.lost + [f"applied twice: {t}" for t in chain.twice] + rejoined
+    problems += chain.lost + lost_pushes + [f"applied twice: {t}" for t in chain.twice]
+    problems += rejoined
     problems += [f"consumed twice (not merged twice): {t}" for t in chain.reconsumed]
     return {
         "ok": not problems,
@@ -211,11 +233,23 @@ def check_decoupled_run(
         "versions": list(versions),
         "merges": chain.merges,
         "rounds_lost": len(chain.lost),
+        "pushes_unaccounted": len(unaccounted),
         "applied_twice": len(chain.twice),
         "rejoined": not rejoined,
         "same_final": same,
         "damaged_snapshots": chain.damaged,
     }
+
+
+def _unaccounted_pushes(
+    docs: DecoupledStore, reports: dict[int, dict[str, Any]], consumed: dict[str, int]
+) -> list[str]:
+    """The pushes written (in the store now, or in a report's ``written``) that no merge record
+    consumed and no refusal record names."""
+    written = {pid.name for pid in docs.list_pushes()}
+    for rep in reports.values():
+        written |= set(rep.get("written") or [])
+    return sorted(written - set(consumed) - set(docs.read_refusals()))
 
 
 class _Chain:
@@ -238,10 +272,14 @@ class _Chain:
     def check_fragment(self, p: int, final_version: int) -> None:
         records = self.docs.versions(p, "merge")
         self.merges += len(records)
-        if records and records != list(range(records[0], records[-1] + 1)):
-            self.lost.append(f"fragment {p}: gap in merge records {records}")
-        if records and records[-1] != final_version:
-            self.lost.append(f"fragment {p}: newest record {records[-1]} but final version "
+        # every version 1..final is in the final model, each made by its record (kept for good)
+        missing = sorted(set(range(1, final_version + 1)) - set(records))
+        if missing:
+            self.lost.append(f"fragment {p}: merge records {missing} missing; versions 1-"
+                             f"{final_version} make the final model")  # fmt: skip
+        beyond = [v for v in records if v > final_version]
+        if beyond:
+            self.lost.append(f"fragment {p}: merge records {beyond} beyond the final version "
                              f"{final_version}")  # fmt: skip
         for v in records:
             self._record(p, v)
@@ -300,7 +338,13 @@ def _late_rejoins(kills: Sequence[dict[str, Any]], reports: dict[int, dict[str, 
         heads = kill.get("heads")
         starts = (reports.get(rank) or {}).get("starts") or []
         later = starts[1:]  # the starts after the first are restarts
-        if heads and later and not any(newest_enough(s, heads) for s in later):
+        if (
+            rank in reports
+            and str(kill.get("outcome", "killed")).startswith("killed")
+            and not later
+        ):
+            rejoined.append(f"learner {rank} was killed and never started again")
+        elif heads and later and not any(newest_enough(s, heads) for s in later):
             rejoined.append(f"learner {rank} restarted from {later} older than {heads}")
     return rejoined
 

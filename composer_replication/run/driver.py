@@ -68,12 +68,20 @@ from composer_replication.faults.proxy import ThrottleProxy
 from composer_replication.run import preflight
 from composer_replication.run.chaos import check_decoupled_run
 from composer_replication.run.checkpoint import mirror_checkpoints
+from composer_replication.run.expected import expected_lines
 from composer_replication.run.folder import RunFolder, default_run_name
 from composer_replication.run.metrics import MetricsCollector, MetricsSink, read_metrics
 from composer_replication.run.progress import Progress, ReplicaRow, choose_mode
 from composer_replication.run.replica_env import ENV_GENERATION, ENV_STORAGE_OPTIONS
 from composer_replication.run.replica_state import resume_point, rollback_to
-from composer_replication.run.report import LOSS_CHANNELS, run_wall_seconds, summarize, write_report
+from composer_replication.run.report import (
+    closed_attempts,
+    headline_lines,
+    run_wall_seconds,
+    summarize,
+    wall_text,
+    write_report,
+)
 from composer_replication.run.security import RunSecrets, prepare_signing, writer_secrets
 from composer_replication.run.supervision import (
     Departures,
@@ -116,6 +124,30 @@ def resolve_run_folder(run: str, runs_dir: str = "runs") -> RunFolder:
     if path.is_dir():
         return RunFolder.at(path)
     return RunFolder.at(Path(runs_dir) / run)
+
+
+def finished_already(run: str, overrides: list[str]) -> str | None:
+    """What `train --resume RUN` says, and then exits 0 without launching anything, when RUN
+    has finished and the overrides ask for no more inner steps than it trained; None otherwise
+    (not finished, or a larger `train.max_steps`: the run trains on)."""
+    folder = resolve_run_folder(run)
+    if not folder.is_run():
+        return None
+    state = folder.read_driver()
+    if state.get("status") != "finished":
+        return None
+    tree = json.loads(folder.config_json.read_text())
+    trained = int(tree.get("train", {}).get("max_steps", 0))
+    if from_dict(RunConfig, apply_overrides(tree, overrides)).train.max_steps > trained:
+        return None
+    wall = wall_text(state)
+    return (
+        f"Run {folder.name} has already finished ({trained} inner steps"
+        + (f", {wall}" if wall else "")
+        + f"): nothing to resume. Report: {folder.summary}; final checkpoint: "
+        f"{folder.checkpoints / 'final'}. To train it longer: composer-replication train "
+        f"--resume {folder.root} train.max_steps=N (N > {trained})."
+    )
 
 
 def prepare_resume(run: str, overrides: list[str]) -> tuple[RunConfig, RunFolder]:
@@ -340,11 +372,14 @@ def _open(
     """The driver's state, display, metrics and the replicas' environment for this launch; the
     services of the run's mode are started."""
     state = folder.read_driver()
+    # The earlier attempts' wall times (one killed mid-run counts until its last update).
     folder.update_driver(
         status="running",
         attempt=int(state.get("attempt", 0)) + 1,
+        attempts=closed_attempts(state),
         started=time.time(),
         ended=None,
+        updated=None,
         pid=os.getpid(),
         host=socket.gethostname(),
     )
@@ -405,6 +440,9 @@ def _announce(launch: _Launch, resume: bool, resumed_at: int | None) -> None:
             f"Resuming at outer round {resumed_at} (the newest round every replica "
             "saved its exact state for)"
         )
+    if not resume:
+        for line in expected_lines(config):  # the embedded default's measured ranges
+            progress.message(line)
 
 
 def _launch_failed(launch: _Launch, exc: Exception) -> TrainResult:
@@ -520,6 +558,7 @@ class _Watch:
         launch.folder.update_driver(
             replicas=[_handle_json(h) for h in launch.handles],
             metrics_chunks={str(k): v for k, v in launch.collector.consumed.items()},
+            updated=time.time(),
         )
 
 
@@ -549,7 +588,10 @@ def _end(
             status = "failed"
             folder.update_driver(status=status, error="chaos check failed: see chaos.json")
     exit_code = {"finished": 0, "interrupted": 130}.get(status, 1)
-    # one wall time everywhere: driver start to end of training, as summary.md shows it
+    # one wall time everywhere: driver start to end of training, summed over the run's attempts
+    # (a resumed run's earlier launches count), as summary.md shows it
+    attempts = closed_attempts(folder.read_driver())
+    folder.update_driver(attempts=attempts)
     wall = run_wall_seconds(folder.read_driver())
     if wall is None:
         wall = time.monotonic() - t_start
@@ -558,7 +600,16 @@ def _end(
     lost = [h.replica_id for h in launch.handles if h.status.value == "failed"]
     folder.update_driver(lost=lost)
     print(
-        summary_text(folder, status, summary, config, wall, restarts, lost=len(lost)),
+        summary_text(
+            folder,
+            status,
+            summary,
+            config,
+            wall,
+            restarts,
+            lost=len(lost),
+            attempts=[a["seconds"] for a in attempts],
+        ),
         file=launch.stream,
         flush=True,
     )
@@ -648,10 +699,6 @@ def _save_remote_logs(
         (folder.logs / f"replica-{handle.replica_id}-{handle.job_id}.log").write_text(text)
 
 
-def _num(value: Any, digits: int = 3) -> str:
-    return "n/a" if value is None else f"{value:.{digits}f}"
-
-
 def summary_text(
     folder: RunFolder,
     status: str,
@@ -661,33 +708,27 @@ def summary_text(
     restarts: int = 0,
     *,
     lost: int = 0,
+    attempts: list[float] | None = None,
 ) -> str:
-    """The lines `train` prints at the end (headline numbers and where to look)."""
+    """The lines `train` prints at the end (headline numbers and where to look). `attempts`:
+    the wall seconds of each launch of a resumed run (`wall` is their sum)."""
+    per_attempt = ""
+    if attempts and len(attempts) > 1:
+        per_attempt = (
+            f" over {len(attempts)} attempts ({' + '.join(f'{a:.1f}' for a in attempts)} s)"
+        )
     lines = [
         f"Run {folder.name}: {status}"
         + (f", {lost} replica{'s' if lost != 1 else ''} lost" if lost else "")
-        + (f" after {wall:.1f} s" if wall is not None else "")
+        + (f" after {wall:.1f} s{per_attempt}" if wall is not None else "")
         + f" ({config.backend.n_replicas} replicas, {summary.get('rounds', 0)} outer rounds, "
         f"{summary.get('steps', 0)} inner steps each"
         + (f", {restarts} replica restart{'s' if restarts != 1 else ''}" if restarts else "")
         + ")",
-        f"  mean reward      first 10%: {_num(summary.get('reward_first10'))}   "
-        f"last 10%: {_num(summary.get('reward_last10'))}",
-        f"  eval accuracy    first: {_num(summary.get('eval_accuracy_first'))}   "
-        f"last: {_num(summary.get('eval_accuracy_last'))}   "
-        f"({summary.get('eval_n', min(config.train.eval_max_examples, config.task.n_eval))} "
-        "held-out prompts)",
     ]
-    ci = summary.get("eval_accuracy_last_ci95")
-    if isinstance(ci, list | tuple) and len(ci) == 2:
-        lines.append(f"  95% interval     last: {ci[0]:.3f} - {ci[1]:.3f}   (Wilson)")
-    for ch in LOSS_CHANNELS:
-        if summary.get(f"{ch.key}_first10") is not None:
-            label = f"loss ch{ch.number} {ch.label}"
-            lines.append(
-                f"  {label:<16} first 10%: {_num(summary.get(ch.key + '_first10'), 4)}   "
-                f"last 10%: {_num(summary.get(ch.key + '_last10'), 4)}"
-            )
+    lines += headline_lines(summary, eval_n=min(config.train.eval_max_examples, config.task.n_eval))
+    # what the replicas trained on, right under the headline (report.device_lines)
+    lines[1:1] = [f"  device           {line}" for line in summary.get("devices") or []]
     final = folder.checkpoints / "final"
     if final.is_dir():
         lines.append(f"  checkpoint       {final}")

@@ -3,14 +3,17 @@
 The driver calls `update(rows)` about once a second with one `ReplicaRow` per replica (built
 from the replicas' status documents in the store and the executor's handles). The live mode
 (rich) redraws a table in place; the plain mode prints one line when something worth a line
-changed (an outer round, a state change) or every `plain_every_s` seconds, so a CI log stays
-readable; "none" prints nothing.
+changed (an outer round, a state change), every `plain_every_s` seconds while the steps or
+rewards move, and every `quiet_every_s` seconds when nothing at all changed (so a start-up prints
+one "starting" line, not one every 15 s, and a stalled run still shows it is alive), so a CI log
+stays readable; "none" prints nothing.
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TextIO
 
@@ -59,6 +62,8 @@ class Progress:
         n_rounds: int | None,
         stream: TextIO | None = None,
         plain_every_s: float = 15.0,
+        quiet_every_s: float = 120.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if mode not in ("live", "plain", "none"):
             raise ValueError(f"progress mode must be live, plain or none, got {mode!r}")
@@ -67,9 +72,12 @@ class Progress:
         self.n_rounds = n_rounds  # None: no fixed number (decoupled mode's global versions)
         self.stream = stream if stream is not None else sys.stdout
         self.plain_every_s = plain_every_s
-        self._start = time.monotonic()
+        self.quiet_every_s = quiet_every_s
+        self._clock = clock
+        self._start = clock()
         self._last_line = 0.0
         self._last_key: Any = None
+        self._last_content: str | None = None
         self._live: Any = None
         if mode == "live":
             from rich.console import Console
@@ -82,7 +90,7 @@ class Progress:
 
     @property
     def elapsed(self) -> float:
-        return time.monotonic() - self._start
+        return self._clock() - self._start
 
     def message(self, text: str) -> None:
         """A line of text above the display (or just a line)."""
@@ -102,23 +110,34 @@ class Progress:
         # A line per outer round or lifecycle change; evaluating/checkpointing flicker too often.
         busy = ("training", "evaluating", "checkpointing")
         key = tuple(("training" if r.state in busy else r.state, r.round) for r in rows)
-        now = time.monotonic()
-        if key != self._last_key or now - self._last_line >= self.plain_every_s:
+        content = self._content(rows)
+        now = self._clock()
+        since = now - self._last_line
+        if (
+            key != self._last_key
+            or (content != self._last_content and since >= self.plain_every_s)
+            or since >= self.quiet_every_s
+        ):
             self._last_key = key
+            self._last_content = content
             self._last_line = now
             print(self._line(rows), file=self.stream, flush=True)
 
     def _of(self, round_: int) -> str:
         return str(round_) if self.n_rounds is None else f"{round_}/{self.n_rounds}"
 
-    def _line(self, rows: list[ReplicaRow]) -> str:
+    def _content(self, rows: list[ReplicaRow]) -> str:
+        """The line without its time stamp."""
         done_round = min((r.round for r in rows), default=0)
-        parts = [f"[{self.elapsed:6.1f}s] round {self._of(done_round)}"]
+        parts = [f"round {self._of(done_round)}"]
         for r in rows:
             parts.append(
                 f"r{r.rank} {r.state} step {r.step}/{r.max_steps} reward {_num(r.reward, 2)}"
             )
         return " | ".join(parts)
+
+    def _line(self, rows: list[ReplicaRow]) -> str:
+        return f"[{self.elapsed:6.1f}s] {self._content(rows)}"
 
     def _table(self, rows: list[ReplicaRow]) -> Any:
         from rich.table import Table

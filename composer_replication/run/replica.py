@@ -49,6 +49,7 @@ from composer_replication.run.replica_env import ENV_STORAGE_OPTIONS, EXIT_UNUSA
 
 # The replica's work (torch, the trainer) loads only once its arguments check out.
 _LAZY = {
+    "device_record": "composer_replication.run.replica_training",
     "run_replica": "composer_replication.run.replica_training",
     "weights_digest": "composer_replication.run.replica_training",
 }

@@ -50,7 +50,7 @@ from composer_replication.run.reporter import ReplicaReporter, ResumeStateWriter
 from composer_replication.run.security import participant_keys, writer_secret_from_env
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer
 
     from composer_replication.tasks import Task
 
@@ -198,6 +198,9 @@ def _train(r: _Replica) -> bool:
             rank=rank,
             callbacks=[loop.outer.callback(), reporter],
         )
+        # what this replica trains on, for the run summary (report.device_lines)
+        device = device_record(trainer, config.train.generation)
+        writer.log("event", step=start_step, round=start_round, event="device", **device)
         if mode.lockstep:  # after the trainer's own callbacks (TAID, EMA): the step's final state
             trainer.add_callback(
                 ResumeStateWriter(
@@ -251,6 +254,7 @@ def _reporter(r: _Replica, *, last_round: int | None) -> ReplicaReporter:
         keep_last=config.checkpoint.keep_last,
         save_final=config.checkpoint.save_final,
         last_round=last_round,
+        ood_examples=r.task.ood_examples(n_eval) if n_eval and r.task.has_ood() else None,
     )
 
 
@@ -269,6 +273,30 @@ def _own_resume_state(store: ObjectStore, rank: int, round: int) -> dict[str, An
             flush=True,
         )
         return None
+
+
+def device_record(trainer: Trainer, generation: str) -> dict[str, Any]:
+    """What a trainer trains on: the device (and the GPU's name), the parameters' dtype, the
+    autocast dtype (TRL's ``bf16`` / ``fp16`` mixed precision, else none), gradient
+    checkpointing and the rollout engine (`[train] generation`)."""
+    model = trainer.model
+    if model is None:
+        raise ValueError("device_record needs a trainer with its model")
+    param = next(model.parameters())
+    device = param.device
+    name = ""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    args = trainer.args
+    autocast = "bfloat16" if args.bf16 else "float16" if args.fp16 else "none"
+    return {
+        "device": str(device),
+        "device_name": name,
+        "param_dtype": str(param.dtype).removeprefix("torch."),
+        "autocast": autocast,
+        "gradient_checkpointing": bool(args.gradient_checkpointing),
+        "generation": generation,
+    }
 
 
 def weights_digest(model: nn.Module) -> str:

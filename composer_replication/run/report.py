@@ -6,7 +6,7 @@ channel that was logged (total, grpo, sdpo, replay), eval_accuracy.png, outer_ro
 stacked: training split into generation / channel-2 teacher / loss + backward by the logged step
 shares, then the exchange's upload / wait for peers / merge; replica 0, or the first replica),
 throughput.png (inner steps and tokens per second per round), health.png (the run state the driver recorded:
-healthy / degraded / critical over time, and the decoupled synchronizer's merges). `summarize` computes the headline numbers (first-10%
+starting / healthy / degraded / critical over time, and the decoupled synchronizer's merges). `summarize` computes the headline numbers (first-10%
 vs last-10% mean reward, eval accuracy before/after) that `train` prints at the end.
 """
 
@@ -22,7 +22,15 @@ from typing import Any, NamedTuple
 from composer_replication.run.folder import RunFolder
 from composer_replication.run.metrics import read_metrics
 
-__all__ = ["draw_plots", "health_summary", "summarize", "summary_markdown", "write_report"]
+__all__ = [
+    "device_lines",
+    "draw_plots",
+    "headline_lines",
+    "health_summary",
+    "summarize",
+    "summary_markdown",
+    "write_report",
+]
 
 # logged key -> plot name; TRL logs the total optimised loss as "loss".
 LOSS_KEYS = {
@@ -105,13 +113,107 @@ def _first_last10(records: list[dict[str, Any]], key: str) -> tuple[float, float
     return first_mean, last_mean, steps[-1]
 
 
+# Why the distillation channels' losses can go up on a run that learns (the printout says it in
+# one line, summary.md in full).
+LOSS_RISE_NOTE = (
+    "Channels 2 and 3 can rise while reward and accuracy improve, and usually do when a model "
+    "learns from scratch: channel 2 (hint self-distillation) measures how much the model's "
+    "predictions change when it is shown a correct sibling's answer and the feedback, which "
+    "grows as it learns to use that hint (at first it predicts as little with the hint as "
+    "without); channel 3 (trace replay) prefers the teacher's trace to the model's own rollout, "
+    "and as the rollouts become right they resemble the trace, so the preference margin shrinks "
+    "and the loss rises. Judge a run by its reward and held-out accuracy."
+)
+LOSS_RISE_LINE = (
+    "(ch2/ch3 rising is expected while accuracy improves: ch2 grows as the model learns to use "
+    "the hint, ch3 as its own answers come to match the teacher's; see summary.md)"
+)
+
+
+def _num(value: Any, digits: int = 3) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def losses_rose(summary: dict[str, Any]) -> bool:
+    """Whether channel 2 or 3 ended above where it started (last vs first 10% of steps)."""
+    for ch in LOSS_CHANNELS[1:]:
+        first, last = summary.get(f"{ch.key}_first10"), summary.get(f"{ch.key}_last10")
+        if isinstance(first, int | float) and isinstance(last, int | float) and last > first:
+            return True
+    return False
+
+
+def headline_lines(summary: dict[str, Any], *, eval_n: int | None = None) -> list[str]:
+    """The headline numbers as `train` prints them at the end and `report` prints them: mean
+    reward first/last 10%, held-out accuracy first/last with its 95% interval, each loss
+    channel first/last 10% (and why channels 2/3 rising is no alarm, when they rose)."""
+    n = summary.get("eval_n", eval_n)
+    lines = [
+        f"  mean reward      first 10%: {_num(summary.get('reward_first10'))}   "
+        f"last 10%: {_num(summary.get('reward_last10'))}",
+        f"  eval accuracy    first: {_num(summary.get('eval_accuracy_first'))}   "
+        f"last: {_num(summary.get('eval_accuracy_last'))}"
+        + (f"   ({n} held-out prompts)" if n is not None else ""),
+    ]
+    ci = summary.get("eval_accuracy_last_ci95")
+    if isinstance(ci, list | tuple) and len(ci) == 2:
+        lines.append(f"  95% interval     last: {ci[0]:.3f} - {ci[1]:.3f}   (Wilson)")
+    if summary.get("eval_ood_accuracy_last") is not None:
+        lines.append(
+            f"  out-of-distrib.  first: {_num(summary.get('eval_ood_accuracy_first'))}   "
+            f"last: {_num(summary.get('eval_ood_accuracy_last'))}   "
+            f"({summary.get('eval_ood_n', '?')} prompts outside the training distribution)"
+        )
+    for ch in LOSS_CHANNELS:
+        if summary.get(f"{ch.key}_first10") is not None:
+            label = f"loss ch{ch.number} {ch.label}"
+            lines.append(
+                f"  {label:<16} first 10%: {_num(summary.get(ch.key + '_first10'), 4)}   "
+                f"last 10%: {_num(summary.get(ch.key + '_last10'), 4)}"
+            )
+    if losses_rose(summary):
+        lines.append(f"  {LOSS_RISE_LINE}")
+    return lines
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def closed_attempts(driver: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every launch of the run with its wall time, oldest first: driver.json's `attempts`, plus
+    the current attempt once it has an end (`ended`; for a driver that was killed, its last
+    `updated`). Each: ``{"attempt", "started", "ended", "seconds", "status"}``."""
+    attempts = [a for a in driver.get("attempts") or []
+                if isinstance(a, dict) and _number(a.get("seconds")) is not None]  # fmt: skip
+    current = driver.get("attempt")
+    started = _number(driver.get("started"))
+    ended = _number(driver.get("ended"))
+    ended = ended if ended is not None else _number(driver.get("updated"))
+    recorded = {a.get("attempt") for a in attempts}
+    if started is not None and ended is not None and ended >= started and current not in recorded:
+        attempts.append({"attempt": current, "started": started, "ended": ended,
+                         "seconds": ended - started, "status": driver.get("status")})  # fmt: skip
+    return attempts
+
+
 def run_wall_seconds(driver: dict[str, Any]) -> float | None:
     """The run's one wall time: from the driver's start to the end of training (driver.json's
-    `started` / `ended`), what the printout and summary.md both show."""
-    started, ended = driver.get("started"), driver.get("ended")
-    if isinstance(started, int | float) and isinstance(ended, int | float) and ended >= started:
-        return float(ended - started)
-    return None
+    `started` / `ended`), summed over the run's attempts (a resumed run's earlier launches
+    count: `closed_attempts`); what the printout and summary.md both show."""
+    seconds = [float(a["seconds"]) for a in closed_attempts(driver)]
+    return sum(seconds) if seconds else None
+
+
+def wall_text(driver: dict[str, Any]) -> str:
+    """ "651.0 s over 2 attempts (616.2 + 34.8 s)", "616.2 s", or "" when unknown."""
+    seconds = [float(a["seconds"]) for a in closed_attempts(driver)]
+    if not seconds:
+        return ""
+    if len(seconds) == 1:
+        return f"{seconds[0]:.1f} s"
+    return (f"{sum(seconds):.1f} s over {len(seconds)} attempts "
+            f"({' + '.join(f'{s:.1f}' for s in seconds)} s)")  # fmt: skip
 
 
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -142,6 +244,15 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         if isinstance(n, int | float) and n >= 1:
             out["eval_n"] = int(n)
             out["eval_accuracy_last_ci95"] = wilson_interval(evals[-1][1], int(n))
+    ood = sorted(
+        ((int(r.get("step", 0)), float(r["eval/ood_accuracy"]), r.get("eval/ood_n")) for r in records
+         if r.get("kind") == "eval" and isinstance(r.get("eval/ood_accuracy"), int | float)),
+    )  # fmt: skip
+    if ood:  # the task's out-of-distribution row (a figure, not a target)
+        out["eval_ood_accuracy_first"] = ood[0][1]
+        out["eval_ood_accuracy_last"] = ood[-1][1]
+        if isinstance(ood[-1][2], int | float) and ood[-1][2] >= 1:
+            out["eval_ood_n"] = int(ood[-1][2])
     rounds = [r for r in records if r.get("kind") == "round"]
     if rounds:
         out["rounds"] = max(int(r.get("round", 0)) for r in rounds)
@@ -152,8 +263,43 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     times = [float(r["time"]) for r in records if isinstance(r.get("time"), int | float)]
     if times:
         out["wall_seconds"] = max(times) - min(times)
+    devices = device_lines(records)
+    if devices:
+        out["devices"] = devices
     out.update(health_summary(records))
     return out
+
+
+def _device_text(r: dict[str, Any]) -> str:
+    device = str(r.get("device") or "?")
+    if r.get("device_name"):
+        device += f" ({r['device_name']})"
+    checkpointing = "on" if r.get("gradient_checkpointing") else "off"
+    return (
+        f"{device}, weights {r.get('param_dtype') or '?'}, autocast {r.get('autocast') or '?'}, "
+        f"gradient checkpointing {checkpointing}, generation {r.get('generation') or '?'}"
+    )
+
+
+def device_lines(records: list[dict[str, Any]]) -> list[str]:
+    """One line per distinct device setup the replicas reported (their ``device`` event: device,
+    GPU name, parameter and autocast dtypes, gradient checkpointing, rollout engine), each with
+    the replicas that used it when they differ; the latest report of each replica counts."""
+    latest: dict[int, dict[str, Any]] = {}
+    for r in records:
+        if r.get("kind") == "event" and r.get("event") == "device":
+            replica = int(r.get("replica", 0))
+            if replica not in latest or float(r.get("time") or 0) >= float(
+                latest[replica].get("time") or 0
+            ):
+                latest[replica] = r
+    by_text: dict[str, list[int]] = defaultdict(list)
+    for replica, r in sorted(latest.items()):
+        by_text[_device_text(r)].append(replica)
+    if len(by_text) == 1:
+        return list(by_text)
+    return [f"{text} (replica{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))})"
+            for text, rs in by_text.items()]  # fmt: skip
 
 
 def _health_points(records: list[dict[str, Any]]) -> list[tuple[float, int, dict[str, Any]]]:
@@ -164,15 +310,19 @@ def _health_points(records: list[dict[str, Any]]) -> list[tuple[float, int, dict
     )  # fmt: skip
 
 
+HEALTH_STATES = ("starting", "healthy", "degraded", "critical")  # health/level -1, 0, 1, 2
+
+
 def health_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """Seconds spent healthy / degraded / critical (each health record holds until the next)."""
+    """Seconds spent starting / healthy / degraded / critical (each health record holds until
+    the next)."""
     points = _health_points(records)
     if len(points) < 2:
         return {}
-    spent = [0.0, 0.0, 0.0]
+    spent = [0.0] * len(HEALTH_STATES)
     for (t, level, _), (t_next, _, _) in zip(points, points[1:]):
-        spent[min(max(level, 0), 2)] += t_next - t
-    return {"health_seconds": dict(zip(("healthy", "degraded", "critical"), spent)),
+        spent[min(max(level + 1, 0), len(HEALTH_STATES) - 1)] += t_next - t
+    return {"health_seconds": dict(zip(HEALTH_STATES, spent)),
             "health_last": points[-1][2].get("health/state")}  # fmt: skip
 
 
@@ -191,12 +341,19 @@ def _figure(title: str, ylabel: str, nrows: int = 1) -> tuple[Any, Any]:
     return fig, axes
 
 
-def _plot_series(ax: Any, series: dict[int, list[tuple[int, float]]], label: str = "") -> None:
+def _plot_series(
+    ax: Any, series: dict[int, list[tuple[int, float]]], legend: str = "replica {replica}"
+) -> None:
     for replica, points in series.items():
         xs, ys = zip(*points)
-        ax.plot(xs, ys, marker="." if len(xs) < 40 else None, label=f"{label}replica {replica}")
+        ax.plot(xs, ys, marker="." if len(xs) < 40 else None, label=legend.format(replica=replica))
     if series:
         ax.legend(fontsize=8)
+
+
+# The evaluator replica evaluates the global weights (identical on every replica after a
+# committed round): the line is the global model's, not that replica's own.
+EVAL_LEGEND = "global model (evaluated by replica {replica})"
 
 
 def draw_plots(records: list[dict[str, Any]], out_dir: Path) -> list[Path]:
@@ -231,7 +388,7 @@ def draw_plots(records: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     series = _series(records, "eval", "eval/accuracy")
     if series:
         fig, (ax,) = _figure("eval accuracy of the global model", "accuracy")
-        _plot_series(ax, series)
+        _plot_series(ax, series, EVAL_LEGEND)
         ax.set_ylim(-0.02, 1.02)
         save(fig, "eval_accuracy.png")
     for plot in (_plot_rounds, _plot_time_breakdown, _plot_throughput, _plot_health):
@@ -299,8 +456,8 @@ def _plot_health(records: list[dict[str, Any]], save: Callable[[Any, str], None]
               if isinstance(r.get("health/merges"), int)]  # fmt: skip
     fig, axes = _figure("run health", "state", nrows=2 if merges else 1)
     axes[0].step([t - t0 for t, _, _ in points], [lvl for _, lvl, _ in points], where="post")
-    axes[0].set_yticks([0, 1, 2], ["healthy", "degraded", "critical"])
-    axes[0].set_ylim(-0.3, 2.3)
+    axes[0].set_yticks([-1, 0, 1, 2], list(HEALTH_STATES))
+    axes[0].set_ylim(-1.3, 2.3)
     if merges:
         axes[1].plot(*zip(*merges), marker=".")
         axes[1].set_ylabel("merges (synchronizer)")
@@ -360,6 +517,7 @@ def summary_markdown(
         f"{backend.get('n_replicas', '?')} replicas",
         f"- loss: alpha_sdpo={loss.get('alpha_sdpo')}, beta_replay={loss.get('beta_replay')}, "
         f"dpo_variant={loss.get('dpo_variant')}",
+        *(f"- device: {line}" for line in summary.get("devices") or []),
         f"- status: {driver.get('status', 'unknown')}",
         "",
         "| metric | value |",
@@ -371,6 +529,15 @@ def summary_markdown(
         f"| eval accuracy, last: 95% interval (Wilson, {summary.get('eval_n', '?')} prompts) | "
         f"{_fmt_interval(summary.get('eval_accuracy_last_ci95'))} |",
         *(
+            [
+                f"| out-of-distribution accuracy, first / last ({summary.get('eval_ood_n', '?')} "
+                f"prompts) | {_fmt(summary.get('eval_ood_accuracy_first'))} / "
+                f"{_fmt(summary.get('eval_ood_accuracy_last'))} |"
+            ]
+            if summary.get("eval_ood_accuracy_last") is not None
+            else []
+        ),
+        *(
             f"| loss {ch.label} (channel {ch.number}), first / last 10% of steps | "
             f"{_fmt(summary.get(ch.key + '_first10'))} / {_fmt(summary.get(ch.key + '_last10'))} |"
             for ch in LOSS_CHANNELS
@@ -381,13 +548,16 @@ def summary_markdown(
         f"| mean outer-round time (s) | {_fmt(summary.get('round_seconds_mean'))} |",
         f"| store traffic, all replicas (MB) | "
         f"{_fmt((summary.get('round_bytes_total') or 0) / 1e6, 2)} |",
-        f"| wall time (s) | {_fmt(run_wall_seconds(driver) or summary.get('wall_seconds'), 1)} |",
+        f"| wall time | {wall_text(driver) or _fmt(summary.get('wall_seconds'), 1) + ' s'} |",
     ]
+    if losses_rose(summary):
+        lines += ["", LOSS_RISE_NOTE]
     spent = summary.get("health_seconds")
     if spent:
         lines.append(
-            f"| run health (s healthy / degraded / critical) | {spent['healthy']:.0f} / "
-            f"{spent['degraded']:.0f} / {spent['critical']:.0f} |"
+            f"| run health (s {' / '.join(HEALTH_STATES)}) | "
+            + " / ".join(f"{spent.get(name, 0.0):.0f}" for name in HEALTH_STATES)
+            + " |"
         )
     lines.append("")
     if plots:

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from composer_replication.diloco.outer_mode import OuterLoop
-from composer_replication.exchange.manager import RoundRecord
 from composer_replication.exchange.store import ObjectStore
+from composer_replication.exchange.store_manager import RoundRecord
 from composer_replication.run.checkpoint import prune_checkpoints, round_dir, save_checkpoint
 from composer_replication.run.metrics import ReplicaMetricsWriter
 from composer_replication.run.replica_state import prune_replica_states, save_replica_state
@@ -138,6 +138,7 @@ class ReplicaReporter(TrainerCallback):
         save_final: bool,
         evaluator_rank: int = 0,
         last_round: int | None = None,
+        ood_examples: list[Any] | None = None,
     ) -> None:
         self.writer = writer
         self.store = store
@@ -147,6 +148,7 @@ class ReplicaReporter(TrainerCallback):
         self.tokenizer = tokenizer
         self.task = task
         self.eval_examples = eval_examples
+        self.ood_examples = ood_examples or []  # the task's out-of-distribution row
         self.eval_every_rounds = eval_every_rounds
         self.max_new_tokens = max_new_tokens
         self.checkpoint_every_rounds = checkpoint_every_rounds
@@ -184,6 +186,10 @@ class ReplicaReporter(TrainerCallback):
             model, self.tokenizer, self.task, self.eval_examples,
             max_new_tokens=self.max_new_tokens,
         )  # fmt: skip
+        if metrics and self.ood_examples:
+            ood = evaluate(model, self.tokenizer, self.task, self.ood_examples,
+                           max_new_tokens=self.max_new_tokens)  # fmt: skip
+            metrics.update({"eval/ood_accuracy": ood["eval/accuracy"], "eval/ood_n": ood["eval/n"]})
         if metrics:
             self.writer.log("eval", step=step, round=self._round(), **metrics)
             self.writer.status(eval_accuracy=metrics["eval/accuracy"])

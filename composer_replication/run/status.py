@@ -10,11 +10,14 @@ documents in the store (what each replica last reported) and the heartbeats in t
     behind    more than one outer round behind the most advanced replica
     failed    the executor reports it failed (its error is shown)
 
-The run state (`health_now`, also written to the metrics by the driver) is ``healthy |
-degraded | critical`` by `exchange.liveness.run_health`'s rules over the heartbeats of the
-replicas (their role is the outer-loop mode's: "replica", decoupled "learner") and, where the
+The run state (`health_now`, also written to the metrics by the driver) is ``starting |
+healthy | degraded | critical`` by `exchange.liveness.run_health`'s rules over the heartbeats of
+the replicas (their role is the outer-loop mode's: "replica", decoupled "learner") and, where the
 mode has one, the synchronizer, plus "a contribution was rejected in the last
-`REJECTION_WINDOW_S` seconds" (from the synchronizer's heartbeat).
+`REJECTION_WINDOW_S` seconds" (from the synchronizer's heartbeat). For `STARTUP_GRACE_S` after a
+launch (the driver's start of the current attempt), a replica that has not sent its first
+heartbeat yet is starting, not missing: the run is ``starting`` until every replica reports, not
+``critical``.
 
 Contributions the exchange left out (refused, screened out, squatted; docs/object-store.md) are
 listed with rank and reason for the latest round that had any (``rejections``).
@@ -39,16 +42,25 @@ from composer_replication.run.metrics import status_key
 __all__ = ["health_now", "run_status", "status_text"]
 
 REJECTION_WINDOW_S = 60.0
-HEALTH_LEVEL = {"healthy": 0, "degraded": 1, "critical": 2}
+STARTUP_GRACE_S = 300.0
+HEALTH_LEVEL = {"starting": -1, "healthy": 0, "degraded": 1, "critical": 2}
 
 
 def health_now(
-    store: ObjectStore, *, mode: OuterLoopMode, n_replicas: int, now: float | None = None
+    store: ObjectStore,
+    *,
+    mode: OuterLoopMode,
+    n_replicas: int,
+    now: float | None = None,
+    started: float | None = None,
 ) -> dict[str, Any]:
     """The run state from the store's heartbeats (see the module docstring), JSON-able:
     ``{"state", "level", "reasons", "members": {"role/id": status}, "synchronizer": {...}}``.
-    ``mode``: the run's outer-loop mode (its replicas' role, its quorum, its synchronizer)."""
+    ``mode``: the run's outer-loop mode (its replicas' role, its quorum, its synchronizer).
+    `started`: when the replicas were launched (epoch seconds; None: not known, no start-up
+    window)."""
     now = time.time() if now is None else now
+    starting = started is not None and 0 <= now - started < STARTUP_GRACE_S
     role = mode.worker_role
     sync_role = SYNCHRONIZER_ROLE if mode.has_synchronizer else None
     roles = [role] if sync_role is None else [role, sync_role]
@@ -86,6 +98,7 @@ def health_now(
         quorum=max(1, min(quorum, n_replicas)),
         synchronizer_role=sync_role,
         rejections=rejections,
+        starting=starting,
     )
     return {
         **health.as_dict(),
@@ -120,7 +133,13 @@ def run_status(folder: RunFolder, *, stale_after_s: float = 120.0) -> dict[str, 
     if store_error is None:
         try:
             mode = outer_loop_mode(from_dict(RunConfig, config))
-            run_state = health_now(store, mode=mode, n_replicas=n)
+            started = driver.get("started") if driver.get("status") == "running" else None
+            run_state = health_now(
+                store,
+                mode=mode,
+                n_replicas=n,
+                started=started if isinstance(started, int | float) else None,
+            )
         except Exception as exc:  # status must still show the rest
             store_error = f"{type(exc).__name__}: {exc}"
     handles = {int(h["replica_id"]): h for h in driver.get("replicas", [])}

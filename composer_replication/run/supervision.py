@@ -285,6 +285,7 @@ class HealthLog:
     ) -> None:
         self.store, self.sink, self.every_s = store, sink, every_s
         self.mode, self.n = mode, n_replicas
+        self.started = time.time()  # built as the replicas are launched: the start-up window
         self._last = 0.0
         self._last_written = 0.0
         self._state: str | None = None
@@ -295,7 +296,7 @@ class HealthLog:
             return
         self._last = now
         try:
-            h = health_now(self.store, mode=self.mode, n_replicas=self.n)
+            h = health_now(self.store, mode=self.mode, n_replicas=self.n, started=self.started)
         except Exception:  # the store is unreachable for a moment: the next poll retries
             return
         if h["state"] != self._state or force or now - self._last_written > 60:

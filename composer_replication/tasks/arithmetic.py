@@ -10,6 +10,12 @@ medium   0..99       ``+-`` 2           no                ~15k prompts
 hard     0..999      ``+-*``3           yes               ~10^9 prompts
 =======  ==========  =====  ==========  ================  =================================
 
+**Held-out split**: two prompts are one problem when one is a reordering of the other (terms
+with their signs, factors within a product: `3+4+5=` and `5+3+4=`, `2*3-1=` and `3*2-1=`); the
+class key is the operand multiset of a sum (`canonical_form`), and the split holds out whole
+classes (tasks/base.py), so no held-out prompt is a training prompt in another order. The
+out-of-distribution split (`ood_examples`) has one more operand than training.
+
 The answer is the bare integer. Tolerated around it: a leading "Answer:" / "The answer is", and an
 echo of the expression (`3+4=7`).
 
@@ -38,12 +44,14 @@ small or too large, as a checker would.
 
 from __future__ import annotations
 
+import itertools
 import random
 import re
 from typing import Any, ClassVar
 
 from composer_replication.tasks.base import (
     Example,
+    Problem,
     Task,
     Verdict,
     brevity,
@@ -100,6 +108,52 @@ def evaluate(tokens: list[int | str]) -> int:
     return sum(s * t for s, t in zip(signs, terms, strict=True))
 
 
+def signed_terms(tokens: list[int | str]) -> list[tuple[str, tuple[int, ...]]]:
+    """`[a, op, b, ...]` as its signed product terms: `3*4+5-2` -> `[("+", (3, 4)), ("+", (5,)),
+    ("-", (2,))]`. Reordering the terms (keeping each sign) or the factors of a term gives the
+    same value: the expression's equivalence class."""
+    terms: list[tuple[str, list[int]]] = [("+", [int(tokens[0])])]
+    for op, value in zip(tokens[1::2], tokens[2::2], strict=True):
+        if op == "*":
+            terms[-1][1].append(int(value))
+        else:
+            terms.append((str(op), [int(value)]))
+    return [(sign, tuple(factors)) for sign, factors in terms]
+
+
+def tokenize(expression: str) -> list[int | str]:
+    """`"3*4+5"` -> `[3, "*", 4, "+", 5]` (the prompt's expression, operands non-negative)."""
+    return [int(t) if t.isdigit() else t for t in re.findall(r"\d+|[-+*]", expression)]
+
+
+def canonical_form(expression: str) -> str:
+    """The expression's class key: its signed terms with sorted factors, sorted (`5+4*3-2` and
+    `3*4+5-2` -> `+3*4 +5 -2`). For a sum it is the operand multiset."""
+    terms = sorted(
+        sign + "*".join(str(f) for f in sorted(factors))
+        for sign, factors in signed_terms(tokenize(expression))
+    )
+    return " ".join(terms)
+
+
+def reorderings(expression: str) -> list[str]:
+    """Every distinct expression of the same class (terms reordered with their signs, a
+    subtracted term never first; factors reordered within a term), `expression` first."""
+    terms = signed_terms(tokenize(expression))
+    out: dict[str, None] = {expression: None}
+    for order in itertools.permutations(terms):
+        if order[0][0] != "+":
+            continue
+        factor_orders = [sorted(set(itertools.permutations(f))) for _, f in order]
+        for factors in itertools.product(*factor_orders):
+            text = "".join(
+                ("" if i == 0 else sign) + "*".join(str(x) for x in fs)
+                for i, ((sign, _), fs) in enumerate(zip(order, factors, strict=True))
+            )
+            out.setdefault(text, None)
+    return list(out)
+
+
 def _closeness(pred: int, answer: int) -> float:
     scale = max(1.0, abs(answer) / 10)
     return 1.0 / (1.0 + abs(pred - answer) / scale)
@@ -146,10 +200,13 @@ class ArithmeticTask(Task):
         if not 2 <= self.num_operands <= 6:
             raise ValueError(f"num_operands must be in 2..6, got {self.num_operands}")
 
-    def _sample(self, rng: random.Random) -> tuple[str, str, dict[str, Any]]:
+    def _sample(self, rng: random.Random) -> Problem:
+        return self._draw(rng, self.num_operands)
+
+    def _draw(self, rng: random.Random, num_operands: int) -> Problem:
         for _ in range(1000):
             tokens: list[int | str] = [rng.randint(self.min_operand, self.max_operand)]
-            for _ in range(self.num_operands - 1):
+            for _ in range(num_operands - 1):
                 tokens.append(rng.choice(self.ops))
                 tokens.append(rng.randint(self.min_operand, self.max_operand))
             value = evaluate(tokens)
@@ -159,6 +216,20 @@ class ArithmeticTask(Task):
         raise ValueError(
             "cannot draw a non-negative problem with these options; set allow_negative=True"
         )
+
+    def _canonical(self, problem: Problem) -> str:
+        return canonical_form(str(problem[2]["expression"]))
+
+    def _equivalents(self, problem: Problem) -> list[Problem]:
+        prompt, answer, meta = problem
+        return [
+            (f"{expr}=", answer, {**meta, "expression": expr})
+            for expr in reorderings(str(meta["expression"]))
+        ]
+
+    def _sample_ood(self, rng: random.Random) -> Problem:
+        """One more operand than training, from the same range and operators."""
+        return self._draw(rng, self.num_operands + 1)
 
     def verify(self, example: Example, completion: str) -> Verdict:
         answer = int(example.answer)

@@ -5,11 +5,22 @@ owns everything that is the same for every task:
 
 * the **fixed-seed split** (`train_examples` / `eval_examples`): problems are drawn from
   `random.Random(f"{name}:{seed}")` (a string seed is hashed with SHA-512, so the split is identical
-  in every process regardless of `PYTHONHASHSEED`); the eval set is drawn first and holds `n_eval`
-  distinct prompts, the train set holds prompts never seen in eval. When a task's problem space is
-  smaller than `n_train + n_eval` distinct prompts (the "easy" levels are deliberately tiny), the
-  train set cycles through the remaining prompts, so train may repeat a prompt but never shares one
-  with eval;
+  in every process regardless of `PYTHONHASHSEED`). The split is by **equivalence class**: prompts
+  that are the same problem in another form (`canonical`: `3+4+5=` and `5+3+4=` share the operand
+  multiset, hence the answer) are never on both sides, so a held-out prompt is new to the policy,
+  not a reordering of a training prompt. The eval set is drawn first: each draw of a new class
+  holds the class out whole (`_equivalents`: every member the task can list, the drawn prompt
+  first; the last class is cut at `n_eval`), so the eval set holds `n_eval` distinct prompts and
+  every prompt has the same chance of being held out; its order is then shuffled, so that any
+  first k of them span many classes. The train set holds prompts of the other classes only.
+  When a task's problem space is smaller than `n_train + n_eval` distinct prompts (the "easy"
+  levels are deliberately tiny), the train set cycles through the remaining prompts, so train
+  may repeat a prompt but never shares a class with eval;
+* a **validation view** (`validation_view`): whole classes of the training split carved out as
+  the view's eval set, for choosing hyperparameters without touching the held-out prompts;
+* an optional **out-of-distribution split** (`ood_examples`): problems outside the training
+  distribution (arithmetic: one more operand; strings: longer inputs), reported beside the
+  held-out figure to show how far the learning reaches (a figure, not a target);
 * the TRL glue: `to_dataset`, `reward_func` (per completion a `(score, feedback)` tuple, see
   `docs/trainer.md`), `oracle_traces` (trace records for channel 3).
 
@@ -40,6 +51,9 @@ _ANSWER_PREFIX = re.compile(r"^\s*(?:the\s+)?answer\s*(?:is|:)\s*", re.IGNORECAS
 # How many consecutive duplicate draws mean "the problem space is exhausted". Draws are cheap, and
 # for a space of N problems the chance that a new problem survives this many misses is negligible.
 _MAX_MISSES = 2000
+
+# One problem as a task draws it: (prompt, reference answer, JSON-serialisable meta).
+Problem = tuple[str, str, dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -144,8 +158,25 @@ class Task(ABC):
     # ---- to implement -------------------------------------------------------------------------
 
     @abstractmethod
-    def _sample(self, rng: random.Random) -> tuple[str, str, dict[str, Any]]:
+    def _sample(self, rng: random.Random) -> Problem:
         """One random problem as (prompt, reference answer, JSON-serialisable meta)."""
+
+    def _canonical(self, problem: Problem) -> str:
+        """The problem's equivalence class: problems with the same key are one problem in
+        another form (same answer by construction), and the split never puts two of them on
+        different sides. Default: the prompt itself (every prompt its own class)."""
+        return problem[0]
+
+    def _equivalents(self, problem: Problem) -> list[Problem]:
+        """The members of the problem's class that the held-out set takes with it, the problem
+        first. Default: the problem alone (the rest of its class, if any, is still kept out of
+        training by `_canonical`)."""
+        return [problem]
+
+    def _sample_ood(self, rng: random.Random) -> Problem | None:
+        """One out-of-distribution problem (see `ood_examples`), or None when the task has no
+        such split (the default)."""
+        return None
 
     @abstractmethod
     def verify(self, example: Example, completion: str) -> Verdict:
@@ -221,6 +252,80 @@ class Task(ABC):
             return self.eval_examples()
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
 
+    def canonical(self, example: Example) -> str:
+        """The example's equivalence class (see the module docstring): held-out and training
+        examples never share one."""
+        return self._canonical((example.prompt, example.answer, example.meta))
+
+    def has_ood(self) -> bool:
+        """Whether the task has an out-of-distribution split (`ood_examples`)."""
+        return self._sample_ood(random.Random(f"{self.name}:{self.seed}:ood")) is not None
+
+    def ood_examples(self, n: int) -> list[Example]:
+        """`n` distinct out-of-distribution problems (fixed by `seed`; fewer only when that
+        space holds fewer): outside the training distribution by construction (arithmetic: one
+        more operand than training; strings: inputs longer than any training input), so none
+        shares a class with training. A figure beside the held-out accuracy, not a target.
+        ValueError if the task has no such split."""
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"n must be an int >= 1, got {n!r}")
+        rng = random.Random(f"{self.name}:{self.seed}:ood")
+        drawn: dict[str, Problem] = {}
+        misses = 0
+        while len(drawn) < n and misses < _MAX_MISSES:
+            problem = self._sample_ood(rng)
+            if problem is None:
+                raise ValueError(
+                    f"task {self.name!r} has no out-of-distribution split (has_ood() is False)"
+                )
+            if problem[0] in drawn:
+                misses += 1
+                continue
+            misses = 0
+            drawn[problem[0]] = problem
+        return [self._example("ood", i, p) for i, p in enumerate(drawn.values())]
+
+    def validation_view(self, n_val: int) -> Task:
+        """A copy of this task whose eval split is a **validation split carved from training**:
+        whole equivalence classes of the training split (chosen by `seed`), at least `n_val`
+        distinct prompts, and whose training split is the rest (in order, repeats kept). For
+        choosing hyperparameters without looking at the held-out prompts, which the view never
+        contains. ValueError if carving `n_val` prompts would leave no training class."""
+        import copy
+
+        if not isinstance(n_val, int) or n_val < 1:
+            raise ValueError(f"n_val must be an int >= 1, got {n_val!r}")
+        train, _ = self._build_split()
+        classes: dict[str, list[Example]] = {}
+        for ex in train:
+            classes.setdefault(self.canonical(ex), []).append(ex)
+        order = list(classes)
+        random.Random(f"{self.name}:{self.seed}:validation").shuffle(order)
+        held: set[str] = set()
+        val_prompts: dict[str, Example] = {}
+        for key in order:
+            if len(val_prompts) >= n_val:
+                break
+            held.add(key)
+            for ex in classes[key]:
+                val_prompts.setdefault(ex.prompt, ex)
+        rest = [ex for ex in train if self.canonical(ex) not in held]
+        if len(val_prompts) < n_val or not rest:
+            raise ValueError(
+                f"task {self.name!r}: the training split has {len(classes)} classes "
+                f"({len({ex.prompt for ex in train})} distinct prompts); carving {n_val} "
+                "validation prompts from it leaves none to train on: lower n_val or raise n_train"
+            )
+        view = copy.copy(self)
+        view._split = (
+            [Example(ex.id.replace("/train/", "/trainval/", 1), ex.prompt, ex.answer, ex.meta)
+             for ex in rest],
+            [Example(ex.id.replace("/train/", "/val/", 1), ex.prompt, ex.answer, ex.meta)
+             for ex in val_prompts.values()],
+        )  # fmt: skip
+        view._index = None
+        return view
+
     def get_example(self, example_id: str) -> Example:
         """The example with this id (from either split); KeyError if there is none."""
         if self._index is None:
@@ -228,14 +333,31 @@ class Task(ABC):
             self._index = {ex.id: ex for ex in (*train, *evals)}
         return self._index[example_id]
 
-    def _draw_distinct(
-        self, rng: random.Random, want: int, exclude: dict[str, Any]
-    ) -> list[tuple[str, str, dict[str, Any]]]:
-        drawn: dict[str, tuple[str, str, dict[str, Any]]] = {}
+    def _draw_held_out(self, rng: random.Random) -> tuple[list[Problem], set[str]]:
+        """The eval problems, whole classes at a time, and the held-out class keys."""
+        drawn: dict[str, Problem] = {}
+        held: set[str] = set()
         misses = 0
-        while len(drawn) < want and misses < _MAX_MISSES:
+        while len(drawn) < self.n_eval and misses < _MAX_MISSES:
             problem = self._sample(rng)
-            if problem[0] in drawn or problem[0] in exclude:
+            key = self._canonical(problem)
+            if key in held:
+                misses += 1
+                continue
+            misses = 0
+            held.add(key)
+            for member in self._equivalents(problem):
+                if len(drawn) >= self.n_eval:
+                    break
+                drawn.setdefault(member[0], member)
+        return list(drawn.values()), held
+
+    def _draw_train(self, rng: random.Random, held: set[str]) -> list[Problem]:
+        drawn: dict[str, Problem] = {}
+        misses = 0
+        while len(drawn) < self.n_train and misses < _MAX_MISSES:
+            problem = self._sample(rng)
+            if problem[0] in drawn or self._canonical(problem) in held:
                 misses += 1
                 continue
             misses = 0
@@ -246,18 +368,21 @@ class Task(ABC):
         if self._split is not None:
             return self._split
         rng = random.Random(f"{self.name}:{self.seed}")
-        evals = self._draw_distinct(rng, self.n_eval, {})
+        evals, held = self._draw_held_out(rng)
         if len(evals) < self.n_eval:
             raise ValueError(
                 f"task {self.name!r} with these options has only {len(evals)} distinct problems, "
                 f"fewer than n_eval={self.n_eval}; lower n_eval or choose a harder level"
             )
-        eval_prompts = {p[0]: None for p in evals}
-        pool = self._draw_distinct(rng, self.n_train, eval_prompts)
+        # Whole classes are drawn together; the eval order is shuffled (by its own stream, so
+        # the train draw is unchanged) so that the first k held-out prompts (a run evaluates
+        # `eval_max_examples` of them, the loss screen `screen_examples`) span many classes.
+        random.Random(f"{self.name}:{self.seed}:eval-order").shuffle(evals)
+        pool = self._draw_train(rng, held)
         if not pool:
             raise ValueError(
-                f"task {self.name!r}: n_eval={self.n_eval} uses up every distinct problem at these "
-                "options, leaving none for training; lower n_eval or choose a harder level"
+                f"task {self.name!r}: n_eval={self.n_eval} holds out every class of problems at "
+                "these options, leaving none for training; lower n_eval or choose a harder level"
             )
         train = list(pool)
         while len(train) < self.n_train:
@@ -271,7 +396,7 @@ class Task(ABC):
         )
         return self._split
 
-    def _example(self, split: str, i: int, problem: tuple[str, str, dict[str, Any]]) -> Example:
+    def _example(self, split: str, i: int, problem: Problem) -> Example:
         prompt, answer, meta = problem
         # The prompt's digest makes ids from another seed or other options never collide with
         # ours, so reward_func cannot silently verify against the wrong example.

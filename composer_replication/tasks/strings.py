@@ -25,6 +25,10 @@ characters equal at the same index / the longer length:
   `brevity = 1 / (1 + extra / 8)` shrinks with the characters beyond the reference length;
 * empty: 0.
 
+Held-out split: `Sort` inputs with the same letters are one problem (same answer) and are held
+out together; every other prompt is its own class. The out-of-distribution split
+(`ood_examples`) has inputs 1-2 characters longer than any training input.
+
 Feedback says what a checker would: expected length vs actual, whether the letters (as a multiset)
 are right, and which 1-based positions are wrong, but never the expected string.
 """
@@ -38,6 +42,7 @@ from typing import Any, ClassVar
 
 from composer_replication.tasks.base import (
     Example,
+    Problem,
     Task,
     Verdict,
     brevity,
@@ -118,14 +123,27 @@ class StringsTask(Task):
         if not alphabet or not all(c.isalpha() and c.isascii() for c in alphabet):
             raise ValueError(f"alphabet must be non-empty ASCII letters, got {alphabet!r}")
 
-    def _sample(self, rng: random.Random) -> tuple[str, str, dict[str, Any]]:
+    def _sample(self, rng: random.Random) -> Problem:
+        return self._draw(rng, self.min_length, self.max_length)
+
+    def _canonical(self, problem: Problem) -> str:
+        """`Sort` inputs with the same letters are one problem (same answer); every other
+        prompt is its own class."""
+        op, text = str(problem[2]["operation"]), str(problem[2]["input"])
+        return f"sort:{''.join(sorted(text))}" if op == "sort" else problem[0]
+
+    def _sample_ood(self, rng: random.Random) -> Problem:
+        """Inputs 1-2 characters longer than any training input, same operations."""
+        return self._draw(rng, self.max_length + 1, self.max_length + 2)
+
+    def _draw(self, rng: random.Random, min_length: int, max_length: int) -> Problem:
         op = rng.choice(self.operations)
         letters = self.alphabet
         if op == "upper":
             letters = "".join(dict.fromkeys(self.alphabet.lower()))
         elif op == "swapcase":
             letters = "".join(dict.fromkeys(self.alphabet.lower() + self.alphabet.upper()))
-        length = rng.randint(self.min_length, self.max_length)
+        length = rng.randint(min_length, max_length)
         text = "".join(rng.choice(letters) for _ in range(length))
         label, fn = OPERATIONS[op]
         return f"{label}: {text}", fn(text), {"operation": op, "input": text}

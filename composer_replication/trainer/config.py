@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from composer_replication.data.hints import HintTemplate, coerce_hint_template
-from composer_replication.loss import TAID_T_START, ComposeConfig
+from composer_replication.loss import FUSED_JSD_BACKENDS, TAID_T_START, ComposeConfig
 
 # The loss keywords' defaults live in one place (the loss library); the trainer repeats the
 # names (they are its public keywords) but not the values.
@@ -85,6 +85,11 @@ class ComposerSettings:
     # the same logits up to float rounding, but RL amplifies rounding into another trajectory
     # (docs/trainer.md), so it is opt-in.
     sdpo_share_prefix: bool = False
+    # Channel 2 from the last hidden states through the output layer (loss.fused_sdpo_term: no
+    # (B, T, V) logits for the divergence) wherever it applies; False: always from the logits.
+    sdpo_fused: bool = True
+    # Its backend (loss.FUSED_JSD_BACKENDS): "auto" = our Triton kernels on CUDA, else PyTorch.
+    sdpo_fused_backend: str = "auto"
     hint_template: HintTemplate = field(default_factory=HintTemplate)
     # Channel-3 plumbing.
     replay_max_length: int | None = None
@@ -95,6 +100,11 @@ class ComposerSettings:
             raise ValueError(f"sdpo_teacher must be 'policy' or 'ema', got {self.sdpo_teacher!r}")
         if not 0.0 < self.sdpo_ema_rate <= 1.0:
             raise ValueError(f"sdpo_ema_rate must be in (0, 1], got {self.sdpo_ema_rate}")
+        if self.sdpo_fused_backend not in FUSED_JSD_BACKENDS:
+            raise ValueError(
+                f"sdpo_fused_backend must be one of {', '.join(FUSED_JSD_BACKENDS)}, got "
+                f"{self.sdpo_fused_backend!r}"
+            )
         if self.replay_max_length is not None and self.replay_max_length < 1:
             raise ValueError("replay_max_length must be >= 1 or None")
         kwargs = self.loss_kwargs()
@@ -216,6 +226,16 @@ class ComposerConfig(GRPOConfig):
     sdpo_share_prefix: bool = field(
         default=_SETTINGS_DEFAULTS.sdpo_share_prefix,
         metadata={"help": "Teacher forward over shared context prefixes once (opt-in)."},
+    )
+    sdpo_fused: bool = field(
+        default=_SETTINGS_DEFAULTS.sdpo_fused,
+        metadata={
+            "help": "Channel 2 from hidden states through the output layer where it applies."
+        },
+    )
+    sdpo_fused_backend: str = field(
+        default=_SETTINGS_DEFAULTS.sdpo_fused_backend,
+        metadata={"help": "Fused channel-2 backend: auto | torch | triton | liger."},
     )
     hint_template: str | None = field(
         default=None,

@@ -13,7 +13,13 @@ What is added to TRL 1.16's GRPO step, and where:
 * ``_compute_loss``: channel 1 is TRL's own loss, computed from ONE student forward whose
   completion logits are kept (``_get_per_token_logps_and_entropies``); channels 2 and 3 are the
   loss library's public ``sdpo_term`` / ``replay_term`` on the same batch, fed those logits
-  (channel 2's student side, channel 3's rejected side).
+  (channel 2's student side, channel 3's rejected side). The total is the loss library's
+  ``assemble`` of the three results.
+* channel 2 fused with the output layer (``sdpo_fused``, on by default where it applies:
+  ``trainer/fused.py``): the student forward keeps the body's last hidden states instead (and,
+  when channel 3 needs no logits in the micro-batch, runs TRL's own fused LM head for channel 1,
+  so no ``(B, T, V)`` logits exist at all); the teacher runs its body only; the divergence is
+  ``loss.fused_sdpo_term``. Equal to the logits path up to float rounding.
 
 Normalisation: like TRL's ``dapo``, each extra channel is divided by its *global* count over the
 accumulated batch (selected completion tokens for channel 2, pairs for channel 3; the batch's
@@ -26,6 +32,7 @@ of it rather than a reload from ``config._name_or_path`` (which TRL would attemp
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import tempfile
@@ -39,7 +46,13 @@ from torch import nn
 
 from composer_replication.data.teachers import TeacherPool
 from composer_replication.data.traces import TraceRecord, TraceStore
-from composer_replication.loss import replay_term, sdpo_term, selective_log_softmax
+from composer_replication.loss import (
+    assemble,
+    fused_sdpo_term,
+    replay_term,
+    sdpo_term,
+    selective_log_softmax,
+)
 from composer_replication.trainer.batch import (
     completion_text,
     hint_tensors,
@@ -55,6 +68,11 @@ from composer_replication.trainer.feedback import (
     call_feedback_funcs,
     merge_feedback,
     wrap_reward_func,
+)
+from composer_replication.trainer.fused import (
+    HiddenStateSource,
+    capture_hidden,
+    hidden_state_source,
 )
 from composer_replication.trainer.reference import (
     ReferenceScorer,
@@ -181,6 +199,8 @@ class ComposerReplicationTrainer(GRPOTrainer):
         if self._channel2 and s.sdpo_teacher == "ema":
             self._ema = EMATeacher(unwrapped, s.sdpo_ema_rate)
             self.add_callback(EMATeacherCallback(self))
+        # Channel 2 fused with the output layer: (student, teacher) bodies and heads, or None.
+        self._fused2 = self._fused_sources(unwrapped) if self._channel2 else None
         # DPO needs reference log-probs: TRL's KL reference if there is one, the adapter-free base
         # for PEFT, else a frozen copy of the initial policy.
         self._replay_ref: nn.Module | None = None
@@ -211,8 +231,10 @@ class ComposerReplicationTrainer(GRPOTrainer):
         self._train_sampler: EpochSampler | None = None
         self._pending_resume: dict[str, Any] | None = None
         self._capture_logits = False
+        self._capture_hidden = False
         self._phase_s: dict[str, float] = {"generate": 0.0, "teacher": 0.0}  # training_step
         self._captured_logits: torch.Tensor | None = None
+        self._captured_hidden: torch.Tensor | None = None
         self._batch: dict[str, Any] = {}
         self._loss_probe: Callable[[dict[str, torch.Tensor | None]], None] | None = None
 
@@ -232,6 +254,30 @@ class ComposerReplicationTrainer(GRPOTrainer):
         """The channel-2 (TAID) losses since the last call, oldest first; the list is emptied."""
         losses, self._taid_step_losses = self._taid_step_losses, []
         return losses
+
+    @property
+    def channel2_fused(self) -> bool:
+        """Whether channel 2 runs fused with the output layer (``sdpo_fused`` and it applies)."""
+        return self._fused2 is not None
+
+    def _fused_sources(self, unwrapped: Any) -> tuple[HiddenStateSource, HiddenStateSource] | None:
+        """The student's and the teacher's body and head for the fused channel 2, or None (with
+        the reason logged) when the setting is off or the path does not apply."""
+        s = self.composer
+        if not s.sdpo_fused:
+            return None
+        if s.sdpo_wrapper != "none" or s.sdpo_top_k is not None:
+            why = f"sdpo_wrapper={s.sdpo_wrapper!r} / sdpo_top_k={s.sdpo_top_k!r} need the logits"
+            student = teacher = None
+        else:
+            student, why = hidden_state_source(_hf_model(unwrapped))
+            teacher = student
+            if student is not None and self._ema is not None:
+                teacher, why = hidden_state_source(_hf_model(self._ema.model))
+        if student is None or teacher is None:
+            logger.info("channel 2 runs on the logits (not fused with the output layer): %s", why)
+            return None
+        return student, teacher
 
     @property
     def ema_teacher(self) -> EMATeacher | None:
@@ -528,11 +574,12 @@ class ComposerReplicationTrainer(GRPOTrainer):
         (rollouts, rewards and the channel inputs, when this step generates), ``time/teacher_s``
         (channel 2: the teacher's forward over the hinted contexts and the distillation term)
         and ``time/loss_backward_s`` (the rest: policy forward, losses, backward); wall seconds,
-        averaged over each logging window like every other metric."""
+        averaged over each logging window like every other metric. On a GPU each reading waits
+        for the device's queued work (`_clock`), so the split is of work done, not launched."""
         self._phase_s = {"generate": 0.0, "teacher": 0.0}
-        t0 = time.perf_counter()
+        t0 = self._clock()
         loss = super().training_step(model, inputs, num_items_in_batch)
-        step = time.perf_counter() - t0
+        step = self._clock() - t0
         if model.training:
             gen, teacher = self._phase_s["generate"], self._phase_s["teacher"]
             metrics = self._metrics["train"]
@@ -542,12 +589,21 @@ class ComposerReplicationTrainer(GRPOTrainer):
             metrics["time/loss_backward_s"].append(max(0.0, step - gen - teacher))
         return loss
 
+    def _clock(self) -> float:
+        """``time.perf_counter()`` once the accelerator's queued kernels have finished (CUDA runs
+        asynchronously: without the wait a phase would be charged for its launches only and the
+        next one for its work). A no-op wait on CPU."""
+        device = self.accelerator.device
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
     def _generate_and_score_completions(self, inputs):  # type: ignore[no-untyped-def]
-        t0 = time.perf_counter()
+        t0 = self._clock()
         try:
             return self._generate_with_channel_inputs(inputs)
         finally:
-            self._phase_s["generate"] += time.perf_counter() - t0
+            self._phase_s["generate"] += self._clock() - t0
 
     def _generate_with_channel_inputs(self, inputs):  # type: ignore[no-untyped-def]
         output = super()._generate_and_score_completions(inputs)
@@ -655,8 +711,10 @@ class ComposerReplicationTrainer(GRPOTrainer):
         compute_aux_loss: bool = False,
         **multimodal: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """TRL's per-token log-probs; when channels 2/3 need them, from plain logits kept aside."""
-        if not self._capture_logits:
+        """TRL's per-token log-probs; when channels 2/3 need them, from plain logits kept aside,
+        and for the fused channel 2 with the body's last hidden states kept aside."""
+        want_logits, want_hidden = self._capture_logits, self._capture_hidden
+        if not (want_logits or want_hidden):
             return super()._get_per_token_logps_and_entropies(
                 model,
                 input_ids,
@@ -667,12 +725,56 @@ class ComposerReplicationTrainer(GRPOTrainer):
                 compute_aux_loss=compute_aux_loss,
                 **multimodal,
             )
-        self._capture_logits = False
+        self._capture_logits = self._capture_hidden = False
         if any(v is not None for v in multimodal.values()):
             raise ValueError(
                 "channels 2 and 3 support text-only models; set alpha_sdpo=0 and beta_replay=0 "
                 "for multimodal inputs"
             )
+        with contextlib.ExitStack() as stack:
+            hidden: list[torch.Tensor] | None = None
+            if want_hidden:
+                assert self._fused2 is not None
+                hidden = stack.enter_context(capture_hidden(self._fused2[0].body))
+            if want_logits:
+                result = self._logits_forward(
+                    model,
+                    input_ids,
+                    attention_mask,
+                    logits_to_keep,
+                    compute_entropy,
+                    compute_aux_loss,
+                )
+            else:  # TRL's fused LM head: channel 1 without (B, T, V) logits
+                result = super()._get_per_token_logps_and_entropies(
+                    model,
+                    input_ids,
+                    attention_mask,
+                    logits_to_keep,
+                    batch_size=batch_size,
+                    compute_entropy=compute_entropy,
+                    compute_aux_loss=compute_aux_loss,
+                )
+        if hidden is not None:
+            if not hidden:
+                raise RuntimeError(
+                    "the model's body did not run during the student forward; set sdpo_fused=False"
+                )
+            states = hidden[0] if len(hidden) == 1 else torch.cat(hidden)
+            # (B, T, H): position t is the output layer's input scoring completion token t
+            self._captured_hidden = states[:, -(logits_to_keep + 1) : -1]
+        return result
+
+    def _logits_forward(
+        self,
+        model: nn.Module,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        logits_to_keep: int,
+        compute_entropy: bool,
+        compute_aux_loss: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """One plain forward; the completion logits are kept aside for channels 2/3."""
         kwargs: dict[str, Any] = {"logits_to_keep": logits_to_keep + 1}
         if compute_aux_loss:
             kwargs["output_router_logits"] = True
@@ -731,49 +833,67 @@ class ComposerReplicationTrainer(GRPOTrainer):
             self._log_flags(mode, False, False)
             self._call_loss_probe(mode, loss, None, None, loss)
             return loss
-        self._capture_logits = True
+        fused2 = want2 and self._fused2 is not None
+        self._capture_logits = want3 or (want2 and not fused2)
+        self._capture_hidden = fused2
         try:
             loss = super()._compute_loss(model, inputs)
         finally:
-            self._capture_logits = False
+            self._capture_logits = self._capture_hidden = False
         self._metrics[mode]["loss/grpo"].append(float(loss.detach()))  # channel 1 alone
         grpo_loss = loss
-        term2: torch.Tensor | None = None
-        term3: torch.Tensor | None = None
         logits, self._captured_logits = self._captured_logits, None
-        assert logits is not None
+        hidden, self._captured_hidden = self._captured_hidden, None
         s = self.composer
         batch = self._loss_batch(inputs, mode)
         kwargs = self._loss_kwargs()
-        active2 = active3 = False
+        sdpo: tuple[torch.Tensor, dict[str, float]] | None = None
+        replay: tuple[torch.Tensor, dict[str, float]] | None = None
         if want2:
-            teacher = self._ema.model if self._ema is not None else model
-            t0 = time.perf_counter()
-            res = sdpo_term(
-                teacher,
-                batch,
-                logits,
-                logits_to_keep=True,
-                share_prefix=s.sdpo_share_prefix,
-                **kwargs,
-            )
-            self._phase_s["teacher"] += time.perf_counter() - t0
-            if res is not None:
-                term2 = s.alpha_sdpo * res[0]
-                loss = loss + term2
-                active2 = True
-                self._log(mode, res[1])
+            t0 = self._clock()
+            if fused2:
+                assert hidden is not None and self._fused2 is not None
+                student, teacher = self._fused2
+                own = teacher is student  # the policy itself: its head, without gradient
+                sdpo = fused_sdpo_term(
+                    teacher.body,
+                    batch,
+                    hidden,
+                    student.head.weight,
+                    student.head.bias,
+                    teacher_weight=None if own else teacher.head.weight,
+                    teacher_bias=None if own else teacher.head.bias,
+                    share_prefix=s.sdpo_share_prefix,
+                    backend=s.sdpo_fused_backend,
+                    **kwargs,
+                )
+            else:
+                assert logits is not None
+                sdpo = sdpo_term(
+                    self._ema.model if self._ema is not None else model,
+                    batch,
+                    logits,
+                    logits_to_keep=True,
+                    share_prefix=s.sdpo_share_prefix,
+                    **kwargs,
+                )
+            self._phase_s["teacher"] += self._clock() - t0
+            if sdpo is not None:
+                self._log(mode, sdpo[1])
                 if s.taid_scheduled:
-                    self._taid_step_losses.append(res[1]["loss/sdpo"])
+                    self._taid_step_losses.append(sdpo[1]["loss/sdpo"])
         if want3:
-            res = replay_term(model, batch, logits, logits_to_keep=True, **kwargs)
-            if res is not None:
-                term3 = s.beta_replay * res[0]
-                loss = loss + term3
-                active3 = True
-                self._log(mode, res[1])
-        self._log_flags(mode, active2, active3)
-        self._call_loss_probe(mode, grpo_loss, term2, term3, loss)
+            assert logits is not None
+            replay = replay_term(model, batch, logits, logits_to_keep=True, **kwargs)
+            if replay is not None:
+                self._log(mode, replay[1])
+        # The total is the loss library's (grpo + alpha_sdpo * sdpo + beta_replay * replay).
+        loss, _ = assemble((grpo_loss, {}), sdpo, replay, **kwargs)
+        self._log_flags(mode, sdpo is not None, replay is not None)
+        if self._loss_probe is not None:
+            term2 = None if sdpo is None else s.alpha_sdpo * sdpo[0]
+            term3 = None if replay is None else s.beta_replay * replay[0]
+            self._call_loss_probe(mode, grpo_loss, term2, term3, loss)
         return loss
 
     def _call_loss_probe(
@@ -800,6 +920,11 @@ class ComposerReplicationTrainer(GRPOTrainer):
                 self._metrics[mode]["taid/t"].append(float(t))
         if self._channel3:
             self._metrics[mode]["replay/active"].append(float(active3))
+
+
+def _hf_model(model: Any) -> Any:
+    """The Hugging Face model under a PEFT wrapper (TRL patches that one), else ``model``."""
+    return model.get_base_model() if is_peft(model) else model
 
 
 def _any_row(inputs: dict[str, Any], key: str) -> bool:

@@ -144,6 +144,27 @@ def test_config_show_and_validate(
     assert not (tmp_path / "runs").exists()
 
 
+def test_config_validate_takes_several_files(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """`config validate a.toml b.toml ... overrides`: each file checked, the overrides applied
+    to each, one line per file; any failure exits 2 naming its file, after the others ran."""
+    good = tmp_path / "good.toml"
+    good.write_text("[train]\nmax_steps = 100\n")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train]\nmax_step = 100\n")
+    assert main(["config", "validate", str(good), str(good), "diloco.sync_every_h=25"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out == [f"{good}: ok: 2 x local replicas, model tiny, task arithmetic, 100 inner "
+                   "steps, 4 outer rounds"] * 2  # fmt: skip
+    assert main(["config", "validate", str(bad), str(good), str(tmp_path / "none.toml")]) == 2
+    captured = capsys.readouterr()
+    assert captured.out.startswith(f"{good}: ok:")
+    assert f"error: {bad}: train.max_step: unknown key" in captured.err
+    assert f"error: {tmp_path / 'none.toml'}:" in captured.err
+    assert "2 of 3 configs failed" in captured.err
+    assert main(["config", "validate", str(good), "x.y=1", "stray"]) == 2
+    assert "only section.key=value overrides" in capsys.readouterr().err
+
+
 def test_examples_validate(capsys: pytest.CaptureFixture) -> None:
     """Every shipped example config parses and passes the checks that need no cloud SDK."""
     examples = sorted((Path(__file__).parents[2] / "examples").glob("*.toml"))
@@ -215,3 +236,46 @@ def test_resume_refuses_a_run_that_is_still_running(
     assert main(["train", "--resume", "busy", "run.name=other"]) == 2
     assert "run.name cannot change on resume" in capsys.readouterr().err
     assert _tree(tmp_path) == before
+
+
+def test_resume_of_a_finished_run_says_so_and_launches_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """`train --resume` of a finished run: exit 0 with a message, nothing written (its wall
+    time stays); with a larger train.max_steps it trains on."""
+    import json
+
+    from composer_replication.config import load_config, to_dict
+    from composer_replication.run.driver import finished_already
+
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "runs" / "done"
+    run.mkdir(parents=True)
+    config = load_config(overrides=["run.name=done", f"store.uri={(run / 'store').as_uri()}/"])
+    (run / "config.json").write_text(json.dumps(to_dict(config)))
+    driver = {"status": "finished", "attempt": 1, "started": 1000.0, "ended": 1616.2,
+              "wall_seconds": 616.2}  # fmt: skip
+    (run / "driver.json").write_text(json.dumps(driver))
+    before = _tree(tmp_path)
+    assert main(["train", "--resume", "done"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("Run done has already finished (900 inner steps, 616.2 s): nothing to")
+    assert "train.max_steps=N (N > 900)" in out
+    assert main(["train", "--resume", "done", "train.max_steps=900"]) == 0
+    assert _tree(tmp_path) == before
+    # More steps: the run trains on (the resume is not stopped here).
+    assert finished_already("done", ["train.max_steps=1000"]) is None
+    assert finished_already("done", []) is not None
+
+
+def test_docs_command_table_lists_every_command() -> None:
+    """docs/cli.md's command table names every subcommand (and config's actions)."""
+    import re
+
+    doc = (Path(__file__).parents[2] / "docs" / "cli.md").read_text()
+    table = doc.split("| command | what it does |", 1)[1].split("\n\n", 1)[0]
+    listed = {" ".join(m.group(1).split()[:2]) for m in re.finditer(r"^\| `([^`]+)`", table, re.M)}
+    listed = {c if c.startswith("config ") else c.split()[0] for c in listed}
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    expected = {c for c in sub.choices if c != "config"} | {"config show", "config validate"}
+    assert expected <= listed, sorted(expected - listed)

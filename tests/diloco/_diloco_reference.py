@@ -12,6 +12,35 @@ from __future__ import annotations
 
 import torch
 from _diloco_worker import INNER_LR, build_model, inner_step  # noqa: E402
+from tolerances import gamma, tol
+
+
+def reference_tol(init: dict[str, torch.Tensor], rounds: int, replicas: int) -> dict[str, float]:
+    """How close a run's global weights are to `reference_rounds` (tests/tolerances.py): each
+    outer step is about replicas + 7 fp32 roundings (the pseudo-gradient's subtraction, the
+    k-term mean, momentum, Nesterov, lr * d, the update) of values no larger than the weights,
+    and the h inner steps the reference replays from weights that differ by that much end as
+    close (SGD at INNER_LR moves this small model's weights by a small fraction of themselves per
+    step: the map is near the identity). n = rounds * (replicas + 7), scale = the largest weight."""
+    scale = max(float(t.abs().max()) for t in init.values())
+    return tol(rounds * (replicas + 7), scale)
+
+
+def adam_reference_tol(
+    init: dict[str, torch.Tensor], rounds: int, replicas: int, h: int, lr: float
+) -> dict[str, float]:
+    """`reference_rounds_adam` vs the run: Adam divides each pseudo-gradient element by its own
+    size, so the absolute rounding of that difference of weights (gamma * max|w|) becomes a
+    relative error max|w| / |g| times larger; each round's update (at most ~lr per element) is
+    off by lr times that, over `rounds` rounds. |g|: the smallest pseudo-gradient element of the
+    first round (which must not be 0: the bound would say nothing)."""
+    locals_ = [local_after(init, r, 0, h) for r in range(replicas)]
+    g_min = min(
+        float(torch.stack([init[n] - loc[n] for loc in locals_]).mean(0).abs().min()) for n in init
+    )
+    assert g_min > 0, "a zero pseudo-gradient element: the Adam bound needs |g| > 0"
+    w_max = max(float(t.abs().max()) for t in init.values())
+    return {"rtol": 0.0, "atol": rounds * lr * 2 * gamma(replicas + 12) * w_max / g_min}
 
 
 def named_params(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -123,6 +123,28 @@ def test_run_health_rules() -> None:
         _health(four, n_workers=4, quorum=5)
 
 
+def test_members_not_heard_from_yet_are_starting_during_start_up() -> None:
+    """In the caller's start-up window a member with no heartbeat yet is starting: the run is
+    'starting', not 'critical'; a member that did beat and died still counts, and after the
+    window (starting=False) the same store reads critical as before."""
+    two_up = {"0": "alive", "1": "alive"}
+    h = _health({}, sync=None, n_workers=2, quorum=2, starting=True)
+    assert h.state == "starting" and h.alive_workers == 0
+    assert h.reasons == [
+        "0 of 2 learners up; waiting for the first heartbeat of learner 0, 1 and the synchronizer"
+    ]
+    h = _health({"0": "alive"}, n_workers=2, quorum=2, starting=True)
+    assert h.state == "starting" and "waiting for the first heartbeat of learner 1" in h.reasons[0]
+    assert _health(two_up, sync=None, n_workers=2, quorum=2, starting=True).state == "starting"
+    assert _health(two_up, n_workers=2, quorum=2, starting=True).state == "healthy"
+    h = _health({"0": "dead"}, n_workers=2, quorum=2, starting=True)  # beat once, then died
+    assert h.state == "critical" and "learner 0 is dead" in h.reasons
+    h = _health({"0": "alive", "1": "stale"}, n_workers=2, quorum=1, starting=True)
+    assert h.state == "degraded" and h.reasons == ["learner 1 is stale"]
+    assert _health({"0": "alive"}, n_workers=2, quorum=2).state == "critical"
+    assert _health({}, sync=None, n_workers=2, quorum=2).state == "critical"
+
+
 _BEATER = textwrap.dedent(
     """
     import sys, time

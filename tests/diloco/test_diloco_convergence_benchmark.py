@@ -48,17 +48,18 @@ def test_inner_schedule_is_one_schedule_over_all_steps() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # about 20 tiny runs (sweeps, two batches tuned on two lrs)
 def test_sweeps_write_json_and_plot(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     out = tmp_path / "sweep.json"
     tiny = ["--quick", "--k", "2", "--batch", "2", "--ctx", "32", "--d-model", "32",
             ]  # fmt: skip
     sweeps = ["--sweep-h", "5,10,15", "--sweep-outer-lr", "0.7,1.0", "--sweep-dp-lr", "2e-3,4e-3",
-              "--sweep-batch", "2,4"]  # fmt: skip
+              "--sweep-batch", "2,4", "--sweep-diloco-lr", "2e-3,4e-3", "--device", "cpu"]  # fmt: skip
     cmd = [sys.executable, str(ROOT / "benchmarks" / "diloco_convergence.py"), *tiny, *sweeps,
            "--out", str(out)]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=True)
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=880, check=True)
     last = json.loads(done.stdout.strip().splitlines()[-1])
     assert last["h"] == 10 and last["rounds"] == 3
     assert last["comm_ratio_vs_dp"] == pytest.approx(10, rel=0.05)  # ~H times fewer bytes
@@ -75,14 +76,65 @@ def test_sweeps_write_json_and_plot(tmp_path: Path) -> None:
     dp = {p["lr"]: p["eval_loss"] for p in saved["sweeps"]["dp_lr"]}
     assert dp[2e-3] == last["dp_eval_loss"] and dp[4e-3] != dp[2e-3]
     assert last["dp_best_lr"] == min(dp, key=lambda lr: dp[lr])
-    # the batch sweep: B=2 is the default run; B=4 is a complete run of its own (own warm start)
+    # the batch sweep: B=2 is the default run and its lr sweeps; B=4 is a complete run of its own
+    # (own warm start), tuned on the same grids: both arms at both lrs
     by_b = {p["batch"]: p for p in saved["sweeps"]["batch"]}
-    assert last["batch"] == 2 and set(by_b) == {2, 4}
-    assert by_b[2]["dp_eval_loss"] == last["dp_eval_loss"]
-    assert by_b[2]["diloco_eval_loss"] == last["diloco_eval_loss"]
+    assert last["batch"] == 2 and set(by_b) == {2, 4} and last["device"] == "cpu"
+    diloco_lr = {p["lr"]: p["eval_loss"] for p in saved["sweeps"]["lr"]}
+    assert {p["lr"]: p["eval_loss"] for p in by_b[2]["dp_lr"]} == dp
+    assert {p["lr"]: p["eval_loss"] for p in by_b[2]["diloco_lr"]} == diloco_lr
+    assert diloco_lr[2e-3] == last["diloco_eval_loss"]
     assert by_b[2]["start_eval_loss"] == last["start_eval_loss"]
     assert by_b[4]["start_eval_loss"] != last["start_eval_loss"]
     for p in by_b.values():
-        assert p["loss_gap_vs_dp"] == pytest.approx(
-            (p["diloco_eval_loss"] - p["dp_eval_loss"]) / p["dp_eval_loss"], abs=1e-4
-        )
+        assert [q["lr"] for q in p["dp_lr"]] == [q["lr"] for q in p["diloco_lr"]] == [2e-3, 4e-3]
+        best_dp = min(q["eval_loss"] for q in p["dp_lr"])
+        best_di = min(q["eval_loss"] for q in p["diloco_lr"])
+        assert (p["dp_eval_loss"], p["diloco_eval_loss"]) == (best_dp, best_di)
+        # rounded to 5 decimals on both sides: the quotient of the rounded losses is within 1e-4
+        assert p["loss_gap_vs_dp"] == pytest.approx((best_di - best_dp) / best_dp, abs=1e-4)
+        assert last[f"loss_gap_vs_dp_b{p['batch']}"] == p["loss_gap_vs_dp"]
+    crit, reached = dc.critical_batch(saved["sweeps"]["batch"], 0.01)
+    assert last["critical_batch"] == crit["batch"] and last["critical_batch_reached"] == reached
+    assert last["loss_gap_vs_dp_at_critical_batch"] == crit["loss_gap_vs_dp"]
+    assert f"batch 4: DP {by_b[4]['dp_eval_loss']:.4f}" in done.stdout  # printed per batch
+
+
+def test_critical_batch_is_where_a_larger_batch_stops_gaining() -> None:
+    def pt(b: int, dp: float) -> dict:
+        return {"batch": b, "dp_eval_loss": dp, "loss_gap_vs_dp": b / 1000}
+
+    points = [pt(512, 1.795), pt(128, 2.0), pt(256, 1.8)]  # unsorted on purpose
+    crit, reached = dc.critical_batch(points, 0.01)
+    # 128 -> 256 gains 10%, 256 -> 512 gains 0.28% < 1%: DP stopped gaining at 256
+    assert (crit["batch"], reached) == (256, True) and crit["loss_gap_vs_dp"] == 0.256
+    assert {p["batch"]: p["dp_gain_vs_previous"] for p in points} == {
+        128: None, 256: 0.1, 512: 0.00278,
+    }  # fmt: skip
+    crit, reached = dc.critical_batch([pt(128, 2.0), pt(256, 1.8)], 0.01)
+    assert (crit["batch"], reached) == (256, False)  # still gaining at the largest batch
+
+
+def test_device_cuda_without_a_gpu_fails_clearly() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU (scripts/gpu-check.sh runs --device cuda)")
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "diloco_convergence.py"), "--device", "cuda"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and "--device cuda" in done.stderr and "no CUDA" in done.stderr
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_batches_are_the_same_windows_on_any_device(device: str) -> None:
+    """A CPU generator picks the windows: the corpus on another device gives the same tokens,
+    on that device."""
+    import torch
+
+    data = torch.arange(5000) % 256
+    a = dc.Batches(data, 3, 16, seed=1).get(2, 7)
+    b = dc.Batches(data.to(device), 3, 16, seed=1).get(2, 7)
+    assert b[0].device.type == device and a[0].shape == (3, 16)
+    assert all(x.equal(y.cpu()) for x, y in zip(a, b))
+    assert a[1][:, :-1].equal(a[0][:, 1:])  # targets are the inputs shifted by one

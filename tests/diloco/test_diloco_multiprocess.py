@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _diloco_reference import named_params, reference_rounds  # noqa: E402
+from _diloco_reference import named_params, reference_rounds, reference_tol  # noqa: E402
 
 WORKER = Path(__file__).parent / "_diloco_worker.py"
 pytestmark = pytest.mark.slow
@@ -73,10 +73,11 @@ def check_identical_and_reference(out: Path, world: int, rounds: int, h: int) ->
         momentum=0.9,
         nesterov=True,
     )
+    init = named_params(dumped(out, 0, 0))
     for k in range(1, rounds + 1):
         got = named_params(dumped(out, 0, k))
         for name, t in got.items():
-            torch.testing.assert_close(t, ref[k - 1][name], atol=1e-6, rtol=0)
+            torch.testing.assert_close(t, ref[k - 1][name], **reference_tol(init, k, world))
 
 
 def test_three_replica_processes_over_file_match_reference(tmp_path: Path) -> None:

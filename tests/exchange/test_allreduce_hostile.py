@@ -18,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import save as st_save
 from test_allreduce_workers import SHAPES, make_tensors
+from tolerances import assert_close
 
 from composer_replication.exchange.allreduce import (
     CorruptContributionError,
@@ -139,7 +140,8 @@ def test_hostile_payload_is_rejected_and_step_completes(tmp_path, kind, no_pickl
         assert reason in sr.rejected[2], sr.rejected[2]
         for n in SHAPES:
             assert torch.equal(res[n], out[0][0][n])
-            torch.testing.assert_close(res[n], expected[n], atol=1e-6, rtol=1e-6)
+            # two fp32 means of the same 2 tensors, grouped differently: n = k + 1 = 3
+            assert_close(res[n], expected[n], n=3)
     assert not os.path.exists(marker)
 
 

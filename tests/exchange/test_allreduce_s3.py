@@ -31,8 +31,8 @@ pytestmark = [pytest.mark.server, pytest.mark.slow]
 @pytest.fixture(scope="module")
 def warm_pool(pool, seaweedfs_server, moto_server):  # noqa: F811
     """The process pool with every worker's S3 clients already open (no cold start in steps)."""
-    options = [seaweedfs_server[2], moto_server[2]]
-    for f in [pool.submit(warm_up, options, 1.0) for _ in range(4)]:
+    servers = [(seaweedfs_server[1], seaweedfs_server[2]), (moto_server[1], moto_server[2])]
+    for f in [pool.submit(warm_up, servers, 1.0) for _ in range(4)]:
         f.result(timeout=120)
     return pool
 

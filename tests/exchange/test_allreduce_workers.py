@@ -108,14 +108,15 @@ def race_commits(
     return records
 
 
-def warm_up(storage_options_list: list[dict[str, Any]], hold_s: float) -> int:
-    """Import torch/s3fs and open one client per server, so timed steps skip cold start-up."""
+def warm_up(servers: list[tuple[str, dict[str, Any]]], hold_s: float) -> int:
+    """Import torch/s3fs and open one client per (bucket, storage_options) server, so timed
+    steps skip cold start-up."""
     import os
 
     import fsspec
 
-    for options in storage_options_list:
+    for bucket, options in servers:
         fs = fsspec.filesystem("s3", use_listings_cache=False, **options)
-        fs.ls("composer-test")  # the bucket the fixtures create
+        fs.ls(bucket)
     time.sleep(hold_s)  # keep this worker busy so the next warm-up task lands on another one
     return os.getpid()

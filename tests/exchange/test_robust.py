@@ -11,6 +11,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from tolerances import assert_close, tol
 
 from composer_replication.exchange.robust import (
     AggregatePolicy,
@@ -54,7 +55,8 @@ def test_mean_matches_float64_reference_and_is_bit_stable():
     assert [d.included for d in decisions] == [True] * 4
     for name in SHAPES:
         ref = np_stack(ts, name).mean(axis=0)
-        np.testing.assert_allclose(merged[name].numpy(), ref, rtol=1e-6, atol=1e-6)
+        # a 4-rank fp32 mean vs float64's: n = k + 1 (tests/tolerances.py)
+        assert_close(merged[name], torch.from_numpy(ref).float(), n=5, what=name)
     again, _ = merge(cands(ts), AggregatePolicy())
     assert all(torch.equal(merged[n], again[n]) for n in SHAPES)
 
@@ -68,9 +70,12 @@ def test_median_and_trimmed_mean_match_numpy(n):
     trim, _ = merge(cands(ts), AggregatePolicy(method="trimmed_mean", outlier_ratio=0))
     for name in SHAPES:
         x = np.sort(np_stack(ts, name), axis=0)
-        np.testing.assert_allclose(med[name].numpy(), np.median(x, axis=0), rtol=1e-6, atol=1e-6)
-        np.testing.assert_allclose(trim[name].numpy(), x[k : n - k].mean(axis=0), rtol=1e-6,
-                                   atol=1e-6)  # fmt: skip
+        # a median is one input (odd n) or the halved sum of two (even n: one addition); the
+        # trimmed mean sums n - 2k inputs and divides: n - 2k + 1 roundings
+        median = torch.from_numpy(np.median(x, axis=0)).float()
+        assert_close(med[name], median, n=2, what=f"median {name}")
+        trimmed = torch.from_numpy(x[k : n - k].mean(axis=0)).float()
+        assert_close(trim[name], trimmed, n=n - 2 * k + 1, what=f"trimmed {name}")
 
 
 def test_coordinatewise_chunks_give_the_same_bits(monkeypatch):
@@ -91,11 +96,14 @@ def test_norm_clip_scales_to_clip_ratio_times_median():
     norms = [math.sqrt(sum(float((v.double() ** 2).sum()) for v in t.values())) for t in ts]
     med = float(np.median(norms))
     scales = [min(1.0, med / x) for x in norms]
-    assert [d.scale for d in decisions] == pytest.approx(scales, rel=1e-6)  # float32 norms
+    # float32 norms over every element (N terms) against float64's, then a quotient: 2 gamma_{N+1}
+    elements = sum(math.prod(s) for s in SHAPES.values())
+    assert [d.scale for d in decisions] == pytest.approx(scales, rel=tol(elements + 1)["rtol"])
     assert "clipped" in decisions[3].note and decisions[3].included
     for name in SHAPES:
         ref = sum(s * np_stack(ts, name)[i] for i, s in enumerate(scales)) / 4
-        np.testing.assert_allclose(merged[name].numpy(), ref, rtol=1e-5, atol=1e-6)
+        # the scales' own rounding (N + 1, above) times each term, then the 4-rank mean (k + 1)
+        assert_close(merged[name], torch.from_numpy(ref).float(), n=elements + 6, what=name)
 
 
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
@@ -107,7 +115,7 @@ def test_non_finite_contribution_is_rejected_with_the_tensor_named(value):
     assert "'b': 1 of 5" in decisions[1].reason
     for name in SHAPES:
         ref = (np_stack(ts, name)[0] + np_stack(ts, name)[2]) / 2
-        np.testing.assert_allclose(merged[name].numpy(), ref, rtol=1e-6, atol=1e-6)
+        assert_close(merged[name], torch.from_numpy(ref).float(), n=3, what=name)  # k + 1
 
 
 def test_huge_but_finite_values_are_rejected_as_norm_outliers():
@@ -144,18 +152,22 @@ def test_token_claim_inconsistent_with_steps_is_rejected_and_big_claims_capped()
     assert not decisions[2].included
     assert "10 inner steps x 100 tokens per step allow at most 1000" in decisions[2].reason
     w = np.array([1000, 900, 800], dtype=float)
-    assert [decisions[r].weight for r in (0, 1, 3)] == pytest.approx(list(w / w.sum()))
+    # float64 quotients of integer token counts (their sum is exact): one rounding each
+    assert [decisions[r].weight for r in (0, 1, 3)] == pytest.approx(
+        list(w / w.sum()), rel=2.0**-52, abs=0
+    )
     for name in SHAPES:
         x = np_stack(ts, name)
         ref = (w[0] * x[0] + w[1] * x[1] + w[2] * x[3]) / w.sum()
-        np.testing.assert_allclose(merged[name].numpy(), ref, rtol=1e-5, atol=1e-6)
+        # a 3-rank weighted fp32 sum (weights rounded to fp32 too): n = k + 2
+        assert_close(merged[name], torch.from_numpy(ref).float(), n=5, what=name)
     # more inner steps than a round allows is an inconsistent claim too
     d = screen(cands(ts, [10] * 4, [10, 10, 11, 10]), policy)
     assert "11 inner steps, at most 10" in d[2].reason
     # without bounds: the claim is capped at token_cap x the median claim instead
     d = screen(cands(ts, [100, 100, 10**12, 100]), AggregatePolicy(weighting="tokens"))
     assert all(x.included for x in d) and "capped" in d[2].note
-    assert d[2].weight == pytest.approx(400 / 700)
+    assert d[2].weight == pytest.approx(400 / 700, rel=2.0**-52, abs=0)  # one float64 quotient
     # a missing token count under token weighting
     d = screen(cands(ts, [100, None, 100, 100]), AggregatePolicy(weighting="tokens"))
     assert not d[1].included and "no token count" in d[1].reason
@@ -192,8 +204,8 @@ def test_combine_uses_the_decisions_it_is_given():
     out = combine(cands(ts), decisions, AggregatePolicy(weighting="tokens"))
     for name in SHAPES:
         x = np_stack(ts, name)
-        np.testing.assert_allclose(out[name].numpy(), 0.25 * x[0] + 0.75 * x[2], rtol=1e-5,
-                                   atol=1e-6)  # fmt: skip
+        # 0.25 x is exact, 0.75 x and the sum one rounding each: n = 2 (+1 for the reference)
+        assert_close(out[name], torch.from_numpy(0.25 * x[0] + 0.75 * x[2]).float(), n=3)
     with pytest.raises(ValueError, match="no candidate is included"):
         combine(cands(ts), [Decision(r, False, "x") for r in range(3)], AggregatePolicy())
 

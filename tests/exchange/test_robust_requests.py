@@ -18,7 +18,7 @@ from test_robust_screening import honest
 from test_robust_workers import count_requests
 
 from composer_replication.exchange.allreduce import ObjectStoreAllReduce
-from composer_replication.exchange.manager import ObjectStoreManager
+from composer_replication.exchange.store_manager import ObjectStoreManager
 
 
 def _steps(uri, world, steps):

@@ -14,7 +14,7 @@ from composer_replication.exchange.protocol import (
     decode_contribution,
     encode_contribution,
 )
-from composer_replication.exchange.sparse import SparseSpec
+from composer_replication.exchange.sparse import SparseCodec, SparseSpec
 
 SPEC = SparseSpec(density=0.02, chunk=512, bits=2)
 
@@ -120,19 +120,25 @@ def test_non_finite_values_are_refused():
 
 
 def _forge(monkeypatch, change) -> bytes:
-    real = codecs.encode
+    """A payload whose parts ``change`` altered after encoding (a valid checksum over them)."""
+    real = SparseCodec.encode
 
-    def forged(t, c, spec=None):
-        parts = real(t, c, spec)
+    def forged(self, t):
+        parts = real(self, t)
         change(parts)
         return parts
 
-    monkeypatch.setattr(codecs, "encode", forged)
-    payload, _ = encode_contribution(
-        {"w": torch.randn(3 * 512 + 10)}, rank=0, step=0, tokens=None, inner_steps=None,
-        codec="sparseloco", sparse=SPEC,
-    )  # fmt: skip
-    monkeypatch.setattr(codecs, "encode", real)
+    with monkeypatch.context() as m:
+        m.setattr(SparseCodec, "encode", forged)
+        payload, _ = encode_contribution(
+            {"w": torch.randn(3 * 512 + 10)},
+            rank=0,
+            step=0,
+            tokens=None,
+            inner_steps=None,
+            codec="sparseloco",
+            sparse=SPEC,
+        )
     return b"".join(bytes(memoryview(b)) for b in payload)
 
 

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from composer_replication.exchange.store import ObjectStore
+from composer_replication.exchange.faulty_store import Fault, FaultyStore
+from composer_replication.exchange.store import ObjectStore, probe_writable
 
 
 @pytest.fixture(
@@ -83,13 +84,12 @@ def test_probe_writable_passes_and_leaves_nothing(store: ObjectStore) -> None:
     assert not [n for n in store.list("") if n.startswith("_probe-")]
 
 
-def test_probe_writable_reports_a_store_that_reads_back_differently(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    store = ObjectStore(str(tmp_path / "s"))
-    monkeypatch.setattr(store, "get", lambda key: b"not what was written")
+def test_probe_writable_reports_a_store_that_reads_back_differently(tmp_path: Path) -> None:
+    rot = Fault("get", "_probe-*", "corrupt")
+    store = FaultyStore(ObjectStore(str(tmp_path / "s")), [rot])
     with pytest.raises(OSError, match="read back differently"):
-        store.probe_writable()
+        probe_writable(store)
+    assert rot.hits == 1
     assert not [n for n in os.listdir(tmp_path / "s") if n.startswith("_probe-")]
 
 

@@ -6,9 +6,17 @@ import math
 
 import pytest
 import torch
+from _loss_tolerance import TOY_N, TOY_OPS, approx, assert_close, bound
 
 import composer_replication
-from composer_replication.loss import combine, compose_loss, generalized_jsd, grpo_loss
+from composer_replication.loss import (
+    assemble,
+    combine,
+    compose_loss,
+    dpo_loss,
+    generalized_jsd,
+    grpo_loss,
+)
 from composer_replication.loss.compose import REPLAY_KEYS
 
 CONTRACT_METRICS = {
@@ -67,7 +75,8 @@ def test_alpha_sdpo_zero_is_channel1_bit_exact(lm, batch):
     ).logits[:, batch["prompt_ids"].shape[1] - 1 : -1]
     logps = torch.log_softmax(logits, -1).gather(-1, batch["completion_ids"][..., None])[..., 0]
     direct, _ = grpo_loss(logps, None, batch["advantages"], batch["completion_mask"])
-    torch.testing.assert_close(loss, direct.detach(), rtol=1e-6, atol=1e-7)
+    # the toy LM's float32 budget (_loss_tolerance.TOY_*), on the scale of the advantages
+    assert_close(loss, direct, n=TOY_N, ops=TOY_OPS, scale=float(batch["advantages"].abs().max()))
 
 
 def test_beta_replay_zero_bit_exact(lm, batch):
@@ -133,24 +142,32 @@ def test_compose_equals_forward_plus_combine(lm, batch):
         **kw,
     )
     ref_loss.backward()
-    torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=1e-6)
+    # the same formulas on the same forwards, another path: the toy LM's float32 budget, each
+    # value on its own scale (a gradient: its largest entry; a loss: the channels it sums)
+    scale = sum(abs(ref_metrics[k]) for k in ("loss/grpo", "loss/sdpo", "loss/replay"))
+    assert_close(loss, ref_loss, n=TOY_N, ops=TOY_OPS, scale=scale)
     for a, b in zip(grads, _grads(lm)):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert_close(a, b, n=TOY_N, ops=TOY_OPS)
     for key in CONTRACT_METRICS:
-        assert metrics[key] == pytest.approx(ref_metrics[key], rel=1e-5, abs=1e-6), key
+        size = max(abs(ref_metrics[key]), scale)
+        assert metrics[key] == approx(ref_metrics[key], n=TOY_N, ops=TOY_OPS, scale=size), key
     assert metrics["sdpo/active"] == 1.0 and metrics["replay/active"] == 1.0
-    assert metrics["sdpo/frac_samples"] == pytest.approx(2 / 3)
+    assert metrics["sdpo/frac_samples"] == approx(2 / 3, n=3, ops=1)  # a float32 mean of 3 bools
     assert metrics["replay/pairs"] == 2.0
     assert all(isinstance(v, float) for v in metrics.values())
     assert CONTRACT_METRICS <= set(metrics)
     total = metrics["loss/grpo"] + 0.3 * metrics["loss/sdpo"] + 0.2 * metrics["loss/replay"]
-    assert metrics["loss/total"] == pytest.approx(total, rel=1e-5)
+    # float32 total vs the float64 sum of its float32 terms: a few roundings on the terms' scale
+    assert metrics["loss/total"] == approx(total, n=3, ops=4, scale=scale)
 
 
 def test_sdpo_channel_value_is_generalized_jsd(lm, batch):
     loss_on, m_on, _ = _run(lm, batch, alpha_sdpo=0.5, beta_replay=0.0, sdpo_jsd_beta=0.2)
     loss_off, _, _ = _run(lm, batch, alpha_sdpo=0.0, beta_replay=0.0)
-    assert float(loss_on - loss_off) == pytest.approx(0.5 * m_on["loss/sdpo"], rel=1e-5, abs=1e-7)
+    # loss_on = grpo + 0.5 * sdpo in float32: the sum rounds on the scale of loss_on
+    assert float(loss_on - loss_off) == approx(
+        0.5 * m_on["loss/sdpo"], n=2, ops=3, scale=abs(float(loss_on)) + abs(float(loss_off))
+    )
     assert m_on["jsd/tokens"] == float(
         (batch["completion_mask"].bool() & batch["sdpo_sample_mask"][:, None]).sum()
     )
@@ -178,7 +195,8 @@ def test_precomputed_teacher_logits_replace_teacher_forward(lm, batch):
     lm.calls.clear()
     _, m_pre, _ = _run(lm, pre, beta_replay=0.0)
     assert len(lm.calls) == 1
-    assert m_pre["loss/sdpo"] == pytest.approx(m_fwd["loss/sdpo"], rel=1e-6)
+    # the same teacher logits (one forward here, trimmed columns there): the toy budget
+    assert m_pre["loss/sdpo"] == approx(m_fwd["loss/sdpo"], n=TOY_N, ops=TOY_OPS)
 
 
 def test_replay_off_when_absent_or_empty(lm, batch):
@@ -216,16 +234,17 @@ def test_simpo_channel_uses_length_normalised_logps(lm, batch):
 
     with torch.no_grad():
         expected = -torch.nn.functional.logsigmoid(2.0 * (avg("chosen") - avg("rejected")) - 0.5)
-    assert m["loss/replay"] == pytest.approx(float(expected.mean()), rel=1e-5)
+    assert m["loss/replay"] == approx(float(expected.mean()), n=TOY_N, ops=TOY_OPS)
 
 
 def test_taid_schedule_step_sets_linear_t(lm, batch):
     _, m, _ = _run(lm, batch, sdpo_wrapper="taid", taid_schedule_step=25, taid_total_steps=100)
-    assert m["taid/t"] == pytest.approx(0.4 + 0.6 * 0.25)
+    t_tol = bound(torch.float64, n=1, ops=4, scale=1)  # python floats: t0 + (t1 - t0) * s / n
+    assert m["taid/t"] == pytest.approx(0.4 + 0.6 * 0.25, abs=t_tol)
     _, m, _ = _run(
         lm, batch, sdpo_wrapper="taid", taid_t=0.9, taid_schedule_step=1, taid_total_steps=2
     )
-    assert m["taid/t"] == pytest.approx(0.9)  # explicit t wins
+    assert m["taid/t"] == 0.9  # explicit t wins, unchanged
 
 
 @pytest.mark.parametrize(
@@ -271,16 +290,61 @@ def test_combine_sdpo_token_mask_and_off_switches():
     base = dict(per_token_logps=logps, completion_mask=mask, advantages=torch.tensor([1.0, -1.0]))
     loss, m = combine(**base, student_logits=student, teacher_logits=teacher, alpha_sdpo=1.0)
     jsd, _ = generalized_jsd(student, teacher)
-    assert m["loss/sdpo"] == pytest.approx(float(jsd.detach()), rel=1e-6)
+    assert m["loss/sdpo"] == float(jsd.detach())  # the same call: the same bits
     token_mask = torch.tensor([[1, 1, 0, 0], [0, 0, 0, 0]], dtype=torch.bool)
     _, m2 = combine(**base, student_logits=student, teacher_logits=teacher, sdpo_mask=token_mask)
     jsd2, _ = generalized_jsd(student, teacher, mask=token_mask)
-    assert m2["loss/sdpo"] == pytest.approx(float(jsd2.detach()), rel=1e-6)
+    assert m2["loss/sdpo"] == float(jsd2.detach())
     assert m2["sdpo/frac_samples"] == 0.5
     _, m3 = combine(**base, student_logits=student, teacher_logits=None)
     assert m3["sdpo/active"] == 0.0
     with pytest.raises(ValueError, match="sdpo_mask"):
         combine(**base, student_logits=student, teacher_logits=teacher, sdpo_mask=torch.ones(3))
+
+
+def test_assemble_is_the_one_total():
+    """``assemble`` on the channels' own results gives combine's total bit for bit (the trainer
+    and the recipes form their totals with it), ``metrics=False`` the same tensor, and a channel
+    that is off adds nothing at all."""
+    g = torch.Generator().manual_seed(4)
+    B, T, V = 2, 4, 6
+    student = torch.randn(B, T, V, generator=g, requires_grad=True)
+    teacher = torch.randn(B, T, V, generator=g)
+    logps = torch.log_softmax(student, -1)[..., 0]
+    mask = torch.ones(B, T)
+    adv = torch.tensor([1.0, -0.5])
+    chosen, rejected = torch.tensor([-3.0, -4.0]), torch.tensor([-5.0, -3.5])
+    ref_c, ref_r = torch.tensor([-3.5, -4.2]), torch.tensor([-4.0, -3.0])
+    knobs = dict(alpha_sdpo=0.3, beta_replay=0.2, sdpo_jsd_beta=0.4, replay_dpo_beta=0.1)
+    total, metrics = combine(
+        per_token_logps=logps, completion_mask=mask, advantages=adv, student_logits=student,
+        teacher_logits=teacher, chosen_logps=chosen, rejected_logps=rejected,
+        ref_chosen_logps=ref_c, ref_rejected_logps=ref_r, **knobs,
+    )  # fmt: skip
+    grpo = grpo_loss(logps, None, adv, mask, loss_type="dapo", epsilon_low=0.2)
+    sdpo_loss, sdpo_m = generalized_jsd(student, teacher, beta=0.4)
+    sdpo = (sdpo_loss, {**sdpo_m, "loss/sdpo": float(sdpo_loss.detach())})
+    replay_loss, _ = dpo_loss(chosen, rejected, ref_c, ref_r, beta=0.1)
+    replay = (replay_loss, {"loss/replay": float(replay_loss.detach())})
+    ours, ours_m = assemble(grpo, sdpo, replay, **knobs)
+    assert torch.equal(ours, total)  # the same operations in the same order: bit-exact
+    assert ours_m["loss/total"] == metrics["loss/total"] and ours_m["sdpo/active"] == 1.0
+    bare, empty = assemble(grpo, sdpo, replay, metrics=False, **knobs)
+    assert torch.equal(bare, total) and empty == {}
+    off, off_m = assemble(grpo, None, None, **knobs)
+    assert torch.equal(off, grpo[0]) and off_m["sdpo/active"] == off_m["replay/active"] == 0.0
+    # combine with a channel 2 computed by the caller (recipes/verl's sampled-token form)
+    given, given_m = combine(
+        per_token_logps=logps, completion_mask=mask, advantages=adv, sdpo_result=sdpo,
+        chosen_logps=chosen, rejected_logps=rejected, ref_chosen_logps=ref_c,
+        ref_rejected_logps=ref_r, **knobs,
+    )  # fmt: skip
+    assert torch.equal(given, total) and given_m["sdpo/active"] == 1.0
+    with pytest.raises(ValueError, match="not both"):
+        combine(
+            per_token_logps=logps, completion_mask=mask, advantages=adv, sdpo_result=sdpo,
+            student_logits=student, teacher_logits=teacher,
+        )  # fmt: skip
 
 
 def test_end_to_end_tiny_qwen2_model(make_batch_fn):
@@ -328,7 +392,8 @@ def test_selective_log_softmax_matches_log_softmax_and_gradcheck():
     ids = torch.randint(0, 9, (2, 5), generator=g)
     ours = selective_log_softmax(logits, ids, 0.7)
     ref = torch.log_softmax(logits / 0.7, -1).gather(-1, ids[..., None])[..., 0]
-    torch.testing.assert_close(ours, ref)
+    # float64: a 9-term log-sum-exp and a few element-wise operations, on the logits' scale
+    assert_close(ours, ref, n=9, ops=6, scale=float(logits.detach().abs().max()) / 0.7 + 3)
     assert torch.autograd.gradcheck(lambda x: selective_log_softmax(x[:, 1:-1], ids, 0.7), (full,))
     bf16 = selective_log_softmax(logits.detach().to(torch.bfloat16), ids)
     assert bf16.dtype == torch.float32  # log-probs come back in fp32 for low-precision logits

@@ -7,8 +7,23 @@ from collections import defaultdict
 
 import pytest
 import torch
+from _loss_tolerance import bound
 
 from composer_replication.loss import dpo_loss, simpo_loss
+
+# A pair's loss: its log-prob sums (<= seq terms), four differences, times beta, a log-sigmoid
+# (a few operations; derivative <= 1): ~10 rounded operations on values of magnitude ``z`` =
+# beta * (|chosen| + |ref chosen| + |rejected| + |ref rejected|); a gradient entry is beta *
+# sigmoid / pairs, moved by its argument's error (<= z bound / 4) and its own few roundings.
+PREF_OPS = 10
+REF_DIGITS = 5e-11  # reference vectors printed to 10 decimals (loss.md)
+
+
+def _pref_tols(z: float, beta: float, pairs: int, n: int) -> tuple[float, float]:
+    value = bound(torch.float32, n=n, ops=PREF_OPS, scale=z)
+    grad = bound(torch.float32, n=n, ops=PREF_OPS, scale=beta * (z / 4 + 1) / pairs)
+    return value, grad
+
 
 dpo_trainer = pytest.importorskip("trl.trainer.dpo_trainer")
 cpo_trainer = pytest.importorskip("trl.experimental.cpo.cpo_trainer")
@@ -78,24 +93,30 @@ def test_dpo_matches_trl_sigmoid(pairs, seq, beta):
     logps = per_token.sum(1)
     ours, metrics = dpo_loss(logps[:pairs], logps[pairs:], ref_c, ref_r, beta=beta)
     (g_ours,) = torch.autograd.grad(ours, per_token)
-    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7)
-    torch.testing.assert_close(g_ours, g_theirs, rtol=1e-5, atol=1e-8)
-    assert metrics["dpo/chosen_reward"] == pytest.approx(trl_metrics["rewards/chosen"][0], rel=1e-5)
+    sums = logps.detach().abs()
+    z = beta * float((sums[:pairs] + ref_c.abs() + sums[pairs:] + ref_r.abs()).max())
+    value_tol, grad_tol = _pref_tols(z, beta, pairs, n=seq)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=value_tol)
+    torch.testing.assert_close(g_ours, g_theirs, rtol=0, atol=grad_tol)
+    # rewards beta * (sum - ref sum), averaged over pairs: the same budget on z
+    assert metrics["dpo/chosen_reward"] == pytest.approx(
+        trl_metrics["rewards/chosen"][0], abs=value_tol
+    )
     assert metrics["dpo/rejected_reward"] == pytest.approx(
-        trl_metrics["rewards/rejected"][0], rel=1e-5
+        trl_metrics["rewards/rejected"][0], abs=value_tol
     )
-    assert metrics["dpo/margin"] == pytest.approx(
-        trl_metrics["rewards/margins"][0], rel=1e-5, abs=1e-7
-    )
-    assert metrics["dpo/accuracy"] == pytest.approx(trl_metrics["rewards/accuracies"][0])
+    assert metrics["dpo/margin"] == pytest.approx(trl_metrics["rewards/margins"][0], abs=value_tol)
+    assert metrics["dpo/accuracy"] == trl_metrics["rewards/accuracies"][0]  # a count / pairs
 
 
 def test_dpo_reference_vector():
     loss, m = dpo_loss(
         torch.tensor([-10.0]), torch.tensor([-12.0]), torch.tensor([-11.0]), torch.tensor([-11.0])
     )
-    assert float(loss.detach()) == pytest.approx(0.5981388694, abs=1e-7)
-    assert m["dpo/margin"] == pytest.approx(0.2) and m["dpo/accuracy"] == 1.0
+    # float32 on values <= 12 * 0.1 = 1.2, plus the vector's own 10 printed decimals
+    tol = bound(torch.float32, n=1, ops=PREF_OPS, scale=1.2)
+    assert float(loss.detach()) == pytest.approx(0.5981388694, abs=REF_DIGITS + tol)
+    assert m["dpo/margin"] == pytest.approx(0.2, abs=tol) and m["dpo/accuracy"] == 1.0
 
 
 def test_dpo_label_smoothing_is_conservative_dpo():
@@ -106,7 +127,10 @@ def test_dpo_label_smoothing_is_conservative_dpo():
         -(0.8) * torch.nn.functional.logsigmoid(z) - 0.2 * torch.nn.functional.logsigmoid(-z)
     ).mean()
     loss, _ = dpo_loss(c, r, rc, rr, label_smoothing=0.2)
-    assert float(loss.detach()) == pytest.approx(float(expected))
+    z = 0.1 * float((c.abs() + rc.abs() + r.abs() + rr.abs()).max())  # two log-sigmoids: twice
+    assert float(loss.detach()) == pytest.approx(
+        float(expected), abs=2 * _pref_tols(z, 0.1, 2, 1)[0]
+    )
 
 
 def _trl_cpo_simpo(chosen, rejected, beta, gamma, label_smoothing):
@@ -134,16 +158,20 @@ def test_simpo_matches_trl_cpo_simpo(pairs, beta, gamma, ls):
     g_theirs = torch.autograd.grad(theirs, (chosen, rejected))
     ours, m = simpo_loss(chosen, rejected, beta=beta, gamma=gamma, label_smoothing=ls)
     g_ours = torch.autograd.grad(ours, (chosen, rejected))
-    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7)
+    # z = beta * (|chosen| + |rejected|) + gamma; label smoothing mixes two log-sigmoids
+    z = beta * float((chosen.detach().abs() + rejected.detach().abs()).max()) + gamma
+    value_tol, grad_tol = _pref_tols(z, beta, pairs, n=pairs)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=2 * value_tol)
     for a, b in zip(g_ours, g_theirs):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-8)
-    assert m["simpo/chosen_reward"] == pytest.approx(float(c_rew.mean()), rel=1e-6)
-    assert m["simpo/rejected_reward"] == pytest.approx(float(r_rew.mean()), rel=1e-6)
+        torch.testing.assert_close(a, b, rtol=0, atol=2 * grad_tol)
+    assert m["simpo/chosen_reward"] == pytest.approx(float(c_rew.mean()), abs=value_tol)
+    assert m["simpo/rejected_reward"] == pytest.approx(float(r_rew.mean()), abs=value_tol)
 
 
 def test_simpo_reference_vector_gamma_is_absolute_margin():
     loss, _ = simpo_loss(torch.tensor([-1.0]), torch.tensor([-1.5]), beta=2.0, gamma=1.0)
-    assert float(loss.detach()) == pytest.approx(0.6931471806, abs=1e-7)  # beta*0.5 - gamma = 0
+    tol = bound(torch.float32, n=1, ops=PREF_OPS, scale=3.0)  # z = 2 * 1.5, gamma 1
+    assert float(loss.detach()) == pytest.approx(0.6931471806, abs=REF_DIGITS + tol)  # z = 0
 
 
 def test_simpo_needs_no_reference_and_is_differentiable():

@@ -65,9 +65,10 @@ def test_bpe_reads_digits_one_by_one_and_words_whole(tmp_path: Path) -> None:
     hinted = _chat(bpe, "12+31=\nCorrect solution:\n\n43\n\nCorrectly solve the original question.")
     n_bpe = len(bpe(hinted, add_special_tokens=False).input_ids)
     n_char = len(build_tokenizer()(hinted, add_special_tokens=False).input_ids)
-    # 30 vs 87 tokens: the hint template's words are single tokens.
-    assert (n_bpe, n_char) == (30, 87)
-    assert "assistant" in bpe.get_vocab() and " solution" in bpe.get_vocab()
+    # 26 vs 87 tokens: the hint template's words are single tokens.
+    assert (n_bpe, n_char) == (26, 87)
+    # Byte-level symbols, as in Qwen2's vocabulary: a leading space is 'Ġ'.
+    assert "assistant" in bpe.get_vocab() and "Ġsolution" in bpe.get_vocab()
 
 
 def test_bpe_is_deterministic_across_processes(tmp_path: Path) -> None:
@@ -163,3 +164,44 @@ def test_run_schema_names_the_same_tokenizers_and_default_vocabulary() -> None:
     hints = typing.get_type_hints(ModelConfig)
     assert typing.get_args(hints["tokenizer"]) == TOKENIZER_KINDS
     assert ModelConfig().vocab_size == BPE_VOCAB_SIZE
+
+
+@pytest.mark.parametrize("kind", TOKENIZER_KINDS)
+def test_a_saved_tokenizer_loads_back_exactly_through_autotokenizer(
+    kind: str, tmp_path: Path
+) -> None:
+    """A folder with the tiny model's config.json and the tokenizer (what a checkpoint holds):
+    `AutoTokenizer.from_pretrained` gives back the same tokenizer, no trust_remote_code. With a
+    generic fast tokenizer saved there, transformers would pick Qwen2's own tokenizer class for
+    the Qwen2 model and drop every space and newline."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    tok = (
+        build_tokenizer() if kind == "char" else build_bpe_tokenizer(_corpus(), cache_dir=tmp_path)
+    )
+    folder = tmp_path / "checkpoint"
+    build_tiny_model(tok, hidden_size=32, num_layers=1).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    loaded = AutoTokenizer.from_pretrained(folder)
+    assert type(loaded) is type(tok)
+    assert loaded.backend_tokenizer.to_str() == tok.backend_tokenizer.to_str()
+    assert loaded.get_vocab() == tok.get_vocab() and len(loaded) == len(tok)
+    assert loaded.padding_side == "left" and loaded.chat_template == tok.chat_template
+    for i, name in enumerate(SPECIAL_TOKENS):
+        assert getattr(loaded, f"{name}_id") == i, name
+    # The issue's example, against ids counted by hand: 5 + the character's charset index.
+    if kind == "char":
+        expected = [5 + DEFAULT_CHARSET.index(c) for c in "a\nb c"]
+        assert loaded("a\nb c").input_ids == tok("a\nb c").input_ids == expected
+    rng = random.Random(0)
+    texts = ["a\nb c", _chat(tok, "7 + 8 =\n"), DEFAULT_CHARSET] + [
+        "".join(rng.choice(DEFAULT_CHARSET) for _ in range(rng.randint(0, 60))) for _ in range(300)
+    ]
+    for text in texts:
+        ids = tok(text, add_special_tokens=False).input_ids
+        assert loaded(text, add_special_tokens=False).input_ids == ids, repr(text)
+        assert loaded.decode(ids) == tok.decode(ids) == text
+    batch = ["1+2=", "12+31=\nCorrect solution:"]
+    assert loaded(batch, padding=True).input_ids == tok(batch, padding=True).input_ids

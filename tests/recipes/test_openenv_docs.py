@@ -11,6 +11,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from docblocks import exec_doc_block
 
 from composer_replication.assembly.build import build_task
 from composer_replication.config import ConfigError, load_config
@@ -52,9 +53,9 @@ def test_install_snippet_names_the_extra() -> None:
 
 
 def test_python_snippet_prints_what_the_doc_shows(openenv_server: str, capsys) -> None:
-    (code,) = blocks("python")
     (expected,) = blocks("text")
-    exec(compile(code.replace(DOC_URL, openenv_server), "docs/recipes/openenv.md", "exec"), {})
+    exec_doc_block("docs/recipes/openenv.md", "task.check_ready()",
+                   replace={DOC_URL: openenv_server})  # fmt: skip
     assert capsys.readouterr().out == expected
 
 

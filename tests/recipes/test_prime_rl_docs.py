@@ -8,6 +8,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from docblocks import exec_doc_block
 
 from composer_replication.recipes.prime_rl import PrimeRLLossConfig
 
@@ -34,9 +35,8 @@ def test_seven_part_template():
 
 
 def test_python_snippets_run_in_order(capsys):
-    namespace: dict = {}
-    for code in blocks("python"):
-        exec(compile(code, "docs/recipes/prime_rl.md", "exec"), namespace)
+    namespace = exec_doc_block("docs/recipes/prime_rl.md", "trainer_lp = torch.tensor(")
+    exec_doc_block("docs/recipes/prime_rl.md", "rl_fn = functools.partial", namespace)
     assert "sdpo/active 1.0" in capsys.readouterr().out
     assert namespace["trainer_lp"].grad is not None
 

@@ -2,8 +2,9 @@
 
 The toy model of tests/diloco/_decoupled_toy.py, its rank from $REPLICA_RANK. Every start appends
 the global versions it started from to OUT/learner<rank>-starts.jsonl; at the end it writes
-OUT/learner<rank>.json: the final versions, a digest of the global weights it holds, and the
-digest of every global version it loaded (what check_decoupled_run compares with the store).
+OUT/learner<rank>.json: the final versions, a digest of the global weights it holds, the
+digest of every global version it loaded and the pushes it wrote (what check_decoupled_run
+compares with the store).
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ def main() -> None:
         "loaded": learner.loaded,
         "starts": [s["versions"] for s in starts],
         "pushes": learner.pushes,
+        "written": learner.written,
         "step": learner.step,
     }
     (out / f"learner{rank}.json").write_text(json.dumps(report))

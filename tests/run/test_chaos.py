@@ -103,6 +103,7 @@ def where(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, dict[str
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_kill_mid_step_stop_and_slow_learners(tmp_path: Path, where: tuple[str, dict]) -> None:
     """kill -9 mid inner step (restarted by the executor), SIGSTOP for 2x the round time
     (H = 8 steps of 0.05 s), a learner 3x slower for 3 s."""
@@ -122,6 +123,7 @@ def test_kill_mid_step_stop_and_slow_learners(tmp_path: Path, where: tuple[str, 
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_kill_mid_upload_corrupt_objects_and_restart_the_synchronizer(
     tmp_path: Path, where: tuple[str, dict]
 ) -> None:
@@ -172,6 +174,7 @@ def test_kill_mid_upload_corrupt_objects_and_restart_the_synchronizer(
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 @pytest.mark.server
 def test_throttled_store_and_kill_mid_upload_through_the_proxy(
     tmp_path: Path, seaweedfs_server: tuple[str, str, dict]
@@ -199,7 +202,7 @@ def test_a_corrupted_push_no_longer_decodes(tmp_path: Path) -> None:
     """corrupt_object flips bytes in the middle of an object: a push then fails its checksum."""
     import torch
 
-    from composer_replication.exchange.decoupled import DecoupledStore
+    from composer_replication.exchange.push_store import DecoupledStore
 
     store = ObjectStore(str(tmp_path / "s"))
     docs = DecoupledStore(store)

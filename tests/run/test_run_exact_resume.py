@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 from composer_replication.cli import main
 from composer_replication.run.metrics import read_metrics
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 
 STEPS, H = 24, 3  # 8 rounds: a fast machine must not finish before the kill after round 2
 ARGS = [

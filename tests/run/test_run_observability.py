@@ -43,7 +43,7 @@ def _fake_run(tmp_path: Path, n_steps: int = 20) -> tuple[RunFolder, ObjectStore
                 step=step,
                 round=step // 5,
                 reward=step / n_steps + 0.01 * rank,
-                **{"loss/grpo": 1.0 / step, "loss/replay": 0.5, "loss/total": 1.0},
+                **{"loss/grpo": 1.0 / step, "loss/replay": 0.4 + step / 100, "loss/total": 1.0},
             )
             if step % 5 == 0:
                 writer.log(
@@ -128,6 +128,33 @@ def test_plain_progress_prints_lines_on_changes_only() -> None:
     assert "round 1/3" in lines[1] and "r0 training step 3/30 reward 0.25" in lines[1]
 
 
+def test_a_start_up_prints_one_starting_line() -> None:
+    """Replicas starting for 37 s: one line, not one every plain_every_s; once the steps move,
+    a line every plain_every_s; a stall repeats its line only every quiet_every_s."""
+    now = [0.0]
+    out = io.StringIO()
+    progress = Progress("plain", title="t", n_rounds=3, stream=out, plain_every_s=15,
+                        quiet_every_s=120, clock=lambda: now[0])  # fmt: skip
+    rows = [ReplicaRow(rank=r, state="starting", max_steps=60) for r in (0, 1)]
+    for now[0] in range(0, 38):
+        progress.update(rows)
+    assert [line.count("starting step 0/60") for line in out.getvalue().splitlines()] == [2]
+    for row in rows:
+        row.state = "training"
+    for now[0] in range(38, 80):
+        for row in rows:
+            row.step = int(now[0]) - 37
+        progress.update(rows)
+    lines = out.getvalue().splitlines()
+    assert [line[:9] for line in lines] == ["[   0.0s]", "[  38.0s]", "[  53.0s]", "[  68.0s]"]
+    for now[0] in range(80, 300):  # stalled at step 42: its line once, then every 120 s
+        progress.update(rows)
+    stalled = out.getvalue().splitlines()[len(lines) :]
+    assert [line[:9] for line in stalled] == ["[  83.0s]", "[ 203.0s]"]
+    assert all("training step 42/60" in line for line in stalled)
+    progress.close()
+
+
 def test_progress_without_a_round_count_shows_the_version_alone() -> None:
     """Decoupled mode: the synchronizer's global versions have no fixed total (a run of 20
     H-step rounds printed "round 22/20")."""
@@ -167,3 +194,56 @@ def test_status_reports_replicas_round_lag_and_health(tmp_path: Path) -> None:
     assert r1["health"] == "failed" and "boom" in r1["error"]
     text = status_text(info)
     assert "behind" in text and "boom" in text
+
+
+def test_a_run_whose_replicas_have_not_reported_yet_is_starting(tmp_path: Path) -> None:
+    """Just launched, no heartbeat yet: status says "starting" (not "critical"), and so does
+    the report's health row; the same silence 10 minutes after the launch is critical."""
+    from composer_replication.run.report import health_summary
+
+    folder, _ = _fake_run(tmp_path)
+    folder.update_driver(status="running", started=time.time())
+    info = run_status(folder)
+    assert info["health"]["state"] == "starting" and info["health"]["level"] == -1
+    assert "health: starting (0 of 2 replicas up; waiting for the first heartbeat of replica " \
+        "0, 1)" in status_text(info)  # fmt: skip
+    folder.update_driver(started=time.time() - 600)
+    assert run_status(folder)["health"]["state"] == "critical"
+    records = [
+        {"kind": "health", "time": t, "health/level": level, "health/state": state}
+        for t, level, state in ((0.0, -1, "starting"), (20.0, 0, "healthy"), (500.0, 0, "healthy"))
+    ]
+    assert health_summary(records)["health_seconds"] == {
+        "starting": 20.0, "healthy": 480.0, "degraded": 0.0, "critical": 0.0
+    }  # fmt: skip
+
+
+def test_report_prints_the_headline_numbers_and_labels_the_global_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """`report RUN` prints what `train` printed at the end (reward, held-out accuracy with its
+    interval, losses, and why channel 3 rising is expected); the accuracy plot's line is the
+    global model's."""
+    from composer_replication.cli import main
+    from composer_replication.run import report
+
+    folder, store = _fake_run(tmp_path)
+    MetricsCollector(store, 2, MetricsSink(folder.metrics, None), None).poll()
+    figures: list = []
+    original = report._figure
+
+    def recording(*args, **kwargs):  # type: ignore[no-untyped-def]
+        fig, axes = original(*args, **kwargs)
+        figures.append(axes)
+        return fig, axes
+
+    monkeypatch.setattr(report, "_figure", recording)
+    assert main(["report", str(folder.root)]) == 0
+    out = capsys.readouterr().out
+    assert "  mean reward      first 10%: 0.080   last 10%: 0.980" in out
+    assert "  eval accuracy    first: 0.125   last: 0.500" in out
+    assert "  loss ch3 replay  first 10%:" in out and report.LOSS_RISE_LINE in out
+    assert report.LOSS_RISE_NOTE in folder.summary.read_text()
+    (eval_axes,) = [a for a in figures if a[0].get_title() == "eval accuracy of the global model"]
+    legend = [t.get_text() for t in eval_axes[0].get_legend().get_texts()]
+    assert legend == ["global model (evaluated by replica 0)"]

@@ -13,7 +13,7 @@ from _run_small import TINY_RUN
 from composer_replication.cli import main
 from composer_replication.run.metrics import read_metrics
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 
 SMALL = [
     *TINY_RUN,

@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from composer_replication.run.report import run_wall_seconds, summarize, wilson_interval
+from composer_replication.run.report import (
+    closed_attempts,
+    run_wall_seconds,
+    summarize,
+    wall_text,
+    wilson_interval,
+)
 
 
 def test_wilson_interval_matches_the_textbook_values() -> None:
@@ -41,3 +47,93 @@ def test_summary_has_the_interval_and_each_loss_channel() -> None:
 def test_one_wall_time_from_the_driver_record() -> None:
     assert run_wall_seconds({"started": 100.0, "ended": 131.25}) == 31.25
     assert run_wall_seconds({"started": 100.0, "ended": None}) is None
+
+
+def test_wall_time_adds_up_the_attempts_of_a_resumed_run() -> None:
+    """Attempt 1 ran 616.2 s and was killed (its last update is its end), attempt 2 ran 34.8 s:
+    the run's wall time is 651.0 s, each attempt shown; a finished attempt is counted once."""
+    killed = {"attempt": 1, "status": "running", "started": 1000.0, "ended": None,
+              "updated": 1616.2}  # fmt: skip
+    (first,) = closed_attempts(killed)
+    assert first == {"attempt": 1, "started": 1000.0, "ended": 1616.2,
+                     "seconds": pytest.approx(616.2), "status": "running"}  # fmt: skip
+    resumed = {"attempt": 2, "attempts": [first], "status": "finished", "started": 2000.0,
+               "ended": 2034.8, "updated": 2030.0}  # fmt: skip
+    assert [a["seconds"] for a in closed_attempts(resumed)] == pytest.approx([616.2, 34.8])
+    assert run_wall_seconds(resumed) == pytest.approx(651.0)
+    assert wall_text(resumed) == "651.0 s over 2 attempts (616.2 + 34.8 s)"
+    recorded = {**resumed, "attempts": closed_attempts(resumed)}
+    assert run_wall_seconds(recorded) == pytest.approx(651.0)  # not 685.8
+    assert wall_text({"started": 100.0, "ended": 131.25}) == "31.2 s"
+
+
+def test_the_summary_names_the_device_and_dtypes_each_replica_used(tmp_path) -> None:
+    """Each replica logs a ``device`` event (run/replica.device_record); the summary prints one
+    line per distinct setup, naming the replicas only when they differ."""
+    from composer_replication.config import load_config
+    from composer_replication.run.driver import summary_text
+    from composer_replication.run.folder import RunFolder
+    from composer_replication.run.report import device_lines
+
+    gpu = {"kind": "event", "event": "device", "device": "cuda:0", "device_name": "NVIDIA H200",
+           "param_dtype": "bfloat16", "autocast": "bfloat16", "gradient_checkpointing": True,
+           "generation": "generate"}  # fmt: skip
+    records = [{**gpu, "replica": r, "time": 1.0} for r in (0, 1)]
+    line = (
+        "cuda:0 (NVIDIA H200), weights bfloat16, autocast bfloat16, gradient checkpointing on, "
+        "generation generate"
+    )
+    assert device_lines(records) == [line]
+    assert summarize(records)["devices"] == [line]
+    # a replica restarted on a CPU: its latest report counts, and the lines name the replicas
+    cpu = {**gpu, "replica": 1, "time": 2.0, "device": "cpu", "device_name": "",
+           "param_dtype": "float32", "autocast": "none", "gradient_checkpointing": False}  # fmt: skip
+    lines = device_lines([*records, cpu])
+    assert lines == [
+        f"{line} (replica 0)",
+        "cpu, weights float32, autocast none, gradient checkpointing off, generation generate "
+        "(replica 1)",
+    ]
+    text = summary_text(RunFolder(tmp_path / "r"), "finished", {"devices": [line]}, load_config())
+    assert text.splitlines()[1] == f"  device           {line}"
+    assert "device" not in summary_text(RunFolder(tmp_path / "r"), "finished", {}, load_config())
+
+
+def test_a_replica_reports_its_trainers_device_and_dtypes(tmp_path) -> None:
+    """device_record reads the built trainer: on a CPU the tiny model trains in float32 without
+    autocast or recomputation (test_trainer_gpu.py checks the CUDA side)."""
+    pytest.importorskip("trl")
+    import torch
+
+    from composer_replication.assembly.build import build_model, build_task, build_trainer
+    from composer_replication.config import load_config
+    from composer_replication.run.replica import device_record
+
+    config = load_config(overrides=["task.n_train=32", "task.n_eval=2", "train.generation=paged"])
+    model, tok = build_model(config)
+    trainer = build_trainer(config, model=model, tokenizer=tok, task=build_task(config),
+                            max_steps=1, seed=0, output_dir=str(tmp_path))  # fmt: skip
+    record = device_record(trainer, config.train.generation)
+    if torch.cuda.is_available():
+        assert record["device"].startswith("cuda") and record["device_name"]
+    else:
+        assert record == {"device": "cpu", "device_name": "", "param_dtype": "float32",
+                          "autocast": "none", "gradient_checkpointing": False,
+                          "generation": "paged"}  # fmt: skip
+
+
+def test_the_out_of_distribution_row_is_reported_beside_the_held_out_one() -> None:
+    records = [
+        {"kind": "eval", "replica": 0, "step": 0, "eval/accuracy": 0.0, "eval/n": 256.0,
+         "eval/ood_accuracy": 0.0, "eval/ood_n": 256.0},
+        {"kind": "eval", "replica": 0, "step": 20, "eval/accuracy": 0.8, "eval/n": 256.0,
+         "eval/ood_accuracy": 0.05, "eval/ood_n": 256.0},
+    ]  # fmt: skip
+    s = summarize(records)
+    assert (s["eval_ood_accuracy_first"], s["eval_ood_accuracy_last"], s["eval_ood_n"]) == (
+        0.0, 0.05, 256,
+    )  # fmt: skip
+    assert s["eval_accuracy_last"] == 0.8  # the held-out row is unchanged by it
+    # a task without an out-of-distribution split logs no such keys: no row
+    plain = [{k: v for k, v in r.items() if "ood" not in k} for r in records]
+    assert "eval_ood_accuracy_last" not in summarize(plain)

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from _run_small import TINY_RUN
 
 from composer_replication.cli import main
@@ -29,7 +30,7 @@ SMALL = [
     "train.eval_every_rounds=1",
 ]
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 
 
 def _records(run: Path, kind: str) -> list[dict]:
@@ -53,6 +54,9 @@ def test_train_default_end_to_end(
     # the summary: first-10% vs last-10% reward, eval accuracy, where the report is
     assert "Run e2e: finished" in out and "2 outer rounds" in out
     assert "mean reward      first 10%:" in out and "eval accuracy    first:" in out
+    assert "device           cpu, weights float32, autocast none" in out or (
+        torch.cuda.is_available()  # there: "cuda:0 (<GPU name>), ..."
+    )
     assert "95% interval     last: " in out and "(Wilson)" in out
     assert all(f"loss ch{i} {name}" in out for i, name in ((1, "grpo"), (2, "sdpo"), (3, "replay")))
     assert f"report           {run / 'summary.md'}" in out
@@ -120,6 +124,11 @@ def test_train_default_end_to_end(
     assert "steps/s" in status and "wait" in status
     assert main(["report", "e2e"]) == 0
     assert "wrote" in capsys.readouterr().out
+    # resuming the finished run relaunches nothing and keeps its wall time
+    wall = json.loads((run / "driver.json").read_text())["wall_seconds"]
+    assert main(["train", "--resume", "e2e"]) == 0
+    assert "has already finished" in capsys.readouterr().out
+    assert json.loads((run / "driver.json").read_text())["wall_seconds"] == wall
 
 
 def _latest_state(states: Path) -> int:
@@ -192,3 +201,8 @@ def test_resume_after_kill_continues_from_last_committed_round(
     assert final_state["round"] == 30 and final_state["step"] == 120
     driver = json.loads((run / "driver.json").read_text())
     assert driver["status"] == "finished" and driver["attempt"] == 2
+    # the wall time adds up both attempts, each shown
+    first, second = driver["attempts"]
+    assert (first["status"], second["status"]) == ("interrupted", "finished")
+    assert driver["wall_seconds"] == pytest.approx(first["seconds"] + second["seconds"])
+    assert f"over 2 attempts ({first['seconds']:.1f} + {second['seconds']:.1f} s)" in out

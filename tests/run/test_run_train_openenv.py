@@ -33,6 +33,7 @@ SMALL = [
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_train_on_an_openenv_server_runs_to_the_end(
     openenv_server: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
 ) -> None:

@@ -27,6 +27,7 @@ def _options(storage_options: dict) -> str:
     return f"store.storage_options={{{inner}}}"
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("server, scheme", [("seaweedfs_server", "s3"), ("gcs_server", "gs")])
 def test_train_through_an_object_store(
     server: str,

@@ -25,7 +25,7 @@ from composer_replication.run.replica_training import weights_digest
 # the e2e test's small config, without TensorBoard files and plots
 SMALL = [*E2E_SMALL, "logging.tensorboard=false", "logging.report=false"]
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 
 
 def test_train_with_torchft_manager_two_local_replicas_end_identical(tmp_path: Path) -> None:

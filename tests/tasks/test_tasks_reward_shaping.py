@@ -49,9 +49,12 @@ def _partly_right(task: Task, examples: list[Example], share: float) -> float:
 
 
 def test_best_constant_on_one_digit_sums_is_derived() -> None:
-    task = ArithmeticTask(n_train=1, n_eval=99)  # 99 of the 100 sums (one stays for training)
-    everything = task.eval_examples() + task.train_examples()
-    assert len({ex.prompt for ex in everything}) == 100
+    task = ArithmeticTask(n_train=1, n_eval=1)
+    everything = [
+        Example(f"x{a}{b}", f"{a}+{b}=", str(a + b), {"expression": f"{a}+{b}"})
+        for a in range(10)
+        for b in range(10)
+    ]  # all 100 one-digit sums
     best, constant = _best_constant(task, everything)
     assert constant == 9 and best == pytest.approx(0.26799, abs=1e-4)
     partly = _partly_right(task, everything, 0.3)
@@ -59,17 +62,21 @@ def test_best_constant_on_one_digit_sums_is_derived() -> None:
     assert best < partly - 0.1
 
 
-def test_default_run_task_pays_no_constant_more_than_a_partly_right_policy() -> None:
-    task = build_task(load_config())  # the embedded default's task, eval split
-    examples = task.eval_examples()
+@pytest.mark.parametrize("split", ["train", "eval"])
+def test_default_run_task_pays_no_constant_more_than_a_partly_right_policy(split: str) -> None:
+    task = build_task(load_config())  # the embedded default's task
+    examples = task.examples(split)
     assert len(examples) >= 200
     best, constant = _best_constant(task, examples)
     partly = _partly_right(task, examples, 0.3)
-    assert best < 0.3 < 0.3 + 0.7 * WRONG_BASE <= partly, (constant, best, partly)
-    # and no constant is right on more than 10 % of the held-out prompts (the sums 13 and 14 are
-    # the most common of three digits, 75 of the 1000 triples each; 24 of the 256 held out)
+    assert best < 0.3 + 0.7 * WRONG_BASE <= partly, (constant, best, partly)
+    # and no constant is right on more than 10 % of the training prompts (the sums 13 and 14 are
+    # the most common of three digits, 75 of the 1000 triples each). The held-out split holds out
+    # whole operand multisets (about 50 of the 220), so its answers are more concentrated: the
+    # best constant is right on 15 / 13 / 12 % of seeds 0 / 1 / 2 (docs/benchmarks.md reports it
+    # beside every held-out accuracy)
     share = max(Counter(ex.answer for ex in examples).values()) / len(examples)
-    assert share <= 0.1, share
+    assert share <= (0.1 if split == "train" else 0.16), share
 
 
 @pytest.mark.parametrize("level", ["easy", "medium", "hard"])

@@ -1,4 +1,9 @@
-"""Shared tiny setup for the trainer tests: a char-level tokenizer, a 2-layer model, 2 prompts."""
+"""Shared tiny setup for the trainer tests: a char-level tokenizer, a 2-layer model, 2 prompts.
+
+`config` pins the precision on every device: fp32 (``bf16=False``) without gradient
+checkpointing, so a test compares arithmetic, on CPU and on CUDA alike (where TRL's defaults
+would otherwise turn on bf16 autocast and recomputation; test_trainer_gpu.py runs those).
+`chain_length` is the n of tests/tolerances.py for a whole-model loss."""
 
 from __future__ import annotations
 
@@ -59,6 +64,8 @@ def config(tmp_path, **overrides) -> ComposerConfig:
         save_strategy="no",
         seed=0,
         disable_tqdm=True,
+        bf16=False,  # explicit: ComposerConfig's default is True on CUDA (TRL's GPU setting)
+        gradient_checkpointing=False,  # likewise
     )
     opts.update(overrides)
     return ComposerConfig(**opts)
@@ -105,3 +112,20 @@ def loss_and_grads(trainer, inputs) -> tuple[torch.Tensor, dict[str, torch.Tenso
         if p.grad is not None
     }
     return loss.detach(), grads
+
+
+def chain_length(model: Any, inputs: dict[str, Any]) -> int:
+    """n for `tolerances.tol` when two computations of a trainer loss (and its gradients) may
+    group every rounded sum differently: per layer, attention over the longest sequence of the
+    batch (the softmax's sum and the value dot products) and the MLP's down-projection (the
+    intermediate size, the longest dot product of the layer), then the log-sum-exp over the
+    vocabulary, then the sum over the batch's tokens (the loss's mean, the weight gradients)."""
+    cfg = model.config
+    lengths = [inputs["prompt_ids"].shape[1] + inputs["completion_ids"].shape[1]]
+    for key in ("sdpo_teacher_input_ids", "replay_chosen_ids"):
+        if key in inputs:
+            extra = inputs["prompt_ids"].shape[1] if key == "replay_chosen_ids" else 0
+            lengths.append(inputs[key].shape[1] + extra)
+    tokens = inputs["completion_ids"].numel()
+    layer = max(lengths) + max(cfg.intermediate_size, cfg.hidden_size)
+    return cfg.num_hidden_layers * layer + cfg.vocab_size + tokens

@@ -120,3 +120,11 @@ def test_recipe1_distillation_loss_wiring(tmp_path: Path) -> None:
     assert (c.alpha_sdpo, c.beta_replay) == (0.1, 0.05)  # the defaults the seed shows
     result = trainer.train()
     assert result.global_step == 2
+
+
+def test_docs_minimal_example_runs_as_written(tmp_path: Path) -> None:
+    """docs/recipes/trl.md's section 3, from the doc's own text (its output_dir "out" lands in
+    the working directory)."""
+    from docblocks import run_doc_block
+
+    run_doc_block("docs/recipes/trl.md", "reward_funcs=[reward_length]", cwd=tmp_path, timeout=280)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
+
+from docblocks import exec_doc_block
 
 from composer_replication.trainer import TAIDCallback
 
@@ -11,11 +12,8 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "trainer.md"
 
 
 def test_docs_example_trains_all_three_channels(tmp_path, monkeypatch, capsys):
-    code = re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S)[0]
     monkeypatch.chdir(tmp_path)
-    namespace: dict = {}
-    exec(compile(code, str(DOC), "exec"), namespace)
-    trainer = namespace["trainer"]
+    trainer = exec_doc_block("docs/trainer.md", "reward_funcs=[exact_answer]")["trainer"]
     rows = [r for r in trainer.state.log_history if "loss" in r]
     assert len(rows) == 3
     for row in rows:

@@ -2,13 +2,21 @@
 
 And the logits-capturing student forward (used when channels 2/3 are on) gives channel 1 the
 same loss and gradients as TRL's fused log-prob head, within float tolerance.
+
+Tolerances are derived (tests/tolerances.py): two computations of the same quantity that group
+n rounded fp32 sums differently differ by at most 2 gamma_n relative to the summed terms' size;
+each comparison names its n and that size. The same bounds hold on CUDA (TF32 off,
+deterministic kernels: tests/conftest.py), where TRL's log-probs come from its Triton kernel.
 """
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from _trainer_helpers import (
+    chain_length,
     config,
     generation_batch,
     loss_and_grads,
@@ -16,6 +24,7 @@ from _trainer_helpers import (
     oracle_store,
     plain_reward,
 )
+from tolerances import assert_close, tol
 from trl import GRPOTrainer
 
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo"]
@@ -57,9 +66,14 @@ def test_channels_off_equals_grpo_trainer(tmp_path, loss_type):
     loss_k = GRPOTrainer._compute_loss(capturing, capturing.model, inputs)
     assert capturing._captured_logits is not None and not capturing._capture_logits
     loss_k.backward()
-    torch.testing.assert_close(loss_k.detach(), loss_p, rtol=1e-5, atol=1e-6)
+    # The two differ only in the log-softmax: each token's V-term log-sum-exp (ours vs TRL's own;
+    # on CUDA its Triton kernel), then the same sums over the batch's completion tokens. The
+    # loss sums per-token terms of size |advantage| (the ratio is 1 at the first iteration).
+    n = capturing.model.config.vocab_size + inputs["completion_ids"].numel()
+    scale = float(inputs["advantages"].abs().max())
+    assert_close(loss_k, loss_p, n=n, scale=scale, what="loss")
     for name, param in capturing.model.named_parameters():
-        torch.testing.assert_close(param.grad, grads_p[name], rtol=1e-4, atol=1e-6)
+        assert_close(param.grad, grads_p[name], n=n, what=name)
 
 
 def _channel_keys_removed(inputs):
@@ -155,25 +169,41 @@ def test_channels_on_equal_combine_on_independent_tensors(tmp_path, monkeypatch,
     loss_off, grads_off = loss_and_grads(trainer, _channel_keys_removed(inputs))
 
     tensors = _reference_tensors(trainer, inputs)
-    # The trainer's DPO reference log-probs are the frozen copy's, as computed here.
+    # Left padding, trimming and batching change how every sum of the forward is grouped (the
+    # trainer's batch vs the full forwards here): n = the whole chain (_trainer_helpers).
+    n = chain_length(trainer.model, inputs)
+    # The trainer's DPO reference log-probs are the frozen copy's, as computed here (sums of
+    # negative per-token log-probs: no cancellation, the values are their own scale).
     rows = inputs["replay_pair_mask"].nonzero().squeeze(-1)
-    torch.testing.assert_close(inputs["replay_ref_chosen_logps"][rows], tensors["ref_chosen_logps"])
-    torch.testing.assert_close(
-        inputs["replay_ref_rejected_logps"][rows], tensors["ref_rejected_logps"]
-    )
+    for key in ("ref_chosen_logps", "ref_rejected_logps"):
+        assert_close(inputs[f"replay_{key}"][rows], tensors[key], n=n, what=key)
     params = [p for _, p in trainer.model.named_parameters()]
     on, ref_metrics = combine(**tensors, **knobs)
     off, _ = combine(**tensors, **{**knobs, "alpha_sdpo": 0.0, "beta_replay": 0.0})
     extra = on - off
     ref_grads = torch.autograd.grad(extra, params, allow_unused=True)
 
-    torch.testing.assert_close(loss_on - loss_off, extra.detach(), rtol=1e-4, atol=1e-6)
+    # The channel terms sum per-token divergences between near-uniform random-init distributions
+    # (each at most ~log V) and per-pair DPO losses (log 2 at zero margin).
+    scale = max(math.log(trainer.model.config.vocab_size), math.log(2.0))
+    assert_close(loss_on - loss_off, extra, n=n, scale=scale, what="channels 2+3 loss")
     assert float(extra.detach()) != 0.0
     for (name, _), g in zip(trainer.model.named_parameters(), ref_grads):
         expected = torch.zeros_like(grads_on[name]) if g is None else g
-        torch.testing.assert_close(grads_on[name] - grads_off[name], expected, rtol=1e-3, atol=1e-6)
-    for key in ("loss/sdpo", "jsd/tokens", "sdpo/frac_samples", "loss/replay", "replay/margin"):
-        assert metrics[key] == pytest.approx(ref_metrics[key], rel=1e-4, abs=1e-6), key
+        # scale: the largest gradient element of either computation (module docstring)
+        assert_close(grads_on[name] - grads_off[name], expected, n=n, what=name)
+    assert metrics["jsd/tokens"] == ref_metrics["jsd/tokens"]  # counts: exact
+    assert metrics["sdpo/frac_samples"] == ref_metrics["sdpo/frac_samples"]
+    bound = tol(n, scale)
+    for key in ("loss/sdpo", "loss/replay"):
+        assert metrics[key] == pytest.approx(ref_metrics[key], rel=bound["rtol"],
+                                             abs=bound["atol"]), key  # fmt: skip
+    # the margin subtracts summed log-probs: its terms' size is dpo beta * |log-prob sums|
+    margin_scale = knobs["replay_dpo_beta"] * float(tensors["chosen_logps"].detach().abs().max())
+    margin = tol(n, margin_scale)
+    assert metrics["replay/margin"] == pytest.approx(
+        ref_metrics["replay/margin"], rel=margin["rtol"], abs=margin["atol"]
+    )
     assert metrics["sdpo/active"] == 1.0 and metrics["replay/active"] == 1.0
     # opt-in: the shared forward ran (and shared) only when asked for
     assert any(shared_calls) if share_prefix else not shared_calls, shared_calls
@@ -196,6 +226,11 @@ def test_trainer_loss_is_compose_loss_on_its_batch(tmp_path, dpo_variant):
     trainer.model.zero_grad(set_to_none=True)
     expected, _ = compose_loss(trainer.model, inputs, temperature=trainer.temperature, **knobs)
     expected.backward()
-    torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-6)
+    # compose_loss runs its own forwards over the batch (other groupings of every sum): the
+    # whole chain; the loss's terms are |advantage| (channel 1), <= ~log V (channel 2, near-
+    # uniform random-init distributions) and log 2 (a pair's loss at zero margin).
+    n = chain_length(trainer.model, inputs)
+    scale = max(float(inputs["advantages"].abs().max()), math.log(trainer.model.config.vocab_size))
+    assert_close(loss, expected, n=n, scale=scale, what="loss")
     for name, param in trainer.model.named_parameters():
-        torch.testing.assert_close(grads[name], param.grad, rtol=1e-4, atol=1e-6)
+        assert_close(grads[name], param.grad, n=n, what=name)

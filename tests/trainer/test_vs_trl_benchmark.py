@@ -1,7 +1,8 @@
-"""benchmarks/vs_trl.py --quick: TRL's GRPOTrainer, TRL's SDPOTrainer and ours each train on the
-embedded default's task for a small budget, are evaluated on the held-out prompts, and the last
-line is the JSON the docs quote (tiny budget: the figures are not judged here, only their form
-and that every trainer ran and was measured)."""
+"""benchmarks/vs_trl.py (issue 23): every arm (ours; TRL's GRPO, SFT, SFT -> GRPO and SDPO) is
+tuned on a validation split carved from training, then trains on the embedded default's task for
+the same budget and is evaluated on the held-out prompts; the last line is the JSON the docs
+quote. The quick run's budget is tiny: the figures are not judged here, only their form, that
+every arm ran, was tuned on the validation split and measured on the held-out one."""
 
 from __future__ import annotations
 
@@ -14,46 +15,116 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-KEYS = ("composer_heldout_acc", "trl_grpo_heldout_acc", "trl_sdpo_heldout_acc",
-        "composer_constant_answer_share", "channel2_loss_share")  # fmt: skip
+ARMS = ("composer", "trl_grpo", "trl_sft", "trl_sft_grpo", "trl_sdpo")
 
 
-@pytest.mark.slow
-def test_quick_run_prints_the_keys():
-    pytest.importorskip("trl")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "vs_trl.py"), "--quick", "--budget-s", "4",
-           "--clock", "cpu", "--probe-every", "1"]  # fmt: skip
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    for key in KEYS:
-        assert 0.0 <= result[key] <= 1.0, (key, result[key])
-    assert result["n_heldout"] == 256 and result["seeds"] == 1
-    for trainer in ("trl_grpo", "trl_sdpo", "composer"):
-        (run,) = result["per_seed"][trainer]
-        assert run["steps"] >= 1 and run["train_seconds"] >= 4.0  # the budget was spent
-        assert run["n_heldout"] == 256
-    # the probe measured channel 2 on every micro-batch of ours, and only there
-    assert (
-        result["per_seed"]["composer"][0]["probed_micro_batches"]
-        == (result["per_seed"]["composer"][0]["steps"])
-    )
-    assert result["per_seed"]["trl_grpo"][0]["channel2_loss_share"] is None
-    assert set(result["targets"]) == {"composer_acc_ge_0.5", "composer_ahead_by_0.1",
-                                      "constant_share_le_0.2"}  # fmt: skip
-
-
-def test_trl_trainers_get_the_same_settings_as_ours(tmp_path):
-    """What the docs claim for the comparison: TRL's GRPO and SDPO configs carry our run's
-    optimizer, batch and generation settings and channel 1, and SDPO's distillation is our
-    channel 2's (weight ratio alpha : 1, the same JSD, a live teacher, threshold 0.5)."""
-    pytest.importorskip("trl")
+def _vs_trl():  # type: ignore[no-untyped-def]
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         import vs_trl
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
+    return vs_trl
+
+
+@pytest.mark.slow
+def test_quick_run_prints_the_keys(tmp_path: Path) -> None:
+    pytest.importorskip("trl")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    log = tmp_path / "runs.jsonl"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "vs_trl.py"), "--quick", "--budget-s", "3",
+           "--clock", "cpu", "--probe-every", "1", "--log", str(log), "--bootstrap", "200"]  # fmt: skip
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    for key in ("composer_heldout_acc", "trl_best_heldout_acc", "composer_minus_best_trl",
+                "composer_constant_answer_share", *(f"{a}_heldout_acc" for a in ARMS)):  # fmt: skip
+        assert isinstance(result[key], float), (key, result[key])
+    assert result["trl_best_arm"] in ARMS[1:]
+    assert result["composer_minus_best_trl"] == pytest.approx(
+        result["composer_heldout_acc"] - result["trl_best_heldout_acc"]
+    )
+    assert result["n_heldout"] == 256 and result["seeds"] == 1
+    for arm in ARMS:
+        (run,) = result["per_seed"][arm]
+        assert run["split"] == "heldout" and run["train_seconds"] >= 3.0  # the budget was spent
+        assert run["n"] == 256 and 0.0 <= run["ood_acc"] <= 1.0
+        lo, hi = result[f"{arm}_heldout_acc_ci"]
+        assert lo <= result[f"{arm}_heldout_acc"] <= hi
+        tuned = result["tuned"][arm]  # chosen on the validation split, one grid point in --quick
+        assert [(c["lr"], c["g"]) for c in tuned["grid"]] == [(3e-3, 2)]
+    assert result["per_seed"]["trl_sft_grpo"][0]["phase_steps"][0] >= 1  # SFT ran, then GRPO
+    # the probe measured ours on every micro-batch, and only ours
+    ours = result["per_seed"]["composer"][0]
+    assert ours["probed_micro_batches"] == ours["steps"] and ours["channel2_loss_share"] >= 0
+    assert result["per_seed"]["trl_grpo"][0]["channel2_loss_share"] is None
+    assert set(result["targets"]) == {"composer_ahead_by_0.05", "intervals_apart"}
+    # every run is in the log; a rerun measures nothing new and prints the same medians
+    runs = [json.loads(line) for line in log.read_text().splitlines()]
+    assert {r["split"] for r in runs} == {"val", "heldout"} and len(runs) == 2 * len(ARMS)
+    again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert json.loads(again.stdout.strip().splitlines()[-1])["per_seed"] == result["per_seed"]
+    assert len(log.read_text().splitlines()) == len(runs)
+
+
+def test_tuning_is_a_coordinate_search_on_the_same_grid_for_every_arm() -> None:
+    vs_trl = _vs_trl()
+    done: dict = {}
+
+    def finish(specs, acc):  # type: ignore[no-untyped-def]
+        for s in specs:
+            done.setdefault(s.key(), {"acc": acc(s), "reward": 0.0, "lr": s.lr, "g": s.g,
+                                      "share": s.share})  # fmt: skip
+
+    for arm in vs_trl.ARMS:
+        stage_a = vs_trl.tuning_specs(arm, 0, 220.0, "cpu", False, done)
+        assert [(s.lr, s.g) for s in stage_a] == [(lr, 2) for lr in vs_trl.GRID_LR]
+        assert all(s.split == "val" and s.seed == 0 for s in stage_a)
+        finish(stage_a, lambda s: 1.0 if s.lr == 3e-3 else 0.5)
+        stage_b = vs_trl.tuning_specs(arm, 0, 220.0, "cpu", False, done)
+        if arm == "trl_sft":  # no completions to tune
+            assert stage_b == stage_a
+            continue
+        assert [(s.lr, s.g) for s in stage_b[3:]] == [(3e-3, 4)]
+        finish(stage_b, lambda s: 0.9)
+        final = vs_trl.tuning_specs(arm, 0, 220.0, "cpu", False, done)
+        if arm == "trl_sft_grpo":
+            assert [(s.lr, s.g, s.share) for s in final[4:]] == [(3e-3, 2, 0.25), (3e-3, 2, 0.75)]
+        else:
+            assert final == stage_b
+        assert vs_trl.choose([done[s.key()] for s in final if s.key() in done])["lr"] == 3e-3
+
+
+def test_the_bootstrap_resamples_seeds_and_classes_and_pairs_the_arms() -> None:
+    vs_trl = _vs_trl()
+    classes = [f"c{i // 4}" for i in range(40)]  # 10 classes of 4 prompts
+    prompts = [f"p{i}" for i in range(40)]
+
+    def run(seed: int, acc: float) -> dict:
+        n = round(acc * 40)
+        return {"seed": seed, "classes": classes, "prompts": prompts,
+                "correct": [1] * n + [0] * (40 - n)}  # fmt: skip
+
+    per_arm = {"a": [run(s, 0.8) for s in range(5)], "b": [run(s, 0.2) for s in range(5)]}
+    boot = vs_trl.bootstrap(per_arm, reps=400)
+    lo_a, hi_a = boot["intervals"]["a"]
+    lo_b, hi_b = boot["intervals"]["b"]
+    assert lo_a < 0.8 < hi_a and lo_b < 0.2 < hi_b and hi_b < lo_a
+    # identical arms: every replicate's difference is exactly 0 (the same resample for both)
+    same = vs_trl.bootstrap({"a": per_arm["a"], "c": [dict(r) for r in per_arm["a"]]}, reps=50)
+    assert (same["replicates"]["a"] == same["replicates"]["c"]).all()
+    with pytest.raises(ValueError, match="other held-out prompts"):
+        bad = [dict(r, prompts=[f"q{i}" for i in range(40)]) for r in per_arm["b"]]
+        vs_trl.bootstrap({"a": per_arm["a"], "b": bad}, reps=10)
+
+
+def test_trl_arms_get_the_same_settings_and_the_oracle(tmp_path: Path) -> None:
+    """What the docs claim for the comparison: TRL's GRPO and SDPO configs carry our run's
+    optimizer, batch and generation settings and channel 1; SDPO distils with our channel 2's
+    divergence and teacher, reads the oracle answer as every rollout's privileged context, and
+    weighs it as our loss weighs its oracle- and hint-carrying channels."""
+    pytest.importorskip("trl")
+    vs_trl = _vs_trl()
     from trl import GRPOConfig
 
     from composer_replication.assembly.build import channel1_args, trainer_args, trl_training_args
@@ -71,15 +142,33 @@ def test_trl_trainers_get_the_same_settings_as_ours(tmp_path):
     for name in shared:
         assert getattr(grpo, name) == getattr(ours, name), name
         assert getattr(sdpo, name) == getattr(ours, name), name
-    # epsilon_high unset means epsilon: GRPO's trainer resolves it, SDPOConfig already did
     assert ours.epsilon_high is None and grpo.epsilon_high is None
     assert sdpo.epsilon_high == ours.epsilon
-    assert ours.num_generations == 2 and ours.per_device_train_batch_size == 32  # the default
-    # (1 - w) * policy + w * distill  ==  (policy + alpha * distill) / (1 + alpha)
-    w = sdpo.distillation_weight
-    assert w / (1 - w) == pytest.approx(0.25)
+    # (1 - w) * policy + w * distill, w = (alpha + beta) / (1 + alpha + beta)
+    oracle = 0.25 + config.loss.beta_replay
+    assert sdpo.distillation_weight == pytest.approx(oracle / (1 + oracle))
     assert sdpo.distillation_alpha == 0.3 and sdpo.distillation_mode == "full_logits"
     assert sdpo.teacher_model_kind == "live" and sdpo.success_reward_threshold == 0.5
-    assert sdpo.include_environment_feedback is False and sdpo.distillation_is_clip is None
+    assert sdpo.include_environment_feedback is True and sdpo.distillation_is_clip is None
+    assert "Correct solution" in sdpo.feedback_template
     with pytest.raises(ValueError, match="sdpo_wrapper"):
         vs_trl._trl_sdpo_args(load_config(overrides=["loss.sdpo_wrapper=entropy_opd"]), common)
+    # the grid point reaches the run config: 16 prompts x G completions per step
+    spec = vs_trl.Spec("trl_sdpo", 0, 1e-2, 4, None, "val", 0, 220.0, "cpu")
+    tuned = load_config(overrides=vs_trl.arm_overrides(spec, []))
+    assert (tuned.train.learning_rate, tuned.train.num_generations, tuned.train.batch_size) == (
+        1e-2, 4, 64,
+    )  # fmt: skip
+    # the SFT arms train on the oracle traces of the training prompts, answer only
+    task = vs_trl_task(config)
+    data = vs_trl.sft_dataset(task)
+    assert len(data) == len(task.train_examples())
+    row, ex = data[0], task.train_examples()[0]
+    assert row["prompt"] == [{"role": "user", "content": ex.prompt}]
+    assert row["completion"] == [{"role": "assistant", "content": task.oracle(ex)}]
+
+
+def vs_trl_task(config):  # type: ignore[no-untyped-def]
+    from composer_replication.assembly.build import build_task
+
+    return build_task(config)

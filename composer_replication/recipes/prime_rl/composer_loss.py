@@ -55,7 +55,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from composer_replication.loss import ComposeConfig, dpo_loss, dppo_mask, simpo_loss
+from composer_replication.loss import ComposeConfig, assemble, dpo_loss, dppo_mask, simpo_loss
 from composer_replication.recipes.prime_rl.contract import PRIME_RL_DEFAULT_LOSS, LossOutputs
 from composer_replication.recipes.sampled import (
     SAMPLED_TOKEN_KEYS,
@@ -269,21 +269,31 @@ def loss_fn(inputs: Any, **kwargs: Any) -> LossOutputs:
         reverse_kl = _mean(-signal, mask)
         sdpo_masked = _mean((mask & ~keep2).to(lp.dtype), mask)
 
-    total = dppo_sum + cfg.alpha_sdpo * sdpo_sum if sdpo_active else dppo_sum
     n_weight = (
         mask.to(lp.dtype).sum() if weights is None else torch.where(mask, weights, zero).sum()
     )
 
     replay_metrics = {"pairs": 0.0, "accuracy": 0.0, "margin": 0.0}
     replay_value = 0.0
+    replay_term: tuple[Tensor, dict[str, float]] | None = None
     replay_active = cfg.beta_replay != 0.0 and bool(pairs)
     if replay_active:
         replay_loss, m = _replay(cfg, pairs)
         replay_active = m["pairs"] > 0
         if replay_active:
-            total = total + cfg.beta_replay * replay_loss * n_weight.detach()
+            # the pair mean times n = the sample's token weight (module docstring)
+            replay_term = (replay_loss * n_weight.detach(), {})
             replay_value = float(replay_loss.detach())
             replay_metrics = {k: m[k] for k in replay_metrics}
+    # the total is the loss library's: dppo + alpha_sdpo * sdpo + beta_replay * replay
+    total, _ = assemble(
+        (dppo_sum, {}),
+        (sdpo_sum, {}) if sdpo_active else None,
+        replay_term,
+        metrics=False,  # LossOutputs' metrics are tensors: no host synchronisation here
+        alpha_sdpo=cfg.alpha_sdpo,
+        beta_replay=cfg.beta_replay,
+    )
 
     with torch.no_grad():
         mismatch_kl = ratio - log_ratio - 1

@@ -54,7 +54,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from composer_replication.loss import combine, grpo_loss
+from composer_replication.loss import ComposeConfig, combine, grpo_loss
 from composer_replication.recipes.sampled import (
     SAMPLED_TOKEN_KEYS,
     reject_logit_keywords,
@@ -208,13 +208,16 @@ def composer_policy_loss(
     split = 0.0
     if cfg.beta_replay != 0.0 and any(k in batch for k in CHANNEL3_KEYS):
         pairs, split = _pairs(log_prob, mask, batch, cfg.dpo_variant)
+    sdpo, frac = _sampled_sdpo(cfg, log_prob, old_log_prob, mask, batch, eps_low, eps_high, norm)
+    # combine forms the total (loss.assemble): channel 1, this channel 2, channel 3 from pairs
     loss, metrics = combine(
         per_token_logps=log_prob,
         completion_mask=mask,
         advantages=advantages,
         old_per_token_logps=old_log_prob,
         num_items_in_batch=norm,
-        alpha_sdpo=0.0,  # combine's channel 2 needs logits; the sampled-token form is below
+        alpha_sdpo=cfg.alpha_sdpo,
+        sdpo_result=sdpo,  # the sampled-token form (combine's own channel 2 needs logits)
         beta_replay=cfg.beta_replay,
         dpo_variant=cfg.dpo_variant,
         replay_dpo_beta=cfg.replay_dpo_beta,
@@ -232,40 +235,55 @@ def composer_policy_loss(
         rejected_avg_logps=pairs.get("rejected_avg_logps"),
     )
     metrics["replay/split_pairs"] = split
-
-    metrics["sdpo/active"] = 0.0
-    metrics["loss/sdpo"] = 0.0
-    teacher = batch.get("sdpo_teacher_log_prob")
-    if cfg.alpha_sdpo != 0.0 and teacher is not None:
-        if not isinstance(teacher, Tensor) or teacher.shape != log_prob.shape:
-            shape = tuple(teacher.shape) if isinstance(teacher, Tensor) else type(teacher).__name__
-            raise ValueError(
-                f"batch key 'sdpo_teacher_log_prob' must be {tuple(log_prob.shape)} like "
-                f"log_prob (one log-prob per response token), got {shape}"
-            )
-        token_mask = mask
-        if "sdpo_sample_mask" in batch:
-            rows = _row_vector("sdpo_sample_mask", batch["sdpo_sample_mask"], log_prob.shape[0])
-            token_mask = mask & rows.bool()[:, None]
-        metrics["sdpo/frac_samples"] = float(token_mask.any(-1).float().mean())
-        if bool(token_mask.any()):
-            signal = torch.where(token_mask, teacher.to(log_prob.dtype) - log_prob, 0.0).detach()
-            sdpo, sdpo_metrics = grpo_loss(
-                log_prob,
-                old_log_prob,
-                signal,
-                token_mask,
-                loss_type="dapo",
-                epsilon_low=eps_low,
-                epsilon_high=eps_high,
-                num_items_in_batch=norm,
-            )
-            loss = loss + cfg.alpha_sdpo * sdpo
-            metrics["sdpo/active"] = 1.0
-            metrics["loss/sdpo"] = float(sdpo.detach())
-            metrics["sdpo/clip_ratio"] = sdpo_metrics["grpo/clip_ratio"]
-            metrics["loss/total"] = float(loss.detach())
+    if frac is not None:  # channel 2 asked for: the share of rows it selected (0 when none)
+        metrics["sdpo/frac_samples"] = frac
     return loss, {f"composer/{k}": v for k, v in metrics.items()}
+
+
+def _sampled_sdpo(
+    cfg: ComposeConfig,
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    mask: Tensor,
+    batch: Mapping[str, Any],
+    eps_low: float,
+    eps_high: float,
+    norm: Tensor,
+) -> tuple[tuple[Tensor, dict[str, float]] | None, float | None]:
+    """Channel 2's sampled-token reverse KL before ``alpha_sdpo`` (or None: off or no token)
+    and the share of rows it selects (None when the channel is off)."""
+    teacher = batch.get("sdpo_teacher_log_prob")
+    if cfg.alpha_sdpo == 0.0 or teacher is None:
+        return None, None
+    if not isinstance(teacher, Tensor) or teacher.shape != log_prob.shape:
+        shape = tuple(teacher.shape) if isinstance(teacher, Tensor) else type(teacher).__name__
+        raise ValueError(
+            f"batch key 'sdpo_teacher_log_prob' must be {tuple(log_prob.shape)} like "
+            f"log_prob (one log-prob per response token), got {shape}"
+        )
+    token_mask = mask
+    if "sdpo_sample_mask" in batch:
+        rows = _row_vector("sdpo_sample_mask", batch["sdpo_sample_mask"], log_prob.shape[0])
+        token_mask = mask & rows.bool()[:, None]
+    frac = float(token_mask.any(-1).float().mean())
+    if not bool(token_mask.any()):
+        return None, frac
+    signal = torch.where(token_mask, teacher.to(log_prob.dtype) - log_prob, 0.0).detach()
+    sdpo, sdpo_metrics = grpo_loss(
+        log_prob,
+        old_log_prob,
+        signal,
+        token_mask,
+        loss_type="dapo",
+        epsilon_low=eps_low,
+        epsilon_high=eps_high,
+        num_items_in_batch=norm,
+    )
+    metrics = {
+        "loss/sdpo": float(sdpo.detach()),
+        "sdpo/clip_ratio": sdpo_metrics["grpo/clip_ratio"],
+    }
+    return (sdpo, metrics), frac
 
 
 def composer_ppo_loss(

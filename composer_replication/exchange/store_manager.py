@@ -63,12 +63,12 @@ from composer_replication.exchange.outer_state import (
     state_nbytes,
     wait_for_outer_state,
 )
-from composer_replication.exchange.protocol import (
+from composer_replication.exchange.state import model_fingerprint
+from composer_replication.exchange.vocabulary import (
     CorruptContributionError,
     StepResult,
     StoreTimeoutError,
 )
-from composer_replication.exchange.state import model_fingerprint
 
 __all__ = ["MockManager", "ObjectStoreManager", "RoundRecord", "round_record"]
 
@@ -115,11 +115,26 @@ class RoundRecord(TypedDict):
 def round_record(round_: int, *, committed: bool = False, healed: bool = False) -> RoundRecord:
     """A `RoundRecord` with nothing measured yet."""
     return RoundRecord(
-        round=round_, store_step=round_, committed=committed, included_ranks=[],
-        excluded_ranks=[], participants=0, tokens=None, inner_steps=0, bytes_uploaded=0,
-        bytes_downloaded=0, seconds=0.0, healed=healed, error=None, rejected={},
-        aggregate="mean", requests={}, upload_seconds=0.0, wait_seconds=0.0, merge_seconds=0.0,
-    )  # fmt: skip
+        round=round_,
+        store_step=round_,
+        committed=committed,
+        included_ranks=[],
+        excluded_ranks=[],
+        participants=0,
+        tokens=None,
+        inner_steps=0,
+        bytes_uploaded=0,
+        bytes_downloaded=0,
+        seconds=0.0,
+        healed=healed,
+        error=None,
+        rejected={},
+        aggregate="mean",
+        requests={},
+        upload_seconds=0.0,
+        wait_seconds=0.0,
+        merge_seconds=0.0,
+    )
 
 
 class _StoreWork(dist.Work):

@@ -50,24 +50,24 @@ from typing import Any
 
 import torch
 
-from composer_replication.exchange import codecs, wire
+from composer_replication.exchange import checksums, codecs, wire
 from composer_replication.exchange import state as state_mod
-from composer_replication.exchange.protocol import (
+from composer_replication.exchange.protocol import decode_contribution, encode_contribution
+from composer_replication.exchange.store import Store
+from composer_replication.exchange.vocabulary import (
     DTYPES,
     Contribution,
     CorruptContributionError,
     ModelMismatchError,
-    decode_contribution,
     dtype_name,
-    encode_contribution,
 )
-from composer_replication.exchange.store import Store
 
 __all__ = [
     "FINAL_KEY",
     "HEADS_KEY",
     "MANIFEST_KEY",
     "PUSH_PREFIX",
+    "REFUSED_PREFIX",
     "DecoupledStore",
     "Push",
     "PushId",
@@ -81,17 +81,18 @@ MANIFEST_KEY = "decoupled/manifest.json"
 HEADS_KEY = "decoupled/heads.json"
 FINAL_KEY = "decoupled/final.json"
 PUSH_PREFIX = "decoupled/push/"
+REFUSED_PREFIX = "decoupled/refused/"  # <push name>.json: a push used up without a merge
 _PUSH_RE = re.compile(r"^(\d{3})-(\d{10})-(\d{5})-(\d{4})\.safetensors$")
 MAX_FRAGMENTS = 1000
 MAX_LEARNERS = 100_000
 MAX_SEQ = 10_000
 
 
-def _nonneg_int(v: Any) -> bool:
+def _nonneg_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
-def _finite(v: Any) -> bool:
+def _finite(v: object) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
 
 
@@ -106,11 +107,15 @@ class PushId:
 
     def __post_init__(self) -> None:
         ok = (
-            _nonneg_int(self.fragment) and self.fragment < MAX_FRAGMENTS
-            and _nonneg_int(self.base) and self.base < 10**10
-            and _nonneg_int(self.learner) and self.learner < MAX_LEARNERS
-            and _nonneg_int(self.seq) and self.seq < MAX_SEQ
-        )  # fmt: skip
+            _nonneg_int(self.fragment)
+            and self.fragment < MAX_FRAGMENTS
+            and _nonneg_int(self.base)
+            and self.base < 10**10
+            and _nonneg_int(self.learner)
+            and self.learner < MAX_LEARNERS
+            and _nonneg_int(self.seq)
+            and self.seq < MAX_SEQ
+        )
         if not ok:
             raise ValueError(f"invalid push id {self!r}")
 
@@ -166,6 +171,7 @@ class Push:
     steps: int  # inner steps since the learner loaded version `base` of this fragment
     tokens: int | None  # tokens since then (None: not reported)
     steps_since_push: int  # inner steps since this learner's previous push of this fragment
+    # or since a newer global replaced the fragment, whichever is later: the work it adds
     step_seconds: float  # the learner's recent seconds per inner step
     learner_step: int  # the learner's total inner steps when it pushed
     final: bool  # the learner's last push of this fragment
@@ -198,14 +204,24 @@ def encode_push(
     if not _finite(step_seconds) or step_seconds < 0:
         raise ValueError(f"step_seconds must be a finite number >= 0, got {step_seconds!r}")
     extra = {
-        "fragment": pid.fragment, "seq": pid.seq, "steps_since_push": steps_since_push,
-        "step_seconds": float(step_seconds), "learner_step": learner_step, "final": bool(final),
+        "fragment": pid.fragment,
+        "seq": pid.seq,
+        "steps_since_push": steps_since_push,
+        "step_seconds": float(step_seconds),
+        "learner_step": learner_step,
+        "final": bool(final),
         "time": time.time(),
-    }  # fmt: skip
+    }
     payload, _ = encode_contribution(
-        tensors, rank=pid.learner, step=pid.base, tokens=tokens, inner_steps=steps, codec=codec,
-        checksum=checksum, extra=extra,
-    )  # fmt: skip
+        tensors,
+        rank=pid.learner,
+        step=pid.base,
+        tokens=tokens,
+        inner_steps=steps,
+        codec=codec,
+        checksum=checksum,
+        extra=extra,
+    )
     return payload
 
 
@@ -232,10 +248,16 @@ def decode_push(
             f"{what}: header fields do not describe this push (fragment/seq/steps/timing)"
         )
     return Push(
-        id=pid, contribution=c, steps=int(c.inner_steps or 0), tokens=c.tokens,
-        steps_since_push=x["steps_since_push"], step_seconds=float(x["step_seconds"]),
-        learner_step=x["learner_step"], final=x["final"], time=float(x["time"]),
-    )  # fmt: skip
+        id=pid,
+        contribution=c,
+        steps=int(c.inner_steps or 0),
+        tokens=c.tokens,
+        steps_since_push=x["steps_since_push"],
+        step_seconds=float(x["step_seconds"]),
+        learner_step=x["learner_step"],
+        final=x["final"],
+        time=float(x["time"]),
+    )
 
 
 # ----------------------------------------------------------------------------- manifest
@@ -258,22 +280,28 @@ def fragment_manifest(
     out = []
     for f, mo in zip(fragments, mean_only):
         names = sorted(f)
-        out.append({
-            "names": names,
-            "shapes": [list(f[n].shape) for n in names],
-            "dtypes": [dtype_name(f[n].dtype) for n in names],
-            "mean_only": sorted(set(mo) & set(names)),
-        })  # fmt: skip
+        out.append(
+            {
+                "names": names,
+                "shapes": [list(f[n].shape) for n in names],
+                "dtypes": [dtype_name(f[n].dtype) for n in names],
+                "mean_only": sorted(set(mo) & set(names)),
+            }
+        )
     return {
-        "format": FORMAT, "kind": "decoupled-manifest", "n_learners": n_learners,
-        "codec": codecs.check_codec(codec), "fragments": out,
-    }  # fmt: skip
+        "format": FORMAT,
+        "kind": "decoupled-manifest",
+        "n_learners": n_learners,
+        "codec": codecs.check_codec(codec),
+        "fragments": out,
+    }
 
 
-def _check_manifest(doc: Any) -> dict[str, Any]:
+def _check_manifest(doc: object) -> dict[str, Any]:
+    if not isinstance(doc, dict):
+        raise CorruptContributionError(f"{MANIFEST_KEY} is not a valid decoupled-run manifest")
     ok = (
-        isinstance(doc, dict)
-        and doc.get("format") == FORMAT
+        doc.get("format") == FORMAT
         and doc.get("kind") == "decoupled-manifest"
         and _nonneg_int(doc.get("n_learners"))
         and doc["n_learners"] >= 1
@@ -290,9 +318,7 @@ def _check_manifest(doc: Any) -> dict[str, Any]:
                 and isinstance(f.get("dtypes"), list)
                 and len(f["names"]) == len(f["shapes"]) == len(f["dtypes"]) > 0
                 and all(isinstance(n, str) for n in f["names"])
-                and all(
-                    isinstance(s, list) and all(_nonneg_int(d) for d in s) for s in f["shapes"]
-                )  # fmt: skip
+                and all(isinstance(s, list) and all(_nonneg_int(d) for d in s) for s in f["shapes"])
                 and all(d in DTYPES for d in f["dtypes"])
                 and isinstance(f.get("mean_only", []), list)
             )
@@ -302,8 +328,10 @@ def _check_manifest(doc: Any) -> dict[str, Any]:
 
 
 def _reference(fragment: dict[str, Any]) -> dict[str, tuple[list[int], str]]:
-    return {n: (list(s), d) for n, s, d in zip(fragment["names"], fragment["shapes"],
-                                               fragment["dtypes"])}  # fmt: skip
+    return {
+        n: (list(s), d)
+        for n, s, d in zip(fragment["names"], fragment["shapes"], fragment["dtypes"])
+    }
 
 
 # ----------------------------------------------------------------------------- merge records
@@ -323,10 +351,11 @@ def parse_merge(raw: wire.Buffer, *, fragment: int, version: int) -> dict[str, A
         r = json.loads(bytes(raw))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CorruptContributionError(f"{what} is not JSON ({e})") from None
-    inputs = r.get("inputs") if isinstance(r, dict) else None
+    if not isinstance(r, dict):
+        raise CorruptContributionError(f"{what} is malformed")
+    inputs = r.get("inputs")
     ok = (
-        isinstance(r, dict)
-        and r.get("format") == FORMAT
+        r.get("format") == FORMAT
         and r.get("kind") == "merge"
         and r.get("fragment") == fragment
         and r.get("version") == version
@@ -353,7 +382,7 @@ def parse_merge(raw: wire.Buffer, *, fragment: int, version: int) -> dict[str, A
                 and entry["weight"] >= 0
                 and isinstance(entry.get("checksum"), dict)
                 and set(entry["checksum"]) == {"algo", "value"}
-                and entry["checksum"]["algo"] in wire.CHECKSUMS
+                and entry["checksum"]["algo"] in checksums.CHECKSUMS
                 and isinstance(entry["checksum"]["value"], str)
                 and entry["push"] in r["consumed"]
             )
@@ -375,15 +404,16 @@ class DecoupledStore:
     def __init__(self, store: Store, *, codec: str = "fp32", checksum: str | None = None) -> None:
         self.store = store
         self.codec = codecs.check_codec(codec)
-        if self.codec == codecs.SPARSE:
+        if codecs.get(codec).needs_error_feedback:
+            usable = [c for c in codecs.CODECS if not codecs.get(c).needs_error_feedback]
             raise ValueError(
-                "codec 'sparseloco' is not for decoupled pushes: it drops most of each push and "
+                f"codec {codec!r} is not for decoupled pushes: it drops most of each push and "
                 "relies on the sender's error feedback, which decoupled pushes (each the whole "
                 "change since the learner's base version, possibly replaced in the queue) would "
-                "count twice; use fp32/bf16/int8/4bit, or mode 'sync' for SparseLoCo"
+                f"count twice; use {'/'.join(usable)}, or mode 'sync' for this codec"
             )
         self.checksum = (
-            wire.default_checksum() if checksum is None else wire.check_checksum(checksum)
+            checksums.default_checksum() if checksum is None else checksums.check_checksum(checksum)
         )
 
     @property
@@ -411,8 +441,10 @@ class DecoupledStore:
             raise CorruptContributionError(f"wrote {MANIFEST_KEY} at {self.uri} but cannot read it")
         diff = [k for k in ("n_learners", "codec") if stored.get(k) != ours.get(k)]
         if len(stored["fragments"]) != len(ours["fragments"]):
-            diff.append(f"fragments: stored {len(stored['fragments'])}, this learner "
-                        f"{len(ours['fragments'])}")  # fmt: skip
+            diff.append(
+                f"fragments: stored {len(stored['fragments'])}, this learner "
+                f"{len(ours['fragments'])}"
+            )
         else:
             for i, (a, b) in enumerate(zip(stored["fragments"], ours["fragments"])):
                 if a != b:
@@ -430,14 +462,22 @@ class DecoupledStore:
         return _reference(manifest["fragments"][fragment])
 
     # ------------------------------------------------------------------ fragment states
-    def _publish(self, key: str, kind: str, fragment: int, version: int,
-                 tensors: dict[str, torch.Tensor]) -> bool:  # fmt: skip
-        blob = state_mod.encode_state(tensors, name=f"f{fragment:03d}", round=version,
-                                      extra={"kind": kind})  # fmt: skip
+    def _publish(
+        self, key: str, kind: str, fragment: int, version: int, tensors: dict[str, torch.Tensor]
+    ) -> bool:
+        blob = state_mod.encode_state(
+            tensors, name=f"f{fragment:03d}", round=version, extra={"kind": kind}
+        )
         return self.store.put_if_absent(key, blob)
 
-    def _fetch(self, key: str, kind: str, fragment: int, version: int,
-               reference: dict[str, tuple[list[int], str]] | None) -> dict[str, torch.Tensor] | None:  # fmt: skip
+    def _fetch(
+        self,
+        key: str,
+        kind: str,
+        fragment: int,
+        version: int,
+        reference: dict[str, tuple[list[int], str]] | None,
+    ) -> dict[str, torch.Tensor] | None:
         blob = self.store.get(key)
         if blob is None:
             return None
@@ -470,8 +510,9 @@ class DecoupledStore:
 
     def repair_global(self, fragment: int, version: int, tensors: dict[str, torch.Tensor]) -> None:
         """Overwrite a global state found corrupt with its recomputed content."""
-        blob = state_mod.encode_state(tensors, name=f"f{fragment:03d}", round=version,
-                                      extra={"kind": "global"})  # fmt: skip
+        blob = state_mod.encode_state(
+            tensors, name=f"f{fragment:03d}", round=version, extra={"kind": "global"}
+        )
         self.store.put(global_key(fragment, version), blob)
 
     def versions(self, fragment: int, what: str = "global") -> list[int]:
@@ -502,8 +543,16 @@ class DecoupledStore:
         return list(v)
 
     def write_heads(self, versions: list[int], **info: Any) -> None:
-        self.store.put_json(HEADS_KEY, {"format": FORMAT, "kind": "heads",
-                                        "versions": list(versions), "time": time.time(), **info})  # fmt: skip
+        self.store.put_json(
+            HEADS_KEY,
+            {
+                "format": FORMAT,
+                "kind": "heads",
+                "versions": list(versions),
+                "time": time.time(),
+                **info,
+            },
+        )
 
     # ------------------------------------------------------------------ pushes
     def push(
@@ -519,17 +568,25 @@ class DecoupledStore:
         """Write a push with put-if-absent, taking the next free ``seq`` if the key is taken
         (an earlier incarnation of this learner pushed at the same base). Returns its id and
         its size in bytes."""
-        payload = encode_push(tensors, PushId(fragment, base, learner, seq), codec=self.codec,
-                              checksum=self.checksum, **fields)  # fmt: skip
+        payload = encode_push(
+            tensors,
+            PushId(fragment, base, learner, seq),
+            codec=self.codec,
+            checksum=self.checksum,
+            **fields,
+        )
         for s in range(seq, MAX_SEQ):
             pid = PushId(fragment, base, learner, s)
             if s != seq:  # the header names the seq: re-encode for the new key
-                payload = encode_push(tensors, pid, codec=self.codec, checksum=self.checksum,
-                                      **fields)  # fmt: skip
+                payload = encode_push(
+                    tensors, pid, codec=self.codec, checksum=self.checksum, **fields
+                )
             if self.store.put_if_absent(pid.key, payload):
                 return pid, sum(memoryview(b).nbytes for b in payload)
-        raise RuntimeError(f"learner {learner}: {MAX_SEQ} pushes of fragment {fragment} at "
-                           f"base {base}; the run is not making progress")  # fmt: skip
+        raise RuntimeError(
+            f"learner {learner}: {MAX_SEQ} pushes of fragment {fragment} at "
+            f"base {base}; the run is not making progress"
+        )
 
     def list_pushes(self) -> list[PushId]:
         """Every push in the store (one LIST), sorted."""
@@ -550,6 +607,35 @@ class DecoupledStore:
     def delete_push(self, pid: PushId) -> None:
         self.store.delete(pid.key)
 
+    def write_refusal(self, pid: PushId, reason: str) -> None:
+        """Record (put-if-absent, kept for good: the run's audit trail) that a push was used up
+        without a merge record naming it, with why: refused (it does not decode or verify), or
+        dropped or screened out when no merge happened. So that an audit can tell such a push
+        from one the synchronizer never looked at."""
+        self.store.put_if_absent(f"{REFUSED_PREFIX}{pid.name}.json", json.dumps(
+            {"format": FORMAT, "kind": "refused", "push": pid.name, "reason": str(reason)[:2000],
+             "time": time.time()}).encode())  # fmt: skip
+
+    def read_refusals(self) -> dict[str, str]:
+        """push name -> why it was refused, for every refusal record (malformed records are
+        skipped: they refuse nothing)."""
+        out: dict[str, str] = {}
+        for name in self.store.list(REFUSED_PREFIX):
+            try:
+                doc = self.store.get_json(REFUSED_PREFIX + name)
+            except ValueError:
+                continue
+            if (
+                isinstance(doc, dict)
+                and doc.get("kind") == "refused"
+                and isinstance(doc.get("push"), str)
+                and name == f"{doc['push']}.json"
+                and PushId.parse(doc["push"]) is not None
+                and isinstance(doc.get("reason"), str)
+            ):
+                out[doc["push"]] = doc["reason"]
+        return out
+
     # ------------------------------------------------------------------ merge records
     def write_merge(self, record: dict[str, Any]) -> bool:
         """put-if-absent the record; False if that version was decided already."""
@@ -563,9 +649,10 @@ class DecoupledStore:
 
     # ------------------------------------------------------------------ progress and the end
     def write_progress(self, learner: int, **doc: Any) -> None:
-        self.store.put_json(progress_key(learner), {"format": FORMAT, "kind": "progress",
-                                                    "learner": learner, "time": time.time(),
-                                                    **doc})  # fmt: skip
+        self.store.put_json(
+            progress_key(learner),
+            {"format": FORMAT, "kind": "progress", "learner": learner, "time": time.time(), **doc},
+        )
 
     def read_progress(self, learner: int) -> dict[str, Any] | None:
         """A learner's progress document (None if absent or invalid: step 0, not done)."""
@@ -583,9 +670,17 @@ class DecoupledStore:
         return doc if ok else None
 
     def write_final(self, versions: list[int], learners: dict[int, int], **info: Any) -> None:
-        self.store.put_json(FINAL_KEY, {"format": FORMAT, "kind": "final", "versions": versions,
-                                        "learners": {str(k): v for k, v in learners.items()},
-                                        "time": time.time(), **info})  # fmt: skip
+        self.store.put_json(
+            FINAL_KEY,
+            {
+                "format": FORMAT,
+                "kind": "final",
+                "versions": versions,
+                "learners": {str(k): v for k, v in learners.items()},
+                "time": time.time(),
+                **info,
+            },
+        )
 
     def read_final(self, n_fragments: int) -> dict[str, Any] | None:
         """The final document (versions per fragment, learners' final steps) or None."""
@@ -593,9 +688,10 @@ class DecoupledStore:
             doc = self.store.get_json(FINAL_KEY)
         except ValueError:
             return None
+        if not isinstance(doc, dict):
+            return None
         ok = (
-            isinstance(doc, dict)
-            and doc.get("kind") == "final"
+            doc.get("kind") == "final"
             and isinstance(doc.get("versions"), list)
             and len(doc["versions"]) == n_fragments
             and all(_nonneg_int(v) for v in doc["versions"])

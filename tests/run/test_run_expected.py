@@ -1,0 +1,39 @@
+"""What `train` prints to expect when it starts the embedded default (run/expected.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from composer_replication.config import load_config
+from composer_replication.run.expected import (
+    DEMO,
+    WallTime,
+    expected_lines,
+    is_embedded_default,
+)
+
+
+def test_the_embedded_default_gets_its_measured_ranges() -> None:
+    lines = expected_lines(load_config())
+    assert lines[0].startswith("What to expect (the embedded default")
+    assert "held-out accuracy on 256 prompts 0.000 -> 0.105-0.945 (median 0.809; " in lines[1]
+    assert "mean reward 0.14 -> 0.32-0.90, over seeds 0-2" in lines[1]
+    assert "wall time 114 s on 2 idle cores (the same compute, " in lines[2]
+    assert "; 1138-2036 s at load 7-26 (" in lines[2]
+    assert "this machine: " in lines[2] and " cores, " in lines[2]
+    # another seed, name or folder is still the default's setting; anything else is not
+    assert is_embedded_default(load_config(overrides=["run.seed=2", "run.name=x"]))
+    for override in ("train.max_steps=100", "backend.n_replicas=4", "model.tokenizer=bpe"):
+        assert expected_lines(load_config(overrides=[override])) == [], override
+
+
+def test_ranges_print_a_single_value_once() -> None:
+    one = dataclasses.replace(
+        DEMO,
+        accuracy_last=(0.8, 0.8),
+        accuracy_median=None,
+        caveat="",
+        loaded=(WallTime("3", (200, 200)),),
+    )
+    lines = expected_lines(load_config(), one)
+    assert "256 prompts 0.000 -> 0.800, mean" in lines[1] and "200 s at load 3" in lines[2]

@@ -47,6 +47,7 @@ from composer_replication.loss import (
 __all__ = [
     "GENERATION_ENGINES",
     "LOSS_KEYS_SET_BY_THE_RUN",
+    "RENAMED_KEYS",
     "BackendConfig",
     "ChaosConfig",
     "ChaosEventConfig",
@@ -73,6 +74,16 @@ GENERATION_ENGINES: tuple[GenerationEngine, ...] = get_args(GenerationEngine)
 
 # The loss library's defaults: every [loss] key's default is read from here.
 _LOSS = ComposeConfig()
+
+# Names a setting had as a component's argument before the component took its TOML key's name
+# (issue 21: one name from the TOML to the code), with the key to write instead; the loader's
+# did-you-mean uses them.
+RENAMED_KEYS = {
+    "gamma": "diloco.grace_gamma",
+    "tau": "diloco.grace_tau",
+    "outlier_ratio": "diloco.aggregate_outlier_ratio",
+    "keep": "store.keep_rounds",
+}
 
 # ComposeConfig keys that are not [loss] keys, and what sets them in a run instead.
 LOSS_KEYS_SET_BY_THE_RUN = {

@@ -246,3 +246,50 @@ def test_the_cpu_example_is_the_embedded_default_written_out() -> None:
     example = Path(__file__).resolve().parents[2] / "examples" / "cpu_default.toml"
     written, default = load_config(example), load_config()
     assert dataclasses.replace(written, run=default.run) == default
+
+
+@pytest.mark.parametrize(
+    ("override", "hint"),
+    [
+        ("diloco.keep_rounds=3", "did you mean 'store.keep_rounds'? that section holds it"),
+        ("train.outer_lr=0.5", "did you mean 'diloco.outer_lr'? that section holds it"),
+        ("diloco.keep=3", "did you mean 'store.keep_rounds'? the key has that name in the TOML"),
+        ("diloco.tau=1", "did you mean 'diloco.grace_tau'? the key has that name in the TOML"),
+        ("diloco.gamma=0.5", "did you mean 'grace_gamma'?"),
+        ("diloco.outlier_ratio=2", "did you mean 'aggregate_outlier_ratio'?"),
+    ],
+)
+def test_a_moved_or_renamed_key_gets_a_did_you_mean(override: str, hint: str) -> None:
+    """A key written in the wrong section, or under a component's former argument name
+    (`schema.RENAMED_KEYS`), is refused with the key to write instead."""
+    with pytest.raises(ConfigError, match="unknown key") as info:
+        load_config(overrides=[override])
+    assert hint in str(info.value)
+
+
+def test_the_synchronizer_takes_the_sections_keys_under_their_names() -> None:
+    """No renames between the TOML and the component: every `SynchronizerConfig` field the run
+    sets is a `[diloco]` key of the same name and value; `keep_rounds` is `[store]`'s."""
+    from composer_replication.diloco.decoupled_mode import DecoupledDiLoCo
+    from composer_replication.diloco.synchronizer_config import SynchronizerConfig
+
+    config = load_config(
+        overrides=[
+            "diloco.mode=decoupled",
+            "diloco.grace_gamma=0.3",
+            "diloco.grace_tau=5",
+            "diloco.aggregate=median",
+            "diloco.aggregate_outlier_ratio=3",
+            "diloco.outer_lr=0.4",
+            "store.keep_rounds=7",
+        ]
+    )
+    d = config.diloco
+    sync = DecoupledDiLoCo(d).synchronizer_config(
+        keep_rounds=config.store.keep_rounds, max_steps=config.train.max_steps, local=True
+    )
+    for key in SynchronizerConfig.run_keys():
+        assert key in {f.name for f in dataclasses.fields(DilocoConfig)}, key
+        assert getattr(sync, key) == getattr(d, key), key
+    assert (sync.grace_gamma, sync.grace_tau, sync.aggregate_outlier_ratio) == (0.3, 5.0, 3.0)
+    assert (sync.outer_lr, sync.keep_rounds) == (0.4, 7)

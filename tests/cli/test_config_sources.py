@@ -163,6 +163,22 @@ def test_every_loss_key_reaches_the_trainer() -> None:
     assert args.temperature == config.train.temperature  # LOSS_KEYS_SET_BY_THE_RUN
 
 
+def test_the_trainers_loss_settings_are_the_loss_librarys() -> None:
+    """One list of loss settings: the trainer's keywords are `ComposeConfig`'s minus channel 1
+    (whose [loss] keys become TRL arguments, `temperature` set by [train]), each a field of
+    `ComposerSettings` with the library's default."""
+    pytest.importorskip("trl")
+    from composer_replication.assembly.build import CHANNEL1_TRL_ARGS
+    from composer_replication.trainer.config import CHANNEL1_KEYS, LOSS_KEYS, ComposerSettings
+
+    assert set(LOSS_KEYS) | set(CHANNEL1_KEYS) == set(LOSS_FIELDS)
+    assert set(LOSS_KEYS).isdisjoint(CHANNEL1_KEYS)
+    assert set(CHANNEL1_KEYS) == set(CHANNEL1_TRL_ARGS) | {"temperature"}
+    settings = ComposerSettings()
+    for key in LOSS_KEYS:
+        assert getattr(settings, key) == LOSS_FIELDS[key].default, key
+
+
 def test_docs_reference_is_the_generated_one() -> None:
     """docs/cli.md's configuration reference is exactly what the schema generates."""
     from composer_replication.config.reference import reference_markdown

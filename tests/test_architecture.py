@@ -236,12 +236,6 @@ def test_run_asks_the_outer_loop_mode_instead_of_testing_it():
     assert mode_tests(PKG_DIR / "run") == []
 
 
-# The one name still shared: "base" (executors/base.py, the executor protocol, and
-# tasks/base.py, the task protocol), imported by ~40 files across executors/, tasks/, recipes/
-# and the tests; to rename with those packages.
-SHARED_MODULE_NAMES: set[str] = {"base"}
-
-
 def test_every_module_name_is_unique():
     """One concept per module, and one module per name: a name says where a thing lives."""
     seen: dict[str, list[str]] = {}
@@ -249,7 +243,7 @@ def test_every_module_name_is_unique():
         if path.name != "__init__.py" and not (mod == FACADE or mod.startswith(FACADE + ".")):
             seen.setdefault(path.stem, []).append(mod)
     shared = {name: mods for name, mods in seen.items() if len(mods) > 1}
-    assert set(shared) <= SHARED_MODULE_NAMES, shared
+    assert shared == {}, shared
 
 
 def imported_modules(path: Path, pkg_dir: Path = PKG_DIR) -> list[str]:
@@ -350,7 +344,7 @@ def bad_tree(tmp_path: Path) -> Path:
         "executors/__init__.py": "",
         "executors/local.py": "from ..exchange import store\n",
         "tasks/__init__.py": "",
-        "tasks/base.py": "ENTRY = 'composer_replication.run.replica:main'\n",
+        "tasks/task.py": "ENTRY = 'composer_replication.run.replica:main'\n",
         "run/__init__.py": "",
         "run/replica.py": "",
         # a circle inside exchange/, closed by a function-level import
@@ -388,7 +382,7 @@ def test_the_checker_names_each_bad_import(bad_tree: Path):
     # import statement and module-path string alike; the façade is exempt
     assert violations(LAYERS - {"run", "cli"}, {"run"}, bad_tree) == [
         "composer_replication.diloco.outer_loop -> composer_replication.run.replica",
-        "composer_replication.tasks.base -> composer_replication.run.replica",
+        "composer_replication.tasks.task -> composer_replication.run.replica",
     ]
     assert import_cycles(bad_tree) == [
         ["composer_replication.exchange.protocol", "composer_replication.exchange.robust"]

@@ -188,7 +188,7 @@ def _recorded_tokenizer_class(folder: Path) -> str | None:
 def task_index(task: Task) -> dict[str, Example]:
     """prompt_key -> Example over both splits (teachers and verifiers see prompts, not ids)."""
     from composer_replication.data.traces import prompt_key
-    from composer_replication.tasks.base import chat_prompt
+    from composer_replication.tasks.task import chat_prompt
 
     examples = list(task.train_examples()) + list(task.eval_examples())
     return {prompt_key(chat_prompt(ex.prompt)): ex for ex in examples}
@@ -228,7 +228,7 @@ def build_teachers(config: RunConfig, task: Task) -> list[TeacherClient]:
         except ValueError as exc:
             raise ConfigError(f"teachers.endpoints[{i}]: {exc}") from None
     if not teachers and config.teachers.oracle:
-        from composer_replication.tasks.base import chat_prompt
+        from composer_replication.tasks.task import chat_prompt
 
         # TRAIN prompts only: the oracle never answers a held-out prompt, so no held-out answer
         # can reach training through channel 3.

@@ -52,7 +52,7 @@ class RunScreening:
 
 
 def _prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
-    from composer_replication.tasks.base import chat_prompt
+    from composer_replication.tasks.task import chat_prompt
 
     ids = tokenizer.apply_chat_template(
         chat_prompt(prompt), tokenize=True, add_generation_prompt=True

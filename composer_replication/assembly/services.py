@@ -26,7 +26,7 @@ from composer_replication.diloco.heartbeat import HeartbeatWriter
 from composer_replication.exchange.fencing import FencedError
 from composer_replication.exchange.store import ObjectStore
 from composer_replication.executors import registry
-from composer_replication.executors.base import ServerlessExecutor
+from composer_replication.executors.executor import ServerlessExecutor
 from composer_replication.faults.injector import ChaosInjector, Targets
 from composer_replication.faults.proxy import ThrottleProxy
 

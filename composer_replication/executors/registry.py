@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, cast, get_args
 
-from composer_replication.executors.base import ServerlessExecutor
+from composer_replication.executors.executor import ServerlessExecutor
 
 __all__ = [
     "BACKENDS",

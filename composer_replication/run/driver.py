@@ -62,7 +62,7 @@ from composer_replication.exchange.fencing import bump_generation
 from composer_replication.exchange.liveness import clear_departure
 from composer_replication.exchange.store import ObjectStore
 from composer_replication.executors import registry
-from composer_replication.executors.base import Releasable, ReplicaHandle, ServerlessExecutor
+from composer_replication.executors.executor import Releasable, ReplicaHandle, ServerlessExecutor
 from composer_replication.faults.injector import ChaosInjector, ProcessTargets
 from composer_replication.faults.proxy import ThrottleProxy
 from composer_replication.run import preflight

@@ -31,7 +31,7 @@ from composer_replication.exchange.liveness import (
     write_departure,
 )
 from composer_replication.exchange.store import ObjectStore
-from composer_replication.executors.base import RankLauncher, ReplicaHandle, ServerlessExecutor
+from composer_replication.executors.executor import RankLauncher, ReplicaHandle, ServerlessExecutor
 from composer_replication.run.metrics import MetricsSink
 from composer_replication.run.status import health_now
 

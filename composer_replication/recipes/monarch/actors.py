@@ -61,7 +61,7 @@ __all__ = [
     "global_digest",
 ]
 
-# The dataset columns the task's reward function reads (tasks/base.py `Task.reward_func`); only
+# The dataset columns the task's reward function reads (tasks/task.py `Task.reward_func`); only
 # these cross to the rewarder (TRL also passes callables and trainer state, which stay here).
 REWARD_COLUMNS = ("example_id", "answer", "task_meta")
 # What `TrainerActor.train` reports of the channels (the trainer's metrics, docs/trainer.md).

@@ -27,6 +27,7 @@ from composer_replication.diloco.torchft_path import (
     lighthouse_address,
     start_lighthouse,
 )
+from composer_replication.exchange import codec_fp32
 from composer_replication.exchange.documents import RunDocuments
 from composer_replication.fields import require
 
@@ -79,7 +80,7 @@ class TorchftDiLoCo(SyncDiLoCo):
             "averages over gloo (use manager = 'object_store')",
         )
         require(
-            d.codec == "fp32",
+            d.codec == codec_fp32.NAME,  # torchft's own allreduce: lossless float32
             "diloco.codec",
             f"{d.codec!r} applies to the object-store exchange; torchft averages fp32 "
             "over gloo (use codec = 'fp32' or manager = 'object_store')",

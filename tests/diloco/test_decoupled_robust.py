@@ -124,9 +124,15 @@ def _run(tmp: Path, aggregate_: str, attack: float, outlier_ratio: float | None)
 
 @pytest.mark.slow
 def test_a_byzantine_learner_with_trimmed_mean_and_with_plain_mean(tmp_path: Path) -> None:
+    start = eval_loss(Blocks(seed=5))  # every learner's model before training
     clean = _run(tmp_path, "mean", 1.0, None)
     trimmed = _run(tmp_path, "trimmed_mean", 1e6, 0.0)
     plain = _run(tmp_path, "mean", 1e6, 0.0)
-    assert (trimmed - clean) / clean < 0.05  # contained: not worse than the clean run (it may
-    # end a little better or worse by timing: which pushes make which merge)
+    assert clean < start  # the clean run learns (1.277 -> 1.025 measured)
+    # Contained: the trimmed run keeps learning, at least half the clean run's gain over the
+    # start. Not "as good as clean": which pushes make which merge depends on thread timing, and a
+    # merge of fewer than 3 pushes is refused whole, so under load it ends up to ~8% worse than
+    # clean (measured 1.107 vs 1.025 at load ~20; 1.024 vs 1.025 on a quiet machine). An attacker
+    # that got in would send it up by orders of magnitude, like the plain mean below.
+    assert start - trimmed > 0.5 * (start - clean), (start, clean, trimmed)
     assert not math.isfinite(plain) or plain > 10 * clean

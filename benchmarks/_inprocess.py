@@ -118,7 +118,7 @@ def held_out(
     empty answer counts as the answer ""), so 1.0 is a policy that answers the same thing to
     every prompt. `correct` is the 0/1 verdict per prompt, in order."""
     from composer_replication.run.reporter import greedy_completions
-    from composer_replication.tasks.base import clean_completion, strip_answer_prefix
+    from composer_replication.tasks.task import clean_completion, strip_answer_prefix
 
     if examples is None:
         n = min(config.train.eval_max_examples, config.task.n_eval)

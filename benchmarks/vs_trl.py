@@ -6,7 +6,7 @@
 
 Setting: the embedded default's task (`composer-replication config show`): sums of three digits,
 700 training prompts, 256 held-out prompts that share no operand multiset with a training prompt
-(whole equivalence classes held out, tasks/base.py), the tiny Qwen2 (hidden 64, 2 layers,
+(whole equivalence classes held out, tasks/task.py), the tiny Qwen2 (hidden 64, 2 layers,
 char-level tokenizer, random init), 16 prompts per step, the task's shaped reward. Per seed every
 arm starts from the bit-identical initial model (the seed fixes the init and the split). ONE
 process, one replica (no DiLoCo), `train.torch_threads` (1) torch threads. Each run trains until
@@ -230,7 +230,7 @@ def sft_dataset(task: Any, examples: list[Any] | None = None) -> Any:
     (`SFTTrainer` then takes the loss on the answer only)."""
     import datasets
 
-    from composer_replication.tasks.base import chat_prompt
+    from composer_replication.tasks.task import chat_prompt
 
     rows = [
         {"prompt": chat_prompt(ex.prompt),

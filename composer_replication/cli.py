@@ -215,10 +215,10 @@ def cmd_replica(ns: argparse.Namespace) -> int:
 
 
 def cmd_synchronizer(ns: argparse.Namespace) -> int:
-    from composer_replication.run import synchronizer
+    from composer_replication.run import synchronizer_process
 
     argv = [ns.run] + (["--storage-options", ns.storage_options] if ns.storage_options else [])
-    return int(synchronizer.main(argv) or 0)
+    return int(synchronizer_process.main(argv) or 0)
 
 
 # ----------------------------------------------------------------------------- parser

@@ -34,6 +34,8 @@ from composer_replication.config import ConfigError
 from composer_replication.config.schema import GENERATION_ENGINES
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback
+
     from composer_replication.config import RunConfig
     from composer_replication.data.teachers import TeacherClient, TeacherPool
     from composer_replication.data.traces import Prompt, TraceStore
@@ -104,7 +106,7 @@ def build_task(config: RunConfig) -> Task:
     )
 
 
-def build_model(config: RunConfig) -> tuple[Any, Any]:
+def build_model(config: RunConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """(model, tokenizer) for `[model]`: the tiny Qwen2 or a hub/local checkpoint."""
     m = config.model
     if m.is_tiny:
@@ -120,9 +122,13 @@ def build_model(config: RunConfig) -> tuple[Any, Any]:
         else:
             tok = build_tokenizer()
         model = build_tiny_model(
-            tok, hidden_size=m.hidden_size, num_layers=m.num_layers, num_heads=m.num_heads,
-            num_kv_heads=m.num_kv_heads, seed=config.run.seed,
-        )  # fmt: skip
+            tok,
+            hidden_size=m.hidden_size,
+            num_layers=m.num_layers,
+            num_heads=m.num_heads,
+            num_kv_heads=m.num_kv_heads,
+            seed=config.run.seed,
+        )
         return model, tok
     import torch
     from transformers import AutoModelForCausalLM
@@ -182,7 +188,7 @@ def _recorded_tokenizer_class(folder: Path) -> str | None:
 def task_index(task: Task) -> dict[str, Example]:
     """prompt_key -> Example over both splits (teachers and verifiers see prompts, not ids)."""
     from composer_replication.data.traces import prompt_key
-    from composer_replication.tasks.base import chat_prompt
+    from composer_replication.tasks.task import chat_prompt
 
     examples = list(task.train_examples()) + list(task.eval_examples())
     return {prompt_key(chat_prompt(ex.prompt)): ex for ex in examples}
@@ -222,7 +228,7 @@ def build_teachers(config: RunConfig, task: Task) -> list[TeacherClient]:
         except ValueError as exc:
             raise ConfigError(f"teachers.endpoints[{i}]: {exc}") from None
     if not teachers and config.teachers.oracle:
-        from composer_replication.tasks.base import chat_prompt
+        from composer_replication.tasks.task import chat_prompt
 
         # TRAIN prompts only: the oracle never answers a held-out prompt, so no held-out answer
         # can reach training through channel 3.
@@ -322,13 +328,13 @@ def train_split(config: RunConfig, task: Task, rank: int) -> Any:
 def build_trainer(
     config: RunConfig,
     *,
-    model: Any,
-    tokenizer: Any,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
     task: Task,
     max_steps: int,
     seed: int,
     output_dir: str,
-    callbacks: list[Any] | None = None,
+    callbacks: list[TrainerCallback] | None = None,
     rank: int = 0,
 ) -> ComposerReplicationTrainer:
     """The `ComposerReplicationTrainer` of replica `rank` of a run: the task's reward (with

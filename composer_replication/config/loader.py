@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from composer_replication.config.errors import ConfigError
-from composer_replication.config.schema import RunConfig
+from composer_replication.config.schema import RENAMED_KEYS, RunConfig
 
 __all__ = [
     "ConfigError",
@@ -85,6 +85,33 @@ def type_name(tp: Any) -> str:
 def _did_you_mean(word: str, options: Iterable[str]) -> str:
     close = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _section_keys() -> dict[str, list[str]]:
+    """Every key of the run schema, by the name it has in its section: key -> ["section.key"]."""
+    out: dict[str, list[str]] = {}
+    hints = _hints(RunConfig)
+    for section in dataclasses.fields(RunConfig):
+        tp = hints[section.name]
+        if dataclasses.is_dataclass(tp):
+            for f in dataclasses.fields(tp):
+                out.setdefault(f.name, []).append(f"{section.name}.{f.name}")
+    return out
+
+
+def _moved(key: str, prefix: str) -> str:
+    """A did-you-mean for a key written in the wrong section (``diloco.keep_rounds``: it is
+    ``store.keep_rounds``) or under a name it does not have in the TOML (a component's former
+    argument name, `RENAMED_KEYS`); "" when neither applies."""
+    section = prefix.split("[")[0]
+    if not section or "." in section:
+        return ""
+    if key in RENAMED_KEYS and RENAMED_KEYS[key] != f"{section}.{key}":
+        return f" (did you mean {RENAMED_KEYS[key]!r}? the key has that name in the TOML)"
+    elsewhere = [k for k in _section_keys().get(key, []) if not k.startswith(section + ".")]
+    if elsewhere:
+        return f" (did you mean {elsewhere[0]!r}? that section holds it)"
+    return ""
 
 
 def _convert(value: Any, tp: Any, key: str) -> Any:
@@ -178,9 +205,8 @@ def from_dict(cls: type[T], data: Mapping[str, Any], *, prefix: str = "") -> T:
         path = f"{prefix}.{key}" if prefix else str(key)
         if key not in fields:
             what = f"unknown key in section [{prefix}]" if prefix else "unknown section"
-            raise ConfigError(
-                f"{path}: {what}{_did_you_mean(str(key), fields)}; known: {', '.join(fields)}"
-            )
+            hint = _did_you_mean(str(key), fields) or _moved(str(key), prefix)
+            raise ConfigError(f"{path}: {what}{hint}; known: {', '.join(fields)}")
         kwargs[key] = _convert(value, hints[key], path)
     try:
         return cls(**kwargs)
@@ -188,9 +214,13 @@ def from_dict(cls: type[T], data: Mapping[str, Any], *, prefix: str = "") -> T:
         if isinstance(exc, ConfigError):
             raise
         message = str(exc)
-        # Section validators name their key without the section prefix only when nested in
-        # lists (endpoints); give the full path where the message does not start with it.
-        if prefix and not message.startswith(prefix.split("[")[0]):
+        # A component's config names its key as the section holds it ("outer_lr: ..."): give
+        # the full path ("diloco.outer_lr: ..."); a message naming no key of the section gets
+        # the section's path in front.
+        key = message.partition(":")[0]
+        if prefix and key in fields:
+            message = f"{prefix}.{message}"
+        elif prefix and not message.startswith(prefix.split("[")[0]):
             message = f"{prefix}: {message}"
         raise ConfigError(message) from None
 

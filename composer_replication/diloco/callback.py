@@ -14,7 +14,7 @@ Works with any `transformers.Trainer` subclass, including TRL's GRPOTrainer and
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
 try:
     from transformers import TrainerCallback
@@ -23,35 +23,9 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
         "outer.callback() needs transformers: pip install composer-replication[train]"
     ) from exc
 
-if TYPE_CHECKING:
-    from types import TracebackType
+from composer_replication.diloco.outer_mode import OuterLoop
 
 __all__ = ["DiLoCoCallback", "OuterLoop"]
-
-
-class OuterLoop(Protocol):
-    """What the callback drives: `DiLoCoOuterLoop` (sync) or `DecoupledLearner` (decoupled)."""
-
-    @property
-    def bound(self) -> bool: ...
-
-    @property
-    def round(self) -> int: ...
-
-    def bind(self, *, model: Any = ..., optimizer: Any = ...) -> Any: ...
-
-    def __enter__(self) -> Any: ...
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> Any: ...
-
-    def record_tokens(self, n: int) -> None: ...
-
-    def load_global_weights(self) -> None: ...
 
 
 class DiLoCoCallback(TrainerCallback):

@@ -39,24 +39,61 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 from torch import nn
 
 from composer_replication.diloco.fragments import strided_fragments, whole_model_fragment
-from composer_replication.exchange.liveness import write_heartbeat
+from composer_replication.diloco.synchronizer_config import SynchronizerSettings
+from composer_replication.exchange.liveness import LEARNER_ROLE, write_heartbeat
 from composer_replication.exchange.protocol import CorruptContributionError, tensors_digest
 from composer_replication.exchange.push_store import DecoupledStore, fragment_manifest
 from composer_replication.exchange.store import Store
 from composer_replication.exchange.store_manager import RoundRecord, round_record
+from composer_replication.fields import require, setting
 
-__all__ = ["DecoupledLearner", "LEARNER_ROLE", "push_offsets"]
+__all__ = [
+    "SYNCHRONIZER_PLACES",
+    "DecoupledConfig",
+    "DecoupledLearner",
+    "push_offsets",
+]
 
 log = logging.getLogger(__name__)
 
-LEARNER_ROLE = "learner"
+SynchronizerPlace = Literal["driver", "external"]
+SYNCHRONIZER_PLACES: tuple[SynchronizerPlace, ...] = get_args(SynchronizerPlace)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecoupledConfig(SynchronizerSettings):
+    """Decoupled DiLoCo's settings: the learners' (``fragments``, ``alpha``), the synchronizer's
+    (`SynchronizerSettings`) and where the synchronizer runs."""
+
+    fragments: int = setting(
+        1, "decoupled: P strided fragments; one is pushed every sync_every_h / fragments steps"
+    )
+    alpha: float = setting(
+        0.0, "decoupled: a learner takes a new global as lerp(global, local, alpha); 0 = overwrite"
+    )
+    synchronizer: SynchronizerPlace = setting(
+        "driver",
+        "decoupled: 'driver' runs the synchronizer beside the driver; 'external': you run "
+        "`composer-replication synchronizer RUN` yourself",
+    )
+
+    def __post_init__(self) -> None:
+        SynchronizerSettings.__post_init__(self)
+        require(self.fragments >= 1, "fragments", "must be >= 1")
+        require(0.0 <= self.alpha <= 1.0, "alpha", "must be in [0, 1]")
+        require(
+            self.synchronizer in SYNCHRONIZER_PLACES,
+            "synchronizer",
+            f"{self.synchronizer!r} is not one of {list(SYNCHRONIZER_PLACES)}",
+        )
 
 
 def push_offsets(sync_every_h: int, num_fragments: int) -> list[int]:

@@ -31,7 +31,7 @@ what our users need around it:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -39,6 +39,12 @@ import torch
 from torch import nn
 
 from composer_replication.diloco.fragments import strided_fragments, whole_model_fragment
+from composer_replication.diloco.outer_optimizer import (
+    OUTER_OPTIMIZERS,
+    OuterOptimizerConfig,
+    OuterOptimizerFactory,
+    outer_optimizer_factory,
+)
 from composer_replication.diloco.torchft_path import as_manager
 
 if TYPE_CHECKING:
@@ -47,12 +53,11 @@ if TYPE_CHECKING:
 __all__ = [
     "OUTER_OPTIMIZERS",
     "DiLoCoOuterLoop",
+    "OuterOptimizerConfig",
     "make_diloco_outer_loop",
     "outer_optimizer_factory",
     "unwrap_optimizer",
 ]
-
-OuterOptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 
 def _require_torchft() -> Any:
@@ -84,34 +89,7 @@ def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     return optimizer
 
 
-OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9  # DiLoCo's outer Nesterov SGD (the paper's values)
-OUTER_OPTIMIZERS = ("nesterov", "sgd", "adam")  # the run config's [diloco] outer_optimizer
-OUTER_BETAS, OUTER_EPS = (0.9, 0.999), 1e-8  # outer Adam (torch's defaults)
-
-
-def outer_optimizer_factory(
-    name: str,
-    *,
-    lr: float = OUTER_LR,
-    momentum: float = OUTER_MOMENTUM,
-    betas: tuple[float, float] = OUTER_BETAS,
-    eps: float = OUTER_EPS,
-) -> OuterOptimizerFactory:
-    """The outer optimizer `name` as a factory of fragment parameters: ``"nesterov"`` (SGD with
-    Nesterov momentum, DiLoCo's), ``"sgd"`` (SGD with heavy-ball ``momentum``; 0 = plain SGD,
-    with lr 1 exactly the average of the replicas) or ``"adam"`` (``betas``, ``eps``)."""
-    if name not in OUTER_OPTIMIZERS:
-        raise ValueError(f"outer optimizer {name!r} is not one of {list(OUTER_OPTIMIZERS)}")
-    if lr <= 0:
-        raise ValueError(f"outer lr must be > 0, got {lr}")
-    if name == "adam":
-        return lambda params: torch.optim.Adam(params, lr=lr, betas=betas, eps=eps)
-    if not 0.0 <= momentum < 1.0:
-        raise ValueError(f"outer momentum must be in [0, 1), got {momentum}")
-    if name == "nesterov" and momentum == 0:
-        raise ValueError("outer optimizer 'nesterov' needs momentum > 0 (use 'sgd' for none)")
-    nesterov = name == "nesterov"
-    return lambda params: torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=nesterov)
+_OUTER = OuterOptimizerConfig()  # DiLoCo's outer Nesterov SGD: the defaults, written once there
 
 
 class DiLoCoOuterLoop:
@@ -131,8 +109,8 @@ class DiLoCoOuterLoop:
         model: nn.Module | None = None,
         model_fragments: Sequence[nn.Module] | None = None,
         num_fragments: int = 1,
-        outer_lr: float = OUTER_LR,
-        outer_momentum: float = OUTER_MOMENTUM,
+        outer_lr: float = _OUTER.outer_lr,
+        outer_momentum: float = _OUTER.outer_momentum,
         nesterov: bool = True,
         outer_optimizer_factory: OuterOptimizerFactory | None = None,
         fragment_sync_delay: int = 0,
@@ -167,23 +145,19 @@ class DiLoCoOuterLoop:
             raise ValueError(
                 f"fragment_update_alpha must be in [0, 1], got {fragment_update_alpha}"
             )
-        if outer_optimizer_factory is None:
-            if outer_lr <= 0:
-                raise ValueError(f"outer_lr must be > 0, got {outer_lr}")
-            if not 0.0 <= outer_momentum < 1.0:
-                raise ValueError(f"outer_momentum must be in [0, 1), got {outer_momentum}")
-            if nesterov and outer_momentum == 0:
-                raise ValueError(
-                    "nesterov=True needs outer_momentum > 0; pass nesterov=False for plain "
-                    "outer SGD"
-                )
+        if outer_optimizer_factory is None:  # checked as the run config checks [diloco]
+            outer_optimizer_factory = OuterOptimizerConfig(
+                outer_optimizer="nesterov" if nesterov else "sgd",
+                outer_lr=outer_lr,
+                outer_momentum=outer_momentum,
+            ).build_outer_optimizer()
         self.manager: Manager = as_manager(manager)
         self.sync_every_h = sync_every_h
         self.num_fragments = n_frag
-        self.outer_lr = outer_lr
-        self.outer_momentum = outer_momentum
-        self.nesterov = nesterov
-        self._outer_factory = outer_optimizer_factory
+        self._outer_factory: OuterOptimizerFactory = outer_optimizer_factory
+        # The outer step's settings in use, read off an outer optimizer the factory builds.
+        probe = outer_optimizer_factory([nn.Parameter(torch.zeros(1))])
+        self._outer_hparams = dict(probe.param_groups[0])
         self._model_fragments = list(model_fragments) if model_fragments is not None else None
         self._kw = dict(
             backup_device=backup_device,
@@ -261,11 +235,31 @@ class DiLoCoOuterLoop:
         return self
 
     def _make_outer(self, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
-        if self._outer_factory is not None:
-            return self._outer_factory(params)
-        return torch.optim.SGD(
-            params, lr=self.outer_lr, momentum=self.outer_momentum, nesterov=self.nesterov
-        )
+        return self._outer_factory(params)
+
+    def _outer_group(self) -> dict[str, Any]:
+        """The first outer parameter group in use (before binding: what the factory builds)."""
+        if self.outer_optimizers:
+            return dict(self.outer_optimizers[0].param_groups[0])
+        return self._outer_hparams
+
+    @property
+    def outer_lr(self) -> float:
+        """The outer learning rate in use (SparseLoCo's ``sparseloco_outer_lr`` with that codec)."""
+        return float(self._outer_group()["lr"])
+
+    @property
+    def outer_momentum(self) -> float:
+        """The outer momentum in use (0 for plain SGD; Adam's is its first beta)."""
+        group = self._outer_group()
+        if "betas" in group:
+            return float(group["betas"][0])
+        return float(group.get("momentum", 0.0))
+
+    @property
+    def nesterov(self) -> bool:
+        """Nesterov momentum in the outer step in use."""
+        return bool(self._outer_group().get("nesterov", False))
 
     # ------------------------------------------------------------------ context manager
     def __enter__(self) -> DiLoCoOuterLoop:
@@ -368,8 +362,8 @@ def make_diloco_outer_loop(
     model: nn.Module | None = None,
     model_fragments: Sequence[nn.Module] | None = None,
     num_fragments: int = 1,
-    outer_lr: float = OUTER_LR,
-    outer_momentum: float = OUTER_MOMENTUM,
+    outer_lr: float = _OUTER.outer_lr,
+    outer_momentum: float = _OUTER.outer_momentum,
     nesterov: bool = True,
     outer_optimizer_factory: OuterOptimizerFactory | None = None,
     fragment_sync_delay: int = 0,

@@ -32,6 +32,7 @@ shape). The accumulators are local state: a replica that restarts starts them at
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -40,14 +41,65 @@ import torch.distributed as dist
 from torch import nn
 
 from composer_replication.exchange import codecs
-from composer_replication.exchange.sparse import SparseSpec
+from composer_replication.exchange.sparse import BITS, SparseSpec
+from composer_replication.fields import require, setting
 
 if TYPE_CHECKING:
     from composer_replication.diloco.manager import Manager
     from composer_replication.exchange.outer_state import LoadStateFn, SaveStateFn
     from composer_replication.exchange.store_manager import RoundRecord
 
-__all__ = ["ErrorFeedbackManager", "compress", "sparseloco_outer_optimizer"]
+__all__ = ["ErrorFeedbackManager", "SparseLoCoConfig", "compress", "sparseloco_outer_optimizer"]
+
+_SPEC = SparseSpec()  # the exchange's encoder defaults: density, chunk and bits come from there
+
+
+@dataclass(frozen=True, kw_only=True)
+class SparseLoCoConfig:
+    """SparseLoCo's settings (codec ``"sparseloco"``, the `[diloco] sparseloco_*` keys): what the
+    exchange's encoder keeps (`sparse_spec`) and the replica's error feedback and outer step."""
+
+    sparseloco_density: float = setting(
+        _SPEC.density, "codec = 'sparseloco': fraction of each chunk sent (top-k by magnitude)"
+    )
+    sparseloco_chunk: int = setting(_SPEC.chunk, "codec = 'sparseloco': elements per top-k chunk")
+    sparseloco_bits: int = setting(
+        _SPEC.bits, f"codec = 'sparseloco': bits per sent value, one of {list(BITS)}"
+    )
+    sparseloco_ef_decay: float = setting(
+        0.95,
+        "codec = 'sparseloco': error-feedback decay beta in e = beta * e + delta (in [0, 1])",
+    )
+    sparseloco_outer_lr: float = setting(
+        1.0,
+        "codec = 'sparseloco': lr of the outer SGD step on the mean of the replicas' messages "
+        "(1 = apply it as is; docs/diloco.md has the benchmark's sweep)",
+    )
+
+    def __post_init__(self) -> None:
+        try:
+            self.sparse_spec()
+        except ValueError as exc:  # "sparseloco <field> must be ...": name the key
+            field_name = str(exc).split(" ")[1]
+            raise ValueError(f"sparseloco_{field_name}: {exc}") from None
+        require(0.0 <= self.sparseloco_ef_decay <= 1.0, "sparseloco_ef_decay", "must be in [0, 1]")
+        require(self.sparseloco_outer_lr > 0, "sparseloco_outer_lr", "must be > 0")
+
+    def sparse_spec(self) -> SparseSpec:
+        """What the exchange's sparse encoder keeps (`exchange.sparse.SparseSpec`)."""
+        return SparseSpec(
+            density=self.sparseloco_density, chunk=self.sparseloco_chunk, bits=self.sparseloco_bits
+        )
+
+    def build_sparse_outer_optimizer(
+        self,
+    ) -> Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]:
+        """SparseLoCo's outer step at ``sparseloco_outer_lr`` (`sparseloco_outer_optimizer`)."""
+        return sparseloco_outer_optimizer(self.sparseloco_outer_lr)
+
+    def build_error_feedback(self, manager: Manager) -> ErrorFeedbackManager:
+        """The replica's error feedback around ``manager`` (an exchange with this codec)."""
+        return ErrorFeedbackManager(manager, self.sparse_spec(), decay=self.sparseloco_ef_decay)
 
 
 def compress(acc: torch.Tensor, spec: SparseSpec) -> torch.Tensor:

@@ -75,9 +75,11 @@ from composer_replication.exchange.outer_state import (
 )
 from composer_replication.exchange.state import model_fingerprint
 from composer_replication.exchange.store_manager import RoundRecord, round_record
+from composer_replication.fields import require, setting
 
 __all__ = [
     "TorchFTManager",
+    "TorchftConfig",
     "TorchFTTimeouts",
     "as_manager",
     "build_torchft_manager",
@@ -96,6 +98,31 @@ def _require_torchft() -> Any:
             "the torchft path needs torchft: pip install composer-replication[diloco]"
         ) from exc
     return torchft
+
+
+@dataclass(frozen=True, kw_only=True)
+class TorchftConfig:
+    """The torchft path's settings (`[diloco] lighthouse`)."""
+
+    lighthouse: str = setting(
+        "",
+        "torchft lighthouse 'http://HOST:PORT' (manager = 'torchft'); empty = the driver runs "
+        "one on 127.0.0.1 (local backend only)",
+    )
+
+    def __post_init__(self) -> None:
+        if not self.lighthouse:
+            return
+        url = urlparse(self.lighthouse)
+        try:
+            port = url.port
+        except ValueError:
+            port = None
+        require(
+            url.scheme in ("http", "https") and bool(url.hostname) and port is not None,
+            "lighthouse",
+            f"{self.lighthouse!r} is not an address like 'http://10.0.0.5:29510'",
+        )
 
 
 @dataclass(frozen=True)
@@ -414,7 +441,7 @@ def build_torchft_manager(
     if not replica_id:
         raise ValueError("replica_id must be a non-empty string, unique per replica group")
     _require_torchft()
-    from torch.distributed import TCPStore
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]  # not in the stubs
     from torchft.manager import Manager
     from torchft.process_group import ProcessGroupGloo
 

@@ -58,6 +58,7 @@ __all__ = [
     "DEPARTED_PREFIX",
     "HEALTH_PREFIX",
     "HEARTBEAT_EVERY_S",
+    "LEARNER_ROLE",
     "REPLICA_ROLE",
     "STALE_AFTER_S",
     "Heartbeat",
@@ -77,7 +78,8 @@ __all__ = [
 
 HEALTH_PREFIX = "health/"
 DEPARTED_PREFIX = "departed/"
-REPLICA_ROLE = "replica"  # the role of a sync-mode replica (decoupled learners: "learner")
+REPLICA_ROLE = "replica"  # the role of a sync-mode replica
+LEARNER_ROLE = "learner"  # the role of a decoupled learner
 FORMAT = 1
 STALE_AFTER_S = 30.0
 HEARTBEAT_EVERY_S = 5.0  # how often a run's replicas and learners write theirs

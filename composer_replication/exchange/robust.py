@@ -47,7 +47,7 @@ import math
 import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 
@@ -57,6 +57,9 @@ __all__ = [
     "AGGREGATES",
     "SCREENS",
     "WEIGHTINGS",
+    "AggregateName",
+    "ScreenName",
+    "WeightingName",
     "AggregatePolicy",
     "Candidate",
     "Decision",
@@ -72,9 +75,12 @@ __all__ = [
     "trim_count",
 ]
 
-AGGREGATES: tuple[str, ...] = ("mean", "trimmed_mean", "median", "norm_clip")
-SCREENS: tuple[str, ...] = ("none", "loss")
-WEIGHTINGS: tuple[str, ...] = ("equal", "tokens")
+AggregateName = Literal["mean", "trimmed_mean", "median", "norm_clip"]
+ScreenName = Literal["none", "loss"]
+WeightingName = Literal["equal", "tokens"]
+AGGREGATES: tuple[AggregateName, ...] = get_args(AggregateName)
+SCREENS: tuple[ScreenName, ...] = get_args(ScreenName)
+WEIGHTINGS: tuple[WeightingName, ...] = get_args(WeightingName)
 
 LossProbe = Callable[[Mapping[str, torch.Tensor]], float]
 """The held-out loss after applying ``candidate`` alone (the caller decides how: for DiLoCo a

@@ -14,10 +14,10 @@ from __future__ import annotations
 from composer_replication.lazy import lazy_getattr
 
 EXPORTS = {
-    "ServerlessExecutor": "composer_replication.executors.base",
-    "RankLauncher": "composer_replication.executors.base",
-    "ReplicaHandle": "composer_replication.executors.base",
-    "ReplicaStatus": "composer_replication.executors.base",
+    "ServerlessExecutor": "composer_replication.executors.executor",
+    "RankLauncher": "composer_replication.executors.executor",
+    "ReplicaHandle": "composer_replication.executors.executor",
+    "ReplicaStatus": "composer_replication.executors.executor",
     "LocalProcessExecutor": "composer_replication.executors.local",
     "MultiExecutor": "composer_replication.executors.multi",
     "RayExecutor": "composer_replication.executors.ray",

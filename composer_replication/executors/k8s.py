@@ -27,7 +27,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
-from composer_replication.executors.base import (
+from composer_replication.executors.executor import (
     ENV_RANK,
     ExecutorBase,
     ReplicaHandle,

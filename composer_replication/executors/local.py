@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from composer_replication.executors.base import (
+from composer_replication.executors.executor import (
     ExecutorBase,
     ReplicaHandle,
     ReplicaStatus,
@@ -269,7 +269,7 @@ class LocalProcessExecutor(ExecutorBase):
         return self._log_dir
 
     def check_launch(self, n_replicas: int, entrypoint: str) -> None:
-        from composer_replication.executors.base import validate_launch
+        from composer_replication.executors.executor import validate_launch
 
         validate_launch(n_replicas, entrypoint, cwd=self.cwd)
 

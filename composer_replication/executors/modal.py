@@ -23,7 +23,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from composer_replication.executors.base import (
+from composer_replication.executors.executor import (
     ExecutorBase,
     ReplicaHandle,
     ReplicaStatus,

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from composer_replication.executors.base import (
+from composer_replication.executors.executor import (
     RankLauncher,
     Releasable,
     ReplicaHandle,
@@ -62,7 +62,7 @@ class MultiExecutor(SupervisorBase):
                 raise ValueError(
                     f"{type(executor).__name__} cannot launch a subset of a run's ranks (it "
                     "has no check_launch(n_replicas, entrypoint) and launch_ranks(ranks, "
-                    "world_size, ...)); derive it from executors.base.ExecutorBase"
+                    "world_size, ...)); derive it from executors.executor.ExecutorBase"
                 )
         if len({id(e) for e, _ in items}) != len(items):
             raise ValueError("each executor may appear only once in a placement")

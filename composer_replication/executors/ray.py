@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from composer_replication.executors.base import (
+from composer_replication.executors.executor import (
     ExecutorBase,
     ReplicaHandle,
     ReplicaStatus,

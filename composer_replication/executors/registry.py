@@ -18,19 +18,25 @@ import importlib
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import cast
+from typing import Literal, cast, get_args
 
-from composer_replication.executors.base import ServerlessExecutor
+from composer_replication.executors.executor import ServerlessExecutor
 
 __all__ = [
     "BACKENDS",
     "BACKEND_NAMES",
     "Backend",
+    "BackendName",
     "backend",
     "executor_class",
     "missing_sdk_message",
     "pip_extra",
 ]
+
+
+BackendName = Literal["local", "modal", "hf-jobs", "k8s", "ray", "sagemaker"]
+"""Every backend's name: mypy checks each `Backend` below against it, and importing this
+module checks that the registry lists each name once, in this order."""
 
 
 @dataclass(frozen=True)
@@ -51,7 +57,7 @@ class Backend:
     summary: one line for the docs table.
     """
 
-    name: str
+    name: BackendName
     module: str
     cls: str
     extra: str | None
@@ -103,7 +109,9 @@ _ALL = (
 )  # fmt: skip
 
 BACKENDS: dict[str, Backend] = {b.name: b for b in _ALL}
-BACKEND_NAMES: tuple[str, ...] = tuple(BACKENDS)
+BACKEND_NAMES: tuple[BackendName, ...] = get_args(BackendName)
+if tuple(BACKENDS) != BACKEND_NAMES:  # one entry per name, in the Literal's order
+    raise RuntimeError(f"BackendName {BACKEND_NAMES} does not list the registry {tuple(BACKENDS)}")
 
 
 def backend(name: str) -> Backend:

@@ -26,7 +26,7 @@ import time
 import uuid
 from typing import Any
 
-from composer_replication.executors.base import (
+from composer_replication.executors.executor import (
     ExecutorBase,
     ReplicaHandle,
     ReplicaStatus,

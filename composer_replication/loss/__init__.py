@@ -13,12 +13,13 @@
 - log-probs: ``selective_log_softmax`` (from logits), ``completion_logps`` (from a causal LM);
   the model protocols ``CausalLM`` and ``HiddenStateLM`` (a causal LM's body)
 - ``ComposeConfig``: every keyword and its default; ``TAID_T_START``/``TAID_T_END`` and the
-  choice tuples ``LOSS_TYPES``, ``SDPO_WRAPPERS``, ``DPO_VARIANTS``
+  choice tuples ``LOSS_TYPES``, ``SDPO_WRAPPERS``, ``DPO_VARIANTS`` (and their ``Literal``
+  types ``LossType``, ``SdpoWrapper``, ``DpoVariant``)
 
 Every loss returns ``(loss, metrics)``: a 0-dim tensor and a dict of python floats.
 """
 
-from composer_replication.loss._config import DPO_VARIANTS, SDPO_WRAPPERS
+from composer_replication.loss._config import DPO_VARIANTS, SDPO_WRAPPERS, DpoVariant, SdpoWrapper
 from composer_replication.loss._logprobs import (
     CausalLM,
     HiddenStateLM,
@@ -45,7 +46,7 @@ from composer_replication.loss.distill import (
     taid_loss,
 )
 from composer_replication.loss.fused import FUSED_JSD_BACKENDS, fused_linear_jsd
-from composer_replication.loss.policy import LOSS_TYPES, dppo_mask, grpo_loss
+from composer_replication.loss.policy import LOSS_TYPES, LossType, dppo_mask, grpo_loss
 from composer_replication.loss.preference import dpo_loss, simpo_loss
 
 __all__ = [
@@ -59,7 +60,10 @@ __all__ = [
     "TAID_T_START",
     "CausalLM",
     "ComposeConfig",
+    "DpoVariant",
     "HiddenStateLM",
+    "LossType",
+    "SdpoWrapper",
     "TAIDScheduler",
     "assemble",
     "combine",

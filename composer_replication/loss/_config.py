@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import Literal, get_args
 
 from composer_replication.loss._checks import check_choice, check_scalar
 from composer_replication.loss.distill import DEFAULT_ENTROPY_OPD_H_MAX, TAID_T_END, TAID_T_START
 from composer_replication.loss.policy import LOSS_TYPES
 
-SDPO_WRAPPERS = ("none", "taid", "entropy_opd")
-DPO_VARIANTS = ("dpo", "simpo")
+SdpoWrapper = Literal["none", "taid", "entropy_opd"]
+DpoVariant = Literal["dpo", "simpo"]
+SDPO_WRAPPERS: tuple[SdpoWrapper, ...] = get_args(SdpoWrapper)
+DPO_VARIANTS: tuple[DpoVariant, ...] = get_args(DpoVariant)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -18,6 +18,8 @@ The clipped surrogate and the four aggregations follow TRL 1.x ``GRPOTrainer._co
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 import torch
 from torch import Tensor
 
@@ -29,7 +31,8 @@ from composer_replication.loss._checks import (
     check_tensor,
 )
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
+LOSS_TYPES: tuple[LossType, ...] = get_args(LossType)
 
 
 def _prepare_advantages(advantages: Tensor, ref: Tensor) -> Tensor:

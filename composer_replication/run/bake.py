@@ -24,7 +24,7 @@ __all__ = ["bake"]
 def bake(config: RunConfig, out: Path, *, split: str = "train", limit: int | None = None) -> int:
     """Record traces for the task's prompts into `out` (JSONL); return how many were added."""
     from composer_replication.data.teachers import TeacherPool, bake_traces
-    from composer_replication.tasks.base import chat_prompt
+    from composer_replication.tasks.task import chat_prompt
 
     task = build_task(config)
     teachers = build_teachers(config, task)

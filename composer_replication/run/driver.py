@@ -16,9 +16,12 @@ continue; when they then finish, the run is "finished, N replicas lost" (exit 0)
 Every launch writes the next run generation to the store (exchange/fencing.py) and hands it to
 its replicas: replicas of an older launch stop before writing anything. `--resume` refuses to
 start while replicas of the run still send fresh heartbeats after being fenced. Ctrl-C cancels
-every replica. With ``diloco.manager = "torchft"`` and
-no ``diloco.lighthouse`` the driver runs a torchft lighthouse on 127.0.0.1 for the run's
-lifetime and hands its address to the replicas as $TORCHFT_LIGHTHOUSE. With ``[security] sign``
+every replica. What the run's outer-loop mode needs beside the replicas, the driver runs for the
+run's lifetime: a torchft lighthouse on 127.0.0.1 (``diloco.manager = "torchft"`` without
+``diloco.lighthouse``; its address goes to the replicas as $TORCHFT_LIGHTHOUSE), or the
+decoupled synchronizer (run/synchronizer_process.py). Everything the driver runs is built in
+assembly/ (the executor, the lighthouse, the chaos injector and its S3 proxy); the driver
+starts, watches (run/supervision.py) and stops it. With ``[security] sign``
 the driver makes the run's keys, publishes the signed key manifest and config signature, and
 hands each replica only its own private key through the executor's secret mechanism
 (run/security.py).
@@ -39,6 +42,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from composer_replication.assembly.outer import build_lighthouse, outer_loop_mode
+from composer_replication.assembly.services import (
+    build_chaos,
+    build_executor,
+    build_proxy,
+    forwarded_env,
+)
 from composer_replication.config import (
     ConfigError,
     RunConfig,
@@ -47,27 +57,29 @@ from composer_replication.config import (
     from_dict,
     to_dict,
 )
+from composer_replication.diloco.outer_mode import Lighthouse, OuterLoopMode
 from composer_replication.exchange.fencing import bump_generation
-from composer_replication.exchange.liveness import (
-    HEARTBEAT_EVERY_S,
-    REPLICA_ROLE,
-    STALE_AFTER_S,
-    clear_departure,
-    read_liveness,
-    write_departure,
-)
+from composer_replication.exchange.liveness import clear_departure
 from composer_replication.exchange.store import ObjectStore
 from composer_replication.executors import registry
-from composer_replication.executors.base import ReplicaHandle, ServerlessExecutor
+from composer_replication.executors.executor import Releasable, ReplicaHandle, ServerlessExecutor
+from composer_replication.faults.injector import ChaosInjector, ProcessTargets
+from composer_replication.faults.proxy import ThrottleProxy
 from composer_replication.run import preflight
+from composer_replication.run.chaos import check_decoupled_run
 from composer_replication.run.checkpoint import mirror_checkpoints
 from composer_replication.run.expected import expected_lines
 from composer_replication.run.folder import RunFolder, default_run_name
-from composer_replication.run.metrics import MetricsCollector, MetricsSink, mark_resume
-from composer_replication.run.processes import pid_alive as _alive
+from composer_replication.run.metrics import (
+    MetricsCollector,
+    MetricsSink,
+    mark_resume,
+    read_metrics,
+)
+from composer_replication.run.processes import pid_alive
 from composer_replication.run.progress import Progress, ReplicaRow, choose_mode
-from composer_replication.run.replica import ENV_GENERATION, ENV_STORAGE_OPTIONS
-from composer_replication.run.replica_state import resume_plan
+from composer_replication.run.replica_env import ENV_GENERATION, ENV_STORAGE_OPTIONS
+from composer_replication.run.replica_state import resume_plan, resume_point, rollback_to
 from composer_replication.run.report import (
     closed_attempts,
     headline_lines,
@@ -76,7 +88,15 @@ from composer_replication.run.report import (
     wall_text,
     write_report,
 )
-from composer_replication.run.security import prepare_signing, writer_secrets
+from composer_replication.run.security import RunSecrets, prepare_signing, writer_secrets
+from composer_replication.run.supervision import (
+    Departures,
+    HealthLog,
+    Restarter,
+    fence_previous_launch,
+    final_status,
+)
+from composer_replication.run.synchronizer_process import SynchronizerProcess
 
 __all__ = ["ENTRYPOINT", "TrainResult", "prepare", "prepare_resume", "run"]
 
@@ -146,7 +166,7 @@ def prepare_resume(run: str, overrides: list[str]) -> tuple[RunConfig, RunFolder
     state = folder.read_driver()
     if state.get("status") == "running" and state.get("host") == socket.gethostname():
         pid = int(state.get("pid") or 0)
-        if pid > 0 and _alive(pid):
+        if pid > 0 and pid_alive(pid):
             raise ConfigError(
                 f"--resume: run {folder.name} is still running (driver pid {pid}); stop it first "
                 "(Ctrl-C or kill, which cancels its replicas)"
@@ -161,16 +181,11 @@ def prepare_resume(run: str, overrides: list[str]) -> tuple[RunConfig, RunFolder
     return config, folder
 
 
-def _forwarded_env(config: RunConfig) -> dict[str, str]:
-    return {name: os.environ[name] for name in config.backend.forward_env if name in os.environ}
-
-
-def _rollback_for_resume(config: RunConfig, store: ObjectStore) -> int | None:
-    """Sync mode: the newest round every replica can resume from exactly; the store forgets
-    the rounds after it (run/replica_state.py). None in decoupled mode."""
-    if config.diloco.mode != "sync":
+def _rollback_for_resume(config: RunConfig, store: ObjectStore, mode: OuterLoopMode) -> int | None:
+    """A lockstep mode: the newest round every replica can resume from exactly; the store
+    forgets the rounds after it (run/replica_state.py). None otherwise."""
+    if not mode.lockstep:
         return None
-    from composer_replication.run.replica_state import resume_point, rollback_to
 
     def warn(line: str) -> None:
         print(f"warning: {line}", file=sys.stderr, flush=True)
@@ -180,231 +195,10 @@ def _rollback_for_resume(config: RunConfig, store: ObjectStore) -> int | None:
     return round_
 
 
-FENCE_WAIT_S = 4 * HEARTBEAT_EVERY_S  # how long --resume waits for fenced replicas to stop
-
-
-def _live_replicas(store: ObjectStore) -> dict[str, Any]:
-    """The run's replicas/learners whose heartbeats are fresh and whose process may still run
-    (a heartbeat from this machine whose pid is gone is not alive), keyed role/id."""
-    here = socket.gethostname()
-    out = {}
-    for key, member in read_liveness(store, roles=[REPLICA_ROLE, "learner"]).items():
-        hb = member.heartbeat
-        if member.status != "alive" or hb is None:
-            continue
-        if hb.host == here and hb.pid is not None and not _alive(hb.pid):
-            continue
-        out[key] = member
-    return out
-
-
-def _fence_previous_launch(store: ObjectStore, generation: int, say: Callable[[str], None],
-                           wait_s: float | None = None) -> None:  # fmt: skip
-    """--resume, after writing ``generation``: wait until the replicas of the earlier launch
-    that still send heartbeats stop (they check the generation at their next heartbeat and
-    write); ConfigError naming them when they do not within ``wait_s``."""
-    wait_s = FENCE_WAIT_S if wait_s is None else wait_s
-    live = _live_replicas(store)
-    if not live:
-        return
-    names = ", ".join(f"{k} (pid {m.heartbeat.pid} on {m.heartbeat.host})" for k, m in live.items())
-    say(f"--resume: replicas of the earlier launch still run: {names}; fenced them "
-        f"(run generation {generation}), waiting up to {wait_s:g} s for them to stop")  # fmt: skip
-    fenced_at = time.time()
-    deadline = time.monotonic() + wait_s
-    while True:
-        # alive = a heartbeat written well after the fence (a fenced replica writes none), or
-        # a process of this machine that still runs
-        here = socket.gethostname()
-        still = {k: m for k, m in _live_replicas(store).items()
-                 if m.heartbeat.host == here or m.heartbeat.time > fenced_at - 1.0}  # fmt: skip
-        if not still or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
-    if still:
-        names = ", ".join(f"{k} (pid {m.heartbeat.pid} on {m.heartbeat.host}, heartbeat "
-                          f"{m.age_s:.0f} s ago)" for k, m in still.items())  # fmt: skip
-        raise ConfigError(
-            f"--resume: replicas of this run are still alive after being fenced: {names}. Stop "
-            "them first (kill the pid, or cancel the job on its backend), then resume again"
-        )
-
-
-class _Restarter:
-    """Relaunch a failed replica (same rank) up to `backend.max_restarts` times: it reads the
-    run config from the store and rejoins from the newest global state, as at a resume. The new
-    handle takes the old one's place in the driver's list (the chaos harness sees it too)."""
-
-    def __init__(self, config: RunConfig, executor: ServerlessExecutor, env: dict[str, str],
-                 secrets: dict[int, dict[str, str]] | None) -> None:  # fmt: skip
-        self.config, self.executor, self.env, self.secrets = config, executor, env, secrets
-        self.used = [0] * config.backend.n_replicas
-        self._refused = False
-
-    def will_restart(self, rank: int) -> bool:
-        from composer_replication.executors.base import RankLauncher
-
-        limit = self.config.backend.max_restarts
-        return isinstance(self.executor, RankLauncher) and self.used[rank] < limit
-
-    def restart_failed(self, handles: list[ReplicaHandle]) -> list[str]:
-        from composer_replication.executors.base import RankLauncher
-
-        messages = []
-        limit = self.config.backend.max_restarts
-        for i, handle in enumerate(handles):
-            rank = handle.replica_id
-            if handle.status.value != "failed" or self.used[rank] >= limit:
-                continue
-            if not isinstance(self.executor, RankLauncher):
-                if not self._refused:
-                    self._refused = True
-                    messages.append(f"the {type(self.executor).__name__} executor cannot "
-                                    "relaunch one rank: failed replicas stay failed")  # fmt: skip
-                continue
-            self.used[rank] += 1
-            why = _failure_reason(handle)
-            try:
-                (new,) = self.executor.launch_ranks(
-                    [rank], self.config.backend.n_replicas, ENTRYPOINT,
-                    {"rendezvous": self.config.store.uri}, env=self.env,
-                    resources=dict(self.config.backend.resources) or None,
-                    secrets={rank: self.secrets[rank]} if self.secrets else None,
-                )  # fmt: skip
-            except Exception as exc:  # the old handle stays failed; the run decides as before
-                messages.append(f"replica {rank} failed ({why}); relaunching it failed: "
-                                f"{type(exc).__name__}: {exc}")  # fmt: skip
-                continue
-            new.restarts = handle.restarts + 1
-            handles[i] = new
-            messages.append(f"replica {rank} failed ({why}); restarted "
-                            f"({self.used[rank]} of {limit}), it rejoins from the store")  # fmt: skip
-        return messages
-
-
-SILENT_AFTER_S = STALE_AFTER_S  # a running replica without a heartbeat this long is departed
-
-
-def _failure_reason(handle: ReplicaHandle) -> str:
-    """The one-line reason a replica failed, without the log tail that follows it in `error`
-    (shown by `status` and kept in driver.json)."""
-    why = str(handle.error or f"exit code {handle.exit_code}").splitlines()[0]
-    return why.split("; last log lines")[0][:200]
-
-
-def _without_it(config: RunConfig, gone: int) -> str:
-    """What the other replicas do once `gone` replicas have departed, by `diloco.min_replicas`
-    (unset: every replica): go on, or wait up to `diloco.timeout_s` and fail the round."""
-    n = config.backend.n_replicas
-    quorum = config.diloco.min_replicas or n
-    if n - gone >= quorum:
-        return "the others go on without waiting for it"
-    return (f"the others cannot go on without it: diloco.min_replicas = {quorum} of {n} "
-            f"replicas (they wait up to diloco.timeout_s = {config.diloco.timeout_s:g} s, then "
-            f"the round fails; set diloco.min_replicas below {n} to go on without a replica)")  # fmt: skip
-
-
-class _Departures:
-    """Sync mode: declare a replica departed in the store the moment its process is seen to
-    have failed (before a relaunch, or for good), or when a replica the executor still reports
-    running has sent no heartbeat for SILENT_AFTER_S (stopped, hung, partitioned), so that its
-    peers stop waiting for it; a silent one that beats again is taken back."""
-
-    def __init__(self, config: RunConfig, store: ObjectStore, every_s: float = 2.0) -> None:
-        self.config = config
-        self.store = store
-        self.enabled = config.diloco.mode == "sync" and config.diloco.manager == "object_store"
-        self.every_s = every_s
-        self._noted: set[str] = set()  # job ids already declared
-        self._silent: set[int] = set()  # ranks declared for want of heartbeats
-        self._lost: set[int] = set()  # ranks that failed with no restart left
-        self._last = 0.0
-
-    def note_silent(self, handles: list[ReplicaHandle]) -> list[str]:
-        """Every few seconds: departures for running replicas whose heartbeats stopped, and
-        their withdrawal when the heartbeats come back."""
-        now_m = time.monotonic()
-        if not self.enabled or now_m - self._last < self.every_s:
-            return []
-        self._last = now_m
-        try:
-            members = read_liveness(self.store, roles=[REPLICA_ROLE])
-        except (OSError, ValueError):  # the store is unreachable for a moment: next time
-            return []
-        messages, now = [], time.time()
-        for h in handles:
-            if h.status.value != "running":
-                continue
-            rank = h.replica_id
-            member = members.get(f"{REPLICA_ROLE}/{rank}")
-            hb = member.heartbeat if member is not None else None
-            # silence counts from this incarnation's first heartbeat (start-up may be long; a
-            # crash before it is a process exit, which `note` sees)
-            if hb is None or hb.state != "running" or hb.time < (h.start_time or 0.0):
-                continue
-            silent = now - hb.time
-            try:
-                if silent > SILENT_AFTER_S and rank not in self._silent:
-                    write_departure(self.store, REPLICA_ROLE, rank,
-                                    reason=f"no heartbeat for {silent:.0f} s")  # fmt: skip
-                    self._silent.add(rank)
-                    gone = len(self._silent | self._lost)
-                    messages.append(f"replica {rank} sent no heartbeat for {silent:.0f} s: "
-                                    f"{_without_it(self.config, gone)}")  # fmt: skip
-                elif silent <= SILENT_AFTER_S and rank in self._silent:
-                    clear_departure(self.store, REPLICA_ROLE, rank)
-                    self._silent.discard(rank)
-                    messages.append(f"replica {rank} sends heartbeats again: it is waited for")
-            except OSError as exc:  # the next poll tries again
-                messages.append(f"could not update replica {rank}'s departure: {exc!r}")
-        return messages
-
-    def note(self, handles: list[ReplicaHandle], restarter: _Restarter) -> list[str]:
-        messages = []
-        for h in handles:
-            if not self.enabled or h.status.value != "failed" or h.job_id in self._noted:
-                continue
-            self._noted.add(h.job_id)
-            self._silent.discard(h.replica_id)  # its process is gone: no longer just silent
-            why = _failure_reason(h)
-            again = restarter.will_restart(h.replica_id)
-            reason = f"{why}; {'being restarted' if again else 'no restarts left'}"
-            try:
-                write_departure(self.store, REPLICA_ROLE, h.replica_id, reason=reason)
-            except OSError as exc:  # the peers then wait for it as before (timeout_s)
-                messages.append(f"could not declare replica {h.replica_id} departed: {exc!r}")
-                continue
-            if not again:
-                self._lost.add(h.replica_id)
-                gone = len(self._silent | self._lost)
-                messages.append(f"replica {h.replica_id} is lost ({why}); "
-                                f"{_without_it(self.config, gone)}")  # fmt: skip
-        return messages
-
-
 def _release(executor: ServerlessExecutor) -> None:
     """Shut the executor down if it holds something (a Ray it started): the run is over."""
-    from composer_replication.executors.base import Releasable
-
     if isinstance(executor, Releasable):
         executor.shutdown()
-
-
-def _make_executor(config: RunConfig, folder: RunFolder) -> ServerlessExecutor:
-    """The executor of `backend.kind` (from the registry), built from `backend.options`."""
-    spec = registry.backend(config.backend.kind)
-    options = dict(config.backend.options)
-    if spec.takes_log_dir:
-        options.setdefault("log_dir", str(folder.logs))
-    if spec.forward_env_as_secrets and config.backend.forward_env:
-        # A job's env is visible in its spec; secrets are stored encrypted by the service.
-        options["secrets"] = {**dict(options.get("secrets") or {}), **_forwarded_env(config)}
-    try:
-        return registry.executor_class(spec.name)(**options)
-    except TypeError as exc:
-        raise ConfigError(f"backend.options: {exc}") from None
-    except (ValueError, ImportError, RuntimeError) as exc:  # bad option, SDK, credentials
-        raise ConfigError(f"backend ({spec.name}): {exc}") from None
 
 
 def _rows(
@@ -439,6 +233,61 @@ def _handle_json(handle: ReplicaHandle) -> dict[str, Any]:
     return out
 
 
+class _Services:
+    """What the driver runs beside the replicas for the run's outer-loop mode and its chaos
+    schedule (each built in assembly/ or, the synchronizer's process, here)."""
+
+    def __init__(
+        self, config: RunConfig, folder: RunFolder, mode: OuterLoopMode, env: dict[str, str]
+    ) -> None:
+        self.lighthouse: Lighthouse | None = build_lighthouse(config)
+        if self.lighthouse is not None:  # the replicas dial it
+            env.update(self.lighthouse.env)
+        self.proxy: ThrottleProxy | None = build_proxy(config)
+        if self.proxy is not None:  # the replicas and the synchronizer go through it
+            options = {**config.store.storage_options, "endpoint_url": self.proxy.endpoint}
+            env[ENV_STORAGE_OPTIONS] = json.dumps(options)
+        self.synchronizer: SynchronizerProcess | None = None
+        if mode.driver_synchronizer:
+            log = folder.logs / "synchronizer.log"
+            self.synchronizer = SynchronizerProcess(config.store.uri, dict(env), log)
+            self.synchronizer.start()
+
+    def stop_outer(self) -> None:
+        """Stop the synchronizer and the proxy (once)."""
+        if self.synchronizer is not None:
+            self.synchronizer.stop()
+            self.synchronizer = None
+        if self.proxy is not None:
+            self.proxy.close()
+            self.proxy = None
+
+    def stop(self) -> None:
+        if self.lighthouse is not None:
+            self.lighthouse.shutdown()
+            self.lighthouse = None
+        self.stop_outer()
+
+
+@dataclass
+class _Launch:
+    """One launch of a run, from its replicas' launch to the end: what the driver watches."""
+
+    config: RunConfig
+    folder: RunFolder
+    store: ObjectStore
+    executor: ServerlessExecutor
+    mode: OuterLoopMode
+    progress: Progress
+    sink: MetricsSink
+    collector: MetricsCollector
+    env: dict[str, str]
+    secrets: dict[int, dict[str, str]]
+    services: _Services
+    stream: TextIO
+    handles: list[ReplicaHandle] = dataclasses.field(default_factory=list)
+
+
 def run(
     config: RunConfig,
     folder: RunFolder,
@@ -453,7 +302,44 @@ def run(
     store = ObjectStore(config.store.uri, config.store.storage_options)
     # Before anything is written: a missing SDK, missing credentials or a bad option of the
     # backend is a configuration error (exit 2), not a half-created run folder.
-    executor = _make_executor(config, folder)
+    executor = build_executor(config, folder.logs)
+    mode = outer_loop_mode(config)
+    generation, resumed_at = _claim_store(config, folder, store, mode, resume, overwrite, stream)
+    config_doc = _publish_config(config, folder, store)
+    signing = prepare_signing(config, folder, store, config_doc)
+    t_start = time.monotonic()
+    launch = _open(config, folder, store, executor, mode, stream, generation, signing)
+    _announce(launch, resume, resumed_at)
+    stop, restore_signals = _install_stop_handlers()
+    try:
+        launch.handles = executor.launch_replicas(
+            config.backend.n_replicas,
+            ENTRYPOINT,
+            {"rendezvous": config.store.uri},
+            env=launch.env,
+            resources=dict(config.backend.resources) or None,
+            secrets=launch.secrets,
+        )
+    except Exception as exc:  # the executor cancelled whatever it had started
+        restore_signals()
+        return _launch_failed(launch, exc)
+    watch = _Watch(launch)
+    status = _watch(launch, watch, stop, poll_interval)
+    return _end(launch, watch, status, restore_signals, t_start)
+
+
+def _claim_store(
+    config: RunConfig,
+    folder: RunFolder,
+    store: ObjectStore,
+    mode: OuterLoopMode,
+    resume: bool,
+    overwrite: bool,
+    stream: TextIO,
+) -> tuple[int, int | None]:
+    """Create the run folder (a fresh run), fence every earlier launch (a new run generation)
+    and, on resume, roll the store back to the newest exact resume point: (generation, the
+    round resumed at or None)."""
     if not resume:
         folder.create(overwrite=overwrite)
         if overwrite and store.exists(""):
@@ -463,49 +349,60 @@ def run(
     except ValueError as exc:
         raise ConfigError(f"{config.store.uri}: {exc}; delete that object to resume") from None
     if resume:  # fenced and stopped before the rollback rewrites the store under them
-        _fence_previous_launch(store, generation, lambda m: print(m, file=stream, flush=True))
-    resumed_at = _rollback_for_resume(config, store) if resume else None
-    for rank in range(config.backend.n_replicas):  # a new launch: every rank is expected
-        clear_departure(store, REPLICA_ROLE, rank)
+        fence_previous_launch(store, generation, lambda m: print(m, file=stream, flush=True))
+    resumed_at = _rollback_for_resume(config, store, mode) if resume else None
+    if mode.store_departures:  # a new launch: every rank is expected
+        for rank in range(config.backend.n_replicas):
+            clear_departure(store, mode.worker_role, rank)
+    return generation, resumed_at
+
+
+def _publish_config(config: RunConfig, folder: RunFolder, store: ObjectStore) -> dict[str, Any]:
+    """The resolved config in the run folder and, exactly as the replicas will read it, in the
+    store; returns that document."""
     folder.config_toml.write_text(dump_toml(config))
     folder.config_json.write_text(json.dumps(to_dict(config), indent=1))
-    config_doc = json.loads(json.dumps(to_dict(config)))  # exactly what replicas will read
+    config_doc: dict[str, Any] = json.loads(json.dumps(to_dict(config)))
     store.put_json("run_config.json", config_doc)
-    signing = prepare_signing(config, folder, store, config_doc)
-    t_start = time.monotonic()
+    return config_doc
+
+
+def _open(
+    config: RunConfig,
+    folder: RunFolder,
+    store: ObjectStore,
+    executor: ServerlessExecutor,
+    mode: OuterLoopMode,
+    stream: TextIO,
+    generation: int,
+    signing: RunSecrets | None,
+) -> _Launch:
+    """The driver's state, display, metrics and the replicas' environment for this launch; the
+    services of the run's mode are started."""
     state = folder.read_driver()
-    attempt = int(state.get("attempt", 0)) + 1
     # The earlier attempts' wall times (one killed mid-run counts until its last update).
     folder.update_driver(
-        status="running", attempt=attempt, attempts=closed_attempts(state), started=time.time(),
-        ended=None, updated=None, pid=os.getpid(), host=socket.gethostname(),
-    )  # fmt: skip
-
-    mode = choose_mode(config.logging.progress, stream)
-    # Decoupled mode counts the synchronizer's global versions (one per merge, any number of
-    # them per H steps), not a fixed number of rounds.
-    n_rounds = config.n_rounds if config.diloco.mode == "sync" else None
-    progress = Progress(mode, title=f"run {folder.name}", n_rounds=n_rounds, stream=stream)
-    progress.message(
-        f"{'Resuming' if resume else 'Starting'} run {folder.root} ({config.backend.n_replicas} "
-        f"x {config.backend.kind} replicas, model {config.model.name}, task {config.task.name}, "
-        f"{config.train.max_steps} inner steps, sync every {config.diloco.sync_every_h})"
+        status="running",
+        attempt=int(state.get("attempt", 0)) + 1,
+        attempts=closed_attempts(state),
+        started=time.time(),
+        ended=None,
+        updated=None,
+        pid=os.getpid(),
+        host=socket.gethostname(),
     )
-    if resumed_at is not None:
-        plan = resume_plan(resumed_at)
-        progress.message(plan[:1].upper() + plan[1:])
-    if not resume:
-        for line in expected_lines(config):  # the embedded default's measured ranges
-            progress.message(line)
+    # A lockstep mode has a fixed number of rounds; decoupled mode counts the synchronizer's
+    # global versions (one per merge, any number of them per H steps).
+    n_rounds = config.n_rounds if mode.lockstep else None
+    progress = Progress(
+        choose_mode(config.logging.progress, stream),
+        title=f"run {folder.name}",
+        n_rounds=n_rounds,
+        stream=stream,
+    )
     sink = MetricsSink(folder.metrics, folder.tensorboard if config.logging.tensorboard else None)
     consumed = {int(k): int(v) for k, v in (state.get("metrics_chunks") or {}).items()}
     collector = MetricsCollector(store, config.backend.n_replicas, sink, consumed)
-    if resumed_at is not None:  # the crashed launch's last chunks, then its redone steps flagged
-        collector.poll()
-        mark_resume(folder.metrics, sink, resumed_round=resumed_at,
-                    redo_after_step=resumed_at * config.diloco.sync_every_h,
-                    n_replicas=config.backend.n_replicas)  # fmt: skip
-
     env = {
         ENV_STORAGE_OPTIONS: json.dumps(config.store.storage_options),
         ENV_GENERATION: str(generation),
@@ -513,119 +410,193 @@ def run(
         **config.backend.env,
     }
     if not registry.backend(config.backend.kind).forward_env_as_secrets:
-        env.update(_forwarded_env(config))
+        env.update(forwarded_env(config))
     if config.train.torch_threads > 0:
         env.setdefault("OMP_NUM_THREADS", str(config.train.torch_threads))
-    secrets: dict[str, Any] = {}
     if signing is not None:  # every replica: the driver's public key; rank r: its own key only
         env.update(signing.env)
-        secrets["secrets"] = signing.per_rank(config.backend.n_replicas)
+        secrets = signing.per_rank(config.backend.n_replicas)
     else:  # rank r: its own writer secret (a restarted replica recognises its earlier upload)
-        secrets["secrets"] = writer_secrets(folder, config.backend.n_replicas)
-    lighthouse = _start_lighthouse(config, env)
-    proxy = _start_proxy(config, env)
-    synchronizer = _start_synchronizer(config, folder, env)
-    stop, restore_signals = _install_stop_handlers()
-    try:
-        handles = executor.launch_replicas(
-            config.backend.n_replicas,
-            ENTRYPOINT,
-            {"rendezvous": config.store.uri},
-            env=env,
-            resources=dict(config.backend.resources) or None,
-            **secrets,
+        secrets = writer_secrets(folder, config.backend.n_replicas)
+    services = _Services(config, folder, mode, env)
+    return _Launch(
+        config,
+        folder,
+        store,
+        executor,
+        mode,
+        progress,
+        sink,
+        collector,
+        env,
+        secrets,
+        services,
+        stream,
+    )
+
+
+def _announce(launch: _Launch, resume: bool, resumed_at: int | None) -> None:
+    config, progress = launch.config, launch.progress
+    progress.message(
+        f"{'Resuming' if resume else 'Starting'} run {launch.folder.root} "
+        f"({config.backend.n_replicas} x {config.backend.kind} replicas, model "
+        f"{config.model.name}, task {config.task.name}, {config.train.max_steps} inner steps, "
+        f"sync every {config.diloco.sync_every_h})"
+    )
+    if resumed_at is not None:
+        plan = resume_plan(resumed_at)
+        progress.message(plan[:1].upper() + plan[1:])
+        # the crashed launch's last metric chunks, then its redone steps flagged
+        launch.collector.poll()
+        mark_resume(
+            launch.folder.metrics,
+            launch.sink,
+            resumed_round=resumed_at,
+            redo_after_step=resumed_at * config.diloco.sync_every_h,
+            n_replicas=config.backend.n_replicas,
         )
-    except Exception as exc:  # the executor cancelled whatever it had started
-        restore_signals()
-        _release(executor)
-        _stop_lighthouse(lighthouse)
-        _stop_decoupled(synchronizer, proxy)
-        progress.close()
-        sink.close()
-        message = f"launching the replicas failed: {type(exc).__name__}: {exc}"
-        folder.update_driver(status="failed", ended=time.time(), error=message)
-        print(message, file=stream, flush=True)
-        return TrainResult(folder=folder, exit_code=1, status="failed", summary={})
-    status = "running"
+    if not resume:
+        for line in expected_lines(config):  # the embedded default's measured ranges
+            progress.message(line)
+
+
+def _launch_failed(launch: _Launch, exc: Exception) -> TrainResult:
+    _release(launch.executor)
+    launch.services.stop()
+    launch.progress.close()
+    launch.sink.close()
+    message = f"launching the replicas failed: {type(exc).__name__}: {exc}"
+    launch.folder.update_driver(status="failed", ended=time.time(), error=message)
+    print(message, file=launch.stream, flush=True)
+    return TrainResult(folder=launch.folder, exit_code=1, status="failed", summary={})
+
+
+def _watch(launch: _Launch, watch: _Watch, stop: threading.Event, poll_interval: float) -> str:
+    """Poll until every replica ended, one failed (a mode that is not elastic), the user
+    stopped the run or ``backend.timeout_s`` passed; the run's status."""
+    config, handles, executor = launch.config, launch.handles, launch.executor
     deadline = time.monotonic() + config.backend.timeout_s
-    decoupled = config.diloco.mode == "decoupled"
-    elastic = decoupled or (config.diloco.min_replicas or config.backend.n_replicas) < len(handles)
-    last_mirror = 0.0
-    health = _HealthLog(config, store, sink)
-    injector = _start_chaos(config, executor, handles, synchronizer, store, proxy)
-    restarter = _Restarter(config, executor, env, secrets.get("secrets"))
-    departures = _Departures(config, store)
     try:
         while True:
-            executor.poll(handles)
-            if not stop.is_set():
-                for message in departures.note(handles, restarter):
-                    progress.message(message)
-                for message in departures.note_silent(handles):
-                    progress.message(message)
-                for message in restarter.restart_failed(handles):
-                    progress.message(message)
-            if synchronizer is not None:
-                synchronizer.ensure_running()
-                _release_failed_learners(config, store, handles)
-            health.poll()
-            collector.poll()
-            statuses = collector.statuses()
-            if _chaos_due(injector, statuses, len(handles)):
-                injector.start()
-                progress.message(f"chaos: {len(config.chaos.events)} events scheduled from now")
-            progress.update(_rows(config, handles, statuses))
-            # Mid-run mirroring only for a local store (a disk copy); a remote store's
-            # checkpoints (GBs for a real model) are downloaded once, at the end.
-            if store.is_local and time.monotonic() - last_mirror > 5.0:
-                mirror_checkpoints(store, folder.checkpoints)
-                last_mirror = time.monotonic()
-            folder.update_driver(
-                replicas=[_handle_json(h) for h in handles],
-                metrics_chunks={str(k): v for k, v in collector.consumed.items()},
-                updated=time.time(),
-            )
-            failed = [h for h in handles if h.status.value == "failed"]
-            if failed and not elastic:
-                executor.cancel(handles)
-                status = "failed"
-                for h in failed:
-                    progress.message(f"replica {h.replica_id} failed: {h.error}")
-                break
-            if all(h.status.done for h in handles):
-                status = _final_status(config, handles, elastic)
-                break
-            if stop.is_set():
+            status = watch.tick(stop.is_set())
+            if status is None and stop.is_set():
                 executor.cancel(handles)
                 status = "interrupted"
-                break
-            if time.monotonic() > deadline:
+            if status is None and time.monotonic() > deadline:
                 executor.cancel(handles)
                 status = "timeout"
-                progress.message(f"backend.timeout_s={config.backend.timeout_s:g} reached")
-                break
+                launch.progress.message(f"backend.timeout_s={config.backend.timeout_s:g} reached")
+            if status is not None:
+                return status
             stop.wait(poll_interval)
     except KeyboardInterrupt:
         executor.cancel(handles)
-        status = "interrupted"
+        return "interrupted"
     finally:
-        progress.close()
-    if injector is not None:
-        injector.stop()
-    chaos = _chaos_report(config, folder, store, injector, status)
-    _stop_decoupled(synchronizer, proxy)
-    health.poll(force=True)
+        launch.progress.close()
+
+
+class _Watch:
+    """What watches the replicas of a launch (restarts, departures, health, the chaos
+    schedule), one poll at a time (`tick`)."""
+
+    def __init__(self, launch: _Launch) -> None:
+        config, mode, store = launch.config, launch.mode, launch.store
+        n = config.backend.n_replicas
+        sync = launch.services.synchronizer
+        targets = ProcessTargets(launch.executor, launch.handles, sync)
+        self.launch = launch
+        self.injector = build_chaos(
+            config,
+            targets,
+            store,
+            launch.services.proxy,
+            (lambda: sync.pid) if sync is not None else None,
+        )
+        self.restarter = Restarter(config, launch.executor, ENTRYPOINT, launch.env, launch.secrets)
+        self.departures = Departures(config, mode, store)
+        self.health = HealthLog(mode, n, store, launch.sink)
+        self.elastic = mode.elastic(n)
+        self.last_mirror = 0.0
+
+    def tick(self, stopping: bool) -> str | None:
+        """Poll once; the run's final status once it is decided, else None."""
+        launch, handles = self.launch, self.launch.handles
+        launch.executor.poll(handles)
+        if not stopping:
+            for message in (
+                *self.departures.note(handles, self.restarter),
+                *self.departures.note_silent(handles),
+                *self.restarter.restart_failed(handles),
+            ):
+                launch.progress.message(message)
+        self._services()
+        self.health.poll()
+        launch.collector.poll()
+        statuses = launch.collector.statuses()
+        if _chaos_due(self.injector, statuses, len(handles)):
+            assert self.injector is not None
+            self.injector.start()
+            launch.progress.message(
+                f"chaos: {len(launch.config.chaos.events)} events scheduled from now"
+            )
+        launch.progress.update(_rows(launch.config, handles, statuses))
+        self._record()
+        failed = [h for h in handles if h.status.value == "failed"]
+        if failed and not self.elastic:
+            launch.executor.cancel(handles)
+            for h in failed:
+                launch.progress.message(f"replica {h.replica_id} failed: {h.error}")
+            return "failed"
+        if all(h.status.done for h in handles):
+            return final_status(launch.mode, handles, launch.config.backend.n_replicas)
+        return None
+
+    def _services(self) -> None:
+        """Keep the synchronizer running; replicas that failed for good are released."""
+        launch = self.launch
+        if launch.services.synchronizer is None:
+            return
+        launch.services.synchronizer.ensure_running()
+        failed = {
+            h.replica_id: str(h.error or "") for h in launch.handles if h.status.value == "failed"
+        }
+        launch.mode.release_failed(launch.store, failed, launch.config.train.max_steps)
+
+    def _record(self) -> None:
+        """Mirror checkpoints (a local store: a disk copy; a remote store's are downloaded once,
+        at the end) and save the driver's view of the replicas."""
+        launch = self.launch
+        if launch.store.is_local and time.monotonic() - self.last_mirror > 5.0:
+            mirror_checkpoints(launch.store, launch.folder.checkpoints)
+            self.last_mirror = time.monotonic()
+        launch.folder.update_driver(
+            replicas=[_handle_json(h) for h in launch.handles],
+            metrics_chunks={str(k): v for k, v in launch.collector.consumed.items()},
+            updated=time.time(),
+        )
+
+
+def _end(
+    launch: _Launch, watch: _Watch, status: str, restore_signals: Callable[[], None], t_start: float
+) -> TrainResult:
+    """After the replicas ended: stop the services, check the chaos run, gather everything."""
+    config, folder = launch.config, launch.folder
+    if watch.injector is not None:
+        watch.injector.stop()
+    chaos = _chaos_report(launch, watch.injector, status)
+    launch.services.stop_outer()
+    watch.health.poll(force=True)
     try:
-        summary = _finish(config, folder, store, executor, handles, collector, sink, status)
+        summary = _finish(launch, status)
     except KeyboardInterrupt:  # a second Ctrl-C while gathering: keep what is there
         status = "interrupted"
         folder.update_driver(status=status, ended=time.time())
         summary = {}
     finally:
         restore_signals()
-        _stop_lighthouse(lighthouse)
-        _stop_decoupled(synchronizer, proxy)
-        _release(executor)
+        launch.services.stop()
+        _release(launch.executor)
     if chaos is not None:
         summary["chaos_ok"] = chaos["ok"]
         if not chaos["ok"] and status == "finished":
@@ -640,122 +611,27 @@ def run(
     if wall is None:
         wall = time.monotonic() - t_start
     folder.update_driver(wall_seconds=wall)
-    restarts = sum(h.restarts for h in handles)
-    lost = [h.replica_id for h in handles if h.status.value == "failed"]
+    restarts = sum(h.restarts for h in launch.handles)
+    lost = [h.replica_id for h in launch.handles if h.status.value == "failed"]
     folder.update_driver(lost=lost)
-    print(summary_text(folder, status, summary, config, wall, restarts, lost=len(lost),
-                       attempts=[a["seconds"] for a in attempts]),
-          file=stream, flush=True)  # fmt: skip
+    print(
+        summary_text(
+            folder,
+            status,
+            summary,
+            config,
+            wall,
+            restarts,
+            lost=len(lost),
+            attempts=[a["seconds"] for a in attempts],
+        ),
+        file=launch.stream,
+        flush=True,
+    )
     return TrainResult(folder=folder, exit_code=exit_code, status=status, summary=summary)
 
 
-def _final_status(config: RunConfig, handles: list[ReplicaHandle], elastic: bool) -> str:
-    """Every replica has ended: "finished" when all succeeded, or (sync mode, elastic) when the
-    ones that failed for good left at least diloco.min_replicas that completed training."""
-    failed = [h for h in handles if h.status.value != "succeeded"]
-    if not failed:
-        return "finished"
-    survivors = len(handles) - len(failed)
-    need = config.diloco.min_replicas or config.backend.n_replicas
-    lost_only = all(h.status.value == "failed" for h in failed)
-    if elastic and config.diloco.mode == "sync" and lost_only and survivors >= need:
-        return "finished"
-    return "failed"
-
-
-def _start_lighthouse(config: RunConfig, env: dict[str, str]) -> Any:
-    """A torchft lighthouse on 127.0.0.1 when the run uses torchft without one of its own
-    (its address goes into the replicas' `env`); None otherwise."""
-    if config.diloco.manager != "torchft" or config.diloco.lighthouse:
-        return None
-    if "torchft" not in sys.modules and "RUST_LOG" not in os.environ:
-        # torchft's Rust logger reads RUST_LOG once, at import: keep the lighthouse's per-quorum
-        # INFO lines out of the progress display (the replicas' own logs keep theirs).
-        os.environ["RUST_LOG"] = "warn"
-        try:
-            import torchft  # noqa: F401
-        finally:
-            del os.environ["RUST_LOG"]
-    from composer_replication.diloco.torchft_path import lighthouse_address, start_lighthouse
-
-    n = config.backend.n_replicas
-    lighthouse = start_lighthouse(config.diloco.min_replicas or n, bind="127.0.0.1:0")
-    env["TORCHFT_LIGHTHOUSE"] = lighthouse_address(lighthouse)
-    return lighthouse
-
-
-def _stop_lighthouse(lighthouse: Any) -> None:
-    if lighthouse is not None:
-        lighthouse.shutdown()
-
-
-# --------------------------------------------------------------------- decoupled mode and chaos
-
-
-def _start_proxy(config: RunConfig, env: dict[str, str]) -> Any:
-    """A throttling proxy in front of the S3 endpoint when chaos throttles the store or kills
-    during an upload (the replicas and the synchronizer are pointed at it); None otherwise."""
-    needs = any(e.action == "throttle" or (e.action == "kill" and e.during == "upload")
-                for e in config.chaos.events)  # fmt: skip
-    endpoint = config.store.storage_options.get("endpoint_url")
-    if not needs or not config.store.uri.startswith(("s3://", "s3a://")) or not endpoint:
-        return None
-    from composer_replication.run.chaos import ThrottleProxy
-
-    proxy = ThrottleProxy(str(endpoint))
-    env[ENV_STORAGE_OPTIONS] = json.dumps({**config.store.storage_options,
-                                           "endpoint_url": proxy.endpoint})  # fmt: skip
-    return proxy
-
-
-def _start_synchronizer(config: RunConfig, folder: RunFolder, env: dict[str, str]) -> Any:
-    """The driver's synchronizer process (decoupled mode, diloco.synchronizer = "driver")."""
-    if config.diloco.mode != "decoupled" or config.diloco.synchronizer != "driver":
-        return None
-    from composer_replication.run.synchronizer import SynchronizerProcess
-
-    proc = SynchronizerProcess(config.store.uri, dict(env), folder.logs / "synchronizer.log")
-    proc.start()
-    return proc
-
-
-def _stop_decoupled(synchronizer: Any, proxy: Any) -> None:
-    if synchronizer is not None:
-        synchronizer.stop()
-    if proxy is not None:
-        proxy.close()
-
-
-def _release_failed_learners(
-    config: RunConfig, store: ObjectStore, handles: list[ReplicaHandle]
-) -> None:
-    """A learner that failed for good will not push again: mark it done (abandoned) so the
-    synchronizer neither waits for it in a quorum nor before the final merge."""
-    from composer_replication.exchange.push_store import DecoupledStore
-
-    docs = DecoupledStore(store)
-    for h in handles:
-        if h.status.value == "failed":
-            doc = docs.read_progress(h.replica_id)
-            if doc is None or not doc.get("abandoned"):
-                docs.write_progress(h.replica_id, step=config.train.max_steps, done=True,
-                                    abandoned=True, error=str(h.error or "")[:500])  # fmt: skip
-
-
-def _start_chaos(config: RunConfig, executor: Any, handles: list[ReplicaHandle], synchronizer: Any,
-                 store: ObjectStore, proxy: Any) -> Any:  # fmt: skip
-    if not config.chaos.events:
-        return None
-    from composer_replication.run.chaos import ChaosInjector, ProcessTargets
-
-    return ChaosInjector(
-        config.chaos.events, ProcessTargets(executor, handles, synchronizer), store, proxy=proxy,
-        synchronizer_pid=(lambda: synchronizer.pid) if synchronizer is not None else None,
-        upload_wait_s=config.chaos.upload_wait_s, seed=config.run.seed,
-    )  # fmt: skip
-
-
-def _chaos_due(injector: Any, statuses: dict[int, dict[str, Any]], n: int) -> bool:
+def _chaos_due(injector: ChaosInjector | None, statuses: dict[int, dict[str, Any]], n: int) -> bool:
     """The schedule starts once every replica reports it trains (times count from then)."""
     if injector is None or injector.started:
         return False
@@ -764,62 +640,20 @@ def _chaos_due(injector: Any, statuses: dict[int, dict[str, Any]], n: int) -> bo
     )
 
 
-def _chaos_report(config: RunConfig, folder: RunFolder, store: ObjectStore, injector: Any,
-                  status: str) -> dict[str, Any] | None:  # fmt: skip
-    """After a chaos run: check the store (decoupled mode) and write <run>/chaos.json."""
+def _chaos_report(
+    launch: _Launch, injector: ChaosInjector | None, status: str
+) -> dict[str, Any] | None:
+    """After a chaos run: check the store (a mode with a synchronizer) and write
+    <run>/chaos.json."""
     if injector is None:
         return None
     report: dict[str, Any] = {"events": injector.log, "ok": status == "finished"}
-    if config.diloco.mode == "decoupled" and status == "finished":
-        from composer_replication.run.chaos import check_decoupled_run
-
+    if launch.mode.has_synchronizer and status == "finished":
         kills = [e for e in injector.log if e.get("action") == "kill"]
-        report["check"] = check_decoupled_run(store, None, kills)
+        report["check"] = check_decoupled_run(launch.store, None, kills)
         report["ok"] = bool(report["check"]["ok"])
-    (folder.root / "chaos.json").write_text(json.dumps(report, indent=1, default=str))
+    (launch.folder.root / "chaos.json").write_text(json.dumps(report, indent=1, default=str))
     return report
-
-
-class _HealthLog:
-    """Every few seconds: the run state from the store's heartbeats (run/status.py); a
-    "health" metric record whenever it changes (and every minute)."""
-
-    def __init__(self, config: RunConfig, store: ObjectStore, sink: MetricsSink,
-                 every_s: float = 5.0) -> None:  # fmt: skip
-        d = config.diloco
-        self.store, self.sink, self.every_s = store, sink, every_s
-        self.mode, self.n = d.mode, config.backend.n_replicas
-        self.quorum = config.quorum if d.mode == "decoupled" else (d.min_replicas or self.n)
-        self.started = time.time()  # built as the replicas are launched: the start-up window
-        self._last = 0.0
-        self._last_written = 0.0
-        self._state: str | None = None
-
-    def poll(self, force: bool = False) -> None:
-        now = time.monotonic()
-        if not force and now - self._last < self.every_s:
-            return
-        self._last = now
-        from composer_replication.run.status import health_now
-
-        try:
-            h = health_now(self.store, mode=self.mode, n_replicas=self.n, quorum=self.quorum,
-                           started=self.started)  # fmt: skip
-        except Exception:  # the store is unreachable for a moment: the next poll retries
-            return
-        if h["state"] != self._state or force or now - self._last_written > 60:
-            self._state = h["state"]
-            self._last_written = now
-            sync = h.get("synchronizer") or {}
-            versions = sync.get("versions")
-            self.sink.write([{
-                "time": time.time(), "replica": -1, "kind": "health", "step": 0, "round": 0,
-                "health/state": h["state"], "health/level": h["level"],
-                "health/reasons": "; ".join(h["reasons"]),
-                "health/alive": h["alive_workers"],
-                "health/merges": sync.get("merges"),
-                "health/versions": sum(versions) if isinstance(versions, list) else None,
-            }])  # fmt: skip
 
 
 def _install_stop_handlers() -> tuple[threading.Event, Callable[[], None]]:
@@ -845,32 +679,22 @@ def _install_stop_handlers() -> tuple[threading.Event, Callable[[], None]]:
     return stop, restore
 
 
-def _finish(
-    config: RunConfig,
-    folder: RunFolder,
-    store: ObjectStore,
-    executor: ServerlessExecutor,
-    handles: list[ReplicaHandle],
-    collector: MetricsCollector,
-    sink: MetricsSink,
-    status: str,
-) -> dict[str, Any]:
+def _finish(launch: _Launch, status: str) -> dict[str, Any]:
     """After the replicas ended: last metrics, checkpoints, logs, driver state, report."""
-    collector.poll()
-    mirror_checkpoints(store, folder.checkpoints)
-    _save_remote_logs(executor, handles, folder)
-    sink.close()
+    folder = launch.folder
+    launch.collector.poll()
+    mirror_checkpoints(launch.store, folder.checkpoints)
+    _save_remote_logs(launch.executor, launch.handles, folder)
+    launch.sink.close()
     folder.update_driver(
         status=status,
         ended=time.time(),
-        replicas=[_handle_json(h) for h in handles],
-        metrics_chunks={str(k): v for k, v in collector.consumed.items()},
+        replicas=[_handle_json(h) for h in launch.handles],
+        metrics_chunks={str(k): v for k, v in launch.collector.consumed.items()},
     )
-    if config.logging.report:
+    if launch.config.logging.report:
         summary, _ = write_report(folder)
         return summary
-    from composer_replication.run.metrics import read_metrics
-
     return summarize(read_metrics(folder.metrics))
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -391,58 +391,78 @@ def draw_plots(records: list[dict[str, Any]], out_dir: Path) -> list[Path]:
         _plot_series(ax, series, EVAL_LEGEND)
         ax.set_ylim(-0.02, 1.02)
         save(fig, "eval_accuracy.png")
-    seconds = _series(records, "round", "round/seconds")
-    if seconds:
-        fig, axes = _figure("outer rounds", "seconds", nrows=2)
-        _plot_series(axes[0], seconds)
-        mb = defaultdict(list)
-        for r in records:
-            if r.get("kind") == "round":
-                total = int(r.get("round/bytes_up") or 0) + int(r.get("round/bytes_down") or 0)
-                mb[int(r.get("replica", 0))].append((int(r.get("step", 0)), total / 1e6))
-        _plot_series(axes[1], {k: sorted(v) for k, v in sorted(mb.items())})
-        axes[1].set_ylabel("MB up + down")
-        save(fig, "outer_rounds.png")
-    breakdown = _time_breakdown(records)
-    if breakdown:
-        replica, rows = breakdown
-        fig, (ax,) = _figure(f"where the time goes (replica {replica}, per outer round)", "seconds")
-        rounds = [rnd for rnd, _ in rows]
-        bottom = [0.0] * len(rows)
-        for name in TIME_PARTS:
-            heights = [parts[name] for _, parts in rows]
-            ax.bar(rounds, heights, bottom=bottom, label=name)
-            bottom = [b + h for b, h in zip(bottom, heights)]
-        ax.set_xlabel("outer round")
-        ax.set_xticks(rounds)
-        ax.legend(fontsize=8)
-        save(fig, "time_breakdown.png")
-    pace = _series(records, "round", "round/steps_per_s")
-    if pace:
-        tokens = _series(records, "round", "round/tokens_per_s")
-        fig, axes = _figure(
-            "throughput per outer round", "inner steps / s", nrows=2 if tokens else 1
-        )
-        _plot_series(axes[0], pace)
-        if tokens:
-            _plot_series(axes[1], tokens)
-            axes[1].set_ylabel("tokens / s")
-        save(fig, "throughput.png")
-    points = _health_points(records)
-    if points:
-        t0 = points[0][0]
-        merges = [(t - t0, r.get("health/merges")) for t, _, r in points
-                  if isinstance(r.get("health/merges"), int)]  # fmt: skip
-        fig, axes = _figure("run health", "state", nrows=2 if merges else 1)
-        axes[0].step([t - t0 for t, _, _ in points], [lvl for _, lvl, _ in points], where="post")
-        axes[0].set_yticks([-1, 0, 1, 2], list(HEALTH_STATES))
-        axes[0].set_ylim(-1.3, 2.3)
-        if merges:
-            axes[1].plot(*zip(*merges), marker=".")
-            axes[1].set_ylabel("merges (synchronizer)")
-        axes[-1].set_xlabel("seconds since the first health record")
-        save(fig, "health.png")
+    for plot in (_plot_rounds, _plot_time_breakdown, _plot_throughput, _plot_health):
+        plot(records, save)
     return written
+
+
+def _plot_rounds(records: list[dict[str, Any]], save: Callable[[Any, str], None]) -> None:
+    """Seconds and MB exchanged per outer round."""
+    seconds = _series(records, "round", "round/seconds")
+    if not seconds:
+        return
+    fig, axes = _figure("outer rounds", "seconds", nrows=2)
+    _plot_series(axes[0], seconds)
+    mb = defaultdict(list)
+    for r in records:
+        if r.get("kind") == "round":
+            total = int(r.get("round/bytes_up") or 0) + int(r.get("round/bytes_down") or 0)
+            mb[int(r.get("replica", 0))].append((int(r.get("step", 0)), total / 1e6))
+    _plot_series(axes[1], {k: sorted(v) for k, v in sorted(mb.items())})
+    axes[1].set_ylabel("MB up + down")
+    save(fig, "outer_rounds.png")
+
+
+def _plot_time_breakdown(records: list[dict[str, Any]], save: Callable[[Any, str], None]) -> None:
+    """Where the time of each outer round goes (one replica)."""
+    breakdown = _time_breakdown(records)
+    if not breakdown:
+        return
+    replica, rows = breakdown
+    fig, (ax,) = _figure(f"where the time goes (replica {replica}, per outer round)", "seconds")
+    rounds = [rnd for rnd, _ in rows]
+    bottom = [0.0] * len(rows)
+    for name in TIME_PARTS:
+        heights = [parts[name] for _, parts in rows]
+        ax.bar(rounds, heights, bottom=bottom, label=name)
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    ax.set_xlabel("outer round")
+    ax.set_xticks(rounds)
+    ax.legend(fontsize=8)
+    save(fig, "time_breakdown.png")
+
+
+def _plot_throughput(records: list[dict[str, Any]], save: Callable[[Any, str], None]) -> None:
+    """Inner steps (and tokens) per second, per outer round."""
+    pace = _series(records, "round", "round/steps_per_s")
+    if not pace:
+        return
+    tokens = _series(records, "round", "round/tokens_per_s")
+    fig, axes = _figure("throughput per outer round", "inner steps / s", nrows=2 if tokens else 1)
+    _plot_series(axes[0], pace)
+    if tokens:
+        _plot_series(axes[1], tokens)
+        axes[1].set_ylabel("tokens / s")
+    save(fig, "throughput.png")
+
+
+def _plot_health(records: list[dict[str, Any]], save: Callable[[Any, str], None]) -> None:
+    """The run state over time, and the synchronizer's merges."""
+    points = _health_points(records)
+    if not points:
+        return
+    t0 = points[0][0]
+    merges = [(t - t0, r.get("health/merges")) for t, _, r in points
+              if isinstance(r.get("health/merges"), int)]  # fmt: skip
+    fig, axes = _figure("run health", "state", nrows=2 if merges else 1)
+    axes[0].step([t - t0 for t, _, _ in points], [lvl for _, lvl, _ in points], where="post")
+    axes[0].set_yticks([-1, 0, 1, 2], list(HEALTH_STATES))
+    axes[0].set_ylim(-1.3, 2.3)
+    if merges:
+        axes[1].plot(*zip(*merges), marker=".")
+        axes[1].set_ylabel("merges (synchronizer)")
+    axes[-1].set_xlabel("seconds since the first health record")
+    save(fig, "health.png")
 
 
 TIME_PARTS = ("generation", "teacher forward", "loss + backward", "upload", "wait for peers",

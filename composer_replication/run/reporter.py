@@ -18,21 +18,30 @@ global weights, identical on every replica) and in `on_train_end` the final glob
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from composer_replication.diloco.outer_mode import OuterLoop
 from composer_replication.exchange.store import ObjectStore
+from composer_replication.exchange.store_manager import RoundRecord
 from composer_replication.run.checkpoint import prune_checkpoints, round_dir, save_checkpoint
 from composer_replication.run.metrics import ReplicaMetricsWriter
 from composer_replication.run.replica_state import prune_replica_states, save_replica_state
 
 try:
-    from transformers import TrainerCallback
+    from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "the replica needs transformers: pip install composer-replication[train]"
     ) from exc
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from composer_replication.tasks import Example, Task
+    from composer_replication.trainer import ComposerReplicationTrainer
 
 __all__ = ["ReplicaReporter", "ResumeStateWriter", "evaluate", "greedy_completions"]
 
@@ -41,8 +50,8 @@ _SKIP_LOG_KEYS = ("epoch", "total_flos", "train_runtime")
 
 @torch.no_grad()
 def greedy_completions(
-    model: Any,
-    tokenizer: Any,
+    model: Any,  # a PreTrainedModel: transformers' `generate` has no types mypy can follow
+    tokenizer: PreTrainedTokenizerBase,
     prompts: list[str],
     *,
     max_new_tokens: int,
@@ -82,10 +91,10 @@ def greedy_completions(
 
 
 def evaluate(
-    model: Any,
-    tokenizer: Any,
-    task: Any,
-    examples: list[Any],
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    task: Task,
+    examples: list[Example],
     *,
     max_new_tokens: int,
     batch_size: int = 64,
@@ -116,12 +125,12 @@ class ReplicaReporter(TrainerCallback):
         *,
         writer: ReplicaMetricsWriter,
         store: ObjectStore,
-        outer: Any,
+        outer: OuterLoop,
         rank: int,
         max_steps: int,
-        tokenizer: Any,
-        task: Any,
-        eval_examples: list[Any],
+        tokenizer: PreTrainedTokenizerBase,
+        task: Task,
+        eval_examples: list[Example],
         eval_every_rounds: int,
         max_new_tokens: int,
         checkpoint_every_rounds: int,
@@ -154,7 +163,7 @@ class ReplicaReporter(TrainerCallback):
         self._reward: float | None = None
 
     # -- helpers
-    def _step(self, state: Any) -> int:
+    def _step(self, state: TrainerState) -> int:
         return int(state.global_step)
 
     def _round(self) -> int:
@@ -171,7 +180,7 @@ class ReplicaReporter(TrainerCallback):
             **extra,
         )
 
-    def evaluate_now(self, model: Any, step: int) -> None:
+    def evaluate_now(self, model: PreTrainedModel, step: int) -> None:
         self._status("evaluating", step, force=True)
         metrics = evaluate(
             model, self.tokenizer, self.task, self.eval_examples,
@@ -186,7 +195,7 @@ class ReplicaReporter(TrainerCallback):
             self.writer.status(eval_accuracy=metrics["eval/accuracy"])
         self._last_eval_round = self._round()
 
-    def checkpoint_now(self, model: Any, step: int, name: str | None = None) -> None:
+    def checkpoint_now(self, model: PreTrainedModel, step: int, name: str | None = None) -> None:
         rnd = self._round()
         # The global weights go to model.safetensors; the outer optimizer state (momentum) is
         # the same on every replica after a committed round, so it is taken from this one.
@@ -198,7 +207,9 @@ class ReplicaReporter(TrainerCallback):
         self._last_ckpt_round = rnd
 
     # -- callback events
-    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         step = self._step(state)
         self.writer.log("event", step=step, round=self._round(), event="train_begin")
         self._status("training", step, force=True)
@@ -208,7 +219,14 @@ class ReplicaReporter(TrainerCallback):
             self._status("training", step, force=True)
         self._round_started = time.monotonic()  # after the baseline evaluation
 
-    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: Any = None,
+        **kwargs: Any,
+    ) -> None:
         if not logs or "train_runtime" in logs:
             return
         values = {
@@ -222,7 +240,9 @@ class ReplicaReporter(TrainerCallback):
         self.writer.log("train", step=step, round=self._round(), **values)
         self._status("training", step)
 
-    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         history = self.outer.history
         new = history[self._history_seen :]
         self._history_seen = len(history)
@@ -230,50 +250,7 @@ class ReplicaReporter(TrainerCallback):
         committed = False
         now = time.monotonic()
         for record in new:
-            rnd = int(record.get("round", 0))
-            rejected = dict(record.get("rejected") or {})
-            # Throughput and where the round's wall time went (from the end of the previous
-            # round, or train start, to the end of this exchange).
-            wall = None if self._round_started is None else now - self._round_started
-            self._round_started = now
-            wait = float(record.get("wait_seconds") or 0.0)
-            steps, tokens = record.get("inner_steps"), record.get("tokens")
-            pace = {}
-            if wall and wall > 0:
-                pace = {
-                    "round/wall_s": wall,
-                    "round/steps_per_s": (steps or 0) / wall,
-                    "round/tokens_per_s": None if tokens is None else tokens / wall,
-                    "round/wait_fraction": min(1.0, wait / wall),
-                    "round/train_s": max(0.0, wall - float(record.get("seconds") or 0.0)),
-                }
-                self.writer.status(steps_per_s=pace["round/steps_per_s"],
-                                   wait_fraction=pace["round/wait_fraction"])  # fmt: skip
-            requests = {f"round/requests_{k}": v for k, v in (record.get("requests") or {}).items()}
-            self.writer.log(
-                "round",
-                step=step,
-                round=rnd,
-                **{
-                    "round/seconds": record.get("seconds"),
-                    "round/bytes_up": record.get("bytes_uploaded"),
-                    "round/bytes_down": record.get("bytes_downloaded"),
-                    "round/included": record.get("participants"),
-                    "round/committed": bool(record.get("committed")),
-                    "round/healed": bool(record.get("healed")),
-                    "round/rejected": len(rejected),
-                    "round/upload_s": record.get("upload_seconds"),
-                    "round/wait_s": record.get("wait_seconds"),
-                    "round/merge_s": record.get("merge_seconds"),
-                    **pace,
-                    **requests,
-                },
-            )
-            for rank, why in sorted(rejected.items()):  # every rejection, with rank and reason
-                self.writer.log("event", step=step, round=rnd, event="rejected",
-                                rank=int(rank), reason=str(why))  # fmt: skip
-            if rejected:
-                self.writer.status(rejections={"round": rnd, "ranks": rejected})
+            self._log_round(record, step, now)
             committed = committed or bool(record.get("committed"))
         if (
             self.last_round is not None
@@ -300,7 +277,58 @@ class ReplicaReporter(TrainerCallback):
         self._round_started = time.monotonic()  # evaluation and checkpoint are not training
         self._status("training", step)
 
-    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def _log_round(self, record: RoundRecord, step: int, now: float) -> None:
+        """One exchange of the outer loop's history: a "round" record (throughput and where
+        the round's wall time went, from the end of the previous round or train start to the
+        end of this exchange), and an "event" record per rejected contribution."""
+        rnd = int(record.get("round", 0))
+        rejected = dict(record.get("rejected") or {})
+        wall = None if self._round_started is None else now - self._round_started
+        self._round_started = now
+        wait = float(record.get("wait_seconds") or 0.0)
+        steps, tokens = record.get("inner_steps"), record.get("tokens")
+        pace = {}
+        if wall and wall > 0:
+            pace = {
+                "round/wall_s": wall,
+                "round/steps_per_s": (steps or 0) / wall,
+                "round/tokens_per_s": None if tokens is None else tokens / wall,
+                "round/wait_fraction": min(1.0, wait / wall),
+                "round/train_s": max(0.0, wall - float(record.get("seconds") or 0.0)),
+            }
+            self.writer.status(
+                steps_per_s=pace["round/steps_per_s"], wait_fraction=pace["round/wait_fraction"]
+            )
+        requests = {f"round/requests_{k}": v for k, v in (record.get("requests") or {}).items()}
+        self.writer.log(
+            "round",
+            step=step,
+            round=rnd,
+            **{
+                "round/seconds": record.get("seconds"),
+                "round/bytes_up": record.get("bytes_uploaded"),
+                "round/bytes_down": record.get("bytes_downloaded"),
+                "round/included": record.get("participants"),
+                "round/committed": bool(record.get("committed")),
+                "round/healed": bool(record.get("healed")),
+                "round/rejected": len(rejected),
+                "round/upload_s": record.get("upload_seconds"),
+                "round/wait_s": record.get("wait_seconds"),
+                "round/merge_s": record.get("merge_seconds"),
+                **pace,
+                **requests,
+            },
+        )
+        for rank, why in sorted(rejected.items()):  # every rejection, with rank and reason
+            self.writer.log(
+                "event", step=step, round=rnd, event="rejected", rank=int(rank), reason=str(why)
+            )
+        if rejected:
+            self.writer.status(rejections={"round": rnd, "ranks": rejected})
+
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         # DiLoCo's callback ran first and loaded the final global weights into the model.
         model = kwargs.get("model")
         step = self._step(state)
@@ -317,7 +345,7 @@ class ReplicaReporter(TrainerCallback):
 
 class ResumeStateWriter(TrainerCallback):
     """Writes this replica's resume state (`run.replica_state`) after every committed outer
-    round, and prunes its states beyond the newest `keep`. Added to the trainer LAST (after
+    round, and prunes its states beyond the newest `keep_rounds`. Added to the trainer LAST (after
     its own TAID/EMA callbacks), so it sees the step's final state. The metrics are flushed
     first, after the step's log line when the step logs: every record up to a resume point is
     in the store before that point is. A round whose step is not ``round * sync_every_h`` (a
@@ -325,18 +353,23 @@ class ResumeStateWriter(TrainerCallback):
     starts at step R * H."""
 
     def __init__(
-        self, *, store: ObjectStore, rank: int, outer: Any, trainer: Any, sync_every_h: int,
-        keep: int, flush: Any,
+        self, *, store: ObjectStore, rank: int, outer: OuterLoop,
+        trainer: ComposerReplicationTrainer, sync_every_h: int, keep_rounds: int,
+        flush: Callable[[], None],
     ) -> None:  # fmt: skip
         self.store, self.rank, self.outer, self.trainer = store, rank, outer, trainer
-        self.sync_every_h, self.keep, self.flush = sync_every_h, keep, flush
+        self.sync_every_h, self.keep_rounds, self.flush = sync_every_h, keep_rounds, flush
         self._round: int | None = None
         self._pending: tuple[int, int, dict[str, Any]] | None = None
 
-    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         self._round = int(self.outer.round)  # bound by the DiLoCo callback by now
 
-    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         rnd = int(self.outer.round)
         if rnd == self._round:
             return
@@ -349,7 +382,14 @@ class ResumeStateWriter(TrainerCallback):
         if not control.should_log:
             self._write()
 
-    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: Any = None,
+        **kwargs: Any,
+    ) -> None:
         self._write()
 
     def _write(self) -> None:
@@ -359,4 +399,4 @@ class ResumeStateWriter(TrainerCallback):
         self._pending = None
         self.flush()
         save_replica_state(self.store, rank=self.rank, round=rnd, step=step, state=resume)
-        prune_replica_states(self.store, self.rank, self.keep)
+        prune_replica_states(self.store, self.rank, self.keep_rounds)

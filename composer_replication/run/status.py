@@ -12,11 +12,12 @@ documents in the store (what each replica last reported) and the heartbeats in t
 
 The run state (`health_now`, also written to the metrics by the driver) is ``starting |
 healthy | degraded | critical`` by `exchange.liveness.run_health`'s rules over the heartbeats of
-the replicas (role "replica"; "learner" in decoupled mode) and, in decoupled mode, the
-synchronizer, plus "a contribution was rejected in the last `REJECTION_WINDOW_S` seconds" (from
-the synchronizer's heartbeat). For `STARTUP_GRACE_S` after a launch (the driver's start of the
-current attempt), a replica that has not sent its first heartbeat yet is starting, not missing:
-the run is ``starting`` until every replica reports, not ``critical``.
+the replicas (their role is the outer-loop mode's: "replica", decoupled "learner") and, where the
+mode has one, the synchronizer, plus "a contribution was rejected in the last
+`REJECTION_WINDOW_S` seconds" (from the synchronizer's heartbeat). For `STARTUP_GRACE_S` after a
+launch (the driver's start of the current attempt), a replica that has not sent its first
+heartbeat yet is starting, not missing: the run is ``starting`` until every replica reports, not
+``critical``.
 
 Contributions the exchange left out (refused, screened out, squatted; docs/object-store.md) are
 listed with rank and reason for the latest round that had any (``rejections``).
@@ -37,6 +38,10 @@ import socket
 import time
 from typing import Any
 
+from composer_replication.assembly.outer import outer_loop_mode
+from composer_replication.config import RunConfig, from_dict
+from composer_replication.diloco.outer_mode import OuterLoopMode
+from composer_replication.diloco.synchronizer import ROLE as SYNCHRONIZER_ROLE
 from composer_replication.exchange.liveness import DEAD_AFTER_S, read_liveness, run_health
 from composer_replication.exchange.store import ObjectStore
 from composer_replication.run.checkpoint import committed_checkpoints
@@ -52,20 +57,29 @@ HEALTH_LEVEL = {"starting": -1, "healthy": 0, "degraded": 1, "critical": 2}
 
 
 def health_now(
-    store: ObjectStore, *, mode: str, n_replicas: int, quorum: int, now: float | None = None,
+    store: ObjectStore,
+    *,
+    mode: OuterLoopMode,
+    n_replicas: int,
+    now: float | None = None,
     started: float | None = None,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     """The run state from the store's heartbeats (see the module docstring), JSON-able:
     ``{"state", "level", "reasons", "members": {"role/id": status}, "synchronizer": {...}}``.
+    ``mode``: the run's outer-loop mode (its replicas' role, its quorum, its synchronizer).
     `started`: when the replicas were launched (epoch seconds; None: not known, no start-up
     window)."""
     now = time.time() if now is None else now
     starting = started is not None and 0 <= now - started < STARTUP_GRACE_S
-    decoupled = mode == "decoupled"
-    role = "learner" if decoupled else "replica"
-    members = read_liveness(store, now, roles=[role, "synchronizer"] if decoupled else [role])
-    syncs = sorted((m for m in members.values() if m.role == "synchronizer"),
-                   key=lambda m: (m.status == "alive", -(m.age_s or 1e18)))  # fmt: skip
+    role = mode.worker_role
+    sync_role = SYNCHRONIZER_ROLE if mode.has_synchronizer else None
+    roles = [role] if sync_role is None else [role, sync_role]
+    quorum = mode.quorum(n_replicas)
+    members = read_liveness(store, now, roles=roles)
+    syncs = sorted(
+        (m for m in members.values() if m.role == SYNCHRONIZER_ROLE),
+        key=lambda m: (m.status == "alive", -(m.age_s or 1e18)),
+    )
     synchronizer: dict[str, Any] | None = None
     rejections = 0
     if syncs and syncs[-1].heartbeat is not None:
@@ -73,24 +87,35 @@ def health_now(
         stats = fields.get("stats") if isinstance(fields.get("stats"), dict) else {}
         assert isinstance(stats, dict)
         synchronizer = {
-            "id": syncs[-1].id, "status": syncs[-1].status, "active": fields.get("active"),
-            "epoch": fields.get("epoch"), "versions": fields.get("versions"),
-            "merges": stats.get("merges"), "refused": stats.get("refused"),
-            "rejected": stats.get("rejected"), "dropped_late": stats.get("dropped_late"),
+            "id": syncs[-1].id,
+            "status": syncs[-1].status,
+            "active": fields.get("active"),
+            "epoch": fields.get("epoch"),
+            "versions": fields.get("versions"),
+            "merges": stats.get("merges"),
+            "refused": stats.get("refused"),
+            "rejected": stats.get("rejected"),
+            "dropped_late": stats.get("dropped_late"),
             "carried_late": stats.get("carried_late"),
-        }  # fmt: skip
+        }
         last = stats.get("last_rejection")
         if isinstance(last, int | float) and now - float(last) < REJECTION_WINDOW_S:
             rejections = 1
-    health = run_health(members, worker_role=role, n_workers=n_replicas,
-                        quorum=max(1, min(quorum, n_replicas)),
-                        synchronizer_role="synchronizer" if decoupled else None,
-                        rejections=rejections, starting=starting)  # fmt: skip
+    health = run_health(
+        members,
+        worker_role=role,
+        n_workers=n_replicas,
+        quorum=max(1, min(quorum, n_replicas)),
+        synchronizer_role=sync_role,
+        rejections=rejections,
+        starting=starting,
+    )
     return {
-        **health.as_dict(), "level": HEALTH_LEVEL[health.state],
+        **health.as_dict(),
+        "level": HEALTH_LEVEL[health.state],
         "members": {k: m.status for k, m in sorted(members.items())},
         "synchronizer": synchronizer,
-    }  # fmt: skip
+    }
 
 
 def _live_workers(store: ObjectStore, role: str, now: float) -> list[str]:
@@ -155,6 +180,7 @@ def run_status(folder: RunFolder, *, stale_after_s: float = 120.0) -> dict[str, 
     statuses: dict[int, dict[str, Any]] = {}
     checkpoints: list[str] = []
     store_error = None
+    store: ObjectStore | None = None
     try:
         store = ObjectStore(store_cfg["uri"], store_cfg.get("storage_options"))
         for rank in range(n):
@@ -168,83 +194,36 @@ def run_status(folder: RunFolder, *, stale_after_s: float = 120.0) -> dict[str, 
     except Exception as exc:  # status must still show what the run folder knows
         store_error = f"{type(exc).__name__}: {exc}"
     run_state: dict[str, Any] | None = None
-    if store_error is None:
+    if store is not None and store_error is None:
         try:
-            from composer_replication.config import RunConfig, from_dict
-
-            run_config = from_dict(RunConfig, config)
-            mode = run_config.diloco.mode
-            quorum = (run_config.quorum if mode == "decoupled"
-                      else run_config.diloco.min_replicas or n)  # fmt: skip
+            mode = outer_loop_mode(from_dict(RunConfig, config))
             started = driver.get("started") if driver.get("status") == "running" else None
-            run_state = health_now(store, mode=mode, n_replicas=n, quorum=quorum,
-                                   started=started if isinstance(started, int | float) else None)  # fmt: skip
+            run_state = health_now(
+                store,
+                mode=mode,
+                n_replicas=n,
+                started=started if isinstance(started, int | float) else None,
+            )
         except Exception as exc:  # status must still show the rest
             store_error = f"{type(exc).__name__}: {exc}"
-    gone: dict[str, Any] | None = None
-    resume: dict[str, Any] | None = None
-    if driver.get("status") == "running":
-        run_mode = str(config.get("diloco", {}).get("mode", "sync"))
-        live: list[str] = []
-        if store_error is None:
-            try:
-                live = _live_workers(store, "learner" if run_mode == "decoupled" else "replica",
-                                     time.time())  # fmt: skip
-            except Exception as exc:  # an unreadable store: the driver check still stands
-                store_error = f"{type(exc).__name__}: {exc}"
-        gone = driver_gone(driver, live_workers=live)
-        if gone is not None:
-            resume = {"plan": None, "warnings": [], "still_running": live}
-            if store_error is None:
-                try:
-                    resume["plan"], resume["warnings"] = _resume_plan(store, run_mode, n)
-                except Exception as exc:  # what is known about the driver is still shown
-                    resume["plan"] = f"unknown ({type(exc).__name__}: {exc})"
+    gone, resume, store_error = _driver_gone(driver, config, store, n, store_error)
     handles = {int(h["replica_id"]): h for h in driver.get("replicas", [])}
     now = time.time()
     top_round = max((int(s.get("round") or 0) for s in statuses.values()), default=0)
     reports = [s["rejections"] for s in statuses.values() if isinstance(s.get("rejections"), dict)]
     rejections = max(reports, key=lambda r: int(r.get("round") or 0), default=None)
-    replicas = []
-    for rank in range(n):
-        doc = statuses.get(rank, {})
-        handle = handles.get(rank, {})
-        updated = doc.get("updated")
-        lag_s = None if updated is None else max(0.0, now - float(updated))
-        rnd = int(doc.get("round") or 0)
-        executor_state = handle.get("status")
-        state = doc.get("state", "unknown")
-        if executor_state == "failed":
-            health = "failed"
-        elif (
-            driver.get("status") == "running"
-            and state not in ("done",)
-            and (lag_s is None or lag_s > stale_after_s)
-        ):
-            health = "stale"
-        elif top_round - rnd > 1:
-            health = "behind"
-        else:
-            health = "ok"
-        replicas.append(
-            {
-                "rank": rank,
-                "state": state,
-                "executor": executor_state,
-                "exit_code": handle.get("exit_code"),
-                "step": doc.get("step"),
-                "max_steps": doc.get("max_steps"),
-                "round": rnd,
-                "round_lag": top_round - rnd,
-                "seconds_since_update": lag_s,
-                "reward": doc.get("reward"),
-                "eval_accuracy": doc.get("eval_accuracy"),
-                "steps_per_s": doc.get("steps_per_s"),
-                "wait_fraction": doc.get("wait_fraction"),
-                "health": health,
-                "error": handle.get("error"),
-            }
+    replicas = [
+        _replica_row(
+            rank,
+            statuses.get(rank, {}),
+            handles.get(rank, {}),
+            top_round,
+            running=driver.get("status") == "running",
+            now=now,
+            stale_after_s=stale_after_s,
         )
+        for rank in range(n)
+    ]
     return {
         "run": folder.name,
         "folder": str(folder.root),
@@ -261,6 +240,84 @@ def run_status(folder: RunFolder, *, stale_after_s: float = 120.0) -> dict[str, 
         "replicas": replicas,
         "health": run_state,
         "rejections": rejections,
+    }
+
+
+def _driver_gone(
+    driver: dict[str, Any],
+    config: dict[str, Any],
+    store: ObjectStore | None,
+    n: int,
+    store_error: str | None,
+) -> tuple[dict[str, Any] | None, dict[str, Any] | None, str | None]:
+    """For a run whose driver.json says running: whether its driver is gone (`driver_gone`),
+    and if so what `--resume` would do and which workers still run; with the store error, if
+    reading the store failed on the way."""
+    gone: dict[str, Any] | None = None
+    resume: dict[str, Any] | None = None
+    if driver.get("status") != "running":
+        return gone, resume, store_error
+    readable = store if store_error is None else None
+    run_mode = str(config.get("diloco", {}).get("mode", "sync"))
+    live: list[str] = []
+    if readable is not None:
+        try:
+            live = _live_workers(readable, "learner" if run_mode == "decoupled" else "replica",
+                                 time.time())  # fmt: skip
+        except Exception as exc:  # an unreadable store: the driver check still stands
+            store_error = f"{type(exc).__name__}: {exc}"
+    gone = driver_gone(driver, live_workers=live)
+    if gone is not None:
+        resume = {"plan": None, "warnings": [], "still_running": live}
+        if readable is not None and store_error is None:
+            try:
+                resume["plan"], resume["warnings"] = _resume_plan(readable, run_mode, n)
+            except Exception as exc:  # what is known about the driver is still shown
+                resume["plan"] = f"unknown ({type(exc).__name__}: {exc})"
+    return gone, resume, store_error
+
+
+def _replica_row(
+    rank: int,
+    doc: dict[str, Any],
+    handle: dict[str, Any],
+    top_round: int,
+    *,
+    running: bool,
+    now: float,
+    stale_after_s: float,
+) -> dict[str, Any]:
+    """One replica's line of `run_status`: its last status document, what the executor said,
+    and its health (failed / stale / behind / ok)."""
+    updated = doc.get("updated")
+    lag_s = None if updated is None else max(0.0, now - float(updated))
+    rnd = int(doc.get("round") or 0)
+    executor_state = handle.get("status")
+    state = doc.get("state", "unknown")
+    if executor_state == "failed":
+        health = "failed"
+    elif running and state not in ("done",) and (lag_s is None or lag_s > stale_after_s):
+        health = "stale"
+    elif top_round - rnd > 1:
+        health = "behind"
+    else:
+        health = "ok"
+    return {
+        "rank": rank,
+        "state": state,
+        "executor": executor_state,
+        "exit_code": handle.get("exit_code"),
+        "step": doc.get("step"),
+        "max_steps": doc.get("max_steps"),
+        "round": rnd,
+        "round_lag": top_round - rnd,
+        "seconds_since_update": lag_s,
+        "reward": doc.get("reward"),
+        "eval_accuracy": doc.get("eval_accuracy"),
+        "steps_per_s": doc.get("steps_per_s"),
+        "wait_fraction": doc.get("wait_fraction"),
+        "health": health,
+        "error": handle.get("error"),
     }
 
 

@@ -17,12 +17,12 @@ from __future__ import annotations
 from typing import Any
 
 from composer_replication.tasks.arithmetic import ArithmeticTask
-from composer_replication.tasks.base import Example, Task, Verdict, clean_completion
 from composer_replication.tasks.openenv import OpenEnvTask
 from composer_replication.tasks.pycode import PyCodeTask
 from composer_replication.tasks.reasoning_gym import ReasoningGymTask
 from composer_replication.tasks.sandbox import SandboxLimits, run_candidate
 from composer_replication.tasks.strings import StringsTask
+from composer_replication.tasks.task import Example, Task, Verdict, clean_completion
 
 TASKS: dict[str, type[Task]] = {
     "arithmetic": ArithmeticTask,

@@ -13,7 +13,7 @@ hard     0..999      ``+-*``3           yes               ~10^9 prompts
 **Held-out split**: two prompts are one problem when one is a reordering of the other (terms
 with their signs, factors within a product: `3+4+5=` and `5+3+4=`, `2*3-1=` and `3*2-1=`); the
 class key is the operand multiset of a sum (`canonical_form`), and the split holds out whole
-classes (tasks/base.py), so no held-out prompt is a training prompt in another order. The
+classes (tasks/task.py), so no held-out prompt is a training prompt in another order. The
 out-of-distribution split (`ood_examples`) has one more operand than training.
 
 The answer is the bare integer. Tolerated around it: a leading "Answer:" / "The answer is", and an
@@ -49,7 +49,7 @@ import random
 import re
 from typing import Any, ClassVar
 
-from composer_replication.tasks.base import (
+from composer_replication.tasks.task import (
     Example,
     Problem,
     Task,

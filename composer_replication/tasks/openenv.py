@@ -50,7 +50,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 from urllib.parse import urlparse
 
-from composer_replication.tasks.base import Example, Task, Verdict, clean_completion
+from composer_replication.tasks.task import Example, Task, Verdict, clean_completion
 
 __all__ = ["OpenEnvTask", "OpenEnvUnavailable"]
 

@@ -41,15 +41,15 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar
 
-from composer_replication.tasks.base import (
+from composer_replication.tasks.pycode_families import FAMILIES, LEVEL_ORDER
+from composer_replication.tasks.sandbox import SandboxLimits, SandboxResult, run_candidate
+from composer_replication.tasks.task import (
     Example,
     Task,
     Verdict,
     clean_completion,
     strip_answer_prefix,
 )
-from composer_replication.tasks.pycode_families import FAMILIES, LEVEL_ORDER
-from composer_replication.tasks.sandbox import SandboxLimits, SandboxResult, run_candidate
 
 _FENCE = re.compile(r"```[ \t]*(?:python|py)?[ \t]*\n(.*?)(?:```|$)", re.DOTALL | re.IGNORECASE)
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import random
 from typing import Any, ClassVar
 
-from composer_replication.tasks.base import (
+from composer_replication.tasks.task import (
     Example,
     Task,
     Verdict,

@@ -40,7 +40,7 @@ import string
 from collections import Counter
 from typing import Any, ClassVar
 
-from composer_replication.tasks.base import (
+from composer_replication.tasks.task import (
     Example,
     Problem,
     Task,

@@ -32,26 +32,19 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
         "`pip install composer-replication[train]`."
     ) from exc
 
-# compose_loss keywords the trainer forwards unchanged (channel 1 is TRL's own loss; see trainer).
-LOSS_KEYS: tuple[str, ...] = (
-    "alpha_sdpo",
-    "beta_replay",
-    "sdpo_jsd_beta",
-    "sdpo_temperature",
-    "sdpo_token_clip",
-    "sdpo_top_k",
-    "sdpo_add_tail",
-    "sdpo_wrapper",
-    "sdpo_max_context_length",
-    "taid_t",
-    "taid_schedule_step",
-    "taid_total_steps",
-    "entropy_opd_h_max",
-    "replay_dpo_beta",
-    "dpo_variant",
-    "simpo_beta",
-    "simpo_gamma",
-    "label_smoothing",
+# compose_loss keywords of channel 1, which is TRL's own loss (GRPOConfig configures it).
+CHANNEL1_KEYS: tuple[str, ...] = (
+    "loss_type",
+    "epsilon_low",
+    "epsilon_high",
+    "delta",
+    "kl_beta",
+    "temperature",
+)
+# compose_loss keywords the trainer forwards unchanged: every other `ComposeConfig` key, in its
+# order (the loss library's list, not a copy of it).
+LOSS_KEYS: tuple[str, ...] = tuple(
+    f.name for f in dataclasses.fields(ComposeConfig) if f.name not in CHANNEL1_KEYS
 )
 
 

@@ -16,7 +16,7 @@ What is added to TRL 1.16's GRPO step, and where:
   (channel 2's student side, channel 3's rejected side). The total is the loss library's
   ``assemble`` of the three results.
 * channel 2 fused with the output layer (``sdpo_fused``, on by default where it applies:
-  ``trainer/fused.py``): the student forward keeps the body's last hidden states instead (and,
+  ``trainer/fused_capture.py``): the student forward keeps the body's last hidden states instead (and,
   when channel 3 needs no logits in the micro-batch, runs TRL's own fused LM head for channel 1,
   so no ``(B, T, V)`` logits exist at all); the teacher runs its body only; the divergence is
   ``loss.fused_sdpo_term``. Equal to the logits path up to float rounding.
@@ -69,12 +69,12 @@ from composer_replication.trainer.feedback import (
     merge_feedback,
     wrap_reward_func,
 )
-from composer_replication.trainer.fused import (
+from composer_replication.trainer.fused_capture import (
     HiddenStateSource,
     capture_hidden,
     hidden_state_source,
 )
-from composer_replication.trainer.reference import (
+from composer_replication.trainer.reference_models import (
     ReferenceScorer,
     is_peft,
     reference_from_memory,

@@ -85,7 +85,7 @@ def test_config_file_then_overrides(tmp_path) -> None:
         ("backend.n_replicas=0", "backend.n_replicas: 0 must be >= 1"),
         ("train.batch_size=13", "train.batch_size: 13 must be a positive multiple"),
         ("task.options=3", "task.options: expected a table"),
-        ("teachers.endpoints=[{model = \"m\"}]", "teachers.endpoints[0]: base_url: must be set"),
+        ("teachers.endpoints=[{model = \"m\"}]", "teachers.endpoints[0].base_url: must be set"),
         ("train=3", "the key must be section.key"),
         ("novalue", "expected section.key=value"),
         ("train.max_steps=none", "train.max_steps: cannot be unset"),

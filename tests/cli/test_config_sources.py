@@ -101,20 +101,25 @@ def test_a_scheduled_taid_is_valid_with_a_schedule_length() -> None:
         load_config(overrides=["loss.sdpo_wrapper=taid"])
 
 
-def test_outer_optimizer_defaults_equal_the_outer_loops() -> None:
-    """config may not import diloco (ARCHITECTURE.md), so the run schema repeats DiLoCo's outer
-    SGD defaults; this keeps the two equal."""
-    from composer_replication.diloco.outer_loop import (
-        OUTER_BETAS,
-        OUTER_EPS,
-        OUTER_LR,
-        OUTER_MOMENTUM,
-        OUTER_OPTIMIZERS,
-    )
+def test_outer_optimizer_keys_are_the_outer_optimizers_own() -> None:
+    """[diloco] outer_* are `OuterOptimizerConfig`'s fields (one default each, written there):
+    the run schema, the outer loop's arguments and the decoupled synchronizer take them from
+    it."""
+    import inspect
 
+    from composer_replication.diloco.outer_loop import make_diloco_outer_loop
+    from composer_replication.diloco.outer_optimizer import OUTER_OPTIMIZERS, OuterOptimizerConfig
+    from composer_replication.diloco.synchronizer_config import SynchronizerConfig
+
+    assert issubclass(DilocoConfig, OuterOptimizerConfig)
+    assert issubclass(SynchronizerConfig, OuterOptimizerConfig)
+    own = OuterOptimizerConfig()
     d = load_config().diloco
-    assert (d.outer_lr, d.outer_momentum) == (OUTER_LR, OUTER_MOMENTUM)
-    assert (tuple(d.outer_betas), d.outer_eps) == (OUTER_BETAS, OUTER_EPS)
+    for f in dataclasses.fields(OuterOptimizerConfig):
+        assert getattr(d, f.name) == getattr(own, f.name) == getattr(SynchronizerConfig(), f.name)
+    signature = inspect.signature(make_diloco_outer_loop).parameters
+    assert signature["outer_lr"].default == own.outer_lr == 0.7
+    assert signature["outer_momentum"].default == own.outer_momentum
     hint = typing.get_type_hints(DilocoConfig)["outer_optimizer"]
     assert typing.get_args(hint) == OUTER_OPTIMIZERS and d.outer_optimizer == "nesterov"
 
@@ -156,6 +161,22 @@ def test_every_loss_key_reaches_the_trainer() -> None:
         "grpo", 0.1, 0.3, 1.5, 0.02,
     )  # fmt: skip
     assert args.temperature == config.train.temperature  # LOSS_KEYS_SET_BY_THE_RUN
+
+
+def test_the_trainers_loss_settings_are_the_loss_librarys() -> None:
+    """One list of loss settings: the trainer's keywords are `ComposeConfig`'s minus channel 1
+    (whose [loss] keys become TRL arguments, `temperature` set by [train]), each a field of
+    `ComposerSettings` with the library's default."""
+    pytest.importorskip("trl")
+    from composer_replication.assembly.build import CHANNEL1_TRL_ARGS
+    from composer_replication.trainer.config import CHANNEL1_KEYS, LOSS_KEYS, ComposerSettings
+
+    assert set(LOSS_KEYS) | set(CHANNEL1_KEYS) == set(LOSS_FIELDS)
+    assert set(LOSS_KEYS).isdisjoint(CHANNEL1_KEYS)
+    assert set(CHANNEL1_KEYS) == set(CHANNEL1_TRL_ARGS) | {"temperature"}
+    settings = ComposerSettings()
+    for key in LOSS_KEYS:
+        assert getattr(settings, key) == LOSS_FIELDS[key].default, key
 
 
 def test_docs_reference_is_the_generated_one() -> None:
@@ -241,3 +262,50 @@ def test_the_cpu_example_is_the_embedded_default_written_out() -> None:
     example = Path(__file__).resolve().parents[2] / "examples" / "cpu_default.toml"
     written, default = load_config(example), load_config()
     assert dataclasses.replace(written, run=default.run) == default
+
+
+@pytest.mark.parametrize(
+    ("override", "hint"),
+    [
+        ("diloco.keep_rounds=3", "did you mean 'store.keep_rounds'? that section holds it"),
+        ("train.outer_lr=0.5", "did you mean 'diloco.outer_lr'? that section holds it"),
+        ("diloco.keep=3", "did you mean 'store.keep_rounds'? the key has that name in the TOML"),
+        ("diloco.tau=1", "did you mean 'diloco.grace_tau'? the key has that name in the TOML"),
+        ("diloco.gamma=0.5", "did you mean 'grace_gamma'?"),
+        ("diloco.outlier_ratio=2", "did you mean 'aggregate_outlier_ratio'?"),
+    ],
+)
+def test_a_moved_or_renamed_key_gets_a_did_you_mean(override: str, hint: str) -> None:
+    """A key written in the wrong section, or under a component's former argument name
+    (`schema.RENAMED_KEYS`), is refused with the key to write instead."""
+    with pytest.raises(ConfigError, match="unknown key") as info:
+        load_config(overrides=[override])
+    assert hint in str(info.value)
+
+
+def test_the_synchronizer_takes_the_sections_keys_under_their_names() -> None:
+    """No renames between the TOML and the component: every `SynchronizerConfig` field the run
+    sets is a `[diloco]` key of the same name and value; `keep_rounds` is `[store]`'s."""
+    from composer_replication.diloco.decoupled_mode import DecoupledDiLoCo
+    from composer_replication.diloco.synchronizer_config import SynchronizerConfig
+
+    config = load_config(
+        overrides=[
+            "diloco.mode=decoupled",
+            "diloco.grace_gamma=0.3",
+            "diloco.grace_tau=5",
+            "diloco.aggregate=median",
+            "diloco.aggregate_outlier_ratio=3",
+            "diloco.outer_lr=0.4",
+            "store.keep_rounds=7",
+        ]
+    )
+    d = config.diloco
+    sync = DecoupledDiLoCo(d).synchronizer_config(
+        keep_rounds=config.store.keep_rounds, max_steps=config.train.max_steps, local=True
+    )
+    for key in SynchronizerConfig.run_keys():
+        assert key in {f.name for f in dataclasses.fields(DilocoConfig)}, key
+        assert getattr(sync, key) == getattr(d, key), key
+    assert (sync.grace_gamma, sync.grace_tau, sync.aggregate_outlier_ratio) == (0.3, 5.0, 3.0)
+    assert (sync.outer_lr, sync.keep_rounds) == (0.4, 7)

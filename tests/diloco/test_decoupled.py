@@ -167,12 +167,14 @@ def test_push_schedule_is_staggered() -> None:
 
 
 def test_config_refuses_bad_values() -> None:
-    with pytest.raises(ValueError, match="late must be one of"):
-        SynchronizerConfig(late="keep")
-    with pytest.raises(ValueError, match="merge='rda'"):
+    with pytest.raises(ValueError, match="late: 'keep' is not one of"):
+        SynchronizerConfig(late="keep")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="merge: 'rda' averages directions itself"):
         SynchronizerConfig(merge="rda", aggregate="median")
-    with pytest.raises(ValueError, match="quorum"):
+    with pytest.raises(ValueError, match="quorum: must be an int >= 1"):
         SynchronizerConfig(quorum=0)
+    with pytest.raises(ValueError, match="outer_optimizer: 'adam' runs in sync mode only"):
+        SynchronizerConfig(outer_optimizer="adam")
 
 
 # ----------------------------------------------------------------------------- lease
@@ -272,7 +274,7 @@ def _check_chain(store: ObjectStore, n_fragments: int) -> list[str]:
 
 def test_learners_and_synchronizer_train_together(tmp_path: Path) -> None:
     uri = str(tmp_path / "store")
-    cfg = SynchronizerConfig(quorum=2, keep=1000, poll_interval_s=0.02, lease_ttl_s=2.0,
+    cfg = SynchronizerConfig(quorum=2, keep_rounds=1000, poll_interval_s=0.02, lease_ttl_s=2.0,
                              max_steps=48)  # fmt: skip
     out, sync = _run(uri, 3, 48, cfg, sleep=0.005, seed=7)
     store = ObjectStore(uri)
@@ -306,7 +308,7 @@ def test_learners_and_synchronizer_train_together(tmp_path: Path) -> None:
 
 def test_synchronizer_restart_resumes_without_losing_or_repeating_merges(tmp_path: Path) -> None:
     uri = str(tmp_path / "store")
-    cfg = SynchronizerConfig(quorum=1, keep=1000, poll_interval_s=0.02, lease_ttl_s=1.0,
+    cfg = SynchronizerConfig(quorum=1, keep_rounds=1000, poll_interval_s=0.02, lease_ttl_s=1.0,
                              max_steps=64)  # fmt: skip
     out: dict = {}
     threads = [threading.Thread(target=_learner_thread, args=(uri, r, 2, 64, out),
@@ -338,7 +340,7 @@ def test_synchronizer_restart_resumes_without_losing_or_repeating_merges(tmp_pat
 
 def test_garbage_collection_keeps_every_record_and_recent_states(tmp_path: Path) -> None:
     uri = str(tmp_path / "store")
-    cfg = SynchronizerConfig(quorum=2, keep=5, poll_interval_s=0.02, max_steps=96)
+    cfg = SynchronizerConfig(quorum=2, keep_rounds=5, poll_interval_s=0.02, max_steps=96)
     out, sync = _run(uri, 2, 96, cfg, sleep=0.01, seed=1)
     store = ObjectStore(uri)
     docs = DecoupledStore(store)
@@ -385,8 +387,11 @@ def test_run_config_keys_of_the_decoupled_mode() -> None:
     assert (c.diloco.grace_gamma, c.diloco.grace_tau, c.diloco.late) == (0.8, 2.0, "carry")
     for overrides, message in (
         (["diloco.fragments=2"], "diloco.fragments: is used with diloco.mode = 'decoupled'"),
-        (["diloco.mode=decoupled", "diloco.fragments=3"], "must divide diloco.sync_every_h"),
-        (["diloco.mode=decoupled", "diloco.manager=torchft"], "meet only in the object store"),
+        (["diloco.mode=decoupled", "diloco.fragments=3"], "must divide sync_every_h"),
+        (
+            ["diloco.mode=decoupled", "diloco.manager=torchft"],
+            "diloco.manager: 'torchft' does not run diloco.mode = 'decoupled'",
+        ),
         (["diloco.mode=decoupled", "diloco.quorum=3"], "diloco.quorum: 3 exceeds"),
         (["diloco.merge=median"], "diloco.merge"),
         (["diloco.grace_gamma=1.5"], "diloco.grace_gamma: must be in [0, 1]"),

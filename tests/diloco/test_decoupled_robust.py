@@ -105,7 +105,7 @@ def _learner(uri: str, rank: int, out: dict, attack: float) -> None:
 
 def _run(tmp: Path, aggregate_: str, attack: float, outlier_ratio: float | None) -> float:
     uri = str(tmp / f"{aggregate_}-{attack}-{outlier_ratio}")
-    cfg = SynchronizerConfig(quorum=4, aggregate=aggregate_, outlier_ratio=outlier_ratio,
+    cfg = SynchronizerConfig(quorum=4, aggregate=aggregate_, aggregate_outlier_ratio=outlier_ratio,
                              poll_interval_s=0.02, max_steps=48)  # fmt: skip
     sync = Synchronizer(ObjectStore(uri), cfg)
     st = threading.Thread(target=sync.run)

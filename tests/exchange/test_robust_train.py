@@ -1,5 +1,5 @@
 """`composer-replication train` with `[diloco] screen = "loss"`: the run's loss probe
-(run/screening.py) scores every contribution on held-out prompts, and the commit records it."""
+(assembly/screening.py) scores every contribution on held-out prompts, and the commit records it."""
 
 from __future__ import annotations
 

@@ -84,7 +84,7 @@ def private_ray_executor(log_dir: Path, init_num_cpus: int) -> Iterator[Any]:
 def run_seed_driver_snippet(executor: Any, store_dir: Path, capsys: Any) -> None:
     """Run the seed docs' driver code unchanged on executor (4 replicas of diloco_replica.py,
     which the caller put in the executor's working directory) and check what it prints."""
-    from composer_replication.executors.base import ServerlessExecutor
+    from composer_replication.executors.executor import ServerlessExecutor
 
     assert isinstance(executor, ServerlessExecutor)
     uri = f"file://{store_dir}"

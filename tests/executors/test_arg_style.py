@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from composer_replication.executors import LocalProcessExecutor
-from composer_replication.executors.base import args_to_argv, build_command
+from composer_replication.executors.executor import args_to_argv, build_command
 
 # The seeds' INTEGRATION_RECIPES, recipe 3 (VeRL) and recipe 4 (PRIME-RL), as written there.
 SEED_VERL_ARGS = {

@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from composer_replication.executors import base as ex_mod
+from composer_replication.executors import executor as ex_mod
 from composer_replication.executors import launch
-from composer_replication.executors.base import (
+from composer_replication.executors.executor import (
     ExecutorBase,
     ReplicaHandle,
     ReplicaStatus,

@@ -24,7 +24,7 @@ from test_modal_executor import _make as make_modal  # noqa: E402
 from test_modal_executor import fake  # noqa: E402, F401
 from test_sagemaker_executor import aws  # noqa: E402, F401
 
-from composer_replication.executors.base import check_secrets  # noqa: E402
+from composer_replication.executors.executor import check_secrets  # noqa: E402
 from composer_replication.executors.local import LocalProcessExecutor  # noqa: E402
 
 NAME = "COMPOSER_SIGNING_KEY"

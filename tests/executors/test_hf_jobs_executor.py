@@ -18,7 +18,7 @@ from _executor_helpers import replica_args as _args  # noqa: E402
 from standins.common import StandinServer  # noqa: E402
 from standins.hf_jobs_api import USER, HFJobsStandin  # noqa: E402
 
-from composer_replication.executors.base import ReplicaStatus  # noqa: E402
+from composer_replication.executors.executor import ReplicaStatus  # noqa: E402
 from composer_replication.executors.hf_jobs import (  # noqa: E402
     HFJobsExecutor,
     known_flavors,

@@ -18,7 +18,7 @@ from _executor_helpers import replica_args as _args  # noqa: E402
 from standins.common import StandinServer  # noqa: E402
 from standins.k8s_api import K8sApiStandin, compress_indexes  # noqa: E402
 
-from composer_replication.executors.base import ReplicaStatus  # noqa: E402
+from composer_replication.executors.executor import ReplicaStatus  # noqa: E402
 from composer_replication.executors.k8s import K8sExecutor, parse_indexes  # noqa: E402
 from composer_replication.executors.redact import (  # noqa: E402
     CloudExecutorError,

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from composer_replication.executors import local as local_mod
-from composer_replication.executors.base import ReplicaStatus, ServerlessExecutor
+from composer_replication.executors.executor import ReplicaStatus, ServerlessExecutor
 from composer_replication.executors.local import LocalProcessExecutor
 
 pytestmark = pytest.mark.slow

@@ -22,7 +22,7 @@ from _executor_helpers import install_replica_script, run_seed_driver_snippet  #
 from _executor_helpers import replica_args as _args  # noqa: E402
 from standins.fake_modal import FakeModal  # noqa: E402
 
-from composer_replication.executors.base import ReplicaStatus  # noqa: E402
+from composer_replication.executors.executor import ReplicaStatus  # noqa: E402
 from composer_replication.executors.modal import (  # noqa: E402
     ModalExecutor,
     modal_credentials,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from composer_replication.executors.base import ReplicaStatus, ServerlessExecutor
+from composer_replication.executors.executor import ReplicaStatus, ServerlessExecutor
 from composer_replication.executors.local import LocalProcessExecutor
 from composer_replication.executors.multi import MultiExecutor
 

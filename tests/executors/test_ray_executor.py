@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from composer_replication.executors.base import ReplicaStatus, ServerlessExecutor
+from composer_replication.executors.executor import ReplicaStatus, ServerlessExecutor
 
 pytestmark = pytest.mark.slow
 

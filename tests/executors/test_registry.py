@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from composer_replication.executors import registry
-from composer_replication.executors.base import ExecutorBase, ServerlessExecutor
+from composer_replication.executors.executor import ExecutorBase, ServerlessExecutor
 
 ROOT = Path(__file__).resolve().parents[2]
 PROTOCOL_METHODS = ("launch_replicas", "poll", "collect", "cancel", "logs")

@@ -19,7 +19,7 @@ from _executor_helpers import replica_args as _args  # noqa: E402
 from standins.common import StandinServer  # noqa: E402
 from standins.sagemaker_api import SageMakerStandin  # noqa: E402
 
-from composer_replication.executors.base import ReplicaStatus  # noqa: E402
+from composer_replication.executors.executor import ReplicaStatus  # noqa: E402
 from composer_replication.executors.redact import (  # noqa: E402
     CloudExecutorError,
     MissingCredentialsError,

@@ -58,7 +58,7 @@ def _learner(uri: str, rank: int, out: dict[int, Any]) -> None:
 def clean_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, Any]]:
     root = tmp_path_factory.mktemp("clean") / "store"
     uri = str(root)
-    cfg = SynchronizerConfig(quorum=2, keep=1000, poll_interval_s=0.02, lease_ttl_s=2.0,
+    cfg = SynchronizerConfig(quorum=2, keep_rounds=1000, poll_interval_s=0.02, lease_ttl_s=2.0,
                              max_steps=STEPS)  # fmt: skip
     sync = Synchronizer(ObjectStore(uri), cfg)
     st = threading.Thread(target=sync.run)
@@ -199,7 +199,7 @@ def test_the_synchronizer_records_a_refused_push(tmp_path: Path) -> None:
     """A corrupt push is refused by the real synchronizer, which records why in the store: the
     checker then counts it as refused, not as silently ignored."""
     uri = str(tmp_path / "store")
-    cfg = SynchronizerConfig(quorum=1, keep=1000, poll_interval_s=0.02, lease_ttl_s=2.0,
+    cfg = SynchronizerConfig(quorum=1, keep_rounds=1000, poll_interval_s=0.02, lease_ttl_s=2.0,
                              max_steps=16)  # fmt: skip
     store = ObjectStore(uri)
     sync = Synchronizer(store, cfg)

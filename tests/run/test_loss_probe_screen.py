@@ -1,4 +1,4 @@
-"""The real loss probe of `diloco.screen = "loss"` (run/screening.py) refuses a harmful
+"""The real loss probe of `diloco.screen = "loss"` (assembly/screening.py) refuses a harmful
 contribution sent through the real exchange and accepts honest ones (issue 23).
 
 Four replicas (threads, each with its own ObjectStoreAllReduce and its own copy of the tiny model
@@ -22,12 +22,12 @@ from typing import Any
 import pytest
 import torch
 
+from composer_replication.assembly import screening
 from composer_replication.assembly.build import build_model, build_task
 from composer_replication.config import load_config
 from composer_replication.exchange.allreduce import ObjectStoreAllReduce
 from composer_replication.exchange.protocol import commit_key
 from composer_replication.exchange.store import ObjectStore
-from composer_replication.run import screening
 
 N = 4
 

@@ -65,11 +65,18 @@ def test_a_crashed_driver_is_resumed_with_one_writer_per_rank(tmp_path: Path,
     out = resumed.stdout
     assert resumed.returncode == 0, first_output + out
     assert "Run crash: finished" in out
-    # replicas that outlived their driver were found alive, fenced and waited for
-    assert ("fenced them (run generation 2)" in out) is not die_with_driver, out
+    # replicas that outlived their driver were found alive, fenced and waited for, unless they
+    # had run their last steps to the end before the resume looked (the remaining 13 rounds take
+    # seconds on a quiet machine and the resume's start-up longer on a loaded one: the one
+    # event this test cannot order); then there was nothing to fence, and the checks below (one
+    # writer per rank) are what stands
+    fenced = "fenced them (run generation 2)" in out
     logs = "".join(p.read_text() for p in (run / "logs").glob("replica-*.log"))
-    if not die_with_driver:
-        assert logs.count("fenced: this process belongs to launch 1") == 2, logs[-3000:]
+    if die_with_driver:
+        assert not fenced, out
+    else:
+        n_fenced = logs.count("fenced: this process belongs to launch 1")  # one per replica
+        assert (n_fenced >= 1) == fenced and n_fenced <= 2, (n_fenced, out, logs[-3000:])
     assert json.loads((run / "store" / "run_generation.json").read_text())["generation"] == 2
     driver = json.loads((run / "driver.json").read_text())
     assert driver["status"] == "finished" and driver["attempt"] == 2
@@ -106,10 +113,10 @@ def test_resume_refuses_while_a_replica_it_cannot_fence_is_alive(
     naming it) before anything is launched."""
     from composer_replication.cli import main
     from composer_replication.config import load_config, to_dict
-    from composer_replication.run import driver
+    from composer_replication.run import driver, supervision
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(driver, "FENCE_WAIT_S", 2.0)
+    monkeypatch.setattr(supervision, "FENCE_WAIT_S", 2.0)
     config, folder = driver.prepare(load_config(None, SMALL), name="busy")
     folder.create()
     folder.config_json.write_text(json.dumps(to_dict(config)))

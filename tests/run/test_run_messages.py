@@ -13,11 +13,13 @@ from pathlib import Path
 import pytest
 from _run_small import TINY_RUN
 
+from composer_replication.assembly.outer import outer_loop_mode
 from composer_replication.cli import main
 from composer_replication.config import RunConfig, load_config
 from composer_replication.exchange.store import ObjectStore
-from composer_replication.executors.base import ReplicaHandle, ReplicaStatus
-from composer_replication.run import driver
+from composer_replication.executors.executor import ReplicaHandle, ReplicaStatus
+from composer_replication.run import supervision
+from composer_replication.run.driver import ENTRYPOINT
 
 
 class _NoRestarts:
@@ -32,8 +34,8 @@ def _failed(rank: int, error: str) -> ReplicaHandle:
 
 def _lost_messages(tmp_path: Path, config: RunConfig) -> list[str]:
     store = ObjectStore((tmp_path / "store").as_uri() + "/")
-    departures = driver._Departures(config, store)
-    restarter: driver._Restarter = _NoRestarts()  # type: ignore[assignment]
+    departures = supervision.Departures(config, outer_loop_mode(config), store)
+    restarter: supervision.Restarter = _NoRestarts()  # type: ignore[assignment]
     return departures.note([_failed(1, "exit code -9; last log lines:\n")], restarter)
 
 
@@ -79,11 +81,11 @@ class _Relauncher:
 
 
 def test_the_restart_line_has_no_empty_log_tail() -> None:
-    from composer_replication.executors.base import RankLauncher
+    from composer_replication.executors.executor import RankLauncher
 
     executor = _Relauncher()
     assert isinstance(executor, RankLauncher)
-    restarter = driver._Restarter(load_config(), executor, {}, None)  # type: ignore[arg-type]
+    restarter = supervision.Restarter(load_config(), executor, ENTRYPOINT, {}, None)  # type: ignore[arg-type]
     handles = [_failed(0, "exit code -9; last log lines:\n")]
     (message,) = restarter.restart_failed(handles)
     assert message == "replica 0 failed (exit code -9); restarted (1 of 2), it rejoins from the " \

@@ -99,9 +99,9 @@ def test_a_silent_replica_is_not_waited_for_and_is_taken_back(
     """SIGSTOP rank 1 for 40 s: its process is alive, but its heartbeats stop; after
     SILENT_AFTER_S the driver declares it departed and the survivor stops waiting; once it
     runs again it catches up and the run finishes with both replicas."""
-    from composer_replication.run import driver
+    from composer_replication.run import supervision
 
-    monkeypatch.setattr(driver, "SILENT_AFTER_S", 10.0)
+    monkeypatch.setattr(supervision, "SILENT_AFTER_S", 10.0)
     monkeypatch.chdir(tmp_path)
     stop = "chaos.events=[{action='stop', target='1', at_s=0.3, duration_s=40}]"
     code, out, run, logs = _run(tmp_path, "silent", ["diloco.min_replicas=1", stop], capsys)

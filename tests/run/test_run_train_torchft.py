@@ -17,9 +17,10 @@ from pathlib import Path
 import pytest
 from test_run_train_e2e import SMALL as E2E_SMALL
 
+from composer_replication.assembly.build import build_model
 from composer_replication.config import load_config
 from composer_replication.run.metrics import read_metrics
-from composer_replication.run.replica import build_model, weights_digest
+from composer_replication.run.replica_training import weights_digest
 
 # the e2e test's small config, without TensorBoard files and plots
 SMALL = [*E2E_SMALL, "logging.tensorboard=false", "logging.report=false"]

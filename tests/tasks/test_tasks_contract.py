@@ -1,5 +1,5 @@
 """The task contract shared by every built-in task: registry, split, dataset, reward function,
-oracle traces (see /work/notes/task_contract.md and composer_replication/tasks/base.py)."""
+oracle traces (see /work/notes/task_contract.md and composer_replication/tasks/task.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from composer_replication.tasks import TASKS, Example, Verdict, clean_completion, get_task
-from composer_replication.tasks.base import completion_text, strip_answer_prefix
+from composer_replication.tasks.task import completion_text, strip_answer_prefix
 
 # Small splits keep the pycode oracle checks (one sandboxed subprocess each) cheap.
 BUILTIN = [

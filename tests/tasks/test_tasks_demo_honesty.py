@@ -13,7 +13,7 @@ import pytest
 from composer_replication.assembly.build import build_task, build_teachers
 from composer_replication.config import load_config
 from composer_replication.data.traces import prompt_key
-from composer_replication.tasks.base import chat_prompt
+from composer_replication.tasks.task import chat_prompt
 
 
 @pytest.fixture(scope="module")

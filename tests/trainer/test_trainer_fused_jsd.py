@@ -28,7 +28,7 @@ import torch
 from _trainer_helpers import config, generation_batch, loss_and_grads, make_trainer, oracle_store
 
 from composer_replication.models import build_tiny_model, build_tokenizer
-from composer_replication.trainer.fused import hidden_state_source
+from composer_replication.trainer.fused_capture import hidden_state_source
 
 
 def _assert_grads_close(fused: dict[str, torch.Tensor], plain: dict[str, torch.Tensor]) -> None:

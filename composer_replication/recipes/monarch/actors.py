@@ -61,7 +61,7 @@ __all__ = [
     "global_digest",
 ]
 
-# The dataset columns the task's reward function reads (tasks/base.py `Task.reward_func`); only
+# The dataset columns the task's reward function reads (tasks/task.py `Task.reward_func`); only
 # these cross to the rewarder (TRL also passes callables and trainer state, which stay here).
 REWARD_COLUMNS = ("example_id", "answer", "task_meta")
 # What `TrainerActor.train` reports of the channels (the trainer's metrics, docs/trainer.md).
@@ -127,7 +127,10 @@ class GeneratorActor(Actor):
 
         config = _config(config_doc)
         self.rank = _rank()
-        self.model, self.tokenizer = build_model(config)
+        model, self.tokenizer = build_model(config)
+        # a causal LM: its generate() comes from GenerationMixin, which PreTrainedModel's type
+        # does not carry
+        self.model: Any = model
         self.model.eval()
         self.version: int | None = None
         self._rng = torch.Generator().manual_seed(config.run.seed + 1000 * self.rank + 1)
@@ -405,7 +408,6 @@ class TrainerActor(Actor):
         )
         from composer_replication.data.traces import TraceStore
         from composer_replication.diloco import make_diloco_outer_loop
-        from composer_replication.diloco.outer_loop import outer_optimizer_factory
         from composer_replication.exchange import ObjectStoreAllReduce, ObjectStoreManager
         from composer_replication.trainer import ComposerReplicationTrainer
 
@@ -428,10 +430,7 @@ class TrainerActor(Actor):
         try:
             outer = make_diloco_outer_loop(
                 None, manager, d.sync_every_h, model=model,
-                outer_optimizer_factory=outer_optimizer_factory(
-                    d.outer_optimizer, lr=d.outer_lr, momentum=d.outer_momentum,
-                    betas=(d.outer_betas[0], d.outer_betas[1]), eps=d.outer_eps,
-                ),
+                outer_optimizer_factory=d.build_outer_optimizer(),
             )  # fmt: skip
             reward = _RemoteReward(self.rewarder, self.rewarder.name.call_one().get())
             store = TraceStore()

@@ -1,11 +1,12 @@
-"""What a replica's exchange needs to screen contributions, built from the run (docs/object-store.md).
+"""What a replica's exchange needs to screen contributions, built from the run config
+(docs/object-store.md).
 
 - `aggregate_policy(config, task, tokenizer)`: `[diloco] aggregate*` / `screen*` plus the claim
   bounds only the run knows: at most ``sync_every_h`` inner steps per round, and at most
   ``batch_size x gradient_accumulation_steps x (longest chat prompt of the task +
   max_completion_length)`` tokens per inner step (the tokens TRL counts: prompt plus completion
   of every sequence of the step's generation batch).
-- `loss_probe(config, outer, model, tokenizer, task)` (``screen = "loss"``): the held-out loss
+- `loss_probe(config, global_weights, model, tokenizer, task)` (``screen = "loss"``): the held-out loss
   the global model would have if one contribution alone were the round's average and applied
   by a plain outer step, ``global - outer_lr * candidate``: the mean token NLL of the task's
   reference answers for ``screen_examples`` held-out prompts. The candidate's tensors are the
@@ -15,34 +16,60 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
+from composer_replication.diloco.outer_mode import GlobalWeights
 from composer_replication.exchange.robust import AggregatePolicy, LossProbe
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
     from composer_replication.config import RunConfig
     from composer_replication.tasks import Task
 
-__all__ = ["aggregate_policy", "loss_probe", "max_tokens_per_step"]
+__all__ = ["RunScreening", "aggregate_policy", "loss_probe", "max_tokens_per_step"]
 
 
-def _prompt_ids(tokenizer: Any, prompt: str) -> list[int]:
-    from composer_replication.tasks.base import chat_prompt
+class RunScreening:
+    """The run's screening as the outer loop's `Screening` (built only when the mode's exchange
+    asks for it: a decoupled or torchft run never tokenizes the prompts for claim bounds)."""
 
-    ids = tokenizer.apply_chat_template(chat_prompt(prompt), tokenize=True,
-                                        add_generation_prompt=True)  # fmt: skip
+    def __init__(
+        self,
+        config: RunConfig,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        task: Task,
+    ) -> None:
+        self.config, self.model, self.tokenizer, self.task = config, model, tokenizer, task
+
+    def policy(self) -> AggregatePolicy:
+        return aggregate_policy(self.config, self.task, self.tokenizer)
+
+    def probe(self, global_weights: GlobalWeights) -> LossProbe | None:
+        return loss_probe(self.config, global_weights, self.model, self.tokenizer, self.task)
+
+
+def _prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
+    from composer_replication.tasks.task import chat_prompt
+
+    ids = tokenizer.apply_chat_template(
+        chat_prompt(prompt), tokenize=True, add_generation_prompt=True
+    )
     return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
 
 
-def max_tokens_per_step(config: RunConfig, task: Task, tokenizer: Any) -> int:
+def max_tokens_per_step(config: RunConfig, task: Task, tokenizer: PreTrainedTokenizerBase) -> int:
     """The most tokens one inner step can count (see the module docstring)."""
     longest = max(len(_prompt_ids(tokenizer, ex.prompt)) for ex in task.train_examples())
     t = config.train
     return t.batch_size * t.gradient_accumulation_steps * (longest + t.max_completion_length)
 
 
-def aggregate_policy(config: RunConfig, task: Task, tokenizer: Any) -> AggregatePolicy:
+def aggregate_policy(
+    config: RunConfig, task: Task, tokenizer: PreTrainedTokenizerBase
+) -> AggregatePolicy:
     """The exchange's screening policy for this run, with its claim bounds."""
     return config.diloco.aggregate_policy(
         max_tokens_per_step=max_tokens_per_step(config, task, tokenizer),
@@ -52,9 +79,9 @@ def aggregate_policy(config: RunConfig, task: Task, tokenizer: Any) -> Aggregate
 
 def loss_probe(
     config: RunConfig,
-    global_weights: Callable[[], Mapping[str, Any]],
-    model: Any,
-    tokenizer: Any,
+    global_weights: GlobalWeights,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
     task: Task,
 ) -> LossProbe | None:
     """The held-out loss callback of ``screen = "loss"`` (None otherwise). ``global_weights``
@@ -106,7 +133,7 @@ def loss_probe(
     return probe
 
 
-def _mean_nll(model: Any, batch: list[tuple[list[int], list[int]]]) -> float:
+def _mean_nll(model: PreTrainedModel, batch: list[tuple[list[int], list[int]]]) -> float:
     """Mean negative log-likelihood of the answer tokens given their prompts."""
     import torch
 

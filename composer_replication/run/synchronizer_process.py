@@ -1,7 +1,9 @@
 """`composer-replication synchronizer RUN_FOLDER_OR_URI`: run a decoupled run's synchronizer.
 
-The driver of `composer-replication train` starts one beside itself when ``diloco.mode =
-"decoupled"`` and ``diloco.synchronizer = "driver"`` (`SynchronizerProcess`); with
+The driver of `composer-replication train` starts one beside itself when the run's outer-loop
+mode has a synchronizer it runs (``diloco.mode = "decoupled"``, ``diloco.synchronizer =
+"driver"``): `SynchronizerProcess` runs ``python -m composer_replication.run.synchronizer_process
+URI`` in its own process group and restarts it when it dies. With
 ``"external"`` run it yourself anywhere that reaches the store, as many times as you like: the
 lease (exchange/lease.py) keeps exactly one active, the others wait and take over when the
 active one dies (after ``diloco.lease_ttl_s``) or stops.
@@ -28,30 +30,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from composer_replication.assembly.outer import build_synchronizer
+from composer_replication.executors.local import spawn_in_group, terminate_groups
+
 if TYPE_CHECKING:
     from composer_replication.config import RunConfig
-    from composer_replication.diloco.synchronizer import SynchronizerConfig
     from composer_replication.exchange.store import ObjectStore
 
-__all__ = ["SynchronizerProcess", "main", "synchronizer_config"]
+__all__ = ["SynchronizerProcess", "main"]
 
-MODULE = "composer_replication.run.synchronizer"
+MODULE = "composer_replication.run.synchronizer_process"
 CONFIG_KEY = "run_config.json"
-
-
-def synchronizer_config(config: RunConfig) -> SynchronizerConfig:
-    """The synchronizer's settings from a run configuration's [diloco] section."""
-    from composer_replication.diloco.synchronizer import SynchronizerConfig
-
-    d = config.diloco
-    return SynchronizerConfig(
-        quorum=config.quorum, gamma=d.grace_gamma, tau=d.grace_tau, merge=d.merge,
-        weighting=d.weighting, late=d.late, aggregate=d.aggregate,
-        outlier_ratio=d.aggregate_outlier_ratio, outer_lr=d.outer_lr,
-        outer_momentum=d.outer_momentum, nesterov=d.nesterov, keep=config.store.keep_rounds,
-        lease_ttl_s=d.lease_ttl_s, poll_interval_s=0.05 if config.store.uri.startswith("file:")
-        else 0.25, max_steps=config.train.max_steps,
-    )  # fmt: skip
 
 
 def resolve(target: str, storage_options: dict[str, Any] | None) -> tuple[RunConfig, ObjectStore]:
@@ -67,24 +56,22 @@ def resolve(target: str, storage_options: dict[str, Any] | None) -> tuple[RunCon
         options = storage_options if storage_options is not None else config.store.storage_options
         return config, ObjectStore(config.store.uri, options)
     if folder.is_dir() and "://" not in target and not (folder / CONFIG_KEY).is_file():
-        raise ValueError(f"{target} is neither a run folder (no config.json) nor a store "
-                         f"(no {CONFIG_KEY})")  # fmt: skip
+        raise ValueError(
+            f"{target} is neither a run folder (no config.json) nor a store (no {CONFIG_KEY})"
+        )
     store = ObjectStore(target, storage_options)
     doc = store.get_json(CONFIG_KEY)
     if doc is None:
-        raise ValueError(f"no {CONFIG_KEY} in {store.uri}: start the run with "
-                         "`composer-replication train` (it writes the configuration)")  # fmt: skip
+        raise ValueError(
+            f"no {CONFIG_KEY} in {store.uri}: start the run with "
+            "`composer-replication train` (it writes the configuration)"
+        )
     return from_dict(RunConfig, doc), store
 
 
 def run(config: RunConfig, store: ObjectStore, stop: threading.Event | None = None) -> int:
     """Run the synchronizer until the run is final (0) or ``stop`` is set (130)."""
-    from composer_replication.diloco.synchronizer import Synchronizer
-
-    if config.diloco.mode != "decoupled":
-        raise ValueError(f"run {config.run.name!r} has diloco.mode = {config.diloco.mode!r}; "
-                         "only decoupled runs have a synchronizer")  # fmt: skip
-    sync = Synchronizer(store, synchronizer_config(config))
+    sync = build_synchronizer(config, store)  # ValueError when the run's mode has none
     if stop is not None:
 
         def relay() -> None:
@@ -94,17 +81,25 @@ def run(config: RunConfig, store: ObjectStore, stop: threading.Event | None = No
         threading.Thread(target=relay, daemon=True).start()
     print(f"synchronizer {sync.owner}: run {config.run.name} at {store.uri}", flush=True)
     finished = sync.run()
-    print(f"synchronizer {sync.owner}: {'final versions ' + str(sync.versions) if finished else 'stopped'}"
-          f"; {json.dumps(sync.stats.as_dict())}", flush=True)  # fmt: skip
+    print(
+        f"synchronizer {sync.owner}: {'final versions ' + str(sync.versions) if finished else 'stopped'}"
+        f"; {json.dumps(sync.stats.as_dict())}",
+        flush=True,
+    )
     return 0 if finished else 130
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="composer-replication synchronizer",
-                                description="Run the synchronizer of a decoupled run.")  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="composer-replication synchronizer",
+        description="Run the synchronizer of a decoupled run.",
+    )
     p.add_argument("run", metavar="RUN_FOLDER_OR_URI", help="a run folder or the run's store URI")
-    p.add_argument("--storage-options", default=None,
-                   help="fsspec options as JSON (default: $COMPOSER_STORAGE_OPTIONS or the run's)")  # fmt: skip
+    p.add_argument(
+        "--storage-options",
+        default=None,
+        help="fsspec options as JSON (default: $COMPOSER_STORAGE_OPTIONS or the run's)",
+    )
     ns = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
@@ -135,8 +130,9 @@ class SynchronizerProcess:
     """The driver's synchronizer: a subprocess in its own process group, restarted when it
     dies (a crash, or `kill` by the chaos harness with a restart delay), stopped at the end."""
 
-    def __init__(self, uri: str, env: dict[str, str], log_path: Path, *,
-                 max_restarts: int = 100) -> None:  # fmt: skip
+    def __init__(
+        self, uri: str, env: dict[str, str], log_path: Path, *, max_restarts: int = 100
+    ) -> None:
         self.command = [sys.executable, "-m", MODULE, uri]
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
         self.log_path = log_path
@@ -153,13 +149,12 @@ class SynchronizerProcess:
             return None if self.proc is None or self.proc.poll() is not None else self.proc.pid
 
     def start(self) -> None:
-        from composer_replication.executors.local import spawn_in_group
-
         with self._lock:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             # it dies with the driver (a resumed run starts its own; never two merging)
-            self.proc = spawn_in_group(self.command, self.env, None, str(self.log_path),
-                                       die_with_parent=True)  # fmt: skip
+            self.proc = spawn_in_group(
+                self.command, self.env, None, str(self.log_path), die_with_parent=True
+            )
 
     def ensure_running(self) -> bool:
         """Restart it if it died (not before a requested delay); False once it finished (0)."""
@@ -198,8 +193,6 @@ class SynchronizerProcess:
 
     def stop(self, grace_s: float = 10.0) -> int | None:
         """SIGTERM (it releases its lease), then SIGKILL after ``grace_s``; the exit code."""
-        from composer_replication.executors.local import terminate_groups
-
         with self._lock:
             proc = self.proc
         if proc is None:

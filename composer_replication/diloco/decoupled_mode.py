@@ -1,0 +1,173 @@
+"""Decoupled DiLoCo: `DecoupledDiLoCo`, the ``mode = "decoupled"`` `OuterLoopMode`.
+
+Learners never wait for each other (`DecoupledLearner`): each pushes one of ``fragments``
+fragments every ``sync_every_h / fragments`` inner steps and takes each new global fragment as
+it is published. The service side is the `Synchronizer` (one active per run, through a lease),
+which merges a fragment once ``quorum`` learners have pushed it; the driver runs it beside
+itself with ``synchronizer = "driver"``. Rounds are not lockstep, so a relaunched learner
+continues from the newest global versions with fresh inner state, and the run needs every
+learner to finish (one that fails for good is released so the synchronizer stops waiting).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import ClassVar
+
+from composer_replication.diloco.decoupled import DecoupledLearner
+from composer_replication.diloco.outer_mode import Lighthouse, ReplicaContext, ReplicaLoop, RunShape
+from composer_replication.diloco.section import DilocoConfig, ManagerName, ModeName
+from composer_replication.diloco.synchronizer import Synchronizer
+from composer_replication.diloco.synchronizer_config import SynchronizerConfig
+from composer_replication.exchange import codecs
+from composer_replication.exchange.liveness import LEARNER_ROLE
+from composer_replication.exchange.push_store import DecoupledStore
+from composer_replication.exchange.store import ObjectStore
+from composer_replication.fields import require
+
+__all__ = ["DecoupledDiLoCo"]
+
+
+class DecoupledDiLoCo:
+    """Decoupled DiLoCo (see the module docstring)."""
+
+    mode: ClassVar[ModeName] = "decoupled"
+    manager: ClassVar[ManagerName] = "object_store"
+    worker_role = LEARNER_ROLE
+    lockstep = False
+    store_departures = False
+    has_synchronizer = True
+
+    def __init__(self, config: DilocoConfig) -> None:
+        self.config = config
+        self.check_section()
+
+    @property
+    def driver_synchronizer(self) -> bool:
+        return self.config.synchronizer == "driver"
+
+    def check_section(self) -> None:
+        """The rules of this mode on the `[diloco]` section."""
+        d = self.config
+        require(
+            d.outer_optimizer != "adam",
+            "diloco.outer_optimizer",
+            "'adam' runs in sync mode only; the decoupled synchronizer's outer step is "
+            "SGD with (Nesterov) momentum: use 'nesterov' or 'sgd'",
+        )
+        require(
+            d.screen == "none",
+            "diloco.screen",
+            "the loss screen runs in the synchronous exchange only; decoupled mode screens "
+            "by norm (diloco.aggregate_outlier_ratio): set diloco.screen = 'none'",
+        )
+        require(
+            d.merge == "mean" or d.aggregate == "mean",
+            "diloco.merge",
+            "'rda' averages directions itself: use diloco.aggregate = 'mean' with it",
+        )
+        require(
+            not codecs.get(d.codec).needs_error_feedback,
+            "diloco.codec",
+            f"{d.codec!r} runs in sync mode only: a decoupled push is the whole change since "
+            "the last global version the learner loaded (a later push repeats an earlier "
+            "one's work, and a queued push can be replaced by a newer one), so a per-push "
+            "error-feedback accumulator would count work twice; use diloco.mode = 'sync'",
+        )
+        require(
+            not d.lighthouse,
+            "diloco.lighthouse",
+            "is only used with diloco.manager = 'torchft'; remove it or set the manager",
+        )
+
+    def check_run(self, run: RunShape) -> None:
+        d = self.config
+        require(
+            not run.signed,
+            "security.sign",
+            "signs the synchronous object-store exchange; decoupled mode's pushes are not "
+            "signed yet (use diloco.mode = 'sync' for a signed run)",
+        )
+        if run.model_blocks is not None:
+            require(
+                d.fragments <= run.model_blocks,
+                "diloco.fragments",
+                f"{d.fragments} exceeds model.num_layers ({run.model_blocks}): each fragment "
+                "needs at least one transformer block",
+            )
+        if d.quorum is not None:
+            require(
+                d.quorum <= run.n_replicas,
+                "diloco.quorum",
+                f"{d.quorum} exceeds backend.n_replicas ({run.n_replicas})",
+            )
+
+    def quorum(self, n_replicas: int) -> int:
+        return self.config.resolved_quorum(n_replicas)
+
+    def elastic(self, n_replicas: int) -> bool:
+        return True  # learners never wait for each other
+
+    def may_finish_without(self, survivors: int, n_replicas: int) -> bool:
+        return False  # a learner's pushes are part of the run's result
+
+    def build_learner(self, ctx: ReplicaContext) -> ReplicaLoop:
+        d = self.config
+        learner = DecoupledLearner(
+            ctx.store,
+            learner=ctx.rank,
+            n_learners=ctx.n_replicas,
+            sync_every_h=d.sync_every_h,
+            num_fragments=d.fragments,
+            model=ctx.model,
+            alpha=d.alpha,
+            codec=d.codec,
+            poll_interval_s=0.1 if ctx.store.is_local else 0.5,
+            drain_timeout_s=d.timeout_s,
+            heartbeat_every_s=None,  # the replica's heartbeat carries the learner's fields
+        )
+        return ReplicaLoop(
+            outer=learner,
+            start_round=0,
+            start_step=learner.start_step,
+            heartbeat=lambda: {
+                "round": learner.round,
+                "step": learner.step,
+                "versions": list(learner.versions),
+            },
+        )
+
+    def synchronizer_config(
+        self, *, keep_rounds: int, max_steps: int, local: bool
+    ) -> SynchronizerConfig:
+        """The synchronizer's config: the section's keys under the same names, the store's
+        ``keep_rounds`` and the run's length."""
+        d = self.config
+        return SynchronizerConfig(
+            **{key: getattr(d, key) for key in SynchronizerConfig.run_keys()},
+            keep_rounds=keep_rounds,
+            max_steps=max_steps,
+            poll_interval_s=0.05 if local else 0.25,
+        )
+
+    def build_synchronizer(
+        self, store: ObjectStore, *, keep_rounds: int, max_steps: int
+    ) -> Synchronizer:
+        config = self.synchronizer_config(
+            keep_rounds=keep_rounds, max_steps=max_steps, local=store.uri.startswith("file:")
+        )
+        return Synchronizer(store, config)
+
+    def build_lighthouse(self, n_replicas: int) -> Lighthouse | None:
+        return None
+
+    def release_failed(self, store: ObjectStore, failed: Mapping[int, str], max_steps: int) -> None:
+        """Mark each learner that failed for good done (abandoned): the synchronizer neither
+        waits for it in a quorum nor before the final merge."""
+        docs = DecoupledStore(store)
+        for rank, error in failed.items():
+            doc = docs.read_progress(rank)
+            if doc is None or not doc.get("abandoned"):
+                docs.write_progress(
+                    rank, step=max_steps, done=True, abandoned=True, error=error[:500]
+                )

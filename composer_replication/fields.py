@@ -1,0 +1,31 @@
+"""The two helpers every component config uses: a documented setting and a checked rule.
+
+A component's config is a frozen dataclass beside the component (torchtitan's way); the run
+schema (`config/schema.py`) composes them into the TOML sections. Each field is a `setting`:
+its default and its ``metadata["help"]``, from which the config reference in docs/cli.md is
+generated. `require` raises the ``ValueError`` a config's ``__post_init__`` raises, worded
+``"<key>: <what is wrong>"`` with the key exactly as the user writes it in the TOML section
+(the loader prefixes the section: ``diloco.outer_lr: must be > 0``).
+
+Imports nothing of ours, like `lazy`: every layer may use it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import field
+from typing import Any
+
+__all__ = ["require", "setting"]
+
+
+def setting(default: Any, help: str) -> Any:
+    """A dataclass field with a default and a help string (dicts/lists get a factory)."""
+    if isinstance(default, dict | list):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+def require(cond: bool, key: str, message: str) -> None:
+    """``ValueError("<key>: <message>")`` unless ``cond``."""
+    if not cond:
+        raise ValueError(f"{key}: {message}")

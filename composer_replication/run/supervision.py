@@ -1,0 +1,347 @@
+"""What the driver watches while the replicas run: fencing an earlier launch, relaunching
+failed replicas, declaring departed ones, the run's health.
+
+- `fence_previous_launch`: ``--resume`` waits until the replicas of the earlier launch that
+  still send heartbeats stop (they check the run generation at their next write);
+- `Restarter`: relaunch a failed replica (same rank) up to ``backend.max_restarts`` times;
+- `Departures`: when the outer-loop mode's peers wait for each other in the store, declare a
+  replica departed the moment its process fails, or when it sent no heartbeat for
+  `SILENT_AFTER_S` (and take it back when it beats again);
+- `HealthLog`: a "health" metric record whenever the run state changes (run/status.py);
+- `final_status`: "finished" or "failed" once every replica has ended.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+from composer_replication.config import ConfigError, RunConfig
+from composer_replication.diloco.outer_mode import OuterLoopMode
+from composer_replication.exchange.liveness import (
+    HEARTBEAT_EVERY_S,
+    LEARNER_ROLE,
+    REPLICA_ROLE,
+    STALE_AFTER_S,
+    clear_departure,
+    read_liveness,
+    write_departure,
+)
+from composer_replication.exchange.store import ObjectStore
+from composer_replication.executors.executor import RankLauncher, ReplicaHandle, ServerlessExecutor
+from composer_replication.run.metrics import MetricsSink
+from composer_replication.run.processes import pid_alive
+from composer_replication.run.status import health_now
+
+__all__ = [
+    "FENCE_WAIT_S",
+    "SILENT_AFTER_S",
+    "Departures",
+    "HealthLog",
+    "Restarter",
+    "failure_reason",
+    "fence_previous_launch",
+    "final_status",
+    "without_it",
+]
+
+
+FENCE_WAIT_S = 4 * HEARTBEAT_EVERY_S  # how long --resume waits for fenced replicas to stop
+
+
+def live_replicas(store: ObjectStore) -> dict[str, Any]:
+    """The run's replicas/learners whose heartbeats are fresh and whose process may still run
+    (a heartbeat from this machine whose pid is gone is not alive), keyed role/id."""
+    here = socket.gethostname()
+    out = {}
+    for key, member in read_liveness(store, roles=[REPLICA_ROLE, LEARNER_ROLE]).items():
+        hb = member.heartbeat
+        if member.status != "alive" or hb is None:
+            continue
+        if hb.host == here and hb.pid is not None and not pid_alive(hb.pid):
+            continue
+        out[key] = member
+    return out
+
+
+def fence_previous_launch(
+    store: ObjectStore, generation: int, say: Callable[[str], None], wait_s: float | None = None
+) -> None:
+    """--resume, after writing ``generation``: wait until the replicas of the earlier launch
+    that still send heartbeats stop (they check the generation at their next heartbeat and
+    write); ConfigError naming them when they do not within ``wait_s``."""
+    wait_s = FENCE_WAIT_S if wait_s is None else wait_s
+    live = live_replicas(store)
+    if not live:
+        return
+    names = ", ".join(f"{k} (pid {m.heartbeat.pid} on {m.heartbeat.host})" for k, m in live.items())
+    say(
+        f"--resume: replicas of the earlier launch still run: {names}; fenced them "
+        f"(run generation {generation}), waiting up to {wait_s:g} s for them to stop"
+    )
+    fenced_at = time.time()
+    deadline = time.monotonic() + wait_s
+    while True:
+        # alive = a heartbeat written well after the fence (a fenced replica writes none), or
+        # a process of this machine that still runs
+        here = socket.gethostname()
+        still = {
+            k: m
+            for k, m in live_replicas(store).items()
+            if m.heartbeat.host == here or m.heartbeat.time > fenced_at - 1.0
+        }
+        if not still or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    if still:
+        names = ", ".join(
+            f"{k} (pid {m.heartbeat.pid} on {m.heartbeat.host}, heartbeat {m.age_s:.0f} s ago)"
+            for k, m in still.items()
+        )
+        raise ConfigError(
+            f"--resume: replicas of this run are still alive after being fenced: {names}. Stop "
+            "them first (kill the pid, or cancel the job on its backend), then resume again"
+        )
+
+
+def failure_reason(handle: ReplicaHandle) -> str:
+    """The one-line reason a replica failed, without the log tail that follows it in `error`
+    (shown by `status` and kept in driver.json)."""
+    why = str(handle.error or f"exit code {handle.exit_code}").splitlines()[0]
+    return why.split("; last log lines")[0][:200]
+
+
+def without_it(config: RunConfig, gone: int) -> str:
+    """What the other replicas do once `gone` replicas have departed, by `diloco.min_replicas`
+    (unset: every replica): go on, or wait up to `diloco.timeout_s` and fail the round."""
+    n = config.backend.n_replicas
+    quorum = config.diloco.min_replicas or n
+    if n - gone >= quorum:
+        return "the others go on without waiting for it"
+    return (
+        f"the others cannot go on without it: diloco.min_replicas = {quorum} of {n} "
+        f"replicas (they wait up to diloco.timeout_s = {config.diloco.timeout_s:g} s, then "
+        f"the round fails; set diloco.min_replicas below {n} to go on without a replica)"
+    )
+
+
+class Restarter:
+    """Relaunch a failed replica (same rank) up to `backend.max_restarts` times: it reads the
+    run config from the store and rejoins from the newest global state, as at a resume. The new
+    handle takes the old one's place in the driver's list (the chaos harness sees it too)."""
+
+    def __init__(
+        self,
+        config: RunConfig,
+        executor: ServerlessExecutor,
+        entrypoint: str,
+        env: dict[str, str],
+        secrets: dict[int, dict[str, str]] | None,
+    ) -> None:
+        self.config, self.executor, self.env, self.secrets = config, executor, env, secrets
+        self.entrypoint = entrypoint
+        self.used = [0] * config.backend.n_replicas
+        self._refused = False
+
+    def will_restart(self, rank: int) -> bool:
+        limit = self.config.backend.max_restarts
+        return isinstance(self.executor, RankLauncher) and self.used[rank] < limit
+
+    def restart_failed(self, handles: list[ReplicaHandle]) -> list[str]:
+        messages = []
+        limit = self.config.backend.max_restarts
+        for i, handle in enumerate(handles):
+            rank = handle.replica_id
+            if handle.status.value != "failed" or self.used[rank] >= limit:
+                continue
+            if not isinstance(self.executor, RankLauncher):
+                if not self._refused:
+                    self._refused = True
+                    messages.append(
+                        f"the {type(self.executor).__name__} executor cannot "
+                        "relaunch one rank: failed replicas stay failed"
+                    )
+                continue
+            self.used[rank] += 1
+            why = failure_reason(handle)
+            try:
+                (new,) = self.executor.launch_ranks(
+                    [rank],
+                    self.config.backend.n_replicas,
+                    self.entrypoint,
+                    {"rendezvous": self.config.store.uri},
+                    env=self.env,
+                    resources=dict(self.config.backend.resources) or None,
+                    secrets={rank: self.secrets[rank]} if self.secrets else None,
+                )
+            except Exception as exc:  # the old handle stays failed; the run decides as before
+                messages.append(
+                    f"replica {rank} failed ({why}); relaunching it failed: "
+                    f"{type(exc).__name__}: {exc}"
+                )
+                continue
+            new.restarts = handle.restarts + 1
+            handles[i] = new
+            messages.append(
+                f"replica {rank} failed ({why}); restarted "
+                f"({self.used[rank]} of {limit}), it rejoins from the store"
+            )
+        return messages
+
+
+SILENT_AFTER_S = STALE_AFTER_S  # a running replica without a heartbeat this long is departed
+
+
+class Departures:
+    """When the outer-loop mode's peers wait for each other in the store (sync DiLoCo over the
+    object store, `OuterLoopMode.store_departures`): declare a replica departed the moment its
+    process is seen to
+    have failed (before a relaunch, or for good), or when a replica the executor still reports
+    running has sent no heartbeat for SILENT_AFTER_S (stopped, hung, partitioned), so that its
+    peers stop waiting for it; a silent one that beats again is taken back."""
+
+    def __init__(
+        self, config: RunConfig, mode: OuterLoopMode, store: ObjectStore, every_s: float = 2.0
+    ) -> None:
+        self.config = config
+        self.store = store
+        self.enabled = mode.store_departures
+        self.role = mode.worker_role
+        self.every_s = every_s
+        self._noted: set[str] = set()  # job ids already declared
+        self._silent: set[int] = set()  # ranks declared for want of heartbeats
+        self._lost: set[int] = set()  # ranks that failed with no restart left
+        self._last = 0.0
+
+    def note_silent(self, handles: list[ReplicaHandle]) -> list[str]:
+        """Every few seconds: departures for running replicas whose heartbeats stopped, and
+        their withdrawal when the heartbeats come back."""
+        now_m = time.monotonic()
+        if not self.enabled or now_m - self._last < self.every_s:
+            return []
+        self._last = now_m
+        try:
+            members = read_liveness(self.store, roles=[self.role])
+        except (OSError, ValueError):  # the store is unreachable for a moment: next time
+            return []
+        messages, now = [], time.time()
+        for h in handles:
+            if h.status.value != "running":
+                continue
+            rank = h.replica_id
+            member = members.get(f"{self.role}/{rank}")
+            hb = member.heartbeat if member is not None else None
+            # silence counts from this incarnation's first heartbeat (start-up may be long; a
+            # crash before it is a process exit, which `note` sees)
+            if hb is None or hb.state != "running" or hb.time < (h.start_time or 0.0):
+                continue
+            silent = now - hb.time
+            try:
+                if silent > SILENT_AFTER_S and rank not in self._silent:
+                    write_departure(
+                        self.store, self.role, rank, reason=f"no heartbeat for {silent:.0f} s"
+                    )
+                    self._silent.add(rank)
+                    gone = len(self._silent | self._lost)
+                    messages.append(
+                        f"replica {rank} sent no heartbeat for {silent:.0f} s: "
+                        f"{without_it(self.config, gone)}"
+                    )
+                elif silent <= SILENT_AFTER_S and rank in self._silent:
+                    clear_departure(self.store, self.role, rank)
+                    self._silent.discard(rank)
+                    messages.append(f"replica {rank} sends heartbeats again: it is waited for")
+            except OSError as exc:  # the next poll tries again
+                messages.append(f"could not update replica {rank}'s departure: {exc!r}")
+        return messages
+
+    def note(self, handles: list[ReplicaHandle], restarter: Restarter) -> list[str]:
+        messages = []
+        for h in handles:
+            if not self.enabled or h.status.value != "failed" or h.job_id in self._noted:
+                continue
+            self._noted.add(h.job_id)
+            self._silent.discard(h.replica_id)  # its process is gone: no longer just silent
+            why = failure_reason(h)
+            again = restarter.will_restart(h.replica_id)
+            reason = f"{why}; {'being restarted' if again else 'no restarts left'}"
+            try:
+                write_departure(self.store, self.role, h.replica_id, reason=reason)
+            except OSError as exc:  # the peers then wait for it as before (timeout_s)
+                messages.append(f"could not declare replica {h.replica_id} departed: {exc!r}")
+                continue
+            if not again:
+                self._lost.add(h.replica_id)
+                gone = len(self._silent | self._lost)
+                messages.append(
+                    f"replica {h.replica_id} is lost ({why}); {without_it(self.config, gone)}"
+                )
+        return messages
+
+
+class HealthLog:
+    """Every few seconds: the run state from the store's heartbeats (run/status.py); a
+    "health" metric record whenever it changes (and every minute)."""
+
+    def __init__(
+        self,
+        mode: OuterLoopMode,
+        n_replicas: int,
+        store: ObjectStore,
+        sink: MetricsSink,
+        every_s: float = 5.0,
+    ) -> None:
+        self.store, self.sink, self.every_s = store, sink, every_s
+        self.mode, self.n = mode, n_replicas
+        self.started = time.time()  # built as the replicas are launched: the start-up window
+        self._last = 0.0
+        self._last_written = 0.0
+        self._state: str | None = None
+
+    def poll(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last < self.every_s:
+            return
+        self._last = now
+        try:
+            h = health_now(self.store, mode=self.mode, n_replicas=self.n, started=self.started)
+        except Exception:  # the store is unreachable for a moment: the next poll retries
+            return
+        if h["state"] != self._state or force or now - self._last_written > 60:
+            self._state = h["state"]
+            self._last_written = now
+            sync = h.get("synchronizer") or {}
+            versions = sync.get("versions")
+            self.sink.write(
+                [
+                    {
+                        "time": time.time(),
+                        "replica": -1,
+                        "kind": "health",
+                        "step": 0,
+                        "round": 0,
+                        "health/state": h["state"],
+                        "health/level": h["level"],
+                        "health/reasons": "; ".join(h["reasons"]),
+                        "health/alive": h["alive_workers"],
+                        "health/merges": sync.get("merges"),
+                        "health/versions": sum(versions) if isinstance(versions, list) else None,
+                    }
+                ]
+            )
+
+
+def final_status(mode: OuterLoopMode, handles: list[ReplicaHandle], n_replicas: int) -> str:
+    """Every replica has ended: "finished" when all succeeded, or when the ones that failed for
+    good leave enough that completed training for the mode to count the run finished (sync:
+    at least diloco.min_replicas)."""
+    failed = [h for h in handles if h.status.value != "succeeded"]
+    if not failed:
+        return "finished"
+    survivors = len(handles) - len(failed)
+    lost_only = all(h.status.value == "failed" for h in failed)
+    if lost_only and mode.elastic(n_replicas) and mode.may_finish_without(survivors, n_replicas):
+        return "finished"
+    return "failed"

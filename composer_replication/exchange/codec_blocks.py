@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -183,7 +184,7 @@ def step_bound(t: torch.Tensor, block_step: Callable[[torch.Tensor], torch.Tenso
     return (step / 2) * (1 + 1e-5) + flat.abs() * 1e-6 + tiny
 
 
-class DenseCodec:
+class DenseCodec(ABC):
     """What the dense codecs (every element on the wire, a fixed layout) have in common.
 
     Subclasses give ``name``, :meth:`layout`, :meth:`encode`, :meth:`decode_pass` and
@@ -200,18 +201,21 @@ class DenseCodec:
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
+    @abstractmethod
     def layout(self, numel: int) -> PartLayout:
-        raise NotImplementedError
+        """Implemented by each dense codec."""
 
+    @abstractmethod
     def encode(self, t: torch.Tensor) -> Parts:
-        raise NotImplementedError
+        """Implemented by each dense codec."""
 
+    @abstractmethod
     def decode_pass(self, parts: Parts, out_numel: int) -> DecodePass:
         """A :data:`DecodePass` over ``parts`` (with any unpacking buffers it needs)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def max_abs_error_bound(self, t: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """Implemented by each dense codec."""
 
     def expected_parts(self, numel: int, meta: torch.Tensor | None = None) -> PartLayout:
         return self.layout(numel)

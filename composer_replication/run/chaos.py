@@ -1,25 +1,9 @@
 """The chaos harness: inject real faults into a running run, then check that nothing was lost.
 
 Usable from tests, benchmarks and `composer-replication train` (``[chaos]`` on the local
-backend). Faults are real signals and real bytes, never simulated inside the replicas:
-
-    kill               SIGKILL a replica's process group; ``during="upload"`` freezes the replica
-                       (SIGSTOP) at random moments until it is caught writing a contribution or
-                       push (file://: an open temporary file whose safetensors header says
-                       "contribution", which only a push of a few MB leaves open long enough
-                       to be caught; S3: a PUT of its key half-way through the throttling proxy,
-                       slowed to 1 MB/s while probing), then kills it frozen there, so the
-                       upload is cut in the middle
-    stop               SIGSTOP for ``duration_s``, then SIGCONT
-    slow               SIGSTOP/SIGCONT duty cycle for ``duration_s``: runs 1/``factor`` of the time
-    corrupt            flip bytes in the middle of an object: the newest push ("push",
-                       "push:<rank>"; the synchronizer is frozen meanwhile and a push it has not
-                       yet seen is chosen), the newest global fragment ("global"), or the newest
-                       sync-mode contribution ("contribution", "contribution:<rank>")
-    kill_synchronizer  SIGKILL the decoupled run's synchronizer; it is started again after
-                       ``restart_after_s`` (and must wait for its lease to expire)
-    throttle           limit the bytes per second through the S3 endpoint (`ThrottleProxy`
-                       between the replicas and the server); file:// has no connection to throttle
+backend). Faults are real signals and real bytes, never simulated inside the replicas; the
+fault kinds (kill, stop, slow, corrupt, kill_synchronizer, throttle) are listed, with what each
+does, in `composer_replication.faults.injector`'s docstring.
 
 The injector and the proxy live in `composer_replication.faults` (built from the run config
 in assembly/services.py; their names are re-exported here). This module runs a whole local run

@@ -244,75 +244,120 @@ def build_parser() -> argparse.ArgumentParser:
         "under ./runs/<name>/ (a few minutes on a laptop CPU, no network).",
     )
     p.add_argument("args", nargs="*", metavar="[CONFIG.toml] [section.key=value]", help=CONFIG_HELP)
-    p.add_argument("--resume", metavar="RUN", help="continue RUN (a run folder or a name under "
-                   "runs/) from its last committed outer round")  # fmt: skip
+    p.add_argument(
+        "--resume",
+        metavar="RUN",
+        help="continue RUN (a run folder or a name under "
+        "runs/) from its last committed outer round",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace an existing run folder")
     p.add_argument("--name", help="run name (same as run.name=...)")
     p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("report", help="draw plots and a markdown summary of a run",
-                       description="Write <run>/plots/*.png and <run>/summary.md from the "
-                       "run's metrics.")  # fmt: skip
+    p = sub.add_parser(
+        "report",
+        help="draw plots and a markdown summary of a run",
+        description="Write <run>/plots/*.png and <run>/summary.md from the run's metrics.",
+    )
     p.add_argument("run", metavar="RUN", help="run folder (or its name under runs/)")
     p.set_defaults(func=cmd_report)
 
-    p = sub.add_parser("status", help="replicas, outer round, lag and health of a run",
-                       description="Show each replica's state, step, outer round, lag and "
-                       "health (works while the run is going).")  # fmt: skip
+    p = sub.add_parser(
+        "status",
+        help="replicas, outer round, lag and health of a run",
+        description="Show each replica's state, step, outer round, lag and "
+        "health (works while the run is going).",
+    )
     p.add_argument("run", metavar="RUN", help="run folder (or its name under runs/)")
     p.add_argument("--json", action="store_true", help="print JSON")
-    p.add_argument("--stale-after", type=float, default=120.0, metavar="SECONDS",
-                   help="a running replica silent this long is 'stale' (default 120)")  # fmt: skip
+    p.add_argument(
+        "--stale-after",
+        type=float,
+        default=120.0,
+        metavar="SECONDS",
+        help="a running replica silent this long is 'stale' (default 120)",
+    )
     p.set_defaults(func=cmd_status)
 
-    p = sub.add_parser("config", help="show or validate a configuration",
-                       description="Print the resolved configuration or check it.")  # fmt: skip
+    p = sub.add_parser(
+        "config",
+        help="show or validate a configuration",
+        description="Print the resolved configuration or check it.",
+    )
     csub = p.add_subparsers(dest="config_command", metavar="ACTION")
     csub.required = True
-    q = csub.add_parser("show", help="print the resolved config (TOML)",
-                        description="Print the resolved configuration: defaults, file, "
-                        "overrides.")  # fmt: skip
+    q = csub.add_parser(
+        "show",
+        help="print the resolved config (TOML)",
+        description="Print the resolved configuration: defaults, file, overrides.",
+    )
     q.add_argument("args", nargs="*", metavar="[CONFIG.toml] [section.key=value]", help=CONFIG_HELP)
     q.add_argument("--json", action="store_true", help="print JSON instead of TOML")
     q.set_defaults(func=cmd_config)
-    q = csub.add_parser("validate", help="check configs without running them",
-                        description="Check types, keys, model path, task and backend of each "
-                        "config given (`config validate examples/*.toml`; the overrides apply "
-                        "to every one); exit 2 with a message when something is wrong.")  # fmt: skip
-    q.add_argument("args", nargs="*", metavar="[CONFIG.toml ...] [section.key=value]",
-                   help="any number of TOML configs (none: the embedded demo) followed by "
-                   "section.key=value overrides applied to each")  # fmt: skip
-    q.add_argument("--check-store", action="store_true",
-                   help="also probe that store.uri is writable (writes and deletes one object)")  # fmt: skip
+    q = csub.add_parser(
+        "validate",
+        help="check configs without running them",
+        description="Check types, keys, model path, task and backend of each "
+        "config given (`config validate examples/*.toml`; the overrides apply "
+        "to every one); exit 2 with a message when something is wrong.",
+    )
+    q.add_argument(
+        "args",
+        nargs="*",
+        metavar="[CONFIG.toml ...] [section.key=value]",
+        help="any number of TOML configs (none: the embedded demo) followed by "
+        "section.key=value overrides applied to each",
+    )
+    q.add_argument(
+        "--check-store",
+        action="store_true",
+        help="also probe that store.uri is writable (writes and deletes one object)",
+    )
     q.set_defaults(func=cmd_config)
 
-    p = sub.add_parser("bake-traces", help="record teacher traces ahead of training",
-                       description="Run the configured teachers (or the task oracle) on the "
-                       "task's prompts and write trace JSONL for teachers.traces_path.")  # fmt: skip
+    p = sub.add_parser(
+        "bake-traces",
+        help="record teacher traces ahead of training",
+        description="Run the configured teachers (or the task oracle) on the "
+        "task's prompts and write trace JSONL for teachers.traces_path.",
+    )
     p.add_argument("args", nargs="*", metavar="[CONFIG.toml] [section.key=value]", help=CONFIG_HELP)
     p.add_argument("--out", required=True, help="output JSONL file")
     p.add_argument("--split", choices=("train", "eval"), default="train", help="prompts to use")
     p.add_argument("--limit", type=int, default=None, help="at most this many prompts")
-    p.add_argument("--overwrite", action="store_true",
-                   help="start --out afresh (default: resume it, asking only for prompts that "
-                   "have no trace yet)")  # fmt: skip
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start --out afresh (default: resume it, asking only for prompts that "
+        "have no trace yet)",
+    )
     p.set_defaults(func=cmd_bake_traces)
 
-    p = sub.add_parser("replica", help="run one replica (what executors launch)",
-                       description="Run one DiLoCo replica: read the run config from the store, "
-                       "train, synchronise, report. Rank from REPLICA_RANK (or --rank).")  # fmt: skip
+    p = sub.add_parser(
+        "replica",
+        help="run one replica (what executors launch)",
+        description="Run one DiLoCo replica: read the run config from the store, "
+        "train, synchronise, report. Rank from REPLICA_RANK (or --rank).",
+    )
     p.add_argument("--rendezvous", help="store URI of the run (default: $DILOCO_RENDEZVOUS)")
     p.add_argument("--rank", type=int, default=None, help="replica rank (default: $REPLICA_RANK)")
     p.set_defaults(func=cmd_replica)
 
-    p = sub.add_parser("synchronizer", help="run a decoupled run's synchronizer",
-                       description="Merge the learners' fragment pushes of a run with "
-                       "diloco.mode = 'decoupled' (the driver runs one itself unless "
-                       "diloco.synchronizer = 'external'). Several may run: a lease in the "
-                       "store keeps one active, the others take over when it dies.")  # fmt: skip
+    p = sub.add_parser(
+        "synchronizer",
+        help="run a decoupled run's synchronizer",
+        description="Merge the learners' fragment pushes of a run with "
+        "diloco.mode = 'decoupled' (the driver runs one itself unless "
+        "diloco.synchronizer = 'external'). Several may run: a lease in the "
+        "store keeps one active, the others take over when it dies.",
+    )
     p.add_argument("run", metavar="RUN_FOLDER_OR_URI", help="run folder or the run's store URI")
-    p.add_argument("--storage-options", default=None, metavar="JSON",
-                   help="fsspec options (default: $COMPOSER_STORAGE_OPTIONS or the run's)")  # fmt: skip
+    p.add_argument(
+        "--storage-options",
+        default=None,
+        metavar="JSON",
+        help="fsspec options (default: $COMPOSER_STORAGE_OPTIONS or the run's)",
+    )
     p.set_defaults(func=cmd_synchronizer)
     return parser
 

@@ -168,8 +168,11 @@ def load_tokenizer(name: str, *, trust_remote_code: bool = False) -> Any:
             "it (transformers overrides the class for this model type), which may encode "
             "differently; loading its tokenizer.json as written instead. Elsewhere, load it with "
             "PreTrainedTokenizerFast.from_pretrained(%r).",
-            name, recorded, type(tok).__name__, name,
-        )  # fmt: skip
+            name,
+            recorded,
+            type(tok).__name__,
+            name,
+        )
         tok = PreTrainedTokenizerFast.from_pretrained(name)
     return tok
 

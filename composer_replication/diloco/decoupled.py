@@ -152,9 +152,11 @@ class DecoupledLearner:
             )
         if not 0.0 <= alpha <= 1.0:
             raise ValueError(f"alpha must be in [0, 1], got {alpha}")
-        for key, value in (("poll_interval_s", poll_interval_s),
-                           ("drain_timeout_s", drain_timeout_s),
-                           ("heartbeat_every_s", heartbeat_every_s or 1.0)):  # fmt: skip
+        for key, value in (
+            ("poll_interval_s", poll_interval_s),
+            ("drain_timeout_s", drain_timeout_s),
+            ("heartbeat_every_s", heartbeat_every_s or 1.0),
+        ):
             if not value > 0:
                 raise ValueError(f"{key} must be > 0, got {value!r}")
         self.store = store
@@ -231,8 +233,10 @@ class DecoupledLearner:
         from composer_replication.diloco.outer_loop import unwrap_optimizer
 
         if optimizer is None:
-            raise ValueError("the learner needs the inner optimizer: pass inner_optimizer= or "
-                             "use learner.callback() with a Hugging Face trainer")  # fmt: skip
+            raise ValueError(
+                "the learner needs the inner optimizer: pass inner_optimizer= or "
+                "use learner.callback() with a Hugging Face trainer"
+            )
         self.inner_optimizer = unwrap_optimizer(optimizer)
         if model is not None and self.model is None:
             self.model = model
@@ -249,9 +253,10 @@ class DecoupledLearner:
             fragments = [whole_model_fragment(params)]
         self.fragments = list(fragments)
         embedding_ids = {
-            id(m.weight) for m in (self.model.modules() if self.model is not None else [])
+            id(m.weight)
+            for m in (self.model.modules() if self.model is not None else [])
             if isinstance(m, nn.Embedding)
-        }  # fmt: skip
+        }
         mean_only: list[list[str]] = []
         for frag in self.fragments:
             named = list(frag.named_parameters())
@@ -259,8 +264,9 @@ class DecoupledLearner:
             self._params.append([p for _, p in named])
             mean_only.append([n for n, p in named if id(p) in embedding_ids])
         snapshot = [self._local(i) for i in range(self.num_fragments)]
-        manifest = fragment_manifest(snapshot, n_learners=self.n_learners, codec=self.docs.codec,
-                                     mean_only=mean_only)  # fmt: skip
+        manifest = fragment_manifest(
+            snapshot, n_learners=self.n_learners, codec=self.docs.codec, mean_only=mean_only
+        )
         manifest = self.docs.ensure_manifest(manifest)
         self._reference = [DecoupledStore.reference(manifest, i) for i in range(self.num_fragments)]
         for i, tensors in enumerate(snapshot):
@@ -274,14 +280,20 @@ class DecoupledLearner:
             self._load_fragment(i, tensors, alpha=0.0)
         self.start_versions = list(self.versions)
         self._bound = True
-        log.info("learner %d: starts at step %d from global versions %s", self.learner,
-                 self.step, self.versions)  # fmt: skip
+        log.info(
+            "learner %d: starts at step %d from global versions %s",
+            self.learner,
+            self.step,
+            self.versions,
+        )
         return self
 
     def _local(self, i: int) -> dict[str, torch.Tensor]:
         """Fragment i's current weights as float32 CPU copies."""
-        return {n: p.detach().to("cpu", torch.float32).clone()
-                for n, p in zip(self._names[i], self._params[i])}  # fmt: skip
+        return {
+            n: p.detach().to("cpu", torch.float32).clone()
+            for n, p in zip(self._names[i], self._params[i])
+        }
 
     def _newest_global(self, i: int) -> tuple[int, dict[str, torch.Tensor]]:
         """The newest readable global version of fragment i (one LIST; corrupt ones skipped)."""
@@ -318,8 +330,9 @@ class DecoupledLearner:
             threading.Thread(target=self._fetch_loop, name="learner-fetch", daemon=True),
         ]
         if self.heartbeat_every_s is not None:
-            self._threads.append(threading.Thread(target=self._heartbeat_loop,
-                                                  name="learner-heartbeat", daemon=True))  # fmt: skip
+            self._threads.append(
+                threading.Thread(target=self._heartbeat_loop, name="learner-heartbeat", daemon=True)
+            )
         for t in self._threads:
             t.start()
         self._last_step_end = time.monotonic()
@@ -395,14 +408,21 @@ class DecoupledLearner:
             self.pushes_skipped += 1
             return
         with torch.no_grad():
-            delta = {n: self.base[i][n] - p.detach().to("cpu", torch.float32)
-                     for n, p in zip(self._names[i], self._params[i])}  # fmt: skip
+            delta = {
+                n: self.base[i][n] - p.detach().to("cpu", torch.float32)
+                for n, p in zip(self._names[i], self._params[i])
+            }
         fields = {
-            "fragment": i, "base": self.versions[i], "learner": self.learner,
-            "steps": self._since_base[i], "tokens": self._tokens_base[i],
-            "steps_since_push": self._since_push[i], "step_seconds": self._step_s or 0.0,
-            "learner_step": self.step, "final": final,
-        }  # fmt: skip
+            "fragment": i,
+            "base": self.versions[i],
+            "learner": self.learner,
+            "steps": self._since_base[i],
+            "tokens": self._tokens_base[i],
+            "steps_since_push": self._since_push[i],
+            "step_seconds": self._step_s or 0.0,
+            "learner_step": self.step,
+            "final": final,
+        }
         self._since_push[i] = 0
         with self._queue_cv:
             replaced = self._queue.get(i)
@@ -485,8 +505,9 @@ class DecoupledLearner:
         self.written.append(pid.name)
         self.bytes_uploaded += nbytes
         try:
-            self.docs.write_progress(self.learner, step=int(fields["learner_step"]), done=False,
-                                     last_push=pid.name)  # fmt: skip
+            self.docs.write_progress(
+                self.learner, step=int(fields["learner_step"]), done=False, last_push=pid.name
+            )
         except OSError as e:
             log.warning("learner %d: progress document not written: %r", self.learner, e)
 
@@ -528,10 +549,16 @@ class DecoupledLearner:
     def _beat(self) -> None:
         try:
             write_heartbeat(
-                self.store, LEARNER_ROLE, self.learner, state=self._state, step=self.step,
-                versions=list(self.versions), pushes=self.pushes, applied=self.applied,
+                self.store,
+                LEARNER_ROLE,
+                self.learner,
+                state=self._state,
+                step=self.step,
+                versions=list(self.versions),
+                pushes=self.pushes,
+                applied=self.applied,
                 step_s=self._step_s,
-            )  # fmt: skip
+            )
         except (OSError, ValueError) as e:
             log.warning("learner %d: heartbeat failed: %r", self.learner, e)
 
@@ -561,8 +588,11 @@ class DecoupledLearner:
             if self._since_push[i] > 0:
                 self.push(i, final=True)  # (skipped if nothing trained since its base)
         if not self.wait_for_uploads(self.drain_timeout_s):
-            log.warning("learner %d: final pushes not written within %.0fs", self.learner,
-                        self.drain_timeout_s)  # fmt: skip
+            log.warning(
+                "learner %d: final pushes not written within %.0fs",
+                self.learner,
+                self.drain_timeout_s,
+            )
         self.docs.write_progress(self.learner, step=self.step, done=True)
         self.trained_until = time.time()
         self._state = "done"
@@ -577,8 +607,12 @@ class DecoupledLearner:
             final = None
             time.sleep(self.poll_interval_s)
         if final is None:
-            log.warning("learner %d: no final versions within drain_timeout_s=%.0f; keeping the "
-                        "newest globals", self.learner, self.drain_timeout_s)  # fmt: skip
+            log.warning(
+                "learner %d: no final versions within drain_timeout_s=%.0f; keeping the "
+                "newest globals",
+                self.learner,
+                self.drain_timeout_s,
+            )
             heads = self.docs.read_heads(self.num_fragments)
         else:
             heads = list(final["versions"])

@@ -296,8 +296,9 @@ class TorchFTManager:
         if self._healed:
             logger.info("healed from a peer at step %s", self.manager.current_step())
             self._heal_pending = True
-            self.history.append(round_record(self.manager.current_step(), committed=True,
-                                             healed=True))  # fmt: skip
+            self.history.append(
+                round_record(self.manager.current_step(), committed=True, healed=True)
+            )
 
     def current_step(self) -> int:
         return self.manager.current_step()
@@ -322,9 +323,10 @@ class TorchFTManager:
         if not committed:
             err = self.manager.errored()
             record["error"] = (
-                f"{type(err).__name__}: {err}".splitlines()[0] if err is not None
+                f"{type(err).__name__}: {err}".splitlines()[0]
+                if err is not None
                 else "should_commit was False (fewer than min_replicas, or a peer failed)"
-            )  # fmt: skip
+            )
         self.history.append(record)
         self._tokens, self._inner_steps, self._payload_bytes = None, 0, 0
         if committed and step % self.checkpoint_every == 0:

@@ -392,6 +392,8 @@ def run_health(
         state = "starting"
         waiting = [f"{worker_role} {', '.join(coming)}"] if coming else []
         waiting += [f"the {synchronizer_role}"] if sync_coming else []
-        reasons = [f"{len(alive)} of {len(unfinished)} {worker_role}s up; waiting for the first "
-                   f"heartbeat of {' and '.join(waiting)}"]  # fmt: skip
+        reasons = [
+            f"{len(alive)} of {len(unfinished)} {worker_role}s up; waiting for the first "
+            f"heartbeat of {' and '.join(waiting)}"
+        ]
     return RunHealth(state, reasons, len(alive), n_workers)

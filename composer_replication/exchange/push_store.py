@@ -612,9 +612,18 @@ class DecoupledStore:
         without a merge record naming it, with why: refused (it does not decode or verify), or
         dropped or screened out when no merge happened. So that an audit can tell such a push
         from one the synchronizer never looked at."""
-        self.store.put_if_absent(f"{REFUSED_PREFIX}{pid.name}.json", json.dumps(
-            {"format": FORMAT, "kind": "refused", "push": pid.name, "reason": str(reason)[:2000],
-             "time": time.time()}).encode())  # fmt: skip
+        self.store.put_if_absent(
+            f"{REFUSED_PREFIX}{pid.name}.json",
+            json.dumps(
+                {
+                    "format": FORMAT,
+                    "kind": "refused",
+                    "push": pid.name,
+                    "reason": str(reason)[:2000],
+                    "time": time.time(),
+                }
+            ).encode(),
+        )
 
     def read_refusals(self) -> dict[str, str]:
         """push name -> why it was refused, for every refusal record (malformed records are

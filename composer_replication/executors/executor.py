@@ -584,9 +584,13 @@ class ExecutorBase(SupervisorBase):
         """The handle `_start` returns: this backend's, started now unless start_time is given."""
         start = time.time() if start_time is None else start_time
         return ReplicaHandle(
-            replica_id=rank, backend=self.backend, job_id=job_id, status=status,
-            start_time=start, log_location=log_location,
-        )  # fmt: skip
+            replica_id=rank,
+            backend=self.backend,
+            job_id=job_id,
+            status=status,
+            start_time=start,
+            log_location=log_location,
+        )
 
     def _prepare(
         self,
@@ -616,9 +620,14 @@ class ExecutorBase(SupervisorBase):
         """Start ranks 0..n_replicas-1 (see `launch_ranks`)."""
         self.check_launch(n_replicas, entrypoint)
         return self.launch_ranks(
-            range(n_replicas), n_replicas, entrypoint, entrypoint_args, env=env,
-            resources=resources, secrets=secrets,
-        )  # fmt: skip
+            range(n_replicas),
+            n_replicas,
+            entrypoint,
+            entrypoint_args,
+            env=env,
+            resources=resources,
+            secrets=secrets,
+        )
 
     def launch_ranks(
         self,

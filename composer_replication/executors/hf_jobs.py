@@ -83,8 +83,10 @@ class HFJobsExecutor(ExecutorBase):
     ) -> None:
         hub = import_sdk("huggingface_hub", "hf-jobs")
         if not image or not isinstance(image, str):
-            raise ValueError("HFJobsExecutor needs image='repo/name:tag' (a Docker image with "
-                             "Python and composer-replication installed); none was given")  # fmt: skip
+            raise ValueError(
+                "HFJobsExecutor needs image='repo/name:tag' (a Docker image with "
+                "Python and composer-replication installed); none was given"
+            )
         self._check_flavor(flavor)
         self.image = image
         self.flavor = flavor
@@ -198,6 +200,6 @@ class HFJobsExecutor(ExecutorBase):
                     follow=False,
                     tail=tail,
                     token=self._token,
-                )  # fmt: skip
+                )
             )
         return "".join(line if line.endswith("\n") else line + "\n" for line in lines)

@@ -98,8 +98,10 @@ class K8sExecutor(ExecutorBase):
         request_timeout: float = 30.0,
     ) -> None:
         if not image or not isinstance(image, str):
-            raise ValueError("K8sExecutor needs image='registry/repo:tag' (an image with Python "
-                             "and composer-replication installed); none was given")  # fmt: skip
+            raise ValueError(
+                "K8sExecutor needs image='registry/repo:tag' (an image with Python "
+                "and composer-replication installed); none was given"
+            )
         if backoff_limit_per_index < 0:
             raise ValueError(f"backoff_limit_per_index must be >= 0, got {backoff_limit_per_index}")
         self._client = import_sdk("kubernetes.client", "k8s")
@@ -189,9 +191,14 @@ class K8sExecutor(ExecutorBase):
             raise ValueError(f"K8sExecutor runs consecutive ranks as one Indexed Job, got {ranks}")
         if check_secrets(secrets, ranks):
             return super().launch_ranks(
-                ranks, world_size, entrypoint, entrypoint_args, env=env, resources=resources,
+                ranks,
+                world_size,
+                entrypoint,
+                entrypoint_args,
+                env=env,
+                resources=resources,
                 secrets=secrets,
-            )  # fmt: skip
+            )
         command, limits = self._prepare(world_size, entrypoint, entrypoint_args, resources)
         base_env = replica_env(ranks[0], world_size, entrypoint_args, env)
         rank_keys = {ENV_RANK}
@@ -216,8 +223,9 @@ class K8sExecutor(ExecutorBase):
         k = self._client
         body = k.V1Secret(
             metadata=k.V1ObjectMeta(name=name, labels={**self.labels, "diloco-job": name}),
-            string_data=dict(values), type="Opaque",
-        )  # fmt: skip
+            string_data=dict(values),
+            type="Opaque",
+        )
         with sdk_errors(
             self.backend, f"creating secret {name}", [*self._secrets, *values.values()]
         ):
@@ -232,10 +240,11 @@ class K8sExecutor(ExecutorBase):
         ref = {"apiVersion": "batch/v1", "kind": "Job", "name": job, "uid": uid}
         with sdk_errors(self.backend, f"patching secret {secret}", self._secrets):
             self.core.patch_namespaced_secret(
-                name=secret, namespace=self.namespace,
+                name=secret,
+                namespace=self.namespace,
                 body={"metadata": {"ownerReferences": [ref]}},
                 _request_timeout=self.request_timeout,
-            )  # fmt: skip
+            )
 
     def _delete_secret(self, name: str) -> None:
         try:
@@ -299,10 +308,15 @@ class K8sExecutor(ExecutorBase):
             raise
         now = time.time()
         return [
-            self._new_handle(offset + i, f"{name}/{i}", ReplicaStatus.PENDING,
-                             f"k8s://{self.namespace}/jobs/{name}/{i}", start_time=now)
+            self._new_handle(
+                offset + i,
+                f"{name}/{i}",
+                ReplicaStatus.PENDING,
+                f"k8s://{self.namespace}/jobs/{name}/{i}",
+                start_time=now,
+            )
             for i in range(count)
-        ]  # fmt: skip
+        ]
 
     # ------------------------------------------------------------------ watch
     @staticmethod
@@ -354,10 +368,18 @@ class K8sExecutor(ExecutorBase):
             completed = parse_indexes(status.completed_indexes if status else None)
             failed = parse_indexes(status.failed_indexes if status else None)
             pods = self._index_pods(name)
-            job_failed = next(
-                (c for c in (status.conditions or []) if c.type == "Failed" and c.status == "True"),
-                None,
-            ) if status else None  # fmt: skip
+            job_failed = (
+                next(
+                    (
+                        c
+                        for c in (status.conditions or [])
+                        if c.type == "Failed" and c.status == "True"
+                    ),
+                    None,
+                )
+                if status
+                else None
+            )
             for h in group:
                 index = self._split(h)[1]
                 self._update(h, name, index, completed, failed, pods.get(index, []))
@@ -368,9 +390,14 @@ class K8sExecutor(ExecutorBase):
         return handles
 
     def _update(
-        self, h: ReplicaHandle, name: str, index: int, completed: set[int], failed: set[int],
+        self,
+        h: ReplicaHandle,
+        name: str,
+        index: int,
+        completed: set[int],
+        failed: set[int],
         pods: list[Any],
-    ) -> None:  # fmt: skip
+    ) -> None:
         h.restarts = max(len(pods) - 1, 0)
         last = pods[-1] if pods else None
         state = None
@@ -416,9 +443,11 @@ class K8sExecutor(ExecutorBase):
                     self.backend, f"reading log of {pods[-1].metadata.name}", self._secrets
                 ):
                     text = self.core.read_namespaced_pod_log(
-                        name=pods[-1].metadata.name, namespace=self.namespace,
-                        tail_lines=tail, _request_timeout=self.request_timeout,
-                    )  # fmt: skip
+                        name=pods[-1].metadata.name,
+                        namespace=self.namespace,
+                        tail_lines=tail,
+                        _request_timeout=self.request_timeout,
+                    )
         except Exception:
             # A pod that is still starting has no log yet, a deleted one none any more: fall
             # back to what was saved before deletion.
@@ -441,10 +470,12 @@ class K8sExecutor(ExecutorBase):
         try:
             with sdk_errors(self.backend, f"deleting job {name}", self._secrets):
                 self.batch.delete_namespaced_job(
-                    name=name, namespace=self.namespace, propagation_policy="Foreground",
+                    name=name,
+                    namespace=self.namespace,
+                    propagation_policy="Foreground",
                     body=self._client.V1DeleteOptions(propagation_policy="Foreground"),
                     _request_timeout=self.request_timeout,
-                )  # fmt: skip
+                )
         except Exception as exc:
             if not quiet and "404" not in str(exc) and "NotFound" not in str(exc):
                 raise

@@ -37,8 +37,10 @@ def main(argv: Sequence[str] | None = None) -> Any:
     """Call the target with the rest of argv; return its result (for `sys.exit`)."""
     args = list(sys.argv[1:] if argv is None else argv)
     if not args:
-        print("usage: python -m composer_replication.executors.launch "
-              "pkg.mod:function [ARGS...]", file=sys.stderr)  # fmt: skip
+        print(
+            "usage: python -m composer_replication.executors.launch pkg.mod:function [ARGS...]",
+            file=sys.stderr,
+        )
         return 2
     function = resolve(args[0])
     # Make sys.argv look like the function's own program so that argparse inside it (when it

@@ -63,8 +63,7 @@ def _parent_death_hook() -> Callable[[], None] | None:
     except (OSError, AttributeError):
         return None
     prctl.restype = ctypes.c_int
-    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong,
-                      ctypes.c_ulong]  # fmt: skip
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
     parent = os.getpid()
     sigkill = int(signal.SIGKILL)
 
@@ -77,9 +76,13 @@ def _parent_death_hook() -> Callable[[], None] | None:
 
 
 def spawn_in_group(
-    command: list[str], env: dict[str, str], cwd: str | None, log_path: str,
-    *, die_with_parent: bool = False,
-) -> subprocess.Popen[bytes]:  # fmt: skip
+    command: list[str],
+    env: dict[str, str],
+    cwd: str | None,
+    log_path: str,
+    *,
+    die_with_parent: bool = False,
+) -> subprocess.Popen[bytes]:
     """Start command in a new session/process group, stdout+stderr appended to log_path.
 
     ``die_with_parent``: the child gets SIGKILL when this process dies (Linux, main thread;
@@ -314,8 +317,9 @@ class LocalProcessExecutor(ExecutorBase):
         job_id = f"local-{launch}-r{rank}"
         log_path = str(self.log_dir / f"replica-{rank}-{launch}.log")
         full_env = self._full_env(env)
-        proc = spawn_in_group(command, full_env, self.cwd, log_path,
-                              die_with_parent=self.die_with_driver)  # fmt: skip
+        proc = spawn_in_group(
+            command, full_env, self.cwd, log_path, die_with_parent=self.die_with_driver
+        )
         with self._lock:
             self._replicas[job_id] = _Replica(proc, command, full_env, log_path)
         return self._new_handle(rank, job_id, ReplicaStatus.RUNNING, log_path)
@@ -346,8 +350,9 @@ class LocalProcessExecutor(ExecutorBase):
                 f"\n=== composer-replication: replica {handle.replica_id} {exit_reason(code)}; "
                 f"restart {handle.restarts} of {self.max_restarts} ===\n"
             )
-        rep.proc = spawn_in_group(rep.command, rep.env, self.cwd, rep.log_path,
-                                  die_with_parent=self.die_with_driver)  # fmt: skip
+        rep.proc = spawn_in_group(
+            rep.command, rep.env, self.cwd, rep.log_path, die_with_parent=self.die_with_driver
+        )
         handle.status = ReplicaStatus.RUNNING
 
     def _terminate(self, handle: ReplicaHandle) -> None:

@@ -42,8 +42,21 @@ from composer_replication.executors.remote import stream_command
 __all__ = ["MODAL_GPUS", "ModalExecutor", "modal_credentials", "run_replica"]
 
 # GPU types Modal accepts (modal.com/docs/guide/gpu), optionally with ":N" for N per container.
-MODAL_GPUS = ("T4", "L4", "A10", "A10G", "A100", "A100-40GB", "A100-80GB", "L40S", "H100", "H100!",
-              "H200", "B200", "B200+")  # fmt: skip
+MODAL_GPUS = (
+    "T4",
+    "L4",
+    "A10",
+    "A10G",
+    "A100",
+    "A100-40GB",
+    "A100-80GB",
+    "L40S",
+    "H100",
+    "H100!",
+    "H200",
+    "B200",
+    "B200+",
+)
 
 
 def run_replica(command: list[str], env: dict[str, str]) -> dict[str, Any]:
@@ -120,8 +133,10 @@ class ModalExecutor(ExecutorBase):
     ) -> None:
         self._modal = modal_module if modal_module is not None else import_sdk("modal", "modal")
         if image is None or (isinstance(image, str) and not image.strip()):
-            raise ValueError("ModalExecutor needs image= (a registry tag or a modal.Image with "
-                             "Python and composer-replication installed); none was given")  # fmt: skip
+            raise ValueError(
+                "ModalExecutor needs image= (a registry tag or a modal.Image with "
+                "Python and composer-replication installed); none was given"
+            )
         _check_gpu(gpu)
         if not isinstance(timeout, int) or timeout <= 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")

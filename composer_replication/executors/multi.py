@@ -109,9 +109,14 @@ class MultiExecutor(SupervisorBase):
                 start += count
                 mine = {r: own[r] for r in ranks if r in own}
                 handles = executor.launch_ranks(
-                    ranks, n_replicas, entrypoint, entrypoint_args, env=env, resources=resources,
+                    ranks,
+                    n_replicas,
+                    entrypoint,
+                    entrypoint_args,
+                    env=env,
+                    resources=resources,
                     secrets=mine or None,
-                )  # fmt: skip
+                )
                 for handle in handles:
                     self._owner[id(handle)] = executor
                     self._handles[id(handle)] = handle

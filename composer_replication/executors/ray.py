@@ -236,8 +236,9 @@ class RayExecutor(ExecutorBase):
             )
         for key in ("num_cpus", "num_gpus", "memory"):
             value = resources.get(key)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
-                                      or value < 0):  # fmt: skip
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int | float) or value < 0
+            ):
                 raise ValueError(f"Ray resource {key} must be a number >= 0, got {value!r}")
         custom = resources.get("resources")
         if custom is not None and not isinstance(custom, dict):
@@ -271,8 +272,9 @@ class RayExecutor(ExecutorBase):
         log_path = str(self.log_dir / f"replica-{rank}-{launch}.log")
         worker_log = log_path if self.same_fs else None
         run_ref = actor.run.remote(command, env, self.cwd, worker_log, self._use_worker_python)
-        self._replicas[job_id] = _Replica(actor, run_ref, actor.started.remote(), log_path,
-                                          self.same_fs)  # fmt: skip
+        self._replicas[job_id] = _Replica(
+            actor, run_ref, actor.started.remote(), log_path, self.same_fs
+        )
         return self._new_handle(rank, job_id, ReplicaStatus.PENDING, log_path)
 
     def _replica(self, handle: ReplicaHandle) -> _Replica:

@@ -36,9 +36,13 @@ def stream_command(command: Sequence[str], env: dict[str, str] | None = None) ->
     A replica killed by signal S reports 128 + S, as container runtimes do.
     """
     proc = subprocess.Popen(
-        list(command), env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, bufsize=1,
-    )  # fmt: skip
+        list(command),
+        env={**os.environ, **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
+    )
     previous = signal.getsignal(signal.SIGTERM)
     in_main_thread = _in_main_thread()
     if in_main_thread:  # forward "stop" to the replica instead of dying and orphaning it
@@ -74,8 +78,11 @@ def write_failure(path: str, code: int, tail: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="composer_replication.executors.remote")
-    parser.add_argument("--failure-file", default=FAILURE_FILE,
-                        help="where to write the reason of a non-zero exit ($VARS expanded)")  # fmt: skip
+    parser.add_argument(
+        "--failure-file",
+        default=FAILURE_FILE,
+        help="where to write the reason of a non-zero exit ($VARS expanded)",
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command

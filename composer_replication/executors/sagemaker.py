@@ -98,12 +98,16 @@ class SageMakerExecutor(ExecutorBase):
     ) -> None:
         boto3 = import_sdk("boto3", "sagemaker")
         if not image or not isinstance(image, str):
-            raise ValueError("SageMakerExecutor needs image='<account>.dkr.ecr.<region>."
-                             "amazonaws.com/repo:tag' (Python + composer-replication); none given")  # fmt: skip
+            raise ValueError(
+                "SageMakerExecutor needs image='<account>.dkr.ecr.<region>."
+                "amazonaws.com/repo:tag' (Python + composer-replication); none given"
+            )
         role_arn = role_arn or os.environ.get("SAGEMAKER_ROLE_ARN")
         if not role_arn:
-            raise ValueError("SageMakerExecutor needs the execution role: role_arn='arn:aws:iam::"
-                             "<account>:role/<name>' or env SAGEMAKER_ROLE_ARN")  # fmt: skip
+            raise ValueError(
+                "SageMakerExecutor needs the execution role: role_arn='arn:aws:iam::"
+                "<account>:role/<name>' or env SAGEMAKER_ROLE_ARN"
+            )
         if not output_path or not output_path.startswith("s3://"):
             raise ValueError(f"output_path must be an s3:// prefix, got {output_path!r}")
         self._check_shape(instance_type, instance_count, max_runtime_seconds)
@@ -142,12 +146,16 @@ class SageMakerExecutor(ExecutorBase):
             gpu = sorted(
                 t for t in types if t.split(".")[1][:2] in ("p3", "p4", "p5", "g4", "g5", "g6")
             )
-            raise ValueError(f"unknown SageMaker training instance type {instance_type!r}; GPU "
-                             f"types include {gpu[:12]}... (see training_instance_types())")  # fmt: skip
+            raise ValueError(
+                f"unknown SageMaker training instance type {instance_type!r}; GPU "
+                f"types include {gpu[:12]}... (see training_instance_types())"
+            )
         if not isinstance(instance_count, int) or instance_count < 1:
             raise ValueError(f"instance_count must be an integer >= 1, got {instance_count!r}")
         if not isinstance(max_runtime, int) or not 1 <= max_runtime <= MAX_RUNTIME_LIMIT:
-            raise ValueError(f"max_runtime_seconds must be in [1, {MAX_RUNTIME_LIMIT}], got {max_runtime!r}")  # fmt: skip
+            raise ValueError(
+                f"max_runtime_seconds must be in [1, {MAX_RUNTIME_LIMIT}], got {max_runtime!r}"
+            )
 
     def check_launch(self, n_replicas: int, entrypoint: str) -> None:
         validate_launch(n_replicas, entrypoint, check_local=False)  # the code is in the image
@@ -155,8 +163,10 @@ class SageMakerExecutor(ExecutorBase):
     def _check_resources(self, resources: dict[str, Any]) -> dict[str, Any]:
         unknown = set(resources) - {"instance_type", "instance_count", "max_runtime_seconds"}
         if unknown:
-            raise ValueError("SageMakerExecutor resources take instance_type, instance_count, "
-                             f"max_runtime_seconds; got {sorted(unknown)}")  # fmt: skip
+            raise ValueError(
+                "SageMakerExecutor resources take instance_type, instance_count, "
+                f"max_runtime_seconds; got {sorted(unknown)}"
+            )
         self._check_shape(
             resources.get("instance_type", self.instance_type),
             resources.get("instance_count", self.instance_count),
@@ -176,8 +186,10 @@ class SageMakerExecutor(ExecutorBase):
         env = {**env, **secrets}  # the replica's own process environment is private to it
         bad = [k for k, v in env.items() if not _ENV_KEY.match(k) or len(v) > 512]
         if bad or len(env) > 100:
-            raise ValueError(f"SageMaker Environment allows <= 100 variables named [a-zA-Z_]"
-                             f"[a-zA-Z0-9_]* with values <= 512 chars; offending: {bad}")  # fmt: skip
+            raise ValueError(
+                f"SageMaker Environment allows <= 100 variables named [a-zA-Z_]"
+                f"[a-zA-Z0-9_]* with values <= 512 chars; offending: {bad}"
+            )
         name = f"{self.job_prefix}-{self.run_id}-r{rank}"
         tags = {**self.tags, "diloco-run": self.run_id, "diloco-rank": str(rank)}
         with sdk_errors(self.backend, f"starting replica {rank} ({name})", self._redact):
@@ -273,8 +285,11 @@ class SageMakerExecutor(ExecutorBase):
             )["events"]
             return [e["message"] for e in events]
         out: list[str] = []
-        kwargs: dict[str, Any] = {"logGroupName": LOG_GROUP, "logStreamName": stream,
-                                  "startFromHead": True}  # fmt: skip
+        kwargs: dict[str, Any] = {
+            "logGroupName": LOG_GROUP,
+            "logStreamName": stream,
+            "startFromHead": True,
+        }
         while True:
             page = self.logs_client.get_log_events(**kwargs)
             out += [e["message"] for e in page["events"]]

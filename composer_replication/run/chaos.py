@@ -23,7 +23,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from composer_replication.exchange.protocol import tensors_digest
 from composer_replication.exchange.push_store import DecoupledStore
@@ -37,6 +37,9 @@ from composer_replication.faults.injector import (
     uploading_file,
 )
 from composer_replication.faults.proxy import ThrottleProxy
+
+if TYPE_CHECKING:
+    from composer_replication.run.synchronizer_process import SynchronizerProcess
 
 __all__ = [
     "ChaosInjector",
@@ -106,9 +109,15 @@ def run_local(
     if sync is not None:
         sync.start()
     handles = executor.launch_replicas(n, entrypoint, list(args), env=env)
-    injector = ChaosInjector(events, ProcessTargets(executor, handles, sync), store, proxy=proxy,
-                             synchronizer_pid=(lambda: sync.pid) if sync else None,
-                             upload_wait_s=upload_wait_s, seed=seed)  # fmt: skip
+    injector = ChaosInjector(
+        events,
+        ProcessTargets(executor, handles, sync),
+        store,
+        proxy=proxy,
+        synchronizer_pid=(lambda: sync.pid) if sync else None,
+        upload_wait_s=upload_wait_s,
+        seed=seed,
+    )
     sync_exit: int | None = None
     try:
         deadline = t0 + timeout_s
@@ -122,25 +131,35 @@ def run_local(
                 injector.start()
             time.sleep(0.05)
         injector.stop()
-        if sync is not None:  # it finishes by itself once every learner is done
-            end = time.monotonic() + 60
-            while sync.pid is not None and time.monotonic() < end:
-                sync.ensure_running()
-                time.sleep(0.1)
-            sync_exit = sync.stop()
+        if sync is not None:
+            sync_exit = _await_synchronizer(sync)
     finally:
         injector.stop()
         executor.cancel([h for h in handles if not h.status.done])
         if sync is not None:
             sync.stop(grace_s=2)
-    logs = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-4000:]}"
-                     for p in sorted(log_path.glob("*.log")))  # fmt: skip
     return LocalRunResult(
-        log=list(injector.log), restarts=[h.restarts for h in handles],
+        log=list(injector.log),
+        restarts=[h.restarts for h in handles],
         exit_codes=[h.exit_code for h in handles],
-        synchronizer_restarts=sync.restarts if sync else 0, synchronizer_exit=sync_exit,
-        seconds=time.monotonic() - t0, logs=logs,
-    )  # fmt: skip
+        synchronizer_restarts=sync.restarts if sync else 0,
+        synchronizer_exit=sync_exit,
+        seconds=time.monotonic() - t0,
+        logs="\n".join(
+            f"--- {p.name}\n{p.read_text(errors='replace')[-4000:]}"
+            for p in sorted(log_path.glob("*.log"))
+        ),
+    )
+
+
+def _await_synchronizer(sync: SynchronizerProcess) -> int | None:
+    """Wait (up to 60 s) for the synchronizer to finish by itself, as it does once every learner
+    is done, restarting it if it died meanwhile; then stop it and return its exit code."""
+    end = time.monotonic() + 60
+    while sync.pid is not None and time.monotonic() < end:
+        sync.ensure_running()
+        time.sleep(0.1)
+    return sync.stop()
 
 
 # ----------------------------------------------------------------------------- checks
@@ -191,22 +210,14 @@ def check_decoupled_run(
         chain.check_fragment(p, versions[p])
     reports = reports or {}
     unaccounted = _unaccounted_pushes(docs, reports, chain.consumed)
-    lost_pushes = [f"push {name} was written but never consumed by a merge or refused"
-                   for name in unaccounted]  # fmt: skip
-    for rank, rep in sorted(reports.items()):
-        for key, digest in (rep.get("loaded") or {}).items():
-            if key in chain.stored_digest and chain.stored_digest[key] != digest:
-                chain.lost.append(f"learner {rank} applied fragment/version {key} with "
-                                  "different weights than the stored chain")  # fmt: skip
+    lost_pushes = [
+        f"push {name} was written but never consumed by a merge or refused" for name in unaccounted
+    ]
+    chain.lost += _misapplied(reports, chain.stored_digest)
     rejoined = _late_rejoins(kills, reports, chain.unreadable)
-    finals = {r: tuple(rep.get("final_versions") or []) for r, rep in reports.items()
-              if rep.get("final_versions") is not None}  # fmt: skip
-    digests = {r: rep.get("digest") for r, rep in reports.items() if rep.get("digest")}
-    same = (len(set(finals.values())) <= 1 and len(set(digests.values())) <= 1
-            and all(list(f) == list(versions) for f in finals.values()))  # fmt: skip
-    problems = chain.problems
-    if not same:
-        problems.append(f"learners end on different globals: {finals} {digests}")
+    different = _different_finals(reports, versions)
+    same = not different
+    problems = chain.problems + different
     problems += chain.lost + lost_pushes + [f"applied twice: {t}" for t in chain.twice]
     problems += rejoined
     problems += [f"consumed twice (not merged twice): {t}" for t in chain.reconsumed]
@@ -223,6 +234,32 @@ def check_decoupled_run(
         "same_final": same,
         "damaged_snapshots": chain.damaged,
     }
+
+
+def _misapplied(reports: dict[int, dict[str, Any]], stored_digest: dict[str, str]) -> list[str]:
+    """A learner that applied other weights than the stored chain's for a version it loaded."""
+    return [
+        f"learner {rank} applied fragment/version {key} with different weights than the stored chain"
+        for rank, rep in sorted(reports.items())
+        for key, digest in (rep.get("loaded") or {}).items()
+        if key in stored_digest and stored_digest[key] != digest
+    ]
+
+
+def _different_finals(reports: dict[int, dict[str, Any]], versions: Sequence[int]) -> list[str]:
+    """One problem when the live learners do not all end on the final versions and weights."""
+    finals = {
+        r: tuple(rep.get("final_versions") or [])
+        for r, rep in reports.items()
+        if rep.get("final_versions") is not None
+    }
+    digests = {r: rep.get("digest") for r, rep in reports.items() if rep.get("digest")}
+    same = (
+        len(set(finals.values())) <= 1
+        and len(set(digests.values())) <= 1
+        and all(list(f) == list(versions) for f in finals.values())
+    )
+    return [] if same else [f"learners end on different globals: {finals} {digests}"]
 
 
 def _unaccounted_pushes(
@@ -259,12 +296,15 @@ class _Chain:
         # every version 1..final is in the final model, each made by its record (kept for good)
         missing = sorted(set(range(1, final_version + 1)) - set(records))
         if missing:
-            self.lost.append(f"fragment {p}: merge records {missing} missing; versions 1-"
-                             f"{final_version} make the final model")  # fmt: skip
+            self.lost.append(
+                f"fragment {p}: merge records {missing} missing; versions 1-"
+                f"{final_version} make the final model"
+            )
         beyond = [v for v in records if v > final_version]
         if beyond:
-            self.lost.append(f"fragment {p}: merge records {beyond} beyond the final version "
-                             f"{final_version}")  # fmt: skip
+            self.lost.append(
+                f"fragment {p}: merge records {beyond} beyond the final version {final_version}"
+            )
         for v in records:
             self._record(p, v)
         self._snapshots(p)
@@ -272,8 +312,9 @@ class _Chain:
         # version); the final one must be readable, or learners could not hold it.
         readable = f"{p}/{final_version}" in self.stored_digest
         if records and not readable and final_version in records:
-            self.lost.append(f"fragment {p}: the final version {final_version} has no "
-                             "readable state")  # fmt: skip
+            self.lost.append(
+                f"fragment {p}: the final version {final_version} has no readable state"
+            )
 
     def _record(self, p: int, v: int) -> None:
         try:
@@ -283,8 +324,11 @@ class _Chain:
             return
         if rec is None:
             return
-        merged_here = {e["push"] for e in rec["inputs"]
-                       if (rec["decisions"].get(e["push"]) or {}).get("included")}  # fmt: skip
+        merged_here = {
+            e["push"]
+            for e in rec["inputs"]
+            if (rec["decisions"].get(e["push"]) or {}).get("included")
+        }
         for name in rec["consumed"]:
             if name in self.consumed:
                 both = name in merged_here and name in self.merged
@@ -306,15 +350,20 @@ class _Chain:
                 self.stored_digest[f"{p}/{v}"] = tensors_digest(tensors)
 
 
-def _late_rejoins(kills: Sequence[dict[str, Any]], reports: dict[int, dict[str, Any]],
-                  unreadable: set[tuple[int, int]]) -> list[str]:  # fmt: skip
+def _late_rejoins(
+    kills: Sequence[dict[str, Any]],
+    reports: dict[int, dict[str, Any]],
+    unreadable: set[tuple[int, int]],
+) -> list[str]:
     """Killed learners that restarted from globals older than those announced at the kill."""
 
     def newest_enough(start: list[int], heads: list[int]) -> bool:
         # every fragment at least at the version announced when the learner was killed, or
         # only damaged snapshots (unreadable, so correctly skipped) in between
-        return all(a >= b or all((p, v) in unreadable for v in range(a + 1, b + 1))
-                   for p, (a, b) in enumerate(zip(start, heads)))  # fmt: skip
+        return all(
+            a >= b or all((p, v) in unreadable for v in range(a + 1, b + 1))
+            for p, (a, b) in enumerate(zip(start, heads))
+        )
 
     rejoined: list[str] = []
     for kill in kills:

@@ -159,8 +159,10 @@ def prepare_resume(run: str, overrides: list[str]) -> tuple[RunConfig, RunFolder
     """The stored config of RUN (plus overrides, e.g. a larger train.max_steps), checked."""
     folder = resolve_run_folder(run)
     if not folder.exists():
-        raise ConfigError(f"--resume: no run folder {folder.root} (give a run folder or the name "
-                          "of one under runs/)")  # fmt: skip
+        raise ConfigError(
+            f"--resume: no run folder {folder.root} (give a run folder or the name "
+            "of one under runs/)"
+        )
     if not folder.is_run():
         raise ConfigError(f"--resume: {folder.root} is not a run folder (no config.json in it)")
     state = folder.read_driver()

@@ -252,11 +252,19 @@ def mark_resume(
         tmp.replace(path)
     now = time.time()
     sink.write(
-        {"time": now, "replica": rank, "kind": "event", "event": "resume", "step": redo_after_step,
-         "round": resumed_round, "resumed_round": resumed_round,
-         "redo_after_step": redo_after_step, "superseded_records": count}
+        {
+            "time": now,
+            "replica": rank,
+            "kind": "event",
+            "event": "resume",
+            "step": redo_after_step,
+            "round": resumed_round,
+            "resumed_round": resumed_round,
+            "redo_after_step": redo_after_step,
+            "superseded_records": count,
+        }
         for rank, count in sorted(flagged.items())
-    )  # fmt: skip
+    )
     return flagged
 
 

@@ -78,8 +78,9 @@ def check_hub_model(name: str, *, timeout_s: float = 10.0) -> None:
         "save_pretrained folder"
     )
     if constants.HF_HUB_OFFLINE:
-        raise ConfigError(f"model.name: {name!r} is not in the local cache and HF_HUB_OFFLINE is "
-                          f"set; {fix}")  # fmt: skip
+        raise ConfigError(
+            f"model.name: {name!r} is not in the local cache and HF_HUB_OFFLINE is set; {fix}"
+        )
     try:
         HfApi().model_info(name, timeout=timeout_s)
     except Exception as exc:  # not found, gated, unauthorised, unreachable: all one message

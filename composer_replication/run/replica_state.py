@@ -130,8 +130,10 @@ def _blob(store: ObjectStore, key: str, spec: Any, what: str) -> bytes:
         raise ReplicaStateError(f"{what}: {key} is missing")
     data = bytes(raw)
     if len(data) != spec.get("bytes"):
-        raise ReplicaStateError(f"{what}: {key} has {len(data)} bytes, the manifest says "
-                                f"{spec.get('bytes')} (truncated?)")  # fmt: skip
+        raise ReplicaStateError(
+            f"{what}: {key} has {len(data)} bytes, the manifest says "
+            f"{spec.get('bytes')} (truncated?)"
+        )
     if hashlib.sha256(data).hexdigest() != spec.get("sha256"):
         raise ReplicaStateError(f"{what}: {key} fails its sha256 checksum")
     return data
@@ -242,8 +244,10 @@ def resume_point(
             return r
         log.info("round %d: no usable resume state of replicas %s", r, missing)
     if newest_valid:
-        say(f"no round has every replica's resume state: resuming from the global state of "
-            f"round {newest_valid} with fresh inner optimizer and sampling state (not exact)")  # fmt: skip
+        say(
+            f"no round has every replica's resume state: resuming from the global state of "
+            f"round {newest_valid} with fresh inner optimizer and sampling state (not exact)"
+        )
     return newest_valid or 0
 
 
@@ -251,10 +255,14 @@ def resume_plan(round_: int) -> str:
     """What resuming at `round_` (from `resume_point`) means, for the driver's printout and
     `status`: round 0 is the initial weights, so resuming there starts the run over."""
     if round_ <= 0:
-        return ("starting over from outer round 0 (no later round has a usable global state "
-                "and resume state; every inner step is redone)")  # fmt: skip
-    return (f"resuming at outer round {round_} (the newest round every replica saved its exact "
-            "state for)")  # fmt: skip
+        return (
+            "starting over from outer round 0 (no later round has a usable global state "
+            "and resume state; every inner step is redone)"
+        )
+    return (
+        f"resuming at outer round {round_} (the newest round every replica saved its exact "
+        "state for)"
+    )
 
 
 def rollback_to(store: ObjectStore, round: int, n_replicas: int) -> None:

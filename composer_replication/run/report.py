@@ -184,16 +184,26 @@ def closed_attempts(driver: dict[str, Any]) -> list[dict[str, Any]]:
     """Every launch of the run with its wall time, oldest first: driver.json's `attempts`, plus
     the current attempt once it has an end (`ended`; for a driver that was killed, its last
     `updated`). Each: ``{"attempt", "started", "ended", "seconds", "status"}``."""
-    attempts = [a for a in driver.get("attempts") or []
-                if isinstance(a, dict) and _number(a.get("seconds")) is not None]  # fmt: skip
+    attempts = [
+        a
+        for a in driver.get("attempts") or []
+        if isinstance(a, dict) and _number(a.get("seconds")) is not None
+    ]
     current = driver.get("attempt")
     started = _number(driver.get("started"))
     ended = _number(driver.get("ended"))
     ended = ended if ended is not None else _number(driver.get("updated"))
     recorded = {a.get("attempt") for a in attempts}
     if started is not None and ended is not None and ended >= started and current not in recorded:
-        attempts.append({"attempt": current, "started": started, "ended": ended,
-                         "seconds": ended - started, "status": driver.get("status")})  # fmt: skip
+        attempts.append(
+            {
+                "attempt": current,
+                "started": started,
+                "ended": ended,
+                "seconds": ended - started,
+                "status": driver.get("status"),
+            }
+        )
     return attempts
 
 
@@ -212,8 +222,10 @@ def wall_text(driver: dict[str, Any]) -> str:
         return ""
     if len(seconds) == 1:
         return f"{seconds[0]:.1f} s"
-    return (f"{sum(seconds):.1f} s over {len(seconds)} attempts "
-            f"({' + '.join(f'{s:.1f}' for s in seconds)} s)")  # fmt: skip
+    return (
+        f"{sum(seconds):.1f} s over {len(seconds)} attempts "
+        f"({' + '.join(f'{s:.1f}' for s in seconds)} s)"
+    )
 
 
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -233,9 +245,12 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         if first_last is not None:
             out[f"{channel.key}_first10"], out[f"{channel.key}_last10"], _ = first_last
     evals = sorted(
-        ((int(r.get("step", 0)), float(r["eval/accuracy"]), r.get("eval/n")) for r in records
-         if r.get("kind") == "eval" and isinstance(r.get("eval/accuracy"), int | float)),
-    )  # fmt: skip
+        (
+            (int(r.get("step", 0)), float(r["eval/accuracy"]), r.get("eval/n"))
+            for r in records
+            if r.get("kind") == "eval" and isinstance(r.get("eval/accuracy"), int | float)
+        ),
+    )
     if evals:
         out["eval_accuracy_first"] = evals[0][1]
         out["eval_accuracy_last"] = evals[-1][1]
@@ -245,9 +260,12 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
             out["eval_n"] = int(n)
             out["eval_accuracy_last_ci95"] = wilson_interval(evals[-1][1], int(n))
     ood = sorted(
-        ((int(r.get("step", 0)), float(r["eval/ood_accuracy"]), r.get("eval/ood_n")) for r in records
-         if r.get("kind") == "eval" and isinstance(r.get("eval/ood_accuracy"), int | float)),
-    )  # fmt: skip
+        (
+            (int(r.get("step", 0)), float(r["eval/ood_accuracy"]), r.get("eval/ood_n"))
+            for r in records
+            if r.get("kind") == "eval" and isinstance(r.get("eval/ood_accuracy"), int | float)
+        ),
+    )
     if ood:  # the task's out-of-distribution row (a figure, not a target)
         out["eval_ood_accuracy_first"] = ood[0][1]
         out["eval_ood_accuracy_last"] = ood[-1][1]
@@ -298,16 +316,21 @@ def device_lines(records: list[dict[str, Any]]) -> list[str]:
         by_text[_device_text(r)].append(replica)
     if len(by_text) == 1:
         return list(by_text)
-    return [f"{text} (replica{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))})"
-            for text, rs in by_text.items()]  # fmt: skip
+    return [
+        f"{text} (replica{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))})"
+        for text, rs in by_text.items()
+    ]
 
 
 def _health_points(records: list[dict[str, Any]]) -> list[tuple[float, int, dict[str, Any]]]:
     return sorted(
-        (float(r["time"]), int(r["health/level"]), r) for r in records
-        if r.get("kind") == "health" and isinstance(r.get("time"), int | float)
-        and isinstance(r.get("health/level"), int) and not isinstance(r.get("health/level"), bool)
-    )  # fmt: skip
+        (float(r["time"]), int(r["health/level"]), r)
+        for r in records
+        if r.get("kind") == "health"
+        and isinstance(r.get("time"), int | float)
+        and isinstance(r.get("health/level"), int)
+        and not isinstance(r.get("health/level"), bool)
+    )
 
 
 HEALTH_STATES = ("starting", "healthy", "degraded", "critical")  # health/level -1, 0, 1, 2
@@ -322,8 +345,10 @@ def health_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
     spent = [0.0] * len(HEALTH_STATES)
     for (t, level, _), (t_next, _, _) in zip(points, points[1:]):
         spent[min(max(level + 1, 0), len(HEALTH_STATES) - 1)] += t_next - t
-    return {"health_seconds": dict(zip(HEALTH_STATES, spent)),
-            "health_last": points[-1][2].get("health/state")}  # fmt: skip
+    return {
+        "health_seconds": dict(zip(HEALTH_STATES, spent)),
+        "health_last": points[-1][2].get("health/state"),
+    }
 
 
 def _figure(title: str, ylabel: str, nrows: int = 1) -> tuple[Any, Any]:
@@ -452,8 +477,11 @@ def _plot_health(records: list[dict[str, Any]], save: Callable[[Any, str], None]
     if not points:
         return
     t0 = points[0][0]
-    merges = [(t - t0, r.get("health/merges")) for t, _, r in points
-              if isinstance(r.get("health/merges"), int)]  # fmt: skip
+    merges = [
+        (t - t0, r.get("health/merges"))
+        for t, _, r in points
+        if isinstance(r.get("health/merges"), int)
+    ]
     fig, axes = _figure("run health", "state", nrows=2 if merges else 1)
     axes[0].step([t - t0 for t, _, _ in points], [lvl for _, lvl, _ in points], where="post")
     axes[0].set_yticks([-1, 0, 1, 2], list(HEALTH_STATES))
@@ -465,8 +493,14 @@ def _plot_health(records: list[dict[str, Any]], save: Callable[[Any, str], None]
     save(fig, "health.png")
 
 
-TIME_PARTS = ("generation", "teacher forward", "loss + backward", "upload", "wait for peers",
-              "merge")  # fmt: skip
+TIME_PARTS = (
+    "generation",
+    "teacher forward",
+    "loss + backward",
+    "upload",
+    "wait for peers",
+    "merge",
+)
 
 
 def _time_breakdown(
@@ -481,16 +515,29 @@ def _time_breakdown(
     replica = min(int(r.get("replica", 0)) for r in rounds)
     steps = [r for r in records if r.get("kind") == "train" and r.get("replica", 0) == replica]
     rows = []
-    for r in sorted((r for r in rounds if r.get("replica", 0) == replica),
-                    key=lambda r: int(r["round"])):  # fmt: skip
+    for r in sorted(
+        (r for r in rounds if r.get("replica", 0) == replica), key=lambda r: int(r["round"])
+    ):
         mine = [s for s in steps if int(s.get("round", -1)) == int(r["round"]) - 1]
-        shares = [sum(float(s.get(k) or 0.0) for s in mine)
-                  for k in ("time/generate_s", "time/teacher_s", "time/loss_backward_s")]  # fmt: skip
+        shares = [
+            sum(float(s.get(k) or 0.0) for s in mine)
+            for k in ("time/generate_s", "time/teacher_s", "time/loss_backward_s")
+        ]
         total = sum(shares)
         train = float(r.get("round/train_s") or 0.0)
         split = [train * x / total for x in shares] if total > 0 else [0.0, 0.0, train]
-        parts = dict(zip(TIME_PARTS, [*split, *(float(r.get(k) or 0.0) for k in
-                                              ("round/upload_s", "round/wait_s", "round/merge_s"))]))  # fmt: skip
+        parts = dict(
+            zip(
+                TIME_PARTS,
+                [
+                    *split,
+                    *(
+                        float(r.get(k) or 0.0)
+                        for k in ("round/upload_s", "round/wait_s", "round/merge_s")
+                    ),
+                ],
+            )
+        )
         rows.append((int(r["round"]), parts))
     return replica, rows
 

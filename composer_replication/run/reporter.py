@@ -103,9 +103,12 @@ def evaluate(
     if not examples:
         return {}
     completions = greedy_completions(
-        model, tokenizer, [ex.prompt for ex in examples],
-        max_new_tokens=max_new_tokens, batch_size=batch_size,
-    )  # fmt: skip
+        model,
+        tokenizer,
+        [ex.prompt for ex in examples],
+        max_new_tokens=max_new_tokens,
+        batch_size=batch_size,
+    )
     correct = 0
     reward = 0.0
     for ex, completion in zip(examples, completions, strict=True):
@@ -183,12 +186,20 @@ class ReplicaReporter(TrainerCallback):
     def evaluate_now(self, model: PreTrainedModel, step: int) -> None:
         self._status("evaluating", step, force=True)
         metrics = evaluate(
-            model, self.tokenizer, self.task, self.eval_examples,
+            model,
+            self.tokenizer,
+            self.task,
+            self.eval_examples,
             max_new_tokens=self.max_new_tokens,
-        )  # fmt: skip
+        )
         if metrics and self.ood_examples:
-            ood = evaluate(model, self.tokenizer, self.task, self.ood_examples,
-                           max_new_tokens=self.max_new_tokens)  # fmt: skip
+            ood = evaluate(
+                model,
+                self.tokenizer,
+                self.task,
+                self.ood_examples,
+                max_new_tokens=self.max_new_tokens,
+            )
             metrics.update({"eval/ood_accuracy": ood["eval/accuracy"], "eval/ood_n": ood["eval/n"]})
         if metrics:
             self.writer.log("eval", step=step, round=self._round(), **metrics)
@@ -200,9 +211,14 @@ class ReplicaReporter(TrainerCallback):
         # The global weights go to model.safetensors; the outer optimizer state (momentum) is
         # the same on every replica after a committed round, so it is taken from this one.
         save_checkpoint(
-            self.store, name=name or round_dir(rnd), model=model, tokenizer=self.tokenizer,
-            round=rnd, step=step, outer_state=self.outer.outer_optimizer_state(),
-        )  # fmt: skip
+            self.store,
+            name=name or round_dir(rnd),
+            model=model,
+            tokenizer=self.tokenizer,
+            round=rnd,
+            step=step,
+            outer_state=self.outer.outer_optimizer_state(),
+        )
         prune_checkpoints(self.store, self.keep_last)
         self._last_ckpt_round = rnd
 
@@ -353,10 +369,16 @@ class ResumeStateWriter(TrainerCallback):
     starts at step R * H."""
 
     def __init__(
-        self, *, store: ObjectStore, rank: int, outer: OuterLoop,
-        trainer: ComposerReplicationTrainer, sync_every_h: int, keep_rounds: int,
+        self,
+        *,
+        store: ObjectStore,
+        rank: int,
+        outer: OuterLoop,
+        trainer: ComposerReplicationTrainer,
+        sync_every_h: int,
+        keep_rounds: int,
         flush: Callable[[], None],
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.store, self.rank, self.outer, self.trainer = store, rank, outer, trainer
         self.sync_every_h, self.keep_rounds, self.flush = sync_every_h, keep_rounds, flush
         self._round: int | None = None

@@ -134,9 +134,12 @@ def _live_workers(store: ObjectStore, role: str, now: float) -> list[str]:
 
 
 def driver_gone(
-    driver: dict[str, Any], *, live_workers: list[str], now: float | None = None,
+    driver: dict[str, Any],
+    *,
+    live_workers: list[str],
+    now: float | None = None,
     window_s: float = DEAD_AFTER_S,
-) -> dict[str, Any] | None:  # fmt: skip
+) -> dict[str, Any] | None:
     """None while the driver of a run that says "running" may still run; else when it was last
     seen (epoch seconds), how we know, and its pid and host. A driver of this host: its pid is
     gone. Of another host: no replica heartbeat within the liveness window (`live_workers`
@@ -154,16 +157,19 @@ def driver_gone(
     else:
         if live_workers or seen is None or now - seen <= window_s:
             return None
-        how = (f"driver.json not updated for {now - seen:.0f} s and no heartbeat within "
-               f"{window_s:g} s")  # fmt: skip
+        how = (
+            f"driver.json not updated for {now - seen:.0f} s and no heartbeat within {window_s:g} s"
+        )
     return {"since": seen, "how": how, "pid": pid, "host": host}
 
 
 def _resume_plan(store: ObjectStore, mode: str, n: int) -> tuple[str, list[str]]:
     """What `train --resume` would do now (read only), and the lines it would warn with."""
     if mode != "sync":
-        return ("relaunch the learners from the newest global state (decoupled mode resumes "
-                "from global weights, not exactly)"), []  # fmt: skip
+        return (
+            "relaunch the learners from the newest global state (decoupled mode resumes "
+            "from global weights, not exactly)"
+        ), []
     from composer_replication.run.replica_state import resume_plan, resume_point
 
     warnings: list[str] = []
@@ -262,8 +268,9 @@ def _driver_gone(
     live: list[str] = []
     if readable is not None:
         try:
-            live = _live_workers(readable, "learner" if run_mode == "decoupled" else "replica",
-                                 time.time())  # fmt: skip
+            live = _live_workers(
+                readable, "learner" if run_mode == "decoupled" else "replica", time.time()
+            )
         except Exception as exc:  # an unreadable store: the driver check still stands
             store_error = f"{type(exc).__name__}: {exc}"
     gone = driver_gone(driver, live_workers=live)
@@ -335,12 +342,16 @@ def status_text(info: dict[str, Any]) -> str:
     resume = info.get("resume")
     if resume:
         if resume.get("still_running"):
-            lines.append(f"  still running without a driver: {', '.join(resume['still_running'])}"
-                         " (`--resume` fences them first)")  # fmt: skip
+            lines.append(
+                f"  still running without a driver: {', '.join(resume['still_running'])}"
+                " (`--resume` fences them first)"
+            )
         for warning in resume.get("warnings") or []:
             lines.append(f"  resume would skip: {warning}")
-        lines.append(f"  `composer-replication train --resume {info['folder']}` would "
-                     f"{resume.get('plan') or 'resume from the newest global state'}")  # fmt: skip
+        lines.append(
+            f"  `composer-replication train --resume {info['folder']}` would "
+            f"{resume.get('plan') or 'resume from the newest global state'}"
+        )
     if info.get("store_error"):
         lines.append(f"  store unreachable: {info['store_error']}")
     health = info.get("health")

@@ -398,9 +398,10 @@ class OpenEnvTask(Task):
                 f"({type(exc).__name__}: {exc}); set task.options.action_field"
             ) from None
         strings = [
-            k for k, v in properties.items()
+            k
+            for k, v in properties.items()
             if k != "metadata" and isinstance(v, dict) and v.get("type") == "string"
-        ]  # fmt: skip
+        ]
         chosen = [k for k in strings if k in required] or strings
         if len(chosen) != 1:
             raise ValueError(

@@ -318,11 +318,15 @@ class Task(ABC):
             )
         view = copy.copy(self)
         view._split = (
-            [Example(ex.id.replace("/train/", "/trainval/", 1), ex.prompt, ex.answer, ex.meta)
-             for ex in rest],
-            [Example(ex.id.replace("/train/", "/val/", 1), ex.prompt, ex.answer, ex.meta)
-             for ex in val_prompts.values()],
-        )  # fmt: skip
+            [
+                Example(ex.id.replace("/train/", "/trainval/", 1), ex.prompt, ex.answer, ex.meta)
+                for ex in rest
+            ],
+            [
+                Example(ex.id.replace("/train/", "/val/", 1), ex.prompt, ex.answer, ex.meta)
+                for ex in val_prompts.values()
+            ],
+        )
         view._index = None
         return view
 

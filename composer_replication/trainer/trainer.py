@@ -400,9 +400,10 @@ class ComposerReplicationTrainer(GRPOTrainer):
         self._buffered_inputs = None
         with tempfile.TemporaryDirectory(prefix="resume-", dir=self.args.output_dir) as folder:
             trainer_state = TrainerState(
-                global_step=int(step), max_steps=self.args.max_steps,
+                global_step=int(step),
+                max_steps=self.args.max_steps,
                 train_batch_size=self._train_batch_size,
-            )  # fmt: skip
+            )
             trainer_state.compute_steps(self.args, self.args.max_steps)
             trainer_state.save_to_json(os.path.join(folder, "trainer_state.json"))
             try:

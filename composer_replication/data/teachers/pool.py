@@ -172,8 +172,11 @@ def bake_traces(
     store_path = Path(store_path)
     torn = drop_torn_tail(store_path)
     if torn:
-        logger.warning("%s: removed a torn last line (%d bytes) left by an interrupted append",
-                    store_path, torn)  # fmt: skip
+        logger.warning(
+            "%s: removed a torn last line (%d bytes) left by an interrupted append",
+            store_path,
+            torn,
+        )
     if store_path.exists():
         for record in iter_trace_file(store_path):
             pool.store.add(record)

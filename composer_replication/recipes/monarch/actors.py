@@ -341,13 +341,15 @@ class _RoundRecorder:
         r = self.outer.round
         if r > (self.rounds[-1]["round"] if self.rounds else 0):
             rewards = self.reward.pop()
-            self.rounds.append({
-                "round": r,
-                "step": step,
-                "global_sha256": global_digest(self.outer.global_parameters()),
-                "reward_mean": sum(rewards) / len(rewards) if rewards else None,
-                "rollouts": len(rewards),
-            })  # fmt: skip
+            self.rounds.append(
+                {
+                    "round": r,
+                    "step": step,
+                    "global_sha256": global_digest(self.outer.global_parameters()),
+                    "reward_mean": sum(rewards) / len(rewards) if rewards else None,
+                    "rollouts": len(rewards),
+                }
+            )
 
 
 def _callback(recorder: _RoundRecorder) -> Any:
@@ -421,17 +423,25 @@ class TrainerActor(Actor):
         task = build_task(config)
         model, tok = build_model(config)
         allreduce = ObjectStoreAllReduce(
-            self.store_uri, world_size=n, rank=rank, timeout_s=d.timeout_s, codec=d.codec,
-            min_replicas=d.min_replicas, storage_options=config.store.storage_options or None,
+            self.store_uri,
+            world_size=n,
+            rank=rank,
+            timeout_s=d.timeout_s,
+            codec=d.codec,
+            min_replicas=d.min_replicas,
+            storage_options=config.store.storage_options or None,
             aggregate=d.aggregate_policy(max_inner_steps=d.sync_every_h),
             keep_steps=config.store.keep_rounds,
-        )  # fmt: skip
+        )
         manager = ObjectStoreManager(allreduce=allreduce)
         try:
             outer = make_diloco_outer_loop(
-                None, manager, d.sync_every_h, model=model,
+                None,
+                manager,
+                d.sync_every_h,
+                model=model,
                 outer_optimizer_factory=d.build_outer_optimizer(),
-            )  # fmt: skip
+            )
             reward = _RemoteReward(self.rewarder, self.rewarder.name.call_one().get())
             store = TraceStore()
             if config.teachers.traces_path:

@@ -46,8 +46,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         description="Train a composer-replication run as Monarch actors on a local process mesh.",
     )
     p.add_argument("config", help="run config TOML (docs/cli.md)")
-    p.add_argument("overrides", nargs="*", metavar="section.key=value",
-                   help="overrides of the run config")  # fmt: skip
+    p.add_argument(
+        "overrides", nargs="*", metavar="section.key=value", help="overrides of the run config"
+    )
     p.add_argument("--summary", default=None, help="write the run's summary JSON here")
     return p.parse_args(argv)
 
@@ -77,11 +78,13 @@ def agreement(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     for k in rounds:
         rows = [next((r for r in res["rounds"] if r["round"] == k), None) for res in results]
         digests = {r["global_sha256"] for r in rows if r is not None}
-        out.append({
-            "round": k,
-            "agree": None not in rows and len(digests) == 1,
-            "reward_mean": [None if r is None else r["reward_mean"] for r in rows],
-        })  # fmt: skip
+        out.append(
+            {
+                "round": k,
+                "agree": None not in rows and len(digests) == 1,
+                "reward_mean": [None if r is None else r["reward_mean"] for r in rows],
+            }
+        )
     return out
 
 
@@ -158,8 +161,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, ValueError, OSError) as exc:
         print(f"monarch: error: {exc}", file=sys.stderr)
         return 2
-    print(f"monarch: {config.backend.n_replicas} replicas on a local process mesh, "
-          f"store {store_uri}", flush=True)  # fmt: skip
+    print(
+        f"monarch: {config.backend.n_replicas} replicas on a local process mesh, store {store_uri}",
+        flush=True,
+    )
     try:
         summary = run(config, store_uri)
     except Exception as exc:  # an actor failed: Monarch's ActorError carries its traceback
@@ -174,8 +179,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not summary["agree"]:
         print("monarch: error: the replicas' global weights disagree", file=sys.stderr)
         return 1
-    print(f"monarch: done in {summary['seconds']:.0f}s; the replicas' global weights agree "
-          f"after every round", flush=True)  # fmt: skip
+    print(
+        f"monarch: done in {summary['seconds']:.0f}s; the replicas' global weights agree "
+        f"after every round",
+        flush=True,
+    )
     return 0
 
 

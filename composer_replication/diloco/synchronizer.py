@@ -72,6 +72,7 @@ from composer_replication.exchange.lease import Lease
 from composer_replication.exchange.liveness import LEARNER_ROLE, read_liveness, write_heartbeat
 from composer_replication.exchange.protocol import CorruptContributionError
 from composer_replication.exchange.push_store import DecoupledStore, Push, PushId
+from composer_replication.exchange.signing import RunKeys
 from composer_replication.exchange.store import Store
 
 __all__ = [
@@ -99,6 +100,9 @@ class Synchronizer:
 
     ``run()`` blocks until the run's final versions are written (every learner done) or
     ``stop()`` is called; ``on_merge`` (if given) is called with each merge record written.
+    ``keys`` (``[security] sign``): the synchronizer's signing keys; its records and states are
+    signed, and pushes, progress documents and records not signed by who may write them are
+    refused (recorded under ``decoupled/refused/``).
     """
 
     def __init__(
@@ -109,10 +113,11 @@ class Synchronizer:
         owner: str | None = None,
         on_merge: Callable[[dict[str, Any]], None] | None = None,
         manifest_timeout_s: float = 600.0,
+        keys: RunKeys | None = None,
     ) -> None:
         self.config = config or SynchronizerConfig()
         self.store = store
-        self.docs = DecoupledStore(store)
+        self.docs = DecoupledStore(store, keys=keys)
         self.lease = Lease(
             store,
             ROLE,
@@ -262,10 +267,13 @@ class Synchronizer:
         # what the stored records consumed: a push based on version b can only be in records
         # after b, so the records after the oldest push still in the store are enough
         first = frag.version if oldest_push is None else min(oldest_push, frag.version)
+        signed = self.docs.keys is not None
         for v in (m for m in merges if m > first):
             try:
                 record = self.docs.read_merge(p, v)
             except CorruptContributionError as e:
+                if signed and v > frag.version:  # not a decision of this run: see below
+                    continue
                 log.warning("%s; pushes based below %d count as consumed", e, v)
                 frag.floor = max(frag.floor, v)
                 continue
@@ -274,7 +282,16 @@ class Synchronizer:
         for v in (m for m in merges if m > frag.version):  # decided but not yet stored: replay
             if v != frag.version + 1:
                 raise CorruptContributionError(f"fragment {p}: merge records jump to {v}")
-            record = self.docs.read_merge(p, v)
+            try:
+                record = self.docs.read_merge(p, v)
+            except CorruptContributionError as e:
+                if not signed:
+                    raise
+                # forged or replayed (the refusal is recorded): it decided nothing, and this
+                # lease holder is the only one who may write that key
+                log.warning("%s; deleting it (this run's synchronizer did not write it)", e)
+                self.docs.delete_merge(p, v)
+                break
             if record is None:
                 raise CorruptContributionError(f"fragment {p}: merge record {v} vanished")
             self.merger.apply_record(frag, record)

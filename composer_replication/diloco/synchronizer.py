@@ -68,6 +68,7 @@ from composer_replication.diloco.merge import (
     rda,
 )
 from composer_replication.diloco.synchronizer_config import SynchronizerConfig
+from composer_replication.exchange.fencing import FencedError
 from composer_replication.exchange.lease import Lease
 from composer_replication.exchange.liveness import LEARNER_ROLE, read_liveness, write_heartbeat
 from composer_replication.exchange.protocol import CorruptContributionError
@@ -141,6 +142,7 @@ class Synchronizer:
         )
         self.n_learners = 0
         self.finished = False
+        self.fenced: str | None = None  # why the store's write guard stopped this synchronizer
         self._stop = threading.Event()
         self._progress: dict[int, dict[str, Any]] = {}
         self._dead: set[int] = set()
@@ -164,7 +166,11 @@ class Synchronizer:
         return self.merger.versions
 
     def run(self) -> bool:
-        """Hold the lease and merge until the run is final (True) or `stop()` (False)."""
+        """Hold the lease and merge until the run is final (True) or `stop()` (False).
+
+        Raises `FencedError` when the store's write guard (exchange/fencing.py: a driver-run
+        synchronizer whose launch the run has been resumed from) refuses a write: it then
+        writes nothing more, not even its last heartbeat or the lease's release."""
         self._start_heartbeats()
         try:
             while not self._stop.is_set():
@@ -182,13 +188,19 @@ class Synchronizer:
                 if self.finished:
                     return True
                 self._stop.wait(self.config.poll_interval_s)
+            if self.fenced is not None:
+                raise FencedError(self.fenced)
             return False
+        except FencedError as e:
+            self.fenced = str(e)
+            raise
         finally:
             self._stop.set()
             if self._heartbeat_thread is not None:
                 self._heartbeat_thread.join(timeout=5)
-            self._beat(state="done" if self.finished else "running")
-            if self.lease.epoch is not None:
+            if self.fenced is None:
+                self._beat(state="done" if self.finished else "running")
+            if self.lease.epoch is not None and self.fenced is None:
                 try:
                     self.lease.release()
                 except OSError as e:
@@ -446,6 +458,9 @@ class Synchronizer:
                 sync_s=self.timings.sync_s,
                 stats=self.stats.as_dict(),
             )
+        except FencedError as e:  # a newer launch owns the run: stop writing at once
+            self.fenced = str(e)
+            self._stop.set()
         except (OSError, ValueError) as e:
             log.warning("heartbeat failed: %r", e)
 
@@ -459,6 +474,9 @@ class Synchronizer:
                 if self.lease.epoch is not None and now - last_renew >= renew_every:
                     try:
                         self.lease.renew()
+                    except FencedError as e:
+                        self.fenced = str(e)
+                        self._stop.set()
                     except OSError as e:
                         log.warning("lease renewal failed: %r", e)
                     last_renew = now

@@ -15,8 +15,10 @@ needs the synchronizer's keys in the environment, as the driver hands them to th
 ``$COMPOSER_DRIVER_PUBLIC_KEY`` and ``$COMPOSER_SIGNING_KEY`` (the ``synchronizer`` key of the
 run folder's signing-keys.json); the key manifest and the run configuration are checked against
 the driver's signature before anything is merged. Exit codes: 0 the run's final
-versions are written, 1 an error, 2 unusable arguments, 130 stopped (SIGTERM/SIGINT: the lease
-is released so another synchronizer can take over at once).
+versions are written, 1 an error, 2 unusable arguments, 3 fenced (the driver-run synchronizer
+of a launch the run has since been resumed from: ``$COMPOSER_RUN_GENERATION`` is older than the
+store's run generation, exchange/fencing.py; it writes nothing more, not even a heartbeat), 130
+stopped (SIGTERM/SIGINT: the lease is released so another synchronizer can take over at once).
 """
 
 from __future__ import annotations
@@ -35,8 +37,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from composer_replication.assembly.outer import build_synchronizer
+from composer_replication.exchange.fencing import Fence, FencedError
 from composer_replication.exchange.signing import SYNCHRONIZER, RunKeys
 from composer_replication.executors.local import spawn_in_group, terminate_groups
+from composer_replication.run.replica_env import ENV_GENERATION, EXIT_FENCED
 from composer_replication.run.security import participant_keys
 
 if TYPE_CHECKING:
@@ -94,8 +98,32 @@ def signing_keys(config: RunConfig, store: ObjectStore) -> tuple[RunConfig, RunK
     return from_dict(RunConfig, doc), keys
 
 
+def _fence(store: ObjectStore) -> int | None:
+    """A driver-run synchronizer ($COMPOSER_RUN_GENERATION set by the driver) writes only while
+    its launch is the run's newest: the store's write guard checks the run generation before
+    every write (exchange/fencing.py). Returns that generation (None: run by hand, not fenced,
+    as an external synchronizer outlives driver restarts by design)."""
+    raw = os.environ.get(ENV_GENERATION)
+    if raw is None:
+        return None
+    if not raw.isdigit():
+        raise ValueError(f"${ENV_GENERATION}={raw!r} is not an integer >= 0")
+    store.write_guard = Fence(store, int(raw))
+    return int(raw)
+
+
 def run(config: RunConfig, store: ObjectStore, stop: threading.Event | None = None) -> int:
-    """Run the synchronizer until the run is final (0) or ``stop`` is set (130)."""
+    """Run the synchronizer until the run is final (0), ``stop`` is set (130) or a newer launch
+    of the run fenced it (`EXIT_FENCED`)."""
+    generation = _fence(store)
+    try:
+        return _run(config, store, stop)
+    except FencedError as exc:  # a resumed run's synchronizer owns the store now
+        print(f"synchronizer (launch {generation}): {exc}", file=sys.stderr, flush=True)
+        return EXIT_FENCED
+
+
+def _run(config: RunConfig, store: ObjectStore, stop: threading.Event | None) -> int:
     config, keys = signing_keys(config, store)
     sync = build_synchronizer(config, store, keys=keys)  # ValueError: the mode has none
     if stop is not None:
@@ -192,7 +220,7 @@ class SynchronizerProcess:
         code = proc.poll()
         if code is None:
             return True
-        if code == 0:
+        if code in (0, EXIT_FENCED):  # finished, or a newer launch owns the run
             return False
         if time.monotonic() < self._not_before or self.restarts >= self.max_restarts:
             return True

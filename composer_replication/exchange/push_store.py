@@ -59,6 +59,7 @@ import logging
 import math
 import re
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -749,11 +750,13 @@ class DecoupledStore:
         except OSError as e:
             log.warning("recording the refusal of %s failed: %r", key, e)
 
-    def _refusal_docs(self) -> list[tuple[str, dict[str, Any]]]:
-        """(record name, record) of every well-formed refusal record (with keys: signed by the
-        synchronizer or a learner)."""
+    def _refusal_docs(self, skip: Collection[str] = ()) -> list[tuple[str, dict[str, Any]]]:
+        """(record name, record) of every well-formed refusal record not named in ``skip``
+        (with keys: signed by the synchronizer or a learner)."""
         out = []
         for name in self.store.list(REFUSED_PREFIX):
+            if name in skip:
+                continue
             try:
                 doc = self.store.get_json(REFUSED_PREFIX + name)
             except ValueError:
@@ -785,12 +788,12 @@ class DecoupledStore:
                 out[doc["push"]] = doc["reason"]
         return out
 
-    def read_rejections(self) -> dict[str, dict[str, Any]]:
-        """Every refusal record (pushes and other objects), by record name: ``object`` (the key
-        refused), ``reason``, ``by`` (who refused it) and ``learner`` (a push's learner, else
-        None)."""
+    def read_rejections(self, skip: Collection[str] = ()) -> dict[str, dict[str, Any]]:
+        """Every refusal record (pushes and other objects) not named in ``skip`` (one LIST, one
+        GET per record read), by record name: ``object`` (the key refused), ``reason``, ``by``
+        (who refused it) and ``learner`` (a push's learner, else None)."""
         out: dict[str, dict[str, Any]] = {}
-        for name, doc in self._refusal_docs():
+        for name, doc in self._refusal_docs(skip):
             push = PushId.parse(doc["push"]) if isinstance(doc.get("push"), str) else None
             out[name] = {
                 "object": str(doc.get("object") or (push.key if push else name)),

@@ -372,7 +372,7 @@ class RefusalLog:
             return
         self._last = now
         try:
-            records = self.docs.read_rejections()
+            records = self.docs.read_rejections(skip=self.seen)
         except (OSError, ValueError):  # the store is unreachable for a moment: retried
             return
         rows: list[dict[str, Any]] = []

@@ -229,3 +229,35 @@ def test_signed_decoupled_runs_are_a_valid_configuration():
         ]
     )
     assert config.security.sign and config.diloco.mode == "decoupled"
+
+
+def test_the_driver_writes_each_refusal_once_as_a_rejected_event(tmp_path):
+    from composer_replication.run.metrics import MetricsSink, read_metrics
+    from composer_replication.run.supervision import RefusalLog
+
+    store, keys, learner, sync = _setup(tmp_path)
+    forged, _ = DecoupledStore(store).push(
+        _tensors(1), fragment=0, base=0, learner=1, seq=0, **WORK
+    )
+    reason, _ = sync.fetch_push(forged, REF)
+    assert isinstance(reason, str)
+    sync.write_refusal(forged, reason)  # what the synchronizer records for a refused push
+    store.put_json(HEADS_KEY, {"format": 1, "kind": "heads", "versions": [3]})
+    assert learner[0].read_heads(1) is None  # a learner refuses (and records) a forged head
+    # a planted "refusal" without a signature is no refusal
+    store.put_json("decoupled/refused/planted.json", {"kind": "refused", "reason": "x"})
+
+    path = tmp_path / "metrics.jsonl"
+    driver = keys.public  # the driver verifies with the run's public keys
+    log = RefusalLog(store, MetricsSink(path), path, driver, every_s=0)
+    log.poll()
+    log.poll()
+    events = [r for r in read_metrics(path) if r.get("event") == "rejected"]
+    assert sorted((e["object"], e["rank"], e["by"]) for e in events) == [
+        (HEADS_KEY, -1, "rank-0"),
+        (forged.key, 1, SYNCHRONIZER),
+    ]
+    assert all("is not signed" in e["reason"] for e in events)
+    # a resumed launch's driver does not repeat them
+    RefusalLog(store, MetricsSink(path), path, driver, every_s=0).poll(force=True)
+    assert len([r for r in read_metrics(path) if r.get("event") == "rejected"]) == 2

@@ -356,6 +356,8 @@ class Synchronizer:
                         pid.name,
                         frag.version,
                     )
+                    if self.docs.keys is not None:  # signed: a forgery is refused at once
+                        self._refuse_if_forged(pid)
                 continue
             new.append(pid)
         if not new:
@@ -378,6 +380,14 @@ class Synchronizer:
             self.inbox.arrived[pid] = now
             if got.step_seconds > 0:
                 self.timings.step_s = ema(self.timings.step_s, got.step_seconds, self.config.ema)
+
+    def _refuse_if_forged(self, pid: PushId) -> None:
+        """A push based on a version not published yet (signing on): refuse it now if its
+        signature does not verify (a forger's, which no merge would ever consume)."""
+        got, _ = self._fetch_push(pid)
+        if isinstance(got, str):
+            self.inbox.future.discard(pid)
+            self._refuse(pid, got)
 
     def _refuse(self, pid: PushId, reason: str) -> None:
         """Refuse a push for good, recorded in the store (`DecoupledStore.write_refusal`)."""

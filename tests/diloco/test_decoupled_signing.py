@@ -261,3 +261,27 @@ def test_the_driver_writes_each_refusal_once_as_a_rejected_event(tmp_path):
     # a resumed launch's driver does not repeat them
     RefusalLog(store, MetricsSink(path), path, driver, every_s=0).poll(force=True)
     assert len([r for r in read_metrics(path) if r.get("event") == "rejected"]) == 2
+
+
+def test_the_synchronizer_refuses_a_forged_push_based_on_a_future_version(tmp_path):
+    from composer_replication.diloco.synchronizer import Synchronizer, SynchronizerConfig
+
+    store, keys, learner, _ = _setup(tmp_path)
+    manifest = fragment_manifest([_tensors(0)], n_learners=LEARNERS, codec="fp32")
+    learner[0].ensure_manifest(manifest)
+    learner[0].publish_global(0, 0, _tensors(0))
+    genuine, _ = learner[1].push(_tensors(1), fragment=0, base=3, learner=1, seq=0, **WORK)
+    forged, _ = DecoupledStore(store).push(
+        _tensors(2), fragment=0, base=3, learner=0, seq=0, **WORK
+    )
+    sync = Synchronizer(store, SynchronizerConfig(quorum=2), keys=keys.of(SYNCHRONIZER))
+    assert sync.activate()
+    try:
+        sync.poll_once()
+    finally:
+        sync.lease.release()
+    refused = DecoupledStore(store).read_refusals()
+    # a forgery no merge would ever consume is refused at once; a genuine push based on a
+    # version not published yet waits (its synchronizer may have lost that version)
+    assert set(refused) == {forged.name} and "is not signed" in refused[forged.name]
+    assert genuine in sync.inbox.future

@@ -66,9 +66,9 @@ def main(uri: str, options: dict, out: str) -> None:
     store.put(forged.key, b"".join(encode_push(zeros, forged, learner_step=4, **fields)))
     planted["forged_push"] = forged.key
     # 2. a genuine push of learner 0 re-uploaded under a later name
-    genuine = next(p for p in docs.list_pushes() if p.learner == 0 and p.seq < 50)
-    raw = store.get(genuine.key)
-    if raw is not None:
+    genuine = next((p for p in docs.list_pushes() if p.learner == 0 and p.seq < 50), None)
+    raw = None if genuine is None else store.get(genuine.key)
+    if genuine is not None and raw is not None:  # (none left: collected meanwhile)
         replay = PushId(genuine.fragment, genuine.base, 0, 60)
         store.put(replay.key, bytes(raw))
         planted["replayed_push"] = replay.key

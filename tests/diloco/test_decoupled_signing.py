@@ -285,3 +285,43 @@ def test_the_synchronizer_refuses_a_forged_push_based_on_a_future_version(tmp_pa
     # version not published yet waits (its synchronizer may have lost that version)
     assert set(refused) == {forged.name} and "is not signed" in refused[forged.name]
     assert genuine in sync.inbox.future
+
+
+def test_the_synchronizer_process_gets_only_its_key_and_refuses_to_run_without_it(
+    tmp_path, monkeypatch, capsys
+):
+    from composer_replication.config import to_dict
+    from composer_replication.exchange.signing import DRIVER_KEY_ENV, KEY_ENV
+    from composer_replication.run.folder import RunFolder
+    from composer_replication.run.security import prepare_signing
+    from composer_replication.run.synchronizer_process import main, signing_keys
+
+    config = load_config(
+        overrides=[
+            "diloco.mode=decoupled",
+            "diloco.sync_every_h=8",
+            "train.max_steps=16",
+            "security.sign=true",
+        ]  # fmt: skip
+    )
+    folder = RunFolder.at(tmp_path / "run")
+    folder.root.mkdir()
+    store = ObjectStore(str(tmp_path / "store"))
+    doc = json.loads(json.dumps(to_dict(config)))
+    store.put_json("run_config.json", doc)
+    secrets = prepare_signing(config, folder, store, doc)
+    assert secrets is not None
+    for name in (DRIVER_KEY_ENV, KEY_ENV):
+        monkeypatch.delenv(name, raising=False)
+    assert main([str(tmp_path / "store")]) == 2  # signing on, no key: a clear error
+    assert f"${DRIVER_KEY_ENV} is not set" in capsys.readouterr().err
+    monkeypatch.setenv(DRIVER_KEY_ENV, secrets.env[DRIVER_KEY_ENV])
+    monkeypatch.setenv(KEY_ENV, secrets.private["rank-0"])  # a learner's key is not its own
+    with pytest.raises(ValueError, match="does not match its public key"):
+        signing_keys(config, store)
+    monkeypatch.setenv(KEY_ENV, secrets.private[SYNCHRONIZER])
+    _, keys = signing_keys(config, store)
+    assert keys is not None and keys.identity == SYNCHRONIZER
+    store.put_json("run_config.json", {**doc, "security": {"sign": False}})  # rewritten
+    with pytest.raises(SignatureError, match="not the configuration the driver signed"):
+        signing_keys(config, store)

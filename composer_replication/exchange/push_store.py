@@ -43,10 +43,10 @@ signed when written and refused when read unless signed by who may write it (exc
 a push by its learner's key (``rank-<learner>``), the manifest and version 0 of a fragment by
 any learner, merge records, versions > 0, momentum, ``heads.json`` and ``final.json`` by the
 synchronizer, a progress document by its learner (or the driver, which releases a learner that
-failed for good), refusal records by the synchronizer or a learner. The signed fields bind the
-object to its key (fragment, version, learner, base, seq), so a correctly signed object copied to
-another key (a push re-uploaded under a later name, an old merge record replayed at the next
-version) is refused too. Every refused object is recorded, with why, under
+failed for good), refusal records by the synchronizer, a learner or the driver. The signed
+fields bind the object to its key (fragment, version, learner, base, seq), so a correctly signed
+object copied to another key (a push re-uploaded under a later name, an old merge record
+replayed at the next version) is refused too. Every refused object is recorded, with why, under
 ``decoupled/refused/`` (`write_rejection`; the driver turns these records into "rejected"
 events), and a forged merge record or state squatting a key the synchronizer is about to write
 is replaced by the real one (the lease holder is the only legitimate writer there).
@@ -752,7 +752,7 @@ class DecoupledStore:
 
     def _refusal_docs(self, skip: Collection[str] = ()) -> list[tuple[str, dict[str, Any]]]:
         """(record name, record) of every well-formed refusal record not named in ``skip``
-        (with keys: signed by the synchronizer or a learner)."""
+        (with keys: signed by the synchronizer, a learner or the driver)."""
         out = []
         for name in self.store.list(REFUSED_PREFIX):
             if name in skip:
@@ -769,7 +769,7 @@ class DecoupledStore:
                 continue
             if self.keys is not None:
                 try:
-                    self.keys.verify(doc, signers={SYNCHRONIZER, "rank-*"}, what=name)
+                    self.keys.verify(doc, signers={SYNCHRONIZER, DRIVER, "rank-*"}, what=name)
                 except SignatureError:
                     continue
             out.append((name, doc))

@@ -244,6 +244,9 @@ def test_the_driver_writes_each_refusal_once_as_a_rejected_event(tmp_path):
     sync.write_refusal(forged, reason)  # what the synchronizer records for a refused push
     store.put_json(HEADS_KEY, {"format": 1, "kind": "heads", "versions": [3]})
     assert learner[0].read_heads(1) is None  # a learner refuses (and records) a forged head
+    # the driver (releasing a failed learner) refuses a forged progress document
+    store.put_json(progress_key(1), {"kind": "progress", "learner": 1, "step": 99, "done": True})
+    assert DecoupledStore(store, keys=keys.of(DRIVER)).read_progress(1) is None
     # a planted "refusal" without a signature is no refusal
     store.put_json("decoupled/refused/planted.json", {"kind": "refused", "reason": "x"})
 
@@ -253,14 +256,13 @@ def test_the_driver_writes_each_refusal_once_as_a_rejected_event(tmp_path):
     log.poll()
     log.poll()
     events = [r for r in read_metrics(path) if r.get("event") == "rejected"]
-    assert sorted((e["object"], e["rank"], e["by"]) for e in events) == [
-        (HEADS_KEY, -1, "rank-0"),
-        (forged.key, 1, SYNCHRONIZER),
-    ]
+    assert sorted((e["object"], e["rank"], e["by"]) for e in events) == sorted(
+        [(HEADS_KEY, -1, "rank-0"), (forged.key, 1, SYNCHRONIZER), (progress_key(1), -1, DRIVER)]
+    )
     assert all("is not signed" in e["reason"] for e in events)
     # a resumed launch's driver does not repeat them
     RefusalLog(store, MetricsSink(path), path, driver, every_s=0).poll(force=True)
-    assert len([r for r in read_metrics(path) if r.get("event") == "rejected"]) == 2
+    assert len([r for r in read_metrics(path) if r.get("event") == "rejected"]) == 3
 
 
 def test_the_synchronizer_refuses_a_forged_push_based_on_a_future_version(tmp_path):

@@ -39,7 +39,7 @@ class DecoupledDiLoCo:
     manager: ClassVar[ManagerName] = "object_store"
     worker_role = LEARNER_ROLE
     lockstep = False
-    store_departures = False
+    store_departures = True  # the synchronizer leaves a departed learner out of its quorum
     has_synchronizer = True
 
     def __init__(self, config: DilocoConfig) -> None:

@@ -4,8 +4,10 @@ One synchronizer is active per run (it holds the lease of exchange/lease.py). It
 learners' pushes (exchange/push_store.py) and, for each fragment p at version v:
 
 1. **Quorum**: it waits until ``quorum`` distinct learners have pushed fragment p based on
-   version v ("on time"), counting only learners that have not finished and are not dead (so a
-   dead learner never blocks the run; with fewer such learners the quorum shrinks to them).
+   version v ("on time"), counting only learners that have not finished, are not dead and have
+   not departed (the driver's departure record of a learner whose process failed or fell
+   silent, exchange/liveness.py), so such a learner never blocks the run; with fewer such
+   learners the quorum shrinks to them.
 2. **Grace window**: then it waits ``grace = grace_gamma * max(0, grace_tau * step_time -
    quorum_time - sync_time)`` more seconds for stragglers (Douillard et al. 2026), or not at all once every
    unfinished live learner has pushed. ``step_time`` is an EMA of the learners' reported seconds
@@ -70,7 +72,12 @@ from composer_replication.diloco.merge import (
 from composer_replication.diloco.synchronizer_config import SynchronizerConfig
 from composer_replication.exchange.fencing import FencedError
 from composer_replication.exchange.lease import Lease
-from composer_replication.exchange.liveness import LEARNER_ROLE, read_liveness, write_heartbeat
+from composer_replication.exchange.liveness import (
+    LEARNER_ROLE,
+    read_departure,
+    read_liveness,
+    write_heartbeat,
+)
 from composer_replication.exchange.protocol import CorruptContributionError
 from composer_replication.exchange.push_store import DecoupledStore, Push, PushId
 from composer_replication.exchange.signing import RunKeys
@@ -416,10 +423,18 @@ class Synchronizer:
                 stale_after_s=self.config.stale_after_s,
                 dead_after_s=self.config.dead_after_s,
             )
+            # the driver's departure records (a learner whose process failed, or silent):
+            # left out at once, not after dead_after_s
+            departed = {
+                i
+                for i in range(self.n_learners)
+                if read_departure(self.store, LEARNER_ROLE, i) is not None
+            }
         except OSError as e:
             log.warning("reading liveness failed: %r", e)
             return
-        self._dead = {int(m.id) for m in live.values() if m.status == "dead" and m.id.isdigit()}
+        dead = {int(m.id) for m in live.values() if m.status == "dead" and m.id.isdigit()}
+        self._dead = dead | departed
 
     def _done(self, learner: int) -> bool:
         """The learner said it is done (with at least ``max_steps`` steps, if configured: a

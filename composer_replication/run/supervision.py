@@ -203,7 +203,8 @@ SILENT_AFTER_S = STALE_AFTER_S  # a running replica without a heartbeat this lon
 
 class Departures:
     """When the outer-loop mode's peers wait for each other in the store (sync DiLoCo over the
-    object store, `OuterLoopMode.store_departures`): declare a replica departed the moment its
+    object store, or decoupled mode's synchronizer for its quorum:
+    `OuterLoopMode.store_departures`): declare a replica departed the moment its
     process is seen to
     have failed (before a relaunch, or for good), or when a replica the executor still reports
     running has sent no heartbeat for SILENT_AFTER_S (stopped, hung, partitioned), so that its
@@ -216,11 +217,20 @@ class Departures:
         self.store = store
         self.enabled = mode.store_departures
         self.role = mode.worker_role
+        self.lockstep = mode.lockstep
         self.every_s = every_s
         self._noted: set[str] = set()  # job ids already declared
         self._silent: set[int] = set()  # ranks declared for want of heartbeats
         self._lost: set[int] = set()  # ranks that failed with no restart left
         self._last = 0.0
+
+    def _without_it(self, gone: int) -> str:
+        if not self.lockstep:  # decoupled: learners never wait for each other
+            return (
+                "the other learners go on (none waits for another); the synchronizer leaves "
+                "it out of its quorum"
+            )
+        return without_it(self.config, gone)
 
     def note_silent(self, handles: list[ReplicaHandle]) -> list[str]:
         """Every few seconds: departures for running replicas whose heartbeats stopped, and
@@ -254,7 +264,7 @@ class Departures:
                     gone = len(self._silent | self._lost)
                     messages.append(
                         f"replica {rank} sent no heartbeat for {silent:.0f} s: "
-                        f"{without_it(self.config, gone)}"
+                        f"{self._without_it(gone)}"
                     )
                 elif silent <= SILENT_AFTER_S and rank in self._silent:
                     clear_departure(self.store, self.role, rank)
@@ -282,9 +292,7 @@ class Departures:
             if not again:
                 self._lost.add(h.replica_id)
                 gone = len(self._silent | self._lost)
-                messages.append(
-                    f"replica {h.replica_id} is lost ({why}); {without_it(self.config, gone)}"
-                )
+                messages.append(f"replica {h.replica_id} is lost ({why}); {self._without_it(gone)}")
         return messages
 
 

@@ -327,3 +327,64 @@ def test_the_synchronizer_process_gets_only_its_key_and_refuses_to_run_without_i
     store.put_json("run_config.json", {**doc, "security": {"sign": False}})  # rewritten
     with pytest.raises(SignatureError, match="not the configuration the driver signed"):
         signing_keys(config, store)
+
+
+def test_a_departed_learner_leaves_the_synchronizers_quorum_at_once(tmp_path):
+    """Departure records in decoupled mode (as in sync mode): the driver declares a learner
+    whose process failed (or fell silent) departed, and the synchronizer stops counting it in
+    its quorum at once instead of after its heartbeat goes dead; taken back when cleared."""
+    from composer_replication.diloco.decoupled_mode import DecoupledDiLoCo
+    from composer_replication.diloco.synchronizer import Synchronizer, SynchronizerConfig
+    from composer_replication.exchange.liveness import (
+        LEARNER_ROLE,
+        clear_departure,
+        write_departure,
+        write_heartbeat,
+    )
+
+    config = load_config(overrides=["diloco.mode=decoupled", "diloco.sync_every_h=8",
+                                    "train.max_steps=16"])  # fmt: skip
+    assert DecoupledDiLoCo(config.diloco).store_departures  # the driver writes them
+    store = ObjectStore(str(tmp_path / "store"))
+    docs = DecoupledStore(store)
+    docs.ensure_manifest(fragment_manifest([_tensors(0)], n_learners=LEARNERS, codec="fp32"))
+    docs.publish_global(0, 0, _tensors(0))
+    for r in range(LEARNERS):
+        write_heartbeat(store, LEARNER_ROLE, r, state="running")
+    sync = Synchronizer(store, SynchronizerConfig(quorum=2))
+    assert sync.activate()
+    try:
+        sync._refresh_liveness()
+        assert sync._active_learners() == {0, 1}
+        write_departure(store, LEARNER_ROLE, 1, reason="exit code -9")
+        sync._refresh_liveness()
+        assert sync._active_learners() == {0}  # its heartbeat is still fresh
+        clear_departure(store, LEARNER_ROLE, 1)
+        sync._refresh_liveness()
+        assert sync._active_learners() == {0, 1}
+    finally:
+        sync.lease.release()
+
+
+def test_the_driver_declares_a_lost_learner_departed_with_a_message_true_to_the_mode(tmp_path):
+    from composer_replication.assembly.outer import outer_loop_mode
+    from composer_replication.exchange.liveness import LEARNER_ROLE, read_departure
+    from composer_replication.executors.executor import ReplicaHandle, ReplicaStatus
+    from composer_replication.run.supervision import Departures
+
+    class NoRestarts:
+        def will_restart(self, rank: int) -> bool:
+            return False
+
+    config = load_config(overrides=["diloco.mode=decoupled", "diloco.sync_every_h=8",
+                                    "train.max_steps=16"])  # fmt: skip
+    store = ObjectStore(str(tmp_path / "store"))
+    failed = ReplicaHandle(replica_id=1, backend="local", job_id="job-1",
+                           status=ReplicaStatus.FAILED, exit_code=-9, error="exit code -9")  # fmt: skip
+    (message,) = Departures(config, outer_loop_mode(config), store).note(
+        [failed],
+        NoRestarts(),  # type: ignore[arg-type]
+    )
+    assert read_departure(store, LEARNER_ROLE, 1) is not None
+    assert message.startswith("replica 1 is lost (exit code -9); the other learners go on")
+    assert "min_replicas" not in message

@@ -51,6 +51,7 @@ from composer_replication.diloco.synchronizer_config import SynchronizerSettings
 from composer_replication.exchange.liveness import LEARNER_ROLE, write_heartbeat
 from composer_replication.exchange.protocol import CorruptContributionError, tensors_digest
 from composer_replication.exchange.push_store import DecoupledStore, fragment_manifest
+from composer_replication.exchange.signing import RunKeys
 from composer_replication.exchange.store import Store
 from composer_replication.exchange.store_manager import RoundRecord, round_record
 from composer_replication.fields import require, setting
@@ -116,6 +117,9 @@ class DecoupledLearner:
         heartbeat_every_s: write this learner's heartbeat (exchange/liveness.py) this often from
             a thread; None = the caller writes it (the run's replica does).
         start_step: the learner's inner steps so far (None: from its progress document).
+        keys: this learner's signing keys (``[security] sign``): its pushes and progress are
+            signed, and a global, heads or final document not signed by the synchronizer is
+            refused (recorded under ``decoupled/refused/``) and never applied.
     """
 
     def __init__(
@@ -135,6 +139,7 @@ class DecoupledLearner:
         drain_timeout_s: float = 600.0,
         heartbeat_every_s: float | None = 1.0,
         start_step: int | None = None,
+        keys: RunKeys | None = None,
     ) -> None:
         if not isinstance(n_learners, int) or n_learners < 1:
             raise ValueError(f"n_learners must be an int >= 1, got {n_learners!r}")
@@ -160,7 +165,7 @@ class DecoupledLearner:
             if not value > 0:
                 raise ValueError(f"{key} must be > 0, got {value!r}")
         self.store = store
-        self.docs = DecoupledStore(store, codec=codec)
+        self.docs = DecoupledStore(store, codec=codec, keys=keys)
         self.learner = learner
         self.n_learners = n_learners
         self.sync_every_h = sync_every_h

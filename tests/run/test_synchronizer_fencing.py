@@ -29,7 +29,7 @@ from composer_replication.exchange.store import ObjectStore
 from composer_replication.run.replica_env import ENV_GENERATION, ENV_STORAGE_OPTIONS, EXIT_FENCED
 from composer_replication.run.synchronizer_process import SynchronizerProcess
 
-pytestmark = [pytest.mark.slow]
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 CONFIG = ["diloco.mode=decoupled", "diloco.sync_every_h=2", "train.max_steps=100000",
           "diloco.lease_ttl_s=2", "backend.n_replicas=2"]  # fmt: skip

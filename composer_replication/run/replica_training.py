@@ -59,6 +59,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer
 
     from composer_replication.tasks import Task
+    from composer_replication.trainer import ComposerReplicationTrainer
 
 __all__ = ["run_replica", "start", "weights_digest"]
 
@@ -232,14 +233,7 @@ def _train(r: _Replica) -> bool:
             clear_departure(store, mode.worker_role, rank)
         # The trainer counts the run's steps: its step, LR schedule and TAID schedule
         # continue at start_step (exactly, with the resume state).
-        try:
-            if resume_state is not None:
-                trainer.resume_train(resume_state)
-            else:
-                trainer.train_from_step(start_step)
-        except RoundStoppedError:  # its round record and refusals, before the replica stops
-            reporter.log_new_rounds(int(trainer.state.global_step))
-            raise
+        _run_trainer(trainer, reporter, resume_state, start_step)
     # The model now holds the global weights (the DiLoCo callback loaded them): their
     # digest lets anyone check that every replica ended on the same model.
     writer.log(
@@ -252,6 +246,24 @@ def _train(r: _Replica) -> bool:
     if mode.store_departures:  # a peer still behind need not wait for this rank
         write_departure(store, mode.worker_role, rank, reason="finished training")
     return True
+
+
+def _run_trainer(
+    trainer: ComposerReplicationTrainer,
+    reporter: ReplicaReporter,
+    resume_state: dict[str, Any] | None,
+    start_step: int,
+) -> None:
+    """Train from the resume state (exact) or from ``start_step``; a round that stops the run
+    has its record and refusals logged before the replica stops."""
+    try:
+        if resume_state is not None:
+            trainer.resume_train(resume_state)
+        else:
+            trainer.train_from_step(start_step)
+    except RoundStoppedError:
+        reporter.log_new_rounds(int(trainer.state.global_step))
+        raise
 
 
 def _reporter(r: _Replica, *, last_round: int | None) -> ReplicaReporter:

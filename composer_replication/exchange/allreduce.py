@@ -122,6 +122,9 @@ class ObjectStoreAllReduce(RunDocuments):
 
     ``rank=None`` gives a driver/observer handle (manifest, states, run documents) that cannot
     call :meth:`allreduce` unless ``world_size == 1`` (a passthrough needs no rank).
+    ``min_replicas``: contributions a step needs (None: every rank, the library's strict
+    choice; `composer-replication train` passes the run's quorum,
+    `settings.ExchangeConfig.commit_quorum`, by default ``max(1, world_size - 1)``).
     ``checksum`` is the algorithm this replica's contributions are checksummed with:
     ``"xxh3-128"`` (default when the ``xxhash`` package is installed: fast, detects truncation
     and corruption) or ``"sha256"`` (default otherwise; also resists deliberate forgery by

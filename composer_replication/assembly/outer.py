@@ -53,6 +53,7 @@ def build_outer_loop(
     keys: RunKeys | None = None,
     writer_secret: bytes | None = None,
     fence: Callable[[], None] | None = None,
+    slot_secret: bytes | None = None,
 ) -> ReplicaLoop:
     """Replica ``rank``'s side of the outer loop (see the module docstring)."""
     ctx = ReplicaContext(
@@ -64,6 +65,7 @@ def build_outer_loop(
         fence=fence,
         keys=keys,
         writer_secret=writer_secret,
+        slot_secret=slot_secret,
         screening=RunScreening(config, model, tokenizer, task),
     )
     return outer_loop_mode(config).build_learner(ctx)

@@ -109,7 +109,7 @@ class ReplicaContext:
 
     ``screening``: the run's screening of exchange contributions (None: the section's policy,
     without claim bounds or probe); ``keys`` / ``writer_secret`` sign or identify this rank's
-    uploads; ``fence`` is checked before every write (a newer launch of the run stops this
+    uploads; ``slot_secret`` (the run's, every rank's) derives the keys each rank uploads to; ``fence`` is checked before every write (a newer launch of the run stops this
     one)."""
 
     store: ObjectStore
@@ -120,6 +120,7 @@ class ReplicaContext:
     fence: Callable[[], None] | None = None
     keys: RunKeys | None = None
     writer_secret: bytes | None = None
+    slot_secret: bytes | None = None
     screening: Screening | None = None
 
 

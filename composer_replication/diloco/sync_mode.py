@@ -85,7 +85,7 @@ class SyncDiLoCo:
         return None
 
     def quorum(self, n_replicas: int) -> int:
-        return self.config.min_replicas or n_replicas
+        return self.config.commit_quorum(n_replicas)
 
     def elastic(self, n_replicas: int) -> bool:
         return self.quorum(n_replicas) < n_replicas
@@ -124,13 +124,14 @@ class SyncDiLoCo:
             rank=ctx.rank,
             timeout_s=d.timeout_s,
             codec=d.codec,
-            min_replicas=d.min_replicas,
+            min_replicas=self.quorum(ctx.n_replicas),
             aggregate=d.aggregate_policy() if screening is None else screening.policy(),
             storage_options=ctx.store.storage_options or None,
             keep_steps=ctx.keep_rounds,
             keys=ctx.keys,
             loss_probe=None if screening is None else screening.probe(global_weights),
             writer_secret=ctx.writer_secret,
+            slot_secret=ctx.slot_secret,
             sparse=d.sparse_spec(),
             fence=ctx.fence,
         )

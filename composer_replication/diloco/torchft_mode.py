@@ -70,6 +70,13 @@ class TorchftDiLoCo(SyncDiLoCo):
     manager: ClassVar[ManagerName] = "torchft"
     store_departures = False  # torchft's lighthouse tracks who is alive
 
+    def quorum(self, n_replicas: int) -> int:
+        """The lighthouse's ``min_replicas``: ``diloco.min_replicas``, else every replica
+        (torchft forms a quorum of whoever joins in time; the object-store exchange's default
+        of one fewer, `exchange.settings.default_quorum`, is about refused contributions,
+        which torchft's gloo allreduce does not have)."""
+        return self.config.min_replicas or n_replicas
+
     def check_section(self) -> None:
         d = self.config
         require(d.fragments == 1, "diloco.fragments", "is used with diloco.mode = 'decoupled' only")
@@ -131,7 +138,7 @@ class TorchftDiLoCo(SyncDiLoCo):
         return build_torchft_manager(
             replica_id=f"replica_{ctx.rank}",
             lighthouse_addr=lighthouse,
-            min_replicas=d.min_replicas or ctx.n_replicas,
+            min_replicas=self.quorum(ctx.n_replicas),
             hostname="127.0.0.1" if local else _hostname(),
             init_sync=False,
             states=states,
@@ -140,4 +147,4 @@ class TorchftDiLoCo(SyncDiLoCo):
     def build_lighthouse(self, n_replicas: int) -> LocalLighthouse | None:
         if self.config.lighthouse:  # the user runs one where the replicas can reach it
             return None
-        return LocalLighthouse(self.config.min_replicas or n_replicas)
+        return LocalLighthouse(self.quorum(n_replicas))

@@ -12,7 +12,17 @@ inconsistent token claims, non-finite values, norm outliers against the round's 
 optionally a loss probe) and records every decision in the commit record, which also names the
 merge (``mean``, ``trimmed_mean``, ``median``, ``norm_clip``); readers replay exactly that.
 
-A slot holds only what its rank wrote: every upload carries a writer id (an HMAC of the step under
+Each rank's objects of a step go under keys only its writer uses: with the run's slot secret
+(``slot_secret``, the same on every rank; the run driver hands one out per run) the key of rank
+r's upload for step s ends in ``HMAC(secret, r:s)`` (`slot`), which nobody without the secret can
+predict before the rank writes, and readers only ever read the key of the writer they expect
+for that rank. An object planted anywhere else (a copy of an earlier contribution, a foreign
+writer id) is never read, so it cannot displace the honest upload (Templar gives each peer its
+own bucket; this is the same guarantee in one bucket). A contribution that is refused (bad
+header, non-finite, wrong writer, failed signature, screened out) counts as that rank's absence
+for the round: the round commits without it when ``min_replicas`` others are valid.
+
+Within its slot, a slot holds only what its rank wrote: every upload carries a writer id (an HMAC of the step under
 the rank's writer secret, so nobody without the secret can predict it, while a restarted
 incarnation of the rank given the same secret recognises its earlier upload); in unsigned runs
 the rank confirms its slot with ``owner/<rank>.json`` (and a slot nobody confirmed is never
@@ -89,6 +99,7 @@ from composer_replication.exchange.vocabulary import (
     CorruptContributionError,
     ExchangeCancelledError,
     ModelMismatchError,
+    QuorumLostError,
     StepResult,
     StoreTimeoutError,
     dtype_name,
@@ -113,6 +124,9 @@ class ObjectStoreAllReduce(RunDocuments):
 
     ``rank=None`` gives a driver/observer handle (manifest, states, run documents) that cannot
     call :meth:`allreduce` unless ``world_size == 1`` (a passthrough needs no rank).
+    ``min_replicas``: contributions a step needs (None: every rank, the library's strict
+    choice; `composer-replication train` passes the run's quorum,
+    `settings.ExchangeConfig.commit_quorum`, by default ``max(1, world_size - 1)``).
     ``checksum`` is the algorithm this replica's contributions are checksummed with:
     ``"xxh3-128"`` (default when the ``xxhash`` package is installed: fast, detects truncation
     and corruption) or ``"sha256"`` (default otherwise; also resists deliberate forgery by
@@ -132,7 +146,10 @@ class ObjectStoreAllReduce(RunDocuments):
     readers decode whatever a peer sent (validated); error feedback is the caller's
     (``diloco/sparseloco.py``). ``store``: the `store.Store` of ``uri`` to use (e.g. a
     `faulty_store.FaultyStore` that injects faults; None: a new ``ObjectStore(uri,
-    storage_options)``).
+    storage_options)``). ``slot_secret``: the run's slot secret, the same bytes (>= 16) on every
+    rank: each rank's keys of a step are derived from it (`slot`, module docstring), so a planted
+    object is never read; None: the plain ``contrib/<rank>`` keys, where only the owner records
+    tell a planted object from the rank's (and a squatted slot is that rank's absence).
     """
 
     def __init__(
@@ -159,6 +176,7 @@ class ObjectStoreAllReduce(RunDocuments):
         departure_poll_s: float = 1.0,
         fence: Callable[[], None] | None = None,
         store: Store | None = None,
+        slot_secret: bytes | None = None,
     ) -> None:
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
@@ -200,13 +218,11 @@ class ObjectStoreAllReduce(RunDocuments):
             raise ValueError(f"poll_interval_s must be > 0, got {poll_interval_s!r}")
         if not departure_poll_s > 0:
             raise ValueError(f"departure_poll_s must be > 0, got {departure_poll_s!r}")
-        if writer_secret is not None and (
-            not isinstance(writer_secret, bytes) or len(writer_secret) < 16
-        ):
-            raise ValueError(
-                "writer_secret must be bytes of length >= 16 (e.g. os.urandom(32)), or None for "
-                "a random secret per process"
-            )
+        for name, secret in (("writer_secret", writer_secret), ("slot_secret", slot_secret)):
+            if secret is not None and (not isinstance(secret, bytes) or len(secret) < 16):
+                raise ValueError(
+                    f"{name} must be bytes of length >= 16 (e.g. os.urandom(32)), or None"
+                )
         if store is None:
             store = ObjectStore(uri, storage_options)
         elif store.uri != normalize_uri(uri):
@@ -248,6 +264,7 @@ class ObjectStoreAllReduce(RunDocuments):
         # writer ids: HMAC(step) under this secret; the same secret across a rank's incarnations
         # lets a restart recognise its earlier upload of a step not committed yet
         self._writer_secret = os.urandom(32) if writer_secret is None else writer_secret
+        self._slot_secret = slot_secret
         self._run_deadline = None if run_timeout_s is None else time.monotonic() + run_timeout_s
         self._uploader: ThreadPoolExecutor | None = None
         self._fetcher: ThreadPoolExecutor | None = None
@@ -259,6 +276,14 @@ class ObjectStoreAllReduce(RunDocuments):
     def writer_id(self, step: int) -> str:
         """The writer id this rank puts in its upload for ``step`` (and in its owner record)."""
         mac = hmac.new(self._writer_secret, f"{self.rank}:{step}".encode(), hashlib.sha256)
+        return mac.hexdigest()[:32]
+
+    def slot(self, step: int, rank: int) -> str:
+        """The per-writer part of rank ``rank``'s keys for ``step`` ("" without a slot
+        secret: the plain keys)."""
+        if self._slot_secret is None:
+            return ""
+        mac = hmac.new(self._slot_secret, f"slot:{rank}:{step}".encode(), hashlib.sha256)
         return mac.hexdigest()[:32]
 
     def __repr__(self) -> str:
@@ -298,7 +323,9 @@ class ObjectStoreAllReduce(RunDocuments):
         Returns a new dict with the same names, shapes, dtypes and devices; the values are
         bit-identical on every replica. ``tokens`` is required with ``weighting='tokens'``.
         Raises StoreTimeoutError (who is missing, which timeout), CorruptContributionError
-        (the commit lists an object this replica cannot verify) or ExchangeCancelledError.
+        (the commit lists an object this replica cannot verify), QuorumLostError (every rank is
+        judged and fewer than ``min_replicas`` are valid: the step can never commit) or
+        ExchangeCancelledError.
         """
         check_inputs(tensors, step, tokens, inner_steps, self.weighting)
         start = time.monotonic()
@@ -364,7 +391,11 @@ class ObjectStoreAllReduce(RunDocuments):
         assert self.rank is not None
         if self._uploader is None:
             self._uploader = ThreadPoolExecutor(1, thread_name_prefix="store-upload")
-        fut = self._uploader.submit(self.store.put_if_absent, contrib_key(step, self.rank), payload)
+        fut = self._uploader.submit(
+            self.store.put_if_absent,
+            contrib_key(step, self.rank, self.slot(step, self.rank)),
+            payload,
+        )
         try:
             return fut.result(timeout=self.upload_timeout_s)
         except FutureTimeout:
@@ -499,10 +530,15 @@ class ObjectStoreAllReduce(RunDocuments):
                     continue
             settled = self._settled(valid, rejected)
             hopeless = attempted or len(valid) < self.min_replicas
-            if settled and not timed_out and hopeless:
-                raise CorruptContributionError(
+            if settled and hopeless:  # every rank judged: this step can never commit
+                commit = self._read_commit(step)
+                if commit is not None:
+                    break
+                raise QuorumLostError(
                     f"step {step}: only {len(valid)} valid contributions, min_replicas="
-                    f"{self.min_replicas}; rejected: {rejected}; nothing committed"
+                    f"{self.min_replicas}; rejected: {rejected}; nothing committed",
+                    step=step,
+                    rejected=rejected,
                 )
             if timed_out and hopeless:
                 commit = self._read_commit(step)
@@ -512,8 +548,7 @@ class ObjectStoreAllReduce(RunDocuments):
                 missing = sorted(
                     set(range(self.world_size)) - valid.keys() - rejected.keys() - departed.keys()
                 )
-                error = StoreTimeoutError if not settled else CorruptContributionError
-                raise error(
+                raise StoreTimeoutError(
                     f"step {step}: timeout_s={self.timeout_s} elapsed with {len(valid)} valid "
                     f"contributions (ranks {sorted(valid)}), min_replicas={self.min_replicas}; "
                     f"missing ranks {missing}, rejected {rejected}, departed "
@@ -593,7 +628,7 @@ class ObjectStoreAllReduce(RunDocuments):
     def _confirm_slot(self, step: int, writer: str) -> str | None:
         """Unsigned runs: write ``owner/<rank>.json`` naming our writer id (None = confirmed)."""
         assert self.rank is not None
-        key = owner_key(step, self.rank)
+        key = owner_key(step, self.rank, self.slot(step, self.rank))
         if self.store.put_if_absent(key, json.dumps({"writer": writer}).encode()):
             return None
         raw = self.store.get(key)
@@ -608,7 +643,7 @@ class ObjectStoreAllReduce(RunDocuments):
         assert self.rank is not None
         try:
             body = json.dumps({"rank": self.rank, "step": step, "reason": reason}).encode()
-            self.store.put_if_absent(squat_key(step, self.rank), body)
+            self.store.put_if_absent(squat_key(step, self.rank, self.slot(step, self.rank)), body)
         except OSError as e:  # the report is advisory; the slot is excluded by us anyway
             log.warning("step %d: could not write the squat report: %r", step, e)
 
@@ -639,9 +674,11 @@ class ObjectStoreAllReduce(RunDocuments):
                 rejected[r] = c
         if unconfirmed:
             ranks = sorted(unconfirmed)
-            owners = self._get_many([owner_key(step, r) for r in ranks])
+            owners = self._get_many([owner_key(step, r, self.slot(step, r)) for r in ranks])
             silent = [r for r, raw in zip(ranks, owners) if raw is None]
-            for r, raw in zip(silent, self._get_many([squat_key(step, r) for r in silent])):
+            for r, raw in zip(
+                silent, self._get_many([squat_key(step, r, self.slot(step, r)) for r in silent])
+            ):
                 if raw is not None:
                     unconfirmed.pop(r)
                     rejected[r] = f"slot squatted: rank {r} reports an object it did not write"
@@ -676,7 +713,9 @@ class ObjectStoreAllReduce(RunDocuments):
             )
         if self.keys is None:  # squat reports of ranks we are about to include
             ranks = sorted(r for r in valid if r != self.rank)
-            for r, raw in zip(ranks, self._get_many([squat_key(step, r) for r in ranks])):
+            for r, raw in zip(
+                ranks, self._get_many([squat_key(step, r, self.slot(step, r)) for r in ranks])
+            ):
                 if raw is not None:
                     rejected[r] = f"slot squatted: rank {r} reports an object it did not write"
                     valid.pop(r, None)
@@ -828,7 +867,7 @@ class ObjectStoreAllReduce(RunDocuments):
             return []
 
         def fetch(r: int) -> tuple[Contribution | str | None, int]:
-            raw = self.store.get(contrib_key(step, r))
+            raw = self.store.get(contrib_key(step, r, self.slot(step, r)))
             if raw is None:
                 return None, 0
             try:
@@ -870,7 +909,8 @@ class ObjectStoreAllReduce(RunDocuments):
         if old < 0:
             return
         try:
-            self.store.delete_many(step_keys(old, self.world_size))
+            slots = [self.slot(old, r) for r in range(self.world_size)]
+            self.store.delete_many(step_keys(old, self.world_size, slots))
         except OSError as e:  # GC is housekeeping; never fail a committed step for it
             log.warning("garbage collection of step %d failed: %r", old, e)
 

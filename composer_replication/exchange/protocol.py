@@ -3,9 +3,9 @@
 Layout under one run prefix (see docs/object-store.md)::
 
     manifest.json                                  run manifest (put-if-absent)
-    steps/<step:010d>/contrib/<rank:05d>.safetensors   one immutable contribution per rank
-    steps/<step:010d>/owner/<rank:05d>.json        "I wrote my slot" (writer id), unsigned runs
-    steps/<step:010d>/squat/<rank:05d>.json        "my slot holds an object I did not write"
+    steps/<step:010d>/contrib/<rank:05d>[-<slot>].safetensors   one immutable contribution per rank
+    steps/<step:010d>/owner/<rank:05d>[-<slot>].json    "I wrote my slot" (writer id), unsigned
+    steps/<step:010d>/squat/<rank:05d>[-<slot>].json    "my slot holds an object I did not write"
     steps/<step:010d>/commit.json                  the step's decision (put-if-absent, first wins)
     steps/head.json                                hint: the newest committed step (overwritten)
     states/<name>/<round:010d>.safetensors         full state dicts (initial / global weights)
@@ -21,6 +21,11 @@ also carry ``run_id``, ``signer`` and ``signature``. Tensor
 i-th name in the header (names are never used as safetensors keys, so no parameter name can
 collide with a part name). Nothing read from the
 store is ever unpickled: parsing is JSON plus ``safetensors.torch.load``.
+
+``<slot>``: the per-writer part of a rank's keys for one step, derived from the run's slot
+secret (`ObjectStoreAllReduce.slot`), so only the rank's own writer (and its readers, who hold
+the secret) knows where its upload goes: an object planted at any other key is never read. Without
+a slot secret (library use) the keys are the plain ``<rank:05d>`` ones.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -83,8 +89,13 @@ def step_prefix(step: int) -> str:
     return f"steps/{step:010d}/"
 
 
-def contrib_key(step: int, rank: int) -> str:
-    return f"{step_prefix(step)}contrib/{rank:05d}.safetensors"
+def _slot_name(rank: int, slot: str) -> str:
+    return f"{rank:05d}-{slot}" if slot else f"{rank:05d}"
+
+
+def contrib_key(step: int, rank: int, slot: str = "") -> str:
+    """Rank ``rank``'s contribution to ``step`` (``slot``: its per-writer part, module doc)."""
+    return f"{step_prefix(step)}contrib/{_slot_name(rank, slot)}.safetensors"
 
 
 def commit_key(step: int) -> str:
@@ -94,21 +105,23 @@ def commit_key(step: int) -> str:
 HEAD_KEY = "steps/head.json"  # the newest committed step, as a hint (see ObjectStoreAllReduce)
 
 
-def owner_key(step: int, rank: int) -> str:
+def owner_key(step: int, rank: int, slot: str = "") -> str:
     """Where rank ``rank`` confirms it wrote its slot (unsigned runs: ``{"writer": id}``)."""
-    return f"{step_prefix(step)}owner/{rank:05d}.json"
+    return f"{step_prefix(step)}owner/{_slot_name(rank, slot)}.json"
 
 
-def squat_key(step: int, rank: int) -> str:
+def squat_key(step: int, rank: int, slot: str = "") -> str:
     """Where rank ``rank`` reports that its slot holds an object it did not write."""
-    return f"{step_prefix(step)}squat/{rank:05d}.json"
+    return f"{step_prefix(step)}squat/{_slot_name(rank, slot)}.json"
 
 
-def step_keys(step: int, world_size: int) -> list[str]:
-    """Every key a step may hold (what garbage collection deletes, without listing)."""
+def step_keys(step: int, world_size: int, slots: Sequence[str] | None = None) -> list[str]:
+    """Every key a step may hold (what garbage collection deletes, without listing);
+    ``slots[r]``: rank r's per-writer part of the step's keys (None: plain keys)."""
     out = [commit_key(step)]
     for r in range(world_size):
-        out += [contrib_key(step, r), owner_key(step, r), squat_key(step, r)]
+        slot = "" if slots is None else slots[r]
+        out += [contrib_key(step, r, slot), owner_key(step, r, slot), squat_key(step, r, slot)]
     return out
 
 
@@ -118,9 +131,11 @@ def parse_step_dir(name: str) -> int | None:
 
 
 def parse_contrib_name(name: str) -> int | None:
-    """``'00003.safetensors'`` -> 3; anything else -> None."""
+    """``'00003.safetensors'`` or ``'00003-<slot>.safetensors'`` -> 3; anything else -> None."""
     stem, dot, ext = name.partition(".")
-    return int(stem) if dot and ext == "safetensors" and stem.isdigit() and len(stem) == 5 else None
+    rank, _, slot = stem.partition("-")
+    ok = dot and ext == "safetensors" and rank.isdigit() and len(rank) == 5
+    return int(rank) if ok and (slot.isalnum() or not slot) else None
 
 
 def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:

@@ -70,6 +70,7 @@ __all__ = [
     "combine",
     "included",
     "merge",
+    "norm_outlier",
     "screen",
     "screen_state",
     "tensor_stats",
@@ -295,18 +296,29 @@ def _check_claims(work: _Work, policy: AggregatePolicy) -> None:
                 )
 
 
+def norm_outlier(
+    norm: float, reference: Sequence[float], ratio: float, *, against: str = "the round's"
+) -> str | None:
+    """The one norm-outlier rule: why ``norm`` is an outlier (above ``ratio x`` the median of
+    ``reference``), or None. Judged only with ``ratio`` set and at least `MIN_TO_JUDGE`
+    reference norms (fewer cannot tell which one is the outlier). Screens a round's
+    contributions (against the round's norms) and, in unsigned runs, each committed global
+    update (against the run's recent rounds, `store_manager.ObjectStoreManager`)."""
+    if not ratio or len(reference) < MIN_TO_JUDGE:
+        return None
+    median = statistics.median(reference)
+    if norm > ratio * median:
+        return f"norm outlier: L2 norm {norm:.4g} > {ratio:g} x {against} median {median:.4g}"
+    return None
+
+
 def _check_norms(work: _Work, policy: AggregatePolicy) -> None:
     alive = work.alive()
-    if not policy.outlier_ratio or len(alive) < MIN_TO_JUDGE:
-        return
-    median = statistics.median(c.get_stats().norm for c in alive)
+    norms = [c.get_stats().norm for c in alive]
     for c in alive:
-        norm = c.get_stats().norm
-        if norm > policy.outlier_ratio * median:
-            work.out[c.rank] = (
-                f"norm outlier: L2 norm {norm:.4g} > {policy.outlier_ratio:g} x the round's "
-                f"median {median:.4g}"
-            )
+        why = norm_outlier(c.get_stats().norm, norms, policy.outlier_ratio)
+        if why is not None:
+            work.out[c.rank] = why
 
 
 def _check_loss(work: _Work, policy: AggregatePolicy, probe: LossProbe | None) -> dict[int, float]:

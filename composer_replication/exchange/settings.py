@@ -21,12 +21,21 @@ from composer_replication.exchange.robust import (
 )
 from composer_replication.fields import require, setting
 
-__all__ = ["CodecName", "ExchangeConfig"]
+__all__ = ["CodecName", "ExchangeConfig", "default_quorum"]
 
 if TYPE_CHECKING:
     CodecName = str
 else:  # the codec registry's names as a Literal choice (the loader validates against it)
     CodecName = Literal[CODECS]
+
+
+def default_quorum(n_replicas: int) -> int:
+    """``min_replicas`` when unset: ``max(1, n - 1)``. It tolerates one lost or refused replica
+    (a contribution refused for a bad header, a non-finite value, a wrong writer, a failed
+    signature or by screening counts as that rank's absence), so one dead replica or one object
+    planted in the store cannot stop a run; with two or more missing a round does not commit."""
+    return max(1, n_replicas - 1)
+
 
 _POLICY = AggregatePolicy()  # every aggregate*/screen* default comes from here
 
@@ -52,7 +61,11 @@ class ExchangeConfig:
         "sparseloco_outer_lr (no outer momentum; outer_optimizer/outer_lr/outer_momentum are "
         "not used)",
     )
-    min_replicas: int | None = setting(None, "contributions needed to commit a round (unset = all)")
+    min_replicas: int | None = setting(
+        None,
+        "contributions needed to commit a round (unset = max(1, n_replicas - 1): one lost or "
+        "refused replica is tolerated; see default_quorum, commit_quorum)",
+    )
     weighting: WeightingName = setting(_POLICY.weighting, "how contributions are weighted")
     timeout_s: float = setting(600.0, "how long a round waits for contributions")
     aggregate: AggregateName = setting(
@@ -91,6 +104,10 @@ class ExchangeConfig:
         if self.min_replicas is not None:
             require(self.min_replicas >= 1, "min_replicas", "must be >= 1")
         require(self.timeout_s > 0, "timeout_s", "must be > 0")
+
+    def commit_quorum(self, n_replicas: int) -> int:
+        """Contributions a round needs: ``min_replicas``, or `default_quorum` when unset."""
+        return default_quorum(n_replicas) if self.min_replicas is None else self.min_replicas
 
     def aggregate_policy(self, **bounds: Any) -> AggregatePolicy:
         """The exchange's policy for these keys (``bounds``: the run's claim bounds)."""

@@ -16,7 +16,10 @@ cannot open sockets to each other, so here:
   also the case for a replica that arrived after the commit record was written: it is left out
   of the average but receives it, applies the same outer step and stays bit-identical. It is
   False when the exchange failed (fewer than ``min_replicas`` within the step timeout); DiLoCo then
-  rolls the model back to the last global weights and the round's local work is dropped.
+  rolls the model back to the last global weights and the round's local work is dropped. A step
+  that can never commit (`QuorumLostError`: every rank judged, too few valid) is raised to the
+  caller instead, with its refusals in the round's record: retrying it would meet the same
+  objects, and training on without it would pass for success.
 - Membership is the store's commit record, so ``start_quorum`` only checks that this replica has
   not missed a committed round: one GET of the head hint (a listing only when the hint says it
   is behind, or after a failed round), so a steady-state round sends no LIST request. If it has
@@ -44,6 +47,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import TypedDict
@@ -63,14 +67,19 @@ from composer_replication.exchange.outer_state import (
     state_nbytes,
     wait_for_outer_state,
 )
+from composer_replication.exchange.robust import norm_outlier, tensor_stats
 from composer_replication.exchange.state import model_fingerprint
 from composer_replication.exchange.vocabulary import (
     CorruptContributionError,
+    RoundStoppedError,
     StepResult,
     StoreTimeoutError,
+    UpdateRefusedError,
 )
 
 __all__ = ["MockManager", "ObjectStoreManager", "RoundRecord", "round_record"]
+
+RECENT_UPDATES = 8  # committed updates a new one is judged against (unsigned runs)
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +97,9 @@ class RoundRecord(TypedDict):
     aggregate: the merge method of the commit; requests: store requests this replica sent for
     the round, by kind (put/get/head/list/delete; object store only, else {});
     upload_seconds / wait_seconds / merge_seconds: where the exchange's time went (object store:
-    uploading this replica's contribution, waiting for the peers' and the commit, merging).
+    uploading this replica's contribution, waiting for the peers' and the commit, merging);
+    refused: why the round's committed update was not applied (unsigned runs: non-finite, or a
+    norm outlier against the recent rounds), else None.
     """
 
     round: int
@@ -110,6 +121,7 @@ class RoundRecord(TypedDict):
     upload_seconds: float
     wait_seconds: float
     merge_seconds: float
+    refused: str | None
 
 
 def round_record(round_: int, *, committed: bool = False, healed: bool = False) -> RoundRecord:
@@ -134,6 +146,7 @@ def round_record(round_: int, *, committed: bool = False, healed: bool = False) 
         upload_seconds=0.0,
         wait_seconds=0.0,
         merge_seconds=0.0,
+        refused=None,
     )
 
 
@@ -231,6 +244,8 @@ class ObjectStoreManager:
         self._requests_at_quorum = allreduce.store.requests.snapshot()
         self._last_included: list[int] = []
         self.history: list[RoundRecord] = []
+        # norms of the last committed updates applied (the reference of `_screen_update`)
+        self._update_norms: deque[float] = deque(maxlen=RECENT_UPDATES)
         self.bytes_uploaded = 0
         self.bytes_downloaded = 0
         self.checkpoint_bytes = 0
@@ -464,6 +479,7 @@ class ObjectStoreManager:
                 tokens=self._round_tokens,
                 inner_steps=self._round_inner_steps or None,
             )
+            self._screen_update(step, out)
             with torch.no_grad():
                 for key, (t, _) in zip(tensors, pending):
                     t.copy_(out[key])
@@ -484,6 +500,17 @@ class ObjectStoreManager:
                 record["merge_seconds"] = result.merge_seconds
                 self.bytes_uploaded += int(result.bytes_uploaded)
                 self.bytes_downloaded += int(result.bytes_downloaded)
+        except RoundStoppedError as e:
+            # Every rank is judged and too few are valid (the step can never commit: a retry
+            # would meet the same immutable objects), or the committed update is refused.
+            # Stop, with the refusals on record.
+            logger.error("rank %s: store step %s stops the run: %s", self.rank, step, e)
+            record["error"] = f"{type(e).__name__}: {e}"
+            record["rejected"] = {str(r): why for r, why in sorted(e.rejected.items())}
+            if isinstance(e, UpdateRefusedError):
+                record["refused"] = str(e)
+            self._outcome = (False, e)
+            self._fatal = e
         except (StoreTimeoutError, CorruptContributionError) as e:
             # Nothing was committed for this step (too few replicas in time), or the commit lists
             # a contribution we cannot verify. DiLoCo rolls back to the global weights and the
@@ -503,6 +530,30 @@ class ObjectStoreManager:
             for t, fut in pending:
                 if not fut.done():
                     fut.set_result(t)
+
+    def _screen_update(self, step: int, update: Mapping[str, torch.Tensor]) -> None:
+        """Unsigned runs: refuse a committed global update that is non-finite or whose norm is
+        an outlier against the run's recent rounds (`robust.norm_outlier`, the rule that
+        screens contributions, at the exchange's ``outlier_ratio``). A tripwire, not a security
+        boundary: signing is what keeps forged commit records out (docs/security.md)."""
+        if self.exchange.keys is not None:
+            return
+        stats = tensor_stats(update)
+        why = stats.nonfinite and f"non-finite values: {stats.nonfinite}"
+        why = why or norm_outlier(
+            stats.norm,
+            list(self._update_norms),
+            self.exchange.policy.outlier_ratio,
+            against=f"the last {len(self._update_norms)} rounds'",
+        )
+        if why:
+            raise UpdateRefusedError(
+                f"step {step}: the committed global update is not applied ({why}); a forged "
+                "or broken commit record? (unsigned run: see docs/security.md)",
+                step=step,
+                rejected=self.exchange.last_result.rejected if self.exchange.last_result else {},
+            )
+        self._update_norms.append(stats.norm)
 
     def _finish_exchange(self) -> None:
         """Make sure the queued exchange has run (synchronously if it has not started)."""

@@ -26,8 +26,11 @@ __all__ = [
     "ExchangeCancelledError",
     "FrameError",
     "ModelMismatchError",
+    "QuorumLostError",
+    "RoundStoppedError",
     "StepResult",
     "StoreTimeoutError",
+    "UpdateRefusedError",
     "dtype_name",
 ]
 
@@ -42,6 +45,28 @@ class CorruptContributionError(ValueError):
 
 class FrameError(CorruptContributionError):
     """The bytes are not a well-formed safetensors payload (the message says why)."""
+
+
+class RoundStoppedError(CorruptContributionError):
+    """A round the run cannot get past: retrying it would meet the same objects, and training
+    on without it would pass for success. ``rejected``: rank -> why its contribution was
+    refused (may be empty)."""
+
+    def __init__(self, message: str, *, step: int, rejected: dict[int, str] | None = None) -> None:
+        super().__init__(message)
+        self.step = step
+        self.rejected = dict(rejected or {})
+
+
+class QuorumLostError(RoundStoppedError):
+    """Every rank of ``step`` is judged (valid or refused) and fewer than ``min_replicas`` are
+    valid: the step can never commit (contributions are immutable, so a retry would meet the
+    same objects)."""
+
+
+class UpdateRefusedError(RoundStoppedError):
+    """``step`` committed, but its global update is not applied: unsigned runs screen it
+    against the run's recent rounds (a tripwire for a forged commit record, docs/security.md)."""
 
 
 class ModelMismatchError(ValueError):

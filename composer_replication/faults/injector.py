@@ -159,7 +159,6 @@ def corrupt_object(store: ObjectStore, key: str, *, seed: int = 0) -> bool:
 
 def _newest_contribution(store: ObjectStore, rank: int | None) -> str | None:
     from composer_replication.exchange.protocol import (
-        contrib_key,
         parse_contrib_name,
         parse_step_dir,
         step_prefix,
@@ -169,13 +168,14 @@ def _newest_contribution(store: ObjectStore, rank: int | None) -> str | None:
         (s for s in map(parse_step_dir, store.list("steps/")) if s is not None), reverse=True
     )
     for s in steps:
-        ranks = [
-            r
-            for r in map(parse_contrib_name, store.list(step_prefix(s) + "contrib/"))
-            if r is not None and (rank is None or r == rank)
-        ]
-        if ranks:
-            return contrib_key(s, ranks[-1])
+        prefix = step_prefix(s) + "contrib/"
+        names = sorted(  # by rank: the key of the highest rank asked for (its slot's name)
+            (r, name)
+            for name in store.list(prefix)
+            if (r := parse_contrib_name(name)) is not None and (rank is None or r == rank)
+        )
+        if names:
+            return prefix + names[-1][1]
     return None
 
 
@@ -305,7 +305,7 @@ class ChaosInjector:
         local = self.store.local_path
         patterns = (
             re.compile(rf"/decoupled/push/\d{{3}}-\d{{10}}-{rank:05d}-\d{{4}}\."),
-            re.compile(rf"/contrib/{rank:05d}\.safetensors"),
+            re.compile(rf"/contrib/{rank:05d}(-[0-9a-f]+)?\.safetensors"),  # per-writer keys
         )
         restore = None
         if local is None and self.proxy is not None:

@@ -12,7 +12,10 @@ replica that fails is relaunched up to `backend.max_restarts` times; the moment 
 exits the driver declares it departed in the store (exchange/liveness.py), so the others stop
 waiting for it in the next rounds (the relaunched incarnation takes the record back when it
 rejoins). One that fails for good stops the run unless diloco.min_replicas lets the others
-continue; when they then finish, the run is "finished, N replicas lost" (exit 0).
+continue (by default they can: the quorum is all replicas but one); when they then finish,
+the run is "finished, N replicas lost" (exit 0). A replica that stops on a round that can never
+commit, or whose committed update it refused (run/supervision.py `no_quorum`), is not restarted:
+the run stops with exit 3, health `critical` naming the round and the refusals.
 Every launch writes the next run generation to the store (exchange/fencing.py) and hands it to
 its replicas: replicas of an older launch stop before writing anything. `--resume` refuses to
 start while replicas of the run still send fresh heartbeats after being fenced. Ctrl-C cancels
@@ -24,7 +27,8 @@ assembly/ (the executor, the lighthouse, the chaos injector and its S3 proxy); t
 starts, watches (run/supervision.py) and stops it. With ``[security] sign``
 the driver makes the run's keys, publishes the signed key manifest and config signature, and
 hands each replica only its own private key through the executor's secret mechanism
-(run/security.py).
+(run/security.py); every run hands each replica the run's slot secret the same way (where each
+rank's uploads go).
 """
 
 from __future__ import annotations
@@ -89,14 +93,21 @@ from composer_replication.run.report import (
     wall_text,
     write_report,
 )
-from composer_replication.run.security import RunSecrets, prepare_signing, writer_secrets
+from composer_replication.run.security import (
+    RunSecrets,
+    prepare_signing,
+    slot_secret,
+    writer_secrets,
+)
 from composer_replication.run.supervision import (
+    EXIT_RUN_NO_QUORUM,
     Departures,
     HealthLog,
     RefusalLog,
     Restarter,
     fence_previous_launch,
     final_status,
+    no_quorum,
 )
 from composer_replication.run.synchronizer_process import SynchronizerProcess
 
@@ -431,6 +442,8 @@ def _open(
         secrets = signing.per_rank(config.backend.n_replicas)
     else:  # rank r: its own writer secret (a restarted replica recognises its earlier upload)
         secrets = writer_secrets(folder, config.backend.n_replicas)
+    slot = slot_secret(folder)  # every rank: where each rank's uploads go (security.py)
+    secrets = {r: {**s, **slot} for r, s in secrets.items()}
     services = _Services(config, folder, mode, env, signing)
     return _Launch(
         config,
@@ -538,11 +551,20 @@ class _Watch:
         )
         self.elastic = mode.elastic(n)
         self.last_mirror = 0.0
+        self.no_quorum: dict[str, Any] | None = None  # the round that can never commit
 
     def tick(self, stopping: bool) -> str | None:
         """Poll once; the run's final status once it is decided, else None."""
         launch, handles = self.launch, self.launch.handles
         launch.executor.poll(handles)
+        stuck = no_quorum(handles, launch.collector.statuses)
+        if stuck is not None:  # neither restarted nor trained on: the run stops, saying why
+            self.no_quorum = stuck
+            launch.executor.cancel(handles)
+            launch.folder.update_driver(no_quorum=stuck, error=stuck["reason"])
+            self.health.critical(stuck["reason"])
+            launch.progress.message(f"stopping the run: {stuck['reason']}")
+            return "failed"
         if not stopping:
             for message in (
                 *self.departures.note(handles, self.restarter),
@@ -628,6 +650,8 @@ def _end(
             status = "failed"
             folder.update_driver(status=status, error="chaos check failed: see chaos.json")
     exit_code = {"finished": 0, "interrupted": 130}.get(status, 1)
+    if status == "failed" and watch.no_quorum is not None:
+        exit_code = EXIT_RUN_NO_QUORUM
     # one wall time everywhere: driver start to end of training, summed over the run's attempts
     # (a resumed run's earlier launches count), as summary.md shows it
     attempts = closed_attempts(folder.read_driver())

@@ -37,22 +37,29 @@ from composer_replication.exchange.liveness import clear_departure, write_depart
 from composer_replication.exchange.protocol import CorruptContributionError
 from composer_replication.exchange.signing import RunKeys, rank_identity
 from composer_replication.exchange.store import ObjectStore
+from composer_replication.exchange.vocabulary import RoundStoppedError
 from composer_replication.run.checkpoint import committed_checkpoints
 from composer_replication.run.metrics import ReplicaMetricsWriter
 from composer_replication.run.replica_env import (
     CONFIG_KEY,
     ENV_GENERATION,
     EXIT_FENCED,
+    EXIT_NO_QUORUM,
     EXIT_UNUSABLE,
 )
 from composer_replication.run.replica_state import ReplicaStateError, load_replica_state
 from composer_replication.run.reporter import ReplicaReporter, ResumeStateWriter
-from composer_replication.run.security import participant_keys, writer_secret_from_env
+from composer_replication.run.security import (
+    participant_keys,
+    slot_secret_from_env,
+    writer_secret_from_env,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer
 
     from composer_replication.tasks import Task
+    from composer_replication.trainer import ComposerReplicationTrainer
 
 __all__ = ["run_replica", "start", "weights_digest"]
 
@@ -72,11 +79,13 @@ def run_replica(
     keys: RunKeys | None = None,
     writer_secret: bytes | None = None,
     generation: int | None = None,
+    slot_secret: bytes | None = None,
 ) -> int:
     """Train this replica of the run (see the module docstring); returns the exit code.
 
     ``keys``: this rank's signing keys (signed runs); ``writer_secret``: its writer secret
-    (unsigned runs; see `run.security.writer_secrets`); ``generation``: the run generation of
+    (unsigned runs; see `run.security.writer_secrets`); ``slot_secret``: the run's slot secret
+    (`run.security.slot_secret`); ``generation``: the run generation of
     its launch (None: the store's current one), checked before every write."""
     store = ObjectStore(uri, storage_options)
     fence = Fence(store, read_generation(store) if generation is None else generation)
@@ -104,6 +113,7 @@ def run_replica(
             task,
             keys=keys,
             writer_secret=writer_secret,
+            slot_secret=slot_secret,
             fence=fence,
         )
         heartbeat.fields = loop.heartbeat
@@ -114,6 +124,12 @@ def run_replica(
         heartbeat.close()
         print(f"replica {rank}: {exc}", file=sys.stderr, flush=True)
         return EXIT_FENCED
+    except RoundStoppedError as exc:  # a round that cannot commit or be applied: the run stops
+        refused = {str(r): why for r, why in sorted(exc.rejected.items())}
+        writer.status(stopped_round=exc.step, stopped_refusals=refused)
+        _report_failure(writer, heartbeat, exc)
+        print(f"replica {rank}: round {exc.step} stops the run: {exc}", file=sys.stderr, flush=True)
+        return EXIT_NO_QUORUM
     except BaseException as exc:
         _report_failure(writer, heartbeat, exc)
         raise
@@ -217,10 +233,7 @@ def _train(r: _Replica) -> bool:
             clear_departure(store, mode.worker_role, rank)
         # The trainer counts the run's steps: its step, LR schedule and TAID schedule
         # continue at start_step (exactly, with the resume state).
-        if resume_state is not None:
-            trainer.resume_train(resume_state)
-        else:
-            trainer.train_from_step(start_step)
+        _run_trainer(trainer, reporter, resume_state, start_step)
     # The model now holds the global weights (the DiLoCo callback loaded them): their
     # digest lets anyone check that every replica ended on the same model.
     writer.log(
@@ -233,6 +246,24 @@ def _train(r: _Replica) -> bool:
     if mode.store_departures:  # a peer still behind need not wait for this rank
         write_departure(store, mode.worker_role, rank, reason="finished training")
     return True
+
+
+def _run_trainer(
+    trainer: ComposerReplicationTrainer,
+    reporter: ReplicaReporter,
+    resume_state: dict[str, Any] | None,
+    start_step: int,
+) -> None:
+    """Train from the resume state (exact) or from ``start_step``; a round that stops the run
+    has its record and refusals logged before the replica stops."""
+    try:
+        if resume_state is not None:
+            trainer.resume_train(resume_state)
+        else:
+            trainer.train_from_step(start_step)
+    except RoundStoppedError:
+        reporter.log_new_rounds(int(trainer.state.global_step))
+        raise
 
 
 def _reporter(r: _Replica, *, last_round: int | None) -> ReplicaReporter:
@@ -337,7 +368,7 @@ def start(ns: argparse.Namespace, rank: int, uri: str, storage_options: dict[str
         store = _open_store(uri, storage_options)
         doc = _config_doc(ns, store)
         config = _replica_config(doc, store, rank)
-        keys, writer_secret = _identity(store, rank, doc, config)
+        keys, writer_secret, slot_secret = _identity(store, rank, doc, config)
         generation = _generation()
     except _Unusable as exc:
         print(f"replica: error: {exc}", file=sys.stderr)
@@ -354,6 +385,7 @@ def start(ns: argparse.Namespace, rank: int, uri: str, storage_options: dict[str
         keys=keys,
         writer_secret=writer_secret,
         generation=generation,
+        slot_secret=slot_secret,
     )
 
 
@@ -420,11 +452,12 @@ def _replica_config(doc: dict[str, Any], store: ObjectStore, rank: int) -> RunCo
 
 def _identity(
     store: ObjectStore, rank: int, doc: dict[str, Any], config: RunConfig
-) -> tuple[RunKeys | None, bytes | None]:
-    """This rank's signing keys (signed runs) and writer secret, from its environment."""
+) -> tuple[RunKeys | None, bytes | None, bytes | None]:
+    """This rank's signing keys (signed runs), writer secret and the run's slot secret, from
+    its environment."""
     try:
         keys = participant_keys(store, rank_identity(rank), doc, required=config.security.sign)
-        return keys, writer_secret_from_env()
+        return keys, writer_secret_from_env(), slot_secret_from_env()
     except (ValueError, CorruptContributionError) as exc:  # missing key, forged config
         raise _Unusable(str(exc)) from None
 

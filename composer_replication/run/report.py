@@ -27,6 +27,7 @@ __all__ = [
     "draw_plots",
     "headline_lines",
     "health_summary",
+    "rejections",
     "summarize",
     "summary_markdown",
     "write_report",
@@ -143,6 +144,9 @@ def losses_rose(summary: dict[str, Any]) -> bool:
     return False
 
 
+REJECTIONS_SHOWN = 10  # refusals listed in the headline (all are in the summary and metrics)
+
+
 def headline_lines(summary: dict[str, Any], *, eval_n: int | None = None) -> list[str]:
     """The headline numbers as `train` prints them at the end and `report` prints them: mean
     reward first/last 10%, held-out accuracy first/last with its 95% interval, each loss
@@ -173,6 +177,13 @@ def headline_lines(summary: dict[str, Any], *, eval_n: int | None = None) -> lis
             )
     if losses_rose(summary):
         lines.append(f"  {LOSS_RISE_LINE}")
+    refused = summary.get("rejections") or []
+    for r in refused[:REJECTIONS_SHOWN]:  # every refusal is in metrics.jsonl (event "rejected")
+        lines.append(f"  refused          round {r['round']} rank {r['rank']}: {r['reason']}")
+    if len(refused) > REJECTIONS_SHOWN:
+        lines.append(
+            f"  refused          ... {len(refused) - REJECTIONS_SHOWN} more (metrics.jsonl)"
+        )
     return lines
 
 
@@ -285,7 +296,20 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     if devices:
         out["devices"] = devices
     out.update(health_summary(records))
+    refused = rejections(records)
+    if refused:
+        out["rejections"] = refused
     return out
+
+
+def rejections(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every contribution the exchange refused or left out ("rejected" events: round, rank,
+    reason), once each however many replicas reported it, in round order."""
+    seen: dict[tuple[int, int, str], None] = {}
+    for r in records:
+        if r.get("kind") == "event" and r.get("event") == "rejected":
+            seen[(int(r.get("round") or 0), int(r.get("rank") or 0), str(r.get("reason")))] = None
+    return [{"round": rnd, "rank": rank, "reason": why} for rnd, rank, why in sorted(seen)]
 
 
 def _device_text(r: dict[str, Any]) -> str:
@@ -566,6 +590,15 @@ def summary_markdown(
         f"dpo_variant={loss.get('dpo_variant')}",
         *(f"- device: {line}" for line in summary.get("devices") or []),
         f"- status: {driver.get('status', 'unknown')}",
+        *(
+            [f"- stopped: {driver['no_quorum'].get('reason')}"]
+            if isinstance(driver.get("no_quorum"), dict)
+            else []
+        ),
+        *(
+            f"- refused: round {r['round']} rank {r['rank']}: {r['reason']}"
+            for r in summary.get("rejections") or []
+        ),
         "",
         "| metric | value |",
         "|---|---|",

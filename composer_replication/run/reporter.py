@@ -9,7 +9,9 @@ global weights, identical on every replica) and in `on_train_end` the final glob
 - every exchange in the manager's history becomes a "round" record (seconds, bytes, ranks,
   store requests by kind, how many contributions were rejected), and every rejection an
   "event" record (``event = "rejected"``, ``rank``, ``reason``) and the status document's
-  ``rejections`` (the latest round that rejected something);
+  ``rejections`` (the latest round that rejected something); a committed update a replica
+  refused to apply (unsigned runs' global-update screening) an "event" record
+  (``event = "refused"``, ``round``, ``reason``);
 - replica `evaluator_rank` (0) evaluates the global model on held-out prompts every
   `eval_every_rounds` committed rounds and at the end, and writes checkpoints;
 - the status document (state, step, round, reward) is refreshed with every flush.
@@ -259,15 +261,8 @@ class ReplicaReporter(TrainerCallback):
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        history = self.outer.history
-        new = history[self._history_seen :]
-        self._history_seen = len(history)
         step = self._step(state)
-        committed = False
-        now = time.monotonic()
-        for record in new:
-            self._log_round(record, step, now)
-            committed = committed or bool(record.get("committed"))
+        committed = self.log_new_rounds(step)
         if (
             self.last_round is not None
             and self._round() >= self.last_round > 0
@@ -292,6 +287,19 @@ class ReplicaReporter(TrainerCallback):
             self.checkpoint_now(model, step)
         self._round_started = time.monotonic()  # evaluation and checkpoint are not training
         self._status("training", step)
+
+    def log_new_rounds(self, step: int) -> bool:
+        """Log the exchanges of the outer loop's history not logged yet (also when a round
+        that cannot commit stops the replica); whether one of them committed."""
+        history = self.outer.history
+        new = history[self._history_seen :]
+        self._history_seen = len(history)
+        committed = False
+        now = time.monotonic()
+        for record in new:
+            self._log_round(record, step, now)
+            committed = committed or bool(record.get("committed"))
+        return committed
 
     def _log_round(self, record: RoundRecord, step: int, now: float) -> None:
         """One exchange of the outer loop's history: a "round" record (throughput and where
@@ -341,6 +349,9 @@ class ReplicaReporter(TrainerCallback):
             )
         if rejected:
             self.writer.status(rejections={"round": rnd, "ranks": rejected})
+        if record.get("refused"):  # the committed update was not applied (store_manager.py)
+            why = str(record.get("refused"))
+            self.writer.log("event", step=step, round=rnd, event="refused", reason=why)
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any

@@ -18,6 +18,11 @@ kept in ``<run folder>/writer-secrets.json`` (mode 0600, reused on resume) and h
 only, as ``$COMPOSER_WRITER_SECRET``. The exchange derives the writer ids of the rank's uploads
 from it, so a restarted replica recognises what its earlier incarnation uploaded and nobody
 without the secret can predict the id of a future upload.
+
+Every run, signed or not (`slot_secret`, `slot_secret_from_env`): one random slot secret for the
+run, kept in the same file and handed to every rank as ``$COMPOSER_SLOT_SECRET`` through the
+same per-rank secret mechanism. The exchange derives the key of each rank's upload from it
+(`ObjectStoreAllReduce.slot`), so an object planted where a rank's upload would go is never read.
 """
 
 from __future__ import annotations
@@ -56,10 +61,13 @@ __all__ = [
     "CONFIG_SIGNATURE_KEY",
     "KEYS_FILE",
     "WRITER_SECRETS_FILE",
+    "SLOT_SECRET_ENV",
     "WRITER_SECRET_ENV",
     "RunSecrets",
     "participant_keys",
     "prepare_signing",
+    "slot_secret",
+    "slot_secret_from_env",
     "writer_secret_from_env",
     "writer_secrets",
 ]
@@ -67,6 +75,7 @@ __all__ = [
 KEYS_FILE = "signing-keys.json"  # in the run folder, never in the store
 WRITER_SECRETS_FILE = "writer-secrets.json"  # in the run folder, never in the store
 WRITER_SECRET_ENV = "COMPOSER_WRITER_SECRET"  # rank r's writer secret (hex), rank r only
+SLOT_SECRET_ENV = "COMPOSER_SLOT_SECRET"  # the run's slot secret (hex), every rank
 CONFIG_SIGNATURE_KEY = "run_config.sig.json"
 
 
@@ -185,30 +194,42 @@ def participant_keys(
     return keys.with_identity(identity, private)
 
 
-def writer_secrets(folder: RunFolder, n: int) -> dict[int, dict[str, str]]:
-    """Rank r's writer secret, for rank r only (created once per run folder, reused on resume;
-    ranks added by a larger ``n`` get new ones)."""
+def _stored_secrets(folder: RunFolder, ranks: int, slot: bool) -> dict[str, str]:
+    """The run folder's secrets file (``"0"``... per rank, ``"slot"``), completed with new
+    random secrets for the ranks below ``ranks`` (and the slot, if ``slot``) it lacks."""
     path = folder.root / WRITER_SECRETS_FILE
     stored: dict[str, str] = {}
     if path.is_file():
         doc = json.loads(path.read_text())
         stored = {str(k): str(v) for k, v in (doc.get("secrets") or {}).items()}
-    missing = [r for r in range(n) if str(r) not in stored]
+    missing = [str(r) for r in range(ranks) if str(r) not in stored]
+    missing += ["slot"] if slot and "slot" not in stored else []
     if missing:
-        stored.update({str(r): os.urandom(32).hex() for r in missing})
+        stored.update({name: os.urandom(32).hex() for name in missing})
         tmp = path.with_name(f".{path.name}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             json.dump({"secrets": stored}, f, indent=1)
         os.replace(tmp, path)
+    return stored
+
+
+def writer_secrets(folder: RunFolder, n: int) -> dict[int, dict[str, str]]:
+    """Rank r's writer secret, for rank r only (created once per run folder, reused on resume;
+    ranks added by a larger ``n`` get new ones)."""
+    stored = _stored_secrets(folder, n, slot=False)
     return {r: {WRITER_SECRET_ENV: stored[str(r)]} for r in range(n)}
 
 
-def writer_secret_from_env(environ: Mapping[str, str] | None = None) -> bytes | None:
-    """This replica's writer secret (None when the environment has none: the exchange then uses a
-    random one per process). Raises ValueError for a malformed value."""
+def slot_secret(folder: RunFolder) -> dict[str, str]:
+    """The run's slot secret, as every rank's environment entry (created once per run folder,
+    reused on resume, so a restarted rank finds its earlier upload at its key)."""
+    return {SLOT_SECRET_ENV: _stored_secrets(folder, 0, slot=True)["slot"]}
+
+
+def _secret_from_env(name: str, environ: Mapping[str, str] | None) -> bytes | None:
     env = os.environ if environ is None else environ
-    value = env.get(WRITER_SECRET_ENV, "").strip()
+    value = env.get(name, "").strip()
     if not value:
         return None
     try:
@@ -217,7 +238,18 @@ def writer_secret_from_env(environ: Mapping[str, str] | None = None) -> bytes | 
         secret = b""
     if len(secret) < 16:
         raise ValueError(
-            f"${WRITER_SECRET_ENV} must be >= 32 hex digits (the driver sets it per rank); "
-            "unset it to use a random writer secret"
+            f"${name} must be >= 32 hex digits (the driver sets it); unset it to do without"
         )
     return secret
+
+
+def writer_secret_from_env(environ: Mapping[str, str] | None = None) -> bytes | None:
+    """This replica's writer secret (None when the environment has none: the exchange then uses a
+    random one per process). Raises ValueError for a malformed value."""
+    return _secret_from_env(WRITER_SECRET_ENV, environ)
+
+
+def slot_secret_from_env(environ: Mapping[str, str] | None = None) -> bytes | None:
+    """The run's slot secret (None when the environment has none: plain keys). Raises
+    ValueError for a malformed value."""
+    return _secret_from_env(SLOT_SECRET_ENV, environ)

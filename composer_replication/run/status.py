@@ -20,7 +20,9 @@ heartbeat yet is starting, not missing: the run is ``starting`` until every repl
 ``critical``.
 
 Contributions the exchange left out (refused, screened out, squatted; docs/object-store.md) are
-listed with rank and reason for the latest round that had any (``rejections``).
+listed with rank and reason for the latest round that had any (``rejections``). A run the driver
+stopped because a round can never commit (driver.json ``no_quorum``) is ``critical``, naming
+that round and its refusals, whatever the heartbeats say.
 
 Dead or alive: driver.json says ``running`` from launch until the driver ends, so a driver killed
 with SIGKILL (or whose machine died) leaves it saying so. `status` reads ``running`` only while
@@ -218,6 +220,11 @@ def run_status(folder: RunFolder, *, stale_after_s: float = 120.0) -> dict[str, 
     top_round = max((int(s.get("round") or 0) for s in statuses.values()), default=0)
     reports = [s["rejections"] for s in statuses.values() if isinstance(s.get("rejections"), dict)]
     rejections = max(reports, key=lambda r: int(r.get("round") or 0), default=None)
+    stuck = driver.get("no_quorum")
+    if isinstance(stuck, dict):  # the run stopped on a round that can never commit
+        reasons = [str(stuck.get("reason")), *((run_state or {}).get("reasons") or [])]
+        run_state = {**(run_state or {}), "state": "critical", "level": 2, "reasons": reasons}
+        rejections = {"round": stuck.get("round"), "ranks": stuck.get("rejected") or {}}
     replicas = [
         _replica_row(
             rank,

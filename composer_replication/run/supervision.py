@@ -11,7 +11,10 @@ failed replicas, declaring departed ones, the run's health.
 - `RefusalLog` (a mode with a synchronizer): every refusal record in the store (a push the
   synchronizer refused, a forged or replayed record, state or document a participant refused)
   becomes one "rejected" event in metrics.jsonl, as sync mode's rejections do;
-- `final_status`: "finished" or "failed" once every replica has ended.
+- `final_status`: "finished" or "failed" once every replica has ended;
+- `no_quorum`: a replica stopped because a round can never commit (`EXIT_NO_QUORUM`): the run
+  stops (exit `EXIT_RUN_NO_QUORUM`), naming the round and its refusals, instead of restarting it
+  or training on without that round.
 """
 
 from __future__ import annotations
@@ -39,9 +42,11 @@ from composer_replication.exchange.store import ObjectStore
 from composer_replication.executors.executor import RankLauncher, ReplicaHandle, ServerlessExecutor
 from composer_replication.run.metrics import MetricsSink, read_metrics
 from composer_replication.run.processes import pid_alive
+from composer_replication.run.replica_env import EXIT_NO_QUORUM
 from composer_replication.run.status import health_now
 
 __all__ = [
+    "EXIT_RUN_NO_QUORUM",
     "FENCE_WAIT_S",
     "SILENT_AFTER_S",
     "Departures",
@@ -49,6 +54,7 @@ __all__ = [
     "RefusalLog",
     "Restarter",
     "failure_reason",
+    "no_quorum",
     "fence_previous_launch",
     "final_status",
     "without_it",
@@ -56,6 +62,7 @@ __all__ = [
 
 
 FENCE_WAIT_S = 4 * HEARTBEAT_EVERY_S  # how long --resume waits for fenced replicas to stop
+EXIT_RUN_NO_QUORUM = 3  # `train`'s exit code when a round can never commit (docs/cli.md)
 
 
 def live_replicas(store: ObjectStore) -> dict[str, Any]:
@@ -121,10 +128,11 @@ def failure_reason(handle: ReplicaHandle) -> str:
 
 
 def without_it(config: RunConfig, gone: int) -> str:
-    """What the other replicas do once `gone` replicas have departed, by `diloco.min_replicas`
-    (unset: every replica): go on, or wait up to `diloco.timeout_s` and fail the round."""
+    """What the other replicas do once `gone` replicas have departed, by the run's quorum
+    (`diloco.min_replicas`; its default is the exchange's): go on, or wait up to
+    `diloco.timeout_s` and fail the round."""
     n = config.backend.n_replicas
-    quorum = config.diloco.min_replicas or n
+    quorum = config.quorum
     if n - gone >= quorum:
         return "the others go on without waiting for it"
     return (
@@ -162,6 +170,8 @@ class Restarter:
         for i, handle in enumerate(handles):
             rank = handle.replica_id
             if handle.status.value != "failed" or self.used[rank] >= limit:
+                continue
+            if handle.exit_code == EXIT_NO_QUORUM:  # the same round would stop it again
                 continue
             if not isinstance(self.executor, RankLauncher):
                 if not self._refused:
@@ -314,6 +324,7 @@ class HealthLog:
         self._last = 0.0
         self._last_written = 0.0
         self._state: str | None = None
+        self._stuck: str | None = None
 
     def poll(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -324,6 +335,8 @@ class HealthLog:
             h = health_now(self.store, mode=self.mode, n_replicas=self.n, started=self.started)
         except Exception:  # the store is unreachable for a moment: the next poll retries
             return
+        if self._stuck is not None:  # the run stopped on a round that cannot commit
+            h = {**h, "state": "critical", "level": 2, "reasons": [self._stuck, *h["reasons"]]}
         if h["state"] != self._state or force or now - self._last_written > 60:
             self._state = h["state"]
             self._last_written = now
@@ -346,6 +359,36 @@ class HealthLog:
                     }
                 ]
             )
+
+    def critical(self, reason: str) -> None:
+        """From now on the run is ``critical`` for ``reason`` (a round that cannot commit),
+        whatever the heartbeats say; written at once."""
+        self._stuck = reason
+        self.poll(force=True)
+
+
+def no_quorum(
+    handles: list[ReplicaHandle], statuses: Callable[[], dict[int, dict[str, Any]]]
+) -> dict[str, Any] | None:
+    """When a replica stopped because a round can never commit (exit `EXIT_NO_QUORUM`): the
+    round, the refusals (rank -> reason, from its status document, read only then) and one
+    line saying so."""
+    stuck = [h for h in handles if h.status.value == "failed" and h.exit_code == EXIT_NO_QUORUM]
+    if not stuck:
+        return None
+    doc = statuses().get(stuck[0].replica_id, {})
+    rnd = doc.get("stopped_round")
+    refusals = doc.get("stopped_refusals")
+    refused = {str(k): str(v) for k, v in (refusals if isinstance(refusals, dict) else {}).items()}
+    listed = "; ".join(f"rank {k}: {v}" for k, v in sorted(refused.items(), key=lambda kv: kv[0]))
+    error = str(doc.get("error") or "")
+    what = "is not applied" if error.startswith("UpdateRefusedError") else "cannot commit"
+    reason = (
+        f"round {rnd} {what} (replica {stuck[0].replica_id}: "
+        f"{str(doc.get('error') or failure_reason(stuck[0]))[:300]})"
+        + (f"; refused: {listed}" if listed else "")
+    )
+    return {"round": rnd, "rejected": refused, "reason": reason}
 
 
 class RefusalLog:

@@ -63,6 +63,10 @@ def test_what_the_run_does_around_each_mode() -> None:
     assert sync.quorum(3) == 2 and sync.elastic(3)
     assert sync.may_finish_without(2, 3) and not sync.may_finish_without(1, 3)
     assert torchft.quorum(3) == 3 and not torchft.elastic(3)
+    # the default quorum tolerates one lost or refused replica: max(1, n - 1)
+    default = outer_loop_mode(DilocoConfig())
+    assert [default.quorum(n) for n in (1, 2, 3, 8)] == [1, 1, 2, 7]
+    assert default.elastic(2) and not default.elastic(1)
     # decoupled: all learners but one by default, never finished without one
     assert decoupled.quorum(4) == 3 and decoupled.elastic(4)
     assert not decoupled.may_finish_without(3, 4)

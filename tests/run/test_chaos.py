@@ -225,7 +225,7 @@ def test_chaos_configuration_is_checked() -> None:
 
     kill = ["chaos.events=[{action='kill', target='1', at_s=1.0}]"]
     with pytest.raises(ValueError, match="backend.max_restarts"):
-        load_config(None, [*kill, "backend.max_restarts=0"])
+        load_config(None, [*kill, "backend.max_restarts=0", "diloco.min_replicas=2"])
     assert load_config(None, kill).chaos.events[0].target == "1"  # default: 2 restarts
     # an elastic sync run may lose the replica for good (the others go on without it)
     lost = load_config(None, [*kill, "backend.max_restarts=0", "diloco.min_replicas=1"])

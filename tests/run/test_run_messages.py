@@ -42,13 +42,19 @@ def _lost_messages(tmp_path: Path, config: RunConfig) -> list[str]:
 def test_a_lost_replica_with_every_replica_required_says_the_others_cannot_go_on(
     tmp_path: Path,
 ) -> None:
-    (message,) = _lost_messages(tmp_path, load_config(overrides=["backend.n_replicas=2"]))
+    required = ["backend.n_replicas=2", "diloco.min_replicas=2"]
+    (message,) = _lost_messages(tmp_path, load_config(overrides=required))
     assert message.startswith("replica 1 is lost (exit code -9); the others cannot go on "
                               "without it: diloco.min_replicas = 2 of 2 replicas")  # fmt: skip
     assert "without waiting" not in message and "last log lines" not in message
     # below the quorum the others do go on
     config = load_config(overrides=["backend.n_replicas=3", "diloco.min_replicas=2"])
     (message,) = _lost_messages(tmp_path / "q2", config)
+    assert message == "replica 1 is lost (exit code -9); the others go on without waiting for it"
+    # the default quorum (max(1, n - 1)) tolerates one lost replica, and says so
+    (message,) = _lost_messages(
+        tmp_path / "default", load_config(overrides=["backend.n_replicas=2"])
+    )
     assert message == "replica 1 is lost (exit code -9); the others go on without waiting for it"
 
 

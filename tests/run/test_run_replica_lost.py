@@ -1,7 +1,8 @@
 """Losing a replica for good: kill -9 one of 2 replicas with no restarts left. With
 diloco.min_replicas=1 the driver declares it departed at once, the survivor stops waiting for it
 (its rounds take a poll interval, not diloco.timeout_s) and the run ends "finished, 1 replica
-lost" with exit 0; without min_replicas the run stops with exit 1."""
+lost" with exit 0 (the default quorum, max(1, n - 1), tolerates it too); with every replica
+required (diloco.min_replicas=2) the run stops with exit 1."""
 
 from __future__ import annotations
 
@@ -67,9 +68,9 @@ def test_a_lost_replica_is_not_waited_for_and_the_run_finishes(
     assert "run lost: finished, 1 replica lost   outer round 6" in capsys.readouterr().out
 
 
-def test_without_min_replicas_a_lost_replica_fails_the_run(tmp_path: Path) -> None:
+def test_with_every_replica_required_a_lost_replica_fails_the_run(tmp_path: Path) -> None:
     # chaos refuses a kill nobody survives (config check), so the test kills the replica itself
-    args = [*SMALL, "train.max_steps=400"]
+    args = [*SMALL, "train.max_steps=400", "diloco.min_replicas=2"]
     proc = subprocess.Popen(
         [sys.executable, "-m", "composer_replication", "train", *args, "--name", "strict"],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

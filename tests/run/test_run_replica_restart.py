@@ -1,6 +1,8 @@
-"""Losing a replica the way the README promises: kill -9 one of 2 replicas mid-run with the
-default configuration; the driver relaunches it on the same rank, it rejoins from the store, the
-run finishes with exit 0 and says how many restarts it took."""
+"""Losing a replica the way the README promises: kill -9 one of 2 replicas mid-run; the driver
+relaunches it on the same rank, it rejoins from the store, the run finishes with exit 0 and says
+how many restarts it took. Every replica is required here (diloco.min_replicas=2), so the round
+it missed waits for it and both end on the same weights; with the default quorum (all but one)
+the survivor goes on without it (test_run_replica_lost.py)."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ SMALL = [
     "logging.tensorboard=false",
     "train.max_steps=32",
     "diloco.sync_every_h=4",
+    "diloco.min_replicas=2",
 ]
 LAST_ROUND = 32 // 4
 

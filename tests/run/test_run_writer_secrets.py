@@ -9,8 +9,11 @@ import pytest
 
 from composer_replication.run.folder import RunFolder
 from composer_replication.run.security import (
+    SLOT_SECRET_ENV,
     WRITER_SECRET_ENV,
     WRITER_SECRETS_FILE,
+    slot_secret,
+    slot_secret_from_env,
     writer_secret_from_env,
     writer_secrets,
 )
@@ -36,3 +39,19 @@ def test_env_without_a_secret_or_with_a_bad_one(tmp_path):
         writer_secret_from_env({WRITER_SECRET_ENV: "not-hex"})
     with pytest.raises(ValueError, match="32 hex digits"):
         writer_secret_from_env({WRITER_SECRET_ENV: "abcd"})
+
+
+def test_the_slot_secret_is_one_per_run_reused_on_resume_and_kept_with_the_writer_secrets(
+    tmp_path,
+):
+    folder = RunFolder(tmp_path / "run")
+    folder.create(overwrite=False)
+    ranks = writer_secrets(folder, 2)
+    slot = slot_secret(folder)
+    assert set(slot) == {SLOT_SECRET_ENV} and len(bytes.fromhex(slot[SLOT_SECRET_ENV])) == 32
+    assert slot_secret(folder) == slot and writer_secrets(folder, 2) == ranks  # reused
+    assert slot[SLOT_SECRET_ENV] not in {s[WRITER_SECRET_ENV] for s in ranks.values()}
+    assert slot_secret_from_env(slot) == bytes.fromhex(slot[SLOT_SECRET_ENV])
+    assert slot_secret_from_env({}) is None
+    with pytest.raises(ValueError, match=SLOT_SECRET_ENV):
+        slot_secret_from_env({SLOT_SECRET_ENV: "abcd"})

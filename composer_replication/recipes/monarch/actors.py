@@ -428,7 +428,7 @@ class TrainerActor(Actor):
             rank=rank,
             timeout_s=d.timeout_s,
             codec=d.codec,
-            min_replicas=d.min_replicas,
+            min_replicas=d.commit_quorum(n),  # default: all replicas but one
             storage_options=config.store.storage_options or None,
             aggregate=d.aggregate_policy(max_inner_steps=d.sync_every_h),
             keep_steps=config.store.keep_rounds,

@@ -165,9 +165,9 @@ def driver_gone(
     return {"since": seen, "how": how, "pid": pid, "host": host}
 
 
-def _resume_plan(store: ObjectStore, mode: str, n: int) -> tuple[str, list[str]]:
+def _resume_plan(store: ObjectStore, mode: OuterLoopMode, n: int) -> tuple[str, list[str]]:
     """What `train --resume` would do now (read only), and the lines it would warn with."""
-    if mode != "sync":
+    if not mode.lockstep:
         return (
             "relaunch the learners from the newest global state (decoupled mode resumes "
             "from global weights, not exactly)"
@@ -202,9 +202,13 @@ def run_status(folder: RunFolder, *, stale_after_s: float = 120.0) -> dict[str, 
     except Exception as exc:  # status must still show what the run folder knows
         store_error = f"{type(exc).__name__}: {exc}"
     run_state: dict[str, Any] | None = None
-    if store is not None and store_error is None:
+    mode: OuterLoopMode | None = None
+    try:  # the config `train` wrote and checked (an older release's may no longer load)
+        mode = outer_loop_mode(from_dict(RunConfig, config))
+    except ValueError as exc:
+        store_error = store_error or f"config.json: {exc}"
+    if store is not None and store_error is None and mode is not None:
         try:
-            mode = outer_loop_mode(from_dict(RunConfig, config))
             started = driver.get("started") if driver.get("status") == "running" else None
             run_state = health_now(
                 store,
@@ -214,7 +218,7 @@ def run_status(folder: RunFolder, *, stale_after_s: float = 120.0) -> dict[str, 
             )
         except Exception as exc:  # status must still show the rest
             store_error = f"{type(exc).__name__}: {exc}"
-    gone, resume, store_error = _driver_gone(driver, config, store, n, store_error)
+    gone, resume, store_error = _driver_gone(driver, mode, store, n, store_error)
     handles = {int(h["replica_id"]): h for h in driver.get("replicas", [])}
     now = time.time()
     top_round = max((int(s.get("round") or 0) for s in statuses.values()), default=0)
@@ -258,7 +262,7 @@ def run_status(folder: RunFolder, *, stale_after_s: float = 120.0) -> dict[str, 
 
 def _driver_gone(
     driver: dict[str, Any],
-    config: dict[str, Any],
+    mode: OuterLoopMode | None,
     store: ObjectStore | None,
     n: int,
     store_error: str | None,
@@ -270,22 +274,19 @@ def _driver_gone(
     resume: dict[str, Any] | None = None
     if driver.get("status") != "running":
         return gone, resume, store_error
-    readable = store if store_error is None else None
-    run_mode = str(config.get("diloco", {}).get("mode", "sync"))
+    readable = store if store_error is None and mode is not None else None
     live: list[str] = []
-    if readable is not None:
+    if readable is not None and mode is not None:
         try:
-            live = _live_workers(
-                readable, "learner" if run_mode == "decoupled" else "replica", time.time()
-            )
+            live = _live_workers(readable, mode.worker_role, time.time())
         except Exception as exc:  # an unreadable store: the driver check still stands
             store_error = f"{type(exc).__name__}: {exc}"
     gone = driver_gone(driver, live_workers=live)
     if gone is not None:
         resume = {"plan": None, "warnings": [], "still_running": live}
-        if readable is not None and store_error is None:
+        if readable is not None and mode is not None and store_error is None:
             try:
-                resume["plan"], resume["warnings"] = _resume_plan(readable, run_mode, n)
+                resume["plan"], resume["warnings"] = _resume_plan(readable, mode, n)
             except Exception as exc:  # what is known about the driver is still shown
                 resume["plan"] = f"unknown ({type(exc).__name__}: {exc})"
     return gone, resume, store_error

@@ -130,7 +130,7 @@ class ServerlessExecutor(Protocol):
         self,
         n_replicas: int,
         entrypoint: str,
-        entrypoint_args: dict[str, Any] | list[Any] | None = None,
+        entrypoint_args: Mapping[str, object] | Sequence[object] | None = None,
         *,
         env: dict[str, str] | None = None,
         resources: dict[str, Any] | None = None,
@@ -183,7 +183,7 @@ class RankLauncher(ServerlessExecutor, Protocol):
         ranks: Sequence[int],
         world_size: int,
         entrypoint: str,
-        entrypoint_args: dict[str, Any] | list[Any] | None = None,
+        entrypoint_args: Mapping[str, object] | Sequence[object] | None = None,
         *,
         env: dict[str, str] | None = None,
         resources: dict[str, Any] | None = None,
@@ -207,7 +207,7 @@ def check_arg_style(arg_style: str) -> str:
     return arg_style
 
 
-def _hydra_value(value: Any) -> str:
+def _hydra_value(value: object) -> str:
     if value is True or value is False:
         return "true" if value else "false"
     if isinstance(value, list | tuple):
@@ -216,7 +216,7 @@ def _hydra_value(value: Any) -> str:
 
 
 def args_to_argv(
-    entrypoint_args: Mapping[str, Any] | Sequence[Any] | None, arg_style: str = "auto"
+    entrypoint_args: Mapping[str, object] | Sequence[object] | None, arg_style: str = "auto"
 ) -> list[str]:
     """Turn entrypoint_args into command-line arguments.
 
@@ -280,7 +280,7 @@ def _is_script(entrypoint: str) -> bool:
 
 def build_command(
     entrypoint: str,
-    entrypoint_args: Mapping[str, Any] | Sequence[Any] | None = None,
+    entrypoint_args: Mapping[str, object] | Sequence[object] | None = None,
     python: str = "python",
     arg_style: str = "auto",
 ) -> list[str]:
@@ -302,7 +302,7 @@ def build_command(
 def replica_env(
     rank: int,
     world_size: int,
-    entrypoint_args: Mapping[str, Any] | Sequence[Any] | None = None,
+    entrypoint_args: Mapping[str, object] | Sequence[object] | None = None,
     env: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """The variables one replica gets on top of its backend's base environment.
@@ -596,7 +596,7 @@ class ExecutorBase(SupervisorBase):
         self,
         world_size: int,
         entrypoint: str,
-        entrypoint_args: dict[str, Any] | list[Any] | None,
+        entrypoint_args: Mapping[str, object] | Sequence[object] | None,
         resources: dict[str, Any] | None,
     ) -> tuple[list[str], dict[str, Any]]:
         """Check a launch (entrypoint, resources) and return (command, checked resources)."""
@@ -611,7 +611,7 @@ class ExecutorBase(SupervisorBase):
         self,
         n_replicas: int,
         entrypoint: str,
-        entrypoint_args: dict[str, Any] | list[Any] | None = None,
+        entrypoint_args: Mapping[str, object] | Sequence[object] | None = None,
         *,
         env: dict[str, str] | None = None,
         resources: dict[str, Any] | None = None,
@@ -634,7 +634,7 @@ class ExecutorBase(SupervisorBase):
         ranks: Sequence[int],
         world_size: int,
         entrypoint: str,
-        entrypoint_args: dict[str, Any] | list[Any] | None = None,
+        entrypoint_args: Mapping[str, object] | Sequence[object] | None = None,
         *,
         env: dict[str, str] | None = None,
         resources: dict[str, Any] | None = None,

@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from composer_replication.executors.executor import (
@@ -171,7 +171,7 @@ class K8sExecutor(ExecutorBase):
         ranks: Sequence[int],
         world_size: int,
         entrypoint: str,
-        entrypoint_args: dict[str, Any] | list[Any] | None = None,
+        entrypoint_args: Mapping[str, object] | Sequence[object] | None = None,
         *,
         env: dict[str, str] | None = None,
         resources: dict[str, Any] | None = None,

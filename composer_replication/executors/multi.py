@@ -82,7 +82,7 @@ class MultiExecutor(SupervisorBase):
         self,
         n_replicas: int,
         entrypoint: str,
-        entrypoint_args: dict[str, Any] | list[Any] | None = None,
+        entrypoint_args: Mapping[str, object] | Sequence[object] | None = None,
         *,
         env: dict[str, str] | None = None,
         resources: dict[str, Any] | None = None,

@@ -38,8 +38,8 @@ import os
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -149,7 +149,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
         rollout_func: Any = None,
         environment_factory: Any = None,
         *,
-        feedback_funcs: Sequence[Callable[..., Any]] | None = None,
+        feedback_funcs: Sequence[Callable[..., Iterable[object]]] | None = None,
         trace_store: TraceStore | None = None,
         teacher_pool: TeacherPool | None = None,
         **composer_kwargs: Any,
@@ -187,7 +187,8 @@ class ComposerReplicationTrainer(GRPOTrainer):
         self.teacher_pool = teacher_pool
         self._feedback = FeedbackRecorder()
         self.reward_funcs = [
-            wrap_reward_func(f, i, self._feedback)
+            # TRL awaits async reward functions too; its annotation names only the sync form
+            cast("Callable[..., list[float | None]]", wrap_reward_func(f, i, self._feedback))
             if callable(f) and not isinstance(f, nn.Module)
             else f
             for i, f in enumerate(self.reward_funcs)

@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     import torch
 
     from composer_replication.config import RunConfig
+    from composer_replication.data.traces import Prompt, TraceJson
 
 __all__ = [
     "GeneratorActor",
@@ -89,7 +90,7 @@ def check_supported(config: RunConfig) -> None:
         raise ValueError("the Monarch recipe does not support: " + "; ".join(bad))
 
 
-def _config(config_doc: Mapping[str, Any]) -> RunConfig:
+def _config(config_doc: Mapping[str, object]) -> RunConfig:
     from composer_replication.config import RunConfig, from_dict
 
     config = from_dict(RunConfig, config_doc)
@@ -120,7 +121,7 @@ def global_digest(tensors: Mapping[str, torch.Tensor]) -> str:
 class GeneratorActor(Actor):
     """Samples rollouts from a copy of the policy (see the module docstring)."""
 
-    def __init__(self, config_doc: dict[str, Any]) -> None:
+    def __init__(self, config_doc: Mapping[str, object]) -> None:
         import torch
 
         from composer_replication.assembly.build import build_model
@@ -204,7 +205,7 @@ def _eos_ids(tokenizer: Any, generation_config: Any) -> set[int]:
 class RewarderActor(Actor):
     """The task's verifier as an actor (see the module docstring)."""
 
-    def __init__(self, config_doc: dict[str, Any]) -> None:
+    def __init__(self, config_doc: Mapping[str, object]) -> None:
         from composer_replication.assembly.build import build_task
 
         self.task = build_task(_config(config_doc))
@@ -229,7 +230,7 @@ class RewarderActor(Actor):
 class TeacherPoolActor(Actor):
     """The run's channel-3 teachers, shared by every trainer (see the module docstring)."""
 
-    def __init__(self, config_doc: dict[str, Any]) -> None:
+    def __init__(self, config_doc: Mapping[str, object]) -> None:
         from composer_replication.assembly.build import build_task, teacher_pool
 
         config = _config(config_doc)
@@ -244,7 +245,7 @@ class TeacherPoolActor(Actor):
         return [] if self.pool is None else [t.name for t in self.pool.teachers]
 
     @endpoint
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, object]:
         """The pool's statistics (`PoolStats.as_dict`) and ``prompts``: the prompts it holds
         traces for."""
         if self.pool is None:
@@ -252,7 +253,7 @@ class TeacherPoolActor(Actor):
         return {**self.pool.stats.as_dict(), "prompts": len(self.store.prompt_keys)}
 
     @endpoint
-    def traces(self, prompts: list[Any]) -> list[dict[str, Any]]:
+    def traces(self, prompts: list[Prompt]) -> list[TraceJson]:
         """Every trace for ``prompts`` (JSON records), asking the teachers for those not yet
         answered; each teacher answers each prompt once for the whole mesh."""
         from composer_replication.data.traces import prompt_key
@@ -379,7 +380,7 @@ class TrainerActor(Actor):
 
     def __init__(
         self,
-        config_doc: dict[str, Any],
+        config_doc: Mapping[str, object],
         store_uri: str,
         generators: Any,
         rewarders: Any,

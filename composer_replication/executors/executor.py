@@ -40,7 +40,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 __all__ = [
     "ENV_RANK",
@@ -133,7 +133,7 @@ class ServerlessExecutor(Protocol):
         entrypoint_args: Mapping[str, object] | Sequence[object] | None = None,
         *,
         env: dict[str, str] | None = None,
-        resources: dict[str, Any] | None = None,
+        resources: dict[str, object] | None = None,
         secrets: SecretsByRank | None = None,
     ) -> list[ReplicaHandle]:
         """Start replicas 0..n_replicas-1; bad input raises ValueError before anything starts.
@@ -186,7 +186,7 @@ class RankLauncher(ServerlessExecutor, Protocol):
         entrypoint_args: Mapping[str, object] | Sequence[object] | None = None,
         *,
         env: dict[str, str] | None = None,
-        resources: dict[str, Any] | None = None,
+        resources: dict[str, object] | None = None,
         secrets: SecretsByRank | None = None,
     ) -> list[ReplicaHandle]:
         """Start the given ranks of a run of `world_size` replicas."""
@@ -558,14 +558,14 @@ class ExecutorBase(SupervisorBase):
         world_size: int,
         command: list[str],
         env: dict[str, str],
-        resources: dict[str, Any],
+        resources: dict[str, object],
         secrets: dict[str, str],
     ) -> ReplicaHandle:
         """Start one replica. ``secrets`` are this rank's own (often empty): hand them over
         through the backend's secret mechanism, never where other ranks or job specs show
         them."""
 
-    def _check_resources(self, resources: dict[str, Any]) -> dict[str, Any]:
+    def _check_resources(self, resources: dict[str, object]) -> dict[str, object]:
         """Validate/normalise resources before launch (raise ValueError). Default: any dict."""
         return resources
 
@@ -597,8 +597,8 @@ class ExecutorBase(SupervisorBase):
         world_size: int,
         entrypoint: str,
         entrypoint_args: Mapping[str, object] | Sequence[object] | None,
-        resources: dict[str, Any] | None,
-    ) -> tuple[list[str], dict[str, Any]]:
+        resources: dict[str, object] | None,
+    ) -> tuple[list[str], dict[str, object]]:
         """Check a launch (entrypoint, resources) and return (command, checked resources)."""
         self.check_launch(world_size, entrypoint)
         if resources is not None and not isinstance(resources, dict):
@@ -614,7 +614,7 @@ class ExecutorBase(SupervisorBase):
         entrypoint_args: Mapping[str, object] | Sequence[object] | None = None,
         *,
         env: dict[str, str] | None = None,
-        resources: dict[str, Any] | None = None,
+        resources: dict[str, object] | None = None,
         secrets: SecretsByRank | None = None,
     ) -> list[ReplicaHandle]:
         """Start ranks 0..n_replicas-1 (see `launch_ranks`)."""
@@ -637,7 +637,7 @@ class ExecutorBase(SupervisorBase):
         entrypoint_args: Mapping[str, object] | Sequence[object] | None = None,
         *,
         env: dict[str, str] | None = None,
-        resources: dict[str, Any] | None = None,
+        resources: dict[str, object] | None = None,
         secrets: SecretsByRank | None = None,
     ) -> list[ReplicaHandle]:
         """Start the given ranks of a run of world_size replicas.

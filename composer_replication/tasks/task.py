@@ -40,7 +40,10 @@ import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, overload
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, overload
+
+if TYPE_CHECKING:
+    from composer_replication.data.traces import TraceJson
 
 # Generation may run past the end of turn (no stop string), and decoders that keep special tokens
 # leave them in the text; everything after the first end marker is not part of the answer.
@@ -500,7 +503,7 @@ class Task(ABC):
         reward.__name__ = reward.__qualname__ = f"{self.name}_reward"
         return reward
 
-    def oracle_traces(self, split: str = "train") -> Iterator[dict[str, Any]]:
+    def oracle_traces(self, split: str = "train") -> Iterator[TraceJson]:
         """One trace record per distinct prompt of `split`, in the trace JSONL format of
         `composer_replication.data.traces` (teacher "oracle", reward 1.0)."""
         from composer_replication.data.traces import prompt_key  # the trainer's data layer

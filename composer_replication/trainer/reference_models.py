@@ -24,7 +24,7 @@ from composer_replication.trainer.batch import Pair
 from composer_replication.trainer.ema import frozen_copy
 
 
-def is_peft(model: Any) -> bool:
+def is_peft(model: object) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
 
 

@@ -51,7 +51,7 @@ if TYPE_CHECKING:
     import torch
 
     from composer_replication.config import RunConfig
-    from composer_replication.data.traces import Prompt, TraceJson
+    from composer_replication.data.traces import Prompt, TraceJson, TraceRecord, TraceStore
 
 __all__ = [
     "GeneratorActor",
@@ -139,7 +139,7 @@ class GeneratorActor(Actor):
     @endpoint
     def generate(
         self,
-        prompts: list[Any],
+        prompts: list[Prompt],
         weights: dict[str, torch.Tensor] | None,
         version: int,
         generation_config: Any,
@@ -217,7 +217,7 @@ class RewarderActor(Actor):
 
     @endpoint
     def score(
-        self, prompts: list[Any], completions: list[Any], columns: dict[str, list[Any]]
+        self, prompts: list[Prompt], completions: list[object], columns: dict[str, list[object]]
     ) -> list[tuple[float | None, str | None]]:
         """``(reward, feedback)`` per completion; ``columns``: the `REWARD_COLUMNS` rows."""
         unknown = sorted(set(columns) - set(REWARD_COLUMNS))
@@ -274,7 +274,7 @@ class _RemoteReward:
         self.rewards: list[float] = []  # every scored rollout since the last `pop`
 
     def __call__(
-        self, prompts: Sequence[Any], completions: Sequence[Any], **columns: Any
+        self, prompts: Sequence[Prompt], completions: Sequence[object], **columns: Any
     ) -> list[tuple[float | None, str | None]]:
         rows = {k: list(columns[k]) for k in REWARD_COLUMNS if k in columns}
         out = self.rewarder.score.call_one(list(prompts), list(completions), rows).get()
@@ -290,11 +290,11 @@ class _RemoteTeacherPool:
     """What the trainer needs of a `TeacherPool` (``store``, ``ensure``), served by the shared
     `TeacherPoolActor`; records are validated (`TraceRecord.from_json`) before use."""
 
-    def __init__(self, actor: Any, store: Any) -> None:
+    def __init__(self, actor: Any, store: TraceStore) -> None:
         self.actor = actor
         self.store = store
 
-    def ensure(self, prompts: Sequence[Any]) -> list[Any]:
+    def ensure(self, prompts: Sequence[Prompt]) -> list[TraceRecord]:
         from composer_replication.data.traces import TraceRecord, prompt_key
 
         missing = [p for p in prompts if prompt_key(p) not in self.store]

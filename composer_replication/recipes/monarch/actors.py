@@ -38,7 +38,7 @@ import hashlib
 import os
 import tempfile
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 try:
     from monarch.actor import Actor, current_rank, endpoint
@@ -55,12 +55,34 @@ if TYPE_CHECKING:
 
 __all__ = [
     "GeneratorActor",
+    "ReplicaResult",
     "RewarderActor",
+    "RoundRecord",
     "TeacherPoolActor",
     "TrainerActor",
     "check_supported",
     "global_digest",
 ]
+
+
+class RoundRecord(TypedDict):
+    """One committed outer round as a trainer saw it (`TrainerActor.train`'s ``rounds``)."""
+
+    round: int
+    step: int
+    global_sha256: str
+    reward_mean: float | None
+    rollouts: int
+
+
+class ReplicaResult(TypedDict):
+    """What `TrainerActor.train` returns for one replica."""
+
+    rank: int
+    rounds: list[RoundRecord]
+    final_sha256: str
+    channels: dict[str, float]
+
 
 # The dataset columns the task's reward function reads (tasks/task.py `Task.reward_func`); only
 # these cross to the rewarder (TRL also passes callables and trainer state, which stay here).
@@ -336,7 +358,7 @@ class _RoundRecorder:
     def __init__(self, outer: Any, reward: _RemoteReward) -> None:
         self.outer = outer
         self.reward = reward
-        self.rounds: list[dict[str, Any]] = []
+        self.rounds: list[RoundRecord] = []
 
     def record(self, step: int) -> None:
         r = self.outer.round
@@ -394,7 +416,7 @@ class TrainerActor(Actor):
         self.teacher_pool = teacher_pool
 
     @endpoint
-    def train(self) -> dict[str, Any]:
+    def train(self) -> ReplicaResult:
         """Train this replica for ``train.max_steps`` inner steps; returns ``{"rank", "rounds":
         [{"round", "step", "global_sha256", "reward_mean", "rollouts"}], "final_sha256",
         "channels"}`` (``channels``: the run's mean of each `CHANNEL_METRICS` the trainer

@@ -84,13 +84,14 @@ def cuda_available() -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """`gpu` tests are skipped without CUDA (with the reason). `heavy` tests get the longer
-    timeout and one xdist group, so that under `pytest -n N --dist loadgroup` they run one after
-    another on one worker (each already keeps several processes busy) while the other workers
-    take the light tests."""
+    """`gpu` tests are skipped without CUDA (with the reason). `heavy` tests are `long` too (the
+    separate step, `bash scripts/test.sh --long`), get the longer timeout and one xdist group, so
+    that under `pytest -n N --dist loadgroup` they run one after another on one worker (each
+    already keeps several processes busy) while the other workers take the other long tests."""
     for item in items:
         if item.get_closest_marker("heavy") is None:
             continue
+        item.add_marker(pytest.mark.long)
         item.add_marker(pytest.mark.xdist_group("heavy"))
         if item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(HEAVY_TIMEOUT_S))

@@ -100,6 +100,7 @@ def test_missing_keys_and_failed_tests_are_problems(tmp_path):
     assert not any("phase loss" in p for p in dry) and not any("skipped" in p for p in dry)
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.timeout(3000)  # every phase, CPU-sized; minutes on a loaded 2-core machine
 def test_dry_run_runs_every_phase_on_the_cpu(tmp_path):

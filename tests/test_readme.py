@@ -25,6 +25,9 @@ def test_readme_opens_with_the_two_commands() -> None:
         assert (ROOT / script).is_file()
     ci = (ROOT / ".ci" / "run").read_text()
     assert "bash scripts/test.sh" in ci, ".ci/run must run the README's test command"
+    # the README's command leaves the `long` tests out: CI must run them in a step of its own
+    assert "bash scripts/test.sh --long" in ci, ".ci/run must run the long tests too"
+    assert '-m "not long"' in (ROOT / "scripts" / "test.sh").read_text()
 
 
 @pytest.mark.slow

@@ -6,7 +6,7 @@ synchronizer and the lighthouse.
 - `build_outer_loop(config, rank, store, model, tokenizer, task, ...)`: replica ``rank``'s
   `ReplicaLoop`, with this run's screening of exchange contributions
   (`screening.RunScreening`), its signing keys or writer secret and its fence;
-- `build_synchronizer(config, store)`: the decoupled run's `Synchronizer` (what
+- `build_synchronizer(config, store, keys=)`: the decoupled run's `Synchronizer` (what
   `composer-replication synchronizer` runs);
 - `build_lighthouse(config)`: the torchft lighthouse the driver runs for a local run, or None.
 """
@@ -69,10 +69,13 @@ def build_outer_loop(
     return outer_loop_mode(config).build_learner(ctx)
 
 
-def build_synchronizer(config: RunConfig, store: ObjectStore) -> Synchronizing:
-    """The run's synchronizer (ValueError when its mode has none)."""
+def build_synchronizer(
+    config: RunConfig, store: ObjectStore, *, keys: RunKeys | None = None
+) -> Synchronizing:
+    """The run's synchronizer (ValueError when its mode has none); ``keys``: its signing keys
+    (a signed run)."""
     synchronizer = outer_loop_mode(config).build_synchronizer(
-        store, keep_rounds=config.store.keep_rounds, max_steps=config.train.max_steps
+        store, keep_rounds=config.store.keep_rounds, max_steps=config.train.max_steps, keys=keys
     )
     if synchronizer is None:
         raise ValueError(

@@ -347,7 +347,8 @@ class SecurityConfig:
     sign: bool = setting(
         False,
         "Ed25519-sign every contribution, commit record, state and manifest; the driver makes "
-        "one key per rank and hands each replica only its own (object-store exchange)",
+        "one key per rank and hands each replica only its own (object-store exchange; "
+        "decoupled mode: pushes, merge records and states)",
     )
 
 

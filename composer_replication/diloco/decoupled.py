@@ -51,6 +51,7 @@ from composer_replication.diloco.synchronizer_config import SynchronizerSettings
 from composer_replication.exchange.liveness import LEARNER_ROLE, write_heartbeat
 from composer_replication.exchange.protocol import CorruptContributionError, tensors_digest
 from composer_replication.exchange.push_store import DecoupledStore, fragment_manifest
+from composer_replication.exchange.signing import RunKeys
 from composer_replication.exchange.store import Store
 from composer_replication.exchange.store_manager import RoundRecord, round_record
 from composer_replication.fields import require, setting
@@ -101,6 +102,40 @@ def push_offsets(sync_every_h: int, num_fragments: int) -> list[int]:
     return [((p + 1) * sync_every_h // num_fragments) % sync_every_h for p in range(num_fragments)]
 
 
+def _checked_fragments(
+    *,
+    learner: int,
+    n_learners: int,
+    sync_every_h: int,
+    num_fragments: int,
+    model_fragments: Sequence[nn.Module] | None,
+    alpha: float,
+    intervals: dict[str, float],
+) -> int:
+    """The number of fragments, once every argument of `DecoupledLearner` is checked (a
+    ValueError naming the argument otherwise)."""
+    if not isinstance(n_learners, int) or n_learners < 1:
+        raise ValueError(f"n_learners must be an int >= 1, got {n_learners!r}")
+    if not isinstance(learner, int) or not 0 <= learner < n_learners:
+        raise ValueError(f"learner must be in [0, n_learners={n_learners}), got {learner!r}")
+    if not isinstance(sync_every_h, int) or isinstance(sync_every_h, bool) or sync_every_h < 1:
+        raise ValueError(f"sync_every_h must be a positive int, got {sync_every_h!r}")
+    if model_fragments is not None and num_fragments != 1:
+        raise ValueError("pass either model_fragments or num_fragments, not both")
+    n_frag = len(model_fragments) if model_fragments is not None else num_fragments
+    if not isinstance(n_frag, int) or n_frag < 1 or sync_every_h % n_frag:
+        raise ValueError(
+            f"sync_every_h={sync_every_h} must be a multiple of the number of fragments "
+            f"({n_frag}): one fragment is pushed every sync_every_h / fragments steps"
+        )
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+    for key, value in intervals.items():
+        if not value > 0:
+            raise ValueError(f"{key} must be > 0, got {value!r}")
+    return n_frag
+
+
 class DecoupledLearner:
     """One Decoupled DiLoCo learner (see the module docstring).
 
@@ -116,6 +151,9 @@ class DecoupledLearner:
         heartbeat_every_s: write this learner's heartbeat (exchange/liveness.py) this often from
             a thread; None = the caller writes it (the run's replica does).
         start_step: the learner's inner steps so far (None: from its progress document).
+        keys: this learner's signing keys (``[security] sign``): its pushes and progress are
+            signed, and a global, heads or final document not signed by the synchronizer is
+            refused (recorded under ``decoupled/refused/``) and never applied.
     """
 
     def __init__(
@@ -135,32 +173,23 @@ class DecoupledLearner:
         drain_timeout_s: float = 600.0,
         heartbeat_every_s: float | None = 1.0,
         start_step: int | None = None,
+        keys: RunKeys | None = None,
     ) -> None:
-        if not isinstance(n_learners, int) or n_learners < 1:
-            raise ValueError(f"n_learners must be an int >= 1, got {n_learners!r}")
-        if not isinstance(learner, int) or not 0 <= learner < n_learners:
-            raise ValueError(f"learner must be in [0, n_learners={n_learners}), got {learner!r}")
-        if not isinstance(sync_every_h, int) or isinstance(sync_every_h, bool) or sync_every_h < 1:
-            raise ValueError(f"sync_every_h must be a positive int, got {sync_every_h!r}")
-        if model_fragments is not None and num_fragments != 1:
-            raise ValueError("pass either model_fragments or num_fragments, not both")
-        n_frag = len(model_fragments) if model_fragments is not None else num_fragments
-        if not isinstance(n_frag, int) or n_frag < 1 or sync_every_h % n_frag:
-            raise ValueError(
-                f"sync_every_h={sync_every_h} must be a multiple of the number of fragments "
-                f"({n_frag}): one fragment is pushed every sync_every_h / fragments steps"
-            )
-        if not 0.0 <= alpha <= 1.0:
-            raise ValueError(f"alpha must be in [0, 1], got {alpha}")
-        for key, value in (
-            ("poll_interval_s", poll_interval_s),
-            ("drain_timeout_s", drain_timeout_s),
-            ("heartbeat_every_s", heartbeat_every_s or 1.0),
-        ):
-            if not value > 0:
-                raise ValueError(f"{key} must be > 0, got {value!r}")
+        n_frag = _checked_fragments(
+            learner=learner,
+            n_learners=n_learners,
+            sync_every_h=sync_every_h,
+            num_fragments=num_fragments,
+            model_fragments=model_fragments,
+            alpha=alpha,
+            intervals={
+                "poll_interval_s": poll_interval_s,
+                "drain_timeout_s": drain_timeout_s,
+                "heartbeat_every_s": heartbeat_every_s or 1.0,
+            },
+        )
         self.store = store
-        self.docs = DecoupledStore(store, codec=codec)
+        self.docs = DecoupledStore(store, codec=codec, keys=keys)
         self.learner = learner
         self.n_learners = n_learners
         self.sync_every_h = sync_every_h
@@ -178,6 +207,12 @@ class DecoupledLearner:
             start_step = int(doc["step"]) if doc is not None else 0
         self.start_step = int(start_step)
         self.step = self.start_step
+        self._init_state(n_frag)
+        if inner_optimizer is not None:
+            self.bind(optimizer=inner_optimizer)
+
+    def _init_state(self, n_frag: int) -> None:
+        """The learner's fragments, queues, threads and counters before it binds."""
         self.fragments: list[nn.Module] = []
         self._names: list[list[str]] = []
         self._params: list[list[torch.Tensor]] = []
@@ -217,8 +252,6 @@ class DecoupledLearner:
         self.trained_until: float | None = None  # wall time its final pushes were written
         self.start_versions: list[int] = []  # the global versions this learner started from
         self.loaded: dict[str, str] = {}  # "<fragment>/<version>" -> sha256 of what it loaded
-        if inner_optimizer is not None:
-            self.bind(optimizer=inner_optimizer)
 
     # ------------------------------------------------------------------ binding
     @property

@@ -4,7 +4,10 @@ Learners never wait for each other (`DecoupledLearner`): each pushes one of ``fr
 fragments every ``sync_every_h / fragments`` inner steps and takes each new global fragment as
 it is published. The service side is the `Synchronizer` (one active per run, through a lease),
 which merges a fragment once ``quorum`` learners have pushed it; the driver runs it beside
-itself with ``synchronizer = "driver"``. Rounds are not lockstep, so a relaunched learner
+itself with ``synchronizer = "driver"``. With ``[security] sign`` the learners sign their
+pushes and progress with their rank's key and the synchronizer its merge records and states with
+the synchronizer's key; each refuses what is not signed by who may write it
+(exchange/push_store.py). Rounds are not lockstep, so a relaunched learner
 continues from the newest global versions with fresh inner state, and the run needs every
 learner to finish (one that fails for good is released so the synchronizer stops waiting).
 """
@@ -22,6 +25,7 @@ from composer_replication.diloco.synchronizer_config import SynchronizerConfig
 from composer_replication.exchange import codecs
 from composer_replication.exchange.liveness import LEARNER_ROLE
 from composer_replication.exchange.push_store import DecoupledStore
+from composer_replication.exchange.signing import RunKeys
 from composer_replication.exchange.store import ObjectStore
 from composer_replication.fields import require
 
@@ -35,7 +39,7 @@ class DecoupledDiLoCo:
     manager: ClassVar[ManagerName] = "object_store"
     worker_role = LEARNER_ROLE
     lockstep = False
-    store_departures = False
+    store_departures = True  # the synchronizer leaves a departed learner out of its quorum
     has_synchronizer = True
 
     def __init__(self, config: DilocoConfig) -> None:
@@ -82,12 +86,6 @@ class DecoupledDiLoCo:
 
     def check_run(self, run: RunShape) -> None:
         d = self.config
-        require(
-            not run.signed,
-            "security.sign",
-            "signs the synchronous object-store exchange; decoupled mode's pushes are not "
-            "signed yet (use diloco.mode = 'sync' for a signed run)",
-        )
         if run.model_blocks is not None:
             require(
                 d.fragments <= run.model_blocks,
@@ -125,6 +123,7 @@ class DecoupledDiLoCo:
             poll_interval_s=0.1 if ctx.store.is_local else 0.5,
             drain_timeout_s=d.timeout_s,
             heartbeat_every_s=None,  # the replica's heartbeat carries the learner's fields
+            keys=ctx.keys,
         )
         return ReplicaLoop(
             outer=learner,
@@ -151,20 +150,27 @@ class DecoupledDiLoCo:
         )
 
     def build_synchronizer(
-        self, store: ObjectStore, *, keep_rounds: int, max_steps: int
+        self, store: ObjectStore, *, keep_rounds: int, max_steps: int, keys: RunKeys | None = None
     ) -> Synchronizer:
         config = self.synchronizer_config(
             keep_rounds=keep_rounds, max_steps=max_steps, local=store.uri.startswith("file:")
         )
-        return Synchronizer(store, config)
+        return Synchronizer(store, config, keys=keys)
 
     def build_lighthouse(self, n_replicas: int) -> Lighthouse | None:
         return None
 
-    def release_failed(self, store: ObjectStore, failed: Mapping[int, str], max_steps: int) -> None:
+    def release_failed(
+        self,
+        store: ObjectStore,
+        failed: Mapping[int, str],
+        max_steps: int,
+        keys: RunKeys | None = None,
+    ) -> None:
         """Mark each learner that failed for good done (abandoned): the synchronizer neither
-        waits for it in a quorum nor before the final merge."""
-        docs = DecoupledStore(store)
+        waits for it in a quorum nor before the final merge (``keys``: the driver's, a signed
+        run)."""
+        docs = DecoupledStore(store, keys=keys)
         for rank, error in failed.items():
             doc = docs.read_progress(rank)
             if doc is None or not doc.get("abandoned"):

@@ -453,7 +453,11 @@ class FragmentMerger:
         )
         v = record["version"]
         if not self.docs.publish_outer(frag.index, v, mom):
-            mom = self.docs.fetch_outer(frag.index, v, frag.reference) or mom
+            try:
+                mom = self.docs.fetch_outer(frag.index, v, frag.reference) or mom
+            except CorruptContributionError:  # damaged, or forged in a signed run
+                self.docs.repair_outer(frag.index, v, mom)
+                self.stats.repaired_states += 1
         if not self.docs.publish_global(frag.index, v, params):
             try:
                 params = self.docs.fetch_global(frag.index, v, frag.reference) or params

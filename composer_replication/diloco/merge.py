@@ -87,7 +87,7 @@ def _decision(
     return {"included": included, "reason": reason, "weight": weight, "scale": scale, "note": note}
 
 
-def _policy(method: str, outlier_ratio: float | None) -> robust.AggregatePolicy:
+def _policy(method: robust.AggregateName, outlier_ratio: float | None) -> robust.AggregatePolicy:
     # the inputs' work weights go in as weight claims (capped at the robust default multiple of
     # the round's median claim); no per-step claim bounds: the work is counted by the learners
     if outlier_ratio is None:
@@ -96,7 +96,10 @@ def _policy(method: str, outlier_ratio: float | None) -> robust.AggregatePolicy:
 
 
 def aggregate(
-    inputs: list[MergeInput], method: str = "mean", *, outlier_ratio: float | None = None
+    inputs: list[MergeInput],
+    method: robust.AggregateName = "mean",
+    *,
+    outlier_ratio: float | None = None,
 ) -> tuple[Tensors, dict[str, Decision]]:
     """Screen and merge ``inputs``: (merged tensors, one `Decision` per input id).
 
@@ -142,6 +145,8 @@ def combine_decided(
     ``norm_clip``) is the weighted mean of ``scale * x`` in input order; ``trimmed_mean`` and
     ``median`` are the robust module's coordinate-wise merges. Empty when nothing is included.
     """
+    if not robust.is_aggregate_name(method):
+        raise ValueError(f"unknown aggregation rule {method!r}: one of {list(robust.AGGREGATES)}")
     chosen = [i for i in inputs if decisions[i.id]["included"]]
     if not chosen:
         return {}

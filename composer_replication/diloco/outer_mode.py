@@ -235,16 +235,23 @@ class OuterLoopMode(Protocol):
         ...
 
     def build_synchronizer(
-        self, store: ObjectStore, *, keep_rounds: int, max_steps: int
+        self, store: ObjectStore, *, keep_rounds: int, max_steps: int, keys: RunKeys | None = None
     ) -> Synchronizing | None:
-        """The service that merges the replicas' work, if the mode has one."""
+        """The service that merges the replicas' work, if the mode has one (``keys``: its
+        signing keys in a signed run)."""
         ...
 
     def build_lighthouse(self, n_replicas: int) -> Lighthouse | None:
         """A lighthouse for the driver to run (on 127.0.0.1), if the mode needs one there."""
         ...
 
-    def release_failed(self, store: ObjectStore, failed: Mapping[int, str], max_steps: int) -> None:
+    def release_failed(
+        self,
+        store: ObjectStore,
+        failed: Mapping[int, str],
+        max_steps: int,
+        keys: RunKeys | None = None,
+    ) -> None:
         """Replicas that failed for good (rank -> why) will not come back: let the service stop
-        waiting for them."""
+        waiting for them (``keys``: the driver's signing keys in a signed run)."""
         ...

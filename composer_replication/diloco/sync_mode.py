@@ -33,6 +33,7 @@ from composer_replication.diloco.section import DilocoConfig, ManagerName, ModeN
 from composer_replication.exchange import codecs
 from composer_replication.exchange.allreduce import ObjectStoreAllReduce
 from composer_replication.exchange.liveness import REPLICA_ROLE
+from composer_replication.exchange.signing import RunKeys
 from composer_replication.exchange.state import parse_state_name, state_prefix
 from composer_replication.exchange.store import ObjectStore, Store
 from composer_replication.exchange.store_manager import ObjectStoreManager
@@ -149,12 +150,18 @@ class SyncDiLoCo:
         return self.config.build_outer_optimizer()
 
     def build_synchronizer(
-        self, store: ObjectStore, *, keep_rounds: int, max_steps: int
+        self, store: ObjectStore, *, keep_rounds: int, max_steps: int, keys: RunKeys | None = None
     ) -> Synchronizing | None:
         return None
 
     def build_lighthouse(self, n_replicas: int) -> Lighthouse | None:
         return None
 
-    def release_failed(self, store: ObjectStore, failed: Mapping[int, str], max_steps: int) -> None:
+    def release_failed(
+        self,
+        store: ObjectStore,
+        failed: Mapping[int, str],
+        max_steps: int,
+        keys: RunKeys | None = None,
+    ) -> None:
         return None  # the driver's departure records release the peers (store_departures)

@@ -4,8 +4,10 @@ One synchronizer is active per run (it holds the lease of exchange/lease.py). It
 learners' pushes (exchange/push_store.py) and, for each fragment p at version v:
 
 1. **Quorum**: it waits until ``quorum`` distinct learners have pushed fragment p based on
-   version v ("on time"), counting only learners that have not finished and are not dead (so a
-   dead learner never blocks the run; with fewer such learners the quorum shrinks to them).
+   version v ("on time"), counting only learners that have not finished, are not dead and have
+   not departed (the driver's departure record of a learner whose process failed or fell
+   silent, exchange/liveness.py), so such a learner never blocks the run; with fewer such
+   learners the quorum shrinks to them.
 2. **Grace window**: then it waits ``grace = grace_gamma * max(0, grace_tau * step_time -
    quorum_time - sync_time)`` more seconds for stragglers (Douillard et al. 2026), or not at all once every
    unfinished live learner has pushed. ``step_time`` is an EMA of the learners' reported seconds
@@ -68,10 +70,17 @@ from composer_replication.diloco.merge import (
     rda,
 )
 from composer_replication.diloco.synchronizer_config import SynchronizerConfig
+from composer_replication.exchange.fencing import FencedError
 from composer_replication.exchange.lease import Lease
-from composer_replication.exchange.liveness import LEARNER_ROLE, read_liveness, write_heartbeat
+from composer_replication.exchange.liveness import (
+    LEARNER_ROLE,
+    read_departure,
+    read_liveness,
+    write_heartbeat,
+)
 from composer_replication.exchange.protocol import CorruptContributionError
 from composer_replication.exchange.push_store import DecoupledStore, Push, PushId
+from composer_replication.exchange.signing import RunKeys
 from composer_replication.exchange.store import Store
 
 __all__ = [
@@ -99,6 +108,9 @@ class Synchronizer:
 
     ``run()`` blocks until the run's final versions are written (every learner done) or
     ``stop()`` is called; ``on_merge`` (if given) is called with each merge record written.
+    ``keys`` (``[security] sign``): the synchronizer's signing keys; its records and states are
+    signed, and pushes, progress documents and records not signed by who may write them are
+    refused (recorded under ``decoupled/refused/``).
     """
 
     def __init__(
@@ -109,10 +121,11 @@ class Synchronizer:
         owner: str | None = None,
         on_merge: Callable[[dict[str, Any]], None] | None = None,
         manifest_timeout_s: float = 600.0,
+        keys: RunKeys | None = None,
     ) -> None:
         self.config = config or SynchronizerConfig()
         self.store = store
-        self.docs = DecoupledStore(store)
+        self.docs = DecoupledStore(store, keys=keys)
         self.lease = Lease(
             store,
             ROLE,
@@ -136,6 +149,7 @@ class Synchronizer:
         )
         self.n_learners = 0
         self.finished = False
+        self.fenced: str | None = None  # why the store's write guard stopped this synchronizer
         self._stop = threading.Event()
         self._progress: dict[int, dict[str, Any]] = {}
         self._dead: set[int] = set()
@@ -159,7 +173,11 @@ class Synchronizer:
         return self.merger.versions
 
     def run(self) -> bool:
-        """Hold the lease and merge until the run is final (True) or `stop()` (False)."""
+        """Hold the lease and merge until the run is final (True) or `stop()` (False).
+
+        Raises `FencedError` when the store's write guard (exchange/fencing.py: a driver-run
+        synchronizer whose launch the run has been resumed from) refuses a write: it then
+        writes nothing more, not even its last heartbeat or the lease's release."""
         self._start_heartbeats()
         try:
             while not self._stop.is_set():
@@ -177,13 +195,19 @@ class Synchronizer:
                 if self.finished:
                     return True
                 self._stop.wait(self.config.poll_interval_s)
+            if self.fenced is not None:
+                raise FencedError(self.fenced)
             return False
+        except FencedError as e:
+            self.fenced = str(e)
+            raise
         finally:
             self._stop.set()
             if self._heartbeat_thread is not None:
                 self._heartbeat_thread.join(timeout=5)
-            self._beat(state="done" if self.finished else "running")
-            if self.lease.epoch is not None:
+            if self.fenced is None:
+                self._beat(state="done" if self.finished else "running")
+            if self.lease.epoch is not None and self.fenced is None:
                 try:
                     self.lease.release()
                 except OSError as e:
@@ -262,10 +286,13 @@ class Synchronizer:
         # what the stored records consumed: a push based on version b can only be in records
         # after b, so the records after the oldest push still in the store are enough
         first = frag.version if oldest_push is None else min(oldest_push, frag.version)
+        signed = self.docs.keys is not None
         for v in (m for m in merges if m > first):
             try:
                 record = self.docs.read_merge(p, v)
             except CorruptContributionError as e:
+                if signed and v > frag.version:  # not a decision of this run: see below
+                    continue
                 log.warning("%s; pushes based below %d count as consumed", e, v)
                 frag.floor = max(frag.floor, v)
                 continue
@@ -274,7 +301,16 @@ class Synchronizer:
         for v in (m for m in merges if m > frag.version):  # decided but not yet stored: replay
             if v != frag.version + 1:
                 raise CorruptContributionError(f"fragment {p}: merge records jump to {v}")
-            record = self.docs.read_merge(p, v)
+            try:
+                record = self.docs.read_merge(p, v)
+            except CorruptContributionError as e:
+                if not signed:
+                    raise
+                # forged or replayed (the refusal is recorded): it decided nothing, and this
+                # lease holder is the only one who may write that key
+                log.warning("%s; deleting it (this run's synchronizer did not write it)", e)
+                self.docs.delete_merge(p, v)
+                break
             if record is None:
                 raise CorruptContributionError(f"fragment {p}: merge record {v} vanished")
             self.merger.apply_record(frag, record)
@@ -327,6 +363,8 @@ class Synchronizer:
                         pid.name,
                         frag.version,
                     )
+                    if self.docs.keys is not None:  # signed: a forgery is refused at once
+                        self._refuse_if_forged(pid)
                 continue
             new.append(pid)
         if not new:
@@ -349,6 +387,14 @@ class Synchronizer:
             self.inbox.arrived[pid] = now
             if got.step_seconds > 0:
                 self.timings.step_s = ema(self.timings.step_s, got.step_seconds, self.config.ema)
+
+    def _refuse_if_forged(self, pid: PushId) -> None:
+        """A push based on a version not published yet (signing on): refuse it now if its
+        signature does not verify (a forger's, which no merge would ever consume)."""
+        got, _ = self._fetch_push(pid)
+        if isinstance(got, str):
+            self.inbox.future.discard(pid)
+            self._refuse(pid, got)
 
     def _refuse(self, pid: PushId, reason: str) -> None:
         """Refuse a push for good, recorded in the store (`DecoupledStore.write_refusal`)."""
@@ -377,10 +423,18 @@ class Synchronizer:
                 stale_after_s=self.config.stale_after_s,
                 dead_after_s=self.config.dead_after_s,
             )
+            # the driver's departure records (a learner whose process failed, or silent):
+            # left out at once, not after dead_after_s
+            departed = {
+                i
+                for i in range(self.n_learners)
+                if read_departure(self.store, LEARNER_ROLE, i) is not None
+            }
         except OSError as e:
             log.warning("reading liveness failed: %r", e)
             return
-        self._dead = {int(m.id) for m in live.values() if m.status == "dead" and m.id.isdigit()}
+        dead = {int(m.id) for m in live.values() if m.status == "dead" and m.id.isdigit()}
+        self._dead = dead | departed
 
     def _done(self, learner: int) -> bool:
         """The learner said it is done (with at least ``max_steps`` steps, if configured: a
@@ -429,6 +483,9 @@ class Synchronizer:
                 sync_s=self.timings.sync_s,
                 stats=self.stats.as_dict(),
             )
+        except FencedError as e:  # a newer launch owns the run: stop writing at once
+            self.fenced = str(e)
+            self._stop.set()
         except (OSError, ValueError) as e:
             log.warning("heartbeat failed: %r", e)
 
@@ -442,6 +499,9 @@ class Synchronizer:
                 if self.lease.epoch is not None and now - last_renew >= renew_every:
                     try:
                         self.lease.renew()
+                    except FencedError as e:
+                        self.fenced = str(e)
+                        self._stop.set()
                     except OSError as e:
                         log.warning("lease renewal failed: %r", e)
                     last_renew = now

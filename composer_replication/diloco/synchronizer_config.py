@@ -16,7 +16,13 @@ from typing import Literal, get_args
 
 from composer_replication.diloco.outer_optimizer import OuterOptimizerConfig
 from composer_replication.exchange.liveness import DEAD_AFTER_S, STALE_AFTER_S
-from composer_replication.exchange.robust import AGGREGATES, WEIGHTINGS, AggregatePolicy
+from composer_replication.exchange.robust import (
+    AGGREGATES,
+    WEIGHTINGS,
+    AggregateName,
+    AggregatePolicy,
+    WeightingName,
+)
 from composer_replication.fields import require, setting
 
 __all__ = [
@@ -91,8 +97,8 @@ class SynchronizerConfig(SynchronizerSettings, OuterOptimizerConfig):
     ``max_steps``: a learner counts as done at "done" with at least this many steps.
     """
 
-    weighting: str = _POLICY.weighting  # one of exchange.robust's WEIGHTINGS
-    aggregate: str = _POLICY.method  # one of exchange.robust's AGGREGATES
+    weighting: WeightingName = _POLICY.weighting  # one of exchange.robust's WEIGHTINGS
+    aggregate: AggregateName = _POLICY.method  # one of exchange.robust's AGGREGATES
     aggregate_outlier_ratio: float | None = None
     keep_rounds: int = KEEP_ROUNDS
     poll_interval_s: float = 0.1

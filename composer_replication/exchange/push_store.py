@@ -37,14 +37,29 @@ prefix (docs/object-store.md, "Decoupled mode")::
 
 Nothing read from the store is unpickled. Every reader validates what it reads and raises
 `CorruptContributionError` (naming the object) for anything malformed.
+
+**Signing** (``[security] sign = true``, a handle made with ``keys``): every object above is
+signed when written and refused when read unless signed by who may write it (exchange/signing.py):
+a push by its learner's key (``rank-<learner>``), the manifest and version 0 of a fragment by
+any learner, merge records, versions > 0, momentum, ``heads.json`` and ``final.json`` by the
+synchronizer, a progress document by its learner (or the driver, which releases a learner that
+failed for good), refusal records by the synchronizer, a learner or the driver. The signed
+fields bind the object to its key (fragment, version, learner, base, seq), so a correctly signed
+object copied to another key (a push re-uploaded under a later name, an old merge record
+replayed at the next version) is refused too. Every refused object is recorded, with why, under
+``decoupled/refused/`` (`write_rejection`; the driver turns these records into "rejected"
+events), and a forged merge record or state squatting a key the synchronizer is about to write
+is replaced by the real one (the lease holder is the only legitimate writer there).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +68,13 @@ import torch
 from composer_replication.exchange import checksums, codecs, wire
 from composer_replication.exchange import state as state_mod
 from composer_replication.exchange.protocol import decode_contribution, encode_contribution
+from composer_replication.exchange.signing import (
+    DRIVER,
+    SYNCHRONIZER,
+    RunKeys,
+    SignatureError,
+    rank_identity,
+)
 from composer_replication.exchange.store import Store
 from composer_replication.exchange.vocabulary import (
     DTYPES,
@@ -86,6 +108,8 @@ _PUSH_RE = re.compile(r"^(\d{3})-(\d{10})-(\d{5})-(\d{4})\.safetensors$")
 MAX_FRAGMENTS = 1000
 MAX_LEARNERS = 100_000
 MAX_SEQ = 10_000
+
+log = logging.getLogger(__name__)
 
 
 def _nonneg_int(v: object) -> bool:
@@ -197,6 +221,7 @@ def encode_push(
     final: bool = False,
     codec: str = "fp32",
     checksum: str | None = None,
+    keys: RunKeys | None = None,
 ) -> list[wire.Buffer]:
     """The payload of a push (a list of buffers; ``b"".join`` gives the object)."""
     if not _nonneg_int(steps) or not _nonneg_int(steps_since_push) or not _nonneg_int(learner_step):
@@ -221,16 +246,21 @@ def encode_push(
         codec=codec,
         checksum=checksum,
         extra=extra,
+        keys=keys,
     )
     return payload
 
 
 def decode_push(
-    blob: wire.Buffer, pid: PushId, reference: dict[str, tuple[list[int], str]] | None
+    blob: wire.Buffer,
+    pid: PushId,
+    reference: dict[str, tuple[list[int], str]] | None,
+    keys: RunKeys | None = None,
 ) -> Push:
-    """Validate the object at ``pid.key`` (CorruptContributionError says what is wrong)."""
+    """Validate the object at ``pid.key`` (CorruptContributionError says what is wrong; with
+    ``keys`` it must be signed by learner ``pid.learner``'s key)."""
     what = f"push {pid.name}"
-    c = decode_contribution(blob, step=pid.base, rank=pid.learner, reference=reference)
+    c = decode_contribution(blob, step=pid.base, rank=pid.learner, reference=reference, keys=keys)
     x = c.extra
     ok = (
         x.get("fragment") == pid.fragment
@@ -337,14 +367,16 @@ def _reference(fragment: dict[str, Any]) -> dict[str, tuple[list[int], str]]:
 # ----------------------------------------------------------------------------- merge records
 
 
-def parse_merge(raw: wire.Buffer, *, fragment: int, version: int) -> dict[str, Any]:
+def parse_merge(
+    raw: wire.Buffer, *, fragment: int, version: int, keys: RunKeys | None = None
+) -> dict[str, Any]:
     """Validate a merge record read from ``merge_key(fragment, version)``.
 
     A record holds ``inputs`` (the pushes handed to the aggregation, each with its name, raw
     weight and pinned checksum), ``decisions`` (per input: included or why not, its final
     weight and clip scale), ``consumed`` (every push this record uses up: inputs, superseded
     and dropped ones), the ``merge`` / ``aggregate`` methods and the ``outer`` optimizer
-    settings.
+    settings. With ``keys`` (signing on) it must be signed by the synchronizer's key.
     """
     what = f"merge record of fragment {fragment} version {version}"
     try:
@@ -353,6 +385,13 @@ def parse_merge(raw: wire.Buffer, *, fragment: int, version: int) -> dict[str, A
         raise CorruptContributionError(f"{what} is not JSON ({e})") from None
     if not isinstance(r, dict):
         raise CorruptContributionError(f"{what} is malformed")
+    if keys is not None:
+        keys.verify(r, signers={SYNCHRONIZER}, what=what)
+    if (r.get("fragment"), r.get("version")) != (fragment, version):
+        raise CorruptContributionError(
+            f"{what}: the record says fragment {r.get('fragment')!r} version "
+            f"{r.get('version')!r} (replayed from another key?)"
+        )
     inputs = r.get("inputs")
     ok = (
         r.get("format") == FORMAT
@@ -398,11 +437,21 @@ class DecoupledStore:
     """Decoupled DiLoCo's documents in one run prefix (see the module docstring).
 
     ``codec`` and ``checksum`` are what this handle writes pushes with; readers verify what each
-    header names.
+    header names. ``keys`` (signing on): what this handle writes is signed with them and what
+    it reads must be signed by who may write it (see the module docstring).
     """
 
-    def __init__(self, store: Store, *, codec: str = "fp32", checksum: str | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        *,
+        codec: str = "fp32",
+        checksum: str | None = None,
+        keys: RunKeys | None = None,
+    ) -> None:
         self.store = store
+        self.keys = keys
+        self._reported: set[str] = set()
         self.codec = codecs.check_codec(codec)
         if codecs.get(codec).needs_error_feedback:
             usable = [c for c in codecs.CODECS if not codecs.get(c).needs_error_feedback]
@@ -412,9 +461,29 @@ class DecoupledStore:
                 "change since the learner's base version, possibly replaced in the queue) would "
                 f"count twice; use {'/'.join(usable)}, or mode 'sync' for this codec"
             )
+        if keys is not None and checksum not in (None, "sha256"):
+            raise ValueError(f"signed pushes are checksummed with sha256, not {checksum!r}")
+        if keys is not None:
+            checksum = "sha256"  # a signature over a non-cryptographic checksum binds nothing
         self.checksum = (
             checksums.default_checksum() if checksum is None else checksums.check_checksum(checksum)
         )
+
+    # ------------------------------------------------------------------ signatures
+    def _sign(self, doc: dict[str, Any]) -> dict[str, Any]:
+        return doc if self.keys is None else self.keys.sign(doc)
+
+    def _verified(self, key: str, doc: dict[str, Any], signers: set[str], what: str) -> bool:
+        """True when signing is off or ``doc`` is signed by one of ``signers``; otherwise the
+        refusal is recorded (`write_rejection`) and False."""
+        if self.keys is None:
+            return True
+        try:
+            self.keys.verify(doc, signers=signers, what=what)
+        except SignatureError as e:
+            self.write_rejection(key, str(e))
+            return False
+        return True
 
     @property
     def uri(self) -> str:
@@ -429,12 +498,20 @@ class DecoupledStore:
             doc = json.loads(bytes(raw))
         except (UnicodeDecodeError, json.JSONDecodeError):
             doc = None
+        if self.keys is not None and isinstance(doc, dict):
+            try:
+                self.keys.verify(doc, signers={"rank-*"}, what=f"{MANIFEST_KEY} at {self.uri}")
+            except SignatureError as e:
+                self.write_rejection(MANIFEST_KEY, str(e))
+                raise
         return _check_manifest(doc)
 
     def ensure_manifest(self, manifest: dict[str, Any]) -> dict[str, Any]:
         """Write ``manifest`` if absent; ModelMismatchError naming the differences if the stored
         one describes another fragment layout, learner count or codec."""
         ours = json.loads(json.dumps(_check_manifest(manifest), sort_keys=True))
+        if self.keys is not None and self.keys.can_sign:
+            ours = self.keys.sign(ours)
         self.store.put_if_absent(MANIFEST_KEY, json.dumps(ours, sort_keys=True).encode())
         stored = self.read_manifest()
         if stored is None:
@@ -462,13 +539,17 @@ class DecoupledStore:
         return _reference(manifest["fragments"][fragment])
 
     # ------------------------------------------------------------------ fragment states
+    def _encode_state(
+        self, kind: str, fragment: int, version: int, tensors: dict[str, torch.Tensor]
+    ) -> bytes:
+        return state_mod.encode_state(
+            tensors, name=f"f{fragment:03d}", round=version, extra={"kind": kind}, keys=self.keys
+        )
+
     def _publish(
         self, key: str, kind: str, fragment: int, version: int, tensors: dict[str, torch.Tensor]
     ) -> bool:
-        blob = state_mod.encode_state(
-            tensors, name=f"f{fragment:03d}", round=version, extra={"kind": kind}
-        )
-        return self.store.put_if_absent(key, blob)
+        return self.store.put_if_absent(key, self._encode_state(kind, fragment, version, tensors))
 
     def _fetch(
         self,
@@ -481,7 +562,16 @@ class DecoupledStore:
         blob = self.store.get(key)
         if blob is None:
             return None
-        tensors, extra = state_mod.decode_state(blob, name=f"f{fragment:03d}", round=version)
+        # version 0 of the weights is written by the first learner, every later state by the
+        # synchronizer
+        signers = {"rank-*"} if kind == "global" and version == 0 else {SYNCHRONIZER}
+        try:
+            tensors, extra = state_mod.decode_state(
+                blob, name=f"f{fragment:03d}", round=version, keys=self.keys, signers=signers
+            )
+        except SignatureError as e:
+            self.write_rejection(key, str(e))
+            raise
         if extra.get("kind") != kind:
             raise CorruptContributionError(f"{key}: not a {kind} state")
         if reference is not None:
@@ -509,11 +599,16 @@ class DecoupledStore:
         return self._fetch(outer_key(fragment, version), "outer", fragment, version, reference)
 
     def repair_global(self, fragment: int, version: int, tensors: dict[str, torch.Tensor]) -> None:
-        """Overwrite a global state found corrupt with its recomputed content."""
-        blob = state_mod.encode_state(
-            tensors, name=f"f{fragment:03d}", round=version, extra={"kind": "global"}
+        """Overwrite a global state found corrupt (or forged) with its recomputed content."""
+        self.store.put(
+            global_key(fragment, version), self._encode_state("global", fragment, version, tensors)
         )
-        self.store.put(global_key(fragment, version), blob)
+
+    def repair_outer(self, fragment: int, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Overwrite a momentum state found corrupt (or forged) with its recomputed content."""
+        self.store.put(
+            outer_key(fragment, version), self._encode_state("outer", fragment, version, tensors)
+        )
 
     def versions(self, fragment: int, what: str = "global") -> list[int]:
         """Stored versions of ``what`` ('global', 'outer' or 'merge') of a fragment (one LIST)."""
@@ -532,6 +627,8 @@ class DecoupledStore:
         except (UnicodeDecodeError, json.JSONDecodeError):
             return None
         v = doc.get("versions") if isinstance(doc, dict) else None
+        if isinstance(doc, dict) and not self._verified(HEADS_KEY, doc, {SYNCHRONIZER}, HEADS_KEY):
+            return None
         if (
             not isinstance(doc, dict)
             or doc.get("kind") != "heads"
@@ -545,13 +642,15 @@ class DecoupledStore:
     def write_heads(self, versions: list[int], **info: Any) -> None:
         self.store.put_json(
             HEADS_KEY,
-            {
-                "format": FORMAT,
-                "kind": "heads",
-                "versions": list(versions),
-                "time": time.time(),
-                **info,
-            },
+            self._sign(
+                {
+                    "format": FORMAT,
+                    "kind": "heads",
+                    "versions": list(versions),
+                    "time": time.time(),
+                    **info,
+                }
+            ),
         )
 
     # ------------------------------------------------------------------ pushes
@@ -573,13 +672,14 @@ class DecoupledStore:
             PushId(fragment, base, learner, seq),
             codec=self.codec,
             checksum=self.checksum,
+            keys=self.keys,
             **fields,
         )
         for s in range(seq, MAX_SEQ):
             pid = PushId(fragment, base, learner, s)
             if s != seq:  # the header names the seq: re-encode for the new key
                 payload = encode_push(
-                    tensors, pid, codec=self.codec, checksum=self.checksum, **fields
+                    tensors, pid, codec=self.codec, checksum=self.checksum, keys=self.keys, **fields
                 )
             if self.store.put_if_absent(pid.key, payload):
                 return pid, sum(memoryview(b).nbytes for b in payload)
@@ -600,7 +700,7 @@ class DecoupledStore:
         if raw is None:
             return None, 0
         try:
-            return decode_push(raw, pid, reference), len(raw)
+            return decode_push(raw, pid, reference, self.keys), len(raw)
         except CorruptContributionError as e:
             return str(e), len(raw)
 
@@ -612,55 +712,148 @@ class DecoupledStore:
         without a merge record naming it, with why: refused (it does not decode or verify), or
         dropped or screened out when no merge happened. So that an audit can tell such a push
         from one the synchronizer never looked at."""
+        doc = {
+            "format": FORMAT,
+            "kind": "refused",
+            "push": pid.name,
+            "object": pid.key,
+            "reason": str(reason)[:2000],
+            "time": time.time(),
+        }
         self.store.put_if_absent(
-            f"{REFUSED_PREFIX}{pid.name}.json",
-            json.dumps(
-                {
-                    "format": FORMAT,
-                    "kind": "refused",
-                    "push": pid.name,
-                    "reason": str(reason)[:2000],
-                    "time": time.time(),
-                }
-            ).encode(),
+            f"{REFUSED_PREFIX}{pid.name}.json", json.dumps(self._sign(doc)).encode()
         )
 
-    def read_refusals(self) -> dict[str, str]:
-        """push name -> why it was refused, for every refusal record (malformed records are
-        skipped: they refuse nothing)."""
-        out: dict[str, str] = {}
+    def write_rejection(self, key: str, reason: str) -> None:
+        """Record (put-if-absent, once per object and writer) that this participant refused the
+        object at ``key`` (not a push the synchronizer consumes: a forged or replayed merge
+        record, state or document), with why. Only a handle that can sign writes it (a
+        verify-only reader, e.g. an audit, records nothing); a store error is logged, never
+        raised (the refusal itself stands)."""
+        if self.keys is None or not self.keys.can_sign or key in self._reported:
+            return
+        self._reported.add(key)
+        by = str(self.keys.identity)
+        slug = key.removeprefix(PREFIX).replace("/", "_")
+        doc = {
+            "format": FORMAT,
+            "kind": "refused",
+            "object": key,
+            "by": by,
+            "reason": str(reason)[:2000],
+            "time": time.time(),
+        }
+        try:
+            self.store.put_if_absent(
+                f"{REFUSED_PREFIX}{slug}.{by}.json", json.dumps(self._sign(doc)).encode()
+            )
+        except OSError as e:
+            log.warning("recording the refusal of %s failed: %r", key, e)
+
+    def _refusal_docs(self, skip: Collection[str] = ()) -> list[tuple[str, dict[str, Any]]]:
+        """(record name, record) of every well-formed refusal record not named in ``skip``
+        (with keys: signed by the synchronizer, a learner or the driver)."""
+        out = []
         for name in self.store.list(REFUSED_PREFIX):
+            if name in skip:
+                continue
             try:
                 doc = self.store.get_json(REFUSED_PREFIX + name)
             except ValueError:
                 continue
-            if (
+            if not (
                 isinstance(doc, dict)
                 and doc.get("kind") == "refused"
-                and isinstance(doc.get("push"), str)
+                and isinstance(doc.get("reason"), str)
+            ):
+                continue
+            if self.keys is not None:
+                try:
+                    self.keys.verify(doc, signers={SYNCHRONIZER, DRIVER, "rank-*"}, what=name)
+                except SignatureError:
+                    continue
+            out.append((name, doc))
+        return out
+
+    def read_refusals(self) -> dict[str, str]:
+        """push name -> why it was refused, for every refusal record of a push (malformed
+        records are skipped: they refuse nothing)."""
+        out: dict[str, str] = {}
+        for name, doc in self._refusal_docs():
+            if (
+                isinstance(doc.get("push"), str)
                 and name == f"{doc['push']}.json"
                 and PushId.parse(doc["push"]) is not None
-                and isinstance(doc.get("reason"), str)
             ):
                 out[doc["push"]] = doc["reason"]
         return out
 
+    def read_rejections(self, skip: Collection[str] = ()) -> dict[str, dict[str, Any]]:
+        """Every refusal record (pushes and other objects) not named in ``skip`` (one LIST, one
+        GET per record read), by record name: ``object`` (the key refused), ``reason``, ``by``
+        (who refused it) and ``learner`` (a push's learner, else None)."""
+        out: dict[str, dict[str, Any]] = {}
+        for name, doc in self._refusal_docs(skip):
+            push = PushId.parse(doc["push"]) if isinstance(doc.get("push"), str) else None
+            out[name] = {
+                "object": str(doc.get("object") or (push.key if push else name)),
+                "reason": doc["reason"],
+                "by": str(doc.get("by") or SYNCHRONIZER),
+                "learner": None if push is None else push.learner,
+            }
+        return out
+
     # ------------------------------------------------------------------ merge records
     def write_merge(self, record: dict[str, Any]) -> bool:
-        """put-if-absent the record; False if that version was decided already."""
+        """put-if-absent the record (signed with keys); False if that version was decided
+        already. With signing on, a record at that key that does not verify (forged, or
+        replayed from another key) decides nothing: it is recorded as refused and replaced."""
+        fragment, version = record["fragment"], record["version"]
+        record = self._sign(record)
         raw = json.dumps(record, sort_keys=True, allow_nan=False).encode()
-        parse_merge(raw, fragment=record["fragment"], version=record["version"])  # our own check
-        return self.store.put_if_absent(merge_key(record["fragment"], record["version"]), raw)
+        parse_merge(raw, fragment=fragment, version=version, keys=self.keys)  # our own check
+        key = merge_key(fragment, version)
+        if self.store.put_if_absent(key, raw):
+            return True
+        if self.keys is None:
+            return False
+        try:
+            self.read_merge(fragment, version)
+        except CorruptContributionError as e:
+            log.warning("%s; replacing it with this synchronizer's record", e)
+            self.store.put(key, raw)
+            return True
+        return False
+
+    def delete_merge(self, fragment: int, version: int) -> None:
+        """Delete a merge record that decided nothing (forged or replayed: the synchronizer's
+        recovery, signing on)."""
+        self.store.delete(merge_key(fragment, version))
 
     def read_merge(self, fragment: int, version: int) -> dict[str, Any] | None:
-        raw = self.store.get(merge_key(fragment, version))
-        return None if raw is None else parse_merge(raw, fragment=fragment, version=version)
+        key = merge_key(fragment, version)
+        raw = self.store.get(key)
+        if raw is None:
+            return None
+        try:
+            return parse_merge(raw, fragment=fragment, version=version, keys=self.keys)
+        except CorruptContributionError as e:
+            self.write_rejection(key, str(e))
+            raise
 
     # ------------------------------------------------------------------ progress and the end
     def write_progress(self, learner: int, **doc: Any) -> None:
         self.store.put_json(
             progress_key(learner),
-            {"format": FORMAT, "kind": "progress", "learner": learner, "time": time.time(), **doc},
+            self._sign(
+                {
+                    "format": FORMAT,
+                    "kind": "progress",
+                    "learner": learner,
+                    "time": time.time(),
+                    **doc,
+                }
+            ),
         )
 
     def read_progress(self, learner: int) -> dict[str, Any] | None:
@@ -668,6 +861,11 @@ class DecoupledStore:
         try:
             doc = self.store.get_json(progress_key(learner))
         except ValueError:
+            return None
+        signers = {rank_identity(learner), DRIVER}  # the driver releases a failed learner
+        if isinstance(doc, dict) and not self._verified(
+            progress_key(learner), doc, signers, f"progress of learner {learner}"
+        ):
             return None
         ok = (
             isinstance(doc, dict)
@@ -681,14 +879,16 @@ class DecoupledStore:
     def write_final(self, versions: list[int], learners: dict[int, int], **info: Any) -> None:
         self.store.put_json(
             FINAL_KEY,
-            {
-                "format": FORMAT,
-                "kind": "final",
-                "versions": versions,
-                "learners": {str(k): v for k, v in learners.items()},
-                "time": time.time(),
-                **info,
-            },
+            self._sign(
+                {
+                    "format": FORMAT,
+                    "kind": "final",
+                    "versions": versions,
+                    "learners": {str(k): v for k, v in learners.items()},
+                    "time": time.time(),
+                    **info,
+                }
+            ),
         )
 
     def read_final(self, n_fragments: int) -> dict[str, Any] | None:
@@ -697,7 +897,9 @@ class DecoupledStore:
             doc = self.store.get_json(FINAL_KEY)
         except ValueError:
             return None
-        if not isinstance(doc, dict):
+        if not isinstance(doc, dict) or not self._verified(
+            FINAL_KEY, doc, {SYNCHRONIZER}, FINAL_KEY
+        ):
             return None
         ok = (
             doc.get("kind") == "final"

@@ -47,7 +47,7 @@ import math
 import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal, get_args
+from typing import Any, Literal, TypeGuard, get_args
 
 import torch
 
@@ -61,6 +61,7 @@ __all__ = [
     "ScreenName",
     "WeightingName",
     "AggregatePolicy",
+    "is_aggregate_name",
     "Candidate",
     "Decision",
     "LossProbe",
@@ -82,6 +83,12 @@ AGGREGATES: tuple[AggregateName, ...] = get_args(AggregateName)
 SCREENS: tuple[ScreenName, ...] = get_args(ScreenName)
 WEIGHTINGS: tuple[WeightingName, ...] = get_args(WeightingName)
 
+
+def is_aggregate_name(value: object) -> TypeGuard[AggregateName]:
+    """Whether ``value`` (e.g. read from a stored record) names an aggregation rule."""
+    return value in AGGREGATES
+
+
 LossProbe = Callable[[Mapping[str, torch.Tensor]], float]
 """The held-out loss after applying ``candidate`` alone (the caller decides how: for DiLoCo a
 plain outer step ``global - outer_lr * candidate``); ``zeros`` gives the baseline."""
@@ -97,15 +104,15 @@ class AggregatePolicy:
     """How a round's contributions are screened and merged (defaults documented in
     docs/object-store.md; `[diloco] aggregate*` keys of the run config map onto these)."""
 
-    method: str = "mean"
-    weighting: str = "equal"
+    method: AggregateName = "mean"
+    weighting: WeightingName = "equal"
     outlier_ratio: float = 10.0  # reject norm > ratio x median norm; 0 = no norm screening
     trim_fraction: float = 0.25  # trimmed_mean: fraction dropped at EACH end per coordinate
     clip_ratio: float = 1.0  # norm_clip: clip every norm to ratio x median norm
     token_cap: float = 4.0  # cap token claims at cap x median claim; 0 = no cap
     max_tokens_per_step: int | None = None  # claim check (tokens); None = unchecked
     max_inner_steps: int | None = None  # claim check (inner steps); None = unchecked
-    screen: str = "none"  # "loss": also score candidates with a LossProbe
+    screen: ScreenName = "none"  # "loss": also score candidates with a LossProbe
     loss_tolerance: float = 0.05  # screen="loss": reject a loss increase > tol x |baseline|
 
     def __post_init__(self) -> None:

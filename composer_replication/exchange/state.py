@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -140,9 +141,15 @@ def encode_state(
 
 
 def decode_state(
-    blob: bytes | memoryview, *, name: str, round: int, keys: RunKeys | None = None
+    blob: bytes | memoryview,
+    *,
+    name: str,
+    round: int,
+    keys: RunKeys | None = None,
+    signers: Collection[str] = STATE_SIGNERS,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Validate a state snapshot (its signature too, with ``keys``); returns (tensors, extra)."""
+    """Validate a state snapshot (its signature too, with ``keys``: by one of ``signers``);
+    returns (tensors, extra)."""
     what = f"state {name!r} round {round}"
     meta, views, _ = wire.unframe(blob, what)  # one header parser for every object we read
     try:
@@ -150,7 +157,7 @@ def decode_state(
     except (KeyError, TypeError, json.JSONDecodeError) as e:
         raise CorruptContributionError(f"{what}: missing or unreadable header") from e
     if keys is not None and isinstance(h, dict):
-        keys.verify(h, signers=STATE_SIGNERS, what=what)
+        keys.verify(h, signers=signers, what=what)
     if not (
         isinstance(h, dict)
         and h.get("format") == FORMAT

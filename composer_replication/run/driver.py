@@ -60,6 +60,7 @@ from composer_replication.config import (
 from composer_replication.diloco.outer_mode import Lighthouse, OuterLoopMode
 from composer_replication.exchange.fencing import bump_generation
 from composer_replication.exchange.liveness import clear_departure
+from composer_replication.exchange.signing import KEY_ENV, SYNCHRONIZER
 from composer_replication.exchange.store import ObjectStore
 from composer_replication.executors import registry
 from composer_replication.executors.executor import Releasable, ReplicaHandle, ServerlessExecutor
@@ -92,6 +93,7 @@ from composer_replication.run.security import RunSecrets, prepare_signing, write
 from composer_replication.run.supervision import (
     Departures,
     HealthLog,
+    RefusalLog,
     Restarter,
     fence_previous_launch,
     final_status,
@@ -240,7 +242,12 @@ class _Services:
     schedule (each built in assembly/ or, the synchronizer's process, here)."""
 
     def __init__(
-        self, config: RunConfig, folder: RunFolder, mode: OuterLoopMode, env: dict[str, str]
+        self,
+        config: RunConfig,
+        folder: RunFolder,
+        mode: OuterLoopMode,
+        env: dict[str, str],
+        signing: RunSecrets | None = None,
     ) -> None:
         self.lighthouse: Lighthouse | None = build_lighthouse(config)
         if self.lighthouse is not None:  # the replicas dial it
@@ -252,7 +259,10 @@ class _Services:
         self.synchronizer: SynchronizerProcess | None = None
         if mode.driver_synchronizer:
             log = folder.logs / "synchronizer.log"
-            self.synchronizer = SynchronizerProcess(config.store.uri, dict(env), log)
+            sync_env = dict(env)
+            if signing is not None:  # its own key, to it only (never in the replicas' env)
+                sync_env[KEY_ENV] = signing.private[SYNCHRONIZER]
+            self.synchronizer = SynchronizerProcess(config.store.uri, sync_env, log)
             self.synchronizer.start()
 
     def stop_outer(self) -> None:
@@ -287,6 +297,7 @@ class _Launch:
     secrets: dict[int, dict[str, str]]
     services: _Services
     stream: TextIO
+    signing: RunSecrets | None = None
     handles: list[ReplicaHandle] = dataclasses.field(default_factory=list)
 
 
@@ -420,7 +431,7 @@ def _open(
         secrets = signing.per_rank(config.backend.n_replicas)
     else:  # rank r: its own writer secret (a restarted replica recognises its earlier upload)
         secrets = writer_secrets(folder, config.backend.n_replicas)
-    services = _Services(config, folder, mode, env)
+    services = _Services(config, folder, mode, env, signing)
     return _Launch(
         config,
         folder,
@@ -434,6 +445,7 @@ def _open(
         secrets,
         services,
         stream,
+        signing,
     )
 
 
@@ -518,6 +530,12 @@ class _Watch:
         self.restarter = Restarter(config, launch.executor, ENTRYPOINT, launch.env, launch.secrets)
         self.departures = Departures(config, mode, store)
         self.health = HealthLog(mode, n, store, launch.sink)
+        keys = launch.signing.keys if launch.signing is not None else None
+        self.refusals = (
+            RefusalLog(store, launch.sink, launch.folder.metrics, keys)
+            if mode.has_synchronizer
+            else None
+        )
         self.elastic = mode.elastic(n)
         self.last_mirror = 0.0
 
@@ -534,6 +552,8 @@ class _Watch:
                 launch.progress.message(message)
         self._services()
         self.health.poll()
+        if self.refusals is not None:
+            self.refusals.poll()
         launch.collector.poll()
         statuses = launch.collector.statuses()
         if _chaos_due(self.injector, statuses, len(handles)):
@@ -563,7 +583,8 @@ class _Watch:
         failed = {
             h.replica_id: str(h.error or "") for h in launch.handles if h.status.value == "failed"
         }
-        launch.mode.release_failed(launch.store, failed, launch.config.train.max_steps)
+        keys = launch.signing.keys if launch.signing is not None else None
+        launch.mode.release_failed(launch.store, failed, launch.config.train.max_steps, keys)
 
     def _record(self) -> None:
         """Mirror checkpoints (a local store: a disk copy; a remote store's are downloaded once,
@@ -589,6 +610,8 @@ def _end(
     chaos = _chaos_report(launch, watch.injector, status)
     launch.services.stop_outer()
     watch.health.poll(force=True)
+    if watch.refusals is not None:
+        watch.refusals.poll(force=True)
     try:
         summary = _finish(launch, status)
     except KeyboardInterrupt:  # a second Ctrl-C while gathering: keep what is there

@@ -8,6 +8,9 @@ failed replicas, declaring departed ones, the run's health.
   replica departed the moment its process fails, or when it sent no heartbeat for
   `SILENT_AFTER_S` (and take it back when it beats again);
 - `HealthLog`: a "health" metric record whenever the run state changes (run/status.py);
+- `RefusalLog` (a mode with a synchronizer): every refusal record in the store (a push the
+  synchronizer refused, a forged or replayed record, state or document a participant refused)
+  becomes one "rejected" event in metrics.jsonl, as sync mode's rejections do;
 - `final_status`: "finished" or "failed" once every replica has ended.
 """
 
@@ -16,6 +19,7 @@ from __future__ import annotations
 import socket
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from composer_replication.config import ConfigError, RunConfig
@@ -29,9 +33,11 @@ from composer_replication.exchange.liveness import (
     read_liveness,
     write_departure,
 )
+from composer_replication.exchange.push_store import DecoupledStore
+from composer_replication.exchange.signing import RunKeys
 from composer_replication.exchange.store import ObjectStore
 from composer_replication.executors.executor import RankLauncher, ReplicaHandle, ServerlessExecutor
-from composer_replication.run.metrics import MetricsSink
+from composer_replication.run.metrics import MetricsSink, read_metrics
 from composer_replication.run.processes import pid_alive
 from composer_replication.run.status import health_now
 
@@ -40,6 +46,7 @@ __all__ = [
     "SILENT_AFTER_S",
     "Departures",
     "HealthLog",
+    "RefusalLog",
     "Restarter",
     "failure_reason",
     "fence_previous_launch",
@@ -196,7 +203,8 @@ SILENT_AFTER_S = STALE_AFTER_S  # a running replica without a heartbeat this lon
 
 class Departures:
     """When the outer-loop mode's peers wait for each other in the store (sync DiLoCo over the
-    object store, `OuterLoopMode.store_departures`): declare a replica departed the moment its
+    object store, or decoupled mode's synchronizer for its quorum:
+    `OuterLoopMode.store_departures`): declare a replica departed the moment its
     process is seen to
     have failed (before a relaunch, or for good), or when a replica the executor still reports
     running has sent no heartbeat for SILENT_AFTER_S (stopped, hung, partitioned), so that its
@@ -209,11 +217,20 @@ class Departures:
         self.store = store
         self.enabled = mode.store_departures
         self.role = mode.worker_role
+        self.lockstep = mode.lockstep
         self.every_s = every_s
         self._noted: set[str] = set()  # job ids already declared
         self._silent: set[int] = set()  # ranks declared for want of heartbeats
         self._lost: set[int] = set()  # ranks that failed with no restart left
         self._last = 0.0
+
+    def _without_it(self, gone: int) -> str:
+        if not self.lockstep:  # decoupled: learners never wait for each other
+            return (
+                "the other learners go on (none waits for another); the synchronizer leaves "
+                "it out of its quorum"
+            )
+        return without_it(self.config, gone)
 
     def note_silent(self, handles: list[ReplicaHandle]) -> list[str]:
         """Every few seconds: departures for running replicas whose heartbeats stopped, and
@@ -247,7 +264,7 @@ class Departures:
                     gone = len(self._silent | self._lost)
                     messages.append(
                         f"replica {rank} sent no heartbeat for {silent:.0f} s: "
-                        f"{without_it(self.config, gone)}"
+                        f"{self._without_it(gone)}"
                     )
                 elif silent <= SILENT_AFTER_S and rank in self._silent:
                     clear_departure(self.store, self.role, rank)
@@ -275,9 +292,7 @@ class Departures:
             if not again:
                 self._lost.add(h.replica_id)
                 gone = len(self._silent | self._lost)
-                messages.append(
-                    f"replica {h.replica_id} is lost ({why}); {without_it(self.config, gone)}"
-                )
+                messages.append(f"replica {h.replica_id} is lost ({why}); {self._without_it(gone)}")
         return messages
 
 
@@ -331,6 +346,65 @@ class HealthLog:
                     }
                 ]
             )
+
+
+class RefusalLog:
+    """Decoupled mode: each refusal record under ``decoupled/refused/`` becomes one "rejected"
+    event in metrics.jsonl (``event``, ``rank``: the learner of a refused push or -1 for any
+    other object, ``object``: its key, ``reason``, ``by``: who refused it, ``record``), once per
+    run folder (the events a resumed run's earlier launch wrote are not repeated). ``keys``
+    (a signed run): refusal records not signed by the synchronizer or a learner are ignored."""
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        sink: MetricsSink,
+        metrics_path: Path,
+        keys: RunKeys | None = None,
+        every_s: float = 5.0,
+    ) -> None:
+        self.docs = DecoupledStore(store, keys=keys)
+        self.sink, self.every_s = sink, every_s
+        self._last = 0.0
+        self.seen: set[str] = set()
+        if metrics_path.is_file():
+            self.seen = {
+                str(r["record"])
+                for r in read_metrics(metrics_path)
+                if r.get("event") == "rejected" and r.get("record")
+            }
+
+    def poll(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last < self.every_s:
+            return
+        self._last = now
+        try:
+            records = self.docs.read_rejections(skip=self.seen)
+        except (OSError, ValueError):  # the store is unreachable for a moment: retried
+            return
+        rows: list[dict[str, Any]] = []
+        for name, r in sorted(records.items()):
+            if name in self.seen:
+                continue
+            self.seen.add(name)
+            rows.append(
+                {
+                    "time": time.time(),
+                    "replica": -1,
+                    "kind": "event",
+                    "step": 0,
+                    "round": 0,
+                    "event": "rejected",
+                    "rank": -1 if r["learner"] is None else int(r["learner"]),
+                    "object": r["object"],
+                    "reason": r["reason"],
+                    "by": r["by"],
+                    "record": name,
+                }
+            )
+        if rows:
+            self.sink.write(rows)
 
 
 def final_status(mode: OuterLoopMode, handles: list[ReplicaHandle], n_replicas: int) -> str:

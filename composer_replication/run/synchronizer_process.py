@@ -10,9 +10,15 @@ active one dies (after ``diloco.lease_ttl_s``) or stops.
 
 RUN is a run folder (its config.json names the store) or the store URI itself (its
 run_config.json, written by the driver, holds the configuration). fsspec options come from
-``--storage-options`` or $COMPOSER_STORAGE_OPTIONS (JSON). Exit codes: 0 the run's final
-versions are written, 1 an error, 2 unusable arguments, 130 stopped (SIGTERM/SIGINT: the lease
-is released so another synchronizer can take over at once).
+``--storage-options`` or $COMPOSER_STORAGE_OPTIONS (JSON). A signed run (``[security] sign``)
+needs the synchronizer's keys in the environment, as the driver hands them to the one it runs:
+``$COMPOSER_DRIVER_PUBLIC_KEY`` and ``$COMPOSER_SIGNING_KEY`` (the ``synchronizer`` key of the
+run folder's signing-keys.json); the key manifest and the run configuration are checked against
+the driver's signature before anything is merged. Exit codes: 0 the run's final
+versions are written, 1 an error, 2 unusable arguments, 3 fenced (the driver-run synchronizer
+of a launch the run has since been resumed from: ``$COMPOSER_RUN_GENERATION`` is older than the
+store's run generation, exchange/fencing.py; it writes nothing more, not even a heartbeat), 130
+stopped (SIGTERM/SIGINT: the lease is released so another synchronizer can take over at once).
 """
 
 from __future__ import annotations
@@ -31,7 +37,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from composer_replication.assembly.outer import build_synchronizer
+from composer_replication.exchange.fencing import Fence, FencedError
+from composer_replication.exchange.signing import SYNCHRONIZER, RunKeys
 from composer_replication.executors.local import spawn_in_group, terminate_groups
+from composer_replication.run.replica_env import ENV_GENERATION, EXIT_FENCED
+from composer_replication.run.security import participant_keys
 
 if TYPE_CHECKING:
     from composer_replication.config import RunConfig
@@ -69,9 +79,53 @@ def resolve(target: str, storage_options: dict[str, Any] | None) -> tuple[RunCon
     return from_dict(RunConfig, doc), store
 
 
+def signing_keys(config: RunConfig, store: ObjectStore) -> tuple[RunConfig, RunKeys | None]:
+    """The synchronizer's signing keys from its environment (``$COMPOSER_DRIVER_PUBLIC_KEY``
+    and its own ``$COMPOSER_SIGNING_KEY``, as a replica gets its rank's), after checking the
+    key manifest and the run configuration in the store against the driver's signature; with
+    keys, the configuration is the one the driver signed. ValueError saying what is missing."""
+    from composer_replication.config import from_dict
+    from composer_replication.config.schema import RunConfig
+
+    doc = store.get_json(CONFIG_KEY)
+    if not isinstance(doc, dict):
+        if config.security.sign:
+            raise ValueError(f"[security] sign = true but {store.uri} has no {CONFIG_KEY}")
+        return config, None
+    keys = participant_keys(store, SYNCHRONIZER, doc, required=config.security.sign)
+    if keys is None:
+        return config, None
+    return from_dict(RunConfig, doc), keys
+
+
+def _fence(store: ObjectStore) -> int | None:
+    """A driver-run synchronizer ($COMPOSER_RUN_GENERATION set by the driver) writes only while
+    its launch is the run's newest: the store's write guard checks the run generation before
+    every write (exchange/fencing.py). Returns that generation (None: run by hand, not fenced,
+    as an external synchronizer outlives driver restarts by design)."""
+    raw = os.environ.get(ENV_GENERATION)
+    if raw is None:
+        return None
+    if not raw.isdigit():
+        raise ValueError(f"${ENV_GENERATION}={raw!r} is not an integer >= 0")
+    store.write_guard = Fence(store, int(raw))
+    return int(raw)
+
+
 def run(config: RunConfig, store: ObjectStore, stop: threading.Event | None = None) -> int:
-    """Run the synchronizer until the run is final (0) or ``stop`` is set (130)."""
-    sync = build_synchronizer(config, store)  # ValueError when the run's mode has none
+    """Run the synchronizer until the run is final (0), ``stop`` is set (130) or a newer launch
+    of the run fenced it (`EXIT_FENCED`)."""
+    generation = _fence(store)
+    try:
+        return _run(config, store, stop)
+    except FencedError as exc:  # a resumed run's synchronizer owns the store now
+        print(f"synchronizer (launch {generation}): {exc}", file=sys.stderr, flush=True)
+        return EXIT_FENCED
+
+
+def _run(config: RunConfig, store: ObjectStore, stop: threading.Event | None) -> int:
+    config, keys = signing_keys(config, store)
+    sync = build_synchronizer(config, store, keys=keys)  # ValueError: the mode has none
     if stop is not None:
 
         def relay() -> None:
@@ -166,7 +220,7 @@ class SynchronizerProcess:
         code = proc.poll()
         if code is None:
             return True
-        if code == 0:
+        if code in (0, EXIT_FENCED):  # finished, or a newer launch owns the run
             return False
         if time.monotonic() < self._not_before or self.restarts >= self.max_restarts:
             return True

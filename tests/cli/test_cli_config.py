@@ -144,7 +144,6 @@ def test_optimizer_keys_are_checked(overrides: list[str], needle: str) -> None:
     [
         (["diloco.fragments=4", "model.num_layers=2"],
          "diloco.fragments: 4 exceeds model.num_layers (2)"),
-        (["security.sign=true"], "security.sign: signs the synchronous object-store exchange"),
         (["diloco.screen=loss"], "diloco.screen: the loss screen runs in the synchronous"),
         (["diloco.merge=rda", "diloco.aggregate=median"], "diloco.merge: 'rda' averages"),
     ],

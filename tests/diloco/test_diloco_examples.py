@@ -22,6 +22,7 @@ pytest.importorskip("trl")
 DRIVER = Path(__file__).parents[2] / "examples" / "diloco_driver.py"
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.server
 def test_recipe4_driver_and_replicas_run_against_local_s3(
@@ -49,6 +50,7 @@ def test_recipe4_driver_and_replicas_run_against_local_s3(
     assert f"latest published global state: round 2 in {uri}" in out
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_serverless_doc_snippet_launches_and_collects_its_replicas(tmp_path: Path) -> None:
     """docs/recipes/serverless.md's driver core, run from the doc's text: 2 replicas instead of

@@ -38,6 +38,7 @@ def test_status_lists_the_latest_rounds_rejections_with_rank_and_reason(tmp_path
     assert "rank 1: screened out: non-finite values (seen by rank 0)" in text
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_train_with_the_loss_screen_records_each_contributions_loss_change(
     tmp_path, monkeypatch, capsys

@@ -78,6 +78,7 @@ def test_replica_accepts_only_the_configuration_the_driver_signed(tmp_path):
         participant_keys(store, rank_identity(1), doc, required=True, environ=env)
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_train_with_signing_robust_aggregation_and_token_weighting(tmp_path, monkeypatch, capsys):
     sys.path.insert(0, str(Path(__file__).parents[1] / "run"))

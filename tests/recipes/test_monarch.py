@@ -128,6 +128,7 @@ def test_agreement_needs_every_replica_and_one_digest():
     assert table[1]["reward_mean"] == [0.5, None]
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_documented_run_trains_two_replicas_that_agree_after_every_round(tmp_path: Path):
     (command,) = [b for b in blocks("bash") if "recipes.monarch.train" in b]
@@ -188,6 +189,7 @@ def test_documented_run_trains_two_replicas_that_agree_after_every_round(tmp_pat
     assert 0 < pool["prompts"] <= config.task.n_train
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_documented_python_snippet_drives_the_actors(tmp_path: Path):
     examples = tmp_path / "examples" / "monarch"
@@ -208,6 +210,7 @@ def test_documented_python_snippet_drives_the_actors(tmp_path: Path):
     assert (tmp_path / "runs" / "my-run" / "store" / "states" / "global").is_dir()
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_an_actor_that_raises_is_reported_with_its_error_and_exit_1(tmp_path: Path):
     argv = [sys.executable, "-m", "composer_replication.recipes.monarch.train", str(EXAMPLE),
@@ -221,6 +224,7 @@ def test_an_actor_that_raises_is_reported_with_its_error_and_exit_1(tmp_path: Pa
     assert "arithmetic level must be one of ['easy', 'hard', 'medium'], got 'nope'" in proc.stderr
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_a_replica_process_killed_mid_run_ends_the_run_promptly_with_exit_1(tmp_path: Path):
     """SIGKILL one mesh process once round 1 is committed: Monarch's supervision reports it and

@@ -361,6 +361,7 @@ def test_example_config_composes_with_verls_ppo_trainer():
     core_algos.get_policy_loss_fn(actor.policy_loss.loss_mode)
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_external_modules_env_registers_on_import_verl():
     """What each Ray worker does: a fresh interpreter, `import verl`, nothing else of ours."""

@@ -115,6 +115,7 @@ def test_a_checkpoint_saved_before_the_fix_loads_with_its_own_tokenizer(
     assert f"PreTrainedTokenizerFast.from_pretrained({str(folder)!r})" in caplog.text
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_train_from_a_checkpoint_starts_with_the_evaluation_of_the_checkpoint(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch

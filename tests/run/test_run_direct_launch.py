@@ -23,6 +23,7 @@ OVERRIDES = [
 ]
 
 
+@pytest.mark.long
 def test_two_replicas_launched_directly_train_one_model(tmp_path: Path) -> None:
     uri = (tmp_path / "store").as_uri()
     ex = LocalProcessExecutor(log_dir=tmp_path / "logs")

@@ -107,6 +107,7 @@ def test_resume_of_a_missing_run_path_names_that_path(
     assert "runs/runs" not in capsys.readouterr().err
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_resume_with_every_global_state_damaged_starts_over(tmp_path: Path) -> None:
     args = [*TINY_RUN, "logging.tensorboard=false", "logging.report=false",

@@ -50,6 +50,7 @@ def _resume_saved(run: Path, rank: int) -> list[int]:
     return [int(n.split(".")[0]) for n in os.listdir(folder) if re.fullmatch(r"\d{10}\.json", n)]
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_status_after_kill_9_of_the_driver_and_every_replica(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
@@ -166,6 +167,7 @@ def _chunk_steps(run: Path, rank: int) -> set[int]:
     return steps
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_redone_steps_after_kill_9_and_resume_are_marked_in_metrics_jsonl(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture

@@ -27,6 +27,7 @@ SMALL = [
 ]
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("mode", ["sync", "decoupled"])
 def test_train_on_ray(
     mode: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture

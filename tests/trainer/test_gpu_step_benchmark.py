@@ -55,6 +55,7 @@ def test_bad_flags_and_a_missing_gpu_fail_clearly(capsys):
     assert opts.engines == ["generate", "paged", "paged_eager"]
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.timeout(1500)  # six arms of a tiny model; ~6 min on a loaded 2-core machine
 def test_tiny_cpu_run_prints_every_key():

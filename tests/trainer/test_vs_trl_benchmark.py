@@ -27,6 +27,7 @@ def _vs_trl():  # type: ignore[no-untyped-def]
     return vs_trl
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_quick_run_prints_the_keys(tmp_path: Path) -> None:
     pytest.importorskip("trl")

@@ -25,10 +25,13 @@ import types
 import typing
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
 from composer_replication.config.errors import ConfigError
 from composer_replication.config.schema import RENAMED_KEYS, RunConfig
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 __all__ = [
     "ConfigError",
@@ -59,11 +62,11 @@ UNSET = _Unset()
 # ----------------------------------------------------------------------------- types
 
 
-def _hints(cls: type) -> dict[str, Any]:
+def _hints(cls: type) -> dict[str, object]:
     return typing.get_type_hints(cls)
 
 
-def type_name(tp: Any) -> str:
+def type_name(tp: object) -> str:
     """How a schema annotation reads in messages and docs: 'int', 'float or unset', ..."""
     origin = typing.get_origin(tp)
     if origin is Literal:
@@ -114,7 +117,7 @@ def _moved(key: str, prefix: str) -> str:
     return ""
 
 
-def _convert(value: Any, tp: Any, key: str) -> Any:
+def _convert(value: object, tp: object, key: str) -> object:
     """Check `value` against annotation `tp`; return it (ints widened to float where declared)."""
     origin = typing.get_origin(tp)
     if value is UNSET:
@@ -188,7 +191,7 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
     raise TypeError(f"unsupported annotation {tp!r} at {key}")  # a schema bug, not user input
 
 
-def _show(value: Any) -> str:
+def _show(value: object) -> str:
     kind = {bool: "boolean", int: "integer", float: "number", str: "string"}.get(type(value))
     if kind is None:
         kind = "table" if isinstance(value, Mapping) else type(value).__name__
@@ -196,11 +199,11 @@ def _show(value: Any) -> str:
     return f"{kind} {text[:60]}"
 
 
-def from_dict(cls: type[T], data: Mapping[str, Any], *, prefix: str = "") -> T:
+def from_dict(cls: type[T], data: Mapping[str, object], *, prefix: str = "") -> T:
     """Build dataclass `cls` from a mapping, rejecting unknown keys and wrong types."""
     hints = _hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, object] = {}
     for key, value in data.items():
         path = f"{prefix}.{key}" if prefix else str(key)
         if key not in fields:
@@ -225,7 +228,11 @@ def from_dict(cls: type[T], data: Mapping[str, Any], *, prefix: str = "") -> T:
         raise ConfigError(message) from None
 
 
-def to_dict(obj: Any) -> Any:
+@overload
+def to_dict(obj: DataclassInstance) -> dict[str, object]: ...
+@overload
+def to_dict(obj: object) -> object: ...
+def to_dict(obj: object) -> object:
     """A plain nested dict/list of a config dataclass (None values dropped, as TOML has no null)."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         out = {}
@@ -244,7 +251,7 @@ def to_dict(obj: Any) -> Any:
 # ----------------------------------------------------------------------------- overrides
 
 
-def parse_override(text: str) -> tuple[list[str], Any]:
+def parse_override(text: str) -> tuple[list[str], object]:
     """'section.key=value' -> (['section', 'key'], value).
 
     The value is read as a TOML value (numbers, true/false, quoted strings, [lists], {tables});
@@ -272,7 +279,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return parts, value
 
 
-def _set_path(tree: dict[str, Any], parts: list[str], value: Any, text: str) -> None:
+def _set_path(tree: dict[str, object], parts: list[str], value: object, text: str) -> None:
     node = tree
     for depth, part in enumerate(parts[:-1]):
         child = node.get(part)
@@ -285,7 +292,7 @@ def _set_path(tree: dict[str, Any], parts: list[str], value: Any, text: str) -> 
     node[parts[-1]] = value
 
 
-def apply_overrides(tree: dict[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
+def apply_overrides(tree: dict[str, object], overrides: Iterable[str]) -> dict[str, object]:
     """Apply 'section.key=value' strings to a raw config tree (a deep copy is returned)."""
     out = copy.deepcopy(tree)
     for text in overrides:
@@ -346,7 +353,7 @@ def config_from_json(text: str) -> RunConfig:
 # ----------------------------------------------------------------------------- TOML output
 
 
-def toml_value(value: Any) -> str:
+def toml_value(value: object) -> str:
     """A plain value (to_dict output) as TOML text."""
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -376,7 +383,7 @@ def dump_toml(config: RunConfig) -> str:
     for section in dataclasses.fields(config):
         obj = getattr(config, section.name)
         lines.append(f"[{section.name}]")
-        tables: list[tuple[str, list[Any]]] = []
+        tables: list[tuple[str, list[DataclassInstance]]] = []
         for f in dataclasses.fields(obj):
             value = getattr(obj, f.name)
             if value is None:

@@ -23,7 +23,7 @@ import os
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 Prompt = str | list[dict[str, Any]]
 
@@ -31,6 +31,17 @@ REQUIRED_FIELDS: tuple[str, ...] = ("prompt_key", "teacher", "completion")
 KNOWN_FIELDS: frozenset[str] = frozenset(
     {"prompt_key", "teacher", "completion", "reward", "metadata", "prompt"}
 )
+
+
+class TraceJson(TypedDict):
+    """One trace record as JSON (a line of a trace file; `TraceRecord.to_json`)."""
+
+    prompt_key: str
+    teacher: str
+    completion: str
+    reward: float | None
+    metadata: dict[str, object]
+    prompt: NotRequired[Prompt]
 
 
 class TraceFormatError(ValueError):
@@ -92,12 +103,12 @@ class TraceRecord:
     teacher: str
     completion: str
     reward: float | None = None
-    metadata: dict[str, Any] = field(default_factory=dict)
+    metadata: dict[str, object] = field(default_factory=dict)
     prompt: Prompt | None = None
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> TraceJson:
         """The JSONL dict (``prompt`` only when known)."""
-        record: dict[str, Any] = {
+        record: TraceJson = {
             "prompt_key": self.prompt_key,
             "teacher": self.teacher,
             "completion": self.completion,
@@ -109,7 +120,7 @@ class TraceRecord:
         return record
 
     @classmethod
-    def from_json(cls, obj: Any, *, where: str = "<record>") -> TraceRecord:
+    def from_json(cls, obj: object, *, where: str = "<record>") -> TraceRecord:
         """Validate one decoded JSON object; errors are `TraceFormatError` prefixed by ``where``."""
         if not isinstance(obj, Mapping):
             raise TraceFormatError(f"{where}: a trace record must be a JSON object")
@@ -219,7 +230,7 @@ class TraceStore:
         return store
 
     @classmethod
-    def from_dicts(cls, records: Iterable[Any], *, source: str = "<records>") -> TraceStore:
+    def from_dicts(cls, records: Iterable[object], *, source: str = "<records>") -> TraceStore:
         """Validate and add decoded trace dicts (e.g. ``task.oracle_traces()``).
 
         Errors are `TraceFormatError` naming ``source`` and the record's 1-based position.

@@ -40,7 +40,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 __all__ = [
     "ENV_RANK",
@@ -130,10 +130,10 @@ class ServerlessExecutor(Protocol):
         self,
         n_replicas: int,
         entrypoint: str,
-        entrypoint_args: dict[str, Any] | list[Any] | None = None,
+        entrypoint_args: Mapping[str, object] | Sequence[object] | None = None,
         *,
         env: dict[str, str] | None = None,
-        resources: dict[str, Any] | None = None,
+        resources: dict[str, object] | None = None,
         secrets: SecretsByRank | None = None,
     ) -> list[ReplicaHandle]:
         """Start replicas 0..n_replicas-1; bad input raises ValueError before anything starts.
@@ -183,10 +183,10 @@ class RankLauncher(ServerlessExecutor, Protocol):
         ranks: Sequence[int],
         world_size: int,
         entrypoint: str,
-        entrypoint_args: dict[str, Any] | list[Any] | None = None,
+        entrypoint_args: Mapping[str, object] | Sequence[object] | None = None,
         *,
         env: dict[str, str] | None = None,
-        resources: dict[str, Any] | None = None,
+        resources: dict[str, object] | None = None,
         secrets: SecretsByRank | None = None,
     ) -> list[ReplicaHandle]:
         """Start the given ranks of a run of `world_size` replicas."""
@@ -207,7 +207,7 @@ def check_arg_style(arg_style: str) -> str:
     return arg_style
 
 
-def _hydra_value(value: Any) -> str:
+def _hydra_value(value: object) -> str:
     if value is True or value is False:
         return "true" if value else "false"
     if isinstance(value, list | tuple):
@@ -216,7 +216,7 @@ def _hydra_value(value: Any) -> str:
 
 
 def args_to_argv(
-    entrypoint_args: Mapping[str, Any] | Sequence[Any] | None, arg_style: str = "auto"
+    entrypoint_args: Mapping[str, object] | Sequence[object] | None, arg_style: str = "auto"
 ) -> list[str]:
     """Turn entrypoint_args into command-line arguments.
 
@@ -280,7 +280,7 @@ def _is_script(entrypoint: str) -> bool:
 
 def build_command(
     entrypoint: str,
-    entrypoint_args: Mapping[str, Any] | Sequence[Any] | None = None,
+    entrypoint_args: Mapping[str, object] | Sequence[object] | None = None,
     python: str = "python",
     arg_style: str = "auto",
 ) -> list[str]:
@@ -302,7 +302,7 @@ def build_command(
 def replica_env(
     rank: int,
     world_size: int,
-    entrypoint_args: Mapping[str, Any] | Sequence[Any] | None = None,
+    entrypoint_args: Mapping[str, object] | Sequence[object] | None = None,
     env: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """The variables one replica gets on top of its backend's base environment.
@@ -558,14 +558,14 @@ class ExecutorBase(SupervisorBase):
         world_size: int,
         command: list[str],
         env: dict[str, str],
-        resources: dict[str, Any],
+        resources: dict[str, object],
         secrets: dict[str, str],
     ) -> ReplicaHandle:
         """Start one replica. ``secrets`` are this rank's own (often empty): hand them over
         through the backend's secret mechanism, never where other ranks or job specs show
         them."""
 
-    def _check_resources(self, resources: dict[str, Any]) -> dict[str, Any]:
+    def _check_resources(self, resources: dict[str, object]) -> dict[str, object]:
         """Validate/normalise resources before launch (raise ValueError). Default: any dict."""
         return resources
 
@@ -596,9 +596,9 @@ class ExecutorBase(SupervisorBase):
         self,
         world_size: int,
         entrypoint: str,
-        entrypoint_args: dict[str, Any] | list[Any] | None,
-        resources: dict[str, Any] | None,
-    ) -> tuple[list[str], dict[str, Any]]:
+        entrypoint_args: Mapping[str, object] | Sequence[object] | None,
+        resources: dict[str, object] | None,
+    ) -> tuple[list[str], dict[str, object]]:
         """Check a launch (entrypoint, resources) and return (command, checked resources)."""
         self.check_launch(world_size, entrypoint)
         if resources is not None and not isinstance(resources, dict):
@@ -611,10 +611,10 @@ class ExecutorBase(SupervisorBase):
         self,
         n_replicas: int,
         entrypoint: str,
-        entrypoint_args: dict[str, Any] | list[Any] | None = None,
+        entrypoint_args: Mapping[str, object] | Sequence[object] | None = None,
         *,
         env: dict[str, str] | None = None,
-        resources: dict[str, Any] | None = None,
+        resources: dict[str, object] | None = None,
         secrets: SecretsByRank | None = None,
     ) -> list[ReplicaHandle]:
         """Start ranks 0..n_replicas-1 (see `launch_ranks`)."""
@@ -634,10 +634,10 @@ class ExecutorBase(SupervisorBase):
         ranks: Sequence[int],
         world_size: int,
         entrypoint: str,
-        entrypoint_args: dict[str, Any] | list[Any] | None = None,
+        entrypoint_args: Mapping[str, object] | Sequence[object] | None = None,
         *,
         env: dict[str, str] | None = None,
-        resources: dict[str, Any] | None = None,
+        resources: dict[str, object] | None = None,
         secrets: SecretsByRank | None = None,
     ) -> list[ReplicaHandle]:
         """Start the given ranks of a run of world_size replicas.

@@ -109,7 +109,7 @@ class HFJobsExecutor(ExecutorBase):
         self.run_id = uuid.uuid4().hex[:10]
 
     @staticmethod
-    def _check_flavor(flavor: str) -> None:
+    def _check_flavor(flavor: object) -> None:
         flavors = known_flavors()
         if flavor not in flavors:
             raise ValueError(f"unknown HF Jobs flavor {flavor!r}; choose one of {flavors}")
@@ -117,7 +117,7 @@ class HFJobsExecutor(ExecutorBase):
     def check_launch(self, n_replicas: int, entrypoint: str) -> None:
         validate_launch(n_replicas, entrypoint, check_local=False)  # the code is in the image
 
-    def _check_resources(self, resources: dict[str, Any]) -> dict[str, Any]:
+    def _check_resources(self, resources: dict[str, object]) -> dict[str, object]:
         unknown = set(resources) - {"flavor", "timeout"}
         if unknown:
             raise ValueError(
@@ -137,7 +137,7 @@ class HFJobsExecutor(ExecutorBase):
         world_size: int,
         command: list[str],
         env: dict[str, str],
-        resources: dict[str, Any],
+        resources: dict[str, object],
         secrets: dict[str, str],
     ) -> ReplicaHandle:
         """The rank's own secrets join the job's encrypted secrets (never its plain env)."""

@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from composer_replication.executors.executor import (
@@ -152,8 +152,8 @@ class K8sExecutor(ExecutorBase):
         # The code lives in the image, so nothing is checked on the driver's machine.
         validate_launch(n_replicas, entrypoint, check_local=False)
 
-    def _check_resources(self, resources: dict[str, Any]) -> dict[str, Any]:
-        out: dict[str, str] = {}
+    def _check_resources(self, resources: dict[str, object]) -> dict[str, object]:
+        out: dict[str, object] = {}  # Kubernetes quantities, as strings
         for key, value in resources.items():
             name = _RESOURCE_NAMES.get(key, key)
             if "/" not in name and name not in ("cpu", "memory", "ephemeral-storage"):
@@ -161,7 +161,7 @@ class K8sExecutor(ExecutorBase):
                     f"unknown resource {key!r}: use gpu, cpu, memory, ephemeral-storage or a "
                     "Kubernetes extended resource name such as 'nvidia.com/gpu'"
                 )
-            if name.endswith("/gpu") and (not str(value).isdigit() or int(value) < 1):
+            if name.endswith("/gpu") and (not str(value).isdigit() or int(str(value)) < 1):
                 raise ValueError(f"{key} must be a whole number of GPUs >= 1, got {value!r}")
             out[name] = str(value)
         return out
@@ -171,10 +171,10 @@ class K8sExecutor(ExecutorBase):
         ranks: Sequence[int],
         world_size: int,
         entrypoint: str,
-        entrypoint_args: dict[str, Any] | list[Any] | None = None,
+        entrypoint_args: Mapping[str, object] | Sequence[object] | None = None,
         *,
         env: dict[str, str] | None = None,
-        resources: dict[str, Any] | None = None,
+        resources: dict[str, object] | None = None,
         secrets: SecretsByRank | None = None,
     ) -> list[ReplicaHandle]:
         """Create one Indexed Job for ranks a..a+k-1 (they must be consecutive).
@@ -204,7 +204,8 @@ class K8sExecutor(ExecutorBase):
         rank_keys = {ENV_RANK}
         if isinstance(entrypoint_args, dict) and entrypoint_args.get("rank_env"):
             rank_keys.add(str(entrypoint_args["rank_env"]))
-        return self._create_job(ranks[0], len(ranks), command, base_env, rank_keys, limits)
+        quantities = {name: str(q) for name, q in limits.items()}
+        return self._create_job(ranks[0], len(ranks), command, base_env, rank_keys, quantities)
 
     def _start(
         self,
@@ -212,12 +213,13 @@ class K8sExecutor(ExecutorBase):
         world_size: int,
         command: list[str],
         env: dict[str, str],
-        resources: dict[str, Any],
+        resources: dict[str, object],
         secrets: dict[str, str],
     ) -> ReplicaHandle:
         """One replica as its own one-index Job (its env already holds its rank); its secrets,
         if any, in its own Kubernetes Secret."""
-        return self._create_job(rank, 1, command, env, set(), resources, secrets)[0]
+        quantities = {name: str(q) for name, q in resources.items()}
+        return self._create_job(rank, 1, command, env, set(), quantities, secrets)[0]
 
     def _create_secret(self, name: str, values: dict[str, str]) -> None:
         k = self._client

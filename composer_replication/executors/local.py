@@ -33,7 +33,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 from composer_replication.executors.executor import (
     ExecutorBase,
@@ -276,7 +276,7 @@ class LocalProcessExecutor(ExecutorBase):
 
         validate_launch(n_replicas, entrypoint, cwd=self.cwd)
 
-    def _check_resources(self, resources: dict[str, Any]) -> dict[str, Any]:
+    def _check_resources(self, resources: dict[str, object]) -> dict[str, object]:
         if resources:
             raise ValueError(
                 f"LocalProcessExecutor takes no resources (got {sorted(resources)}); replicas "
@@ -309,7 +309,7 @@ class LocalProcessExecutor(ExecutorBase):
         world_size: int,
         command: list[str],
         env: dict[str, str],
-        resources: dict[str, Any],
+        resources: dict[str, object],
         secrets: dict[str, str],
     ) -> ReplicaHandle:
         env = {**env, **secrets}  # the replica's own process environment is private to it

@@ -82,7 +82,7 @@ def modal_credentials(modal: Any) -> tuple[str, str]:
     return token_id, token_secret
 
 
-def _check_gpu(gpu: str | None) -> None:
+def _check_gpu(gpu: object) -> None:
     if gpu is None:
         return
     kind, _, count = str(gpu).partition(":")
@@ -215,7 +215,7 @@ class ModalExecutor(ExecutorBase):
     def check_launch(self, n_replicas: int, entrypoint: str) -> None:
         validate_launch(n_replicas, entrypoint, check_local=False)  # the code is in the image
 
-    def _check_resources(self, resources: dict[str, Any]) -> dict[str, Any]:
+    def _check_resources(self, resources: dict[str, object]) -> dict[str, object]:
         unknown = set(resources) - {"gpu", "cpu", "memory", "timeout"}
         if unknown:
             raise ValueError(
@@ -231,7 +231,7 @@ class ModalExecutor(ExecutorBase):
         world_size: int,
         command: list[str],
         env: dict[str, str],
-        resources: dict[str, Any],
+        resources: dict[str, object],
         secrets: dict[str, str],
     ) -> ReplicaHandle:
         """The rank's own secrets travel as a Modal Secret of that call's function options

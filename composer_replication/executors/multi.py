@@ -14,7 +14,6 @@ cancel / logs for each handle to the executor that launched it.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from composer_replication.executors.executor import (
     RankLauncher,
@@ -82,10 +81,10 @@ class MultiExecutor(SupervisorBase):
         self,
         n_replicas: int,
         entrypoint: str,
-        entrypoint_args: dict[str, Any] | list[Any] | None = None,
+        entrypoint_args: Mapping[str, object] | Sequence[object] | None = None,
         *,
         env: dict[str, str] | None = None,
-        resources: dict[str, Any] | None = None,
+        resources: dict[str, object] | None = None,
         secrets: SecretsByRank | None = None,
     ) -> list[ReplicaHandle]:
         """Launch ranks 0..n_replicas-1 over the sub-executors (resources go to every one,

@@ -227,7 +227,7 @@ class RayExecutor(ExecutorBase):
         # On a cluster the script/module must exist on the nodes, not necessarily here.
         validate_launch(n_replicas, entrypoint, cwd=self.cwd, check_local=self.same_fs)
 
-    def _check_resources(self, resources: dict[str, Any]) -> dict[str, Any]:
+    def _check_resources(self, resources: dict[str, object]) -> dict[str, object]:
         unknown = sorted(set(resources) - set(_RESOURCE_KEYS))
         if unknown:
             raise ValueError(
@@ -252,7 +252,7 @@ class RayExecutor(ExecutorBase):
         world_size: int,
         command: list[str],
         env: dict[str, str],
-        resources: dict[str, Any],
+        resources: dict[str, object],
         secrets: dict[str, str],
     ) -> ReplicaHandle:
         """The rank's own secrets go into its actor's ``runtime_env`` env_vars (the replica

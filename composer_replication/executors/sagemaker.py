@@ -140,7 +140,7 @@ class SageMakerExecutor(ExecutorBase):
         self.run_id = uuid.uuid4().hex[:8]
 
     @staticmethod
-    def _check_shape(instance_type: str, instance_count: int, max_runtime: int) -> None:
+    def _check_shape(instance_type: object, instance_count: object, max_runtime: object) -> None:
         types = training_instance_types()
         if instance_type not in types:
             gpu = sorted(
@@ -160,7 +160,7 @@ class SageMakerExecutor(ExecutorBase):
     def check_launch(self, n_replicas: int, entrypoint: str) -> None:
         validate_launch(n_replicas, entrypoint, check_local=False)  # the code is in the image
 
-    def _check_resources(self, resources: dict[str, Any]) -> dict[str, Any]:
+    def _check_resources(self, resources: dict[str, object]) -> dict[str, object]:
         unknown = set(resources) - {"instance_type", "instance_count", "max_runtime_seconds"}
         if unknown:
             raise ValueError(
@@ -180,7 +180,7 @@ class SageMakerExecutor(ExecutorBase):
         world_size: int,
         command: list[str],
         env: dict[str, str],
-        resources: dict[str, Any],
+        resources: dict[str, object],
         secrets: dict[str, str],
     ) -> ReplicaHandle:
         env = {**env, **secrets}  # the replica's own process environment is private to it

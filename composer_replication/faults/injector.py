@@ -68,10 +68,37 @@ class Targets(Protocol):
         ...
 
 
-class ProcessTargets:
-    """`Targets` over a `LocalProcessExecutor`'s replicas and the driver's synchronizer."""
+class _Lifecycle(Protocol):
+    @property
+    def done(self) -> bool: ...
 
-    def __init__(self, executor: Any, handles: Sequence[Any], synchronizer: Any = None) -> None:
+
+class ReplicaRef(Protocol):
+    """A replica's handle as the harness reads it (`executors.ReplicaHandle` is one)."""
+
+    @property
+    def status(self) -> _Lifecycle: ...
+
+
+class Restartable(Protocol):
+    """The driver's synchronizer process as the harness kills it."""
+
+    def kill(self, restart_after_s: float = ...) -> int | None: ...
+
+
+class ProcessTargets:
+    """`Targets` over a `LocalProcessExecutor`'s replicas and the driver's synchronizer.
+
+    ``executor`` is duck-typed: it needs ``pid(handle) -> int`` (`LocalProcessExecutor` has it;
+    the run hands over its executor as a `ServerlessExecutor`, whose protocol has no ``pid``).
+    """
+
+    def __init__(
+        self,
+        executor: Any,
+        handles: Sequence[ReplicaRef],
+        synchronizer: Restartable | None = None,
+    ) -> None:
         self.executor = executor
         self.handles = handles  # the driver's live list: a restarted replica replaces its handle
         self.synchronizer = synchronizer

@@ -11,9 +11,18 @@ import re
 import socket
 import threading
 import time
-from typing import Any
+from typing import TypedDict
 
 __all__ = ["ThrottleProxy"]
+
+
+class Request(TypedDict):
+    """One HTTP request the proxy is following on a client connection."""
+
+    method: str
+    path: str
+    sent: int  # body bytes forwarded so far
+    length: int  # the Content-Length
 
 
 class ThrottleProxy:
@@ -39,7 +48,7 @@ class ThrottleProxy:
         self._lock = threading.Lock()
         self._tokens = 0.0
         self._last = time.monotonic()
-        self._inflight: dict[int, dict[str, Any]] = {}
+        self._inflight: dict[int, Request] = {}
         self._stop = threading.Event()
         self._conns: list[socket.socket] = []
         self._thread = threading.Thread(target=self._accept, name="chaos-proxy", daemon=True)
@@ -52,11 +61,11 @@ class ThrottleProxy:
             self._tokens = 0.0
             self._last = time.monotonic()
 
-    def inflight_puts(self) -> list[dict[str, Any]]:
+    def inflight_puts(self) -> list[Request]:
         """PUT requests whose body has started but not finished: {path, sent, length}."""
         with self._lock:
             return [
-                dict(r)
+                r.copy()
                 for r in self._inflight.values()
                 if r["method"] == "PUT" and 0 < r["sent"] < r["length"]
             ]

@@ -26,7 +26,7 @@ SAMPLED_TOKEN_KEYS = (
 )
 
 
-def reject_logit_keywords(kwargs: Mapping[str, Any], recipe: str, channel1_hint: str) -> None:
+def reject_logit_keywords(kwargs: Mapping[str, object], recipe: str, channel1_hint: str) -> None:
     """ValueError naming every ``compose_loss`` keyword in ``kwargs`` that needs logits or names
     a channel-1 setting the framework owns; ``channel1_hint`` says where those are set instead."""
     compose_only = {f.name for f in dataclasses.fields(ComposeConfig)} - set(SAMPLED_TOKEN_KEYS)

@@ -6,7 +6,7 @@ channel 2 feeds on) and an oracle solution (what channel 3 replays without a tea
     dataset = task.to_dataset("train")           # columns: prompt, example_id, answer, task_meta
     reward = task.reward_func()                  # per completion: (score, feedback)
 
-`TASKS` is the explicit registry (name -> class). `reasoning_gym` needs the `tasks` extra; its
+`TASKS` is the explicit registry (name -> class); its names are the Literal `TaskName`. `reasoning_gym` needs the `tasks` extra; its
 generator can be named inline: `get_task("reasoning_gym:chain_sum")`. `openenv` (extra `openenv`)
 wraps an OpenEnv environment server or image, named inline too:
 `get_task("openenv:http://127.0.0.1:8000")` (see docs/recipes/openenv.md).
@@ -14,7 +14,7 @@ wraps an OpenEnv environment server or image, named inline too:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, TypeGuard, get_args
 
 from composer_replication.tasks.arithmetic import ArithmeticTask
 from composer_replication.tasks.openenv import OpenEnvTask
@@ -24,7 +24,10 @@ from composer_replication.tasks.sandbox import SandboxLimits, run_candidate
 from composer_replication.tasks.strings import StringsTask
 from composer_replication.tasks.task import Example, Task, Verdict, clean_completion
 
-TASKS: dict[str, type[Task]] = {
+TaskName = Literal["arithmetic", "strings", "pycode", "reasoning_gym", "openenv"]
+TASK_NAMES: tuple[TaskName, ...] = get_args(TaskName)
+
+TASKS: dict[TaskName, type[Task]] = {
     "arithmetic": ArithmeticTask,
     "strings": StringsTask,
     "pycode": PyCodeTask,
@@ -32,8 +35,16 @@ TASKS: dict[str, type[Task]] = {
     "openenv": OpenEnvTask,
 }
 
+if tuple(TASKS) != TASK_NAMES:  # one entry per name, in the Literal's order
+    raise RuntimeError(f"TaskName {TASK_NAMES} does not list the registry {tuple(TASKS)}")
+
 # "name:VALUE" shorthands: the part after the first ":" is this option of the task.
-INLINE_OPTION = {"reasoning_gym": "dataset", "openenv": "env"}
+INLINE_OPTION: dict[TaskName, str] = {"reasoning_gym": "dataset", "openenv": "env"}
+
+
+def is_task_name(name: str) -> TypeGuard[TaskName]:
+    """Whether `name` is a registered task (narrows it to `TaskName` for mypy)."""
+    return name in TASK_NAMES
 
 
 def get_task(name: str, **options: Any) -> Task:
@@ -44,14 +55,14 @@ def get_task(name: str, **options: Any) -> Task:
     Unknown names and options raise ValueError naming what is accepted.
     """
     prefix, colon, value = name.partition(":")
-    if colon and prefix in INLINE_OPTION:
+    if colon and is_task_name(prefix) and prefix in INLINE_OPTION:
         key = INLINE_OPTION[prefix]
         if key in options and options[key] != value:
             raise ValueError(f"task {name} conflicts with {key}={options[key]!r}")
         name, options = prefix, {**options, key: value}
-    cls = TASKS.get(name)
-    if cls is None:
+    if not is_task_name(name):
         raise ValueError(f"unknown task {name!r}; built-in tasks are {sorted(TASKS)}")
+    cls = TASKS[name]
     import inspect
 
     accepted = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
@@ -63,7 +74,9 @@ def get_task(name: str, **options: Any) -> Task:
 
 __all__ = [
     "TASKS",
+    "TASK_NAMES",
     "INLINE_OPTION",
+    "TaskName",
     "ArithmeticTask",
     "Example",
     "OpenEnvTask",
@@ -75,5 +88,6 @@ __all__ = [
     "Verdict",
     "clean_completion",
     "get_task",
+    "is_task_name",
     "run_candidate",
 ]

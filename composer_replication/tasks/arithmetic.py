@@ -47,7 +47,7 @@ from __future__ import annotations
 import itertools
 import random
 import re
-from typing import Any, ClassVar
+from typing import ClassVar, TypedDict
 
 from composer_replication.tasks.task import (
     Example,
@@ -60,7 +60,18 @@ from composer_replication.tasks.task import (
     strip_answer_prefix,
 )
 
-LEVELS: dict[str, dict[str, Any]] = {
+
+class ArithmeticLevel(TypedDict):
+    """A level's preset: every option of `ArithmeticTask` that a level sets."""
+
+    min_operand: int
+    max_operand: int
+    ops: str
+    num_operands: int
+    allow_negative: bool
+
+
+LEVELS: dict[str, ArithmeticLevel] = {
     "easy": {
         "min_operand": 0,
         "max_operand": 9,

@@ -46,7 +46,7 @@ import re
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 from urllib.parse import urlparse
 
@@ -88,7 +88,7 @@ def _server_error(exc: BaseException) -> tuple[str, str] | None:
     return (match["code"], match["message"]) if match else None
 
 
-def _number(value: Any, what: str) -> float:
+def _number(value: object, what: str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise ValueError(f"{what} must be a finite number, got {value!r}")
     return float(value)
@@ -188,7 +188,7 @@ class OpenEnvTask(Task):
         self._lock = threading.RLock()
 
     @staticmethod
-    def _check_env(env: Any) -> str:
+    def _check_env(env: object) -> str:
         if not isinstance(env, str) or not env.strip():
             raise ValueError(
                 "the openenv task needs the environment: name the task 'openenv:URL_OR_IMAGE' "
@@ -335,7 +335,7 @@ class OpenEnvTask(Task):
                     f"({type(exc).__name__}: {exc}); is the server still running?"
                 ) from None
 
-    def _observation(self, result: Any, what: str) -> dict[str, Any]:
+    def _observation(self, result: object, what: str) -> dict[str, object]:
         obs = getattr(result, "observation", None)
         if not isinstance(obs, dict):
             raise ValueError(
@@ -343,14 +343,14 @@ class OpenEnvTask(Task):
             )
         return obs
 
-    def _reset(self, seed: int) -> dict[str, Any]:
+    def _reset(self, seed: int) -> dict[str, object]:
         try:
             result = self._request("reset", seed=seed, **self.reset_kwargs)
         except RuntimeError as exc:  # the server's own error answer
             raise ValueError(f"{self._where()} failed reset(seed={seed}): {exc}") from None
         return self._observation(result, f"reset(seed={seed})")
 
-    def _prompt_of(self, obs: dict[str, Any]) -> str:
+    def _prompt_of(self, obs: Mapping[str, object]) -> str:
         if self.prompt_field is not None:
             value = obs.get(self.prompt_field)
             if not isinstance(value, str) or not value.strip():
@@ -371,7 +371,7 @@ class OpenEnvTask(Task):
         )
 
     @staticmethod
-    def _fields(obs: dict[str, Any]) -> str:
+    def _fields(obs: Mapping[str, object]) -> str:
         return ", ".join(f"{k} ({type(v).__name__})" for k, v in obs.items()) or "(none)"
 
     def _resolve_action_field(self) -> str:
@@ -485,7 +485,7 @@ class OpenEnvTask(Task):
             return Verdict(reward, True, None)
         return Verdict(reward, False, self._feedback(obs, raw))
 
-    def _feedback(self, obs: dict[str, Any], raw: float) -> str:
+    def _feedback(self, obs: Mapping[str, object], raw: float) -> str:
         value = obs.get(self.feedback_field)
         if isinstance(value, str):
             text = value.strip()

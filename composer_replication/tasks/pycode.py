@@ -61,7 +61,7 @@ def extract_code(completion: str) -> str:
     return (fenced.group(1) if fenced else text).strip("\n")
 
 
-def same_value(expected: Any, got: Any) -> bool:
+def same_value(expected: object, got: object) -> bool:
     """Strict equality of JSON values: bool is not a number, floats to 1e-9 relative."""
     if isinstance(expected, bool) or isinstance(got, bool):
         return type(expected) is type(got) and expected == got
@@ -74,7 +74,7 @@ def same_value(expected: Any, got: Any) -> bool:
     return type(expected) is type(got) and expected == got
 
 
-def _call_text(fn: str, args: Sequence[Any]) -> str:
+def _call_text(fn: str, args: Sequence[object]) -> str:
     return f"{fn}({', '.join(repr(a) for a in args)})"
 
 

@@ -6,14 +6,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 # Argument lists the candidate is called with (one list per call).
-_INTS: list[list[Any]] = [[0], [1], [2], [5], [-3], [10], [37]]
-_PAIRS: list[list[Any]] = [[1, 2], [5, 3], [-4, -7], [0, 0], [10, -10], [8, 8]]
-_STRS: list[list[Any]] = [[""], ["a"], ["abc"], ["Hello"], ["racecar"], ["banana"]]
-_LISTS: list[list[Any]] = [[[]], [[1]], [[1, 2, 3]], [[-5, 5, 7]], [[10, 20, 30, 40]]]
-_SMALL: list[list[Any]] = [[0], [1], [2], [5], [7], [10]]
+_INTS: list[list[object]] = [[0], [1], [2], [5], [-3], [10], [37]]
+_PAIRS: list[list[object]] = [[1, 2], [5, 3], [-4, -7], [0, 0], [10, -10], [8, 8]]
+_STRS: list[list[object]] = [[""], ["a"], ["abc"], ["Hello"], ["racecar"], ["banana"]]
+_LISTS: list[list[object]] = [[[]], [[1]], [[1, 2, 3]], [[-5, 5, 7]], [[10, 20, 30, 40]]]
+_SMALL: list[list[object]] = [[0], [1], [2], [5], [7], [10]]
 
 
 def _is_prime(n: int) -> bool:
@@ -33,12 +32,12 @@ class Family:
 
     key: str
     level: str
-    params: tuple[Any, ...]
+    params: tuple[object, ...]
     signature: str
     prompt: str
     body: str
-    ref: Callable[..., Any]
-    inputs: list[list[Any]]
+    ref: Callable[..., object]
+    inputs: list[list[object]]
 
 
 FAMILIES: tuple[Family, ...] = (

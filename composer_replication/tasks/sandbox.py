@@ -53,7 +53,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -96,7 +96,7 @@ class CallResult:
     """The outcome of one call: a plain (JSON) return value, or an error traceback tail."""
 
     index: int
-    value: Any = None
+    value: object = None
     plain: bool = False
     repr: str = ""
     error: str | None = None
@@ -158,7 +158,7 @@ def _resolve_unshare() -> Any:
 
 def _preexec(
     limits: SandboxLimits, unshare: Any, ruleset: int | None = None, seccomp: Any = None
-) -> Any:
+) -> Callable[[], None]:
     mem, cpu, fsize = limits.memory_bytes, limits.cpu_seconds, limits.file_bytes
     nofile = limits.open_files
     restrict_self, apply_seccomp = confine.restrict_self, confine.apply_seccomp
@@ -206,8 +206,9 @@ def _wait(proc: subprocess.Popen[bytes], timeout: float) -> bool:
             os.close(pidfd)
 
 
-def _parse(raw: bytes, nonce: str) -> tuple[list[dict[str, Any]], bool]:
-    records, netns = [], False
+def _parse(raw: bytes, nonce: str) -> tuple[list[dict[str, object]], bool]:
+    records: list[dict[str, object]] = []
+    netns = False
     prefix = nonce.encode()
     for line in raw.splitlines():
         if not line.startswith(prefix):
@@ -270,7 +271,7 @@ def _seccomp_filter() -> Any:
 def run_candidate(
     source: str,
     function: str,
-    calls: Sequence[Sequence[Any]],
+    calls: Sequence[Sequence[object]],
     limits: SandboxLimits | None = None,
 ) -> SandboxResult:
     """Execute `source` in the sandbox and call `function(*args)` for each entry of `calls`.

@@ -38,7 +38,8 @@ from __future__ import annotations
 import random
 import string
 from collections import Counter
-from typing import Any, ClassVar
+from collections.abc import Callable
+from typing import ClassVar, TypedDict
 
 from composer_replication.tasks.task import (
     Example,
@@ -52,14 +53,23 @@ from composer_replication.tasks.task import (
 )
 
 # op name -> (prompt label, transformation)
-OPERATIONS: dict[str, tuple[str, Any]] = {
+OPERATIONS: dict[str, tuple[str, Callable[[str], str]]] = {
     "reverse": ("Reverse", lambda s: s[::-1]),
     "upper": ("Uppercase", str.upper),
     "sort": ("Sort", lambda s: "".join(sorted(s))),
     "swapcase": ("Swapcase", str.swapcase),
 }
 
-LEVELS: dict[str, dict[str, Any]] = {
+
+class StringsLevel(TypedDict):
+    """A level's preset: every option of `StringsTask` that a level sets."""
+
+    operations: tuple[str, ...]
+    min_length: int
+    max_length: int
+
+
+LEVELS: dict[str, StringsLevel] = {
     "easy": {"operations": ("reverse",), "min_length": 1, "max_length": 3},
     "medium": {"operations": ("reverse", "upper", "sort"), "min_length": 2, "max_length": 5},
     "hard": {

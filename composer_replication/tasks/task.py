@@ -40,7 +40,10 @@ import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, overload
+
+if TYPE_CHECKING:
+    from composer_replication.data.traces import TraceJson
 
 # Generation may run past the end of turn (no stop string), and decoders that keep special tokens
 # leave them in the text; everything after the first end marker is not part of the answer.
@@ -54,6 +57,7 @@ _MAX_MISSES = 2000
 
 # One problem as a task draws it: (prompt, reference answer, JSON-serialisable meta).
 Problem = tuple[str, str, dict[str, Any]]
+Scored = tuple[float, str | None]  # one completion's (reward, feedback), as reward_func returns
 
 
 @dataclass(frozen=True)
@@ -102,7 +106,7 @@ def strip_answer_prefix(text: str) -> str:
     return _ANSWER_PREFIX.sub("", text, count=1).strip()
 
 
-def completion_text(completion: Any) -> str:
+def completion_text(completion: object) -> str:
     """The text of one TRL completion: a string, or a chat list whose last message is the reply."""
     if isinstance(completion, str):
         return completion
@@ -436,7 +440,7 @@ class Task(ABC):
     def _lookup(
         self,
         i: int,
-        prompt: Any,
+        prompt: object,
         example_id: Sequence[str] | None,
         answer: Sequence[str] | None,
         task_meta: Sequence[str] | None,
@@ -458,7 +462,13 @@ class Task(ABC):
         eid = example_id[i] if example_id is not None else f"{self.name}/external/{i}"
         return Example(id=eid, prompt=text, answer=answer[i], meta=meta)
 
-    def reward_func(self, with_feedback: bool = True) -> Callable[..., list[Any]]:
+    @overload
+    def reward_func(self, with_feedback: Literal[True] = True) -> Callable[..., list[Scored]]: ...
+    @overload
+    def reward_func(self, with_feedback: Literal[False]) -> Callable[..., list[float]]: ...
+    @overload
+    def reward_func(self, with_feedback: bool) -> Callable[..., list[Scored] | list[float]]: ...
+    def reward_func(self, with_feedback: bool = True) -> Callable[..., list[Scored] | list[float]]:
         """A TRL reward function named `f"{name}_reward"`.
 
         Called as `f(prompts=..., completions=..., example_id=..., **other_columns)`, it returns
@@ -469,13 +479,13 @@ class Task(ABC):
         """
 
         def reward(
-            prompts: Sequence[Any] | None = None,
-            completions: Sequence[Any] | None = None,
+            prompts: Sequence[object] | None = None,
+            completions: Sequence[object] | None = None,
             example_id: Sequence[str] | None = None,
             answer: Sequence[str] | None = None,
             task_meta: Sequence[str] | None = None,
-            **_: Any,
-        ) -> list[Any]:
+            **_: object,
+        ) -> list[Scored] | list[float]:
             if completions is None:
                 raise ValueError(f"{self.name}_reward needs the `completions` argument")
             examples = [
@@ -493,7 +503,7 @@ class Task(ABC):
         reward.__name__ = reward.__qualname__ = f"{self.name}_reward"
         return reward
 
-    def oracle_traces(self, split: str = "train") -> Iterator[dict[str, Any]]:
+    def oracle_traces(self, split: str = "train") -> Iterator[TraceJson]:
         """One trace record per distinct prompt of `split`, in the trace JSONL format of
         `composer_replication.data.traces` (teacher "oracle", reward 1.0)."""
         from composer_replication.data.traces import prompt_key  # the trainer's data layer

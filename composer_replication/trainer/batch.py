@@ -22,17 +22,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from composer_replication.data.hints import HintTemplate
-from composer_replication.data.traces import TraceRecord, TraceStore, prompt_key
-
-Prompt = str | list[dict[str, Any]]
+from composer_replication.data.traces import Prompt, TraceRecord, TraceStore, prompt_key
 
 
-def completion_text(completion: Any) -> str:
+def completion_text(completion: object) -> str:
     """Text of a TRL completion (a string, or a list of chat messages for conversational data)."""
     if isinstance(completion, str):
         return completion

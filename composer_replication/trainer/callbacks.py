@@ -7,10 +7,10 @@ trainer through its public methods only (the `TAIDScheduled` and `EMAHost` proto
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
 try:
-    from transformers import TrainerCallback
+    from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "composer_replication.trainer needs transformers; install it with "
@@ -78,7 +78,13 @@ class TAIDCallback(TrainerCallback):
         self._trainer = trainer
         trainer.set_taid_t(self.scheduler.t)
 
-    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_step_end(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        **kwargs: object,
+    ) -> None:
         trainer = self._trainer
         if trainer is None:
             return
@@ -95,5 +101,11 @@ class EMATeacherCallback(TrainerCallback):
     def __init__(self, trainer: EMAHost) -> None:
         self._trainer = trainer
 
-    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_step_end(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        **kwargs: object,
+    ) -> None:
         self._trainer.update_ema_teacher()

@@ -14,6 +14,7 @@ CUDA device both become False; with one, TRL's defaults apply. Explicit values a
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,7 +117,7 @@ class ComposerSettings:
         )
 
     @classmethod
-    def resolve(cls, args: Any, overrides: dict[str, Any]) -> ComposerSettings:
+    def resolve(cls, args: object, overrides: Mapping[str, object]) -> ComposerSettings:
         """Settings from ``args`` (a `ComposerConfig`, or any object lacking the fields) + overrides."""
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(overrides) - names)

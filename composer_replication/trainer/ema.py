@@ -9,12 +9,12 @@ instance-level ``forward`` so the copy uses its own class forward.
 from __future__ import annotations
 
 import copy
-from typing import Any
 
 import torch
+from torch import nn
 
 
-def frozen_copy(model: Any) -> Any:
+def frozen_copy(model: nn.Module) -> nn.Module:
     """An eval-mode, no-grad deep copy of ``model`` running its own (unpatched) forward."""
     clone = copy.deepcopy(model)
     clone.__dict__.pop("forward", None)
@@ -30,14 +30,14 @@ class EMATeacher:
     student, which keeps the distillation target from chasing the student's own noise.
     """
 
-    def __init__(self, student: Any, rate: float) -> None:
+    def __init__(self, student: nn.Module, rate: float) -> None:
         if not 0.0 < rate <= 1.0:
             raise ValueError(f"sdpo_ema_rate must be in (0, 1], got {rate}")
         self.rate = rate
         self.model = frozen_copy(student)
 
     @torch.no_grad()
-    def update(self, student: Any) -> None:
+    def update(self, student: nn.Module) -> None:
         teacher_params = dict(self.model.named_parameters())
         for name, param in student.named_parameters():
             target = teacher_params.get(name)

@@ -14,8 +14,12 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+
+# What a reward function returns: per completion a score (float or None) or a (score, feedback)
+# pair; an async one returns it through an awaitable.
+RewardOutputs = Iterable[object]
+RewardFunc = Callable[..., RewardOutputs | Awaitable[RewardOutputs]]
 
 
 class FeedbackRecorder:
@@ -28,9 +32,9 @@ class FeedbackRecorder:
         self.slots.clear()
 
 
-def split_scores(outputs: Sequence[Any], name: str) -> tuple[list[Any], list[str | None] | None]:
+def split_scores(outputs: RewardOutputs, name: str) -> tuple[list[object], list[str | None] | None]:
     """Split a reward function's output into scores and feedback (None if it gave no pairs)."""
-    scores: list[Any] = []
+    scores: list[object] = []
     feedback: list[str | None] = []
     any_pair = False
     for item in outputs:
@@ -54,7 +58,9 @@ def split_scores(outputs: Sequence[Any], name: str) -> tuple[list[Any], list[str
     return scores, (feedback if any_pair else None)
 
 
-def wrap_reward_func(func: Callable[..., Any], index: int, recorder: FeedbackRecorder) -> Any:
+def wrap_reward_func(
+    func: RewardFunc, index: int, recorder: FeedbackRecorder
+) -> Callable[..., list[object] | Awaitable[list[object]]]:
     """A TRL-compatible wrapper of ``func`` that records its feedback into ``recorder.slots[index]``."""
     name = getattr(func, "__name__", type(func).__name__)
 
@@ -63,8 +69,10 @@ def wrap_reward_func(func: Callable[..., Any], index: int, recorder: FeedbackRec
     ):
 
         @functools.wraps(func)
-        async def async_wrapper(*args: Any, **kwargs: Any) -> list[Any]:
-            scores, fb = split_scores(await func(*args, **kwargs), name)
+        async def async_wrapper(*args: object, **kwargs: object) -> list[object]:
+            result = func(*args, **kwargs)
+            outputs = await result if inspect.isawaitable(result) else result
+            scores, fb = split_scores(outputs, name)
             if fb is not None:
                 recorder.slots[index] = fb
             return scores
@@ -72,8 +80,14 @@ def wrap_reward_func(func: Callable[..., Any], index: int, recorder: FeedbackRec
         return async_wrapper
 
     @functools.wraps(func)
-    def wrapper(*args: Any, **kwargs: Any) -> list[Any]:
-        scores, fb = split_scores(func(*args, **kwargs), name)
+    def wrapper(*args: object, **kwargs: object) -> list[object]:
+        outputs = func(*args, **kwargs)
+        if inspect.isawaitable(outputs):
+            raise TypeError(
+                f"reward function {name!r} returned an awaitable but is not an async function; "
+                "define it with `async def` (or give it an async __call__)"
+            )
+        scores, fb = split_scores(outputs, name)
         if fb is not None:
             recorder.slots[index] = fb
         return scores
@@ -92,24 +106,26 @@ def merge_feedback(sources: Sequence[Sequence[str | None]], n: int) -> list[str 
 
 
 def call_feedback_funcs(
-    funcs: Sequence[Callable[..., Any]],
-    prompts: list[Any],
-    completions: list[Any],
-    extra: dict[str, Any],
+    funcs: Sequence[Callable[..., Iterable[object]]],
+    prompts: Sequence[object],
+    completions: Sequence[object],
+    extra: Mapping[str, object],
 ) -> list[list[str | None]]:
     """Run ``feedback_funcs``; each must return one ``str | None`` per completion."""
     out = []
     for g in funcs:
-        values = list(g(prompts=prompts, completions=completions, **extra))
+        raw = list(g(prompts=prompts, completions=completions, **extra))
         gname = getattr(g, "__name__", type(g).__name__)
-        if len(values) != len(prompts):
+        if len(raw) != len(prompts):
             raise ValueError(
-                f"feedback function {gname!r} returned {len(values)} values for {len(prompts)} completions"
+                f"feedback function {gname!r} returned {len(raw)} values for {len(prompts)} completions"
             )
-        for v in values:
+        values: list[str | None] = []
+        for v in raw:
             if v is not None and not isinstance(v, str):
                 raise ValueError(
                     f"feedback function {gname!r} must return str or None, got {v!r:.60}"
                 )
+            values.append(v)
         out.append(values)
     return out

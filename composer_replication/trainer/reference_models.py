@@ -24,7 +24,7 @@ from composer_replication.trainer.batch import Pair
 from composer_replication.trainer.ema import frozen_copy
 
 
-def is_peft(model: Any) -> bool:
+def is_peft(model: object) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
 
 
@@ -67,7 +67,7 @@ class ReferenceScorer:
         self.cacheable = cacheable
         self.cache: dict[tuple[str, str, str, int], float] = {}
 
-    def state_rows(self) -> list[list[Any]]:
+    def state_rows(self) -> list[list[str | int | float]]:
         """The cache as JSON rows ``[prompt_key, teacher, text, length, logp]`` (exact resume:
         a value recomputed in another batch may differ in its last bits)."""
         return [[*key, value] for key, value in self.cache.items()]

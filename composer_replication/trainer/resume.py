@@ -146,7 +146,7 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
         torch.cuda.set_rng_state_all(cuda)
 
 
-def check_tensors(part: str, got: Any, expected: Mapping[str, torch.Tensor]) -> None:
+def check_tensors(part: str, got: object, expected: Mapping[str, torch.Tensor]) -> None:
     """`got` must hold exactly `expected`'s names with the same shapes and dtypes, all finite."""
     if not isinstance(got, Mapping):
         raise ResumeStateError(f"{part} must be a dict of tensors")
@@ -169,7 +169,7 @@ def check_tensors(part: str, got: Any, expected: Mapping[str, torch.Tensor]) -> 
             raise ResumeStateError(f"{part}.{name} holds non-finite values")
 
 
-def check_optimizer_state(state: Any, optimizer: torch.optim.Optimizer) -> None:
+def check_optimizer_state(state: object, optimizer: torch.optim.Optimizer) -> None:
     """An optimizer state_dict that fits `optimizer`: same groups, per-parameter tensors of the
     parameters' shapes, finite values."""
     if not isinstance(state, Mapping) or not isinstance(state.get("param_groups"), list):

@@ -38,8 +38,8 @@ import os
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -93,6 +93,7 @@ from composer_replication.trainer.resume import (
 try:
     from accelerate.utils import gather_object
     from transformers import TrainerState
+    from transformers.trainer_utils import TrainOutput
     from trl import GRPOConfig, GRPOTrainer
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
@@ -149,7 +150,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
         rollout_func: Any = None,
         environment_factory: Any = None,
         *,
-        feedback_funcs: Sequence[Callable[..., Any]] | None = None,
+        feedback_funcs: Sequence[Callable[..., Iterable[object]]] | None = None,
         trace_store: TraceStore | None = None,
         teacher_pool: TeacherPool | None = None,
         **composer_kwargs: Any,
@@ -187,7 +188,8 @@ class ComposerReplicationTrainer(GRPOTrainer):
         self.teacher_pool = teacher_pool
         self._feedback = FeedbackRecorder()
         self.reward_funcs = [
-            wrap_reward_func(f, i, self._feedback)
+            # TRL awaits async reward functions too; its annotation names only the sync form
+            cast("Callable[..., list[float | None]]", wrap_reward_func(f, i, self._feedback))
             if callable(f) and not isinstance(f, nn.Module)
             else f
             for i, f in enumerate(self.reward_funcs)
@@ -354,7 +356,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
             "replay": replay,
         }
 
-    def resume_train(self, state: Mapping[str, Any]) -> Any:
+    def resume_train(self, state: Mapping[str, Any]) -> TrainOutput:
         """``train()`` continuing from `resume_state`'s output, taken from a trainer of the same
         run (same model, data, arguments and ``max_steps``). The parts are checked against this
         trainer first (`ResumeStateError` naming the part); the optimizer, scheduler, data
@@ -386,7 +388,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
             finally:
                 self._pending_resume = None
 
-    def train_from_step(self, step: int) -> Any:
+    def train_from_step(self, step: int) -> TrainOutput:
         """``train()`` as if `step` optimizer steps had already been taken, when no resume
         state exists (a replica restarted onto newer global weights): the step count, the LR
         schedule and TAID's step continue from `step` (so ``max_steps`` stays the run's);
@@ -928,10 +930,10 @@ def _hf_model(model: Any) -> Any:
     return model.get_base_model() if is_peft(model) else model
 
 
-def _any_row(inputs: dict[str, Any], key: str) -> bool:
+def _any_row(inputs: Mapping[str, object], key: str) -> bool:
     """Whether the row mask ``inputs[key]`` (a channel's selection) selects any row."""
     mask = inputs.get(key)
-    return mask is not None and bool(mask.any())
+    return isinstance(mask, torch.Tensor) and bool(mask.any())
 
 
 __all__ = ["ComposerReplicationTrainer"]

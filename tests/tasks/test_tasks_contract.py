@@ -7,10 +7,20 @@ import json
 import os
 import subprocess
 import sys
+import typing
 
 import pytest
 
-from composer_replication.tasks import TASKS, Example, Verdict, clean_completion, get_task
+from composer_replication.tasks import (
+    TASK_NAMES,
+    TASKS,
+    Example,
+    TaskName,
+    Verdict,
+    clean_completion,
+    get_task,
+    is_task_name,
+)
 from composer_replication.tasks.task import completion_text, strip_answer_prefix
 
 # Small splits keep the pycode oracle checks (one sandboxed subprocess each) cheap.
@@ -23,6 +33,12 @@ BUILTIN = [
     ("pycode", {"level": "hard"}),
 ]
 SIZES = {"n_train": 40, "n_eval": 12}
+
+
+def test_task_name_literal_lists_the_registry() -> None:
+    # mypy sees TaskName as a real Literal; its members are exactly the registry's keys
+    assert set(typing.get_args(TaskName)) == set(TASKS) == set(TASK_NAMES)
+    assert all(is_task_name(n) for n in TASKS) and not is_task_name("reasoning_gym:chain_sum")
 
 
 def test_registry_names_and_errors() -> None:

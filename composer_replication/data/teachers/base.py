@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-Prompt = str | list[dict[str, Any]]
+from composer_replication.data.traces import Prompt
 
 
 class TeacherError(RuntimeError):
@@ -28,7 +28,7 @@ class TeacherCompletion:
     completion_tokens: int = 0
     cost_usd: float = 0.0
     cached: bool = False
-    metadata: dict[str, Any] = field(default_factory=dict)
+    metadata: dict[str, object] = field(default_factory=dict)
 
 
 @runtime_checkable

@@ -26,11 +26,10 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 from composer_replication.data.teachers.base import (
     Prompt,
@@ -80,7 +79,7 @@ class OpenAICompatibleTeacher:
         backoff_max: float = 20.0,
         max_tokens: int = 1024,
         temperature: float = 0.0,
-        extra_body: dict[str, Any] | None = None,
+        extra_body: Mapping[str, object] | None = None,
         cache_dir: str | Path | None = None,
         price_input_per_mtok: float = 0.0,
         price_output_per_mtok: float = 0.0,
@@ -136,7 +135,7 @@ class OpenAICompatibleTeacher:
         with ThreadPoolExecutor(max_workers=min(self.concurrency, len(prompts))) as pool:
             return list(pool.map(self._complete_one, prompts))
 
-    def usage_dict(self) -> dict[str, Any]:
+    def usage_dict(self) -> dict[str, object]:
         with self._lock:
             return asdict(self.usage)
 
@@ -146,7 +145,7 @@ class OpenAICompatibleTeacher:
             text = text.replace(self._api_key, "***")
         return text
 
-    def _body(self, prompt: Prompt) -> dict[str, Any]:
+    def _body(self, prompt: Prompt) -> dict[str, object]:
         return {
             "model": self.model,
             "messages": as_messages(prompt),
@@ -155,7 +154,7 @@ class OpenAICompatibleTeacher:
             **self.extra_body,
         }
 
-    def _cache_path(self, body: dict[str, Any]) -> Path | None:
+    def _cache_path(self, body: dict[str, object]) -> Path | None:
         if self.cache_dir is None:
             return None
         key_src = json.dumps(
@@ -200,7 +199,7 @@ class OpenAICompatibleTeacher:
             os.replace(tmp, cache_path)  # atomic: concurrent bakes never see half a file
         return completion
 
-    def _request_with_retries(self, body: dict[str, Any]) -> TeacherCompletion:
+    def _request_with_retries(self, body: dict[str, object]) -> TeacherCompletion:
         last: str = ""
         for attempt in range(self.max_retries + 1):
             try:
@@ -233,7 +232,7 @@ class OpenAICompatibleTeacher:
             f"{self.max_retries + 1} attempt(s): {last}"
         )
 
-    def _request(self, body: dict[str, Any]) -> TeacherCompletion:
+    def _request(self, body: dict[str, object]) -> TeacherCompletion:
         headers = {"Content-Type": "application/json"}
         if self._api_key:
             headers["Authorization"] = f"Bearer {self._api_key}"

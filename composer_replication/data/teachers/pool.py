@@ -41,7 +41,7 @@ class PoolStats:
     completion_tokens: int = 0
     cost_usd: float = 0.0
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> dict[str, object]:
         return {
             "recorded": dict(self.recorded),
             "empty": dict(self.empty),

@@ -38,7 +38,7 @@ import hashlib
 import os
 import tempfile
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 try:
     from monarch.actor import Actor, current_rank, endpoint
@@ -51,15 +51,38 @@ if TYPE_CHECKING:
     import torch
 
     from composer_replication.config import RunConfig
+    from composer_replication.data.traces import Prompt, TraceJson, TraceRecord, TraceStore
 
 __all__ = [
     "GeneratorActor",
+    "ReplicaResult",
     "RewarderActor",
+    "RoundRecord",
     "TeacherPoolActor",
     "TrainerActor",
     "check_supported",
     "global_digest",
 ]
+
+
+class RoundRecord(TypedDict):
+    """One committed outer round as a trainer saw it (`TrainerActor.train`'s ``rounds``)."""
+
+    round: int
+    step: int
+    global_sha256: str
+    reward_mean: float | None
+    rollouts: int
+
+
+class ReplicaResult(TypedDict):
+    """What `TrainerActor.train` returns for one replica."""
+
+    rank: int
+    rounds: list[RoundRecord]
+    final_sha256: str
+    channels: dict[str, float]
+
 
 # The dataset columns the task's reward function reads (tasks/task.py `Task.reward_func`); only
 # these cross to the rewarder (TRL also passes callables and trainer state, which stay here).
@@ -89,7 +112,7 @@ def check_supported(config: RunConfig) -> None:
         raise ValueError("the Monarch recipe does not support: " + "; ".join(bad))
 
 
-def _config(config_doc: Mapping[str, Any]) -> RunConfig:
+def _config(config_doc: Mapping[str, object]) -> RunConfig:
     from composer_replication.config import RunConfig, from_dict
 
     config = from_dict(RunConfig, config_doc)
@@ -120,7 +143,7 @@ def global_digest(tensors: Mapping[str, torch.Tensor]) -> str:
 class GeneratorActor(Actor):
     """Samples rollouts from a copy of the policy (see the module docstring)."""
 
-    def __init__(self, config_doc: dict[str, Any]) -> None:
+    def __init__(self, config_doc: Mapping[str, object]) -> None:
         import torch
 
         from composer_replication.assembly.build import build_model
@@ -138,7 +161,7 @@ class GeneratorActor(Actor):
     @endpoint
     def generate(
         self,
-        prompts: list[Any],
+        prompts: list[Prompt],
         weights: dict[str, torch.Tensor] | None,
         version: int,
         generation_config: Any,
@@ -204,7 +227,7 @@ def _eos_ids(tokenizer: Any, generation_config: Any) -> set[int]:
 class RewarderActor(Actor):
     """The task's verifier as an actor (see the module docstring)."""
 
-    def __init__(self, config_doc: dict[str, Any]) -> None:
+    def __init__(self, config_doc: Mapping[str, object]) -> None:
         from composer_replication.assembly.build import build_task
 
         self.task = build_task(_config(config_doc))
@@ -216,7 +239,7 @@ class RewarderActor(Actor):
 
     @endpoint
     def score(
-        self, prompts: list[Any], completions: list[Any], columns: dict[str, list[Any]]
+        self, prompts: list[Prompt], completions: list[object], columns: dict[str, list[object]]
     ) -> list[tuple[float | None, str | None]]:
         """``(reward, feedback)`` per completion; ``columns``: the `REWARD_COLUMNS` rows."""
         unknown = sorted(set(columns) - set(REWARD_COLUMNS))
@@ -229,7 +252,7 @@ class RewarderActor(Actor):
 class TeacherPoolActor(Actor):
     """The run's channel-3 teachers, shared by every trainer (see the module docstring)."""
 
-    def __init__(self, config_doc: dict[str, Any]) -> None:
+    def __init__(self, config_doc: Mapping[str, object]) -> None:
         from composer_replication.assembly.build import build_task, teacher_pool
 
         config = _config(config_doc)
@@ -244,7 +267,7 @@ class TeacherPoolActor(Actor):
         return [] if self.pool is None else [t.name for t in self.pool.teachers]
 
     @endpoint
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, object]:
         """The pool's statistics (`PoolStats.as_dict`) and ``prompts``: the prompts it holds
         traces for."""
         if self.pool is None:
@@ -252,7 +275,7 @@ class TeacherPoolActor(Actor):
         return {**self.pool.stats.as_dict(), "prompts": len(self.store.prompt_keys)}
 
     @endpoint
-    def traces(self, prompts: list[Any]) -> list[dict[str, Any]]:
+    def traces(self, prompts: list[Prompt]) -> list[TraceJson]:
         """Every trace for ``prompts`` (JSON records), asking the teachers for those not yet
         answered; each teacher answers each prompt once for the whole mesh."""
         from composer_replication.data.traces import prompt_key
@@ -273,7 +296,7 @@ class _RemoteReward:
         self.rewards: list[float] = []  # every scored rollout since the last `pop`
 
     def __call__(
-        self, prompts: Sequence[Any], completions: Sequence[Any], **columns: Any
+        self, prompts: Sequence[Prompt], completions: Sequence[object], **columns: Any
     ) -> list[tuple[float | None, str | None]]:
         rows = {k: list(columns[k]) for k in REWARD_COLUMNS if k in columns}
         out = self.rewarder.score.call_one(list(prompts), list(completions), rows).get()
@@ -289,11 +312,11 @@ class _RemoteTeacherPool:
     """What the trainer needs of a `TeacherPool` (``store``, ``ensure``), served by the shared
     `TeacherPoolActor`; records are validated (`TraceRecord.from_json`) before use."""
 
-    def __init__(self, actor: Any, store: Any) -> None:
+    def __init__(self, actor: Any, store: TraceStore) -> None:
         self.actor = actor
         self.store = store
 
-    def ensure(self, prompts: Sequence[Any]) -> list[Any]:
+    def ensure(self, prompts: Sequence[Prompt]) -> list[TraceRecord]:
         from composer_replication.data.traces import TraceRecord, prompt_key
 
         missing = [p for p in prompts if prompt_key(p) not in self.store]
@@ -335,7 +358,7 @@ class _RoundRecorder:
     def __init__(self, outer: Any, reward: _RemoteReward) -> None:
         self.outer = outer
         self.reward = reward
-        self.rounds: list[dict[str, Any]] = []
+        self.rounds: list[RoundRecord] = []
 
     def record(self, step: int) -> None:
         r = self.outer.round
@@ -379,7 +402,7 @@ class TrainerActor(Actor):
 
     def __init__(
         self,
-        config_doc: dict[str, Any],
+        config_doc: Mapping[str, object],
         store_uri: str,
         generators: Any,
         rewarders: Any,
@@ -393,7 +416,7 @@ class TrainerActor(Actor):
         self.teacher_pool = teacher_pool
 
     @endpoint
-    def train(self) -> dict[str, Any]:
+    def train(self) -> ReplicaResult:
         """Train this replica for ``train.max_steps`` inner steps; returns ``{"rank", "rounds":
         [{"round", "step", "global_sha256", "reward_mean", "rollouts"}], "final_sha256",
         "channels"}`` (``channels``: the run's mean of each `CHANNEL_METRICS` the trainer

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from composer_replication.config import RunConfig
+    from composer_replication.recipes.monarch.actors import ReplicaResult
 
 __all__ = ["agreement", "main", "resolve_store", "run"]
 
@@ -70,7 +71,7 @@ def resolve_store(config: RunConfig) -> str:
     return store.uri
 
 
-def agreement(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+def agreement(results: Sequence[ReplicaResult]) -> list[dict[str, object]]:
     """Per round (in order), each replica's mean reward and whether every replica reported the
     same global-weight digest; a round some replica did not report counts as disagreeing."""
     rounds = sorted({r["round"] for res in results for r in res["rounds"]})

@@ -138,11 +138,11 @@ class PrimeRLLossConfig:
         }
 
 
-def _is_number(value: Any) -> bool:
+def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-def _vector(name: str, value: Any, like: Tensor | None = None) -> Tensor:
+def _vector(name: str, value: object, like: Tensor | None = None) -> Tensor:
     if not isinstance(value, Tensor):
         raise ValueError(f"inputs.{name} must be a torch.Tensor, got {type(value).__name__}")
     if value.dim() != 1:

@@ -16,7 +16,7 @@ See docs/recipes/verl.md.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
 
 try:
     from verl.trainer.ppo import core_algos
@@ -36,7 +36,7 @@ ADV_ESTIMATOR = "grpo_composer"
 POLICY_LOSS = "composer"
 
 
-def _same(a: Any, b: Any) -> bool:
+def _same(a: object, b: object) -> bool:
     # A re-executed module (importlib.reload, a second import path) makes new function objects;
     # the same qualified name is the same function for registration purposes.
     return a is b or (
@@ -45,7 +45,7 @@ def _same(a: Any, b: Any) -> bool:
     )
 
 
-def _registered(lookup: Any, name: str) -> Any:
+def _registered(lookup: Callable[[str], object], name: str) -> object:
     try:
         return lookup(name)
     except ValueError:  # verl's "unknown name" error

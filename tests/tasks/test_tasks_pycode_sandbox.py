@@ -37,8 +37,33 @@ def _add3() -> Example:
     )
 
 
+def _parent(pid: int) -> int:
+    """`pid`'s parent (0 when it is gone): field 4 of /proc/PID/stat, after the "(comm)"."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0
+    return int(stat.rsplit(")", 1)[1].split()[1])
+
+
+def _ours_or_orphaned(pid: int) -> bool:
+    """Whether `pid` descends from this process, or was orphaned (its parent is init): a
+    sandbox process that outlived the one that started it is a leak, whoever started it."""
+    me, seen = os.getpid(), set()
+    if _parent(pid) == 1:
+        return True
+    while pid > 1 and pid not in seen:
+        seen.add(pid)
+        pid = _parent(pid)
+        if pid == me:
+            return True
+    return False
+
+
 def _sandbox_children() -> list[str]:
-    """Processes still running the sandbox program (there must be none after a run)."""
+    """Processes still running the sandbox program that this test process started (directly or
+    not) or that were orphaned (there must be none after a run). The live sandboxes of another
+    pytest-xdist worker's test are not counted: they are that test's, and still in use."""
     found = []
     for pid in os.listdir("/proc"):
         if pid.isdigit():
@@ -46,7 +71,7 @@ def _sandbox_children() -> list[str]:
                 cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
             except OSError:
                 continue
-            if b"_sandbox_child.py" in cmd:
+            if b"_sandbox_child.py" in cmd and _ours_or_orphaned(int(pid)):
                 found.append(pid)
     return found
 

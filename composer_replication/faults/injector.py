@@ -11,7 +11,8 @@
     slow               SIGSTOP/SIGCONT duty cycle for ``duration_s``: runs 1/``factor`` of the time
     corrupt            flip bytes in the middle of an object: the newest push ("push",
                        "push:<rank>"; the synchronizer is frozen meanwhile and a push it has not
-                       yet seen is chosen), the newest global fragment ("global"), or the newest
+                       yet seen is chosen), the newest merged global fragment ("global": version
+                       >= 1, after the first merge), or the newest
                        sync-mode contribution ("contribution", "contribution:<rank>")
     kill_synchronizer  SIGKILL the decoupled run's synchronizer; it is started again after
                        ``restart_after_s`` (and must wait for its lease to expire)
@@ -431,11 +432,7 @@ class ChaosInjector:
             )
             return
         if kind == "global":
-            versions = DecoupledStore(self.store).versions(0, "global")
-            if versions:
-                from composer_replication.exchange.push_store import global_key
-
-                key = global_key(0, versions[-1])
+            key = self._merged_global()
         elif kind == "contribution":
             key = _newest_contribution(self.store, rank)
         else:
@@ -450,6 +447,22 @@ class ChaosInjector:
             key=key,
             outcome="corrupted" if ok else "nothing to corrupt",
         )
+
+    def _merged_global(self) -> str | None:
+        """The newest global of fragment 0 that a merge wrote (version >= 1), waiting up to
+        upload_wait_s for the first merge: version 0, the run's starting state, is a fault of
+        another kind (while it is the only state there is nothing to fall back on)."""
+        from composer_replication.exchange.push_store import global_key
+
+        docs = DecoupledStore(self.store)
+        deadline = time.monotonic() + self.upload_wait_s
+        while True:
+            versions = [v for v in docs.versions(0, "global") if v >= 1]
+            if versions:
+                return global_key(0, versions[-1])
+            if time.monotonic() >= deadline or self._stop.is_set():
+                return None
+            time.sleep(0.05)
 
     def _fresh_push(self, rank: int | None) -> str | None:
         """Freeze the synchronizer, wait for a push it cannot have seen, corrupt it, continue

@@ -178,7 +178,9 @@ def test_redone_steps_after_kill_9_and_resume_are_marked_in_metrics_jsonl(
     pd = pytest.importorskip("pandas")
     monkeypatch.chdir(tmp_path)
     steps, h = 18, 3
-    args = [*ARGS, f"train.max_steps={steps}", f"diloco.sync_every_h={h}"]
+    # every round waits for both replicas (the default quorum, n - 1, lets one run a round
+    # ahead), so that both are mid-round when the driver dies and both redo steps
+    args = [*ARGS, f"train.max_steps={steps}", f"diloco.sync_every_h={h}", "diloco.min_replicas=2"]
     run = tmp_path / "runs" / "redo"
     proc = subprocess.Popen(
         [sys.executable, "-m", "composer_replication", "train", *args, "--name", "redo"],

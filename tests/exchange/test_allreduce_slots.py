@@ -84,7 +84,10 @@ def test_a_refused_contribution_counts_as_the_ranks_absence(tmp_path):
         assert not isinstance(res, Exception), res
         assert sr.included_ranks == [0] and sorted(sr.rejected) == [1], sr
         assert_close(res["w"], honest(0, 1)["w"], n=1)
-    assert "slot squatted" in out[1][1].rejected[1]  # the victim says why
+    # the victim says why: its own failed write ("slot squatted"), or, when rank 0 judged the
+    # round first, the header of the object in its slot (a race between the two, both true)
+    why = out[1][1].rejected[1]
+    assert "slot squatted" in why or "a stale or misplaced object" in why, why
 
 
 def test_a_step_that_can_never_commit_raises_quorum_lost_at_once(tmp_path):

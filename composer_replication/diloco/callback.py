@@ -46,6 +46,8 @@ class DiLoCoCallback(TrainerCallback):
                     "the trainer passed no optimizer to on_train_begin; cannot bind DiLoCo"
                 )
             self.outer.bind(model=_unwrap_model(model), optimizer=optimizer)
+        # a resumed trainer restored its token count: only the tokens from here on are new
+        self._tokens_seen = int(getattr(state, "num_input_tokens_seen", 0) or 0)
         self.outer.__enter__()
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

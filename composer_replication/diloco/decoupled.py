@@ -21,8 +21,14 @@ own clock and takes each new global fragment as the synchronizer publishes it.
   downloads each fragment's new version; between two inner steps the learner overwrites its
   fragment with it (``alpha`` = 0, the paper's choice) or mixes ``lerp(global, local, alpha)``,
   and counts its work from that version on. The inner optimizer's state is kept.
-- **Restart**: a learner resumes its step count from its progress document (written after each
-  push) and starts from the newest global version of every fragment.
+- **Restart**: `resume_state` (taken right after a push) is everything of the learner's own a
+  restarted one needs to continue exactly: its step, for each fragment the global version it
+  was last loaded from and those weights (the base of its next push), the steps and tokens
+  since that base and since its last push. `restore` (before binding) continues from it; the
+  caller restores the model and inner optimizer (run/learner_state.py saves both with the
+  trainer's resume state). Without one, a learner resumes its step count from its progress
+  document (written after each push) and starts from the newest global version of every
+  fragment with fresh inner state.
 - **End**: leaving the context pushes every fragment once more (``final``), marks the learner
   done and waits (up to ``drain_timeout_s``) for the synchronizer's ``final.json``, then holds
   the run's final global fragments (`load_global_weights` copies them into the model).
@@ -252,6 +258,9 @@ class DecoupledLearner:
         self.trained_until: float | None = None  # wall time its final pushes were written
         self.start_versions: list[int] = []  # the global versions this learner started from
         self.loaded: dict[str, str] = {}  # "<fragment>/<version>" -> sha256 of what it loaded
+        self.last_push_step: int | None = None  # the step of the newest push queued
+        self._restore: dict[str, Any] | None = None  # a resume state to continue from at bind
+        self.restored_from: int | None = None  # the step of the resume state it continued from
 
     # ------------------------------------------------------------------ binding
     @property
@@ -306,11 +315,15 @@ class DecoupledLearner:
             self.docs.publish_global(i, 0, tensors)
         self.base = []
         self.versions = []
-        for i in range(self.num_fragments):
-            v, tensors = self._newest_global(i)
-            self.base.append(tensors)
-            self.versions.append(v)
-            self._load_fragment(i, tensors, alpha=0.0)
+        if self._restore is not None:
+            self._apply_restore(self._restore)
+            self._restore = None
+        else:
+            for i in range(self.num_fragments):
+                v, tensors = self._newest_global(i)
+                self.base.append(tensors)
+                self.versions.append(v)
+                self._load_fragment(i, tensors, alpha=0.0)
         self.start_versions = list(self.versions)
         self._bound = True
         log.info(
@@ -320,6 +333,72 @@ class DecoupledLearner:
             self.versions,
         )
         return self
+
+    # ------------------------------------------------------------------ exact resume
+    def resume_state(self) -> dict[str, Any]:
+        """The learner's own state (see the module docstring), between two inner steps; the
+        base tensors are shared, not copied (they are replaced, never modified)."""
+        self._require_bound()
+        return {
+            "step": int(self.step),
+            "versions": [int(v) for v in self.versions],
+            "base": [dict(b) for b in self.base],
+            "since_base": [int(n) for n in self._since_base],
+            "since_push": [int(n) for n in self._since_push],
+            "tokens_base": [None if t is None else int(t) for t in self._tokens_base],
+            "tokens_reported": bool(self._tokens_reported),
+            "step_seconds": None if self._step_s is None else float(self._step_s),
+        }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Continue from `resume_state`'s output (before binding): the step now, the rest when
+        binding (the base tensors are checked against the run's manifest then). ValueError
+        naming what does not fit this learner."""
+        if self._bound:
+            raise RuntimeError("restore() must come before the learner binds")
+        n = self.num_fragments
+        step = state.get("step")
+        if not isinstance(step, int) or step < 0:
+            raise ValueError(f"learner resume state: step {step!r} is not an int >= 0")
+        for key in ("versions", "base", "since_base", "since_push", "tokens_base"):
+            value = state.get(key)
+            if not isinstance(value, list) or len(value) != n:
+                raise ValueError(f"learner resume state: {key} is not a list of {n} fragments")
+        for key in ("versions", "since_base", "since_push"):
+            if not all(isinstance(x, int) and x >= 0 for x in state[key]):
+                raise ValueError(f"learner resume state: {key} must hold ints >= 0")
+        if not all(x is None or (isinstance(x, int) and x >= 0) for x in state["tokens_base"]):
+            raise ValueError("learner resume state: tokens_base must hold ints >= 0 or None")
+        if not all(isinstance(b, dict) for b in state["base"]):
+            raise ValueError("learner resume state: base must hold one dict per fragment")
+        self._restore = dict(state)
+        self.start_step = self.step = step
+
+    def _apply_restore(self, state: dict[str, Any]) -> None:
+        """Bind-time half of `restore`: the base tensors must match the run's fragments."""
+        for i, base in enumerate(state["base"]):
+            reference = self._reference[i]
+            if set(base) != set(reference):
+                raise ValueError(
+                    f"learner resume state: fragment {i}'s base tensors are not the run's"
+                )
+            for name, (shape, _) in reference.items():
+                t = base[name]
+                if not isinstance(t, torch.Tensor) or list(t.shape) != list(shape):
+                    raise ValueError(
+                        f"learner resume state: fragment {i} tensor {name} has the wrong shape"
+                    )
+        self.base = [{n: t.to("cpu", torch.float32) for n, t in b.items()} for b in state["base"]]
+        self.versions = list(state["versions"])
+        for i, v in enumerate(self.versions):
+            self.loaded.setdefault(f"{i}/{v}", tensors_digest(self.base[i]))
+        self._since_base = list(state["since_base"])
+        self._since_push = list(state["since_push"])
+        self._tokens_base = list(state["tokens_base"])
+        self._tokens_reported = bool(state.get("tokens_reported"))
+        step_s = state.get("step_seconds")
+        self._step_s = float(step_s) if isinstance(step_s, int | float) else None
+        self.restored_from = self.step
 
     def _local(self, i: int) -> dict[str, torch.Tensor]:
         """Fragment i's current weights as float32 CPU copies."""
@@ -457,6 +536,7 @@ class DecoupledLearner:
             "final": final,
         }
         self._since_push[i] = 0
+        self.last_push_step = self.step
         with self._queue_cv:
             replaced = self._queue.get(i)
             if replaced is not None:

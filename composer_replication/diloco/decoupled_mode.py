@@ -7,9 +7,9 @@ which merges a fragment once ``quorum`` learners have pushed it; the driver runs
 itself with ``synchronizer = "driver"``. With ``[security] sign`` the learners sign their
 pushes and progress with their rank's key and the synchronizer its merge records and states with
 the synchronizer's key; each refuses what is not signed by who may write it
-(exchange/push_store.py). Rounds are not lockstep, so a relaunched learner
-continues from the newest global versions with fresh inner state, and the run needs every
-learner to finish (one that fails for good is released so the synchronizer stops waiting).
+(exchange/push_store.py). Rounds are not lockstep: a relaunched learner
+continues from its own state at its last push (run/learner_state.py; without one, from the
+newest global versions with fresh inner state), and the run needs every learner to finish (one that fails for good is released so the synchronizer stops waiting).
 """
 
 from __future__ import annotations

@@ -24,7 +24,8 @@
    mode from the latest published round, training only the remaining inner steps, exactly when
    it finds its own resume state of that round in the store (`run/replica_state.py`, written
    after every committed round), else with fresh inner state; a decoupled learner from its
-   progress document and the newest global versions.
+   own state at its last push (`run/learner_state.py`), else from its progress document and the
+   newest global versions.
 5. Train; metrics, status, evaluations and checkpoints go to the store (`run/reporter.py`).
 
 Fencing: the driver hands the replica its launch's run generation ($COMPOSER_RUN_GENERATION;

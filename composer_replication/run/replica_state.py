@@ -17,6 +17,10 @@ fails its checks. `load_replica_state` validates everything (manifest fields, si
 checksums, skeleton, finite floating tensors) before returning; the trainer then checks
 names/shapes/dtypes against its own model and optimizer.
 
+Decoupled DiLoCo learners keep the same format under ``resume/learner-<r>/<step:010d>...``
+(``kind="learner"``; the index is the learner's inner step at a push, see
+run/learner_state.py): `newest_replica_state` returns the newest one that passes every check.
+
 `resume_point` (used by ``train --resume``) picks the newest round R whose global state is
 valid and for which EVERY replica has a valid resume state (round 0, the initial weights,
 needs none: the replicas start fresh there), warning with one line about each bad object it
@@ -34,7 +38,7 @@ import re
 import secrets
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 
@@ -44,6 +48,7 @@ __all__ = [
     "FORMAT",
     "ReplicaStateError",
     "load_replica_state",
+    "newest_replica_state",
     "prune_replica_states",
     "replica_state_rounds",
     "resume_plan",
@@ -56,6 +61,8 @@ log = logging.getLogger(__name__)
 
 FORMAT = 1
 PREFIX = "resume"
+StateKind = Literal["rank", "learner"]  # sync replicas (by round), decoupled learners (by step)
+STATE_KINDS: tuple[StateKind, ...] = get_args(StateKind)
 _MANIFEST_RE = re.compile(r"^(\d{10})\.json$")
 _NONCE_RE = re.compile(r"^[0-9a-f]{16}$")
 
@@ -64,23 +71,32 @@ class ReplicaStateError(ValueError):
     """A resume state that is absent, torn, damaged or not this run's."""
 
 
-def _rank_prefix(rank: int) -> str:
-    return f"{PREFIX}/rank-{int(rank)}"
+def _rank_prefix(rank: int, kind: StateKind = "rank") -> str:
+    if kind not in STATE_KINDS:
+        raise ValueError(f"state kind {kind!r} is not one of {list(STATE_KINDS)}")
+    return f"{PREFIX}/{kind}-{int(rank)}"
 
 
-def _manifest_key(rank: int, round: int) -> str:
-    return f"{_rank_prefix(rank)}/{round:010d}.json"
+def _manifest_key(rank: int, round: int, kind: StateKind = "rank") -> str:
+    return f"{_rank_prefix(rank, kind)}/{round:010d}.json"
 
 
-def _data_prefix(rank: int, round: int) -> str:
-    return f"{_rank_prefix(rank)}/{round:010d}"
+def _data_prefix(rank: int, round: int, kind: StateKind = "rank") -> str:
+    return f"{_rank_prefix(rank, kind)}/{round:010d}"
 
 
 def save_replica_state(
-    store: ObjectStore, *, rank: int, round: int, step: int, state: Mapping[str, Any]
+    store: ObjectStore,
+    *,
+    rank: int,
+    round: int,
+    step: int,
+    state: Mapping[str, Any],
+    kind: StateKind = "rank",
 ) -> str:
     """Write `state` (tensors + JSON scalars) for (rank, round) and commit it; returns the
-    manifest key. Data first under a fresh nonce, the manifest last."""
+    manifest key. Data first under a fresh nonce, the manifest last. ``kind="learner"``: a
+    decoupled learner's state, indexed by its step (``round`` = ``step``)."""
     from safetensors.torch import save as st_save
 
     from composer_replication.exchange.outer_state import encode_state
@@ -90,7 +106,7 @@ def save_replica_state(
     blob = st_save({k: v.clone() for k, v in tensors.items()})
     doc = json.dumps({"skeleton": skeleton}, allow_nan=False).encode()
     nonce = secrets.token_hex(8)
-    base = f"{_data_prefix(rank, round)}/{nonce}"
+    base = f"{_data_prefix(rank, round, kind)}/{nonce}"
     store.put(f"{base}.safetensors", blob)
     store.put(f"{base}.json", doc)
     manifest = {
@@ -103,19 +119,20 @@ def save_replica_state(
         "tensors": {"bytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest()},
         "skeleton": {"bytes": len(doc), "sha256": hashlib.sha256(doc).hexdigest()},
     }
-    key = _manifest_key(rank, round)
+    key = _manifest_key(rank, round, kind)
     store.put_json(key, manifest)
     # an earlier incarnation's data for this round is no longer referenced
-    for name in store.list(_data_prefix(rank, round)):
+    for name in store.list(_data_prefix(rank, round, kind)):
         if not name.startswith(nonce):
-            store.delete(f"{_data_prefix(rank, round)}/{name}")
+            store.delete(f"{_data_prefix(rank, round, kind)}/{name}")
     return key
 
 
-def replica_state_rounds(store: ObjectStore, rank: int) -> list[int]:
-    """Rounds with a committed (manifest-bearing) resume state of `rank`, oldest first."""
+def replica_state_rounds(store: ObjectStore, rank: int, kind: StateKind = "rank") -> list[int]:
+    """Rounds (learners: steps) with a committed (manifest-bearing) resume state of `rank`,
+    oldest first."""
     out = []
-    for name in store.list(_rank_prefix(rank)):
+    for name in store.list(_rank_prefix(rank, kind)):
         m = _MANIFEST_RE.match(name)
         if m:
             out.append(int(m.group(1)))
@@ -139,16 +156,22 @@ def _blob(store: ObjectStore, key: str, spec: Any, what: str) -> bytes:
     return data
 
 
-def load_replica_state(store: ObjectStore, *, rank: int, round: int) -> dict[str, Any]:
+def load_replica_state(
+    store: ObjectStore, *, rank: int, round: int, kind: StateKind = "rank"
+) -> dict[str, Any]:
     """The validated resume state of (rank, round); ReplicaStateError saying what is wrong."""
     from safetensors import SafetensorError
     from safetensors.torch import load as st_load
 
     from composer_replication.exchange.outer_state import decode_state
 
-    what = f"resume state of replica {rank} round {round}"
+    what = (
+        f"resume state of replica {rank} round {round}"
+        if kind == "rank"
+        else f"resume state of learner {rank} step {round}"
+    )
     try:
-        manifest = store.get_json(_manifest_key(rank, round))
+        manifest = store.get_json(_manifest_key(rank, round, kind))
     except ValueError:
         raise ReplicaStateError(f"{what}: the manifest is not JSON") from None
     if manifest is None:
@@ -163,7 +186,7 @@ def load_replica_state(store: ObjectStore, *, rank: int, round: int) -> dict[str
         and _NONCE_RE.match(manifest["nonce"])
     ):
         raise ReplicaStateError(f"{what}: the manifest does not describe this state")
-    base = f"{_data_prefix(rank, round)}/{manifest['nonce']}"
+    base = f"{_data_prefix(rank, round, kind)}/{manifest['nonce']}"
     blob = _blob(store, f"{base}.safetensors", manifest.get("tensors"), what)
     doc = _blob(store, f"{base}.json", manifest.get("skeleton"), what)
     try:
@@ -180,12 +203,40 @@ def load_replica_state(store: ObjectStore, *, rank: int, round: int) -> dict[str
     return state
 
 
-def prune_replica_states(store: ObjectStore, rank: int, keep: int) -> None:
+def prune_replica_states(
+    store: ObjectStore, rank: int, keep: int, kind: StateKind = "rank"
+) -> None:
     """Remove `rank`'s resume states beyond the newest `keep` (manifest first)."""
-    rounds = replica_state_rounds(store, rank)
+    rounds = replica_state_rounds(store, rank, kind)
     for r in rounds[: max(0, len(rounds) - keep)]:
-        store.delete(_manifest_key(rank, r))
-        store.delete_prefix(_data_prefix(rank, r))
+        store.delete(_manifest_key(rank, r, kind))
+        store.delete_prefix(_data_prefix(rank, r, kind))
+
+
+def newest_replica_state(
+    store: ObjectStore,
+    rank: int,
+    kind: StateKind,
+    *,
+    check: Callable[[int, dict[str, Any]], str | None] | None = None,
+    warn: Callable[[str], None] | None = None,
+) -> tuple[int, str, dict[str, Any]] | None:
+    """The newest of `rank`'s resume states that passes every check (and `check`: why the
+    state of an index is unusable, None when it is fine): (index, manifest key, state), or
+    None when none does; `warn` gets one line per state skipped and why."""
+    say = warn or log.warning
+    for r in reversed(replica_state_rounds(store, rank, kind)):
+        try:
+            state = load_replica_state(store, rank=rank, round=r, kind=kind)
+        except ReplicaStateError as exc:
+            say(f"{exc}; skipped")
+            continue
+        why = None if check is None else check(r, state)
+        if why is not None:
+            say(f"resume state of {kind} {rank} at {r}: {why}; skipped")
+            continue
+        return r, _manifest_key(rank, r, kind), state
+    return None
 
 
 def _global_rounds(store: ObjectStore) -> list[int]:

@@ -30,6 +30,7 @@ from composer_replication.assembly.build import build_model, build_task, build_t
 from composer_replication.assembly.outer import build_outer_loop, outer_loop_mode
 from composer_replication.assembly.services import build_heartbeat
 from composer_replication.config import ConfigError, RunConfig, from_dict, load_config, to_dict
+from composer_replication.diloco.decoupled import DecoupledLearner
 from composer_replication.diloco.heartbeat import HeartbeatWriter
 from composer_replication.diloco.outer_mode import OuterLoop, ReplicaLoop
 from composer_replication.exchange.fencing import Fence, FencedError, read_generation
@@ -39,6 +40,7 @@ from composer_replication.exchange.signing import RunKeys, rank_identity
 from composer_replication.exchange.store import ObjectStore
 from composer_replication.exchange.vocabulary import RoundStoppedError
 from composer_replication.run.checkpoint import committed_checkpoints
+from composer_replication.run.learner_state import LearnerStateWriter, learner_resume
 from composer_replication.run.metrics import ReplicaMetricsWriter
 from composer_replication.run.replica_env import (
     CONFIG_KEY,
@@ -180,8 +182,13 @@ def _train(r: _Replica) -> bool:
     start_round, start_step = loop.start_round, loop.start_step
     remaining = config.train.max_steps - start_step
     resume_state = None
+    resumed: dict[str, Any] = {}
     if mode.lockstep and remaining > 0:  # rounds end at step R * H on every replica
         resume_state = _own_resume_state(store, rank, start_round)
+    elif isinstance(loop.outer, DecoupledLearner):  # each learner's state at its last push
+        resume_state, resumed = _learner_resume(store, rank, loop.outer, config.train.max_steps)
+        start_step = loop.outer.start_step
+        remaining = config.train.max_steps - start_step
     writer.log(
         "event",
         step=start_step,
@@ -190,15 +197,16 @@ def _train(r: _Replica) -> bool:
         resumed_round=start_round,
         resumed_step=start_step,
         exact=start_step == 0 or resume_state is not None,
+        **resumed,
     )
     reporter = _reporter(r, last_round=config.n_rounds if mode.lockstep else None)
     if remaining <= 0:
         _finish_without_training(loop.outer, r.model, reporter, writer, start_step)
         return False
     # Different sampling per replica; a fresh start and an exact resume share one stream
-    # (the resume state carries its RNG states). A relaunch without a resume state of its
-    # round (a replica restarted mid-run, decoupled mode) continues from the global
-    # weights with fresh inner state and a new sampling stream.
+    # (the resume state carries its RNG states). A relaunch without a resume state (of its
+    # round; a decoupled learner: of a push) continues from the global weights with fresh
+    # inner state and a new sampling stream.
     fresh = start_step == 0 or resume_state is not None
     seed = config.run.seed + 1000 * rank + (0 if fresh else start_round + start_step)
     set_seed(seed)
@@ -217,18 +225,7 @@ def _train(r: _Replica) -> bool:
         # what this replica trains on, for the run summary (report.device_lines)
         device = device_record(trainer, config.train.generation)
         writer.log("event", step=start_step, round=start_round, event="device", **device)
-        if mode.lockstep:  # after the trainer's own callbacks (TAID, EMA): the step's final state
-            trainer.add_callback(
-                ResumeStateWriter(
-                    store=store,
-                    rank=rank,
-                    outer=loop.outer,
-                    trainer=trainer,
-                    sync_every_h=config.diloco.sync_every_h,
-                    keep_rounds=config.store.keep_rounds,
-                    flush=writer.flush,
-                )
-            )
+        _add_state_writer(r, trainer)
         if mode.store_departures:  # ready: the peers wait for this rank again
             clear_departure(store, mode.worker_role, rank)
         # The trainer counts the run's steps: its step, LR schedule and TAID schedule
@@ -246,6 +243,34 @@ def _train(r: _Replica) -> bool:
     if mode.store_departures:  # a peer still behind need not wait for this rank
         write_departure(store, mode.worker_role, rank, reason="finished training")
     return True
+
+
+def _add_state_writer(r: _Replica, trainer: ComposerReplicationTrainer) -> None:
+    """The callback that saves this replica's resume states, after the trainer's own callbacks
+    (TAID, EMA) so it sees the step's final state: a lockstep replica's at each committed round
+    (run/reporter.py), a decoupled learner's at each push (run/learner_state.py)."""
+    if outer_loop_mode(r.config).lockstep:
+        trainer.add_callback(
+            ResumeStateWriter(
+                store=r.store,
+                rank=r.rank,
+                outer=r.loop.outer,
+                trainer=trainer,
+                sync_every_h=r.config.diloco.sync_every_h,
+                keep_rounds=r.config.store.keep_rounds,
+                flush=r.writer.flush,
+            )
+        )
+    elif isinstance(r.loop.outer, DecoupledLearner):
+        trainer.add_callback(
+            LearnerStateWriter(
+                store=r.store,
+                rank=r.rank,
+                learner=r.loop.outer,
+                trainer=trainer,
+                flush=r.writer.flush,
+            )
+        )
 
 
 def _run_trainer(
@@ -304,6 +329,40 @@ def _own_resume_state(store: ObjectStore, rank: int, round: int) -> dict[str, An
             flush=True,
         )
         return None
+
+
+def _learner_resume(
+    store: ObjectStore, rank: int, learner: DecoupledLearner, max_steps: int
+) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """A decoupled learner's newest valid state at a push (run/learner_state.py), restored into
+    `learner`, and the start event's fields naming it (``resume_state``: its manifest key) or
+    why there is none (``resume_fallback``: the learner then starts from the newest globals
+    with fresh inner state). A start at step 0 with no state says nothing."""
+    skipped: list[str] = []
+    found = learner_resume(store, rank, warn=skipped.append)
+    why = "; ".join(skipped)
+    if found is not None:
+        step, key, state = found
+        if step >= max_steps:
+            why = f"{key} is at step {step}, the end of training ({max_steps})"
+        else:
+            try:
+                learner.restore(state["learner"])
+            except ValueError as exc:
+                why = f"{key}: {exc}"
+            else:
+                return state, {"resume_state": key, "resume_state_step": step}
+    elif learner.start_step > 0 and not why:
+        why = f"no resume state of learner {rank} in the store"
+    if not why:
+        return None, {}
+    print(
+        f"replica {rank}: {why}; starting from the newest global weights with a fresh inner "
+        "optimizer, schedule position and sampling stream",
+        file=sys.stderr,
+        flush=True,
+    )
+    return None, {"resume_fallback": why[:2000]}
 
 
 def device_record(trainer: Trainer, generation: str) -> dict[str, Any]:

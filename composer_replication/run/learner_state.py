@@ -1,0 +1,120 @@
+"""Decoupled DiLoCo's exact resume: each learner's state at its last push, in the run store.
+
+After every inner step at which a learner queued a push, `LearnerStateWriter` (a trainer
+callback, added last) saves the trainer's resume state (weights, inner optimizer, LR schedule,
+data position, RNG states; `ComposerReplicationTrainer.resume_state`) plus the learner's own
+(`DecoupledLearner.resume_state`: step, each fragment's base version and weights, the steps and
+tokens since that base and since its last push) under ``resume/learner-<r>/<step:010d>``, in
+sync mode's format (run/replica_state.py: data first, a manifest with sizes and sha256 last,
+never unpickled, every tensor checked finite on load), and keeps the newest `KEEP` states.
+
+A learner that starts (``train --resume``, or relaunched during the run: one path) takes its
+newest state that passes every check (`learner_resume`): it continues from that step with
+that state, its data at that step; the usual poller then applies any newer globals. A state
+that is missing, torn, corrupt or forged (wrong size or checksum, non-finite, not this
+learner's step) is skipped with a line saying why; with none left the learner starts from the
+newest globals with fresh inner state, as before.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+from composer_replication.diloco.decoupled import DecoupledLearner
+from composer_replication.exchange.store import ObjectStore
+from composer_replication.run.replica_state import (
+    newest_replica_state,
+    prune_replica_states,
+    save_replica_state,
+)
+
+if TYPE_CHECKING:
+    from composer_replication.trainer import ComposerReplicationTrainer
+
+__all__ = ["KEEP", "LearnerResume", "LearnerStateWriter", "learner_resume"]
+
+log = logging.getLogger(__name__)
+
+KEEP = 2  # a learner's newest states kept in the store (the newest may be torn by a kill)
+
+LearnerResume = tuple[int, str, dict[str, Any]]  # (step, manifest key, trainer + learner state)
+
+
+def learner_resume(
+    store: ObjectStore, rank: int, *, warn: Callable[[str], None] | None = None
+) -> LearnerResume | None:
+    """Learner `rank`'s newest valid resume state (see the module docstring), or None; `warn`
+    gets one line per state skipped and why."""
+
+    def check(step: int, state: dict[str, Any]) -> str | None:
+        own = state.get("learner")
+        if not isinstance(own, dict) or own.get("step") != step:
+            return f"its learner part is not at step {step}"
+        return None
+
+    return newest_replica_state(store, rank, "learner", check=check, warn=warn)
+
+
+class LearnerStateWriter(TrainerCallback):
+    """Saves the learner's resume state after every step at which it queued a push (see the
+    module docstring). Added to the trainer LAST (after its TAID/EMA callbacks); the metrics
+    are flushed first, after the step's log line when the step logs."""
+
+    def __init__(
+        self,
+        *,
+        store: ObjectStore,
+        rank: int,
+        learner: DecoupledLearner,
+        trainer: ComposerReplicationTrainer,
+        flush: Callable[[], None],
+        keep: int = KEEP,
+    ) -> None:
+        self.store, self.rank, self.learner, self.trainer = store, rank, learner, trainer
+        self.flush, self.keep = flush, keep
+        self._pending: tuple[int, dict[str, Any]] | None = None
+        self._saved: int | None = learner.restored_from
+
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        step = int(state.global_step)
+        if self.learner.last_push_step != step or self._saved == step:
+            return
+        if self.learner.step != step:  # not aligned with the trainer: nothing exact to save
+            return
+        try:
+            resume = self.trainer.resume_state()
+        except RuntimeError as exc:  # between two generations: the next push saves
+            log.warning("learner %d: no resume state at step %d: %s", self.rank, step, exc)
+            return
+        resume["learner"] = self.learner.resume_state()
+        self._pending = (step, resume)
+        self._saved = step
+        if not control.should_log:
+            self._write()
+
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        self._write()
+
+    def _write(self) -> None:
+        if self._pending is None:
+            return
+        step, resume = self._pending
+        self._pending = None
+        self.flush()
+        save_replica_state(
+            self.store, rank=self.rank, round=step, step=step, state=resume, kind="learner"
+        )
+        prune_replica_states(self.store, self.rank, self.keep, kind="learner")

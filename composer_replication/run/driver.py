@@ -73,6 +73,7 @@ from composer_replication.faults.proxy import ThrottleProxy
 from composer_replication.run import preflight
 from composer_replication.run.chaos import check_decoupled_run
 from composer_replication.run.checkpoint import mirror_checkpoints
+from composer_replication.run.end_check import end_of_run_problem
 from composer_replication.run.expected import expected_lines
 from composer_replication.run.folder import RunFolder, default_run_name
 from composer_replication.run.metrics import (
@@ -631,6 +632,8 @@ def _end(
         watch.injector.stop()
     chaos = _chaos_report(launch, watch.injector, status)
     launch.services.stop_outer()
+    if status == "finished":
+        status = _check_end(launch, watch)
     watch.health.poll(force=True)
     if watch.refusals is not None:
         watch.refusals.poll(force=True)
@@ -678,6 +681,24 @@ def _end(
         flush=True,
     )
     return TrainResult(folder=folder, exit_code=exit_code, status=status, summary=summary)
+
+
+def _check_end(launch: _Launch, watch: _Watch) -> str:
+    """Before a run reports success: its last round must be in the store (run/end_check.py);
+    otherwise the run fails with the reason in driver.json, `status` (critical) and
+    metrics.jsonl (an "incomplete" event and a health record)."""
+    problem = end_of_run_problem(launch.store, launch.mode, launch.config)
+    if problem is None:
+        return "finished"
+    last = launch.config.n_rounds if launch.mode.lockstep else None
+    launch.folder.update_driver(
+        no_quorum={"round": last, "rejected": {}, "reason": problem}, error=problem
+    )
+    record = {"time": time.time(), "replica": -1, "kind": "event", "step": 0, "round": last or 0}
+    launch.sink.write([{**record, "event": "incomplete", "reason": problem}])
+    watch.health.critical(problem)
+    launch.progress.message(f"the run is not complete: {problem}")
+    return "failed"
 
 
 def _chaos_due(injector: ChaosInjector | None, statuses: dict[int, dict[str, Any]], n: int) -> bool:

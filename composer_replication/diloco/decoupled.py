@@ -195,6 +195,7 @@ class DecoupledLearner:
             },
         )
         self.store = store
+        self.keys = keys
         self.docs = DecoupledStore(store, codec=codec, keys=keys)
         self.learner = learner
         self.n_learners = n_learners

@@ -6,7 +6,9 @@ data position, RNG states; `ComposerReplicationTrainer.resume_state`) plus the l
 (`DecoupledLearner.resume_state`: step, each fragment's base version and weights, the steps and
 tokens since that base and since its last push) under ``resume/learner-<r>/<step:010d>``, in
 sync mode's format (run/replica_state.py: data first, a manifest with sizes and sha256 last,
-never unpickled, every tensor checked finite on load), and keeps the newest `KEEP` states.
+never unpickled, every tensor checked finite on load; with ``[security] sign`` the manifest is
+signed with the learner's key and a state not signed by it is refused), and keeps the newest
+`KEEP` states.
 
 A learner that starts (``train --resume``, or relaunched during the run: one path) takes its
 newest state that passes every check (`learner_resume`): it continues from that step with
@@ -25,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from composer_replication.diloco.decoupled import DecoupledLearner
+from composer_replication.exchange.signing import RunKeys
 from composer_replication.exchange.store import ObjectStore
 from composer_replication.run.replica_state import (
     newest_replica_state,
@@ -45,10 +48,15 @@ LearnerResume = tuple[int, str, dict[str, Any]]  # (step, manifest key, trainer 
 
 
 def learner_resume(
-    store: ObjectStore, rank: int, *, warn: Callable[[str], None] | None = None
+    store: ObjectStore,
+    rank: int,
+    *,
+    keys: RunKeys | None = None,
+    warn: Callable[[str], None] | None = None,
 ) -> LearnerResume | None:
     """Learner `rank`'s newest valid resume state (see the module docstring), or None; `warn`
-    gets one line per state skipped and why."""
+    gets one line per state skipped and why; ``keys`` (a signed run): only states signed by
+    this learner count."""
 
     def check(step: int, state: dict[str, Any]) -> str | None:
         own = state.get("learner")
@@ -56,7 +64,7 @@ def learner_resume(
             return f"its learner part is not at step {step}"
         return None
 
-    return newest_replica_state(store, rank, "learner", check=check, warn=warn)
+    return newest_replica_state(store, rank, "learner", check=check, warn=warn, keys=keys)
 
 
 class LearnerStateWriter(TrainerCallback):
@@ -115,6 +123,12 @@ class LearnerStateWriter(TrainerCallback):
         self._pending = None
         self.flush()
         save_replica_state(
-            self.store, rank=self.rank, round=step, step=step, state=resume, kind="learner"
+            self.store,
+            rank=self.rank,
+            round=step,
+            step=step,
+            state=resume,
+            kind="learner",
+            keys=self.learner.keys,
         )
         prune_replica_states(self.store, self.rank, self.keep, kind="learner")

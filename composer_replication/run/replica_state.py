@@ -42,6 +42,7 @@ from typing import Any, Literal, get_args
 
 import torch
 
+from composer_replication.exchange.signing import RunKeys, SignatureError, rank_identity
 from composer_replication.exchange.store import ObjectStore
 
 __all__ = [
@@ -93,10 +94,12 @@ def save_replica_state(
     step: int,
     state: Mapping[str, Any],
     kind: StateKind = "rank",
+    keys: RunKeys | None = None,
 ) -> str:
     """Write `state` (tensors + JSON scalars) for (rank, round) and commit it; returns the
     manifest key. Data first under a fresh nonce, the manifest last. ``kind="learner"``: a
-    decoupled learner's state, indexed by its step (``round`` = ``step``)."""
+    decoupled learner's state, indexed by its step (``round`` = ``step``). ``keys`` (a signed
+    run): the manifest, which holds each object's sha256, is signed with this rank's key."""
     from safetensors.torch import save as st_save
 
     from composer_replication.exchange.outer_state import encode_state
@@ -119,6 +122,8 @@ def save_replica_state(
         "tensors": {"bytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest()},
         "skeleton": {"bytes": len(doc), "sha256": hashlib.sha256(doc).hexdigest()},
     }
+    if keys is not None and keys.can_sign:
+        manifest = keys.sign(manifest)
     key = _manifest_key(rank, round, kind)
     store.put_json(key, manifest)
     # an earlier incarnation's data for this round is no longer referenced
@@ -157,9 +162,15 @@ def _blob(store: ObjectStore, key: str, spec: Any, what: str) -> bytes:
 
 
 def load_replica_state(
-    store: ObjectStore, *, rank: int, round: int, kind: StateKind = "rank"
+    store: ObjectStore,
+    *,
+    rank: int,
+    round: int,
+    kind: StateKind = "rank",
+    keys: RunKeys | None = None,
 ) -> dict[str, Any]:
-    """The validated resume state of (rank, round); ReplicaStateError saying what is wrong."""
+    """The validated resume state of (rank, round); ReplicaStateError saying what is wrong.
+    ``keys`` (a signed run): the manifest must be signed by this rank, for this run."""
     from safetensors import SafetensorError
     from safetensors.torch import load as st_load
 
@@ -186,6 +197,11 @@ def load_replica_state(
         and _NONCE_RE.match(manifest["nonce"])
     ):
         raise ReplicaStateError(f"{what}: the manifest does not describe this state")
+    if keys is not None:
+        try:
+            keys.verify(manifest, signers=[rank_identity(rank)], what=f"{what}: the manifest")
+        except SignatureError as exc:
+            raise ReplicaStateError(str(exc)) from None
     base = f"{_data_prefix(rank, round, kind)}/{manifest['nonce']}"
     blob = _blob(store, f"{base}.safetensors", manifest.get("tensors"), what)
     doc = _blob(store, f"{base}.json", manifest.get("skeleton"), what)
@@ -220,6 +236,7 @@ def newest_replica_state(
     *,
     check: Callable[[int, dict[str, Any]], str | None] | None = None,
     warn: Callable[[str], None] | None = None,
+    keys: RunKeys | None = None,
 ) -> tuple[int, str, dict[str, Any]] | None:
     """The newest of `rank`'s resume states that passes every check (and `check`: why the
     state of an index is unusable, None when it is fine): (index, manifest key, state), or
@@ -227,7 +244,7 @@ def newest_replica_state(
     say = warn or log.warning
     for r in reversed(replica_state_rounds(store, rank, kind)):
         try:
-            state = load_replica_state(store, rank=rank, round=r, kind=kind)
+            state = load_replica_state(store, rank=rank, round=r, kind=kind, keys=keys)
         except ReplicaStateError as exc:
             say(f"{exc}; skipped")
             continue

@@ -339,7 +339,7 @@ def _learner_resume(
     why there is none (``resume_fallback``: the learner then starts from the newest globals
     with fresh inner state). A start at step 0 with no state says nothing."""
     skipped: list[str] = []
-    found = learner_resume(store, rank, warn=skipped.append)
+    found = learner_resume(store, rank, keys=learner.keys, warn=skipped.append)
     why = "; ".join(skipped)
     if found is not None:
         step, key, state = found

@@ -4,6 +4,7 @@ the reason (run/learner_state.py, `DecoupledLearner.resume_state` / `restore`)."
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,15 @@ import torch
 from _decoupled_toy import Blocks, train_step
 
 from composer_replication.diloco.decoupled import DecoupledLearner
+from composer_replication.exchange.signing import (
+    DRIVER,
+    KEYS_KEY,
+    generate_private_key,
+    make_key_manifest,
+    parse_key_manifest,
+    public_key_of,
+    rank_identity,
+)
 from composer_replication.exchange.store import ObjectStore
 from composer_replication.run.learner_state import learner_resume
 from composer_replication.run.replica_state import (
@@ -156,3 +166,34 @@ def test_restore_refuses_a_state_that_is_not_this_learners(tmp_path: Path) -> No
     third.restore(bad)
     with pytest.raises(ValueError, match="base tensors are not the run's"):
         third.bind(optimizer=opt3)
+
+
+def test_a_signed_runs_learner_states_are_signed_and_checked(tmp_path: Path) -> None:
+    """With ``[security] sign``: a state whose manifest this learner did not sign is refused
+    (unsigned, or signed by another learner), never loaded."""
+    store, model, opt, learner = _saved_run(tmp_path, H)
+    private = {rank_identity(r): generate_private_key() for r in (0, 1)}
+    private[DRIVER] = generate_private_key()
+    public = {k: public_key_of(v) for k, v in private.items()}
+    store.put_if_absent(
+        KEYS_KEY, json.dumps(make_key_manifest("run-1", public, private[DRIVER])).encode()
+    )
+    verifier = parse_key_manifest(store.get(KEYS_KEY), public[DRIVER])
+    own = verifier.with_identity(rank_identity(0), private[rank_identity(0)])
+    other = verifier.with_identity(rank_identity(1), private[rank_identity(1)])
+    state = _state(model, opt, learner)
+    lines: list[str] = []
+    # the unsigned states of _saved_run: refused
+    assert learner_resume(store, 0, keys=verifier, warn=lines.append) is None
+    assert lines and all("is not signed" in line for line in lines), lines
+    step = learner.step + 1  # (a new index, as a later push's)
+    state = dict(state, global_step=step, learner=dict(state["learner"], step=step))
+    save_replica_state(
+        store, rank=0, round=step, step=step, state=state, kind="learner", keys=other
+    )
+    lines.clear()
+    assert learner_resume(store, 0, keys=verifier, warn=lines.append) is None
+    assert "signed by 'rank-1'" in lines[0], lines
+    save_replica_state(store, rank=0, round=step, step=step, state=state, kind="learner", keys=own)
+    found = learner_resume(store, 0, keys=verifier)
+    assert found is not None and found[0] == step

@@ -167,11 +167,16 @@ def driver_gone(
 
 def _resume_plan(store: ObjectStore, mode: OuterLoopMode, n: int) -> tuple[str, list[str]]:
     """What `train --resume` would do now (read only), and the lines it would warn with."""
-    if not mode.lockstep:
-        return (
-            "relaunch the learners from the newest global state (decoupled mode resumes "
-            "from global weights, not exactly)"
-        ), []
+    if not mode.lockstep:  # each learner from its newest valid state at a push
+        from composer_replication.run.learner_state import learner_resume
+
+        lines: list[str] = []
+        found = {r: learner_resume(store, r, warn=lines.append) for r in range(n)}
+        each = ", ".join(
+            f"learner {r} at step {f[0]}" if f else f"learner {r} from the newest globals"
+            for r, f in found.items()
+        )
+        return f"relaunch each learner from its state at its last push ({each})", lines
     from composer_replication.run.replica_state import resume_plan, resume_point
 
     warnings: list[str] = []

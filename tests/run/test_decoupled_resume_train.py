@@ -83,6 +83,11 @@ def test_sigkill_everything_then_resume_continues_each_learner_from_its_last_pus
     saved = _saved_steps(store)  # what each learner must resume from (nothing writes now)
     assert set(saved) == {0, 1}
     before = len(read_metrics(run / "metrics.jsonl"))
+    capsys.readouterr()
+    assert main(["status", str(run)]) == 0  # says what --resume will do
+    status = capsys.readouterr().out
+    plan = f"learner 0 at step {saved[0]}, learner 1 at step {saved[1]}"
+    assert f"relaunch each learner from its state at its last push ({plan})" in status, status
 
     assert main(["train", "--resume", "killed"]) == 0, capsys.readouterr().out
     out = capsys.readouterr().out

@@ -127,7 +127,10 @@ def test_a_driver_on_another_host_is_judged_by_heartbeats_and_driver_json(tmp_pa
     assert "no heartbeat within" in info["driver_gone"]["how"]
     text = status_text(info)
     assert text.startswith("run remote: stopped (driver gone since ")
-    assert "would relaunch the learners from the newest global state" in text
+    assert (
+        "would relaunch each learner from its state at its last push (learner 0 from the "
+        "newest globals, learner 1 from the newest globals)" in text
+    )
     # a learner still beats (a remote pod outlives its driver): something runs
     write_heartbeat(store, "learner", 0)
     assert run_status(folder)["status"] == "running"

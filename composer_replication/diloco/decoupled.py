@@ -47,7 +47,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Literal, get_args
+from typing import Any, Literal, TypedDict, get_args
 
 import torch
 from torch import nn
@@ -66,6 +66,7 @@ __all__ = [
     "SYNCHRONIZER_PLACES",
     "DecoupledConfig",
     "DecoupledLearner",
+    "LearnerState",
     "push_offsets",
 ]
 
@@ -101,6 +102,19 @@ class DecoupledConfig(SynchronizerSettings):
             "synchronizer",
             f"{self.synchronizer!r} is not one of {list(SYNCHRONIZER_PLACES)}",
         )
+
+
+class LearnerState(TypedDict):
+    """A learner's own resume state (`DecoupledLearner.resume_state`)."""
+
+    step: int
+    versions: list[int]
+    base: list[dict[str, torch.Tensor]]
+    since_base: list[int]
+    since_push: list[int]
+    tokens_base: list[int | None]
+    tokens_reported: bool
+    step_seconds: float | None
 
 
 def push_offsets(sync_every_h: int, num_fragments: int) -> list[int]:
@@ -260,7 +274,7 @@ class DecoupledLearner:
         self.start_versions: list[int] = []  # the global versions this learner started from
         self.loaded: dict[str, str] = {}  # "<fragment>/<version>" -> sha256 of what it loaded
         self.last_push_step: int | None = None  # the step of the newest push queued
-        self._restore: dict[str, Any] | None = None  # a resume state to continue from at bind
+        self._restore: LearnerState | None = None  # a resume state to continue from at bind
         self.restored_from: int | None = None  # the step of the resume state it continued from
 
     # ------------------------------------------------------------------ binding
@@ -336,7 +350,7 @@ class DecoupledLearner:
         return self
 
     # ------------------------------------------------------------------ exact resume
-    def resume_state(self) -> dict[str, Any]:
+    def resume_state(self) -> LearnerState:
         """The learner's own state (see the module docstring), between two inner steps; the
         base tensors are shared, not copied (they are replaced, never modified)."""
         self._require_bound()
@@ -351,12 +365,14 @@ class DecoupledLearner:
             "step_seconds": None if self._step_s is None else float(self._step_s),
         }
 
-    def restore(self, state: dict[str, Any]) -> None:
+    def restore(self, state: object) -> None:
         """Continue from `resume_state`'s output (before binding): the step now, the rest when
         binding (the base tensors are checked against the run's manifest then). ValueError
         naming what does not fit this learner."""
         if self._bound:
             raise RuntimeError("restore() must come before the learner binds")
+        if not isinstance(state, dict):
+            raise ValueError("learner resume state: not a dict")
         n = self.num_fragments
         step = state.get("step")
         if not isinstance(step, int) or step < 0:
@@ -372,10 +388,20 @@ class DecoupledLearner:
             raise ValueError("learner resume state: tokens_base must hold ints >= 0 or None")
         if not all(isinstance(b, dict) for b in state["base"]):
             raise ValueError("learner resume state: base must hold one dict per fragment")
-        self._restore = dict(state)
+        step_s = state.get("step_seconds")
+        self._restore = LearnerState(
+            step=step,
+            versions=list(state["versions"]),
+            base=list(state["base"]),
+            since_base=list(state["since_base"]),
+            since_push=list(state["since_push"]),
+            tokens_base=list(state["tokens_base"]),
+            tokens_reported=bool(state.get("tokens_reported")),
+            step_seconds=float(step_s) if isinstance(step_s, int | float) else None,
+        )
         self.start_step = self.step = step
 
-    def _apply_restore(self, state: dict[str, Any]) -> None:
+    def _apply_restore(self, state: LearnerState) -> None:
         """Bind-time half of `restore`: the base tensors must match the run's fragments."""
         for i, base in enumerate(state["base"]):
             reference = self._reference[i]
@@ -396,9 +422,8 @@ class DecoupledLearner:
         self._since_base = list(state["since_base"])
         self._since_push = list(state["since_push"])
         self._tokens_base = list(state["tokens_base"])
-        self._tokens_reported = bool(state.get("tokens_reported"))
-        step_s = state.get("step_seconds")
-        self._step_s = float(step_s) if isinstance(step_s, int | float) else None
+        self._tokens_reported = state["tokens_reported"]
+        self._step_s = state["step_seconds"]
         self.restored_from = self.step
 
     def _local(self, i: int) -> dict[str, torch.Tensor]:

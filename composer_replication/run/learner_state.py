@@ -21,8 +21,8 @@ newest globals with fresh inner state, as before.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 
 KEEP = 2  # a learner's newest states kept in the store (the newest may be torn by a kill)
 
-LearnerResume = tuple[int, str, dict[str, Any]]  # (step, manifest key, trainer + learner state)
+LearnerResume = tuple[int, str, dict[str, object]]  # (step, manifest key, trainer + learner state)
 
 
 def learner_resume(
@@ -58,7 +58,7 @@ def learner_resume(
     gets one line per state skipped and why; ``keys`` (a signed run): only states signed by
     this learner count."""
 
-    def check(step: int, state: dict[str, Any]) -> str | None:
+    def check(step: int, state: Mapping[str, object]) -> str | None:
         own = state.get("learner")
         if not isinstance(own, dict) or own.get("step") != step:
             return f"its learner part is not at step {step}"
@@ -84,11 +84,15 @@ class LearnerStateWriter(TrainerCallback):
     ) -> None:
         self.store, self.rank, self.learner, self.trainer = store, rank, learner, trainer
         self.flush, self.keep = flush, keep
-        self._pending: tuple[int, dict[str, Any]] | None = None
+        self._pending: tuple[int, dict[str, object]] | None = None
         self._saved: int | None = learner.restored_from
 
     def on_step_end(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        **kwargs: object,
     ) -> None:
         step = int(state.global_step)
         if self.learner.last_push_step != step or self._saved == step:
@@ -111,8 +115,8 @@ class LearnerStateWriter(TrainerCallback):
         args: TrainingArguments,
         state: TrainerState,
         control: TrainerControl,
-        logs: Any = None,
-        **kwargs: Any,
+        logs: object = None,
+        **kwargs: object,
     ) -> None:
         self._write()
 

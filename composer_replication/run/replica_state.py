@@ -234,10 +234,10 @@ def newest_replica_state(
     rank: int,
     kind: StateKind,
     *,
-    check: Callable[[int, dict[str, Any]], str | None] | None = None,
+    check: Callable[[int, Mapping[str, object]], str | None] | None = None,
     warn: Callable[[str], None] | None = None,
     keys: RunKeys | None = None,
-) -> tuple[int, str, dict[str, Any]] | None:
+) -> tuple[int, str, dict[str, object]] | None:
     """The newest of `rank`'s resume states that passes every check (and `check`: why the
     state of an index is unusable, None when it is fine): (index, manifest key, state), or
     None when none does; `warn` gets one line per state skipped and why."""

@@ -182,7 +182,7 @@ def _train(r: _Replica) -> bool:
     start_round, start_step = loop.start_round, loop.start_step
     remaining = config.train.max_steps - start_step
     resume_state = None
-    resumed: dict[str, Any] = {}
+    resumed: dict[str, str | int] = {}
     if mode.lockstep and remaining > 0:  # rounds end at step R * H on every replica
         resume_state = _own_resume_state(store, rank, start_round)
     elif isinstance(loop.outer, DecoupledLearner):  # each learner's state at its last push
@@ -333,7 +333,7 @@ def _own_resume_state(store: ObjectStore, rank: int, round: int) -> dict[str, An
 
 def _learner_resume(
     store: ObjectStore, rank: int, learner: DecoupledLearner, max_steps: int
-) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+) -> tuple[dict[str, object] | None, dict[str, str | int]]:
     """A decoupled learner's newest valid state at a push (run/learner_state.py), restored into
     `learner`, and the start event's fields naming it (``resume_state``: its manifest key) or
     why there is none (``resume_fallback``: the learner then starts from the newest globals

@@ -62,8 +62,8 @@ class HintTemplate:
         return self.reprompt.format(prompt=prompt, solution=sol, feedback=fb)
 
     def render(
-        self, prompt: str | list[dict[str, Any]], solution: str | None, feedback: str | None
-    ) -> str | list[dict[str, Any]]:
+        self, prompt: str | list[dict[str, object]], solution: str | None, feedback: str | None
+    ) -> str | list[dict[str, object]]:
         """The hinted teacher prompt in the prompt's own form.
 
         A chat prompt keeps its earlier messages (system prompt, previous turns); the last user

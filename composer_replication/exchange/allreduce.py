@@ -164,7 +164,7 @@ class ObjectStoreAllReduce(RunDocuments):
         codec: str = "fp32",
         min_replicas: int | None = None,
         weighting: WeightingName = "equal",
-        storage_options: dict[str, Any] | None = None,
+        storage_options: dict[str, object] | None = None,
         keep_steps: int = 4,
         poll_interval_s: float = 0.1,
         checksum: str | None = None,

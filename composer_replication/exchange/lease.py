@@ -267,7 +267,7 @@ class Lease:
         except OSError as e:  # housekeeping only
             log.warning("lease %s: deleting old epochs failed: %r", self.name, e)
 
-    def info(self) -> dict[str, Any]:
+    def info(self) -> dict[str, object]:
         """JSON-able view for status documents."""
         with self._lock:
             return {

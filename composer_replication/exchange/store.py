@@ -148,10 +148,10 @@ class Store(Protocol):
 class ObjectStore:
     """Keys are '/'-separated paths relative to the run prefix ``uri`` (see the module)."""
 
-    def __init__(self, uri: str, storage_options: dict[str, Any] | None = None) -> None:
+    def __init__(self, uri: str, storage_options: dict[str, object] | None = None) -> None:
         self._uri = normalize_uri(uri)
         self.protocol = self._uri.partition("://")[0]
-        self.storage_options: dict[str, Any] = dict(storage_options or {})
+        self.storage_options: dict[str, object] = dict(storage_options or {})
         self._options = dict(self.storage_options)
         if self.protocol in ("s3", "s3a", "gs", "gcs"):
             # A cached listing makes s3fs/gcsfs answer "not found" for objects created after

@@ -106,7 +106,7 @@ class ComposerSettings:
             kwargs["taid_t"] = TAID_T_START
         ComposeConfig.from_kwargs(kwargs)  # validates every loss keyword now, not at step 1
 
-    def loss_kwargs(self) -> dict[str, Any]:
+    def loss_kwargs(self) -> dict[str, object]:
         return {k: getattr(self, k) for k in LOSS_KEYS}
 
     @property

@@ -44,7 +44,7 @@ class TeacherClient(Protocol):
     def complete(self, prompts: Sequence[Prompt]) -> list[TeacherCompletion]: ...
 
 
-def as_messages(prompt: Prompt) -> list[dict[str, Any]]:
+def as_messages(prompt: Prompt) -> list[dict[str, object]]:
     """A prompt as chat messages (a plain string is one user message)."""
     if isinstance(prompt, str):
         return [{"role": "user", "content": prompt}]

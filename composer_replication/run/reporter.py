@@ -143,7 +143,7 @@ class ReplicaReporter(TrainerCallback):
         save_final: bool,
         evaluator_rank: int = 0,
         last_round: int | None = None,
-        ood_examples: list[Any] | None = None,
+        ood_examples: list[Example] | None = None,
     ) -> None:
         self.writer = writer
         self.store = store
@@ -405,7 +405,7 @@ class ResumeStateWriter(TrainerCallback):
         self.store, self.rank, self.outer, self.trainer = store, rank, outer, trainer
         self.sync_every_h, self.keep_rounds, self.flush = sync_every_h, keep_rounds, flush
         self._round: int | None = None
-        self._pending: tuple[int, int, dict[str, Any]] | None = None
+        self._pending: tuple[int, int, dict[str, object]] | None = None
 
     def on_train_begin(
         self,

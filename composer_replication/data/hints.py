@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import string
 from dataclasses import dataclass
-from typing import Any
 
 DEFAULT_REPROMPT = "{prompt}{solution}{feedback}\n\nCorrectly solve the original question.\n"
 DEFAULT_SOLUTION = "\nCorrect solution:\n\n{solution}\n\n"

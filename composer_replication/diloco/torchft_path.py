@@ -413,7 +413,7 @@ def build_torchft_manager(
     store_port: int = 0,
     manager_port: int = 0,
     load_state_dict: Callable[[Any], None] | None = None,
-    state_dict: Callable[[], Any] | None = None,
+    state_dict: Callable[[], object] | None = None,
     init_sync: bool = True,
     states: RunDocuments | None = None,
 ) -> TorchFTManager:

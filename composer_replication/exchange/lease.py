@@ -37,7 +37,6 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
 
 from composer_replication.exchange.store import Store
 

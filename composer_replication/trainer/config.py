@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from composer_replication.data.hints import HintTemplate, coerce_hint_template
 from composer_replication.loss import FUSED_JSD_BACKENDS, TAID_T_START, ComposeConfig

@@ -215,7 +215,7 @@ class GeneratorActor(Actor):
         return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs}
 
 
-def _chat_ids(tokenizer: Any, prompt: Any) -> list[int]:
+def _chat_ids(tokenizer: Any, prompt: Prompt) -> list[int]:
     """Token ids of a prompt as the policy sees it: chat messages through the chat template
     (with the generation prompt), plain text as is."""
     if isinstance(prompt, str):

@@ -23,7 +23,7 @@ recipe reads it by attribute (duck typing), never by type, so either class works
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 from torch import Tensor
 

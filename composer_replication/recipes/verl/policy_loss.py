@@ -171,7 +171,7 @@ def composer_policy_loss(
     loss_agg_mode: str = "token-mean",
     config: Any = None,
     rollout_is_weights: Tensor | None = None,
-    **kwargs: Any,
+    **kwargs: object,
 ) -> tuple[Tensor, dict[str, float]]:
     """verl policy-loss function ``composer``; see the module docstring.
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import string
 from dataclasses import dataclass
-from typing import Any
 
 DEFAULT_REPROMPT = "{prompt}{solution}{feedback}\n\nCorrectly solve the original question.\n"
 DEFAULT_SOLUTION = "\nCorrect solution:\n\n{solution}\n\n"
@@ -62,8 +61,8 @@ class HintTemplate:
         return self.reprompt.format(prompt=prompt, solution=sol, feedback=fb)
 
     def render(
-        self, prompt: str | list[dict[str, Any]], solution: str | None, feedback: str | None
-    ) -> str | list[dict[str, Any]]:
+        self, prompt: str | list[dict[str, object]], solution: str | None, feedback: str | None
+    ) -> str | list[dict[str, object]]:
         """The hinted teacher prompt in the prompt's own form.
 
         A chat prompt keeps its earlier messages (system prompt, previous turns); the last user

@@ -14,14 +14,14 @@ Works with any `transformers.Trainer` subclass, including TRL's GRPOTrainer and
 
 from __future__ import annotations
 
-from typing import Any
-
 try:
-    from transformers import TrainerCallback
+    from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "outer.callback() needs transformers: pip install composer-replication[train]"
     ) from exc
+
+from torch import nn
 
 from composer_replication.diloco.outer_mode import OuterLoop
 
@@ -37,7 +37,13 @@ class DiLoCoCallback(TrainerCallback):
         self.load_global_at_end = load_global_at_end
         self._tokens_seen = 0
 
-    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_train_begin(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        **kwargs: object,
+    ) -> None:
         model = kwargs.get("model")
         optimizer = kwargs.get("optimizer")
         if not self.outer.bound:
@@ -50,7 +56,13 @@ class DiLoCoCallback(TrainerCallback):
         self._tokens_seen = int(getattr(state, "num_input_tokens_seen", 0) or 0)
         self.outer.__enter__()
 
-    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_step_begin(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        **kwargs: object,
+    ) -> None:
         # Token weighting: the trainer counts input tokens when include_num_input_tokens_seen is
         # on; report this step's share before the optimizer step that may trigger the sync.
         seen = int(getattr(state, "num_input_tokens_seen", 0) or 0)
@@ -58,18 +70,36 @@ class DiLoCoCallback(TrainerCallback):
             self.outer.record_tokens(seen - self._tokens_seen)
         self._tokens_seen = seen
 
-    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_step_end(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        **kwargs: object,
+    ) -> None:
         # Expose the outer round to other callbacks and the trainer's state.
-        state.diloco_round = self.outer.round
+        setattr(state, "diloco_round", self.outer.round)  # noqa: B010  # not a TrainerState field
 
-    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_train_end(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        **kwargs: object,
+    ) -> None:
         self.outer.__exit__(None, None, None)
         if self.load_global_at_end:
             self.outer.load_global_weights()
 
 
-def _unwrap_model(model: Any) -> Any:
+def _unwrap_model(model: object) -> nn.Module | None:
     # DDP / accelerate wrappers keep the real module in .module; DiLoCo needs the parameters.
-    while model is not None and hasattr(model, "module") and not hasattr(model, "config"):
+    while (
+        isinstance(model, nn.Module) and hasattr(model, "module") and not hasattr(model, "config")
+    ):
         model = model.module
+    if model is not None and not isinstance(model, nn.Module):
+        raise TypeError(
+            f"the trainer passed a model of type {type(model).__name__}, not a torch module"
+        )
     return model

@@ -48,6 +48,7 @@ from composer_replication.diloco.outer_optimizer import (
 from composer_replication.diloco.torchft_path import as_manager
 
 if TYPE_CHECKING:
+    from composer_replication.diloco.callback import DiLoCoCallback
     from composer_replication.diloco.manager import Manager, RoundRecord
 
 __all__ = [
@@ -301,7 +302,7 @@ class DiLoCoOuterLoop:
         self.manager.publish_if_due()
 
     # ------------------------------------------------------------------ user API
-    def callback(self) -> Any:
+    def callback(self) -> DiLoCoCallback:
         """A Hugging Face `TrainerCallback` that runs this outer loop inside ``trainer.train()``."""
         from composer_replication.diloco.callback import DiLoCoCallback
 

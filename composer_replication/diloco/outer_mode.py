@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, Self
 
 import torch
 from torch import nn
@@ -37,6 +37,9 @@ from composer_replication.exchange.robust import AggregatePolicy, LossProbe
 from composer_replication.exchange.signing import RunKeys
 from composer_replication.exchange.store import ObjectStore
 from composer_replication.exchange.store_manager import RoundRecord
+
+if TYPE_CHECKING:
+    from transformers import TrainerCallback
 
 __all__ = [
     "GlobalWeights",
@@ -81,16 +84,16 @@ class OuterLoop(Protocol):
     @property
     def history(self) -> Sequence[RoundRecord]: ...
 
-    def bind(self, *, model: nn.Module | None = ..., optimizer: Any = ...) -> Any: ...
+    def bind(self, *, model: nn.Module | None = ..., optimizer: Any = ...) -> Self: ...
 
-    def __enter__(self) -> Any: ...
+    def __enter__(self) -> Self: ...
 
     def __exit__(
         self,
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
         tb: TracebackType | None,
-    ) -> Any: ...
+    ) -> bool | None: ...
 
     def record_tokens(self, n: int) -> None: ...
 
@@ -100,7 +103,7 @@ class OuterLoop(Protocol):
 
     def outer_optimizer_state(self) -> dict[str, dict[str, object]]: ...
 
-    def callback(self) -> Any: ...
+    def callback(self) -> TrainerCallback: ...
 
 
 @dataclass(frozen=True)
@@ -139,7 +142,7 @@ class ReplicaLoop:
     outer: OuterLoop
     start_round: int
     start_step: int
-    heartbeat: Callable[[], dict[str, Any]]
+    heartbeat: Callable[[], dict[str, object]]
     close: Callable[[], None] = field(default=_no_op)
 
 
@@ -155,7 +158,7 @@ class RunShape:
 
 
 class SynchronizerStats(Protocol):
-    def as_dict(self) -> dict[str, Any]: ...
+    def as_dict(self) -> dict[str, object]: ...
 
 
 class Synchronizing(Protocol):

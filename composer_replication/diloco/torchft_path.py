@@ -413,7 +413,7 @@ def build_torchft_manager(
     store_port: int = 0,
     manager_port: int = 0,
     load_state_dict: Callable[[Any], None] | None = None,
-    state_dict: Callable[[], Any] | None = None,
+    state_dict: Callable[[], object] | None = None,
     init_sync: bool = True,
     states: RunDocuments | None = None,
 ) -> TorchFTManager:
@@ -443,7 +443,7 @@ def build_torchft_manager(
     if not replica_id:
         raise ValueError("replica_id must be a non-empty string, unique per replica group")
     _require_torchft()
-    from torch.distributed import TCPStore  # type: ignore[attr-defined]  # not in the stubs
+    from torch.distributed import TCPStore
     from torchft.manager import Manager
     from torchft.process_group import ProcessGroupGloo
 

@@ -58,7 +58,6 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any
 
 import torch
 
@@ -164,7 +163,7 @@ class ObjectStoreAllReduce(RunDocuments):
         codec: str = "fp32",
         min_replicas: int | None = None,
         weighting: WeightingName = "equal",
-        storage_options: dict[str, Any] | None = None,
+        storage_options: dict[str, object] | None = None,
         keep_steps: int = 4,
         poll_interval_s: float = 0.1,
         checksum: str | None = None,

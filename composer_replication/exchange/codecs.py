@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol, TypeGuard, get_args
 
 import torch
 
@@ -53,6 +53,7 @@ from composer_replication.exchange.sparse import SparseSpec
 __all__ = [
     "CHUNK",
     "CODECS",
+    "CodecName",
     "DENSE",
     "PASS_BLOCKS",
     "QUANTISED",
@@ -71,6 +72,7 @@ __all__ = [
     "encode",
     "expected_parts",
     "get",
+    "is_codec_name",
     "max_abs_error_bound",
     "num_blocks",
     "wire_size",
@@ -161,8 +163,12 @@ _REGISTRY: dict[str, _Entry] = {
 }
 _DEFAULTS: dict[str, Codec] = {name: e.build(e.config_type()) for name, e in _REGISTRY.items()}
 
-CODECS: tuple[str, ...] = tuple(_REGISTRY)
+CodecName = Literal["fp32", "bf16", "int8", "4bit", "sparseloco"]
+"""The registry's names as a type (the run config's ``diloco.codec``)."""
+CODECS: tuple[CodecName, ...] = get_args(CodecName)
 """Every codec name (the run config's ``diloco.codec`` choices come from here)."""
+if tuple(_REGISTRY) != CODECS:  # one entry per name, in the Literal's order
+    raise RuntimeError(f"CodecName {CODECS} does not list the codec registry {tuple(_REGISTRY)}")
 DENSE: tuple[str, ...] = (codec_fp32.NAME, codec_bf16.NAME, codec_int8.NAME, codec_4bit.NAME)
 """The codecs that put every element on the wire."""
 QUANTISED: tuple[str, ...] = (codec_int8.NAME, codec_4bit.NAME)
@@ -170,9 +176,14 @@ QUANTISED: tuple[str, ...] = (codec_int8.NAME, codec_4bit.NAME)
 SPARSE = sparse.NAME
 
 
-def check_codec(codec: str) -> str:
+def is_codec_name(name: object) -> TypeGuard[CodecName]:
+    """Whether ``name`` is a registered codec (narrows it to `CodecName` for mypy)."""
+    return name in CODECS
+
+
+def check_codec(codec: str) -> CodecName:
     """Return ``codec`` if known, else raise ValueError listing the valid names."""
-    if codec not in _REGISTRY:
+    if not is_codec_name(codec):
         raise ValueError(f"unknown codec {codec!r}; choose one of {', '.join(CODECS)}")
     return codec
 

@@ -15,6 +15,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -115,7 +116,7 @@ class RunDocuments:
         *,
         round: int,
         name: str = "global",
-        extra: dict[str, Any] | None = None,
+        extra: Mapping[str, object] | None = None,
         stride: int = 1,
     ) -> bool:
         """put-if-absent a full state dict for ``round``; False if that round already exists.

@@ -37,7 +37,6 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
 
 from composer_replication.exchange.store import Store
 
@@ -267,7 +266,7 @@ class Lease:
         except OSError as e:  # housekeeping only
             log.warning("lease %s: deleting old epochs failed: %r", self.name, e)
 
-    def info(self) -> dict[str, Any]:
+    def info(self) -> dict[str, object]:
         """JSON-able view for status documents."""
         with self._lock:
             return {

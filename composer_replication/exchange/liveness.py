@@ -115,7 +115,7 @@ class Heartbeat:
     state: str
     pid: int | None = None
     host: str | None = None
-    fields: dict[str, Any] = field(default_factory=dict)
+    fields: dict[str, object] = field(default_factory=dict)
 
 
 def write_heartbeat(
@@ -313,7 +313,7 @@ class RunHealth:
     alive_workers: int
     expected_workers: int
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> dict[str, object]:
         return {
             "state": self.state,
             "reasons": list(self.reasons),

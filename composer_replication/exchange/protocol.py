@@ -33,7 +33,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -160,7 +160,7 @@ def encode_contribution(
     inner_steps: int | None,
     codec: str,
     checksum: str | None = None,
-    extra: dict[str, Any] | None = None,
+    extra: Mapping[str, object] | None = None,
     writer: str | None = None,
     keys: RunKeys | None = None,
     sparse: codecs.SparseSpec | None = None,

@@ -10,9 +10,9 @@ the codec names `codecs.CODECS`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any
 
-from composer_replication.exchange.codecs import CODECS
+from composer_replication.exchange.codecs import CodecName
 from composer_replication.exchange.robust import (
     AggregateName,
     AggregatePolicy,
@@ -22,11 +22,6 @@ from composer_replication.exchange.robust import (
 from composer_replication.fields import require, setting
 
 __all__ = ["CodecName", "ExchangeConfig", "default_quorum"]
-
-if TYPE_CHECKING:
-    CodecName = str
-else:  # the codec registry's names as a Literal choice (the loader validates against it)
-    CodecName = Literal[CODECS]
 
 
 def default_quorum(n_replicas: int) -> int:

@@ -85,7 +85,7 @@ def new_run_id() -> str:
     return secrets.token_hex(16)
 
 
-def canonical_bytes(record: Mapping[str, Any]) -> bytes:
+def canonical_bytes(record: Mapping[str, object]) -> bytes:
     """What is signed: DOMAIN + the record without ``signature`` as canonical JSON."""
     body = {k: v for k, v in record.items() if k != "signature"}
     try:
@@ -136,11 +136,11 @@ def public_key_of(private_hex: str) -> str:
     return key.public_bytes(Encoding.Raw, PublicFormat.Raw).hex()
 
 
-def _sign(private_key: Ed25519PrivateKey, record: Mapping[str, Any]) -> str:
+def _sign(private_key: Ed25519PrivateKey, record: Mapping[str, object]) -> str:
     return private_key.sign(canonical_bytes(record)).hex()
 
 
-def _verify(public_key: Ed25519PublicKey, record: Mapping[str, Any], signature: str) -> bool:
+def _verify(public_key: Ed25519PublicKey, record: Mapping[str, object], signature: str) -> bool:
     from cryptography.exceptions import InvalidSignature
 
     try:
@@ -235,7 +235,7 @@ class RunKeys:
     def can_sign(self) -> bool:
         return self._private_key is not None
 
-    def sign(self, record: Mapping[str, Any]) -> dict[str, Any]:
+    def sign(self, record: Mapping[str, object]) -> dict[str, object]:
         """``record`` plus ``run_id``, ``signer`` (this identity) and ``signature``."""
         if self._private_key is None or self.identity is None:
             raise ValueError("these RunKeys hold no private key; they can only verify")
@@ -245,7 +245,7 @@ class RunKeys:
         out["signature"] = _sign(self._private_key, out)
         return out
 
-    def verify(self, record: Mapping[str, Any], *, signers: Collection[str], what: str) -> None:
+    def verify(self, record: Mapping[str, object], *, signers: Collection[str], what: str) -> None:
         """Raise SignatureError unless ``record`` is signed, for this run, by one of ``signers``
         (identities; ``"rank-*"`` allows any rank)."""
         signature = record.get("signature")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
@@ -111,7 +111,7 @@ def encode_state(
     *,
     name: str,
     round: int,
-    extra: dict[str, Any] | None,
+    extra: Mapping[str, object] | None,
     keys: RunKeys | None = None,
 ) -> bytes:
     """Serialise a full state dict losslessly (header signed with ``keys``). Tensors are

@@ -48,9 +48,12 @@ import threading
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from fsspec import AbstractFileSystem
 
 __all__ = [
     "REQUEST_KINDS",
@@ -148,16 +151,16 @@ class Store(Protocol):
 class ObjectStore:
     """Keys are '/'-separated paths relative to the run prefix ``uri`` (see the module)."""
 
-    def __init__(self, uri: str, storage_options: dict[str, Any] | None = None) -> None:
+    def __init__(self, uri: str, storage_options: dict[str, object] | None = None) -> None:
         self._uri = normalize_uri(uri)
         self.protocol = self._uri.partition("://")[0]
-        self.storage_options: dict[str, Any] = dict(storage_options or {})
+        self.storage_options: dict[str, object] = dict(storage_options or {})
         self._options = dict(self.storage_options)
         if self.protocol in ("s3", "s3a", "gs", "gcs"):
             # A cached listing makes s3fs/gcsfs answer "not found" for objects created after
             # it was taken, without asking the server; the protocol polls, so never cache.
             self._options.setdefault("use_listings_cache", False)
-        self._fs: Any = None
+        self._fs: AbstractFileSystem | None = None
         self._root = ""
         self._requests = RequestCounter()
         self.write_guard: Callable[[], None] | None = None  # called before each write/delete
@@ -191,7 +194,7 @@ class ObjectStore:
         """The URI of the sub-prefix ``key`` (ends in '/')."""
         return self._uri + key.strip("/") + "/"
 
-    def _filesystem(self) -> Any:
+    def _filesystem(self) -> AbstractFileSystem:
         if self._fs is None:
             import fsspec
 
@@ -289,7 +292,7 @@ class ObjectStore:
         except FileNotFoundError:
             return None
 
-    def _s3_get(self, fs: Any, path: str) -> bytes | None:
+    def _s3_get(self, fs: AbstractFileSystem, path: str) -> bytes | None:
         """One ranged GET for objects under ``_FIRST_READ`` (and for absent ones): s3fs's plain
         ``cat_file`` sends a HEAD first, and for an absent key a LIST too, which polling for
         peers' objects would pay every time. Larger objects: their size (one HEAD), then the rest

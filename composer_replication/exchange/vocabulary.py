@@ -142,7 +142,7 @@ class CommitRecord(TypedDict):
     trim: NotRequired[int]
     weighting: NotRequired[str]
     tokens: NotRequired[dict[str, int | None]]
-    decisions: NotRequired[dict[str, dict[str, Any]]]  # rank -> robust.Decision.to_json()
+    decisions: NotRequired[dict[str, dict[str, object]]]  # rank -> robust.Decision.to_json()
     committed_by: NotRequired[int]
     run_id: NotRequired[str]
     signer: NotRequired[str]

@@ -164,7 +164,7 @@ class ModalExecutor(ExecutorBase):
         image = self.image
         if isinstance(image, str):
             image = m.Image.from_registry(image, add_python=self.add_python)
-        volumes: dict[str, Any] = {}
+        volumes: dict[str, object] = {}
         if self.bucket_mount:
             b = self.bucket_mount
             volumes[b["mount_path"]] = m.CloudBucketMount(

@@ -163,7 +163,7 @@ class RayExecutor(ExecutorBase):
         arg_style: str = "auto",
         grace_period: float = 5.0,
         poll_interval: float = 0.2,
-        ray_init_kwargs: dict[str, Any] | None = None,
+        ray_init_kwargs: dict[str, object] | None = None,
         shared_filesystem: bool | None = None,
     ) -> None:
         self._ray = _import_ray()
@@ -209,7 +209,7 @@ class RayExecutor(ExecutorBase):
     def _ensure_ray(self) -> None:
         ray = self._ray
         if not ray.is_initialized():
-            kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}
+            kwargs: dict[str, object] = {"include_dashboard": False, "log_to_driver": False}
             if self.address is None and self.init_num_cpus is not None:
                 kwargs["num_cpus"] = self.init_num_cpus
             kwargs.update(self.ray_init_kwargs)
@@ -258,7 +258,7 @@ class RayExecutor(ExecutorBase):
         """The rank's own secrets go into its actor's ``runtime_env`` env_vars (the replica
         process inherits the actor's environment), not into the task arguments."""
         self._ensure_ray()
-        options: dict[str, Any] = {**self.defaults, **resources, "max_concurrency": 4}
+        options: dict[str, object] = {**self.defaults, **resources, "max_concurrency": 4}
         if self.runtime_env is not None:
             options["runtime_env"] = self.runtime_env
         if secrets:

@@ -285,7 +285,7 @@ class SageMakerExecutor(ExecutorBase):
             )["events"]
             return [e["message"] for e in events]
         out: list[str] = []
-        kwargs: dict[str, Any] = {
+        kwargs: dict[str, object] = {
             "logGroupName": LOG_GROUP,
             "logStreamName": stream,
             "startFromHead": True,

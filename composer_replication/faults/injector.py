@@ -226,7 +226,7 @@ class ChaosInjector:
     synchronizer_pid: Callable[[], int | None] | None = None
     upload_wait_s: float = 60.0
     seed: int = 0
-    log: list[dict[str, Any]] = field(default_factory=list)
+    log: list[dict[str, object]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         for ev in self.events:

@@ -47,7 +47,11 @@ import string
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 __all__ = [
     "BPE_VOCAB_SIZE",
@@ -93,7 +97,7 @@ CACHE_ENV = "COMPOSER_REPLICATION_CACHE"
 _CACHE_FORMAT = 2
 
 
-def _require_transformers() -> Any:
+def _require_transformers() -> tuple[ModuleType, ModuleType]:
     try:
         import tokenizers
         import transformers
@@ -129,7 +133,7 @@ def _byte_symbols(text: str) -> list[str]:
     return [sym for piece, _ in byte_level.pre_tokenize_str(text) for sym in piece]
 
 
-def _vocab_and_merges(backend: Any) -> tuple[dict[str, int], list[tuple[str, str]]]:
+def _vocab_and_merges(backend: Tokenizer) -> tuple[dict[str, int], list[tuple[str, str]]]:
     """The BPE vocabulary and merges of a `tokenizers.Tokenizer` (from its JSON form)."""
     model = json.loads(backend.to_str())["model"]
     if model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
@@ -192,7 +196,7 @@ def _bpe_key(texts: list[str], vocab_size: int, min_frequency: int) -> str:
     return h.hexdigest()
 
 
-def _train_bpe(texts: list[str], vocab_size: int, min_frequency: int) -> Any:
+def _train_bpe(texts: list[str], vocab_size: int, min_frequency: int) -> Tokenizer:
     """A trained backend: the BPE model learnt on the pipeline of an empty `Qwen2Tokenizer`
     (its normalizer and pre-tokenizer), so the merges are the ones it will apply."""
     _, tokenizers = _require_transformers()
@@ -212,7 +216,7 @@ def _train_bpe(texts: list[str], vocab_size: int, min_frequency: int) -> Any:
     return backend
 
 
-def _check_backend(backend: Any) -> str | None:
+def _check_backend(backend: Tokenizer) -> str | None:
     """None if the special tokens sit at ids 0-4 and every charset character is known."""
     for i, special in enumerate(_SPECIALS):
         if backend.token_to_id(special) != i:
@@ -227,7 +231,7 @@ def _check_backend(backend: Any) -> str | None:
     return None
 
 
-def _load_cached(folder: Path, key: str) -> Any | None:
+def _load_cached(folder: Path, key: str) -> Tokenizer | None:
     """The cached backend in `folder` if it is valid for `key`, else None (warning if damaged)."""
     meta_path, tok_path = folder / "meta.json", folder / "tokenizer.json"
     if not meta_path.exists() and not tok_path.exists():
@@ -261,7 +265,7 @@ def _write_atomic(path: Path, text: str) -> None:
         raise
 
 
-def _store(folder: Path, key: str, backend: Any) -> None:
+def _store(folder: Path, key: str, backend: Tokenizer) -> None:
     text = backend.to_str()
     try:
         folder.mkdir(parents=True, exist_ok=True)

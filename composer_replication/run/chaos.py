@@ -76,7 +76,7 @@ def run_local(
     *,
     n: int,
     entrypoint: str,
-    args: Sequence[Any],
+    args: Sequence[object],
     env: dict[str, str],
     store: ObjectStore,
     events: Sequence[ChaosEventConfig] = (),

@@ -22,8 +22,12 @@ import json
 import shutil
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from composer_replication.exchange.store import ObjectStore
 
@@ -47,11 +51,11 @@ def save_checkpoint(
     store: ObjectStore,
     *,
     name: str,
-    model: Any,
-    tokenizer: Any | None,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase | None,
     round: int,
     step: int,
-    outer_state: dict[str, Any] | None = None,
+    outer_state: Mapping[str, object] | None = None,
 ) -> str:
     """Write a complete checkpoint under checkpoints/<name>/ and commit it; return its key.
 

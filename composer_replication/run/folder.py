@@ -114,7 +114,7 @@ class RunFolder:
         tmp.write_text(json.dumps(state, indent=1, default=str))
         os.replace(tmp, self.driver_json)
 
-    def update_driver(self, **changes: Any) -> dict[str, Any]:
+    def update_driver(self, **changes: object) -> dict[str, Any]:
         state = self.read_driver()
         state.update(changes)
         self.write_driver(state)

@@ -32,7 +32,7 @@ import math
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from composer_replication.exchange.store import ObjectStore
 
@@ -44,10 +44,13 @@ __all__ = [
     "read_metrics",
 ]
 
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
+
 KINDS = ("train", "eval", "round", "event")
 
 
-def _clean(value: Any) -> Any:
+def _clean(value: object) -> object:
     """JSON-safe scalar: tensors/numpy to float, NaN/inf to None."""
     if hasattr(value, "item"):
         value = value.item()
@@ -75,16 +78,21 @@ class ReplicaMetricsWriter:
         self.store = store
         self.rank = rank
         self.flush_every_s = flush_every_s
-        self._buffer: list[dict[str, Any]] = []
+        self._buffer: list[dict[str, object]] = []
         self._last_flush = time.monotonic()
         existing = [n for n in store.list(chunk_dir(rank)) if n.endswith(".jsonl")]
         self._seq = 1 + max((int(n.split(".")[0]) for n in existing), default=-1)
-        self._status: dict[str, Any] = {}
+        self._status: dict[str, object] = {}
 
-    def log(self, kind: str, *, step: int, round: int, **values: Any) -> None:
+    def log(self, kind: str, *, step: int, round: int, **values: object) -> None:
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-        record = {"time": time.time(), "replica": self.rank, "kind": kind, "step": int(step)}
+        record: dict[str, object] = {
+            "time": time.time(),
+            "replica": self.rank,
+            "kind": kind,
+            "step": int(step),
+        }
         record["round"] = int(round)
         for key, value in values.items():
             value = _clean(value)
@@ -106,7 +114,7 @@ class ReplicaMetricsWriter:
         if self._status:
             self.store.put_json(status_key(self.rank), self._status)
 
-    def status(self, *, force: bool = False, **fields: Any) -> None:
+    def status(self, *, force: bool = False, **fields: object) -> None:
         """Update this replica's status document (uploaded with the next flush, or now)."""
         self._status.update({k: _clean(v) for k, v in fields.items()})
         self._status["rank"] = self.rank
@@ -121,7 +129,7 @@ class MetricsSink:
     def __init__(self, metrics_path: Path, tensorboard_dir: Path | None = None) -> None:
         self.metrics_path = metrics_path
         self.tensorboard_dir = tensorboard_dir
-        self._writers: dict[int, Any] = {}
+        self._writers: dict[int, SummaryWriter] = {}
         if tensorboard_dir is not None:
             # Import now, not at the first record: a slow import mid-run delays the display, and
             # a missing package should fail before any replica starts.
@@ -129,7 +137,7 @@ class MetricsSink:
 
             self._summary_writer = SummaryWriter
 
-    def _writer(self, replica: int) -> Any:
+    def _writer(self, replica: int) -> SummaryWriter:
         if replica not in self._writers:
             assert self.tensorboard_dir is not None
             path = self.tensorboard_dir / f"replica-{replica}"

@@ -15,12 +15,16 @@ from __future__ import annotations
 import json
 import math
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from composer_replication.run.folder import RunFolder
 from composer_replication.run.metrics import read_metrics
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 __all__ = [
     "device_lines",
@@ -131,11 +135,11 @@ LOSS_RISE_LINE = (
 )
 
 
-def _num(value: Any, digits: int = 3) -> str:
+def _num(value: float | None, digits: int = 3) -> str:
     return "n/a" if value is None else f"{value:.{digits}f}"
 
 
-def losses_rose(summary: dict[str, Any]) -> bool:
+def losses_rose(summary: Mapping[str, object]) -> bool:
     """Whether channel 2 or 3 ended above where it started (last vs first 10% of steps)."""
     for ch in LOSS_CHANNELS[1:]:
         first, last = summary.get(f"{ch.key}_first10"), summary.get(f"{ch.key}_last10")
@@ -187,7 +191,7 @@ def headline_lines(summary: dict[str, Any], *, eval_n: int | None = None) -> lis
     return lines
 
 
-def _number(value: Any) -> float | None:
+def _number(value: object) -> float | None:
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
@@ -375,13 +379,13 @@ def health_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def _figure(title: str, ylabel: str, nrows: int = 1) -> tuple[Any, Any]:
+def _figure(title: str, ylabel: str, nrows: int = 1) -> tuple[Figure, list[Axes]]:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(7, 3.2 * nrows), dpi=100)
     FigureCanvasAgg(fig)
-    axes = fig.subplots(nrows, 1, squeeze=False)[:, 0]
+    axes: list[Axes] = list(fig.subplots(nrows, 1, squeeze=False)[:, 0])
     axes[0].set_title(title)
     for ax in axes:
         ax.set_ylabel(ylabel)
@@ -391,7 +395,7 @@ def _figure(title: str, ylabel: str, nrows: int = 1) -> tuple[Any, Any]:
 
 
 def _plot_series(
-    ax: Any, series: dict[int, list[tuple[int, float]]], legend: str = "replica {replica}"
+    ax: Axes, series: dict[int, list[tuple[int, float]]], legend: str = "replica {replica}"
 ) -> None:
     for replica, points in series.items():
         xs, ys = zip(*points)
@@ -410,7 +414,7 @@ def draw_plots(records: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
 
-    def save(fig: Any, name: str) -> None:
+    def save(fig: Figure, name: str) -> None:
         path = out_dir / name
         fig.tight_layout()
         fig.savefig(path)
@@ -445,7 +449,7 @@ def draw_plots(records: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     return written
 
 
-def _plot_rounds(records: list[dict[str, Any]], save: Callable[[Any, str], None]) -> None:
+def _plot_rounds(records: list[dict[str, Any]], save: Callable[[Figure, str], None]) -> None:
     """Seconds and MB exchanged per outer round."""
     seconds = _series(records, "round", "round/seconds")
     if not seconds:
@@ -462,7 +466,9 @@ def _plot_rounds(records: list[dict[str, Any]], save: Callable[[Any, str], None]
     save(fig, "outer_rounds.png")
 
 
-def _plot_time_breakdown(records: list[dict[str, Any]], save: Callable[[Any, str], None]) -> None:
+def _plot_time_breakdown(
+    records: list[dict[str, Any]], save: Callable[[Figure, str], None]
+) -> None:
     """Where the time of each outer round goes (one replica)."""
     breakdown = _time_breakdown(records)
     if not breakdown:
@@ -481,7 +487,7 @@ def _plot_time_breakdown(records: list[dict[str, Any]], save: Callable[[Any, str
     save(fig, "time_breakdown.png")
 
 
-def _plot_throughput(records: list[dict[str, Any]], save: Callable[[Any, str], None]) -> None:
+def _plot_throughput(records: list[dict[str, Any]], save: Callable[[Figure, str], None]) -> None:
     """Inner steps (and tokens) per second, per outer round."""
     pace = _series(records, "round", "round/steps_per_s")
     if not pace:
@@ -495,7 +501,7 @@ def _plot_throughput(records: list[dict[str, Any]], save: Callable[[Any, str], N
     save(fig, "throughput.png")
 
 
-def _plot_health(records: list[dict[str, Any]], save: Callable[[Any, str], None]) -> None:
+def _plot_health(records: list[dict[str, Any]], save: Callable[[Figure, str], None]) -> None:
     """The run state over time, and the synchronizer's merges."""
     points = _health_points(records)
     if not points:
@@ -566,7 +572,7 @@ def _time_breakdown(
     return replica, rows
 
 
-def _fmt(value: Any, digits: int = 3) -> str:
+def _fmt(value: object, digits: int = 3) -> str:
     if value is None:
         return "n/a"
     if isinstance(value, float):
@@ -652,7 +658,7 @@ def summary_markdown(
     return "\n".join(lines)
 
 
-def _fmt_interval(ci: Any) -> str:
+def _fmt_interval(ci: object) -> str:
     if not isinstance(ci, list | tuple) or len(ci) != 2:
         return "n/a"
     return f"{ci[0]:.3f} - {ci[1]:.3f}"

@@ -20,7 +20,7 @@ global weights, identical on every replica) and in `on_train_end` the final glob
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -143,7 +143,7 @@ class ReplicaReporter(TrainerCallback):
         save_final: bool,
         evaluator_rank: int = 0,
         last_round: int | None = None,
-        ood_examples: list[Any] | None = None,
+        ood_examples: list[Example] | None = None,
     ) -> None:
         self.writer = writer
         self.store = store
@@ -174,7 +174,7 @@ class ReplicaReporter(TrainerCallback):
     def _round(self) -> int:
         return int(self.outer.round)
 
-    def _status(self, state_name: str, step: int, *, force: bool = False, **extra: Any) -> None:
+    def _status(self, state_name: str, step: int, *, force: bool = False, **extra: object) -> None:
         self.writer.status(
             force=force,
             state=state_name,
@@ -226,7 +226,11 @@ class ReplicaReporter(TrainerCallback):
 
     # -- callback events
     def on_train_begin(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        **kwargs: Any,
     ) -> None:
         step = self._step(state)
         self.writer.log("event", step=step, round=self._round(), event="train_begin")
@@ -242,8 +246,8 @@ class ReplicaReporter(TrainerCallback):
         args: TrainingArguments,
         state: TrainerState,
         control: TrainerControl,
-        logs: Any = None,
-        **kwargs: Any,
+        logs: Mapping[str, object] | None = None,
+        **kwargs: object,
     ) -> None:
         if not logs or "train_runtime" in logs:
             return
@@ -259,7 +263,11 @@ class ReplicaReporter(TrainerCallback):
         self._status("training", step)
 
     def on_step_end(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        **kwargs: Any,
     ) -> None:
         step = self._step(state)
         committed = self.log_new_rounds(step)
@@ -354,7 +362,11 @@ class ReplicaReporter(TrainerCallback):
             self.writer.log("event", step=step, round=rnd, event="refused", reason=why)
 
     def on_train_end(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        **kwargs: Any,
     ) -> None:
         # DiLoCo's callback ran first and loaded the final global weights into the model.
         model = kwargs.get("model")
@@ -393,15 +405,23 @@ class ResumeStateWriter(TrainerCallback):
         self.store, self.rank, self.outer, self.trainer = store, rank, outer, trainer
         self.sync_every_h, self.keep_rounds, self.flush = sync_every_h, keep_rounds, flush
         self._round: int | None = None
-        self._pending: tuple[int, int, dict[str, Any]] | None = None
+        self._pending: tuple[int, int, dict[str, object]] | None = None
 
     def on_train_begin(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        **kwargs: object,
     ) -> None:
         self._round = int(self.outer.round)  # bound by the DiLoCo callback by now
 
     def on_step_end(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        **kwargs: object,
     ) -> None:
         rnd = int(self.outer.round)
         if rnd == self._round:
@@ -420,8 +440,8 @@ class ResumeStateWriter(TrainerCallback):
         args: TrainingArguments,
         state: TrainerState,
         control: TrainerControl,
-        logs: Any = None,
-        **kwargs: Any,
+        logs: Mapping[str, object] | None = None,
+        **kwargs: object,
     ) -> None:
         self._write()
 

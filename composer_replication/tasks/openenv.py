@@ -125,7 +125,7 @@ class OpenEnvTask(Task):
         answer_field: str | None = None,
         reward_range: Sequence[float] = (0.0, 1.0),
         success_reward: float | None = None,
-        reset_kwargs: dict[str, Any] | None = None,
+        reset_kwargs: dict[str, object] | None = None,
         timeout_s: float = 60.0,
         capacity_wait_s: float = 30.0,
     ) -> None:
@@ -421,7 +421,7 @@ class OpenEnvTask(Task):
             self._prompt_of(self._reset(0))
             self._resolve_action_field()
 
-    def _sample(self, rng: random.Random) -> tuple[str, str, dict[str, Any]]:
+    def _sample(self, rng: random.Random) -> tuple[str, str, dict[str, object]]:
         seed = rng.randrange(_SEED_SPACE)
         with self._lock:
             obs = self._reset(seed)

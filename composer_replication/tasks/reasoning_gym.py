@@ -57,7 +57,7 @@ class ReasoningGymTask(Task):
         n_train: int = 256,
         n_eval: int = 64,
         dataset: str = "basic_arithmetic",
-        config: dict[str, Any] | None = None,
+        config: dict[str, object] | None = None,
     ) -> None:
         super().__init__(seed=seed, n_train=n_train, n_eval=n_eval)
         rg = _require_reasoning_gym()
@@ -83,14 +83,14 @@ class ReasoningGymTask(Task):
             self._generator = rg.create_dataset(dataset, seed=seed, size=self._space, **self.config)
         except TypeError as exc:
             raise ValueError(f"bad config for reasoning-gym dataset {dataset!r}: {exc}") from exc
-        self._entries: dict[int, dict[str, Any]] = {}
+        self._entries: dict[int, dict[str, object]] = {}
 
-    def _entry(self, index: int) -> dict[str, Any]:
+    def _entry(self, index: int) -> dict[str, object]:
         if index not in self._entries:
             self._entries[index] = self._generator[index]
         return self._entries[index]
 
-    def _sample(self, rng: random.Random) -> tuple[str, str, dict[str, Any]]:
+    def _sample(self, rng: random.Random) -> tuple[str, str, dict[str, object]]:
         index = rng.randrange(self._space)
         entry = self._entry(index)
         return (

@@ -56,14 +56,16 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, Literal
 
 from composer_replication.tasks import confine
 
 _CHILD = str(Path(__file__).with_name("_sandbox_child.py"))
 _CLONE_NEWNET = 0x40000000
 _CLONE_NEWUSER = 0x10000000
-_unshare: Any = None  # libc.unshare, resolved once in the parent (never import inside preexec_fn)
+_unshare: Callable[[int], int] | Literal[False] | None = (
+    None  # libc.unshare, resolved once in the parent (never import inside preexec_fn)
+)
 # preexec_fn runs Python in the forked child; forking from several of our threads at once is the
 # documented deadlock risk of preexec_fn, so spawns are serialised (waiting still runs in parallel).
 _SPAWN_LOCK = threading.Lock()
@@ -141,7 +143,7 @@ class SandboxResult:
         return None
 
 
-def _resolve_unshare() -> Any:
+def _resolve_unshare() -> Callable[[int], int] | Literal[False]:
     global _unshare
     if _unshare is None:
         try:
@@ -157,7 +159,10 @@ def _resolve_unshare() -> Any:
 
 
 def _preexec(
-    limits: SandboxLimits, unshare: Any, ruleset: int | None = None, seccomp: Any = None
+    limits: SandboxLimits,
+    unshare: Callable[[int], int] | Literal[False] | None,
+    ruleset: int | None = None,
+    seccomp: Any = None,
 ) -> Callable[[], None]:
     mem, cpu, fsize = limits.memory_bytes, limits.cpu_seconds, limits.file_bytes
     nofile = limits.open_files
@@ -227,7 +232,11 @@ def _parse(raw: bytes, nonce: str) -> tuple[list[dict[str, object]], bool]:
 
 
 def _spawn(
-    limits: SandboxLimits, unshare: Any, work: Path, stdin: Any, stdout: Any
+    limits: SandboxLimits,
+    unshare: Callable[[int], int] | Literal[False] | None,
+    work: Path,
+    stdin: BinaryIO,
+    stdout: BinaryIO,
 ) -> tuple[subprocess.Popen[bytes], int, bool]:
     """Start the child; returns it, the Landlock ABI enforced on it (0 = none) and whether the
     seccomp filter is installed."""

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from composer_replication.data.hints import HintTemplate, coerce_hint_template
 from composer_replication.loss import FUSED_JSD_BACKENDS, TAID_T_START, ComposeConfig
@@ -106,7 +105,7 @@ class ComposerSettings:
             kwargs["taid_t"] = TAID_T_START
         ComposeConfig.from_kwargs(kwargs)  # validates every loss keyword now, not at step 1
 
-    def loss_kwargs(self) -> dict[str, Any]:
+    def loss_kwargs(self) -> dict[str, object]:
         return {k: getattr(self, k) for k in LOSS_KEYS}
 
     @property

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+from torch import nn
 
 from composer_replication.loss import completion_logps
 from composer_replication.trainer.batch import Pair
@@ -38,7 +39,7 @@ def reference_from_memory(model: Any, beta: float) -> Iterator[None]:
 
     original = grpo_module.create_model_from_path
 
-    def from_memory(model_id: str, **kwargs: Any) -> Any:
+    def from_memory(model_id: str, **kwargs: object) -> nn.Module:
         ref = frozen_copy(model)
         dtype = kwargs.get("dtype")
         return ref.to(dtype) if isinstance(dtype, torch.dtype) else ref

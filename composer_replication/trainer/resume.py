@@ -93,11 +93,11 @@ class EpochSampler(Sampler[int]):
         yield from self.inner
 
 
-def get_rng_state() -> dict[str, Any]:
+def get_rng_state() -> dict[str, object]:
     """python, numpy, torch (CPU) and CUDA generator states as tensors and JSON scalars."""
     version, internal, gauss = random.getstate()
     name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
-    state: dict[str, Any] = {
+    state: dict[str, object] = {
         "python": [int(version), [int(x) for x in internal], gauss],
         "numpy": {
             "name": str(name),

@@ -484,7 +484,9 @@ class ComposerReplicationTrainer(GRPOTrainer):
         self._train_sampler = sampler
         return sampler
 
-    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+    def _load_from_checkpoint(
+        self, resume_from_checkpoint: str, model: nn.Module | None = None
+    ) -> None:
         if self._pending_resume is None:
             super()._load_from_checkpoint(resume_from_checkpoint, model)
         # else: the weights are loaded with the RNG states, right before the first step

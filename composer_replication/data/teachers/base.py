@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from composer_replication.data.traces import Prompt
 
@@ -44,7 +44,7 @@ class TeacherClient(Protocol):
     def complete(self, prompts: Sequence[Prompt]) -> list[TeacherCompletion]: ...
 
 
-def as_messages(prompt: Prompt) -> list[dict[str, Any]]:
+def as_messages(prompt: Prompt) -> list[dict[str, object]]:
     """A prompt as chat messages (a plain string is one user message)."""
     if isinstance(prompt, str):
         return [{"role": "user", "content": prompt}]

@@ -49,6 +49,13 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 if TYPE_CHECKING:
     import torch
+    from transformers import (
+        GenerationConfig,
+        TrainerCallback,
+        TrainerControl,
+        TrainerState,
+        TrainingArguments,
+    )
 
     from composer_replication.config import RunConfig
     from composer_replication.data.traces import Prompt, TraceJson, TraceRecord, TraceStore
@@ -164,8 +171,8 @@ class GeneratorActor(Actor):
         prompts: list[Prompt],
         weights: dict[str, torch.Tensor] | None,
         version: int,
-        generation_config: Any,
-    ) -> dict[str, list[list[Any]]]:
+        generation_config: GenerationConfig,
+    ) -> dict[str, list[list[int]] | list[list[float]]]:
         """One completion per prompt (prompts arrive repeated ``num_generations`` times, as TRL
         hands them out): ``prompt_ids``, ``completion_ids``, ``logprobs`` (sampled tokens)."""
         import torch
@@ -208,7 +215,7 @@ class GeneratorActor(Actor):
         return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs}
 
 
-def _chat_ids(tokenizer: Any, prompt: Any) -> list[int]:
+def _chat_ids(tokenizer: Any, prompt: Prompt) -> list[int]:
     """Token ids of a prompt as the policy sees it: chat messages through the chat template
     (with the generation prompt), plain text as is."""
     if isinstance(prompt, str):
@@ -217,7 +224,7 @@ def _chat_ids(tokenizer: Any, prompt: Any) -> list[int]:
     return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
 
 
-def _eos_ids(tokenizer: Any, generation_config: Any) -> set[int]:
+def _eos_ids(tokenizer: Any, generation_config: GenerationConfig) -> set[int]:
     ids = getattr(generation_config, "eos_token_id", None)
     if ids is None:
         ids = tokenizer.eos_token_id
@@ -375,17 +382,23 @@ class _RoundRecorder:
             )
 
 
-def _callback(recorder: _RoundRecorder) -> Any:
+def _callback(recorder: _RoundRecorder) -> TrainerCallback:
     from transformers import TrainerCallback
 
-    class RoundCallback(TrainerCallback):  # type: ignore[misc]
-        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    class RoundCallback(TrainerCallback):
+        def on_step_end(
+            self,
+            args: TrainingArguments,
+            state: TrainerState,
+            control: TrainerControl,
+            **kwargs: object,
+        ) -> None:
             recorder.record(int(state.global_step))
 
     return RoundCallback()
 
 
-def _channel_means(log_history: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+def _channel_means(log_history: Sequence[Mapping[str, float]]) -> dict[str, float]:
     """The mean of each `CHANNEL_METRICS` key over the trainer's log records that have it."""
     out = {}
     for key in CHANNEL_METRICS:

@@ -23,7 +23,7 @@ recipe reads it by attribute (duck typing), never by type, so either class works
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 from torch import Tensor
 
@@ -54,7 +54,7 @@ class CustomLossConfig:
 
     type: Literal["custom"] = "custom"
     import_path: str
-    kwargs: dict[str, Any] = field(default_factory=dict)
+    kwargs: dict[str, object] = field(default_factory=dict)
 
 
 # PRIME-RL's own default loss knobs (``prime_rl.configs.trainer.DefaultLossConfig``): the recipe's

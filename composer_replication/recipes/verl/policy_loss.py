@@ -67,13 +67,13 @@ BATCH_KEYS = CHANNEL2_KEYS + CHANNEL3_KEYS
 LOSS_AGG_MODES = ("token-mean",)
 
 # What composer_ppo_loss hands to the policy loss for the duration of one verl ppo_loss call.
-_BATCH: contextvars.ContextVar[Mapping[str, Any] | None] = contextvars.ContextVar(
+_BATCH: contextvars.ContextVar[Mapping[str, object] | None] = contextvars.ContextVar(
     "composer_verl_batch", default=None
 )
 
 
 @contextmanager
-def batch_context(values: Mapping[str, Any]) -> Iterator[None]:
+def batch_context(values: Mapping[str, object]) -> Iterator[None]:
     """Make ``values`` (batch tensors and settings) visible to ``composer_policy_loss``."""
     token = _BATCH.set(dict(values))
     try:
@@ -108,7 +108,7 @@ def _row_vector(name: str, value: object, rows: int) -> Tensor:
 
 
 def _pairs(
-    log_prob: Tensor, mask: Tensor, batch: Mapping[str, Any], variant: str
+    log_prob: Tensor, mask: Tensor, batch: Mapping[str, object], variant: str
 ) -> tuple[dict[str, Tensor], float]:
     """combine's channel-3 keyword tensors from the rows marked as pairs; and the split count."""
     rows = log_prob.shape[0]
@@ -171,7 +171,7 @@ def composer_policy_loss(
     loss_agg_mode: str = "token-mean",
     config: Any = None,
     rollout_is_weights: Tensor | None = None,
-    **kwargs: Any,
+    **kwargs: object,
 ) -> tuple[Tensor, dict[str, float]]:
     """verl policy-loss function ``composer``; see the module docstring.
 
@@ -245,7 +245,7 @@ def _sampled_sdpo(
     log_prob: Tensor,
     old_log_prob: Tensor,
     mask: Tensor,
-    batch: Mapping[str, Any],
+    batch: Mapping[str, object],
     eps_low: float,
     eps_high: float,
     norm: Tensor,
@@ -309,7 +309,7 @@ def composer_ppo_loss(
             f"actor.policy_loss.loss_mode is {loss_mode!r}; set "
             "actor_rollout_ref.actor.policy_loss.loss_mode=composer"
         )
-    values: dict[str, Any] = dict(settings)
+    values: dict[str, object] = dict(settings)
     keys = set(data.keys())
     for key in BATCH_KEYS:
         if key in keys:

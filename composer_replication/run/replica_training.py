@@ -119,7 +119,7 @@ def run_replica(
             fence=fence,
         )
         heartbeat.fields = loop.heartbeat
-        if _train(_Replica(config, rank, store, loop, task, model, tok, writer)):
+        if _train(_Replica(config, rank, store, loop, task, model, tok, writer, keys)):
             heartbeat.close("done")
         return 0
     except FencedError as exc:  # a newer launch owns the run: leave without another write
@@ -172,6 +172,7 @@ class _Replica:
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
     writer: ReplicaMetricsWriter
+    keys: RunKeys | None = None  # a signed run: this rank signs and checks its resume states
 
 
 def _train(r: _Replica) -> bool:
@@ -184,7 +185,7 @@ def _train(r: _Replica) -> bool:
     resume_state = None
     resumed: dict[str, str | int] = {}
     if mode.lockstep and remaining > 0:  # rounds end at step R * H on every replica
-        resume_state = _own_resume_state(store, rank, start_round)
+        resume_state = _own_resume_state(store, rank, start_round, r.keys)
     elif isinstance(loop.outer, DecoupledLearner):  # each learner's state at its last push
         resume_state, resumed = _learner_resume(store, rank, loop.outer, config.train.max_steps)
         start_step = loop.outer.start_step
@@ -259,6 +260,7 @@ def _add_state_writer(r: _Replica, trainer: ComposerReplicationTrainer) -> None:
                 sync_every_h=r.config.diloco.sync_every_h,
                 keep_rounds=r.config.store.keep_rounds,
                 flush=r.writer.flush,
+                keys=r.keys,
             )
         )
     elif isinstance(r.loop.outer, DecoupledLearner):
@@ -314,13 +316,16 @@ def _reporter(r: _Replica, *, last_round: int | None) -> ReplicaReporter:
     )
 
 
-def _own_resume_state(store: ObjectStore, rank: int, round: int) -> dict[str, Any] | None:
+def _own_resume_state(
+    store: ObjectStore, rank: int, round: int, keys: RunKeys | None = None
+) -> dict[str, Any] | None:
     """This replica's resume state of `round` (None at round 0, or with a one-line warning
-    when it is absent or fails its checks: the replica then starts its inner state afresh)."""
+    when it is absent or fails its checks, or in a signed run is not signed by this rank for
+    this run: the replica then starts its inner state afresh)."""
     if round == 0:
         return None
     try:
-        return load_replica_state(store, rank=rank, round=round)
+        return load_replica_state(store, rank=rank, round=round, keys=keys)
     except ReplicaStateError as exc:
         print(
             f"replica {rank}: {exc}; continuing from the global weights of round {round} "

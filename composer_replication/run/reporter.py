@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from composer_replication.diloco.outer_mode import OuterLoop
+from composer_replication.exchange.signing import RunKeys
 from composer_replication.exchange.store import ObjectStore
 from composer_replication.exchange.store_manager import RoundRecord
 from composer_replication.run.checkpoint import prune_checkpoints, round_dir, save_checkpoint
@@ -401,9 +402,11 @@ class ResumeStateWriter(TrainerCallback):
         sync_every_h: int,
         keep_rounds: int,
         flush: Callable[[], None],
+        keys: RunKeys | None = None,
     ) -> None:
         self.store, self.rank, self.outer, self.trainer = store, rank, outer, trainer
         self.sync_every_h, self.keep_rounds, self.flush = sync_every_h, keep_rounds, flush
+        self.keys = keys  # a signed run: each state's manifest is signed with this rank's key
         self._round: int | None = None
         self._pending: tuple[int, int, dict[str, object]] | None = None
 
@@ -451,5 +454,7 @@ class ResumeStateWriter(TrainerCallback):
         rnd, step, resume = self._pending
         self._pending = None
         self.flush()
-        save_replica_state(self.store, rank=self.rank, round=rnd, step=step, state=resume)
+        save_replica_state(
+            self.store, rank=self.rank, round=rnd, step=step, state=resume, keys=self.keys
+        )
         prune_replica_states(self.store, self.rank, self.keep_rounds)

@@ -104,6 +104,15 @@ def test_train_with_signing_robust_aggregation_and_token_weighting(tmp_path, mon
     assert len(rounds) == 4 and all(r["round/rejected"] == 0 for r in rounds)
     assert all(r["round/requests_list"] == 0 for r in rounds)  # no LIST in a sync round
     assert all(r["round/requests_put"] >= 1 for r in rounds)  # signed: no owner record
+    # each replica's per-round resume states are signed by its own rank (run/replica_state.py)
+    from composer_replication.run.replica_state import replica_state_rounds
+
+    for rank in (0, 1):
+        rounds_saved = replica_state_rounds(store, rank)
+        assert rounds_saved, f"rank {rank} saved no resume state"
+        for rnd in rounds_saved:
+            manifest = store.get_json(f"resume/rank-{rank}/{rnd:010d}.json")
+            assert manifest["signer"] == f"rank-{rank}" and manifest["signature"], manifest
     keys = (run / KEYS_FILE).read_text()
     logs = "".join(p.read_text() for p in (run / "logs").glob("*.log"))
     private = json.loads(keys)["private"]

@@ -4,21 +4,15 @@ the reason (run/learner_state.py, `DecoupledLearner.resume_state` / `restore`)."
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 from _decoupled_toy import Blocks, train_step
+from signing_keys import run_keys
 
 from composer_replication.diloco.decoupled import DecoupledLearner
 from composer_replication.exchange.signing import (
-    DRIVER,
-    KEYS_KEY,
-    generate_private_key,
-    make_key_manifest,
-    parse_key_manifest,
-    public_key_of,
     rank_identity,
 )
 from composer_replication.exchange.store import ObjectStore
@@ -172,15 +166,8 @@ def test_a_signed_runs_learner_states_are_signed_and_checked(tmp_path: Path) -> 
     """With ``[security] sign``: a state whose manifest this learner did not sign is refused
     (unsigned, or signed by another learner), never loaded."""
     store, model, opt, learner = _saved_run(tmp_path, H)
-    private = {rank_identity(r): generate_private_key() for r in (0, 1)}
-    private[DRIVER] = generate_private_key()
-    public = {k: public_key_of(v) for k, v in private.items()}
-    store.put_if_absent(
-        KEYS_KEY, json.dumps(make_key_manifest("run-1", public, private[DRIVER])).encode()
-    )
-    verifier = parse_key_manifest(store.get(KEYS_KEY), public[DRIVER])
-    own = verifier.with_identity(rank_identity(0), private[rank_identity(0)])
-    other = verifier.with_identity(rank_identity(1), private[rank_identity(1)])
+    verifier, signers = run_keys(store, [rank_identity(0), rank_identity(1)])
+    own, other = signers[rank_identity(0)], signers[rank_identity(1)]
     state = _state(model, opt, learner)
     lines: list[str] = []
     # the unsigned states of _saved_run: refused

@@ -180,26 +180,13 @@ def test_a_signed_runs_replica_state_must_be_signed_by_its_own_rank(
     """Sync mode with ``[security] sign``: the replica (run/replica_training.py) resumes a round
     only from a state whose manifest its own rank signed for this run; an unsigned one or one
     signed by another rank is refused with the reason, and it resumes with fresh inner state."""
-    from composer_replication.exchange.signing import (
-        DRIVER,
-        KEYS_KEY,
-        generate_private_key,
-        make_key_manifest,
-        parse_key_manifest,
-        public_key_of,
-        rank_identity,
-    )
+    from signing_keys import run_keys
+
+    from composer_replication.exchange.signing import rank_identity
     from composer_replication.run.replica_training import _own_resume_state
 
-    private = {rank_identity(r): generate_private_key() for r in (0, 1)}
-    private[DRIVER] = generate_private_key()
-    public = {k: public_key_of(v) for k, v in private.items()}
-    store.put_if_absent(
-        KEYS_KEY, json.dumps(make_key_manifest("run-1", public, private[DRIVER])).encode()
-    )
-    verifier = parse_key_manifest(store.get(KEYS_KEY), public[DRIVER])
-    own = verifier.with_identity(rank_identity(0), private[rank_identity(0)])
-    other = verifier.with_identity(rank_identity(1), private[rank_identity(1)])
+    verifier, signers = run_keys(store, [rank_identity(0), rank_identity(1)])
+    own, other = signers[rank_identity(0)], signers[rank_identity(1)]
 
     save_replica_state(store, rank=0, round=2, step=8, state=_state(2))  # unsigned
     assert _own_resume_state(store, 0, 2, verifier) is None

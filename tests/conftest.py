@@ -22,6 +22,7 @@ On a CUDA machine:
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -100,6 +101,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         skip = pytest.mark.skip(reason=GPU_SKIP_REASON)
         for item in gpu_items:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def ctrl_c() -> Iterator[None]:
+    """For a test that presses Ctrl-C with `_thread.interrupt_main()`: SIGINT raises
+    KeyboardInterrupt in the main thread for the test's duration, then the previous handler is
+    back. Without it such a test fails wherever the suite was started with SIGINT ignored
+    (`nohup bash .ci/run &` from a script, some CI runners): Python then installs no
+    KeyboardInterrupt handler, and `interrupt_main` does nothing for an ignored signal."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 @pytest.fixture(autouse=True)

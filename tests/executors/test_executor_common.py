@@ -238,7 +238,7 @@ def test_base_collect_reports_failures_and_timeouts_without_raising():
         fake.collect(handles, timeout=-1)
 
 
-def test_base_collect_ctrl_c_cancels_then_reraises():
+def test_base_collect_ctrl_c_cancels_then_reraises(ctrl_c: None) -> None:
     fake = FakeExecutor()
     handles = fake.launch_replicas(2, "pkg.train")
     fake.codes[0] = 0

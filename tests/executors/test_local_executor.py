@@ -159,7 +159,7 @@ def test_collect_timeout_marks_failed_and_kills(ex, tmp_path):
     assert not alive(recs[0]["pid"]) and not alive(recs[0]["grandchild_pid"])
 
 
-def test_ctrl_c_during_collect_cancels_every_replica(ex, tmp_path):
+def test_ctrl_c_during_collect_cancels_every_replica(ex, tmp_path, ctrl_c):
     store = str(tmp_path / "store")
     handles = ex.launch_replicas(2, PROBE, {"store": store, "sleep": 120, "grandchild": True})
     recs = wait_for_records(store, 2)

@@ -159,7 +159,7 @@ def test_unplaceable_replica_stays_pending_then_times_out(ray_ex, tmp_path):
     assert probe.read_records(store) == {}
 
 
-def test_ctrl_c_during_collect_cancels_every_replica(ray_ex, tmp_path):
+def test_ctrl_c_during_collect_cancels_every_replica(ray_ex, tmp_path, ctrl_c):
     store = str(tmp_path / "store")
     handles = ray_ex.launch_replicas(2, PROBE, {"store": store, "sleep": 120})
     recs = wait_for_records(store, 2)

@@ -21,8 +21,12 @@ def run_config(seed: int, max_steps: int, overrides: list[str] | tuple[str, ...]
     replica (no DiLoCo: the benchmarks compare what one trainer learns), then `overrides`."""
     from composer_replication.config import load_config
 
-    base = [f"run.seed={seed}", f"train.max_steps={max_steps}",
-            f"diloco.sync_every_h={max_steps}", "backend.n_replicas=1"]  # fmt: skip
+    base = [
+        f"run.seed={seed}",
+        f"train.max_steps={max_steps}",
+        f"diloco.sync_every_h={max_steps}",
+        "backend.n_replicas=1",
+    ]
     return load_config(overrides=[*base, *overrides])
 
 
@@ -126,9 +130,11 @@ def held_out(
     if not examples:
         raise ValueError("the task has no held-out prompts (task.n_eval = 0)")
     completions = greedy_completions(
-        model, tokenizer, [ex.prompt for ex in examples],
+        model,
+        tokenizer,
+        [ex.prompt for ex in examples],
         max_new_tokens=config.train.max_completion_length,
-    )  # fmt: skip
+    )
     verdicts = [task.verify(ex, c) for ex, c in zip(examples, completions, strict=True)]
     answers = [strip_answer_prefix(clean_completion(c)) for c in completions]
     top, count = Counter(answers).most_common(1)[0]

@@ -83,9 +83,15 @@ def run_one(
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="composer-ablation-") as scratch:
         trainer = build_trainer(
-            config, model=model, tokenizer=tok, task=task, max_steps=steps, seed=seed,
-            output_dir=scratch, callbacks=[log],
-        )  # fmt: skip
+            config,
+            model=model,
+            tokenizer=tok,
+            task=task,
+            max_steps=steps,
+            seed=seed,
+            output_dir=scratch,
+            callbacks=[log],
+        )
         trainer.train()
     seconds = time.monotonic() - t0
     metrics = held_out(model, tok, task, config)
@@ -135,8 +141,9 @@ def plot(results: list[dict], threshold: float, path: Path) -> None:
         ax_r.plot(range(1, n + 1), mean, label=variant, color=f"C{i}")
         accs = [r["eval_accuracy"] for r in runs]
         ax_a.bar(i, statistics.fmean(accs), color=f"C{i}")
-        ax_a.errorbar(i, statistics.fmean(accs), yerr=statistics.pstdev(accs), color="black",
-                      capsize=4)  # fmt: skip
+        ax_a.errorbar(
+            i, statistics.fmean(accs), yerr=statistics.pstdev(accs), color="black", capsize=4
+        )
     ax_r.axhline(threshold, color="gray", linestyle="--", linewidth=1, label="threshold")
     ax_r.set_xlabel("inner step")
     ax_r.set_ylabel(f"mean reward ({WINDOW}-step moving average)")
@@ -166,8 +173,9 @@ def main() -> None:
     p.add_argument("--task", default="arithmetic", help="built-in task (default arithmetic)")
     p.add_argument("--threshold", type=float, default=0.4, help="demo reward threshold")
     p.add_argument("--plot", default="docs/composer_ablation.png", help="output PNG")
-    p.add_argument("--jobs", type=int, default=1,
-                   help="runs in parallel processes (each with 1 torch thread)")  # fmt: skip
+    p.add_argument(
+        "--jobs", type=int, default=1, help="runs in parallel processes (each with 1 torch thread)"
+    )
     p.add_argument("overrides", nargs="*", help="extra section.key=value config overrides")
     args = p.parse_args()
     if args.steps is None and not args.quick:
@@ -185,34 +193,45 @@ def main() -> None:
 
         ctx = multiprocessing.get_context("spawn")  # no fork of a process holding torch threads
         with ProcessPoolExecutor(args.jobs, mp_context=ctx) as pool:
-            futures = [pool.submit(run_one, v, s, steps, args.task, args.overrides, threads)
-                       for v, s in jobs]  # fmt: skip
+            futures = [
+                pool.submit(run_one, v, s, steps, args.task, args.overrides, threads)
+                for v, s in jobs
+            ]
             outputs = [f.result() for f in futures]
     else:
         outputs = [run_one(v, s, steps, args.task, args.overrides) for v, s in jobs]
     results = []
     for r in outputs:
         hit = steps_to(r["rewards"], args.threshold)
-        print(f"{r['variant']:12s} seed {r['seed']}: steps to {args.threshold} = "
-              f"{hit if hit is not None else 'not reached'}, final eval accuracy "
-              f"{r['eval_accuracy']:.3f}, last-10 reward "
-              f"{statistics.fmean(r['rewards'][-10:]):.3f} ({r['seconds']:.0f} s)",
-              flush=True)  # fmt: skip
+        print(
+            f"{r['variant']:12s} seed {r['seed']}: steps to {args.threshold} = "
+            f"{hit if hit is not None else 'not reached'}, final eval accuracy "
+            f"{r['eval_accuracy']:.3f}, last-10 reward "
+            f"{statistics.fmean(r['rewards'][-10:]):.3f} ({r['seconds']:.0f} s)",
+            flush=True,
+        )
         results.append(r)
     summary = summarize(results, steps, args.threshold)
-    print(f"\n{args.task}, {steps} inner steps, {seeds} seeds, threshold {args.threshold} "
-          f"(10-step moving average of the mean reward)")  # fmt: skip
+    print(
+        f"\n{args.task}, {steps} inner steps, {seeds} seeds, threshold {args.threshold} "
+        f"(10-step moving average of the mean reward)"
+    )
     print(f"{'variant':12s} | steps to threshold (mean ± sd, reached) | final eval acc (mean ± sd)")
     for variant in VARIANTS:
         s, a = summary["steps_to_threshold"][variant], summary["final_eval_accuracy"][variant]
-        print(f"{variant:12s} | {s['mean']:7.1f} ± {s['spread']:5.1f}  ({s['reached']})"
-              f"            | {a['mean']:.3f} ± {a['spread']:.3f}")  # fmt: skip
+        print(
+            f"{variant:12s} | {s['mean']:7.1f} ± {s['spread']:5.1f}  ({s['reached']})"
+            f"            | {a['mean']:.3f} ± {a['spread']:.3f}"
+        )
     plot(results, args.threshold, Path(args.plot))
     print(f"plot: {args.plot}")
     summary.update(
-        task=args.task, steps=steps, seeds=seeds, threshold=args.threshold,
+        task=args.task,
+        steps=steps,
+        seeds=seeds,
+        threshold=args.threshold,
         seconds=round(time.monotonic() - t0, 1),
-    )  # fmt: skip
+    )
     print(json.dumps(summary))
 
 

@@ -108,19 +108,33 @@ def learner_main(a: argparse.Namespace) -> None:
         from composer_replication.diloco import make_diloco_outer_loop
         from composer_replication.exchange import ObjectStoreAllReduce, ObjectStoreManager
 
-        ex = ObjectStoreAllReduce(a.uri, world_size=N, rank=rank, timeout_s=a.timeout,
-                                  min_replicas=a.min_replicas, storage_options=options,
-                                  keep_steps=100_000, poll_interval_s=0.05)  # fmt: skip
+        ex = ObjectStoreAllReduce(
+            a.uri,
+            world_size=N,
+            rank=rank,
+            timeout_s=a.timeout,
+            min_replicas=a.min_replicas,
+            storage_options=options,
+            keep_steps=100_000,
+            poll_interval_s=0.05,
+        )
         outer: Any = make_diloco_outer_loop(opt, ObjectStoreManager(ex), a.h, model=model)
         start = outer.round * a.h
     else:
         from composer_replication.diloco.decoupled import DecoupledLearner
 
-        outer = DecoupledLearner(store, learner=rank, n_learners=N, sync_every_h=a.h,
-                                 num_fragments=a.p, model=model, inner_optimizer=opt,
-                                 poll_interval_s=0.05 if store.is_local else 0.1,
-                                 drain_timeout_s=600,
-                                 heartbeat_every_s=1.0)  # fmt: skip
+        outer = DecoupledLearner(
+            store,
+            learner=rank,
+            n_learners=N,
+            sync_every_h=a.h,
+            num_fragments=a.p,
+            model=model,
+            inner_optimizer=opt,
+            poll_interval_s=0.05 if store.is_local else 0.1,
+            drain_timeout_s=600,
+            heartbeat_every_s=1.0,
+        )
         start = outer.start_step
         if a.attack != 1.0 and rank == N - 1:  # the byzantine learner: every push scaled
             honest = outer.docs.push
@@ -138,8 +152,9 @@ def learner_main(a: argparse.Namespace) -> None:
         time.sleep(0.005)
     events = open(out / f"learner{rank}.jsonl", "a")
     versions = list(outer.start_versions) if a.mode == "decoupled" else None
-    events.write(json.dumps({"kind": "start", "t": time.time(), "step": start,
-                             "versions": versions}) + "\n")  # fmt: skip
+    events.write(
+        json.dumps({"kind": "start", "t": time.time(), "step": start, "versions": versions}) + "\n"
+    )
     events.flush()
     overruns = 0  # steps whose real compute alone took longer than the simulated step
     with outer:
@@ -155,12 +170,21 @@ def learner_main(a: argparse.Namespace) -> None:
             busy(max(0.0, a.step_s - spent))
     t_end = time.time() if a.mode == "sync" else outer.trained_until
     outer.load_global_weights()
-    report = {"kind": "end", "t": time.time(), "t_end": t_end, "step": a.steps,
-              "steps_run": a.steps - start, "overruns": overruns,
-              "digest": tensors_digest({k: v.detach() for k, v in model.state_dict().items()})}  # fmt: skip
+    report = {
+        "kind": "end",
+        "t": time.time(),
+        "t_end": t_end,
+        "step": a.steps,
+        "steps_run": a.steps - start,
+        "overruns": overruns,
+        "digest": tensors_digest({k: v.detach() for k, v in model.state_dict().items()}),
+    }
     if a.mode == "decoupled":  # what check_decoupled_run compares with the store
-        report.update(final_versions=outer.final_versions, loaded=dict(outer.loaded),
-                      written=list(outer.written))  # fmt: skip
+        report.update(
+            final_versions=outer.final_versions,
+            loaded=dict(outer.loaded),
+            written=list(outer.written),
+        )
     if rank == 0:
         report["eval_loss"] = eval_loss(model, evals, a.ctx, 128)
     events.write(json.dumps(report) + "\n")
@@ -177,21 +201,32 @@ def _schedule(mode: str, s3: bool, run_s: float, round_s: float) -> list[Any]:
         E(at_s=0.15 * run_s, action="kill", target="1"),
         E(at_s=0.30 * run_s, action="stop", target="2", duration_s=2 * round_s),
         E(at_s=0.45 * run_s, action="slow", target="3", factor=3.0, duration_s=3 * round_s),
-        E(at_s=0.55 * run_s, action="corrupt",
-          target="push:0" if mode == "decoupled" else "contribution:0"),
+        E(
+            at_s=0.55 * run_s,
+            action="corrupt",
+            target="push:0" if mode == "decoupled" else "contribution:0",
+        ),
         E(at_s=0.85 * run_s, action="kill", target="0", during="upload"),
-    ]  # fmt: skip
+    ]
     if mode == "decoupled":
         ev.append(E(at_s=0.65 * run_s, action="kill_synchronizer", restart_after_s=1.0))
     if s3:
-        ev.append(E(at_s=0.75 * run_s, action="throttle", duration_s=2 * round_s,
-                    rate_bytes_s=300_000.0))  # fmt: skip
+        ev.append(
+            E(at_s=0.75 * run_s, action="throttle", duration_s=2 * round_s, rate_bytes_s=300_000.0)
+        )
     return ev
 
 
-def run_once(a: argparse.Namespace, mode: str, *, faults: bool, attack: float = 1.0,
-             aggregate: str = "mean", outlier_ratio: float | None = None,
-             s3: tuple[str, str, dict] | None = None) -> dict[str, Any]:  # fmt: skip
+def run_once(
+    a: argparse.Namespace,
+    mode: str,
+    *,
+    faults: bool,
+    attack: float = 1.0,
+    aggregate: str = "mean",
+    outlier_ratio: float | None = None,
+    s3: tuple[str, str, dict] | None = None,
+) -> dict[str, Any]:
     from composer_replication.config import to_dict
     from composer_replication.config.schema import (
         BackendConfig,
@@ -221,21 +256,55 @@ def run_once(a: argparse.Namespace, mode: str, *, faults: bool, attack: float = 
         train=TrainConfig(max_steps=a.steps),
         model=ModelConfig(num_layers=a.layers),  # the benchmark's GPT: its blocks are fragmented
         # robust merges need several pushes per merge: the byzantine runs wait for all 4
-        diloco=DilocoConfig(sync_every_h=a.h, mode="decoupled", fragments=a.p,
-                            quorum=N if attack != 1.0 else a.quorum, late=a.late,
-                            lease_ttl_s=3.0, aggregate=aggregate,
-                            aggregate_outlier_ratio=10.0 if outlier_ratio is None
-                            else outlier_ratio),
-        backend=BackendConfig(n_replicas=N), store=StoreConfig(),
-    )  # fmt: skip
+        diloco=DilocoConfig(
+            sync_every_h=a.h,
+            mode="decoupled",
+            fragments=a.p,
+            quorum=N if attack != 1.0 else a.quorum,
+            late=a.late,
+            lease_ttl_s=3.0,
+            aggregate=aggregate,
+            aggregate_outlier_ratio=10.0 if outlier_ratio is None else outlier_ratio,
+        ),
+        backend=BackendConfig(n_replicas=N),
+        store=StoreConfig(),
+    )
     store.put_json("run_config.json", to_dict(config))
     env = {"PYTHONPATH": str(ROOT), "COMPOSER_STORAGE_OPTIONS": json.dumps(learner_options)}
     round_s = a.h * a.step_s
     run_s = a.steps * a.step_s
-    args = ["--role", "learner", "--mode", mode, "--uri", uri, "--out", out,
-            "--steps", a.steps, "--h", a.h, "--p", a.p, "--step-s", a.step_s, "--d", a.d,
-            "--layers", a.layers, "--ctx", a.ctx, "--lr", a.lr, "--timeout", a.timeout,
-            "--min-replicas", a.min_replicas, "--attack", attack]  # fmt: skip
+    args = [
+        "--role",
+        "learner",
+        "--mode",
+        mode,
+        "--uri",
+        uri,
+        "--out",
+        out,
+        "--steps",
+        a.steps,
+        "--h",
+        a.h,
+        "--p",
+        a.p,
+        "--step-s",
+        a.step_s,
+        "--d",
+        a.d,
+        "--layers",
+        a.layers,
+        "--ctx",
+        a.ctx,
+        "--lr",
+        a.lr,
+        "--timeout",
+        a.timeout,
+        "--min-replicas",
+        a.min_replicas,
+        "--attack",
+        attack,
+    ]
     t_go: list[float] = []
 
     def go() -> None:
@@ -245,11 +314,21 @@ def run_once(a: argparse.Namespace, mode: str, *, faults: bool, attack: float = 
 
     events = _schedule(mode, s3 is not None, run_s, round_s) if faults else []
     result = run_local(
-        n=N, entrypoint=str(HERE / "decoupled_goodput.py"), args=args, env=env, store=store,
-        events=events, log_dir=tmp / "logs", synchronizer=mode == "decoupled",
-        proxy=proxy, ready=lambda: all((out / f"ready{r}").exists() for r in range(N)),
-        on_ready=go, timeout_s=20 * run_s + 600, seed=a.seed, upload_wait_s=0.1 * run_s,
-    )  # fmt: skip
+        n=N,
+        entrypoint=str(HERE / "decoupled_goodput.py"),
+        args=args,
+        env=env,
+        store=store,
+        events=events,
+        log_dir=tmp / "logs",
+        synchronizer=mode == "decoupled",
+        proxy=proxy,
+        ready=lambda: all((out / f"ready{r}").exists() for r in range(N)),
+        on_ready=go,
+        timeout_s=20 * run_s + 600,
+        seed=a.seed,
+        upload_wait_s=0.1 * run_s,
+    )
     if proxy is not None:
         proxy.close()
     if result.exit_codes != [0] * N:
@@ -268,30 +347,42 @@ def run_once(a: argparse.Namespace, mode: str, *, faults: bool, attack: float = 
         digests.add(end["digest"])
         if r == 0:
             eval_loss = end["eval_loss"]
-        reports[r] = {"starts": [x["versions"] for x in recs if x["kind"] == "start"],
-                      "final_versions": end.get("final_versions"), "digest": end["digest"],
-                      "loaded": end.get("loaded") or {}, "written": end.get("written") or []}  # fmt: skip
+        reports[r] = {
+            "starts": [x["versions"] for x in recs if x["kind"] == "start"],
+            "final_versions": end.get("final_versions"),
+            "digest": end["digest"],
+            "loaded": end.get("loaded") or {},
+            "written": end.get("written") or [],
+        }
     t_final = _final_commit_time(store, mode, a, ends)
     slot = N * (t_final - t_go[0])
     useful = _useful_steps(store, mode, a)
     out_row: dict[str, Any] = {
-        "mode": mode, "faults": faults, "attack": attack, "aggregate": aggregate,
+        "mode": mode,
+        "faults": faults,
+        "attack": attack,
+        "aggregate": aggregate,
         "timeout_s": a.timeout if mode == "sync" else None,
-        "eval_loss": eval_loss, "useful_steps": useful, "slot_seconds": slot,
-        "goodput": useful * a.step_s / slot, "wall_s": t_final - t_go[0],
+        "eval_loss": eval_loss,
+        "useful_steps": useful,
+        "slot_seconds": slot,
+        "goodput": useful * a.step_s / slot,
+        "wall_s": t_final - t_go[0],
         "learners_done_s": max(ends.values()) - t_go[0],
         # share of (finished incarnations') steps whose real compute exceeded step_s: the
         # simulated accelerator was overrun by the machine's load, the goodput is not the
         # protocol's (docs/benchmarks.md: figures with more than a few % are not reported)
         "overrun_share": overran / ran if ran else None,
-        "same_final": len(digests) == 1, "restarts": result.restarts,
+        "same_final": len(digests) == 1,
+        "restarts": result.restarts,
         "events": [(e["action"], e.get("outcome")) for e in result.log],
-    }  # fmt: skip
+    }
     if mode == "decoupled":
         kills = [e for e in result.log if e["action"] == "kill"]
         check = check_decoupled_run(store, reports, kills)
-        out_row["rounds_lost"] = (check["rounds_lost"] + check["pushes_unaccounted"]
-                                  + check["applied_twice"])  # fmt: skip
+        out_row["rounds_lost"] = (
+            check["rounds_lost"] + check["pushes_unaccounted"] + check["applied_twice"]
+        )
         out_row["check_ok"] = check["ok"]
         out_row["check_problems"] = check["problems"]
         out_row["merges"] = check["merges"]
@@ -410,32 +501,46 @@ def main() -> None:
             for rounds in sweep:
                 a.timeout = rounds * a.h * a.step_s
                 by_timeout[rounds] = run_once(a, "sync", faults=True, s3=s3)
-                print(json.dumps({f"sync_faults_timeout_{rounds:g}": by_timeout[rounds]}),
-                      flush=True)  # fmt: skip
+                print(
+                    json.dumps({f"sync_faults_timeout_{rounds:g}": by_timeout[rounds]}), flush=True
+                )
             best = max(by_timeout, key=lambda r: by_timeout[r]["goodput"])
             rows["sync_faults"] = by_timeout[best]
         else:
             best = 2.0
         a.timeout = best * a.h * a.step_s  # the sync baseline at its best timeout from here on
-        plan = [("decoupled_faults", "decoupled", True), ("sync_clean", "sync", False),
-                ("decoupled_clean", "decoupled", False)]  # fmt: skip
+        plan = [
+            ("decoupled_faults", "decoupled", True),
+            ("sync_clean", "sync", False),
+            ("decoupled_clean", "decoupled", False),
+        ]
         for name, mode, faults in plan:
             if not wanted(name):
                 continue
             rows[name] = run_once(a, mode, faults=faults, s3=s3)
             print(json.dumps({name: rows[name]}), flush=True)
         if not a.only or "byzantine" in a.only:
-            rows["byz_trimmed"] = run_once(a, "decoupled", faults=False, attack=1e6,
-                                           aggregate="trimmed_mean", outlier_ratio=0.0, s3=s3)  # fmt: skip
+            rows["byz_trimmed"] = run_once(
+                a,
+                "decoupled",
+                faults=False,
+                attack=1e6,
+                aggregate="trimmed_mean",
+                outlier_ratio=0.0,
+                s3=s3,
+            )
             print(json.dumps({"byz_trimmed": rows["byz_trimmed"]}), flush=True)
-            rows["byz_mean"] = run_once(a, "decoupled", faults=False, attack=1e6,
-                                        aggregate="mean", outlier_ratio=0.0, s3=s3)  # fmt: skip
+            rows["byz_mean"] = run_once(
+                a, "decoupled", faults=False, attack=1e6, aggregate="mean", outlier_ratio=0.0, s3=s3
+            )
             print(json.dumps({"byz_mean": rows["byz_mean"]}), flush=True)
     print()
     print(f"{'run':<18}{'goodput':>9}{'eval loss':>11}{'useful':>9}{'slot s':>9}{'wall s':>8}")
     for name, r in rows.items():
-        print(f"{name:<18}{r['goodput']:>9.3f}{(r['eval_loss'] or math.nan):>11.4f}"
-              f"{r['useful_steps']:>9.0f}{r['slot_seconds']:>9.1f}{r['wall_s']:>8.1f}")  # fmt: skip
+        print(
+            f"{name:<18}{r['goodput']:>9.3f}{(r['eval_loss'] or math.nan):>11.4f}"
+            f"{r['useful_steps']:>9.0f}{r['slot_seconds']:>9.1f}{r['wall_s']:>8.1f}"
+        )
     get = lambda k, f: rows[k][f] if k in rows else None  # noqa: E731
     clean_s, clean_d = get("sync_clean", "eval_loss"), get("decoupled_clean", "eval_loss")
     byz_t, byz_m = get("byz_trimmed", "eval_loss"), get("byz_mean", "eval_loss")
@@ -456,13 +561,22 @@ def main() -> None:
         "chaos_check_ok": get("decoupled_faults", "check_ok"),
         "chaos_check_problems": get("decoupled_faults", "check_problems"),
         "byzantine_loss_gap": _r((byz_t - clean_d) / clean_d) if byz_t and clean_d else None,
-        "byzantine_mean_diverged": None if byz_m is None
+        "byzantine_mean_diverged": None
+        if byz_m is None
         else bool(not math.isfinite(byz_m) or byz_m > 10 * clean_d),
-        "steps": a.steps, "h": a.h, "p": a.p, "step_s": a.step_s, "quorum": a.quorum,
-        "late": a.late, "sync_timeout_s": a.timeout, "sync_timeouts_rounds": sweep,
+        "steps": a.steps,
+        "h": a.h,
+        "p": a.p,
+        "step_s": a.step_s,
+        "quorum": a.quorum,
+        "late": a.late,
+        "sync_timeout_s": a.timeout,
+        "sync_timeouts_rounds": sweep,
         "sync_min_replicas": a.min_replicas,
-        "store": a.store, "seconds": round(time.time() - t_start, 1), "quick": a.quick,
-    }  # fmt: skip
+        "store": a.store,
+        "seconds": round(time.time() - t_start, 1),
+        "quick": a.quick,
+    }
     print(json.dumps(result))
 
 

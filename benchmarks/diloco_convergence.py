@@ -318,15 +318,24 @@ def train_diloco(cfg: Cfg, batches: Batches, uri: str) -> tuple[nn.Module, dict[
             model = cfg.model()
             opt = cfg.optimizer(model)
             store = ObjectStoreAllReduce(
-                uri, world_size=cfg.k, rank=rank, timeout_s=1800.0, codec=cfg.codec,
+                uri,
+                world_size=cfg.k,
+                rank=rank,
+                timeout_s=1800.0,
+                codec=cfg.codec,
                 sparse=sparse_spec(cfg),
-            )  # fmt: skip
+            )
             stores.append(store)
             manager = ObjectStoreManager(store)
             outer = make_diloco_outer_loop(
-                opt, error_feedback(cfg, manager), cfg.h, model=model, outer_lr=cfg.outer_lr,
-                outer_momentum=cfg.outer_momentum, outer_optimizer_factory=outer_factory(cfg),
-            )  # fmt: skip
+                opt,
+                error_feedback(cfg, manager),
+                cfg.h,
+                model=model,
+                outer_lr=cfg.outer_lr,
+                outer_momentum=cfg.outer_momentum,
+                outer_optimizer_factory=outer_factory(cfg),
+            )
             with outer:
                 for t in range(cfg.steps):
                     for g in opt.param_groups:
@@ -399,12 +408,16 @@ def diloco_point(cfg: Cfg, batches: Batches, evals: torch.Tensor, **changes: Any
     with tempfile.TemporaryDirectory() as tmp:
         m, comm = train_diloco(c, batches, "file://" + os.path.join(tmp, "run"))
     point = {
-        "h": c.h, "outer_lr": c.outer_lr, "outer_momentum": c.outer_momentum, "lr": c.lr,
-        "outer_warmup": c.outer_warmup, "rounds": comm["rounds"],
+        "h": c.h,
+        "outer_lr": c.outer_lr,
+        "outer_momentum": c.outer_momentum,
+        "lr": c.lr,
+        "outer_warmup": c.outer_warmup,
+        "rounds": comm["rounds"],
         "eval_loss": round(eval_loss(m, evals, c.ctx, c.eval_seqs), 5),
         "bytes": comm["bytes_uploaded"] + comm["bytes_downloaded"],
         "seconds": round(time.time() - t0, 1),
-    }  # fmt: skip
+    }
     print(f"  diloco {changes}: {json.dumps(point)}", flush=True)
     return point
 
@@ -417,8 +430,11 @@ def dp_point(cfg: Cfg, batches: Batches, evals: torch.Tensor, lr: float) -> dict
     c.lr = lr
     t0 = time.time()
     m = train_dp(c, batches)
-    point = {"lr": lr, "eval_loss": round(eval_loss(m, evals, c.ctx, c.eval_seqs), 5),
-             "seconds": round(time.time() - t0, 1)}  # fmt: skip
+    point = {
+        "lr": lr,
+        "eval_loss": round(eval_loss(m, evals, c.ctx, c.eval_seqs), 5),
+        "seconds": round(time.time() - t0, 1),
+    }
     print(f"  dp lr={lr}: {json.dumps(point)}", flush=True)
     return point
 
@@ -436,13 +452,18 @@ def batch_record(
     dp_lr = min(dp, key=lambda lr: dp[lr])
     di_lr = min(di, key=lambda lr: di[lr])
     best_dp, best_di = dp[dp_lr], di[di_lr]
-    return {"batch": batch, "start_eval_loss": round(start, 5),
-            "dp_eval_loss": round(best_dp, 5), "dp_best_lr": dp_lr,
-            "diloco_eval_loss": round(best_di, 5), "diloco_best_lr": di_lr,
-            "loss_gap_vs_dp": round((best_di - best_dp) / best_dp, 5),
-            "dp_lr": [{"lr": lr, "eval_loss": round(v, 5)} for lr, v in sorted(dp.items())],
-            "diloco_lr": [{"lr": lr, "eval_loss": round(v, 5)} for lr, v in sorted(di.items())],
-            "seconds": round(seconds, 1)}  # fmt: skip
+    return {
+        "batch": batch,
+        "start_eval_loss": round(start, 5),
+        "dp_eval_loss": round(best_dp, 5),
+        "dp_best_lr": dp_lr,
+        "diloco_eval_loss": round(best_di, 5),
+        "diloco_best_lr": di_lr,
+        "loss_gap_vs_dp": round((best_di - best_dp) / best_dp, 5),
+        "dp_lr": [{"lr": lr, "eval_loss": round(v, 5)} for lr, v in sorted(dp.items())],
+        "diloco_lr": [{"lr": lr, "eval_loss": round(v, 5)} for lr, v in sorted(di.items())],
+        "seconds": round(seconds, 1),
+    }
 
 
 def print_batch(point: dict[str, Any]) -> None:
@@ -520,11 +541,20 @@ def plot_sweeps(result: dict[str, Any], path: Path) -> None:
     FigureCanvasAgg(fig)
     if by_batch:
         ax, bx = fig.subplots(1, 2, gridspec_kw={"width_ratios": [7, 5]})
-        bx.plot([p["batch"] for p in by_batch], [100 * p["loss_gap_vs_dp"] for p in by_batch],
-                "o-", color="C3")  # fmt: skip
+        bx.plot(
+            [p["batch"] for p in by_batch],
+            [100 * p["loss_gap_vs_dp"] for p in by_batch],
+            "o-",
+            color="C3",
+        )
         for p in by_batch:
-            bx.annotate(f"{100 * p['loss_gap_vs_dp']:.1f}%", (p["batch"], 100 * p["loss_gap_vs_dp"]),
-                        textcoords="offset points", xytext=(5, 4), fontsize=8)  # fmt: skip
+            bx.annotate(
+                f"{100 * p['loss_gap_vs_dp']:.1f}%",
+                (p["batch"], 100 * p["loss_gap_vs_dp"]),
+                textcoords="offset points",
+                xytext=(5, 4),
+                fontsize=8,
+            )
         bx.axhline(2.0, color="gray", linestyle="--", linewidth=1, label="2% target")
         bx.set_xscale("log", base=2)
         bx.set_xlabel("sequences per replica per step (B; DP steps on k*B)")
@@ -536,28 +566,74 @@ def plot_sweeps(result: dict[str, Any], path: Path) -> None:
         ax = fig.subplots()
     if sweeps.get("h"):
         pts = sorted(sweeps["h"], key=lambda p: p["bytes"])
-        ax.plot([p["bytes"] for p in pts], [p["eval_loss"] for p in pts], "o-", color="C0",
-                label=f"DiLoCo k={result['k']}, H sweep (outer lr {result['outer_lr']})")  # fmt: skip
+        ax.plot(
+            [p["bytes"] for p in pts],
+            [p["eval_loss"] for p in pts],
+            "o-",
+            color="C0",
+            label=f"DiLoCo k={result['k']}, H sweep (outer lr {result['outer_lr']})",
+        )
         for p in pts:
-            ax.annotate(f"H={p['h']}", (p["bytes"], p["eval_loss"]), textcoords="offset points",
-                        xytext=(4, 4), fontsize=8)  # fmt: skip
+            ax.annotate(
+                f"H={p['h']}",
+                (p["bytes"], p["eval_loss"]),
+                textcoords="offset points",
+                xytext=(4, 4),
+                fontsize=8,
+            )
     if sweeps.get("outer_lr"):
         pts = sweeps["outer_lr"]
-        ax.scatter([p["bytes"] for p in pts], [p["eval_loss"] for p in pts], marker="s",
-                   color="C1", label=f"DiLoCo H={result['h']}, outer lr sweep", zorder=3)  # fmt: skip
+        ax.scatter(
+            [p["bytes"] for p in pts],
+            [p["eval_loss"] for p in pts],
+            marker="s",
+            color="C1",
+            label=f"DiLoCo H={result['h']}, outer lr sweep",
+            zorder=3,
+        )
         for p in pts:
-            ax.annotate(f"{p['outer_lr']}", (p["bytes"], p["eval_loss"]),
-                        textcoords="offset points", xytext=(6, -3), fontsize=8, color="C1")  # fmt: skip
-    ax.scatter([result["diloco_bytes"]], [result["diloco_eval_loss"]], marker="*", s=160,
-               color="C3", label=f"DiLoCo H={result['h']} (default run)", zorder=4)  # fmt: skip
-    ax.scatter([result["dp_bytes"]], [result["dp_eval_loss"]], marker="D", color="k",
-               label=f"data parallel (lr {result['lr']})", zorder=4)  # fmt: skip
+            ax.annotate(
+                f"{p['outer_lr']}",
+                (p["bytes"], p["eval_loss"]),
+                textcoords="offset points",
+                xytext=(6, -3),
+                fontsize=8,
+                color="C1",
+            )
+    ax.scatter(
+        [result["diloco_bytes"]],
+        [result["diloco_eval_loss"]],
+        marker="*",
+        s=160,
+        color="C3",
+        label=f"DiLoCo H={result['h']} (default run)",
+        zorder=4,
+    )
+    ax.scatter(
+        [result["dp_bytes"]],
+        [result["dp_eval_loss"]],
+        marker="D",
+        color="k",
+        label=f"data parallel (lr {result['lr']})",
+        zorder=4,
+    )
     if sweeps.get("dp_lr"):
         best = min(sweeps["dp_lr"], key=lambda p: p["eval_loss"])
-        ax.scatter([result["dp_bytes"]], [best["eval_loss"]], marker="D", facecolors="none",
-                   edgecolors="k", label=f"data parallel, best lr of sweep ({best['lr']})")  # fmt: skip
-    ax.axhline(result["single_eval_loss"], color="gray", linestyle="--", linewidth=1,
-               label="single replica, 1/k tokens (no communication)")  # fmt: skip
+        ax.scatter(
+            [result["dp_bytes"]],
+            [best["eval_loss"]],
+            marker="D",
+            facecolors="none",
+            edgecolors="k",
+            label=f"data parallel, best lr of sweep ({best['lr']})",
+        )
+    ax.axhline(
+        result["single_eval_loss"],
+        color="gray",
+        linestyle="--",
+        linewidth=1,
+        label="single replica, 1/k tokens (no communication)",
+    )
     ax.set_xscale("log")
     ax.set_xlabel("bytes communicated (all replicas, whole run)")
     ax.set_ylabel("eval loss (nats/byte)")
@@ -606,20 +682,40 @@ def main() -> None:
         "--only-diloco", action="store_true", help="tuning aid: run only (c), print its loss"
     )
     ap.add_argument("--pretrain-steps", type=int, default=150, help="shared warm start")
-    ap.add_argument("--outer-warmup", type=int, default=0,
-                    help="rounds over which the outer lr rises linearly (0: constant)")  # fmt: skip
-    ap.add_argument("--sweep-h", default="",
-                    help="extra DiLoCo runs at these H (e.g. 10,25,50,100), same S = rounds * H")  # fmt: skip
-    ap.add_argument("--sweep-outer-lr", default="",
-                    help="extra DiLoCo runs at --h with these outer lrs (e.g. 0.4,0.7,1.0)")  # fmt: skip
-    ap.add_argument("--sweep-dp-lr", default="",
-                    help="extra data-parallel runs at these inner lrs (e.g. 1e-3,2e-3,4e-3)")  # fmt: skip
-    ap.add_argument("--sweep-batch", default="",
-                    help="comma-separated per-replica batches: DP and DiLoCo at each, own warm start")  # fmt: skip
-    ap.add_argument("--sweep-diloco-lr", default="",
-                    help="extra DiLoCo runs at --h with these inner lrs")  # fmt: skip
-    ap.add_argument("--out", default="docs/diloco_convergence.json",
-                    help="with a sweep: write the result JSON here and the plot next to it (.png)")  # fmt: skip
+    ap.add_argument(
+        "--outer-warmup",
+        type=int,
+        default=0,
+        help="rounds over which the outer lr rises linearly (0: constant)",
+    )
+    ap.add_argument(
+        "--sweep-h",
+        default="",
+        help="extra DiLoCo runs at these H (e.g. 10,25,50,100), same S = rounds * H",
+    )
+    ap.add_argument(
+        "--sweep-outer-lr",
+        default="",
+        help="extra DiLoCo runs at --h with these outer lrs (e.g. 0.4,0.7,1.0)",
+    )
+    ap.add_argument(
+        "--sweep-dp-lr",
+        default="",
+        help="extra data-parallel runs at these inner lrs (e.g. 1e-3,2e-3,4e-3)",
+    )
+    ap.add_argument(
+        "--sweep-batch",
+        default="",
+        help="comma-separated per-replica batches: DP and DiLoCo at each, own warm start",
+    )
+    ap.add_argument(
+        "--sweep-diloco-lr", default="", help="extra DiLoCo runs at --h with these inner lrs"
+    )
+    ap.add_argument(
+        "--out",
+        default="docs/diloco_convergence.json",
+        help="with a sweep: write the result JSON here and the plot next to it (.png)",
+    )
     ap.add_argument(
         "--threads",
         type=int,
@@ -627,9 +723,13 @@ def main() -> None:
         help="torch intra-op threads (1: OpenMP spin-waiting makes 2 threads ~9x slower on a "
         "loaded 2-core machine; the DiLoCo replicas are threads anyway)",
     )
-    ap.add_argument("--critical-gain", type=float, default=0.01,
-                    help="--sweep-batch: relative DP improvement below which a larger batch no "
-                    "longer gains (the critical batch)")  # fmt: skip
+    ap.add_argument(
+        "--critical-gain",
+        type=float,
+        default=0.01,
+        help="--sweep-batch: relative DP improvement below which a larger batch no "
+        "longer gains (the critical batch)",
+    )
     ap.add_argument("--device", default="cpu", help="cpu (default) or cuda: where models train")
     a = ap.parse_args()
     try:
@@ -684,9 +784,17 @@ def main() -> None:
             m, comm = train_diloco(cfg, batches, "file://" + os.path.join(tmp, "run"))
         loss = eval_loss(m, evals, a.ctx, a.eval_seqs)
         nbytes = comm["bytes_uploaded"] + comm["bytes_downloaded"]
-        print(json.dumps({"diloco_eval_loss": round(loss, 5), "diloco_bytes": nbytes,
-                          "codec": a.codec, "outer_lr": a.outer_lr,
-                          "outer_momentum": a.outer_momentum}))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "diloco_eval_loss": round(loss, 5),
+                    "diloco_bytes": nbytes,
+                    "codec": a.codec,
+                    "outer_lr": a.outer_lr,
+                    "outer_momentum": a.outer_momentum,
+                }
+            )
+        )
         return
 
     t0 = time.time()
@@ -758,13 +866,24 @@ def main() -> None:
     }
     if sweep_h or sweep_olr or sweep_dp or sweep_dl or sweep_b:
         print("sweeps (same tokens, same warm start; the default run's points are reused):")
-        main_point = {"h": a.h, "outer_lr": a.outer_lr, "outer_momentum": a.outer_momentum,
-                      "lr": a.lr, "outer_warmup": a.outer_warmup, "rounds": comm["rounds"],
-                      "eval_loss": round(di_loss, 5), "bytes": diloco_bytes,
-                      "seconds": round(timings["diloco"], 1)}  # fmt: skip
+        main_point = {
+            "h": a.h,
+            "outer_lr": a.outer_lr,
+            "outer_momentum": a.outer_momentum,
+            "lr": a.lr,
+            "outer_warmup": a.outer_warmup,
+            "rounds": comm["rounds"],
+            "eval_loss": round(di_loss, 5),
+            "bytes": diloco_bytes,
+            "seconds": round(timings["diloco"], 1),
+        }
         sweeps: dict[str, list[dict[str, Any]]] = {
-            "h": [], "outer_lr": [], "dp_lr": [], "lr": [], "batch": []
-        }  # fmt: skip
+            "h": [],
+            "outer_lr": [],
+            "dp_lr": [],
+            "lr": [],
+            "batch": [],
+        }
         for h in sweep_h:
             sweeps["h"].append(main_point if h == a.h else diloco_point(cfg, batches, evals, h=h))
         for olr in sweep_olr:
@@ -784,16 +903,21 @@ def main() -> None:
         # Every batch is tuned on the same grids (the default lr when a grid is not given); the
         # default batch reuses the default run and the lr sweeps above.
         dp_lrs, diloco_lrs = sweep_dp or [a.lr], sweep_dl or [a.lr]
-        main_seconds = (timings["pretrain"] + timings["dp"] + timings["diloco"]
-                        + sum(p["seconds"] for p in sweeps["dp_lr"] + sweeps["lr"] if p["lr"] != a.lr))  # fmt: skip
+        main_seconds = (
+            timings["pretrain"]
+            + timings["dp"]
+            + timings["diloco"]
+            + sum(p["seconds"] for p in sweeps["dp_lr"] + sweeps["lr"] if p["lr"] != a.lr)
+        )
         for b in sweep_b:
             if b == a.batch:
                 point = batch_record(
-                    b, start_loss,
+                    b,
+                    start_loss,
                     {a.lr: dp_loss, **{p["lr"]: p["eval_loss"] for p in sweeps["dp_lr"]}},
                     {a.lr: di_loss, **{p["lr"]: p["eval_loss"] for p in sweeps["lr"]}},
                     main_seconds,
-                )  # fmt: skip
+                )
                 print_batch(point)
             else:
                 point = batch_point(cfg, train, evals, b, dp_lrs, diloco_lrs)
@@ -802,8 +926,11 @@ def main() -> None:
             crit, reached = critical_batch(sweeps["batch"], a.critical_gain)
             for p in sweeps["batch"]:
                 result[f"loss_gap_vs_dp_b{p['batch']}"] = p["loss_gap_vs_dp"]
-            result.update(critical_batch=crit["batch"], critical_batch_reached=reached,
-                          loss_gap_vs_dp_at_critical_batch=crit["loss_gap_vs_dp"])  # fmt: skip
+            result.update(
+                critical_batch=crit["batch"],
+                critical_batch_reached=reached,
+                loss_gap_vs_dp_at_critical_batch=crit["loss_gap_vs_dp"],
+            )
             print(
                 f"critical batch {crit['batch']}"
                 + ("" if reached else f" (not reached: DP still gained >= {a.critical_gain:.0%})")
@@ -816,8 +943,12 @@ def main() -> None:
             result["loss_gap_vs_best_dp"] = round(
                 (di_loss - best["eval_loss"]) / best["eval_loss"], 5
             )
-        result.update(lr=a.lr, outer_lr=a.outer_lr, outer_momentum=a.outer_momentum,
-                      outer_warmup=a.outer_warmup)  # fmt: skip
+        result.update(
+            lr=a.lr,
+            outer_lr=a.outer_lr,
+            outer_momentum=a.outer_momentum,
+            outer_warmup=a.outer_warmup,
+        )
         result["seconds"] = round(time.time() - t_start, 1)
         out = Path(a.out)
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -145,8 +145,12 @@ def run_backend(
             rr = [r for r in rows if r[0] == mode and r[1] == rep]
             times.append(max(r[4] for r in rr) - min(r[3] for r in rr))
         sample = [r for r in rows if r[0] == mode][0]
-        out[mode] = {"seconds": min(times), "all_seconds": times, "bytes_up": sample[5],
-                     "bytes_down": sample[6]}  # fmt: skip
+        out[mode] = {
+            "seconds": min(times),
+            "all_seconds": times,
+            "bytes_up": sample[5],
+            "bytes_down": sample[6],
+        }
     return out
 
 
@@ -229,20 +233,26 @@ def main() -> None:
     backends = args.backends.split(",")
     report: dict[str, Any] = {"params": params, "s3_params": s3_params, "replicas": 4}
     mb = params * 4 / 2**20
-    print(f"exchange of a {params / 1e6:.0f}M-parameter fp32 pseudo-gradient ({mb:.0f} MiB) "
-          f"among 4 replica processes, best of {reps}")  # fmt: skip
+    print(
+        f"exchange of a {params / 1e6:.0f}M-parameter fp32 pseudo-gradient ({mb:.0f} MiB) "
+        f"among 4 replica processes, best of {reps}"
+    )
     if "codecs" in backends:
         elements = args.codec_elements or (4_000_000 if args.quick else 25_000_000)
         tput = codec_throughput(elements, 3 if args.quick else 5)
         report["codec_elements"] = elements
         report.update({k: v for k, v in tput.items() if not k.endswith("_range")})
-        print(f"  codecs, one thread, {elements / 1e6:.0f}M float32 elements, GB per CPU second "
-              "(per wall second), median [range]:")  # fmt: skip
+        print(
+            f"  codecs, one thread, {elements / 1e6:.0f}M float32 elements, GB per CPU second "
+            "(per wall second), median [range]:"
+        )
         for c in ("bf16", "int8", "4bit"):
             for ph in ("encode", "decode", "decode_new"):
                 k = f"{c}_{ph}_gbps"
-                print(f"    {c:>4} {ph:<10} {tput[k]:6.2f} {tput[k + '_range']}  "
-                      f"({tput[k + '_wall']:.2f} {tput[k + '_wall_range']})")  # fmt: skip
+                print(
+                    f"    {c:>4} {ph:<10} {tput[k]:6.2f} {tput[k + '_range']}  "
+                    f"({tput[k + '_wall']:.2f} {tput[k + '_wall_range']})"
+                )
     if "file" in backends:
         tmp = tempfile.mkdtemp(prefix="exchange-bench-")
         try:
@@ -260,8 +270,10 @@ def main() -> None:
         report["bytes_per_step_fp32"] = fp32_bytes
         for mode in ("raw", *CODECS):
             r = res[mode]
-            print(f"  file:// {mode:>5}: {r['seconds']:7.2f} s  (all {[round(t, 2) for t in r['all_seconds']]}) "
-                  f"up {r['bytes_up'] / 2**20:8.1f} MiB  down {r['bytes_down'] / 2**20:8.1f} MiB")  # fmt: skip
+            print(
+                f"  file:// {mode:>5}: {r['seconds']:7.2f} s  (all {[round(t, 2) for t in r['all_seconds']]}) "
+                f"up {r['bytes_up'] / 2**20:8.1f} MiB  down {r['bytes_down'] / 2**20:8.1f} MiB"
+            )
     if "s3" in backends:
         sys.path.insert(0, str(REPO / "tests"))
         from s3_servers import run_seaweedfs
@@ -280,8 +292,10 @@ def main() -> None:
         report["s3_raw_mbps"] = round(moved / res["raw"]["seconds"] / 1e6, 1)
         for mode in ("raw", *s3_codecs):
             r = res[mode]
-            print(f"  seaweedfs {mode:>5}: {r['seconds']:7.2f} s  (all {[round(t, 2) for t in r['all_seconds']]}) "
-                  f"up {r['bytes_up'] / 2**20:8.1f} MiB  down {r['bytes_down'] / 2**20:8.1f} MiB")  # fmt: skip
+            print(
+                f"  seaweedfs {mode:>5}: {r['seconds']:7.2f} s  (all {[round(t, 2) for t in r['all_seconds']]}) "
+                f"up {r['bytes_up'] / 2**20:8.1f} MiB  down {r['bytes_down'] / 2**20:8.1f} MiB"
+            )
     report["cpu_count"] = os.cpu_count()
     print(json.dumps(report))
 

@@ -148,8 +148,10 @@ def main() -> None:
         sim = "".join(f"{100 * g:>8.1f}% ({p:>2})" for g, p in zip(row, PAPER[name]))
         print(f"{name:<10}{sim}")
         diffs[name] = sum(abs(100 * g - p) for g, p in zip(row, PAPER[name])) / len(row)
-    print("(simulated % (paper %)); mean |difference| in points: "
-          + ", ".join(f"{k} {v:.1f}" for k, v in diffs.items()))  # fmt: skip
+    print(
+        "(simulated % (paper %)); mean |difference| in points: "
+        + ", ".join(f"{k} {v:.1f}" for k, v in diffs.items())
+    )
     result: dict[str, object] = {}
     for name, row in table.items():
         for chips, g in zip(CHIPS, row):

@@ -71,13 +71,31 @@ from composer_replication.trainer import ComposerConfig  # noqa: E402
 # input/output embeddings at these two sizes); "tiny" is the CPU smoke shape (vocabulary: the
 # tokenizer's).
 SHAPES: dict[str, dict[str, Any]] = {
-    "qwen05b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
-                    num_key_value_heads=2, intermediate_size=4864, vocab_size=151936),
-    "qwen15b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
-                    num_key_value_heads=2, intermediate_size=8960, vocab_size=151936),
-    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, intermediate_size=128, vocab_size=None),
-}  # fmt: skip
+    "qwen05b": dict(
+        hidden_size=896,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        intermediate_size=4864,
+        vocab_size=151936,
+    ),
+    "qwen15b": dict(
+        hidden_size=1536,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        intermediate_size=8960,
+        vocab_size=151936,
+    ),
+    "tiny": dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=None,
+    ),
+}
 ARMS = ("plain", "channels_off", "all_on")
 PARTS = ("step", "generation", "teacher", "loss_backward")
 
@@ -298,10 +316,17 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu")
     ap.add_argument("--tiny", action="store_true", help="the tiny shape only (CPU smoke run)")
-    ap.add_argument("--shapes", default=None,
-                    help=f"comma-separated, of {', '.join(SHAPES)} (default qwen05b,qwen15b)")  # fmt: skip
-    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
-                    help="weights (default bfloat16 on CUDA, float32 on CPU)")  # fmt: skip
+    ap.add_argument(
+        "--shapes",
+        default=None,
+        help=f"comma-separated, of {', '.join(SHAPES)} (default qwen05b,qwen15b)",
+    )
+    ap.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float32"),
+        default=None,
+        help="weights (default bfloat16 on CUDA, float32 on CPU)",
+    )
     ap.add_argument("--batch", type=int, default=8, help="rollouts per step")
     ap.add_argument("--generations", type=int, default=4, help="rollouts per prompt (G)")
     ap.add_argument("--completion-len", type=int, default=128, help="tokens per completion")
@@ -309,19 +334,36 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--steps", type=int, default=4, help="optimizer steps per arm, warm-up included"
     )
     ap.add_argument("--warmup", type=int, default=1, help="leading steps dropped")
-    ap.add_argument("--generation", choices=tuple(GENERATION_ARGS), default="generate",
-                    help="rollout engine of the three arms")  # fmt: skip
-    ap.add_argument("--generation-options", default=",".join(GENERATION_ARGS),
-                    help="engines timed on the plain arm at the first shape ('' = none)")  # fmt: skip
-    ap.add_argument("--gen-steps", type=int, default=2,
-                    help="steps per engine, the first dropped when there are several")  # fmt: skip
+    ap.add_argument(
+        "--generation",
+        choices=tuple(GENERATION_ARGS),
+        default="generate",
+        help="rollout engine of the three arms",
+    )
+    ap.add_argument(
+        "--generation-options",
+        default=",".join(GENERATION_ARGS),
+        help="engines timed on the plain arm at the first shape ('' = none)",
+    )
+    ap.add_argument(
+        "--gen-steps",
+        type=int,
+        default=2,
+        help="steps per engine, the first dropped when there are several",
+    )
     ap.add_argument("--dpo", action="store_true", help="all_on with DPO (a frozen reference copy)")
-    ap.add_argument("--share-prefix", action="store_true",
-                    help="channel 2's shared-prefix teacher forward (opt-in, as in a run)")  # fmt: skip
+    ap.add_argument(
+        "--share-prefix",
+        action="store_true",
+        help="channel 2's shared-prefix teacher forward (opt-in, as in a run)",
+    )
     ap.add_argument("--no-gradient-checkpointing", action="store_true")
-    ap.add_argument("--out", default=None,
-                    help="also write the JSON so far here after every arm (a run cut short by a "
-                    "time limit keeps what it measured)")  # fmt: skip
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="also write the JSON so far here after every arm (a run cut short by a "
+        "time limit keeps what it measured)",
+    )
     opts = ap.parse_args(argv)
     try:
         opts.device = torch.device(opts.device)
@@ -370,14 +412,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         flush=True,
     )
     result: dict[str, Any] = {
-        "device": str(opts.device), "device_name": name,
-        "dtype": str(opts.dtype).removeprefix("torch."), "torch": torch.__version__,
-        "transformers": transformers.__version__, "trl": trl.__version__,
-        "batch": opts.batch, "generations": opts.generations,
-        "completion_len": opts.completion_len, "steps": opts.steps, "warmup": opts.warmup,
-        "generation": opts.generation, "channel3": "dpo" if opts.dpo else "simpo",
+        "device": str(opts.device),
+        "device_name": name,
+        "dtype": str(opts.dtype).removeprefix("torch."),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "trl": trl.__version__,
+        "batch": opts.batch,
+        "generations": opts.generations,
+        "completion_len": opts.completion_len,
+        "steps": opts.steps,
+        "warmup": opts.warmup,
+        "generation": opts.generation,
+        "channel3": "dpo" if opts.dpo else "simpo",
         "shapes": opts.shape_list,
-    }  # fmt: skip
+    }
     t_start = time.perf_counter()
 
     def save() -> None:

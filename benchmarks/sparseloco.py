@@ -110,15 +110,27 @@ def main() -> None:
     sl_cfg.codec = "sparseloco"
     if a.only_sparseloco:
         sl = run(sl_cfg, batches, evals)
-        print(json.dumps({"sparseloco_eval_loss": round(sl["eval_loss"], 5),
-                          "bytes_per_round": round(sl["bytes_per_round"])}))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "sparseloco_eval_loss": round(sl["eval_loss"], 5),
+                    "bytes_per_round": round(sl["bytes_per_round"]),
+                }
+            )
+        )
         return
     dl = run(cfg, batches, evals)
-    print(f"diloco (fp32)  eval loss {dl['eval_loss']:.4f}  {dl['bytes_per_round']:,.0f} B/round"
-          f"  {dl['seconds']:.0f}s", flush=True)  # fmt: skip
+    print(
+        f"diloco (fp32)  eval loss {dl['eval_loss']:.4f}  {dl['bytes_per_round']:,.0f} B/round"
+        f"  {dl['seconds']:.0f}s",
+        flush=True,
+    )
     sl = run(sl_cfg, batches, evals)
-    print(f"sparseloco     eval loss {sl['eval_loss']:.4f}  {sl['bytes_per_round']:,.0f} B/round"
-          f"  {sl['seconds']:.0f}s", flush=True)  # fmt: skip
+    print(
+        f"sparseloco     eval loss {sl['eval_loss']:.4f}  {sl['bytes_per_round']:,.0f} B/round"
+        f"  {sl['seconds']:.0f}s",
+        flush=True,
+    )
     result = {
         "sparseloco_bytes_ratio": round(sl["bytes_per_round"] / dl["bytes_per_round"], 5),
         "sparseloco_loss_gap_vs_diloco": round(

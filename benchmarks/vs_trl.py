@@ -233,15 +233,25 @@ def sft_dataset(task: Any, examples: list[Any] | None = None) -> Any:
     from composer_replication.tasks.task import chat_prompt
 
     rows = [
-        {"prompt": chat_prompt(ex.prompt),
-         "completion": [{"role": "assistant", "content": task.oracle(ex)}]}
+        {
+            "prompt": chat_prompt(ex.prompt),
+            "completion": [{"role": "assistant", "content": task.oracle(ex)}],
+        }
         for ex in (task.train_examples() if examples is None else examples)
-    ]  # fmt: skip
+    ]
     return datasets.Dataset.from_list(rows)
 
 
-def sft_runner(config: Any, model: Any, tok: Any, dataset: Any, scratch: str, lr: float,
-               max_steps: int, callbacks: list[Any]) -> Any:  # fmt: skip
+def sft_runner(
+    config: Any,
+    model: Any,
+    tok: Any,
+    dataset: Any,
+    scratch: str,
+    lr: float,
+    max_steps: int,
+    callbacks: list[Any],
+) -> Any:
     """TRL's SFTTrainer with the run's optimizer settings, 16 traces per step."""
     from transformers.trainer_callback import PrinterCallback
     from trl import SFTConfig, SFTTrainer
@@ -253,14 +263,16 @@ def sft_runner(config: Any, model: Any, tok: Any, dataset: Any, scratch: str, lr
         common.pop(key)
     common.update(learning_rate=lr, per_device_train_batch_size=PROMPTS_PER_STEP)
     args = SFTConfig(**common, completion_only_loss=True)
-    runner = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tok,
-                        callbacks=callbacks)  # fmt: skip
+    runner = SFTTrainer(
+        model=model, args=args, train_dataset=dataset, processing_class=tok, callbacks=callbacks
+    )
     runner.remove_callback(PrinterCallback)
     return runner
 
 
-def rl_runner(arm: str, config: Any, model: Any, tok: Any, task: Any, scratch: str,
-              callbacks: list[Any]) -> Any:  # fmt: skip
+def rl_runner(
+    arm: str, config: Any, model: Any, tok: Any, task: Any, scratch: str, callbacks: list[Any]
+) -> Any:
     """The RL trainer of an arm (ours, TRL's GRPO or TRL's SDPO) on `config`'s settings."""
     from transformers.trainer_callback import PrinterCallback
 
@@ -273,8 +285,16 @@ def rl_runner(arm: str, config: Any, model: Any, tok: Any, task: Any, scratch: s
 
     seed = config.run.seed
     if arm.startswith("composer"):
-        return build_trainer(config, model=model, tokenizer=tok, task=task, max_steps=MAX_STEPS,
-                             seed=seed, output_dir=scratch, callbacks=callbacks)  # fmt: skip
+        return build_trainer(
+            config,
+            model=model,
+            tokenizer=tok,
+            task=task,
+            max_steps=MAX_STEPS,
+            seed=seed,
+            output_dir=scratch,
+            callbacks=callbacks,
+        )
     common = trl_training_args(config, scratch, MAX_STEPS, seed)
     dataset = train_split(config, task, rank=0)
     reward = [task.reward_func(with_feedback=False)]  # plain floats for a stock trainer
@@ -282,17 +302,30 @@ def rl_runner(arm: str, config: Any, model: Any, tok: Any, task: Any, scratch: s
         from trl.experimental.sdpo import SDPOTrainer
 
         oracle = {ex.id: task.oracle(ex) for ex in task.train_examples()}
-        dataset = dataset.add_column("privileged_context",
-                                     [oracle[i] for i in dataset["example_id"]])  # fmt: skip
+        dataset = dataset.add_column(
+            "privileged_context", [oracle[i] for i in dataset["example_id"]]
+        )
         args = _trl_sdpo_args(config, common)
-        runner = SDPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=dataset,
-                             processing_class=tok, callbacks=callbacks)  # fmt: skip
+        runner = SDPOTrainer(
+            model=model,
+            reward_funcs=reward,
+            args=args,
+            train_dataset=dataset,
+            processing_class=tok,
+            callbacks=callbacks,
+        )
     else:
         from trl import GRPOConfig, GRPOTrainer
 
         args = GRPOConfig(**common, **channel1_args(config))
-        runner = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=dataset,
-                             processing_class=tok, callbacks=callbacks)  # fmt: skip
+        runner = GRPOTrainer(
+            model=model,
+            reward_funcs=reward,
+            args=args,
+            train_dataset=dataset,
+            processing_class=tok,
+            callbacks=callbacks,
+        )
     runner.remove_callback(PrinterCallback)
     return runner
 
@@ -311,8 +344,16 @@ def warm_start(config: Any, model: Any, tok: Any, task: Any, steps: int, cache: 
         return
     distinct = list({ex.prompt: ex for ex in task.train_examples()}.values())
     with tempfile.TemporaryDirectory(prefix="vs-trl-warm-") as scratch:
-        sft_runner(config, model, tok, sft_dataset(task, distinct[: len(distinct) // 2]), scratch,
-                   WARM_START_LR, steps, []).train()  # fmt: skip
+        sft_runner(
+            config,
+            model,
+            tok,
+            sft_dataset(task, distinct[: len(distinct) // 2]),
+            scratch,
+            WARM_START_LR,
+            steps,
+            [],
+        ).train()
     cache.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(tmp))
@@ -360,8 +401,9 @@ def run_one(spec: Spec, probe_every: int, extra: list[str], cache: str) -> dict[
             budget = WallBudget(seconds, spec.clock)
             budgets.append(budget)
             if phase == "sft":
-                runner = sft_runner(config, model, tok, sft_dataset(task), scratch, spec.lr,
-                                    MAX_STEPS, [budget])  # fmt: skip
+                runner = sft_runner(
+                    config, model, tok, sft_dataset(task), scratch, spec.lr, MAX_STEPS, [budget]
+                )
             else:
                 runner = rl_runner(phase, config, model, tok, task, scratch, [log, budget])
             loss = config.loss
@@ -407,26 +449,36 @@ def provenance() -> dict[str, Any]:
     import subprocess
 
     try:
-        commit = subprocess.run(["git", "-C", str(HERE), "rev-parse", "--short", "HEAD"],
-                                capture_output=True, text=True, timeout=10).stdout.strip()  # fmt: skip
+        commit = subprocess.run(
+            ["git", "-C", str(HERE), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
     except OSError:
         commit = ""
     cpu = platform.processor()
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f
-                        if line.startswith("model name")), cpu)  # fmt: skip
+            cpu = next(
+                (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu
+            )
     except OSError:
         pass
-    return {"commit": commit, "date": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu,
-            "load": round(os.getloadavg()[0], 1)}  # fmt: skip
+    return {
+        "commit": commit,
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "cpu": cpu,
+        "load": round(os.getloadavg()[0], 1),
+    }
 
 
 # --------------------------------------------------------------------------- plans
 
 
-def tuning_specs(arm: str, seed: int, budget: float, clock: str, quick: bool,
-                 done: dict[str, dict[str, Any]]) -> list[Spec]:  # fmt: skip
+def tuning_specs(
+    arm: str, seed: int, budget: float, clock: str, quick: bool, done: dict[str, dict[str, Any]]
+) -> list[Spec]:
     """The validation runs of an arm's coordinate search, as far as the finished runs (`done`,
     by key) decide them: (A) every learning rate of the grid at the first G (trl_sft_grpo at
     SFT share 0.5); (B) the other G at A's best learning rate (not for trl_sft, which has no
@@ -444,8 +496,9 @@ def tuning_specs(arm: str, seed: int, budget: float, clock: str, quick: bool,
     if arm != "trl_sft_grpo" or quick or not all(s.key() in done for s in specs):
         return specs
     best = choose([done[s.key()] for s in specs])
-    return specs + [replace(base, lr=best["lr"], g=best["g"], share=x)
-                    for x in SFT_SHARES if x != 0.5]  # fmt: skip
+    return specs + [
+        replace(base, lr=best["lr"], g=best["g"], share=x) for x in SFT_SHARES if x != 0.5
+    ]
 
 
 def choose(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -459,8 +512,9 @@ def choose(runs: list[dict[str, Any]]) -> dict[str, Any]:
 # --------------------------------------------------------------------------- statistics
 
 
-def bootstrap(per_arm: dict[str, list[dict[str, Any]]], reps: int = BOOTSTRAP_REPS,
-              seed: int = 0) -> dict[str, Any]:  # fmt: skip
+def bootstrap(
+    per_arm: dict[str, list[dict[str, Any]]], reps: int = BOOTSTRAP_REPS, seed: int = 0
+) -> dict[str, Any]:
     """Medians over seeds and their 95% percentile intervals, resampling seeds and, within each
     seed, its held-out classes (the same resample for every arm: paired). Returns
     {arm: (lo, hi)} and the per-replicate medians {arm: array}."""
@@ -483,8 +537,9 @@ def bootstrap(per_arm: dict[str, list[dict[str, Any]]], reps: int = BOOTSTRAP_RE
             if sorted(runs[a]["prompts"]) != sorted(ref["prompts"]):
                 raise ValueError(f"seed {s}: arm {a} was evaluated on other held-out prompts")
             idx = [index[c] for c in runs[a]["classes"]]
-            correct[a] = np.bincount(idx, weights=np.array(runs[a]["correct"], dtype=float),
-                                     minlength=len(names))  # fmt: skip
+            correct[a] = np.bincount(
+                idx, weights=np.array(runs[a]["correct"], dtype=float), minlength=len(names)
+            )
         tables.append((sizes, correct))
     k = len(seeds)
     meds = {a: np.empty(reps) for a in arms}
@@ -499,8 +554,9 @@ def bootstrap(per_arm: dict[str, list[dict[str, Any]]], reps: int = BOOTSTRAP_RE
                 accs[a].append(correct[a][take].sum() / n)
         for a in arms:
             meds[a][b] = np.median(accs[a])
-    intervals = {a: (float(np.percentile(meds[a], 2.5)), float(np.percentile(meds[a], 97.5)))
-                 for a in arms}  # fmt: skip
+    intervals = {
+        a: (float(np.percentile(meds[a], 2.5)), float(np.percentile(meds[a], 97.5))) for a in arms
+    }
     return {"intervals": intervals, "replicates": meds, "seeds": seeds}
 
 
@@ -523,14 +579,24 @@ def _median(values: list[float | None]) -> float | None:
 def summarize(final: list[dict[str, Any]], arms: list[str], reps: int) -> dict[str, Any]:
     import numpy as np
 
-    per_arm = {a: sorted((r for r in final if r["arm"] == a), key=lambda r: r["seed"])
-               for a in arms}  # fmt: skip
+    per_arm = {
+        a: sorted((r for r in final if r["arm"] == a), key=lambda r: r["seed"]) for a in arms
+    }
     med = {
-        a: {key: _median([r[key] for r in runs])
-            for key in ("acc", "ood_acc", "constant_answer_share", "steps", "channel2_loss_share",
-                        "channel3_loss_share", "last10_train_reward")}
+        a: {
+            key: _median([r[key] for r in runs])
+            for key in (
+                "acc",
+                "ood_acc",
+                "constant_answer_share",
+                "steps",
+                "channel2_loss_share",
+                "channel3_loss_share",
+                "last10_train_reward",
+            )
+        }
         for a, runs in per_arm.items()
-    }  # fmt: skip
+    }
     boot = bootstrap(per_arm, reps) if all(per_arm.values()) else None
     out: dict[str, Any] = {}
     for a in arms:
@@ -599,8 +665,9 @@ class Log:
             f.write(json.dumps(r) + "\n")
 
 
-def execute(batches: list[list[Spec]], log: Log, jobs: int, probe_every: int, extra: list[str],
-            cache: str) -> list[dict[str, Any]]:  # fmt: skip
+def execute(
+    batches: list[list[Spec]], log: Log, jobs: int, probe_every: int, extra: list[str], cache: str
+) -> list[dict[str, Any]]:
     """Run every spec not in the log, a batch at a time: the specs of one batch run CONCURRENTLY
     (up to `jobs` at once; a larger batch is split), each in a process and a session of its own
     (as the run's replica processes are), so that the machine's load affects the runs compared
@@ -634,15 +701,21 @@ def _fmt(value: float | None, digits: int = 3) -> str:
 
 def _print_run(r: dict[str, Any]) -> None:
     share = "" if r["share"] is None else f" sft share {r['share']}"
-    ch = ("" if r["channel2_loss_share"] is None
-          else f", ch2/ch3 grad share {r['channel2_loss_share']:.4f}/"
-               f"{_fmt(r['channel3_loss_share'], 4)}")  # fmt: skip
+    ch = (
+        ""
+        if r["channel2_loss_share"] is None
+        else f", ch2/ch3 grad share {r['channel2_loss_share']:.4f}/"
+        f"{_fmt(r['channel3_loss_share'], 4)}"
+    )
     warm = f" warm {r['warm']}" if r["warm"] else ""
-    print(f"{r['arm']:16s} seed {r['seed']} {r['split']:7s} lr {r['lr']:g} G {r['g']}{share}{warm}:"
-          f" acc {r['acc']:.3f} (ood {r['ood_acc']:.3f}), constant share "
-          f"{r['constant_answer_share']:.3f} ({r['top_answer']!r}), {r['steps']} steps in "
-          f"{r['train_seconds']:.0f} {r['clock']} s, last-10 reward "
-          f"{_fmt(r['last10_train_reward'])}{ch}", flush=True)  # fmt: skip
+    print(
+        f"{r['arm']:16s} seed {r['seed']} {r['split']:7s} lr {r['lr']:g} G {r['g']}{share}{warm}:"
+        f" acc {r['acc']:.3f} (ood {r['ood_acc']:.3f}), constant share "
+        f"{r['constant_answer_share']:.3f} ({r['top_answer']!r}), {r['steps']} steps in "
+        f"{r['train_seconds']:.0f} {r['clock']} s, last-10 reward "
+        f"{_fmt(r['last10_train_reward'])}{ch}",
+        flush=True,
+    )
 
 
 def tune(arms: list[str], a: argparse.Namespace, log: Log, budget: float) -> dict[str, Any]:
@@ -650,9 +723,14 @@ def tune(arms: list[str], a: argparse.Namespace, log: Log, budget: float) -> dic
     stage's pending runs go in batches across arms (the k-th pending run of every arm together:
     in stage A, one learning rate for every arm at once), run concurrently."""
     while True:  # each pass runs the next stage of every arm's search
-        pending = {arm: [s for s in tuning_specs(arm, a.tune_seed, budget, a.clock, a.quick,
-                                                 log.done) if s.key() not in log.done]
-                   for arm in arms}  # fmt: skip
+        pending = {
+            arm: [
+                s
+                for s in tuning_specs(arm, a.tune_seed, budget, a.clock, a.quick, log.done)
+                if s.key() not in log.done
+            ]
+            for arm in arms
+        }
         depth = max(len(v) for v in pending.values())
         if depth == 0:
             break
@@ -660,27 +738,47 @@ def tune(arms: list[str], a: argparse.Namespace, log: Log, budget: float) -> dic
         if len(busy) == 1:  # one arm's runs (trl_sft_grpo's budget splits) all at once
             batches = [pending[busy[0]]]
         else:
-            batches = [[pending[arm][k] for arm in busy if k < len(pending[arm])]
-                       for k in range(depth)]  # fmt: skip
+            batches = [
+                [pending[arm][k] for arm in busy if k < len(pending[arm])] for k in range(depth)
+            ]
         execute(batches, log, a.jobs, a.probe_every, a.overrides, a.cache)
     tuned: dict[str, Any] = {}
     for arm in arms:
-        runs = [log.done[s.key()]
-                for s in tuning_specs(arm, a.tune_seed, budget, a.clock, a.quick, log.done)]  # fmt: skip
-        tuned[arm] = {**choose(runs),
-                      "grid": [{"lr": r["lr"], "g": r["g"], "share": r["share"],
-                                "val_acc": r["acc"], "val_reward": round(r["reward"], 4),
-                                "steps": r["steps"]} for r in runs]}  # fmt: skip
+        runs = [
+            log.done[s.key()]
+            for s in tuning_specs(arm, a.tune_seed, budget, a.clock, a.quick, log.done)
+        ]
+        tuned[arm] = {
+            **choose(runs),
+            "grid": [
+                {
+                    "lr": r["lr"],
+                    "g": r["g"],
+                    "share": r["share"],
+                    "val_acc": r["acc"],
+                    "val_reward": round(r["reward"], 4),
+                    "steps": r["steps"],
+                }
+                for r in runs
+            ],
+        }
     return tuned
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true",
-                   help="a smoke run: a 1-point grid, 1 seed, 12 s per run (figures mean nothing)")  # fmt: skip
-    p.add_argument("--budget-s", type=float, default=None,
-                   help="training seconds per run, counted by --clock (default 220, the "
-                        "embedded default run's CPU seconds; --quick: 12)")  # fmt: skip
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke run: a 1-point grid, 1 seed, 12 s per run (figures mean nothing)",
+    )
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="training seconds per run, counted by --clock (default 220, the "
+        "embedded default run's CPU seconds; --quick: 12)",
+    )
     p.add_argument(
         "--clock",
         choices=("wall", "cpu"),
@@ -693,9 +791,12 @@ def main() -> None:
     p.add_argument(
         "--arms", default=None, help=f"comma-separated subset of {', '.join(ARMS)} (default: all)"
     )
-    p.add_argument("--ablation", action="store_true",
-                   help="our channel variants at ours' tuned settings, from scratch and from an "
-                        "SFT warm start (instead of the comparison)")  # fmt: skip
+    p.add_argument(
+        "--ablation",
+        action="store_true",
+        help="our channel variants at ours' tuned settings, from scratch and from an "
+        "SFT warm start (instead of the comparison)",
+    )
     p.add_argument(
         "--warm-start-steps",
         type=int,
@@ -715,9 +816,12 @@ def main() -> None:
         help="at most this many runs at once (default 5: the arms of a comparison run side by "
         "side, so the load affects them alike; each has train.torch_threads)",
     )
-    p.add_argument("--log", default=str(HERE / "results" / "vs_trl.jsonl"),
-                   help="finished runs, appended as JSON lines; a rerun skips those already "
-                        "there (default benchmarks/results/vs_trl.jsonl)")  # fmt: skip
+    p.add_argument(
+        "--log",
+        default=str(HERE / "results" / "vs_trl.jsonl"),
+        help="finished runs, appended as JSON lines; a rerun skips those already "
+        "there (default benchmarks/results/vs_trl.jsonl)",
+    )
     p.add_argument("--cache", default=None, help="warm-start weights (default: beside --log)")
     p.add_argument("--bootstrap", type=int, default=BOOTSTRAP_REPS, help="bootstrap replicates")
     p.add_argument("overrides", nargs="*", help="extra section.key=value config overrides")
@@ -738,12 +842,17 @@ def main() -> None:
     log = Log(Path(a.log))
     t0 = time.monotonic()
     tuned = tune(arms, a, log, budget)
-    print(f"\ntuning on the validation split (seed {a.tune_seed}, {N_VAL}+ prompts carved from "
-          f"training, whole classes): exact match per grid point")  # fmt: skip
+    print(
+        f"\ntuning on the validation split (seed {a.tune_seed}, {N_VAL}+ prompts carved from "
+        f"training, whole classes): exact match per grid point"
+    )
     for arm in arms:
-        cells = ", ".join(f"lr {c['lr']:g} G {c['g']}" + ("" if c["share"] is None
-                          else f" share {c['share']}") + f": {c['val_acc']:.3f}"
-                          for c in tuned[arm]["grid"])  # fmt: skip
+        cells = ", ".join(
+            f"lr {c['lr']:g} G {c['g']}"
+            + ("" if c["share"] is None else f" share {c['share']}")
+            + f": {c['val_acc']:.3f}"
+            for c in tuned[arm]["grid"]
+        )
         print(
             f"{arm:16s} | {cells} | chosen lr {tuned[arm]['lr']:g} G {tuned[arm]['g']}"
             + ("" if tuned[arm]["share"] is None else f" share {tuned[arm]['share']}")
@@ -752,45 +861,86 @@ def main() -> None:
     if a.ablation:
         ablation(a, log, tuned["composer"], budget, final_seeds, t0)
         return
-    batches = [[Spec(arm, s, tuned[arm]["lr"], tuned[arm]["g"], tuned[arm]["share"], "heldout",
-                     0, budget, a.clock) for arm in arms] for s in final_seeds]  # fmt: skip
+    batches = [
+        [
+            Spec(
+                arm,
+                s,
+                tuned[arm]["lr"],
+                tuned[arm]["g"],
+                tuned[arm]["share"],
+                "heldout",
+                0,
+                budget,
+                a.clock,
+            )
+            for arm in arms
+        ]
+        for s in final_seeds
+    ]
     final = execute(batches, log, a.jobs, a.probe_every, a.overrides, a.cache)
     summary = summarize(final, arms, a.bootstrap)
     n = final[0]["n"]
     n_classes = len(set(final[0]["classes"]))
-    print(f"\nembedded default's task, {budget:.0f} {a.clock} s of training per run, {seeds} "
-          f"seed(s), {n} held-out prompts ({n_classes} operand multisets in seed "
-          f"{final[0]['seed']}), greedy exact match; medians over seeds, 95% bootstrap intervals")  # fmt: skip
+    print(
+        f"\nembedded default's task, {budget:.0f} {a.clock} s of training per run, {seeds} "
+        f"seed(s), {n} held-out prompts ({n_classes} operand multisets in seed "
+        f"{final[0]['seed']}), greedy exact match; medians over seeds, 95% bootstrap intervals"
+    )
     print(f"{'arm':16s} | held-out acc [95% CI]  | ood acc | constant share | steps | ch2 / ch3")
     for arm in arms:
         m = summary["medians"][arm]
         ci = summary[f"{arm}_heldout_acc_ci"] or [math.nan, math.nan]
-        print(f"{arm:16s} | {m['acc']:.3f} [{ci[0]:.3f}, {ci[1]:.3f}] | {m['ood_acc']:7.3f} | "
-              f"{m['constant_answer_share']:14.3f} | {m['steps']:5.0f} | "
-              f"{_fmt(m['channel2_loss_share'], 4)} / {_fmt(m['channel3_loss_share'], 4)}")  # fmt: skip
+        print(
+            f"{arm:16s} | {m['acc']:.3f} [{ci[0]:.3f}, {ci[1]:.3f}] | {m['ood_acc']:7.3f} | "
+            f"{m['constant_answer_share']:14.3f} | {m['steps']:5.0f} | "
+            f"{_fmt(m['channel2_loss_share'], 4)} / {_fmt(m['channel3_loss_share'], 4)}"
+        )
     verdict = {True: "met", False: "NOT met", None: "not measured"}
     print("targets: " + ", ".join(f"{k} {verdict[v]}" for k, v in summary["targets"].items()))
-    summary.update(tuned=tuned, budget_s=budget, clock=a.clock, seeds=seeds, n_heldout=n,
-                   heldout_classes=n_classes, grid_lr=list(GRID_LR), grid_g=list(GRID_G),
-                   sft_shares=list(SFT_SHARES), n_val=N_VAL,
-                   seconds=round(time.monotonic() - t0, 1))  # fmt: skip
+    summary.update(
+        tuned=tuned,
+        budget_s=budget,
+        clock=a.clock,
+        seeds=seeds,
+        n_heldout=n,
+        heldout_classes=n_classes,
+        grid_lr=list(GRID_LR),
+        grid_g=list(GRID_G),
+        sft_shares=list(SFT_SHARES),
+        n_val=N_VAL,
+        seconds=round(time.monotonic() - t0, 1),
+    )
     print(json.dumps(summary))
 
 
-def ablation(a: argparse.Namespace, log: Log, chosen: dict[str, Any], budget: float,
-             seeds: range, t0: float) -> None:  # fmt: skip
+def ablation(
+    a: argparse.Namespace, log: Log, chosen: dict[str, Any], budget: float, seeds: range, t0: float
+) -> None:
     """Our channel variants at ours' tuned (lr, G), from scratch and from the SFT warm start."""
     variants = [*CHANNEL_VARIANTS, "composer"]
     starts = [0, a.warm_start_steps] if a.warm_start_steps else [0]
-    batches = [[Spec(v, s, chosen["lr"], chosen["g"], None, "heldout", w, budget, a.clock)
-                for v in variants] for w in starts for s in seeds]  # fmt: skip
+    batches = [
+        [
+            Spec(v, s, chosen["lr"], chosen["g"], None, "heldout", w, budget, a.clock)
+            for v in variants
+        ]
+        for w in starts
+        for s in seeds
+    ]
     for s in seeds:  # the warm starts, once per seed, before the variants that share them
-        if a.warm_start_steps and any(x.key() not in log.done for b in batches for x in b
-                                      if x.warm and x.seed == s):  # fmt: skip
+        if a.warm_start_steps and any(
+            x.key() not in log.done for b in batches for x in b if x.warm and x.seed == s
+        ):
             prepare_warm_start(s, a.warm_start_steps, a.overrides, a.cache)
     runs = execute(batches, log, a.jobs, a.probe_every, a.overrides, a.cache)
-    result: dict[str, Any] = {"budget_s": budget, "clock": a.clock, "seeds": len(seeds),
-                              "lr": chosen["lr"], "g": chosen["g"]}  # fmt: skip
+    result: dict[str, Any] = {
+        "budget_s": budget,
+        "clock": a.clock,
+        "seeds": len(seeds),
+        "lr": chosen["lr"],
+        "g": chosen["g"],
+    }
     print(
         f"\nablation at ours' tuned settings (lr {chosen['lr']:g}, G {chosen['g']}), "
         f"{budget:.0f} {a.clock} s per run, {len(seeds)} seeds; medians [95% bootstrap CI]"
@@ -801,12 +951,16 @@ def ablation(a: argparse.Namespace, log: Log, chosen: dict[str, Any], budget: fl
         boot = bootstrap(per, a.bootstrap)
         label = "scratch" if w == 0 else f"sft {w}"
         for v in variants:
-            med = {k: _median([r[k] for r in per[v]])
-                   for k in ("acc", "ood_acc", "channel2_loss_share", "channel3_loss_share")}  # fmt: skip
+            med = {
+                k: _median([r[k] for r in per[v]])
+                for k in ("acc", "ood_acc", "channel2_loss_share", "channel3_loss_share")
+            }
             lo, hi = boot["intervals"][v]
-            print(f"{v:16s} | {label:8s} | {med['acc']:.3f} [{lo:.3f}, {hi:.3f}] | "
-                  f"{med['ood_acc']:.3f} | {_fmt(med['channel2_loss_share'], 4):>9s} | "
-                  f"{_fmt(med['channel3_loss_share'], 4):>9s}")  # fmt: skip
+            print(
+                f"{v:16s} | {label:8s} | {med['acc']:.3f} [{lo:.3f}, {hi:.3f}] | "
+                f"{med['ood_acc']:.3f} | {_fmt(med['channel2_loss_share'], 4):>9s} | "
+                f"{_fmt(med['channel3_loss_share'], 4):>9s}"
+            )
             key = f"{v}_{'scratch' if w == 0 else 'warm'}"
             result[f"{key}_heldout_acc"] = med["acc"]
             result[f"{key}_heldout_acc_ci"] = _r2((lo, hi))

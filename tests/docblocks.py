@@ -180,9 +180,14 @@ def _descendants(pid: int) -> list[int]:
 
 
 def run_code(
-    lang: str, code: str, *, cwd: Path, env: dict[str, str] | None = None,
-    timeout: float = TIMEOUT_S, name: str = "doc block",
-) -> subprocess.CompletedProcess[str]:  # fmt: skip
+    lang: str,
+    code: str,
+    *,
+    cwd: Path,
+    env: dict[str, str] | None = None,
+    timeout: float = TIMEOUT_S,
+    name: str = "doc block",
+) -> subprocess.CompletedProcess[str]:
     """Run python code in a fresh interpreter, or bash code with `set -eo pipefail`, in `cwd`
     (the repo and the interpreter's bin folder come first on PYTHONPATH / PATH)."""
     full_env = {
@@ -221,9 +226,13 @@ def run_code(
 
 
 def run_block(
-    block: Block, *, cwd: Path, replace: dict[str, str] | None = None,
-    env: dict[str, str] | None = None, timeout: float = TIMEOUT_S,
-) -> str:  # fmt: skip
+    block: Block,
+    *,
+    cwd: Path,
+    replace: dict[str, str] | None = None,
+    env: dict[str, str] | None = None,
+    timeout: float = TIMEOUT_S,
+) -> str:
     """Run `block` (with `replace`'s substitutions, each of which must occur in it), check that
     it exits 0 and prints its ```output block, if it has one; return what it printed."""
     code = block.code
@@ -239,9 +248,14 @@ def run_block(
 
 
 def run_doc_block(
-    doc: str, contains: str, *, cwd: Path, replace: dict[str, str] | None = None,
-    env: dict[str, str] | None = None, timeout: float = TIMEOUT_S,
-) -> str:  # fmt: skip
+    doc: str,
+    contains: str,
+    *,
+    cwd: Path,
+    replace: dict[str, str] | None = None,
+    env: dict[str, str] | None = None,
+    timeout: float = TIMEOUT_S,
+) -> str:
     """Run the block of `doc` that contains `contains`, as `run_block` does. A test named by a
     block's covered-by marker calls this (tests/test_doc_blocks.py checks that it does, with
     arguments that select that block)."""
@@ -249,9 +263,12 @@ def run_doc_block(
 
 
 def exec_doc_block(
-    doc: str, contains: str, namespace: dict[str, object] | None = None, *,
+    doc: str,
+    contains: str,
+    namespace: dict[str, object] | None = None,
+    *,
     replace: dict[str, str] | None = None,
-) -> dict[str, object]:  # fmt: skip
+) -> dict[str, object]:
     """Execute the python block of `doc` that contains `contains` in this process, in
     `namespace` (for a test that inspects the objects it builds, or hands it stand-ins of what
     the doc assumes); check its ```output block, if any; return the namespace. What it prints
@@ -285,8 +302,9 @@ def write_outputs(doc: str, *, cwd: Path) -> list[str]:
     for block in reversed(collect_blocks(path, doc)):
         if block.expected_line is None or block.skip or block.covered_by:
             continue
-        proc = run_code(block.lang, block.code, cwd=cwd if block.lang == "python" else ROOT,
-                        name=block.id)  # fmt: skip
+        proc = run_code(
+            block.lang, block.code, cwd=cwd if block.lang == "python" else ROOT, name=block.id
+        )
         if proc.returncode != 0:
             raise RuntimeError(f"{block.id} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
         if output_matches(block.expected or "", proc.stdout):

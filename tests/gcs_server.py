@@ -84,8 +84,11 @@ def run_gcs(bucket: str = BUCKET) -> Iterator[tuple[str, str, dict[str, Any]]]:
     with open(log, "wb") as logf:
         proc = subprocess.Popen(
             [sys.executable, "-c", LAUNCHER, "127.0.0.1", bucket],
-            stdout=subprocess.PIPE, stderr=logf, start_new_session=True, text=True,
-        )  # fmt: skip
+            stdout=subprocess.PIPE,
+            stderr=logf,
+            start_new_session=True,
+            text=True,
+        )
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()  # blocks until the server listens (or exits)

@@ -91,9 +91,21 @@ def violations(
 
 
 LAYERS = {
-    "loss", "trainer", "data", "tasks", "models", "diloco", "exchange", "executors",
-    "faults", "recipes", "run", "config", "cli", "assembly",
-}  # fmt: skip
+    "loss",
+    "trainer",
+    "data",
+    "tasks",
+    "models",
+    "diloco",
+    "exchange",
+    "executors",
+    "faults",
+    "recipes",
+    "run",
+    "config",
+    "cli",
+    "assembly",
+}
 
 
 # Foundation modules every layer may use: plain helpers that import nothing of ours.
@@ -153,8 +165,19 @@ def test_config_composes_the_components_configs():
 
 
 def test_assembly_builds_every_part_from_the_config():
-    allowed = {"assembly", "config", "tasks", "models", "trainer", "data", "loss", "diloco",
-               "exchange", "executors", "faults"}  # fmt: skip
+    allowed = {
+        "assembly",
+        "config",
+        "tasks",
+        "models",
+        "trainer",
+        "data",
+        "loss",
+        "diloco",
+        "exchange",
+        "executors",
+        "faults",
+    }
     assert violations({"assembly"}, LAYERS - allowed) == []
 
 

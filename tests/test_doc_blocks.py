@@ -234,8 +234,9 @@ def _check_invocation(block: Block, args: list[str]) -> None:
         return
     paths: list[str | None] = []
     # `config validate` takes any number of files; the others one at most.
-    while positional and "=" not in positional[0] and (command == ("config", "validate")
-                                                       or not paths):  # fmt: skip
+    while (
+        positional and "=" not in positional[0] and (command == ("config", "validate") or not paths)
+    ):
         paths.append(positional.pop(0))
     loose = [a for a in positional if "=" not in a]
     assert not loose, f"{block.id}: `{shown}`: {loose[0]!r} is neither a config nor key=value"
@@ -304,8 +305,14 @@ def test_bash_block(block: Block) -> None:
 # ----------------------------------------------------------------------------- the collector
 
 # Aliases of the checked languages: a block fenced ```sh would escape the checks above.
-ALIASES = {"py": "python", "python3": "python", "sh": "bash", "shell": "bash", "console": "bash",
-           "zsh": "bash"}  # fmt: skip
+ALIASES = {
+    "py": "python",
+    "python3": "python",
+    "sh": "bash",
+    "shell": "bash",
+    "console": "bash",
+    "zsh": "bash",
+}
 
 
 def test_no_block_hides_behind_an_alias() -> None:
@@ -333,8 +340,10 @@ def test_every_shown_output_is_checked() -> None:
         for number, line in enumerate(path.read_text().splitlines(), 1):
             m = FENCE.match(line)
             if m and m.group("lang") == OUTPUT and (doc, number) not in attached:
-                loose.append(f"{doc}:{number}: an ```{OUTPUT} block right after no python/bash "
-                             "block; nothing checks it")  # fmt: skip
+                loose.append(
+                    f"{doc}:{number}: an ```{OUTPUT} block right after no python/bash "
+                    "block; nothing checks it"
+                )
     assert not loose, "\n".join(loose)
 
 
@@ -386,8 +395,12 @@ def test_collector_finds_blocks_and_markers(tmp_path: Path) -> None:
     doc.write_text(text)
     blocks = collect_blocks(doc, "docs/selftest.md")
     assert [(b.line, b.lang) for b in blocks] == [
-        (4, "python"), (10, "toml"), (17, "bash"), (23, "python"), (30, "bash")
-    ]  # fmt: skip
+        (4, "python"),
+        (10, "toml"),
+        (17, "bash"),
+        (23, "python"),
+        (30, "bash"),
+    ]
     assert blocks[0].skip == "needs a GPU" and blocks[0].code == "x = 1\n"
     assert blocks[1].code == "[run]\nname = 'a'\n" and blocks[1].skip is None
     assert blocks[2].covered_by == "tests/test_readme.py" and blocks[2].expected is None

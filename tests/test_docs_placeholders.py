@@ -47,8 +47,11 @@ def test_the_scanner_catches_planted_tokens() -> None:
         "TODO: rerun quiet\n"
     )
     assert [t for _, t in template_tokens(planted)] == [
-        "SEAWEEDFS_BEFORE_2", "{{ heldout_acc }}", "<fill in the date>", "TODO",
-    ]  # fmt: skip
+        "SEAWEEDFS_BEFORE_2",
+        "{{ heldout_acc }}",
+        "<fill in the date>",
+        "TODO",
+    ]
     clean = "`COMPOSER_STORAGE_OPTIONS`, H100_x1? no: `sm_90`, 2x_faster, a todo list, {'a': {}}"
     assert template_tokens(clean) == []
 

@@ -52,26 +52,52 @@ def test_keys_are_collected_from_logs_and_saved_json(tmp_path):
     loss = {"gpu_jsd_peak_ratio": 0.006, "gpu_jsd_time_ratio": 1.7}
     _phase(out, "loss", 0, "chunked: 12 ms\n" + json.dumps(loss) + "\ntrailing words\n")
     # the step phase was cut by its time limit: its --out file has the first shape
-    step = {"gpu_channels_off_ratio": 1.01, "gpu_all_on_ratio": 1.3,
-            "gpu_peak_memory_ratio": 1.02, "gpu_generation_paged_ratio": 4.2,
-            "qwen05b_all_on_teacher_s": 0.4, "device_name": "NVIDIA H200"}  # fmt: skip
+    step = {
+        "gpu_channels_off_ratio": 1.01,
+        "gpu_all_on_ratio": 1.3,
+        "gpu_peak_memory_ratio": 1.02,
+        "gpu_generation_paged_ratio": 4.2,
+        "qwen05b_all_on_teacher_s": 0.4,
+        "device_name": "NVIDIA H200",
+    }
     _phase(out, "step", 124, "  qwen15b plain step 1 (warm-up) ...\n", saved=step)
-    diloco = {"loss_gap_vs_dp_b128": 0.03, "loss_gap_vs_dp_b256": 0.015, "critical_batch": 256,
-              "critical_batch_reached": True, "loss_gap_vs_dp_at_critical_batch": 0.015}  # fmt: skip
+    diloco = {
+        "loss_gap_vs_dp_b128": 0.03,
+        "loss_gap_vs_dp_b256": 0.015,
+        "critical_batch": 256,
+        "critical_batch_reached": True,
+        "loss_gap_vs_dp_at_critical_batch": 0.015,
+    }
     _phase(out, "diloco", 0, "batch 128 ...\n" + json.dumps(diloco) + "\n")
     (out / "diffs.jsonl").write_text(
-        json.dumps({"test": "t::a", "what": "loss", "max_abs_diff": 1e-9, "rtol": 1e-5,
-                    "atol": 1e-5, "ratio": 0.01}) + "\nnot json\n"
-    )  # fmt: skip
+        json.dumps(
+            {
+                "test": "t::a",
+                "what": "loss",
+                "max_abs_diff": 1e-9,
+                "rtol": 1e-5,
+                "atol": 1e-5,
+                "ratio": 0.01,
+            }
+        )
+        + "\nnot json\n"
+    )
     report, problems = keys.collect(out)
     assert report["keys"]["gpu_jsd_time_ratio"] == 1.7
     assert report["keys"]["gpu_all_on_ratio"] == 1.3 and report["keys"]["critical_batch"] == 256
     assert report["keys"]["loss_gap_vs_dp_b256"] == 0.015
     assert report["keys"]["step.gpu_generation_paged_ratio"] == 4.2
-    assert report["phases"] == {"gpu": "ok", "tests": "not run", "loss": "ok",
-                                "step": "exit 124", "diloco": "ok"}  # fmt: skip
-    assert problems == [f"phase step exited 124 (see {out / 'step.log'})",
-                        "gpu tests skipped: tests.trainer.test_x::c"]  # fmt: skip
+    assert report["phases"] == {
+        "gpu": "ok",
+        "tests": "not run",
+        "loss": "ok",
+        "step": "exit 124",
+        "diloco": "ok",
+    }
+    assert problems == [
+        f"phase step exited 124 (see {out / 'step.log'})",
+        "gpu tests skipped: tests.trainer.test_x::c",
+    ]
     assert report["tests"]["gpu"]["passed"] == 2 and len(report["diffs"]) == 1
     text = keys.render(report, problems)
     assert "gpu_all_on_ratio" in text and "goal <= 1.15: NOT met" in text
@@ -108,14 +134,27 @@ def test_dry_run_runs_every_phase_on_the_cpu(tmp_path):
     pytest.importorskip("matplotlib")
     env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable}
     env.pop("COMPOSER_DIFF_LOG", None)
-    done = subprocess.run(["bash", str(SCRIPT), "--dry-run"], env=env, capture_output=True,
-                          text=True, timeout=3000, cwd=tmp_path)  # fmt: skip
+    done = subprocess.run(
+        ["bash", str(SCRIPT), "--dry-run"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=3000,
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     report = json.loads((tmp_path / "keys.json").read_text())
     assert set(report["phases"].values()) == {"ok"} and report["problems"] == []
-    for key in ("gpu_channels_off_ratio", "gpu_all_on_ratio", "gpu_peak_memory_ratio",
-                "loss_gap_vs_dp_b2", "loss_gap_vs_dp_b4", "critical_batch", "peak_memory_ratio",
-                "step.gpu_generation_paged_ratio"):  # fmt: skip
+    for key in (
+        "gpu_channels_off_ratio",
+        "gpu_all_on_ratio",
+        "gpu_peak_memory_ratio",
+        "loss_gap_vs_dp_b2",
+        "loss_gap_vs_dp_b4",
+        "critical_batch",
+        "peak_memory_ratio",
+        "step.gpu_generation_paged_ratio",
+    ):
         assert report["keys"][key] is not None, key
     gpu = report["tests"]["gpu"]
     assert gpu["tests"] >= 4 and len(gpu["gpu_skipped"]) == gpu["tests"]  # collected, skipped

@@ -38,10 +38,13 @@ def test_readme_example_trains_on_a_fresh_store(tmp_path: Path) -> None:
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     run_doc_block(
-        "README.md", "make_diloco_outer_loop(", cwd=tmp_path, timeout=280,
+        "README.md",
+        "make_diloco_outer_loop(",
+        cwd=tmp_path,
+        timeout=280,
         replace={"max_steps=40": "max_steps=2", "sync_every_h=10": "sync_every_h=1"},
         env={"WORLD_SIZE": "1", "REPLICA_RANK": "0", "TMPDIR": str(tmp)},
-    )  # fmt: skip
+    )
     (store,) = tmp.glob("composer-run-*")
     states = sorted(p.name for p in (store / "states" / "global").glob("*.safetensors"))
     assert states == [f"{k:010d}.safetensors" for k in range(3)]  # initial state + 2 rounds

@@ -38,9 +38,12 @@ def _fake(bin_dir: Path, name: str, stdout: str, code: int = 0) -> None:
 
 
 def _choose(
-    tmp_path: Path, *, smi: tuple[str, int] | None, torch_build: str | None = None,
+    tmp_path: Path,
+    *,
+    smi: tuple[str, int] | None,
+    torch_build: str | None = None,
     system: str | None = None,
-) -> subprocess.CompletedProcess[str]:  # fmt: skip
+) -> subprocess.CompletedProcess[str]:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     if system is None:
@@ -87,11 +90,15 @@ def test_an_nvidia_smi_without_a_gpu_picks_the_cpu_wheel(
 
 def test_torch_build_overrides_the_detection(tmp_path: Path) -> None:
     assert _lines(_choose(tmp_path, smi=(GPUS, 0), torch_build="cpu", system="Linux")) == [
-        "cpu", "torch==2.13.0+cpu", "TORCH_BUILD=cpu"
-    ]  # fmt: skip
+        "cpu",
+        "torch==2.13.0+cpu",
+        "TORCH_BUILD=cpu",
+    ]
     assert _lines(_choose(tmp_path, smi=None, torch_build="cuda", system="Linux")) == [
-        "cuda", "torch==2.13.0", "TORCH_BUILD=cuda"
-    ]  # fmt: skip
+        "cuda",
+        "torch==2.13.0",
+        "TORCH_BUILD=cuda",
+    ]
     bad = _choose(tmp_path, smi=None, torch_build="gpu", system="Linux")
     assert bad.returncode == 2 and bad.stdout == ""
     assert "TORCH_BUILD=gpu: expected cpu, cuda or auto" in bad.stderr

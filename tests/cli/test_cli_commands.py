@@ -42,8 +42,11 @@ def test_every_subcommand_is_covered_by_the_help_test() -> None:
 def test_python_dash_m_entry_point(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "composer_replication", "--help"],
-        capture_output=True, text=True, cwd=tmp_path, timeout=60,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=60,
+    )
     assert proc.returncode == 0 and "train" in proc.stdout and "bake-traces" in proc.stdout
 
 
@@ -66,25 +69,38 @@ def _tree(root: Path) -> dict[str, bytes]:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["train.max_stepz=3"], "train.max_stepz: unknown key in section [train] (did you mean "
-                                "'max_steps'?)"),
+        (
+            ["train.max_stepz=3"],
+            "train.max_stepz: unknown key in section [train] (did you mean 'max_steps'?)",
+        ),
         (["train.max_steps=abc"], "train.max_steps: expected an integer, got string 'abc'"),
-        (["model.name=./no/such/model"], "model.name: local model folder './no/such/model' does "
-                                         "not exist"),
-        (["task.name=arithmetc"], "task.name: unknown task 'arithmetc' (did you mean "
-                                  "'arithmetic'?)"),
-        (["backend.resources={num_cpus = 1}"], "backend.resources: the local backend takes no "
-                                                "resources"),
-        (["store.uri=file:///dev/null/store/"], "store.uri: file:///dev/null/store/ is not "
-                                                "writable: '/dev/null' is a file"),
+        (
+            ["model.name=./no/such/model"],
+            "model.name: local model folder './no/such/model' does not exist",
+        ),
+        (
+            ["task.name=arithmetc"],
+            "task.name: unknown task 'arithmetc' (did you mean 'arithmetic'?)",
+        ),
+        (
+            ["backend.resources={num_cpus = 1}"],
+            "backend.resources: the local backend takes no resources",
+        ),
+        (
+            ["store.uri=file:///dev/null/store/"],
+            "store.uri: file:///dev/null/store/ is not writable: '/dev/null' is a file",
+        ),
         (["missing.toml"], "config file 'missing.toml' not found"),
         (["train.max_steps=3", "stray"], "unexpected argument 'stray'"),
     ],
-)  # fmt: skip
+)
 def test_train_config_errors_exit_2_and_write_nothing(
-    args: list[str], message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    args: list[str],
+    message: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture,
-) -> None:  # fmt: skip
+) -> None:
     monkeypatch.chdir(tmp_path)
     before = _tree(tmp_path)
     assert main(["train", *args]) == 2
@@ -153,8 +169,14 @@ def test_config_validate_takes_several_files(tmp_path: Path, capsys: pytest.Capt
     bad.write_text("[train]\nmax_step = 100\n")
     assert main(["config", "validate", str(good), str(good), "diloco.sync_every_h=25"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out == [f"{good}: ok: 2 x local replicas, model tiny, task arithmetic, 100 inner "
-                   "steps, 4 outer rounds"] * 2  # fmt: skip
+    assert (
+        out
+        == [
+            f"{good}: ok: 2 x local replicas, model tiny, task arithmetic, 100 inner "
+            "steps, 4 outer rounds"
+        ]
+        * 2
+    )
     assert main(["config", "validate", str(bad), str(good), str(tmp_path / "none.toml")]) == 2
     captured = capsys.readouterr()
     assert captured.out.startswith(f"{good}: ok:")
@@ -207,8 +229,11 @@ def test_replica_without_rank_or_store_exits_2(capsys: pytest.CaptureFixture) ->
     env = {k: v for k, v in os.environ.items() if k not in ("REPLICA_RANK", "DILOCO_RENDEZVOUS")}
     proc = subprocess.run(
         [sys.executable, "-m", "composer_replication.run.replica"],
-        capture_output=True, text=True, env=env, timeout=60,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert proc.returncode == 2 and "no replica rank" in proc.stderr
 
 
@@ -253,8 +278,13 @@ def test_resume_of_a_finished_run_says_so_and_launches_nothing(
     run.mkdir(parents=True)
     config = load_config(overrides=["run.name=done", f"store.uri={(run / 'store').as_uri()}/"])
     (run / "config.json").write_text(json.dumps(to_dict(config)))
-    driver = {"status": "finished", "attempt": 1, "started": 1000.0, "ended": 1616.2,
-              "wall_seconds": 616.2}  # fmt: skip
+    driver = {
+        "status": "finished",
+        "attempt": 1,
+        "started": 1000.0,
+        "ended": 1616.2,
+        "wall_seconds": 616.2,
+    }
     (run / "driver.json").write_text(json.dumps(driver))
     before = _tree(tmp_path)
     assert main(["train", "--resume", "done"]) == 0

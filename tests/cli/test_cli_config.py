@@ -72,8 +72,10 @@ def test_config_file_then_overrides(tmp_path) -> None:
 @pytest.mark.parametrize(
     ("override", "needle"),
     [
-        ("train.max_step=3", "train.max_step: unknown key in section [train] (did you mean "
-                             "'max_steps'?)"),
+        (
+            "train.max_step=3",
+            "train.max_step: unknown key in section [train] (did you mean 'max_steps'?)",
+        ),
         ("trian.max_steps=3", "trian: unknown section (did you mean 'train'?)"),
         ("train.max_steps=abc", "train.max_steps: expected an integer, got string 'abc'"),
         ("train.max_steps=2.5", "train.max_steps: expected an integer, got number 2.5"),
@@ -85,12 +87,12 @@ def test_config_file_then_overrides(tmp_path) -> None:
         ("backend.n_replicas=0", "backend.n_replicas: 0 must be >= 1"),
         ("train.batch_size=13", "train.batch_size: 13 must be a positive multiple"),
         ("task.options=3", "task.options: expected a table"),
-        ("teachers.endpoints=[{model = \"m\"}]", "teachers.endpoints[0].base_url: must be set"),
+        ('teachers.endpoints=[{model = "m"}]', "teachers.endpoints[0].base_url: must be set"),
         ("train=3", "the key must be section.key"),
         ("novalue", "expected section.key=value"),
         ("train.max_steps=none", "train.max_steps: cannot be unset"),
     ],
-)  # fmt: skip
+)
 def test_errors_name_the_key_and_give_a_hint(override: str, needle: str) -> None:
     with pytest.raises(ConfigError) as info:
         load_config(overrides=[override])
@@ -124,13 +126,15 @@ def test_cross_section_rules() -> None:
         (["diloco.outer_momentum=0"], "diloco.outer_momentum: 0 with outer_optimizer = 'nesterov'"),
         (["diloco.outer_optimizer=lamb"], "is not one of 'nesterov', 'sgd', 'adam'"),
         (["diloco.outer_betas=[0.9]"], "diloco.outer_betas: [0.9] must be two numbers"),
-        (["diloco.mode=decoupled", "diloco.outer_optimizer=adam"],
-         "diloco.outer_optimizer: 'adam' runs in sync mode only"),
+        (
+            ["diloco.mode=decoupled", "diloco.outer_optimizer=adam"],
+            "diloco.outer_optimizer: 'adam' runs in sync mode only",
+        ),
         (["train.max_grad_norm=-1"], "train.max_grad_norm: must be >= 0"),
         (["train.warmup_steps=-1"], "train.warmup_steps: must be >= 0"),
         (["train.lr_scheduler=cosin"], "(did you mean 'cosine'?)"),
     ],
-)  # fmt: skip
+)
 def test_optimizer_keys_are_checked(overrides: list[str], needle: str) -> None:
     with pytest.raises(ConfigError) as info:
         load_config(overrides=overrides)
@@ -142,12 +146,14 @@ def test_optimizer_keys_are_checked(overrides: list[str], needle: str) -> None:
 @pytest.mark.parametrize(
     ("overrides", "needle"),
     [
-        (["diloco.fragments=4", "model.num_layers=2"],
-         "diloco.fragments: 4 exceeds model.num_layers (2)"),
+        (
+            ["diloco.fragments=4", "model.num_layers=2"],
+            "diloco.fragments: 4 exceeds model.num_layers (2)",
+        ),
         (["diloco.screen=loss"], "diloco.screen: the loss screen runs in the synchronous"),
         (["diloco.merge=rda", "diloco.aggregate=median"], "diloco.merge: 'rda' averages"),
     ],
-)  # fmt: skip
+)
 def test_decoupled_rules_fail_before_any_replica_starts(overrides: list[str], needle: str) -> None:
     """What decoupled mode cannot do is a config error, not a replica traceback a minute in."""
     base = ["diloco.mode=decoupled", "diloco.sync_every_h=8", "train.max_steps=16"]

@@ -48,8 +48,16 @@ def test_every_float_setting_refuses_non_finite_values(key: str, is_list: bool, 
     assert str(info.value).startswith(f"{where}: {float(bad)!r} is not a finite number"), info.value
 
 
-@pytest.mark.parametrize("key", ["train.learning_rate", "diloco.outer_lr", "train.temperature",
-                                 "diloco.timeout_s", "backend.timeout_s"])  # fmt: skip
+@pytest.mark.parametrize(
+    "key",
+    [
+        "train.learning_rate",
+        "diloco.outer_lr",
+        "train.temperature",
+        "diloco.timeout_s",
+        "backend.timeout_s",
+    ],
+)
 def test_train_and_config_validate_refuse_inf_alike(
     key: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
@@ -59,15 +67,23 @@ def test_train_and_config_validate_refuse_inf_alike(
     assert main(["train", f"{key}=inf"]) == 2
     train_err = capsys.readouterr().err
     assert validate_err == train_err
-    assert train_err == (f"composer-replication: error: {key}: inf is not a finite number (inf, "
-                         "-inf and nan are refused); give a finite value\n")  # fmt: skip
+    assert train_err == (
+        f"composer-replication: error: {key}: inf is not a finite number (inf, "
+        "-inf and nan are refused); give a finite value\n"
+    )
     assert list(tmp_path.iterdir()) == []  # nothing written
 
 
 def test_a_toml_file_with_inf_is_refused_too(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     names = {k for k, _ in FLOAT_KEYS}  # the parametrization above covers the issue's keys
-    for key in ("train.learning_rate", "train.temperature", "diloco.outer_lr",
-                "diloco.timeout_s", "backend.timeout_s", "loss.alpha_sdpo"):  # fmt: skip
+    for key in (
+        "train.learning_rate",
+        "train.temperature",
+        "diloco.outer_lr",
+        "diloco.timeout_s",
+        "backend.timeout_s",
+        "loss.alpha_sdpo",
+    ):
         assert key in names
     path = tmp_path / "bad.toml"
     path.write_text("[diloco]\nouter_lr = inf\n")
@@ -106,8 +122,10 @@ def test_config_validate_needs_the_sagemaker_image(capsys: pytest.CaptureFixture
 def test_config_validate_refuses_unknown_local_options(capsys: pytest.CaptureFixture) -> None:
     assert main(["config", "validate", "backend.options.max_restart=3"]) == 2
     err = capsys.readouterr().err
-    assert "backend.options.max_restart: not an option of the local backend (did you mean " \
-        "'max_restarts'?)" in err  # fmt: skip
+    assert (
+        "backend.options.max_restart: not an option of the local backend (did you mean "
+        "'max_restarts'?)" in err
+    )
 
 
 # ----------------------------------------------------------------------------- read-only resume
@@ -117,8 +135,14 @@ def _stopped_run(tmp_path: Path, name: str) -> Path:
     """A run folder as a killed driver leaves it: config, driver.json, a store folder."""
     run = tmp_path / "runs" / name
     (run / "store").mkdir(parents=True)
-    config = load_config(overrides=[f"run.name={name}", f"store.uri={(run / 'store').as_uri()}/",
-                                    "logging.tensorboard=false", "logging.report=false"])  # fmt: skip
+    config = load_config(
+        overrides=[
+            f"run.name={name}",
+            f"store.uri={(run / 'store').as_uri()}/",
+            "logging.tensorboard=false",
+            "logging.report=false",
+        ]
+    )
     (run / "config.json").write_text(json.dumps(to_dict(config)))
     (run / "driver.json").write_text(json.dumps({"status": "failed", "attempt": 1}))
     (run / "metrics.jsonl").write_text("")
@@ -131,8 +155,9 @@ def _read_only_command(run: Path, argv: list[str]) -> list[str] | None:
     unshare = shutil.which("unshare")
     if unshare is None or os.geteuid() != 0:
         return None
-    probe = subprocess.run([unshare, "-m", "sh", "-c", f"mount --bind -o ro '{run}' '{run}'"],
-                           capture_output=True)  # fmt: skip
+    probe = subprocess.run(
+        [unshare, "-m", "sh", "-c", f"mount --bind -o ro '{run}' '{run}'"], capture_output=True
+    )
     if probe.returncode != 0:
         return None
     inner = " ".join(f"'{a}'" for a in argv)
@@ -160,7 +185,8 @@ def test_resume_into_a_read_only_run_folder_is_one_line_and_exit_2(tmp_path: Pat
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
-    assert lines[0].startswith(f"composer-replication: error: --resume: cannot write the run "
-                               f"folder {run}")  # fmt: skip
+    assert lines[0].startswith(
+        f"composer-replication: error: --resume: cannot write the run folder {run}"
+    )
     assert "read-only file system" in lines[0] or "no write permission" in lines[0]
     assert sorted((p, p.stat().st_mtime_ns) for p in run.rglob("*")) == before

@@ -142,12 +142,18 @@ def test_every_loss_key_reaches_the_trainer() -> None:
 
     config = load_config(
         overrides=[
-            "loss.loss_type=grpo", "loss.epsilon_low=0.1", "loss.epsilon_high=0.3",
-            "loss.delta=1.5", "loss.kl_beta=0.02", "loss.alpha_sdpo=0.3",
-            "loss.sdpo_add_tail=false", "loss.entropy_opd_h_max=1.2",
-            "loss.label_smoothing=0.1", "loss.dpo_variant=dpo",
+            "loss.loss_type=grpo",
+            "loss.epsilon_low=0.1",
+            "loss.epsilon_high=0.3",
+            "loss.delta=1.5",
+            "loss.kl_beta=0.02",
+            "loss.alpha_sdpo=0.3",
+            "loss.sdpo_add_tail=false",
+            "loss.entropy_opd_h_max=1.2",
+            "loss.label_smoothing=0.1",
+            "loss.dpo_variant=dpo",
         ]
-    )  # fmt: skip
+    )
     kw = composer_kwargs(config)
     set_keys = {k for k in SCHEMA_FIELDS if getattr(config.loss, k) is not None}
     assert set(kw).isdisjoint(CHANNEL1_TRL_ARGS)
@@ -158,8 +164,12 @@ def test_every_loss_key_reaches_the_trainer() -> None:
     assert kw["dpo_variant"] == "dpo"
     args = trainer_args(config, output_dir="/tmp/unused", max_steps=3, seed=0)
     assert (args.loss_type, args.epsilon, args.epsilon_high, args.delta, args.beta) == (
-        "grpo", 0.1, 0.3, 1.5, 0.02,
-    )  # fmt: skip
+        "grpo",
+        0.1,
+        0.3,
+        1.5,
+        0.02,
+    )
     assert args.temperature == config.train.temperature  # LOSS_KEYS_SET_BY_THE_RUN
 
 

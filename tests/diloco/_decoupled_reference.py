@@ -30,8 +30,10 @@ def _push_tensors(store: ObjectStore, name: str) -> dict[str, torch.Tensor]:
     meta = json.loads(header["__metadata__"]["composer_replication"])
     assert meta["codec"] == "fp32"
     parts = st_load(raw)
-    return {nm: parts[f"t{i}.q"].double().view(shape)
-            for i, (nm, shape) in enumerate(zip(meta["names"], meta["shapes"]))}  # fmt: skip
+    return {
+        nm: parts[f"t{i}.q"].double().view(shape)
+        for i, (nm, shape) in enumerate(zip(meta["names"], meta["shapes"]))
+    }
 
 
 def replay_fragment(store: ObjectStore, p: int) -> dict[str, Any]:
@@ -56,8 +58,7 @@ def replay_fragment(store: ObjectStore, p: int) -> dict[str, Any]:
         accepted = [e for e in rec["inputs"] if decided[e["push"]]["included"]]
         assert accepted, f"record {v} merged nothing"
         g = {k: torch.zeros_like(t) for k, t in theta.items()}
-        deltas = [(decided[e["push"]]["weight"], _push_tensors(store, e["push"]))
-                  for e in accepted]  # fmt: skip
+        deltas = [(decided[e["push"]]["weight"], _push_tensors(store, e["push"])) for e in accepted]
         assert abs(sum(w for w, _ in deltas) - 1.0) < 1e-9
         if rec["merge"] == "mean":
             for w, d in deltas:
@@ -66,8 +67,9 @@ def replay_fragment(store: ObjectStore, p: int) -> dict[str, Any]:
         else:  # rda: norm-weighted mean times unit mean direction
             for k in g:
                 norm = sum(w * float(d[k].norm()) for w, d in deltas)
-                direction = sum(w * (d[k] / d[k].norm() if d[k].norm() > 0 else 0 * d[k])
-                                for w, d in deltas)  # fmt: skip
+                direction = sum(
+                    w * (d[k] / d[k].norm() if d[k].norm() > 0 else 0 * d[k]) for w, d in deltas
+                )
                 g[k] = direction / direction.norm() * norm
         lr, mu, nest = rec["outer"]["lr"], rec["outer"]["momentum"], rec["outer"]["nesterov"]
         for k in theta:
@@ -76,6 +78,7 @@ def replay_fragment(store: ObjectStore, p: int) -> dict[str, Any]:
             theta[k] = theta[k] - lr * update
         stored = _load_state(store, f"{base}global/{v:010d}.safetensors")
         if stored is not None:
-            worst = max(worst, max(float((stored[k].double() - theta[k]).abs().max())
-                                   for k in theta))  # fmt: skip
+            worst = max(
+                worst, max(float((stored[k].double() - theta[k]).abs().max()) for k in theta)
+            )
     return {"versions": versions, "max_abs_diff": worst, "consumed": consumed, "theta": theta}

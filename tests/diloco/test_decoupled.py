@@ -77,12 +77,23 @@ def test_push_payload_round_trip_and_refusals() -> None:
 
 def test_merge_records_are_validated() -> None:
     good = {
-        "format": 1, "kind": "merge", "fragment": 0, "version": 3, "merge": "mean",
-        "aggregate": "mean", "outer": {"lr": 0.7, "momentum": 0.9, "nesterov": True},
-        "inputs": [{"push": PushId(0, 2, 1, 0).name, "weight": 3.0,
-                    "checksum": {"algo": "sha256", "value": "ab"}}],
-        "decisions": {}, "consumed": [PushId(0, 2, 1, 0).name],
-    }  # fmt: skip
+        "format": 1,
+        "kind": "merge",
+        "fragment": 0,
+        "version": 3,
+        "merge": "mean",
+        "aggregate": "mean",
+        "outer": {"lr": 0.7, "momentum": 0.9, "nesterov": True},
+        "inputs": [
+            {
+                "push": PushId(0, 2, 1, 0).name,
+                "weight": 3.0,
+                "checksum": {"algo": "sha256", "value": "ab"},
+            }
+        ],
+        "decisions": {},
+        "consumed": [PushId(0, 2, 1, 0).name],
+    }
     assert parse_merge(json.dumps(good).encode(), fragment=0, version=3)["version"] == 3
     with pytest.raises(CorruptContributionError, match="replayed from another key"):
         parse_merge(json.dumps(good).encode(), fragment=0, version=4)
@@ -162,8 +173,9 @@ def test_push_schedule_is_staggered() -> None:
     assert push_offsets(24, 4) == [6, 12, 18, 0]
     assert push_offsets(8, 1) == [0]
     with pytest.raises(ValueError, match="multiple of the number of fragments"):
-        DecoupledLearner(ObjectStore("memory://x"), learner=0, n_learners=1, sync_every_h=10,
-                         num_fragments=4)  # fmt: skip
+        DecoupledLearner(
+            ObjectStore("memory://x"), learner=0, n_learners=1, sync_every_h=10, num_fragments=4
+        )
 
 
 def test_config_refuses_bad_values() -> None:
@@ -213,8 +225,10 @@ def test_lease_single_holder_release_expiry_and_fencing(tmp_path: Path) -> None:
     a.release()
     contenders = [Lease(store, owner=f"c{i}", ttl_s=1.0, poll_interval_s=0.02) for i in range(4)]
     won: list[str] = []
-    threads = [threading.Thread(target=lambda c=c: c.try_acquire() and won.append(c.owner))
-               for c in contenders]  # fmt: skip
+    threads = [
+        threading.Thread(target=lambda c=c: c.try_acquire() and won.append(c.owner))
+        for c in contenders
+    ]
     for th in threads:
         th.start()
     for th in threads:
@@ -225,23 +239,45 @@ def test_lease_single_holder_release_expiry_and_fencing(tmp_path: Path) -> None:
 # ----------------------------------------------------------------------------- together
 
 
-def _learner_thread(uri: str, rank: int, m: int, steps: int, out: dict, *, h: int = 8,
-                    p: int = 4, sleep: float = 0.0, seed: int | None = None) -> None:  # fmt: skip
+def _learner_thread(
+    uri: str,
+    rank: int,
+    m: int,
+    steps: int,
+    out: dict,
+    *,
+    h: int = 8,
+    p: int = 4,
+    sleep: float = 0.0,
+    seed: int | None = None,
+) -> None:
     model = Blocks(seed=100 + rank if seed is None else seed)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    learner = DecoupledLearner(ObjectStore(uri), learner=rank, n_learners=m, sync_every_h=h,
-                               num_fragments=p, model=model, inner_optimizer=opt,
-                               poll_interval_s=0.02, drain_timeout_s=60)  # fmt: skip
+    learner = DecoupledLearner(
+        ObjectStore(uri),
+        learner=rank,
+        n_learners=m,
+        sync_every_h=h,
+        num_fragments=p,
+        model=model,
+        inner_optimizer=opt,
+        poll_interval_s=0.02,
+        drain_timeout_s=60,
+    )
     with learner:
         for t in range(learner.start_step, steps):
             train_step(model, opt, rank, t)
             if sleep:
                 time.sleep(sleep)
     learner.load_global_weights()
-    out[rank] = {"globals": learner.global_parameters(), "versions": learner.versions,
-                 "final": learner.final_versions, "loss": eval_loss(model),
-                 "pushes": (learner.pushes, learner.pushes_skipped, learner.pushes_replaced),
-                 "history": learner.history}  # fmt: skip
+    out[rank] = {
+        "globals": learner.global_parameters(),
+        "versions": learner.versions,
+        "final": learner.final_versions,
+        "loss": eval_loss(model),
+        "pushes": (learner.pushes, learner.pushes_skipped, learner.pushes_replaced),
+        "history": learner.history,
+    }
 
 
 def _run(
@@ -251,8 +287,10 @@ def _run(
     sync = Synchronizer(ObjectStore(uri), config)
     st = threading.Thread(target=sync.run)
     st.start()
-    threads = [threading.Thread(target=_learner_thread, args=(uri, r, m, steps, out), kwargs=kw)
-               for r in range(m)]  # fmt: skip
+    threads = [
+        threading.Thread(target=_learner_thread, args=(uri, r, m, steps, out), kwargs=kw)
+        for r in range(m)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -274,8 +312,9 @@ def _check_chain(store: ObjectStore, n_fragments: int) -> list[str]:
 
 def test_learners_and_synchronizer_train_together(tmp_path: Path) -> None:
     uri = str(tmp_path / "store")
-    cfg = SynchronizerConfig(quorum=2, keep_rounds=1000, poll_interval_s=0.02, lease_ttl_s=2.0,
-                             max_steps=48)  # fmt: skip
+    cfg = SynchronizerConfig(
+        quorum=2, keep_rounds=1000, poll_interval_s=0.02, lease_ttl_s=2.0, max_steps=48
+    )
     out, sync = _run(uri, 3, 48, cfg, sleep=0.005, seed=7)
     store = ObjectStore(uri)
     final = DecoupledStore(store).read_final(4)
@@ -308,11 +347,16 @@ def test_learners_and_synchronizer_train_together(tmp_path: Path) -> None:
 
 def test_synchronizer_restart_resumes_without_losing_or_repeating_merges(tmp_path: Path) -> None:
     uri = str(tmp_path / "store")
-    cfg = SynchronizerConfig(quorum=1, keep_rounds=1000, poll_interval_s=0.02, lease_ttl_s=1.0,
-                             max_steps=64)  # fmt: skip
+    cfg = SynchronizerConfig(
+        quorum=1, keep_rounds=1000, poll_interval_s=0.02, lease_ttl_s=1.0, max_steps=64
+    )
     out: dict = {}
-    threads = [threading.Thread(target=_learner_thread, args=(uri, r, 2, 64, out),
-                                kwargs={"sleep": 0.01, "seed": 3}) for r in range(2)]  # fmt: skip
+    threads = [
+        threading.Thread(
+            target=_learner_thread, args=(uri, r, 2, 64, out), kwargs={"sleep": 0.01, "seed": 3}
+        )
+        for r in range(2)
+    ]
     first = Synchronizer(ObjectStore(uri), cfg, owner="first")
     t1 = threading.Thread(target=first.run)
     t1.start()

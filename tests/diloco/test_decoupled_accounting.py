@@ -29,8 +29,14 @@ def _pushes(store: ObjectStore) -> list[dict]:
     for pid in docs.list_pushes():
         push, _ = docs.fetch_push(pid, None)
         assert push is not None and not isinstance(push, str), push
-        out.append({"base": pid.base, "steps": push.steps, "since": push.steps_since_push,
-                    "at": push.learner_step})  # fmt: skip
+        out.append(
+            {
+                "base": pid.base,
+                "steps": push.steps,
+                "since": push.steps_since_push,
+                "at": push.learner_step,
+            }
+        )
     return sorted(out, key=lambda p: p["at"])
 
 
@@ -38,9 +44,18 @@ def test_a_newer_global_resets_the_work_a_push_claims(tmp_path: Path) -> None:
     store = ObjectStore(str(tmp_path / "store"))
     model = Blocks(seed=1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    learner = DecoupledLearner(store, learner=0, n_learners=1, sync_every_h=8, num_fragments=1,
-                               model=model, inner_optimizer=opt, poll_interval_s=0.05,
-                               drain_timeout_s=0.5, heartbeat_every_s=None)  # fmt: skip
+    learner = DecoupledLearner(
+        store,
+        learner=0,
+        n_learners=1,
+        sync_every_h=8,
+        num_fragments=1,
+        model=model,
+        inner_optimizer=opt,
+        poll_interval_s=0.05,
+        drain_timeout_s=0.5,
+        heartbeat_every_s=None,
+    )
     docs = DecoupledStore(store)
     with learner:
         for t in range(10):  # a push at step 8 (8 steps), then steps 9 and 10

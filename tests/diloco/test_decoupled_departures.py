@@ -29,8 +29,9 @@ def test_a_departed_learner_leaves_the_synchronizers_quorum_at_once(tmp_path):
         write_heartbeat,
     )
 
-    config = load_config(overrides=["diloco.mode=decoupled", "diloco.sync_every_h=8",
-                                    "train.max_steps=16"])  # fmt: skip
+    config = load_config(
+        overrides=["diloco.mode=decoupled", "diloco.sync_every_h=8", "train.max_steps=16"]
+    )
     assert DecoupledDiLoCo(config.diloco).store_departures  # the driver writes them
     store = ObjectStore(str(tmp_path / "store"))
     docs = DecoupledStore(store)
@@ -63,11 +64,18 @@ def test_the_driver_declares_a_lost_learner_departed_with_a_message_true_to_the_
         def will_restart(self, rank: int) -> bool:
             return False
 
-    config = load_config(overrides=["diloco.mode=decoupled", "diloco.sync_every_h=8",
-                                    "train.max_steps=16"])  # fmt: skip
+    config = load_config(
+        overrides=["diloco.mode=decoupled", "diloco.sync_every_h=8", "train.max_steps=16"]
+    )
     store = ObjectStore(str(tmp_path / "store"))
-    failed = ReplicaHandle(replica_id=1, backend="local", job_id="job-1",
-                           status=ReplicaStatus.FAILED, exit_code=-9, error="exit code -9")  # fmt: skip
+    failed = ReplicaHandle(
+        replica_id=1,
+        backend="local",
+        job_id="job-1",
+        status=ReplicaStatus.FAILED,
+        exit_code=-9,
+        error="exit code -9",
+    )
     (message,) = Departures(config, outer_loop_mode(config), store).note(
         [failed],
         NoRestarts(),  # type: ignore[arg-type]

@@ -61,10 +61,28 @@ def test_heartbeat_document_and_ages_against_the_readers_clock(store: ObjectStor
 
 def test_invalid_heartbeats_make_their_member_dead_with_the_reason(store: ObjectStore) -> None:
     store.put("health/learner/0.json", b"\x80 not json")
-    store.put_json("health/learner/1.json", {"format": 1, "kind": "heartbeat", "role": "learner",
-                                            "id": "7", "time": 1.0, "state": "running"})  # fmt: skip
-    store.put_json("health/learner/2.json", {"format": 1, "kind": "heartbeat", "role": "learner",
-                                            "id": "2", "time": float("nan"), "state": "x"})  # fmt: skip
+    store.put_json(
+        "health/learner/1.json",
+        {
+            "format": 1,
+            "kind": "heartbeat",
+            "role": "learner",
+            "id": "7",
+            "time": 1.0,
+            "state": "running",
+        },
+    )
+    store.put_json(
+        "health/learner/2.json",
+        {
+            "format": 1,
+            "kind": "heartbeat",
+            "role": "learner",
+            "id": "2",
+            "time": float("nan"),
+            "state": "x",
+        },
+    )
     live = read_liveness(store, now=10.0)
     assert {k: m.status for k, m in live.items()} == dict.fromkeys(
         ["learner/0", "learner/1", "learner/2"], "dead"

@@ -32,8 +32,15 @@ def _learner(
 ) -> tuple[Blocks, torch.optim.Optimizer, DecoupledLearner]:
     model = Blocks(seed=seed)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    learner = DecoupledLearner(store, learner=0, n_learners=1, sync_every_h=H, num_fragments=P,
-                               model=model, heartbeat_every_s=None)  # fmt: skip
+    learner = DecoupledLearner(
+        store,
+        learner=0,
+        n_learners=1,
+        sync_every_h=H,
+        num_fragments=P,
+        model=model,
+        heartbeat_every_s=None,
+    )
     return model, opt, learner
 
 
@@ -45,8 +52,12 @@ def _bind(learner: DecoupledLearner, opt: torch.optim.Optimizer) -> None:
 
 
 def _state(model: Blocks, opt: torch.optim.Optimizer, learner: DecoupledLearner) -> dict:
-    return {"global_step": learner.step, "model": model.state_dict(),
-            "optimizer": opt.state_dict(), "learner": learner.resume_state()}  # fmt: skip
+    return {
+        "global_step": learner.step,
+        "model": model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "learner": learner.resume_state(),
+    }
 
 
 def _assert_same(a: object, b: object, where: str = "") -> None:
@@ -75,8 +86,14 @@ def _saved_run(
     for t in range(steps):
         train_step(model, opt, 0, t)
         if learner.last_push_step == learner.step:
-            save_replica_state(store, rank=0, round=learner.step, step=learner.step,
-                               state=_state(model, opt, learner), kind="learner")  # fmt: skip
+            save_replica_state(
+                store,
+                rank=0,
+                round=learner.step,
+                step=learner.step,
+                state=_state(model, opt, learner),
+                kind="learner",
+            )
             prune_replica_states(store, 0, 2, kind="learner")
     return store, model, opt, learner
 
@@ -151,8 +168,15 @@ def test_a_corrupt_state_falls_back_to_an_older_one_then_to_the_globals(tmp_path
 def test_restore_refuses_a_state_that_is_not_this_learners(tmp_path: Path) -> None:
     store, model, opt, learner = _saved_run(tmp_path, H)
     state = learner.resume_state()
-    other = DecoupledLearner(store, learner=0, n_learners=1, sync_every_h=H, num_fragments=2,
-                             model=Blocks(), heartbeat_every_s=None)  # fmt: skip
+    other = DecoupledLearner(
+        store,
+        learner=0,
+        n_learners=1,
+        sync_every_h=H,
+        num_fragments=2,
+        model=Blocks(),
+        heartbeat_every_s=None,
+    )
     with pytest.raises(ValueError, match="not a list of 2 fragments"):
         other.restore(state)
     _, opt3, third = _learner(store)

@@ -86,9 +86,17 @@ def test_a_huge_work_claim_is_capped_at_four_times_the_median() -> None:
 def _learner(uri: str, rank: int, out: dict, attack: float) -> None:
     model = Blocks(seed=5)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    learner = DecoupledLearner(ObjectStore(uri), learner=rank, n_learners=4, sync_every_h=8,
-                               num_fragments=4, model=model, inner_optimizer=opt,
-                               poll_interval_s=0.02, drain_timeout_s=60)  # fmt: skip
+    learner = DecoupledLearner(
+        ObjectStore(uri),
+        learner=rank,
+        n_learners=4,
+        sync_every_h=8,
+        num_fragments=4,
+        model=model,
+        inner_optimizer=opt,
+        poll_interval_s=0.02,
+        drain_timeout_s=60,
+    )
     if attack != 1.0:  # a byzantine learner: every push scaled
         honest_push = learner.docs.push
 
@@ -105,14 +113,21 @@ def _learner(uri: str, rank: int, out: dict, attack: float) -> None:
 
 def _run(tmp: Path, aggregate_: str, attack: float, outlier_ratio: float | None) -> float:
     uri = str(tmp / f"{aggregate_}-{attack}-{outlier_ratio}")
-    cfg = SynchronizerConfig(quorum=4, aggregate=aggregate_, aggregate_outlier_ratio=outlier_ratio,
-                             poll_interval_s=0.02, max_steps=48)  # fmt: skip
+    cfg = SynchronizerConfig(
+        quorum=4,
+        aggregate=aggregate_,
+        aggregate_outlier_ratio=outlier_ratio,
+        poll_interval_s=0.02,
+        max_steps=48,
+    )
     sync = Synchronizer(ObjectStore(uri), cfg)
     st = threading.Thread(target=sync.run)
     st.start()
     out: dict = {}
-    ts = [threading.Thread(target=_learner, args=(uri, r, out, attack if r == 3 else 1.0))
-          for r in range(4)]  # fmt: skip
+    ts = [
+        threading.Thread(target=_learner, args=(uri, r, out, attack if r == 3 else 1.0))
+        for r in range(4)
+    ]
     for t in ts:
         t.start()
     for t in ts:

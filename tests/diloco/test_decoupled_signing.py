@@ -304,7 +304,7 @@ def test_the_synchronizer_process_gets_only_its_key_and_refuses_to_run_without_i
             "diloco.sync_every_h=8",
             "train.max_steps=16",
             "security.sign=true",
-        ]  # fmt: skip
+        ]
     )
     folder = RunFolder.at(tmp_path / "run")
     folder.root.mkdir()

@@ -52,12 +52,39 @@ def test_inner_schedule_is_one_schedule_over_all_steps() -> None:
 def test_sweeps_write_json_and_plot(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     out = tmp_path / "sweep.json"
-    tiny = ["--quick", "--k", "2", "--batch", "2", "--ctx", "32", "--d-model", "32",
-            ]  # fmt: skip
-    sweeps = ["--sweep-h", "5,10,15", "--sweep-outer-lr", "0.7,1.0", "--sweep-dp-lr", "2e-3,4e-3",
-              "--sweep-batch", "2,4", "--sweep-diloco-lr", "2e-3,4e-3", "--device", "cpu"]  # fmt: skip
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "diloco_convergence.py"), *tiny, *sweeps,
-           "--out", str(out)]  # fmt: skip
+    tiny = [
+        "--quick",
+        "--k",
+        "2",
+        "--batch",
+        "2",
+        "--ctx",
+        "32",
+        "--d-model",
+        "32",
+    ]
+    sweeps = [
+        "--sweep-h",
+        "5,10,15",
+        "--sweep-outer-lr",
+        "0.7,1.0",
+        "--sweep-dp-lr",
+        "2e-3,4e-3",
+        "--sweep-batch",
+        "2,4",
+        "--sweep-diloco-lr",
+        "2e-3,4e-3",
+        "--device",
+        "cpu",
+    ]
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "diloco_convergence.py"),
+        *tiny,
+        *sweeps,
+        "--out",
+        str(out),
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=880, check=True)
     last = json.loads(done.stdout.strip().splitlines()[-1])
@@ -109,8 +136,10 @@ def test_critical_batch_is_where_a_larger_batch_stops_gaining() -> None:
     # 128 -> 256 gains 10%, 256 -> 512 gains 0.28% < 1%: DP stopped gaining at 256
     assert (crit["batch"], reached) == (256, True) and crit["loss_gap_vs_dp"] == 0.256
     assert {p["batch"]: p["dp_gain_vs_previous"] for p in points} == {
-        128: None, 256: 0.1, 512: 0.00278,
-    }  # fmt: skip
+        128: None,
+        256: 0.1,
+        512: 0.00278,
+    }
     crit, reached = dc.critical_batch([pt(128, 2.0), pt(256, 1.8)], 0.01)
     assert (crit["batch"], reached) == (256, False)  # still gaining at the largest batch
 

@@ -60,7 +60,10 @@ def test_serverless_doc_snippet_launches_and_collects_its_replicas(tmp_path: Pat
     from docblocks import run_doc_block
 
     out = run_doc_block(
-        "docs/recipes/serverless.md", "executor.collect(handles", cwd=tmp_path, timeout=600,
+        "docs/recipes/serverless.md",
+        "executor.collect(handles",
+        cwd=tmp_path,
+        timeout=600,
         replace={
             "s3://my-bucket/diloco-runs/run42/": (tmp_path / "store").as_uri() + "/",
             "world_size=4": "world_size=2",
@@ -69,6 +72,6 @@ def test_serverless_doc_snippet_launches_and_collects_its_replicas(tmp_path: Pat
             "timeout=3600": "timeout=540",
             '"examples/diloco_replica.py"': repr(str(DRIVER.parent / "diloco_replica.py")),
         },
-    )  # fmt: skip
+    )
     assert out == "{0: 0, 1: 0}\n"
     assert (tmp_path / "store" / "states" / "global").is_dir()

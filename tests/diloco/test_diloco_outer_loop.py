@@ -47,9 +47,12 @@ def test_sign_convention_lr1_no_momentum_gives_average_of_local_weights(tmp_path
     far from the average; the check is to fp32 rounding (a 2-term mean of weights: n = 3).
     """
     res = run_replicas(
-        _uri(tmp_path), 2, rounds=1, h=3,
+        _uri(tmp_path),
+        2,
+        rounds=1,
+        h=3,
         outer_kw=dict(outer_lr=1.0, outer_momentum=0.0, nesterov=False),
-    )  # fmt: skip
+    )
     init = named_params(res[0]["globals"][0])
     locals_ = [local_after(init, r, 0, 3) for r in range(2)]
     for r in range(2):
@@ -89,17 +92,22 @@ def test_outer_optimizer_choices_match_hand_written_references(tmp_path: Path, n
 
     kw = {"lr": 0.5, "momentum": 0.8} if name == "sgd" else {"lr": 0.05, "betas": (0.9, 0.99)}
     res = run_replicas(
-        _uri(tmp_path), 2, rounds=3, h=3,
+        _uri(tmp_path),
+        2,
+        rounds=3,
+        h=3,
         outer_kw={"outer_optimizer_factory": outer_optimizer_factory(name, **kw)},
-    )  # fmt: skip
+    )
     init = named_params(res[0]["globals"][0])
     rounds = [[0, 1]] * 3
     if name == "sgd":
-        ref = reference_rounds(init, ranks_per_round=rounds, h=3, lr=0.5, momentum=0.8,
-                               nesterov=False)  # fmt: skip
+        ref = reference_rounds(
+            init, ranks_per_round=rounds, h=3, lr=0.5, momentum=0.8, nesterov=False
+        )
     else:
-        ref = reference_rounds_adam(init, ranks_per_round=rounds, h=3, lr=0.05,
-                                    betas=(0.9, 0.99), eps=1e-8)  # fmt: skip
+        ref = reference_rounds_adam(
+            init, ranks_per_round=rounds, h=3, lr=0.05, betas=(0.9, 0.99), eps=1e-8
+        )
     for k in range(1, 4):
         got = named_params(res[0]["globals"][k])
         bounds = (
@@ -194,9 +202,13 @@ def test_overlapped_exchange_stays_identical(tmp_path: Path) -> None:
         return build_model(100 + rank)
 
     res = run_replicas(
-        _uri(tmp_path), 2, rounds=4, h=4, model_fn=frags_model,
+        _uri(tmp_path),
+        2,
+        rounds=4,
+        h=4,
+        model_fn=frags_model,
         outer_kw=dict(num_fragments=1, fragment_sync_delay=1),
-    )  # fmt: skip
+    )
     for k in range(5):
         a, b = res[0]["globals"][k], res[1]["globals"][k]
         assert all(torch.equal(a[n], b[n]) for n in a)
@@ -211,9 +223,12 @@ def test_streaming_two_fragments_sync_alternately(tmp_path: Path) -> None:
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         store = ObjectStoreAllReduce(store_uri, world_size=2, rank=rank, poll_interval_s=0.01)
         outer = make_diloco_outer_loop(
-            opt, ObjectStoreManager(store), 4,
-            model_fragments=[model[0], model[2]], fragment_sync_delay=1,
-        )  # fmt: skip
+            opt,
+            ObjectStoreManager(store),
+            4,
+            model_fragments=[model[0], model[2]],
+            fragment_sync_delay=1,
+        )
         with outer:
             for t in range(16):
                 x, y = batch(rank, t)
@@ -251,9 +266,13 @@ def test_compressed_codecs_still_converge(tmp_path: Path, codec: str, tol: float
 
     def final_loss(c: str) -> float:
         res = run_replicas(
-            _uri(tmp_path / c), 2, rounds=8, h=5, store_kw={"codec": c},
+            _uri(tmp_path / c),
+            2,
+            rounds=8,
+            h=5,
+            store_kw={"codec": c},
             model_fn=lambda r: build_model(100),  # same init: round 0's publisher is a race
-        )  # fmt: skip
+        )
         model = build_model(0)
         model.load_state_dict(named_params(res[0]["globals"][8]))
         return eval_loss(model)

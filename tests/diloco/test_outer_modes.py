@@ -27,8 +27,9 @@ from composer_replication.exchange.store import ObjectStore
 def _ctx(tmp_path: Path, n: int = 2) -> ReplicaContext:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
-    return ReplicaContext(store=ObjectStore(str(tmp_path / "store")), rank=0, n_replicas=n,
-                          keep_rounds=4, model=model)  # fmt: skip
+    return ReplicaContext(
+        store=ObjectStore(str(tmp_path / "store")), rank=0, n_replicas=n, keep_rounds=4, model=model
+    )
 
 
 def test_the_registry_has_one_class_per_mode_and_names_what_cannot_run() -> None:
@@ -51,8 +52,10 @@ def test_what_the_run_does_around_each_mode() -> None:
     decoupled = outer_loop_mode(DilocoConfig(mode="decoupled", synchronizer="external"))
     assert isinstance(sync, SyncDiLoCo) and isinstance(torchft, TorchftDiLoCo)
     assert (sync.worker_role, torchft.worker_role, decoupled.worker_role) == (
-        "replica", "replica", "learner",
-    )  # fmt: skip
+        "replica",
+        "replica",
+        "learner",
+    )
     assert (sync.lockstep, torchft.lockstep, decoupled.lockstep) == (True, True, False)
     assert (sync.store_departures, torchft.store_departures) == (True, False)
     assert decoupled.store_departures  # its synchronizer leaves a departed learner out
@@ -101,10 +104,20 @@ def test_the_outer_lr_reported_is_the_one_in_use(tmp_path: Path) -> None:
 
 def test_a_decoupled_learner_and_its_synchronizer_take_the_keys_as_named(tmp_path: Path) -> None:
     config = DilocoConfig(
-        mode="decoupled", sync_every_h=4, fragments=2, alpha=0.25, grace_gamma=0.5,
-        grace_tau=3.0, aggregate_outlier_ratio=5.0, late="drop", outer_lr=0.4,
-        outer_optimizer="sgd", outer_momentum=0.5, quorum=2, lease_ttl_s=7.0,
-    )  # fmt: skip
+        mode="decoupled",
+        sync_every_h=4,
+        fragments=2,
+        alpha=0.25,
+        grace_gamma=0.5,
+        grace_tau=3.0,
+        aggregate_outlier_ratio=5.0,
+        late="drop",
+        outer_lr=0.4,
+        outer_optimizer="sgd",
+        outer_momentum=0.5,
+        quorum=2,
+        lease_ttl_s=7.0,
+    )
     mode = outer_loop_mode(config)
     assert isinstance(mode, DecoupledDiLoCo)
     loop = mode.build_learner(_ctx(tmp_path, n=3))
@@ -115,11 +128,22 @@ def test_a_decoupled_learner_and_its_synchronizer_take_the_keys_as_named(tmp_pat
     assert loop.heartbeat() == {"round": 0, "step": 0, "versions": []}
     sync = mode.synchronizer_config(keep_rounds=6, max_steps=40, local=True)
     assert sync == SynchronizerConfig(
-        quorum=2, grace_gamma=0.5, grace_tau=3.0, merge="mean", late="drop", lease_ttl_s=7.0,
-        outer_optimizer="sgd", outer_lr=0.4, outer_momentum=0.5, weighting="equal",
-        aggregate="mean", aggregate_outlier_ratio=5.0, keep_rounds=6, max_steps=40,
+        quorum=2,
+        grace_gamma=0.5,
+        grace_tau=3.0,
+        merge="mean",
+        late="drop",
+        lease_ttl_s=7.0,
+        outer_optimizer="sgd",
+        outer_lr=0.4,
+        outer_momentum=0.5,
+        weighting="equal",
+        aggregate="mean",
+        aggregate_outlier_ratio=5.0,
+        keep_rounds=6,
+        max_steps=40,
         poll_interval_s=0.05,
-    )  # fmt: skip
+    )
     assert (sync.nesterov, sync.resolved_quorum(5)) == (False, 2)
     assert SynchronizerConfig().resolved_quorum(5) == 4  # unset: all learners but one
 
@@ -132,10 +156,12 @@ def test_a_decoupled_learner_and_its_synchronizer_take_the_keys_as_named(tmp_pat
         (["diloco.manager=torchft", "security.sign=true"], "security.sign: signs the object"),
         (["diloco.lighthouse=http://10.0.0.5:29510"], "diloco.lighthouse: is only used with"),
         (["diloco.mode=decoupled", "diloco.codec=sparseloco"], "diloco.codec: 'sparseloco' runs"),
-        (["diloco.codec=sparseloco", "diloco.outer_optimizer=adam"],
-         "diloco.outer_optimizer: 'adam' contradicts codec = 'sparseloco'"),
+        (
+            ["diloco.codec=sparseloco", "diloco.outer_optimizer=adam"],
+            "diloco.outer_optimizer: 'adam' contradicts codec = 'sparseloco'",
+        ),
     ],
-)  # fmt: skip
+)
 def test_each_mode_checks_its_own_rules(overrides: list[str], needle: str) -> None:
     with pytest.raises(ConfigError) as info:
         load_config(overrides=overrides)

@@ -238,8 +238,17 @@ def test_two_replica_processes_over_file_agree_and_match_the_reference(tmp_path:
     out.mkdir()
     uri = "file://" + str(tmp_path / "run")
     rounds, h, decay, lr = 3, 4, 0.9, 1.0
-    kw = dict(uri=uri, rounds=rounds, h=h, codec="sparseloco", density=0.25, chunk=16, bits=2,
-              ef_decay=decay, outer_lr=lr)  # fmt: skip
+    kw = dict(
+        uri=uri,
+        rounds=rounds,
+        h=h,
+        codec="sparseloco",
+        density=0.25,
+        chunk=16,
+        bits=2,
+        ef_decay=decay,
+        outer_lr=lr,
+    )
     procs = [spawn(out, r, 2, **kw) for r in range(2)]
     assert wait_all(procs, out) == [0, 0], logs(out)
     for k in range(rounds + 1):
@@ -298,8 +307,14 @@ def test_streaming_fragments_through_the_outer_loop(tmp_path):
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     store = ObjectStoreAllReduce(str(tmp_path), 1, 0, codec="sparseloco", sparse=spec)
     ef = ErrorFeedbackManager(ObjectStoreManager(store), spec, decay=0.9, num_fragments=2)
-    outer = make_diloco_outer_loop(opt, ef, 4, model=model, num_fragments=2,
-                                   outer_optimizer_factory=sparseloco_outer_optimizer(1.0))  # fmt: skip
+    outer = make_diloco_outer_loop(
+        opt,
+        ef,
+        4,
+        model=model,
+        num_fragments=2,
+        outer_optimizer_factory=sparseloco_outer_optimizer(1.0),
+    )
     x, y = torch.randn(16, 8), torch.randn(16, 32)
     before = outer.global_parameters()
     moved = []
@@ -354,12 +369,30 @@ def test_train_with_sparseloco_end_to_end(tmp_path, monkeypatch, capsys):
     from composer_replication.cli import main
     from composer_replication.run.metrics import read_metrics
 
-    small = ["model.hidden_size=32", "model.num_layers=1", "task.n_train=32", "task.n_eval=8",
-             "train.eval_max_examples=8", "train.batch_size=8", "train.num_generations=4",
-             "train.max_completion_length=4", "logging.flush_every_s=0.2"]  # fmt: skip
+    small = [
+        "model.hidden_size=32",
+        "model.num_layers=1",
+        "task.n_train=32",
+        "task.n_eval=8",
+        "train.eval_max_examples=8",
+        "train.batch_size=8",
+        "train.num_generations=4",
+        "train.max_completion_length=4",
+        "logging.flush_every_s=0.2",
+    ]
     monkeypatch.chdir(tmp_path)
-    code = main(["train", *small, "train.max_steps=4", "diloco.sync_every_h=2",
-                 "diloco.codec=sparseloco", "diloco.sparseloco_chunk=256", "--name", "sl"])  # fmt: skip
+    code = main(
+        [
+            "train",
+            *small,
+            "train.max_steps=4",
+            "diloco.sync_every_h=2",
+            "diloco.codec=sparseloco",
+            "diloco.sparseloco_chunk=256",
+            "--name",
+            "sl",
+        ]
+    )
     run = tmp_path / "runs" / "sl"
     out = capsys.readouterr().out
     assert code == 0, out + "\n".join(p.read_text() for p in (run / "logs").glob("*.log"))

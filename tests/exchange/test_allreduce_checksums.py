@@ -87,18 +87,28 @@ def assert_agree_on_mean(out: dict, ranks: list[int]) -> None:
 
 def blob(rank: int = 2, algo: str | None = None) -> bytes:
     payload, _ = encode_contribution(
-        make_tensors(rank, 0), rank=rank, step=0, tokens=1, inner_steps=1, codec="fp32",
+        make_tensors(rank, 0),
+        rank=rank,
+        step=0,
+        tokens=1,
+        inner_steps=1,
+        codec="fp32",
         checksum=algo,
-    )  # fmt: skip
+    )
     return b"".join(payload)
 
 
 def reheadered_blob(edit) -> bytes:
     """Rank 2's valid contribution with its protocol header passed through ``edit``."""
     payload, contrib = encode_contribution(
-        make_tensors(2, 0), rank=2, step=0, tokens=1, inner_steps=1, codec="fp32",
+        make_tensors(2, 0),
+        rank=2,
+        step=0,
+        tokens=1,
+        inner_steps=1,
+        codec="fp32",
         checksum="sha256",
-    )  # fmt: skip
+    )
     h = header_of(b"".join(payload))
     edit(h)
     return st_save(contrib.parts, metadata={HEADER_KEY: json.dumps(h)})

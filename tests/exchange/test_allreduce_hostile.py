@@ -177,10 +177,11 @@ def test_commit_record_is_never_modified(tmp_path):
     original = store.get(commit_key(0))
     ar = ObjectStoreAllReduce(uri, 3, 1, timeout_s=5)
     contribs = {
-        r: encode_contribution(make_tensors(r, 0), rank=r, step=0, tokens=1, inner_steps=1,
-                               codec="fp32")[1]
+        r: encode_contribution(
+            make_tensors(r, 0), rank=r, step=0, tokens=1, inner_steps=1, codec="fp32"
+        )[1]
         for r in (1, 2)
-    }  # fmt: skip
+    }
     commit = ar._write_commit(0, contribs, {0: "forged"})  # a second writer loses...
     assert commit["included_ranks"] == [0, 1, 2]  # ...and obeys the first record
     assert not store.put_if_absent(commit_key(0), b"{}")

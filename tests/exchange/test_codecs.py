@@ -341,10 +341,17 @@ def test_average_of_contributions_equals_the_slow_reference(codec, weighting):
         blob = bytearray(b"".join(payload))  # a privately fetched buffer, as from a local store
         c = decode_contribution(blob, step=0, rank=r)
         contribs[r] = c
-        decoded[r] = {n: slow_decode(p, codec, max(1, math.prod(sh))).view(sh)
-                      for n, sh, p in c.encoded()}  # fmt: skip
-    record = make_commit(step=0, world_size=3, included=list(contribs.values()),
-                         weighting=weighting, committed_by=0, excluded={})  # fmt: skip
+        decoded[r] = {
+            n: slow_decode(p, codec, max(1, math.prod(sh))).view(sh) for n, sh, p in c.encoded()
+        }
+    record = make_commit(
+        step=0,
+        world_size=3,
+        included=list(contribs.values()),
+        weighting=weighting,
+        committed_by=0,
+        excluded={},
+    )
     commit = parse_commit(json.dumps(record).encode(), step=0, world_size=3)  # as read back
     got = average_in_rank_order(commit, dict(contribs))
     for name in shapes:

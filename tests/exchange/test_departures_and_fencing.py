@@ -44,8 +44,13 @@ def test_departure_records_round_trip_and_bad_ones_are_ignored(tmp_path):
     assert clear_departure(store, REPLICA_ROLE, 1) and not clear_departure(store, REPLICA_ROLE, 1)
     assert read_departure(store, REPLICA_ROLE, 1) is None
     # damaged or foreign records never drop a rank
-    for body in (b"not json", b"[1]", json.dumps({"format": 1, "kind": "departure",
-                 "role": REPLICA_ROLE, "id": "2", "reason": "x"}).encode()):  # fmt: skip
+    for body in (
+        b"not json",
+        b"[1]",
+        json.dumps(
+            {"format": 1, "kind": "departure", "role": REPLICA_ROLE, "id": "2", "reason": "x"}
+        ).encode(),
+    ):
         store.put(departure_key(REPLICA_ROLE, 1), body)
         assert read_departure(store, REPLICA_ROLE, 1) is None
     with pytest.raises(ValueError, match="reason"):
@@ -141,8 +146,9 @@ def test_a_stalled_rank_does_not_commit_a_step_the_run_left_behind(tmp_path):
     write_departure(store, REPLICA_ROLE, 0, reason="finished training")
     # the head hint lags (a committer stopped between its record and the hint set it back)
     store.put_json(HEAD_KEY, {"kind": "head", "step": 0})
-    ar = ObjectStoreAllReduce(uri, 2, 1, timeout_s=30.0, min_replicas=1, poll_interval_s=0.02,
-                              departure_poll_s=1.0)  # fmt: skip
+    ar = ObjectStoreAllReduce(
+        uri, 2, 1, timeout_s=30.0, min_replicas=1, poll_interval_s=0.02, departure_poll_s=1.0
+    )
     # the run moves past step 1 while rank 1 waits in it (after its upload)
     threading.Timer(0.3, lambda: store.put(commit_key(5), b"{}")).start()
     t0 = time.monotonic()
@@ -175,9 +181,11 @@ def test_a_fenced_store_writes_nothing_and_a_fenced_exchange_uploads_nothing(tmp
     store.write_guard = Fence(store, 1)
     store.put_json("replicas/0/status.json", {"ok": 1})  # current launch: written
     bump_generation(ObjectStore(uri))  # a --resume took over
-    for write in (lambda: store.put_json("replicas/0/status.json", {"ok": 2}),
-                  lambda: store.put_if_absent("replicas/0/metrics/00000001.jsonl", b"{}\n"),
-                  lambda: store.delete("replicas/0/status.json")):  # fmt: skip
+    for write in (
+        lambda: store.put_json("replicas/0/status.json", {"ok": 2}),
+        lambda: store.put_if_absent("replicas/0/metrics/00000001.jsonl", b"{}\n"),
+        lambda: store.delete("replicas/0/status.json"),
+    ):
         with pytest.raises(FencedError):
             write()
     assert store.get_json("replicas/0/status.json") == {"ok": 1}

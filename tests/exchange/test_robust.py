@@ -139,8 +139,9 @@ def test_norm_outlier_against_the_round_median_is_rejected():
     ts[0] = {k: v * 5 for k, v in ts[0].items()}
     assert all(d.included for d in screen(cands(ts), AggregatePolicy()))
     # two candidates: the median cannot tell which one is the outlier, so nothing is rejected
-    assert all(d.included for d in screen(cands(grads(2))[:1] + [Candidate(1, ts[0])],
-                                          AggregatePolicy()))  # fmt: skip
+    assert all(
+        d.included for d in screen(cands(grads(2))[:1] + [Candidate(1, ts[0])], AggregatePolicy())
+    )
 
 
 def test_token_claim_inconsistent_with_steps_is_rejected_and_big_claims_capped():
@@ -199,8 +200,11 @@ def test_decisions_round_trip_through_json():
 
 def test_combine_uses_the_decisions_it_is_given():
     ts = grads(3)
-    decisions = [Decision(0, True, weight=0.25), Decision(1, False, "x"),
-                 Decision(2, True, weight=0.75)]  # fmt: skip
+    decisions = [
+        Decision(0, True, weight=0.25),
+        Decision(1, False, "x"),
+        Decision(2, True, weight=0.75),
+    ]
     out = combine(cands(ts), decisions, AggregatePolicy(weighting="tokens"))
     for name in SHAPES:
         x = np_stack(ts, name)

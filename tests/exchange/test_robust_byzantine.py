@@ -24,10 +24,11 @@ ATTACKER = 3
 def _run(pool, uri, method, options=None):  # noqa: F811
     start = time.time() + 1.0
     futs = [
-        pool.submit(byzantine_replica, uri, 4, r, method, 1e6 if r == ATTACKER else 1.0,
-                    options, start)
+        pool.submit(
+            byzantine_replica, uri, 4, r, method, 1e6 if r == ATTACKER else 1.0, options, start
+        )
         for r in range(4)
-    ]  # fmt: skip
+    ]
     outs = [f.result(timeout=300) for f in futs]
     first = outs[0]["result"]
     for o in outs:

@@ -76,8 +76,9 @@ def test_manager_rounds_record_their_requests_and_no_list(tmp_path):
     from test_manager import _in_threads
 
     def replica(rank):
-        ar = ObjectStoreAllReduce(f"file://{tmp_path}/run", 2, rank, timeout_s=20,
-                                  poll_interval_s=0.01)  # fmt: skip
+        ar = ObjectStoreAllReduce(
+            f"file://{tmp_path}/run", 2, rank, timeout_s=20, poll_interval_s=0.01
+        )
         m = ObjectStoreManager(ar)
         w = torch.zeros(3)
         m.register_state_dict_fn("w", lambda s: w.copy_(s["w"]), lambda: {"w": w})
@@ -105,8 +106,9 @@ def test_a_replica_left_behind_learns_it_from_the_head_hint_without_listing(tmp_
     is told to rejoin after two GETs (the step's commit record, the head hint)."""
     uri = str(tmp_path)
     for step in range(4):
-        ar = ObjectStoreAllReduce(uri, 2, 0, min_replicas=1, timeout_s=0.2, poll_interval_s=0.01,
-                                  keep_steps=2)  # fmt: skip
+        ar = ObjectStoreAllReduce(
+            uri, 2, 0, min_replicas=1, timeout_s=0.2, poll_interval_s=0.01, keep_steps=2
+        )
         ar.allreduce(honest(0, step), step=step)
     late = ObjectStoreAllReduce(uri, 2, 1, timeout_s=5, poll_interval_s=0.01)
     assert late.head_step() == 3

@@ -48,10 +48,11 @@ def run(uri, payloads, *, step=0, tokens=None, inner_steps=None, **kwargs):
         ar = ObjectStoreAllReduce(uri, len(payloads), r, **kwargs)
         try:
             res = ar.allreduce(
-                payloads[r], step=step,
+                payloads[r],
+                step=step,
                 tokens=None if tokens is None else tokens[r],
                 inner_steps=None if inner_steps is None else inner_steps[r],
-            )  # fmt: skip
+            )
             out[r] = (res, ar.last_result)
         except Exception as e:
             out[r] = (e, ar.last_result)
@@ -114,8 +115,15 @@ def test_an_inconsistent_token_claim_is_left_out_and_a_large_claim_is_capped(tmp
     payloads = [honest(r) for r in range(4)]
     policy = AggregatePolicy(weighting="tokens", max_tokens_per_step=100, max_inner_steps=10)
     tokens, steps = [900, 1000, 10**12, 800], [10, 10, 10, 10]
-    out = run(str(tmp_path), payloads, tokens=tokens, inner_steps=steps, aggregate=policy,
-              weighting="tokens", min_replicas=3)  # fmt: skip
+    out = run(
+        str(tmp_path),
+        payloads,
+        tokens=tokens,
+        inner_steps=steps,
+        aggregate=policy,
+        weighting="tokens",
+        min_replicas=3,
+    )
     w = {0: 900 / 2700, 1: 1000 / 2700, 3: 800 / 2700}
     assert_all_equal(out, mean_of([0, 1, 3], w))
     assert all(
@@ -123,8 +131,14 @@ def test_an_inconsistent_token_claim_is_left_out_and_a_large_claim_is_capped(tmp
     )
     # without bounds the claim is capped at token_cap (4) x the median claim instead
     capped = AggregatePolicy(weighting="tokens")
-    out = run(str(tmp_path), payloads, step=1, tokens=[100, 100, 10**12, 100],
-              aggregate=capped, weighting="tokens")  # fmt: skip
+    out = run(
+        str(tmp_path),
+        payloads,
+        step=1,
+        tokens=[100, 100, 10**12, 100],
+        aggregate=capped,
+        weighting="tokens",
+    )
     sr = out[0][1]
     assert sr.included_ranks == [0, 1, 2, 3]
     # the weights are float64 ratios of integer token counts: one rounding each (2**-53)

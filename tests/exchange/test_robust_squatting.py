@@ -37,9 +37,15 @@ from composer_replication.exchange.store import ObjectStore
 def plant(uri, rank, tensors, *, step=0, writer=None, owner=False, keys=None):
     """What a party with bucket write access can do: put objects at a rank's keys first."""
     payload, _ = encode_contribution(
-        tensors, rank=rank, step=step, tokens=1, inner_steps=1, codec="fp32", writer=writer,
+        tensors,
+        rank=rank,
+        step=step,
+        tokens=1,
+        inner_steps=1,
+        codec="fp32",
+        writer=writer,
         keys=keys,
-    )  # fmt: skip
+    )
     store = ObjectStore(uri)
     assert store.put_if_absent(contrib_key(step, rank), b"".join(payload))
     if owner:
@@ -126,8 +132,15 @@ def test_with_signing_a_planted_object_is_refused_outright(tmp_path):
     out = {}
 
     def go(r):
-        ar = ObjectStoreAllReduce(uri, 3, r, timeout_s=10, poll_interval_s=0.01, min_replicas=2,
-                                  keys=run_keys.with_identity(rank_identity(r), private[f"rank-{r}"]))  # fmt: skip
+        ar = ObjectStoreAllReduce(
+            uri,
+            3,
+            r,
+            timeout_s=10,
+            poll_interval_s=0.01,
+            min_replicas=2,
+            keys=run_keys.with_identity(rank_identity(r), private[f"rank-{r}"]),
+        )
         out[r] = (ar.allreduce(honest(r), step=0), ar.last_result)
 
     threads = [threading.Thread(target=go, args=(r,)) for r in range(3)]

@@ -29,8 +29,9 @@ def test_status_lists_the_latest_rounds_rejections_with_rank_and_reason(tmp_path
     for rank, rnd in ((0, 3), (1, 2)):
         w = ReplicaMetricsWriter(store, rank)
         why = f"screened out: non-finite values (seen by rank {rank})"
-        w.status(state="training", round=rnd, rejections={"round": rnd, "ranks": {"1": why}},
-                 force=True)  # fmt: skip
+        w.status(
+            state="training", round=rnd, rejections={"round": rnd, "ranks": {"1": why}}, force=True
+        )
     info = run_status(folder)
     assert info["rejections"]["round"] == 3
     text = status_text(info)
@@ -49,8 +50,18 @@ def test_train_with_the_loss_screen_records_each_contributions_loss_change(
     from composer_replication.cli import main
 
     monkeypatch.chdir(tmp_path)
-    code = main(["train", *SMALL, "train.max_steps=4", "diloco.sync_every_h=2",
-                 "diloco.screen=loss", "diloco.aggregate=trimmed_mean", "--name", "screened"])  # fmt: skip
+    code = main(
+        [
+            "train",
+            *SMALL,
+            "train.max_steps=4",
+            "diloco.sync_every_h=2",
+            "diloco.screen=loss",
+            "diloco.aggregate=trimmed_mean",
+            "--name",
+            "screened",
+        ]
+    )
     run = tmp_path / "runs" / "screened"
     out = capsys.readouterr().out
     assert code == 0, out + "\n".join(p.read_text() for p in (run / "logs").glob("*.log"))

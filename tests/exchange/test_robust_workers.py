@@ -12,8 +12,14 @@ from typing import Any
 
 import torch
 
-BOTO_KIND = {"PutObject": "put", "GetObject": "get", "HeadObject": "head",
-             "ListObjectsV2": "list", "DeleteObjects": "delete", "DeleteObject": "delete"}  # fmt: skip
+BOTO_KIND = {
+    "PutObject": "put",
+    "GetObject": "get",
+    "HeadObject": "head",
+    "ListObjectsV2": "list",
+    "DeleteObjects": "delete",
+    "DeleteObject": "delete",
+}
 
 
 def count_requests(
@@ -30,8 +36,9 @@ def count_requests(
     fs.ls(uri.split("://")[1].split("/")[0])  # connect, so that the client exists
     sent: list[str] = []
     fs.s3.meta.events.register("before-call.s3", lambda model, **kw: sent.append(model.name))
-    ar = ObjectStoreAllReduce(uri, world, rank, timeout_s=30, poll_interval_s=0.02,
-                              storage_options=options, keep_steps=2)  # fmt: skip
+    ar = ObjectStoreAllReduce(
+        uri, world, rank, timeout_s=30, poll_interval_s=0.02, storage_options=options, keep_steps=2
+    )
     while time.time() < start_at:
         time.sleep(0.005)
     out = []
@@ -62,14 +69,25 @@ def byzantine_replica(
     from composer_replication.exchange.robust import AggregatePolicy
 
     policy = AggregatePolicy(method=method, outlier_ratio=0)
-    ar = ObjectStoreAllReduce(uri, world, rank, timeout_s=60, poll_interval_s=0.02,
-                              storage_options=options, aggregate=policy)  # fmt: skip
+    ar = ObjectStoreAllReduce(
+        uri,
+        world,
+        rank,
+        timeout_s=60,
+        poll_interval_s=0.02,
+        storage_options=options,
+        aggregate=policy,
+    )
     while time.time() < start_at:
         time.sleep(0.005)
     tensors = {k: scale * v for k, v in honest(rank).items()}
     result = ar.allreduce(tensors, step=0)
     assert ar.last_result is not None
     ar.close()
-    return {"result": {k: v.clone() for k, v in result.items()},
-            "included": ar.last_result.included_ranks, "aggregate": ar.last_result.aggregate,
-            "dtype": str(next(iter(result.values())).dtype), "ok": isinstance(result["w"], torch.Tensor)}  # fmt: skip
+    return {
+        "result": {k: v.clone() for k, v in result.items()},
+        "included": ar.last_result.included_ranks,
+        "aggregate": ar.last_result.aggregate,
+        "dtype": str(next(iter(result.values())).dtype),
+        "ok": isinstance(result["w"], torch.Tensor),
+    }

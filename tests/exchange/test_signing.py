@@ -66,8 +66,9 @@ def run_signed(run: Run, payloads, *, step=0, **kwargs):
     out = {}
 
     def go(r):
-        ar = ObjectStoreAllReduce(run.uri, len(payloads), r, timeout_s=10, poll_interval_s=0.01,
-                                  keys=run.of(r), **kwargs)  # fmt: skip
+        ar = ObjectStoreAllReduce(
+            run.uri, len(payloads), r, timeout_s=10, poll_interval_s=0.01, keys=run.of(r), **kwargs
+        )
         try:
             out[r] = (ar.allreduce(payloads[r], step=step), ar.last_result)
         except Exception as e:
@@ -81,8 +82,9 @@ def run_signed(run: Run, payloads, *, step=0, **kwargs):
 
 
 def blob(tensors, *, rank, step=0, keys=None):
-    payload, _ = encode_contribution(tensors, rank=rank, step=step, tokens=1, inner_steps=1,
-                                     codec="fp32", keys=keys, writer="w")  # fmt: skip
+    payload, _ = encode_contribution(
+        tensors, rank=rank, step=step, tokens=1, inner_steps=1, codec="fp32", keys=keys, writer="w"
+    )
     return b"".join(payload)
 
 
@@ -178,10 +180,19 @@ def test_a_bucket_writer_cannot_inject_a_contribution(tmp_path, kind):
 def test_a_bucket_writer_cannot_inject_a_commit_record(tmp_path):
     """A forged commit record blocks the step (the key is taken) but is never obeyed."""
     run = Run(str(tmp_path))
-    forged = {"format": 1, "kind": "commit", "step": 0, "world_size": WORLD,
-              "included_ranks": [0], "weights": {"0": 1.0}, "checksums": {"0": {
-                  "algo": "sha256", "value": "0" * 64}}, "committed_by": 0,
-              "run_id": "run-1", "signer": "rank-0", "signature": "ab" * 64}  # fmt: skip
+    forged = {
+        "format": 1,
+        "kind": "commit",
+        "step": 0,
+        "world_size": WORLD,
+        "included_ranks": [0],
+        "weights": {"0": 1.0},
+        "checksums": {"0": {"algo": "sha256", "value": "0" * 64}},
+        "committed_by": 0,
+        "run_id": "run-1",
+        "signer": "rank-0",
+        "signature": "ab" * 64,
+    }
     ObjectStore(str(tmp_path)).put_if_absent(commit_key(0), json.dumps(forged).encode())
     out = run_signed(run, [honest(r) for r in range(WORLD)])
     for res, _ in out.values():
@@ -209,8 +220,13 @@ def test_a_bucket_writer_cannot_inject_a_state(tmp_path):
 def test_a_bucket_writer_cannot_inject_a_manifest(tmp_path):
     run = Run(str(tmp_path))
     fingerprint = {"parameters": {"w": [[2], "float32"]}, "num_parameters": 2}
-    planted = {"format": 1, "kind": "manifest", "world_size": WORLD, "codec": "fp32",
-               "fingerprint": fingerprint}  # fmt: skip
+    planted = {
+        "format": 1,
+        "kind": "manifest",
+        "world_size": WORLD,
+        "codec": "fp32",
+        "fingerprint": fingerprint,
+    }
     ObjectStore(str(tmp_path)).put_if_absent("manifest.json", json.dumps(planted).encode())
     ar = ObjectStoreAllReduce(str(tmp_path), WORLD, 0, keys=run.of(0))
     with pytest.raises(SignatureError, match="run manifest .* is not signed"):
@@ -245,8 +261,9 @@ def test_a_replayed_object_from_an_old_round_or_another_run_is_refused(tmp_path)
 
 def test_signing_off_keeps_todays_behaviour(tmp_path):
     """No keys: no signature fields, any checksum, and unsigned objects are accepted."""
-    payload, c = encode_contribution(honest(0), rank=0, step=0, tokens=None, inner_steps=None,
-                                     codec="fp32", checksum="xxh3-128")  # fmt: skip
+    payload, c = encode_contribution(
+        honest(0), rank=0, step=0, tokens=None, inner_steps=None, codec="fp32", checksum="xxh3-128"
+    )
     raw = b"".join(payload)
     n = int.from_bytes(raw[:8], "little")
     h = json.loads(json.loads(raw[8 : 8 + n])["__metadata__"][HEADER_KEY])

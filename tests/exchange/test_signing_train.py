@@ -66,8 +66,13 @@ def test_replica_accepts_only_the_configuration_the_driver_signed(tmp_path):
     with pytest.raises(SignatureError, match="not the configuration the driver signed"):
         participant_keys(store, rank_identity(1), tampered, required=False, environ=env)
     with pytest.raises(ValueError, match="does not match its public key"):  # rank 2's key
-        participant_keys(store, rank_identity(1), doc, required=True,
-                         environ={**secrets.env, **secrets.per_rank(3)[2]})  # fmt: skip
+        participant_keys(
+            store,
+            rank_identity(1),
+            doc,
+            required=True,
+            environ={**secrets.env, **secrets.per_rank(3)[2]},
+        )
     with pytest.raises(ValueError, match="got no private key"):
         participant_keys(store, rank_identity(1), doc, required=True, environ=secrets.env)
     with pytest.raises(ValueError, match="sign = true but"):
@@ -88,9 +93,19 @@ def test_train_with_signing_robust_aggregation_and_token_weighting(tmp_path, mon
     from composer_replication.run.metrics import read_metrics
 
     monkeypatch.chdir(tmp_path)
-    code = main(["train", *SMALL, "train.max_steps=4", "diloco.sync_every_h=2",
-                 "security.sign=true", "diloco.aggregate=norm_clip", "diloco.weighting=tokens",
-                 "--name", "signed"])  # fmt: skip
+    code = main(
+        [
+            "train",
+            *SMALL,
+            "train.max_steps=4",
+            "diloco.sync_every_h=2",
+            "security.sign=true",
+            "diloco.aggregate=norm_clip",
+            "diloco.weighting=tokens",
+            "--name",
+            "signed",
+        ]
+    )
     run = tmp_path / "runs" / "signed"
     out = capsys.readouterr().out
     assert code == 0, out + "\n".join(p.read_text() for p in (run / "logs").glob("*.log"))

@@ -58,8 +58,15 @@ def test_two_bit_levels_and_signs_are_the_nearest_ones():
     parts = codecs.encode(t, "sparseloco", SparseSpec(density=1.0, chunk=8, bits=2))
     got = codecs.decode(parts, "sparseloco", 8)
     assert got.tolist() == [3.0, -3.0, 1.0, 1.0, -1.0, 3.0, -1.0, 1.0] or got.tolist() == [
-        3.0, -3.0, 1.0, 1.0, -1.0, 3.0, -1.0, -1.0,  # 0.0 is a tie between -1 and 1
-    ]  # fmt: skip
+        3.0,
+        -3.0,
+        1.0,
+        1.0,
+        -1.0,
+        3.0,
+        -1.0,
+        -1.0,  # 0.0 is a tie between -1 and 1
+    ]
     assert parts["q"].numel() == 2  # 8 codes x 2 bits
     assert parts["q"][0].item() == 3 | (0 << 2) | (2 << 4) | (2 << 6)  # first code lowest
 

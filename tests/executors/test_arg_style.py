@@ -36,21 +36,36 @@ def test_auto_passes_hydra_overrides_the_hydra_way_and_the_rest_as_flags() -> No
         "+algorithm.diloco.sync_every_h=500",
     ]
     assert args_to_argv(SEED_PRIME_RL_ARGS) == [
-        "--config", "prime_rl_config.yaml",
-        "+diloco.rendezvous=s3://my-bucket/diloco-runs/run42/", "+diloco.sync_every_h=500",
-    ]  # fmt: skip
+        "--config",
+        "prime_rl_config.yaml",
+        "+diloco.rendezvous=s3://my-bucket/diloco-runs/run42/",
+        "+diloco.sync_every_h=500",
+    ]
     # ++ (add or override) and ~ (delete) are Hydra overrides too
     assert args_to_argv({"++a.b": 1, "~c": None, "~d": ""}) == ["++a.b=1", "~d="]
 
 
 def test_flags_and_hydra_styles() -> None:
     args = {"rendezvous": "file:///s/", "dry": True, "quiet": False, "tag": ["a", "b"], "n": None}
-    assert args_to_argv(args, "flags") == args_to_argv(args) == [
-        "--rendezvous", "file:///s/", "--dry", "--tag", "a", "--tag", "b",
-    ]  # fmt: skip
+    assert (
+        args_to_argv(args, "flags")
+        == args_to_argv(args)
+        == [
+            "--rendezvous",
+            "file:///s/",
+            "--dry",
+            "--tag",
+            "a",
+            "--tag",
+            "b",
+        ]
+    )
     assert args_to_argv(args, "hydra") == [
-        "rendezvous=file:///s/", "dry=true", "quiet=false", "tag=[a,b]",
-    ]  # fmt: skip
+        "rendezvous=file:///s/",
+        "dry=true",
+        "quiet=false",
+        "tag=[a,b]",
+    ]
     with pytest.raises(ValueError, match=r"'\+x' is a Hydra override.*arg_style='hydra'"):
         args_to_argv({"+x": 1}, "flags")
     with pytest.raises(ValueError, match=r"arg_style must be one of \['auto', 'flags', 'hydra'\]"):

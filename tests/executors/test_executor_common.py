@@ -40,14 +40,36 @@ PROBE = str(HERE / "replica_probe.py")
 
 
 def test_build_command_forms():
-    args = {"rendezvous": "s3://b/r/", "rank_env": "RANK", "v": True, "q": False, "n": None,
-            "tag": ["a", "b"], "lr": 0.5}  # fmt: skip
-    tail = ["--rendezvous", "s3://b/r/", "--rank_env", "RANK", "--v", "--tag", "a", "--tag", "b",
-            "--lr", "0.5"]  # fmt: skip
+    args = {
+        "rendezvous": "s3://b/r/",
+        "rank_env": "RANK",
+        "v": True,
+        "q": False,
+        "n": None,
+        "tag": ["a", "b"],
+        "lr": 0.5,
+    }
+    tail = [
+        "--rendezvous",
+        "s3://b/r/",
+        "--rank_env",
+        "RANK",
+        "--v",
+        "--tag",
+        "a",
+        "--tag",
+        "b",
+        "--lr",
+        "0.5",
+    ]
     assert build_command("pkg.mod", args, python="py") == ["py", "-m", "pkg.mod", *tail]
     assert build_command("pkg.mod:fn", args, python="py") == [
-        "py", "-m", "composer_replication.executors.launch", "pkg.mod:fn", *tail,
-    ]  # fmt: skip
+        "py",
+        "-m",
+        "composer_replication.executors.launch",
+        "pkg.mod:fn",
+        *tail,
+    ]
     assert build_command("dir/x.py", ["--a", 1]) == ["python", "dir/x.py", "--a", "1"]
     assert build_command("x.py") == ["python", "x.py"]
     assert ex_mod.LAUNCH_MODULE == launch.__name__
@@ -192,8 +214,9 @@ def test_base_launch_builds_same_command_and_env_for_every_rank():
     assert isinstance(fake, ServerlessExecutor)
     handles = fake.launch_replicas(3, "pkg.train", {"rendezvous": "s3://b/", "rank_env": "RANK"})
     assert [h.replica_id for h in handles] == [0, 1, 2]
-    assert [s[2] for s in fake.started] == [["python", "-m", "pkg.train", "--rendezvous", "s3://b/",
-                                             "--rank_env", "RANK"]] * 3  # fmt: skip
+    assert [s[2] for s in fake.started] == [
+        ["python", "-m", "pkg.train", "--rendezvous", "s3://b/", "--rank_env", "RANK"]
+    ] * 3
     assert [(s[3]["REPLICA_RANK"], s[3]["RANK"], s[3]["WORLD_SIZE"]) for s in fake.started] == [
         ("0", "0", "3"),
         ("1", "1", "3"),
@@ -264,8 +287,15 @@ def test_every_executor_in_this_package_satisfies_the_protocol():
 def test_handle_fields_match_the_contract():
     h = ReplicaHandle(replica_id=0, backend="x", job_id="j", status=ReplicaStatus.PENDING)
     expected: dict[str, Any] = {
-        "replica_id": 0, "backend": "x", "job_id": "j", "status": ReplicaStatus.PENDING,
-        "exit_code": None, "start_time": None, "end_time": None, "log_location": None,
-        "restarts": 0, "error": None,
-    }  # fmt: skip
+        "replica_id": 0,
+        "backend": "x",
+        "job_id": "j",
+        "status": ReplicaStatus.PENDING,
+        "exit_code": None,
+        "start_time": None,
+        "end_time": None,
+        "log_location": None,
+        "restarts": 0,
+        "error": None,
+    }
     assert vars(h) == expected

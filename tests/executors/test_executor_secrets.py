@@ -50,8 +50,9 @@ def test_check_secrets_rejects_what_cannot_be_handed_over():
 def test_local_processes_get_only_their_own_secret(tmp_path):
     store = tmp_path / "store"
     ex = LocalProcessExecutor(log_dir=tmp_path / "logs", poll_interval=0.05)
-    handles = ex.launch_replicas(3, PROBE, ["--store", str(store), "--echo-env", NAME],
-                                 secrets=SECRETS)  # fmt: skip
+    handles = ex.launch_replicas(
+        3, PROBE, ["--store", str(store), "--echo-env", NAME], secrets=SECRETS
+    )
     ex.collect(handles, timeout=60)
     recs = wait_for_records(str(store), 3)
     for rank in range(3):
@@ -62,8 +63,9 @@ def test_hf_jobs_rank_secrets_are_job_secrets_not_env(hub):  # noqa: F811
     standin, make, tmp = hub
     ex = make(secrets={"WANDB_API_KEY": "shared"})
     store = tmp / "store"
-    handles = ex.launch_replicas(3, "diloco_replica.py", _args(store, **{"show-env": [NAME]}),
-                                 secrets=SECRETS)  # fmt: skip
+    handles = ex.launch_replicas(
+        3, "diloco_replica.py", _args(store, **{"show-env": [NAME]}), secrets=SECRETS
+    )
     for rank, body in enumerate(standin.created):
         assert body["secrets"] == {"WANDB_API_KEY": "shared", **SECRETS[rank]}
         assert NAME not in body["environment"]
@@ -74,8 +76,9 @@ def test_hf_jobs_rank_secrets_are_job_secrets_not_env(hub):  # noqa: F811
 def test_modal_rank_secrets_are_modal_secrets_not_call_arguments(fake, tmp_path):  # noqa: F811
     ex = make_modal(fake, secrets=["wandb"])
     store = tmp_path / "store"
-    handles = ex.launch_replicas(3, "diloco_replica.py", _args(store, **{"show-env": [NAME]}),
-                                 secrets=SECRETS)  # fmt: skip
+    handles = ex.launch_replicas(
+        3, "diloco_replica.py", _args(store, **{"show-env": [NAME]}), secrets=SECRETS
+    )
     spawns = [args for name, args, _ in fake.calls if name == "Function.spawn"]
     assert not any(SECRETS[r][NAME] in json.dumps(args) for args in spawns for r in SECRETS)
     options = [kw for name, _, kw in fake.calls if name == "Function.with_options"]
@@ -89,8 +92,9 @@ def test_k8s_rank_secrets_live_in_per_rank_secrets_owned_by_their_jobs(cluster):
     standin, make, tmp = cluster
     ex = make()
     store = tmp / "store"
-    handles = ex.launch_replicas(3, "diloco_replica.py", _args(store, **{"show-env": [NAME]}),
-                                 secrets=SECRETS)  # fmt: skip
+    handles = ex.launch_replicas(
+        3, "diloco_replica.py", _args(store, **{"show-env": [NAME]}), secrets=SECRETS
+    )
     assert len(standin.created) == 3  # one Job per rank: one pod template cannot hold 3 Secrets
     for body in standin.created:
         env = body["spec"]["template"]["spec"]["containers"][0]["env"]
@@ -107,8 +111,9 @@ def test_sagemaker_rank_secrets_reach_only_their_job(aws):  # noqa: F811
     standin, make, tmp = aws
     ex = make()
     store = tmp / "store"
-    handles = ex.launch_replicas(3, "diloco_replica.py", _args(store, **{"show-env": [NAME]}),
-                                 secrets=SECRETS)  # fmt: skip
+    handles = ex.launch_replicas(
+        3, "diloco_replica.py", _args(store, **{"show-env": [NAME]}), secrets=SECRETS
+    )
     for rank, body in enumerate(standin.created):
         assert body["Environment"][NAME] == SECRETS[rank][NAME]
     ex.collect(handles, timeout=120)
@@ -121,8 +126,12 @@ def test_ray_rank_secrets_travel_in_runtime_env(tmp_path):
 
     store = tmp_path / "store"
     with private_ray_executor(tmp_path / "logs", init_num_cpus=2) as ex:
-        handles = ex.launch_replicas(2, PROBE, ["--store", str(store), "--echo-env", NAME],
-                                     secrets={r: SECRETS[r] for r in range(2)})  # fmt: skip
+        handles = ex.launch_replicas(
+            2,
+            PROBE,
+            ["--store", str(store), "--echo-env", NAME],
+            secrets={r: SECRETS[r] for r in range(2)},
+        )
         ex.collect(handles, timeout=120)
     recs = probe.read_records(str(store))
     assert {r: recs[r]["env"][NAME] for r in range(2)} == {r: SECRETS[r][NAME] for r in range(2)}
@@ -144,8 +153,9 @@ def test_multi_executor_hands_each_backend_only_its_ranks_secrets(tmp_path):
     LocalProcessExecutor.launch_ranks = spy  # type: ignore[method-assign]
     try:
         multi = MultiExecutor([(a, 1), (b, 2)], poll_interval=0.05)
-        handles = multi.launch_replicas(3, PROBE, ["--store", str(store), "--echo-env", NAME],
-                                        secrets=SECRETS)  # fmt: skip
+        handles = multi.launch_replicas(
+            3, PROBE, ["--store", str(store), "--echo-env", NAME], secrets=SECRETS
+        )
         multi.collect(handles, timeout=60)
     finally:
         LocalProcessExecutor.launch_ranks = real  # type: ignore[method-assign]

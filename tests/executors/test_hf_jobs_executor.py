@@ -64,9 +64,12 @@ def test_launch_poll_collect_logs(hub):
     ex = make(timeout="30m", labels={"team": "rl"}, secrets={"WANDB_API_KEY": "wandb-secret-xyz"})
     store = tmp / "store"
     handles = ex.launch_replicas(
-        3, "diloco_replica.py", _args(store, **{"show-env": ["WANDB_API_KEY", "MY_VAR"]}),
-        env={"MY_VAR": "v"}, resources={"flavor": "a100-large"},
-    )  # fmt: skip
+        3,
+        "diloco_replica.py",
+        _args(store, **{"show-env": ["WANDB_API_KEY", "MY_VAR"]}),
+        env={"MY_VAR": "v"},
+        resources={"flavor": "a100-large"},
+    )
     assert [h.replica_id for h in handles] == [0, 1, 2]
     assert all(h.status is ReplicaStatus.PENDING for h in handles)
     assert handles[0].log_location.endswith(f"/jobs/{USER}/{handles[0].job_id}")
@@ -87,8 +90,10 @@ def test_launch_poll_collect_logs(hub):
     assert all(h.status is ReplicaStatus.SUCCEEDED and h.end_time for h in result)
     for rank in range(3):
         rec = json.loads((store / f"rank-{rank}.json").read_text())
-        assert rec["rank"] == rank and rec["env"] == {"WANDB_API_KEY": "wandb-secret-xyz",
-                                                       "MY_VAR": "v"}  # fmt: skip
+        assert rec["rank"] == rank and rec["env"] == {
+            "WANDB_API_KEY": "wandb-secret-xyz",
+            "MY_VAR": "v",
+        }
     log = ex.logs(handles[1])
     assert log == "replica 1 of 3 starting\nreplica 1 done\n"  # "Job started" banner dropped
     assert ex.logs(handles[1], tail=1) == "replica 1 done\n"

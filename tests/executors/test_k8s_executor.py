@@ -63,9 +63,12 @@ def test_indexed_job_runs_replicas_to_completion(cluster):
     ex = make(secret_env={"HF_TOKEN": ("hf-token", "HF_TOKEN")}, backoff_limit_per_index=2)
     store = tmp / "store"
     handles = ex.launch_replicas(
-        3, "diloco_replica.py", _args(store, **{"show-env": ["HF_TOKEN", "MY_VAR"]}),
-        env={"MY_VAR": "x"}, resources={"gpu": 1, "memory": "2Gi"},
-    )  # fmt: skip
+        3,
+        "diloco_replica.py",
+        _args(store, **{"show-env": ["HF_TOKEN", "MY_VAR"]}),
+        env={"MY_VAR": "x"},
+        resources={"gpu": 1, "memory": "2Gi"},
+    )
     assert [h.replica_id for h in handles] == [0, 1, 2]
     assert all(h.status is ReplicaStatus.PENDING and h.backend == "k8s" for h in handles)
 
@@ -254,8 +257,14 @@ def test_redact_masks_known_and_credential_looking_values():
         'secret_key: "q1w2e3" keep-me long-secret-value'
     )
     out = redact(text, ["long-secret-value", None, ""])
-    for leaked in ("abc.def-123", "xyz", "hf_abcdefghijkl", "AKIAABCDEFGHIJKLMNOP", "q1w2e3",
-                   "long-secret-value"):  # fmt: skip
+    for leaked in (
+        "abc.def-123",
+        "xyz",
+        "hf_abcdefghijkl",
+        "AKIAABCDEFGHIJKLMNOP",
+        "q1w2e3",
+        "long-secret-value",
+    ):
         assert leaked not in out
     assert "keep-me" in out and out.count("***") == 6
 
@@ -266,19 +275,36 @@ def test_job_spec_pod_failure_policy():
     from composer_replication.executors.k8s_job import build_indexed_job
 
     job = build_indexed_job(
-        client, name="j", image="img", command=["python", "x.py"], base_env={"REPLICA_RANK": "0",
-        "A": "1"}, rank_keys={"REPLICA_RANK"}, offset=0, count=2, limits={}, secret_env={},
-        env_from_secrets=[], backoff_limit_per_index=1, ttl_seconds_after_finished=None,
-        active_deadline_seconds=None, service_account=None, node_selector=None,
-        image_pull_secrets=[], labels={},
-    )  # fmt: skip
+        client,
+        name="j",
+        image="img",
+        command=["python", "x.py"],
+        base_env={"REPLICA_RANK": "0", "A": "1"},
+        rank_keys={"REPLICA_RANK"},
+        offset=0,
+        count=2,
+        limits={},
+        secret_env={},
+        env_from_secrets=[],
+        backoff_limit_per_index=1,
+        ttl_seconds_after_finished=None,
+        active_deadline_seconds=None,
+        service_account=None,
+        node_selector=None,
+        image_pull_secrets=[],
+        labels={},
+    )
     body = client.ApiClient().sanitize_for_serialization(job)
     rules = body["spec"]["podFailurePolicy"]["rules"]
-    assert rules[0] == {"action": "Ignore",
-                        "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}  # fmt: skip
+    assert rules[0] == {
+        "action": "Ignore",
+        "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}],
+    }
     assert rules[1] == {"action": "FailIndex", "onExitCodes": {"operator": "In", "values": [143]}}
     env = body["spec"]["template"]["spec"]["containers"][0]["env"]
-    assert {"name": "A", "value": "1"} in env and "resources" not in body["spec"]["template"]["spec"]["containers"][0]  # fmt: skip
+    assert {"name": "A", "value": "1"} in env and "resources" not in body["spec"]["template"][
+        "spec"
+    ]["containers"][0]
 
 
 def test_active_deadline_fails_the_unfinished_replicas(cluster):

@@ -75,14 +75,26 @@ def test_run_replica_body_streams_and_returns_exit_code(capsys):
 
 
 def test_launch_poll_collect_logs(fake, tmp_path):
-    ex = _make(fake, gpu="H100:2", secrets=["wandb"], env={"STATIC": "s"}, timeout=600,
-               bucket_mount={"bucket": "my-bucket", "mount_path": "/store",
-                             "endpoint_url": "https://r2.example", "secret": "r2-creds"})  # fmt: skip
+    ex = _make(
+        fake,
+        gpu="H100:2",
+        secrets=["wandb"],
+        env={"STATIC": "s"},
+        timeout=600,
+        bucket_mount={
+            "bucket": "my-bucket",
+            "mount_path": "/store",
+            "endpoint_url": "https://r2.example",
+            "secret": "r2-creds",
+        },
+    )
     store = tmp_path / "store"
     handles = ex.launch_replicas(
-        3, "diloco_replica.py", _args(store, **{"show-env": ["WANDB_API_KEY", "STATIC", "U"]}),
+        3,
+        "diloco_replica.py",
+        _args(store, **{"show-env": ["WANDB_API_KEY", "STATIC", "U"]}),
         env={"U": "u"},
-    )  # fmt: skip
+    )
     assert [h.replica_id for h in handles] == [0, 1, 2]
     assert all(h.status is ReplicaStatus.RUNNING and h.backend == "modal" for h in handles)
     opts = dict(next(kw for name, _, kw in fake.calls if name == "App.function"))
@@ -184,8 +196,13 @@ def test_bad_input_and_missing_credentials(fake, tmp_path, monkeypatch):
 
 def test_every_modal_call_matches_the_installed_signatures(fake, tmp_path):
     """Bind each recorded call to the real modal callable: wrong names or arity fail here."""
-    ex = _make(fake, gpu="A10G", secrets=["wandb"], add_python="3.11",
-               bucket_mount={"bucket": "b", "mount_path": "/store", "secret": "wandb"})  # fmt: skip
+    ex = _make(
+        fake,
+        gpu="A10G",
+        secrets=["wandb"],
+        add_python="3.11",
+        bucket_mount={"bucket": "b", "mount_path": "/store", "secret": "wandb"},
+    )
     handles = ex.launch_replicas(
         2, "diloco_replica.py", _args(tmp_path / "s"), resources={"gpu": "L4", "memory": 2048}
     )
@@ -198,10 +215,19 @@ def test_every_modal_call_matches_the_installed_signatures(fake, tmp_path):
     ex.poll([h])
     names = {name for name, _, _ in fake.calls}
     assert names == {
-        "App", "App.function", "App.run", "Image.from_registry", "Secret.from_name",
-        "CloudBucketMount", "Function.with_options", "Function.spawn", "FunctionCall.get",
-        "FunctionCall.from_id", "FunctionCallLogsManager.tail", "FunctionCallLogsManager.fetch",
-    }  # fmt: skip
+        "App",
+        "App.function",
+        "App.run",
+        "Image.from_registry",
+        "Secret.from_name",
+        "CloudBucketMount",
+        "Function.with_options",
+        "Function.spawn",
+        "FunctionCall.get",
+        "FunctionCall.from_id",
+        "FunctionCallLogsManager.tail",
+        "FunctionCallLogsManager.fetch",
+    }
     ex2 = _make(fake)
     [h2] = ex2.launch_replicas(1, "diloco_replica.py", _args(tmp_path / "s3", sleep=30))
     ex2.cancel([h2])

@@ -116,8 +116,13 @@ def test_cluster_mode_logs_through_the_actor_then_copied(ray_ex, tmp_path):
     # What a remote cluster looks like: the replica's log is on its node, not in log_dir.
     from composer_replication.executors.ray import RayExecutor
 
-    remote = RayExecutor(shared_filesystem=False, log_dir=tmp_path / "driver-logs",
-                         cwd=str(tmp_path), poll_interval=0.05, grace_period=1.0)  # fmt: skip
+    remote = RayExecutor(
+        shared_filesystem=False,
+        log_dir=tmp_path / "driver-logs",
+        cwd=str(tmp_path),
+        poll_interval=0.05,
+        grace_period=1.0,
+    )
     store = str(tmp_path / "store")
     handles = remote.launch_replicas(2, PROBE, {"store": store, "sleep": 60, "sleep-rank": 1})
     wait_for_records(store, 2)

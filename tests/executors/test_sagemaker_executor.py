@@ -54,9 +54,13 @@ def aws(tmp_path: Path):
             kw.setdefault("poll_interval", 0.1)
             kw.setdefault("failure_file", "$STANDIN_OPT_ML/failure")
             return SageMakerExecutor(
-                IMAGE, role_arn=ROLE, output_path="s3://my-bucket/diloco/out",
-                session=_session(), endpoint_url=server.url, **kw,
-            )  # fmt: skip
+                IMAGE,
+                role_arn=ROLE,
+                output_path="s3://my-bucket/diloco/out",
+                session=_session(),
+                endpoint_url=server.url,
+                **kw,
+            )
 
         yield standin, make, tmp_path
 
@@ -68,18 +72,32 @@ def test_create_and_describe_against_moto_server(tmp_path):
     try:
         host, port = server.get_host_and_port()
         ex = SageMakerExecutor(
-            IMAGE, role_arn=ROLE, output_path="s3://b/out", session=_session(),
-            endpoint_url=f"http://{host}:{port}", instance_type="ml.p4d.24xlarge",
-            python="python3", poll_interval=0.05,
-        )  # fmt: skip
-        handles = ex.launch_replicas(2, "composer_replication.run.replica",
-                                     _args(tmp_path))  # fmt: skip
+            IMAGE,
+            role_arn=ROLE,
+            output_path="s3://b/out",
+            session=_session(),
+            endpoint_url=f"http://{host}:{port}",
+            instance_type="ml.p4d.24xlarge",
+            python="python3",
+            poll_interval=0.05,
+        )
+        handles = ex.launch_replicas(2, "composer_replication.run.replica", _args(tmp_path))
         d = ex.sm.describe_training_job(TrainingJobName=handles[1].job_id)
         assert d["AlgorithmSpecification"]["ContainerEntrypoint"] == [
-            "python3", "-m", "composer_replication.executors.remote", "--failure-file",
-            "/opt/ml/output/failure", "--",
-            "python3", "-m", "composer_replication.run.replica",
-            "--rendezvous", f"file://{tmp_path}", "--rank_env", "REPLICA_RANK"]  # fmt: skip
+            "python3",
+            "-m",
+            "composer_replication.executors.remote",
+            "--failure-file",
+            "/opt/ml/output/failure",
+            "--",
+            "python3",
+            "-m",
+            "composer_replication.run.replica",
+            "--rendezvous",
+            f"file://{tmp_path}",
+            "--rank_env",
+            "REPLICA_RANK",
+        ]
         assert d["ResourceConfig"]["InstanceType"] == "ml.p4d.24xlarge"
         assert d["RoleArn"] == ROLE and d["OutputDataConfig"]["S3OutputPath"] == "s3://b/out"
         # moto finishes jobs at once; the mapping reads its real describe response.
@@ -102,8 +120,11 @@ def test_launch_poll_collect_logs(aws):
         assert body["AlgorithmSpecification"]["TrainingImage"] == IMAGE
         entry = body["AlgorithmSpecification"]["ContainerEntrypoint"]
         assert entry[entry.index("--") + 1 :][:2] == [sys.executable, "diloco_replica.py"]
-        assert body["ResourceConfig"] == {"InstanceType": "ml.g5.2xlarge", "InstanceCount": 1,
-                                          "VolumeSizeInGB": 50}  # fmt: skip
+        assert body["ResourceConfig"] == {
+            "InstanceType": "ml.g5.2xlarge",
+            "InstanceCount": 1,
+            "VolumeSizeInGB": 50,
+        }
         assert body["StoppingCondition"] == {"MaxRuntimeInSeconds": 3600}
         assert body["Environment"]["REPLICA_RANK"] == str(rank)
         assert body["Environment"]["WORLD_SIZE"] == "3"
@@ -127,7 +148,9 @@ def test_launch_poll_collect_logs(aws):
 def test_failing_replica_reported_with_exit_code_and_log_tail(aws):
     _, make, tmp = aws
     ex = make()
-    handles = ex.launch_replicas(2, "diloco_replica.py", _args(tmp / "s", **{"fail-rank": 1, "exit-code": 9}))  # fmt: skip
+    handles = ex.launch_replicas(
+        2, "diloco_replica.py", _args(tmp / "s", **{"fail-rank": 1, "exit-code": 9})
+    )
     result = ex.collect(handles, timeout=60)
     assert result[0].status is ReplicaStatus.SUCCEEDED and result[0].exit_code == 0
     assert result[1].status is ReplicaStatus.FAILED and result[1].exit_code == 9
@@ -136,7 +159,10 @@ def test_failing_replica_reported_with_exit_code_and_log_tail(aws):
     )
     # Without the in-container wrapper the service's own wording is all there is to parse.
     bare = make(failure_file=None)
-    [h] = bare.collect(bare.launch_replicas(1, "diloco_replica.py", _args(tmp / "s2", **{"fail-rank": 0})), timeout=60)  # fmt: skip
+    [h] = bare.collect(
+        bare.launch_replicas(1, "diloco_replica.py", _args(tmp / "s2", **{"fail-rank": 0})),
+        timeout=60,
+    )
     assert h.status is ReplicaStatus.FAILED and h.exit_code == 3
 
 
@@ -163,10 +189,14 @@ def test_collect_timeout_and_max_runtime(aws):
     ex = make()
     handles = ex.launch_replicas(2, "diloco_replica.py", _args(tmp / "s", sleep=60))
     result = ex.collect(handles, timeout=1.0)
-    assert all(h.status is ReplicaStatus.FAILED and h.error.startswith("timeout after 1s") for h in result)  # fmt: skip
+    assert all(
+        h.status is ReplicaStatus.FAILED and h.error.startswith("timeout after 1s") for h in result
+    )
     assert sorted(standin.stops) == sorted(h.job_id for h in handles)
     ex2 = make(max_runtime_seconds=2)
-    [h] = ex2.collect(ex2.launch_replicas(1, "diloco_replica.py", _args(tmp / "s2", sleep=60)), timeout=30)  # fmt: skip
+    [h] = ex2.collect(
+        ex2.launch_replicas(1, "diloco_replica.py", _args(tmp / "s2", sleep=60)), timeout=30
+    )
     assert h.status is ReplicaStatus.FAILED and "max runtime exceeded" in h.error
     assert "replica 0 of 1 starting" in h.error
 
@@ -242,8 +272,16 @@ def test_in_container_wrapper_writes_failure_file_and_forwards_sigterm(tmp_path,
     from composer_replication.executors import remote
 
     failure = tmp_path / "opt" / "failure"
-    code = remote.main(["--failure-file", str(failure), "--", sys.executable, "-c",
-                        "print('working'); raise SystemExit(5)"])  # fmt: skip
+    code = remote.main(
+        [
+            "--failure-file",
+            str(failure),
+            "--",
+            sys.executable,
+            "-c",
+            "print('working'); raise SystemExit(5)",
+        ]
+    )
     assert code == 5 and "working" in capsys.readouterr().out
     assert failure.read_text() == "exit code: 5\nworking\n"
     failure.unlink()
@@ -252,11 +290,20 @@ def test_in_container_wrapper_writes_failure_file_and_forwards_sigterm(tmp_path,
     # `docker stop` sends SIGTERM to the wrapper (PID 1): the replica must get it and the
     # wrapper must report 143, not die and orphan the replica.
     proc = subprocess.Popen(
-        [sys.executable, "-m", "composer_replication.executors.remote", "--failure-file",
-         str(failure), "--", sys.executable, "-c",
-         "import time; print('up', flush=True); time.sleep(60)"],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "composer_replication.executors.remote",
+            "--failure-file",
+            str(failure),
+            "--",
+            sys.executable,
+            "-c",
+            "import time; print('up', flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stdout.readline().strip() == "up"
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=10) == 143

@@ -97,8 +97,17 @@ def test_two_rounds_of_the_default_on(
     monkeypatch.chdir(tmp_path)
     name = f"live-{kind}"
     uri = store.rstrip("/") + f"/{name}-{os.getpid()}/"
-    code = main(["train", *ROUNDS, f"backend.kind={kind}", f"store.uri={uri}", f"backend.options={table}",
-                 "--name", name])  # fmt: skip
+    code = main(
+        [
+            "train",
+            *ROUNDS,
+            f"backend.kind={kind}",
+            f"store.uri={uri}",
+            f"backend.options={table}",
+            "--name",
+            name,
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     driver = json.loads((tmp_path / "runs" / name / "driver.json").read_text())

@@ -317,10 +317,17 @@ def test_assemble_is_the_one_total():
     ref_c, ref_r = torch.tensor([-3.5, -4.2]), torch.tensor([-4.0, -3.0])
     knobs = dict(alpha_sdpo=0.3, beta_replay=0.2, sdpo_jsd_beta=0.4, replay_dpo_beta=0.1)
     total, metrics = combine(
-        per_token_logps=logps, completion_mask=mask, advantages=adv, student_logits=student,
-        teacher_logits=teacher, chosen_logps=chosen, rejected_logps=rejected,
-        ref_chosen_logps=ref_c, ref_rejected_logps=ref_r, **knobs,
-    )  # fmt: skip
+        per_token_logps=logps,
+        completion_mask=mask,
+        advantages=adv,
+        student_logits=student,
+        teacher_logits=teacher,
+        chosen_logps=chosen,
+        rejected_logps=rejected,
+        ref_chosen_logps=ref_c,
+        ref_rejected_logps=ref_r,
+        **knobs,
+    )
     grpo = grpo_loss(logps, None, adv, mask, loss_type="dapo", epsilon_low=0.2)
     sdpo_loss, sdpo_m = generalized_jsd(student, teacher, beta=0.4)
     sdpo = (sdpo_loss, {**sdpo_m, "loss/sdpo": float(sdpo_loss.detach())})
@@ -335,16 +342,26 @@ def test_assemble_is_the_one_total():
     assert torch.equal(off, grpo[0]) and off_m["sdpo/active"] == off_m["replay/active"] == 0.0
     # combine with a channel 2 computed by the caller (recipes/verl's sampled-token form)
     given, given_m = combine(
-        per_token_logps=logps, completion_mask=mask, advantages=adv, sdpo_result=sdpo,
-        chosen_logps=chosen, rejected_logps=rejected, ref_chosen_logps=ref_c,
-        ref_rejected_logps=ref_r, **knobs,
-    )  # fmt: skip
+        per_token_logps=logps,
+        completion_mask=mask,
+        advantages=adv,
+        sdpo_result=sdpo,
+        chosen_logps=chosen,
+        rejected_logps=rejected,
+        ref_chosen_logps=ref_c,
+        ref_rejected_logps=ref_r,
+        **knobs,
+    )
     assert torch.equal(given, total) and given_m["sdpo/active"] == 1.0
     with pytest.raises(ValueError, match="not both"):
         combine(
-            per_token_logps=logps, completion_mask=mask, advantages=adv, sdpo_result=sdpo,
-            student_logits=student, teacher_logits=teacher,
-        )  # fmt: skip
+            per_token_logps=logps,
+            completion_mask=mask,
+            advantages=adv,
+            sdpo_result=sdpo,
+            student_logits=student,
+            teacher_logits=teacher,
+        )
 
 
 def test_end_to_end_tiny_qwen2_model(make_batch_fn):

@@ -112,12 +112,18 @@ def _median_clip(hs, ht, w, b, mask, beta, temperature=1.0):
     zs = (hs @ w.t() + (b if b is not None else 0.0)).detach()
     zt = (ht @ w.t() + (b if b is not None else 0.0)).detach()
     per_token = [
-        float(generalized_jsd(zs[i : i + 1, j : j + 1], zt[i : i + 1, j : j + 1], beta=beta,
-                              temperature=temperature)[0])
+        float(
+            generalized_jsd(
+                zs[i : i + 1, j : j + 1],
+                zt[i : i + 1, j : j + 1],
+                beta=beta,
+                temperature=temperature,
+            )[0]
+        )
         for i in range(B)
         for j in range(T)
         if mask[i, j]
-    ]  # fmt: skip
+    ]
     values = sorted(per_token)
     clip = (values[len(values) // 2 - 1] + values[len(values) // 2]) / 2
     return clip, sum(v > clip for v in per_token) / len(per_token)
@@ -235,9 +241,17 @@ def test_fused_gradcheck_float64():
     wt, bt = w.detach().clone(), b.detach().clone()
     for beta in (0.0, 0.4, 1.0):
         fn = lambda h, ww, bb, beta=beta: fused_linear_jsd(  # noqa: E731
-            h, ht, ww, bb, teacher_weight=wt, teacher_bias=bt, beta=beta, temperature=1.3,
-            chunk_size=2, vocab_chunk_size=3,
-        )[0]  # fmt: skip
+            h,
+            ht,
+            ww,
+            bb,
+            teacher_weight=wt,
+            teacher_bias=bt,
+            beta=beta,
+            temperature=1.3,
+            chunk_size=2,
+            vocab_chunk_size=3,
+        )[0]
         assert torch.autograd.gradcheck(fn, (hs, w, b))
 
 
@@ -337,10 +351,21 @@ def _problem(device="cpu", dtype=torch.float32, **kw):
     x = torch.zeros(2, 4, dtype=dtype, device=device)
     w = torch.zeros(5, 4, dtype=dtype, device=device)
     base = dict(
-        hs=x, ht=x, weight=w, bias=None, teacher_weight=w, teacher_bias=None, beta=0.5,
-        temperature=1.0, token_clip=None, need_hidden=True, need_weight=True, need_bias=False,
-        token_chunk=None, vocab_chunk=None,
-    )  # fmt: skip
+        hs=x,
+        ht=x,
+        weight=w,
+        bias=None,
+        teacher_weight=w,
+        teacher_bias=None,
+        beta=0.5,
+        temperature=1.0,
+        token_clip=None,
+        need_hidden=True,
+        need_weight=True,
+        need_bias=False,
+        token_chunk=None,
+        vocab_chunk=None,
+    )
     base.update(kw)
     return FusedProblem(**base)
 

@@ -68,9 +68,10 @@ def _mesh_processes(controller: int) -> list[int]:
 def _alive(pid: int) -> bool:
     try:
         state = next(
-            ln for ln in Path(f"/proc/{pid}/status").read_text().splitlines()
+            ln
+            for ln in Path(f"/proc/{pid}/status").read_text().splitlines()
             if ln.startswith("State:")
-        )  # fmt: skip
+        )
     except (OSError, StopIteration):
         return False
     return " Z " not in f"{state} "  # a zombie has exited
@@ -100,8 +101,11 @@ def test_unsupported_settings_are_named_with_what_to_set():
     assert "diloco.mode = 'decoupled' (the recipe runs synchronous DiLoCo: set 'sync')" in msg
     with pytest.raises(ValueError, match=r"diloco.manager = 'torchft' \(set 'object_store'\)"):
         check_supported(load_config(EXAMPLE, ["diloco.manager=torchft"]))
-    with pytest.raises(ValueError, match=r"diloco.screen = 'loss' \(set 'none'.*; "
-                       r"security.sign = true \(set false"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"diloco.screen = 'loss' \(set 'none'.*; "
+        r"security.sign = true \(set false",
+    ):
         check_supported(load_config(EXAMPLE, ["security.sign=true", "diloco.screen=loss"]))
     check_supported(load_config(EXAMPLE))  # the example itself is fine
 
@@ -134,8 +138,9 @@ def test_documented_run_trains_two_replicas_that_agree_after_every_round(tmp_pat
     (command,) = [b for b in blocks("bash") if "recipes.monarch.train" in b]
     argv = shlex.split(command.replace("python ", f"{sys.executable} ", 1))
     argv = [str(ROOT / a) if a.startswith("examples/") else a for a in argv]
-    proc = subprocess.run(argv, cwd=tmp_path, env=_env(), capture_output=True, text=True,
-                          timeout=900)  # fmt: skip
+    proc = subprocess.run(
+        argv, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=900
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert "the replicas' global weights agree after every round" in proc.stdout
     summary = json.loads((tmp_path / "monarch-summary.json").read_text())
@@ -155,8 +160,9 @@ def test_documented_run_trains_two_replicas_that_agree_after_every_round(tmp_pat
     # committed outer state of each round still kept, read back with the exchange's reader.
     store = ObjectStore(summary["store"])
     assert store.uri.startswith((tmp_path / "runs").as_uri())
-    docs = RunDocuments(store, world_size=2, codec="fp32", keep_steps=config.store.keep_rounds,
-                        poll_interval_s=0.1)  # fmt: skip
+    docs = RunDocuments(
+        store, world_size=2, codec="fp32", keep_steps=config.store.keep_rounds, poll_interval_s=0.1
+    )
     checked = 0
     for k in range(1, n_rounds + 1):
         digests = {rep["rounds"][k - 1]["global_sha256"] for rep in replicas}
@@ -200,8 +206,13 @@ def test_documented_python_snippet_drives_the_actors(tmp_path: Path):
     (examples / "tiny.toml").write_text(text)
     end = "procs.stop().get()"
     report = "\nimport json\nprint('RESULT', json.dumps(sorted(results.values(), key=lambda r: r['rank'])))"
-    stdout = run_doc_block("docs/recipes/monarch.md", "procs.spawn(\"trainer\"", cwd=tmp_path,
-                           replace={end: end + report}, timeout=600)  # fmt: skip
+    stdout = run_doc_block(
+        "docs/recipes/monarch.md",
+        'procs.spawn("trainer"',
+        cwd=tmp_path,
+        replace={end: end + report},
+        timeout=600,
+    )
     line = next(x for x in stdout.splitlines() if x.startswith("RESULT "))
     results = json.loads(line.removeprefix("RESULT "))
     assert [r["rank"] for r in results] == [0, 1]
@@ -213,10 +224,16 @@ def test_documented_python_snippet_drives_the_actors(tmp_path: Path):
 @pytest.mark.long
 @pytest.mark.slow
 def test_an_actor_that_raises_is_reported_with_its_error_and_exit_1(tmp_path: Path):
-    argv = [sys.executable, "-m", "composer_replication.recipes.monarch.train", str(EXAMPLE),
-            'task.options={level="nope"}']  # fmt: skip
-    proc = subprocess.run(argv, cwd=tmp_path, env=_env(), capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "composer_replication.recipes.monarch.train",
+        str(EXAMPLE),
+        'task.options={level="nope"}',
+    ]
+    proc = subprocess.run(
+        argv, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 1, proc.stdout + proc.stderr[-4000:]
     # which actors failed, and the task's own message, from the actors' process
     assert "monarch: actor failure: The actor" in proc.stderr and "RewarderActor" in proc.stderr
@@ -230,10 +247,17 @@ def test_a_replica_process_killed_mid_run_ends_the_run_promptly_with_exit_1(tmp_
     """SIGKILL one mesh process once round 1 is committed: Monarch's supervision reports it and
     the controller exits 1 within seconds, not after the exchange's 600 s round timeout, and
     stops every mesh process."""
-    argv = [sys.executable, "-m", "composer_replication.recipes.monarch.train", str(EXAMPLE),
-            "run.name=killed", "diloco.timeout_s=600"]  # fmt: skip
-    proc = subprocess.Popen(argv, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "composer_replication.recipes.monarch.train",
+        str(EXAMPLE),
+        "run.name=killed",
+        "diloco.timeout_s=600",
+    ]
+    proc = subprocess.Popen(
+        argv, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         committed = tmp_path / "runs" / "killed" / "store" / "states" / "global"
         deadline = time.monotonic() + 240

@@ -54,8 +54,9 @@ def test_install_snippet_names_the_extra() -> None:
 
 def test_python_snippet_prints_what_the_doc_shows(openenv_server: str, capsys) -> None:
     (expected,) = blocks("text")
-    exec_doc_block("docs/recipes/openenv.md", "task.check_ready()",
-                   replace={DOC_URL: openenv_server})  # fmt: skip
+    exec_doc_block(
+        "docs/recipes/openenv.md", "task.check_ready()", replace={DOC_URL: openenv_server}
+    )
     assert capsys.readouterr().out == expected
 
 

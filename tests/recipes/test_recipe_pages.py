@@ -11,9 +11,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = sorted((ROOT / "docs" / "recipes").glob("*.md"))
 PARTS = [
-    "What it is", "Install", "Minimal example", "Config keys", "How the channels map", "Limits",
+    "What it is",
+    "Install",
+    "Minimal example",
+    "Config keys",
+    "How the channels map",
+    "Limits",
     "Troubleshooting",
-]  # fmt: skip
+]
 
 
 def test_the_seeds_recipes_all_have_a_page() -> None:

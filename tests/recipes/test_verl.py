@@ -200,13 +200,26 @@ def test_channel2_sampled_token_reverse_kl():
     rows = torch.tensor([True, False, True, True, False, True])
     cfg = actor_config()
     loss, metrics = fn(
-        old, lp, adv, mask, "token-mean", cfg, None,
-        sdpo_teacher_log_prob=teacher, sdpo_sample_mask=rows, alpha_sdpo=0.5,
-    )  # fmt: skip
+        old,
+        lp,
+        adv,
+        mask,
+        "token-mean",
+        cfg,
+        None,
+        sdpo_teacher_log_prob=teacher,
+        sdpo_sample_mask=rows,
+        alpha_sdpo=0.5,
+    )
     base, _ = combine(
-        per_token_logps=lp, completion_mask=mask, advantages=adv, old_per_token_logps=old,
-        loss_type="dapo", alpha_sdpo=0.0, beta_replay=0.0,
-    )  # fmt: skip
+        per_token_logps=lp,
+        completion_mask=mask,
+        advantages=adv,
+        old_per_token_logps=old,
+        loss_type="dapo",
+        alpha_sdpo=0.0,
+        beta_replay=0.0,
+    )
     # hand-written: clipped surrogate with A = sg(teacher - lp) on selected tokens, / all tokens
     sel = mask.bool() & rows[:, None]
     a = (teacher - lp).detach()
@@ -221,9 +234,16 @@ def test_channel2_sampled_token_reverse_kl():
     assert metrics["composer/sdpo/frac_samples"] == pytest.approx(4 / 6, rel=2 * U32, abs=0)
     # On-policy the channel's value is the sampled reverse-KL estimate mean(lp - teacher).
     loss_on, _ = fn(
-        lp.detach(), lp, torch.zeros(B, T, dtype=torch.float64), mask, "token-mean", cfg, None,
-        sdpo_teacher_log_prob=teacher, alpha_sdpo=1.0,
-    )  # fmt: skip
+        lp.detach(),
+        lp,
+        torch.zeros(B, T, dtype=torch.float64),
+        mask,
+        "token-mean",
+        cfg,
+        None,
+        sdpo_teacher_log_prob=teacher,
+        alpha_sdpo=1.0,
+    )
     kl = torch.where(mask.bool(), lp - teacher, 0.0).sum() / mask.sum()
     assert_loss_close(loss_on, kl, torch.zeros(1))  # no advantage: terms |lp - teacher| ~ 1
 
@@ -246,9 +266,17 @@ def test_channel3_pairs_of_rows_match_combine(variant):
     old, lp, adv, mask = rollout_tensors(2)
     batch = pair_batch()
     loss, metrics = fn(
-        old, lp, adv, mask, "token-mean", actor_config(), None,
-        beta_replay=0.5, dpo_variant=variant, **batch,
-    )  # fmt: skip
+        old,
+        lp,
+        adv,
+        mask,
+        "token-mean",
+        actor_config(),
+        None,
+        beta_replay=0.5,
+        dpo_variant=variant,
+        **batch,
+    )
     seq = (lp * mask).sum(-1)
     if variant == "simpo":
         avg = seq / mask.sum(-1)
@@ -262,9 +290,16 @@ def test_channel3_pairs_of_rows_match_combine(variant):
             "ref_rejected_logps": ref[[1, 0]],
         }
     expected, exp_metrics = combine(
-        per_token_logps=lp, completion_mask=mask, advantages=adv, old_per_token_logps=old,
-        loss_type="dapo", alpha_sdpo=0.0, beta_replay=0.5, dpo_variant=variant, **pairs,
-    )  # fmt: skip
+        per_token_logps=lp,
+        completion_mask=mask,
+        advantages=adv,
+        old_per_token_logps=old,
+        loss_type="dapo",
+        alpha_sdpo=0.0,
+        beta_replay=0.5,
+        dpo_variant=variant,
+        **pairs,
+    )
     assert_loss_close(loss, expected, adv)
     assert_close(grad_of(loss, lp), grad_of(expected, lp), n=N64, u=U64)
     assert metrics["composer/replay/pairs"] == 2.0
@@ -290,9 +325,17 @@ def test_verls_ppo_loss_drives_the_composer_loss_through_the_bridge():
 
     lp_view = flat.view(B, P + T)[:, P - 1 : P + T - 1]
     direct, _ = recipe.composer_policy_loss(
-        old.float(), lp_view, adv.float(), mask, "token-mean", actor_config(), None,
-        sdpo_teacher_log_prob=teacher, **batch, **settings,
-    )  # fmt: skip
+        old.float(),
+        lp_view,
+        adv.float(),
+        mask,
+        "token-mean",
+        actor_config(),
+        None,
+        sdpo_teacher_log_prob=teacher,
+        **batch,
+        **settings,
+    )
     # fp32 here (verl's micro-batch), over the B * (P + T) flattened positions
     assert_loss_close(loss, direct, adv, u=U32)
     assert_close(grad_of(loss, flat), grad_of(direct, flat), n=B * (P + T) + 8)
@@ -430,9 +473,10 @@ def _check_launch_snippet(launch):
     import ast
 
     call = next(
-        n for n in ast.walk(ast.parse(launch))
+        n
+        for n in ast.walk(ast.parse(launch))
         if isinstance(n, ast.Call) and getattr(n.func, "attr", "") == "launch_replicas"
-    )  # fmt: skip
+    )
     kw = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
     assert kw["entrypoint"] == "verl.trainer.main_ppo"
     assert kw["entrypoint_args"] == {
@@ -469,8 +513,11 @@ def test_docs_python_snippets_run(capsys):
 
     with initialize_config_dir(config_dir=str(ROOT / "examples" / "verl"), version_base=None):
         config = compose(config_name="composer_grpo")
-    exec_doc_block("docs/recipes/verl.md", "trainer.actor_rollout_wg.set_loss_fn(",
-                   {"trainer": Trainer(), "config": config})  # fmt: skip
+    exec_doc_block(
+        "docs/recipes/verl.md",
+        "trainer.actor_rollout_wg.set_loss_fn(",
+        {"trainer": Trainer(), "config": config},
+    )
     (loss_fn,) = installed
 
     old, lp, adv, mask = rollout_tensors(6)

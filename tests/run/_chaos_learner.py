@@ -45,9 +45,17 @@ def main() -> None:
     model = Blocks(seed=100 + rank, width=a.width)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     learner = DecoupledLearner(
-        store, learner=rank, n_learners=a.n, sync_every_h=a.h, num_fragments=a.p, model=model,
-        inner_optimizer=opt, poll_interval_s=0.05, drain_timeout_s=180, heartbeat_every_s=0.5,
-    )  # fmt: skip
+        store,
+        learner=rank,
+        n_learners=a.n,
+        sync_every_h=a.h,
+        num_fragments=a.p,
+        model=model,
+        inner_optimizer=opt,
+        poll_interval_s=0.05,
+        drain_timeout_s=180,
+        heartbeat_every_s=0.5,
+    )
     with open(out / f"learner{rank}-starts.jsonl", "a") as f:
         f.write(
             json.dumps(

@@ -40,11 +40,17 @@ def _run_config(n: int, steps: int, h: int, p: int, quorum: int) -> RunConfig:
     return RunConfig(
         train=TrainConfig(max_steps=steps),
         model=ModelConfig(num_layers=p),  # the toy learner has one block per fragment
-        diloco=DilocoConfig(sync_every_h=h, mode="decoupled", fragments=p, quorum=quorum,
-                            lease_ttl_s=2.0, late="carry"),
+        diloco=DilocoConfig(
+            sync_every_h=h,
+            mode="decoupled",
+            fragments=p,
+            quorum=quorum,
+            lease_ttl_s=2.0,
+            late="carry",
+        ),
         backend=BackendConfig(n_replicas=n),
         store=StoreConfig(keep_rounds=10_000),
-    )  # fmt: skip
+    )
 
 
 def run_chaos(
@@ -71,23 +77,54 @@ def run_chaos(
     if proxy is not None:
         learner_options["endpoint_url"] = proxy.endpoint
     env = {"PYTHONPATH": ROOT, "COMPOSER_STORAGE_OPTIONS": json.dumps(learner_options)}
-    args = ["--uri", uri, "--storage-options", json.dumps(learner_options), "--n", n,
-            "--steps", steps, "--h", h, "--p", p, "--width", width, "--step-s", step_s,
-            "--out", out]  # fmt: skip
+    args = [
+        "--uri",
+        uri,
+        "--storage-options",
+        json.dumps(learner_options),
+        "--n",
+        n,
+        "--steps",
+        steps,
+        "--h",
+        h,
+        "--p",
+        p,
+        "--width",
+        width,
+        "--step-s",
+        step_s,
+        "--out",
+        out,
+    ]
     # the schedule starts once every learner trains (has pushed at least once)
     result = run_local(
-        n=n, entrypoint=WORKER, args=args, env=env, store=store, events=events,
-        log_dir=tmp / "logs", synchronizer=True, proxy=proxy, timeout_s=480,
+        n=n,
+        entrypoint=WORKER,
+        args=args,
+        env=env,
+        store=store,
+        events=events,
+        log_dir=tmp / "logs",
+        synchronizer=True,
+        proxy=proxy,
+        timeout_s=480,
         ready=lambda: all(store.exists(f"decoupled/learners/{r:05d}.json") for r in range(n)),
-    )  # fmt: skip
+    )
     assert result.exit_codes == [0] * n, result.logs
     assert result.synchronizer_exit == 0, result.logs
     reports = {r: json.loads((out / f"learner{r}.json").read_text()) for r in range(n)}
     kills = [e for e in result.log if e["action"] == "kill"]
     check = check_decoupled_run(store, reports, kills)
     final = store.get_json("decoupled/final.json")
-    return {"check": check, "log": result.log, "reports": reports, "final": final,
-            "restarts": result.restarts, "sync_restarts": result.synchronizer_restarts}  # fmt: skip
+    return {
+        "check": check,
+        "log": result.log,
+        "reports": reports,
+        "final": final,
+        "restarts": result.restarts,
+        "sync_restarts": result.synchronizer_restarts,
+    }
 
 
 def _entries(result: dict, action: str) -> list[dict]:
@@ -188,8 +225,15 @@ def test_throttled_store_and_kill_mid_upload_through_the_proxy(
         ChaosEventConfig(at_s=1.0, action="kill", target="0", during="upload"),
     ]
     try:
-        r = run_chaos(tmp_path, f"s3://{bucket}/chaos-{uuid.uuid4().hex}", dict(options), events,
-                      width=256, steps=120, proxy=proxy)  # fmt: skip
+        r = run_chaos(
+            tmp_path,
+            f"s3://{bucket}/chaos-{uuid.uuid4().hex}",
+            dict(options),
+            events,
+            width=256,
+            steps=120,
+            proxy=proxy,
+        )
     finally:
         proxy.close()
     assert r["check"]["ok"], r["check"]
@@ -206,8 +250,18 @@ def test_a_corrupted_push_no_longer_decodes(tmp_path: Path) -> None:
 
     store = ObjectStore(str(tmp_path / "s"))
     docs = DecoupledStore(store)
-    pid, _ = docs.push({"w": torch.randn(1000)}, fragment=0, base=0, learner=0, seq=0, steps=1,
-                       tokens=None, steps_since_push=1, step_seconds=0.1, learner_step=1)  # fmt: skip
+    pid, _ = docs.push(
+        {"w": torch.randn(1000)},
+        fragment=0,
+        base=0,
+        learner=0,
+        seq=0,
+        steps=1,
+        tokens=None,
+        steps_since_push=1,
+        step_seconds=0.1,
+        learner_step=1,
+    )
     assert corrupt_object(store, pid.key)
     got, _ = docs.fetch_push(pid, {"w": ([1000], "float32")})
     assert isinstance(got, str) and "checksum mismatch" in got
@@ -216,8 +270,11 @@ def test_a_corrupted_push_no_longer_decodes(tmp_path: Path) -> None:
 
 def test_the_harness_refuses_throttle_without_a_proxy(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="ThrottleProxy"):
-        ChaosInjector([ChaosEventConfig(action="throttle", duration_s=1)], None,  # type: ignore[arg-type]
-                      ObjectStore(str(tmp_path)))  # fmt: skip
+        ChaosInjector(
+            [ChaosEventConfig(action="throttle", duration_s=1)],
+            None,  # type: ignore[arg-type]
+            ObjectStore(str(tmp_path)),
+        )
 
 
 def test_chaos_configuration_is_checked() -> None:

@@ -40,26 +40,38 @@ N, STEPS, P = 3, 48, 4
 def _learner(uri: str, rank: int, out: dict[int, Any]) -> None:
     model = Blocks(seed=100 + rank)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    learner = DecoupledLearner(ObjectStore(uri), learner=rank, n_learners=N, sync_every_h=8,
-                               num_fragments=P, model=model, inner_optimizer=opt,
-                               poll_interval_s=0.02, drain_timeout_s=60)  # fmt: skip
+    learner = DecoupledLearner(
+        ObjectStore(uri),
+        learner=rank,
+        n_learners=N,
+        sync_every_h=8,
+        num_fragments=P,
+        model=model,
+        inner_optimizer=opt,
+        poll_interval_s=0.02,
+        drain_timeout_s=60,
+    )
     starts = [list(learner.start_versions)]
     with learner:
         for t in range(learner.start_step, STEPS):
             train_step(model, opt, rank, t)
     learner.load_global_weights()
-    out[rank] = {"final_versions": learner.final_versions,
-                 "digest": tensors_digest(learner.global_parameters()),
-                 "loaded": dict(learner.loaded), "starts": starts,
-                 "written": list(learner.written)}  # fmt: skip
+    out[rank] = {
+        "final_versions": learner.final_versions,
+        "digest": tensors_digest(learner.global_parameters()),
+        "loaded": dict(learner.loaded),
+        "starts": starts,
+        "written": list(learner.written),
+    }
 
 
 @pytest.fixture(scope="module")
 def clean_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, Any]]:
     root = tmp_path_factory.mktemp("clean") / "store"
     uri = str(root)
-    cfg = SynchronizerConfig(quorum=2, keep_rounds=1000, poll_interval_s=0.02, lease_ttl_s=2.0,
-                             max_steps=STEPS)  # fmt: skip
+    cfg = SynchronizerConfig(
+        quorum=2, keep_rounds=1000, poll_interval_s=0.02, lease_ttl_s=2.0, max_steps=STEPS
+    )
     sync = Synchronizer(ObjectStore(uri), cfg)
     st = threading.Thread(target=sync.run)
     st.start()
@@ -199,8 +211,9 @@ def test_the_synchronizer_records_a_refused_push(tmp_path: Path) -> None:
     """A corrupt push is refused by the real synchronizer, which records why in the store: the
     checker then counts it as refused, not as silently ignored."""
     uri = str(tmp_path / "store")
-    cfg = SynchronizerConfig(quorum=1, keep_rounds=1000, poll_interval_s=0.02, lease_ttl_s=2.0,
-                             max_steps=16)  # fmt: skip
+    cfg = SynchronizerConfig(
+        quorum=1, keep_rounds=1000, poll_interval_s=0.02, lease_ttl_s=2.0, max_steps=16
+    )
     store = ObjectStore(uri)
     sync = Synchronizer(store, cfg)
     st = threading.Thread(target=sync.run)
@@ -208,9 +221,17 @@ def test_the_synchronizer_records_a_refused_push(tmp_path: Path) -> None:
     reports: dict[int, Any] = {}
     model = Blocks(seed=5)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    learner = DecoupledLearner(store, learner=0, n_learners=1, sync_every_h=8, num_fragments=P,
-                               model=model, inner_optimizer=opt, poll_interval_s=0.02,
-                               drain_timeout_s=60)  # fmt: skip
+    learner = DecoupledLearner(
+        store,
+        learner=0,
+        n_learners=1,
+        sync_every_h=8,
+        num_fragments=P,
+        model=model,
+        inner_optimizer=opt,
+        poll_interval_s=0.02,
+        drain_timeout_s=60,
+    )
     with learner:
         for t in range(16):
             if t == 4:  # a garbage push of fragment 0 at base 0, before the run ends
@@ -222,9 +243,12 @@ def test_the_synchronizer_records_a_refused_push(tmp_path: Path) -> None:
     assert sync.finished and sync.stats.refused >= 1
     refusals = DecoupledStore(store).read_refusals()
     assert bad.name in refusals and refusals[bad.name]
-    reports[0] = {"final_versions": learner.final_versions,
-                  "digest": tensors_digest(learner.global_parameters()),
-                  "loaded": dict(learner.loaded), "starts": [[0] * P],
-                  "written": [*learner.written, bad.name]}  # fmt: skip
+    reports[0] = {
+        "final_versions": learner.final_versions,
+        "digest": tensors_digest(learner.global_parameters()),
+        "loaded": dict(learner.loaded),
+        "starts": [[0] * P],
+        "written": [*learner.written, bad.name],
+    }
     check = check_decoupled_run(store, reports, [])
     assert check["ok"], check["problems"]

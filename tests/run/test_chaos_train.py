@@ -39,8 +39,17 @@ def test_decoupled_train_with_a_killed_replica_and_synchronizer(
     )  # early enough that a fast machine is still training (it once finished before 8 s)
     config = load_config(chaos, [*SMALL, "train.max_steps=120", "diloco.sync_every_h=4"])
     assert config.diloco.mode == "decoupled" and len(config.chaos.events) == 2
-    code = main(["train", str(chaos), *SMALL, "train.max_steps=120", "diloco.sync_every_h=4",
-                 "--name", "dd"])  # fmt: skip
+    code = main(
+        [
+            "train",
+            str(chaos),
+            *SMALL,
+            "train.max_steps=120",
+            "diloco.sync_every_h=4",
+            "--name",
+            "dd",
+        ]
+    )
     out = capsys.readouterr().out
     logs = "\n".join(p.read_text()[-3000:] for p in sorted((run / "logs").glob("*.log")))
     assert code == 0, out + logs
@@ -76,18 +85,28 @@ def test_decoupled_train_with_a_killed_replica_and_synchronizer(
 
 @pytest.mark.server
 def test_decoupled_train_through_s3_with_a_throttled_store_and_a_stopped_replica(
-    seaweedfs_server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    seaweedfs_server,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture,  # noqa: ANN001
-) -> None:  # fmt: skip
+) -> None:
     import uuid
 
     _, bucket, options = seaweedfs_server
     monkeypatch.chdir(tmp_path)
     inner = ", ".join(f"{k} = {json.dumps(v)}" for k, v in options.items())
-    args = [*SMALL, "train.max_steps=60", "diloco.sync_every_h=4", "logging.tensorboard=false",
-            f"store.uri=s3://{bucket}/{uuid.uuid4().hex}/", f"store.storage_options={{{inner}}}",
-            "chaos.events=[{action='throttle', at_s=2.0, duration_s=4.0, rate_bytes_s=50000.0},"
-            " {action='stop', target='0', at_s=3.0, duration_s=3.0}]", "--name", "dds3"]  # fmt: skip
+    args = [
+        *SMALL,
+        "train.max_steps=60",
+        "diloco.sync_every_h=4",
+        "logging.tensorboard=false",
+        f"store.uri=s3://{bucket}/{uuid.uuid4().hex}/",
+        f"store.storage_options={{{inner}}}",
+        "chaos.events=[{action='throttle', at_s=2.0, duration_s=4.0, rate_bytes_s=50000.0},"
+        " {action='stop', target='0', at_s=3.0, duration_s=3.0}]",
+        "--name",
+        "dds3",
+    ]
     code = main(["train", *args])
     out = capsys.readouterr().out
     run = tmp_path / "runs" / "dds3"

@@ -47,9 +47,13 @@ def test_sigkill_everything_then_resume_continues_each_learner_from_its_last_pus
     run = tmp_path / "runs" / "killed"
     proc = subprocess.Popen(
         [sys.executable, "-m", "composer_replication", "train", *ARGS, "--name", "killed"],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True,
-    )  # fmt: skip
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 400
         while True:

@@ -32,9 +32,11 @@ FORGER = Path(__file__).with_name("_decoupled_forger.py")
 
 
 def test_signed_decoupled_run_refuses_forged_and_replayed_objects_on_s3(
-    seaweedfs_server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    seaweedfs_server,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture,  # noqa: ANN001
-) -> None:  # fmt: skip
+) -> None:
     _, bucket, options = seaweedfs_server
     monkeypatch.chdir(tmp_path)
     uri = f"s3://{bucket}/{uuid.uuid4().hex}/"
@@ -46,9 +48,20 @@ def test_signed_decoupled_run_refuses_forged_and_replayed_objects_on_s3(
         stderr=subprocess.STDOUT,
     )
     try:
-        code = main(["train", *SMALL, "train.max_steps=80", "diloco.sync_every_h=4",
-                     "security.sign=true", "logging.tensorboard=false", f"store.uri={uri}",
-                     f"store.storage_options={{{inner}}}", "--name", "signed"])  # fmt: skip
+        code = main(
+            [
+                "train",
+                *SMALL,
+                "train.max_steps=80",
+                "diloco.sync_every_h=4",
+                "security.sign=true",
+                "logging.tensorboard=false",
+                f"store.uri={uri}",
+                f"store.storage_options={{{inner}}}",
+                "--name",
+                "signed",
+            ]
+        )
         forger_out = forger.communicate(timeout=120)[0].decode()
     finally:
         if forger.poll() is None:

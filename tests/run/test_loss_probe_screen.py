@@ -43,16 +43,22 @@ def one_torch_thread():  # type: ignore[no-untyped-def]
 
 
 def _chat_ids(tok: Any, prompt: str) -> list[int]:
-    text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                   add_generation_prompt=True)  # fmt: skip
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+    )
     return list(tok(text, add_special_tokens=False)["input_ids"])
 
 
 def _sft(model: Any, tok: Any, task: Any, examples: list[Any], steps: int, lr: float) -> None:
     """A few AdamW steps on the oracle answers of `examples` (one padded batch, loss on the
     answer tokens)."""
-    rows = [(_chat_ids(tok, ex.prompt), list(tok(task.oracle(ex), add_special_tokens=False)
-                                             ["input_ids"])) for ex in examples]  # fmt: skip
+    rows = [
+        (
+            _chat_ids(tok, ex.prompt),
+            list(tok(task.oracle(ex), add_special_tokens=False)["input_ids"]),
+        )
+        for ex in examples
+    ]
     width = max(len(p) + len(a) for p, a in rows)
     ids = torch.full((len(rows), width), tok.pad_token_id)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
@@ -70,8 +76,9 @@ def _sft(model: Any, tok: Any, task: Any, examples: list[Any], steps: int, lr: f
 
 
 @torch.no_grad()
-def reference_loss(model: Any, tok: Any, task: Any, weights: dict[str, torch.Tensor],
-                   examples: list[Any]) -> float:  # fmt: skip
+def reference_loss(
+    model: Any, tok: Any, task: Any, weights: dict[str, torch.Tensor], examples: list[Any]
+) -> float:
     """Mean NLL per answer token of the reference answers, the model holding `weights`."""
     m = copy.deepcopy(model)
     m.load_state_dict({**m.state_dict(), **weights})
@@ -91,8 +98,14 @@ def reference_loss(model: Any, tok: Any, task: Any, weights: dict[str, torch.Ten
 def test_the_real_loss_probe_refuses_a_harmful_contribution_through_the_exchange(
     tmp_path: Path,
 ) -> None:
-    config = load_config(overrides=["diloco.screen=loss", f"backend.n_replicas={N}",
-                                    f"diloco.min_replicas={N - 1}", "diloco.screen_examples=32"])  # fmt: skip
+    config = load_config(
+        overrides=[
+            "diloco.screen=loss",
+            f"backend.n_replicas={N}",
+            f"diloco.min_replicas={N - 1}",
+            "diloco.screen_examples=32",
+        ]
+    )
     task = build_task(config)
     model, tok = build_model(config)
     train = task.train_examples()
@@ -104,8 +117,9 @@ def test_the_real_loss_probe_refuses_a_harmful_contribution_through_the_exchange
         local = copy.deepcopy(model)
         _sft(local, tok, task, train[64 * r : 64 * (r + 1)], steps=5, lr=1e-3)
         local_w = dict(local.named_parameters())
-        honest.append({f"p{i:06d}": (global_w[n] - local_w[n].detach()).clone()
-                       for i, n in enumerate(names)})  # fmt: skip
+        honest.append(
+            {f"p{i:06d}": (global_w[n] - local_w[n].detach()).clone() for i, n in enumerate(names)}
+        )
     harmful = {k: -3.0 * v for k, v in honest[0].items()}
     payloads = [*honest, harmful]
 
@@ -139,8 +153,16 @@ def test_the_real_loss_probe_refuses_a_harmful_contribution_through_the_exchange
 
     def replica(r: int) -> None:
         own = screening.loss_probe(config, lambda: flat, copy.deepcopy(model), tok, task)
-        ar = ObjectStoreAllReduce(uri, N, r, timeout_s=120, poll_interval_s=0.01,
-                                  min_replicas=N - 1, aggregate=policy, loss_probe=own)  # fmt: skip
+        ar = ObjectStoreAllReduce(
+            uri,
+            N,
+            r,
+            timeout_s=120,
+            poll_interval_s=0.01,
+            min_replicas=N - 1,
+            aggregate=policy,
+            loss_probe=own,
+        )
         try:
             out[r] = (ar.allreduce(payloads[r], step=1), ar.last_result)
         except Exception as e:  # noqa: BLE001 - reported by the assertion below

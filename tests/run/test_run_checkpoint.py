@@ -28,8 +28,15 @@ def test_checkpoint_round_trip_prune_and_mirror(tmp_path: Path) -> None:
     momentum = {"w": torch.arange(6.0).reshape(2, 3)}
     outer = {"fragment_0": {"outer_optimizer": {"state": {0: momentum}, "lr": 0.7}}}
     for rnd in (1, 2, 3):
-        save_checkpoint(store, name=f"round-{rnd:06d}", model=model, tokenizer=tok, round=rnd,
-                        step=rnd * 10, outer_state=outer)  # fmt: skip
+        save_checkpoint(
+            store,
+            name=f"round-{rnd:06d}",
+            model=model,
+            tokenizer=tok,
+            round=rnd,
+            step=rnd * 10,
+            outer_state=outer,
+        )
     # an uncommitted (half-written) checkpoint is ignored
     store.put("checkpoints/round-000004/model.safetensors", b"partial")
     assert [n for n, _ in committed_checkpoints(store)] == [
@@ -90,8 +97,9 @@ def test_mirror_survives_a_round_pruned_while_it_copies(tmp_path: Path) -> None:
         def get_file(self, key: str, local_file: str | Path) -> None:  # type: ignore[override]
             if not self.interleaved:
                 self.interleaved = True
-                save_checkpoint(self, name="round-000002", model=model, tokenizer=tok,
-                                round=2, step=2)  # fmt: skip
+                save_checkpoint(
+                    self, name="round-000002", model=model, tokenizer=tok, round=2, step=2
+                )
                 prune_checkpoints(self, keep_last=1)
             super().get_file(key, local_file)
 

@@ -59,18 +59,22 @@ def test_checkpoint_loads_back_as_the_model_and_tokenizer_that_wrote_it(tmp_path
         )
         assert loaded_tok(chat).input_ids == tok(chat).input_ids
     expected = greedy_completions(model, tok, prompts, max_new_tokens=NEW_TOKENS)
-    assert greedy_completions(loaded_model, loaded_tok, prompts,
-                              max_new_tokens=NEW_TOKENS) == expected  # fmt: skip
+    assert (
+        greedy_completions(loaded_model, loaded_tok, prompts, max_new_tokens=NEW_TOKENS) == expected
+    )
     reference = evaluate(model, tok, task, examples, max_new_tokens=NEW_TOKENS)
-    assert evaluate(loaded_model, loaded_tok, task, examples,
-                    max_new_tokens=NEW_TOKENS) == reference  # fmt: skip
+    assert (
+        evaluate(loaded_model, loaded_tok, task, examples, max_new_tokens=NEW_TOKENS) == reference
+    )
 
     # The project loads the folder the same way (`train model.name=<checkpoint>`).
-    again_model, again_tok = build_model(load_config(overrides=[*OVERRIDES,
-                                                                f"model.name={folder}"]))  # fmt: skip
+    again_model, again_tok = build_model(
+        load_config(overrides=[*OVERRIDES, f"model.name={folder}"])
+    )
     assert type(again_tok) is type(tok) and again_tok.get_vocab() == tok.get_vocab()
-    assert greedy_completions(again_model, again_tok, prompts,
-                              max_new_tokens=NEW_TOKENS) == expected  # fmt: skip
+    assert (
+        greedy_completions(again_model, again_tok, prompts, max_new_tokens=NEW_TOKENS) == expected
+    )
 
 
 def _old_char_tokenizer() -> object:
@@ -85,8 +89,12 @@ def _old_char_tokenizer() -> object:
     backend.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
     backend.decoder = decoders.Fuse()
     backend.add_special_tokens(specials)
-    return PreTrainedTokenizerFast(tokenizer_object=backend, padding_side="left",
-                                   extra_special_tokens=["<|im_end|>"], **SPECIAL_TOKENS)  # fmt: skip
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        padding_side="left",
+        extra_special_tokens=["<|im_end|>"],
+        **SPECIAL_TOKENS,
+    )
 
 
 def test_a_checkpoint_saved_before_the_fix_loads_with_its_own_tokenizer(
@@ -131,8 +139,13 @@ def test_train_from_a_checkpoint_starts_with_the_evaluation_of_the_checkpoint(
     model, tok = build_model(config)
     task = build_task(config)
     n_eval = min(config.train.eval_max_examples, config.task.n_eval)
-    reference = evaluate(model, tok, task, task.eval_examples()[:n_eval],
-                         max_new_tokens=config.train.max_completion_length)  # fmt: skip
+    reference = evaluate(
+        model,
+        tok,
+        task,
+        task.eval_examples()[:n_eval],
+        max_new_tokens=config.train.max_completion_length,
+    )
     folder = _checkpoint(tmp_path, model, tok)
 
     monkeypatch.chdir(tmp_path)

@@ -28,9 +28,15 @@ def _prompts_seen(config, rank: int, batches: int) -> set[str]:  # type: ignore[
     model, tok = build_model(config)
     with tempfile.TemporaryDirectory() as scratch:
         trainer = build_trainer(
-            config, model=model, tokenizer=tok, task=task, max_steps=batches,
-            seed=config.run.seed + 1000 * rank, output_dir=scratch, rank=rank,
-        )  # fmt: skip
+            config,
+            model=model,
+            tokenizer=tok,
+            task=task,
+            max_steps=batches,
+            seed=config.run.seed + 1000 * rank,
+            output_dir=scratch,
+            rank=rank,
+        )
         seen: set[str] = set()
         for i, batch in enumerate(trainer.get_train_dataloader()):
             if i == batches:

@@ -28,8 +28,9 @@ def test_two_replicas_launched_directly_train_one_model(tmp_path: Path) -> None:
     uri = (tmp_path / "store").as_uri()
     ex = LocalProcessExecutor(log_dir=tmp_path / "logs")
     args = ["--rendezvous", uri, *OVERRIDES]
-    handles = ex.launch_replicas(2, "composer_replication.run.replica", args,
-                                 env={"WORLD_SIZE": "2"})  # fmt: skip
+    handles = ex.launch_replicas(
+        2, "composer_replication.run.replica", args, env={"WORLD_SIZE": "2"}
+    )
     done = ex.collect(handles, timeout=600)
     logs = "\n".join(ex.logs(h, tail=30) for h in done)
     assert [h.exit_code for h in done] == [0, 0], logs
@@ -47,8 +48,11 @@ def test_two_replicas_launched_directly_train_one_model(tmp_path: Path) -> None:
         for line in bytes(store.get(f"{chunk_dir(rank)}/{name}")).decode().splitlines()
         if line.strip()
     ]
-    digests = {r["replica"]: r["sha256"] for r in records
-               if r["kind"] == "event" and r.get("event") == "global_weights"}  # fmt: skip
+    digests = {
+        r["replica"]: r["sha256"]
+        for r in records
+        if r["kind"] == "event" and r.get("event") == "global_weights"
+    }
     assert sorted(digests) == [0, 1] and len(set(digests.values())) == 1
 
 
@@ -57,9 +61,19 @@ def test_a_bad_override_is_exit_2_naming_the_key(tmp_path: Path) -> None:
     import sys
 
     proc = subprocess.run(
-        [sys.executable, "-m", "composer_replication.run.replica", "--rank", "0",
-         "--rendezvous", (tmp_path / "s").as_uri(), "train.max_step=3"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "composer_replication.run.replica",
+            "--rank",
+            "0",
+            "--rendezvous",
+            (tmp_path / "s").as_uri(),
+            "train.max_step=3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "train.max_step: unknown key" in proc.stderr and "Traceback" not in proc.stderr

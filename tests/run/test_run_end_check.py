@@ -47,8 +47,15 @@ def test_sync_the_last_committed_round_must_be_the_runs_last(tmp_path: Path) -> 
 
 
 def test_decoupled_every_final_merge_must_be_on_record(tmp_path: Path) -> None:
-    config = load_config(None, ["diloco.mode=decoupled", "diloco.fragments=2",
-                                "train.max_steps=16", "diloco.sync_every_h=4"])  # fmt: skip
+    config = load_config(
+        None,
+        [
+            "diloco.mode=decoupled",
+            "diloco.fragments=2",
+            "train.max_steps=16",
+            "diloco.sync_every_h=4",
+        ],
+    )
     mode = outer_loop_mode(config.diloco)
     store = ObjectStore(str(tmp_path / "store"))
     docs = DecoupledStore(store)

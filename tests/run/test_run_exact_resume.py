@@ -86,9 +86,12 @@ def test_sigkill_everything_mid_round_then_resume_gives_the_same_weights(
     run = tmp_path / "runs" / "killed"
     proc = subprocess.Popen(
         [sys.executable, "-m", "composer_replication", "train", *ARGS, "--name", "killed"],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )  # fmt: skip
+    )
     try:
         deadline = time.monotonic() + 240
         while max(_global_rounds(run), default=-1) < 2:

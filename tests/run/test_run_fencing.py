@@ -42,12 +42,19 @@ def _latest_state(states: Path) -> int:
 
 
 @pytest.mark.parametrize("die_with_driver", [True, False])
-def test_a_crashed_driver_is_resumed_with_one_writer_per_rank(tmp_path: Path,
-                                                              die_with_driver: bool) -> None:  # fmt: skip
+def test_a_crashed_driver_is_resumed_with_one_writer_per_rank(
+    tmp_path: Path, die_with_driver: bool
+) -> None:
     run = tmp_path / "runs" / "crash"
     extra = [] if die_with_driver else ["backend.options={die_with_driver=false}"]
-    proc = subprocess.Popen([*CLI, *SMALL, *extra, "--name", "crash"], cwd=tmp_path, env=ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [*CLI, *SMALL, *extra, "--name", "crash"],
+        cwd=tmp_path,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 240
         while _latest_state(run / "store" / "states" / "global") < 2:
@@ -57,11 +64,20 @@ def test_a_crashed_driver_is_resumed_with_one_writer_per_rank(tmp_path: Path,
         proc.kill()  # kill -9: no handler, no cancel, no atexit
     finally:
         first_output = proc.communicate()[0]
-    old = {r: json.loads((run / "store" / "health" / "replica" / f"{r}.json").read_text())["pid"]
-           for r in (0, 1)}  # fmt: skip
+    old = {
+        r: json.loads((run / "store" / "health" / "replica" / f"{r}.json").read_text())["pid"]
+        for r in (0, 1)
+    }
 
-    resumed = subprocess.run([*CLI, "--resume", "crash"], cwd=tmp_path, env=ENV, text=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=600)  # fmt: skip
+    resumed = subprocess.run(
+        [*CLI, "--resume", "crash"],
+        cwd=tmp_path,
+        env=ENV,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        timeout=600,
+    )
     out = resumed.stdout
     assert resumed.returncode == 0, first_output + out
     assert "Run crash: finished" in out
@@ -121,15 +137,23 @@ def test_resume_refuses_while_a_replica_it_cannot_fence_is_alive(
     folder.create()
     folder.config_json.write_text(json.dumps(to_dict(config)))
     store = str(tmp_path / "runs" / "busy" / "store")
-    beater = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time\n"
-        "from composer_replication.exchange.store import ObjectStore\n"
-        "from composer_replication.exchange.liveness import write_heartbeat\n"
-        "s = ObjectStore(sys.argv[1])\n"
-        "while True:\n"
-        "    write_heartbeat(s, 'replica', 1)\n"
-        "    time.sleep(0.2)\n"
-    ), store], env=ENV)  # fmt: skip
+    beater = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import sys, time\n"
+                "from composer_replication.exchange.store import ObjectStore\n"
+                "from composer_replication.exchange.liveness import write_heartbeat\n"
+                "s = ObjectStore(sys.argv[1])\n"
+                "while True:\n"
+                "    write_heartbeat(s, 'replica', 1)\n"
+                "    time.sleep(0.2)\n"
+            ),
+            store,
+        ],
+        env=ENV,
+    )
     try:
         heartbeat = Path(store) / "health" / "replica" / "1.json"
         deadline = time.monotonic() + 30

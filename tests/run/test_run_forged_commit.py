@@ -86,8 +86,14 @@ class Forger(threading.Thread):
             raw = bucket.get(prefix + names[0])
             assert raw is not None
             c = decode_contribution(raw, step=TARGET, rank=0)
-            record = make_commit(step=TARGET, world_size=2, included=[c], weighting="equal",
-                                 committed_by=0, excluded={})  # fmt: skip
+            record = make_commit(
+                step=TARGET,
+                world_size=2,
+                included=[c],
+                weighting="equal",
+                committed_by=0,
+                excluded={},
+            )
             record["scales"] = {"0": 1000.0}  # the honest update x1000
             self.forged = bucket.put_if_absent(commit_key(TARGET), json.dumps(record).encode())
         except Exception as exc:  # reported by the test

@@ -28,8 +28,14 @@ class _NoRestarts:
 
 
 def _failed(rank: int, error: str) -> ReplicaHandle:
-    return ReplicaHandle(replica_id=rank, backend="local", job_id=f"job-{rank}",
-                         status=ReplicaStatus.FAILED, exit_code=-9, error=error)  # fmt: skip
+    return ReplicaHandle(
+        replica_id=rank,
+        backend="local",
+        job_id=f"job-{rank}",
+        status=ReplicaStatus.FAILED,
+        exit_code=-9,
+        error=error,
+    )
 
 
 def _lost_messages(tmp_path: Path, config: RunConfig) -> list[str]:
@@ -44,8 +50,10 @@ def test_a_lost_replica_with_every_replica_required_says_the_others_cannot_go_on
 ) -> None:
     required = ["backend.n_replicas=2", "diloco.min_replicas=2"]
     (message,) = _lost_messages(tmp_path, load_config(overrides=required))
-    assert message.startswith("replica 1 is lost (exit code -9); the others cannot go on "
-                              "without it: diloco.min_replicas = 2 of 2 replicas")  # fmt: skip
+    assert message.startswith(
+        "replica 1 is lost (exit code -9); the others cannot go on "
+        "without it: diloco.min_replicas = 2 of 2 replicas"
+    )
     assert "without waiting" not in message and "last log lines" not in message
     # below the quorum the others do go on
     config = load_config(overrides=["backend.n_replicas=3", "diloco.min_replicas=2"])
@@ -67,8 +75,12 @@ class _Relauncher:
         return None
 
     def launch_ranks(self, ranks, world_size, entrypoint, args, **kwargs):  # noqa: ANN001, ANN201
-        return [ReplicaHandle(replica_id=r, backend="local", job_id=f"again-{r}",
-                              status=ReplicaStatus.RUNNING) for r in ranks]  # fmt: skip
+        return [
+            ReplicaHandle(
+                replica_id=r, backend="local", job_id=f"again-{r}", status=ReplicaStatus.RUNNING
+            )
+            for r in ranks
+        ]
 
     def launch_replicas(self, *a, **k):  # noqa: ANN002, ANN003, ANN201
         raise NotImplementedError
@@ -94,8 +106,9 @@ def test_the_restart_line_has_no_empty_log_tail() -> None:
     restarter = supervision.Restarter(load_config(), executor, ENTRYPOINT, {}, None)  # type: ignore[arg-type]
     handles = [_failed(0, "exit code -9; last log lines:\n")]
     (message,) = restarter.restart_failed(handles)
-    assert message == "replica 0 failed (exit code -9); restarted (1 of 2), it rejoins from the " \
-        "store"  # fmt: skip
+    assert (
+        message == "replica 0 failed (exit code -9); restarted (1 of 2), it rejoins from the store"
+    )
 
 
 def test_resume_of_a_missing_run_path_names_that_path(
@@ -116,22 +129,34 @@ def test_resume_of_a_missing_run_path_names_that_path(
 @pytest.mark.long
 @pytest.mark.slow
 def test_resume_with_every_global_state_damaged_starts_over(tmp_path: Path) -> None:
-    args = [*TINY_RUN, "logging.tensorboard=false", "logging.report=false",
-            "diloco.sync_every_h=3"]  # fmt: skip
+    args = [*TINY_RUN, "logging.tensorboard=false", "logging.report=false", "diloco.sync_every_h=3"]
     cli = [sys.executable, "-m", "composer_replication", "train"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    first = subprocess.run([*cli, *args, "train.max_steps=6", "--name", "wrecked"], cwd=tmp_path,
-                           capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+    first = subprocess.run(
+        [*cli, *args, "train.max_steps=6", "--name", "wrecked"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert first.returncode == 0, first.stdout + first.stderr
     states = sorted((tmp_path / "runs" / "wrecked" / "store" / "states" / "global").glob("*"))
     assert [p.name for p in states] == [f"{r:010d}.safetensors" for r in range(3)]
     for path in states:  # every global state truncated, the initial weights included
         path.write_bytes(path.read_bytes()[:1000])
-    again = subprocess.run([*cli, "--resume", "wrecked", "train.max_steps=9"], cwd=tmp_path,
-                           capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+    again = subprocess.run(
+        [*cli, "--resume", "wrecked", "train.max_steps=9"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert again.returncode == 0, again.stdout + again.stderr
-    assert "Starting over from outer round 0 (no later round has a usable global state" in \
-        again.stdout  # fmt: skip
+    assert (
+        "Starting over from outer round 0 (no later round has a usable global state" in again.stdout
+    )
     assert "Resuming at outer round 0" not in again.stdout
     for r in (0, 1, 2):
         assert f"global state of round {r} is unusable" in again.stderr

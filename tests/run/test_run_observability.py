@@ -133,8 +133,15 @@ def test_a_start_up_prints_one_starting_line() -> None:
     a line every plain_every_s; a stall repeats its line only every quiet_every_s."""
     now = [0.0]
     out = io.StringIO()
-    progress = Progress("plain", title="t", n_rounds=3, stream=out, plain_every_s=15,
-                        quiet_every_s=120, clock=lambda: now[0])  # fmt: skip
+    progress = Progress(
+        "plain",
+        title="t",
+        n_rounds=3,
+        stream=out,
+        plain_every_s=15,
+        quiet_every_s=120,
+        clock=lambda: now[0],
+    )
     rows = [ReplicaRow(rank=r, state="starting", max_steps=60) for r in (0, 1)]
     for now[0] in range(0, 38):
         progress.update(rows)
@@ -205,8 +212,10 @@ def test_a_run_whose_replicas_have_not_reported_yet_is_starting(tmp_path: Path) 
     folder.update_driver(status="running", started=time.time())
     info = run_status(folder)
     assert info["health"]["state"] == "starting" and info["health"]["level"] == -1
-    assert "health: starting (0 of 2 replicas up; waiting for the first heartbeat of replica " \
-        "0, 1)" in status_text(info)  # fmt: skip
+    assert (
+        "health: starting (0 of 2 replicas up; waiting for the first heartbeat of replica "
+        "0, 1)" in status_text(info)
+    )
     folder.update_driver(started=time.time() - 600)
     assert run_status(folder)["health"]["state"] == "critical"
     records = [
@@ -214,8 +223,11 @@ def test_a_run_whose_replicas_have_not_reported_yet_is_starting(tmp_path: Path) 
         for t, level, state in ((0.0, -1, "starting"), (20.0, 0, "healthy"), (500.0, 0, "healthy"))
     ]
     assert health_summary(records)["health_seconds"] == {
-        "starting": 20.0, "healthy": 480.0, "degraded": 0.0, "critical": 0.0
-    }  # fmt: skip
+        "starting": 20.0,
+        "healthy": 480.0,
+        "degraded": 0.0,
+        "critical": 0.0,
+    }
 
 
 def test_report_prints_the_headline_numbers_and_labels_the_global_model(

@@ -73,9 +73,12 @@ def test_with_every_replica_required_a_lost_replica_fails_the_run(tmp_path: Path
     args = [*SMALL, "train.max_steps=400", "diloco.min_replicas=2"]
     proc = subprocess.Popen(
         [sys.executable, "-m", "composer_replication", "train", *args, "--name", "strict"],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )  # fmt: skip
+    )
     heartbeat = tmp_path / "runs" / "strict" / "store" / "health" / "replica" / "1.json"
     try:
         deadline = time.monotonic() + 180

@@ -28,8 +28,16 @@ LAST_ROUND = 32 // 4
 
 
 def _run(tmp_path: Path, name: str, extra: list[str], capsys: pytest.CaptureFixture) -> tuple:
-    code = main(["train", *SMALL, *extra,
-                 "chaos.events=[{action='kill', target='1', at_s=0.3}]", "--name", name])  # fmt: skip
+    code = main(
+        [
+            "train",
+            *SMALL,
+            *extra,
+            "chaos.events=[{action='kill', target='1', at_s=0.3}]",
+            "--name",
+            name,
+        ]
+    )
     out = capsys.readouterr().out
     run = tmp_path / "runs" / name
     logs = "\n".join(p.read_text()[-2000:] for p in sorted((run / "logs").glob("*.log")))
@@ -56,8 +64,11 @@ def test_a_killed_replica_is_restarted_and_the_run_finishes(
     records = read_metrics(run / "metrics.jsonl")
     starts = [r for r in records if r["kind"] == "event" and r.get("event") == "start"]
     assert sorted(r["replica"] for r in starts) == [0, 1, 1]  # rank 1 started twice
-    digests = {r["replica"]: r["sha256"] for r in records
-               if r["kind"] == "event" and r.get("event") == "global_weights"}  # fmt: skip
+    digests = {
+        r["replica"]: r["sha256"]
+        for r in records
+        if r["kind"] == "event" and r.get("event") == "global_weights"
+    }
     assert sorted(digests) == [0, 1] and len(set(digests.values())) == 1
     rounds = {(r["replica"], r["round"]) for r in records if r["kind"] == "round"}
     assert {(0, LAST_ROUND), (1, LAST_ROUND)} <= rounds  # both replicas reached the last round
@@ -68,9 +79,11 @@ def test_the_local_executors_own_restart_is_counted_too(
 ) -> None:
     monkeypatch.chdir(tmp_path)
     code, out, run, logs = _run(
-        tmp_path, "norestart", ["backend.max_restarts=0", "backend.options={max_restarts=1}",
-                                "diloco.timeout_s=60"], capsys,
-    )  # fmt: skip
+        tmp_path,
+        "norestart",
+        ["backend.max_restarts=0", "backend.options={max_restarts=1}", "diloco.timeout_s=60"],
+        capsys,
+    )
     # the local executor's own restart (options.max_restarts) still brings it back, counted too
     assert code == 0, out + logs
     driver = json.loads((run / "driver.json").read_text())

@@ -37,12 +37,18 @@ def _state(round: int, seed: int = 0) -> dict:
         "format": 1,
         "global_step": round * H,
         "model": {"w": w, "tied": w},  # shared storage, as tied embeddings
-        "optimizer": {"state": {0: {"step": torch.tensor(float(round * H)),
-                                    "exp_avg": torch.randn(3, 2, generator=g)}},
-                      "param_groups": [{"lr": 0.1, "betas": (0.9, 0.999), "params": [0]}]},
+        "optimizer": {
+            "state": {
+                0: {
+                    "step": torch.tensor(float(round * H)),
+                    "exp_avg": torch.randn(3, 2, generator=g),
+                }
+            },
+            "param_groups": [{"lr": 0.1, "betas": (0.9, 0.999), "params": [0]}],
+        },
         "rng": {"python": [3, list(range(625)), None], "torch": torch.get_rng_state()},
         "taid": {"t": 0.25, "scheduler": {"t": 0.25, "momentum": 0.0, "prev_loss": None}},
-    }  # fmt: skip
+    }
 
 
 @pytest.fixture

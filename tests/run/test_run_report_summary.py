@@ -26,8 +26,17 @@ def test_summary_has_the_interval_and_each_loss_channel() -> None:
     records = []
     for replica in (0, 1):
         for step in range(1, 21):
-            records.append({"kind": "train", "replica": replica, "step": step, "reward": step / 20,
-                            "loss/grpo": -0.01 * step, "loss/sdpo": 0.1, "loss/replay": 2.0 - step / 10})  # fmt: skip
+            records.append(
+                {
+                    "kind": "train",
+                    "replica": replica,
+                    "step": step,
+                    "reward": step / 20,
+                    "loss/grpo": -0.01 * step,
+                    "loss/sdpo": 0.1,
+                    "loss/replay": 2.0 - step / 10,
+                }
+            )
     records += [
         {"kind": "eval", "replica": 0, "step": 0, "eval/accuracy": 0.0, "eval/n": 256.0},
         {"kind": "eval", "replica": 0, "step": 20, "eval/accuracy": 0.5, "eval/n": 100.0},
@@ -52,13 +61,29 @@ def test_one_wall_time_from_the_driver_record() -> None:
 def test_wall_time_adds_up_the_attempts_of_a_resumed_run() -> None:
     """Attempt 1 ran 616.2 s and was killed (its last update is its end), attempt 2 ran 34.8 s:
     the run's wall time is 651.0 s, each attempt shown; a finished attempt is counted once."""
-    killed = {"attempt": 1, "status": "running", "started": 1000.0, "ended": None,
-              "updated": 1616.2}  # fmt: skip
+    killed = {
+        "attempt": 1,
+        "status": "running",
+        "started": 1000.0,
+        "ended": None,
+        "updated": 1616.2,
+    }
     (first,) = closed_attempts(killed)
-    assert first == {"attempt": 1, "started": 1000.0, "ended": 1616.2,
-                     "seconds": pytest.approx(616.2), "status": "running"}  # fmt: skip
-    resumed = {"attempt": 2, "attempts": [first], "status": "finished", "started": 2000.0,
-               "ended": 2034.8, "updated": 2030.0}  # fmt: skip
+    assert first == {
+        "attempt": 1,
+        "started": 1000.0,
+        "ended": 1616.2,
+        "seconds": pytest.approx(616.2),
+        "status": "running",
+    }
+    resumed = {
+        "attempt": 2,
+        "attempts": [first],
+        "status": "finished",
+        "started": 2000.0,
+        "ended": 2034.8,
+        "updated": 2030.0,
+    }
     assert [a["seconds"] for a in closed_attempts(resumed)] == pytest.approx([616.2, 34.8])
     assert run_wall_seconds(resumed) == pytest.approx(651.0)
     assert wall_text(resumed) == "651.0 s over 2 attempts (616.2 + 34.8 s)"
@@ -75,9 +100,16 @@ def test_the_summary_names_the_device_and_dtypes_each_replica_used(tmp_path) -> 
     from composer_replication.run.folder import RunFolder
     from composer_replication.run.report import device_lines
 
-    gpu = {"kind": "event", "event": "device", "device": "cuda:0", "device_name": "NVIDIA H200",
-           "param_dtype": "bfloat16", "autocast": "bfloat16", "gradient_checkpointing": True,
-           "generation": "generate"}  # fmt: skip
+    gpu = {
+        "kind": "event",
+        "event": "device",
+        "device": "cuda:0",
+        "device_name": "NVIDIA H200",
+        "param_dtype": "bfloat16",
+        "autocast": "bfloat16",
+        "gradient_checkpointing": True,
+        "generation": "generate",
+    }
     records = [{**gpu, "replica": r, "time": 1.0} for r in (0, 1)]
     line = (
         "cuda:0 (NVIDIA H200), weights bfloat16, autocast bfloat16, gradient checkpointing on, "
@@ -86,8 +118,16 @@ def test_the_summary_names_the_device_and_dtypes_each_replica_used(tmp_path) -> 
     assert device_lines(records) == [line]
     assert summarize(records)["devices"] == [line]
     # a replica restarted on a CPU: its latest report counts, and the lines name the replicas
-    cpu = {**gpu, "replica": 1, "time": 2.0, "device": "cpu", "device_name": "",
-           "param_dtype": "float32", "autocast": "none", "gradient_checkpointing": False}  # fmt: skip
+    cpu = {
+        **gpu,
+        "replica": 1,
+        "time": 2.0,
+        "device": "cpu",
+        "device_name": "",
+        "param_dtype": "float32",
+        "autocast": "none",
+        "gradient_checkpointing": False,
+    }
     lines = device_lines([*records, cpu])
     assert lines == [
         f"{line} (replica 0)",
@@ -111,28 +151,56 @@ def test_a_replica_reports_its_trainers_device_and_dtypes(tmp_path) -> None:
 
     config = load_config(overrides=["task.n_train=32", "task.n_eval=2", "train.generation=paged"])
     model, tok = build_model(config)
-    trainer = build_trainer(config, model=model, tokenizer=tok, task=build_task(config),
-                            max_steps=1, seed=0, output_dir=str(tmp_path))  # fmt: skip
+    trainer = build_trainer(
+        config,
+        model=model,
+        tokenizer=tok,
+        task=build_task(config),
+        max_steps=1,
+        seed=0,
+        output_dir=str(tmp_path),
+    )
     record = device_record(trainer, config.train.generation)
     if torch.cuda.is_available():
         assert record["device"].startswith("cuda") and record["device_name"]
     else:
-        assert record == {"device": "cpu", "device_name": "", "param_dtype": "float32",
-                          "autocast": "none", "gradient_checkpointing": False,
-                          "generation": "paged"}  # fmt: skip
+        assert record == {
+            "device": "cpu",
+            "device_name": "",
+            "param_dtype": "float32",
+            "autocast": "none",
+            "gradient_checkpointing": False,
+            "generation": "paged",
+        }
 
 
 def test_the_out_of_distribution_row_is_reported_beside_the_held_out_one() -> None:
     records = [
-        {"kind": "eval", "replica": 0, "step": 0, "eval/accuracy": 0.0, "eval/n": 256.0,
-         "eval/ood_accuracy": 0.0, "eval/ood_n": 256.0},
-        {"kind": "eval", "replica": 0, "step": 20, "eval/accuracy": 0.8, "eval/n": 256.0,
-         "eval/ood_accuracy": 0.05, "eval/ood_n": 256.0},
-    ]  # fmt: skip
+        {
+            "kind": "eval",
+            "replica": 0,
+            "step": 0,
+            "eval/accuracy": 0.0,
+            "eval/n": 256.0,
+            "eval/ood_accuracy": 0.0,
+            "eval/ood_n": 256.0,
+        },
+        {
+            "kind": "eval",
+            "replica": 0,
+            "step": 20,
+            "eval/accuracy": 0.8,
+            "eval/n": 256.0,
+            "eval/ood_accuracy": 0.05,
+            "eval/ood_n": 256.0,
+        },
+    ]
     s = summarize(records)
     assert (s["eval_ood_accuracy_first"], s["eval_ood_accuracy_last"], s["eval_ood_n"]) == (
-        0.0, 0.05, 256,
-    )  # fmt: skip
+        0.0,
+        0.05,
+        256,
+    )
     assert s["eval_accuracy_last"] == 0.8  # the held-out row is unchanged by it
     # a task without an out-of-distribution split logs no such keys: no row
     plain = [{k: v for k, v in r.items() if "ood" not in k} for r in records]

@@ -25,8 +25,13 @@ from composer_replication.run.folder import RunFolder
 from composer_replication.run.processes import pid_alive
 from composer_replication.run.status import run_status, status_text
 
-ARGS = [*TINY_RUN, "logging.tensorboard=false", "logging.report=false", "train.max_steps=60",
-        "diloco.sync_every_h=3"]  # fmt: skip
+ARGS = [
+    *TINY_RUN,
+    "logging.tensorboard=false",
+    "logging.report=false",
+    "train.max_steps=60",
+    "diloco.sync_every_h=3",
+]
 
 
 def _children(pid: int) -> list[int]:
@@ -59,9 +64,12 @@ def test_status_after_kill_9_of_the_driver_and_every_replica(
     run = tmp_path / "runs" / "dead"
     proc = subprocess.Popen(
         [sys.executable, "-m", "composer_replication", "train", *ARGS, "--name", "dead"],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )  # fmt: skip
+    )
     try:
         deadline = time.monotonic() + 300
         # the event: both replicas saved their exact state of a round >= 1
@@ -94,9 +102,11 @@ def test_status_after_kill_9_of_the_driver_and_every_replica(
     assert first.startswith("run dead: stopped (driver gone since "), out
     assert f"pid {driver['pid']} on {socket.gethostname()} no longer exists" in first
     resumable = min(max(_resume_saved(run, rank)) for rank in (0, 1))
-    match = re.search(rf"`composer-replication train --resume {run}` would resume at outer "
-                      r"round (\d+) \(the newest round every replica saved its exact state for\)",
-                      out)  # fmt: skip
+    match = re.search(
+        rf"`composer-replication train --resume {run}` would resume at outer "
+        r"round (\d+) \(the newest round every replica saved its exact state for\)",
+        out,
+    )
     assert match is not None, out
     assert 1 <= int(match.group(1)) <= resumable
     assert "still running without a driver" not in out  # the replicas are gone too
@@ -110,13 +120,20 @@ def _driver_elsewhere(tmp_path: Path, updated_ago: float) -> tuple[RunFolder, Ob
     folder = RunFolder.at(tmp_path / "runs" / "remote")
     folder.create()
     store = ObjectStore(str(folder.store))
-    config = {"backend": {"n_replicas": 2, "kind": "k8s"},
-              "store": {"uri": store.uri, "storage_options": {}},
-              "diloco": {"mode": "decoupled"}}  # fmt: skip
+    config = {
+        "backend": {"n_replicas": 2, "kind": "k8s"},
+        "store": {"uri": store.uri, "storage_options": {}},
+        "diloco": {"mode": "decoupled"},
+    }
     folder.config_json.write_text(json.dumps(config))
     now = time.time()
-    folder.update_driver(status="running", pid=4242, host="another-host.example",
-                         started=now - 3600, updated=now - updated_ago)  # fmt: skip
+    folder.update_driver(
+        status="running",
+        pid=4242,
+        host="another-host.example",
+        started=now - 3600,
+        updated=now - updated_ago,
+    )
     return folder, store
 
 
@@ -151,8 +168,10 @@ def test_a_live_driver_of_this_host_reads_running(tmp_path: Path) -> None:
     write_heartbeat(store, REPLICA_ROLE, 0)  # a heartbeat of this host's pid: irrelevant here
     info = run_status(folder)
     assert info["status"] == "stopped"
-    assert info["driver_gone"]["how"] == f"pid {sleeper.pid} on {socket.gethostname()} no " \
-        "longer exists"  # fmt: skip
+    assert (
+        info["driver_gone"]["how"] == f"pid {sleeper.pid} on {socket.gethostname()} no "
+        "longer exists"
+    )
 
 
 def _chunk_steps(run: Path, rank: int) -> set[int]:
@@ -187,9 +206,12 @@ def test_redone_steps_after_kill_9_and_resume_are_marked_in_metrics_jsonl(
     run = tmp_path / "runs" / "redo"
     proc = subprocess.Popen(
         [sys.executable, "-m", "composer_replication", "train", *args, "--name", "redo"],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )  # fmt: skip
+    )
 
     def mid_round() -> bool:
         # both replicas saved round k's state and uploaded step k*h + 1 of the next round

@@ -46,8 +46,17 @@ def test_train_default_end_to_end(
     run = tmp_path / "runs" / "e2e"
     run.mkdir(parents=True)
     (run / "old-junk.txt").write_text("from an earlier run")  # replaced only with --overwrite
-    code = main(["train", *SMALL, "train.max_steps=4", "diloco.sync_every_h=2", "--name", "e2e",
-                 "--overwrite"])  # fmt: skip
+    code = main(
+        [
+            "train",
+            *SMALL,
+            "train.max_steps=4",
+            "diloco.sync_every_h=2",
+            "--name",
+            "e2e",
+            "--overwrite",
+        ]
+    )
     out = capsys.readouterr().out
     assert not (run / "old-junk.txt").exists()
     assert code == 0, out + "\n".join(p.read_text() for p in (run / "logs").glob("*.log"))
@@ -155,13 +164,23 @@ def test_resume_after_kill_continues_from_last_committed_round(
 ) -> None:
     run = tmp_path / "runs" / "killed"
     states = run / "store" / "states" / "global"
-    args = [*SMALL, "train.max_steps=120", "diloco.sync_every_h=4", "train.eval_every_rounds=10",
-            "checkpoint.every_rounds=10", "--name", "killed"]  # fmt: skip
+    args = [
+        *SMALL,
+        "train.max_steps=120",
+        "diloco.sync_every_h=4",
+        "train.eval_every_rounds=10",
+        "checkpoint.every_rounds=10",
+        "--name",
+        "killed",
+    ]
     proc = subprocess.Popen(
         [sys.executable, "-m", "composer_replication", "train", *args],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )  # fmt: skip
+    )
     try:
         _wait_for(lambda: _latest_state(states) >= 2, 240, "round 2", proc)
         proc.send_signal(signal.SIGTERM)  # what `kill` does; the replicas are cancelled

@@ -41,8 +41,9 @@ def test_train_on_ray(
         if mode == "decoupled"
         else []
     )
-    code = main(["train", *SMALL, *extra, "train.max_steps=8", "diloco.sync_every_h=4",
-                 "--name", mode])  # fmt: skip
+    code = main(
+        ["train", *SMALL, *extra, "train.max_steps=8", "diloco.sync_every_h=4", "--name", mode]
+    )
     out = capsys.readouterr().out
     run = tmp_path / "runs" / mode
     logs = "\n".join(p.read_text()[-2000:] for p in sorted((run / "logs").glob("*.log")))

@@ -40,8 +40,18 @@ def test_train_through_an_object_store(
     _, bucket, storage_options = request.getfixturevalue(server)
     monkeypatch.chdir(tmp_path)
     uri = f"{scheme}://{bucket}/{uuid.uuid4().hex}/"
-    code = main(["train", *SMALL, "train.max_steps=4", "diloco.sync_every_h=2",
-                 f"store.uri={uri}", _options(storage_options), "--name", "s3run"])  # fmt: skip
+    code = main(
+        [
+            "train",
+            *SMALL,
+            "train.max_steps=4",
+            "diloco.sync_every_h=2",
+            f"store.uri={uri}",
+            _options(storage_options),
+            "--name",
+            "s3run",
+        ]
+    )
     out = capsys.readouterr().out
     run = tmp_path / "runs" / "s3run"
     assert code == 0, out + "\n".join(p.read_text() for p in (run / "logs").glob("*.log"))
@@ -85,8 +95,16 @@ def test_backend_without_credentials_is_a_config_error(
     monkeypatch.setenv("KUBECONFIG", str(tmp_path / "no-kubeconfig"))
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     uri = f"s3://{bucket}/{uuid.uuid4().hex}/"
-    code = main(["train", *SMALL, "backend.kind=k8s", 'backend.options={image = "img:1"}',
-                 f"store.uri={uri}", _options(storage_options)])  # fmt: skip
+    code = main(
+        [
+            "train",
+            *SMALL,
+            "backend.kind=k8s",
+            'backend.options={image = "img:1"}',
+            f"store.uri={uri}",
+            _options(storage_options),
+        ]
+    )
     assert code == 2
     err = capsys.readouterr().err
     assert "error: backend (k8s): no Kubernetes credentials" in err

@@ -33,10 +33,24 @@ def test_train_with_torchft_manager_two_local_replicas_end_identical(tmp_path: P
 
     env = {k: v for k, v in os.environ.items() if k not in ("TORCHFT_LIGHTHOUSE", "RUST_LOG")}
     proc = subprocess.run(
-        [sys.executable, "-m", "composer_replication", "train", *SMALL, "train.max_steps=6",
-         "diloco.sync_every_h=2", "diloco.manager=torchft", "--name", "tft"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=240, env=env,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "composer_replication",
+            "train",
+            *SMALL,
+            "train.max_steps=6",
+            "diloco.sync_every_h=2",
+            "diloco.manager=torchft",
+            "--name",
+            "tft",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
     run = tmp_path / "runs" / "tft"
     logs = "\n".join(p.read_text()[-3000:] for p in (run / "logs").glob("*.log"))
     assert proc.returncode == 0, proc.stdout + proc.stderr + logs

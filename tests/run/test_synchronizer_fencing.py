@@ -31,17 +31,29 @@ from composer_replication.run.synchronizer_process import SynchronizerProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]
 
-CONFIG = ["diloco.mode=decoupled", "diloco.sync_every_h=2", "train.max_steps=100000",
-          "diloco.lease_ttl_s=2", "backend.n_replicas=2"]  # fmt: skip
+CONFIG = [
+    "diloco.mode=decoupled",
+    "diloco.sync_every_h=2",
+    "train.max_steps=100000",
+    "diloco.lease_ttl_s=2",
+    "backend.n_replicas=2",
+]
 
 
 def _learn(store: ObjectStore, rank: int, stop: threading.Event) -> None:
     torch.manual_seed(rank)
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    learner = DecoupledLearner(store, learner=rank, n_learners=2, sync_every_h=2, model=model,
-                               inner_optimizer=opt, poll_interval_s=0.05,
-                               heartbeat_every_s=0.3)  # fmt: skip
+    learner = DecoupledLearner(
+        store,
+        learner=rank,
+        n_learners=2,
+        sync_every_h=2,
+        model=model,
+        inner_optimizer=opt,
+        poll_interval_s=0.05,
+        heartbeat_every_s=0.3,
+    )
     learner.__enter__()
     g = torch.Generator().manual_seed(rank)
     try:
@@ -82,8 +94,9 @@ def test_an_outliving_synchronizer_of_a_crashed_driver_cannot_write_after_the_re
     )
     docs = DecoupledStore(store)
     env = {ENV_STORAGE_OPTIONS: "{}"}
-    old = SynchronizerProcess(uri, {**env, ENV_GENERATION: str(bump_generation(store))},
-                              tmp_path / "old.log")  # fmt: skip
+    old = SynchronizerProcess(
+        uri, {**env, ENV_GENERATION: str(bump_generation(store))}, tmp_path / "old.log"
+    )
     new: SynchronizerProcess | None = None
     stop = threading.Event()
     learners = [threading.Thread(target=_learn, args=(store, r, stop)) for r in range(2)]
@@ -98,11 +111,14 @@ def test_an_outliving_synchronizer_of_a_crashed_driver_cannot_write_after_the_re
         # the resumed driver: a new run generation, then its own synchronizer
         fenced_at = time.time()
         generation = bump_generation(store)
-        new = SynchronizerProcess(uri, {**env, ENV_GENERATION: str(generation)},
-                                  tmp_path / "new.log")  # fmt: skip
+        new = SynchronizerProcess(
+            uri, {**env, ENV_GENERATION: str(generation)}, tmp_path / "new.log"
+        )
         new.start()
-        _until("the new synchronizer's merges",
-               lambda: sum(o != old_owner for _, o, _ in _merges_by(docs)) >= 2)  # fmt: skip
+        _until(
+            "the new synchronizer's merges",
+            lambda: sum(o != old_owner for _, o, _ in _merges_by(docs)) >= 2,
+        )
         merges_before = len(_merges_by(docs))
         os.killpg(old.pid, signal.SIGCONT)
         assert old.proc is not None

@@ -59,9 +59,14 @@ def test_channel3_traces_of_a_default_run_cover_training_prompts_only(default_ta
     model, tok = build_model(config)
     with tempfile.TemporaryDirectory() as scratch:
         trainer = build_trainer(
-            config, model=model, tokenizer=tok, task=default_task, max_steps=3, seed=0,
+            config,
+            model=model,
+            tokenizer=tok,
+            task=default_task,
+            max_steps=3,
+            seed=0,
             output_dir=scratch,
-        )  # fmt: skip
+        )
         trainer.train()
     keys = trainer.trace_store.prompt_keys
     train_keys = {prompt_key(chat_prompt(ex.prompt)) for ex in default_task.train_examples()}

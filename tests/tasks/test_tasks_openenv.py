@@ -155,9 +155,12 @@ def test_reset_kwargs_reach_the_environment_and_drift_is_caught(openenv_server: 
 
 def test_answer_field_gives_the_oracle(openenv_server: str) -> None:
     task = get_task(
-        f"openenv:{openenv_server}", seed=0, **SIZES,
-        answer_field="answer", reset_kwargs={"reveal": True},
-    )  # fmt: skip
+        f"openenv:{openenv_server}",
+        seed=0,
+        **SIZES,
+        answer_field="answer",
+        reset_kwargs={"reveal": True},
+    )
     for ex in task.train_examples() + task.eval_examples():
         x, y = problem(ex.meta["reset_seed"])
         assert ex.answer == task.oracle(ex) == str(x + y)

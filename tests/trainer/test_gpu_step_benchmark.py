@@ -22,11 +22,15 @@ import gpu_step  # noqa: E402
 def test_shapes_are_qwen25s_and_the_model_is_built_on_the_device_in_the_dtype():
     q05, q15 = gpu_step.SHAPES["qwen05b"], gpu_step.SHAPES["qwen15b"]
     assert (q05["hidden_size"], q05["num_hidden_layers"], q05["intermediate_size"]) == (
-        896, 24, 4864,
-    )  # fmt: skip
+        896,
+        24,
+        4864,
+    )
     assert (q15["hidden_size"], q15["num_hidden_layers"], q15["intermediate_size"]) == (
-        1536, 28, 8960,
-    )  # fmt: skip
+        1536,
+        28,
+        8960,
+    )
     assert q05["vocab_size"] == q15["vocab_size"] == 151936
     from composer_replication.models import build_tokenizer
 
@@ -61,15 +65,35 @@ def test_bad_flags_and_a_missing_gpu_fail_clearly(capsys):
 def test_tiny_cpu_run_prints_every_key():
     pytest.importorskip("trl")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_step.py"), "--device", "cpu", "--tiny",
-           "--steps", "2", "--batch", "4", "--generations", "2", "--completion-len", "4",
-           "--generation-options", "generate,paged"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "gpu_step.py"),
+        "--device",
+        "cpu",
+        "--tiny",
+        "--steps",
+        "2",
+        "--batch",
+        "4",
+        "--generations",
+        "2",
+        "--completion-len",
+        "4",
+        "--generation-options",
+        "generate,paged",
+    ]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["device"] == "cpu" and result["shapes"] == ["tiny"]
-    for key in ("gpu_channels_off_ratio", "gpu_all_on_ratio", "gpu_peak_memory_ratio",
-                "generation_generate_s", "generation_paged_s", "gpu_generation_paged_ratio"):  # fmt: skip
+    for key in (
+        "gpu_channels_off_ratio",
+        "gpu_all_on_ratio",
+        "gpu_peak_memory_ratio",
+        "generation_generate_s",
+        "generation_paged_s",
+        "gpu_generation_paged_ratio",
+    ):
         assert result[key] > 0, key
     for arm in gpu_step.ARMS:
         for part in ("step", "generation", "loss_backward"):

@@ -35,9 +35,14 @@ def _args(tmp_path: Path):  # type: ignore[no-untyped-def]
     from trl import GRPOConfig
 
     return GRPOConfig(  # adapted: a 2-step CPU run
-        output_dir=str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=4,
-        num_generations=4, max_completion_length=8, report_to=[], use_cpu=True,
-    )  # fmt: skip
+        output_dir=str(tmp_path / "out"),
+        max_steps=2,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=8,
+        report_to=[],
+        use_cpu=True,
+    )
 
 
 def reward_length(completions, **_):  # type: ignore[no-untyped-def]

@@ -196,8 +196,9 @@ def test_channels_on_equal_combine_on_independent_tensors(tmp_path, monkeypatch,
     assert metrics["sdpo/frac_samples"] == ref_metrics["sdpo/frac_samples"]
     bound = tol(n, scale)
     for key in ("loss/sdpo", "loss/replay"):
-        assert metrics[key] == pytest.approx(ref_metrics[key], rel=bound["rtol"],
-                                             abs=bound["atol"]), key  # fmt: skip
+        assert metrics[key] == pytest.approx(
+            ref_metrics[key], rel=bound["rtol"], abs=bound["atol"]
+        ), key
     # the margin subtracts summed log-probs: its terms' size is dpo beta * |log-prob sums|
     margin_scale = knobs["replay_dpo_beta"] * float(tensors["chosen_logps"].detach().abs().max())
     margin = tol(n, margin_scale)

@@ -52,7 +52,7 @@ def _assert_grads_close(fused: dict[str, torch.Tensor], plain: dict[str, torch.T
             sdpo_jsd_beta=1.0,
             sdpo_teacher="ema",
             sdpo_ema_rate=0.5,
-        ),  # fmt: skip
+        ),
     ],
     ids=["channel2", "channels2and3", "reverse_ema"],
 )

@@ -62,10 +62,20 @@ def _flat(grads: dict[str, torch.Tensor]) -> torch.Tensor:
 
 def test_bf16_channels_off_is_grpo_trainer_and_the_capture_head_agrees(tmp_path):
     args = dict(loss_type="dapo", beta=0.0, bf16=True)  # bf16 autocast, as training runs it
-    composer = make_trainer(tmp_path, reward=plain_reward, args=config(tmp_path, **args),
-                            alpha_sdpo=0.0, beta_replay=0.0)  # fmt: skip
-    plain = make_trainer(tmp_path, reward=plain_reward, args=config(tmp_path, **args),
-                         cls=GRPOTrainer, save_to=tmp_path / "ref")  # fmt: skip
+    composer = make_trainer(
+        tmp_path,
+        reward=plain_reward,
+        args=config(tmp_path, **args),
+        alpha_sdpo=0.0,
+        beta_replay=0.0,
+    )
+    plain = make_trainer(
+        tmp_path,
+        reward=plain_reward,
+        args=config(tmp_path, **args),
+        cls=GRPOTrainer,
+        save_to=tmp_path / "ref",
+    )
     assert composer.model.device.type == "cuda"
     inputs = generation_batch(composer)
     assert inputs["advantages"].abs().sum() > 0
@@ -78,8 +88,9 @@ def test_bf16_channels_off_is_grpo_trainer_and_the_capture_head_agrees(tmp_path)
     for name in grads_c:
         assert torch.equal(grads_c[name], grads_p[name]), name
 
-    capturing = make_trainer(tmp_path, reward=plain_reward, args=config(tmp_path, **args),
-                             alpha_sdpo=0.1)  # fmt: skip
+    capturing = make_trainer(
+        tmp_path, reward=plain_reward, args=config(tmp_path, **args), alpha_sdpo=0.1
+    )
     capturing.model.zero_grad(set_to_none=True)
     capturing._capture_logits = True
     with capturing.accelerator.autocast():
@@ -96,8 +107,12 @@ def test_bf16_channels_off_is_grpo_trainer_and_the_capture_head_agrees(tmp_path)
     got = _flat({n: p.grad for n, p in capturing.model.named_parameters()})
     ref = _flat(grads_p)
     rel = float((got - ref).norm() / ref.norm())
-    _log("bf16 capture head vs TRL: relative gradient norm", measured=rel, bound=bound,
-         ratio=rel / bound)  # fmt: skip
+    _log(
+        "bf16 capture head vs TRL: relative gradient norm",
+        measured=rel,
+        bound=bound,
+        ratio=rel / bound,
+    )
     assert rel <= bound, f"relative gradient difference {rel:.3g} > {bound:.3g}"
 
 
@@ -135,8 +150,12 @@ def test_chunked_jsd_backward_peaks_at_one_gradient_buffer_on_cuda():
         torch.set_num_threads(threads)
     # One chunk holds ~20 (chunk, V) fp32 temporaries (loss/_parallel.py); 32 bounds them.
     bound = grad_bytes + 32 * chunk * V * 4
-    _log("chunked JSD backward peak / one gradient buffer", measured=ours / grad_bytes,
-         bound=bound / grad_bytes, retained=retained / grad_bytes)  # fmt: skip
+    _log(
+        "chunked JSD backward peak / one gradient buffer",
+        measured=ours / grad_bytes,
+        bound=bound / grad_bytes,
+        retained=retained / grad_bytes,
+    )
     assert ours <= bound, f"peak {ours / grad_bytes:.3f}x one gradient buffer"
     assert retained >= 2 * grad_bytes - 32 * chunk * V * 4, f"{retained / grad_bytes:.3f}x"
 
@@ -147,8 +166,14 @@ def test_a_tiny_run_trains_on_the_gpu_with_its_defaults(tmp_path):
     from composer_replication.run.replica import device_record
 
     args = config(tmp_path, beta=0.0, bf16=None, gradient_checkpointing=None, max_steps=2)
-    trainer = make_trainer(tmp_path, store=oracle_store(), args=args, alpha_sdpo=0.5,
-                           beta_replay=0.5, dpo_variant="simpo")  # fmt: skip
+    trainer = make_trainer(
+        tmp_path,
+        store=oracle_store(),
+        args=args,
+        alpha_sdpo=0.5,
+        beta_replay=0.5,
+        dpo_variant="simpo",
+    )
     assert trainer.args.bf16 is True and trainer.args.gradient_checkpointing is True
     trainer.train()
     history = trainer.state.log_history

@@ -15,8 +15,9 @@ def _probed_step(trainer):
     def probe(terms):
         seen.append({k: None if v is None else v.detach().clone() for k, v in terms.items()})
         # a probe may differentiate the terms (retain_graph) without disturbing the real step
-        grads["total"] = list(torch.autograd.grad(terms["total"], params, retain_graph=True,
-                                                  allow_unused=True))  # fmt: skip
+        grads["total"] = list(
+            torch.autograd.grad(terms["total"], params, retain_graph=True, allow_unused=True)
+        )
 
     trainer.set_loss_probe(probe)
     trainer.model.zero_grad(set_to_none=True)
@@ -26,8 +27,14 @@ def _probed_step(trainer):
 
 
 def test_probe_sees_every_channel_term_and_their_sum(tmp_path):
-    trainer = make_trainer(tmp_path, args=config(tmp_path, beta=0.0), store=oracle_store(),
-                           alpha_sdpo=0.5, beta_replay=2.0, dpo_variant="simpo")  # fmt: skip
+    trainer = make_trainer(
+        tmp_path,
+        args=config(tmp_path, beta=0.0),
+        store=oracle_store(),
+        alpha_sdpo=0.5,
+        beta_replay=2.0,
+        dpo_variant="simpo",
+    )
     loss, seen, total_grads, params = _probed_step(trainer)
     assert len(seen) == 1
     terms = seen[0]
@@ -41,8 +48,14 @@ def test_probe_sees_every_channel_term_and_their_sum(tmp_path):
         expected = torch.zeros_like(p) if p.grad is None else p.grad
         assert torch.equal(torch.zeros_like(p) if g is None else g, expected)
     # the terms carry their weights: channel 3 at beta 2.0 is twice channel 3 at beta 1.0
-    trainer1 = make_trainer(tmp_path, args=config(tmp_path, beta=0.0), store=oracle_store(),
-                            alpha_sdpo=0.5, beta_replay=1.0, dpo_variant="simpo")  # fmt: skip
+    trainer1 = make_trainer(
+        tmp_path,
+        args=config(tmp_path, beta=0.0),
+        store=oracle_store(),
+        alpha_sdpo=0.5,
+        beta_replay=1.0,
+        dpo_variant="simpo",
+    )
     _, seen1, _, _ = _probed_step(trainer1)
     # same seed, batch and arithmetic; the weight multiplies the same value and 2.0 is exact
     assert torch.equal(seen1[0]["replay"] * 2.0, terms["replay"])
@@ -50,8 +63,9 @@ def test_probe_sees_every_channel_term_and_their_sum(tmp_path):
 
 
 def test_probe_gets_none_for_a_channel_that_is_off(tmp_path):
-    trainer = make_trainer(tmp_path, args=config(tmp_path, beta=0.0), alpha_sdpo=0.0,
-                           beta_replay=0.0)  # fmt: skip
+    trainer = make_trainer(
+        tmp_path, args=config(tmp_path, beta=0.0), alpha_sdpo=0.0, beta_replay=0.0
+    )
     loss, seen, _, _ = _probed_step(trainer)
     assert seen[0]["sdpo"] is None and seen[0]["replay"] is None
     assert torch.equal(seen[0]["grpo"], loss) and torch.equal(seen[0]["total"], loss)

@@ -38,8 +38,19 @@ def test_bpe_on_the_task_text_shortens_the_hinted_context():
 def test_quick_run_prints_the_keys_for_every_length():
     pytest.importorskip("trl")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "trainer_overhead.py"), "--quick",
-           "--hidden", "32", "--layers", "2", "--steps", "2", "--completion-lens", "4,8"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "trainer_overhead.py"),
+        "--quick",
+        "--hidden",
+        "32",
+        "--layers",
+        "2",
+        "--steps",
+        "2",
+        "--completion-lens",
+        "4,8",
+    ]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])

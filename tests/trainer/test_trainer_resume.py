@@ -55,10 +55,17 @@ def _trainer(tmp_path, name: str):
         beta=0.0,
     )
     return make_trainer(
-        tmp_path, reward=positional_reward, args=args, teacher_pool=pool, alpha_sdpo=0.5,
-        beta_replay=0.5, sdpo_wrapper="taid", taid_total_steps=STEPS, sdpo_teacher="ema",
+        tmp_path,
+        reward=positional_reward,
+        args=args,
+        teacher_pool=pool,
+        alpha_sdpo=0.5,
+        beta_replay=0.5,
+        sdpo_wrapper="taid",
+        taid_total_steps=STEPS,
+        sdpo_teacher="ema",
         dpo_variant="dpo",
-    )  # fmt: skip
+    )
 
 
 def _weights(trainer) -> dict[str, torch.Tensor]:
@@ -148,8 +155,10 @@ def test_bad_resume_states_are_refused_by_name(tmp_path):
     refused(nan_moment, "optimizer.state")
     refused(lambda s: s.update(format=99), "format")
     refused(lambda s: s.update(ema=None), "EMA")
-    refused(lambda s: s.update(rng={**s["rng"], "torch": torch.zeros(3, dtype=torch.uint8)}),
-            "rng.torch")  # fmt: skip
+    refused(
+        lambda s: s.update(rng={**s["rng"], "torch": torch.zeros(3, dtype=torch.uint8)}),
+        "rng.torch",
+    )
     refused(lambda s: s.update(global_step=STEPS), "nothing left")
     assert dataset  # the helpers' dataset is what both trainers train on
 

@@ -33,13 +33,31 @@ def test_quick_run_prints_the_keys(tmp_path: Path) -> None:
     pytest.importorskip("trl")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     log = tmp_path / "runs.jsonl"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "vs_trl.py"), "--quick", "--budget-s", "3",
-           "--clock", "cpu", "--probe-every", "1", "--log", str(log), "--bootstrap", "200"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "vs_trl.py"),
+        "--quick",
+        "--budget-s",
+        "3",
+        "--clock",
+        "cpu",
+        "--probe-every",
+        "1",
+        "--log",
+        str(log),
+        "--bootstrap",
+        "200",
+    ]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    for key in ("composer_heldout_acc", "trl_best_heldout_acc", "composer_minus_best_trl",
-                "composer_constant_answer_share", *(f"{a}_heldout_acc" for a in ARMS)):  # fmt: skip
+    for key in (
+        "composer_heldout_acc",
+        "trl_best_heldout_acc",
+        "composer_minus_best_trl",
+        "composer_constant_answer_share",
+        *(f"{a}_heldout_acc" for a in ARMS),
+    ):
         assert isinstance(result[key], float), (key, result[key])
     assert result["trl_best_arm"] in ARMS[1:]
     assert result["composer_minus_best_trl"] == pytest.approx(
@@ -74,8 +92,9 @@ def test_tuning_is_a_coordinate_search_on_the_same_grid_for_every_arm() -> None:
 
     def finish(specs, acc):  # type: ignore[no-untyped-def]
         for s in specs:
-            done.setdefault(s.key(), {"acc": acc(s), "reward": 0.0, "lr": s.lr, "g": s.g,
-                                      "share": s.share})  # fmt: skip
+            done.setdefault(
+                s.key(), {"acc": acc(s), "reward": 0.0, "lr": s.lr, "g": s.g, "share": s.share}
+            )
 
     for arm in vs_trl.ARMS:
         stage_a = vs_trl.tuning_specs(arm, 0, 220.0, "cpu", False, done)
@@ -103,8 +122,12 @@ def test_the_bootstrap_resamples_seeds_and_classes_and_pairs_the_arms() -> None:
 
     def run(seed: int, acc: float) -> dict:
         n = round(acc * 40)
-        return {"seed": seed, "classes": classes, "prompts": prompts,
-                "correct": [1] * n + [0] * (40 - n)}  # fmt: skip
+        return {
+            "seed": seed,
+            "classes": classes,
+            "prompts": prompts,
+            "correct": [1] * n + [0] * (40 - n),
+        }
 
     per_arm = {"a": [run(s, 0.8) for s in range(5)], "b": [run(s, 0.2) for s in range(5)]}
     boot = vs_trl.bootstrap(per_arm, reps=400)
@@ -136,10 +159,25 @@ def test_trl_arms_get_the_same_settings_and_the_oracle(tmp_path: Path) -> None:
     common = trl_training_args(config, str(tmp_path), 50, 7)
     grpo = GRPOConfig(**common, **channel1_args(config))
     sdpo = vs_trl._trl_sdpo_args(config, common)
-    shared = ("learning_rate", "lr_scheduler_type", "max_grad_norm", "per_device_train_batch_size",
-              "gradient_accumulation_steps", "num_generations", "max_completion_length",
-              "temperature", "seed", "max_steps", "loss_type", "epsilon", "beta",
-              "scale_rewards", "num_iterations", "top_k", "top_p")  # fmt: skip
+    shared = (
+        "learning_rate",
+        "lr_scheduler_type",
+        "max_grad_norm",
+        "per_device_train_batch_size",
+        "gradient_accumulation_steps",
+        "num_generations",
+        "max_completion_length",
+        "temperature",
+        "seed",
+        "max_steps",
+        "loss_type",
+        "epsilon",
+        "beta",
+        "scale_rewards",
+        "num_iterations",
+        "top_k",
+        "top_p",
+    )
     for name in shared:
         assert getattr(grpo, name) == getattr(ours, name), name
         assert getattr(sdpo, name) == getattr(ours, name), name
@@ -158,8 +196,10 @@ def test_trl_arms_get_the_same_settings_and_the_oracle(tmp_path: Path) -> None:
     spec = vs_trl.Spec("trl_sdpo", 0, 1e-2, 4, None, "val", 0, 220.0, "cpu")
     tuned = load_config(overrides=vs_trl.arm_overrides(spec, []))
     assert (tuned.train.learning_rate, tuned.train.num_generations, tuned.train.batch_size) == (
-        1e-2, 4, 64,
-    )  # fmt: skip
+        1e-2,
+        4,
+        64,
+    )
     # the SFT arms train on the oracle traces of the training prompts, answer only
     task = vs_trl_task(config)
     data = vs_trl.sft_dataset(task)

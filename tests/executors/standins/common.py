@@ -39,9 +39,13 @@ class Container:
         full_env.update(env)
         try:
             self.proc: subprocess.Popen[bytes] | None = subprocess.Popen(
-                argv, stdout=self._log, stderr=subprocess.STDOUT, env=full_env, cwd=cwd,
+                argv,
+                stdout=self._log,
+                stderr=subprocess.STDOUT,
+                env=full_env,
+                cwd=cwd,
                 start_new_session=True,
-            )  # fmt: skip
+            )
             self._spawn_error: int | None = None
         except OSError as exc:  # like a runtime's "executable not found": exit 127
             self._log.write(f"exec failed: {exc}\n".encode())
@@ -170,11 +174,14 @@ def _make_handler(app: Any) -> type[BaseHTTPRequestHandler]:
             status, payload, ctype = app.handle(method, self.path, headers, body)
             if isinstance(payload, bytes | str | dict | list) or payload is None:
                 data = (
-                    payload.encode() if isinstance(payload, str)
-                    else payload if isinstance(payload, bytes)
-                    else b"" if payload is None
+                    payload.encode()
+                    if isinstance(payload, str)
+                    else payload
+                    if isinstance(payload, bytes)
+                    else b""
+                    if payload is None
                     else json.dumps(payload).encode()
-                )  # fmt: skip
+                )
                 self.send_response(status)
                 self.send_header("Content-Type", ctype)
                 self.send_header("Content-Length", str(len(data)))

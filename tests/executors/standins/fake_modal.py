@@ -155,8 +155,12 @@ class FakeFunction:
         call_id = f"fc-{len(fake.spawned):02d}{int(time.time() * 1000) % 100000}"
         argv = [sys.executable, "-c", _RUNNER, json.dumps(command), json.dumps(env)]
         log = fake.workdir / f"{call_id}.log"
-        call = FakeFunctionCall(fake, call_id, Container(argv, container_env, log, str(fake.workdir)),
-                                self.options.get("timeout", 300))  # fmt: skip
+        call = FakeFunctionCall(
+            fake,
+            call_id,
+            Container(argv, container_env, log, str(fake.workdir)),
+            self.options.get("timeout", 300),
+        )
         fake.spawned.append(call)
         return call
 

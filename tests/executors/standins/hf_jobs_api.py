@@ -113,8 +113,16 @@ class HFJobsStandin(JobLoop):
             return _err(400, problem)
         self.created.append(body)
         job_id = _secrets.token_hex(12)
-        job = {"id": job_id, "body": body, "created": time.time(), "stage": "SCHEDULING",
-               "message": None, "container": None, "started": None, "finished": None}  # fmt: skip
+        job = {
+            "id": job_id,
+            "body": body,
+            "created": time.time(),
+            "stage": "SCHEDULING",
+            "message": None,
+            "container": None,
+            "started": None,
+            "finished": None,
+        }
         self.jobs[job_id] = job
         return 200, self._info(job), "application/json"
 

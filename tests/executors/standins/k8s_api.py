@@ -54,8 +54,15 @@ def compress_indexes(indexes: set[int]) -> str:
 
 
 def _status(code: int, reason: str, message: str) -> tuple[int, dict[str, Any], str]:
-    body = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
-            "message": message, "reason": reason, "code": code}  # fmt: skip
+    body = {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "metadata": {},
+        "status": "Failure",
+        "message": message,
+        "reason": reason,
+        "code": code,
+    }
     return code, body, "application/json"
 
 
@@ -206,15 +213,22 @@ class K8sApiStandin(JobLoop):
         job = {
             "apiVersion": "batch/v1",
             "kind": "Job",
-            "metadata": {**body["metadata"], "namespace": ns, "uid": str(uuid.uuid4()),
-                         "creationTimestamp": rfc3339(now), "resourceVersion": "1"},
+            "metadata": {
+                **body["metadata"],
+                "namespace": ns,
+                "uid": str(uuid.uuid4()),
+                "creationTimestamp": rfc3339(now),
+                "resourceVersion": "1",
+            },
             "spec": body["spec"],
             "status": {"startTime": rfc3339(now)},
             "_created": now,
-            "_indexes": {i: {"failures": 0, "pod": None, "done": None}
-                         for i in range(body["spec"]["completions"])},
+            "_indexes": {
+                i: {"failures": 0, "pod": None, "done": None}
+                for i in range(body["spec"]["completions"])
+            },
             "_deleting": False,
-        }  # fmt: skip
+        }
         self.jobs[(ns, name)] = job
         for i in job["_indexes"]:
             self._new_pod(ns, job, i)
@@ -250,24 +264,42 @@ class K8sApiStandin(JobLoop):
             for pod in self._job_pods(ns, name):
                 self._terminate_pod(pod)
             del self.jobs[(ns, name)]
-        return 200, {"kind": "Status", "apiVersion": "v1", "status": "Success",
-                     "details": {"name": name, "group": "batch", "kind": "jobs"}}, "application/json"  # fmt: skip
+        return (
+            200,
+            {
+                "kind": "Status",
+                "apiVersion": "v1",
+                "status": "Success",
+                "details": {"name": name, "group": "batch", "kind": "jobs"},
+            },
+            "application/json",
+        )
 
     # ------------------------------------------------------------------ pods
     def _new_pod(self, ns: str, job: dict[str, Any], index: int) -> None:
         jname = job["metadata"]["name"]
         name = f"{jname}-{index}-{_secrets.token_hex(3)[:5]}"
         template = job["spec"]["template"]
-        labels = {**((template.get("metadata") or {}).get("labels") or {}),
-                  "job-name": jname, "batch.kubernetes.io/job-name": jname,
-                  "controller-uid": job["metadata"]["uid"],
-                  "batch.kubernetes.io/job-completion-index": str(index)}  # fmt: skip
-        annotations = {**((template.get("metadata") or {}).get("annotations") or {}),
-                       INDEX_ANNOTATION: str(index)}  # fmt: skip
+        labels = {
+            **((template.get("metadata") or {}).get("labels") or {}),
+            "job-name": jname,
+            "batch.kubernetes.io/job-name": jname,
+            "controller-uid": job["metadata"]["uid"],
+            "batch.kubernetes.io/job-completion-index": str(index),
+        }
+        annotations = {
+            **((template.get("metadata") or {}).get("annotations") or {}),
+            INDEX_ANNOTATION: str(index),
+        }
         pod = {
-            "metadata": {"name": name, "namespace": ns, "labels": labels,
-                         "annotations": annotations, "uid": str(uuid.uuid4()),
-                         "creationTimestamp": rfc3339(time.time())},
+            "metadata": {
+                "name": name,
+                "namespace": ns,
+                "labels": labels,
+                "annotations": annotations,
+                "uid": str(uuid.uuid4()),
+                "creationTimestamp": rfc3339(time.time()),
+            },
             "spec": template["spec"],
             "_index": index,
             "_job": jname,
@@ -275,7 +307,7 @@ class K8sApiStandin(JobLoop):
             "_container": None,
             "_phase": "Pending",
             "_waiting": "ContainerCreating",
-        }  # fmt: skip
+        }
         self.pods[(ns, name)] = pod
         job["_indexes"][index]["pod"] = name
 
@@ -333,20 +365,36 @@ class K8sApiStandin(JobLoop):
             state = {"running": {"startedAt": rfc3339(cont.started_at if cont else None)}}
         else:
             code = pod["_exit"]
-            state = {"terminated": {
-                "exitCode": code, "reason": "Completed" if code == 0 else "Error",
-                "startedAt": rfc3339(cont.started_at if cont else None),
-                "finishedAt": rfc3339(cont.finished_at if cont else time.time())}}  # fmt: skip
+            state = {
+                "terminated": {
+                    "exitCode": code,
+                    "reason": "Completed" if code == 0 else "Error",
+                    "startedAt": rfc3339(cont.started_at if cont else None),
+                    "finishedAt": rfc3339(cont.finished_at if cont else time.time()),
+                }
+            }
         status = {
             "phase": pod["_phase"],
-            "containerStatuses": [{"name": c["name"], "image": c["image"], "imageID": "",
-                                   "ready": pod["_phase"] == "Running", "restartCount": 0,
-                                   "state": state}],
-        }  # fmt: skip
+            "containerStatuses": [
+                {
+                    "name": c["name"],
+                    "image": c["image"],
+                    "imageID": "",
+                    "ready": pod["_phase"] == "Running",
+                    "restartCount": 0,
+                    "state": state,
+                }
+            ],
+        }
         if cont is not None:
             status["startTime"] = rfc3339(cont.started_at)
-        return {"apiVersion": "v1", "kind": "Pod", "metadata": pod["metadata"],
-                "spec": pod["spec"], "status": status}  # fmt: skip
+        return {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": pod["metadata"],
+            "spec": pod["spec"],
+            "status": status,
+        }
 
     def _list_pods(self, ns: str, selector: str):
         want = dict(kv.split("=", 1) for kv in selector.split(",") if "=" in kv)
@@ -355,14 +403,22 @@ class K8sApiStandin(JobLoop):
             for (pns, _), p in self.pods.items()
             if pns == ns and all(p["metadata"]["labels"].get(k) == v for k, v in want.items())
         ]
-        return 200, {"apiVersion": "v1", "kind": "PodList", "metadata": {}, "items": items}, "application/json"  # fmt: skip
+        return (
+            200,
+            {"apiVersion": "v1", "kind": "PodList", "metadata": {}, "items": items},
+            "application/json",
+        )
 
     def _pod_log(self, ns: str, name: str, query: dict[str, str]):
         pod = self.pods.get((ns, name))
         if pod is None:
             return _status(404, "NotFound", f'pods "{name}" not found')
         if pod["_container"] is None:
-            return _status(400, "BadRequest", f'container "{pod["spec"]["containers"][0]["name"]}" in pod "{name}" is waiting to start: ContainerCreating')  # fmt: skip
+            return _status(
+                400,
+                "BadRequest",
+                f'container "{pod["spec"]["containers"][0]["name"]}" in pod "{name}" is waiting to start: ContainerCreating',
+            )
         text = pod["_container"].text()
         if "tailLines" in query:
             n = int(query["tailLines"])
@@ -379,17 +435,25 @@ class K8sApiStandin(JobLoop):
         spec = job["spec"]
         deadline = spec.get("activeDeadlineSeconds")
         if (
-            deadline and not job["_deleting"] and not job["status"].get("conditions")
+            deadline
+            and not job["_deleting"]
+            and not job["status"].get("conditions")
             and time.time() - job["_created"] > deadline
-        ):  # fmt: skip
+        ):
             # Like the Job controller: kill every running pod, fail the job as a whole.
             for pod in self._job_pods(ns, name):
                 self._terminate_pod(pod)
             now = rfc3339(time.time())
-            job["status"]["conditions"] = [{
-                "type": "Failed", "status": "True", "reason": "DeadlineExceeded",
-                "message": "Job was active longer than specified deadline",
-                "lastProbeTime": now, "lastTransitionTime": now}]  # fmt: skip
+            job["status"]["conditions"] = [
+                {
+                    "type": "Failed",
+                    "status": "True",
+                    "reason": "DeadlineExceeded",
+                    "message": "Job was active longer than specified deadline",
+                    "lastProbeTime": now,
+                    "lastTransitionTime": now,
+                }
+            ]
         for index, st in job["_indexes"].items():
             pod = self.pods.get((ns, st["pod"])) if st["pod"] else None
             if pod is None:
@@ -453,8 +517,12 @@ class K8sApiStandin(JobLoop):
         if len(completed) + len(failed) == len(idx) and not status.get("conditions"):
             now = rfc3339(time.time())
             if failed:
-                cond = {"type": "Failed", "status": "True", "reason": "FailedIndexes",
-                        "message": "Job has failed indexes"}  # fmt: skip
+                cond = {
+                    "type": "Failed",
+                    "status": "True",
+                    "reason": "FailedIndexes",
+                    "message": "Job has failed indexes",
+                }
             else:
                 cond = {"type": "Complete", "status": "True"}
                 status["completionTime"] = now

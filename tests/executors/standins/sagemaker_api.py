@@ -68,7 +68,10 @@ class SageMakerStandin(JobLoop):
     def handle(self, method: str, path: str, headers: dict[str, str], body: Any):
         auth = headers.get("authorization", "")
         if not auth.startswith(f"AWS4-HMAC-SHA256 Credential={self.access_key}/"):
-            return _err("UnrecognizedClientException", "The security token included in the request is invalid.")  # fmt: skip
+            return _err(
+                "UnrecognizedClientException",
+                "The security token included in the request is invalid.",
+            )
         target = headers.get("x-amz-target", "")
         with self._lock:
             op = {
@@ -100,7 +103,7 @@ class SageMakerStandin(JobLoop):
             return "this stand-in runs ContainerEntrypoint; it is required here"
         rc = b.get("ResourceConfig") or {}
         if rc.get("InstanceType") not in self.instance_types:
-            return f"Value '{rc.get('InstanceType')}' at 'resourceConfig.instanceType' failed to satisfy constraint: Member must satisfy enum value set"  # fmt: skip
+            return f"Value '{rc.get('InstanceType')}' at 'resourceConfig.instanceType' failed to satisfy constraint: Member must satisfy enum value set"
         if not isinstance(rc.get("InstanceCount"), int) or rc["InstanceCount"] < 1:
             return "ResourceConfig.InstanceCount must be >= 1"
         mr = (b.get("StoppingCondition") or {}).get("MaxRuntimeInSeconds")
@@ -113,7 +116,10 @@ class SageMakerStandin(JobLoop):
 
     def _create(self, b: dict[str, Any]):
         if self.fail_create_after is not None and len(self.created) >= self.fail_create_after:
-            return _err("ResourceLimitExceeded", "The account-level service limit 'ml.g5.xlarge for training job usage' is 2 Instances")  # fmt: skip
+            return _err(
+                "ResourceLimitExceeded",
+                "The account-level service limit 'ml.g5.xlarge for training job usage' is 2 Instances",
+            )
         problem = self._validate(b)
         if problem:
             return _err("ValidationException", problem)
@@ -122,15 +128,26 @@ class SageMakerStandin(JobLoop):
             return _err("ResourceInUse", f"Training job names must be unique: {name}")
         self.created.append(b)
         arn = f"arn:aws:sagemaker:{self.region}:{self.account}:training-job/{name.lower()}"
-        self.jobs[name] = {"body": b, "arn": arn, "created": time.time(), "status": "InProgress",
-                           "secondary": "Starting", "failure": None, "container": None,
-                           "started": None, "ended": None, "stop_requested": False}  # fmt: skip
+        self.jobs[name] = {
+            "body": b,
+            "arn": arn,
+            "created": time.time(),
+            "status": "InProgress",
+            "secondary": "Starting",
+            "failure": None,
+            "container": None,
+            "started": None,
+            "ended": None,
+            "stop_requested": False,
+        }
         return 200, {"TrainingJobArn": arn}, "application/x-amz-json-1.1"
 
     def _describe(self, b: dict[str, Any]):
         job = self.jobs.get(b.get("TrainingJobName", ""))
         if job is None:
-            return _err("ValidationException", f"Requested resource not found: {b.get('TrainingJobName')}")  # fmt: skip
+            return _err(
+                "ValidationException", f"Requested resource not found: {b.get('TrainingJobName')}"
+            )
         body = job["body"]
         out = {
             "TrainingJobName": body["TrainingJobName"],
@@ -160,7 +177,9 @@ class SageMakerStandin(JobLoop):
         if job is None:
             return _err("ValidationException", f"Requested resource not found: {name}")
         if job["status"] != "InProgress":
-            return _err("ValidationException", f"The job status is {job['status']}; it cannot be stopped")  # fmt: skip
+            return _err(
+                "ValidationException", f"The job status is {job['status']}; it cannot be stopped"
+            )
         self.stops.append(name)
         job["status"] = job["secondary"] = "Stopping"
         job["stop_requested"] = True
@@ -190,7 +209,10 @@ class SageMakerStandin(JobLoop):
             return _err("ResourceNotFoundException", "The specified log stream does not exist.")
         lines = job["container"].text().splitlines()
         ts = int(job["started"] * 1000)
-        events = [{"timestamp": ts + i, "message": line, "ingestionTime": ts + i} for i, line in enumerate(lines)]  # fmt: skip
+        events = [
+            {"timestamp": ts + i, "message": line, "ingestionTime": ts + i}
+            for i, line in enumerate(lines)
+        ]
         limit = int(b.get("limit") or 10000)
         token = b.get("nextToken")
         if token:
@@ -201,8 +223,11 @@ class SageMakerStandin(JobLoop):
             start = max(len(events) - limit, 0)
         page = events[start : start + limit]
         end = start + len(page)
-        return 200, {"events": page, "nextForwardToken": f"f/{end}",
-                     "nextBackwardToken": f"b/{start}"}, "application/x-amz-json-1.1"  # fmt: skip
+        return (
+            200,
+            {"events": page, "nextForwardToken": f"f/{end}", "nextBackwardToken": f"b/{start}"},
+            "application/x-amz-json-1.1",
+        )
 
     # ------------------------------------------------------------------ lifecycle
     def _tick(self) -> None:

@@ -299,33 +299,26 @@ def rl_runner(
     dataset = train_split(config, task, rank=0)
     reward = [task.reward_func(with_feedback=False)]  # plain floats for a stock trainer
     if arm == "trl_sdpo":
-        from trl.experimental.sdpo import SDPOTrainer
+        from trl.experimental.sdpo import SDPOTrainer as trainer_class
 
         oracle = {ex.id: task.oracle(ex) for ex in task.train_examples()}
         dataset = dataset.add_column(
             "privileged_context", [oracle[i] for i in dataset["example_id"]]
         )
         args = _trl_sdpo_args(config, common)
-        runner = SDPOTrainer(
-            model=model,
-            reward_funcs=reward,
-            args=args,
-            train_dataset=dataset,
-            processing_class=tok,
-            callbacks=callbacks,
-        )
     else:
-        from trl import GRPOConfig, GRPOTrainer
+        from trl import GRPOConfig
+        from trl import GRPOTrainer as trainer_class
 
         args = GRPOConfig(**common, **channel1_args(config))
-        runner = GRPOTrainer(
-            model=model,
-            reward_funcs=reward,
-            args=args,
-            train_dataset=dataset,
-            processing_class=tok,
-            callbacks=callbacks,
-        )
+    runner = trainer_class(
+        model=model,
+        reward_funcs=reward,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tok,
+        callbacks=callbacks,
+    )
     runner.remove_callback(PrinterCallback)
     return runner
 

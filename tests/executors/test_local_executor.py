@@ -253,7 +253,7 @@ def test_replicas_end_when_driver_exits_without_collect(tmp_path):
             time.sleep(0.05)
         """
     )
-    subprocess.run([sys.executable, "-c", driver], check=True, timeout=60)
+    subprocess.run([sys.executable, "-c", driver], check=True, timeout=600)
     rec = probe.read_records(store)[0]
     assert not alive(rec["pid"]) and not alive(rec["grandchild_pid"])
 

@@ -73,7 +73,7 @@ def test_a_bad_override_is_exit_2_naming_the_key(tmp_path: Path) -> None:
         ],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=600,  # a safety net for a hung child, not a time limit (importing torch on a loaded 2-core machine took over 120 s)
     )
     assert proc.returncode == 2
     assert "train.max_step: unknown key" in proc.stderr and "Traceback" not in proc.stderr

@@ -90,8 +90,8 @@ def reference_markdown() -> str:
     """The reference, from BEGIN to END (both included)."""
     intro = (
         "Every key, its type and its default (what a TOML file that leaves the key out gets). "
-        "The `[loss]` keys, defaults and checks are the loss library's `ComposeConfig` "
-        "(docs/api.md); `backend.kind` names the executor registry (docs/backends.md); "
+        "The `[loss]` keys, defaults, help and checks are the loss library's `LossSettings` "
+        "(declared once in loss/loss_settings.py; docs/api.md); `backend.kind` names the executor registry (docs/backends.md); "
         "`diloco.codec` names the exchange's codecs."
     )
     lines = [BEGIN, "", *_wrap(intro)]

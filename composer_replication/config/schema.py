@@ -1,4 +1,4 @@
-"""The run configuration: one typed, frozen dataclass per TOML section.
+"""The run configuration: one typed, immutable dataclass per TOML section.
 
 `composer-replication train` reads a TOML file into `RunConfig` (see `loader.py`); every value
 is type-checked once here, at the edge, so the replicas receive plain validated values. The
@@ -16,8 +16,8 @@ the decoupled mode's and torchft's configs (each beside its component, with its 
 and checks); the outer-loop mode it names checks its rules across sections here
 (`diloco.mode_registry.outer_loop_mode`). Nothing here is a second copy of a name or a default
 owned elsewhere:
-- `[loss]` keys take their defaults and checks from the loss library's `ComposeConfig`, and their
-  choices from its `Literal` types (`LossType`, `SdpoWrapper`, `DpoVariant`);
+- `[loss]` is the loss library's `LossSettings` (the one list of loss settings: each key's type,
+  choices, default, help and check, declared once in loss/loss_settings.py), by inheritance;
 - `backend.kind` choices are the executor registry's names (`executors.registry.BackendName`);
 - `store.keep_rounds` defaults to the decoupled synchronizer's `KEEP_ROUNDS`.
 The loader checks values against the `Literal` choices and suggests the nearest name.
@@ -35,14 +35,7 @@ from composer_replication.diloco.synchronizer_config import KEEP_ROUNDS
 from composer_replication.executors.registry import BackendName
 from composer_replication.faults.events import ChaosConfig, ChaosEventConfig
 from composer_replication.fields import require, setting
-from composer_replication.loss import (
-    TAID_T_END,
-    TAID_T_START,
-    ComposeConfig,
-    DpoVariant,
-    LossType,
-    SdpoWrapper,
-)
+from composer_replication.loss import ComposeConfig, LossSettings, WriteOnce
 
 __all__ = [
     "GENERATION_ENGINES",
@@ -71,9 +64,6 @@ __all__ = [
 # the two agree). docs/trainer.md, "On a GPU", says which to pick.
 GenerationEngine = Literal["generate", "paged", "paged_eager"]
 GENERATION_ENGINES: tuple[GenerationEngine, ...] = get_args(GenerationEngine)
-
-# The loss library's defaults: every [loss] key's default is read from here.
-_LOSS = ComposeConfig()
 
 # Names a setting had as a component's argument before the component took its TOML key's name
 # (issue 21: one name from the TOML to the code), with the key to write instead; the loader's
@@ -227,60 +217,13 @@ class TrainConfig:
         require(self.torch_threads >= 0, "train.torch_threads", "must be >= 0")
 
 
-@dataclass(frozen=True)
-class LossConfig:
-    """The composer loss: `loss.ComposeConfig`'s keys, defaults and checks (see docs/api.md)."""
+@dataclass(kw_only=True)
+class LossConfig(LossSettings, WriteOnce):
+    """The composer loss: the loss library's `LossSettings` (see docs/api.md).
 
-    loss_type: LossType = setting(_LOSS.loss_type, "channel-1 aggregation (TRL's loss_type)")
-    epsilon_low: float = setting(_LOSS.epsilon_low, "lower PPO clip (TRL's epsilon)")
-    epsilon_high: float | None = setting(_LOSS.epsilon_high, "upper PPO clip (unset = epsilon_low)")
-    delta: float | None = setting(
-        _LOSS.delta, "two-sided GRPO: cap (> 1) on the unclipped ratio (unset = off)"
-    )
-    kl_beta: float = setting(_LOSS.kl_beta, "KL-to-reference weight in channel 1 (TRL's beta)")
-    alpha_sdpo: float = setting(
-        _LOSS.alpha_sdpo, "channel 2 (hint self-distillation) weight; 0 disables it"
-    )
-    beta_replay: float = setting(
-        _LOSS.beta_replay, "channel 3 (trace replay) weight; 0 disables it"
-    )
-    sdpo_jsd_beta: float = setting(
-        _LOSS.sdpo_jsd_beta, "generalized JSD beta (0 forward KL, 1 reverse KL)"
-    )
-    sdpo_temperature: float = setting(_LOSS.sdpo_temperature, "channel 2 softmax temperature")
-    sdpo_token_clip: float | None = setting(
-        _LOSS.sdpo_token_clip, "per-token clip of the channel-2 divergence (unset = none)"
-    )
-    sdpo_top_k: int | None = setting(
-        _LOSS.sdpo_top_k, "top-k vocabulary for channel 2 (unset = full vocab)"
-    )
-    sdpo_add_tail: bool = setting(
-        _LOSS.sdpo_add_tail, "top-k channel 2: add one bucket for the rest of the vocabulary"
-    )
-    sdpo_wrapper: SdpoWrapper = setting(_LOSS.sdpo_wrapper, "channel-2 wrapper")
-    sdpo_max_context_length: int | None = setting(
-        _LOSS.sdpo_max_context_length,
-        "cap (tokens) on a channel-2 hinted teacher context: longer ones lose their middle "
-        "(first half = question, last half = end of the hint); unset = no cap",
-    )
-    taid_t: float | None = setting(_LOSS.taid_t, "fixed TAID interpolation t in [0, 1]")
-    taid_total_steps: int | None = setting(
-        _LOSS.taid_total_steps,
-        f"TAID schedule length: t goes {TAID_T_START} -> {TAID_T_END} over this many inner "
-        "steps (used when taid_t is unset)",
-    )
-    entropy_opd_h_max: float = setting(
-        _LOSS.entropy_opd_h_max, "entropy_opd wrapper: teacher-entropy gate in nats"
-    )
-    replay_dpo_beta: float = setting(_LOSS.replay_dpo_beta, "DPO beta for channel 3")
-    dpo_variant: DpoVariant = setting(
-        _LOSS.dpo_variant,
-        "channel-3 preference loss ('dpo' scores a frozen reference copy of the model; "
-        "'simpo' is reference-free)",
-    )
-    simpo_beta: float = setting(_LOSS.simpo_beta, "SimPO beta")
-    simpo_gamma: float = setting(_LOSS.simpo_gamma, "SimPO margin gamma")
-    label_smoothing: float = setting(_LOSS.label_smoothing, "channel-3 label smoothing in [0, 0.5)")
+    Each key's type, default, help and check is declared once, in loss/loss_settings.py; this
+    class inherits them. Immutable as the other sections, through `WriteOnce` (a frozen
+    dataclass cannot inherit the settings, mutable because TRL's `GRPOConfig` shares them)."""
 
     def __post_init__(self) -> None:
         require(self.alpha_sdpo >= 0, "loss.alpha_sdpo", "must be >= 0")
@@ -291,7 +234,8 @@ class LossConfig:
                 "loss.sdpo_wrapper: 'taid' needs loss.taid_t or loss.taid_total_steps "
                 "(a fixed t or a schedule length)"
             )
-        # Every other rule is the loss library's (a scheduled TAID starts at step 0).
+        # Every other rule is the loss library's: each setting's own check (LossSettings) and the
+        # rules across them (ComposeConfig; a scheduled TAID starts at step 0).
         kwargs = self.compose_kwargs()
         if scheduled:
             kwargs["taid_schedule_step"] = 0

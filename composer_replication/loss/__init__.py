@@ -12,14 +12,17 @@
   kernels, Liger-Kernel)
 - log-probs: ``selective_log_softmax`` (from logits), ``completion_logps`` (from a causal LM);
   the model protocols ``CausalLM`` and ``HiddenStateLM`` (a causal LM's body)
-- ``ComposeConfig``: every keyword and its default; ``TAID_T_START``/``TAID_T_END`` and the
-  choice tuples ``LOSS_TYPES``, ``SDPO_WRAPPERS``, ``DPO_VARIANTS`` (and their ``Literal``
-  types ``LossType``, ``SdpoWrapper``, ``DpoVariant``)
+- ``loss_settings``: the one list of loss settings, each declared once with its type, default,
+  check and help: ``Channel1Settings``, ``Channel23Settings`` and both, ``LossSettings``; the
+  trainer's settings, the TOML ``[loss]`` section and ``ComposeConfig`` inherit them
+- ``ComposeConfig``: every keyword and its default (``LossSettings`` + the run's ``temperature``
+  and ``taid_schedule_step``); ``TAID_T_START``/``TAID_T_END`` and the choice tuples
+  ``LOSS_TYPES``, ``SDPO_WRAPPERS``, ``DPO_VARIANTS`` (and their ``Literal`` types ``LossType``,
+  ``SdpoWrapper``, ``DpoVariant``)
 
 Every loss returns ``(loss, metrics)``: a 0-dim tensor and a dict of python floats.
 """
 
-from composer_replication.loss._config import DPO_VARIANTS, SDPO_WRAPPERS, DpoVariant, SdpoWrapper
 from composer_replication.loss._logprobs import (
     CausalLM,
     HiddenStateLM,
@@ -46,6 +49,17 @@ from composer_replication.loss.distill import (
     taid_loss,
 )
 from composer_replication.loss.fused import FUSED_JSD_BACKENDS, fused_linear_jsd
+from composer_replication.loss.loss_settings import (
+    DPO_VARIANTS,
+    SDPO_WRAPPERS,
+    Channel1Settings,
+    Channel23Settings,
+    DpoVariant,
+    LossSettings,
+    SdpoWrapper,
+    WriteOnce,
+    setting_names,
+)
 from composer_replication.loss.policy import LOSS_TYPES, LossType, dppo_mask, grpo_loss
 from composer_replication.loss.preference import dpo_loss, simpo_loss
 
@@ -59,12 +73,16 @@ __all__ = [
     "TAID_T_END",
     "TAID_T_START",
     "CausalLM",
+    "Channel1Settings",
+    "Channel23Settings",
     "ComposeConfig",
     "DpoVariant",
     "HiddenStateLM",
+    "LossSettings",
     "LossType",
     "SdpoWrapper",
     "TAIDScheduler",
+    "WriteOnce",
     "assemble",
     "combine",
     "completion_logps",
@@ -79,6 +97,7 @@ __all__ = [
     "replay_term",
     "sdpo_term",
     "selective_log_softmax",
+    "setting_names",
     "simpo_loss",
     "taid_loss",
 ]

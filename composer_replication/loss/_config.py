@@ -1,93 +1,38 @@
-"""Validated keyword configuration of ``compose_loss`` / ``combine`` (one frozen dataclass).
+"""Validated keyword configuration of ``compose_loss`` / ``combine``.
 
-Validation happens once, at the edge, whatever channels are active in a step: a misconfigured
-run fails on its first step, not the first step that happens to carry a teacher.
+The user settings are `loss_settings.LossSettings`' (the one list of loss settings, shared with
+the TOML ``[loss]`` section and the trainer); this adds the two values a run sets rather than a
+user (``temperature``: TRL samples and scores at one; ``taid_schedule_step``: the trainer's step)
+and the rules across them. Validation happens once, at the edge, whatever channels are active in
+a step: a misconfigured run fails on its first step, not the first step that happens to carry a
+teacher. Immutable after construction (`loss_settings.WriteOnce`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Literal, get_args
 
-from composer_replication.loss._checks import check_choice, check_scalar
-from composer_replication.loss.distill import DEFAULT_ENTROPY_OPD_H_MAX, TAID_T_END, TAID_T_START
-from composer_replication.loss.policy import LOSS_TYPES
-
-SdpoWrapper = Literal["none", "taid", "entropy_opd"]
-DpoVariant = Literal["dpo", "simpo"]
-SDPO_WRAPPERS: tuple[SdpoWrapper, ...] = get_args(SdpoWrapper)
-DPO_VARIANTS: tuple[DpoVariant, ...] = get_args(DpoVariant)
+from composer_replication.loss._checks import check_scalar
+from composer_replication.loss.distill import TAID_T_END, TAID_T_START
+from composer_replication.loss.loss_settings import LossSettings, WriteOnce, _setting
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ComposeConfig:
-    """All ``compose_loss`` keywords with their defaults (see docs/api.md for each)."""
+@dataclasses.dataclass(kw_only=True)
+class ComposeConfig(LossSettings, WriteOnce):
+    """All ``compose_loss`` keywords with their defaults (see docs/api.md for each): the
+    `LossSettings` and the run's ``temperature`` and ``taid_schedule_step``."""
 
-    loss_type: str = "dapo"
-    epsilon_low: float = 0.2
-    epsilon_high: float | None = None
-    delta: float | None = None
-    kl_beta: float = 0.0
-    temperature: float = 1.0
-    alpha_sdpo: float = 0.1
-    beta_replay: float = 0.05
-    sdpo_jsd_beta: float = 0.5
-    sdpo_temperature: float = 1.0
-    sdpo_token_clip: float | None = None
-    sdpo_top_k: int | None = None
-    sdpo_add_tail: bool = True
-    sdpo_wrapper: str = "none"
-    sdpo_max_context_length: int | None = None
-    taid_t: float | None = None
-    taid_schedule_step: int | None = None
-    taid_total_steps: int | None = None
-    entropy_opd_h_max: float = DEFAULT_ENTROPY_OPD_H_MAX
-    replay_dpo_beta: float = 0.1
-    dpo_variant: str = "dpo"
-    simpo_beta: float = 2.0
-    simpo_gamma: float = 1.0
-    label_smoothing: float = 0.0
+    temperature: float = _setting(1.0, "sampling temperature of channel 1's log-probs")
+    taid_schedule_step: int | None = _setting(
+        None, "the trainer's step on the linear TAID schedule (with taid_total_steps)"
+    )
 
     def __post_init__(self) -> None:
-        check_choice("loss_type", self.loss_type, LOSS_TYPES)
-        check_choice("sdpo_wrapper", self.sdpo_wrapper, SDPO_WRAPPERS)
-        check_choice("dpo_variant", self.dpo_variant, DPO_VARIANTS)
-        check_scalar("epsilon_low", self.epsilon_low, low=0.0, high=1.0, high_open=True)
-        if self.epsilon_high is not None:
-            check_scalar("epsilon_high", self.epsilon_high, low=0.0)
-        if self.delta is not None:
-            check_scalar("delta", self.delta, low=1.0, low_open=True)
-        check_scalar("kl_beta", self.kl_beta, low=0.0)
+        super().__post_init__()  # each setting's own check (loss_settings)
         check_scalar("temperature", self.temperature, low=0.0, low_open=True)
-        check_scalar("alpha_sdpo", self.alpha_sdpo)
-        check_scalar("beta_replay", self.beta_replay)
-        check_scalar("sdpo_jsd_beta", self.sdpo_jsd_beta, low=0.0, high=1.0)
-        check_scalar("sdpo_temperature", self.sdpo_temperature, low=0.0, low_open=True)
-        if self.sdpo_token_clip is not None:
-            check_scalar("sdpo_token_clip", self.sdpo_token_clip, low=0.0, low_open=True)
-        if self.sdpo_top_k is not None and (
-            isinstance(self.sdpo_top_k, bool)
-            or not isinstance(self.sdpo_top_k, int)
-            or self.sdpo_top_k < 1
-        ):
-            raise ValueError(f"sdpo_top_k must be a positive int or None, got {self.sdpo_top_k!r}")
-        cap = self.sdpo_max_context_length
-        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
-            raise ValueError(
-                f"sdpo_max_context_length must be a positive int or None (no cap), got {cap!r}"
-            )
-        check_scalar("entropy_opd_h_max", self.entropy_opd_h_max, low=0.0)
-        check_scalar("replay_dpo_beta", self.replay_dpo_beta, low=0.0, low_open=True)
-        check_scalar("simpo_beta", self.simpo_beta, low=0.0, low_open=True)
-        check_scalar("simpo_gamma", self.simpo_gamma, low=0.0)
-        check_scalar("label_smoothing", self.label_smoothing, low=0.0, high=0.5, high_open=True)
-        if self.taid_t is not None:
-            check_scalar("taid_t", self.taid_t, low=0.0, high=1.0)
         if self.taid_schedule_step is not None:
             check_scalar("taid_schedule_step", self.taid_schedule_step, low=0)
-        if self.taid_total_steps is not None:
-            check_scalar("taid_total_steps", self.taid_total_steps, low=0, low_open=True)
         if self.sdpo_wrapper == "taid":
             if self.taid_t is None and self.taid_schedule_step is None:
                 raise ValueError(

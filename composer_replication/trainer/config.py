@@ -2,9 +2,14 @@
 
 `ComposerConfig` is for users who configure through TRL's argument parser (``TrlParser`` /
 ``HfArgumentParser``); every composer field is also a keyword of `ComposerReplicationTrainer`,
-and keyword arguments override the config. The trainer resolves both into one frozen
+and keyword arguments override the config. The trainer resolves both into one immutable
 `ComposerSettings`, validated once at construction (the compose_loss keywords through
 ``loss.ComposeConfig``), so a bad value fails before the first rollout.
+
+The loss settings of channels 2 and 3 are declared once, in the loss library
+(``loss.loss_settings.Channel23Settings``: type, default, check, help); both classes here inherit
+them, so a setting added there is a trainer keyword, a `ComposerConfig` field and a command-line
+flag with nothing to write here. Channel 1 is TRL's loss: ``GRPOConfig``'s own fields.
 
 CPU-safe defaults: GRPOConfig defaults ``bf16=True`` and ``gradient_checkpointing=True`` (GPU
 settings). `ComposerConfig` leaves them unset and resolves them in ``__post_init__``: without a
@@ -18,11 +23,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from composer_replication.data.hints import HintTemplate, coerce_hint_template
-from composer_replication.loss import FUSED_JSD_BACKENDS, TAID_T_START, ComposeConfig
-
-# The loss keywords' defaults live in one place (the loss library); the trainer repeats the
-# names (they are its public keywords) but not the values.
-_LOSS_DEFAULTS = ComposeConfig()
+from composer_replication.loss import (
+    FUSED_JSD_BACKENDS,
+    TAID_T_START,
+    Channel1Settings,
+    Channel23Settings,
+    ComposeConfig,
+    WriteOnce,
+    setting_names,
+)
 
 try:
     from trl import GRPOConfig
@@ -32,44 +41,26 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
         "`pip install composer-replication[train]`."
     ) from exc
 
-# compose_loss keywords of channel 1, which is TRL's own loss (GRPOConfig configures it).
-CHANNEL1_KEYS: tuple[str, ...] = (
-    "loss_type",
-    "epsilon_low",
-    "epsilon_high",
-    "delta",
-    "kl_beta",
-    "temperature",
-)
-# compose_loss keywords the trainer forwards unchanged: every other `ComposeConfig` key, in its
-# order (the loss library's list, not a copy of it).
-LOSS_KEYS: tuple[str, ...] = tuple(
-    f.name for f in dataclasses.fields(ComposeConfig) if f.name not in CHANNEL1_KEYS
-)
+# The trainer's one runtime loss keyword that is not a user's loss setting: the step on the TAID
+# schedule (given, or driven by `TAIDCallback`). Its default is the loss library's.
+_TAID_SCHEDULE_STEP: int | None = ComposeConfig().taid_schedule_step
+
+# compose_loss keywords of channel 1, which is TRL's own loss (GRPOConfig configures it): the
+# loss library's `Channel1Settings` and the sampling temperature.
+CHANNEL1_KEYS: tuple[str, ...] = (*setting_names(Channel1Settings), "temperature")
+# compose_loss keywords the trainer forwards unchanged: the loss library's `Channel23Settings`
+# (its fields are `ComposerSettings`' and `ComposerConfig`'s by inheritance) and the TAID step.
+LOSS_KEYS: tuple[str, ...] = (*setting_names(Channel23Settings), "taid_schedule_step")
 
 
-@dataclass(frozen=True, kw_only=True)
-class ComposerSettings:
-    """Every composer knob, resolved (config, then keyword overrides). See docs/trainer.md."""
+@dataclass(kw_only=True)
+class ComposerSettings(Channel23Settings, WriteOnce):
+    """Every composer knob, resolved (config, then keyword overrides). See docs/trainer.md.
 
-    alpha_sdpo: float = _LOSS_DEFAULTS.alpha_sdpo
-    beta_replay: float = _LOSS_DEFAULTS.beta_replay
-    sdpo_jsd_beta: float = _LOSS_DEFAULTS.sdpo_jsd_beta
-    sdpo_temperature: float = _LOSS_DEFAULTS.sdpo_temperature
-    sdpo_token_clip: float | None = _LOSS_DEFAULTS.sdpo_token_clip
-    sdpo_top_k: int | None = _LOSS_DEFAULTS.sdpo_top_k
-    sdpo_add_tail: bool = _LOSS_DEFAULTS.sdpo_add_tail
-    sdpo_wrapper: str = _LOSS_DEFAULTS.sdpo_wrapper
-    sdpo_max_context_length: int | None = _LOSS_DEFAULTS.sdpo_max_context_length
-    taid_t: float | None = _LOSS_DEFAULTS.taid_t
-    taid_schedule_step: int | None = _LOSS_DEFAULTS.taid_schedule_step
-    taid_total_steps: int | None = _LOSS_DEFAULTS.taid_total_steps
-    entropy_opd_h_max: float = _LOSS_DEFAULTS.entropy_opd_h_max
-    replay_dpo_beta: float = _LOSS_DEFAULTS.replay_dpo_beta
-    dpo_variant: str = _LOSS_DEFAULTS.dpo_variant
-    simpo_beta: float = _LOSS_DEFAULTS.simpo_beta
-    simpo_gamma: float = _LOSS_DEFAULTS.simpo_gamma
-    label_smoothing: float = _LOSS_DEFAULTS.label_smoothing
+    The loss settings are the loss library's `Channel23Settings` (inherited: one declaration
+    each); immutable after construction (`WriteOnce`: a frozen dataclass cannot inherit them)."""
+
+    taid_schedule_step: int | None = _TAID_SCHEDULE_STEP
     # Channel-2 plumbing.
     sdpo_teacher: str = "policy"
     sdpo_ema_rate: float = 0.05
@@ -142,68 +133,14 @@ def _cuda_available() -> bool:
 
 
 @dataclass
-class ComposerConfig(GRPOConfig):
-    """`GRPOConfig` + the composer fields (same names and defaults as the trainer keywords:
-    `ComposerSettings`', which are `loss.ComposeConfig`'s for the loss keywords)."""
+class ComposerConfig(GRPOConfig, Channel23Settings):
+    """`GRPOConfig` + the composer fields (same names and defaults as the trainer keywords,
+    `ComposerSettings`'): the loss settings by inheritance from the loss library's
+    `Channel23Settings` (type, default and help declared once), the others below."""
 
-    alpha_sdpo: float = field(
-        default=_LOSS_DEFAULTS.alpha_sdpo, metadata={"help": "Channel-2 (SDPO) weight."}
-    )
-    beta_replay: float = field(
-        default=_LOSS_DEFAULTS.beta_replay, metadata={"help": "Channel-3 (trace replay) weight."}
-    )
-    sdpo_jsd_beta: float = field(
-        default=_LOSS_DEFAULTS.sdpo_jsd_beta,
-        metadata={"help": "Generalized JSD beta (0 forward KL, 1 reverse KL)."},
-    )
-    sdpo_temperature: float = field(
-        default=_LOSS_DEFAULTS.sdpo_temperature, metadata={"help": "Channel-2 temperature."}
-    )
-    sdpo_token_clip: float | None = field(
-        default=_LOSS_DEFAULTS.sdpo_token_clip,
-        metadata={"help": "Clip per-token channel-2 divergence at this value."},
-    )
-    sdpo_top_k: int | None = field(
-        default=_LOSS_DEFAULTS.sdpo_top_k,
-        metadata={"help": "Top-k vocabulary for channel 2 (None = full vocab)."},
-    )
-    sdpo_add_tail: bool = field(
-        default=_LOSS_DEFAULTS.sdpo_add_tail, metadata={"help": "Top-k: add a tail bucket."}
-    )
-    sdpo_wrapper: str = field(
-        default=_LOSS_DEFAULTS.sdpo_wrapper,
-        metadata={"help": "Channel-2 divergence: none | taid | entropy_opd."},
-    )
-    sdpo_max_context_length: int | None = field(
-        default=_LOSS_DEFAULTS.sdpo_max_context_length,
-        metadata={"help": "Cap (tokens) on a hinted teacher context; cut from the middle."},
-    )
-    taid_t: float | None = field(
-        default=_LOSS_DEFAULTS.taid_t, metadata={"help": "Fixed TAID t in [0, 1]."}
-    )
     taid_schedule_step: int | None = field(
-        default=_LOSS_DEFAULTS.taid_schedule_step,
+        default=_TAID_SCHEDULE_STEP,
         metadata={"help": "Linear TAID schedule step (with taid_total_steps)."},
-    )
-    taid_total_steps: int | None = field(
-        default=_LOSS_DEFAULTS.taid_total_steps,
-        metadata={"help": "TAID schedule length (default: max_steps)."},
-    )
-    entropy_opd_h_max: float = field(
-        default=_LOSS_DEFAULTS.entropy_opd_h_max, metadata={"help": "Entropy-OPD gate (nats)."}
-    )
-    replay_dpo_beta: float = field(
-        default=_LOSS_DEFAULTS.replay_dpo_beta, metadata={"help": "DPO beta for channel 3."}
-    )
-    dpo_variant: str = field(
-        default=_LOSS_DEFAULTS.dpo_variant, metadata={"help": "Channel 3: dpo | simpo."}
-    )
-    simpo_beta: float = field(default=_LOSS_DEFAULTS.simpo_beta, metadata={"help": "SimPO beta."})
-    simpo_gamma: float = field(
-        default=_LOSS_DEFAULTS.simpo_gamma, metadata={"help": "SimPO margin gamma."}
-    )
-    label_smoothing: float = field(
-        default=_LOSS_DEFAULTS.label_smoothing, metadata={"help": "Channel-3 label smoothing."}
     )
     sdpo_teacher: str = field(
         default=_SETTINGS_DEFAULTS.sdpo_teacher,
@@ -251,6 +188,10 @@ class ComposerConfig(GRPOConfig):
     )
 
     def __post_init__(self) -> None:
+        # The loss settings' own checks (loss_settings.Channel23Settings): a bad value fails when
+        # the arguments are parsed. TRL's __post_init__ chain ends in TrainingArguments', which
+        # does not call on, so the base's is called here.
+        Channel23Settings.__post_init__(self)
         cuda = _cuda_available()
         if self.gradient_checkpointing is None:
             self.gradient_checkpointing = cuda

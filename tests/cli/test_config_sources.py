@@ -1,7 +1,7 @@
 """One source for every default and name: the run schema against the libraries it derives from.
 
-The `[loss]` section against the loss library's `ComposeConfig` (keys, defaults, types, choices,
-checks), `backend.kind` against the executor registry, `diloco.codec` against the exchange's
+The `[loss]` section's checks and its way to the trainer (its keys, types, defaults and help are
+the loss library's declarations: tests/cli/test_loss_settings_surfaces.py), `backend.kind` against the executor registry, `diloco.codec` against the exchange's
 codecs, the config -> trainer translation against the trainer's keywords, and docs/cli.md's
 reference against the generator.
 """
@@ -16,53 +16,13 @@ from pathlib import Path
 import pytest
 
 from composer_replication.config import ConfigError, default_toml_text, load_config
-from composer_replication.config.schema import (
-    LOSS_KEYS_SET_BY_THE_RUN,
-    BackendConfig,
-    DilocoConfig,
-    LossConfig,
-)
+from composer_replication.config.schema import BackendConfig, DilocoConfig, LossConfig
 from composer_replication.exchange.codecs import CODECS
 from composer_replication.executors.registry import BACKEND_NAMES
-from composer_replication.loss import (
-    DPO_VARIANTS,
-    LOSS_TYPES,
-    SDPO_WRAPPERS,
-    ComposeConfig,
-)
+from composer_replication.loss import ComposeConfig
 
 ROOT = Path(__file__).resolve().parents[2]
-LOSS_FIELDS = {f.name: f for f in dataclasses.fields(ComposeConfig)}
 SCHEMA_FIELDS = {f.name: f for f in dataclasses.fields(LossConfig)}
-LOSS_HINTS = typing.get_type_hints(ComposeConfig)
-SCHEMA_HINTS = typing.get_type_hints(LossConfig)
-CHOICES = {"loss_type": LOSS_TYPES, "sdpo_wrapper": SDPO_WRAPPERS, "dpo_variant": DPO_VARIANTS}
-
-
-def test_every_compose_config_key_is_a_loss_key_or_set_by_the_run() -> None:
-    assert set(LOSS_KEYS_SET_BY_THE_RUN) <= set(LOSS_FIELDS)
-    assert set(SCHEMA_FIELDS) == set(LOSS_FIELDS) - set(LOSS_KEYS_SET_BY_THE_RUN)
-
-
-@pytest.mark.parametrize("key", sorted(SCHEMA_FIELDS))
-def test_loss_key_has_the_loss_librarys_default_and_type(key: str) -> None:
-    assert SCHEMA_FIELDS[key].default == LOSS_FIELDS[key].default
-    assert SCHEMA_FIELDS[key].metadata["help"]
-    schema_type = SCHEMA_HINTS[key]
-    if typing.get_origin(schema_type) is typing.Literal:  # a choice: the library's tuple
-        assert typing.get_args(schema_type) == CHOICES[key]
-        assert LOSS_HINTS[key] is str
-    else:
-        assert schema_type == LOSS_HINTS[key]
-
-
-def test_schema_defaults_equal_the_loss_librarys() -> None:
-    """The whole [loss] section: what a TOML file without [loss] gets is ComposeConfig()."""
-    loss = ComposeConfig()
-    assert {k: getattr(LossConfig(), k) for k in SCHEMA_FIELDS} == {
-        k: getattr(loss, k) for k in SCHEMA_FIELDS
-    }
-    assert LossConfig().dpo_variant == "dpo"
 
 
 def test_the_embedded_default_chooses_simpo_in_its_toml() -> None:
@@ -170,23 +130,7 @@ def test_every_loss_key_reaches_the_trainer() -> None:
         1.5,
         0.02,
     )
-    assert args.temperature == config.train.temperature  # LOSS_KEYS_SET_BY_THE_RUN
-
-
-def test_the_trainers_loss_settings_are_the_loss_librarys() -> None:
-    """One list of loss settings: the trainer's keywords are `ComposeConfig`'s minus channel 1
-    (whose [loss] keys become TRL arguments, `temperature` set by [train]), each a field of
-    `ComposerSettings` with the library's default."""
-    pytest.importorskip("trl")
-    from composer_replication.assembly.build import CHANNEL1_TRL_ARGS
-    from composer_replication.trainer.config import CHANNEL1_KEYS, LOSS_KEYS, ComposerSettings
-
-    assert set(LOSS_KEYS) | set(CHANNEL1_KEYS) == set(LOSS_FIELDS)
-    assert set(LOSS_KEYS).isdisjoint(CHANNEL1_KEYS)
-    assert set(CHANNEL1_KEYS) == set(CHANNEL1_TRL_ARGS) | {"temperature"}
-    settings = ComposerSettings()
-    for key in LOSS_KEYS:
-        assert getattr(settings, key) == LOSS_FIELDS[key].default, key
+    assert args.temperature == config.train.temperature  # schema.LOSS_KEYS_SET_BY_THE_RUN
 
 
 def test_docs_reference_is_the_generated_one() -> None:

@@ -39,7 +39,8 @@ def test_docs_example_trains_all_three_channels(tmp_path, monkeypatch, capsys):
 
 def test_keyword_table_defaults_are_the_settings_defaults():
     """docs/trainer.md's keyword table states ComposerSettings' defaults (which are
-    loss.ComposeConfig's for the loss keywords): no second source of a default."""
+    loss.ComposeConfig's for the loss keywords): no second source of a default; and it lists
+    every loss setting the trainer takes (a setting added to loss/loss_settings.py gets a row)."""
     import dataclasses
     import sys
 
@@ -48,11 +49,13 @@ def test_keyword_table_defaults_are_the_settings_defaults():
 
     from composer_replication.loss import ComposeConfig
     from composer_replication.trainer import ComposerSettings
+    from composer_replication.trainer.config import LOSS_KEYS
 
     documented = table_defaults(DOC.read_text(), "| keyword | default |")
     settings = {f.name: f.default for f in dataclasses.fields(ComposerSettings)}
     loss = {f.name: f.default for f in dataclasses.fields(ComposeConfig)}
     assert set(documented) <= set(settings) and len(documented) >= 20
+    assert set(LOSS_KEYS) <= set(documented), set(LOSS_KEYS) - set(documented)
     for name, value in documented.items():
         assert value == settings[name], name
         if name in loss:

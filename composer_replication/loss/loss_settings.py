@@ -22,8 +22,9 @@ dataclass can neither inherit a mutable one nor be inherited by one, so the base
 ``ComposerConfig`` shares are mutable. The three configs that are values (``ComposeConfig``,
 ``LossConfig``, ``ComposerSettings``) keep their immutability through `WriteOnce` (each field is
 set once, by ``__init__``; assigning it again raises ``dataclasses.FrozenInstanceError`` as a
-frozen dataclass does), written once here instead of per class. ``ComposerConfig`` stays
-mutable, as TRL's arguments are (TRL assigns to them).
+frozen dataclass does), written once here instead of per class; unlike a frozen dataclass they
+are not hashable (nothing hashes them; ``RunConfig`` never was, its ``task.options`` is a dict).
+``ComposerConfig`` stays mutable, as TRL's arguments are (TRL assigns to them).
 """
 
 from __future__ import annotations

@@ -139,7 +139,11 @@ def test_dead_replica_is_left_out_and_reported(pool, tmp_path):
         sr = o["step_results"][0]
         assert sr["included_ranks"] == [0, 1] and sr["excluded_ranks"] == [2]
         assert "missing" in sr["rejected"][2]
-        assert sr["seconds"] >= 3.0
+    # Whichever rank commits does so only once timeout_s has passed since its own upload, so it
+    # waited at least that long. The other reads that record: its clock starts at its own
+    # upload, which under load can come a little after the committer's (a fresh-clone run beside
+    # a CPU hog measured 2.91 s for it), so its wait is not bounded by the timeout.
+    assert max(o["step_results"][0]["wait_seconds"] for o in outs.values()) >= 3.0
     # the late replica arrives after the commit: left out, but gets the committed result
     late = run_all(pool, uri, 3, [2], [0], timeout_s=3.0, min_replicas=2)[2]
     assert late["error"] is None

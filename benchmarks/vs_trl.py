@@ -2,7 +2,7 @@
 
     python benchmarks/vs_trl.py [--quick] [--budget-s S] [--clock cpu|wall] [--seeds K]
                                 [--first-seed N] [--arms a,b] [--jobs N] [--log PATH]
-                                [--ablation] [--warm-start-steps N] [section.key=value ...]
+                                [--ablation] [--warm-start-steps N] [--starts S] [section.key=value ...]
 
 Setting: the embedded default's task (`composer-replication config show`): sums of three digits,
 700 training prompts, 256 held-out prompts that share no operand multiset with a training prompt
@@ -61,7 +61,7 @@ the probe's time is not charged to the budget).
 ``--seeds`` seeds, from scratch and from an SFT warm start (``--warm-start-steps`` steps of
 TRL's ``SFTTrainer`` on the oracle traces of half the training prompts, the same start for every
 variant of a seed, not charged to the budget), where a hint can change what the teacher
-predicts.
+predicts (``--starts scratch`` or ``warm`` runs one of the two).
 
 Runs compared with each other run at the same time (``--jobs``, default 5: one process and
 session per run; the arms of one seed together, the arms at one grid point together), because
@@ -797,6 +797,12 @@ def main() -> None:
         help="--ablation: SFT steps of the warm start (default 250)",
     )
     p.add_argument(
+        "--starts",
+        choices=("both", "scratch", "warm"),
+        default="both",
+        help="--ablation: from scratch, from the SFT warm start, or both (default)",
+    )
+    p.add_argument(
         "--probe-every",
         type=int,
         default=5,
@@ -823,6 +829,8 @@ def main() -> None:
     seeds = a.seeds or (1 if a.quick else DEFAULT_SEEDS)
     if budget <= 0 or seeds < 1 or a.probe_every < 1 or a.jobs < 1 or a.warm_start_steps < 0:
         p.error("--budget-s must be > 0; --seeds, --probe-every, --jobs >= 1; warm start >= 0")
+    if a.starts == "warm" and not a.warm_start_steps:
+        p.error("--starts warm needs --warm-start-steps > 0")
     arms = list(ARMS)
     if a.arms:
         arms = [t.strip() for t in a.arms.split(",") if t.strip()]
@@ -913,6 +921,8 @@ def ablation(
     """Our channel variants at ours' tuned (lr, G), from scratch and from the SFT warm start."""
     variants = [*CHANNEL_VARIANTS, "composer"]
     starts = [0, a.warm_start_steps] if a.warm_start_steps else [0]
+    if a.starts != "both":
+        starts = [starts[0] if a.starts == "scratch" else starts[-1]]
     batches = [
         [
             Spec(v, s, chosen["lr"], chosen["g"], None, "heldout", w, budget, a.clock)

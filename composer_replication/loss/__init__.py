@@ -13,8 +13,10 @@
 - log-probs: ``selective_log_softmax`` (from logits), ``completion_logps`` (from a causal LM);
   the model protocols ``CausalLM`` and ``HiddenStateLM`` (a causal LM's body)
 - ``loss_settings``: the one list of loss settings, each declared once with its type, default,
-  check and help: ``Channel1Settings``, ``Channel23Settings`` and both, ``LossSettings``; the
-  trainer's settings, the TOML ``[loss]`` section and ``ComposeConfig`` inherit them
+  check and help: ``Channel1Settings``, ``SampledTokenSettings`` (what works on sampled-token
+  log-probs alone), ``Channel23Settings`` (those and channel 2's full-vocabulary settings) and
+  ``LossSettings`` (channels 1-3); the trainer's settings, the TOML ``[loss]`` section,
+  ``ComposeConfig`` and the PRIME-RL recipe's config inherit them
 - ``ComposeConfig``: every keyword and its default (``LossSettings`` + the run's ``temperature``
   and ``taid_schedule_step``); ``TAID_T_START``/``TAID_T_END`` and the choice tuples
   ``LOSS_TYPES``, ``SDPO_WRAPPERS``, ``DPO_VARIANTS`` (and their ``Literal`` types ``LossType``,
@@ -56,6 +58,7 @@ from composer_replication.loss.loss_settings import (
     Channel23Settings,
     DpoVariant,
     LossSettings,
+    SampledTokenSettings,
     SdpoWrapper,
     WriteOnce,
     setting_names,
@@ -80,6 +83,7 @@ __all__ = [
     "HiddenStateLM",
     "LossSettings",
     "LossType",
+    "SampledTokenSettings",
     "SdpoWrapper",
     "TAIDScheduler",
     "WriteOnce",

@@ -55,24 +55,30 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from composer_replication.loss import ComposeConfig, assemble, dpo_loss, dppo_mask, simpo_loss
-from composer_replication.recipes.prime_rl.contract import PRIME_RL_DEFAULT_LOSS, LossOutputs
-from composer_replication.recipes.sampled import (
-    SAMPLED_TOKEN_KEYS,
-    reject_logit_keywords,
-    sampled_token_config,
+from composer_replication.loss import (
+    SampledTokenSettings,
+    WriteOnce,
+    assemble,
+    dpo_loss,
+    dppo_mask,
+    simpo_loss,
 )
+from composer_replication.recipes.prime_rl.contract import PRIME_RL_DEFAULT_LOSS, LossOutputs
+from composer_replication.recipes.sampled import reject_logit_keywords
 
 MASKS = ("prob_diff", "log_ratio", "both")
 DPO_PAIR_KEYS = ("chosen_logps", "rejected_logps", "ref_chosen_logps", "ref_rejected_logps")
 SIMPO_PAIR_KEYS = ("chosen_avg_logps", "rejected_avg_logps")
 PAIR_KEYS = DPO_PAIR_KEYS + SIMPO_PAIR_KEYS
-_COMPOSE_DEFAULTS = ComposeConfig()
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class PrimeRLLossConfig:
-    """The TOML-settable ``[trainer.loss.kwargs]`` of ``loss_fn``, validated."""
+@dataclasses.dataclass(kw_only=True)
+class PrimeRLLossConfig(SampledTokenSettings, WriteOnce):
+    """The TOML-settable ``[trainer.loss.kwargs]`` of ``loss_fn``, validated and immutable.
+
+    The composer settings are the loss library's ``SampledTokenSettings`` (inherited: default,
+    type, check and help declared once, in loss/loss_settings.py); the fields below are PRIME-RL's
+    channel 1 (its DPPO loss, defaults from its ``DefaultLossConfig``)."""
 
     mask: str = "prob_diff"
     dppo_mask_low: float = PRIME_RL_DEFAULT_LOSS["dppo_mask_low"]
@@ -81,13 +87,6 @@ class PrimeRLLossConfig:
     log_ratio_high: float = 4.0
     adv_tau: float = PRIME_RL_DEFAULT_LOSS["adv_tau"]
     kl_tau: float = PRIME_RL_DEFAULT_LOSS["kl_tau"]
-    alpha_sdpo: float = _COMPOSE_DEFAULTS.alpha_sdpo
-    beta_replay: float = _COMPOSE_DEFAULTS.beta_replay
-    dpo_variant: str = _COMPOSE_DEFAULTS.dpo_variant
-    replay_dpo_beta: float = _COMPOSE_DEFAULTS.replay_dpo_beta
-    simpo_beta: float = _COMPOSE_DEFAULTS.simpo_beta
-    simpo_gamma: float = _COMPOSE_DEFAULTS.simpo_gamma
-    label_smoothing: float = _COMPOSE_DEFAULTS.label_smoothing
 
     def __post_init__(self) -> None:
         if self.mask not in MASKS:
@@ -104,8 +103,7 @@ class PrimeRLLossConfig:
                 f"log_ratio_low ({self.log_ratio_low}) must be below log_ratio_high "
                 f"({self.log_ratio_high})"
             )
-        # The shared keywords are validated by the loss library's own config (one set of checks).
-        sampled_token_config({k: getattr(self, k) for k in SAMPLED_TOKEN_KEYS})
+        SampledTokenSettings.__post_init__(self)  # the composer settings' own checks
 
     @classmethod
     def from_kwargs(cls, kwargs: Mapping[str, Any]) -> PrimeRLLossConfig:

@@ -6,7 +6,8 @@
 - ``compose``: ``compose_loss(model, inputs, **kw)`` on the one composer batch (docs/api.md), its
   per-channel terms ``sdpo_term`` / ``fused_sdpo_term`` / ``replay_term`` (for trainers that
   compute channel 1 themselves), the tensor-level ``combine``, and ``assemble`` (the total from
-  channel results: the one place it is formed)
+  channel results: the one place it is formed); ``replay_preference``, channel 3's loss from
+  pair log-probs and the `SampledTokenSettings` (for recipes that collect the pairs themselves)
 - ``fused``: ``fused_linear_jsd``, channel 2's generalized JSD from last hidden states through the
   output layer (no ``(B, T, V)`` logits; backends ``FUSED_JSD_BACKENDS``: PyTorch, our Triton
   kernels, Liger-Kernel)
@@ -25,6 +26,7 @@
 Every loss returns ``(loss, metrics)``: a 0-dim tensor and a dict of python floats.
 """
 
+from composer_replication.loss._channels import replay_preference
 from composer_replication.loss._logprobs import (
     CausalLM,
     HiddenStateLM,
@@ -98,6 +100,7 @@ __all__ = [
     "fused_sdpo_term",
     "generalized_jsd",
     "grpo_loss",
+    "replay_preference",
     "replay_term",
     "sdpo_term",
     "selective_log_softmax",

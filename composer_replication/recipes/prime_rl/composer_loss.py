@@ -26,7 +26,8 @@ result by the global count of rl tokens. Per token ``t`` of ``loss_mask`` (weigh
   ``alpha_sdpo * -keep2_t * sg(lp_ref_t - lp_t) * r_t``; ``keep2`` is the same DPPO mask with
   ``lp_ref - lp`` as the per-token advantage. On-policy (``r = 1``) its value is the sampled
   estimate of ``KL(policy || reference)`` and its gradient that of the reverse KL.
-- channel 3, when pair tensors are passed and ``beta_replay != 0``: ``loss.dpo_loss``
+- channel 3, when pair tensors are passed and ``beta_replay != 0``: the loss library's
+  ``replay_preference`` (its settings are this config's ``SampledTokenSettings``): ``loss.dpo_loss``
   (``dpo_variant = "dpo"``: ``chosen_logps``, ``rejected_logps``, ``ref_chosen_logps``,
   ``ref_rejected_logps``, each ``(N,)`` summed log-probs) or ``loss.simpo_loss`` (``"simpo"``:
   ``chosen_avg_logps``, ``rejected_avg_logps``), mean over the N pairs, added as
@@ -59,9 +60,8 @@ from composer_replication.loss import (
     SampledTokenSettings,
     WriteOnce,
     assemble,
-    dpo_loss,
     dppo_mask,
-    simpo_loss,
+    replay_preference,
 )
 from composer_replication.recipes.prime_rl.contract import PRIME_RL_DEFAULT_LOSS, LossOutputs
 from composer_replication.recipes.sampled import reject_logit_keywords
@@ -189,24 +189,16 @@ def _replay(cfg: PrimeRLLossConfig, pairs: dict[str, Tensor]) -> tuple[Tensor, d
             f"channel 3 ({cfg.dpo_variant}) got {', '.join(k for k in wanted if k in pairs)} "
             f"but not {', '.join(missing)}; pass all of {', '.join(wanted)}"
         )
-    if cfg.dpo_variant == "simpo":
-        loss, m = simpo_loss(
-            pairs["chosen_avg_logps"],
-            pairs["rejected_avg_logps"],
-            beta=cfg.simpo_beta,
-            gamma=cfg.simpo_gamma,
-            label_smoothing=cfg.label_smoothing,
-        )
-        return loss, {k.split("/", 1)[1]: v for k, v in m.items()}
-    loss, m = dpo_loss(
-        pairs["chosen_logps"],
-        pairs["rejected_logps"],
-        pairs["ref_chosen_logps"],
-        pairs["ref_rejected_logps"],
-        beta=cfg.replay_dpo_beta,
-        label_smoothing=cfg.label_smoothing,
+    # the loss library's channel 3, with this config's sampled-token settings
+    loss, m = replay_preference(
+        cfg,
+        pairs[wanted[0]],
+        pairs[wanted[1]],
+        pairs.get("ref_chosen_logps"),
+        pairs.get("ref_rejected_logps"),
+        ("ref_chosen_logps", "ref_rejected_logps"),
     )
-    return loss, {k.split("/", 1)[1]: v for k, v in m.items()}
+    return loss, {k.split("/", 1)[1]: v for k, v in m.items() if k.startswith("replay/")}
 
 
 def _mean(values: Tensor, mask: Tensor) -> Tensor:

@@ -6,15 +6,18 @@
 - ``compose``: ``compose_loss(model, inputs, **kw)`` on the one composer batch (docs/api.md), its
   per-channel terms ``sdpo_term`` / ``fused_sdpo_term`` / ``replay_term`` (for trainers that
   compute channel 1 themselves), the tensor-level ``combine``, and ``assemble`` (the total from
-  channel results: the one place it is formed)
+  channel results: the one place it is formed); ``replay_preference``, channel 3's loss from
+  pair log-probs and the `SampledTokenSettings` (for recipes that collect the pairs themselves)
 - ``fused``: ``fused_linear_jsd``, channel 2's generalized JSD from last hidden states through the
   output layer (no ``(B, T, V)`` logits; backends ``FUSED_JSD_BACKENDS``: PyTorch, our Triton
   kernels, Liger-Kernel)
 - log-probs: ``selective_log_softmax`` (from logits), ``completion_logps`` (from a causal LM);
   the model protocols ``CausalLM`` and ``HiddenStateLM`` (a causal LM's body)
 - ``loss_settings``: the one list of loss settings, each declared once with its type, default,
-  check and help: ``Channel1Settings``, ``Channel23Settings`` and both, ``LossSettings``; the
-  trainer's settings, the TOML ``[loss]`` section and ``ComposeConfig`` inherit them
+  check and help: ``Channel1Settings``, ``SampledTokenSettings`` (what works on sampled-token
+  log-probs alone), ``Channel23Settings`` (those and channel 2's full-vocabulary settings) and
+  ``LossSettings`` (channels 1-3); the trainer's settings, the TOML ``[loss]`` section,
+  ``ComposeConfig`` and the PRIME-RL recipe's config inherit them
 - ``ComposeConfig``: every keyword and its default (``LossSettings`` + the run's ``temperature``
   and ``taid_schedule_step``); ``TAID_T_START``/``TAID_T_END`` and the choice tuples
   ``LOSS_TYPES``, ``SDPO_WRAPPERS``, ``DPO_VARIANTS`` (and their ``Literal`` types ``LossType``,
@@ -23,6 +26,7 @@
 Every loss returns ``(loss, metrics)``: a 0-dim tensor and a dict of python floats.
 """
 
+from composer_replication.loss._channels import replay_preference
 from composer_replication.loss._logprobs import (
     CausalLM,
     HiddenStateLM,
@@ -56,6 +60,7 @@ from composer_replication.loss.loss_settings import (
     Channel23Settings,
     DpoVariant,
     LossSettings,
+    SampledTokenSettings,
     SdpoWrapper,
     WriteOnce,
     setting_names,
@@ -80,6 +85,7 @@ __all__ = [
     "HiddenStateLM",
     "LossSettings",
     "LossType",
+    "SampledTokenSettings",
     "SdpoWrapper",
     "TAIDScheduler",
     "WriteOnce",
@@ -94,6 +100,7 @@ __all__ = [
     "fused_sdpo_term",
     "generalized_jsd",
     "grpo_loss",
+    "replay_preference",
     "replay_term",
     "sdpo_term",
     "selective_log_softmax",

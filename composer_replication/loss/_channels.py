@@ -13,6 +13,7 @@ from torch import Tensor
 
 from composer_replication.loss._config import ComposeConfig, taid_t_for
 from composer_replication.loss.distill import entropy_opd_loss, generalized_jsd, taid_loss
+from composer_replication.loss.loss_settings import SampledTokenSettings
 from composer_replication.loss.policy import grpo_loss
 from composer_replication.loss.preference import dpo_loss, simpo_loss
 
@@ -54,7 +55,7 @@ def sdpo_divergence(
 
 
 def replay_preference(
-    cfg: ComposeConfig,
+    cfg: SampledTokenSettings,
     chosen: Tensor,
     rejected: Tensor,
     ref_chosen: Tensor | None,
@@ -62,7 +63,8 @@ def replay_preference(
     ref_names: tuple[str, str],
 ) -> Result:
     """Channel-3 loss, the mean over pairs; ``chosen``/``rejected`` are summed (dpo) or averaged
-    (simpo) log-probs. Metrics ``replay/*`` and ``loss/replay`` (that mean)."""
+    (simpo) log-probs. Metrics ``replay/*`` and ``loss/replay`` (that mean). It reads only
+    `SampledTokenSettings` (the PRIME-RL recipe hands it its own config)."""
     if cfg.dpo_variant == "simpo":
         loss, m = simpo_loss(
             chosen,

@@ -1,29 +1,38 @@
 """The one list of loss settings: each declared once, with its type, default, check and help.
 
-Four surfaces take a loss setting from a user, and each gets these fields by inheritance (so
-mypy and an IDE see every field with its type):
+Three bases: `Channel1Settings` (channel 1), `SampledTokenSettings` (the weights of channels 2
+and 3 and channel 3's preference loss: what works on sampled-token log-probs alone) and
+`Channel23Settings` (those and channel 2's full-vocabulary settings); `LossSettings` is channel 1's
+and channels 2-3's. Five surfaces take a loss setting from a user, and each gets these fields by
+inheritance (so mypy and an IDE see every field with its type):
 
 - ``ComposeConfig`` (``compose_loss`` / ``combine`` keywords): `LossSettings`, plus the values
   a run sets rather than a user (``temperature``, ``taid_schedule_step``);
 - ``config.schema.LossConfig`` (the TOML ``[loss]`` section): `LossSettings`, its keys exactly;
 - ``trainer.ComposerSettings`` (``ComposerReplicationTrainer`` keywords) and
   ``trainer.ComposerConfig`` (a TRL ``GRPOConfig``, for ``HfArgumentParser``): `Channel23Settings`
-  (channel 1 is TRL's own loss, configured by ``GRPOConfig``'s fields).
+  (channel 1 is TRL's own loss, configured by ``GRPOConfig``'s fields);
+- ``recipes.prime_rl.PrimeRLLossConfig`` (PRIME-RL's ``[trainer.loss.kwargs]``):
+  `SampledTokenSettings` (channel 1 is PRIME-RL's DPPO loss, and only sampled-token log-probs
+  reach a custom loss); the verl recipe's settings are ``recipes.sampled.SAMPLED_TOKEN_KEYS``,
+  these fields' names.
 
 Adding a setting is one field here, ``_setting(default, help)`` with a precise type, and its
 check in the class's ``__post_init__`` (a ``ValueError`` whose message starts with the name:
 ``LossConfig`` rewords it as ``loss.<name>: ...``). The surfaces pick it up: ``LossConfig`` as a
 TOML key (docs/cli.md is generated from the help), the trainer as a keyword and a command-line
-flag, ``compose_loss`` as a keyword; the docs' keyword tables (docs/api.md, docs/trainer.md) are
-checked against these fields by tests, so the table row is the one other line to write.
+flag, ``compose_loss`` as a keyword, and, for a `SampledTokenSettings` field, the PRIME-RL and
+verl recipes as a loss keyword; the docs' keyword tables (docs/api.md, docs/trainer.md, the
+recipes' pages) are checked against these fields by tests, so the table row is the one other line
+to write.
 
 Mutable dataclasses, on purpose: TRL's ``GRPOConfig`` is a mutable dataclass, and a frozen
 dataclass can neither inherit a mutable one nor be inherited by one, so the bases that
-``ComposerConfig`` shares are mutable. The three configs that are values (``ComposeConfig``,
-``LossConfig``, ``ComposerSettings``) keep their immutability through `WriteOnce` (each field is
-set once, by ``__init__``; assigning it again raises ``dataclasses.FrozenInstanceError`` as a
-frozen dataclass does), written once here instead of per class; unlike a frozen dataclass they
-are not hashable (nothing hashes them; ``RunConfig`` never was, its ``task.options`` is a dict).
+``ComposerConfig`` shares are mutable. The four configs that are values (``ComposeConfig``,
+``LossConfig``, ``ComposerSettings``, ``PrimeRLLossConfig``) keep their immutability through
+`WriteOnce` (each field is set once, by ``__init__``; assigning it again raises
+``dataclasses.FrozenInstanceError`` as a frozen dataclass does), written once here instead of per
+class; unlike a frozen dataclass they are not hashable (nothing hashes them; ``RunConfig`` never was, its ``task.options`` is a dict).
 ``ComposerConfig`` stays mutable, as TRL's arguments are (TRL assigns to them).
 """
 
@@ -43,6 +52,7 @@ __all__ = [
     "Channel23Settings",
     "DpoVariant",
     "LossSettings",
+    "SampledTokenSettings",
     "SdpoWrapper",
     "WriteOnce",
     "setting_names",
@@ -111,12 +121,40 @@ class Channel1Settings:
 
 
 @dataclasses.dataclass(kw_only=True)
-class Channel23Settings:
-    """Channels 2 (hint self-distillation) and 3 (trace replay): the settings every surface
-    shares, the trainer's keywords and ``ComposerConfig``'s fields included."""
+class SampledTokenSettings:
+    """What works on the log-probs of the sampled tokens alone: the weights of channels 2 and 3
+    and channel 3's preference loss. The sampled-token recipes (verl, PRIME-RL: no
+    full-vocabulary logits) take exactly these; `Channel23Settings` extends them."""
 
     alpha_sdpo: float = _setting(0.1, "channel 2 (hint self-distillation) weight; 0 disables it")
     beta_replay: float = _setting(0.05, "channel 3 (trace replay) weight; 0 disables it")
+    dpo_variant: DpoVariant = _setting(
+        "dpo",
+        "channel-3 preference loss ('dpo' scores a frozen reference copy of the model; "
+        "'simpo' is reference-free)",
+    )
+    replay_dpo_beta: float = _setting(0.1, "DPO beta for channel 3")
+    simpo_beta: float = _setting(2.0, "SimPO beta")
+    simpo_gamma: float = _setting(1.0, "SimPO margin gamma")
+    label_smoothing: float = _setting(0.0, "channel-3 label smoothing in [0, 0.5)")
+
+    def __post_init__(self) -> None:
+        check_scalar("alpha_sdpo", self.alpha_sdpo)
+        check_scalar("beta_replay", self.beta_replay)
+        check_choice("dpo_variant", self.dpo_variant, DPO_VARIANTS)
+        check_scalar("replay_dpo_beta", self.replay_dpo_beta, low=0.0, low_open=True)
+        check_scalar("simpo_beta", self.simpo_beta, low=0.0, low_open=True)
+        check_scalar("simpo_gamma", self.simpo_gamma, low=0.0)
+        check_scalar("label_smoothing", self.label_smoothing, low=0.0, high=0.5, high_open=True)
+
+
+@dataclasses.dataclass(kw_only=True)
+class Channel23Settings(SampledTokenSettings):
+    """Channels 2 (hint self-distillation) and 3 (trace replay): the `SampledTokenSettings`,
+    then channel 2's full-vocabulary divergence settings (``sdpo_*``, ``taid_*``,
+    ``entropy_opd_h_max``: they act on logits). Every surface shares these, the trainer's
+    keywords and ``ComposerConfig``'s fields included."""
+
     sdpo_jsd_beta: float = _setting(0.5, "generalized JSD beta (0 forward KL, 1 reverse KL)")
     sdpo_temperature: float = _setting(1.0, "channel 2 softmax temperature (student and teacher)")
     sdpo_token_clip: float | None = _setting(
@@ -145,19 +183,9 @@ class Channel23Settings:
     entropy_opd_h_max: float = _setting(
         DEFAULT_ENTROPY_OPD_H_MAX, "entropy_opd wrapper: teacher-entropy gate in nats"
     )
-    replay_dpo_beta: float = _setting(0.1, "DPO beta for channel 3")
-    dpo_variant: DpoVariant = _setting(
-        "dpo",
-        "channel-3 preference loss ('dpo' scores a frozen reference copy of the model; "
-        "'simpo' is reference-free)",
-    )
-    simpo_beta: float = _setting(2.0, "SimPO beta")
-    simpo_gamma: float = _setting(1.0, "SimPO margin gamma")
-    label_smoothing: float = _setting(0.0, "channel-3 label smoothing in [0, 0.5)")
 
     def __post_init__(self) -> None:
-        check_scalar("alpha_sdpo", self.alpha_sdpo)
-        check_scalar("beta_replay", self.beta_replay)
+        SampledTokenSettings.__post_init__(self)
         check_scalar("sdpo_jsd_beta", self.sdpo_jsd_beta, low=0.0, high=1.0)
         check_scalar("sdpo_temperature", self.sdpo_temperature, low=0.0, low_open=True)
         if self.sdpo_token_clip is not None:
@@ -170,11 +198,6 @@ class Channel23Settings:
         if self.taid_total_steps is not None:
             check_scalar("taid_total_steps", self.taid_total_steps, low=0, low_open=True)
         check_scalar("entropy_opd_h_max", self.entropy_opd_h_max, low=0.0)
-        check_scalar("replay_dpo_beta", self.replay_dpo_beta, low=0.0, low_open=True)
-        check_choice("dpo_variant", self.dpo_variant, DPO_VARIANTS)
-        check_scalar("simpo_beta", self.simpo_beta, low=0.0, low_open=True)
-        check_scalar("simpo_gamma", self.simpo_gamma, low=0.0)
-        check_scalar("label_smoothing", self.label_smoothing, low=0.0, high=0.5, high_open=True)
 
 
 @dataclasses.dataclass(kw_only=True)

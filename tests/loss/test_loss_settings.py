@@ -18,6 +18,7 @@ from composer_replication.loss import (
     Channel23Settings,
     ComposeConfig,
     LossSettings,
+    SampledTokenSettings,
     setting_names,
 )
 
@@ -37,6 +38,25 @@ def test_loss_settings_are_channel_1_then_channels_2_and_3() -> None:
         "delta",
         "kl_beta",
     )
+
+
+def test_channels_2_and_3_are_the_sampled_token_settings_then_channel_2s_on_logits() -> None:
+    """What works on sampled-token log-probs alone (the verl and PRIME-RL recipes take these) is
+    a base of Channel23Settings; the rest of channel 2 acts on full-vocabulary logits."""
+    sampled = setting_names(SampledTokenSettings)
+    assert issubclass(Channel23Settings, SampledTokenSettings)
+    assert sampled == (
+        "alpha_sdpo",
+        "beta_replay",
+        "dpo_variant",
+        "replay_dpo_beta",
+        "simpo_beta",
+        "simpo_gamma",
+        "label_smoothing",
+    )
+    logits_only = setting_names(Channel23Settings)[len(sampled) :]
+    assert setting_names(Channel23Settings)[: len(sampled)] == sampled
+    assert all(n.startswith(("sdpo_", "taid_", "entropy_opd_")) for n in logits_only)
 
 
 @pytest.mark.parametrize("name", setting_names(LossSettings))
@@ -84,6 +104,9 @@ def test_compose_config_is_the_settings_and_the_runs_two_values() -> None:
         (Channel23Settings, "sdpo_wrapper", "kl", "unknown sdpo_wrapper='kl'"),
         (Channel23Settings, "taid_total_steps", 0, "taid_total_steps must be in"),
         (Channel23Settings, "replay_dpo_beta", 0.0, "replay_dpo_beta must be in"),
+        (SampledTokenSettings, "replay_dpo_beta", 0.0, "replay_dpo_beta must be in"),
+        (SampledTokenSettings, "dpo_variant", "ipo", "unknown dpo_variant='ipo'"),
+        (SampledTokenSettings, "alpha_sdpo", "x", "alpha_sdpo must be a number"),
     ],
 )
 def test_a_settings_check_is_declared_with_it_and_holds_in_compose_config(

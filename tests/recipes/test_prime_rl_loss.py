@@ -308,10 +308,11 @@ def test_bad_inputs_name_the_problem():
 def test_config_defaults_come_from_their_sources():
     from composer_replication.loss import ComposeConfig
     from composer_replication.recipes.prime_rl.contract import PRIME_RL_DEFAULT_LOSS
+    from composer_replication.recipes.sampled import SAMPLED_TOKEN_KEYS
 
     cfg = PrimeRLLossConfig()
     shared = ComposeConfig()
-    for key in ("alpha_sdpo", "beta_replay", "dpo_variant", "replay_dpo_beta", "simpo_beta"):
+    for key in SAMPLED_TOKEN_KEYS:  # the loss library's SampledTokenSettings, inherited
         assert getattr(cfg, key) == getattr(shared, key)
     for key, value in PRIME_RL_DEFAULT_LOSS.items():
         assert getattr(cfg, key) == value

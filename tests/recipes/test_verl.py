@@ -35,6 +35,7 @@ from verl.workers.utils.losses import ppo_loss  # noqa: E402
 
 import composer_replication.recipes.verl as recipe  # noqa: E402
 from composer_replication.loss import combine  # noqa: E402
+from composer_replication.recipes.sampled import SAMPLED_TOKEN_KEYS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 B, T = 6, 7
@@ -260,6 +261,22 @@ def pair_batch():
     }
 
 
+def expected_pairs(lp, mask, batch, variant):
+    """combine's channel-3 tensors for `pair_batch`'s two whole pairs: chosen rows 5 and 2,
+    rejected rows 1 and 0 (row 4's partner is in another micro-batch)."""
+    seq = (lp * mask).sum(-1)
+    if variant == "simpo":
+        avg = seq / mask.sum(-1)
+        return {"chosen_avg_logps": avg[[5, 2]], "rejected_avg_logps": avg[[1, 0]]}
+    ref = batch["replay_ref_log_prob"]
+    return {
+        "chosen_logps": seq[[5, 2]],
+        "rejected_logps": seq[[1, 0]],
+        "ref_chosen_logps": ref[[5, 2]],
+        "ref_rejected_logps": ref[[1, 0]],
+    }
+
+
 @pytest.mark.parametrize("variant", ["dpo", "simpo"])
 def test_channel3_pairs_of_rows_match_combine(variant):
     fn = core_algos.get_policy_loss_fn("composer")
@@ -277,18 +294,7 @@ def test_channel3_pairs_of_rows_match_combine(variant):
         dpo_variant=variant,
         **batch,
     )
-    seq = (lp * mask).sum(-1)
-    if variant == "simpo":
-        avg = seq / mask.sum(-1)
-        pairs = {"chosen_avg_logps": avg[[5, 2]], "rejected_avg_logps": avg[[1, 0]]}
-    else:
-        ref = batch["replay_ref_log_prob"]
-        pairs = {
-            "chosen_logps": seq[[5, 2]],
-            "rejected_logps": seq[[1, 0]],
-            "ref_chosen_logps": ref[[5, 2]],
-            "ref_rejected_logps": ref[[1, 0]],
-        }
+    pairs = expected_pairs(lp, mask, batch, variant)
     expected, exp_metrics = combine(
         per_token_logps=lp,
         completion_mask=mask,
@@ -309,6 +315,62 @@ def test_channel3_pairs_of_rows_match_combine(variant):
     assert metrics["composer/replay/margin"] == pytest.approx(
         exp_metrics["replay/margin"], rel=margin["rtol"], abs=margin["atol"]
     )
+
+
+# A value other than the default of each sampled-token setting, and the dpo_variant it acts under.
+CHANGED = {
+    "alpha_sdpo": (0.7, "dpo"),
+    "beta_replay": (0.3, "dpo"),
+    "dpo_variant": ("simpo", "dpo"),
+    "replay_dpo_beta": (0.3, "dpo"),
+    "simpo_beta": (1.5, "simpo"),
+    "simpo_gamma": (0.4, "simpo"),
+    "label_smoothing": (0.2, "dpo"),
+}
+
+
+@pytest.mark.parametrize("key", SAMPLED_TOKEN_KEYS)
+def test_every_sampled_token_setting_reaches_combine(key):
+    """Each policy-loss keyword (the loss library's SampledTokenSettings) acts: the loss with it
+    changed is combine's total with the same value (channel 2's value taken from the run's
+    metric), and not the loss without the change."""
+    assert set(CHANGED) == set(SAMPLED_TOKEN_KEYS), "give a new sampled-token setting a row"
+    value, variant = CHANGED[key]
+    fn = core_algos.get_policy_loss_fn("composer")
+    old, lp, adv, mask = rollout_tensors(3)
+    gen = torch.Generator().manual_seed(6)
+    teacher = lp.detach() + torch.randn(B, T, generator=gen, dtype=torch.float64) * 0.3
+    batch = pair_batch()
+    base = {"alpha_sdpo": 0.3, "beta_replay": 0.5, "dpo_variant": variant}
+    losses = []
+    for settings in (base, {**base, key: value}):
+        loss, metrics = fn(
+            old,
+            lp,
+            adv,
+            mask,
+            "token-mean",
+            actor_config(clip_ratio_low=0.2, clip_ratio_high=0.2),
+            None,
+            sdpo_teacher_log_prob=teacher,
+            **batch,
+            **settings,
+        )
+        assert metrics["composer/sdpo/active"] == metrics["composer/replay/active"] == 1.0
+        sdpo = torch.tensor(metrics["composer/loss/sdpo"], dtype=torch.float64)
+        expected, _ = combine(
+            per_token_logps=lp,
+            completion_mask=mask,
+            advantages=adv,
+            old_per_token_logps=old,
+            loss_type="dapo",
+            sdpo_result=(sdpo, {}),
+            **expected_pairs(lp, mask, batch, settings["dpo_variant"]),
+            **settings,
+        )
+        assert_loss_close(loss, expected, adv)
+        losses.append(float(loss.detach()))
+    assert abs(losses[1] - losses[0]) > 1e-3, f"{key}={value!r} changed nothing"
 
 
 def test_verls_ppo_loss_drives_the_composer_loss_through_the_bridge():

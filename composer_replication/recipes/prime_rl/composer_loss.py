@@ -26,7 +26,8 @@ result by the global count of rl tokens. Per token ``t`` of ``loss_mask`` (weigh
   ``alpha_sdpo * -keep2_t * sg(lp_ref_t - lp_t) * r_t``; ``keep2`` is the same DPPO mask with
   ``lp_ref - lp`` as the per-token advantage. On-policy (``r = 1``) its value is the sampled
   estimate of ``KL(policy || reference)`` and its gradient that of the reverse KL.
-- channel 3, when pair tensors are passed and ``beta_replay != 0``: ``loss.dpo_loss``
+- channel 3, when pair tensors are passed and ``beta_replay != 0``: the loss library's
+  ``replay_preference`` (its settings are this config's ``SampledTokenSettings``): ``loss.dpo_loss``
   (``dpo_variant = "dpo"``: ``chosen_logps``, ``rejected_logps``, ``ref_chosen_logps``,
   ``ref_rejected_logps``, each ``(N,)`` summed log-probs) or ``loss.simpo_loss`` (``"simpo"``:
   ``chosen_avg_logps``, ``rejected_avg_logps``), mean over the N pairs, added as
@@ -55,24 +56,29 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from composer_replication.loss import ComposeConfig, assemble, dpo_loss, dppo_mask, simpo_loss
-from composer_replication.recipes.prime_rl.contract import PRIME_RL_DEFAULT_LOSS, LossOutputs
-from composer_replication.recipes.sampled import (
-    SAMPLED_TOKEN_KEYS,
-    reject_logit_keywords,
-    sampled_token_config,
+from composer_replication.loss import (
+    SampledTokenSettings,
+    WriteOnce,
+    assemble,
+    dppo_mask,
+    replay_preference,
 )
+from composer_replication.recipes.prime_rl.contract import PRIME_RL_DEFAULT_LOSS, LossOutputs
+from composer_replication.recipes.sampled import reject_logit_keywords
 
 MASKS = ("prob_diff", "log_ratio", "both")
 DPO_PAIR_KEYS = ("chosen_logps", "rejected_logps", "ref_chosen_logps", "ref_rejected_logps")
 SIMPO_PAIR_KEYS = ("chosen_avg_logps", "rejected_avg_logps")
 PAIR_KEYS = DPO_PAIR_KEYS + SIMPO_PAIR_KEYS
-_COMPOSE_DEFAULTS = ComposeConfig()
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class PrimeRLLossConfig:
-    """The TOML-settable ``[trainer.loss.kwargs]`` of ``loss_fn``, validated."""
+@dataclasses.dataclass(kw_only=True)
+class PrimeRLLossConfig(SampledTokenSettings, WriteOnce):
+    """The TOML-settable ``[trainer.loss.kwargs]`` of ``loss_fn``, validated and immutable.
+
+    The composer settings are the loss library's ``SampledTokenSettings`` (inherited: default,
+    type, check and help declared once, in loss/loss_settings.py); the fields below are PRIME-RL's
+    channel 1 (its DPPO loss, defaults from its ``DefaultLossConfig``)."""
 
     mask: str = "prob_diff"
     dppo_mask_low: float = PRIME_RL_DEFAULT_LOSS["dppo_mask_low"]
@@ -81,13 +87,6 @@ class PrimeRLLossConfig:
     log_ratio_high: float = 4.0
     adv_tau: float = PRIME_RL_DEFAULT_LOSS["adv_tau"]
     kl_tau: float = PRIME_RL_DEFAULT_LOSS["kl_tau"]
-    alpha_sdpo: float = _COMPOSE_DEFAULTS.alpha_sdpo
-    beta_replay: float = _COMPOSE_DEFAULTS.beta_replay
-    dpo_variant: str = _COMPOSE_DEFAULTS.dpo_variant
-    replay_dpo_beta: float = _COMPOSE_DEFAULTS.replay_dpo_beta
-    simpo_beta: float = _COMPOSE_DEFAULTS.simpo_beta
-    simpo_gamma: float = _COMPOSE_DEFAULTS.simpo_gamma
-    label_smoothing: float = _COMPOSE_DEFAULTS.label_smoothing
 
     def __post_init__(self) -> None:
         if self.mask not in MASKS:
@@ -104,8 +103,7 @@ class PrimeRLLossConfig:
                 f"log_ratio_low ({self.log_ratio_low}) must be below log_ratio_high "
                 f"({self.log_ratio_high})"
             )
-        # The shared keywords are validated by the loss library's own config (one set of checks).
-        sampled_token_config({k: getattr(self, k) for k in SAMPLED_TOKEN_KEYS})
+        SampledTokenSettings.__post_init__(self)  # the composer settings' own checks
 
     @classmethod
     def from_kwargs(cls, kwargs: Mapping[str, Any]) -> PrimeRLLossConfig:
@@ -191,24 +189,16 @@ def _replay(cfg: PrimeRLLossConfig, pairs: dict[str, Tensor]) -> tuple[Tensor, d
             f"channel 3 ({cfg.dpo_variant}) got {', '.join(k for k in wanted if k in pairs)} "
             f"but not {', '.join(missing)}; pass all of {', '.join(wanted)}"
         )
-    if cfg.dpo_variant == "simpo":
-        loss, m = simpo_loss(
-            pairs["chosen_avg_logps"],
-            pairs["rejected_avg_logps"],
-            beta=cfg.simpo_beta,
-            gamma=cfg.simpo_gamma,
-            label_smoothing=cfg.label_smoothing,
-        )
-        return loss, {k.split("/", 1)[1]: v for k, v in m.items()}
-    loss, m = dpo_loss(
-        pairs["chosen_logps"],
-        pairs["rejected_logps"],
-        pairs["ref_chosen_logps"],
-        pairs["ref_rejected_logps"],
-        beta=cfg.replay_dpo_beta,
-        label_smoothing=cfg.label_smoothing,
+    # the loss library's channel 3, with this config's sampled-token settings
+    loss, m = replay_preference(
+        cfg,
+        pairs[wanted[0]],
+        pairs[wanted[1]],
+        pairs.get("ref_chosen_logps"),
+        pairs.get("ref_rejected_logps"),
+        ("ref_chosen_logps", "ref_rejected_logps"),
     )
-    return loss, {k.split("/", 1)[1]: v for k, v in m.items()}
+    return loss, {k.split("/", 1)[1]: v for k, v in m.items() if k.startswith("replay/")}
 
 
 def _mean(values: Tensor, mask: Tensor) -> Tensor:

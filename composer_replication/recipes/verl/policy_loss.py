@@ -38,10 +38,11 @@ policy's rollout; verl's own forward gives both rows' log-probs. Summed (``dpo``
 weight ``beta_replay``. Both rows must land in the same micro-batch: a pair with one row in this
 micro-batch is skipped and counted in ``composer/replay/split_pairs``.
 
-Settings: the ``compose_loss`` keywords of ``recipes.sampled.SAMPLED_TOKEN_KEYS``, given to
-``composer_ppo_loss`` (or as keyword arguments). ``loss_agg_mode`` other than ``"token-mean"`` and
-``rollout_is_weights`` (verl's rollout-correction weights) raise ``ValueError``: ``combine`` has
-neither. Metrics: ``combine``'s, prefixed ``composer/``, as python floats.
+Settings: the ``compose_loss`` keywords of ``recipes.sampled.SAMPLED_TOKEN_KEYS`` (the loss
+library's ``SampledTokenSettings``: defaults, checks and help there), given to
+``composer_ppo_loss`` (or as keyword arguments) and forwarded to ``combine`` as they are.
+``loss_agg_mode`` other than ``"token-mean"`` and ``rollout_is_weights`` (verl's
+rollout-correction weights) raise ``ValueError``: ``combine`` has neither. Metrics: ``combine``'s, prefixed ``composer/``, as python floats.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ from composer_replication.recipes.sampled import (
     SAMPLED_TOKEN_KEYS,
     reject_logit_keywords,
     sampled_token_config,
+    sampled_token_kwargs,
 )
 
 CHANNEL2_KEYS = ("sdpo_teacher_log_prob", "sdpo_sample_mask")
@@ -216,14 +218,7 @@ def composer_policy_loss(
         advantages=advantages,
         old_per_token_logps=old_log_prob,
         num_items_in_batch=norm,
-        alpha_sdpo=cfg.alpha_sdpo,
         sdpo_result=sdpo,  # the sampled-token form (combine's own channel 2 needs logits)
-        beta_replay=cfg.beta_replay,
-        dpo_variant=cfg.dpo_variant,
-        replay_dpo_beta=cfg.replay_dpo_beta,
-        simpo_beta=cfg.simpo_beta,
-        simpo_gamma=cfg.simpo_gamma,
-        label_smoothing=cfg.label_smoothing,
         loss_type="dapo",
         epsilon_low=eps_low,
         epsilon_high=eps_high,
@@ -233,6 +228,7 @@ def composer_policy_loss(
         ref_rejected_logps=pairs.get("ref_rejected_logps"),
         chosen_avg_logps=pairs.get("chosen_avg_logps"),
         rejected_avg_logps=pairs.get("rejected_avg_logps"),
+        **sampled_token_kwargs(cfg),  # alpha_sdpo, beta_replay and channel 3's settings
     )
     metrics["replay/split_pairs"] = split
     if frac is not None:  # channel 2 asked for: the share of rows it selected (0 when none)

@@ -220,11 +220,18 @@ class Cfg:
         return self.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
+def outer_lr_in_use(cfg: Cfg | argparse.Namespace) -> float:
+    """The variant's outer lr: --sl-outer-lr for codec 'sparseloco' (its plain SGD outer step),
+    else --outer-lr (DiLoCo's Nesterov step)."""
+    return float(cfg.sl_outer_lr if cfg.codec == "sparseloco" else cfg.outer_lr)
+
+
 def outer_lr_at(cfg: Cfg, round_: int) -> float:
     """--outer-warmup R: the outer lr rises linearly over the first R rounds (0: constant)."""
+    base = outer_lr_in_use(cfg)
     if cfg.outer_warmup <= 0:
-        return float(cfg.outer_lr)
-    return float(cfg.outer_lr) * min(1.0, (round_ + 1) / cfg.outer_warmup)
+        return base
+    return base * min(1.0, (round_ + 1) / cfg.outer_warmup)
 
 
 def train_single(cfg: Cfg, batches: Batches, steps: int, schedule_steps: int) -> nn.Module:
@@ -409,7 +416,7 @@ def diloco_point(cfg: Cfg, batches: Batches, evals: torch.Tensor, **changes: Any
         m, comm = train_diloco(c, batches, "file://" + os.path.join(tmp, "run"))
     point = {
         "h": c.h,
-        "outer_lr": c.outer_lr,
+        "outer_lr": outer_lr_in_use(c),
         "outer_momentum": c.outer_momentum,
         "lr": c.lr,
         "outer_warmup": c.outer_warmup,
@@ -790,7 +797,7 @@ def main() -> None:
                     "diloco_eval_loss": round(loss, 5),
                     "diloco_bytes": nbytes,
                     "codec": a.codec,
-                    "outer_lr": a.outer_lr,
+                    "outer_lr": outer_lr_in_use(a),
                     "outer_momentum": a.outer_momentum,
                 }
             )
@@ -868,7 +875,7 @@ def main() -> None:
         print("sweeps (same tokens, same warm start; the default run's points are reused):")
         main_point = {
             "h": a.h,
-            "outer_lr": a.outer_lr,
+            "outer_lr": outer_lr_in_use(a),
             "outer_momentum": a.outer_momentum,
             "lr": a.lr,
             "outer_warmup": a.outer_warmup,
@@ -945,7 +952,7 @@ def main() -> None:
             )
         result.update(
             lr=a.lr,
-            outer_lr=a.outer_lr,
+            outer_lr=outer_lr_in_use(a),
             outer_momentum=a.outer_momentum,
             outer_warmup=a.outer_warmup,
         )

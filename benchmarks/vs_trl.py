@@ -328,11 +328,11 @@ def warm_start(config: Any, model: Any, tok: Any, task: Any, steps: int, cache: 
     the distinct training prompts (lr `WARM_START_LR`, 16 per step), cached per seed and steps:
     the same start for every variant of the seed."""
     import torch
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_model, save_model
 
     path = cache / f"warm-seed{config.run.seed}-steps{steps}-{task.seed}-{task.n_train}.safetensors"
     if path.exists():
-        model.load_state_dict(load_file(str(path)))
+        load_model(model, str(path))  # tied embeddings: stored once, tied again
         torch.manual_seed(config.run.seed)
         return
     distinct = list({ex.prompt: ex for ex in task.train_examples()}.values())
@@ -349,7 +349,7 @@ def warm_start(config: Any, model: Any, tok: Any, task: Any, steps: int, cache: 
         ).train()
     cache.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(tmp))
+    save_model(model, str(tmp))  # handles the tied input/output embeddings
     os.replace(tmp, path)
     torch.manual_seed(config.run.seed)  # the run starts from the same RNG state either way
 

@@ -86,6 +86,43 @@ def test_quick_run_prints_the_keys(tmp_path: Path) -> None:
     assert len(log.read_text().splitlines()) == len(runs)
 
 
+@pytest.mark.long
+@pytest.mark.slow
+def test_quick_warm_start_ablation_runs_every_variant(tmp_path: Path) -> None:
+    """--ablation --starts warm: the SFT warm start is built once per seed, cached, and every
+    channel variant starts from it (the model's tied embeddings included: saving them with
+    safetensors' save_file failed, so the first real warm-start ablation stopped at once)."""
+    pytest.importorskip("trl")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    log = tmp_path / "runs.jsonl"
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "vs_trl.py"),
+        "--quick",
+        "--ablation",
+        "--starts",
+        "warm",
+        "--warm-start-steps",
+        "2",
+        "--budget-s",
+        "3",
+        "--log",
+        str(log),
+        "--bootstrap",
+        "100",
+    ]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    variants = ("composer_grpo", "composer_sdpo", "composer_replay", "composer")
+    for v in variants:
+        assert f"{v}_warm_heldout_acc" in result and f"{v}_scratch_heldout_acc" not in result
+    runs = [json.loads(line) for line in log.read_text().splitlines()]
+    warm = [r for r in runs if r["warm"] == 2 and r["split"] == "heldout"]
+    assert sorted(r["arm"] for r in warm) == sorted(variants)
+    assert len(list((tmp_path / "warm").glob("warm-seed0-steps2-*.safetensors"))) == 1
+
+
 def test_tuning_is_a_coordinate_search_on_the_same_grid_for_every_arm() -> None:
     vs_trl = _vs_trl()
     done: dict = {}

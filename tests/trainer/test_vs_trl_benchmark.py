@@ -27,30 +27,22 @@ def _vs_trl():  # type: ignore[no-untyped-def]
     return vs_trl
 
 
+def _quick_run(log: Path, *args: str) -> dict:  # type: ignore[type-arg]
+    """`vs_trl.py --quick --budget-s 3 --log LOG ARGS` in a child process: its last line's JSON."""
+    pytest.importorskip("trl")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "vs_trl.py"), "--quick", "--budget-s", "3"]
+    cmd += ["--log", str(log), *args]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.long
 @pytest.mark.slow
 def test_quick_run_prints_the_keys(tmp_path: Path) -> None:
-    pytest.importorskip("trl")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     log = tmp_path / "runs.jsonl"
-    cmd = [
-        sys.executable,
-        str(ROOT / "benchmarks" / "vs_trl.py"),
-        "--quick",
-        "--budget-s",
-        "3",
-        "--clock",
-        "cpu",
-        "--probe-every",
-        "1",
-        "--log",
-        str(log),
-        "--bootstrap",
-        "200",
-    ]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = _quick_run(log, "--clock", "cpu", "--probe-every", "1", "--bootstrap", "200")
     for key in (
         "composer_heldout_acc",
         "trl_best_heldout_acc",
@@ -81,39 +73,21 @@ def test_quick_run_prints_the_keys(tmp_path: Path) -> None:
     # every run is in the log; a rerun measures nothing new and prints the same medians
     runs = [json.loads(line) for line in log.read_text().splitlines()]
     assert {r["split"] for r in runs} == {"val", "heldout"} and len(runs) == 2 * len(ARMS)
-    again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert json.loads(again.stdout.strip().splitlines()[-1])["per_seed"] == result["per_seed"]
+    again = _quick_run(log, "--clock", "cpu", "--probe-every", "1", "--bootstrap", "200")
+    assert again["per_seed"] == result["per_seed"]
     assert len(log.read_text().splitlines()) == len(runs)
 
 
-@pytest.mark.long
+@pytest.mark.heavy  # six runs in child processes: ~4 min alone here, past 300 s under load
 @pytest.mark.slow
 def test_quick_warm_start_ablation_runs_every_variant(tmp_path: Path) -> None:
     """--ablation --starts warm: the SFT warm start is built once per seed, cached, and every
     channel variant starts from it (the model's tied embeddings included: saving them with
     safetensors' save_file failed, so the first real warm-start ablation stopped at once)."""
-    pytest.importorskip("trl")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     log = tmp_path / "runs.jsonl"
-    cmd = [
-        sys.executable,
-        str(ROOT / "benchmarks" / "vs_trl.py"),
-        "--quick",
-        "--ablation",
-        "--starts",
-        "warm",
-        "--warm-start-steps",
-        "2",
-        "--budget-s",
-        "3",
-        "--log",
-        str(log),
-        "--bootstrap",
-        "100",
-    ]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = _quick_run(
+        log, "--ablation", "--starts", "warm", "--warm-start-steps", "2", "--bootstrap", "100"
+    )
     variants = ("composer_grpo", "composer_sdpo", "composer_replay", "composer")
     for v in variants:
         assert f"{v}_warm_heldout_acc" in result and f"{v}_scratch_heldout_acc" not in result

@@ -333,6 +333,13 @@ class DecoupledLearner:
         if self._restore is not None:
             self._apply_restore(self._restore)
             self._restore = None
+            # Globals merged while this learner was down replace its fragments now, as they
+            # would have between two steps had it kept running: a resumed learner never starts
+            # behind the globals announced when it stopped.
+            for i in range(self.num_fragments):
+                v, tensors = self._newest_global(i)
+                if v > self.versions[i]:
+                    self._take_global(i, v, tensors)
         else:
             for i in range(self.num_fragments):
                 v, tensors = self._newest_global(i)
@@ -573,24 +580,27 @@ class DecoupledLearner:
             self._queue[i] = (delta, fields)
             self._queue_cv.notify_all()
 
+    def _take_global(self, i: int, v: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Fragment i becomes global version v (mixed in by alpha)."""
+        self._load_fragment(i, tensors, alpha=self.alpha)
+        self.base[i] = tensors
+        self.versions[i] = v
+        self._since_base[i] = 0
+        # The steps since the last push were trained on the fragment just replaced: their
+        # work is gone (alpha = 0) or only partly kept (alpha > 0, not counted), so they do
+        # not count towards the next push's `steps_since_push`.
+        self._since_push[i] = 0
+        self._tokens_base[i] = 0 if self._tokens_reported else None
+        self.applied += 1
+
     def apply_ready(self) -> None:
         """Take every new global fragment the fetcher has downloaded (between inner steps)."""
         with self._lock:
             ready, self._ready = self._ready, {}
         before = min(self.versions) if self.versions else 0
         for i, (v, tensors) in sorted(ready.items()):
-            if v <= self.versions[i]:
-                continue
-            self._load_fragment(i, tensors, alpha=self.alpha)
-            self.base[i] = tensors
-            self.versions[i] = v
-            self._since_base[i] = 0
-            # The steps since the last push were trained on the fragment just replaced: their
-            # work is gone (alpha = 0) or only partly kept (alpha > 0, not counted), so they do
-            # not count towards the next push's `steps_since_push`.
-            self._since_push[i] = 0
-            self._tokens_base[i] = 0 if self._tokens_reported else None
-            self.applied += 1
+            if v > self.versions[i]:
+                self._take_global(i, v, tensors)
         after = min(self.versions) if self.versions else 0
         if after > before:
             now = time.monotonic()

@@ -204,6 +204,13 @@ class ReplayPairs:
     ref_chosen: Tensor | None  # (N,) summed reference log-probs (dpo)
     ref_rejected: Tensor | None
     normaliser: Tensor | None  # inputs["replay_num_pairs"]
+    chosen_tokens: Tensor  # (N,) token count of each chosen completion (rpo_alpha's NLL)
+
+
+# (summed, mean) log-probs and token counts of one side, (N,) each.
+_Side = tuple[Tensor, Tensor, Tensor]
+# the chosen side, the rejected side, and the reference sums.
+_Sides = tuple[_Side, _Side, tuple[Tensor | None, Tensor | None]]
 
 
 def _references(
@@ -223,8 +230,9 @@ def _references(
     return ref_c, ref_r
 
 
-def _sequence(model: CausalLM, inputs: Batch, side: str) -> tuple[Tensor, Tensor]:
-    """Summed and mean log-probs of one explicit-pairs side (token j scored by logits j-1)."""
+def _sequence(model: CausalLM, inputs: Batch, side: str) -> _Side:
+    """Summed and mean log-probs and token counts of one explicit-pairs side (token j scored by
+    logits j-1)."""
     ids = require(inputs, f"replay_{side}_input_ids")
     attn = require(inputs, f"replay_{side}_attention_mask")
     loss_mask = require(inputs, f"replay_{side}_loss_mask")
@@ -234,11 +242,13 @@ def _sequence(model: CausalLM, inputs: Batch, side: str) -> tuple[Tensor, Tensor
             f"{tuple(ids.shape)}, {tuple(attn.shape)}, {tuple(loss_mask.shape)}"
         )
     logits = forward_logits(model, ids, attn)
-    return sequence_logps(logits[:, :-1], ids[:, 1:], loss_mask[:, 1:])
+    return _with_tokens(
+        sequence_logps(logits[:, :-1], ids[:, 1:], loss_mask[:, 1:]), loss_mask[:, 1:]
+    )
 
 
-# (summed, mean) log-probs of the chosen side, of the rejected side, and the reference sums.
-_Sides = tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor], tuple[Tensor | None, Tensor | None]]
+def _with_tokens(logps: tuple[Tensor, Tensor], mask: Tensor) -> _Side:
+    return logps[0], logps[1], mask.sum(-1)
 
 
 def _explicit_pairs(model: CausalLM, inputs: Batch, dpo_variant: str) -> _Sides | None:
@@ -285,20 +295,20 @@ def _rollout_pairs(
     c_mask = c_mask.index_select(0, rows)
     width = max(int(c_mask.sum(-1).max()), 1)  # right-padded: drop the all-padding tail
     c_ids = c_ids.index_select(0, rows)[:, :width]
+    c_mask = c_mask[:, :width]
     chosen = completion_logps(
         model,
         prompt_ids.index_select(0, rows),
         prompt_mask.index_select(0, rows),
         c_ids,
-        c_mask[:, :width],
+        c_mask,
         logits_to_keep=logits_to_keep,
     )
+    r_mask = completion_mask.index_select(0, rows)
     rejected = sequence_logps(
-        student.index_select(0, rows),
-        completion_ids.index_select(0, rows),
-        completion_mask.index_select(0, rows),
+        student.index_select(0, rows), completion_ids.index_select(0, rows), r_mask
     )
-    return chosen, rejected, refs
+    return _with_tokens(chosen, c_mask), _with_tokens(rejected, r_mask), refs
 
 
 def replay_pairs(
@@ -331,8 +341,8 @@ def replay_pairs(
         return None
     if sides is None:
         return None
-    (c_sum, c_avg), (r_sum, r_avg), (ref_c, ref_r) = sides
+    (c_sum, c_avg, c_tokens), (r_sum, r_avg, _), (ref_c, ref_r) = sides
     norm = normaliser(inputs, "replay_num_pairs")
     if dpo_variant == "simpo":
-        return ReplayPairs(c_avg, r_avg, None, None, norm)
-    return ReplayPairs(c_sum, r_sum, ref_c, ref_r, norm)
+        return ReplayPairs(c_avg, r_avg, None, None, norm, c_tokens)
+    return ReplayPairs(c_sum, r_sum, ref_c, ref_r, norm, c_tokens)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from composer_replication.loss._checks import check_same_shape, check_tensor
 from composer_replication.loss._config import ComposeConfig, taid_t_for
 from composer_replication.loss.distill import entropy_opd_loss, generalized_jsd, taid_loss
 from composer_replication.loss.loss_settings import SampledTokenSettings
@@ -61,10 +62,16 @@ def replay_preference(
     ref_chosen: Tensor | None,
     ref_rejected: Tensor | None,
     ref_names: tuple[str, str],
+    chosen_tokens: Tensor | None = None,
+    tokens_name: str = "chosen_lengths",
 ) -> Result:
     """Channel-3 loss, the mean over pairs; ``chosen``/``rejected`` are summed (dpo) or averaged
     (simpo) log-probs. Metrics ``replay/*`` and ``loss/replay`` (that mean). It reads only
-    `SampledTokenSettings` (the PRIME-RL recipe hands it its own config)."""
+    `SampledTokenSettings` (the PRIME-RL recipe hands it its own config).
+
+    With ``rpo_alpha > 0`` it adds ``rpo_alpha * replay_nll(...)`` (metric ``replay/nll``), which
+    needs ``chosen_tokens`` ``(N,)``, the token count of each chosen completion (named
+    ``tokens_name`` in the error when missing)."""
     if cfg.dpo_variant == "simpo":
         loss, m = simpo_loss(
             chosen,
@@ -90,8 +97,31 @@ def replay_preference(
         )
         prefix = "dpo"
     metrics = {f"replay/{k}": m[f"{prefix}/{k}"] for k in REPLAY_METRICS}
+    if cfg.rpo_alpha != 0.0:
+        if chosen_tokens is None:
+            raise ValueError(
+                f"rpo_alpha={cfg.rpo_alpha} needs {tokens_name!r}, the (N,) token count of each "
+                "chosen completion; provide it or set rpo_alpha=0"
+            )
+        nll = replay_nll(chosen, chosen_tokens, summed=cfg.dpo_variant != "simpo")
+        loss = loss + cfg.rpo_alpha * nll
+        metrics["replay/nll"] = float(nll.detach())
     metrics["loss/replay"] = float(loss.detach())
     return loss, metrics
+
+
+def replay_nll(chosen: Tensor, chosen_tokens: Tensor, *, summed: bool) -> Tensor:
+    """RPO's NLL term: ``-sum(log p(chosen tokens)) / sum(tokens)`` over the N chosen
+    completions, the token mean of the cross-entropy on the chosen side, as TRL's DPO
+    (``rpo_alpha``) and CPO (``cpo_alpha``) add it. ``chosen`` ``(N,)`` holds summed
+    (``summed=True``) or per-completion mean log-probs; ``chosen_tokens`` ``(N,)`` the counts."""
+    check_tensor("chosen_tokens", chosen_tokens, ndim=1)
+    check_same_shape("chosen_tokens", chosen_tokens, "chosen", chosen)
+    tokens = chosen_tokens.to(device=chosen.device, dtype=chosen.dtype)
+    if bool((tokens < 0).any()):
+        raise ValueError("chosen_tokens must be >= 0 (token counts)")
+    sums = chosen if summed else chosen * tokens
+    return -sums.sum() / tokens.sum().clamp(min=1.0)
 
 
 def scaled(result: Result, count: Tensor, normaliser: Tensor | None) -> Result:
@@ -138,6 +168,8 @@ def assemble(
         metrics["sdpo/active"] = 1.0
     metrics.update({"replay/active": 0.0, "loss/replay": 0.0})
     metrics.update({f"replay/{key}": 0.0 for key in REPLAY_METRICS})
+    if cfg.rpo_alpha != 0.0:
+        metrics["replay/nll"] = 0.0
     if replay is not None:
         metrics.update(replay[1])
         metrics["replay/active"] = 1.0

@@ -109,6 +109,7 @@ def combine(
     ref_rejected_logps: Tensor | None = None,
     chosen_avg_logps: Tensor | None = None,
     rejected_avg_logps: Tensor | None = None,
+    chosen_lengths: Tensor | None = None,
     num_items_in_batch: int | Tensor | None = None,
     max_completion_length: int | None = None,
     sdpo_result: Result | None = None,
@@ -128,7 +129,8 @@ def combine(
     Channel 3: ``dpo_variant="dpo"`` reads ``chosen_logps``/``rejected_logps`` ``(N,)`` summed
     log-probs and needs ``ref_chosen_logps``/``ref_rejected_logps``; ``"simpo"`` reads
     ``chosen_avg_logps``/``rejected_avg_logps``. Off when they are None, N == 0, or
-    ``beta_replay == 0``.
+    ``beta_replay == 0``. ``rpo_alpha > 0`` also needs ``chosen_lengths`` ``(N,)``, the token
+    count of each chosen completion (the NLL term is a token mean).
     ``kwargs``: the ``compose_loss`` keywords (``ComposeConfig`` fields); ``temperature`` is
     accepted for symmetry but has no effect here (the log-probs are already computed).
 
@@ -172,6 +174,7 @@ def combine(
                 ref_chosen_logps,
                 ref_rejected_logps,
                 ("ref_chosen_logps", "ref_rejected_logps"),
+                chosen_lengths,
             )
     return _assemble(cfg, grpo, sdpo, replay)
 
@@ -222,6 +225,7 @@ def _replay(
         pairs.ref_chosen,
         pairs.ref_rejected,
         _batch.REPLAY_REF_KEYS,
+        pairs.chosen_tokens,
     )
     return scaled(result, torch.tensor(float(pairs.chosen.shape[0])), pairs.normaliser)
 

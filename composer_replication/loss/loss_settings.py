@@ -137,6 +137,12 @@ class SampledTokenSettings:
     simpo_beta: float = _setting(2.0, "SimPO beta")
     simpo_gamma: float = _setting(1.0, "SimPO margin gamma")
     label_smoothing: float = _setting(0.0, "channel-3 label smoothing in [0, 0.5)")
+    rpo_alpha: float = _setting(
+        0.0,
+        "channel 3: weight of the chosen (teacher) traces' NLL added to the preference loss "
+        "(RPO; TRL's DPOConfig.rpo_alpha, CPOConfig.cpo_alpha): the token mean of "
+        "-log p(chosen); 0 disables it",
+    )
 
     def __post_init__(self) -> None:
         check_scalar("alpha_sdpo", self.alpha_sdpo)
@@ -146,6 +152,7 @@ class SampledTokenSettings:
         check_scalar("simpo_beta", self.simpo_beta, low=0.0, low_open=True)
         check_scalar("simpo_gamma", self.simpo_gamma, low=0.0)
         check_scalar("label_smoothing", self.label_smoothing, low=0.0, high=0.5, high_open=True)
+        check_scalar("rpo_alpha", self.rpo_alpha, low=0.0)
 
 
 @dataclasses.dataclass(kw_only=True)

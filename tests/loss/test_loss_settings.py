@@ -53,6 +53,7 @@ def test_channels_2_and_3_are_the_sampled_token_settings_then_channel_2s_on_logi
         "simpo_beta",
         "simpo_gamma",
         "label_smoothing",
+        "rpo_alpha",
     )
     logits_only = setting_names(Channel23Settings)[len(sampled) :]
     assert setting_names(Channel23Settings)[: len(sampled)] == sampled
@@ -107,6 +108,7 @@ def test_compose_config_is_the_settings_and_the_runs_two_values() -> None:
         (SampledTokenSettings, "replay_dpo_beta", 0.0, "replay_dpo_beta must be in"),
         (SampledTokenSettings, "dpo_variant", "ipo", "unknown dpo_variant='ipo'"),
         (SampledTokenSettings, "alpha_sdpo", "x", "alpha_sdpo must be a number"),
+        (SampledTokenSettings, "rpo_alpha", -0.1, r"rpo_alpha must be in \[0.0, None\]"),
     ],
 )
 def test_a_settings_check_is_declared_with_it_and_holds_in_compose_config(

@@ -215,6 +215,20 @@ def test_channel3_dpo_and_simpo_golden():
     assert float(out.loss.detach()) == pytest.approx(LOG(2) * 1.0, abs=1e-12)
 
 
+def test_channel3_rpo_alpha_adds_the_chosen_traces_token_mean_nll():
+    """rpo_alpha (RPO): L = DPO + rpo_alpha * (-sum log p(chosen) / chosen tokens); the chosen
+    trace of DPO_PAIR has -10 over 4 tokens, so the NLL is 2.5."""
+    p = (0.5, 0.5, 0.5)
+    _, inputs = sample(p, p, (0.0, 0.0, 0.0))
+    pair = {k: v.detach() for k, v in DPO_PAIR.items()}
+    lengths = torch.tensor([4])
+    out = loss_fn(inputs, beta_replay=0.5, rpo_alpha=0.2, chosen_lengths=lengths, **pair)
+    assert float(out.metrics["loss/replay"]) == pytest.approx(0.5981388694 + 0.2 * 2.5, abs=1e-9)
+    assert float(out.loss.detach()) == pytest.approx(0.5 * (0.5981388694 + 0.5) * 3, abs=1e-9)
+    with pytest.raises(ValueError, match="needs 'chosen_lengths'"):
+        loss_fn(inputs, beta_replay=0.5, rpo_alpha=0.2, **pair)
+
+
 def test_channel3_off_without_pairs_or_weight():
     p = (0.5, 0.3)
     _, inputs = sample(p, (0.5, 0.4), (1.0, -1.0))

@@ -265,11 +265,13 @@ def expected_pairs(lp, mask, batch, variant):
     """combine's channel-3 tensors for `pair_batch`'s two whole pairs: chosen rows 5 and 2,
     rejected rows 1 and 0 (row 4's partner is in another micro-batch)."""
     seq = (lp * mask).sum(-1)
+    lengths = {"chosen_lengths": mask.sum(-1)[[5, 2]]}  # for rpo_alpha's token-mean NLL
     if variant == "simpo":
         avg = seq / mask.sum(-1)
-        return {"chosen_avg_logps": avg[[5, 2]], "rejected_avg_logps": avg[[1, 0]]}
+        return {"chosen_avg_logps": avg[[5, 2]], "rejected_avg_logps": avg[[1, 0]], **lengths}
     ref = batch["replay_ref_log_prob"]
     return {
+        **lengths,
         "chosen_logps": seq[[5, 2]],
         "rejected_logps": seq[[1, 0]],
         "ref_chosen_logps": ref[[5, 2]],
@@ -326,6 +328,7 @@ CHANGED = {
     "simpo_beta": (1.5, "simpo"),
     "simpo_gamma": (0.4, "simpo"),
     "label_smoothing": (0.2, "dpo"),
+    "rpo_alpha": (0.5, "dpo"),
 }
 
 

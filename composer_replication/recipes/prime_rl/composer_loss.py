@@ -30,7 +30,8 @@ result by the global count of rl tokens. Per token ``t`` of ``loss_mask`` (weigh
   ``replay_preference`` (its settings are this config's ``SampledTokenSettings``): ``loss.dpo_loss``
   (``dpo_variant = "dpo"``: ``chosen_logps``, ``rejected_logps``, ``ref_chosen_logps``,
   ``ref_rejected_logps``, each ``(N,)`` summed log-probs) or ``loss.simpo_loss`` (``"simpo"``:
-  ``chosen_avg_logps``, ``rejected_avg_logps``), mean over the N pairs, added as
+  ``chosen_avg_logps``, ``rejected_avg_logps``; with ``rpo_alpha > 0`` also ``chosen_lengths``,
+  each chosen completion's token count), mean over the N pairs, added as
   ``beta_replay * L_replay * n`` with ``n = sum_t w_t`` (the sample's token weight), so that after
   PRIME-RL's division by the token count it carries weight ``beta_replay`` like a token mean.
   Tensors cannot come from TOML: they are keyword arguments at call time (see docs/recipes/prime_rl.md).
@@ -69,7 +70,8 @@ from composer_replication.recipes.sampled import reject_logit_keywords
 MASKS = ("prob_diff", "log_ratio", "both")
 DPO_PAIR_KEYS = ("chosen_logps", "rejected_logps", "ref_chosen_logps", "ref_rejected_logps")
 SIMPO_PAIR_KEYS = ("chosen_avg_logps", "rejected_avg_logps")
-PAIR_KEYS = DPO_PAIR_KEYS + SIMPO_PAIR_KEYS
+# (N,) token count of each chosen completion: needed by rpo_alpha's NLL (a token mean)
+PAIR_KEYS = DPO_PAIR_KEYS + SIMPO_PAIR_KEYS + ("chosen_lengths",)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -197,6 +199,7 @@ def _replay(cfg: PrimeRLLossConfig, pairs: dict[str, Tensor]) -> tuple[Tensor, d
         pairs.get("ref_chosen_logps"),
         pairs.get("ref_rejected_logps"),
         ("ref_chosen_logps", "ref_rejected_logps"),
+        pairs.get("chosen_lengths"),
     )
     return loss, {k.split("/", 1)[1]: v for k, v in m.items() if k.startswith("replay/")}
 

@@ -153,10 +153,13 @@ def _pairs(
             split += 1
     ci = torch.tensor(chosen_rows, dtype=torch.long, device=log_prob.device)
     ri = torch.tensor(rejected_rows, dtype=torch.long, device=log_prob.device)
+    lengths = maskf.sum(-1)[ci]  # rpo_alpha's NLL is a token mean over the chosen rows
     if variant == "simpo":
-        return {"chosen_avg_logps": seq[ci], "rejected_avg_logps": seq[ri]}, float(split)
+        out = {"chosen_avg_logps": seq[ci], "rejected_avg_logps": seq[ri]}
+        return {**out, "chosen_lengths": lengths}, float(split)
     assert ref is not None
     out = {
+        "chosen_lengths": lengths,
         "chosen_logps": seq[ci],
         "rejected_logps": seq[ri],
         "ref_chosen_logps": ref[ci].to(log_prob.dtype),
@@ -228,6 +231,7 @@ def composer_policy_loss(
         ref_rejected_logps=pairs.get("ref_rejected_logps"),
         chosen_avg_logps=pairs.get("chosen_avg_logps"),
         rejected_avg_logps=pairs.get("rejected_avg_logps"),
+        chosen_lengths=pairs.get("chosen_lengths"),
         **sampled_token_kwargs(cfg),  # alpha_sdpo, beta_replay and channel 3's settings
     )
     metrics["replay/split_pairs"] = split

@@ -61,7 +61,9 @@ the probe's time is not charged to the budget).
 ``--seeds`` seeds, from scratch and from an SFT warm start (``--warm-start-steps`` steps of
 TRL's ``SFTTrainer`` on the oracle traces of half the training prompts, the same start for every
 variant of a seed, not charged to the budget), where a hint can change what the teacher
-predicts (``--starts scratch`` or ``warm`` runs one of the two).
+predicts (``--starts scratch`` or ``warm`` runs one of the two). The warm start itself is a row
+too (``warm_start``, evaluated without training: ``warm_start_heldout_acc``), so that each
+variant's figure reads as what its channels add to the same start.
 
 Runs compared with each other run at the same time (``--jobs``, default 5: one process and
 session per run; the arms of one seed together, the arms at one grid point together), because
@@ -105,6 +107,8 @@ CHANNEL_VARIANTS: dict[str, list[str]] = {
     "composer_sdpo": ["loss.beta_replay=0.0"],
     "composer_replay": ["loss.alpha_sdpo=0.0"],
 }
+# The ablation's row for the SFT warm start itself, before any variant trains (budget 0).
+WARM_START = "warm_start"
 GRID_LR = (1e-3, 3e-3, 1e-2)
 GRID_G = (2, 4)
 SFT_SHARES = (0.25, 0.5, 0.75)
@@ -385,7 +389,11 @@ def run_one(spec: Spec, probe_every: int, extra: list[str], cache: str) -> dict[
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="vs-trl-") as scratch:
         phases: list[tuple[str, float]] = [(spec.arm, spec.budget)]
-        if spec.arm == "trl_sft_grpo":
+        if spec.arm == WARM_START:  # the ablation's starting point: evaluated, not trained
+            if not spec.warm:
+                raise ValueError(f"arm {WARM_START!r} needs a warm start (Spec.warm > 0)")
+            phases = []
+        elif spec.arm == "trl_sft_grpo":
             share = 0.5 if spec.share is None else spec.share
             phases = [("sft", share * spec.budget), ("trl_grpo", (1 - share) * spec.budget)]
         elif spec.arm == "trl_sft":
@@ -923,10 +931,24 @@ def ablation(
     starts = [0, a.warm_start_steps] if a.warm_start_steps else [0]
     if a.starts != "both":
         starts = [starts[0] if a.starts == "scratch" else starts[-1]]
+
+    def rows(w: int) -> list[str]:  # a warm start's own row first: what the variants add to
+        return [WARM_START, *variants] if w else variants
+
     batches = [
         [
-            Spec(v, s, chosen["lr"], chosen["g"], None, "heldout", w, budget, a.clock)
-            for v in variants
+            Spec(
+                v,
+                s,
+                chosen["lr"],
+                chosen["g"],
+                None,
+                "heldout",
+                w,
+                0.0 if v == WARM_START else budget,
+                a.clock,
+            )
+            for v in rows(w)
         ]
         for w in starts
         for s in seeds
@@ -950,10 +972,10 @@ def ablation(
     )
     print(f"{'variant':16s} | start    | held-out acc [95% CI]  | ood   | ch2 share | ch3 share")
     for w in starts:
-        per = {v: [r for r in runs if r["arm"] == v and r["warm"] == w] for v in variants}
+        per = {v: [r for r in runs if r["arm"] == v and r["warm"] == w] for v in rows(w)}
         boot = bootstrap(per, a.bootstrap)
         label = "scratch" if w == 0 else f"sft {w}"
-        for v in variants:
+        for v in rows(w):
             med = {
                 k: _median([r[k] for r in per[v]])
                 for k in ("acc", "ood_acc", "channel2_loss_share", "channel3_loss_share")
@@ -964,7 +986,7 @@ def ablation(
                 f"{med['ood_acc']:.3f} | {_fmt(med['channel2_loss_share'], 4):>9s} | "
                 f"{_fmt(med['channel3_loss_share'], 4):>9s}"
             )
-            key = f"{v}_{'scratch' if w == 0 else 'warm'}"
+            key = v if v == WARM_START else f"{v}_{'scratch' if w == 0 else 'warm'}"
             result[f"{key}_heldout_acc"] = med["acc"]
             result[f"{key}_heldout_acc_ci"] = _r2((lo, hi))
             result[f"{key}_ood_acc"] = med["ood_acc"]

@@ -93,7 +93,11 @@ def test_quick_warm_start_ablation_runs_every_variant(tmp_path: Path) -> None:
         assert f"{v}_warm_heldout_acc" in result and f"{v}_scratch_heldout_acc" not in result
     runs = [json.loads(line) for line in log.read_text().splitlines()]
     warm = [r for r in runs if r["warm"] == 2 and r["split"] == "heldout"]
-    assert sorted(r["arm"] for r in warm) == sorted(variants)
+    assert sorted(r["arm"] for r in warm) == sorted((*variants, "warm_start"))
+    # the warm start's own row: evaluated, not trained (what the variants add to)
+    (start,) = [r for r in warm if r["arm"] == "warm_start"]
+    assert start["steps"] == 0 and start["budget"] == 0.0
+    assert result["warm_start_heldout_acc"] == start["acc"]
     assert len(list((tmp_path / "warm").glob("warm-seed0-steps2-*.safetensors"))) == 1
 
 

@@ -16,9 +16,9 @@ from composer_replication.run.expected import (
 def test_the_embedded_default_gets_its_measured_ranges() -> None:
     lines = expected_lines(load_config())
     assert lines[0].startswith("What to expect (the embedded default")
-    assert "held-out accuracy on 256 prompts 0.000 -> 0.105-0.953 (median 0.809; " in lines[1]
-    assert "mean reward 0.14-0.15 -> 0.32-0.90, over seeds 0-2" in lines[1]
-    assert "wall time 173 s on 2 idle cores (seed 0 alone on 2 pinned cores " in lines[2]
+    assert "held-out accuracy on 256 prompts 0.000 -> 0.922-0.969 (median 0.949), " in lines[1]
+    assert "mean reward 0.16-0.17 -> 0.79-0.91, over seeds 0-2" in lines[1]
+    assert "wall time 236 s on 2 idle cores (median of seeds 0-2, one at a time " in lines[2]
     assert "; 1138-2036 s at load 7-26 (" in lines[2]
     assert "this machine: " in lines[2] and " cores, " in lines[2]
     # another seed, name or folder is still the default's setting; anything else is not

@@ -122,10 +122,10 @@ def _pairs(
         )
     pair_id = _row_vector("replay_pair_id", batch["replay_pair_id"], rows).long()
     chosen = _row_vector("replay_is_chosen", batch["replay_is_chosen"], rows).bool()
-    maskf = mask.to(log_prob.dtype)
+    counts = mask.to(log_prob.dtype).sum(-1)  # each row's tokens (simpo's mean, rpo's NLL)
     seq = torch.where(mask, log_prob, torch.zeros_like(log_prob)).sum(-1)
     if variant == "simpo":
-        seq = seq / maskf.sum(-1).clamp(min=1.0)
+        seq = seq / counts.clamp(min=1.0)
     ref = batch.get("replay_ref_log_prob")
     if variant == "dpo" and ref is None:
         raise ValueError(
@@ -153,7 +153,7 @@ def _pairs(
             split += 1
     ci = torch.tensor(chosen_rows, dtype=torch.long, device=log_prob.device)
     ri = torch.tensor(rejected_rows, dtype=torch.long, device=log_prob.device)
-    lengths = maskf.sum(-1)[ci]  # rpo_alpha's NLL is a token mean over the chosen rows
+    lengths = counts[ci]
     if variant == "simpo":
         out = {"chosen_avg_logps": seq[ci], "rejected_avg_logps": seq[ri]}
         return {**out, "chosen_lengths": lengths}, float(split)

@@ -123,6 +123,17 @@ class ReplicaMetricsWriter:
             self.store.put_json(status_key(self.rank), self._status)
 
 
+def _end_torn_line(path: Path) -> None:
+    """A driver killed mid-append can leave a last line without its newline: end it, so the next
+    record starts a line of its own (readers skip the torn one; the record that follows is kept)."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    with path.open("rb+") as fh:
+        fh.seek(-1, 2)
+        if fh.read(1) != b"\n":
+            fh.write(b"\n")
+
+
 class MetricsSink:
     """Append records to metrics.jsonl and (optionally) TensorBoard, one writer per replica."""
 
@@ -130,6 +141,7 @@ class MetricsSink:
         self.metrics_path = metrics_path
         self.tensorboard_dir = tensorboard_dir
         self._writers: dict[int, SummaryWriter] = {}
+        _end_torn_line(metrics_path)
         if tensorboard_dir is not None:
             # Import now, not at the first record: a slow import mid-run delays the display, and
             # a missing package should fail before any replica starts.
@@ -170,11 +182,35 @@ class MetricsSink:
         self._writers.clear()
 
 
+def _identity(record: dict[str, Any]) -> str:
+    """A record as its replica wrote it: `mark_resume`'s flag left out (the same record, flagged
+    later in metrics.jsonl, is still the same record)."""
+    return json.dumps({k: v for k, v in record.items() if k != "superseded"}, sort_keys=True)
+
+
+def _records_in(path: Path) -> set[str]:
+    """The identities of the records metrics.jsonl already holds (a torn line is skipped)."""
+    seen: set[str] = set()
+    if not path.is_file():
+        return seen
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict):
+            seen.add(_identity(record))
+    return seen
+
+
 class MetricsCollector:
     """Driver side: pull each replica's new chunks from the store, in order, exactly once.
 
     `consumed` maps rank -> number of chunks already read; persist it (driver.json) so a
-    resumed driver does not append the same records twice.
+    resumed driver does not read them again. The driver saves it after it appended the records,
+    so a driver killed in between leaves records in metrics.jsonl that the saved count does not
+    cover: the first poll of a collector made on an existing metrics.jsonl skips every record the
+    file already holds (the same record, to its timestamp), so no record is appended twice.
     """
 
     def __init__(
@@ -189,6 +225,9 @@ class MetricsCollector:
         self.sink = sink
         self.consumed = {r: int((consumed or {}).get(r, 0)) for r in range(n_replicas)}
         self.latest: dict[int, dict[str, Any]] = {}  # rank -> last train record seen
+        # what an earlier driver appended, possibly after its last saved `consumed`; only the
+        # first poll can meet such a record (it reads every chunk after the saved count)
+        self._appended_before: set[str] | None = _records_in(sink.metrics_path)
 
     def poll(self) -> list[dict[str, Any]]:
         """Read what is new; return the new records (already written to the sink)."""
@@ -204,6 +243,9 @@ class MetricsCollector:
                     if line.strip():
                         new.append(json.loads(line))
                 self.consumed[rank] += 1
+        if self._appended_before:
+            new = [r for r in new if _identity(r) not in self._appended_before]
+        self._appended_before = None
         for record in new:
             if record.get("kind") == "train":
                 self.latest[int(record["replica"])] = record

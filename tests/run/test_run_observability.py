@@ -15,6 +15,7 @@ from composer_replication.run.metrics import (
     MetricsCollector,
     MetricsSink,
     ReplicaMetricsWriter,
+    mark_resume,
     read_metrics,
 )
 from composer_replication.run.progress import Progress, ReplicaRow, choose_mode
@@ -82,6 +83,43 @@ def test_metrics_flow_from_store_chunks_to_jsonl_and_tensorboard(tmp_path: Path)
     assert any(folder.tensorboard.glob("replica-0/events.out.tfevents.*"))
     statuses = collector.statuses()
     assert statuses[0]["state"] == "done" and statuses[1]["step"] == 20
+
+
+def test_a_driver_killed_before_saving_its_chunk_count_appends_no_record_twice(
+    tmp_path: Path,
+) -> None:
+    """The driver appends a chunk's records, then saves how many chunks it read (driver.json);
+    killed in between, its successor starts from the older count and reads those chunks again.
+    The file keeps one copy of each record, also when the resume has flagged some of them."""
+    folder, store = _fake_run(tmp_path)
+    first = MetricsCollector(store, 2, MetricsSink(folder.metrics, None), consumed=None).poll()
+    saved = {0: 1, 1: 0}  # the crashed driver had saved only rank 0's first chunk
+    mark_resume(
+        folder.metrics,
+        MetricsSink(folder.metrics, None),
+        resumed_round=2,
+        redo_after_step=10,
+        n_replicas=2,
+    )
+    writer = ReplicaMetricsWriter(store, 0, flush_every_s=1e9)  # the resumed launch's first chunk
+    writer.log("train", step=11, round=2, reward=0.5)
+    writer.flush()
+    collector = MetricsCollector(store, 2, MetricsSink(folder.metrics, None), consumed=saved)
+    again = collector.poll()
+    assert [(r["replica"], r["step"]) for r in again] == [(0, 11)]  # the new record alone
+    assert collector.consumed == {0: 4, 1: 3}
+    lines = [json.loads(line) for line in folder.metrics.read_text().splitlines()]
+    steps = [r for r in lines if r["kind"] != "event"]
+    assert len(steps) == len(first) + 1
+    kept = [(r["kind"], r["replica"], r["step"]) for r in steps if not r.get("superseded")]
+    assert len(kept) == len(set(kept))
+
+
+def test_a_torn_last_line_does_not_swallow_the_next_record(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(json.dumps({"kind": "train", "replica": 0, "step": 1}) + "\n" + '{"kind": "tr')
+    MetricsSink(path, None).write([{"kind": "train", "replica": 0, "step": 2}])
+    assert [r["step"] for r in read_metrics(path)] == [1, 2]
 
 
 def test_report_draws_plots_and_summary(tmp_path: Path) -> None:

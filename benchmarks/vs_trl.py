@@ -137,9 +137,23 @@ class Spec:
     warm: int  # SFT warm-start steps (0: from the random init)
     budget: float
     clock: str
+    rpo: float = 0.0  # our arms: channel 3's NLL weight (loss.rpo_alpha); 0 for the others
 
     def key(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
+        fields = asdict(self)
+        if not fields["rpo"]:  # the runs logged before the field existed trained without it
+            del fields["rpo"]
+        return json.dumps(fields, sort_keys=True)
+
+
+def rpo_alpha(arm: str, extra: list[str]) -> float:
+    """Channel 3's NLL weight a run of `arm` trains with: the embedded default's
+    (`loss.rpo_alpha`) after the user's overrides; 0 for an arm that does not train our loss."""
+    if not arm.startswith("composer"):
+        return 0.0
+    from composer_replication.config import load_config
+
+    return float(load_config(overrides=[*CHANNEL_VARIANTS.get(arm, []), *extra]).loss.rpo_alpha)
 
 
 class GradShare:
@@ -186,6 +200,7 @@ def arm_overrides(spec: Spec, extra: list[str]) -> list[str]:
         f"train.num_generations={spec.g}",
         f"train.batch_size={PROMPTS_PER_STEP * spec.g}",
         *CHANNEL_VARIANTS.get(spec.arm, []),
+        *([f"loss.rpo_alpha={spec.rpo}"] if spec.arm.startswith("composer") else []),
         *extra,
     ]
 
@@ -478,7 +493,13 @@ def provenance() -> dict[str, Any]:
 
 
 def tuning_specs(
-    arm: str, seed: int, budget: float, clock: str, quick: bool, done: dict[str, dict[str, Any]]
+    arm: str,
+    seed: int,
+    budget: float,
+    clock: str,
+    quick: bool,
+    done: dict[str, dict[str, Any]],
+    rpo: float = 0.0,
 ) -> list[Spec]:
     """The validation runs of an arm's coordinate search, as far as the finished runs (`done`,
     by key) decide them: (A) every learning rate of the grid at the first G (trl_sft_grpo at
@@ -487,7 +508,7 @@ def tuning_specs(
     same search for every arm. `--quick`: one point."""
     lrs, gs = ((3e-3,), (2,)) if quick else (GRID_LR, GRID_G)
     share = 0.5 if arm == "trl_sft_grpo" else None
-    base = Spec(arm, seed, lrs[0], gs[0], share, "val", 0, budget, clock)
+    base = Spec(arm, seed, lrs[0], gs[0], share, "val", 0, budget, clock, rpo)
     specs = [replace(base, lr=lr) for lr in lrs]
     if not all(s.key() in done for s in specs):
         return specs
@@ -723,11 +744,14 @@ def tune(arms: list[str], a: argparse.Namespace, log: Log, budget: float) -> dic
     """Every arm's coordinate search on the validation split; {arm: choice + its runs}. Each
     stage's pending runs go in batches across arms (the k-th pending run of every arm together:
     in stage A, one learning rate for every arm at once), run concurrently."""
+    rpos = {arm: rpo_alpha(arm, a.overrides) for arm in arms}
     while True:  # each pass runs the next stage of every arm's search
         pending = {
             arm: [
                 s
-                for s in tuning_specs(arm, a.tune_seed, budget, a.clock, a.quick, log.done)
+                for s in tuning_specs(
+                    arm, a.tune_seed, budget, a.clock, a.quick, log.done, rpos[arm]
+                )
                 if s.key() not in log.done
             ]
             for arm in arms
@@ -747,10 +771,11 @@ def tune(arms: list[str], a: argparse.Namespace, log: Log, budget: float) -> dic
     for arm in arms:
         runs = [
             log.done[s.key()]
-            for s in tuning_specs(arm, a.tune_seed, budget, a.clock, a.quick, log.done)
+            for s in tuning_specs(arm, a.tune_seed, budget, a.clock, a.quick, log.done, rpos[arm])
         ]
         tuned[arm] = {
             **choose(runs),
+            "rpo_alpha": rpos[arm],
             "grid": [
                 {
                     "lr": r["lr"],
@@ -865,6 +890,7 @@ def main() -> None:
         print(
             f"{arm:16s} | {cells} | chosen lr {tuned[arm]['lr']:g} G {tuned[arm]['g']}"
             + ("" if tuned[arm]["share"] is None else f" share {tuned[arm]['share']}")
+            + (f" (rpo_alpha {tuned[arm]['rpo_alpha']:g})" if tuned[arm]["rpo_alpha"] else "")
         )
     final_seeds = range(a.first_seed, a.first_seed + seeds)
     if a.ablation:
@@ -882,6 +908,7 @@ def main() -> None:
                 0,
                 budget,
                 a.clock,
+                rpo_alpha(arm, a.overrides),
             )
             for arm in arms
         ]
@@ -947,6 +974,7 @@ def ablation(
                 w,
                 0.0 if v == WARM_START else budget,
                 a.clock,
+                rpo_alpha(v, a.overrides),
             )
             for v in rows(w)
         ]

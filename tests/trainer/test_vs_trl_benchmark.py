@@ -228,3 +228,24 @@ def vs_trl_task(config):  # type: ignore[no-untyped-def]
     from composer_replication.assembly.build import build_task
 
     return build_task(config)
+
+
+def test_our_arms_train_with_the_defaults_rpo_alpha_and_its_runs_are_logged_apart() -> None:
+    """Our arms train with the embedded default's channel-3 NLL weight (or the user's override)
+    and the results log keeps those runs apart from the ones logged before the weight existed
+    (they trained without it: their key, which has no `rpo`, is that of a run at rpo 0)."""
+    pytest.importorskip("trl")
+    vs_trl = _vs_trl()
+    assert vs_trl.rpo_alpha("composer", []) == 1.0  # config/default.toml
+    assert vs_trl.rpo_alpha("composer_replay", ["loss.rpo_alpha=0.5"]) == 0.5
+    assert vs_trl.rpo_alpha("trl_sft", []) == 0.0  # not our loss
+    old = vs_trl.Spec("composer", 0, 3e-3, 2, None, "heldout", 0, 220.0, "cpu")
+    assert "rpo" not in json.loads(old.key())
+    new = vs_trl.Spec("composer", 0, 3e-3, 2, None, "heldout", 0, 220.0, "cpu", 1.0)
+    assert new.key() != old.key() and json.loads(new.key())["rpo"] == 1.0
+    assert "loss.rpo_alpha=1.0" in vs_trl.arm_overrides(new, [])
+    assert "loss.rpo_alpha=0.0" in vs_trl.arm_overrides(old, [])  # run as logged: without
+    trl = vs_trl.Spec("trl_sft", 0, 3e-3, 2, None, "heldout", 0, 220.0, "cpu")
+    assert not any(o.startswith("loss.rpo_alpha") for o in vs_trl.arm_overrides(trl, []))
+    staged = vs_trl.tuning_specs("composer", 0, 220.0, "cpu", False, {}, 1.0)
+    assert {s.rpo for s in staged} == {1.0}

@@ -225,6 +225,8 @@ def test_channel3_rpo_alpha_adds_the_chosen_traces_token_mean_nll():
     out = loss_fn(inputs, beta_replay=0.5, rpo_alpha=0.2, chosen_lengths=lengths, **pair)
     assert float(out.metrics["loss/replay"]) == pytest.approx(0.5981388694 + 0.2 * 2.5, abs=1e-9)
     assert float(out.loss.detach()) == pytest.approx(0.5 * (0.5981388694 + 0.5) * 3, abs=1e-9)
+    assert float(out.metrics["replay/nll"]) == pytest.approx(2.5, abs=1e-9)  # as the trainer's
+    assert "replay/nll" not in loss_fn(inputs, beta_replay=0.5, **pair).metrics  # off: no key
     with pytest.raises(ValueError, match="needs 'chosen_lengths'"):
         loss_fn(inputs, beta_replay=0.5, rpo_alpha=0.2, **pair)
 

@@ -267,6 +267,8 @@ def loss_fn(inputs: Any, **kwargs: Any) -> LossOutputs:
     )
 
     replay_metrics = {"pairs": 0.0, "accuracy": 0.0, "margin": 0.0}
+    if cfg.rpo_alpha != 0.0:  # channel 3's NLL term (its token mean), as the trainer reports it
+        replay_metrics["nll"] = 0.0
     replay_value = 0.0
     replay_term: tuple[Tensor, dict[str, float]] | None = None
     replay_active = cfg.beta_replay != 0.0 and bool(pairs)

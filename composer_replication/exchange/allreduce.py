@@ -557,7 +557,9 @@ class ObjectStoreAllReduce(RunDocuments):
             if self.cancelled.wait(self.poll_interval_s):
                 raise ExchangeCancelledError(f"step {step}: exchange cancelled")
         t_commit = time.monotonic()
-        result, d = self._aggregate(step, commit, valid, tensors, ref)
+        # what we hold: valid, or read but not yet confirmed by its owner (the commit's pinned
+        # checksum decides, as it would for the same object downloaded again)
+        result, d = self._aggregate(step, commit, {**unconfirmed, **valid}, tensors, ref)
         phases = (t_in - t_start, t_commit - t_in, time.monotonic() - t_commit)
         return result, commit, up, down + d, own_squat, phases
 
@@ -823,15 +825,16 @@ class ObjectStoreAllReduce(RunDocuments):
         self,
         step: int,
         commit: CommitRecord,
-        valid: dict[int, Contribution],
+        held: dict[int, Contribution],
         tensors: dict[str, torch.Tensor],
         ref: dict[str, tuple[list[int], str]],
     ) -> tuple[dict[str, torch.Tensor], int]:
-        """Fetch whatever the commit lists that we lack, then average it (see aggregate.py)."""
+        """Fetch whatever the commit lists that we lack (absent from `held`, or held with another
+        checksum than the commit pins), then average it (see aggregate.py)."""
         down = 0
         ranks = commit["included_ranks"]
         pinned = commit["checksums"]
-        valid = {r: c for r, c in valid.items() if r in ranks}
+        valid = {r: c for r, c in held.items() if r in ranks}
         refetch = [r for r in ranks if r not in valid or valid[r].checksum != pinned[r]]
         for r, (c, nbytes) in zip(refetch, self._fetch_many(step, refetch, ref)):
             down += nbytes

@@ -185,3 +185,28 @@ def test_a_restarted_incarnation_with_the_same_writer_secret_reuses_its_earlier_
 def test_writer_secret_must_be_long_enough(tmp_path):
     with pytest.raises(ValueError, match="writer_secret must be bytes of length >= 16"):
         ObjectStoreAllReduce(str(tmp_path), 2, 0, writer_secret=b"short")
+
+
+def test_a_contribution_read_before_its_owner_confirmed_it_is_not_downloaded_again(tmp_path):
+    """Rank 0 reads rank 1's object before rank 1's owner record is visible to it (here: never,
+    the reads of that record are dropped), so rank 1 commits after the grace period; rank 0 then
+    averages the object it already holds (the commit pins its checksum) instead of downloading it
+    a second time: the bytes a round reports are the bytes it needs, however the polls fall."""
+    from composer_replication.exchange.faulty_store import Fault, FaultyStore
+
+    uri = str(tmp_path)
+    hidden = Fault("get", "steps/*/owner/00001*", "drop", times=None)
+    kw = {"timeout_s": 8, "poll_interval_s": 0.01}
+    r0 = ObjectStoreAllReduce(uri, 2, 0, store=FaultyStore(ObjectStore(uri), [hidden]), **kw)
+    r1 = ObjectStoreAllReduce(uri, 2, 1, **kw)
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault(0, r0.allreduce(honest(0), step=0)))
+    t.start()
+    res1 = r1.allreduce(honest(1), step=0)
+    t.join(30)
+    assert hidden.hits > 0  # rank 0 never saw rank 1's confirmation
+    assert r0.last_result.included_ranks == r1.last_result.included_ranks == [0, 1]
+    # each rank downloaded its peer's object (the same size as its own upload) once
+    for r in (r0, r1):
+        assert r.last_result.bytes_downloaded == r.last_result.bytes_uploaded > 0
+    assert torch.equal(box[0]["w"], res1["w"])

@@ -182,7 +182,7 @@ class MetricsSink:
         self._writers.clear()
 
 
-def _identity(record: dict[str, Any]) -> str:
+def _identity(record: dict[str, object]) -> str:
     """A record as its replica wrote it: `mark_resume`'s flag left out (the same record, flagged
     later in metrics.jsonl, is still the same record)."""
     return json.dumps({k: v for k, v in record.items() if k != "superseded"}, sort_keys=True)

@@ -298,6 +298,7 @@ def rl_runner(
     from composer_replication.assembly.build import (
         build_trainer,
         channel1_args,
+        task_reward,
         train_split,
         trl_training_args,
     )
@@ -316,7 +317,8 @@ def rl_runner(
         )
     common = trl_training_args(config, scratch, MAX_STEPS, seed)
     dataset = train_split(config, task, rank=0)
-    reward = [task.reward_func(with_feedback=False)]  # plain floats for a stock trainer
+    # plain floats for a stock trainer, judged on the text evaluation judges (assembly.task_reward)
+    reward = [task_reward(task, tok, model, with_feedback=False)]
     if arm == "trl_sdpo":
         from trl.experimental.sdpo import SDPOTrainer as trainer_class
 

@@ -38,7 +38,7 @@ import json
 import random
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, overload
 
@@ -99,6 +99,23 @@ def clean_completion(text: str) -> str:
         if cut != -1:
             text = text[:cut]
     return _SPECIAL_TOKEN.sub("", text).strip()
+
+
+def decode_completion(tokenizer: object, ids: Sequence[int], stop_ids: Collection[int] = ()) -> str:
+    """The text the verifier judges for one completion's token ids, in training and evaluation
+    alike: the ids up to and including the first stop token (`stop_ids`: the model's
+    `generation_config.eos_token_id`, `data.turns.stop_token_ids`), decoded with special tokens
+    KEPT, so that `clean_completion` cuts at the end marker where the model put it (decoding
+    without special tokens, as TRL does for its rewards, deletes the marker and joins the text
+    after it to the answer)."""
+    row = [int(t) for t in ids]
+    stops = set(stop_ids)
+    for i, token in enumerate(row):
+        if token in stops:
+            row = row[: i + 1]
+            break
+    text = tokenizer.decode(row, skip_special_tokens=False)  # type: ignore[attr-defined]
+    return str(text)
 
 
 def strip_answer_prefix(text: str) -> str:
@@ -463,12 +480,36 @@ class Task(ABC):
         return Example(id=eid, prompt=text, answer=answer[i], meta=meta)
 
     @overload
-    def reward_func(self, with_feedback: Literal[True] = True) -> Callable[..., list[Scored]]: ...
+    def reward_func(
+        self,
+        with_feedback: Literal[True] = True,
+        *,
+        tokenizer: object | None = None,
+        stop_ids: Collection[int] = (),
+    ) -> Callable[..., list[Scored]]: ...
     @overload
-    def reward_func(self, with_feedback: Literal[False]) -> Callable[..., list[float]]: ...
+    def reward_func(
+        self,
+        with_feedback: Literal[False],
+        *,
+        tokenizer: object | None = None,
+        stop_ids: Collection[int] = (),
+    ) -> Callable[..., list[float]]: ...
     @overload
-    def reward_func(self, with_feedback: bool) -> Callable[..., list[Scored] | list[float]]: ...
-    def reward_func(self, with_feedback: bool = True) -> Callable[..., list[Scored] | list[float]]:
+    def reward_func(
+        self,
+        with_feedback: bool,
+        *,
+        tokenizer: object | None = None,
+        stop_ids: Collection[int] = (),
+    ) -> Callable[..., list[Scored] | list[float]]: ...
+    def reward_func(
+        self,
+        with_feedback: bool = True,
+        *,
+        tokenizer: object | None = None,
+        stop_ids: Collection[int] = (),
+    ) -> Callable[..., list[Scored] | list[float]]:
         """A TRL reward function named `f"{name}_reward"`.
 
         Called as `f(prompts=..., completions=..., example_id=..., **other_columns)`, it returns
@@ -476,6 +517,12 @@ class Task(ABC):
         `ComposerReplicationTrainer`), or plain float scores with `with_feedback=False` for a
         stock TRL trainer. The example is looked up by `example_id`; rows with an unknown id are
         rebuilt from the `answer` and `task_meta` columns.
+
+        With `tokenizer` (and the model's `stop_ids`), a completion that comes with its token ids
+        (TRL passes `completion_ids`) is judged on `decode_completion(tokenizer, ids, stop_ids)`:
+        the same text evaluation judges, end markers kept, instead of TRL's decode without
+        special tokens. Every trainer of this package passes it; without it the text given is
+        judged as it is.
         """
 
         def reward(
@@ -484,6 +531,7 @@ class Task(ABC):
             example_id: Sequence[str] | None = None,
             answer: Sequence[str] | None = None,
             task_meta: Sequence[str] | None = None,
+            completion_ids: Sequence[Sequence[int]] | None = None,
             **_: object,
         ) -> list[Scored] | list[float]:
             if completions is None:
@@ -494,7 +542,15 @@ class Task(ABC):
                 )
                 for i in range(len(completions))
             ]
-            texts = [completion_text(c) for c in completions]
+            if tokenizer is not None and completion_ids is not None:
+                if len(completion_ids) != len(completions):
+                    raise ValueError(
+                        f"{self.name}_reward: {len(completion_ids)} completion_ids for "
+                        f"{len(completions)} completions"
+                    )
+                texts = [decode_completion(tokenizer, ids, stop_ids) for ids in completion_ids]
+            else:
+                texts = [completion_text(c) for c in completions]
             verdicts = self.verify_many(examples, texts)
             if with_feedback:
                 return [(v.reward, v.feedback) for v in verdicts]

@@ -215,8 +215,8 @@ def pair_tensors(
 ) -> dict[str, torch.Tensor]:
     """Chosen completions stored on their rejected rollout's row (see module docstring).
 
-    The trace text is tokenised without special tokens, gets the EOS token appended (so the policy
-    also learns to stop) and is cut to ``max_length`` tokens.
+    The trace text is tokenised without special tokens, gets ``eos_id`` appended (the trainer
+    passes the chat template's end-of-turn token, else EOS: so the policy also learns to stop) and is cut to ``max_length`` tokens.
     """
     if max_length < 1:
         raise ValueError("replay max length must be >= 1")

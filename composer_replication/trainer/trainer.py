@@ -46,6 +46,7 @@ from torch import nn
 
 from composer_replication.data.teachers import TeacherPool
 from composer_replication.data.traces import TraceRecord, TraceStore
+from composer_replication.data.turns import align_generation_stops, end_of_turn_id
 from composer_replication.loss import (
     assemble,
     fused_sdpo_term,
@@ -183,6 +184,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
                 environment_factory=environment_factory,
             )
         s = self.composer
+        self._end_of_turn = self._align_stops()
         self.feedback_funcs = list(feedback_funcs or [])
         self.trace_store = trace_store
         self.teacher_pool = teacher_pool
@@ -239,6 +241,24 @@ class ComposerReplicationTrainer(GRPOTrainer):
         self._captured_hidden: torch.Tensor | None = None
         self._batch: dict[str, Any] = {}
         self._loss_probe: Callable[[dict[str, torch.Tensor | None]], None] | None = None
+
+    def _align_stops(self) -> int | None:
+        """Rollouts end at the chat template's end of turn as well as at EOS (data/turns.py):
+        the model's ``generation_config`` and TRL's stop list get the ids they lack, so a policy
+        that learned to end its answer with ``<|im_end|>`` (SFT, the template) stops there, as
+        evaluation does. Returns the end-of-turn id (channel 3's chosen traces end with it)."""
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        stops = align_generation_stops(unwrapped, self._tokenizer)
+        missing = [t for t in stops if t not in self.eos_token_ids]
+        if missing:
+            self.eos_token_ids = [*self.eos_token_ids, *missing]
+            config = getattr(self, "generation_config", None)
+            if config is not None:
+                config.eos_token_id = list(self.eos_token_ids)
+            logger.info(
+                "rollouts also stop at token ids %s (chat template / generation_config)", missing
+            )
+        return end_of_turn_id(self._tokenizer)
 
     # -- public state for callbacks ----------------------------------------------------------------
     @property
@@ -686,7 +706,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
             len(prompts),
             lambda text: self._tokenizer(text, add_special_tokens=False)["input_ids"],
             pad_id=self._tokenizer.pad_token_id,
-            eos_id=self._tokenizer.eos_token_id,
+            eos_id=self._tokenizer.eos_token_id if self._end_of_turn is None else self._end_of_turn,
             max_length=self._replay_max_length(),
             device=device,
         )

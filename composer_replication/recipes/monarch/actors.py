@@ -299,7 +299,7 @@ class _RemoteReward:
     """The trainer's reward function: its co-located `RewarderActor` (one call per batch)."""
 
     def __init__(
-        self, rewarder: Any, name: str, tokenizer: Any = None, stop_ids: Sequence[int] = ()
+        self, rewarder: Any, name: str, tokenizer: object = None, stop_ids: Sequence[int] = ()
     ) -> None:
         self.rewarder = rewarder
         self.__name__ = name
@@ -318,7 +318,8 @@ class _RemoteReward:
             completions = [decode_completion(self.tokenizer, row, self.stop_ids) for row in ids]
         rows = {k: list(columns[k]) for k in REWARD_COLUMNS if k in columns}
         out = self.rewarder.score.call_one(list(prompts), list(completions), rows).get()
-        self.rewards.extend(r for r, _ in out if r is not None)
+        if not columns.get("teacher_probe"):  # the trainer scoring channel 2's teacher
+            self.rewards.extend(r for r, _ in out if r is not None)
         return [(r, fb) for r, fb in out]
 
     def pop(self) -> list[float]:

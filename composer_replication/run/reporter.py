@@ -4,6 +4,8 @@
 `on_step_end` it sees an outer round that has just been committed (the model then holds the new
 global weights, identical on every replica) and in `on_train_end` the final global weights.
 
+- the "train_begin" event of a decoupled learner carries what binding downloaded
+  (``rejoin_bytes``, ``rejoin_objects``, ``rejoin_merged_meanwhile``: `RejoinRecord`);
 - every TRL log line becomes a "train" record (step = inner step of the whole run: the trainer
   of a relaunched replica continues at its start step);
 - every exchange in the manager's history becomes a "round" record (seconds, bytes, ranks,
@@ -26,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from composer_replication.data.turns import stop_token_ids
+from composer_replication.diloco.decoupled import DecoupledLearner
 from composer_replication.diloco.outer_mode import OuterLoop
 from composer_replication.exchange.signing import RunKeys
 from composer_replication.exchange.store import ObjectStore
@@ -240,7 +243,19 @@ class ReplicaReporter(TrainerCallback):
         **kwargs: Any,
     ) -> None:
         step = self._step(state)
-        self.writer.log("event", step=step, round=self._round(), event="train_begin")
+        # a decoupled learner: what binding downloaded (only the newest version of each
+        # fragment merged while it was down; docs/diloco.md)
+        rejoin = self.outer.rejoin if isinstance(self.outer, DecoupledLearner) else None
+        extra = (
+            {}
+            if rejoin is None
+            else {
+                "rejoin_bytes": rejoin["bytes"],
+                "rejoin_objects": rejoin["objects"],
+                "rejoin_merged_meanwhile": rejoin["merged_meanwhile"],
+            }
+        )
+        self.writer.log("event", step=step, round=self._round(), event="train_begin", **extra)
         self._status("training", step, force=True)
         model = kwargs.get("model")
         if self.is_evaluator and step == 0 and model is not None:

@@ -161,6 +161,7 @@ def test_logged_training_reward_equals_evaluation_verdict(tmp_path: Any, channel
         trace_store=None,
         alpha_sdpo=0.1 if on else 0.0,
         beta_replay=0.0,
+        sdpo_teacher_probe=0,  # the script serves rollouts only
     )
     trainer.train()
     logged = list(

@@ -235,6 +235,7 @@ def test_builtin_task_reward_and_oracle_traces(tmp_path):
         trace_store=store,
         alpha_sdpo=0.1,
         beta_replay=0.05,
+        sdpo_gate=False,  # a random model's teacher is no better: this checks the plumbing
     )
     trainer.current_gradient_accumulation_steps = 1
     dataset = task.to_dataset("train")

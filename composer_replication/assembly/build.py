@@ -252,7 +252,8 @@ def build_teachers(config: RunConfig, task: Task) -> list[TeacherClient]:
 
         # TRAIN prompts only: the oracle never answers a held-out prompt, so no held-out answer
         # can reach training through channel 3.
-        train = {prompt_key(chat_prompt(ex.prompt)): ex for ex in task.train_examples()}
+        examples = [*task.train_examples(), *task.hinted_examples(config.task.hint_share)]
+        train = {prompt_key(chat_prompt(ex.prompt)): ex for ex in examples}
 
         def solve(prompt: Prompt) -> str | None:
             example = train.get(prompt_key(prompt))
@@ -336,7 +337,7 @@ def train_split(config: RunConfig, task: Task, rank: int) -> Any:
     """The training prompts replica `rank` samples from: with `task.shard = "disjoint"` every
     n-th prompt from `rank` (n = backend.n_replicas, a data island per replica, no prompt in
     two), else all of them."""
-    dataset = task.to_dataset("train")
+    dataset = task.to_dataset("train", hint_share=config.task.hint_share)
     n = config.backend.n_replicas
     if config.task.shard == "shared" or n == 1:
         return dataset

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import random
 import re
 from abc import ABC, abstractmethod
@@ -432,10 +433,37 @@ class Task(ABC):
 
     # ---- TRL glue -----------------------------------------------------------------------------
 
-    def to_dataset(self, split: str = "train") -> Any:
+    def hinted_examples(self, share: float) -> list[Example]:
+        """Hinted copies of the first `ceil(share * n)` distinct training prompts: the prompt as
+        channel 2's teacher reads it (the default `HintTemplate`: the oracle solution as the
+        correct solution, and on every other one the feedback a typical wrong attempt gets),
+        with the same answer. Trained on beside the plain prompts (`to_dataset`,
+        `oracle_traces` with `hint_share`), they teach the policy to read the hint its
+        channel-2 teacher is shown; the held-out prompts are never among them."""
+        if not 0.0 <= share <= 1.0:
+            raise ValueError(f"hint_share must be in [0, 1], got {share!r}")
+        if share == 0.0:
+            return []
+        from composer_replication.data.hints import HintTemplate
+
+        template = HintTemplate()
+        distinct = list({ex.prompt: ex for ex in self.train_examples()}.values())
+        out = []
+        for i, ex in enumerate(distinct[: math.ceil(share * len(distinct))]):
+            solution = self.oracle(ex)
+            feedback = None
+            if i % 2:
+                wrong = [w for w in self._wrong_answers(ex) if w]
+                feedback = self.verify(ex, wrong[0]).feedback if wrong else None
+            text = template.render_text(ex.prompt, solution, feedback)
+            out.append(Example(id=f"{ex.id}/hinted", prompt=text, answer=ex.answer, meta=ex.meta))
+        return out
+
+    def to_dataset(self, split: str = "train", *, hint_share: float = 0.0) -> Any:
         """A `datasets.Dataset` for TRL with columns `prompt` (chat format), `example_id`,
         `answer` and `task_meta` (the example's meta as a JSON string, so `reward_func` can verify
-        rows whose id this task instance does not know)."""
+        rows whose id this task instance does not know). With `hint_share` > 0 (train split
+        only) the `hinted_examples` follow the split's examples."""
         try:
             import datasets
         except ImportError as exc:  # pragma: no cover - exercised only without the extra
@@ -450,9 +478,14 @@ class Task(ABC):
                 "answer": ex.answer,
                 "task_meta": json.dumps(ex.meta, sort_keys=True),
             }
-            for ex in self.examples(split)
+            for ex in self._with_hints(split, hint_share)
         ]
         return datasets.Dataset.from_list(rows)
+
+    def _with_hints(self, split: str, hint_share: float) -> list[Example]:
+        if hint_share and split != "train":
+            raise ValueError(f"hint_share applies to the train split only, got split {split!r}")
+        return [*self.examples(split), *self.hinted_examples(hint_share)]
 
     def _lookup(
         self,
@@ -559,13 +592,16 @@ class Task(ABC):
         reward.__name__ = reward.__qualname__ = f"{self.name}_reward"
         return reward
 
-    def oracle_traces(self, split: str = "train") -> Iterator[TraceJson]:
-        """One trace record per distinct prompt of `split`, in the trace JSONL format of
-        `composer_replication.data.traces` (teacher "oracle", reward 1.0)."""
+    def oracle_traces(
+        self, split: str = "train", *, hint_share: float = 0.0
+    ) -> Iterator[TraceJson]:
+        """One trace record per distinct prompt of `split` (and of its `hinted_examples` with
+        `hint_share`), in the trace JSONL format of `composer_replication.data.traces` (teacher
+        "oracle", reward 1.0)."""
         from composer_replication.data.traces import prompt_key  # the trainer's data layer
 
         seen: dict[str, None] = {}
-        for ex in self.examples(split):
+        for ex in self._with_hints(split, hint_share):
             if ex.prompt in seen:
                 continue
             seen[ex.prompt] = None

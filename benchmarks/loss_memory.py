@@ -169,14 +169,15 @@ def _replay_logits(hc, hr, weight):  # type: ignore[no-untyped-def]
 
 
 def _replay_fused(hc, hr, weight):  # type: ignore[no-untyped-def]
-    """``loss.fused_linear_logps``: the same log-probs from the hidden states, no logits."""
+    """``loss.fused_linear_logps``: the same log-probs from the hidden states, no logits; both
+    sides in one call, as ``loss.fused_replay_term`` packs them (one weight gradient)."""
     import torch
 
     from composer_replication.loss import dpo_loss, fused_linear_logps
 
     ids_c, ids_r, refs = _replay_inputs(hc, hr, weight.shape[0])
-    chosen = fused_linear_logps(hc, weight, None, ids_c).sum(-1)
-    rejected = fused_linear_logps(hr, weight, None, ids_r).sum(-1)
+    both = fused_linear_logps(torch.cat([hc, hr], 1), weight, None, torch.cat([ids_c, ids_r], 1))
+    chosen, rejected = both[:, : hc.shape[1]].sum(-1), both[:, hc.shape[1] :].sum(-1)
     return dpo_loss(chosen, rejected, refs, torch.zeros_like(refs), beta=REPLAY_BETA)[0]
 
 

@@ -7,7 +7,7 @@ is a bug upstream and raises ``ValueError`` naming the missing key.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -208,10 +208,20 @@ class ReplayPairs:
 
 # (summed, mean) log-probs and token counts of one side, (N,) each.
 _Side = tuple[Tensor, Tensor, Tensor]
-# How a side's (N, T, X) per-position outputs (logits, or last hidden states for the fused path)
-# become its summed and mean log-probs of ``ids`` (N, T) over ``mask`` (N, T): `sequence_logps`
-# by default.
-Scorer = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
+# One side to score: its (N, T, X) per-position outputs (logits, or last hidden states for the
+# fused path), the tokens ``ids`` (N, T) and the ``mask`` (N, T) they are summed over.
+ScoredSide = tuple[Tensor, Tensor, Tensor]
+# How the sides become their summed and mean log-probs, called once with both sides of the pairs
+# (so a scorer may process them together: the fused one runs one output-layer pass for both, one
+# weight-gradient buffer instead of two): `score_each` (`sequence_logps` per side) by default.
+Scorer = Callable[[Sequence[ScoredSide]], list[tuple[Tensor, Tensor]]]
+
+
+def score_each(sides: Sequence[ScoredSide]) -> list[tuple[Tensor, Tensor]]:
+    """`sequence_logps` of each side's logits."""
+    return [sequence_logps(out, ids, mask) for out, ids, mask in sides]
+
+
 # the chosen side, the rejected side, and the reference sums.
 _Sides = tuple[_Side, _Side, tuple[Tensor | None, Tensor | None]]
 
@@ -233,9 +243,8 @@ def _references(
     return ref_c, ref_r
 
 
-def _sequence(model: CausalLM, inputs: Batch, side: str, score: Scorer) -> _Side:
-    """Summed and mean log-probs and token counts of one explicit-pairs side (token j scored by
-    logits j-1)."""
+def _sequence(model: CausalLM, inputs: Batch, side: str) -> ScoredSide:
+    """One explicit-pairs side's outputs, tokens and loss mask (token j scored by logits j-1)."""
     ids = require(inputs, f"replay_{side}_input_ids")
     attn = require(inputs, f"replay_{side}_attention_mask")
     loss_mask = require(inputs, f"replay_{side}_loss_mask")
@@ -245,7 +254,7 @@ def _sequence(model: CausalLM, inputs: Batch, side: str, score: Scorer) -> _Side
             f"{tuple(ids.shape)}, {tuple(attn.shape)}, {tuple(loss_mask.shape)}"
         )
     logits = forward_logits(model, ids, attn)
-    return _with_tokens(score(logits[:, :-1], ids[:, 1:], loss_mask[:, 1:]), loss_mask[:, 1:])
+    return logits[:, :-1], ids[:, 1:], loss_mask[:, 1:]
 
 
 def _with_tokens(logps: tuple[Tensor, Tensor], mask: Tensor) -> _Side:
@@ -265,8 +274,9 @@ def _explicit_pairs(
     if n_chosen == 0:
         return None
     refs = _references(inputs, dpo_variant, None)
-    chosen = _sequence(model, inputs, "chosen", score)
-    return chosen, _sequence(model, inputs, "rejected", score), refs
+    sides = [_sequence(model, inputs, "chosen"), _sequence(model, inputs, "rejected")]
+    chosen, rejected = score(sides)
+    return _with_tokens(chosen, sides[0][2]), _with_tokens(rejected, sides[1][2]), refs
 
 
 def _rollout_pairs(
@@ -309,9 +319,11 @@ def _rollout_pairs(
         c_mask,
         logits_to_keep=logits_to_keep,
     )
-    chosen = score(chosen_out, c_ids, c_mask)
     r_mask = completion_mask.index_select(0, rows)
-    rejected = score(student.index_select(0, rows), completion_ids.index_select(0, rows), r_mask)
+    r_ids = completion_ids.index_select(0, rows)
+    chosen, rejected = score(
+        [(chosen_out, c_ids, c_mask), (student.index_select(0, rows), r_ids, r_mask)]
+    )
     return _with_tokens(chosen, c_mask), _with_tokens(rejected, r_mask), refs
 
 
@@ -322,7 +334,7 @@ def replay_pairs(
     dpo_variant: str,
     *,
     logits_to_keep: bool,
-    score: Scorer = sequence_logps,
+    score: Scorer = score_each,
 ) -> ReplayPairs | None:
     """Channel 3 of ``inputs`` in either form, or None when its keys are absent or N == 0.
 
@@ -331,10 +343,10 @@ def replay_pairs(
     gradient. Rollout pairs: one forward with gradient on the chosen side of the paired rows;
     the rejected side is scored from ``student`` (the channel-1 logits).
 
-    ``score`` turns a side's per-position outputs into its log-probs: `sequence_logps` on logits
-    (the default); the fused channel 3 passes ``model`` returning last hidden states
-    (``HiddenStatesAsLogits``), ``student`` the channel-1 hidden states and a scorer through the
-    output layer (``fused.fused_linear_logps``).
+    ``score`` turns both sides' per-position outputs into their log-probs: `score_each`
+    (`sequence_logps` on logits) by default; the fused channel 3 passes ``model`` returning last
+    hidden states (``HiddenStatesAsLogits``), ``student`` the channel-1 hidden states and a
+    scorer through the output layer (``fused.fused_linear_logps``).
     """
     explicit = any(inputs.get(k) is not None for k in REPLAY_KEYS)
     rollout = any(inputs.get(k) is not None for k in REPLAY_ROW_KEYS)

@@ -22,7 +22,7 @@ the channel is not computed at all.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -45,7 +45,6 @@ from composer_replication.loss._logprobs import (
     HiddenStatesAsLogits,
     forward_logits,
     selective_log_softmax,
-    sequence_logps,
     sequence_sums,
 )
 from composer_replication.loss.fused import fused_linear_jsd, fused_linear_logps
@@ -214,7 +213,7 @@ def _replay(
     inputs: _batch.Batch,
     student_logits: Tensor | None,
     logits_to_keep: bool,
-    score: _batch.Scorer = sequence_logps,
+    score: _batch.Scorer = _batch.score_each,
 ) -> Result | None:
     if cfg.beta_replay == 0.0:
         return None
@@ -412,8 +411,18 @@ def fused_replay_term(
         )
     head_weight = weight
 
-    def score(hidden: Tensor, ids: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
-        return sequence_sums(fused_linear_logps(hidden, head_weight, bias, ids, mask=mask), mask)
+    def score(sides: Sequence[_batch.ScoredSide]) -> list[tuple[Tensor, Tensor]]:
+        # Both sides' selected positions in one output-layer pass: one weight gradient, not two.
+        masks = [mask.bool() for _, _, mask in sides]
+        rows = [hidden[m] for (hidden, _, _), m in zip(sides, masks, strict=True)]
+        ids = [tokens[m] for (_, tokens, _), m in zip(sides, masks, strict=True)]
+        packed = fused_linear_logps(torch.cat(rows)[None], head_weight, bias, torch.cat(ids)[None])
+        parts = packed[0].split([r.shape[0] for r in rows])
+        out = []
+        for m, part, (_, _, mask) in zip(masks, parts, sides, strict=True):
+            per_token = part.new_zeros(m.shape).masked_scatter(m, part)
+            out.append(sequence_sums(per_token, mask))
+        return out
 
     return _replay(cfg, HiddenStatesAsLogits(model), inputs, student_hidden, False, score)
 

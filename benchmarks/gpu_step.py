@@ -401,7 +401,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--generation-options",
         default=",".join(default_engines()),
-        help="engines timed on the plain arm at the first shape ('' = none; default: every "
+        help="engines timed on the plain arm at the first shape ('' or 'none' = none; default: every "
         "engine but the vLLM ones, which need vLLM installed)",
     )
     ap.add_argument(
@@ -440,7 +440,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [s for s in opts.shape_list if s not in SHAPES]
     if unknown or not opts.shape_list:
         ap.error(f"--shapes: unknown {unknown or raw!r}; choose from {', '.join(SHAPES)}")
-    engines = [g.strip() for g in opts.generation_options.split(",") if g.strip()]
+    raw_engines = "" if opts.generation_options.strip() == "none" else opts.generation_options
+    engines = [g.strip() for g in raw_engines.split(",") if g.strip()]
     bad = [g for g in engines if g not in GENERATION_ARGS]
     if bad:
         ap.error(f"--generation-options: unknown {bad}; choose from {', '.join(GENERATION_ARGS)}")

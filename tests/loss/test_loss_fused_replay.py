@@ -334,3 +334,41 @@ def test_fused_replay_term_on_a_qwen2(make_batch_fn):
         g_p = torch.autograd.grad(plain[0], w)[0]
         assert_close(g_f, g_p, n=n, scale=8 * float(g_p.abs().max()), what="weight gradient")
         assert float(g_p.abs().max()) > 0
+
+
+@pytest.mark.gpu
+def test_fused_logps_on_cuda_bfloat16_against_the_bf16_logits_path():
+    """On a GPU (bf16, Qwen2.5-0.5B's head width, a vocabulary of several tiles): the fused
+    log-probs and gradients against the current path within the bounds of the CPU bf16 test,
+    and against float64 on the same bf16 values; the fused path's peak memory stays far below
+    the (T, V) logits the current path holds."""
+    g = torch.Generator().manual_seed(6)
+    T_, H_, V_ = 64, 896, 151936
+    dev = torch.device("cuda")
+    h = torch.randn(1, T_, H_, generator=g).to(dev, torch.bfloat16).requires_grad_(True)
+    w = (torch.randn(V_, H_, generator=g) * (2.0 / H_**0.5)).to(dev, torch.bfloat16)
+    w.requires_grad_(True)
+    ids = torch.randint(0, V_, (1, T_), generator=g).to(dev)
+    mask = torch.ones(1, T_, dtype=torch.bool, device=dev)
+    up = torch.randn(1, T_, generator=g, dtype=torch.float64).to(dev)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fused = _fused(h, w, None, ids, mask, up)
+    fused_peak = torch.cuda.max_memory_allocated() - base
+    current = _current(h, w, None, ids, mask, up)
+    exact, exact_grads, logits = _exact(h, w, None, ids, mask, up)
+    Z = float(logits.abs().max())
+    assert_close(fused[0].double(), current[0].double(), n=2, u=UBF16, scale=Z, what="log-probs")
+    p = torch.softmax(logits, -1)
+    rows = ((F.one_hot(ids, V_).double() + p) * up.abs()[..., None]).reshape(-1, V_)
+    scales = {
+        "hidden": float((rows @ w.detach().double().abs()).max()),
+        "weight": float((rows.t() @ h.detach().double().abs().reshape(-1, H_)).max()),
+    }
+    for k, name in enumerate(("hidden", "weight")):
+        a, e, ex = fused[1][k].double(), current[1][k].double(), exact_grads[k]
+        assert_close(a, e, n=math.ceil(2 * Z) + 4, u=UBF16, scale=scales[name], what=name)
+        assert_close(a, ex, n=3, u=UBF16, scale=scales[name], what=name + " vs float64")
+    logits_bytes = T_ * V_ * 2  # one (T, V) bf16 logits tensor
+    assert fused_peak < logits_bytes + 2 * V_ * H_ * 4  # the weight gradient and its fp32 buffer

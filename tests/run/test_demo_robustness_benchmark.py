@@ -58,7 +58,7 @@ def test_a_tiny_run_under_two_capabilities_prints_the_keys_and_resumes(tmp_path:
         "train.max_steps=4",
         "diloco.sync_every_h=2",
         "train.eval_every_rounds=1",
-        "task.n_train=16",
+        "task.n_train=64",
         "task.n_eval=8",
         "train.eval_max_examples=8",
     ]

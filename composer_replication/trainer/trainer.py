@@ -198,6 +198,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
             )
         s = self.composer
         self._end_of_turn = self._align_stops()
+        self._gate_warned = False
         self.feedback_funcs = list(feedback_funcs or [])
         self.trace_store = trace_store
         self.teacher_pool = teacher_pool
@@ -737,7 +738,15 @@ class ComposerReplicationTrainer(GRPOTrainer):
         advantage = float("nan")
         if probe:
             teacher = self._teacher_rewards([plan.teacher_prompts[i] for i in probe], inputs, probe)
-            if teacher is not None:
+            if teacher is None:  # cannot be measured here: the gate stays open, said once
+                if not self._gate_warned:
+                    logger.warning(
+                        "channel 2's teacher advantage cannot be measured (a reward model, or "
+                        "a rollout engine without a generation config): its gate stays open"
+                    )
+                    self._gate_warned = True
+                probe = []
+            else:
                 groups = rewards.view(-1, self._group_size).nanmean(dim=1)
                 student = [float(groups[(start + i) // self._group_size]) for i in probe]
                 advantage = float(torch.tensor(teacher).nanmean() - torch.tensor(student).nanmean())
@@ -756,7 +765,8 @@ class ComposerReplicationTrainer(GRPOTrainer):
     ) -> list[float] | None:
         """One sampled teacher completion per hinted prompt, scored by the reward functions
         (weighted as TRL weighs them); None when a reward function is a model (not probed)."""
-        if any(isinstance(f, nn.Module) for f in self.reward_funcs):
+        config = getattr(self, "generation_config", None)
+        if config is None or any(isinstance(f, nn.Module) for f in self.reward_funcs):
             return None
         model: nn.Module = (
             self._ema.model if self._ema is not None else self.accelerator.unwrap_model(self.model)
@@ -767,7 +777,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
         out = model.generate(  # type: ignore[operator]
             input_ids=input_ids.to(device),
             attention_mask=attention_mask.to(device),
-            generation_config=self.generation_config,
+            generation_config=config,
         )
         stops = set(self.eos_token_ids)
         completion_ids: list[list[int]] = []

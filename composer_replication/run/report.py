@@ -636,15 +636,15 @@ def summary_markdown(
         f"{_fmt((summary.get('round_bytes_total') or 0) / 1e6, 2)} |",
         f"| wall time | {wall_text(driver) or _fmt(summary.get('wall_seconds'), 1) + ' s'} |",
     ]
-    if losses_rose(summary):
-        lines += ["", LOSS_RISE_NOTE]
     spent = summary.get("health_seconds")
-    if spent:
+    if spent:  # a row of the table above: nothing may come between them
         lines.append(
             f"| run health (s {' / '.join(HEALTH_STATES)}) | "
             + " / ".join(f"{spent.get(name, 0.0):.0f}" for name in HEALTH_STATES)
             + " |"
         )
+    if losses_rose(summary):  # after the whole table
+        lines += ["", LOSS_RISE_NOTE]
     lines.append("")
     if plots:
         lines += ["## Plots", ""]

@@ -397,11 +397,27 @@ def _figure(title: str, ylabel: str, nrows: int = 1) -> tuple[Figure, list[Axes]
 def _plot_series(
     ax: Axes, series: dict[int, list[tuple[int, float]]], legend: str = "replica {replica}"
 ) -> None:
+    """One line per replica; replicas whose points are all equal share one line, labelled so
+    (drawn separately, the last would hide the others exactly)."""
+    groups: dict[tuple[tuple[int, float], ...], list[int]] = {}
     for replica, points in series.items():
+        groups.setdefault(tuple(points), []).append(replica)
+    for points, replicas in groups.items():
         xs, ys = zip(*points)
-        ax.plot(xs, ys, marker="." if len(xs) < 40 else None, label=legend.format(replica=replica))
+        if len(replicas) == 1:
+            label = legend.format(replica=replicas[0])
+        else:
+            label = f"replicas {', '.join(map(str, replicas))} (identical)"
+        ax.plot(xs, ys, marker="." if len(xs) < 40 else None, label=label)
     if series:
         ax.legend(fontsize=8)
+
+
+def _from_zero(ax: Axes) -> None:
+    """A y axis from 0 with 10 % headroom: a constant series (the same bytes every round) is
+    then a flat line at its value, not a line in the middle of a 1.00-1.10 axis."""
+    top = max((max(line.get_ydata(), default=0.0) for line in ax.get_lines()), default=0.0)
+    ax.set_ylim(0.0, float(top) * 1.1 if top > 0 else 1.0)
 
 
 # The evaluator replica evaluates the global weights (identical on every replica after a
@@ -463,6 +479,8 @@ def _plot_rounds(records: list[dict[str, Any]], save: Callable[[Figure, str], No
             mb[int(r.get("replica", 0))].append((int(r.get("step", 0)), total / 1e6))
     _plot_series(axes[1], {k: sorted(v) for k, v in sorted(mb.items())})
     axes[1].set_ylabel("MB up + down")
+    for ax in axes:
+        _from_zero(ax)
     save(fig, "outer_rounds.png")
 
 
@@ -483,7 +501,8 @@ def _plot_time_breakdown(
         bottom = [b + h for b, h in zip(bottom, heights)]
     ax.set_xlabel("outer round")
     ax.set_xticks(rounds)
-    ax.legend(fontsize=8)
+    # beside the axes, not over them: inside, it covered the bars of whichever rounds were tall
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     save(fig, "time_breakdown.png")
 
 

@@ -150,6 +150,7 @@ def cmd_report(ns: argparse.Namespace) -> int:
     import importlib.util
 
     from composer_replication.run.report import headline_lines, write_report
+    from composer_replication.run.security import secret_files, secrets_warning
 
     folder = _run_folder(ns.run)
     if importlib.util.find_spec("matplotlib") is None:
@@ -161,6 +162,9 @@ def cmd_report(ns: argparse.Namespace) -> int:
     # The headline numbers `train` printed at the end: reward, held-out accuracy, losses.
     print(f"Run {folder.name}:")
     print("\n".join(headline_lines(summary)))
+    secrets = secret_files(folder.root)
+    if secrets:
+        print(f"{PROG}: warning: {secrets_warning(folder.root, secrets)}", file=sys.stderr)
     return 0
 
 

@@ -329,3 +329,33 @@ def test_live_progress_shows_the_bar_under_the_table() -> None:
     progress.update([ReplicaRow(rank=0, state="training", step=5, max_steps=10, round=1)])
     progress.close()
     assert "[##########..........]  50%" in out.getvalue()
+
+
+def test_status_and_report_warn_that_the_secrets_must_not_be_shared(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A run folder holds writer-secrets.json (and signing-keys.json with signing): `status` and
+    `report` say not to share them, and how to copy the folder without them; a folder without
+    them gets no warning."""
+    from composer_replication.cli import main
+    from composer_replication.run.security import KEYS_FILE, WRITER_SECRETS_FILE
+
+    folder, store = _fake_run(tmp_path)
+    MetricsCollector(store, 2, MetricsSink(folder.metrics, None), None).poll()
+    assert run_status(folder)["secrets"] == []
+    assert "do not share" not in status_text(run_status(folder))
+    assert main(["report", str(folder.root)]) == 0
+    assert "do not share" not in capsys.readouterr().err
+
+    (folder.root / WRITER_SECRETS_FILE).write_text("{}")
+    info = run_status(folder)
+    assert info["secrets"] == [WRITER_SECRETS_FILE]
+    line = status_text(info).splitlines()[-1]
+    assert line.startswith(f"  do not share {WRITER_SECRETS_FILE}: holds this run's per-rank")
+    assert f"rsync -a --exclude {WRITER_SECRETS_FILE} {folder.root}/ DEST/" in line
+
+    (folder.root / KEYS_FILE).write_text("{}")
+    assert main(["report", str(folder.root)]) == 0
+    err = capsys.readouterr().err
+    assert f"warning: do not share {WRITER_SECRETS_FILE} and {KEYS_FILE}: hold" in err
+    assert f"--exclude {WRITER_SECRETS_FILE} --exclude {KEYS_FILE}" in err

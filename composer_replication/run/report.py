@@ -402,8 +402,8 @@ def _plot_series(
     groups: dict[tuple[tuple[int, float], ...], list[int]] = {}
     for replica, points in series.items():
         groups.setdefault(tuple(points), []).append(replica)
-    for points, replicas in groups.items():
-        xs, ys = zip(*points)
+    for shared, replicas in groups.items():
+        xs, ys = zip(*shared)
         if len(replicas) == 1:
             label = legend.format(replica=replicas[0])
         else:
@@ -416,8 +416,11 @@ def _plot_series(
 def _from_zero(ax: Axes) -> None:
     """A y axis from 0 with 10 % headroom: a constant series (the same bytes every round) is
     then a flat line at its value, not a line in the middle of a 1.00-1.10 axis."""
-    top = max((max(line.get_ydata(), default=0.0) for line in ax.get_lines()), default=0.0)
-    ax.set_ylim(0.0, float(top) * 1.1 if top > 0 else 1.0)
+    import numpy as np
+
+    values = [float(np.max(np.asarray(line.get_ydata(), dtype=float))) for line in ax.get_lines()]
+    top = max(values, default=0.0)
+    ax.set_ylim(0.0, top * 1.1 if top > 0 else 1.0)
 
 
 # The evaluator replica evaluates the global weights (identical on every replica after a

@@ -117,3 +117,34 @@ def test_docs_form_a_path_from_the_index() -> None:
     assert "(docs/README.md)" in README and "(ARCHITECTURE.md)" in README
     for target in linked:
         assert (ROOT / "docs" / target).is_file(), target
+
+
+def _anchors(path: Path) -> set[str]:
+    """GitHub's anchors of the headings of a markdown file (lower case, punctuation dropped,
+    spaces to hyphens; fenced blocks skipped)."""
+    anchors, fenced = set(), False
+    for line in path.read_text().splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        elif not fenced and (m := re.match(r"#{1,6} (.+)", line)):
+            anchors.add(re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-"))
+    return anchors
+
+
+def test_every_relative_link_of_the_docs_resolves() -> None:
+    """Links between the README, ARCHITECTURE.md and docs/ point at files that exist and, with
+    a #fragment, at a heading they have (sections moved between pages must take their links)."""
+    pages = [ROOT / "README.md", ROOT / "ARCHITECTURE.md", *(ROOT / "docs").rglob("*.md")]
+    broken = []
+    for page in pages:
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue  # http(s):, mailto:
+            file, _, fragment = target.partition("#")
+            dest = (page.parent / file).resolve() if file else page
+            if not dest.exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such file)")
+            elif fragment and dest.suffix == ".md" and fragment not in _anchors(dest):
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
+    assert not broken, "\n".join(broken)

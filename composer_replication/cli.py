@@ -205,8 +205,7 @@ def _validate(
     preflight.check_backend(config, store_uri)
     notes = []
     if check_backend:
-        preflight.check_backend_credentials(config)
-        notes.append("backend credentials found")
+        notes.append(preflight.check_backend_credentials(config))
     if check_store and config.store.uri:
         preflight.check_store(config, config.store.uri, overwrite=True)
         notes.append("store writable")

@@ -346,7 +346,8 @@ def check_backend_credentials(config: RunConfig) -> str:
     """Build the executor of `backend.kind` as `train` does (the same constructor, options and
     secrets), which finds the backend's credentials where its SDK looks for them (kubeconfig or
     a service account, the Modal token, the Hugging Face token, boto3's chain), and let it go
-    without launching anything. ConfigError naming what is missing; else a short note."""
+    without launching anything. ConfigError naming what is missing; else the note for the `ok`
+    line (the local and Ray backends have no credentials: building them checks the options)."""
     import tempfile
 
     from composer_replication.assembly.services import build_executor
@@ -355,7 +356,9 @@ def check_backend_credentials(config: RunConfig) -> str:
         executor = build_executor(config, Path(tmp) / "logs")
         if isinstance(executor, Releasable):
             executor.shutdown()
-    return f"backend {config.backend.kind}: {type(executor).__name__} built, credentials found"
+    if registry.backend(config.backend.kind).remote:
+        return "backend credentials found"
+    return f"executor built; the {config.backend.kind} backend needs no credentials"
 
 
 def check_all(

@@ -148,3 +148,26 @@ def test_every_relative_link_of_the_docs_resolves() -> None:
             elif fragment and dest.suffix == ".md" and fragment not in _anchors(dest):
                 broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
     assert not broken, "\n".join(broken)
+
+
+def test_the_benchmarks_page_opens_with_one_short_headline_table() -> None:
+    """docs/benchmarks.md: one table first, a short row per headline result (benchmark, key,
+    value, goal, met, date), and a link to the lab notebook that holds the rest."""
+    page = (ROOT / "docs" / "benchmarks.md").read_text()
+    tables = re.findall(r"(?:^\|.*\|\n)+", page, re.M)
+    assert len(tables) == 1, "one headline table"
+    header, rule, *rows = tables[0].splitlines()
+    assert [c.strip() for c in header.strip("|").split("|")] == [
+        "benchmark",
+        "key",
+        "value",
+        "goal",
+        "met",
+        "date",
+    ]
+    assert len(rows) >= 10
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert len(row) <= 140, f"a long row: {row}"
+        assert cells[4] in ("yes", "no") and re.fullmatch(r"\d{4}-\d{2}-\d{2}", cells[5]), row
+    assert "(benchmarks-notebook.md)" in page.split(tables[0])[0], "the notebook is linked first"

@@ -181,6 +181,13 @@ def headline_lines(summary: dict[str, Any], *, eval_n: int | None = None) -> lis
             )
     if losses_rose(summary):
         lines.append(f"  {LOSS_RISE_LINE}")
+    if summary.get("teacher_advantage_first10") is not None:
+        gate = summary.get("gate_open_last10")
+        lines.append(
+            f"  ch2 teacher adv. first 10%: {_num(summary.get('teacher_advantage_first10'))}   "
+            f"last 10%: {_num(summary.get('teacher_advantage_last10'))}"
+            + (f"   (gate open in {gate:.0%} of the last 10%)" if gate is not None else "")
+        )
     refused = summary.get("rejections") or []
     for r in refused[:REJECTIONS_SHOWN]:  # every refusal is in metrics.jsonl (event "rejected")
         lines.append(f"  refused          round {r['round']} rank {r['rank']}: {r['reason']}")
@@ -243,6 +250,24 @@ def wall_text(driver: dict[str, Any]) -> str:
     )
 
 
+# What the learning signal looked like (train metrics; summary.md shows first / last 10 % of
+# steps): (summary key, metric, label).
+LEARNING_SIGNALS: tuple[tuple[str, str, str], ...] = (
+    ("entropy", "entropy", "policy entropy (nats per completion token)"),
+    (
+        "zero_std_share",
+        "frac_reward_zero_std",
+        "share of prompt groups with one reward for all rollouts (zero advantage)",
+    ),
+    (
+        "teacher_advantage",
+        "sdpo/teacher_advantage",
+        "channel 2: hinted teacher's reward minus the student's, same prompts",
+    ),
+    ("gate_open", "sdpo/gate_open", "channel 2: share of batches its teacher gate let through"),
+)
+
+
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     """Headline numbers of a run.
 
@@ -259,6 +284,10 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         first_last = _first_last10(records, channel.metric)
         if first_last is not None:
             out[f"{channel.key}_first10"], out[f"{channel.key}_last10"], _ = first_last
+    for key, metric, _ in LEARNING_SIGNALS:
+        first_last = _first_last10(records, metric)
+        if first_last is not None:
+            out[f"{key}_first10"], out[f"{key}_last10"], _ = first_last
     evals = sorted(
         (
             (int(r.get("step", 0)), float(r["eval/accuracy"]), r.get("eval/n"))
@@ -650,6 +679,12 @@ def summary_markdown(
             f"{_fmt(summary.get(ch.key + '_first10'))} / {_fmt(summary.get(ch.key + '_last10'))} |"
             for ch in LOSS_CHANNELS
             if summary.get(ch.key + "_first10") is not None
+        ),
+        *(
+            f"| {label}, first / last 10% of steps | {_fmt(summary.get(key + '_first10'))} / "
+            f"{_fmt(summary.get(key + '_last10'))} |"
+            for key, _, label in LEARNING_SIGNALS
+            if summary.get(key + "_first10") is not None
         ),
         f"| inner steps per replica | {_fmt(summary.get('steps'))} |",
         f"| outer rounds | {_fmt(summary.get('rounds'))} |",

@@ -5,7 +5,8 @@
     composer-replication report RUN                                    plots + summary.md
     composer-replication status RUN                                    replicas, round, health
     composer-replication config show [CONFIG] [overrides]              the resolved config
-    composer-replication config validate [CONFIG ...] [overrides]      check configs (no run)
+    composer-replication config validate [CONFIG ...] [overrides]      check configs (no run;
+        --check-store, --check-backend: the store and the backend's credentials; --offline)
     composer-replication bake-traces [CONFIG] [overrides] --out FILE   record teacher traces
     composer-replication replica --rendezvous URI                      what each replica runs
     composer-replication synchronizer RUN_FOLDER_OR_URI                a decoupled run's synchronizer

@@ -693,16 +693,7 @@ def summary_markdown(
         f"{_fmt((summary.get('round_bytes_total') or 0) / 1e6, 2)} |",
         f"| wall time | {wall_text(driver) or _fmt(summary.get('wall_seconds'), 1) + ' s'} |",
     ]
-    spent = summary.get("health_seconds")
-    if spent:  # a row of the table above: nothing may come between them
-        lines.append(
-            f"| run health (s {' / '.join(HEALTH_STATES)}) | "
-            + " / ".join(f"{spent.get(name, 0.0):.0f}" for name in HEALTH_STATES)
-            + " |"
-        )
-    if losses_rose(summary):  # after the whole table
-        lines += ["", LOSS_RISE_NOTE]
-    lines.append("")
+    lines += _table_end(summary)
     if plots:
         lines += ["## Plots", ""]
         lines += [f"![{p.stem}](plots/{p.name})" for p in plots]
@@ -713,6 +704,22 @@ def summary_markdown(
         lines += [f"- `checkpoints/{name}/`" for name in checkpoints]
         lines.append("")
     return "\n".join(lines)
+
+
+def _table_end(summary: dict[str, object]) -> list[str]:
+    """The metrics table's last row (the health) and, after the whole table (a paragraph
+    between two rows splits it), the note on rising channel 2/3 losses."""
+    lines = []
+    spent = summary.get("health_seconds")
+    if isinstance(spent, dict) and spent:
+        lines.append(
+            f"| run health (s {' / '.join(HEALTH_STATES)}) | "
+            + " / ".join(f"{spent.get(name, 0.0):.0f}" for name in HEALTH_STATES)
+            + " |"
+        )
+    if losses_rose(summary):
+        lines += ["", LOSS_RISE_NOTE]
+    return [*lines, ""]
 
 
 def _fmt_interval(ci: object) -> str:

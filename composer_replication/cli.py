@@ -225,6 +225,10 @@ def cmd_config(ns: argparse.Namespace) -> int:
 
     if ns.config_command == "show":
         config = _load(ns.args)
+        if not ns.json and not _split_configs(ns.args)[0]:  # the embedded default: say how
+            from composer_replication.config.reference import embedded_differences_comment
+
+            print(embedded_differences_comment(), end="")  # it differs from a TOML file's
         print(json.dumps(to_dict(config), indent=1) if ns.json else dump_toml(config), end="")
         if ns.json:
             print()

@@ -11,6 +11,8 @@ import subprocess
 import tomllib
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 EXTRAS: dict[str, list[str]] = PROJECT["optional-dependencies"]
@@ -111,3 +113,143 @@ def test_setup_scripts_parse_and_refuse_unknown_arguments(tmp_path: Path) -> Non
         timeout=30,
     )
     assert proc.returncode == 0 and "bash scripts/setup.sh --all" in proc.stdout
+
+
+# ----------------------------------------------------------------------------- the train extra runs the demo
+
+SITECUSTOMIZE = '''\
+"""Hide BLOCKED top-level modules and their distributions from this interpreter and the
+replicas it starts (they inherit PYTHONPATH): find_spec says "not installed", import fails."""
+import json
+import sys
+from importlib.machinery import PathFinder
+
+BLOCKED = set(json.loads({blocked!r}))
+
+
+class _Filtered:
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if name.partition(".")[0] in BLOCKED:
+            return None
+        return PathFinder.find_spec(name, path, target)
+
+    @classmethod
+    def invalidate_caches(cls):
+        PathFinder.invalidate_caches()
+
+    @staticmethod
+    def find_distributions(*args, **kwargs):
+        for dist in PathFinder.find_distributions(*args, **kwargs):
+            if (dist.metadata["Name"] or "").lower().replace("-", "_") not in BLOCKED:
+                yield dist
+
+
+sys.meta_path[:] = [_Filtered if f is PathFinder else f for f in sys.meta_path]
+'''
+
+
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "_", name).lower()
+
+
+def _closure(requirements: list[str]) -> set[str]:
+    """The installed distributions `requirements` need, transitively (no extras of theirs)."""
+    import importlib.metadata as md
+
+    from packaging.requirements import Requirement
+
+    seen: set[str] = set()
+    todo = [Requirement(r) for r in requirements]
+    while todo:
+        req = todo.pop()
+        if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+            continue
+        name = _canonical(req.name)
+        if name in seen or name == "composer_replication":
+            continue
+        try:
+            requires = md.requires(req.name) or []
+        except md.PackageNotFoundError:
+            continue
+        seen.add(name)
+        todo += [Requirement(r) for r in requires]
+    return seen
+
+
+def _not_in_the_train_extra() -> set[str]:
+    """Top-level modules of the distributions that only extras other than `train` bring."""
+    import importlib.metadata as md
+
+    keep = _closure([*PROJECT["dependencies"], *EXTRAS["train"]])
+    others = {
+        _canonical(re.split(r"[\[<>=!~; ]", r, maxsplit=1)[0])
+        for extra, requirements in EXTRAS.items()
+        if extra not in ("train", "all")
+        for r in requirements
+    }
+    blocked_dists = others - keep
+    return {
+        module
+        for module, dists in md.packages_distributions().items()
+        if {_canonical(d) for d in dists} <= blocked_dists and not module.startswith("_")
+    } | blocked_dists
+
+
+@pytest.mark.slow
+@pytest.mark.long
+def test_the_train_extra_alone_runs_the_demo(tmp_path: Path) -> None:
+    """`pip install "composer-replication[train]"` (or `bash scripts/setup.sh`) then `train`:
+    a short run of the demo with every module only another extra brings hidden (the backends'
+    SDKs, s3fs/gcsfs, verl, Monarch, OpenEnv, reasoning-gym, Triton, Liger-Kernel, the test
+    tools) trains, reports and checkpoints."""
+    import importlib.util
+    import json
+    import os
+    import sys
+
+    spec = importlib.util.spec_from_file_location("_run_small", ROOT / "tests/run/_run_small.py")
+    assert spec is not None and spec.loader is not None
+    small = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(small)
+
+    blocked = _not_in_the_train_extra()
+    assert {"ray", "modal", "kubernetes", "boto3"} & blocked, blocked
+    assert not {"torch", "transformers", "trl", "torchft", "matplotlib", "rich"} & blocked
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        SITECUSTOMIZE.format(blocked=json.dumps(sorted(blocked)))
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(ROOT)])}
+    probe = subprocess.run(
+        [sys.executable, "-c", "import importlib.util as u; print(u.find_spec('ray'))"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert probe.stdout.strip() == "None", probe.stderr
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "composer_replication",
+            "train",
+            *small.TINY_RUN,
+            "train.max_steps=4",
+            "diloco.sync_every_h=2",
+            "--name",
+            "train-extra",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    logs = "".join(p.read_text() for p in (tmp_path / "runs").rglob("replica-*.log"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:] + logs[-3000:]
+    run = tmp_path / "runs" / "train-extra"
+    assert (run / "checkpoints" / "final" / "model.safetensors").is_file()
+    assert (run / "summary.md").is_file() and list((run / "plots").glob("*.png"))

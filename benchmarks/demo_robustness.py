@@ -94,7 +94,9 @@ def commit() -> str:
         ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
     )
     dirty = subprocess.run(
-        ["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+        # results being appended to (this log, vs_trl's) are not code
+        ["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no", "--", "."]
+        + [":!benchmarks/results"],
         capture_output=True,
         text=True,
     ).stdout.strip()

@@ -27,10 +27,12 @@ step). The first ``--warmup`` steps are dropped (CUDA context, kernel selection,
 growth); medians of the rest. Peak memory: ``torch.cuda.max_memory_allocated`` over the measured
 steps (on CPU the process's peak resident memory, reset the same way).
 
-Generation: TRL's rollout engines (``[train] generation``: ``generate``, ``paged``,
-``paged_eager``; assembly.build.GENERATION_ARGS) are timed on the plain arm at the first shape,
-right after its arms (``--generation-options``; ``--gen-steps`` steps each, the first dropped
-when there are several: the process is warm by then).
+Generation: TRL's rollout engines (``[train] generation``: ``generate``, ``static`` (a static
+key/value cache, the decoding forward compiled on a GPU), ``paged``, ``paged_eager``, and where
+vLLM is installed ``vllm`` / ``vllm_server``; assembly.build.GENERATION_ARGS) are timed on the
+plain arm at the first shape, right after its arms (``--generation-options``; ``--gen-steps``
+steps each, the first dropped when there are several: the process is warm by then, but the
+static engine compiles in its first step, so give it 3 or more).
 Every step counts: TRL sets continuous batching up afresh at each generation (its CUDA-graph
 warm-up included). ``--out`` keeps the JSON so far on disk after every arm, so a run cut short
 by a time limit (scripts/gpu-check.sh) keeps its first shape.
@@ -38,11 +40,21 @@ by a time limit (scripts/gpu-check.sh) keeps its first shape.
     python benchmarks/gpu_step.py                        # one GPU: qwen05b and qwen15b
     python benchmarks/gpu_step.py --device cpu --tiny    # the same code on a tiny model (tests)
 
-Last line: JSON with ``gpu_channels_off_ratio`` (median step / TRL's; goal <= 1.02),
-``gpu_all_on_ratio`` (goal <= 1.15), ``gpu_peak_memory_ratio`` (all on / TRL; goal <= 1.05) at
-the first shape, the same with a ``_<shape>`` suffix for the others, every arm's split
-(``<shape>_<arm>_{step,generation,teacher,loss_backward}_s``, ``<shape>_<arm>_peak_gb``),
-``generation_<engine>_s`` and ``gpu_generation_<engine>_ratio`` (vs ``generate``), and the setup.
+Timing (issue 39): by default 18 steps per arm, the first 2 dropped, so every median is over 16
+steps (fewer on a GPU prints a warning: generation varies up to 1.5x from step to step, and 2-8
+steps let that spread decide the ratios). Every part is reported with its spread (min, quartiles,
+max), and generation apart from the rest of the step: ``train`` = step - generation, what the
+trainer's own code costs (forwards, losses, backward, optimizer step; the teacher included).
+
+Last line: JSON with ``gpu_train_part_ratio`` (median train part, all three channels / TRL's;
+goal <= 1.15) and ``gpu_train_part_ratio_channels_off`` (goal <= 1.02), each with its
+``_range`` (``[q1(ours) / q3(TRL), q3(ours) / q1(TRL)]``); ``gpu_channels_off_ratio`` and
+``gpu_all_on_ratio`` (the whole step, median / TRL's, generation included; with ``_range``),
+``gpu_peak_memory_ratio`` (all on / TRL; goal <= 1.05) at the first shape, the same with a
+``_<shape>`` suffix for the others; every arm's parts
+(``<shape>_<arm>_{step,generation,train,teacher,loss_backward}_s``, medians, and
+``..._spread_s``), ``<shape>_<arm>_peak_gb``, ``measured_steps``, ``generation_<engine>_s``
+and ``gpu_generation_<engine>_ratio`` (vs ``generate``), and the setup.
 """
 
 from __future__ import annotations
@@ -64,7 +76,12 @@ from transformers import TrainerCallback
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import trainer_overhead as overhead  # noqa: E402  (benchmarks/ is not a package)
 
-from composer_replication.assembly.build import GENERATION_ARGS  # noqa: E402
+from composer_replication.assembly.build import (  # noqa: E402
+    GENERATION_ARGS,
+    VLLM_ENGINES,
+    configure_generation,
+    generation_args,
+)
 from composer_replication.trainer import ComposerConfig  # noqa: E402
 
 # Qwen2.5's published configurations (hidden, layers, heads, KV heads, MLP, vocabulary; tied
@@ -97,7 +114,12 @@ SHAPES: dict[str, dict[str, Any]] = {
     ),
 }
 ARMS = ("plain", "channels_off", "all_on")
-PARTS = ("step", "generation", "teacher", "loss_backward")
+# Per step: the whole step, generation (rollouts, rewards, channel inputs), the step minus
+# generation ("train": what the trainer's own code decides: forwards, losses, backward, optimizer
+# step), the channel-2 teacher and the rest of "train" (loss+backward).
+PARTS = ("step", "generation", "train", "teacher", "loss_backward")
+# The issue's figure needs at least this many timed steps per arm on a GPU (issue 39).
+MIN_MEASURED = 16
 
 
 def build_model(shape: str, tok: Any, device: torch.device, dtype: torch.dtype) -> Any:
@@ -196,6 +218,7 @@ class StepClock(TrainerCallback):
         row = {
             "step": step,
             "generation": self._generation,
+            "train": max(0.0, step - self._generation),
             "teacher": teacher,
             "loss_backward": max(0.0, step - self._generation - teacher),
         }
@@ -234,7 +257,7 @@ def trainer_args(opts: argparse.Namespace, out: str, steps: int, generation: str
         use_cpu=not cuda,
         bf16=opts.dtype == torch.bfloat16 and cuda,  # autocast matches the weights
         **extra,
-        **GENERATION_ARGS[generation],
+        **generation_args(generation),
     )
 
 
@@ -254,6 +277,7 @@ def run_arm(
         trainer = overhead.build(
             variant, args, tok, 0, 0, share_prefix=opts.share_prefix, model=model
         )
+        configure_generation(trainer, generation)
         clock = StepClock(trainer, opts.device, min(opts.warmup, steps - 1), f"{shape} {arm}")
         trainer.add_callback(clock)
         trainer.remove_callback(_printer())
@@ -265,11 +289,32 @@ def run_arm(
     return {
         "params": n_params,
         "rows": clock.rows,
+        "measured": len(measured),
         "median": {p: statistics.median(r[p] for r in measured) for p in PARTS},
+        "spread": {p: spread([r[p] for r in measured]) for p in PARTS},
         "peak": clock.peak,
         "resident_before": resident,
         "gradient_checkpointing": gradient_checkpointing,
     }
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    """``min``, quartiles ``q1`` / ``q3`` (exclusive method; the median when one value) and
+    ``max`` of the measured steps."""
+    ordered = sorted(values)
+    if len(ordered) > 1:
+        q1, _, q3 = statistics.quantiles(ordered, n=4)
+    else:
+        q1 = q3 = ordered[0]
+    return {"min": ordered[0], "q1": q1, "q3": q3, "max": ordered[-1]}
+
+
+def ratio_range(ours: dict[str, float], theirs: dict[str, float]) -> list[float]:
+    """The interquartile range of ours / theirs: ``[q1(ours) / q3(theirs), q3(ours) /
+    q1(theirs)]`` (the spread of the ratio of medians; None-safe for a zero quartile)."""
+    low = ours["q1"] / theirs["q3"] if theirs["q3"] > 0 else float("inf")
+    high = ours["q3"] / theirs["q1"] if theirs["q1"] > 0 else float("inf")
+    return [round(low, 4), round(high, 4)]
 
 
 def _printer() -> Any:
@@ -312,6 +357,15 @@ def time_engines(
     result["generation_fastest"] = min(times, key=lambda e: times[e])
 
 
+def default_engines() -> list[str]:
+    """The rollout engines timed by default: all of `GENERATION_ARGS`, the vLLM ones only where
+    vLLM is installed."""
+    import importlib.util
+
+    vllm = importlib.util.find_spec("vllm") is not None
+    return [e for e in GENERATION_ARGS if vllm or e not in VLLM_ENGINES]
+
+
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu")
@@ -331,9 +385,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--generations", type=int, default=4, help="rollouts per prompt (G)")
     ap.add_argument("--completion-len", type=int, default=128, help="tokens per completion")
     ap.add_argument(
-        "--steps", type=int, default=4, help="optimizer steps per arm, warm-up included"
+        "--steps",
+        type=int,
+        default=MIN_MEASURED + 2,
+        help=f"optimizer steps per arm, warm-up included (default {MIN_MEASURED + 2}: "
+        f"{MIN_MEASURED} timed after 2 warm-up steps)",
     )
-    ap.add_argument("--warmup", type=int, default=1, help="leading steps dropped")
+    ap.add_argument("--warmup", type=int, default=2, help="leading steps dropped")
     ap.add_argument(
         "--generation",
         choices=tuple(GENERATION_ARGS),
@@ -342,8 +400,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument(
         "--generation-options",
-        default=",".join(GENERATION_ARGS),
-        help="engines timed on the plain arm at the first shape ('' = none)",
+        default=",".join(default_engines()),
+        help="engines timed on the plain arm at the first shape ('' or 'none' = none; default: every "
+        "engine but the vLLM ones, which need vLLM installed)",
     )
     ap.add_argument(
         "--gen-steps",
@@ -381,7 +440,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [s for s in opts.shape_list if s not in SHAPES]
     if unknown or not opts.shape_list:
         ap.error(f"--shapes: unknown {unknown or raw!r}; choose from {', '.join(SHAPES)}")
-    engines = [g.strip() for g in opts.generation_options.split(",") if g.strip()]
+    raw_engines = "" if opts.generation_options.strip() == "none" else opts.generation_options
+    engines = [g.strip() for g in raw_engines.split(",") if g.strip()]
     bad = [g for g in engines if g not in GENERATION_ARGS]
     if bad:
         ap.error(f"--generation-options: unknown {bad}; choose from {', '.join(GENERATION_ARGS)}")
@@ -390,6 +450,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("need --steps >= 2, 1 <= --warmup < --steps and --gen-steps >= 1")
     if opts.batch % opts.generations:
         ap.error(f"--batch {opts.batch} must be a multiple of --generations {opts.generations}")
+    if opts.device.type == "cuda" and opts.steps - opts.warmup < MIN_MEASURED:
+        print(
+            f"gpu_step: {opts.steps - opts.warmup} timed steps per arm (< {MIN_MEASURED}): the "
+            "ratios are a smoke figure, not the issue's (generation varies up to 1.5x per step)",
+            file=sys.stderr,
+        )
     default_dtype = "bfloat16" if opts.device.type == "cuda" else "float32"
     opts.dtype = getattr(torch, opts.dtype or default_dtype)
     return opts
@@ -443,15 +509,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             runs[arm] = run_arm(opts, tok, shape, arm, opts.generation, opts.steps)
             r = runs[arm]
             med = r["median"]
+            sp = r["spread"]
             print(
-                f"  {shape} {arm}: {r['params'] / 1e6:.0f}M params, median step "
-                f"{med['step']:.3f} s (generation {med['generation']:.3f}, teacher "
-                f"{med['teacher']:.3f}, loss/backward {med['loss_backward']:.3f}), peak "
+                f"  {shape} {arm}: {r['params'] / 1e6:.0f}M params, medians of "
+                f"{r['measured']} steps: step {med['step']:.3f} s [{sp['step']['min']:.3f}-"
+                f"{sp['step']['max']:.3f}] = generation {med['generation']:.3f} "
+                f"[{sp['generation']['min']:.3f}-{sp['generation']['max']:.3f}] + train "
+                f"{med['train']:.3f} [{sp['train']['min']:.3f}-{sp['train']['max']:.3f}] "
+                f"(teacher {med['teacher']:.3f}, loss/backward {med['loss_backward']:.3f}), peak "
                 f"{_gb(r['peak'])} GB, {time.perf_counter() - t0:.0f} s for the arm",
                 flush=True,
             )
             for part in PARTS:
                 result[f"{shape}_{arm}_{part}_s"] = round(med[part], 4)
+                result[f"{shape}_{arm}_{part}_spread_s"] = {
+                    k: round(v, 4) for k, v in sp[part].items()
+                }
             result[f"{shape}_{arm}_peak_gb"] = _gb(r["peak"])
             result[f"{shape}_{arm}_resident_before_gb"] = _gb(r["resident_before"])
             save()
@@ -463,6 +536,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             runs["channels_off"]["median"]["step"] / plain, 4
         )
         result[f"gpu_all_on_ratio{suffix}"] = round(runs["all_on"]["median"]["step"] / plain, 4)
+        # the step minus generation: what the trainer's own code costs, ours over TRL's
+        train = runs["plain"]["median"]["train"]
+        for arm, name in (
+            ("all_on", "gpu_train_part_ratio"),
+            ("channels_off", "gpu_train_part_ratio_channels_off"),
+        ):
+            ours = runs[arm]
+            result[f"{name}{suffix}"] = round(ours["median"]["train"] / train, 4) if train else None
+            result[f"{name}_range{suffix}"] = ratio_range(
+                ours["spread"]["train"], runs["plain"]["spread"]["train"]
+            )
+        for arm, name in (
+            ("channels_off", "gpu_channels_off_ratio"),
+            ("all_on", "gpu_all_on_ratio"),
+        ):
+            result[f"{name}_range{suffix}"] = ratio_range(
+                runs[arm]["spread"]["step"], runs["plain"]["spread"]["step"]
+            )
+        result["measured_steps"] = runs["plain"]["measured"]
         peaks = runs["plain"]["peak"], runs["all_on"]["peak"]
         result[f"gpu_peak_memory_ratio{suffix}"] = (
             round(peaks[1] / peaks[0], 4) if peaks[0] and peaks[1] else None

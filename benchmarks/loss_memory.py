@@ -140,13 +140,57 @@ def _chunked_logits(hs, ht, weight):  # type: ignore[no-untyped-def]
     return generalized_jsd(hs @ weight.t(), teacher, beta=BETA, temperature=TEMPERATURE)[0]
 
 
+# ---------------------------------------------------------------- channel 3 from hidden states
+REPLAY_BETA = 0.1  # DPO beta (the default's)
+
+
+def _replay_inputs(hc, hr, V):  # type: ignore[no-untyped-def]
+    """The pair's token ids and reference sums: fixed by a seed, the same in every variant."""
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    ids_c = torch.randint(0, V, hc.shape[:2], generator=g).to(hc.device)
+    ids_r = torch.randint(0, V, hr.shape[:2], generator=g).to(hr.device)
+    refs = (-torch.rand(hc.shape[0], generator=g) * 10).to(hc.device)
+    return ids_c, ids_r, refs
+
+
+def _replay_logits(hc, hr, weight):  # type: ignore[no-untyped-def]
+    """The current channel-3 path: each side's logits ``h @ W.T`` materialised, summed token
+    log-probs by ``selective_log_softmax`` (loss._logprobs.sequence_logps), the DPO loss."""
+    import torch
+
+    from composer_replication.loss import dpo_loss, selective_log_softmax
+
+    ids_c, ids_r, refs = _replay_inputs(hc, hr, weight.shape[0])
+    chosen = selective_log_softmax(hc @ weight.t(), ids_c).sum(-1)
+    rejected = selective_log_softmax(hr @ weight.t(), ids_r).sum(-1)
+    return dpo_loss(chosen, rejected, refs, torch.zeros_like(refs), beta=REPLAY_BETA)[0]
+
+
+def _replay_fused(hc, hr, weight):  # type: ignore[no-untyped-def]
+    """``loss.fused_linear_logps``: the same log-probs from the hidden states, no logits; both
+    sides in one call, as ``loss.fused_replay_term`` packs them (one weight gradient)."""
+    import torch
+
+    from composer_replication.loss import dpo_loss, fused_linear_logps
+
+    ids_c, ids_r, refs = _replay_inputs(hc, hr, weight.shape[0])
+    both = fused_linear_logps(torch.cat([hc, hr], 1), weight, None, torch.cat([ids_c, ids_r], 1))
+    chosen, rejected = both[:, : hc.shape[1]].sum(-1), both[:, hc.shape[1] :].sum(-1)
+    return dpo_loss(chosen, rejected, refs, torch.zeros_like(refs), beta=REPLAY_BETA)[0]
+
+
 HIDDEN_VARIANTS = {
     "naive_hidden": _naive_hidden,
     "fused": _fused_backend("auto"),
     "fused_torch": _fused_backend("torch"),
     "chunked_logits": _chunked_logits,
     "liger": _fused_backend("liger"),
+    "replay_logits": _replay_logits,
+    "replay_fused": _replay_fused,
 }
+REPLAY_VARIANTS = {"replay_logits", "replay_fused"}  # both hidden-state inputs get a gradient
 
 
 def _status_bytes(field: str) -> int:
@@ -239,6 +283,9 @@ def child_hidden(
     weight = (torch.randn(V, H, generator=g) * (2.0 / H**0.5)).to(device=device, dtype=dtype)
     weight.requires_grad_(weight_grad)
     params = [hs, weight] if weight_grad else [hs]
+    if variant in REPLAY_VARIANTS:  # channel 3: hs the chosen side, ht the rejected, both trained
+        ht.requires_grad_(True)
+        params.append(ht)
 
     def run() -> Any:
         for p in params:
@@ -276,8 +323,9 @@ def child_hidden(
         loss.backward()
     else:
         ws = torch.randn(1, 4, H, dtype=dtype, requires_grad=True)  # warm-up: a small problem
-        fn(ws, torch.randn(1, 4, H, dtype=dtype), weight.detach()[: max(V // 8, 1)]).backward()
-        del ws
+        wt = torch.randn(1, 4, H, dtype=dtype, requires_grad=variant in REPLAY_VARIANTS)
+        fn(ws, wt, weight.detach()[: max(V // 8, 1)]).backward()
+        del ws, wt
         baseline = _reset_peak()
         start, cpu_start = time.perf_counter(), time.process_time()
         loss = run()
@@ -432,6 +480,85 @@ def compare_hidden(
     return result
 
 
+def compare_replay(
+    shape: tuple[int, int, int, int],
+    *,
+    device: str,
+    dtype: str,
+    repeats: int,
+    iters: int,
+    weight_grad: bool,
+) -> dict[str, Any]:
+    """Channel 3 from hidden states (issue 39): a DPO pair's chosen and rejected sides ``(B, T,
+    H)`` each, log-probs through the output layer; ``replay_fused`` against ``replay_logits``
+    (the current path). Keys: CPU ``replay_peak_memory_ratio`` (the median over the repeats of
+    each repeat's fused / current peak; goal <= 0.2), ``replay_time_ratio``, their ``*_runs``;
+    CUDA ``gpu_replay_peak_ratio`` / ``gpu_replay_time_ratio``; ``*_max_abs_diff``."""
+    B, T, V, H = shape
+    names = ["replay_logits", "replay_fused"]
+    cuda = device == "cuda"
+    print(
+        f"channel 3 (DPO) from hidden states, fwd+bwd, B={B} pairs T={T} V={V} H={H}, {dtype} on "
+        f"{device}, repeats={repeats}" + (", with the weight's gradient" if weight_grad else "")
+    )
+    runs: dict[str, list[dict[str, Any]]] = {v: [] for v in names}
+    with tempfile.TemporaryDirectory() as tmp:
+        for _ in range(repeats):
+            for v in names:
+                runs[v].append(
+                    run_hidden_variant(
+                        v,
+                        shape,
+                        tmp,
+                        device=device,
+                        dtype=dtype,
+                        weight_grad=weight_grad,
+                        iters=iters,
+                    )
+                )
+        suffix = "_wgrad" if weight_grad else ""
+        diff = _max_diff(tmp, "replay_logits" + suffix, ["replay_fused" + suffix])
+    peak_runs = [
+        f["peak_bytes"] / c["peak_bytes"]
+        for f, c in zip(runs["replay_fused"], runs["replay_logits"], strict=True)
+    ]
+    time_runs = [
+        f["seconds"] / c["seconds"]
+        for f, c in zip(runs["replay_fused"], runs["replay_logits"], strict=True)
+    ]
+    for v in names:
+        peaks = [r["peak_bytes"] / 2**30 for r in runs[v]]
+        secs = [r["seconds"] for r in runs[v]]
+        print(
+            f"  {v:14s} peak +{statistics.median(peaks):7.3f} GiB (runs "
+            f"{', '.join(f'{p:.3f}' for p in peaks)})   {statistics.median(secs) * 1e3:9.1f} ms"
+        )
+    peak, spread = statistics.median(peak_runs), max(peak_runs) - min(peak_runs)
+    print(
+        f"  fused / current: memory {peak:.4f}x (spread {spread:.4f}), time "
+        f"{statistics.median(time_runs):.3f}x, max |diff| {diff:.2e}"
+    )
+    prefix = "gpu_replay" if cuda else "replay"
+    end = "_weight_grad" if weight_grad else ""
+    key = f"{prefix}_peak_ratio{end}" if cuda else f"replay_peak_memory_ratio{end}"
+    result: dict[str, Any] = {
+        key: round(peak, 5),
+        f"{key}_runs": [round(r, 5) for r in peak_runs],
+        f"{prefix}_time_ratio{end}": round(statistics.median(time_runs), 4),
+        f"{prefix}_time_ratio{end}_runs": [round(r, 4) for r in time_runs],
+        f"{prefix}_max_abs_diff{end}": diff,
+        f"{prefix}_current_peak_gib{end}": round(
+            statistics.median(r["peak_bytes"] for r in runs["replay_logits"]) / 2**30, 4
+        ),
+        f"{prefix}_fused_peak_gib{end}": round(
+            statistics.median(r["peak_bytes"] for r in runs["replay_fused"]) / 2**30, 4
+        ),
+        f"{prefix}_shape": list(shape),
+        f"{prefix}_dtype": dtype,
+    }
+    return result
+
+
 def _parse_shape(text: str, n: int) -> tuple[int, ...]:
     parts = tuple(int(x) for x in text.split(","))
     if len(parts) != n:
@@ -547,6 +674,19 @@ def main() -> None:
     parser.add_argument("--no-trl", action="store_true", help="skip the TRL variant")
     parser.add_argument("--no-hidden", action="store_true", help="cpu: skip the hidden-state rows")
     parser.add_argument(
+        "--no-replay", action="store_true", help="skip channel 3's from-hidden-states comparison"
+    )
+    parser.add_argument(
+        "--replay-only",
+        action="store_true",
+        help="only channel 3's comparison (replay_peak_memory_ratio; cuda: gpu_replay_*)",
+    )
+    parser.add_argument(
+        "--replay-weight-grad",
+        action="store_true",
+        help="channel 3's comparison with the output layer's gradient too (*_weight_grad keys)",
+    )
+    parser.add_argument(
         "--no-weight-grad",
         action="store_true",
         help="cuda: skip the runs with the weight's gradient",
@@ -591,18 +731,43 @@ def main() -> None:
     V = args.vocab or (32768 if quick else 151936)
     H = args.hidden or (256 if quick else 896)
     repeats = args.repeats or (2 if quick else 3)
+    device = args.device
+    dtype = args.dtype or ("bf16" if device == "cuda" else "fp32")
+
+    def replay() -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for weight_grad in [False, True] if args.replay_weight_grad else [False]:
+            out.update(
+                compare_replay(
+                    (B, T, V, H),
+                    device=device,
+                    dtype=dtype,
+                    repeats=repeats,
+                    iters=args.iters,
+                    weight_grad=weight_grad,
+                )
+            )
+        return out
+
+    if args.replay_only:
+        print(json.dumps(replay()))
+        return
     if args.device == "cuda":
         result = compare_hidden(
             (B, T, V, H),
             device="cuda",
-            dtype=args.dtype or "bf16",
+            dtype=dtype,
             repeats=repeats,
             iters=args.iters,
             weight_grad_too=not args.no_weight_grad,
         )
+        if not args.no_replay:
+            result.update(replay())
         print(json.dumps(result))
         return
     result = compare_logits(B, T, V, repeats, quick, args.no_trl)
+    if not args.no_replay:
+        result.update(replay())
     if not args.no_hidden:
         result.update(
             compare_hidden(

@@ -9,6 +9,7 @@
 #   SETUP_ALL=1 bash scripts/setup.sh   # the same as --all
 #   EXTRAS=train,modal bash scripts/setup.sh   # exactly these extras (FRAMEWORK_EXTRAS and
 #                                  # GPU_EXTRA=1 add verl/monarch and Triton/Liger-Kernel)
+#   EXTRAS=train,vllm bash scripts/setup.sh    # vLLM generation: CUDA only, never in --all
 #
 # torch goes first, pinned to 2.13.0 and chosen on purpose (scripts/torch_build.sh): the CPU
 # build when no NVIDIA GPU is found, the CUDA build when `nvidia-smi -L` lists one;

@@ -49,13 +49,17 @@ def test_keys_are_collected_from_logs_and_saved_json(tmp_path):
     out = tmp_path
     _phase(out, "gpu", 0)
     (out / "junit-gpu.xml").write_text(JUNIT.format(failures=0, failure=""))
-    loss = {"gpu_jsd_peak_ratio": 0.006, "gpu_jsd_time_ratio": 1.7}
+    loss = {"gpu_jsd_peak_ratio": 0.006, "gpu_jsd_time_ratio": 1.7, "gpu_replay_peak_ratio": 0.03}
     _phase(out, "loss", 0, "chunked: 12 ms\n" + json.dumps(loss) + "\ntrailing words\n")
     # the step phase was cut by its time limit: its --out file has the first shape
     step = {
         "gpu_channels_off_ratio": 1.01,
         "gpu_all_on_ratio": 1.3,
         "gpu_peak_memory_ratio": 1.02,
+        "gpu_train_part_ratio": 1.1,
+        "gpu_train_part_ratio_channels_off": 1.05,
+        "gpu_train_part_ratio_range": [0.9, 1.3],
+        "measured_steps": 16,
         "gpu_generation_paged_ratio": 4.2,
         "qwen05b_all_on_teacher_s": 0.4,
         "device_name": "NVIDIA H200",
@@ -87,6 +91,9 @@ def test_keys_are_collected_from_logs_and_saved_json(tmp_path):
     assert report["keys"]["gpu_all_on_ratio"] == 1.3 and report["keys"]["critical_batch"] == 256
     assert report["keys"]["loss_gap_vs_dp_b256"] == 0.015
     assert report["keys"]["step.gpu_generation_paged_ratio"] == 4.2
+    assert report["keys"]["gpu_train_part_ratio"] == 1.1
+    assert report["keys"]["step.gpu_train_part_ratio_range"] == [0.9, 1.3]
+    assert report["keys"]["step.measured_steps"] == 16
     assert report["phases"] == {
         "gpu": "ok",
         "tests": "not run",
@@ -102,6 +109,8 @@ def test_keys_are_collected_from_logs_and_saved_json(tmp_path):
     text = keys.render(report, problems)
     assert "gpu_all_on_ratio" in text and "goal <= 1.15: NOT met" in text
     assert "gpu_channels_off_ratio" in text and "goal <= 1.02: met" in text
+    assert "gpu_train_part_ratio_channels_off" in text and "goal <= 1.02: NOT met" in text
+    assert "gpu_replay_peak_ratio" in text and "goal <= 0.2: met" in text
     assert "0.0100  max |diff| 1e-09" in text
 
 
@@ -118,10 +127,12 @@ def test_missing_keys_and_failed_tests_are_problems(tmp_path):
     problems = report["problems"]
     assert "phase tests exited 1" in problems[0]
     assert "phase loss: key gpu_jsd_time_ratio missing" in problems
+    assert "phase loss: key gpu_replay_peak_ratio missing" in problems
     assert "phase diloco: key loss_gap_vs_dp_b{batch} missing" in problems
     assert any(p.startswith("tests tests failed: tests.trainer.test_x::b") for p in problems)
     # the dry run asks the loss benchmark's CPU keys and tolerates skipped gpu tests
-    _phase(out, "loss", 0, json.dumps({"peak_memory_ratio": 0.08, "time_ratio": 0.9}) + "\n")
+    cpu_loss = {"peak_memory_ratio": 0.08, "time_ratio": 0.9, "replay_peak_memory_ratio": 0.02}
+    _phase(out, "loss", 0, json.dumps(cpu_loss) + "\n")
     _, dry = keys.collect(out, dry_run=True)
     assert not any("phase loss" in p for p in dry) and not any("skipped" in p for p in dry)
 
@@ -153,6 +164,9 @@ def test_dry_run_runs_every_phase_on_the_cpu(tmp_path):
         "loss_gap_vs_dp_b4",
         "critical_batch",
         "peak_memory_ratio",
+        "replay_peak_memory_ratio",
+        "gpu_train_part_ratio",
+        "gpu_train_part_ratio_channels_off",
         "step.gpu_generation_paged_ratio",
     ):
         assert report["keys"][key] is not None, key

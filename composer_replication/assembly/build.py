@@ -45,12 +45,15 @@ if TYPE_CHECKING:
 
 __all__ = [
     "GENERATION_ARGS",
+    "VLLM_ENGINES",
     "build_model",
     "build_task",
     "build_teachers",
     "build_trainer",
     "channel1_args",
     "composer_kwargs",
+    "configure_generation",
+    "generation_args",
     "load_tokenizer",
     "task_index",
     "task_verifier",
@@ -81,17 +84,57 @@ CHANNEL1_TRL_ARGS = {
 # the schema's choices (config.schema.GENERATION_ENGINES). benchmarks/gpu_step.py measures them.
 GENERATION_ARGS: dict[str, dict[str, Any]] = {
     "generate": {},  # TRL's default path: model.generate on the left-padded prompt batch
+    # the same generate with a static key/value cache; `configure_generation` turns transformers'
+    # compiled decoding back on (TRL builds its GenerationConfig with disable_compile=True)
+    "static": {"cache_implementation": "static"},
     "paged": {"use_transformers_continuous_batching": True},
     "paged_eager": {
         "use_transformers_continuous_batching": True,
         "transformers_continuous_batching_config": {"use_cuda_graph": False},
     },
+    # TRL's vLLM modes (extra `vllm`: TRL's own, which pins vLLM): in the trainer's process,
+    # or a `trl vllm-serve` server (TRL's vllm_server_* arguments: host 0.0.0.0, port 8000)
+    "vllm": {"use_vllm": True, "vllm_mode": "colocate"},
+    "vllm_server": {"use_vllm": True, "vllm_mode": "server"},
 }
+VLLM_ENGINES = ("vllm", "vllm_server")
 if set(GENERATION_ARGS) != set(GENERATION_ENGINES):  # pragma: no cover - a programming error
     raise RuntimeError(
         f"GENERATION_ARGS {sorted(GENERATION_ARGS)} must cover config.schema.GENERATION_ENGINES "
         f"{sorted(GENERATION_ENGINES)}"
     )
+
+
+def generation_args(engine: str) -> dict[str, Any]:
+    """The TRL arguments of the rollout engine `engine` (`GENERATION_ARGS`), after checking that
+    what it needs is installed: the vLLM engines raise `ConfigError` naming the extra when vLLM
+    is missing (TRL would fail later, inside its trainer's constructor)."""
+    if engine not in GENERATION_ARGS:
+        raise ConfigError(
+            f"train.generation: unknown engine {engine!r}; choose one of "
+            f"{', '.join(GENERATION_ARGS)}"
+        )
+    if engine in VLLM_ENGINES:
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            raise ConfigError(
+                f"train.generation = {engine!r} needs vLLM, which is not installed: "
+                "pip install 'composer-replication[vllm]' (TRL's vllm extra, which pins the vLLM "
+                "versions TRL 1.16 supports); or choose 'generate' or 'static'"
+            )
+    return dict(GENERATION_ARGS[engine])
+
+
+def configure_generation(trainer: Any, engine: str) -> None:
+    """What TRL's arguments cannot say about the engine, set on the built trainer: for
+    'static', transformers' automatic compilation of the decoding forward (TRL 1.16's
+    GRPOTrainer builds its GenerationConfig with ``disable_compile=True``; transformers compiles
+    the forward with a static cache on a GPU). Every other engine: nothing."""
+    if engine == "static":
+        generation_config = getattr(trainer, "generation_config", None)
+        if generation_config is not None:  # the vLLM and paged paths have none
+            generation_config.disable_compile = False
 
 
 def build_task(config: RunConfig) -> Task:
@@ -307,7 +350,7 @@ def trl_training_args(
         "use_cpu": not cuda,
         "bf16": cuda and config.model.dtype == "bfloat16",
         "seed": seed,
-        **GENERATION_ARGS[t.generation],
+        **generation_args(t.generation),
     }
 
 
@@ -377,6 +420,7 @@ def build_trainer(
         teacher_pool=pool,
         **composer_kwargs(config),
     )
+    configure_generation(trainer, config.train.generation)
     # Every log line already goes to the store as a metric record; printing each one too
     # would only bloat the replica's log file.
     trainer.remove_callback(PrinterCallback)

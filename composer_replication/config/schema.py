@@ -62,7 +62,7 @@ __all__ = [
 # [train] generation: how TRL samples the rollouts. The names are here (the schema's choices);
 # what each one sets in TRL is assembly.build.GENERATION_ARGS, keyed by them (a test checks that
 # the two agree). docs/trainer.md, "On a GPU", says which to pick.
-GenerationEngine = Literal["generate", "paged", "paged_eager"]
+GenerationEngine = Literal["generate", "static", "paged", "paged_eager", "vllm", "vllm_server"]
 GENERATION_ENGINES: tuple[GenerationEngine, ...] = get_args(GenerationEngine)
 
 # Names a setting had as a component's argument before the component took its TOML key's name
@@ -194,9 +194,13 @@ class TrainConfig:
     generation: GenerationEngine = setting(
         "generate",
         "rollout engine: 'generate' (TRL's default: transformers' generate on a left-padded "
-        "batch), 'paged' (transformers' continuous batching over a paged KV cache, TRL's "
+        "batch), 'static' (the same with a static key/value cache and the decoding forward "
+        "compiled by torch.compile on a GPU: TRL's cache_implementation='static'), 'paged' "
+        "(transformers' continuous batching over a paged KV cache, TRL's "
         "use_transformers_continuous_batching, formerly use_transformers_paged; CUDA graphs "
-        "captured each generation) or 'paged_eager' (the same without CUDA graphs)",
+        "captured each generation), 'paged_eager' (the same without CUDA graphs), 'vllm' (TRL's "
+        "use_vllm with vllm_mode='colocate': vLLM in the trainer's process; extra vllm) or "
+        "'vllm_server' (vllm_mode='server': a separate `trl vllm-serve` process; extra vllm)",
     )
 
     def __post_init__(self) -> None:

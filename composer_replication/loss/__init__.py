@@ -4,13 +4,14 @@
 - ``distill``: ``generalized_jsd``, ``taid_loss`` + ``TAIDScheduler``, ``entropy_opd_loss`` (channel 2)
 - ``preference``: ``dpo_loss``, ``simpo_loss`` (channel 3)
 - ``compose``: ``compose_loss(model, inputs, **kw)`` on the one composer batch (docs/api.md), its
-  per-channel terms ``sdpo_term`` / ``fused_sdpo_term`` / ``replay_term`` (for trainers that
+  per-channel terms ``sdpo_term`` / ``fused_sdpo_term`` / ``replay_term`` / ``fused_replay_term`` (for trainers that
   compute channel 1 themselves), the tensor-level ``combine``, and ``assemble`` (the total from
   channel results: the one place it is formed); ``replay_preference``, channel 3's loss from
   pair log-probs and the `SampledTokenSettings` (for recipes that collect the pairs themselves)
 - ``fused``: ``fused_linear_jsd``, channel 2's generalized JSD from last hidden states through the
   output layer (no ``(B, T, V)`` logits; backends ``FUSED_JSD_BACKENDS``: PyTorch, our Triton
-  kernels, Liger-Kernel)
+  kernels, Liger-Kernel), and ``fused_linear_logps``, the log-probs of given tokens from last
+  hidden states (channel 3's ``fused_replay_term``; no ``(B, T, V)`` logits)
 - log-probs: ``selective_log_softmax`` (from logits), ``completion_logps`` (from a causal LM);
   the model protocols ``CausalLM`` and ``HiddenStateLM`` (a causal LM's body)
 - ``loss_settings``: the one list of loss settings, each declared once with its type, default,
@@ -38,6 +39,7 @@ from composer_replication.loss.compose import (
     assemble,
     combine,
     compose_loss,
+    fused_replay_term,
     fused_sdpo_term,
     replay_term,
     sdpo_term,
@@ -52,7 +54,7 @@ from composer_replication.loss.distill import (
     generalized_jsd,
     taid_loss,
 )
-from composer_replication.loss.fused import FUSED_JSD_BACKENDS, fused_linear_jsd
+from composer_replication.loss.fused import FUSED_JSD_BACKENDS, fused_linear_jsd, fused_linear_logps
 from composer_replication.loss.loss_settings import (
     DPO_VARIANTS,
     SDPO_WRAPPERS,
@@ -97,6 +99,8 @@ __all__ = [
     "dppo_mask",
     "entropy_opd_loss",
     "fused_linear_jsd",
+    "fused_linear_logps",
+    "fused_replay_term",
     "fused_sdpo_term",
     "generalized_jsd",
     "grpo_loss",

@@ -7,7 +7,7 @@ is a bug upstream and raises ``ValueError`` naming the missing key.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +17,6 @@ from composer_replication.loss._logprobs import (
     CausalLM,
     cap_context,
     completion_logits,
-    completion_logps,
     forward_logits,
     sequence_logps,
 )
@@ -209,6 +208,20 @@ class ReplayPairs:
 
 # (summed, mean) log-probs and token counts of one side, (N,) each.
 _Side = tuple[Tensor, Tensor, Tensor]
+# One side to score: its (N, T, X) per-position outputs (logits, or last hidden states for the
+# fused path), the tokens ``ids`` (N, T) and the ``mask`` (N, T) they are summed over.
+ScoredSide = tuple[Tensor, Tensor, Tensor]
+# How the sides become their summed and mean log-probs, called once with both sides of the pairs
+# (so a scorer may process them together: the fused one runs one output-layer pass for both, one
+# weight-gradient buffer instead of two): `score_each` (`sequence_logps` per side) by default.
+Scorer = Callable[[Sequence[ScoredSide]], list[tuple[Tensor, Tensor]]]
+
+
+def score_each(sides: Sequence[ScoredSide]) -> list[tuple[Tensor, Tensor]]:
+    """`sequence_logps` of each side's logits."""
+    return [sequence_logps(out, ids, mask) for out, ids, mask in sides]
+
+
 # the chosen side, the rejected side, and the reference sums.
 _Sides = tuple[_Side, _Side, tuple[Tensor | None, Tensor | None]]
 
@@ -230,9 +243,8 @@ def _references(
     return ref_c, ref_r
 
 
-def _sequence(model: CausalLM, inputs: Batch, side: str) -> _Side:
-    """Summed and mean log-probs and token counts of one explicit-pairs side (token j scored by
-    logits j-1)."""
+def _sequence(model: CausalLM, inputs: Batch, side: str) -> ScoredSide:
+    """One explicit-pairs side's outputs, tokens and loss mask (token j scored by logits j-1)."""
     ids = require(inputs, f"replay_{side}_input_ids")
     attn = require(inputs, f"replay_{side}_attention_mask")
     loss_mask = require(inputs, f"replay_{side}_loss_mask")
@@ -242,16 +254,16 @@ def _sequence(model: CausalLM, inputs: Batch, side: str) -> _Side:
             f"{tuple(ids.shape)}, {tuple(attn.shape)}, {tuple(loss_mask.shape)}"
         )
     logits = forward_logits(model, ids, attn)
-    return _with_tokens(
-        sequence_logps(logits[:, :-1], ids[:, 1:], loss_mask[:, 1:]), loss_mask[:, 1:]
-    )
+    return logits[:, :-1], ids[:, 1:], loss_mask[:, 1:]
 
 
 def _with_tokens(logps: tuple[Tensor, Tensor], mask: Tensor) -> _Side:
     return logps[0], logps[1], mask.sum(-1)
 
 
-def _explicit_pairs(model: CausalLM, inputs: Batch, dpo_variant: str) -> _Sides | None:
+def _explicit_pairs(
+    model: CausalLM, inputs: Batch, dpo_variant: str, score: Scorer
+) -> _Sides | None:
     for key in REPLAY_KEYS:
         require(inputs, key)  # some replay keys but not all: name the missing one
     n_chosen = require(inputs, "replay_chosen_input_ids").shape[0]
@@ -262,7 +274,9 @@ def _explicit_pairs(model: CausalLM, inputs: Batch, dpo_variant: str) -> _Sides 
     if n_chosen == 0:
         return None
     refs = _references(inputs, dpo_variant, None)
-    return _sequence(model, inputs, "chosen"), _sequence(model, inputs, "rejected"), refs
+    sides = [_sequence(model, inputs, "chosen"), _sequence(model, inputs, "rejected")]
+    chosen, rejected = score(sides)
+    return _with_tokens(chosen, sides[0][2]), _with_tokens(rejected, sides[1][2]), refs
 
 
 def _rollout_pairs(
@@ -271,6 +285,7 @@ def _rollout_pairs(
     student: Tensor | None,
     dpo_variant: str,
     logits_to_keep: bool,
+    score: Scorer,
 ) -> _Sides | None:
     for key in REPLAY_ROW_KEYS:
         require(inputs, key)
@@ -296,7 +311,7 @@ def _rollout_pairs(
     width = max(int(c_mask.sum(-1).max()), 1)  # right-padded: drop the all-padding tail
     c_ids = c_ids.index_select(0, rows)[:, :width]
     c_mask = c_mask[:, :width]
-    chosen = completion_logps(
+    chosen_out = completion_logits(
         model,
         prompt_ids.index_select(0, rows),
         prompt_mask.index_select(0, rows),
@@ -305,8 +320,9 @@ def _rollout_pairs(
         logits_to_keep=logits_to_keep,
     )
     r_mask = completion_mask.index_select(0, rows)
-    rejected = sequence_logps(
-        student.index_select(0, rows), completion_ids.index_select(0, rows), r_mask
+    r_ids = completion_ids.index_select(0, rows)
+    chosen, rejected = score(
+        [(chosen_out, c_ids, c_mask), (student.index_select(0, rows), r_ids, r_mask)]
     )
     return _with_tokens(chosen, c_mask), _with_tokens(rejected, r_mask), refs
 
@@ -318,6 +334,7 @@ def replay_pairs(
     dpo_variant: str,
     *,
     logits_to_keep: bool,
+    score: Scorer = score_each,
 ) -> ReplayPairs | None:
     """Channel 3 of ``inputs`` in either form, or None when its keys are absent or N == 0.
 
@@ -325,6 +342,11 @@ def replay_pairs(
     length-normalised log-probs, references unused. Explicit pairs: one forward per side, with
     gradient. Rollout pairs: one forward with gradient on the chosen side of the paired rows;
     the rejected side is scored from ``student`` (the channel-1 logits).
+
+    ``score`` turns both sides' per-position outputs into their log-probs: `score_each`
+    (`sequence_logps` on logits) by default; the fused channel 3 passes ``model`` returning last
+    hidden states (``HiddenStatesAsLogits``), ``student`` the channel-1 hidden states and a
+    scorer through the output layer (``fused.fused_linear_logps``).
     """
     explicit = any(inputs.get(k) is not None for k in REPLAY_KEYS)
     rollout = any(inputs.get(k) is not None for k in REPLAY_ROW_KEYS)
@@ -334,9 +356,9 @@ def replay_pairs(
             "rollout pairs (replay_pair_mask, ...); pass one of them"
         )
     if explicit:
-        sides = _explicit_pairs(model, inputs, dpo_variant)
+        sides = _explicit_pairs(model, inputs, dpo_variant, score)
     elif rollout:
-        sides = _rollout_pairs(model, inputs, student, dpo_variant, logits_to_keep)
+        sides = _rollout_pairs(model, inputs, student, dpo_variant, logits_to_keep, score)
     else:
         return None
     if sides is None:

@@ -55,6 +55,37 @@ GPU_TILE_ELEMENTS = 1 << 21
 MIN_VOCAB_CHUNK = 512
 
 
+def compute_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
+    """float32 for bfloat16/float16 inputs, else the inputs' (promoted) dtype."""
+    dtype = torch.promote_types(hidden.dtype, weight.dtype)
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def tile_chunks(
+    tokens: int,
+    vocab: int,
+    device: torch.device,
+    token_chunk: int | None,
+    vocab_chunk: int | None,
+) -> tuple[int, int]:
+    """``(token rows, vocabulary columns)`` per tile: the caller's sizes, else from the tile
+    budget (`CPU_TILE_ELEMENTS` / `GPU_TILE_ELEMENTS`)."""
+    budget = GPU_TILE_ELEMENTS if device.type == "cuda" else CPU_TILE_ELEMENTS
+    n = token_chunk or min(tokens, max(1, budget // MIN_VOCAB_CHUNK))
+    n = max(1, min(n, tokens))
+    vc = vocab_chunk or max(1, budget // n)
+    return n, max(1, min(vc, vocab))
+
+
+def online_lse(x: Tensor, running_max: Tensor, running_sum: Tensor) -> None:
+    """Fold the tile ``x`` ``(n, vc)`` (already biased and scaled; overwritten) into the running
+    ``(max, sum exp(x - max))`` of each row: the online log-sum-exp over vocabulary chunks."""
+    new_max = torch.maximum(running_max, x.amax(-1))
+    running_sum.mul_(torch.exp(running_max - new_max))
+    running_sum.add_(x.sub_(new_max.unsqueeze(-1)).exp_().sum(-1))
+    running_max.copy_(new_max)
+
+
 @dataclass(frozen=True)
 class FusedProblem:
     """One fused generalized-JSD evaluation on the selected tokens (all tensors detached)."""
@@ -89,16 +120,13 @@ class FusedProblem:
     @property
     def compute_dtype(self) -> torch.dtype:
         """float32 for bfloat16/float16 inputs, else the inputs' (promoted) dtype."""
-        dtype = torch.promote_types(self.hs.dtype, self.weight.dtype)
-        return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+        return compute_dtype(self.hs, self.weight)
 
     def chunks(self) -> tuple[int, int]:
         """``(token rows, vocabulary columns)`` per tile."""
-        budget = GPU_TILE_ELEMENTS if self.hs.device.type == "cuda" else CPU_TILE_ELEMENTS
-        n = self.token_chunk or min(self.tokens, max(1, budget // MIN_VOCAB_CHUNK))
-        n = max(1, min(n, self.tokens))
-        vc = self.vocab_chunk or max(1, budget // n)
-        return n, max(1, min(vc, self.vocab))
+        return tile_chunks(
+            self.tokens, self.vocab, self.hs.device, self.token_chunk, self.vocab_chunk
+        )
 
 
 @dataclass
@@ -194,11 +222,7 @@ class TorchTileOps:
         sum_t: Tensor,
     ) -> None:
         for x, bias, running_max, running_sum in ((s, bs, max_s, sum_s), (t, bt, max_t, sum_t)):
-            x = self._scaled(x, bias)
-            new_max = torch.maximum(running_max, x.amax(-1))
-            running_sum.mul_(torch.exp(running_max - new_max))
-            running_sum.add_(x.sub_(new_max.unsqueeze(-1)).exp_().sum(-1))
-            running_max.copy_(new_max)
+            online_lse(self._scaled(x, bias), running_max, running_sum)
 
     def _log_probs(
         self,
@@ -287,6 +311,78 @@ def _mm_acc(a: Tensor, b: Tensor, dtype: torch.dtype) -> Tensor:
     return _project(a, b.t(), dtype)
 
 
+class GradAccumulator:
+    """The output layer's backward from gradient tiles, shared by every tiled loss here.
+
+    For a gradient tile ``g`` ``(n, vc)`` with respect to the logits of token rows ``t0:t1`` and
+    vocabulary columns ``v0:v1``: ``dh[t0:t1] += g W_c``, ``dW_c (+)= g^T h``, ``db_c += sum g``.
+    ``g`` is in `grad_dtype` (the weight's dtype for a low-precision weight: rounded as autograd
+    of materialised logits would round the logits' gradient), the matmuls accumulate in the
+    compute dtype. One token chunk: each vocabulary chunk's weight gradient is one matmul,
+    written once in the weight's dtype; several: accumulated (in float32 for a low-precision
+    weight) and cast at the end.
+    """
+
+    def __init__(
+        self,
+        hidden: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        *,
+        need_hidden: bool,
+        need_weight: bool,
+        need_bias: bool,
+        dtype: torch.dtype,
+        token_chunks: int,
+    ) -> None:
+        device = hidden.device
+        self.weight = weight
+        self.bias = bias
+        self.dtype = dtype
+        self.single = token_chunks == 1
+        low = weight.dtype in (torch.float16, torch.bfloat16)
+        self.grad_dtype = weight.dtype if low else dtype
+        self.hidden = torch.zeros_like(hidden, dtype=dtype) if need_hidden else None
+        acc_w = weight.dtype if self.single else dtype
+        self.weight_grad = (
+            torch.zeros(weight.shape, dtype=acc_w, device=device) if need_weight else None
+        )
+        self.bias_grad = None
+        if need_bias and bias is not None:
+            self.bias_grad = torch.zeros(weight.shape[0], dtype=dtype, device=device)
+
+    @property
+    def wanted(self) -> bool:
+        return self.hidden is not None or self.weight_grad is not None or self.bias_grad is not None
+
+    def add(self, t0: int, t1: int, v0: int, v1: int, g: Tensor, h: Tensor) -> None:
+        """Back-propagate the gradient tile ``g`` of rows ``t0:t1`` (inputs ``h``), columns
+        ``v0:v1``."""
+        if self.hidden is not None:
+            self.hidden[t0:t1] += _mm_acc(g, self.weight[v0:v1], self.dtype)
+        if self.weight_grad is not None:
+            part = _mm_acc(g.t(), h, self.dtype)
+            if self.single:
+                self.weight_grad[v0:v1] = part
+            else:
+                self.weight_grad[v0:v1] += part
+        if self.bias_grad is not None:
+            self.bias_grad[v0:v1] += g.sum(0, dtype=self.dtype)
+
+    def result(self) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        """``(d hidden, d weight, d bias)``: hidden in the compute dtype, weight and bias in
+        their own dtypes (None where not wanted)."""
+        weight = None if self.weight_grad is None else self.weight_grad.to(self.weight.dtype)
+        bias = None
+        if self.bias_grad is not None and self.bias is not None:
+            bias = self.bias_grad.to(self.bias.dtype)
+        return self.hidden, weight, bias
+
+
+def _vocab_chunks(vocab: int, vc: int) -> list[tuple[int, int]]:
+    return [(v0, min(v0 + vc, vocab)) for v0 in range(0, vocab, vc)]
+
+
 def run_tiled(problem: FusedProblem, ops: TileOps) -> FusedResult:
     """The three passes over ``(token chunk, vocabulary chunk)`` tiles (see module docstring)."""
     p = problem
@@ -297,17 +393,17 @@ def run_tiled(problem: FusedProblem, ops: TileOps) -> FusedResult:
     weight_scale = 1.0 / max(N, 1)
     mode = beta_mode(p.beta)
     coef_scale = (1.0 - p.beta if mode == 2 else 1.0) / p.temperature
-    grad_dtype = p.weight.dtype if p.weight.dtype in (torch.float16, torch.bfloat16) else dtype
-    n_token_chunks = -(-N // n)
-    grad_hidden = torch.zeros_like(p.hs, dtype=dtype) if p.need_hidden else None
-    # One token chunk: each vocabulary chunk's weight gradient is one matmul, written once in the
-    # weight's dtype. Several: accumulated (in float32 for a low-precision weight), cast at the end.
-    acc_w = p.weight.dtype if n_token_chunks == 1 else dtype
-    grad_weight = torch.zeros(p.weight.shape, dtype=acc_w, device=device) if p.need_weight else None
-    grad_bias = None
-    if p.need_bias and p.bias is not None:
-        grad_bias = torch.zeros(V, dtype=dtype, device=device)
-    vocab_chunks = [(v0, min(v0 + vc, V)) for v0 in range(0, V, vc)]
+    grads = GradAccumulator(
+        p.hs,
+        p.weight,
+        p.bias,
+        need_hidden=p.need_hidden,
+        need_weight=p.need_weight,
+        need_bias=p.need_bias,
+        dtype=dtype,
+        token_chunks=-(-N // n),
+    )
+    vocab_chunks = _vocab_chunks(V, vc)
 
     def biases(v0: int, v1: int) -> tuple[Tensor | None, Tensor | None]:
         bs = p.bias[v0:v1] if p.bias is not None else None
@@ -342,23 +438,120 @@ def run_tiled(problem: FusedProblem, ops: TileOps) -> FusedResult:
             loss = loss.clamp(max=p.token_clip)
             coef = coef.masked_fill(over, 0.0)  # a clipped token is constant: no gradient
         total += float(loss.double().sum())
-        if not p.needs_grad or not bool((coef != 0).any()):
+        if not grads.wanted or not bool((coef != 0).any()):
             continue
         for v0, v1 in vocab_chunks:  # pass C
-            g = torch.empty((rows, v1 - v0), dtype=grad_dtype, device=device)
+            g = torch.empty((rows, v1 - v0), dtype=grads.grad_dtype, device=device)
             ops.grad_tile(*tiles(h, ht, v0, v1), *biases(v0, v1), lse_s, lse_t, const, coef, g)
-            if grad_hidden is not None:
-                grad_hidden[t0:t1] += _mm_acc(g, p.weight[v0:v1], dtype)
-            if grad_weight is not None:
-                part = _mm_acc(g.t(), h, dtype)
-                if n_token_chunks == 1:
-                    grad_weight[v0:v1] = part
-                else:
-                    grad_weight[v0:v1] += part
-            if grad_bias is not None:
-                grad_bias[v0:v1] += g.sum(0, dtype=dtype)
-    if grad_weight is not None:
-        grad_weight = grad_weight.to(p.weight.dtype)
-    if grad_bias is not None and p.bias is not None:
-        grad_bias = grad_bias.to(p.bias.dtype)
-    return FusedResult(total, clipped, grad_hidden, grad_weight, grad_bias)
+            grads.add(t0, t1, v0, v1, g, h)
+    return FusedResult(total, clipped, *grads.result())
+
+
+# ------------------------------------------------------------------ log-probs of given tokens
+@dataclass(frozen=True)
+class LogpsProblem:
+    """Log-probs of given tokens through the output layer (channel 3 from hidden states):
+    ``log softmax((h W^T + b) / tau)[y]`` per row, all tensors detached."""
+
+    hs: Tensor  # (N, H) last hidden states
+    weight: Tensor  # (V, H)
+    bias: Tensor | None  # (V,)
+    ids: Tensor  # (N,) int64 token ids
+    temperature: float
+    token_chunk: int | None
+    vocab_chunk: int | None
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return compute_dtype(self.hs, self.weight)
+
+    def chunks(self) -> tuple[int, int]:
+        return tile_chunks(
+            int(self.hs.shape[0]),
+            int(self.weight.shape[0]),
+            self.hs.device,
+            self.token_chunk,
+            self.vocab_chunk,
+        )
+
+
+def _logits_tile(p: LogpsProblem, h: Tensor, v0: int, v1: int, dtype: torch.dtype) -> Tensor:
+    """``(h W_c^T + b_c) / tau`` of one tile, in the compute dtype."""
+    x = _project(h, p.weight[v0:v1], dtype)
+    if p.bias is not None:
+        x.add_(p.bias[v0:v1].to(dtype))
+    return x.div_(p.temperature) if p.temperature != 1.0 else x
+
+
+def _in_chunk(ids: Tensor, v0: int, v1: int) -> tuple[Tensor, Tensor]:
+    """Which rows' token lies in columns ``v0:v1``, and its column in the tile (clamped)."""
+    local = ids - v0
+    inside = (local >= 0) & (local < v1 - v0)
+    return inside, local.clamp(0, v1 - v0 - 1).unsqueeze(-1)
+
+
+def linear_logps(p: LogpsProblem) -> tuple[Tensor, Tensor]:
+    """``(log-probs (N,), log-sum-exps (N,))`` in the compute dtype, tile by tile: an online
+    log-sum-exp over the vocabulary chunks, the token's logit read from the tile that holds it
+    (the same rounded value the log-sum-exp summed)."""
+    dtype = p.compute_dtype
+    device = p.hs.device
+    N, V = int(p.hs.shape[0]), int(p.weight.shape[0])
+    n, vc = p.chunks()
+    lse = torch.empty(N, dtype=dtype, device=device)
+    picked = torch.zeros(N, dtype=dtype, device=device)
+    for t0 in range(0, N, n):
+        t1 = min(t0 + n, N)
+        h, ids = p.hs[t0:t1], p.ids[t0:t1]
+        rows = t1 - t0
+        running_max = torch.full((rows,), -math.inf, dtype=dtype, device=device)
+        running_sum = torch.zeros(rows, dtype=dtype, device=device)
+        for v0, v1 in _vocab_chunks(V, vc):
+            x = _logits_tile(p, h, v0, v1, dtype)
+            inside, col = _in_chunk(ids, v0, v1)
+            value = x.gather(-1, col).squeeze(-1)
+            picked[t0:t1] = torch.where(inside, value, picked[t0:t1])
+            online_lse(x, running_max, running_sum)
+        lse[t0:t1] = running_max.add_(running_sum.log_())
+    return picked - lse, lse
+
+
+def linear_logps_backward(
+    p: LogpsProblem,
+    lse: Tensor,
+    grad: Tensor,
+    *,
+    need_hidden: bool,
+    need_weight: bool,
+    need_bias: bool,
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """Gradients of ``sum_i grad_i * logp_i`` for `linear_logps`: the tiles are recomputed and
+    ``dz = grad_i (onehot(y_i) - softmax(z_i)) / tau`` back-propagated through the output layer
+    (`GradAccumulator`). Returns ``(d hidden, d weight, d bias)``."""
+    dtype = p.compute_dtype
+    N, V = int(p.hs.shape[0]), int(p.weight.shape[0])
+    n, vc = p.chunks()
+    grads = GradAccumulator(
+        p.hs,
+        p.weight,
+        p.bias,
+        need_hidden=need_hidden,
+        need_weight=need_weight,
+        need_bias=need_bias,
+        dtype=dtype,
+        token_chunks=-(-N // n),
+    )
+    coef_all = grad.to(dtype) / p.temperature
+    for t0 in range(0, N, n):
+        t1 = min(t0 + n, N)
+        coef = coef_all[t0:t1]
+        if not bool((coef != 0).any()):
+            continue
+        h, ids, row_lse = p.hs[t0:t1], p.ids[t0:t1], lse[t0:t1].unsqueeze(-1)
+        for v0, v1 in _vocab_chunks(V, vc):
+            x = _logits_tile(p, h, v0, v1, dtype)
+            g = x.sub_(row_lse).exp_().mul_(-coef.unsqueeze(-1))  # -coef * softmax
+            inside, col = _in_chunk(ids, v0, v1)
+            g.scatter_add_(-1, col, (coef * inside).unsqueeze(-1))  # + coef at the token
+            grads.add(t0, t1, v0, v1, g.to(grads.grad_dtype), h)
+    return grads.result()

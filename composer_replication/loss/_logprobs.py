@@ -269,7 +269,12 @@ def completion_logits(
 def sequence_logps(logits: Tensor, ids: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
     """Summed and mean (over ``mask``) log-probs, temperature 1, of ``ids`` ``(N, T)`` under
     ``logits`` ``(N, T, V)``: ``(N,)`` each; a row with an empty mask has sum and mean 0."""
-    per_token = selective_log_softmax(logits, ids)
+    return sequence_sums(selective_log_softmax(logits, ids), mask)
+
+
+def sequence_sums(per_token: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Summed and mean (over ``mask``) of per-token log-probs ``(N, T)``: ``(N,)`` each; a row
+    with an empty mask has sum and mean 0."""
     m = mask.to(per_token.dtype)
     summed = (per_token * m).sum(-1)
     return summed, summed / m.sum(-1).clamp(min=1.0)

@@ -8,7 +8,8 @@ and ``replay_term(model, inputs, student_logits, **kw)`` read the same batch and
 channel's loss before its weight. ``combine(**tensors, **kw)`` is the tensor-level form for
 adapters that hold log-probs/logits already. ``fused_sdpo_term(teacher_body, inputs,
 student_hidden, weight, ...)`` is channel 2 from last hidden states through the output layer
-(``fused.fused_linear_jsd``: no ``(B, T, V)`` logits). ``assemble(grpo, sdpo, replay, **kw)`` sums
+(``fused.fused_linear_jsd``: no ``(B, T, V)`` logits), and ``fused_replay_term(body, inputs,
+student_hidden, weight, ...)`` channel 3 alike (``fused.fused_linear_logps``). ``assemble(grpo, sdpo, replay, **kw)`` sums
 channel results an adapter computed itself; it (and ``combine``, ``compose_loss``, which call it)
 is the only place the total is formed.
 
@@ -21,7 +22,7 @@ the channel is not computed at all.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -44,14 +45,16 @@ from composer_replication.loss._logprobs import (
     HiddenStatesAsLogits,
     forward_logits,
     selective_log_softmax,
+    sequence_sums,
 )
-from composer_replication.loss.fused import fused_linear_jsd
+from composer_replication.loss.fused import fused_linear_jsd, fused_linear_logps
 
 __all__ = [
     "ComposeConfig",
     "assemble",
     "combine",
     "compose_loss",
+    "fused_replay_term",
     "fused_sdpo_term",
     "replay_term",
     "sdpo_term",
@@ -210,11 +213,17 @@ def _replay(
     inputs: _batch.Batch,
     student_logits: Tensor | None,
     logits_to_keep: bool,
+    score: _batch.Scorer = _batch.score_each,
 ) -> Result | None:
     if cfg.beta_replay == 0.0:
         return None
     pairs = _batch.replay_pairs(
-        model, inputs, student_logits, cfg.dpo_variant, logits_to_keep=logits_to_keep
+        model,
+        inputs,
+        student_logits,
+        cfg.dpo_variant,
+        logits_to_keep=logits_to_keep,
+        score=score,
     )
     if pairs is None:
         return None
@@ -369,6 +378,53 @@ def replay_term(
     """
     cfg = ComposeConfig.from_kwargs(kwargs)
     return _replay(cfg, model, _check_inputs(inputs), student_logits, logits_to_keep)
+
+
+def fused_replay_term(
+    model: HiddenStateLM,
+    inputs: _batch.Batch,
+    student_hidden: Tensor | None = None,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    **kwargs: object,
+) -> tuple[Tensor, dict[str, float]] | None:
+    """``replay_term`` fused with the output layer: the same channel 3 from last hidden states.
+
+    ``model``: the policy's body (`HiddenStateLM`, e.g. ``model.base_model`` of a Hugging Face
+    causal LM); the chosen side (and both sides of explicit pairs) runs through it with gradient.
+    ``student_hidden``: ``(B, T, H)`` the channel-1 forward's last hidden states at the
+    completion positions (the output layer's input for ``logits[:, P-1:-1]``), with gradient;
+    the rejected side of rollout pairs is scored from them (required for that form).
+    ``weight`` / ``bias``: the policy's output layer (``lm_head``; tied or not), which gets a
+    gradient. Every log-prob is ``fused.fused_linear_logps``, so no side's ``(N, T, V)`` logits
+    are built. Equal to ``replay_term`` on the logits ``hidden @ weight.T + bias`` up to float
+    rounding, with the same result and metrics (``dpo`` / ``simpo``, ``rpo_alpha``).
+    """
+    cfg = ComposeConfig.from_kwargs(kwargs)
+    inputs = _check_inputs(inputs)
+    if weight is None:
+        raise ValueError("fused_replay_term needs weight, the output layer's (V, H) weight")
+    if student_hidden is not None and student_hidden.dim() != 3:
+        raise ValueError(
+            "student_hidden must be the (B, T, H) last hidden states of the channel-1 forward at "
+            f"the completion positions, got shape {tuple(student_hidden.shape)}"
+        )
+    head_weight = weight
+
+    def score(sides: Sequence[_batch.ScoredSide]) -> list[tuple[Tensor, Tensor]]:
+        # Both sides' selected positions in one output-layer pass: one weight gradient, not two.
+        masks = [mask.bool() for _, _, mask in sides]
+        rows = [hidden[m] for (hidden, _, _), m in zip(sides, masks, strict=True)]
+        ids = [tokens[m] for (_, tokens, _), m in zip(sides, masks, strict=True)]
+        packed = fused_linear_logps(torch.cat(rows)[None], head_weight, bias, torch.cat(ids)[None])
+        parts = packed[0].split([r.shape[0] for r in rows])
+        out = []
+        for m, part, (_, _, mask) in zip(masks, parts, sides, strict=True):
+            per_token = part.new_zeros(m.shape).masked_scatter(m, part)
+            out.append(sequence_sums(per_token, mask))
+        return out
+
+    return _replay(cfg, HiddenStatesAsLogits(model), inputs, student_hidden, False, score)
 
 
 def compose_loss(

@@ -1,4 +1,18 @@
-"""Channel 2 fused with the output layer: generalized JSD from last hidden states.
+"""Channels 2 and 3 fused with the output layer: losses from last hidden states.
+
+Channel 3 (``fused_linear_logps``): the log-probs of given tokens, ``log_softmax((h W^T + b) /
+tau)[y]``, equal to ``selective_log_softmax(h @ W.T + b, y, tau)`` without the ``(B, T, V)``
+logits: forward keeps one ``(N,)`` log-sum-exp per token (an online log-sum-exp over vocabulary
+tiles, ``_fused_math.linear_logps``); backward recomputes the tiles and multiplies the logits'
+gradient ``g (onehot(y) - softmax)`` back through the output layer tile by tile
+(``_fused_math.linear_logps_backward``), with the same tile machinery as channel 2 (chunk sizes,
+float32 logits for low-precision inputs, ``GradAccumulator``). Its upstream gradient is a
+per-token vector (DPO / SimPO / the NLL term weight each token's log-prob), so unlike the JSD
+below the gradient cannot be formed during forward: the tiles' matmuls run once more in backward,
+which costs compute, never memory. Backward may run more than once (``retain_graph``): nothing
+is consumed.
+
+Channel 2 (``fused_linear_jsd``): generalized JSD from last hidden states.
 
 ``fused_linear_jsd(student_hidden, teacher_hidden, weight, bias, ...)`` equals
 ``distill.generalized_jsd(student_hidden @ weight.T + bias, teacher_hidden @ teacher_weight.T +
@@ -29,9 +43,14 @@ from torch import Tensor
 from composer_replication.loss._checks import as_bool_mask, check_scalar, check_tensor
 from composer_replication.loss._chunked import _CREATE_GRAPH, _SECOND_BACKWARD, graph_retained
 from composer_replication.loss._fused_backends import FUSED_JSD_BACKENDS, select_backend
-from composer_replication.loss._fused_math import FusedProblem
+from composer_replication.loss._fused_math import (
+    FusedProblem,
+    LogpsProblem,
+    linear_logps,
+    linear_logps_backward,
+)
 
-__all__ = ["FUSED_JSD_BACKENDS", "fused_linear_jsd"]
+__all__ = ["FUSED_JSD_BACKENDS", "fused_linear_jsd", "fused_linear_logps"]
 
 
 def _check_chunk(name: str, value: int | None) -> int | None:
@@ -273,3 +292,168 @@ def fused_linear_jsd(
         "jsd/empty_mask": 1.0 if stats["tokens"] == 0 else 0.0,
     }
     return loss, metrics
+
+
+# ------------------------------------------------------------------- channel 3: token log-probs
+_LOGPS_CREATE_GRAPH = (
+    "create_graph=True is not supported through fused_linear_logps: its backward recomputes the "
+    "logits' gradient in closed form without a graph. Take this loss's gradient in a backward "
+    "without create_graph."
+)
+
+
+class _LogpsCtx(Protocol):
+    needs_input_grad: tuple[bool, ...]
+    saved_tensors: tuple[Tensor, ...]
+    has_bias: bool
+    settings: tuple[float, int | None, int | None]
+
+    def save_for_backward(self, *tensors: Tensor) -> None: ...
+
+
+def _logps_problem(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    ids: Tensor,
+    index: Tensor,
+    settings: tuple[float, int | None, int | None],
+) -> LogpsProblem:
+    temperature, token_chunk, vocab_chunk = settings
+    return LogpsProblem(
+        hs=_rows(hidden, index),
+        weight=weight.detach(),
+        bias=None if bias is None else bias.detach(),
+        ids=ids.reshape(-1).index_select(0, index),
+        temperature=temperature,
+        token_chunk=token_chunk,
+        vocab_chunk=vocab_chunk,
+    )
+
+
+class _FusedLinearLogps(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: _LogpsCtx,
+        hidden: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        ids: Tensor,
+        mask: Tensor,
+        settings: tuple[float, int | None, int | None],
+    ) -> Tensor:
+        B, T, _ = hidden.shape
+        index = mask.reshape(-1).nonzero().squeeze(-1)
+        problem = _logps_problem(hidden, weight, bias, ids, index, settings)
+        _check_finite("hidden", problem.hs)
+        dtype = problem.compute_dtype
+        out = torch.zeros(B * T, dtype=dtype, device=hidden.device)
+        lse = torch.zeros(0, dtype=dtype, device=hidden.device)
+        if index.numel():
+            logps, lse = linear_logps(problem)
+            out.index_copy_(0, index, logps)
+        tensors = [hidden.detach(), weight.detach(), ids, index, lse]
+        if bias is not None:
+            tensors.append(bias.detach())
+        ctx.save_for_backward(*tensors)
+        ctx.has_bias = bias is not None
+        ctx.settings = settings
+        return out.view(B, T)
+
+    @staticmethod
+    def backward(ctx: _LogpsCtx, grad_output: Tensor) -> tuple[Tensor | None, ...]:
+        if torch.is_grad_enabled():  # backward runs with grad mode on only for create_graph=True
+            raise RuntimeError(_LOGPS_CREATE_GRAPH)
+        hidden, weight, ids, index, lse, *rest = ctx.saved_tensors
+        bias = rest[0] if ctx.has_bias else None
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        need_b = bool(need_b) and bias is not None
+        grad_h = torch.zeros_like(hidden) if need_h else None
+        grad_w = grad_b = None
+        if index.numel() and (need_h or need_w or need_b):
+            problem = _logps_problem(hidden, weight, bias, ids, index, ctx.settings)
+            grad = grad_output.reshape(-1).index_select(0, index)
+            rows, grad_w, grad_b = linear_logps_backward(
+                problem,
+                lse,
+                grad,
+                need_hidden=bool(need_h),
+                need_weight=bool(need_w),
+                need_bias=need_b,
+            )
+            if grad_h is not None and rows is not None:
+                grad_h.view(-1, hidden.shape[-1]).index_copy_(0, index, rows.to(hidden.dtype))
+        if need_w and grad_w is None:
+            grad_w = torch.zeros_like(weight)
+        if need_b and grad_b is None and bias is not None:
+            grad_b = torch.zeros_like(bias)
+        return grad_h, grad_w, grad_b, None, None, None
+
+
+def fused_linear_logps(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    ids: Tensor,
+    *,
+    mask: Tensor | None = None,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    vocab_chunk_size: int | None = None,
+) -> Tensor:
+    """Log-probs ``(B, T)`` of the tokens ``ids`` under ``softmax((hidden @ weight.T + bias) /
+    temperature)``: ``selective_log_softmax`` on those logits, without building them.
+
+    Args:
+        hidden: ``(B, T, H)`` last hidden states (the output layer's input for each position
+            that scores a token), differentiable.
+        weight / bias: ``(V, H)`` / ``(V,)`` or None, the output layer (``lm_head``; tied or
+            not), differentiable.
+        ids: ``(B, T)`` the tokens scored.
+        mask: ``(B, T)`` 0/1; positions outside it are not computed, hold 0 and get no gradient
+            (default: all).
+        temperature: the logits are divided by it (channel 3 scores at 1).
+        chunk_size / vocab_chunk_size: token rows / vocabulary columns per tile (None: about 1M
+            logits on the CPU, 2M on a GPU); memory and speed only, not values.
+
+    Returns:
+        ``(B, T)`` log-probs, float32 for low-precision inputs (else the inputs' dtype).
+    """
+    check_tensor("hidden", hidden, ndim=3)
+    check_tensor("weight", weight, ndim=2)
+    check_tensor("ids", ids, ndim=2)
+    if not hidden.is_floating_point() or not weight.is_floating_point():
+        raise ValueError(
+            f"hidden and weight must be floating point, got {hidden.dtype} and {weight.dtype}"
+        )
+    if ids.shape != hidden.shape[:2]:
+        raise ValueError(
+            f"ids has shape {tuple(ids.shape)} but hidden has {tuple(hidden.shape)}; they must "
+            "share (B, T)"
+        )
+    if weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"weight is (V, H) = {tuple(weight.shape)} but hidden has H = {hidden.shape[-1]}; "
+            "pass the output layer's weight (lm_head.weight)"
+        )
+    if bias is not None and (not isinstance(bias, Tensor) or bias.shape != (weight.shape[0],)):
+        shape = tuple(bias.shape) if isinstance(bias, Tensor) else type(bias).__name__
+        raise ValueError(f"bias must be None or a (V,) = ({weight.shape[0]},) tensor, got {shape}")
+    if hidden.device != weight.device:
+        raise ValueError(
+            f"hidden and weight must be on one device, got {hidden.device} and {weight.device}"
+        )
+    temperature = check_scalar("temperature", temperature, low=0.0, low_open=True)
+    _check_chunk("chunk_size", chunk_size)
+    _check_chunk("vocab_chunk_size", vocab_chunk_size)
+    m = as_bool_mask("mask", mask, hidden.shape[:2], hidden.device)
+    token_ids = ids.to(device=hidden.device, dtype=torch.long)
+    if m.any():
+        selected = token_ids[m]
+        if int(selected.min()) < 0 or int(selected.max()) >= weight.shape[0]:
+            raise ValueError(f"ids must lie in [0, V={weight.shape[0]}) at unmasked positions")
+    settings = (temperature, chunk_size, vocab_chunk_size)
+    result: Tensor = _FusedLinearLogps.apply(  # type: ignore[no-untyped-call]
+        hidden, weight, bias, token_ids, m, settings
+    )
+    return result

@@ -79,6 +79,9 @@ class ComposerSettings(Channel23Settings, WriteOnce):
     sdpo_fused: bool = True
     # Its backend (loss.FUSED_JSD_BACKENDS): "auto" = our Triton kernels on CUDA, else PyTorch.
     sdpo_fused_backend: str = "auto"
+    # Channel 3 from the last hidden states through the output layer (loss.fused_replay_term: no
+    # (N, T, V) logits for either side of a pair) wherever it applies; False: from the logits.
+    replay_fused: bool = True
     hint_template: HintTemplate = field(default_factory=HintTemplate)
     # Channel-3 plumbing.
     replay_max_length: int | None = None
@@ -192,6 +195,12 @@ class ComposerConfig(GRPOConfig, Channel23Settings):
     sdpo_fused_backend: str = field(
         default=_SETTINGS_DEFAULTS.sdpo_fused_backend,
         metadata={"help": "Fused channel-2 backend: auto | torch | triton | liger."},
+    )
+    replay_fused: bool = field(
+        default=_SETTINGS_DEFAULTS.replay_fused,
+        metadata={
+            "help": "Channel 3 from hidden states through the output layer where it applies."
+        },
     )
     hint_template: str | None = field(
         default=None,

@@ -20,6 +20,11 @@ What is added to TRL 1.16's GRPO step, and where:
   when channel 3 needs no logits in the micro-batch, runs TRL's own fused LM head for channel 1,
   so no ``(B, T, V)`` logits exist at all); the teacher runs its body only; the divergence is
   ``loss.fused_sdpo_term``. Equal to the logits path up to float rounding.
+* channel 3 fused with the output layer (``replay_fused``, on by default where it applies): the
+  rejected side is scored from the student forward's last hidden states and the chosen side runs
+  the policy's body only; both through ``loss.fused_replay_term`` (no ``(N, T, V)`` logits). With
+  channel 2 fused or off, the student forward then runs TRL's fused LM head for channel 1: no
+  ``(B, T, V)`` logits exist in the step. Equal to the logits path up to float rounding.
 
 Normalisation: like TRL's ``dapo``, each extra channel is divided by its *global* count over the
 accumulated batch (selected completion tokens for channel 2, pairs for channel 3; the batch's
@@ -52,6 +57,7 @@ from composer_replication.data.traces import Prompt, TraceRecord, TraceStore
 from composer_replication.data.turns import align_generation_stops, end_of_turn_id
 from composer_replication.loss import (
     assemble,
+    fused_replay_term,
     fused_sdpo_term,
     replay_term,
     sdpo_term,
@@ -212,6 +218,8 @@ class ComposerReplicationTrainer(GRPOTrainer):
             self.add_callback(EMATeacherCallback(self))
         # Channel 2 fused with the output layer: (student, teacher) bodies and heads, or None.
         self._fused2 = self._fused_sources(unwrapped) if self._channel2 else None
+        # Channel 3 fused with the output layer: the policy's body and head, or None.
+        self._fused3 = self._replay_source(unwrapped) if self._channel3 else None
         # DPO needs reference log-probs: TRL's KL reference if there is one, the adapter-free base
         # for PEFT, else a frozen copy of the initial policy.
         self._replay_ref: nn.Module | None = None
@@ -307,6 +315,21 @@ class ComposerReplicationTrainer(GRPOTrainer):
             logger.info("channel 2 runs on the logits (not fused with the output layer): %s", why)
             return None
         return student, teacher
+
+    @property
+    def channel3_fused(self) -> bool:
+        """Whether channel 3 runs fused with the output layer (``replay_fused`` and it applies)."""
+        return self._fused3 is not None
+
+    def _replay_source(self, unwrapped: Any) -> HiddenStateSource | None:
+        """The policy's body and head for the fused channel 3, or None (with the reason logged)
+        when the setting is off or the path does not apply."""
+        if not self.composer.replay_fused:
+            return None
+        source, why = hidden_state_source(_hf_model(unwrapped))
+        if source is None:
+            logger.info("channel 3 runs on the logits (not fused with the output layer): %s", why)
+        return source
 
     @property
     def ema_teacher(self) -> EMATeacher | None:
@@ -856,8 +879,9 @@ class ComposerReplicationTrainer(GRPOTrainer):
         with contextlib.ExitStack() as stack:
             hidden: list[torch.Tensor] | None = None
             if want_hidden:
-                assert self._fused2 is not None
-                hidden = stack.enter_context(capture_hidden(self._fused2[0].body))
+                policy = self._fused3 or (self._fused2[0] if self._fused2 else None)
+                assert policy is not None
+                hidden = stack.enter_context(capture_hidden(policy.body))
             if want_logits:
                 result = self._logits_forward(
                     model,
@@ -880,7 +904,8 @@ class ComposerReplicationTrainer(GRPOTrainer):
         if hidden is not None:
             if not hidden:
                 raise RuntimeError(
-                    "the model's body did not run during the student forward; set sdpo_fused=False"
+                    "the model's body did not run during the student forward; set "
+                    "sdpo_fused=False and replay_fused=False"
                 )
             states = hidden[0] if len(hidden) == 1 else torch.cat(hidden)
             # (B, T, H): position t is the output layer's input scoring completion token t
@@ -956,8 +981,9 @@ class ComposerReplicationTrainer(GRPOTrainer):
             self._call_loss_probe(mode, loss, None, None, loss)
             return loss
         fused2 = want2 and self._fused2 is not None
-        self._capture_logits = want3 or (want2 and not fused2)
-        self._capture_hidden = fused2
+        fused3 = want3 and self._fused3 is not None
+        self._capture_logits = (want3 and not fused3) or (want2 and not fused2)
+        self._capture_hidden = fused2 or fused3
         try:
             loss = super()._compute_loss(model, inputs)
         finally:
@@ -1005,8 +1031,15 @@ class ComposerReplicationTrainer(GRPOTrainer):
                 if s.taid_scheduled:
                     self._taid_step_losses.append(sdpo[1]["loss/sdpo"])
         if want3:
-            assert logits is not None
-            replay = replay_term(model, batch, logits, logits_to_keep=True, **kwargs)
+            if fused3:
+                assert hidden is not None and self._fused3 is not None
+                head = self._fused3.head
+                replay = fused_replay_term(
+                    self._fused3.body, batch, hidden, head.weight, head.bias, **kwargs
+                )
+            else:
+                assert logits is not None
+                replay = replay_term(model, batch, logits, logits_to_keep=True, **kwargs)
             if replay is not None:
                 self._log(mode, replay[1])
         # The total is the loss library's (grpo + alpha_sdpo * sdpo + beta_replay * replay).

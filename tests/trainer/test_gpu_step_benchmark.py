@@ -4,6 +4,7 @@ docs/trainer.md quotes (the figures themselves come from a GPU: scripts/gpu-chec
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -44,8 +45,9 @@ def test_shapes_are_qwen25s_and_the_model_is_built_on_the_device_in_the_dtype():
 def test_bad_flags_and_a_missing_gpu_fail_clearly(capsys):
     cases = [
         (["--device", "cpu", "--shapes", "qwen7b"], "--shapes: unknown"),
-        (["--device", "cpu", "--generation-options", "vllm"], "--generation-options: unknown"),
+        (["--device", "cpu", "--generation-options", "sglang"], "--generation-options: unknown"),
         (["--device", "cpu", "--steps", "1"], "--steps >= 2"),
+        (["--device", "cpu", "--steps", "2"], "1 <= --warmup < --steps"),
         (["--device", "cpu", "--batch", "6", "--generations", "4"], "multiple of --generations"),
     ]
     if not torch.cuda.is_available():
@@ -56,7 +58,19 @@ def test_bad_flags_and_a_missing_gpu_fail_clearly(capsys):
         assert message in capsys.readouterr().err, argv
     opts = gpu_step.parse(["--device", "cpu", "--tiny"])
     assert opts.shape_list == ["tiny"] and opts.dtype == torch.float32
-    assert opts.engines == ["generate", "paged", "paged_eager"]
+    vllm = ["vllm", "vllm_server"] if importlib.util.find_spec("vllm") else []
+    assert opts.engines == ["generate", "static", "paged", "paged_eager", *vllm]
+    # the figure: at least 16 timed steps per arm after the warm-up, by default
+    assert opts.steps - opts.warmup >= gpu_step.MIN_MEASURED == 16
+
+
+def test_spread_and_the_ratio_range():
+    assert gpu_step.spread([3.0]) == {"min": 3.0, "q1": 3.0, "q3": 3.0, "max": 3.0}
+    s = gpu_step.spread([5.0, 1.0, 2.0, 4.0, 3.0])
+    assert (s["min"], s["max"]) == (1.0, 5.0) and s["q1"] <= 2.0 <= 3.0 <= 4.0 <= s["q3"]
+    ours = {"min": 1.0, "q1": 2.0, "q3": 3.0, "max": 9.0}
+    theirs = {"min": 1.0, "q1": 1.0, "q3": 4.0, "max": 5.0}
+    assert gpu_step.ratio_range(ours, theirs) == [0.5, 3.0]  # [q1 / q3', q3 / q1']
 
 
 @pytest.mark.long
@@ -72,7 +86,9 @@ def test_tiny_cpu_run_prints_every_key():
         "cpu",
         "--tiny",
         "--steps",
-        "2",
+        "3",
+        "--warmup",
+        "1",
         "--batch",
         "4",
         "--generations",
@@ -93,13 +109,24 @@ def test_tiny_cpu_run_prints_every_key():
         "generation_generate_s",
         "generation_paged_s",
         "gpu_generation_paged_ratio",
+        "gpu_train_part_ratio",
+        "gpu_train_part_ratio_channels_off",
     ):
         assert result[key] > 0, key
+    for key in ("gpu_train_part_ratio", "gpu_all_on_ratio", "gpu_channels_off_ratio"):
+        low, high = result[f"{key}_range"]
+        assert 0 < low <= high, key
+    assert result["measured_steps"] == 2
     for arm in gpu_step.ARMS:
-        for part in ("step", "generation", "loss_backward"):
+        for part in ("step", "generation", "train", "loss_backward"):
             assert result[f"tiny_{arm}_{part}_s"] > 0, (arm, part)
+            spread = result[f"tiny_{arm}_{part}_spread_s"]
+            assert spread["min"] <= result[f"tiny_{arm}_{part}_s"] <= spread["max"], (arm, part)
+        # generation and the rest of the step add up to the step, per step and so in medians
+        train, generation = result[f"tiny_{arm}_train_s"], result[f"tiny_{arm}_generation_s"]
+        assert train < result[f"tiny_{arm}_step_s"] and generation < result[f"tiny_{arm}_step_s"]
         assert result[f"tiny_{arm}_peak_gb"] > 0
     # only all_on runs a teacher; every step was printed with its split
     assert result["tiny_all_on_teacher_s"] > 0 and result["tiny_plain_teacher_s"] == 0
-    assert done.stdout.count("(measured)") == 3 + 1  # three arms + the paged engine
+    assert done.stdout.count("(measured)") == 3 * 2 + 1  # three arms x 2 + the paged engine
     assert result["generation_fastest"] in ("generate", "paged")

@@ -43,7 +43,16 @@ def _assert_grads_close(fused: dict[str, torch.Tensor], plain: dict[str, torch.T
     [
         # channel 2 alone: channel 1 runs TRL's fused LM head, no (B, T, V) logits at all
         dict(alpha_sdpo=0.5, beta_replay=0.0, sdpo_jsd_beta=0.5),
-        # channels 2 and 3: the logits are kept for channel 3, channel 2 still fused
+        # channels 2 and 3: the logits are kept for channel 3 (replay_fused off), channel 2
+        # still fused
+        dict(
+            alpha_sdpo=0.5,
+            beta_replay=0.7,
+            sdpo_jsd_beta=0.0,
+            sdpo_temperature=1.3,
+            replay_fused=False,
+        ),
+        # channels 2 and 3 both fused: no (B, T, V) logits at all
         dict(alpha_sdpo=0.5, beta_replay=0.7, sdpo_jsd_beta=0.0, sdpo_temperature=1.3),
         # reverse KL with the EMA teacher (its own body and head)
         dict(
@@ -54,12 +63,13 @@ def _assert_grads_close(fused: dict[str, torch.Tensor], plain: dict[str, torch.T
             sdpo_ema_rate=0.5,
         ),
     ],
-    ids=["channel2", "channels2and3", "reverse_ema"],
+    ids=["channel2", "channels2and3", "channels2and3_fused", "reverse_ema"],
 )
 def test_fused_trainer_loss_and_grads_equal_the_logits_path(tmp_path, knobs):
     args = config(tmp_path, beta=0.0)
     fused = make_trainer(tmp_path, store=oracle_store(), args=args, **knobs)
-    plain = make_trainer(tmp_path, store=oracle_store(), args=args, sdpo_fused=False, **knobs)
+    off = dict(knobs, sdpo_fused=False, replay_fused=False)
+    plain = make_trainer(tmp_path, store=oracle_store(), args=args, **off)
     assert fused.channel2_fused and not plain.channel2_fused
     if knobs.get("sdpo_teacher") == "ema":  # a teacher that differs from the student
         with torch.no_grad():
@@ -129,3 +139,77 @@ def test_hidden_state_source_declines_logit_postprocessing():
     model.config.logit_scale = 0.5
     source, why = hidden_state_source(model)
     assert source is None and "logit_scale=0.5" in why
+
+
+# ------------------------------------------------------------------------- channel 3 fused
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        dict(dpo_variant="dpo"),
+        dict(dpo_variant="simpo"),
+        dict(dpo_variant="dpo", rpo_alpha=1.0),
+        dict(dpo_variant="simpo", rpo_alpha=0.5),
+    ],
+    ids=["dpo", "simpo", "dpo_rpo", "simpo_rpo"],
+)
+def test_fused_channel3_loss_and_grads_equal_the_logits_path(tmp_path, knobs):
+    """Channel 3 alone: the fused trainer (hidden states, TRL's fused LM head for channel 1)
+    against ``replay_fused=False`` (the logits path) on the same generation batch."""
+    args = config(tmp_path, beta=0.0)
+    kw = dict(alpha_sdpo=0.0, beta_replay=0.7, **knobs)
+    fused = make_trainer(tmp_path, store=oracle_store(), args=args, **kw)
+    plain = make_trainer(tmp_path, store=oracle_store(), args=args, replay_fused=False, **kw)
+    assert fused.channel3_fused and not plain.channel3_fused
+    inputs = generation_batch(fused)
+    assert inputs["replay_pair_mask"].any()
+    for t in (fused, plain):
+        t._metrics["train"].clear()
+    loss_f, grads_f = loss_and_grads(fused, inputs)
+    loss_p, grads_p = loss_and_grads(plain, inputs)
+    torch.testing.assert_close(loss_f, loss_p, rtol=1e-5, atol=1e-7)
+    _assert_grads_close(grads_f, grads_p)
+    mf = {k: v[-1] for k, v in fused._metrics["train"].items() if v}
+    mp = {k: v[-1] for k, v in plain._metrics["train"].items() if v}
+    assert mf["replay/active"] == mp["replay/active"] == 1.0
+    for key in ("loss/replay", "replay/margin", "replay/chosen_reward", "loss/grpo"):
+        assert mf[key] == pytest.approx(mp[key], rel=1e-5, abs=1e-6), key
+    assert ("replay/nll" in mf) == bool(knobs.get("rpo_alpha"))
+    if "replay/nll" in mf:
+        assert mf["replay/nll"] == pytest.approx(mp["replay/nll"], rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize("alpha_sdpo", [0.0, 0.5], ids=["channel3", "channels2and3"])
+def test_fused_channel3_builds_no_logits(tmp_path, alpha_sdpo):
+    """With channels 2 and 3 fused (or channel 2 off) the policy's output layer is never called
+    in the loss step: channel 1 runs TRL's fused LM head, channel 3's chosen side the body."""
+    trainer = make_trainer(
+        tmp_path,
+        store=oracle_store(),
+        args=config(tmp_path, beta=0.0),
+        alpha_sdpo=alpha_sdpo,
+        beta_replay=0.7,
+        dpo_variant="simpo",
+    )
+    inputs = generation_batch(trainer)
+    head = trainer.model.get_output_embeddings()
+    calls = []
+    handle = head.register_forward_hook(lambda m, a, out: calls.append(tuple(out.shape)))
+    try:
+        trainer._metrics["train"].clear()
+        loss = trainer.compute_loss(trainer.model, inputs)
+    finally:
+        handle.remove()
+    assert calls == []
+    assert trainer._metrics["train"]["replay/active"] == [1.0]
+    loss.backward()
+    assert head.weight.grad is not None and float(head.weight.grad.abs().sum()) > 0
+
+
+def test_fused_channel3_applies_only_where_it_can(tmp_path):
+    args = config(tmp_path, beta=0.0)
+    trainer = make_trainer(tmp_path, store=oracle_store(), args=args, replay_fused=False)
+    assert not trainer.channel3_fused
+    trainer = make_trainer(tmp_path, store=oracle_store(), args=args, beta_replay=0.0)
+    assert not trainer.channel3_fused  # channel 3 off
+    trainer = make_trainer(tmp_path, args=args, beta_replay=0.5)
+    assert not trainer.channel3_fused  # no trace store: channel 3 off

@@ -89,7 +89,7 @@ class WallBudget(TrainerCallback):
     `clock="wall"` counts wall seconds; `clock="cpu"` counts this process's CPU seconds (all
     its threads), which on a machine shared with other jobs removes the time a run waits for a
     core, but not all of the load's effect: a loaded machine does less work per CPU second
-    (cold caches every time slice, shared memory bandwidth; docs/benchmarks.md measured up to
+    (cold caches every time slice, shared memory bandwidth; docs/benchmarks-notebook.md measured up to
     ~4x at load 12-20 on 2 cores), so runs compared with each other must run at the same time
     (with one torch thread, ~ wall seconds on a free core)."""
 

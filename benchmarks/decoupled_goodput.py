@@ -414,7 +414,7 @@ def run_once(
         "learners_done_s": max(ends.values()) - t_go[0],
         # share of (finished incarnations') steps whose real compute exceeded step_s: the
         # simulated accelerator was overrun by the machine's load, the goodput is not the
-        # protocol's (docs/benchmarks.md: figures with more than a few % are not reported)
+        # protocol's (docs/benchmarks-notebook.md: figures with more than a few % are not reported)
         "overrun_share": overran / ran if ran else None,
         # the real compute against the simulated step: COMPUTE_BUDGET (10%) at most, for the
         # step to be the simulated accelerator's and not the machine's (`--protocol`)

@@ -68,7 +68,7 @@ variant's figure reads as what its channels add to the same start.
 Runs compared with each other run at the same time (``--jobs``, default 5: one process and
 session per run; the arms of one seed together, the arms at one grid point together), because
 under load a CPU second does less work (up to ~4x on the loaded 2-core machine,
-docs/benchmarks.md): the budget is equal CPU seconds, and side by side the load affects every
+docs/benchmarks-notebook.md): the budget is equal CPU seconds, and side by side the load affects every
 arm of a comparison alike. Each record has the load average at its start and end.
 
 Every finished run is appended to ``--log`` (JSON lines; default
@@ -116,7 +116,7 @@ PROMPTS_PER_STEP = 16
 N_VAL = 128  # validation prompts carved from training (whole classes)
 N_OOD = 256
 MAX_STEPS = 100_000  # a cap the time budget always reaches first
-# The embedded default run's compute: 2 replicas x 108-110 CPU s (docs/benchmarks.md).
+# The embedded default run's compute: 2 replicas x 108-110 CPU s (docs/benchmarks-notebook.md).
 DEFAULT_BUDGET_S = 220.0
 SIGNAL_VERSION = 2  # see Spec.key
 DEFAULT_SEEDS = 5

@@ -10,8 +10,11 @@
     checkpoints/       round-<k>/ save_pretrained folders (+ outer_state.safetensors), final/
     summary.md         the report's markdown summary
     store/             the object store when store.uri is empty (file://)
+    writer-secrets.json  SECRET: per-rank writer secrets and the slot secret (run/security.py)
+    signing-keys.json  SECRET: every rank's private key (`security.sign = true`)
 
-An existing folder is never reused unless the caller asks to resume or overwrite.
+The two secret files never leave this folder; `report` and `status` warn that a copy to share
+must leave them out. An existing folder is never reused unless the caller asks to resume or overwrite.
 """
 
 from __future__ import annotations

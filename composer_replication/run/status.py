@@ -38,6 +38,7 @@ from __future__ import annotations
 import json
 import socket
 import time
+from pathlib import Path
 from typing import Any
 
 from composer_replication.assembly.outer import outer_loop_mode
@@ -50,6 +51,7 @@ from composer_replication.run.checkpoint import committed_checkpoints
 from composer_replication.run.folder import RunFolder
 from composer_replication.run.metrics import status_key
 from composer_replication.run.processes import pid_alive
+from composer_replication.run.security import secret_files, secrets_warning
 
 __all__ = ["health_now", "run_status", "status_text"]
 
@@ -259,6 +261,7 @@ def run_status(folder: RunFolder, *, stale_after_s: float = 120.0) -> dict[str, 
         "store_error": store_error,
         "round": top_round,
         "checkpoints": checkpoints,
+        "secrets": secret_files(folder.root),
         "replicas": replicas,
         "health": run_state,
         "rejections": rejections,
@@ -402,4 +405,6 @@ def status_text(info: dict[str, Any]) -> str:
             lines.append(f"    rank {rank}: {why}")
     if info["checkpoints"]:
         lines.append(f"  checkpoints: {', '.join(info['checkpoints'])}")
+    if info.get("secrets"):
+        lines.append("  " + secrets_warning(Path(info["folder"]), info["secrets"]))
     return "\n".join(lines)

@@ -207,6 +207,33 @@ def test_the_out_of_distribution_row_is_reported_beside_the_held_out_one() -> No
     assert "eval_ood_accuracy_last" not in summarize(plain)
 
 
+def test_the_summary_keeps_its_metrics_table_in_one_piece(tmp_path) -> None:
+    """The note on rising channel 2/3 losses comes after the table: a paragraph between two
+    rows split it in two (the health row then rendered as text)."""
+    from composer_replication.run.folder import RunFolder
+    from composer_replication.run.report import (
+        HEALTH_STATES,
+        LOSS_RISE_NOTE,
+        losses_rose,
+        summary_markdown,
+    )
+
+    summary = {
+        "loss_sdpo_first10": 0.01,
+        "loss_sdpo_last10": 0.3,
+        "loss_replay_first10": 0.8,
+        "loss_replay_last10": 1.0,
+        "health_seconds": {name: 1.0 for name in HEALTH_STATES},
+    }
+    assert losses_rose(summary)
+    text = summary_markdown(RunFolder(tmp_path / "r"), summary, [], {})
+    lines = text.splitlines()
+    rows = [i for i, line in enumerate(lines) if line.startswith("|")]
+    assert rows == list(range(rows[0], rows[-1] + 1)), "the metrics table is split"
+    assert lines[rows[-1]].startswith("| run health")
+    assert lines.index(LOSS_RISE_NOTE) > rows[-1]
+
+
 def test_the_learning_signal_is_in_the_summary_and_the_printout() -> None:
     """Entropy, the share of zero-advantage groups and channel 2's teacher advantage and gate,
     first and last 10% of steps (pooled over replicas), in summary.md's table and the

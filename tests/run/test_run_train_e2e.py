@@ -117,7 +117,7 @@ def test_train_default_end_to_end(
     assert "| mean reward, first 10% of steps |" in (run / "summary.md").read_text()
 
     # a loadable Hugging Face checkpoint of the final global model, plus outer state (the
-    # snippet of docs/cli.md "The first run" loads it the same way)
+    # snippet of docs/quickstart.md "Use the checkpoint" loads it the same way)
     final = run / "checkpoints" / "final"
     model = AutoModelForCausalLM.from_pretrained(final)
     tok = AutoTokenizer.from_pretrained(final)

@@ -89,6 +89,16 @@ def last_eval(metrics: Path) -> dict[str, Any] | None:
     return last
 
 
+def reward_first_last(metrics: Path) -> tuple[float | None, float | None]:
+    """The run's mean training reward over its first and last 10% of steps, as its report
+    computes them (`run.report.summarize`)."""
+    from composer_replication.run.metrics import read_metrics
+    from composer_replication.run.report import summarize
+
+    summary = summarize(read_metrics(metrics))
+    return summary.get("reward_first10"), summary.get("reward_last10")
+
+
 def commit() -> str:
     out = subprocess.run(
         ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
@@ -142,7 +152,9 @@ def run_one(seed: int, capability: str, overrides: list[str]) -> dict[str, Any]:
                 + proc.stdout[-2000:]
                 + proc.stderr[-3000:]
             )
-        record = last_eval(Path(cwd) / "runs" / name / "metrics.jsonl")
+        metrics = Path(cwd) / "runs" / name / "metrics.jsonl"
+        record = last_eval(metrics)
+        rewards = reward_first_last(metrics)
     if record is None:
         raise RuntimeError(f"train (seed {seed}, {capability}) logged no held-out evaluation")
     return {
@@ -153,6 +165,8 @@ def run_one(seed: int, capability: str, overrides: list[str]) -> dict[str, Any]:
         "heldout_n": int(record.get("eval/n", 0)),
         "ood_acc": record.get("eval/ood_accuracy"),
         "step": int(record.get("step", 0)),
+        "reward_first10": rewards[0],
+        "reward_last10": rewards[1],
         "wall_s": round(wall, 1),
         "load_start": round(load, 1),
         "load_end": round(os.getloadavg()[0], 1),

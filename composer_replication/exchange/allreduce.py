@@ -271,6 +271,11 @@ class ObjectStoreAllReduce(RunDocuments):
         self.fence = fence
         # ranks seen departed at an earlier step: checked at the first poll of the next ones
         self._known_departed: set[int] = set()
+        # objects read to decide where the run is and refused: (key, why); the manager takes
+        # them into its round records ("rejected" events of rank -1)
+        self.refusals: list[tuple[str, str]] = []
+        self._refused_hints: set[str] = set()
+        self._known_commits: set[int] = set()  # steps whose commit record this handle parsed
 
     def writer_id(self, step: int) -> str:
         """The writer id this rank puts in its upload for ``step`` (and in its owner record)."""
@@ -750,15 +755,27 @@ class ObjectStoreAllReduce(RunDocuments):
         raw = self.store.get(commit_key(step))
         if raw is None:
             return None
-        return parse_commit(raw, step=step, world_size=self.world_size, keys=self.keys)
+        record = parse_commit(raw, step=step, world_size=self.world_size, keys=self.keys)
+        self._known_commits.add(step)
+        return record
 
     def committed(self, step: int) -> bool:
         """Whether ``step`` has a commit record (one GET, never a listing)."""
         return self.store.get(commit_key(step)) is not None
 
+    def _head_mac(self, step: int) -> str | None:
+        """Unsigned runs with a slot secret: the head hint's MAC (None: nothing to MAC with)."""
+        if self._slot_secret is None:
+            return None
+        return hmac.new(self._slot_secret, f"head:{step}".encode(), hashlib.sha256).hexdigest()
+
     def _write_head(self, step: int) -> None:
-        """Overwrite the head hint with ``step`` (the committer, after its commit record)."""
+        """Overwrite the head hint with ``step`` (the committer, after its commit record).
+        Signed runs sign it; unsigned runs with a slot secret MAC it under that secret."""
         record: dict[str, object] = {"kind": "head", "step": step}
+        mac = self._head_mac(step)
+        if self.keys is None and mac is not None:
+            record["mac"] = mac
         try:
             body = record if self.keys is None else self.keys.sign(record)
             self.store.put(HEAD_KEY, json.dumps(body).encode())
@@ -766,25 +783,51 @@ class ObjectStoreAllReduce(RunDocuments):
             log.warning("step %d: could not update the head hint: %r", step, e)
 
     def head_step(self) -> int | None:
-        """The newest committed step as the head hint says (one GET, never a listing).
+        """The newest committed step: the head hint if it holds up, else a listing.
 
-        A hint, not a proof: it is a step that was committed (so the run is at least there),
-        but it may lag behind (a committer died between its commit record and the hint, or two
-        committers wrote it out of order). None when absent, unreadable or (signing on) not
-        signed by a rank of this run. `latest_committed_step` lists and is exact.
+        The hint is one GET; it is believed only when it is signed (signing on) or carries the
+        MAC of the run's slot secret (unsigned, with one), and the commit record of its step
+        and that record's predecessor hold up (`RunDocuments.unconfirmed_commit`). A hint that
+        does not (planted, malformed, ahead of every commit) is refused: the refusal goes to
+        `refusals` (once per distinct hint) and this falls back to `latest_committed_step`,
+        which lists. A believed hint may lag behind (a committer died between its commit
+        record and the hint, or two committers wrote it out of order): a lower bound. None
+        when nothing is committed.
         """
         raw = self.store.get(HEAD_KEY)
         if raw is None:
             return None
+        step, why = self._parse_head(bytes(raw))
+        if step is not None and why is None and step not in self._known_commits:
+            why = self.unconfirmed_commit(step)
+        if why is None:
+            return step
+        digest = hashlib.sha256(bytes(raw)).hexdigest()
+        if digest not in self._refused_hints:
+            self._refused_hints.add(digest)
+            log.warning("refusing the head hint at %s: %s", self.uri, why)
+            self.refusals.append((HEAD_KEY, f"head hint refused: {why}"))
+        return self.latest_committed_step()
+
+    def _parse_head(self, raw: bytes) -> tuple[int | None, str | None]:
+        """(the hinted step, why the hint is not believed: None when it may be)."""
         try:
-            doc = json.loads(bytes(raw))
+            doc = json.loads(raw)
             if self.keys is not None:
                 self.keys.verify(doc, signers={"rank-*"}, what="head hint")
         except (UnicodeDecodeError, json.JSONDecodeError, CorruptContributionError) as e:
-            log.warning("ignoring the head hint at %s: %s", self.uri, e)
-            return None
+            return None, f"unreadable or unsigned ({e})"
         step = doc.get("step") if isinstance(doc, dict) else None
-        return step if isinstance(step, int) and not isinstance(step, bool) else None
+        if not isinstance(doc, dict) or doc.get("kind") != "head":
+            return None, "not a head hint"
+        if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < 10**10:
+            return None, f"step {step!r} is not a step number"
+        mac = self._head_mac(step)
+        if self.keys is None and mac is not None:
+            theirs = doc.get("mac")
+            if not isinstance(theirs, str) or not hmac.compare_digest(theirs, mac):
+                return None, "its MAC does not verify (not written by a replica of this run)"
+        return step, None
 
     def _write_commit(
         self,
@@ -811,8 +854,10 @@ class ObjectStoreAllReduce(RunDocuments):
         raw = json.dumps(record, sort_keys=True).encode()
         if self.store.put_if_absent(commit_key(step), raw):
             log.info("step %d: rank %d committed ranks %s", step, self.rank, sorted(valid))
+            record = parse_commit(raw, step=step, world_size=self.world_size, keys=self.keys)
+            self._known_commits.add(step)
             self._write_head(step)
-            return parse_commit(raw, step=step, world_size=self.world_size, keys=self.keys)
+            return record
         # lost the race: the winner's record decides, whatever we saw
         for _ in range(50):
             commit = self._read_commit(step)

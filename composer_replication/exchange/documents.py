@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from composer_replication.exchange import state as state_mod
-from composer_replication.exchange.protocol import commit_key, parse_step_dir
+from composer_replication.exchange.protocol import commit_key, parse_commit, parse_step_dir
 from composer_replication.exchange.robust import screen_state
 from composer_replication.exchange.signing import RunKeys, SignatureError
 from composer_replication.exchange.store import Store
@@ -67,14 +67,45 @@ class RunDocuments:
         return self.store.uri
 
     def latest_committed_step(self) -> int | None:
-        """Highest step that has a commit record, or None."""
+        """Highest step whose commit record is confirmed (`unconfirmed_commit`), or None. A
+        step directory holding a record that does not confirm (planted, malformed, no chain)
+        is skipped with a warning."""
         steps = sorted(
             (s for s in map(parse_step_dir, self.store.list("steps/")) if s is not None),
             reverse=True,
         )
         for s in steps:
-            if self.store.exists(commit_key(s)):
+            if not self.store.exists(commit_key(s)):
+                continue
+            why = self.unconfirmed_commit(s)
+            if why is None:
                 return s
+            log.warning("not counting step %d as committed: %s", s, why)
+        return None
+
+    def unconfirmed_commit(self, step: int) -> str | None:
+        """Why ``step`` cannot be believed committed, or None when it can: its commit record
+        exists and is well formed (signing on: signed by the rank it names), and so is the
+        previous step's (the chain: the committer of step s deletes step s - ``keep_steps``
+        only, so with ``keep_steps >= 2`` a real commit always has its predecessor beside it;
+        a lone record planted far ahead does not; a run rolled back to round r restarts the
+        chain from the global state of r, which stands in for its predecessor)."""
+        why = self._bad_commit(step)
+        if why is not None or step <= 1 or self.keep_steps < 2:
+            return why
+        before = self._bad_commit(step - 1)
+        if before is not None and not self.state_exists(round=step - 1):
+            return f"step {step} does not follow a committed step ({before})"
+        return None
+
+    def _bad_commit(self, step: int) -> str | None:
+        raw = self.store.get(commit_key(step))
+        if raw is None:
+            return f"step {step} has no commit record"
+        try:
+            parse_commit(raw, step=step, world_size=self.world_size, keys=self.keys)
+        except CorruptContributionError as e:  # SignatureError included
+            return str(e)
         return None
 
     def ensure_manifest(self, fingerprint: dict[str, Any]) -> None:

@@ -144,6 +144,20 @@ def test_a_rank_that_came_back_is_waited_for_again(tmp_path):
         ar.allreduce({"x": torch.ones(4)}, step=1)  # rank 2 is expected again (and 1 too)
 
 
+def _commit(step: int) -> bytes:
+    """A well-formed commit record of ``step`` naming rank 0 (what the run wrote)."""
+    record = {
+        "format": 1,
+        "kind": "commit",
+        "step": step,
+        "world_size": 2,
+        "included_ranks": [0],
+        "weights": {"0": 1.0},
+        "checksums": {"0": {"algo": "sha256", "value": "0" * 64}},
+    }
+    return json.dumps(record).encode()
+
+
 def test_a_stalled_rank_does_not_commit_a_step_the_run_left_behind(tmp_path):
     """Rank 1 stalled in step 1 while rank 0 committed up to step 5 (step 1's record is
     garbage-collected) and finished: rank 0's departure must not let rank 1 commit step 1
@@ -157,7 +171,8 @@ def test_a_stalled_rank_does_not_commit_a_step_the_run_left_behind(tmp_path):
         uri, 2, 1, timeout_s=30.0, min_replicas=1, poll_interval_s=0.02, departure_poll_s=1.0
     )
     # the run moves past step 1 while rank 1 waits in it (after its upload)
-    threading.Timer(0.3, lambda: store.put(commit_key(5), b"{}")).start()
+    # (well-formed records of steps 4 and 5: a lone or malformed one is not believed)
+    threading.Timer(0.3, lambda: [store.put(commit_key(s), _commit(s)) for s in (4, 5)]).start()
     t0 = time.monotonic()
     with pytest.raises(StoreTimeoutError, match="already at step 5"):
         ar.allreduce({"x": torch.ones(4)}, step=1)

@@ -53,6 +53,7 @@ import hashlib
 import hmac
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -85,6 +86,7 @@ from composer_replication.exchange.robust import (
     LossProbe,
     TensorStats,
     WeightingName,
+    merge_weights,
     screen,
     tensor_stats,
     trim_count,
@@ -101,6 +103,7 @@ from composer_replication.exchange.vocabulary import (
     QuorumLostError,
     StepResult,
     StoreTimeoutError,
+    UpdateRefusedError,
     dtype_name,
 )
 from composer_replication.exchange.wire import Buffer
@@ -898,9 +901,49 @@ class ObjectStoreAllReduce(RunDocuments):
                     "checksum in the commit record"
                 )
             valid[r] = c
+        why = self._against_rule(commit, valid)
+        if why is not None:
+            raise UpdateRefusedError(
+                f"step {step}: the commit record (committed by {commit.get('committed_by')!r}) "
+                f"is refused: {why}; a forged or broken commit record? Nothing is applied",
+                step=step,
+                rejected=dict(commit["excluded"]),
+            )
         acc = average_in_rank_order(commit, valid)
         out = {n: acc[n].to(device=t.device, dtype=t.dtype) for n, t in tensors.items()}
         return out, down
+
+    def _against_rule(self, commit: CommitRecord, held: dict[int, Contribution]) -> str | None:
+        """Why ``commit`` does not follow this run's merge rule for the contributions it
+        includes (``held``: each of them, verified against its pinned checksum), or None.
+
+        Every reader recomputes what the committer had no choice about: the merge method, the
+        weighting, the weights (`robust.merge_weights` over the included contributions' token
+        claims), the trim, and that a clip scale only shrinks (norm_clip) or is 1. Which ranks
+        are included, and by how much norm_clip shrinks one, rest on norms that are not
+        bit-reproducible across machines: they stay the committer's."""
+        policy, ranks = self.policy, commit["included_ranks"]
+        method = commit.get("aggregate", "mean")
+        if method != policy.method or commit.get("weighting", "equal") != policy.weighting:
+            return (
+                f"it merges with {method!r} weighting {commit.get('weighting', 'equal')!r}; "
+                f"this run merges with {policy.method!r} weighting {policy.weighting!r}"
+            )
+        trim = trim_count(len(ranks), policy.trim_fraction) if method == "trimmed_mean" else 0
+        if int(commit.get("trim", 0)) != trim:
+            return f"it trims {commit.get('trim')!r} per end; the rule gives {trim}"
+        want = merge_weights({r: held[r].tokens for r in ranks}, policy)
+        for r in ranks:
+            got = commit["weights"][r]
+            if not math.isclose(got, want[r], rel_tol=1e-9, abs_tol=1e-12):
+                return f"rank {r}'s weight is {got!r}; the run's weighting rule gives {want[r]!r}"
+            scale = commit["scales"].get(r, 1.0)
+            ok = 0.0 < scale <= 1.0 if method == "norm_clip" else scale == 1.0
+            if not ok:
+                return f"rank {r}'s scale is {scale!r}; {method!r} allows " + (
+                    "only (0, 1]" if method == "norm_clip" else "only 1"
+                )
+        return None
 
     def _fetch_many(
         self, step: int, ranks: list[int], ref: dict[str, tuple[list[int], str]]

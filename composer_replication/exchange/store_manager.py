@@ -429,7 +429,10 @@ class ObjectStoreManager:
 
     def _publish(self) -> bool:
         state = OuterState(
-            round=self._round, user=self._state.collect(), batches_committed=self._batches_committed
+            round=self._round,
+            user=self._state.collect(),
+            batches_committed=self._batches_committed,
+            update_norms=tuple(self._update_norms),
         )
         before = self.exchange.store.requests.snapshot()
         wrote = publish_outer_state(self.exchange, state, stride=self.checkpoint_every)
@@ -446,6 +449,9 @@ class ObjectStoreManager:
         self._state.load(state)
         self._round = state.round
         self._batches_committed = state.batches_committed
+        # the tripwire's reference: the run's recent updates, not this process's
+        self._update_norms.clear()
+        self._update_norms.extend(state.update_norms)
 
     def _ensure_published(self) -> None:
         """Publish our current round's state if nobody has (its publisher may have died)."""

@@ -124,7 +124,8 @@ def test_a_forged_x1000_commit_is_not_applied_and_stops_the_run(
     records = read_metrics(run / "metrics.jsonl")
     refused = [r for r in records if r.get("event") == "refused"]
     assert refused and {r["round"] for r in refused} == {TARGET}, refused
-    assert all("norm outlier" in r["reason"] for r in refused), refused
+    # the record scales the update x1000: off the run's merge rule, refused before any norm
+    assert all("is refused: rank 0's scale is 1000.0" in r["reason"] for r in refused), refused
     health = [r for r in records if r["kind"] == "health"]
     assert health[-1]["health/state"] == "critical", health[-1]
     assert f"round {TARGET} is not applied" in health[-1]["health/reasons"]

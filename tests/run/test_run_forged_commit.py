@@ -3,8 +3,8 @@ was applied" in an unsigned run. Now a real `composer-replication train` (sync m
 2 replicas) whose bucket a forger writes to: once round 4 has committed (the event), it holds
 rank 1 back (SIGSTOP, a real stall), waits for rank 0's round-5 contribution and commits it
 alone, scaled x1000, with a well-formed commit record (checksum and all) before any honest
-committer can. The committed update is a norm outlier against the run's recent rounds: no
-replica applies it, the run exits non-zero (3), `status` says critical naming round 5 and
+committer can. The record's scale (1000 for a mean, which allows only 1) is off the run's
+merge rule, which every replica recomputes: no replica applies it, the run exits non-zero (3), `status` says critical naming round 5 and
 metrics.jsonl has the event. The exchange-level test is
 tests/exchange/test_manager_update_screen.py."""
 

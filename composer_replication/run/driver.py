@@ -95,6 +95,7 @@ from composer_replication.run.report import (
     write_report,
 )
 from composer_replication.run.security import (
+    SLOT_SECRET_ENV,
     RunSecrets,
     prepare_signing,
     slot_secret,
@@ -272,6 +273,7 @@ class _Services:
         if mode.driver_synchronizer:
             log = folder.logs / "synchronizer.log"
             sync_env = dict(env)
+            sync_env.update(slot_secret(folder))  # checks the run generation's MAC (fencing.py)
             if signing is not None:  # its own key, to it only (never in the replicas' env)
                 sync_env[KEY_ENV] = signing.private[SYNCHRONIZER]
             self.synchronizer = SynchronizerProcess(config.store.uri, sync_env, log)
@@ -370,7 +372,9 @@ def _claim_store(
         if overwrite and store.exists(""):
             store.delete_prefix("")  # a stale run in an explicit store would be resumed otherwise
     try:
-        generation = bump_generation(store)  # replicas of an earlier launch are fenced from now
+        # replicas of an earlier launch are fenced from now (MACed: a planted one fences none)
+        secret = bytes.fromhex(slot_secret(folder)[SLOT_SECRET_ENV])
+        generation = bump_generation(store, secret)
     except ValueError as exc:
         raise ConfigError(f"{config.store.uri}: {exc}; delete that object to resume") from None
     if resume:  # fenced and stopped before the rollback rewrites the store under them

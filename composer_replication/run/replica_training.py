@@ -90,7 +90,11 @@ def run_replica(
     (`run.security.slot_secret`); ``generation``: the run generation of
     its launch (None: the store's current one), checked before every write."""
     store = ObjectStore(uri, storage_options)
-    fence = Fence(store, read_generation(store) if generation is None else generation)
+    fence = Fence(
+        store,
+        read_generation(store) if generation is None else generation,
+        secret=slot_secret,  # a planted run_generation.json cannot fence the run's replicas
+    )
     store.write_guard = fence
     try:
         fence()

@@ -41,6 +41,7 @@ from composer_replication.exchange.fencing import Fence, FencedError
 from composer_replication.exchange.signing import SYNCHRONIZER, RunKeys
 from composer_replication.executors.local import spawn_in_group, terminate_groups
 from composer_replication.run.replica_env import ENV_GENERATION, EXIT_FENCED
+from composer_replication.run.security import slot_secret_from_env
 from composer_replication.run.security import participant_keys
 
 if TYPE_CHECKING:
@@ -108,7 +109,9 @@ def _fence(store: ObjectStore) -> int | None:
         return None
     if not raw.isdigit():
         raise ValueError(f"${ENV_GENERATION}={raw!r} is not an integer >= 0")
-    store.write_guard = Fence(store, int(raw))
+    # with the run's slot secret only a launch of the run can fence it (a planted document
+    # cannot)
+    store.write_guard = Fence(store, int(raw), secret=slot_secret_from_env())
     return int(raw)
 
 

@@ -196,6 +196,38 @@ def test_generations_count_launches_and_fence_older_ones(tmp_path):
         Fence(store, -1)
 
 
+@pytest.mark.parametrize(
+    "planted",
+    [
+        b'{"format": 1, "kind": "generation", "generation": 999}',  # no MAC
+        b'{"format": 1, "kind": "generation", "generation": 999, "mac": "00"}',  # a wrong one
+        b'{"format": 1, "kind": "generation", "gener',  # damaged
+    ],
+    ids=["no-mac", "wrong-mac", "damaged"],
+)
+def test_a_planted_generation_does_not_fence_the_runs_replicas(tmp_path, planted):
+    """With the run's slot secret, only a launch of the run can fence its replicas: a planted
+    or damaged run_generation.json is ignored (and noted); a real newer launch still fences."""
+    secret = b"k" * 32
+    store = ObjectStore(str(tmp_path))
+    assert bump_generation(store, secret) == 1
+    fence = Fence(store, 1, secret=secret)
+    fence()
+    store.put(GENERATION_KEY, planted)  # written once by anyone with bucket access
+    fence()  # not tripped
+    fence()
+    assert fence.tripped is None and fence.refused is not None
+    assert "not written by a launch of this run" in fence.refused or "generation" in fence.refused
+    if planted.endswith(b"}"):
+        assert bump_generation(store, secret) == 1000  # a relaunch numbers itself above it
+    else:
+        store.delete(GENERATION_KEY)  # the driver names a damaged one: delete it to resume
+        assert bump_generation(store, secret) == 1
+        fence = Fence(store, 0, secret=secret)
+    with pytest.raises(FencedError, match="launch 0|launch 1 "):
+        fence()  # a real newer launch (MACed under the secret) fences
+
+
 def test_a_fenced_store_writes_nothing_and_a_fenced_exchange_uploads_nothing(tmp_path):
     uri = str(tmp_path)
     store = ObjectStore(uri)

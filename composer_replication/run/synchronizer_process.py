@@ -41,8 +41,7 @@ from composer_replication.exchange.fencing import Fence, FencedError
 from composer_replication.exchange.signing import SYNCHRONIZER, RunKeys
 from composer_replication.executors.local import spawn_in_group, terminate_groups
 from composer_replication.run.replica_env import ENV_GENERATION, EXIT_FENCED
-from composer_replication.run.security import slot_secret_from_env
-from composer_replication.run.security import participant_keys
+from composer_replication.run.security import participant_keys, slot_secret_from_env
 
 if TYPE_CHECKING:
     from composer_replication.config import RunConfig

@@ -408,7 +408,7 @@ def _open(
 ) -> _Launch:
     """The driver's state, display, metrics and the replicas' environment for this launch; the
     services of the run's mode are started."""
-    state = folder.read_driver()
+    state, damage = folder.read_driver_checked()  # damaged: its backup keeps the attempts
     # The earlier attempts' wall times (one killed mid-run counts until its last update).
     folder.update_driver(
         status="running",
@@ -430,6 +430,9 @@ def _open(
         stream=stream,
     )
     sink = MetricsSink(folder.metrics, folder.tensorboard if config.logging.tensorboard else None)
+    for why in (damage, sink.healed):  # said once; the run goes on
+        if why:
+            print(f"warning: {why}", file=stream, flush=True)
     consumed = {int(k): int(v) for k, v in (state.get("metrics_chunks") or {}).items()}
     collector = MetricsCollector(store, config.backend.n_replicas, sink, consumed)
     env = {

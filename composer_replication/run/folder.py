@@ -2,7 +2,8 @@
 
     config.toml        the resolved configuration (load it again with `train config.toml`)
     config.json        the same, as the replicas received it
-    driver.json        driver state: status, start/end, replica handles, exit codes
+    driver.json        driver state: status, start/end, replica handles, exit codes, attempts
+    driver.json.bak    the same, written right after it (read when driver.json is damaged)
     metrics.jsonl      every metric record of every replica (see run/metrics.py)
     tensorboard/       TensorBoard event files (`tensorboard --logdir runs/`)
     logs/              replica-<rank>.log (stdout/stderr of each replica)
@@ -103,19 +104,62 @@ class RunFolder:
             sub.mkdir(parents=True, exist_ok=True)
 
     # -- driver state
+    @property
+    def driver_backup(self) -> Path:
+        """The same state as driver.json, written right after it (never both at once)."""
+        return self.root / "driver.json.bak"
+
     def read_driver(self) -> dict[str, Any]:
-        try:
-            return json.loads(self.driver_json.read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
-            return {}
+        """driver.json's state ({} when there is none); a damaged one is replaced by its
+        backup (`driver_damage` says so)."""
+        return self.read_driver_checked()[0]
+
+    def driver_damage(self) -> str | None:
+        """Why driver.json cannot be read as written, and what is shown instead, or None."""
+        return self.read_driver_checked()[1]
+
+    def read_driver_checked(self) -> tuple[dict[str, Any], str | None]:
+        """(driver state, None) or, driver.json damaged (cut, not JSON, not an object):
+        (its backup's state or {}, a sentence saying so)."""
+        state, why = _read_state(self.driver_json)
+        if why is None:
+            return state, None
+        backup, bad = _read_state(self.driver_backup)
+        if bad is None and backup:
+            return backup, f"driver.json is damaged ({why}); shown from driver.json.bak"
+        return {}, f"driver.json is damaged ({why}) and has no usable backup"
 
     def write_driver(self, state: dict[str, Any]) -> None:
-        tmp = self.driver_json.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(state, indent=1, default=str))
-        os.replace(tmp, self.driver_json)
+        """Write driver.json atomically (a temporary file, fsynced, renamed over it), then its
+        backup the same way: a crash can cut at most one of the two."""
+        text = json.dumps(state, indent=1, default=str)
+        for path in (self.driver_json, self.driver_backup):
+            tmp = path.with_name(path.name + ".tmp")
+            with tmp.open("w", encoding="utf-8") as fh:
+                fh.write(text)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
 
     def update_driver(self, **changes: object) -> dict[str, Any]:
         state = self.read_driver()
         state.update(changes)
         self.write_driver(state)
         return state
+
+
+def _read_state(path: Path) -> tuple[dict[str, Any], str | None]:
+    """(the JSON object at ``path``, None), ({}, None) when absent, or ({}, why damaged)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return {}, None
+    except (OSError, UnicodeDecodeError) as exc:
+        return {}, f"{type(exc).__name__}: {exc}"
+    try:
+        state = json.loads(text)
+    except json.JSONDecodeError as exc:
+        return {}, f"not JSON: {exc.msg} at character {exc.pos} of {len(text)}"
+    if not isinstance(state, dict):
+        return {}, "not a JSON object"
+    return state, None

@@ -40,6 +40,7 @@ __all__ = [
     "MetricsCollector",
     "MetricsSink",
     "ReplicaMetricsWriter",
+    "heal_torn_tail",
     "mark_resume",
     "read_metrics",
 ]
@@ -123,15 +124,38 @@ class ReplicaMetricsWriter:
             self.store.put_json(status_key(self.rank), self._status)
 
 
-def _end_torn_line(path: Path) -> None:
-    """A driver killed mid-append can leave a last line without its newline: end it, so the next
-    record starts a line of its own (readers skip the torn one; the record that follows is kept)."""
+def heal_torn_tail(path: Path) -> str | None:
+    """A driver killed mid-append can leave metrics.jsonl ending inside a record: cut the file
+    back to the end of its last whole record and say so (None when there was nothing to
+    heal). A whole last record without its newline only gets the newline. The cut record is
+    not lost: its chunk was not counted as consumed yet (driver.json is saved after the append),
+    so the collector reads that chunk again and appends it whole."""
     if not path.is_file() or path.stat().st_size == 0:
-        return
+        return None
     with path.open("rb+") as fh:
-        fh.seek(-1, 2)
-        if fh.read(1) != b"\n":
+        size = fh.seek(0, 2)
+        back = min(size, 1 << 20)
+        fh.seek(size - back)
+        tail = fh.read(back)
+        if tail.endswith(b"\n"):
+            return None
+        cut = tail.rfind(b"\n") + 1  # 0: no newline in the tail
+        last = tail[cut:]
+        try:
+            whole = isinstance(json.loads(last), dict)
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            whole = False
+        if whole:
             fh.write(b"\n")
+            return None
+        if cut == 0 and back < size:
+            return None  # a line longer than the window: leave it, readers skip it
+        fh.truncate(size - back + cut)
+    return (
+        f"{path.name}: its last line was cut inside a record ({len(last)} bytes, a driver "
+        "killed mid-append): cut back to the last whole record; the record is read again from "
+        "its chunk"
+    )
 
 
 class MetricsSink:
@@ -141,7 +165,7 @@ class MetricsSink:
         self.metrics_path = metrics_path
         self.tensorboard_dir = tensorboard_dir
         self._writers: dict[int, SummaryWriter] = {}
-        _end_torn_line(metrics_path)
+        self.healed = heal_torn_tail(metrics_path)  # the driver prints it
         if tensorboard_dir is not None:
             # Import now, not at the first record: a slow import mid-run delays the display, and
             # a missing package should fail before any replica starts.

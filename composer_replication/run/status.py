@@ -187,7 +187,7 @@ def _resume_plan(store: ObjectStore, mode: OuterLoopMode, n: int) -> tuple[str, 
 def run_status(folder: RunFolder, *, stale_after_s: float = 120.0) -> dict[str, Any]:
     """A JSON-able description of the run (see the module docstring)."""
     config = json.loads(folder.config_json.read_text())
-    driver = folder.read_driver()
+    driver, driver_damage = folder.read_driver_checked()
     n = int(config["backend"]["n_replicas"])
     store_cfg = config.get("store", {})
     statuses: dict[int, dict[str, Any]] = {}
@@ -251,6 +251,7 @@ def run_status(folder: RunFolder, *, stale_after_s: float = 120.0) -> dict[str, 
         "folder": str(folder.root),
         "status": "stopped" if gone is not None else driver.get("status", "unknown"),
         "driver_gone": gone,
+        "driver_damage": driver_damage,
         "resume": resume,
         "lost": [r for r in driver.get("lost") or [] if isinstance(r, int)],
         "started": driver.get("started"),
@@ -352,6 +353,8 @@ def status_text(info: dict[str, Any]) -> str:
     lines = [
         f"run {info['run']}: {status}   outer round {info['round']}   store {info['store']}",
     ]
+    if info.get("driver_damage"):
+        lines.append(f"  {info['driver_damage']}")
     resume = info.get("resume")
     if resume:
         if resume.get("still_running"):

@@ -857,10 +857,10 @@ class ObjectStoreAllReduce(RunDocuments):
         raw = json.dumps(record, sort_keys=True).encode()
         if self.store.put_if_absent(commit_key(step), raw):
             log.info("step %d: rank %d committed ranks %s", step, self.rank, sorted(valid))
-            record = parse_commit(raw, step=step, world_size=self.world_size, keys=self.keys)
+            ours = parse_commit(raw, step=step, world_size=self.world_size, keys=self.keys)
             self._known_commits.add(step)
             self._write_head(step)
-            return record
+            return ours
         # lost the race: the winner's record decides, whatever we saw
         for _ in range(50):
             commit = self._read_commit(step)

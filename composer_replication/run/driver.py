@@ -75,7 +75,7 @@ from composer_replication.run.chaos import check_decoupled_run
 from composer_replication.run.checkpoint import mirror_checkpoints
 from composer_replication.run.end_check import end_of_run_problem
 from composer_replication.run.expected import expected_lines
-from composer_replication.run.folder import RunFolder, default_run_name
+from composer_replication.run.folder import RunFolder, claim_store, default_run_name
 from composer_replication.run.metrics import (
     MetricsCollector,
     MetricsSink,
@@ -194,7 +194,12 @@ def prepare_resume(run: str, overrides: list[str]) -> tuple[RunConfig, RunFolder
         if text.partition("=")[0].strip() in fixed:
             raise ConfigError(f"--resume: {text.partition('=')[0]} cannot change on resume")
     config = from_dict(RunConfig, apply_overrides(tree, overrides))
-    preflight.check_all(config, folder, resume=True)
+    uri, note = folder.stored_store_uri(config.store.uri)
+    if note is not None:
+        print(f"note: {note}", file=sys.stderr, flush=True)
+    config = dataclasses.replace(config, store=dataclasses.replace(config.store, uri=uri))
+    store_uri = preflight.check_all(config, folder, resume=True)
+    config = dataclasses.replace(config, store=dataclasses.replace(config.store, uri=store_uri))
     return config, folder
 
 
@@ -369,8 +374,9 @@ def _claim_store(
     round resumed at or None)."""
     if not resume:
         folder.create(overwrite=overwrite)
-        if overwrite and store.exists(""):
+        if overwrite and store.exists(""):  # preflight checked it is not another run's
             store.delete_prefix("")  # a stale run in an explicit store would be resumed otherwise
+    claim_store(store, folder)  # whose store this is: `--overwrite` of another run refuses it
     try:
         # replicas of an earlier launch are fenced from now (MACed: a planted one fences none)
         secret = bytes.fromhex(slot_secret(folder)[SLOT_SECRET_ENV])
@@ -389,6 +395,10 @@ def _claim_store(
 def _publish_config(config: RunConfig, folder: RunFolder, store: ObjectStore) -> dict[str, Any]:
     """The resolved config in the run folder and, exactly as the replicas will read it, in the
     store; returns that document."""
+    # the folder's own store is recorded as "" (a copied folder, or its config.toml loaded for
+    # a new run, then names its own store, never this one)
+    recorded = folder.recorded_store_uri(config.store.uri)
+    config = dataclasses.replace(config, store=dataclasses.replace(config.store, uri=recorded))
     folder.config_toml.write_text(dump_toml(config))
     folder.config_json.write_text(json.dumps(to_dict(config), indent=1))
     config_doc: dict[str, Any] = json.loads(json.dumps(to_dict(config)))
@@ -408,7 +418,8 @@ def _open(
 ) -> _Launch:
     """The driver's state, display, metrics and the replicas' environment for this launch; the
     services of the run's mode are started."""
-    state, damage = folder.read_driver_checked()  # damaged: its backup keeps the attempts
+    damage = folder.driver_damage()
+    state = folder.read_driver()  # damaged: its backup keeps the earlier attempts
     # The earlier attempts' wall times (one killed mid-run counts until its last update).
     folder.update_driver(
         status="running",

@@ -20,12 +20,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RunFolder", "default_run_name"]
+from composer_replication.exchange.store import ObjectStore
+
+__all__ = ["OWNER_KEY", "RunFolder", "claim_store", "default_run_name", "owner_conflict"]
 
 
 def default_run_name(now: float | None = None) -> str:
@@ -87,6 +91,41 @@ class RunFolder:
     def store(self) -> Path:
         return self.root / "store"
 
+    def recorded_store_uri(self, uri: str) -> str:
+        """What the saved config records for the run's store ``uri``: "" (the folder's own
+        store, as an empty store.uri means) when it is this folder's ``store/``, so that a
+        moved or copied folder, or a config.toml loaded for a new run, never names another
+        folder's store; any other store as given."""
+        return "" if _local_path(uri) == self.store else uri
+
+    def stored_store_uri(self, recorded: str) -> tuple[str, str | None]:
+        """(the store a saved config's store.uri names for this folder, a note or None).
+
+        "" is this folder's ``store/``. A folder saved by an older release recorded the
+        absolute path of its own store: when that path is another run folder's ``store/`` and
+        this folder has a store of its own (it was moved or copied), this folder's is meant."""
+        if not recorded:
+            return str(self.store), None
+        path = _local_path(recorded)
+        if (
+            path is not None
+            and path != self.store
+            and path.name == "store"
+            and (path.parent / "config.json").is_file()
+            and self.store.is_dir()
+        ):
+            return str(self.store), (
+                f"config.json names {path}, the store of the run folder {path.parent}; this "
+                f"folder has its own ({self.store}): resuming that one"
+            )
+        return recorded, None
+
+    def configured_store(self, tree: Mapping[str, object]) -> str:
+        """The store a saved config.json tree names for this folder (`stored_store_uri`)."""
+        section = tree.get("store")
+        uri = section.get("uri") if isinstance(section, Mapping) else None
+        return self.stored_store_uri(uri if isinstance(uri, str) else "")[0]
+
     def exists(self) -> bool:
         return self.root.exists()
 
@@ -118,7 +157,7 @@ class RunFolder:
         """Why driver.json cannot be read as written, and what is shown instead, or None."""
         return self.read_driver_checked()[1]
 
-    def read_driver_checked(self) -> tuple[dict[str, Any], str | None]:
+    def read_driver_checked(self) -> tuple[dict[str, object], str | None]:
         """(driver state, None) or, driver.json damaged (cut, not JSON, not an object):
         (its backup's state or {}, a sentence saying so)."""
         state, why = _read_state(self.driver_json)
@@ -148,7 +187,7 @@ class RunFolder:
         return state
 
 
-def _read_state(path: Path) -> tuple[dict[str, Any], str | None]:
+def _read_state(path: Path) -> tuple[dict[str, object], str | None]:
     """(the JSON object at ``path``, None), ({}, None) when absent, or ({}, why damaged)."""
     try:
         text = path.read_text(encoding="utf-8")
@@ -163,3 +202,59 @@ def _read_state(path: Path) -> tuple[dict[str, Any], str | None]:
     if not isinstance(state, dict):
         return {}, "not a JSON object"
     return state, None
+
+
+def _local_path(uri: str) -> Path | None:
+    """The resolved folder of a ``file://`` (or plain path) store URI; None for a remote one
+    or a URI that does not parse."""
+    try:
+        local = ObjectStore(uri).local_path
+    except ValueError:
+        return None
+    return None if local is None else local.resolve()
+
+
+OWNER_KEY = "run_owner.json"  # whose store this is: the run folder (and host) that claimed it
+
+
+def claim_store(store: ObjectStore, folder: RunFolder) -> None:
+    """Record in the store that ``folder`` owns it (every launch: a fresh run, a resume)."""
+    store.put_json(
+        OWNER_KEY,
+        {
+            "format": 1,
+            "kind": "owner",
+            "folder": str(folder.root),
+            "name": folder.name,
+            "host": socket.gethostname(),
+        },
+    )
+
+
+def owner_conflict(store: ObjectStore, folder: RunFolder) -> str | None:
+    """Which other run owns ``store`` (a sentence), or None when it is ``folder``'s, holds no
+    run, or its owner's folder is gone from this host. Stores of older releases hold no
+    owner record: their run_config.json's run.name decides."""
+    if _local_path(store.uri) is not None and _within(_local_path(store.uri), folder.root):
+        return None  # inside the folder that --overwrite replaces: its own
+    try:
+        doc = store.get_json(OWNER_KEY)
+        config = store.get_json("run_config.json") if doc is None else None
+    except ValueError:  # damaged: whose it is cannot be told
+        return f"{store.uri} holds a run whose owner record cannot be read"
+    if isinstance(doc, dict) and isinstance(doc.get("folder"), str):
+        owner = Path(doc["folder"])
+        if owner == folder.root:
+            return None
+        if doc.get("host") == socket.gethostname() and not (owner / "config.json").is_file():
+            return None  # its run folder is gone: nobody else's any more
+        return f"{store.uri} belongs to the run folder {owner} (host {doc.get('host')})"
+    run = config.get("run") if isinstance(config, dict) else None
+    name = run.get("name") if isinstance(run, dict) else None
+    if isinstance(name, str) and name != folder.name:
+        return f"{store.uri} belongs to run {name!r} (its run_config.json)"
+    return None
+
+
+def _within(path: Path | None, root: Path) -> bool:
+    return path is not None and (path == root or root in path.parents)

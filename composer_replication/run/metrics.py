@@ -28,13 +28,14 @@ were flagged). `pd.read_json(path, lines=True)` then gives one row per (kind, re
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from composer_replication.exchange.store import ObjectStore
+from composer_replication.exchange.store import ObjectStore, Store
 
 __all__ = [
     "MetricsCollector",
@@ -49,6 +50,8 @@ if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
 
 KINDS = ("train", "eval", "round", "event")
+
+log = logging.getLogger(__name__)
 
 
 def _clean(value: object) -> object:
@@ -68,22 +71,63 @@ def chunk_dir(rank: int) -> str:
     return f"replicas/{rank}/metrics"
 
 
+WRITE_ATTEMPTS = 3  # an observability write: tries before it is skipped
+WRITE_BACKOFF_S = 0.25  # the wait before the 2nd try; doubled before each next one
+
+
 class ReplicaMetricsWriter:
     """Buffer a replica's records and upload them as numbered chunks (at most every flush_every_s).
 
     Numbering continues after the chunks already in the store, so a restarted or resumed
     replica never overwrites its earlier records (chunks are written put-if-absent).
+
+    Observability never takes training down: a chunk or status write that fails with an
+    `OSError` (the store unreachable, read-only, full) is retried ``attempts`` times with
+    exponential backoff from ``backoff_s``, then skipped with a warning naming the cause; the
+    records stay buffered for the next flush (none is lost once the store is back), and the
+    next status document that gets through says how many writes were skipped and why
+    (``skipped_writes``, ``last_skip``). A fence (`FencedError`) is not an `OSError`: it still
+    stops the replica.
     """
 
-    def __init__(self, store: ObjectStore, rank: int, *, flush_every_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        store: Store,
+        rank: int,
+        *,
+        flush_every_s: float = 2.0,
+        attempts: int = WRITE_ATTEMPTS,
+        backoff_s: float = WRITE_BACKOFF_S,
+    ) -> None:
+        if attempts < 1 or not backoff_s >= 0:
+            raise ValueError(f"attempts must be >= 1 and backoff_s >= 0: {attempts}, {backoff_s}")
         self.store = store
         self.rank = rank
         self.flush_every_s = flush_every_s
+        self.attempts, self.backoff_s = attempts, backoff_s
         self._buffer: list[dict[str, object]] = []
         self._last_flush = time.monotonic()
         existing = [n for n in store.list(chunk_dir(rank)) if n.endswith(".jsonl")]
         self._seq = 1 + max((int(n.split(".")[0]) for n in existing), default=-1)
         self._status: dict[str, object] = {}
+        self.skipped = 0  # observability writes given up on
+        self.last_skip: str | None = None
+
+    def _write(self, what: str, write: Callable[[], object]) -> bool:
+        """One observability write, retried with backoff, then skipped (False) with a warning."""
+        for attempt in range(self.attempts):
+            try:
+                write()
+                return True
+            except OSError as exc:
+                cause = f"{type(exc).__name__}: {exc}"
+                if attempt + 1 < self.attempts:
+                    time.sleep(self.backoff_s * 2**attempt)
+        self.skipped += 1
+        self.last_skip = f"{what} not written after {self.attempts} tries ({cause})"
+        self._status.update(skipped_writes=self.skipped, last_skip=self.last_skip)
+        log.warning("replica %d: %s; training goes on, retried later", self.rank, self.last_skip)
+        return False
 
     def log(self, kind: str, *, step: int, round: int, **values: object) -> None:
         if kind not in KINDS:
@@ -108,12 +152,25 @@ class ReplicaMetricsWriter:
         if not self._buffer:
             return
         data = "".join(json.dumps(r) + "\n" for r in self._buffer).encode()
-        while not self.store.put_if_absent(f"{chunk_dir(self.rank)}/{self._seq:08d}.jsonl", data):
-            self._seq += 1  # an earlier incarnation of this rank wrote that number
+
+        def put_chunk() -> None:
+            key = f"{chunk_dir(self.rank)}/{self._seq:08d}.jsonl"
+            while not self.store.put_if_absent(key, data):
+                there = self.store.get(key)
+                if there is not None and bytes(there) == data:
+                    return  # ours: an earlier try whose answer was lost
+                self._seq += 1  # an earlier incarnation of this rank wrote that number
+                key = f"{chunk_dir(self.rank)}/{self._seq:08d}.jsonl"
+
+        if not self._write(f"metrics chunk {self._seq}", put_chunk):
+            return  # the records stay buffered for the next flush
         self._seq += 1
         self._buffer.clear()
         if self._status:
-            self.store.put_json(status_key(self.rank), self._status)
+            self._write("status document", self._put_status)
+
+    def _put_status(self) -> None:
+        self.store.put_json(status_key(self.rank), self._status)
 
     def status(self, *, force: bool = False, **fields: object) -> None:
         """Update this replica's status document (uploaded with the next flush, or now)."""
@@ -121,7 +178,7 @@ class ReplicaMetricsWriter:
         self._status["rank"] = self.rank
         self._status["updated"] = time.time()
         if force:
-            self.store.put_json(status_key(self.rank), self._status)
+            self._write("status document", self._put_status)
 
 
 def heal_torn_tail(path: Path) -> str | None:

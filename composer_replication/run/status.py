@@ -187,15 +187,15 @@ def _resume_plan(store: ObjectStore, mode: OuterLoopMode, n: int) -> tuple[str, 
 def run_status(folder: RunFolder, *, stale_after_s: float = 120.0) -> dict[str, Any]:
     """A JSON-able description of the run (see the module docstring)."""
     config = json.loads(folder.config_json.read_text())
-    driver, driver_damage = folder.read_driver_checked()
+    driver, driver_damage = folder.read_driver(), folder.driver_damage()
     n = int(config["backend"]["n_replicas"])
-    store_cfg = config.get("store", {})
+    own_uri = folder.configured_store(config)  # "" in config.json: the folder's store/
     statuses: dict[int, dict[str, Any]] = {}
     checkpoints: list[str] = []
     store_error = None
     store: ObjectStore | None = None
     try:
-        store = ObjectStore(store_cfg["uri"], store_cfg.get("storage_options"))
+        store = ObjectStore(own_uri, config.get("store", {}).get("storage_options"))
         for rank in range(n):
             try:
                 doc = store.get_json(status_key(rank))
@@ -256,7 +256,7 @@ def run_status(folder: RunFolder, *, stale_after_s: float = 120.0) -> dict[str, 
         "lost": [r for r in driver.get("lost") or [] if isinstance(r, int)],
         "started": driver.get("started"),
         "ended": driver.get("ended"),
-        "store": store_cfg.get("uri"),
+        "store": own_uri,
         "store_error": store_error,
         "round": top_round,
         "checkpoints": checkpoints,

@@ -61,10 +61,13 @@ def resolve(target: str, storage_options: dict[str, Any] | None) -> tuple[RunCon
 
     folder = Path(target)
     if folder.is_dir() and (folder / "config.json").is_file():
+        from composer_replication.run.folder import RunFolder
+
         tree = json.loads((folder / "config.json").read_text())
         config = from_dict(RunConfig, tree)
         options = storage_options if storage_options is not None else config.store.storage_options
-        return config, ObjectStore(config.store.uri, options)
+        uri = RunFolder.at(folder).stored_store_uri(config.store.uri)[0]  # "": its store/
+        return config, ObjectStore(uri, options)
     if folder.is_dir() and "://" not in target and not (folder / CONFIG_KEY).is_file():
         raise ValueError(
             f"{target} is neither a run folder (no config.json) nor a store (no {CONFIG_KEY})"

@@ -352,8 +352,9 @@ def mark_resume(
     path: Path, sink: MetricsSink, *, resumed_round: int, redo_after_step: int, n_replicas: int
 ) -> dict[int, int]:
     """A resume redoes every step after `redo_after_step`: flag their records already in
-    metrics.jsonl ``"superseded": true`` (the file is rewritten atomically) and append one
-    "resume" event per replica through `sink`; returns the flagged count per replica."""
+    metrics.jsonl ``"superseded": true`` (the file is rewritten atomically; a torn line left
+    mid-file by an older release is dropped, so the file parses) and append one "resume"
+    event per replica through `sink`; returns the flagged count per replica."""
     flagged = dict.fromkeys(range(n_replicas), 0)
     if path.is_file():
         lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
@@ -362,8 +363,7 @@ def mark_resume(
             try:
                 record = json.loads(line)
             except json.JSONDecodeError:
-                out.append(line)  # a torn line stays as it was (readers skip it)
-                continue
+                continue  # a line torn by an older release's crash: not a record, dropped
             step = record.get("step") if isinstance(record, dict) else None
             if (
                 isinstance(record, dict)

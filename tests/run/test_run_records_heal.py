@@ -10,10 +10,16 @@ import json
 from pathlib import Path
 
 import pandas as pd
+import pytest
 
 from composer_replication.exchange.store import ObjectStore
 from composer_replication.run.folder import RunFolder
-from composer_replication.run.metrics import MetricsCollector, MetricsSink, ReplicaMetricsWriter
+from composer_replication.run.metrics import (
+    MetricsCollector,
+    MetricsSink,
+    ReplicaMetricsWriter,
+    mark_resume,
+)
 from composer_replication.run.report import closed_attempts, run_wall_seconds
 from composer_replication.run.status import run_status, status_text
 
@@ -65,6 +71,17 @@ def test_a_metrics_file_cut_inside_its_last_record_heals_at_the_next_launch(
     assert folder.metrics.read_bytes() == whole  # every record once, the cut one restored
     frame = pd.read_json(folder.metrics, lines=True)  # the docs' recipe reads it
     assert len(frame) == len(written)
+
+
+def test_a_torn_line_an_older_release_left_mid_file_goes_at_the_resume(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"kind": "train", "replica": 0, "step": s, "round": 0} for s in (1, 2)]
+    path.write_text(json.dumps(rows[0]) + "\n" + '{"kind": "tr\n' + json.dumps(rows[1]) + "\n")
+    with pytest.raises(ValueError):
+        pd.read_json(path, lines=True)  # what such a file did to the docs' recipe
+    mark_resume(path, MetricsSink(path, None), resumed_round=0, redo_after_step=0, n_replicas=1)
+    frame = pd.read_json(path, lines=True)
+    assert list(frame["step"][:2]) == [1, 2] and len(frame) == 3  # two records, one event
 
 
 def test_a_whole_last_record_without_its_newline_is_kept(tmp_path: Path) -> None:

@@ -241,6 +241,7 @@ class ObjectStoreAllReduce(RunDocuments):
             keep_steps=keep_steps,
             poll_interval_s=float(poll_interval_s),
             keys=keys,
+            mac_secret=slot_secret,
         )
         self.rank = rank
         if sparse is not None and not isinstance(sparse, codecs.SparseSpec):
@@ -274,9 +275,6 @@ class ObjectStoreAllReduce(RunDocuments):
         self.fence = fence
         # ranks seen departed at an earlier step: checked at the first poll of the next ones
         self._known_departed: set[int] = set()
-        # objects read to decide where the run is and refused: (key, why); the manager takes
-        # them into its round records ("rejected" events of rank -1)
-        self.refusals: list[tuple[str, str]] = []
         self._refused_hints: set[str] = set()
         self._known_commits: set[int] = set()  # steps whose commit record this handle parsed
 

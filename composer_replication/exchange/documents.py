@@ -11,6 +11,8 @@ values is never published nor loaded.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
 import threading
@@ -31,6 +33,7 @@ from composer_replication.exchange.vocabulary import (
     ModelMismatchError,
     StoreTimeoutError,
 )
+from composer_replication.exchange.wire import Buffer
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +56,15 @@ class RunDocuments:
         poll_interval_s: float,
         cancelled: threading.Event | None = None,
         keys: RunKeys | None = None,
+        mac_secret: bytes | None = None,
     ) -> None:
         self.store = store
         self.keys = keys
+        # unsigned runs: the run's slot secret, which MACs the manifest (`ensure_manifest`)
+        self.mac_secret = mac_secret
+        # objects read to decide where the run is and refused: (key, why); the manager takes
+        # them into its round records ("rejected" events of rank -1)
+        self.refusals: list[tuple[str, str]] = []
         self.world_size = world_size
         self.codec = codec
         self.keep_steps = keep_steps
@@ -123,10 +132,21 @@ class RunDocuments:
             )
         )
         signed = ours if self.keys is None else self.keys.sign(ours)
+        if self.keys is None and self.mac_secret is not None:
+            signed = {**ours, "mac": self._manifest_mac(ours)}
         raw = json.dumps(signed, sort_keys=True).encode()
-        if self.store.put_if_absent(state_mod.MANIFEST_KEY, raw):
-            return
-        stored_raw = self.store.get(state_mod.MANIFEST_KEY)
+        for _ in range(3):  # a planted manifest (unsigned runs with a MAC) is replaced
+            if self.store.put_if_absent(state_mod.MANIFEST_KEY, raw):
+                return
+            stored_raw = self.store.get(state_mod.MANIFEST_KEY)
+            why = self._not_the_runs_manifest(stored_raw)
+            if why is None:
+                break
+            log.warning(
+                "run manifest at %s refused (%s): replaced with this replica's", self.uri, why
+            )
+            self.refusals.append((state_mod.MANIFEST_KEY, f"run manifest refused: {why}"))
+            self.store.delete(state_mod.MANIFEST_KEY)
         try:
             stored = json.loads(bytes(stored_raw or b""))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -140,6 +160,26 @@ class RunDocuments:
                 + "\n  ".join(diff)
                 + "\nuse a new run prefix or the model/world size/codec the run was started with"
             )
+
+    def _manifest_mac(self, doc: Mapping[str, object]) -> str:
+        assert self.mac_secret is not None
+        body = json.dumps({k: v for k, v in doc.items() if k != "mac"}, sort_keys=True)
+        return hmac.new(self.mac_secret, b"manifest:" + body.encode(), hashlib.sha256).hexdigest()
+
+    def _not_the_runs_manifest(self, raw: Buffer | None) -> str | None:
+        """Unsigned runs with a MAC secret: why the stored manifest was not written by a
+        replica of this run (unreadable, no MAC or a wrong one), else None (and always None
+        without a secret or with signing on, which has its own check)."""
+        if self.keys is not None or self.mac_secret is None or raw is None:
+            return None
+        try:
+            doc = json.loads(bytes(raw))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            return f"not JSON ({e})"
+        mac = doc.get("mac") if isinstance(doc, dict) else None
+        if not isinstance(mac, str) or not hmac.compare_digest(mac, self._manifest_mac(doc)):
+            return "its MAC does not verify (not written by a replica of this run)"
+        return None
 
     def publish_state(
         self,

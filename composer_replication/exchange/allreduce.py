@@ -602,7 +602,10 @@ class ObjectStoreAllReduce(RunDocuments):
         if not pending:
             return
         reasons = list(
-            self._pool().map(lambda r: read_departure(self.store, REPLICA_ROLE, r), pending)
+            self._pool().map(
+                lambda r: read_departure(self.store, REPLICA_ROLE, r, secret=self._slot_secret),
+                pending,
+            )
         )
         for r, why in zip(pending, reasons):
             if why is None:

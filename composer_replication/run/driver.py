@@ -560,7 +560,8 @@ class _Watch:
             (lambda: sync.pid) if sync is not None else None,
         )
         self.restarter = Restarter(config, launch.executor, ENTRYPOINT, launch.env, launch.secrets)
-        self.departures = Departures(config, mode, store)
+        slot = bytes.fromhex(slot_secret(launch.folder)[SLOT_SECRET_ENV])
+        self.departures = Departures(config, mode, store, secret=slot)
         self.health = HealthLog(mode, n, store, launch.sink)
         keys = launch.signing.keys if launch.signing is not None else None
         self.refusals = (

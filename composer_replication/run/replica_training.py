@@ -246,7 +246,9 @@ def _train(r: _Replica) -> bool:
         sha256=weights_digest(r.model),
     )
     if mode.store_departures:  # a peer still behind need not wait for this rank
-        write_departure(store, mode.worker_role, rank, reason="finished training")
+        write_departure(
+            store, mode.worker_role, rank, reason="finished training", secret=slot_secret_from_env()
+        )
     return True
 
 

@@ -95,6 +95,34 @@ def test_a_departed_rank_is_not_waited_for(tmp_path):
         assert torch.equal(res["x"], torch.full((4,), 1.5))  # mean of 1 and 2
 
 
+def test_with_the_slot_secret_only_a_macd_departure_counts(tmp_path):
+    """A departure record planted by a bucket writer (no MAC under the run's slot secret) does
+    not make the others leave a rank out: rank 2, late but alive, is still waited for and
+    included; one written with the secret (the driver's, a replica's) is honoured."""
+    uri, secret = str(tmp_path), b"d" * 32
+    store = ObjectStore(uri)
+    write_departure(store, REPLICA_ROLE, 2, reason="planted")  # no MAC
+    assert read_departure(store, REPLICA_ROLE, 2, secret=secret) is None
+    out: dict = {}
+
+    def go(r: int, delay: float) -> None:
+        time.sleep(delay)
+        ar = _ar(uri, r, timeout_s=30.0, min_replicas=2, slot_secret=secret)
+        try:
+            ar.allreduce({"x": torch.full((4,), float(r + 1))}, step=0)
+            out[r] = ar.last_result
+        finally:
+            ar.close()
+
+    threads = [threading.Thread(target=go, args=(r, 1.5 if r == 2 else 0.0)) for r in range(3)]
+    [t.start() for t in threads]
+    [t.join(timeout=60) for t in threads]
+    assert all(out[r].included_ranks == [0, 1, 2] for r in range(3)), out
+    write_departure(store, REPLICA_ROLE, 2, reason="exit code 1", secret=secret)
+    assert read_departure(store, REPLICA_ROLE, 2, secret=secret) == "exit code 1"
+    assert read_departure(store, REPLICA_ROLE, 2) == "exit code 1"  # readers without it
+
+
 def test_without_the_record_the_survivors_wait_the_timeout(tmp_path):
     out = _both(str(tmp_path), timeout_s=2.0, min_replicas=2)
     for r in (0, 1):

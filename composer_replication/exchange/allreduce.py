@@ -760,8 +760,14 @@ class ObjectStoreAllReduce(RunDocuments):
         if raw is None:
             return None
         record = parse_commit(raw, step=step, world_size=self.world_size, keys=self.keys)
-        self._known_commits.add(step)
+        self._know(step)
         return record
+
+    def _know(self, step: int) -> None:
+        """Remember that ``step``'s commit record parsed (the newest 64 steps are kept)."""
+        self._known_commits.add(step)
+        if len(self._known_commits) > 64:
+            self._known_commits = set(sorted(self._known_commits)[-64:])
 
     def committed(self, step: int) -> bool:
         """Whether ``step`` has a commit record (one GET, never a listing)."""
@@ -859,7 +865,7 @@ class ObjectStoreAllReduce(RunDocuments):
         if self.store.put_if_absent(commit_key(step), raw):
             log.info("step %d: rank %d committed ranks %s", step, self.rank, sorted(valid))
             ours = parse_commit(raw, step=step, world_size=self.world_size, keys=self.keys)
-            self._known_commits.add(step)
+            self._know(step)
             self._write_head(step)
             return ours
         # lost the race: the winner's record decides, whatever we saw

@@ -86,7 +86,8 @@ class ReplicaMetricsWriter:
     exponential backoff from ``backoff_s``, then skipped with a warning naming the cause; the
     records stay buffered for the next flush (none is lost once the store is back), and the
     next status document that gets through says how many writes were skipped and why
-    (``skipped_writes``, ``last_skip``). A fence (`FencedError`) is not an `OSError`: it still
+    (``skipped_writes``, ``last_skip``, ``last_skip_time``: `status` shows the replica
+    ``degraded`` while that is recent). A fence (`FencedError`) is not an `OSError`: it still
     stops the replica.
     """
 
@@ -125,7 +126,9 @@ class ReplicaMetricsWriter:
                     time.sleep(self.backoff_s * 2**attempt)
         self.skipped += 1
         self.last_skip = f"{what} not written after {self.attempts} tries ({cause})"
-        self._status.update(skipped_writes=self.skipped, last_skip=self.last_skip)
+        self._status.update(
+            skipped_writes=self.skipped, last_skip=self.last_skip, last_skip_time=time.time()
+        )
         log.warning("replica %d: %s; training goes on, retried later", self.rank, self.last_skip)
         return False
 

@@ -309,7 +309,8 @@ def _replica_row(
     stale_after_s: float,
 ) -> dict[str, Any]:
     """One replica's line of `run_status`: its last status document, what the executor said,
-    and its health (failed / stale / behind / ok)."""
+    and its health (failed / stale / behind / degraded: observability writes skipped within
+    ``stale_after_s`` / ok)."""
     updated = doc.get("updated")
     lag_s = None if updated is None else max(0.0, now - float(updated))
     rnd = int(doc.get("round") or 0)
@@ -321,6 +322,8 @@ def _replica_row(
         health = "stale"
     elif top_round - rnd > 1:
         health = "behind"
+    elif now - float(doc.get("last_skip_time") or 0.0) < stale_after_s:
+        health = "degraded"  # its metrics or status writes were skipped lately (metrics.py)
     else:
         health = "ok"
     return {
@@ -339,6 +342,7 @@ def _replica_row(
         "wait_fraction": doc.get("wait_fraction"),
         "health": health,
         "error": handle.get("error"),
+        "skipped": doc.get("last_skip") if health == "degraded" else None,
     }
 
 
@@ -398,6 +402,8 @@ def status_text(info: dict[str, Any]) -> str:
         )
         if r.get("error"):
             lines.append("       " + str(r["error"]).replace("\n", "\n       "))
+        if r.get("skipped"):
+            lines.append(f"       writes skipped: {r['skipped']}")
     rejections = info.get("rejections")
     if rejections:
         lines.append(f"  rejected in round {rejections.get('round')}:")

@@ -17,7 +17,9 @@ import torch
 from composer_replication.exchange.allreduce import ObjectStoreAllReduce
 from composer_replication.exchange.faulty_store import Fault, FaultyStore
 from composer_replication.exchange.store import ObjectStore
+from composer_replication.run.folder import RunFolder
 from composer_replication.run.metrics import ReplicaMetricsWriter, chunk_dir, status_key
+from composer_replication.run.status import run_status, status_text
 
 
 class DiskFull(OSError):
@@ -56,6 +58,23 @@ def test_failed_metrics_and_status_writes_are_retried_then_skipped(
     assert [r["step"] for r in _records(real, 0)] == [1, 2]
     status = real.get_json(status_key(0))
     assert status["skipped_writes"] == 2 and "No space left on device" in status["last_skip"]
+
+
+def test_status_shows_a_replica_whose_writes_were_skipped_as_degraded(tmp_path: Path) -> None:
+    folder = RunFolder.at(tmp_path / "runs" / "demo")
+    folder.create()
+    folder.config_json.write_text(json.dumps({"backend": {"n_replicas": 1, "kind": "local"}}))
+    real = ObjectStore(str(folder.store))
+    faults = [Fault("put_if_absent", "replicas/0/metrics/*", "fail", times=1, error=DiskFull)]
+    writer = ReplicaMetricsWriter(FaultyStore(real, faults), 0, flush_every_s=1e9, attempts=1)
+    writer.status(state="training", step=1, round=0)
+    writer.log("train", step=1, round=0, reward=0.5)
+    writer.flush()  # the chunk is skipped (the store is full)
+    writer.flush()  # the store is back: the chunk and the status document go out
+    info = run_status(folder)
+    assert info["replicas"][0]["health"] == "degraded"
+    assert "writes skipped: metrics chunk" in status_text(info)
+    assert "No space left on device" in status_text(info)
 
 
 def test_a_lost_answer_does_not_duplicate_a_chunk(tmp_path: Path) -> None:

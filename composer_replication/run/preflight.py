@@ -19,7 +19,7 @@ from composer_replication.config import ConfigError, RunConfig
 from composer_replication.exchange.store import RUN_STORE_SCHEMES, ObjectStore, normalize_uri
 from composer_replication.executors import registry
 from composer_replication.executors.executor import Releasable
-from composer_replication.run.folder import RunFolder
+from composer_replication.run.folder import RunFolder, owner_conflict
 
 __all__ = [
     "check_all",
@@ -213,12 +213,26 @@ def _nearest_existing(path: Path) -> Path:
     return path
 
 
-def check_store(config: RunConfig, store_uri: str, *, overwrite: bool = False) -> None:
-    """The store must be writable and hold no other run (unless overwriting).
+def check_store(
+    config: RunConfig, store_uri: str, *, overwrite: bool = False, run: RunFolder | None = None
+) -> None:
+    """The store must be writable and hold no other run (unless overwriting, and then only a
+    store of this run folder ``run``: `folder.owner_conflict`).
 
     Local: checked without writing. Remote: one probe object, written and deleted.
     """
     store = ObjectStore(store_uri, config.store.storage_options)  # connects on first use only
+    if overwrite and run is not None:
+        try:
+            conflict = owner_conflict(store, run)
+        except OSError:
+            conflict = None  # unreachable: the checks below say so
+        if conflict is not None:
+            raise ConfigError(
+                f"store.uri: {conflict}; --overwrite clears only this run's own store. Give "
+                f"run {run.name} its own store.uri (empty: the run folder's store/), or resume "
+                "that run"
+            )
     folder = store.local_path
     if folder is not None:
         if (folder / "run_config.json").exists() and not overwrite:
@@ -279,9 +293,15 @@ def check_resume_writable(folder: RunFolder, store_uri: str) -> None:
     for path in paths:
         reason = _unwritable(path)
         if reason is not None:
+            own = local_store is not None and local_store.resolve() == folder.store
             raise ConfigError(
                 f"--resume: cannot write the run folder {folder.root} ({reason}); remount it "
                 "read-write, or copy the folder somewhere writable and resume the copy"
+                + (
+                    " (its store/ comes with it; the original is left as it is)"
+                    if own
+                    else f" (it continues the run in its store, {store_uri})"
+                )
             )
 
 
@@ -375,5 +395,5 @@ def check_all(
     if resume:
         check_resume_writable(folder, store_uri)
     else:
-        check_store(config, store_uri, overwrite=overwrite)
+        check_store(config, store_uri, overwrite=overwrite, run=folder)
     return store_uri

@@ -377,6 +377,17 @@ class ReplicaReporter(TrainerCallback):
             self.writer.log(
                 "event", step=step, round=rnd, event="rejected", rank=int(rank), reason=str(why)
             )
+        for key, why in sorted((record.get("objects_refused") or {}).items()):
+            self.writer.log(
+                "event",
+                step=step,
+                round=rnd,
+                event="rejected",
+                rank=-1,
+                object=key,
+                reason=str(why),
+                by=f"rank-{self.rank}",
+            )
         if rejected:
             self.writer.status(rejections={"round": rnd, "ranks": rejected})
         if record.get("refused"):  # the committed update was not applied (store_manager.py)

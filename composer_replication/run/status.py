@@ -192,22 +192,9 @@ def run_status(folder: RunFolder, *, stale_after_s: float = 120.0) -> dict[str, 
     driver, driver_damage = folder.read_driver(), folder.driver_damage()
     n = int(config["backend"]["n_replicas"])
     own_uri = folder.configured_store(config)  # "" in config.json: the folder's store/
-    statuses: dict[int, dict[str, Any]] = {}
-    checkpoints: list[str] = []
-    store_error = None
-    store: ObjectStore | None = None
-    try:
-        store = ObjectStore(own_uri, config.get("store", {}).get("storage_options"))
-        for rank in range(n):
-            try:
-                doc = store.get_json(status_key(rank))
-            except ValueError:  # not JSON: shown as not reporting
-                continue
-            if isinstance(doc, dict):
-                statuses[rank] = doc
-        checkpoints = [name for name, _ in committed_checkpoints(store)]
-    except Exception as exc:  # status must still show what the run folder knows
-        store_error = f"{type(exc).__name__}: {exc}"
+    store, statuses, checkpoints, store_error = _read_store(
+        own_uri, config.get("store", {}).get("storage_options"), n
+    )
     run_state: dict[str, Any] | None = None
     mode: OuterLoopMode | None = None
     try:  # the config `train` wrote and checked (an older release's may no longer load)
@@ -267,6 +254,32 @@ def run_status(folder: RunFolder, *, stale_after_s: float = 120.0) -> dict[str, 
         "health": run_state,
         "rejections": rejections,
     }
+
+
+_Statuses = dict[int, dict[str, Any]]  # rank -> its status document
+
+
+def _read_store(
+    uri: str, options: dict[str, object] | None, n: int
+) -> tuple[ObjectStore | None, _Statuses, list[str], str | None]:
+    """(the store, each reporting rank's status document, the committed checkpoints, the error
+    that stopped the reading): status shows what the run folder knows even when the store fails."""
+    statuses: _Statuses = {}
+    checkpoints: list[str] = []
+    store: ObjectStore | None = None
+    try:
+        store = ObjectStore(uri, options)
+        for rank in range(n):
+            try:
+                doc = store.get_json(status_key(rank))
+            except ValueError:  # not JSON: shown as not reporting
+                continue
+            if isinstance(doc, dict):
+                statuses[rank] = doc
+        checkpoints = [name for name, _ in committed_checkpoints(store)]
+    except Exception as exc:  # status must still show what the run folder knows
+        return store, statuses, checkpoints, f"{type(exc).__name__}: {exc}"
+    return store, statuses, checkpoints, None
 
 
 def _driver_gone(

@@ -97,6 +97,7 @@ def test_feedback_funcs_feed_channel2(tmp_path):
         reward=lambda completions, **kw: [0.0] * len(completions),
         alpha_sdpo=1.0,
         feedback_funcs=[hint],
+        sdpo_gate=False,  # a zero reward everywhere: the teacher is no better (test_teacher_gate)
     )
     inputs = generation_batch(trainer)
     assert inputs["sdpo_sample_mask"].all()

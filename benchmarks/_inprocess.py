@@ -48,17 +48,34 @@ def build_parts(config: Any) -> tuple[Any, Any, Any]:
 REWARD_KEYS = ("reward", "self_distillation/reward_mean")
 
 
+# The learning-signal metrics a run's record summarises (TRL's policy entropy and share of
+# zero-advantage groups; our channel 2's measured teacher advantage and gate).
+SIGNAL_KEYS = ("entropy", "frac_reward_zero_std", "sdpo/teacher_advantage", "sdpo/gate_open")
+
+
 class RewardLog(TrainerCallback):
-    """The mean training reward of every TRL log line, in order (`rewards`)."""
+    """The mean training reward of every TRL log line, in order (`rewards`), and every logged
+    value of `SIGNAL_KEYS` (`series`)."""
 
     def __init__(self) -> None:
         self.rewards: list[float] = []
+        self.series: dict[str, list[float]] = {k: [] for k in SIGNAL_KEYS}
 
     def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
+        if not logs:
+            return
+        for key in SIGNAL_KEYS:
+            if key in logs and logs[key] == logs[key]:  # NaN: nothing was measured
+                self.series[key].append(float(logs[key]))
         for key in REWARD_KEYS:
-            if logs and key in logs:
+            if key in logs:
                 self.rewards.append(float(logs[key]))
                 return
+
+    def mean(self, key: str, last: int | None = None) -> float | None:
+        """The mean of `key`'s logged values (the last `last` of them), None if never logged."""
+        values = self.series[key][-last:] if last else self.series[key]
+        return sum(values) / len(values) if values else None
 
 
 CLOCKS = {"wall": time.monotonic, "cpu": time.process_time}
@@ -72,7 +89,7 @@ class WallBudget(TrainerCallback):
     `clock="wall"` counts wall seconds; `clock="cpu"` counts this process's CPU seconds (all
     its threads), which on a machine shared with other jobs removes the time a run waits for a
     core, but not all of the load's effect: a loaded machine does less work per CPU second
-    (cold caches every time slice, shared memory bandwidth; docs/benchmarks.md measured up to
+    (cold caches every time slice, shared memory bandwidth; docs/benchmarks-notebook.md measured up to
     ~4x at load 12-20 on 2 cores), so runs compared with each other must run at the same time
     (with one torch thread, ~ wall seconds on a free core)."""
 

@@ -11,7 +11,7 @@ same batches, seeds and inner learning-rate schedule:
               --sl-bits bits per value) with each replica's error-feedback accumulator
               (decay --sl-ef-decay), outer step plain SGD at --sl-outer-lr (no momentum: the
               error feedback replaces it), as in SparseLoCo (arXiv 2508.15706). The outer lr
-              defaults to 3.0, the best of a sweep on this benchmark (docs/benchmarks.md):
+              defaults to 3.0, the best of a sweep on this benchmark (docs/benchmarks-notebook.md):
               both variants are tuned the same way, each with its own outer-lr sweep.
 
 Bytes are what the exchange really moved: the sizes of the contribution objects every replica
@@ -78,7 +78,7 @@ def main() -> None:
     )
     ap.add_argument("--outer-momentum", type=float, default=0.9, help="fp32 DiLoCo's")
     dc.add_sparseloco_args(ap)
-    # tuned on this benchmark (docs/benchmarks.md: 1.0 ... 6.0); the run config's default is 1
+    # tuned on this benchmark (docs/benchmarks-notebook.md: 1.0 ... 6.0); the run config's default is 1
     ap.set_defaults(sl_outer_lr=3.0)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     ap.add_argument(

@@ -68,7 +68,7 @@ variant's figure reads as what its channels add to the same start.
 Runs compared with each other run at the same time (``--jobs``, default 5: one process and
 session per run; the arms of one seed together, the arms at one grid point together), because
 under load a CPU second does less work (up to ~4x on the loaded 2-core machine,
-docs/benchmarks.md): the budget is equal CPU seconds, and side by side the load affects every
+docs/benchmarks-notebook.md): the budget is equal CPU seconds, and side by side the load affects every
 arm of a comparison alike. Each record has the load average at its start and end.
 
 Every finished run is appended to ``--log`` (JSON lines; default
@@ -116,8 +116,9 @@ PROMPTS_PER_STEP = 16
 N_VAL = 128  # validation prompts carved from training (whole classes)
 N_OOD = 256
 MAX_STEPS = 100_000  # a cap the time budget always reaches first
-# The embedded default run's compute: 2 replicas x 108-110 CPU s (docs/benchmarks.md).
+# The embedded default run's compute: 2 replicas x 108-110 CPU s (docs/benchmarks-notebook.md).
 DEFAULT_BUDGET_S = 220.0
+SIGNAL_VERSION = 2  # see Spec.key
 DEFAULT_SEEDS = 5
 WARM_START_LR = 3e-3
 TARGET_MARGIN = 0.05
@@ -143,6 +144,9 @@ class Spec:
         fields = asdict(self)
         if not fields["rpo"]:  # the runs logged before the field existed trained without it
             del fields["rpo"]
+        # The learning signal's version: runs logged before the reward judged what evaluation
+        # judges (and before the hinted warm start and channel 2's gate) never match a new run.
+        fields["signal"] = SIGNAL_VERSION
         return json.dumps(fields, sort_keys=True)
 
 
@@ -244,20 +248,24 @@ def _trl_sdpo_args(config: Any, common: dict[str, Any]) -> Any:
     )
 
 
-def sft_dataset(task: Any, examples: list[Any] | None = None) -> Any:
+def sft_dataset(task: Any, examples: list[Any] | None = None, *, hinted: bool = False) -> Any:
     """The oracle traces of the task's training prompts in TRL's prompt-completion chat format
-    (`SFTTrainer` then takes the loss on the answer only)."""
+    (`SFTTrainer` then takes the loss on the answer only). With `hinted`, each also a second
+    time under channel 2's hinted prompt (the default `HintTemplate` with the oracle answer as
+    the correct solution), so the model learns to read the hint its teacher will be shown."""
     import datasets
 
+    from composer_replication.data.hints import HintTemplate
     from composer_replication.tasks.task import chat_prompt
 
-    rows = [
-        {
-            "prompt": chat_prompt(ex.prompt),
-            "completion": [{"role": "assistant", "content": task.oracle(ex)}],
-        }
-        for ex in (task.train_examples() if examples is None else examples)
-    ]
+    template = HintTemplate()
+    rows = []
+    for ex in task.train_examples() if examples is None else examples:
+        answer = [{"role": "assistant", "content": task.oracle(ex)}]
+        rows.append({"prompt": chat_prompt(ex.prompt), "completion": answer})
+        if hinted:
+            text = template.render_text(ex.prompt, task.oracle(ex), None)
+            rows.append({"prompt": chat_prompt(text), "completion": answer})
     return datasets.Dataset.from_list(rows)
 
 
@@ -298,6 +306,7 @@ def rl_runner(
     from composer_replication.assembly.build import (
         build_trainer,
         channel1_args,
+        task_reward,
         train_split,
         trl_training_args,
     )
@@ -316,7 +325,8 @@ def rl_runner(
         )
     common = trl_training_args(config, scratch, MAX_STEPS, seed)
     dataset = train_split(config, task, rank=0)
-    reward = [task.reward_func(with_feedback=False)]  # plain floats for a stock trainer
+    # plain floats for a stock trainer, judged on the text evaluation judges (assembly.task_reward)
+    reward = [task_reward(task, tok, model, with_feedback=False)]
     if arm == "trl_sdpo":
         from trl.experimental.sdpo import SDPOTrainer as trainer_class
 
@@ -344,12 +354,14 @@ def rl_runner(
 
 def warm_start(config: Any, model: Any, tok: Any, task: Any, steps: int, cache: Path) -> None:
     """SFT the seed's initial model for `steps` steps on the oracle traces of the first half of
-    the distinct training prompts (lr `WARM_START_LR`, 16 per step), cached per seed and steps:
-    the same start for every variant of the seed."""
+    the distinct training prompts, each plain and under channel 2's hinted prompt (so that the
+    hinted teacher can read its hint; `sft_dataset`), lr `WARM_START_LR`, 16 per step; cached
+    per seed and steps: the same start for every variant of the seed."""
     import torch
     from safetensors.torch import load_model, save_model
 
-    path = cache / f"warm-seed{config.run.seed}-steps{steps}-{task.seed}-{task.n_train}.safetensors"
+    name = f"warm-seed{config.run.seed}-steps{steps}-{task.seed}-{task.n_train}-hinted"
+    path = cache / f"{name}.safetensors"
     if path.exists():
         load_model(model, str(path))  # tied embeddings: stored once, tied again
         torch.manual_seed(config.run.seed)
@@ -360,7 +372,7 @@ def warm_start(config: Any, model: Any, tok: Any, task: Any, steps: int, cache: 
             config,
             model,
             tok,
-            sft_dataset(task, distinct[: len(distinct) // 2]),
+            sft_dataset(task, distinct[: len(distinct) // 2], hinted=True),
             scratch,
             WARM_START_LR,
             steps,
@@ -450,6 +462,11 @@ def run_one(spec: Spec, probe_every: int, extra: list[str], cache: str) -> dict[
         "train_seconds": round(sum(b.seconds for b in budgets), 1),
         "wall_seconds": round(wall, 1),
         "last10_train_reward": statistics.fmean(rewards[-10:]) if rewards else None,
+        "teacher_advantage": log.mean("sdpo/teacher_advantage"),
+        "teacher_advantage_last10": log.mean("sdpo/teacher_advantage", 10),
+        "gate_open_share": log.mean("sdpo/gate_open"),
+        "entropy_last10": log.mean("entropy", 10),
+        "zero_std_share_last10": log.mean("frac_reward_zero_std", 10),
         "channel2_loss_share": None if probe is None else probe.mean("sdpo"),
         "channel3_loss_share": None if probe is None else probe.mean("replay"),
         "probed_micro_batches": 0 if probe is None else len(probe.shares["sdpo"]),
@@ -836,6 +853,16 @@ def main() -> None:
         help="--ablation: from scratch, from the SFT warm start, or both (default)",
     )
     p.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help="--ablation: train every variant at this learning rate instead of ours' tuned one "
+        "(with --g: no tuning runs)",
+    )
+    p.add_argument(
+        "--g", type=int, default=None, help="--ablation: completions per prompt (with --lr)"
+    )
+    p.add_argument(
         "--probe-every",
         type=int,
         default=5,
@@ -872,9 +899,15 @@ def main() -> None:
             p.error(f"--arms: unknown {unknown}; choose from {', '.join(ARMS)}")
     if a.ablation:
         arms = ["composer"]
+    if (a.lr is None) != (a.g is None) or (a.lr is not None and not a.ablation):
+        p.error("--lr and --g go together, with --ablation")
     a.cache = a.cache or str(Path(a.log).parent / "warm")
     log = Log(Path(a.log))
     t0 = time.monotonic()
+    final_seeds = range(a.first_seed, a.first_seed + seeds)
+    if a.ablation and a.lr is not None:  # settings given: no tuning runs
+        ablation(a, log, {"lr": a.lr, "g": a.g}, budget, final_seeds, t0)
+        return
     tuned = tune(arms, a, log, budget)
     print(
         f"\ntuning on the validation split (seed {a.tune_seed}, {N_VAL}+ prompts carved from "
@@ -892,7 +925,6 @@ def main() -> None:
             + ("" if tuned[arm]["share"] is None else f" share {tuned[arm]['share']}")
             + (f" (rpo_alpha {tuned[arm]['rpo_alpha']:g})" if tuned[arm]["rpo_alpha"] else "")
         )
-    final_seeds = range(a.first_seed, a.first_seed + seeds)
     if a.ablation:
         ablation(a, log, tuned["composer"], budget, final_seeds, t0)
         return
@@ -994,25 +1026,41 @@ def ablation(
         "lr": chosen["lr"],
         "g": chosen["g"],
     }
+    how = "given" if a.lr is not None else "ours' tuned"
     print(
-        f"\nablation at ours' tuned settings (lr {chosen['lr']:g}, G {chosen['g']}), "
-        f"{budget:.0f} {a.clock} s per run, {len(seeds)} seeds; medians [95% bootstrap CI]"
+        f"\nablation at {how} settings (lr {chosen['lr']:g}, G {chosen['g']}), "
+        f"{budget:.0f} {a.clock} s per run, {len(seeds)} seeds; medians [95% bootstrap CI]; "
+        "teacher adv.: channel 2's hinted teacher's reward minus the student's (mean over the "
+        "run), gate: share of batches it let through"
     )
-    print(f"{'variant':16s} | start    | held-out acc [95% CI]  | ood   | ch2 share | ch3 share")
+    print(
+        f"{'variant':16s} | start    | held-out acc [95% CI]  | ood   | ch2 share | ch3 share"
+        " | teacher adv. | gate | const."
+    )
     for w in starts:
         per = {v: [r for r in runs if r["arm"] == v and r["warm"] == w] for v in rows(w)}
         boot = bootstrap(per, a.bootstrap)
         label = "scratch" if w == 0 else f"sft {w}"
         for v in rows(w):
             med = {
-                k: _median([r[k] for r in per[v]])
-                for k in ("acc", "ood_acc", "channel2_loss_share", "channel3_loss_share")
+                k: _median([r.get(k) for r in per[v]])
+                for k in (
+                    "acc",
+                    "ood_acc",
+                    "channel2_loss_share",
+                    "channel3_loss_share",
+                    "teacher_advantage",
+                    "gate_open_share",
+                    "constant_answer_share",
+                )
             }
             lo, hi = boot["intervals"][v]
             print(
                 f"{v:16s} | {label:8s} | {med['acc']:.3f} [{lo:.3f}, {hi:.3f}] | "
                 f"{med['ood_acc']:.3f} | {_fmt(med['channel2_loss_share'], 4):>9s} | "
-                f"{_fmt(med['channel3_loss_share'], 4):>9s}"
+                f"{_fmt(med['channel3_loss_share'], 4):>9s} | "
+                f"{_fmt(med['teacher_advantage']):>12s} | {_fmt(med['gate_open_share'], 2):>4s} | "
+                f"{_fmt(med['constant_answer_share'], 2)}"
             )
             key = v if v == WARM_START else f"{v}_{'scratch' if w == 0 else 'warm'}"
             result[f"{key}_heldout_acc"] = med["acc"]
@@ -1020,6 +1068,9 @@ def ablation(
             result[f"{key}_ood_acc"] = med["ood_acc"]
             result[f"{key}_channel2_loss_share"] = med["channel2_loss_share"]
             result[f"{key}_channel3_loss_share"] = med["channel3_loss_share"]
+            result[f"{key}_teacher_advantage"] = med["teacher_advantage"]
+            result[f"{key}_gate_open_share"] = med["gate_open_share"]
+            result[f"{key}_constant_answer_share"] = med["constant_answer_share"]
             result.setdefault("per_seed", {})[key] = [_brief(r) for r in per[v]]
     result["warm_start_steps"] = a.warm_start_steps
     result["seconds"] = round(time.monotonic() - t0, 1)

@@ -5,13 +5,16 @@
     composer-replication report RUN                                    plots + summary.md
     composer-replication status RUN                                    replicas, round, health
     composer-replication config show [CONFIG] [overrides]              the resolved config
-    composer-replication config validate [CONFIG ...] [overrides]      check configs (no run)
+    composer-replication config validate [CONFIG ...] [overrides]      check configs (no run;
+        --check-store, --check-backend: the store and the backend's credentials; --offline)
     composer-replication bake-traces [CONFIG] [overrides] --out FILE   record teacher traces
     composer-replication replica --rendezvous URI                      what each replica runs
     composer-replication synchronizer RUN_FOLDER_OR_URI                a decoupled run's synchronizer
 
 Exit codes: 0 success, 1 the run failed, 2 a configuration or usage error (nothing written),
-130 interrupted.
+3 a round can never commit (fewer valid replicas than diloco.min_replicas), 130 interrupted.
+
+Every example a `--help` shows is in EXAMPLES; tests/cli/test_cli_help_examples.py runs each.
 """
 
 from __future__ import annotations
@@ -37,8 +40,53 @@ PROG = "composer-replication"
 
 CONFIG_HELP = (
     "a TOML config (default: the embedded CPU demo; see `config show`) followed by any number "
-    "of section.key=value overrides, e.g. train.max_steps=20 backend.n_replicas=4"
+    "of section.key=value overrides (examples below)"
 )
+
+EXIT_CODES = (
+    "exit codes: 0 ok, 1 the run failed, 2 configuration or usage error (nothing written), "
+    "3 a round can never commit (fewer valid replicas than diloco.min_replicas), "
+    "130 interrupted"
+)
+
+# The examples each command's --help shows (`composer-replication` and these arguments), in
+# order. tests/cli/test_cli_help_examples.py runs every one: `config` ones as they are, `train`
+# and `bake-traces` ones through the checks `train` runs before it writes anything.
+EXAMPLES: dict[str, tuple[str, ...]] = {
+    "train": (
+        "train",
+        "train train.max_steps=100 diloco.sync_every_h=10 backend.n_replicas=4",
+        "train examples/gpu_qwen05b.toml",
+        "train examples/cpu_default.toml run.seed=1 --name seed-1",
+    ),
+    "config show": (
+        "config show",
+        "config show examples/modal_s3.toml backend.n_replicas=8",
+    ),
+    "config validate": (
+        "config validate examples/cpu_default.toml examples/gpu_qwen05b.toml --offline",
+        "config validate examples/cpu_default.toml train.max_steps=300",
+    ),
+    "bake-traces": ("bake-traces --out traces.jsonl --limit 8",),
+}
+
+
+def _epilog(command: str, *extra: str) -> str:
+    lines = ["examples:", *(f"  {PROG} {e}" for e in EXAMPLES[command])]
+    return "\n".join([*lines, "", *extra])
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """argparse's own, except that a text starting with "examples:" keeps its lines."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if text.startswith("examples:"):
+            head, _, tail = text.partition("\n\n")
+            filled = super()._fill_text(tail, width, indent) if tail else ""
+            return "\n".join(indent + line for line in head.splitlines()) + (
+                "\n\n" + filled if filled else ""
+            )
+        return super()._fill_text(text, width, indent)
 
 
 def _split_config_args(args: Sequence[str]) -> tuple[str | None, list[str]]:
@@ -103,6 +151,7 @@ def cmd_report(ns: argparse.Namespace) -> int:
     import importlib.util
 
     from composer_replication.run.report import headline_lines, write_report
+    from composer_replication.run.security import secret_files, secrets_warning
 
     folder = _run_folder(ns.run)
     if importlib.util.find_spec("matplotlib") is None:
@@ -114,6 +163,9 @@ def cmd_report(ns: argparse.Namespace) -> int:
     # The headline numbers `train` printed at the end: reward, held-out accuracy, losses.
     print(f"Run {folder.name}:")
     print("\n".join(headline_lines(summary)))
+    secrets = secret_files(folder.root)
+    if secrets:
+        print(f"{PROG}: warning: {secrets_warning(folder.root, secrets)}", file=sys.stderr)
     return 0
 
 
@@ -139,21 +191,32 @@ def _split_configs(args: Sequence[str]) -> tuple[list[str], list[str]]:
     return paths, overrides
 
 
-def _validate(config: RunConfig, check_store: bool) -> str:
-    """Run the pre-flight checks a `train` would run (nothing written); the "ok: ..." line."""
+def _validate(
+    config: RunConfig, check_store: bool, *, check_backend: bool = False, offline: bool = False
+) -> str:
+    """Run the pre-flight checks a `train` would run (nothing written); the "ok: ..." line.
+    `check_backend`: also build the executor (its credentials); `offline`: skip the hub check."""
     from composer_replication.run import preflight
 
-    preflight.check_model(config)
+    preflight.check_model(config, hub=not offline)
     preflight.check_task(config)
     preflight.check_teachers(config)
+    preflight.check_store_scheme(config.store.uri)
     store_uri = config.store.uri or "file:///tmp/composer-replication-validate/"
     preflight.check_backend(config, store_uri)
+    notes = []
+    if check_backend:
+        notes.append(preflight.check_backend_credentials(config))
     if check_store and config.store.uri:
         preflight.check_store(config, config.store.uri, overwrite=True)
+        notes.append("store writable")
+    if offline and not config.model.is_tiny and "/" in config.model.name:
+        if not Path(config.model.name).expanduser().exists():
+            notes.append("hub model not checked: offline")
     return (
         f"ok: {config.backend.n_replicas} x {config.backend.kind} replicas, model "
         f"{config.model.name}, task {config.task.name}, {config.train.max_steps} inner steps, "
-        f"{config.n_rounds} outer rounds"
+        f"{config.n_rounds} outer rounds" + (f" ({'; '.join(notes)})" if notes else "")
     )
 
 
@@ -162,20 +225,29 @@ def cmd_config(ns: argparse.Namespace) -> int:
 
     if ns.config_command == "show":
         config = _load(ns.args)
+        if not ns.json and not _split_configs(ns.args)[0]:  # the embedded default: say how
+            from composer_replication.config.reference import embedded_differences_comment
+
+            print(embedded_differences_comment(), end="")  # it differs from a TOML file's
         print(json.dumps(to_dict(config), indent=1) if ns.json else dump_toml(config), end="")
         if ns.json:
             print()
         return 0
+    from composer_replication.run.preflight import hub_offline
+
     paths, overrides = _split_configs(ns.args)
+    checks = {"check_backend": ns.check_backend, "offline": ns.offline or hub_offline()}
     if len(paths) <= 1:
-        print(_validate(load_config(paths[0] if paths else None, overrides), ns.check_store))
+        config = load_config(paths[0] if paths else None, overrides)
+        print(_validate(config, ns.check_store, **checks))
         return 0
     # Several files (`config validate examples/*.toml`): each checked on its own, the
     # overrides applied to every one; exit 2 when any fails.
     failed = 0
     for path in paths:
         try:
-            print(f"{path}: {_validate(load_config(path, overrides), ns.check_store)}", flush=True)
+            line = _validate(load_config(path, overrides), ns.check_store, **checks)
+            print(f"{path}: {line}", flush=True)
         except ConfigError as exc:
             failed += 1
             print(f"{PROG}: error: {path}: {exc}", file=sys.stderr, flush=True)
@@ -230,7 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train LLM agents with the Composer recipe (GRPO + hint self-distillation "
         "+ trace replay) on N replicas kept in step by DiLoCo.",
         epilog="Run `composer-replication train` with no arguments for the CPU demo. "
-        "Exit codes: 0 ok, 1 run failed, 2 configuration/usage error, 130 interrupted.",
+        + EXIT_CODES
+        + ".",
     )
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -242,6 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train with the three-channel composer loss on N DiLoCo replicas. With no "
         "arguments: a tiny model, a built-in task, 2 local replicas, DiLoCo through file:// "
         "under ./runs/<name>/ (a few minutes on a laptop CPU, no network).",
+        epilog=_epilog("train", EXIT_CODES + "."),
+        formatter_class=_HelpFormatter,
     )
     p.add_argument("args", nargs="*", metavar="[CONFIG.toml] [section.key=value]", help=CONFIG_HELP)
     p.add_argument(
@@ -290,6 +365,8 @@ def build_parser() -> argparse.ArgumentParser:
         "show",
         help="print the resolved config (TOML)",
         description="Print the resolved configuration: defaults, file, overrides.",
+        epilog=_epilog("config show"),
+        formatter_class=_HelpFormatter,
     )
     q.add_argument("args", nargs="*", metavar="[CONFIG.toml] [section.key=value]", help=CONFIG_HELP)
     q.add_argument("--json", action="store_true", help="print JSON instead of TOML")
@@ -297,9 +374,11 @@ def build_parser() -> argparse.ArgumentParser:
     q = csub.add_parser(
         "validate",
         help="check configs without running them",
-        description="Check types, keys, model path, task and backend of each "
-        "config given (`config validate examples/*.toml`; the overrides apply "
-        "to every one); exit 2 with a message when something is wrong.",
+        description="Check types, keys, model path, task, store scheme and backend of each "
+        "config given (the overrides apply to every one), as `train` checks them before it "
+        "writes anything; exit 2 with a message when something is wrong.",
+        epilog=_epilog("config validate"),
+        formatter_class=_HelpFormatter,
     )
     q.add_argument(
         "args",
@@ -313,6 +392,18 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also probe that store.uri is writable (writes and deletes one object)",
     )
+    q.add_argument(
+        "--check-backend",
+        action="store_true",
+        help="also build the backend's executor as `train` would, without launching anything: "
+        "its credentials must be there (kubeconfig, Modal token, HF token, AWS credentials)",
+    )
+    q.add_argument(
+        "--offline",
+        action="store_true",
+        help="skip the check that a hub model is cached or reachable (also when "
+        "HF_HUB_OFFLINE=1 is set)",
+    )
     q.set_defaults(func=cmd_config)
 
     p = sub.add_parser(
@@ -320,6 +411,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="record teacher traces ahead of training",
         description="Run the configured teachers (or the task oracle) on the "
         "task's prompts and write trace JSONL for teachers.traces_path.",
+        epilog=_epilog("bake-traces"),
+        formatter_class=_HelpFormatter,
     )
     p.add_argument("args", nargs="*", metavar="[CONFIG.toml] [section.key=value]", help=CONFIG_HELP)
     p.add_argument("--out", required=True, help="output JSONL file")

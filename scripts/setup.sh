@@ -1,5 +1,15 @@
 #!/usr/bin/env bash
-# Create .venv and install composer-replication with the extras the tests need.
+# Create .venv and install composer-replication.
+#
+#   bash scripts/setup.sh          # what `composer-replication train` (the CPU demo) needs: the
+#                                  # `train` extra (TRL stack, DiLoCo outer loop, report)
+#   bash scripts/setup.sh --all    # every extra: each backend's SDK, verl, Monarch, OpenEnv,
+#                                  # reasoning-gym, the gpu extra and the dev tools; what the
+#                                  # test suite needs (scripts/test.sh and .ci/run ask for it)
+#   SETUP_ALL=1 bash scripts/setup.sh   # the same as --all
+#   EXTRAS=train,modal bash scripts/setup.sh   # exactly these extras (FRAMEWORK_EXTRAS and
+#                                  # GPU_EXTRA=1 add verl/monarch and Triton/Liger-Kernel)
+#   EXTRAS=train,vllm bash scripts/setup.sh    # vLLM generation: CUDA only, never in --all
 #
 # torch goes first, pinned to 2.13.0 and chosen on purpose (scripts/torch_build.sh): the CPU
 # build when no NVIDIA GPU is found, the CUDA build when `nvidia-smi -L` lists one;
@@ -7,9 +17,26 @@
 # so nothing later pulls another torch build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+ALL_EXTRAS=train,diloco,serverless,ray,modal,hf-jobs,sagemaker,k8s,tasks,openenv,report,dev
+ALL_FRAMEWORK_EXTRAS=verl,monarch
+SETUP_ALL=${SETUP_ALL:-0}
+for arg in "$@"; do
+  case "$arg" in
+    --all) SETUP_ALL=1 ;;
+    -h | --help) sed -n '2,/^set -euo/p' scripts/setup.sh | sed '$d'; exit 0 ;;
+    *) echo "scripts/setup.sh: unknown argument '$arg' (use --all for every extra, or none for the demo's)" >&2; exit 2 ;;
+  esac
+done
 PY=${PYTHON:-python3}
-EXTRAS=${EXTRAS:-train,diloco,serverless,ray,modal,hf-jobs,sagemaker,k8s,tasks,openenv,report,dev}
-FRAMEWORK_EXTRAS=${FRAMEWORK_EXTRAS-verl,monarch}
+if [ "$SETUP_ALL" = 1 ]; then
+  EXTRAS=${EXTRAS:-$ALL_EXTRAS}
+  FRAMEWORK_EXTRAS=${FRAMEWORK_EXTRAS-$ALL_FRAMEWORK_EXTRAS}
+  GPU_EXTRA=${GPU_EXTRA:-1}
+else
+  EXTRAS=${EXTRAS:-train}
+  FRAMEWORK_EXTRAS=${FRAMEWORK_EXTRAS-}
+  GPU_EXTRA=${GPU_EXTRA:-0}
+fi
 # shellcheck source=scripts/torch_build.sh
 . scripts/torch_build.sh
 torch_choice
@@ -79,9 +106,11 @@ fi
 # The gpu extra (Triton, Liger-Kernel): on the CPU the tests run our Triton kernels and Liger-Kernel's
 # in Triton's interpreter. liger-kernel declares torch, so it goes in without dependencies (pip
 # would otherwise swap the torch build chosen above); a CUDA torch already brings its triton.
-if [ "${GPU_EXTRA:-1}" = 1 ]; then
+if [ "$GPU_EXTRA" = 1 ]; then
   .venv/bin/python -c "import triton" >/dev/null 2>&1 \
     || .venv/bin/python -m pip install --quiet "triton>=3.2"
   .venv/bin/python -m pip install --quiet --no-deps "liger-kernel==0.8.5"
 fi
-echo "composer-replication installed in .venv (torch ${TORCH_CHOICE} build; extras: ${EXTRAS},${FRAMEWORK_EXTRAS})"
+extras="${EXTRAS}${FRAMEWORK_EXTRAS:+,${FRAMEWORK_EXTRAS}}$([ "$GPU_EXTRA" = 1 ] && echo ,gpu)"
+echo "composer-replication installed in .venv (torch ${TORCH_CHOICE} build; extras: ${extras})"
+[ "$SETUP_ALL" = 1 ] || echo "(every extra, as the tests need: bash scripts/setup.sh --all)"

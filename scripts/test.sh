@@ -22,7 +22,7 @@ case "${1:-}" in
   --long) select=(-m long); junit=test-results/junit-long.xml; shift ;;
   --all) select=(); shift ;;
 esac
-bash scripts/setup.sh
+bash scripts/setup.sh --all   # the suite needs every extra
 mkdir -p test-results
 workers=${PYTEST_WORKERS:-auto}
 parallel=()

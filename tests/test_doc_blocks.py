@@ -263,7 +263,8 @@ CHEAP_CLI = {("config", "show"), ("config", "validate")}
 
 def expensive_command(code: str) -> str | None:
     """The first command of a bash block that is not cheap to run (None: all are): cheap are
-    `config show`, `config validate` (without --check-store), `--help`, `--version` and text
+    `config show`, `config validate` (without --check-store or --check-backend, which reach a
+    store or a backend's credentials), `--help`, `--version` and text
     tools; a redirection is not (it would write into the repo)."""
     for words in _commands(code):
         if any(w.startswith((">", "<")) or w[:1].isdigit() and ">" in w for w in words):
@@ -276,7 +277,7 @@ def expensive_command(code: str) -> str | None:
         if "--help" in args or "-h" in args or "--version" in args:
             continue
         command = tuple(a for a in args if not a.startswith("-"))[:2]
-        if command not in CHEAP_CLI or "--check-store" in args:
+        if command not in CHEAP_CLI or "--check-store" in args or "--check-backend" in args:
             return " ".join(words)
     return None
 
@@ -378,6 +379,7 @@ def test_cheap_bash_blocks_are_told_apart() -> None:
     assert expensive_command("composer-replication train --help\n") is None
     assert expensive_command("composer-replication train\n") == "composer-replication train"
     assert expensive_command("composer-replication config validate x.toml --check-store\n")
+    assert expensive_command("composer-replication config validate x.toml --check-backend\n")
     assert expensive_command("pip install -e .\n") == "pip install -e ."
     assert expensive_command("composer-replication config show > out.toml\n")
 

@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from composer_replication.config import ConfigError
 from composer_replication.config.schema import GENERATION_ENGINES
+from composer_replication.data.turns import align_generation_stops, stop_token_ids
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback
@@ -184,6 +185,8 @@ def build_model(config: RunConfig) -> tuple[PreTrainedModel, PreTrainedTokenizer
     model = AutoModelForCausalLM.from_pretrained(
         m.name, dtype=dtype, trust_remote_code=m.trust_remote_code
     )
+    # Rollouts and evaluation stop at the template's end of turn as well as EOS (data/turns.py).
+    align_generation_stops(model, tok)
     return model, tok
 
 
@@ -229,6 +232,20 @@ def _recorded_tokenizer_class(folder: Path) -> str | None:
         return None
     value = recorded.get("tokenizer_class") if isinstance(recorded, dict) else None
     return value if isinstance(value, str) else None
+
+
+def task_reward(
+    task: Task,
+    tokenizer: PreTrainedTokenizerBase,
+    model: PreTrainedModel,
+    *,
+    with_feedback: bool = True,
+) -> Callable[..., Sequence[object]]:
+    """The task's TRL reward function for rollouts of `model`: it scores the text evaluation
+    scores (`tasks.decode_completion` of each completion's token ids, cut at the model's stop
+    tokens), not the text TRL decodes without special tokens."""
+    stops = stop_token_ids(tokenizer, getattr(model.generation_config, "eos_token_id", None))
+    return task.reward_func(with_feedback, tokenizer=tokenizer, stop_ids=stops)
 
 
 def task_index(task: Task) -> dict[str, Example]:
@@ -278,7 +295,8 @@ def build_teachers(config: RunConfig, task: Task) -> list[TeacherClient]:
 
         # TRAIN prompts only: the oracle never answers a held-out prompt, so no held-out answer
         # can reach training through channel 3.
-        train = {prompt_key(chat_prompt(ex.prompt)): ex for ex in task.train_examples()}
+        examples = [*task.train_examples(), *task.hinted_examples(config.task.hint_share)]
+        train = {prompt_key(chat_prompt(ex.prompt)): ex for ex in examples}
 
         def solve(prompt: Prompt) -> str | None:
             example = train.get(prompt_key(prompt))
@@ -362,7 +380,7 @@ def train_split(config: RunConfig, task: Task, rank: int) -> Any:
     """The training prompts replica `rank` samples from: with `task.shard = "disjoint"` every
     n-th prompt from `rank` (n = backend.n_replicas, a data island per replica, no prompt in
     two), else all of them."""
-    dataset = task.to_dataset("train")
+    dataset = task.to_dataset("train", hint_share=config.task.hint_share)
     n = config.backend.n_replicas
     if config.task.shard == "shared" or n == 1:
         return dataset
@@ -394,7 +412,7 @@ def build_trainer(
     trainer = ComposerReplicationTrainer(
         model=model,
         processing_class=tokenizer,
-        reward_funcs=[task.reward_func()],
+        reward_funcs=[task_reward(task, tokenizer, model)],
         train_dataset=train_split(config, task, rank),
         args=trainer_args(config, output_dir, max_steps, seed),
         callbacks=callbacks,

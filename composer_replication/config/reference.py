@@ -72,18 +72,54 @@ def _first_line(doc: str | None) -> str:
     return (doc or "").strip().splitlines()[0]
 
 
-def _embedded_choices() -> list[str]:
-    """'`section.key = value`' for each key default.toml sets away from the schema default."""
+# Why the embedded default (the CPU demo) sets some keys away from the schema defaults that a
+# TOML file leaving them out gets (`config show` prints it above the demo; docs/cli.md).
+EMBEDDED_WHY = (
+    "The embedded default is a CPU demo: a tiny model trained from scratch, with a perfect "
+    "oracle trace for every training prompt, so it leans on channel 3 (weight 1.0, "
+    "reference-free SimPO, the oracle's NLL with rpo_alpha 1.0), trains longer with 2 "
+    "completions per prompt and evaluates on more held-out prompts. A TOML file that leaves a "
+    "key out gets the schema's default instead, meant for teachers that may be wrong: channel 3 "
+    "weighed lightly, DPO against a frozen reference, no NLL term."
+)
+
+
+def embedded_differences() -> list[tuple[str, str, str]]:
+    """(`section.key`, the embedded default's value, the schema default's value) for each key
+    default.toml sets away from what a TOML file that leaves the key out gets."""
     embedded = from_dict(RunConfig, tomllib.loads(default_toml_text()))
     schema = RunConfig()
     out = []
     for section in dataclasses.fields(RunConfig):
         ours, theirs = getattr(embedded, section.name), getattr(schema, section.name)
         for f in dataclasses.fields(ours):
-            value = getattr(ours, f.name)
-            if value != getattr(theirs, f.name):
-                out.append(f"`{section.name}.{f.name} = {toml_value(to_dict(value))}`")
+            value, default = getattr(ours, f.name), getattr(theirs, f.name)
+            if value != default:
+                out.append(
+                    (
+                        f"{section.name}.{f.name}",
+                        toml_value(to_dict(value)),
+                        toml_value(to_dict(default)),
+                    )
+                )
     return out
+
+
+def embedded_differences_comment() -> str:
+    """TOML comment lines naming the keys where the embedded default differs, and why."""
+    lines = ["# " + line for line in textwrap.wrap(EMBEDDED_WHY, 96)]
+    lines.append(
+        "# The keys it sets away from those defaults (left out of a TOML file: the default):"
+    )
+    lines += [
+        f"#   {key} = {ours}   (default {theirs})" for key, ours, theirs in embedded_differences()
+    ]
+    return "\n".join(lines) + "\n\n"
+
+
+def _embedded_choices() -> list[str]:
+    """'`section.key = value`' for each key default.toml sets away from the schema default."""
+    return [f"`{key} = {ours}`" for key, ours, _ in embedded_differences()]
 
 
 def reference_markdown() -> str:
@@ -100,7 +136,8 @@ def reference_markdown() -> str:
         embedded = (
             "The embedded default run (`default.toml`, printed by `config show`) chooses "
             + ", ".join(choices)
-            + "."
+            + ". "
+            + EMBEDDED_WHY
         )
         lines += ["", *_wrap(embedded)]
     hints = typing.get_type_hints(RunConfig)

@@ -148,9 +148,17 @@ class TaskConfig:
         "DiLoCo setting); 'shared': every replica samples from all of them",
     )
 
+    hint_share: float = setting(
+        0.0,
+        "share of the distinct training prompts also trained on with channel 2's hint in context "
+        "(the oracle answer as correct solution; feedback on every other one), so the policy "
+        "learns to read the hint its channel-2 teacher is shown; 0 = none",
+    )
+
     def __post_init__(self) -> None:
         require(self.n_train >= 1, "task.n_train", "must be >= 1")
         require(self.n_eval >= 0, "task.n_eval", "must be >= 0")
+        require(0.0 <= self.hint_share <= 1.0, "task.hint_share", "must be in [0, 1]")
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,9 @@ own clock and takes each new global fragment as the synchronizer publishes it.
   caller restores the model and inner optimizer (run/learner_state.py saves both with the
   trainer's resume state). Without one, a learner resumes its step count from its progress
   document (written after each push) and starts from the newest global version of every
-  fragment with fresh inner state.
+  fragment with fresh inner state. Either way binding downloads only the newest version of
+  each fragment (none for a fragment still at the resume state's base), never the versions
+  merged in between, and uploads nothing; `rejoin` records what it downloaded.
 - **End**: leaving the context pushes every fragment once more (``final``), marks the learner
   done and waits (up to ``drain_timeout_s``) for the synchronizer's ``final.json``, then holds
   the run's final global fragments (`load_global_weights` copies them into the model).
@@ -67,6 +69,7 @@ __all__ = [
     "DecoupledConfig",
     "DecoupledLearner",
     "LearnerState",
+    "RejoinRecord",
     "push_offsets",
 ]
 
@@ -102,6 +105,19 @@ class DecoupledConfig(SynchronizerSettings):
             "synchronizer",
             f"{self.synchronizer!r} is not one of {list(SYNCHRONIZER_PLACES)}",
         )
+
+
+class RejoinRecord(TypedDict):
+    """What a learner downloaded when it bound (`DecoupledLearner.rejoin`): at its first start
+    the newest global of every fragment; restarted, only the newest version of each fragment
+    merged while it was down (none for a fragment still at its resume state's base)."""
+
+    step: int  # the step it (re)started at
+    from_versions: list[int] | None  # its resume state's base versions (None: no state)
+    versions: list[int]  # the global versions it holds after binding
+    merged_meanwhile: int | None  # versions merged past from_versions, over fragments
+    objects: int  # global states it read (GETs) while binding
+    bytes: int  # their tensor bytes (those it took)
 
 
 class LearnerState(TypedDict):
@@ -276,6 +292,8 @@ class DecoupledLearner:
         self.last_push_step: int | None = None  # the step of the newest push queued
         self._restore: LearnerState | None = None  # a resume state to continue from at bind
         self.restored_from: int | None = None  # the step of the resume state it continued from
+        self.rejoin: RejoinRecord | None = None  # what binding downloaded (set by bind)
+        self._bind_objects = 0
 
     # ------------------------------------------------------------------ binding
     @property
@@ -326,27 +344,54 @@ class DecoupledLearner:
         )
         manifest = self.docs.ensure_manifest(manifest)
         self._reference = [DecoupledStore.reference(manifest, i) for i in range(self.num_fragments)]
+        # One LIST per fragment; version 0 (put-if-absent: the first learner's weights) is
+        # written only when the fragment has no version yet, so a rejoining learner uploads
+        # nothing here.
+        stored = []
         for i, tensors in enumerate(snapshot):
-            self.docs.publish_global(i, 0, tensors)
+            listed = self.docs.versions(i, "global")
+            if not listed:
+                self.docs.publish_global(i, 0, tensors)
+                listed = [0]
+            stored.append(listed)
         self.base = []
         self.versions = []
+        self._bind_objects, nbytes = 0, self.bytes_downloaded
+        from_versions: list[int] | None = None
         if self._restore is not None:
             self._apply_restore(self._restore)
             self._restore = None
+            from_versions = list(self.versions)
             # Globals merged while this learner was down replace its fragments now, as they
             # would have between two steps had it kept running: a resumed learner never starts
-            # behind the globals announced when it stopped.
+            # behind the globals announced when it stopped. Only the newest version of each
+            # fragment is downloaded, and nothing for a fragment still at its base.
             for i in range(self.num_fragments):
-                v, tensors = self._newest_global(i)
-                if v > self.versions[i]:
-                    self._take_global(i, v, tensors)
+                newer = self._newest_global(i, stored[i], above=self.versions[i])
+                if newer is not None:
+                    self._take_global(i, *newer)
         else:
             for i in range(self.num_fragments):
-                v, tensors = self._newest_global(i)
+                got = self._newest_global(i, stored[i], above=-1)
+                if got is None:
+                    raise CorruptContributionError(
+                        f"fragment {i}: no readable global version in the store"
+                    )
+                v, tensors = got
                 self.base.append(tensors)
                 self.versions.append(v)
                 self._load_fragment(i, tensors, alpha=0.0)
         self.start_versions = list(self.versions)
+        self.rejoin = RejoinRecord(
+            step=int(self.step),
+            from_versions=from_versions,
+            versions=list(self.versions),
+            merged_meanwhile=None
+            if from_versions is None
+            else sum(max(0, v - b) for v, b in zip(self.versions, from_versions)),
+            objects=self._bind_objects,
+            bytes=self.bytes_downloaded - nbytes,
+        )
         self._bound = True
         log.info(
             "learner %d: starts at step %d from global versions %s",
@@ -440,18 +485,24 @@ class DecoupledLearner:
             for n, p in zip(self._names[i], self._params[i])
         }
 
-    def _newest_global(self, i: int) -> tuple[int, dict[str, torch.Tensor]]:
-        """The newest readable global version of fragment i (one LIST; corrupt ones skipped)."""
-        for v in sorted(self.docs.versions(i, "global"), reverse=True):
+    def _newest_global(
+        self, i: int, stored: Sequence[int], *, above: int
+    ) -> tuple[int, dict[str, torch.Tensor]] | None:
+        """The newest readable global version of fragment i among ``stored`` (its listed
+        versions) newer than ``above``, or None: only that one is downloaded (an older one
+        only when a newer is corrupt or gone), counted in `bytes_downloaded`."""
+        for v in sorted((v for v in stored if v > above), reverse=True):
+            self._bind_objects += 1
             try:
                 tensors = self.docs.fetch_global(i, v, self._reference[i])
             except CorruptContributionError as e:
                 log.warning("learner %d: %s; trying an older version", self.learner, e)
                 continue
             if tensors is not None:
+                self.bytes_downloaded += sum(t.numel() * t.element_size() for t in tensors.values())
                 self.loaded[f"{i}/{v}"] = tensors_digest(tensors)
                 return v, tensors
-        raise CorruptContributionError(f"fragment {i}: no readable global version in the store")
+        return None
 
     def _load_fragment(self, i: int, tensors: dict[str, torch.Tensor], *, alpha: float) -> None:
         with torch.no_grad():

@@ -53,6 +53,7 @@ import hashlib
 import hmac
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -85,6 +86,7 @@ from composer_replication.exchange.robust import (
     LossProbe,
     TensorStats,
     WeightingName,
+    merge_weights,
     screen,
     tensor_stats,
     trim_count,
@@ -101,6 +103,7 @@ from composer_replication.exchange.vocabulary import (
     QuorumLostError,
     StepResult,
     StoreTimeoutError,
+    UpdateRefusedError,
     dtype_name,
 )
 from composer_replication.exchange.wire import Buffer
@@ -238,6 +241,7 @@ class ObjectStoreAllReduce(RunDocuments):
             keep_steps=keep_steps,
             poll_interval_s=float(poll_interval_s),
             keys=keys,
+            mac_secret=slot_secret,
         )
         self.rank = rank
         if sparse is not None and not isinstance(sparse, codecs.SparseSpec):
@@ -271,6 +275,8 @@ class ObjectStoreAllReduce(RunDocuments):
         self.fence = fence
         # ranks seen departed at an earlier step: checked at the first poll of the next ones
         self._known_departed: set[int] = set()
+        self._refused_hints: set[str] = set()
+        self._known_commits: set[int] = set()  # steps whose commit record this handle parsed
 
     def writer_id(self, step: int) -> str:
         """The writer id this rank puts in its upload for ``step`` (and in its owner record)."""
@@ -596,7 +602,10 @@ class ObjectStoreAllReduce(RunDocuments):
         if not pending:
             return
         reasons = list(
-            self._pool().map(lambda r: read_departure(self.store, REPLICA_ROLE, r), pending)
+            self._pool().map(
+                lambda r: read_departure(self.store, REPLICA_ROLE, r, secret=self._slot_secret),
+                pending,
+            )
         )
         for r, why in zip(pending, reasons):
             if why is None:
@@ -750,15 +759,33 @@ class ObjectStoreAllReduce(RunDocuments):
         raw = self.store.get(commit_key(step))
         if raw is None:
             return None
-        return parse_commit(raw, step=step, world_size=self.world_size, keys=self.keys)
+        record = parse_commit(raw, step=step, world_size=self.world_size, keys=self.keys)
+        self._know(step)
+        return record
+
+    def _know(self, step: int) -> None:
+        """Remember that ``step``'s commit record parsed (the newest 64 steps are kept)."""
+        self._known_commits.add(step)
+        if len(self._known_commits) > 64:
+            self._known_commits = set(sorted(self._known_commits)[-64:])
 
     def committed(self, step: int) -> bool:
         """Whether ``step`` has a commit record (one GET, never a listing)."""
         return self.store.get(commit_key(step)) is not None
 
+    def _head_mac(self, step: int) -> str | None:
+        """Unsigned runs with a slot secret: the head hint's MAC (None: nothing to MAC with)."""
+        if self._slot_secret is None:
+            return None
+        return hmac.new(self._slot_secret, f"head:{step}".encode(), hashlib.sha256).hexdigest()
+
     def _write_head(self, step: int) -> None:
-        """Overwrite the head hint with ``step`` (the committer, after its commit record)."""
+        """Overwrite the head hint with ``step`` (the committer, after its commit record).
+        Signed runs sign it; unsigned runs with a slot secret MAC it under that secret."""
         record: dict[str, object] = {"kind": "head", "step": step}
+        mac = self._head_mac(step)
+        if self.keys is None and mac is not None:
+            record["mac"] = mac
         try:
             body = record if self.keys is None else self.keys.sign(record)
             self.store.put(HEAD_KEY, json.dumps(body).encode())
@@ -766,25 +793,51 @@ class ObjectStoreAllReduce(RunDocuments):
             log.warning("step %d: could not update the head hint: %r", step, e)
 
     def head_step(self) -> int | None:
-        """The newest committed step as the head hint says (one GET, never a listing).
+        """The newest committed step: the head hint if it holds up, else a listing.
 
-        A hint, not a proof: it is a step that was committed (so the run is at least there),
-        but it may lag behind (a committer died between its commit record and the hint, or two
-        committers wrote it out of order). None when absent, unreadable or (signing on) not
-        signed by a rank of this run. `latest_committed_step` lists and is exact.
+        The hint is one GET; it is believed only when it is signed (signing on) or carries the
+        MAC of the run's slot secret (unsigned, with one), and the commit record of its step
+        and that record's predecessor hold up (`RunDocuments.unconfirmed_commit`). A hint that
+        does not (planted, malformed, ahead of every commit) is refused: the refusal goes to
+        `refusals` (once per distinct hint) and this falls back to `latest_committed_step`,
+        which lists. A believed hint may lag behind (a committer died between its commit
+        record and the hint, or two committers wrote it out of order): a lower bound. None
+        when nothing is committed.
         """
         raw = self.store.get(HEAD_KEY)
         if raw is None:
             return None
+        step, why = self._parse_head(bytes(raw))
+        if step is not None and why is None and step not in self._known_commits:
+            why = self.unconfirmed_commit(step)
+        if why is None:
+            return step
+        digest = hashlib.sha256(bytes(raw)).hexdigest()
+        if digest not in self._refused_hints:
+            self._refused_hints.add(digest)
+            log.warning("refusing the head hint at %s: %s", self.uri, why)
+            self.refusals.append((HEAD_KEY, f"head hint refused: {why}"))
+        return self.latest_committed_step()
+
+    def _parse_head(self, raw: bytes) -> tuple[int | None, str | None]:
+        """(the hinted step, why the hint is not believed: None when it may be)."""
         try:
-            doc = json.loads(bytes(raw))
+            doc = json.loads(raw)
             if self.keys is not None:
                 self.keys.verify(doc, signers={"rank-*"}, what="head hint")
         except (UnicodeDecodeError, json.JSONDecodeError, CorruptContributionError) as e:
-            log.warning("ignoring the head hint at %s: %s", self.uri, e)
-            return None
+            return None, f"unreadable or unsigned ({e})"
         step = doc.get("step") if isinstance(doc, dict) else None
-        return step if isinstance(step, int) and not isinstance(step, bool) else None
+        if not isinstance(doc, dict) or doc.get("kind") != "head":
+            return None, "not a head hint"
+        if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < 10**10:
+            return None, f"step {step!r} is not a step number"
+        mac = self._head_mac(step)
+        if self.keys is None and mac is not None:
+            theirs = doc.get("mac")
+            if not isinstance(theirs, str) or not hmac.compare_digest(theirs, mac):
+                return None, "its MAC does not verify (not written by a replica of this run)"
+        return step, None
 
     def _write_commit(
         self,
@@ -811,8 +864,10 @@ class ObjectStoreAllReduce(RunDocuments):
         raw = json.dumps(record, sort_keys=True).encode()
         if self.store.put_if_absent(commit_key(step), raw):
             log.info("step %d: rank %d committed ranks %s", step, self.rank, sorted(valid))
+            ours = parse_commit(raw, step=step, world_size=self.world_size, keys=self.keys)
+            self._know(step)
             self._write_head(step)
-            return parse_commit(raw, step=step, world_size=self.world_size, keys=self.keys)
+            return ours
         # lost the race: the winner's record decides, whatever we saw
         for _ in range(50):
             commit = self._read_commit(step)
@@ -853,9 +908,49 @@ class ObjectStoreAllReduce(RunDocuments):
                     "checksum in the commit record"
                 )
             valid[r] = c
+        why = self._against_rule(commit, valid)
+        if why is not None:
+            raise UpdateRefusedError(
+                f"step {step}: the commit record (committed by {commit.get('committed_by')!r}) "
+                f"is refused: {why}; a forged or broken commit record? Nothing is applied",
+                step=step,
+                rejected=dict(commit["excluded"]),
+            )
         acc = average_in_rank_order(commit, valid)
         out = {n: acc[n].to(device=t.device, dtype=t.dtype) for n, t in tensors.items()}
         return out, down
+
+    def _against_rule(self, commit: CommitRecord, held: dict[int, Contribution]) -> str | None:
+        """Why ``commit`` does not follow this run's merge rule for the contributions it
+        includes (``held``: each of them, verified against its pinned checksum), or None.
+
+        Every reader recomputes what the committer had no choice about: the merge method, the
+        weighting, the weights (`robust.merge_weights` over the included contributions' token
+        claims), the trim, and that a clip scale only shrinks (norm_clip) or is 1. Which ranks
+        are included, and by how much norm_clip shrinks one, rest on norms that are not
+        bit-reproducible across machines: they stay the committer's."""
+        policy, ranks = self.policy, commit["included_ranks"]
+        method = commit.get("aggregate", "mean")
+        if method != policy.method or commit.get("weighting", "equal") != policy.weighting:
+            return (
+                f"it merges with {method!r} weighting {commit.get('weighting', 'equal')!r}; "
+                f"this run merges with {policy.method!r} weighting {policy.weighting!r}"
+            )
+        trim = trim_count(len(ranks), policy.trim_fraction) if method == "trimmed_mean" else 0
+        if int(commit.get("trim", 0)) != trim:
+            return f"it trims {commit.get('trim')!r} per end; the rule gives {trim}"
+        want = merge_weights({r: held[r].tokens for r in ranks}, policy)
+        for r in ranks:
+            got = commit["weights"][r]
+            if not math.isclose(got, want[r], rel_tol=1e-9, abs_tol=1e-12):
+                return f"rank {r}'s weight is {got!r}; the run's weighting rule gives {want[r]!r}"
+            scale = commit["scales"].get(r, 1.0)
+            ok = 0.0 < scale <= 1.0 if method == "norm_clip" else scale == 1.0
+            if not ok:
+                return f"rank {r}'s scale is {scale!r}; {method!r} allows " + (
+                    "only (0, 1]" if method == "norm_clip" else "only 1"
+                )
+        return None
 
     def _fetch_many(
         self, step: int, ranks: list[int], ref: dict[str, tuple[list[int], str]]

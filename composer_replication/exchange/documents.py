@@ -11,6 +11,8 @@ values is never published nor loaded.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
 import threading
@@ -21,7 +23,7 @@ from typing import Any
 import torch
 
 from composer_replication.exchange import state as state_mod
-from composer_replication.exchange.protocol import commit_key, parse_step_dir
+from composer_replication.exchange.protocol import commit_key, parse_commit, parse_step_dir
 from composer_replication.exchange.robust import screen_state
 from composer_replication.exchange.signing import RunKeys, SignatureError
 from composer_replication.exchange.store import Store
@@ -31,6 +33,7 @@ from composer_replication.exchange.vocabulary import (
     ModelMismatchError,
     StoreTimeoutError,
 )
+from composer_replication.exchange.wire import Buffer
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +56,15 @@ class RunDocuments:
         poll_interval_s: float,
         cancelled: threading.Event | None = None,
         keys: RunKeys | None = None,
+        mac_secret: bytes | None = None,
     ) -> None:
         self.store = store
         self.keys = keys
+        # unsigned runs: the run's slot secret, which MACs the manifest (`ensure_manifest`)
+        self.mac_secret = mac_secret
+        # objects read to decide where the run is and refused: (key, why); the manager takes
+        # them into its round records ("rejected" events of rank -1)
+        self.refusals: list[tuple[str, str]] = []
         self.world_size = world_size
         self.codec = codec
         self.keep_steps = keep_steps
@@ -67,14 +76,45 @@ class RunDocuments:
         return self.store.uri
 
     def latest_committed_step(self) -> int | None:
-        """Highest step that has a commit record, or None."""
+        """Highest step whose commit record is confirmed (`unconfirmed_commit`), or None. A
+        step directory holding a record that does not confirm (planted, malformed, no chain)
+        is skipped with a warning."""
         steps = sorted(
             (s for s in map(parse_step_dir, self.store.list("steps/")) if s is not None),
             reverse=True,
         )
         for s in steps:
-            if self.store.exists(commit_key(s)):
+            if not self.store.exists(commit_key(s)):
+                continue
+            why = self.unconfirmed_commit(s)
+            if why is None:
                 return s
+            log.warning("not counting step %d as committed: %s", s, why)
+        return None
+
+    def unconfirmed_commit(self, step: int) -> str | None:
+        """Why ``step`` cannot be believed committed, or None when it can: its commit record
+        exists and is well formed (signing on: signed by the rank it names), and so is the
+        previous step's (the chain: the committer of step s deletes step s - ``keep_steps``
+        only, so with ``keep_steps >= 2`` a real commit always has its predecessor beside it;
+        a lone record planted far ahead does not; a run rolled back to round r restarts the
+        chain from the global state of r, which stands in for its predecessor)."""
+        why = self._bad_commit(step)
+        if why is not None or step <= 1 or self.keep_steps < 2:
+            return why
+        before = self._bad_commit(step - 1)
+        if before is not None and not self.state_exists(round=step - 1):
+            return f"step {step} does not follow a committed step ({before})"
+        return None
+
+    def _bad_commit(self, step: int) -> str | None:
+        raw = self.store.get(commit_key(step))
+        if raw is None:
+            return f"step {step} has no commit record"
+        try:
+            parse_commit(raw, step=step, world_size=self.world_size, keys=self.keys)
+        except CorruptContributionError as e:  # SignatureError included
+            return str(e)
         return None
 
     def ensure_manifest(self, fingerprint: dict[str, Any]) -> None:
@@ -92,10 +132,21 @@ class RunDocuments:
             )
         )
         signed = ours if self.keys is None else self.keys.sign(ours)
+        if self.keys is None and self.mac_secret is not None:
+            signed = {**ours, "mac": self._manifest_mac(ours)}
         raw = json.dumps(signed, sort_keys=True).encode()
-        if self.store.put_if_absent(state_mod.MANIFEST_KEY, raw):
-            return
-        stored_raw = self.store.get(state_mod.MANIFEST_KEY)
+        for _ in range(3):  # a planted manifest (unsigned runs with a MAC) is replaced
+            if self.store.put_if_absent(state_mod.MANIFEST_KEY, raw):
+                return
+            stored_raw = self.store.get(state_mod.MANIFEST_KEY)
+            why = self._not_the_runs_manifest(stored_raw)
+            if why is None:
+                break
+            log.warning(
+                "run manifest at %s refused (%s): replaced with this replica's", self.uri, why
+            )
+            self.refusals.append((state_mod.MANIFEST_KEY, f"run manifest refused: {why}"))
+            self.store.delete(state_mod.MANIFEST_KEY)
         try:
             stored = json.loads(bytes(stored_raw or b""))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -109,6 +160,26 @@ class RunDocuments:
                 + "\n  ".join(diff)
                 + "\nuse a new run prefix or the model/world size/codec the run was started with"
             )
+
+    def _manifest_mac(self, doc: Mapping[str, object]) -> str:
+        assert self.mac_secret is not None
+        body = json.dumps({k: v for k, v in doc.items() if k != "mac"}, sort_keys=True)
+        return hmac.new(self.mac_secret, b"manifest:" + body.encode(), hashlib.sha256).hexdigest()
+
+    def _not_the_runs_manifest(self, raw: Buffer | None) -> str | None:
+        """Unsigned runs with a MAC secret: why the stored manifest was not written by a
+        replica of this run (unreadable, no MAC or a wrong one), else None (and always None
+        without a secret or with signing on, which has its own check)."""
+        if self.keys is not None or self.mac_secret is None or raw is None:
+            return None
+        try:
+            doc = json.loads(bytes(raw))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            return f"not JSON ({e})"
+        mac = doc.get("mac") if isinstance(doc, dict) else None
+        if not isinstance(mac, str) or not hmac.compare_digest(mac, self._manifest_mac(doc)):
+            return "its MAC does not verify (not written by a replica of this run)"
+        return None
 
     def publish_state(
         self,

@@ -17,10 +17,20 @@ folder's driver record and the liveness check of `--resume`.
 `Fence` is a callable so that writers take it without knowing this module (`ObjectStore`'s write
 guard, the exchange's ``fence=``). Each check is one GET. The document is untrusted input: a
 value that is not a format-1 generation document raises ValueError naming the key.
+
+With the run's slot secret (``secret``: every launch of the run and every replica holds it, a
+party with only bucket access does not) the document carries ``"mac"``, an HMAC of the
+generation under it, and a `Fence` given the secret trips only on a document whose MAC
+verifies: a planted or damaged ``run_generation.json`` is ignored (one warning) instead of
+stopping every replica. A launch still numbers itself above whatever number the document holds
+(a forged high number costs nothing: generations only compare).
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import logging
 import math
 import os
 import socket
@@ -39,6 +49,8 @@ __all__ = [
 GENERATION_KEY = "run_generation.json"
 FORMAT = 1
 
+log = logging.getLogger(__name__)
+
 
 class FencedError(RuntimeError):
     """A newer launch of the run owns the store: this process must not write anything."""
@@ -55,25 +67,39 @@ def _parse(doc: object) -> int:
     return g
 
 
-def read_generation(store: Store) -> int:
-    """The run's current generation (0 when no launch wrote one: a replica started by hand)."""
-    return _parse(store.get_json(GENERATION_KEY))
+def _mac(secret: bytes, generation: int) -> str:
+    return hmac.new(secret, f"generation:{generation}".encode(), hashlib.sha256).hexdigest()
 
 
-def bump_generation(store: Store) -> int:
-    """Write generation = current + 1 (what every launch of a run does first); returns it."""
+def read_generation(store: Store, secret: bytes | None = None) -> int:
+    """The run's current generation (0 when no launch wrote one: a replica started by hand).
+    With ``secret``: ValueError unless the document's MAC verifies under it."""
+    doc = store.get_json(GENERATION_KEY)
+    generation = _parse(doc)
+    if secret is not None and doc is not None:
+        mac = doc.get("mac") if isinstance(doc, dict) else None
+        if not isinstance(mac, str) or not hmac.compare_digest(mac, _mac(secret, generation)):
+            raise ValueError(
+                f"{GENERATION_KEY}: its MAC does not verify (not written by a launch of this run)"
+            )
+    return generation
+
+
+def bump_generation(store: Store, secret: bytes | None = None) -> int:
+    """Write generation = current + 1 (what every launch of a run does first); returns it.
+    ``secret``: the run's slot secret, to MAC the document with (module docstring)."""
     generation = read_generation(store) + 1
-    store.put_json(
-        GENERATION_KEY,
-        {
-            "format": FORMAT,
-            "kind": "generation",
-            "generation": generation,
-            "time": time.time(),
-            "pid": os.getpid(),
-            "host": socket.gethostname(),
-        },
-    )
+    doc: dict[str, object] = {
+        "format": FORMAT,
+        "kind": "generation",
+        "generation": generation,
+        "time": time.time(),
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+    }
+    if secret is not None:
+        doc["mac"] = _mac(secret, generation)
+    store.put_json(GENERATION_KEY, doc)
     return generation
 
 
@@ -82,9 +108,18 @@ class Fence:
 
     ``min_interval_s``: re-read the store at most this often (0: every call); a fence that has
     tripped stays tripped without asking again. A store that cannot be read does not trip it
-    (the write that follows meets the same store error)."""
+    (the write that follows meets the same store error). ``secret``: the run's slot secret; then
+    only a document whose MAC verifies can trip it (a planted or damaged one is ignored, with
+    one warning, and recorded in ``refused``)."""
 
-    def __init__(self, store: Store, generation: int, *, min_interval_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        store: Store,
+        generation: int,
+        *,
+        min_interval_s: float = 0.0,
+        secret: bytes | None = None,
+    ) -> None:
         if not isinstance(generation, int) or isinstance(generation, bool) or generation < 0:
             raise ValueError(f"generation must be an integer >= 0, got {generation!r}")
         if not (math.isfinite(min_interval_s) and min_interval_s >= 0):
@@ -93,6 +128,8 @@ class Fence:
         self.generation = generation
         self.min_interval_s = float(min_interval_s)
         self.tripped: str | None = None
+        self.secret = secret
+        self.refused: str | None = None  # why a document was not believed (secret given)
         self._checked_at: float | None = None
 
     def __call__(self) -> None:
@@ -102,11 +139,17 @@ class Fence:
         if self._checked_at is not None and now - self._checked_at < self.min_interval_s:
             return
         try:
-            current = read_generation(self.store)
+            current = read_generation(self.store, self.secret)
         except OSError:
             return
         except ValueError as exc:  # a damaged document: nobody can prove a newer launch exists
-            raise FencedError(f"cannot tell whether this launch is current: {exc}") from None
+            if self.secret is None:
+                raise FencedError(f"cannot tell whether this launch is current: {exc}") from None
+            if self.refused != str(exc):
+                log.warning("ignoring %s: %s", GENERATION_KEY, exc)
+                self.refused = str(exc)
+            self._checked_at = now
+            return
         self._checked_at = now
         if current > self.generation:
             self.tripped = (

@@ -42,6 +42,8 @@ the store's documents and the clock; nothing is unpickled.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import math
 import os
 import re
@@ -190,30 +192,45 @@ def departure_key(role: str, member_id: str | int) -> str:
     return f"{DEPARTED_PREFIX}{_check_name('role', role)}/{_check_name('id', str(member_id))}.json"
 
 
+def _departure_mac(secret: bytes, role: str, member_id: str, reason: str) -> str:
+    body = f"departure:{role}:{member_id}:{reason}".encode()
+    return hmac.new(secret, body, hashlib.sha256).hexdigest()
+
+
 def write_departure(
-    store: Store, role: str, member_id: str | int, *, reason: str, now: float | None = None
+    store: Store,
+    role: str,
+    member_id: str | int,
+    *,
+    reason: str,
+    now: float | None = None,
+    secret: bytes | None = None,
 ) -> None:
-    """Declare a member departed (overwrites an earlier record); ``reason`` says why."""
+    """Declare a member departed (overwrites an earlier record); ``reason`` says why.
+    ``secret``: the run's slot secret, to MAC the record with (`read_departure`)."""
     if not isinstance(reason, str) or not reason:
         raise ValueError("a departure needs a reason (e.g. 'exit code 1; restarts exhausted')")
-    store.put_json(
-        departure_key(role, member_id),
-        {
-            "format": FORMAT,
-            "kind": "departure",
-            "role": role,
-            "id": str(member_id),
-            "time": time.time() if now is None else float(now),
-            "reason": reason[:500],
-        },
-    )
+    doc: dict[str, object] = {
+        "format": FORMAT,
+        "kind": "departure",
+        "role": role,
+        "id": str(member_id),
+        "time": time.time() if now is None else float(now),
+        "reason": reason[:500],
+    }
+    if secret is not None:
+        doc["mac"] = _departure_mac(secret, role, str(member_id), reason[:500])
+    store.put_json(departure_key(role, member_id), doc)
 
 
-def read_departure(store: Store, role: str, member_id: str | int) -> str | None:
+def read_departure(
+    store: Store, role: str, member_id: str | int, *, secret: bytes | None = None
+) -> str | None:
     """The reason a member departed, or None when it has not (or the record is not valid).
 
     One GET. The record is untrusted input: anything but a format-1 departure document naming
-    this very member is ignored (the member stays expected)."""
+    this very member is ignored (the member stays expected); with ``secret`` (the run's slot
+    secret), so is one whose MAC does not verify (a record planted by a bucket writer)."""
     key = departure_key(role, member_id)
     try:
         doc = store.get_json(key)
@@ -226,6 +243,11 @@ def read_departure(store: Store, role: str, member_id: str | int) -> str | None:
     reason = doc.get("reason")
     if doc.get("id") != str(member_id) or not isinstance(reason, str) or not reason:
         return None
+    if secret is not None:
+        mac = doc.get("mac")
+        want = _departure_mac(secret, role, str(member_id), reason)
+        if not isinstance(mac, str) or not hmac.compare_digest(mac, want):
+            return None
     return reason
 
 

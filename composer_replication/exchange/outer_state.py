@@ -37,6 +37,7 @@ from composer_replication.exchange.documents import RunDocuments
 
 __all__ = [
     "FORMAT_VERSION",
+    "MAX_UPDATE_NORMS",
     "LoadStateFn",
     "OuterState",
     "SaveStateFn",
@@ -130,11 +131,41 @@ class OuterState:
 
     user: the manager's registered state dicts (key -> DiLoCo fragment state).
     batches_committed: sum over committed rounds of the number of included replicas.
+    update_norms: the L2 norms of the last committed global updates applied up to this round
+    (oldest first; at most `MAX_UPDATE_NORMS`): the reference of the unsigned runs' update
+    tripwire (`store_manager`), kept beside the weights so that a resumed or relaunched replica
+    judges from the run's 4th round, not its own.
     """
 
     round: int
     user: dict[str, StateDict]
     batches_committed: int = 0
+    update_norms: tuple[float, ...] = ()
+
+
+MAX_UPDATE_NORMS = 64  # what a stored state may carry (a reader keeps the newest it needs)
+
+
+def _update_norms(value: object, round: int) -> tuple[float, ...]:
+    """The stored ``update_norms`` (untrusted input): finite floats >= 0, at most
+    `MAX_UPDATE_NORMS` of them; ValueError naming the round otherwise."""
+    if value is None:
+        return ()  # a state written before the norms were kept
+    ok = (
+        isinstance(value, list)
+        and len(value) <= MAX_UPDATE_NORMS
+        and all(
+            isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+            for v in value
+        )
+    )
+    if not ok:
+        raise ValueError(
+            f"outer state for round {round}: update_norms must be a list of at most "
+            f"{MAX_UPDATE_NORMS} finite numbers >= 0"
+        )
+    assert isinstance(value, list)
+    return tuple(float(v) for v in value)
 
 
 class StateFns:
@@ -180,6 +211,7 @@ def publish_outer_state(store: RunDocuments, state: OuterState, *, stride: int =
         "format": FORMAT_VERSION,
         "skeleton": skeleton,
         "batches_committed": state.batches_committed,
+        "update_norms": list(state.update_norms[-MAX_UPDATE_NORMS:]),
     }
     return bool(
         store.publish_state(tensors, round=state.round, name=STATE_NAME, extra=extra, stride=stride)
@@ -208,6 +240,7 @@ def fetch_outer_state(store: RunDocuments, round: int | None = None) -> OuterSta
         round=int(got_round),
         user=user,
         batches_committed=int(extra.get("batches_committed", 0)),
+        update_norms=_update_norms(extra.get("update_norms"), int(got_round)),
     )
 
 

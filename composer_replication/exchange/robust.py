@@ -74,6 +74,7 @@ __all__ = [
     "screen",
     "screen_state",
     "tensor_stats",
+    "merge_weights",
     "trim_count",
 ]
 
@@ -348,20 +349,32 @@ def _check_loss(work: _Work, policy: AggregatePolicy, probe: LossProbe | None) -
     return deltas
 
 
-def _decide(work: _Work, policy: AggregatePolicy, deltas: dict[int, float]) -> list[Decision]:
-    alive = work.alive()
-    notes: dict[int, str] = {}
-    claims: dict[int, float] = {c.rank: 1.0 for c in alive}
-    if policy.weighting == "tokens" and alive:
-        raw = {c.rank: float(c.tokens or 0) for c in alive}
+def merge_weights(
+    tokens: Mapping[int, int | None], policy: AggregatePolicy, notes: dict[int, str] | None = None
+) -> dict[int, float]:
+    """rank -> weight of each included rank (sum 1) under ``policy``'s weighting rule, from
+    the token counts their contributions claim: equal, or proportional to the tokens (capped at
+    ``token_cap`` x their median; all zero: equal). The committer's rule, and what every reader
+    recomputes to check a commit record's weights (``notes``: why a claim was capped)."""
+    claims: dict[int, float] = {r: 1.0 for r in tokens}
+    if policy.weighting == "tokens" and tokens:
+        raw = {r: float(t or 0) for r, t in tokens.items()}
         cap = policy.token_cap * statistics.median(raw.values()) if policy.token_cap else None
         for r, v in raw.items():
             if cap is not None and v > cap:
-                notes[r] = f"token claim {int(v)} capped at {policy.token_cap:g} x median"
+                if notes is not None:
+                    notes[r] = f"token claim {int(v)} capped at {policy.token_cap:g} x median"
                 raw[r] = cap
         total = sum(raw.values())
         claims = raw if total > 0 else claims  # all zero: equal weights
     total = sum(claims.values())
+    return {r: c / total for r, c in claims.items()}
+
+
+def _decide(work: _Work, policy: AggregatePolicy, deltas: dict[int, float]) -> list[Decision]:
+    alive = work.alive()
+    notes: dict[int, str] = {}
+    weights = merge_weights({c.rank: c.tokens for c in alive}, policy, notes)
     scales: dict[int, float] = {}
     if policy.method == "norm_clip" and alive:
         limit = policy.clip_ratio * statistics.median(c.get_stats().norm for c in alive)
@@ -379,7 +392,7 @@ def _decide(work: _Work, policy: AggregatePolicy, deltas: dict[int, float]) -> l
                 rank=r,
                 included=r not in work.out,
                 reason=work.out.get(r, ""),
-                weight=claims[r] / total if r in claims else 0.0,
+                weight=weights.get(r, 0.0),
                 scale=scales.get(r, 1.0),
                 norm=None if stats is None else stats.norm,
                 loss_delta=deltas.get(r),

@@ -57,6 +57,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "REQUEST_KINDS",
+    "RUN_STORE_SCHEMES",
     "ObjectStore",
     "Payload",
     "RequestCounter",
@@ -72,6 +73,9 @@ _SINGLE_PUT_CHUNK = 5 * 2**30 // 2  # s3fs uses one PUT when size < 2 * chunksiz
 _BULK_DELETE = 1000  # keys per S3 DeleteObjects request
 _FIRST_READ = 32 * 2**20  # S3: objects below this are read with one GET
 REQUEST_KINDS: tuple[str, ...] = ("put", "get", "head", "list", "delete")
+# The schemes a run's store may use (`store.uri`): those whose put-if-absent the exchange knows
+# (the module docstring). memory:// is one process's, useless to replicas in other processes.
+RUN_STORE_SCHEMES: tuple[str, ...] = ("file", "s3", "s3a", "gs", "gcs")
 
 
 class RequestCounter:

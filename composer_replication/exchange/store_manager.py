@@ -99,7 +99,9 @@ class RoundRecord(TypedDict):
     upload_seconds / wait_seconds / merge_seconds: where the exchange's time went (object store:
     uploading this replica's contribution, waiting for the peers' and the commit, merging);
     refused: why the round's committed update was not applied (unsigned runs: non-finite, or a
-    norm outlier against the recent rounds), else None.
+    norm outlier against the recent rounds), else None; objects_refused: object key -> why
+    this replica refused an object it read to decide where the run is (a planted head hint),
+    since its previous record.
     """
 
     round: int
@@ -122,6 +124,7 @@ class RoundRecord(TypedDict):
     wait_seconds: float
     merge_seconds: float
     refused: str | None
+    objects_refused: dict[str, str]
 
 
 def round_record(round_: int, *, committed: bool = False, healed: bool = False) -> RoundRecord:
@@ -147,6 +150,7 @@ def round_record(round_: int, *, committed: bool = False, healed: bool = False) 
         wait_seconds=0.0,
         merge_seconds=0.0,
         refused=None,
+        objects_refused={},
     )
 
 
@@ -425,7 +429,10 @@ class ObjectStoreManager:
 
     def _publish(self) -> bool:
         state = OuterState(
-            round=self._round, user=self._state.collect(), batches_committed=self._batches_committed
+            round=self._round,
+            user=self._state.collect(),
+            batches_committed=self._batches_committed,
+            update_norms=tuple(self._update_norms),
         )
         before = self.exchange.store.requests.snapshot()
         wrote = publish_outer_state(self.exchange, state, stride=self.checkpoint_every)
@@ -442,6 +449,9 @@ class ObjectStoreManager:
         self._state.load(state)
         self._round = state.round
         self._batches_committed = state.batches_committed
+        # the tripwire's reference: the run's recent updates, not this process's
+        self._update_norms.clear()
+        self._update_norms.extend(state.update_norms)
 
     def _ensure_published(self) -> None:
         """Publish our current round's state if nobody has (its publisher may have died)."""
@@ -526,10 +536,17 @@ class ObjectStoreManager:
         finally:
             record["seconds"] = time.monotonic() - t0
             record["requests"] = self.exchange.store.requests.since(self._requests_at_quorum)
+            record["objects_refused"] = self._take_refusals()
             self.history.append(record)
             for t, fut in pending:
                 if not fut.done():
                     fut.set_result(t)
+
+    def _take_refusals(self) -> dict[str, str]:
+        """The exchange's refusals of objects since the last record (they are cleared)."""
+        refusals = dict(self.exchange.refusals)
+        self.exchange.refusals.clear()
+        return refusals
 
     def _screen_update(self, step: int, update: Mapping[str, torch.Tensor]) -> None:
         """Unsigned runs: refuse a committed global update that is non-finite or whose norm is

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from composer_replication.models.tokenizers import _require_transformers, build_tokenizer
+from composer_replication.models.tokenizers import IM_END, _require_transformers, build_tokenizer
 
 
 def tiny_model_config(
@@ -87,5 +87,11 @@ def build_tiny_model(
     finally:
         torch.random.set_rng_state(generator_state)
     model.generation_config.pad_token_id = tok.pad_token_id
-    model.generation_config.eos_token_id = tok.eos_token_id
+    # Generation stops at the chat template's end of turn as well as at EOS, as Qwen2.5-Instruct's
+    # generation_config lists both: an answer ends with <|im_end|> (the template, SFT).
+    stops = [tok.eos_token_id]
+    end_of_turn = tok.convert_tokens_to_ids(IM_END)
+    if isinstance(end_of_turn, int) and end_of_turn != tok.unk_token_id:
+        stops.append(end_of_turn)
+    model.generation_config.eos_token_id = stops if len(stops) > 1 else stops[0]
     return model

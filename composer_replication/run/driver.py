@@ -75,7 +75,7 @@ from composer_replication.run.chaos import check_decoupled_run
 from composer_replication.run.checkpoint import mirror_checkpoints
 from composer_replication.run.end_check import end_of_run_problem
 from composer_replication.run.expected import expected_lines
-from composer_replication.run.folder import RunFolder, default_run_name
+from composer_replication.run.folder import RunFolder, claim_store, default_run_name
 from composer_replication.run.metrics import (
     MetricsCollector,
     MetricsSink,
@@ -95,6 +95,7 @@ from composer_replication.run.report import (
     write_report,
 )
 from composer_replication.run.security import (
+    SLOT_SECRET_ENV,
     RunSecrets,
     prepare_signing,
     slot_secret,
@@ -193,7 +194,12 @@ def prepare_resume(run: str, overrides: list[str]) -> tuple[RunConfig, RunFolder
         if text.partition("=")[0].strip() in fixed:
             raise ConfigError(f"--resume: {text.partition('=')[0]} cannot change on resume")
     config = from_dict(RunConfig, apply_overrides(tree, overrides))
-    preflight.check_all(config, folder, resume=True)
+    uri, note = folder.stored_store_uri(config.store.uri)
+    if note is not None:
+        print(f"note: {note}", file=sys.stderr, flush=True)
+    config = dataclasses.replace(config, store=dataclasses.replace(config.store, uri=uri))
+    store_uri = preflight.check_all(config, folder, resume=True)
+    config = dataclasses.replace(config, store=dataclasses.replace(config.store, uri=store_uri))
     return config, folder
 
 
@@ -272,6 +278,7 @@ class _Services:
         if mode.driver_synchronizer:
             log = folder.logs / "synchronizer.log"
             sync_env = dict(env)
+            sync_env.update(slot_secret(folder))  # checks the run generation's MAC (fencing.py)
             if signing is not None:  # its own key, to it only (never in the replicas' env)
                 sync_env[KEY_ENV] = signing.private[SYNCHRONIZER]
             self.synchronizer = SynchronizerProcess(config.store.uri, sync_env, log)
@@ -367,10 +374,13 @@ def _claim_store(
     round resumed at or None)."""
     if not resume:
         folder.create(overwrite=overwrite)
-        if overwrite and store.exists(""):
+        if overwrite and store.exists(""):  # preflight checked it is not another run's
             store.delete_prefix("")  # a stale run in an explicit store would be resumed otherwise
+    claim_store(store, folder)  # whose store this is: `--overwrite` of another run refuses it
     try:
-        generation = bump_generation(store)  # replicas of an earlier launch are fenced from now
+        # replicas of an earlier launch are fenced from now (MACed: a planted one fences none)
+        secret = bytes.fromhex(slot_secret(folder)[SLOT_SECRET_ENV])
+        generation = bump_generation(store, secret)
     except ValueError as exc:
         raise ConfigError(f"{config.store.uri}: {exc}; delete that object to resume") from None
     if resume:  # fenced and stopped before the rollback rewrites the store under them
@@ -385,6 +395,10 @@ def _claim_store(
 def _publish_config(config: RunConfig, folder: RunFolder, store: ObjectStore) -> dict[str, Any]:
     """The resolved config in the run folder and, exactly as the replicas will read it, in the
     store; returns that document."""
+    # the folder's own store is recorded as "" (a copied folder, or its config.toml loaded for
+    # a new run, then names its own store, never this one)
+    recorded = folder.recorded_store_uri(config.store.uri)
+    config = dataclasses.replace(config, store=dataclasses.replace(config.store, uri=recorded))
     folder.config_toml.write_text(dump_toml(config))
     folder.config_json.write_text(json.dumps(to_dict(config), indent=1))
     config_doc: dict[str, Any] = json.loads(json.dumps(to_dict(config)))
@@ -404,7 +418,8 @@ def _open(
 ) -> _Launch:
     """The driver's state, display, metrics and the replicas' environment for this launch; the
     services of the run's mode are started."""
-    state = folder.read_driver()
+    damage = folder.driver_damage()
+    state = folder.read_driver()  # damaged: its backup keeps the earlier attempts
     # The earlier attempts' wall times (one killed mid-run counts until its last update).
     folder.update_driver(
         status="running",
@@ -426,6 +441,9 @@ def _open(
         stream=stream,
     )
     sink = MetricsSink(folder.metrics, folder.tensorboard if config.logging.tensorboard else None)
+    for why in (damage, sink.healed):  # said once; the run goes on
+        if why:
+            print(f"warning: {why}", file=stream, flush=True)
     consumed = {int(k): int(v) for k, v in (state.get("metrics_chunks") or {}).items()}
     collector = MetricsCollector(store, config.backend.n_replicas, sink, consumed)
     env = {
@@ -542,7 +560,8 @@ class _Watch:
             (lambda: sync.pid) if sync is not None else None,
         )
         self.restarter = Restarter(config, launch.executor, ENTRYPOINT, launch.env, launch.secrets)
-        self.departures = Departures(config, mode, store)
+        slot = bytes.fromhex(slot_secret(launch.folder)[SLOT_SECRET_ENV])
+        self.departures = Departures(config, mode, store, secret=slot)
         self.health = HealthLog(mode, n, store, launch.sink)
         keys = launch.signing.keys if launch.signing is not None else None
         self.refusals = (

@@ -1,5 +1,5 @@
 """What the embedded default run (`composer-replication train`, no arguments) should show, as
-measured: the figures of docs/benchmarks.md ("The embedded default") in one place.
+measured: the figures of docs/benchmarks-notebook.md ("The embedded default") in one place.
 
 `train` prints `expected_lines` when it starts such a run, so a user compares their numbers
 with ranges over seeds and machines (not one machine's figure), and their wall time with the
@@ -29,7 +29,7 @@ class WallTime:
 
 @dataclass(frozen=True)
 class DemoExpectation:
-    """The embedded default's measured figures (docs/benchmarks.md, "The embedded default")."""
+    """The embedded default's measured figures (docs/benchmarks-notebook.md, "The embedded default")."""
 
     seeds: str  # the run.seed values measured, e.g. "0-2"
     machines: str  # the CPUs, as /proc/cpuinfo names them, with their cores and vector units
@@ -51,7 +51,7 @@ def _r(lo_hi: tuple[float, float], digits: int = 3) -> str:
     return lo if lo == hi else f"{lo}-{hi}"
 
 
-# The figures (measured: docs/benchmarks.md, "The embedded default", "rpo_alpha on the embedded
+# The figures (measured: docs/benchmarks-notebook.md, "The embedded default", "rpo_alpha on the embedded
 # default": the default with channel 3's NLL term, seeds 0-2 one at a time on the quiet 2-core
 # AMD EPYC, 2026-11-27; the loaded wall times and CPU seconds are the same compute's without the
 # NLL term, which adds no forward pass). Change them only with a measurement recorded there.
@@ -106,7 +106,7 @@ def expected_lines(config: RunConfig, e: DemoExpectation = DEMO) -> list[str]:
     except OSError:  # not on every platform
         load = "load unknown"
     return [
-        'What to expect (the embedded default, measured: docs/benchmarks.md "The embedded '
+        'What to expect (the embedded default, measured: docs/benchmarks-notebook.md "The embedded '
         'default"):',
         f"  held-out accuracy on {load_config().task.n_eval} prompts {_accuracy(e)}, mean reward {_r(e.reward_first, 2)} -> {_r(e.reward_last, 2)}, "
         f"over seeds {e.seeds} on {e.machines}; a seed repeats exactly on one machine, not "

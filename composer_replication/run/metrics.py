@@ -28,18 +28,20 @@ were flagged). `pd.read_json(path, lines=True)` then gives one row per (kind, re
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from composer_replication.exchange.store import ObjectStore
+from composer_replication.exchange.store import ObjectStore, Store
 
 __all__ = [
     "MetricsCollector",
     "MetricsSink",
     "ReplicaMetricsWriter",
+    "heal_torn_tail",
     "mark_resume",
     "read_metrics",
 ]
@@ -48,6 +50,8 @@ if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
 
 KINDS = ("train", "eval", "round", "event")
+
+log = logging.getLogger(__name__)
 
 
 def _clean(value: object) -> object:
@@ -67,22 +71,66 @@ def chunk_dir(rank: int) -> str:
     return f"replicas/{rank}/metrics"
 
 
+WRITE_ATTEMPTS = 3  # an observability write: tries before it is skipped
+WRITE_BACKOFF_S = 0.25  # the wait before the 2nd try; doubled before each next one
+
+
 class ReplicaMetricsWriter:
     """Buffer a replica's records and upload them as numbered chunks (at most every flush_every_s).
 
     Numbering continues after the chunks already in the store, so a restarted or resumed
     replica never overwrites its earlier records (chunks are written put-if-absent).
+
+    Observability never takes training down: a chunk or status write that fails with an
+    `OSError` (the store unreachable, read-only, full) is retried ``attempts`` times with
+    exponential backoff from ``backoff_s``, then skipped with a warning naming the cause; the
+    records stay buffered for the next flush (none is lost once the store is back), and the
+    next status document that gets through says how many writes were skipped and why
+    (``skipped_writes``, ``last_skip``, ``last_skip_time``: `status` shows the replica
+    ``degraded`` while that is recent). A fence (`FencedError`) is not an `OSError`: it still
+    stops the replica.
     """
 
-    def __init__(self, store: ObjectStore, rank: int, *, flush_every_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        store: Store,
+        rank: int,
+        *,
+        flush_every_s: float = 2.0,
+        attempts: int = WRITE_ATTEMPTS,
+        backoff_s: float = WRITE_BACKOFF_S,
+    ) -> None:
+        if attempts < 1 or not backoff_s >= 0:
+            raise ValueError(f"attempts must be >= 1 and backoff_s >= 0: {attempts}, {backoff_s}")
         self.store = store
         self.rank = rank
         self.flush_every_s = flush_every_s
+        self.attempts, self.backoff_s = attempts, backoff_s
         self._buffer: list[dict[str, object]] = []
         self._last_flush = time.monotonic()
         existing = [n for n in store.list(chunk_dir(rank)) if n.endswith(".jsonl")]
         self._seq = 1 + max((int(n.split(".")[0]) for n in existing), default=-1)
         self._status: dict[str, object] = {}
+        self.skipped = 0  # observability writes given up on
+        self.last_skip: str | None = None
+
+    def _write(self, what: str, write: Callable[[], object]) -> bool:
+        """One observability write, retried with backoff, then skipped (False) with a warning."""
+        for attempt in range(self.attempts):
+            try:
+                write()
+                return True
+            except OSError as exc:
+                cause = f"{type(exc).__name__}: {exc}"
+                if attempt + 1 < self.attempts:
+                    time.sleep(self.backoff_s * 2**attempt)
+        self.skipped += 1
+        self.last_skip = f"{what} not written after {self.attempts} tries ({cause})"
+        self._status.update(
+            skipped_writes=self.skipped, last_skip=self.last_skip, last_skip_time=time.time()
+        )
+        log.warning("replica %d: %s; training goes on, retried later", self.rank, self.last_skip)
+        return False
 
     def log(self, kind: str, *, step: int, round: int, **values: object) -> None:
         if kind not in KINDS:
@@ -107,12 +155,25 @@ class ReplicaMetricsWriter:
         if not self._buffer:
             return
         data = "".join(json.dumps(r) + "\n" for r in self._buffer).encode()
-        while not self.store.put_if_absent(f"{chunk_dir(self.rank)}/{self._seq:08d}.jsonl", data):
-            self._seq += 1  # an earlier incarnation of this rank wrote that number
+
+        def put_chunk() -> None:
+            key = f"{chunk_dir(self.rank)}/{self._seq:08d}.jsonl"
+            while not self.store.put_if_absent(key, data):
+                there = self.store.get(key)
+                if there is not None and bytes(there) == data:
+                    return  # ours: an earlier try whose answer was lost
+                self._seq += 1  # an earlier incarnation of this rank wrote that number
+                key = f"{chunk_dir(self.rank)}/{self._seq:08d}.jsonl"
+
+        if not self._write(f"metrics chunk {self._seq}", put_chunk):
+            return  # the records stay buffered for the next flush
         self._seq += 1
         self._buffer.clear()
         if self._status:
-            self.store.put_json(status_key(self.rank), self._status)
+            self._write("status document", self._put_status)
+
+    def _put_status(self) -> None:
+        self.store.put_json(status_key(self.rank), self._status)
 
     def status(self, *, force: bool = False, **fields: object) -> None:
         """Update this replica's status document (uploaded with the next flush, or now)."""
@@ -120,18 +181,41 @@ class ReplicaMetricsWriter:
         self._status["rank"] = self.rank
         self._status["updated"] = time.time()
         if force:
-            self.store.put_json(status_key(self.rank), self._status)
+            self._write("status document", self._put_status)
 
 
-def _end_torn_line(path: Path) -> None:
-    """A driver killed mid-append can leave a last line without its newline: end it, so the next
-    record starts a line of its own (readers skip the torn one; the record that follows is kept)."""
+def heal_torn_tail(path: Path) -> str | None:
+    """A driver killed mid-append can leave metrics.jsonl ending inside a record: cut the file
+    back to the end of its last whole record and say so (None when there was nothing to
+    heal). A whole last record without its newline only gets the newline. The cut record is
+    not lost: its chunk was not counted as consumed yet (driver.json is saved after the append),
+    so the collector reads that chunk again and appends it whole."""
     if not path.is_file() or path.stat().st_size == 0:
-        return
+        return None
     with path.open("rb+") as fh:
-        fh.seek(-1, 2)
-        if fh.read(1) != b"\n":
+        size = fh.seek(0, 2)
+        back = min(size, 1 << 20)
+        fh.seek(size - back)
+        tail = fh.read(back)
+        if tail.endswith(b"\n"):
+            return None
+        cut = tail.rfind(b"\n") + 1  # 0: no newline in the tail
+        last = tail[cut:]
+        try:
+            whole = isinstance(json.loads(last), dict)
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            whole = False
+        if whole:
             fh.write(b"\n")
+            return None
+        if cut == 0 and back < size:
+            return None  # a line longer than the window: leave it, readers skip it
+        fh.truncate(size - back + cut)
+    return (
+        f"{path.name}: its last line was cut inside a record ({len(last)} bytes, a driver "
+        "killed mid-append): cut back to the last whole record; the record is read again from "
+        "its chunk"
+    )
 
 
 class MetricsSink:
@@ -141,7 +225,7 @@ class MetricsSink:
         self.metrics_path = metrics_path
         self.tensorboard_dir = tensorboard_dir
         self._writers: dict[int, SummaryWriter] = {}
-        _end_torn_line(metrics_path)
+        self.healed = heal_torn_tail(metrics_path)  # the driver prints it
         if tensorboard_dir is not None:
             # Import now, not at the first record: a slow import mid-run delays the display, and
             # a missing package should fail before any replica starts.
@@ -271,8 +355,9 @@ def mark_resume(
     path: Path, sink: MetricsSink, *, resumed_round: int, redo_after_step: int, n_replicas: int
 ) -> dict[int, int]:
     """A resume redoes every step after `redo_after_step`: flag their records already in
-    metrics.jsonl ``"superseded": true`` (the file is rewritten atomically) and append one
-    "resume" event per replica through `sink`; returns the flagged count per replica."""
+    metrics.jsonl ``"superseded": true`` (the file is rewritten atomically; a torn line left
+    mid-file by an older release is dropped, so the file parses) and append one "resume"
+    event per replica through `sink`; returns the flagged count per replica."""
     flagged = dict.fromkeys(range(n_replicas), 0)
     if path.is_file():
         lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
@@ -281,8 +366,7 @@ def mark_resume(
             try:
                 record = json.loads(line)
             except json.JSONDecodeError:
-                out.append(line)  # a torn line stays as it was (readers skip it)
-                continue
+                continue  # a line torn by an older release's crash: not a record, dropped
             step = record.get("step") if isinstance(record, dict) else None
             if (
                 isinstance(record, dict)

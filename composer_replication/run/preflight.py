@@ -16,13 +16,15 @@ from pathlib import Path
 
 from composer_replication.assembly.build import build_task
 from composer_replication.config import ConfigError, RunConfig
-from composer_replication.exchange.store import ObjectStore, normalize_uri
+from composer_replication.exchange.store import RUN_STORE_SCHEMES, ObjectStore, normalize_uri
 from composer_replication.executors import registry
-from composer_replication.run.folder import RunFolder
+from composer_replication.executors.executor import Releasable
+from composer_replication.run.folder import RunFolder, owner_conflict
 
 __all__ = [
     "check_all",
     "check_backend",
+    "check_backend_credentials",
     "check_hub_model",
     "check_model",
     "check_backend_options",
@@ -30,16 +32,24 @@ __all__ = [
     "check_resume_writable",
     "check_run_folder",
     "check_store",
+    "check_store_scheme",
     "check_task",
     "check_teachers",
+    "hub_offline",
     "resolve_store_uri",
 ]
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
-def check_model(config: RunConfig) -> None:
-    """'tiny', an existing local folder with config.json, or something shaped like a hub id."""
+def hub_offline() -> bool:
+    """HF_HUB_OFFLINE is set to a true value (huggingface_hub's reading of it)."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def check_model(config: RunConfig, *, hub: bool = True) -> None:
+    """'tiny', an existing local folder with config.json, or something shaped like a hub id;
+    with `hub`, a hub id must also be cached or reachable now (`check_hub_model`)."""
     name = config.model.name
     if config.model.is_tiny:
         return
@@ -61,7 +71,8 @@ def check_model(config: RunConfig) -> None:
             f"model.name: {name!r} is neither 'tiny', an existing folder, nor a hub id like "
             "'Qwen/Qwen2.5-0.5B-Instruct'"
         )
-    check_hub_model(name)
+    if hub:
+        check_hub_model(name)
 
 
 def check_hub_model(name: str, *, timeout_s: float = 10.0) -> None:
@@ -202,12 +213,26 @@ def _nearest_existing(path: Path) -> Path:
     return path
 
 
-def check_store(config: RunConfig, store_uri: str, *, overwrite: bool = False) -> None:
-    """The store must be writable and hold no other run (unless overwriting).
+def check_store(
+    config: RunConfig, store_uri: str, *, overwrite: bool = False, run: RunFolder | None = None
+) -> None:
+    """The store must be writable and hold no other run (unless overwriting, and then only a
+    store of this run folder ``run``: `folder.owner_conflict`).
 
     Local: checked without writing. Remote: one probe object, written and deleted.
     """
     store = ObjectStore(store_uri, config.store.storage_options)  # connects on first use only
+    if overwrite and run is not None:
+        try:
+            conflict = owner_conflict(store, run)
+        except OSError:
+            conflict = None  # unreachable: the checks below say so
+        if conflict is not None:
+            raise ConfigError(
+                f"store.uri: {conflict}; --overwrite clears only this run's own store. Give "
+                f"run {run.name} its own store.uri (empty: the run folder's store/), or resume "
+                "that run"
+            )
     folder = store.local_path
     if folder is not None:
         if (folder / "run_config.json").exists() and not overwrite:
@@ -268,9 +293,15 @@ def check_resume_writable(folder: RunFolder, store_uri: str) -> None:
     for path in paths:
         reason = _unwritable(path)
         if reason is not None:
+            own = local_store is not None and local_store.resolve() == folder.store
             raise ConfigError(
                 f"--resume: cannot write the run folder {folder.root} ({reason}); remount it "
                 "read-write, or copy the folder somewhere writable and resume the copy"
+                + (
+                    " (its store/ comes with it; the original is left as it is)"
+                    if own
+                    else f" (it continues the run in its store, {store_uri})"
+                )
             )
 
 
@@ -310,11 +341,44 @@ def check_reporting(config: RunConfig) -> None:
             )
 
 
+def check_store_scheme(uri: str) -> None:
+    """`store.uri` names a scheme the exchange supports (a plain path is file://)."""
+    if "://" not in uri:
+        return
+    scheme = uri.partition("://")[0]
+    if scheme.lower() not in RUN_STORE_SCHEMES:
+        supported = ", ".join(f"{s}://" for s in RUN_STORE_SCHEMES)
+        raise ConfigError(
+            f"store.uri: {uri!r}: the scheme {scheme + '://'!r} is not supported; use one of "
+            f"{supported} (or a local path, which is file://)"
+        )
+
+
 def resolve_store_uri(config: RunConfig, folder: RunFolder) -> str:
+    check_store_scheme(config.store.uri)
     try:
         return normalize_uri(config.store.uri or str(folder.store))
     except ValueError as exc:
         raise ConfigError(f"store.uri: {exc}") from None
+
+
+def check_backend_credentials(config: RunConfig) -> str:
+    """Build the executor of `backend.kind` as `train` does (the same constructor, options and
+    secrets), which finds the backend's credentials where its SDK looks for them (kubeconfig or
+    a service account, the Modal token, the Hugging Face token, boto3's chain), and let it go
+    without launching anything. ConfigError naming what is missing; else the note for the `ok`
+    line (the local and Ray backends have no credentials: building them checks the options)."""
+    import tempfile
+
+    from composer_replication.assembly.services import build_executor
+
+    with tempfile.TemporaryDirectory(prefix="composer-check-backend-") as tmp:
+        executor = build_executor(config, Path(tmp) / "logs")
+        if isinstance(executor, Releasable):
+            executor.shutdown()
+    if registry.backend(config.backend.kind).remote:
+        return "backend credentials found"
+    return f"executor built; the {config.backend.kind} backend needs no credentials"
 
 
 def check_all(
@@ -331,5 +395,5 @@ def check_all(
     if resume:
         check_resume_writable(folder, store_uri)
     else:
-        check_store(config, store_uri, overwrite=overwrite)
+        check_store(config, store_uri, overwrite=overwrite, run=folder)
     return store_uri

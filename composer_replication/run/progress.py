@@ -1,7 +1,9 @@
 """Progress of a running training: a live table on a terminal, plain log lines elsewhere.
 
 The driver calls `update(rows)` about once a second with one `ReplicaRow` per replica (built
-from the replicas' status documents in the store and the executor's handles). The live mode
+from the replicas' status documents in the store and the executor's handles). Both modes show
+the run's progress: a bar of the inner steps done over all replicas, each replica's inner steps
+per second (over the last minute of progress) and the time left at that rate. The live mode
 (rich) redraws a table in place; the plain mode prints one line when something worth a line
 changed (an outer round, a state change), every `plain_every_s` seconds while the steps or
 rewards move, and every `quiet_every_s` seconds when nothing at all changed (so a start-up prints
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TextIO
@@ -47,6 +50,16 @@ def choose_mode(setting: str, stream: TextIO) -> str:
     return "live"
 
 
+BAR_WIDTH = 20
+RATE_WINDOW_S = 60.0  # steps per second are measured over the last minute of progress
+
+
+def _duration(seconds: float) -> str:
+    """``0:01:55``; days are hours (``27:00:00``)."""
+    s = max(0, round(seconds))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
 def _num(value: float | None, digits: int = 3) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
@@ -79,6 +92,8 @@ class Progress:
         self._last_key: Any = None
         self._last_content: str | None = None
         self._live: Any = None
+        # (time, inner steps done over all replicas), one sample per change, the last minute
+        self._samples: deque[tuple[float, int]] = deque()
         if mode == "live":
             from rich.console import Console
             from rich.live import Live
@@ -101,9 +116,39 @@ class Progress:
         else:
             print(text, file=self.stream, flush=True)
 
+    def _sample(self, rows: list[ReplicaRow]) -> None:
+        done = sum(min(r.step, r.max_steps) if r.max_steps else r.step for r in rows)
+        now = self._clock()
+        if not self._samples or self._samples[-1][1] != done:
+            self._samples.append((now, done))
+        while len(self._samples) > 2 and now - self._samples[0][0] > RATE_WINDOW_S:
+            self._samples.popleft()
+
+    def overall(self, rows: list[ReplicaRow]) -> str:
+        """``[#####...............]  25%  1.30 steps/s  ETA 0:01:55``: the inner steps done over
+        all replicas, each replica's steps per second and the time left at that rate ("-" while
+        no step has been measured)."""
+        total = sum(r.max_steps for r in rows)
+        if total <= 0:
+            return ""
+        done = sum(min(r.step, r.max_steps) for r in rows)
+        fraction = done / total
+        filled = int(fraction * BAR_WIDTH)
+        bar = "#" * filled + "." * (BAR_WIDTH - filled)
+        rate = None  # inner steps per second, all replicas together
+        if len(self._samples) >= 2:
+            (t0, d0), (t1, d1) = self._samples[0], self._samples[-1]
+            if t1 > t0 and d1 > d0:
+                rate = (d1 - d0) / (t1 - t0)
+        if rate is None:
+            return f"[{bar}] {fraction:4.0%}  - steps/s  ETA -"
+        eta = _duration((total - done) / rate)
+        return f"[{bar}] {fraction:4.0%}  {rate / len(rows):.2f} steps/s  ETA {eta}"
+
     def update(self, rows: list[ReplicaRow]) -> None:
         if self.mode == "none":
             return
+        self._sample(rows)
         if self._live is not None:
             self._live.update(self._table(rows))
             return
@@ -137,12 +182,22 @@ class Progress:
         return " | ".join(parts)
 
     def _line(self, rows: list[ReplicaRow]) -> str:
-        return f"[{self.elapsed:6.1f}s] {self._content(rows)}"
+        overall = self.overall(rows)
+        return f"[{self.elapsed:6.1f}s] {self._content(rows)}" + (
+            f" | {overall}" if overall else ""
+        )
 
     def _table(self, rows: list[ReplicaRow]) -> Any:
         from rich.table import Table
+        from rich.text import Text
 
-        table = Table(title=f"{self.title}  ({self.elapsed:.0f}s)", title_justify="left")
+        overall = self.overall(rows)
+        table = Table(
+            title=f"{self.title}  ({self.elapsed:.0f}s)",
+            title_justify="left",
+            caption=Text(overall) if overall else None,  # Text: no markup in "[###...]"
+            caption_justify="left",
+        )
         for column in ("replica", "state", "step", "round", "reward", "eval acc", "updated"):
             table.add_column(column, justify="right" if column != "state" else "left")
         for r in rows:

@@ -90,7 +90,11 @@ def run_replica(
     (`run.security.slot_secret`); ``generation``: the run generation of
     its launch (None: the store's current one), checked before every write."""
     store = ObjectStore(uri, storage_options)
-    fence = Fence(store, read_generation(store) if generation is None else generation)
+    fence = Fence(
+        store,
+        read_generation(store) if generation is None else generation,
+        secret=slot_secret,  # a planted run_generation.json cannot fence the run's replicas
+    )
     store.write_guard = fence
     try:
         fence()
@@ -242,7 +246,9 @@ def _train(r: _Replica) -> bool:
         sha256=weights_digest(r.model),
     )
     if mode.store_departures:  # a peer still behind need not wait for this rank
-        write_departure(store, mode.worker_role, rank, reason="finished training")
+        write_departure(
+            store, mode.worker_role, rank, reason="finished training", secret=slot_secret_from_env()
+        )
     return True
 
 

@@ -181,6 +181,13 @@ def headline_lines(summary: dict[str, Any], *, eval_n: int | None = None) -> lis
             )
     if losses_rose(summary):
         lines.append(f"  {LOSS_RISE_LINE}")
+    if summary.get("teacher_advantage_first10") is not None:
+        gate = summary.get("gate_open_last10")
+        lines.append(
+            f"  ch2 teacher adv. first 10%: {_num(summary.get('teacher_advantage_first10'))}   "
+            f"last 10%: {_num(summary.get('teacher_advantage_last10'))}"
+            + (f"   (gate open in {gate:.0%} of the last 10%)" if gate is not None else "")
+        )
     refused = summary.get("rejections") or []
     for r in refused[:REJECTIONS_SHOWN]:  # every refusal is in metrics.jsonl (event "rejected")
         lines.append(f"  refused          round {r['round']} rank {r['rank']}: {r['reason']}")
@@ -243,6 +250,24 @@ def wall_text(driver: dict[str, Any]) -> str:
     )
 
 
+# What the learning signal looked like (train metrics; summary.md shows first / last 10 % of
+# steps): (summary key, metric, label).
+LEARNING_SIGNALS: tuple[tuple[str, str, str], ...] = (
+    ("entropy", "entropy", "policy entropy (nats per completion token)"),
+    (
+        "zero_std_share",
+        "frac_reward_zero_std",
+        "share of prompt groups with one reward for all rollouts (zero advantage)",
+    ),
+    (
+        "teacher_advantage",
+        "sdpo/teacher_advantage",
+        "channel 2: hinted teacher's reward minus the student's, same prompts",
+    ),
+    ("gate_open", "sdpo/gate_open", "channel 2: share of batches its teacher gate let through"),
+)
+
+
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     """Headline numbers of a run.
 
@@ -259,6 +284,10 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         first_last = _first_last10(records, channel.metric)
         if first_last is not None:
             out[f"{channel.key}_first10"], out[f"{channel.key}_last10"], _ = first_last
+    for key, metric, _ in LEARNING_SIGNALS:
+        first_last = _first_last10(records, metric)
+        if first_last is not None:
+            out[f"{key}_first10"], out[f"{key}_last10"], _ = first_last
     evals = sorted(
         (
             (int(r.get("step", 0)), float(r["eval/accuracy"]), r.get("eval/n"))
@@ -397,11 +426,30 @@ def _figure(title: str, ylabel: str, nrows: int = 1) -> tuple[Figure, list[Axes]
 def _plot_series(
     ax: Axes, series: dict[int, list[tuple[int, float]]], legend: str = "replica {replica}"
 ) -> None:
+    """One line per replica; replicas whose points are all equal share one line, labelled so
+    (drawn separately, the last would hide the others exactly)."""
+    groups: dict[tuple[tuple[int, float], ...], list[int]] = {}
     for replica, points in series.items():
-        xs, ys = zip(*points)
-        ax.plot(xs, ys, marker="." if len(xs) < 40 else None, label=legend.format(replica=replica))
+        groups.setdefault(tuple(points), []).append(replica)
+    for shared, replicas in groups.items():
+        xs, ys = zip(*shared)
+        if len(replicas) == 1:
+            label = legend.format(replica=replicas[0])
+        else:
+            label = f"replicas {', '.join(map(str, replicas))} (identical)"
+        ax.plot(xs, ys, marker="." if len(xs) < 40 else None, label=label)
     if series:
         ax.legend(fontsize=8)
+
+
+def _from_zero(ax: Axes) -> None:
+    """A y axis from 0 with 10 % headroom: a constant series (the same bytes every round) is
+    then a flat line at its value, not a line in the middle of a 1.00-1.10 axis."""
+    import numpy as np
+
+    values = [float(np.max(np.asarray(line.get_ydata(), dtype=float))) for line in ax.get_lines()]
+    top = max(values, default=0.0)
+    ax.set_ylim(0.0, top * 1.1 if top > 0 else 1.0)
 
 
 # The evaluator replica evaluates the global weights (identical on every replica after a
@@ -463,6 +511,8 @@ def _plot_rounds(records: list[dict[str, Any]], save: Callable[[Figure, str], No
             mb[int(r.get("replica", 0))].append((int(r.get("step", 0)), total / 1e6))
     _plot_series(axes[1], {k: sorted(v) for k, v in sorted(mb.items())})
     axes[1].set_ylabel("MB up + down")
+    for ax in axes:
+        _from_zero(ax)
     save(fig, "outer_rounds.png")
 
 
@@ -483,7 +533,8 @@ def _plot_time_breakdown(
         bottom = [b + h for b, h in zip(bottom, heights)]
     ax.set_xlabel("outer round")
     ax.set_xticks(rounds)
-    ax.legend(fontsize=8)
+    # beside the axes, not over them: inside, it covered the bars of whichever rounds were tall
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     save(fig, "time_breakdown.png")
 
 
@@ -629,6 +680,12 @@ def summary_markdown(
             for ch in LOSS_CHANNELS
             if summary.get(ch.key + "_first10") is not None
         ),
+        *(
+            f"| {label}, first / last 10% of steps | {_fmt(summary.get(key + '_first10'))} / "
+            f"{_fmt(summary.get(key + '_last10'))} |"
+            for key, _, label in LEARNING_SIGNALS
+            if summary.get(key + "_first10") is not None
+        ),
         f"| inner steps per replica | {_fmt(summary.get('steps'))} |",
         f"| outer rounds | {_fmt(summary.get('rounds'))} |",
         f"| mean outer-round time (s) | {_fmt(summary.get('round_seconds_mean'))} |",
@@ -636,16 +693,7 @@ def summary_markdown(
         f"{_fmt((summary.get('round_bytes_total') or 0) / 1e6, 2)} |",
         f"| wall time | {wall_text(driver) or _fmt(summary.get('wall_seconds'), 1) + ' s'} |",
     ]
-    if losses_rose(summary):
-        lines += ["", LOSS_RISE_NOTE]
-    spent = summary.get("health_seconds")
-    if spent:
-        lines.append(
-            f"| run health (s {' / '.join(HEALTH_STATES)}) | "
-            + " / ".join(f"{spent.get(name, 0.0):.0f}" for name in HEALTH_STATES)
-            + " |"
-        )
-    lines.append("")
+    lines += _table_end(summary)
     if plots:
         lines += ["## Plots", ""]
         lines += [f"![{p.stem}](plots/{p.name})" for p in plots]
@@ -656,6 +704,22 @@ def summary_markdown(
         lines += [f"- `checkpoints/{name}/`" for name in checkpoints]
         lines.append("")
     return "\n".join(lines)
+
+
+def _table_end(summary: dict[str, object]) -> list[str]:
+    """The metrics table's last row (the health) and, after the whole table (a paragraph
+    between two rows splits it), the note on rising channel 2/3 losses."""
+    lines = []
+    spent = summary.get("health_seconds")
+    if isinstance(spent, dict) and spent:
+        lines.append(
+            f"| run health (s {' / '.join(HEALTH_STATES)}) | "
+            + " / ".join(f"{spent.get(name, 0.0):.0f}" for name in HEALTH_STATES)
+            + " |"
+        )
+    if losses_rose(summary):
+        lines += ["", LOSS_RISE_NOTE]
+    return [*lines, ""]
 
 
 def _fmt_interval(ci: object) -> str:

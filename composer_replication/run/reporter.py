@@ -4,6 +4,8 @@
 `on_step_end` it sees an outer round that has just been committed (the model then holds the new
 global weights, identical on every replica) and in `on_train_end` the final global weights.
 
+- the "train_begin" event of a decoupled learner carries what binding downloaded
+  (``rejoin_bytes``, ``rejoin_objects``, ``rejoin_merged_meanwhile``: `RejoinRecord`);
 - every TRL log line becomes a "train" record (step = inner step of the whole run: the trainer
   of a relaunched replica continues at its start step);
 - every exchange in the manager's history becomes a "round" record (seconds, bytes, ranks,
@@ -25,6 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from composer_replication.data.turns import stop_token_ids
+from composer_replication.diloco.decoupled import DecoupledLearner
 from composer_replication.diloco.outer_mode import OuterLoop
 from composer_replication.exchange.signing import RunKeys
 from composer_replication.exchange.store import ObjectStore
@@ -32,6 +36,7 @@ from composer_replication.exchange.store_manager import RoundRecord
 from composer_replication.run.checkpoint import prune_checkpoints, round_dir, save_checkpoint
 from composer_replication.run.metrics import ReplicaMetricsWriter
 from composer_replication.run.replica_state import prune_replica_states, save_replica_state
+from composer_replication.tasks.task import decode_completion
 
 try:
     from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
@@ -60,12 +65,15 @@ def greedy_completions(
     max_new_tokens: int,
     batch_size: int = 64,
 ) -> list[str]:
-    """The greedy completion (raw text, special tokens kept) of each user prompt in `prompts`,
-    in order; the model's train/eval mode is restored afterwards."""
+    """The greedy completion of each user prompt in `prompts`, in order, as the verifier judges
+    it (`tasks.decode_completion`: cut at the first of the model's stop tokens, special tokens
+    kept; the training reward decodes the same way); the model's train/eval mode is restored
+    afterwards."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
     completions: list[str] = []
+    stops = stop_token_ids(tokenizer, getattr(model.generation_config, "eos_token_id", None))
     try:
         for start in range(0, len(prompts), batch_size):
             chunk = prompts[start : start + batch_size]
@@ -85,9 +93,10 @@ def greedy_completions(
                 do_sample=False,
                 pad_token_id=tokenizer.pad_token_id,
             )
-            completions += tokenizer.batch_decode(
-                out[:, enc["input_ids"].shape[1] :], skip_special_tokens=False
-            )
+            completions += [
+                decode_completion(tokenizer, row, stops)
+                for row in out[:, enc["input_ids"].shape[1] :].tolist()
+            ]
     finally:
         model.train(was_training)
     return completions
@@ -234,7 +243,19 @@ class ReplicaReporter(TrainerCallback):
         **kwargs: Any,
     ) -> None:
         step = self._step(state)
-        self.writer.log("event", step=step, round=self._round(), event="train_begin")
+        # a decoupled learner: what binding downloaded (only the newest version of each
+        # fragment merged while it was down; docs/diloco.md)
+        rejoin = self.outer.rejoin if isinstance(self.outer, DecoupledLearner) else None
+        extra = (
+            {}
+            if rejoin is None
+            else {
+                "rejoin_bytes": rejoin["bytes"],
+                "rejoin_objects": rejoin["objects"],
+                "rejoin_merged_meanwhile": rejoin["merged_meanwhile"],
+            }
+        )
+        self.writer.log("event", step=step, round=self._round(), event="train_begin", **extra)
         self._status("training", step, force=True)
         model = kwargs.get("model")
         if self.is_evaluator and step == 0 and model is not None:
@@ -355,6 +376,17 @@ class ReplicaReporter(TrainerCallback):
         for rank, why in sorted(rejected.items()):  # every rejection, with rank and reason
             self.writer.log(
                 "event", step=step, round=rnd, event="rejected", rank=int(rank), reason=str(why)
+            )
+        for key, why in sorted((record.get("objects_refused") or {}).items()):
+            self.writer.log(
+                "event",
+                step=step,
+                round=rnd,
+                event="rejected",
+                rank=-1,
+                object=key,
+                reason=str(why),
+                by=f"rank-{self.rank}",
             )
         if rejected:
             self.writer.status(rejections={"round": rnd, "ranks": rejected})

@@ -53,6 +53,8 @@ from composer_replication.exchange.signing import (
 )
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from composer_replication.config import RunConfig
     from composer_replication.exchange.store import ObjectStore
     from composer_replication.run.folder import RunFolder
@@ -65,6 +67,8 @@ __all__ = [
     "WRITER_SECRET_ENV",
     "RunSecrets",
     "participant_keys",
+    "secret_files",
+    "secrets_warning",
     "prepare_signing",
     "slot_secret",
     "slot_secret_from_env",
@@ -77,6 +81,24 @@ WRITER_SECRETS_FILE = "writer-secrets.json"  # in the run folder, never in the s
 WRITER_SECRET_ENV = "COMPOSER_WRITER_SECRET"  # rank r's writer secret (hex), rank r only
 SLOT_SECRET_ENV = "COMPOSER_SLOT_SECRET"  # the run's slot secret (hex), every rank
 CONFIG_SIGNATURE_KEY = "run_config.sig.json"
+SECRET_FILES = (WRITER_SECRETS_FILE, KEYS_FILE)  # what a shared copy of a run folder must leave out
+
+
+def secret_files(root: Path) -> list[str]:
+    """The names of the secret files the run folder `root` holds (SECRET_FILES that exist)."""
+    return [name for name in SECRET_FILES if (root / name).is_file()]
+
+
+def secrets_warning(root: Path, names: list[str]) -> str:
+    """The line `report` and `status` print for a run folder holding secrets: what they are and
+    how to share the folder without them."""
+    excludes = " ".join(f"--exclude {name}" for name in names)
+    verb = "holds" if len(names) == 1 else "hold"
+    return (
+        f"do not share {' and '.join(names)}: {verb} this run's per-rank secrets, with which "
+        f"anyone who can write to its store passes for its replicas; share a copy without "
+        f"{'it' if len(names) == 1 else 'them'} (rsync -a {excludes} {root}/ DEST/)"
+    )
 
 
 @dataclass

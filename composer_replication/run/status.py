@@ -38,6 +38,7 @@ from __future__ import annotations
 import json
 import socket
 import time
+from pathlib import Path
 from typing import Any
 
 from composer_replication.assembly.outer import outer_loop_mode
@@ -50,6 +51,7 @@ from composer_replication.run.checkpoint import committed_checkpoints
 from composer_replication.run.folder import RunFolder
 from composer_replication.run.metrics import status_key
 from composer_replication.run.processes import pid_alive
+from composer_replication.run.security import secret_files, secrets_warning
 
 __all__ = ["health_now", "run_status", "status_text"]
 
@@ -187,15 +189,15 @@ def _resume_plan(store: ObjectStore, mode: OuterLoopMode, n: int) -> tuple[str, 
 def run_status(folder: RunFolder, *, stale_after_s: float = 120.0) -> dict[str, Any]:
     """A JSON-able description of the run (see the module docstring)."""
     config = json.loads(folder.config_json.read_text())
-    driver = folder.read_driver()
+    driver, driver_damage = folder.read_driver(), folder.driver_damage()
     n = int(config["backend"]["n_replicas"])
-    store_cfg = config.get("store", {})
+    own_uri = folder.configured_store(config)  # "" in config.json: the folder's store/
     statuses: dict[int, dict[str, Any]] = {}
     checkpoints: list[str] = []
     store_error = None
     store: ObjectStore | None = None
     try:
-        store = ObjectStore(store_cfg["uri"], store_cfg.get("storage_options"))
+        store = ObjectStore(own_uri, config.get("store", {}).get("storage_options"))
         for rank in range(n):
             try:
                 doc = store.get_json(status_key(rank))
@@ -251,14 +253,16 @@ def run_status(folder: RunFolder, *, stale_after_s: float = 120.0) -> dict[str, 
         "folder": str(folder.root),
         "status": "stopped" if gone is not None else driver.get("status", "unknown"),
         "driver_gone": gone,
+        "driver_damage": driver_damage,
         "resume": resume,
         "lost": [r for r in driver.get("lost") or [] if isinstance(r, int)],
         "started": driver.get("started"),
         "ended": driver.get("ended"),
-        "store": store_cfg.get("uri"),
+        "store": own_uri,
         "store_error": store_error,
         "round": top_round,
         "checkpoints": checkpoints,
+        "secrets": secret_files(folder.root),
         "replicas": replicas,
         "health": run_state,
         "rejections": rejections,
@@ -308,7 +312,8 @@ def _replica_row(
     stale_after_s: float,
 ) -> dict[str, Any]:
     """One replica's line of `run_status`: its last status document, what the executor said,
-    and its health (failed / stale / behind / ok)."""
+    and its health (failed / stale / behind / degraded: observability writes skipped within
+    ``stale_after_s`` / ok)."""
     updated = doc.get("updated")
     lag_s = None if updated is None else max(0.0, now - float(updated))
     rnd = int(doc.get("round") or 0)
@@ -320,6 +325,8 @@ def _replica_row(
         health = "stale"
     elif top_round - rnd > 1:
         health = "behind"
+    elif now - float(doc.get("last_skip_time") or 0.0) < stale_after_s:
+        health = "degraded"  # its metrics or status writes were skipped lately (metrics.py)
     else:
         health = "ok"
     return {
@@ -338,6 +345,7 @@ def _replica_row(
         "wait_fraction": doc.get("wait_fraction"),
         "health": health,
         "error": handle.get("error"),
+        "skipped": doc.get("last_skip") if health == "degraded" else None,
     }
 
 
@@ -352,6 +360,8 @@ def status_text(info: dict[str, Any]) -> str:
     lines = [
         f"run {info['run']}: {status}   outer round {info['round']}   store {info['store']}",
     ]
+    if info.get("driver_damage"):
+        lines.append(f"  {info['driver_damage']}")
     resume = info.get("resume")
     if resume:
         if resume.get("still_running"):
@@ -395,6 +405,8 @@ def status_text(info: dict[str, Any]) -> str:
         )
         if r.get("error"):
             lines.append("       " + str(r["error"]).replace("\n", "\n       "))
+        if r.get("skipped"):
+            lines.append(f"       writes skipped: {r['skipped']}")
     rejections = info.get("rejections")
     if rejections:
         lines.append(f"  rejected in round {rejections.get('round')}:")
@@ -402,4 +414,6 @@ def status_text(info: dict[str, Any]) -> str:
             lines.append(f"    rank {rank}: {why}")
     if info["checkpoints"]:
         lines.append(f"  checkpoints: {', '.join(info['checkpoints'])}")
+    if info.get("secrets"):
+        lines.append("  " + secrets_warning(Path(info["folder"]), info["secrets"]))
     return "\n".join(lines)

@@ -221,10 +221,16 @@ class Departures:
     peers stop waiting for it; a silent one that beats again is taken back."""
 
     def __init__(
-        self, config: RunConfig, mode: OuterLoopMode, store: ObjectStore, every_s: float = 2.0
+        self,
+        config: RunConfig,
+        mode: OuterLoopMode,
+        store: ObjectStore,
+        every_s: float = 2.0,
+        secret: bytes | None = None,
     ) -> None:
         self.config = config
         self.store = store
+        self.secret = secret  # the run's slot secret: departure records carry its MAC
         self.enabled = mode.store_departures
         self.role = mode.worker_role
         self.lockstep = mode.lockstep
@@ -268,7 +274,11 @@ class Departures:
             try:
                 if silent > SILENT_AFTER_S and rank not in self._silent:
                     write_departure(
-                        self.store, self.role, rank, reason=f"no heartbeat for {silent:.0f} s"
+                        self.store,
+                        self.role,
+                        rank,
+                        reason=f"no heartbeat for {silent:.0f} s",
+                        secret=self.secret,
                     )
                     self._silent.add(rank)
                     gone = len(self._silent | self._lost)
@@ -295,7 +305,9 @@ class Departures:
             again = restarter.will_restart(h.replica_id)
             reason = f"{why}; {'being restarted' if again else 'no restarts left'}"
             try:
-                write_departure(self.store, self.role, h.replica_id, reason=reason)
+                write_departure(
+                    self.store, self.role, h.replica_id, reason=reason, secret=self.secret
+                )
             except OSError as exc:  # the peers then wait for it as before (timeout_s)
                 messages.append(f"could not declare replica {h.replica_id} departed: {exc!r}")
                 continue

@@ -41,7 +41,7 @@ from composer_replication.exchange.fencing import Fence, FencedError
 from composer_replication.exchange.signing import SYNCHRONIZER, RunKeys
 from composer_replication.executors.local import spawn_in_group, terminate_groups
 from composer_replication.run.replica_env import ENV_GENERATION, EXIT_FENCED
-from composer_replication.run.security import participant_keys
+from composer_replication.run.security import participant_keys, slot_secret_from_env
 
 if TYPE_CHECKING:
     from composer_replication.config import RunConfig
@@ -61,10 +61,13 @@ def resolve(target: str, storage_options: dict[str, Any] | None) -> tuple[RunCon
 
     folder = Path(target)
     if folder.is_dir() and (folder / "config.json").is_file():
+        from composer_replication.run.folder import RunFolder
+
         tree = json.loads((folder / "config.json").read_text())
         config = from_dict(RunConfig, tree)
         options = storage_options if storage_options is not None else config.store.storage_options
-        return config, ObjectStore(config.store.uri, options)
+        uri = RunFolder.at(folder).stored_store_uri(config.store.uri)[0]  # "": its store/
+        return config, ObjectStore(uri, options)
     if folder.is_dir() and "://" not in target and not (folder / CONFIG_KEY).is_file():
         raise ValueError(
             f"{target} is neither a run folder (no config.json) nor a store (no {CONFIG_KEY})"
@@ -108,7 +111,9 @@ def _fence(store: ObjectStore) -> int | None:
         return None
     if not raw.isdigit():
         raise ValueError(f"${ENV_GENERATION}={raw!r} is not an integer >= 0")
-    store.write_guard = Fence(store, int(raw))
+    # with the run's slot secret only a launch of the run can fence it (a planted document
+    # cannot)
+    store.write_guard = Fence(store, int(raw), secret=slot_secret_from_env())
     return int(raw)
 
 

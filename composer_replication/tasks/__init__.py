@@ -22,7 +22,13 @@ from composer_replication.tasks.pycode import PyCodeTask
 from composer_replication.tasks.reasoning_gym import ReasoningGymTask
 from composer_replication.tasks.sandbox import SandboxLimits, run_candidate
 from composer_replication.tasks.strings import StringsTask
-from composer_replication.tasks.task import Example, Task, Verdict, clean_completion
+from composer_replication.tasks.task import (
+    Example,
+    Task,
+    Verdict,
+    clean_completion,
+    decode_completion,
+)
 
 TaskName = Literal["arithmetic", "strings", "pycode", "reasoning_gym", "openenv"]
 TASK_NAMES: tuple[TaskName, ...] = get_args(TaskName)
@@ -89,6 +95,7 @@ __all__ = [
     "StringsTask",
     "Task",
     "Verdict",
+    "decode_completion",
     "clean_completion",
     "get_task",
     "is_task_name",

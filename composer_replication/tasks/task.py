@@ -35,10 +35,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import random
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, overload
 
@@ -99,6 +100,23 @@ def clean_completion(text: str) -> str:
         if cut != -1:
             text = text[:cut]
     return _SPECIAL_TOKEN.sub("", text).strip()
+
+
+def decode_completion(tokenizer: object, ids: Sequence[int], stop_ids: Collection[int] = ()) -> str:
+    """The text the verifier judges for one completion's token ids, in training and evaluation
+    alike: the ids up to and including the first stop token (`stop_ids`: the model's
+    `generation_config.eos_token_id`, `data.turns.stop_token_ids`), decoded with special tokens
+    KEPT, so that `clean_completion` cuts at the end marker where the model put it (decoding
+    without special tokens, as TRL does for its rewards, deletes the marker and joins the text
+    after it to the answer)."""
+    row = [int(t) for t in ids]
+    stops = set(stop_ids)
+    for i, token in enumerate(row):
+        if token in stops:
+            row = row[: i + 1]
+            break
+    text = tokenizer.decode(row, skip_special_tokens=False)  # type: ignore[attr-defined]
+    return str(text)
 
 
 def strip_answer_prefix(text: str) -> str:
@@ -415,10 +433,37 @@ class Task(ABC):
 
     # ---- TRL glue -----------------------------------------------------------------------------
 
-    def to_dataset(self, split: str = "train") -> Any:
+    def hinted_examples(self, share: float) -> list[Example]:
+        """Hinted copies of the first `ceil(share * n)` distinct training prompts: the prompt as
+        channel 2's teacher reads it (the default `HintTemplate`: the oracle solution as the
+        correct solution, and on every other one the feedback a typical wrong attempt gets),
+        with the same answer. Trained on beside the plain prompts (`to_dataset`,
+        `oracle_traces` with `hint_share`), they teach the policy to read the hint its
+        channel-2 teacher is shown; the held-out prompts are never among them."""
+        if not 0.0 <= share <= 1.0:
+            raise ValueError(f"hint_share must be in [0, 1], got {share!r}")
+        if share == 0.0:
+            return []
+        from composer_replication.data.hints import HintTemplate
+
+        template = HintTemplate()
+        distinct = list({ex.prompt: ex for ex in self.train_examples()}.values())
+        out = []
+        for i, ex in enumerate(distinct[: math.ceil(share * len(distinct))]):
+            solution = self.oracle(ex)
+            feedback = None
+            if i % 2:
+                wrong = [w for w in self._wrong_answers(ex) if w]
+                feedback = self.verify(ex, wrong[0]).feedback if wrong else None
+            text = template.render_text(ex.prompt, solution, feedback)
+            out.append(Example(id=f"{ex.id}/hinted", prompt=text, answer=ex.answer, meta=ex.meta))
+        return out
+
+    def to_dataset(self, split: str = "train", *, hint_share: float = 0.0) -> Any:
         """A `datasets.Dataset` for TRL with columns `prompt` (chat format), `example_id`,
         `answer` and `task_meta` (the example's meta as a JSON string, so `reward_func` can verify
-        rows whose id this task instance does not know)."""
+        rows whose id this task instance does not know). With `hint_share` > 0 (train split
+        only) the `hinted_examples` follow the split's examples."""
         try:
             import datasets
         except ImportError as exc:  # pragma: no cover - exercised only without the extra
@@ -433,9 +478,14 @@ class Task(ABC):
                 "answer": ex.answer,
                 "task_meta": json.dumps(ex.meta, sort_keys=True),
             }
-            for ex in self.examples(split)
+            for ex in self._with_hints(split, hint_share)
         ]
         return datasets.Dataset.from_list(rows)
+
+    def _with_hints(self, split: str, hint_share: float) -> list[Example]:
+        if hint_share and split != "train":
+            raise ValueError(f"hint_share applies to the train split only, got split {split!r}")
+        return [*self.examples(split), *self.hinted_examples(hint_share)]
 
     def _lookup(
         self,
@@ -463,12 +513,36 @@ class Task(ABC):
         return Example(id=eid, prompt=text, answer=answer[i], meta=meta)
 
     @overload
-    def reward_func(self, with_feedback: Literal[True] = True) -> Callable[..., list[Scored]]: ...
+    def reward_func(
+        self,
+        with_feedback: Literal[True] = True,
+        *,
+        tokenizer: object | None = None,
+        stop_ids: Collection[int] = (),
+    ) -> Callable[..., list[Scored]]: ...
     @overload
-    def reward_func(self, with_feedback: Literal[False]) -> Callable[..., list[float]]: ...
+    def reward_func(
+        self,
+        with_feedback: Literal[False],
+        *,
+        tokenizer: object | None = None,
+        stop_ids: Collection[int] = (),
+    ) -> Callable[..., list[float]]: ...
     @overload
-    def reward_func(self, with_feedback: bool) -> Callable[..., list[Scored] | list[float]]: ...
-    def reward_func(self, with_feedback: bool = True) -> Callable[..., list[Scored] | list[float]]:
+    def reward_func(
+        self,
+        with_feedback: bool,
+        *,
+        tokenizer: object | None = None,
+        stop_ids: Collection[int] = (),
+    ) -> Callable[..., list[Scored] | list[float]]: ...
+    def reward_func(
+        self,
+        with_feedback: bool = True,
+        *,
+        tokenizer: object | None = None,
+        stop_ids: Collection[int] = (),
+    ) -> Callable[..., list[Scored] | list[float]]:
         """A TRL reward function named `f"{name}_reward"`.
 
         Called as `f(prompts=..., completions=..., example_id=..., **other_columns)`, it returns
@@ -476,6 +550,12 @@ class Task(ABC):
         `ComposerReplicationTrainer`), or plain float scores with `with_feedback=False` for a
         stock TRL trainer. The example is looked up by `example_id`; rows with an unknown id are
         rebuilt from the `answer` and `task_meta` columns.
+
+        With `tokenizer` (and the model's `stop_ids`), a completion that comes with its token ids
+        (TRL passes `completion_ids`) is judged on `decode_completion(tokenizer, ids, stop_ids)`:
+        the same text evaluation judges, end markers kept, instead of TRL's decode without
+        special tokens. Every trainer of this package passes it; without it the text given is
+        judged as it is.
         """
 
         def reward(
@@ -484,6 +564,7 @@ class Task(ABC):
             example_id: Sequence[str] | None = None,
             answer: Sequence[str] | None = None,
             task_meta: Sequence[str] | None = None,
+            completion_ids: Sequence[Sequence[int]] | None = None,
             **_: object,
         ) -> list[Scored] | list[float]:
             if completions is None:
@@ -494,7 +575,15 @@ class Task(ABC):
                 )
                 for i in range(len(completions))
             ]
-            texts = [completion_text(c) for c in completions]
+            if tokenizer is not None and completion_ids is not None:
+                if len(completion_ids) != len(completions):
+                    raise ValueError(
+                        f"{self.name}_reward: {len(completion_ids)} completion_ids for "
+                        f"{len(completions)} completions"
+                    )
+                texts = [decode_completion(tokenizer, ids, stop_ids) for ids in completion_ids]
+            else:
+                texts = [completion_text(c) for c in completions]
             verdicts = self.verify_many(examples, texts)
             if with_feedback:
                 return [(v.reward, v.feedback) for v in verdicts]
@@ -503,13 +592,16 @@ class Task(ABC):
         reward.__name__ = reward.__qualname__ = f"{self.name}_reward"
         return reward
 
-    def oracle_traces(self, split: str = "train") -> Iterator[TraceJson]:
-        """One trace record per distinct prompt of `split`, in the trace JSONL format of
-        `composer_replication.data.traces` (teacher "oracle", reward 1.0)."""
+    def oracle_traces(
+        self, split: str = "train", *, hint_share: float = 0.0
+    ) -> Iterator[TraceJson]:
+        """One trace record per distinct prompt of `split` (and of its `hinted_examples` with
+        `hint_share`), in the trace JSONL format of `composer_replication.data.traces` (teacher
+        "oracle", reward 1.0)."""
         from composer_replication.data.traces import prompt_key  # the trainer's data layer
 
         seen: dict[str, None] = {}
-        for ex in self.examples(split):
+        for ex in self._with_hints(split, hint_share):
             if ex.prompt in seen:
                 continue
             seen[ex.prompt] = None

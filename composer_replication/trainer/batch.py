@@ -106,6 +106,24 @@ def plan_hints(
     return plan
 
 
+def select_probe_rows(
+    sample_mask: Sequence[bool], process_start: int, num_generations: int, limit: int
+) -> list[int]:
+    """Up to ``limit`` local rows of ``sample_mask`` (the hinted ones) whose teacher is probed:
+    the first hinted row of each prompt group in order, then further hinted rows in order."""
+    if limit <= 0:
+        return []
+    hinted = [i for i, on in enumerate(sample_mask) if on]
+    seen: set[int] = set()
+    first: list[int] = []
+    rest: list[int] = []
+    for i in hinted:
+        group = (process_start + i) // num_generations
+        (rest if group in seen else first).append(i)
+        seen.add(group)
+    return sorted((first + rest)[:limit])
+
+
 def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, L) ids and mask, left-padded (prompts)."""
     width = max(1, max((len(r) for r in rows), default=1))
@@ -215,8 +233,8 @@ def pair_tensors(
 ) -> dict[str, torch.Tensor]:
     """Chosen completions stored on their rejected rollout's row (see module docstring).
 
-    The trace text is tokenised without special tokens, gets the EOS token appended (so the policy
-    also learns to stop) and is cut to ``max_length`` tokens.
+    The trace text is tokenised without special tokens, gets ``eos_id`` appended (the trainer
+    passes the chat template's end-of-turn token, else EOS: so the policy also learns to stop) and is cut to ``max_length`` tokens.
     """
     if max_length < 1:
         raise ValueError("replay max length must be >= 1")

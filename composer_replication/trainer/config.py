@@ -65,6 +65,11 @@ class ComposerSettings(Channel23Settings, WriteOnce):
     sdpo_teacher: str = "policy"
     sdpo_ema_rate: float = 0.05
     sdpo_success_threshold: float = 0.5
+    # The teacher-advantage gate (trainer `_gate_on_teacher`): hinted rows whose teacher is
+    # sampled and scored per generation batch (0: not measured, the gate stays open), and whether
+    # a batch whose hinted teacher is not better than its student distils nothing.
+    sdpo_teacher_probe: int = 8
+    sdpo_gate: bool = True
     # Run the context prefix that several hinted rows share once (loss.sdpo_term's share_prefix):
     # the same logits up to float rounding, but RL amplifies rounding into another trajectory
     # (docs/trainer.md), so it is opt-in.
@@ -87,6 +92,14 @@ class ComposerSettings(Channel23Settings, WriteOnce):
             raise ValueError(f"sdpo_teacher must be 'policy' or 'ema', got {self.sdpo_teacher!r}")
         if not 0.0 < self.sdpo_ema_rate <= 1.0:
             raise ValueError(f"sdpo_ema_rate must be in (0, 1], got {self.sdpo_ema_rate}")
+        if (
+            isinstance(self.sdpo_teacher_probe, bool)
+            or not isinstance(self.sdpo_teacher_probe, int)
+            or self.sdpo_teacher_probe < 0
+        ):
+            raise ValueError(
+                f"sdpo_teacher_probe must be an int >= 0, got {self.sdpo_teacher_probe!r}"
+            )
         if self.sdpo_fused_backend not in FUSED_JSD_BACKENDS:
             raise ValueError(
                 f"sdpo_fused_backend must be one of {', '.join(FUSED_JSD_BACKENDS)}, got "
@@ -155,6 +168,19 @@ class ComposerConfig(GRPOConfig, Channel23Settings):
     sdpo_success_threshold: float = field(
         default=_SETTINGS_DEFAULTS.sdpo_success_threshold,
         metadata={"help": "Reward at or above which a rollout counts as solved."},
+    )
+    sdpo_teacher_probe: int = field(
+        default=_SETTINGS_DEFAULTS.sdpo_teacher_probe,
+        metadata={
+            "help": "Hinted rows per generation batch whose teacher is sampled and scored "
+            "(sdpo/teacher_advantage); 0 = not measured."
+        },
+    )
+    sdpo_gate: bool = field(
+        default=_SETTINGS_DEFAULTS.sdpo_gate,
+        metadata={
+            "help": "Channel 2 distils a batch only when its measured teacher advantage is > 0."
+        },
     )
     sdpo_share_prefix: bool = field(
         default=_SETTINGS_DEFAULTS.sdpo_share_prefix,

@@ -37,20 +37,24 @@ of it rather than a reload from ``config._name_or_path`` (which TRL would attemp
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import inspect
 import logging
+import math
 import os
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, cast
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
 
 from composer_replication.data.teachers import TeacherPool
-from composer_replication.data.traces import TraceRecord, TraceStore
+from composer_replication.data.traces import Prompt, TraceRecord, TraceStore
+from composer_replication.data.turns import align_generation_stops, end_of_turn_id
 from composer_replication.loss import (
     assemble,
     fused_replay_term,
@@ -60,11 +64,14 @@ from composer_replication.loss import (
     selective_log_softmax,
 )
 from composer_replication.trainer.batch import (
+    HintPlan,
     completion_text,
     hint_tensors,
+    left_pad,
     pair_tensors,
     plan_hints,
     plan_pairs,
+    select_probe_rows,
 )
 from composer_replication.trainer.callbacks import EMATeacherCallback, TAIDCallback
 from composer_replication.trainer.config import ComposerConfig, ComposerSettings
@@ -108,6 +115,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     ) from exc
 
 logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 
 class ComposerReplicationTrainer(GRPOTrainer):
@@ -189,6 +197,8 @@ class ComposerReplicationTrainer(GRPOTrainer):
                 environment_factory=environment_factory,
             )
         s = self.composer
+        self._end_of_turn = self._align_stops()
+        self._gate_warned = False
         self.feedback_funcs = list(feedback_funcs or [])
         self.trace_store = trace_store
         self.teacher_pool = teacher_pool
@@ -247,6 +257,24 @@ class ComposerReplicationTrainer(GRPOTrainer):
         self._captured_hidden: torch.Tensor | None = None
         self._batch: dict[str, Any] = {}
         self._loss_probe: Callable[[dict[str, torch.Tensor | None]], None] | None = None
+
+    def _align_stops(self) -> int | None:
+        """Rollouts end at the chat template's end of turn as well as at EOS (data/turns.py):
+        the model's ``generation_config`` and TRL's stop list get the ids they lack, so a policy
+        that learned to end its answer with ``<|im_end|>`` (SFT, the template) stops there, as
+        evaluation does. Returns the end-of-turn id (channel 3's chosen traces end with it)."""
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        stops = align_generation_stops(unwrapped, self._tokenizer)
+        missing = [t for t in stops if t not in self.eos_token_ids]
+        if missing:
+            self.eos_token_ids = [*self.eos_token_ids, *missing]
+            config = getattr(self, "generation_config", None)
+            if config is not None:
+                config.eos_token_id = list(self.eos_token_ids)
+            logger.info(
+                "rollouts also stop at token ids %s (chat template / generation_config)", missing
+            )
+        return end_of_turn_id(self._tokenizer)
 
     # -- public state for callbacks ----------------------------------------------------------------
     @property
@@ -641,7 +669,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
         n = len(self._batch["prompts"])
         start = self.accelerator.process_index * n
         if self._channel2:
-            output.update(self._hint_inputs(output, rewards, start))
+            output.update(self._hint_inputs(output, rewards, start, inputs))
         if self._channel3:
             output.update(self._pair_inputs(output, rewards[start : start + n], start))
         return output
@@ -651,7 +679,9 @@ class ComposerReplicationTrainer(GRPOTrainer):
         t = torch.as_tensor(local, dtype=torch.float32, device=self.accelerator.device)
         return self.accelerator.gather(t.reshape(1)).sum() / self.accelerator.num_processes
 
-    def _hint_inputs(self, output: dict[str, Any], rewards: torch.Tensor, start: int) -> dict:
+    def _hint_inputs(
+        self, output: dict[str, Any], rewards: torch.Tensor, start: int, inputs: list[dict]
+    ) -> dict:
         s = self.composer
         all_completions = gather_object([completion_text(c) for c in self._batch["completions"]])
         plan = plan_hints(
@@ -664,6 +694,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
             template=s.hint_template,
             success_threshold=s.sdpo_success_threshold,
         )
+        self._gate_on_teacher(plan, rewards, start, inputs)
         tensors = hint_tensors(
             plan,
             lambda ps: self._tokenize_prompts(ps)[0],
@@ -687,6 +718,102 @@ class ComposerReplicationTrainer(GRPOTrainer):
             )
         return tensors
 
+    def _gate_on_teacher(
+        self, plan: HintPlan, rewards: torch.Tensor, start: int, inputs: list[dict]
+    ) -> None:
+        """Measure the hinted teacher's advantage on this batch and close channel 2 for the batch
+        when the teacher is not better than its student (``sdpo_gate``).
+
+        Up to ``sdpo_teacher_probe`` hinted rows (one per prompt group first) get one completion
+        sampled from the teacher (the channel-2 teacher model reading the hinted prompt, TRL's
+        rollout sampling settings), scored by the run's reward functions; the student's reward
+        on the same prompt is its group's mean rollout reward. ``sdpo/teacher_advantage`` =
+        mean teacher reward - mean student reward over the probed rows (NaN when nothing was
+        probed). Distilling toward a teacher that is no better can only pull the student down,
+        so with the gate on a batch whose advantage is not > 0 distils nothing (SDPO itself
+        only distils from successful hints)."""
+        s = self.composer
+        metrics = self._metrics["train"]
+        probe = select_probe_rows(plan.sample_mask, start, self._group_size, s.sdpo_teacher_probe)
+        advantage = float("nan")
+        if probe:
+            teacher = self._teacher_rewards([plan.teacher_prompts[i] for i in probe], inputs, probe)
+            if teacher is None:  # cannot be measured here: the gate stays open, said once
+                if not self._gate_warned:
+                    logger.warning(
+                        "channel 2's teacher advantage cannot be measured (a reward model, or "
+                        "a rollout engine without a generation config): its gate stays open"
+                    )
+                    self._gate_warned = True
+                probe = []
+            else:
+                groups = rewards.view(-1, self._group_size).nanmean(dim=1)
+                student = [float(groups[(start + i) // self._group_size]) for i in probe]
+                advantage = float(torch.tensor(teacher).nanmean() - torch.tensor(student).nanmean())
+                metrics["sdpo/teacher_reward"].append(float(torch.tensor(teacher).nanmean()))
+                metrics["sdpo/student_reward"].append(float(torch.tensor(student).nanmean()))
+        if probe:
+            metrics["sdpo/teacher_advantage"].append(advantage)
+        closed = s.sdpo_gate and bool(probe) and not advantage > 0.0
+        metrics["sdpo/gate_open"].append(0.0 if closed else 1.0)
+        if closed:
+            plan.sample_mask = [False] * len(plan.sample_mask)
+
+    @torch.no_grad()
+    def _teacher_rewards(
+        self, prompts: list[Prompt], inputs: list[dict], rows: list[int]
+    ) -> list[float] | None:
+        """One sampled teacher completion per hinted prompt, scored by the reward functions
+        (weighted as TRL weighs them); None when a reward function is a model (not probed)."""
+        config = getattr(self, "generation_config", None)
+        if config is None or any(isinstance(f, nn.Module) for f in self.reward_funcs):
+            return None
+        model: nn.Module = (
+            self._ema.model if self._ema is not None else self.accelerator.unwrap_model(self.model)
+        )
+        ids = self._tokenize_prompts(prompts)[0]
+        input_ids, attention_mask = left_pad(ids, self._tokenizer.pad_token_id)
+        device = self.accelerator.device
+        out = model.generate(  # type: ignore[operator]
+            input_ids=input_ids.to(device),
+            attention_mask=attention_mask.to(device),
+            generation_config=config,
+        )
+        stops = set(self.eos_token_ids)
+        completion_ids: list[list[int]] = []
+        for row in out[:, input_ids.shape[1] :].tolist():
+            cut = next((k + 1 for k, t in enumerate(row) if t in stops), len(row))
+            completion_ids.append(row[:cut])
+        texts = self._tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        conversational = not isinstance(prompts[0], str)
+        completions = [
+            [{"role": "assistant", "content": t}] if conversational else t for t in texts
+        ]
+        keys = [k for k in inputs[0] if k not in ("prompt", "completion", "completion_ids")]
+        columns = {k: [inputs[i][k] for i in rows] for k in keys}
+        total = torch.zeros(len(rows))
+        scored = torch.zeros(len(rows), dtype=torch.bool)
+        weights = self.reward_weights.tolist()
+        for func, weight in zip(self.reward_funcs, weights, strict=True):
+            # `teacher_probe=True` tells a reward function with side effects (counting
+            # rollouts, logging) that this call scores the teacher, not a rollout
+            out_scores = cast("Callable[..., Iterable[object]]", func)(
+                prompts=prompts,
+                completions=completions,
+                completion_ids=completion_ids,
+                teacher_probe=True,
+                **columns,
+            )
+            if inspect.isawaitable(out_scores):
+                out_scores = asyncio.run(_awaited(out_scores))
+            values = torch.tensor(
+                [math.nan if v is None else float(cast("float", v)) for v in out_scores]
+            )
+            total += torch.nan_to_num(values) * weight
+            scored |= ~torch.isnan(values)
+        total[~scored] = math.nan
+        return total.tolist()
+
     def _pair_inputs(self, output: dict[str, Any], rewards: torch.Tensor, start: int) -> dict:
         s = self.composer
         prompts = self._batch["prompts"]
@@ -709,7 +836,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
             len(prompts),
             lambda text: self._tokenizer(text, add_special_tokens=False)["input_ids"],
             pad_id=self._tokenizer.pad_token_id,
-            eos_id=self._tokenizer.eos_token_id,
+            eos_id=self._tokenizer.eos_token_id if self._end_of_turn is None else self._end_of_turn,
             max_length=self._replay_max_length(),
             device=device,
         )
@@ -958,6 +1085,10 @@ class ComposerReplicationTrainer(GRPOTrainer):
                 self._metrics[mode]["taid/t"].append(float(t))
         if self._channel3:
             self._metrics[mode]["replay/active"].append(float(active3))
+
+
+async def _awaited(value: Awaitable[_T]) -> _T:
+    return await value
 
 
 def _hf_model(model: Any) -> Any:

@@ -1,7 +1,7 @@
 """benchmarks/diloco_convergence.py's sweeps (issue 13.3): the H sweep keeps the tokens fixed and
 moves communication by exactly the number of rounds, the default run's point is reused (not
 re-run differently), the outer-lr warm-up is the documented ramp, and the JSON + plot are written
-(tiny model; the figures themselves are in docs/benchmarks.md, not judged here)."""
+(tiny model; the figures themselves are in docs/benchmarks-notebook.md, not judged here)."""
 
 from __future__ import annotations
 

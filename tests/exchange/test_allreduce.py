@@ -216,7 +216,8 @@ def test_stale_step_is_refused_quickly(tmp_path):
 
     def go(r):
         ar = ObjectStoreAllReduce(uri, 2, r, timeout_s=5, poll_interval_s=0.01)
-        ar.allreduce({"x": torch.full((2,), float(r))}, step=5)
+        for step in (4, 5):  # a committed step follows a committed one (the chain)
+            ar.allreduce({"x": torch.full((2,), float(r))}, step=step)
         res[r] = ar
 
     ths = [threading.Thread(target=go, args=(r,)) for r in range(2)]

@@ -66,6 +66,33 @@ def test_manifest_race_between_threads_has_one_winner(tmp_path):
     assert len(errors) == 3  # exactly one model got to define the run
 
 
+SLOT = b"m" * 32
+
+
+@pytest.mark.parametrize(
+    "planted",
+    [b'{"format": 1, "kind": "manifest", "world_size": 99, "codec": "fp32"}', b"{not json"],
+    ids=["another-run", "garbage"],
+)
+def test_a_planted_manifest_does_not_stop_the_run(tmp_path, planted):
+    """With the run's slot secret the manifest carries a MAC: one planted before the first
+    replica starts (a bucket writer) is refused, recorded and replaced, so the replicas start;
+    a real mismatch (a MACed manifest of another model) is still refused."""
+    uri = str(tmp_path)
+    ObjectStore(uri).put("manifest.json", planted)
+    first = ObjectStoreAllReduce(uri, 2, 0, slot_secret=SLOT)
+    first.ensure_manifest(model_fingerprint(tiny_model()))
+    assert first.refusals and first.refusals[0][0] == "manifest.json"
+    assert "MAC" in first.refusals[0][1] or "not JSON" in first.refusals[0][1]
+    ObjectStoreAllReduce(uri, 2, 1, slot_secret=SLOT).ensure_manifest(
+        model_fingerprint(tiny_model())
+    )
+    with pytest.raises(ModelMismatchError, match="0.weight"):
+        ObjectStoreAllReduce(uri, 2, 1, slot_secret=SLOT).ensure_manifest(
+            model_fingerprint(tiny_model(hidden=5))
+        )
+
+
 @pytest.mark.parametrize("scheme", ["file", "memory"])
 def test_publish_and_fetch_state(tmp_path, scheme):
     uri = f"file://{tmp_path}" if scheme == "file" else f"memory://{uuid.uuid4().hex}"

@@ -95,6 +95,34 @@ def test_a_departed_rank_is_not_waited_for(tmp_path):
         assert torch.equal(res["x"], torch.full((4,), 1.5))  # mean of 1 and 2
 
 
+def test_with_the_slot_secret_only_a_macd_departure_counts(tmp_path):
+    """A departure record planted by a bucket writer (no MAC under the run's slot secret) does
+    not make the others leave a rank out: rank 2, late but alive, is still waited for and
+    included; one written with the secret (the driver's, a replica's) is honoured."""
+    uri, secret = str(tmp_path), b"d" * 32
+    store = ObjectStore(uri)
+    write_departure(store, REPLICA_ROLE, 2, reason="planted")  # no MAC
+    assert read_departure(store, REPLICA_ROLE, 2, secret=secret) is None
+    out: dict = {}
+
+    def go(r: int, delay: float) -> None:
+        time.sleep(delay)
+        ar = _ar(uri, r, timeout_s=30.0, min_replicas=2, slot_secret=secret)
+        try:
+            ar.allreduce({"x": torch.full((4,), float(r + 1))}, step=0)
+            out[r] = ar.last_result
+        finally:
+            ar.close()
+
+    threads = [threading.Thread(target=go, args=(r, 1.5 if r == 2 else 0.0)) for r in range(3)]
+    [t.start() for t in threads]
+    [t.join(timeout=60) for t in threads]
+    assert all(out[r].included_ranks == [0, 1, 2] for r in range(3)), out
+    write_departure(store, REPLICA_ROLE, 2, reason="exit code 1", secret=secret)
+    assert read_departure(store, REPLICA_ROLE, 2, secret=secret) == "exit code 1"
+    assert read_departure(store, REPLICA_ROLE, 2) == "exit code 1"  # readers without it
+
+
 def test_without_the_record_the_survivors_wait_the_timeout(tmp_path):
     out = _both(str(tmp_path), timeout_s=2.0, min_replicas=2)
     for r in (0, 1):
@@ -144,6 +172,20 @@ def test_a_rank_that_came_back_is_waited_for_again(tmp_path):
         ar.allreduce({"x": torch.ones(4)}, step=1)  # rank 2 is expected again (and 1 too)
 
 
+def _commit(step: int) -> bytes:
+    """A well-formed commit record of ``step`` naming rank 0 (what the run wrote)."""
+    record = {
+        "format": 1,
+        "kind": "commit",
+        "step": step,
+        "world_size": 2,
+        "included_ranks": [0],
+        "weights": {"0": 1.0},
+        "checksums": {"0": {"algo": "sha256", "value": "0" * 64}},
+    }
+    return json.dumps(record).encode()
+
+
 def test_a_stalled_rank_does_not_commit_a_step_the_run_left_behind(tmp_path):
     """Rank 1 stalled in step 1 while rank 0 committed up to step 5 (step 1's record is
     garbage-collected) and finished: rank 0's departure must not let rank 1 commit step 1
@@ -157,7 +199,8 @@ def test_a_stalled_rank_does_not_commit_a_step_the_run_left_behind(tmp_path):
         uri, 2, 1, timeout_s=30.0, min_replicas=1, poll_interval_s=0.02, departure_poll_s=1.0
     )
     # the run moves past step 1 while rank 1 waits in it (after its upload)
-    threading.Timer(0.3, lambda: store.put(commit_key(5), b"{}")).start()
+    # (well-formed records of steps 4 and 5: a lone or malformed one is not believed)
+    threading.Timer(0.3, lambda: [store.put(commit_key(s), _commit(s)) for s in (4, 5)]).start()
     t0 = time.monotonic()
     with pytest.raises(StoreTimeoutError, match="already at step 5"):
         ar.allreduce({"x": torch.ones(4)}, step=1)
@@ -179,6 +222,38 @@ def test_generations_count_launches_and_fence_older_ones(tmp_path):
         read_generation(store)
     with pytest.raises(ValueError, match="generation must be"):
         Fence(store, -1)
+
+
+@pytest.mark.parametrize(
+    "planted",
+    [
+        b'{"format": 1, "kind": "generation", "generation": 999}',  # no MAC
+        b'{"format": 1, "kind": "generation", "generation": 999, "mac": "00"}',  # a wrong one
+        b'{"format": 1, "kind": "generation", "gener',  # damaged
+    ],
+    ids=["no-mac", "wrong-mac", "damaged"],
+)
+def test_a_planted_generation_does_not_fence_the_runs_replicas(tmp_path, planted):
+    """With the run's slot secret, only a launch of the run can fence its replicas: a planted
+    or damaged run_generation.json is ignored (and noted); a real newer launch still fences."""
+    secret = b"k" * 32
+    store = ObjectStore(str(tmp_path))
+    assert bump_generation(store, secret) == 1
+    fence = Fence(store, 1, secret=secret)
+    fence()
+    store.put(GENERATION_KEY, planted)  # written once by anyone with bucket access
+    fence()  # not tripped
+    fence()
+    assert fence.tripped is None and fence.refused is not None
+    assert "not written by a launch of this run" in fence.refused or "generation" in fence.refused
+    if planted.endswith(b"}"):
+        assert bump_generation(store, secret) == 1000  # a relaunch numbers itself above it
+    else:
+        store.delete(GENERATION_KEY)  # the driver names a damaged one: delete it to resume
+        assert bump_generation(store, secret) == 1
+        fence = Fence(store, 0, secret=secret)
+    with pytest.raises(FencedError, match="launch 0|launch 1 "):
+        fence()  # a real newer launch (MACed under the secret) fences
 
 
 def test_a_fenced_store_writes_nothing_and_a_fenced_exchange_uploads_nothing(tmp_path):

@@ -153,7 +153,8 @@ def test_tiny_model_sizes_itself_to_either_tokenizer(tmp_path: Path) -> None:
     bpe = build_bpe_tokenizer(_corpus(), cache_dir=tmp_path)
     model = build_tiny_model(bpe, hidden_size=32, num_layers=1, seed=0)
     assert model.config.vocab_size == len(bpe)
-    assert model.generation_config.eos_token_id == bpe.eos_token_id == 1
+    # EOS and the chat template's end of turn, as Qwen2.5-Instruct's generation_config
+    assert bpe.eos_token_id == 1 and model.generation_config.eos_token_id == [1, 4]
     ids = bpe(_chat(bpe, "3+4="), return_tensors="pt", add_special_tokens=False)
     out = model.generate(**ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
     assert out.shape[1] <= ids["input_ids"].shape[1] + 3

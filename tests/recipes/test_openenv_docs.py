@@ -49,7 +49,8 @@ def test_install_snippet_names_the_extra() -> None:
     assert install.strip() == 'pip install -e ".[openenv]"'
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert pyproject["project"]["optional-dependencies"]["openenv"] == ["openenv-core==0.3.0"]
-    assert "openenv" in (ROOT / "scripts" / "setup.sh").read_text().split("EXTRAS=")[1].split()[0]
+    setup = (ROOT / "scripts" / "setup.sh").read_text()
+    assert "openenv" in setup.split("\nALL_EXTRAS=")[1].split()[0]  # `setup.sh --all` has it
 
 
 def test_python_snippet_prints_what_the_doc_shows(openenv_server: str, capsys) -> None:

@@ -106,6 +106,13 @@ def test_sigkill_everything_then_resume_continues_each_learner_from_its_last_pus
         assert start["resume_state_step"] == start["resumed_step"] == step
         assert start["exact"] is True and "resume_fallback" not in start
         assert step % (H // P) == 0  # a push step: one fragment leaves every H / P steps
+    # each resumed learner's train_begin event: what binding downloaded (at most the newest
+    # version of each fragment, however many were merged while it was down)
+    begins = {r["replica"]: r for r in records[before:] if r.get("event") == "train_begin"}
+    assert set(begins) == {0, 1}, begins
+    for begin in begins.values():
+        assert 0 <= begin["rejoin_objects"] <= P and begin["rejoin_bytes"] >= 0, begin
+        assert begin["rejoin_merged_meanwhile"] >= 0, begin  # restored from a state
     check = check_decoupled_run(store)
     assert check["ok"], check["problems"]
     assert check["finished"] and check["rounds_lost"] == 0

@@ -8,6 +8,7 @@ token ids, greedy completions of the held-out prompts and their accuracy/reward 
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from _run_small import TINY_RUN
 from docblocks import run_doc_block
 
 from composer_replication.assembly.build import build_model, build_task, load_tokenizer
-from composer_replication.config import load_config
+from composer_replication.config import dump_toml, load_config
 from composer_replication.exchange.store import ObjectStore
 from composer_replication.models.tokenizers import DEFAULT_CHARSET, SPECIAL_TOKENS
 from composer_replication.run.checkpoint import mirror_checkpoints, save_checkpoint
@@ -43,9 +44,7 @@ def test_checkpoint_loads_back_as_the_model_and_tokenizer_that_wrote_it(tmp_path
     model, tok = build_model(config)
     task = build_task(config)
     examples = task.eval_examples()
-    folder = _checkpoint(tmp_path, model, tok, run="runs/run-20261125-124708")
-    # docs/cli.md's snippet, as written, in a folder holding that run's checkpoint
-    run_doc_block("docs/cli.md", "AutoTokenizer.from_pretrained(final)", cwd=tmp_path)
+    folder = _checkpoint(tmp_path, model, tok)
 
     loaded_model = AutoModelForCausalLM.from_pretrained(folder)
     loaded_tok = AutoTokenizer.from_pretrained(folder)
@@ -74,6 +73,41 @@ def test_checkpoint_loads_back_as_the_model_and_tokenizer_that_wrote_it(tmp_path
     assert type(again_tok) is type(tok) and again_tok.get_vocab() == tok.get_vocab()
     assert (
         greedy_completions(again_model, again_tok, prompts, max_new_tokens=NEW_TOKENS) == expected
+    )
+
+
+def test_the_quickstart_snippet_reproduces_the_runs_evaluation(tmp_path: Path) -> None:
+    """docs/quickstart.md's snippet, as written, in a folder laid out as a run's: it loads the
+    checkpoint with the Auto classes, applies the chat template and prints the completions and
+    the accuracy the run's own evaluation (run/reporter.py's `evaluate`) gives, beside the run's
+    last recorded evaluation."""
+    config = load_config(overrides=OVERRIDES)
+    model, tok = build_model(config)
+    task = build_task(config)
+    n_eval = min(config.train.eval_max_examples, config.task.n_eval)
+    examples = task.eval_examples()[:n_eval]
+    new_tokens = config.train.max_completion_length
+    reference = evaluate(model, tok, task, examples, max_new_tokens=new_tokens)
+    expected = greedy_completions(
+        model, tok, [ex.prompt for ex in examples], max_new_tokens=new_tokens
+    )
+    run = tmp_path / "runs" / "first-run"
+    _checkpoint(tmp_path, model, tok, run="runs/first-run")
+    (run / "config.toml").write_text(dump_toml(config))
+    records = [  # an earlier evaluation, then the last one (the snippet must pick the last)
+        {"kind": "eval", "step": 0, "replica": 0, "eval/accuracy": 0.5},
+        {"kind": "train", "step": 2, "replica": 0, "reward": 0.0},
+        {"kind": "eval", "step": 2, "replica": 0, **reference},
+    ]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    out = run_doc_block("docs/quickstart.md", "apply_chat_template", cwd=tmp_path).splitlines()
+    for line, ex, completion in zip(out[:3], examples, expected, strict=False):
+        assert line.startswith(f"{ex.prompt!r} -> {completion!r} ("), (line, completion)
+    accuracy = reference["eval/accuracy"]
+    assert out[-1] == (
+        f"accuracy {accuracy:.3f} on {n_eval} held-out prompts; "
+        f"the run's last evaluation: {accuracy:.3f}"
     )
 
 

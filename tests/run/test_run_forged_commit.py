@@ -3,8 +3,8 @@ was applied" in an unsigned run. Now a real `composer-replication train` (sync m
 2 replicas) whose bucket a forger writes to: once round 4 has committed (the event), it holds
 rank 1 back (SIGSTOP, a real stall), waits for rank 0's round-5 contribution and commits it
 alone, scaled x1000, with a well-formed commit record (checksum and all) before any honest
-committer can. The committed update is a norm outlier against the run's recent rounds: no
-replica applies it, the run exits non-zero (3), `status` says critical naming round 5 and
+committer can. The record's scale (1000 for a mean, which allows only 1) is off the run's
+merge rule, which every replica recomputes: no replica applies it, the run exits non-zero (3), `status` says critical naming round 5 and
 metrics.jsonl has the event. The exchange-level test is
 tests/exchange/test_manager_update_screen.py."""
 
@@ -124,7 +124,9 @@ def test_a_forged_x1000_commit_is_not_applied_and_stops_the_run(
     records = read_metrics(run / "metrics.jsonl")
     refused = [r for r in records if r.get("event") == "refused"]
     assert refused and {r["round"] for r in refused} == {TARGET}, refused
-    assert all("norm outlier" in r["reason"] for r in refused), refused
+    # the record scales the update x1000: off the run's merge rule, refused before any norm
+    reasons = [r["reason"] for r in refused]
+    assert all("rank 0's scale is 1000.0" in why for why in reasons), reasons
     health = [r for r in records if r["kind"] == "health"]
     assert health[-1]["health/state"] == "critical", health[-1]
     assert f"round {TARGET} is not applied" in health[-1]["health/reasons"]

@@ -297,3 +297,65 @@ def test_report_prints_the_headline_numbers_and_labels_the_global_model(
     (eval_axes,) = [a for a in figures if a[0].get_title() == "eval accuracy of the global model"]
     legend = [t.get_text() for t in eval_axes[0].get_legend().get_texts()]
     assert legend == ["global model (evaluated by replica 0)"]
+
+
+def test_progress_shows_a_bar_steps_per_second_and_the_time_left() -> None:
+    """Two replicas of 100 steps each, one step per replica every 2 s after a 30 s start-up:
+    0.50 steps/s each, and the time left at that rate; the start-up does not count."""
+    now = [0.0]
+    out = io.StringIO()
+    progress = Progress(
+        "plain", title="t", n_rounds=4, stream=out, plain_every_s=15, clock=lambda: now[0]
+    )
+    rows = [ReplicaRow(rank=r, state="starting", max_steps=100) for r in (0, 1)]
+    for now[0] in range(0, 30):
+        progress.update(rows)
+    assert out.getvalue().splitlines()[0].endswith("[....................]   0%  - steps/s  ETA -")
+    for row in rows:
+        row.state = "training"
+    for now[0] in range(30, 131):
+        for row in rows:
+            row.step = (int(now[0]) - 30) // 2
+        progress.update(rows)
+    # 50 of 100 steps each at 130 s: half done, 0.5 steps/s, 50 steps left each = 100 s
+    assert progress.overall(rows) == "[##########..........]  50%  0.50 steps/s  ETA 0:01:40"
+    assert out.getvalue().splitlines()[-1].split(" | ")[-1].startswith("[#########")
+    progress.close()
+
+
+def test_live_progress_shows_the_bar_under_the_table() -> None:
+    out = io.StringIO()
+    progress = Progress("live", title="run x", n_rounds=2, stream=out)
+    progress.update([ReplicaRow(rank=0, state="training", step=5, max_steps=10, round=1)])
+    progress.close()
+    assert "[##########..........]  50%" in out.getvalue()
+
+
+def test_status_and_report_warn_that_the_secrets_must_not_be_shared(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A run folder holds writer-secrets.json (and signing-keys.json with signing): `status` and
+    `report` say not to share them, and how to copy the folder without them; a folder without
+    them gets no warning."""
+    from composer_replication.cli import main
+    from composer_replication.run.security import KEYS_FILE, WRITER_SECRETS_FILE
+
+    folder, store = _fake_run(tmp_path)
+    MetricsCollector(store, 2, MetricsSink(folder.metrics, None), None).poll()
+    assert run_status(folder)["secrets"] == []
+    assert "do not share" not in status_text(run_status(folder))
+    assert main(["report", str(folder.root)]) == 0
+    assert "do not share" not in capsys.readouterr().err
+
+    (folder.root / WRITER_SECRETS_FILE).write_text("{}")
+    info = run_status(folder)
+    assert info["secrets"] == [WRITER_SECRETS_FILE]
+    line = status_text(info).splitlines()[-1]
+    assert line.startswith(f"  do not share {WRITER_SECRETS_FILE}: holds this run's per-rank")
+    assert f"rsync -a --exclude {WRITER_SECRETS_FILE} {folder.root}/ DEST/" in line
+
+    (folder.root / KEYS_FILE).write_text("{}")
+    assert main(["report", str(folder.root)]) == 0
+    err = capsys.readouterr().err
+    assert f"warning: do not share {WRITER_SECRETS_FILE} and {KEYS_FILE}: hold" in err
+    assert f"--exclude {WRITER_SECRETS_FILE} --exclude {KEYS_FILE}" in err

@@ -205,3 +205,63 @@ def test_the_out_of_distribution_row_is_reported_beside_the_held_out_one() -> No
     # a task without an out-of-distribution split logs no such keys: no row
     plain = [{k: v for k, v in r.items() if "ood" not in k} for r in records]
     assert "eval_ood_accuracy_last" not in summarize(plain)
+
+
+def test_the_summary_keeps_its_metrics_table_in_one_piece(tmp_path) -> None:
+    """The note on rising channel 2/3 losses comes after the table: a paragraph between two
+    rows split it in two (the health row then rendered as text)."""
+    from composer_replication.run.folder import RunFolder
+    from composer_replication.run.report import (
+        HEALTH_STATES,
+        LOSS_RISE_NOTE,
+        losses_rose,
+        summary_markdown,
+    )
+
+    summary = {
+        "loss_sdpo_first10": 0.01,
+        "loss_sdpo_last10": 0.3,
+        "loss_replay_first10": 0.8,
+        "loss_replay_last10": 1.0,
+        "health_seconds": {name: 1.0 for name in HEALTH_STATES},
+    }
+    assert losses_rose(summary)
+    text = summary_markdown(RunFolder(tmp_path / "r"), summary, [], {})
+    lines = text.splitlines()
+    rows = [i for i, line in enumerate(lines) if line.startswith("|")]
+    assert rows == list(range(rows[0], rows[-1] + 1)), "the metrics table is split"
+    assert lines[rows[-1]].startswith("| run health")
+    assert lines.index(LOSS_RISE_NOTE) > rows[-1]
+
+
+def test_the_learning_signal_is_in_the_summary_and_the_printout() -> None:
+    """Entropy, the share of zero-advantage groups and channel 2's teacher advantage and gate,
+    first and last 10% of steps (pooled over replicas), in summary.md's table and the
+    end-of-run lines; absent metrics leave no row."""
+    from composer_replication.run.report import headline_lines
+
+    records = [
+        {
+            "kind": "train",
+            "replica": replica,
+            "step": step,
+            "reward": 0.5,
+            "entropy": 2.0 if step <= 2 else 0.5,
+            "frac_reward_zero_std": 0.0 if step <= 2 else 0.75,
+            "sdpo/teacher_advantage": -0.2 if step <= 2 else 0.3,
+            "sdpo/gate_open": 0.0 if step <= 2 else 1.0,
+        }
+        for replica in (0, 1)
+        for step in range(1, 21)
+    ]
+    out = summarize(records)
+    assert (out["entropy_first10"], out["entropy_last10"]) == (2.0, 0.5)
+    assert (out["zero_std_share_first10"], out["zero_std_share_last10"]) == (0.0, 0.75)
+    assert (out["teacher_advantage_first10"], out["teacher_advantage_last10"]) == (-0.2, 0.3)
+    assert out["gate_open_last10"] == 1.0
+    lines = headline_lines(out)
+    (teacher,) = [line for line in lines if "teacher adv." in line]
+    assert "-0.200" in teacher and "0.300" in teacher and "gate open in 100%" in teacher
+    bare = summarize([{k: v for k, v in r.items() if not k.startswith("sdpo/")} for r in records])
+    assert "teacher_advantage_first10" not in bare
+    assert not [line for line in headline_lines(bare) if "teacher adv." in line]

@@ -73,7 +73,7 @@ def test_default_run_task_pays_no_constant_more_than_a_partly_right_policy(split
     # and no constant is right on more than 10 % of the training prompts (the sums 13 and 14 are
     # the most common of three digits, 75 of the 1000 triples each). The held-out split holds out
     # whole operand multisets (about 50 of the 220), so its answers are more concentrated: the
-    # best constant is right on 15 / 13 / 12 % of seeds 0 / 1 / 2 (docs/benchmarks.md reports it
+    # best constant is right on 15 / 13 / 12 % of seeds 0 / 1 / 2 (docs/benchmarks-notebook.md reports it
     # beside every held-out accuracy)
     share = max(Counter(ex.answer for ex in examples).values()) / len(examples)
     assert share <= (0.1 if split == "train" else 0.16), share

@@ -110,12 +110,13 @@ def test_channel3_dpo_steps_increase_margin(tmp_path):
     )
     inputs = generation_batch(trainer)
     rows = inputs["replay_pair_mask"].nonzero().squeeze(-1).tolist()
-    # One pair per prompt, on a failed rollout (rewards 0), chosen = the oracle trace + EOS.
+    # One pair per prompt, on a failed rollout (rewards 0), chosen = the oracle trace + the chat
+    # template's end of turn (as SFT and the template end an answer).
     assert len(rows) == 2 and all(r % G != 0 for r in rows)
     chosen = trainer.processing_class.decode(
         inputs["replay_chosen_ids"][rows[1]][inputs["replay_chosen_mask"][rows[1]].bool()]
     )
-    assert chosen == "7 done<|endoftext|>"
+    assert chosen == "7 done<|im_end|>"
     # Reference log-probs come from a frozen copy of the initial policy (beta=0: no TRL ref).
     assert trainer.ref_model is None and trainer.replay_reference is not None
     assert (inputs["replay_ref_chosen_logps"][rows] < 0).all()
@@ -234,6 +235,7 @@ def test_builtin_task_reward_and_oracle_traces(tmp_path):
         trace_store=store,
         alpha_sdpo=0.1,
         beta_replay=0.05,
+        sdpo_gate=False,  # a random model's teacher is no better: this checks the plumbing
     )
     trainer.current_gradient_accumulation_steps = 1
     dataset = task.to_dataset("train")

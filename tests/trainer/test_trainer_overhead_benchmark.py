@@ -1,5 +1,5 @@
 """benchmarks/trainer_overhead.py: its BPE tokenizer gives the hinted context a realistic length,
-and a tiny two-length run prints the keys docs/benchmarks.md quotes (the figures are not judged
+and a tiny two-length run prints the keys docs/benchmarks-notebook.md quotes (the figures are not judged
 here, only their form: every variant ran at every length)."""
 
 from __future__ import annotations

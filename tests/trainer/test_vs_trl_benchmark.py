@@ -86,11 +86,25 @@ def test_quick_warm_start_ablation_runs_every_variant(tmp_path: Path) -> None:
     safetensors' save_file failed, so the first real warm-start ablation stopped at once)."""
     log = tmp_path / "runs.jsonl"
     result = _quick_run(
-        log, "--ablation", "--starts", "warm", "--warm-start-steps", "2", "--bootstrap", "100"
+        log,
+        "--ablation",
+        "--starts",
+        "warm",
+        "--warm-start-steps",
+        "2",
+        "--bootstrap",
+        "100",
+        "--lr",
+        "3e-4",
+        "--g",
+        "4",
     )
     variants = ("composer_grpo", "composer_sdpo", "composer_replay", "composer")
     for v in variants:
         assert f"{v}_warm_heldout_acc" in result and f"{v}_scratch_heldout_acc" not in result
+        assert f"{v}_warm_teacher_advantage" in result  # beside channel 2's rows
+    assert (result["lr"], result["g"]) == (3e-4, 4)  # given: no tuning runs
+    assert not any(json.loads(line)["split"] == "val" for line in log.read_text().splitlines())
     runs = [json.loads(line) for line in log.read_text().splitlines()]
     warm = [r for r in runs if r["warm"] == 2 and r["split"] == "heldout"]
     assert sorted(r["arm"] for r in warm) == sorted((*variants, "warm_start"))
@@ -249,3 +263,28 @@ def test_our_arms_train_with_the_defaults_rpo_alpha_and_its_runs_are_logged_apar
     assert not any(o.startswith("loss.rpo_alpha") for o in vs_trl.arm_overrides(trl, []))
     staged = vs_trl.tuning_specs("composer", 0, 220.0, "cpu", False, {}, 1.0)
     assert {s.rpo for s in staged} == {1.0}
+
+
+def test_runs_logged_before_the_learning_signal_fix_never_match_and_the_warm_start_reads_hints():
+    """A run logged before the training reward judged what evaluation judges has no `signal`
+    in its key, so a rerun never reuses it; the warm start's SFT data holds every trace twice,
+    plain and under channel 2's hinted prompt (what the hinted teacher will read)."""
+    pytest.importorskip("trl")
+    vs_trl = _vs_trl()
+    spec = vs_trl.Spec("composer", 0, 3e-4, 4, None, "heldout", 250, 220.0, "cpu", 1.0)
+    key = json.loads(spec.key())
+    assert key["signal"] == vs_trl.SIGNAL_VERSION >= 2
+    old = {k: v for k, v in key.items() if k != "signal"}
+    assert json.dumps(old, sort_keys=True) != spec.key()
+    from composer_replication.config import load_config
+
+    task = vs_trl_task(load_config())
+    examples = task.train_examples()[:3]
+    data = vs_trl.sft_dataset(task, examples, hinted=True)
+    assert len(data) == 2 * len(examples)
+    for i, ex in enumerate(examples):
+        plain, hinted = data[2 * i], data[2 * i + 1]
+        assert plain["prompt"][0]["content"] == ex.prompt
+        text = hinted["prompt"][0]["content"]
+        assert text.startswith(ex.prompt) and f"Correct solution:\n\n{task.oracle(ex)}" in text
+        assert plain["completion"] == hinted["completion"]

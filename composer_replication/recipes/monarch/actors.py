@@ -47,6 +47,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
         "the Monarch recipe needs torchmonarch: pip install composer-replication[monarch]"
     ) from exc
 
+from composer_replication.data.turns import stop_token_ids
+
 if TYPE_CHECKING:
     import torch
     from transformers import (
@@ -225,10 +227,9 @@ def _chat_ids(tokenizer: Any, prompt: Prompt) -> list[int]:
 
 
 def _eos_ids(tokenizer: Any, generation_config: GenerationConfig) -> set[int]:
-    ids = getattr(generation_config, "eos_token_id", None)
-    if ids is None:
-        ids = tokenizer.eos_token_id
-    return set(ids if isinstance(ids, list) else [ids])
+    """Where a rollout ends: the generation config's EOS ids, the tokenizer's EOS and the chat
+    template's end of turn (data/turns.py), as the trainer and evaluation cut."""
+    return set(stop_token_ids(tokenizer, getattr(generation_config, "eos_token_id", None)))
 
 
 class RewarderActor(Actor):
@@ -297,17 +298,28 @@ class TeacherPoolActor(Actor):
 class _RemoteReward:
     """The trainer's reward function: its co-located `RewarderActor` (one call per batch)."""
 
-    def __init__(self, rewarder: Any, name: str) -> None:
+    def __init__(
+        self, rewarder: Any, name: str, tokenizer: object = None, stop_ids: Sequence[int] = ()
+    ) -> None:
         self.rewarder = rewarder
         self.__name__ = name
+        self.tokenizer = tokenizer
+        self.stop_ids = list(stop_ids)
         self.rewards: list[float] = []  # every scored rollout since the last `pop`
 
     def __call__(
         self, prompts: Sequence[Prompt], completions: Sequence[object], **columns: Any
     ) -> list[tuple[float | None, str | None]]:
+        from composer_replication.tasks.task import decode_completion
+
+        ids = columns.get("completion_ids")
+        if self.tokenizer is not None and ids is not None:
+            # the text evaluation judges (end markers kept), not TRL's decode without them
+            completions = [decode_completion(self.tokenizer, row, self.stop_ids) for row in ids]
         rows = {k: list(columns[k]) for k in REWARD_COLUMNS if k in columns}
         out = self.rewarder.score.call_one(list(prompts), list(completions), rows).get()
-        self.rewards.extend(r for r, _ in out if r is not None)
+        if not columns.get("teacher_probe"):  # the trainer scoring channel 2's teacher
+            self.rewards.extend(r for r, _ in out if r is not None)
         return [(r, fb) for r, fb in out]
 
     def pop(self) -> list[float]:
@@ -478,7 +490,8 @@ class TrainerActor(Actor):
                 model=model,
                 outer_optimizer_factory=d.build_outer_optimizer(),
             )
-            reward = _RemoteReward(self.rewarder, self.rewarder.name.call_one().get())
+            stops = stop_token_ids(tok, model.generation_config.eos_token_id)
+            reward = _RemoteReward(self.rewarder, self.rewarder.name.call_one().get(), tok, stops)
             store = TraceStore()
             if config.teachers.traces_path:
                 store = TraceStore.load([config.teachers.traces_path])

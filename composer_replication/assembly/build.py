@@ -105,7 +105,7 @@ if set(GENERATION_ARGS) != set(GENERATION_ENGINES):  # pragma: no cover - a prog
     )
 
 
-def generation_args(engine: str) -> dict[str, Any]:
+def generation_args(engine: str) -> dict[str, object]:
     """The TRL arguments of the rollout engine `engine` (`GENERATION_ARGS`), after checking that
     what it needs is installed: the vLLM engines raise `ConfigError` naming the extra when vLLM
     is missing (TRL would fail later, inside its trainer's constructor)."""
@@ -126,7 +126,7 @@ def generation_args(engine: str) -> dict[str, Any]:
     return dict(GENERATION_ARGS[engine])
 
 
-def configure_generation(trainer: Any, engine: str) -> None:
+def configure_generation(trainer: object, engine: str) -> None:
     """What TRL's arguments cannot say about the engine, set on the built trainer: for
     'static', transformers' automatic compilation of the decoding forward (TRL 1.16's
     GRPOTrainer builds its GenerationConfig with ``disable_compile=True``; transformers compiles

@@ -67,10 +67,11 @@ def tile_chunks(
     device: torch.device,
     token_chunk: int | None,
     vocab_chunk: int | None,
+    scale: int = 1,
 ) -> tuple[int, int]:
     """``(token rows, vocabulary columns)`` per tile: the caller's sizes, else from the tile
-    budget (`CPU_TILE_ELEMENTS` / `GPU_TILE_ELEMENTS`)."""
-    budget = GPU_TILE_ELEMENTS if device.type == "cuda" else CPU_TILE_ELEMENTS
+    budget (`CPU_TILE_ELEMENTS` / `GPU_TILE_ELEMENTS`, times ``scale``)."""
+    budget = (GPU_TILE_ELEMENTS if device.type == "cuda" else CPU_TILE_ELEMENTS) * scale
     n = token_chunk or min(tokens, max(1, budget // MIN_VOCAB_CHUNK))
     n = max(1, min(n, tokens))
     vc = vocab_chunk or max(1, budget // n)
@@ -448,6 +449,12 @@ def run_tiled(problem: FusedProblem, ops: TileOps) -> FusedResult:
 
 
 # ------------------------------------------------------------------ log-probs of given tokens
+# The log-prob passes hold one tile and its exponential at a time (the JSD's hold two sides' tiles
+# and their mixtures), so their tiles are 4x wider: a quarter of the matmul calls and element-wise
+# kernel launches for the same memory order (16 MB / 32 MB of float32 logits per tile).
+LOGPS_TILE_SCALE = 4
+
+
 @dataclass(frozen=True)
 class LogpsProblem:
     """Log-probs of given tokens through the output layer (channel 3 from hidden states):
@@ -472,6 +479,7 @@ class LogpsProblem:
             self.hs.device,
             self.token_chunk,
             self.vocab_chunk,
+            LOGPS_TILE_SCALE,
         )
 
 

@@ -417,7 +417,7 @@ def fused_replay_term(
         rows = [hidden[m] for (hidden, _, _), m in zip(sides, masks, strict=True)]
         ids = [tokens[m] for (_, tokens, _), m in zip(sides, masks, strict=True)]
         packed = fused_linear_logps(torch.cat(rows)[None], head_weight, bias, torch.cat(ids)[None])
-        parts = packed[0].split([r.shape[0] for r in rows])
+        parts = torch.split(packed[0], [r.shape[0] for r in rows])
         out = []
         for m, part, (_, _, mask) in zip(masks, parts, sides, strict=True):
             per_token = part.new_zeros(m.shape).masked_scatter(m, part)

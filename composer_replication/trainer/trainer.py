@@ -322,7 +322,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
         """Whether channel 3 runs fused with the output layer (``replay_fused`` and it applies)."""
         return self._fused3 is not None
 
-    def _replay_source(self, unwrapped: Any) -> HiddenStateSource | None:
+    def _replay_source(self, unwrapped: nn.Module) -> HiddenStateSource | None:
         """The policy's body and head for the fused channel 3, or None (with the reason logged)
         when the setting is off or the path does not apply."""
         if not self.composer.replay_fused:

@@ -340,8 +340,8 @@ def test_fused_replay_term_on_a_qwen2(make_batch_fn):
 def test_fused_logps_on_cuda_bfloat16_against_the_bf16_logits_path():
     """On a GPU (bf16, Qwen2.5-0.5B's head width, a vocabulary of several tiles): the fused
     log-probs and gradients against the current path within the bounds of the CPU bf16 test,
-    and against float64 on the same bf16 values; the fused path's peak memory stays far below
-    the (T, V) logits the current path holds."""
+    and against float64 on the same bf16 values (GPU memory: benchmarks/loss_memory.py's
+    gpu_replay_peak_ratio)."""
     g = torch.Generator().manual_seed(6)
     T_, H_, V_ = 64, 896, 151936
     dev = torch.device("cuda")
@@ -351,11 +351,7 @@ def test_fused_logps_on_cuda_bfloat16_against_the_bf16_logits_path():
     ids = torch.randint(0, V_, (1, T_), generator=g).to(dev)
     mask = torch.ones(1, T_, dtype=torch.bool, device=dev)
     up = torch.randn(1, T_, generator=g, dtype=torch.float64).to(dev)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
     fused = _fused(h, w, None, ids, mask, up)
-    fused_peak = torch.cuda.max_memory_allocated() - base
     current = _current(h, w, None, ids, mask, up)
     exact, exact_grads, logits = _exact(h, w, None, ids, mask, up)
     Z = float(logits.abs().max())
@@ -370,5 +366,3 @@ def test_fused_logps_on_cuda_bfloat16_against_the_bf16_logits_path():
         a, e, ex = fused[1][k].double(), current[1][k].double(), exact_grads[k]
         assert_close(a, e, n=math.ceil(2 * Z) + 4, u=UBF16, scale=scales[name], what=name)
         assert_close(a, ex, n=3, u=UBF16, scale=scales[name], what=name + " vs float64")
-    logits_bytes = T_ * V_ * 2  # one (T, V) bf16 logits tensor
-    assert fused_peak < logits_bytes + 2 * V_ * H_ * 4  # the weight gradient and its fp32 buffer

@@ -39,10 +39,12 @@ class DemoExpectation:
     caveat: str  # what the range hides (e.g. a seed that does not learn), "" for none
     reward_first: tuple[float, float]  # mean reward, first 10% of steps
     reward_last: tuple[float, float]  # mean reward, last 10% of steps
-    quiet_wall_s: float  # on idle cores (load < 1)
+    quiet_wall_s: float | None  # on idle cores (load < 1); None: not measured
     quiet_note: str  # how the quiet figure was taken, "" when with this very configuration
     loaded: tuple[WallTime, ...]  # under other jobs' load
-    cpu_s_per_replica: tuple[float, float]  # CPU seconds of each replica process
+    cpu_s_per_replica: (
+        tuple[float, float] | None
+    )  # CPU seconds of each replica (None: not measured)
     cpu_load: str  # the load average the CPU seconds were measured at
 
 
@@ -86,7 +88,17 @@ def is_embedded_default(config: RunConfig) -> bool:
 def _wall(e: DemoExpectation) -> str:
     loaded = "; ".join(f"{_r(w.seconds, 0)} s at load {w.load}" for w in e.loaded)
     note = f" ({e.quiet_note})" if e.quiet_note else ""
+    if e.quiet_wall_s is None:
+        return f"{loaded}{note}"
     return f"{e.quiet_wall_s:.0f} s on 2 idle cores{note}; {loaded}"
+
+
+def _cpu(e: DemoExpectation, what: str, unit: str, before: str, after: str) -> str:
+    """The replicas' CPU seconds, where measured: `{before}each replica is {what} N {unit} at
+    load L{after}`, else ""."""
+    if e.cpu_s_per_replica is None:
+        return ""
+    return f"{before}each replica is {what} {_r(e.cpu_s_per_replica, 0)} {unit} at load {e.cpu_load}{after}"
 
 
 def _accuracy(e: DemoExpectation) -> str:
@@ -111,8 +123,8 @@ def expected_lines(config: RunConfig, e: DemoExpectation = DEMO) -> list[str]:
         f"  held-out accuracy on {load_config().task.n_eval} prompts {_accuracy(e)}, mean reward {_r(e.reward_first, 2)} -> {_r(e.reward_last, 2)}, "
         f"over seeds {e.seeds} on {e.machines}; a seed repeats exactly on one machine, not "
         "across CPUs",
-        f"  wall time {_wall(e)} (each replica is one CPU-bound process of "
-        f"{_r(e.cpu_s_per_replica, 0)} CPU s at load {e.cpu_load}); this machine: {os.cpu_count()} cores, {load}",
+        f"  wall time {_wall(e)}{_cpu(e, 'one CPU-bound process of', 'CPU s', ' (', ')')}; "
+        f"this machine: {os.cpu_count()} cores, {load}",
     ]
 
 
@@ -123,6 +135,5 @@ def readme_sentence(e: DemoExpectation = DEMO) -> str:
         f"{_accuracy(e)} and mean reward (first vs last 10% of "
         f"steps) {_r(e.reward_first, 2)} -> {_r(e.reward_last, 2)}, over seeds {e.seeds} on "
         f"{e.machines}; a seed repeats bit for bit on one machine, not across CPUs. Wall time: "
-        f"{_wall(e)}; each replica is a CPU-bound process of {_r(e.cpu_s_per_replica, 0)} CPU "
-        f"seconds at load {e.cpu_load}."
+        f"{_wall(e)}{_cpu(e, 'a CPU-bound process of', 'CPU seconds', '; ', '')}."
     )

@@ -289,12 +289,12 @@ def test_resume_of_a_finished_run_says_so_and_launches_nothing(
     before = _tree(tmp_path)
     assert main(["train", "--resume", "done"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("Run done has already finished (900 inner steps, 616.2 s): nothing to")
-    assert "train.max_steps=N (N > 900)" in out
-    assert main(["train", "--resume", "done", "train.max_steps=900"]) == 0
+    assert out.startswith("Run done has already finished (1200 inner steps, 616.2 s): nothing to")
+    assert "train.max_steps=N (N > 1200)" in out
+    assert main(["train", "--resume", "done", "train.max_steps=1200"]) == 0
     assert _tree(tmp_path) == before
     # More steps: the run trains on (the resume is not stopped here).
-    assert finished_already("done", ["train.max_steps=1000"]) is None
+    assert finished_already("done", ["train.max_steps=1500"]) is None
     assert finished_already("done", []) is not None
 
 

@@ -16,10 +16,10 @@ from composer_replication.run.expected import (
 def test_the_embedded_default_gets_its_measured_ranges() -> None:
     lines = expected_lines(load_config())
     assert lines[0].startswith("What to expect (the embedded default")
-    assert "held-out accuracy on 256 prompts 0.000 -> 0.922-0.969 (median 0.949), " in lines[1]
-    assert "mean reward 0.16-0.17 -> 0.79-0.91, over seeds 0-2" in lines[1]
-    assert "wall time 236 s on 2 idle cores (median of seeds 0-2, one at a time " in lines[2]
-    assert "; 1138-2036 s at load 7-26 (" in lines[2]
+    assert "held-out accuracy on 256 prompts 0.000 -> 0.875-0.988 (median 0.965), " in lines[1]
+    assert "mean reward 0.18-0.20 -> 0.91-0.95, over seeds 0-2" in lines[1]
+    assert "under each of ATen's CPU kernel sets" in lines[1]
+    assert "wall time 136-383 s at load 2-8 (not measured on idle cores" in lines[2]
     assert "this machine: " in lines[2] and " cores, " in lines[2]
     # another seed, name or folder is still the default's setting; anything else is not
     assert is_embedded_default(load_config(overrides=["run.seed=2", "run.name=x"]))
@@ -37,3 +37,20 @@ def test_ranges_print_a_single_value_once() -> None:
     )
     lines = expected_lines(load_config(), one)
     assert "256 prompts 0.000 -> 0.800, mean" in lines[1] and "200 s at load 3" in lines[2]
+
+
+def test_idle_wall_time_and_cpu_seconds_are_printed_only_where_measured() -> None:
+    measured = dataclasses.replace(
+        DEMO,
+        quiet_wall_s=236.0,
+        quiet_note="median of seeds 0-2",
+        cpu_s_per_replica=(108.0, 110.0),
+        cpu_load="3-5",
+    )
+    line = expected_lines(load_config(), measured)[2]
+    assert "wall time 236 s on 2 idle cores (median of seeds 0-2); " in line
+    assert "(each replica is one CPU-bound process of 108-110 CPU s at load 3-5)" in line
+    bare = expected_lines(load_config(), dataclasses.replace(measured, quiet_wall_s=None))[2]
+    assert "idle" not in bare
+    unmeasured = dataclasses.replace(measured, cpu_s_per_replica=None)
+    assert "CPU-bound" not in expected_lines(load_config(), unmeasured)[2]

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from _trainer_helpers import G, config
 
 from composer_replication.assembly.build import task_reward
 from composer_replication.data.turns import end_of_turn_id, stop_token_ids
@@ -126,7 +127,7 @@ class _ScriptedGeneration:
 
 @pytest.mark.parametrize("channels", ["off", "all"])
 def test_logged_training_reward_equals_evaluation_verdict(tmp_path: Any, channels: str) -> None:
-    from composer_replication.trainer import ComposerConfig, ComposerReplicationTrainer
+    from composer_replication.trainer import ComposerReplicationTrainer
 
     tok = build_tokenizer()
     model = build_tiny_model(tok, hidden_size=16, num_layers=1, seed=0)
@@ -135,22 +136,8 @@ def test_logged_training_reward_equals_evaluation_verdict(tmp_path: Any, channel
     scripts = [tok(raw, add_special_tokens=False)["input_ids"] for raw in _cases(answer)]
     scripted = _ScriptedGeneration(model, scripts, tok.pad_token_id)
     model.generate = scripted.generate  # this model's rollouts come from the script
-    g = 4
-    args = ComposerConfig(
-        output_dir=str(tmp_path / "out"),
-        per_device_train_batch_size=2 * g,
-        num_generations=g,
-        max_completion_length=16,
-        max_steps=3,
-        logging_steps=1,
-        report_to=[],
-        learning_rate=1e-3,
-        save_strategy="no",
-        seed=0,
-        disable_tqdm=True,
-        bf16=False,
-        gradient_checkpointing=False,
-    )
+    g = G  # the trainer tests' group size (tests/trainer/_trainer_helpers.py)
+    args = config(tmp_path, max_completion_length=16, max_steps=3, learning_rate=1e-3)
     on = channels == "all"
     trainer = ComposerReplicationTrainer(
         model=model,

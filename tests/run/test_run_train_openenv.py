@@ -56,7 +56,10 @@ def test_train_on_an_openenv_server_runs_to_the_end(
     assert all(0.0 <= r["reward"] <= 1.0 for r in train)
     # every wrong answer came back with the environment's feedback, which channel 2 used
     assert all(r["sdpo/frac_with_feedback"] > 0 for r in train)
-    assert any(r["sdpo/active"] == 1.0 for r in train)
+    # its teacher was measured on those hints, and channel 2 acted only where its gate let it
+    # (a random model reading a hint is rarely better than without one: docs/trainer.md)
+    assert all("sdpo/teacher_advantage" in r for r in train)
+    assert all(r["sdpo/active"] <= r["sdpo/gate_open"] for r in train)
     evals = [r for r in records if r["kind"] == "eval"]
     assert [r["step"] for r in evals] == [0, 2]
     assert all(0.0 <= r["eval/accuracy"] <= 1.0 for r in evals)

@@ -602,8 +602,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
         )
         sources = [self._feedback.slots[i] for i in sorted(self._feedback.slots)]
         if self.feedback_funcs:
-            keys = [k for k in inputs[0] if k not in ("prompt", "completion", "completion_ids")]
-            extra = {k: [x[k] for x in inputs] for k in keys}
+            extra = _reward_columns(inputs, range(len(inputs)))
             extra["completion_ids"] = completion_ids_list
             sources += call_feedback_funcs(self.feedback_funcs, prompts, completions, extra)
         self._batch = {
@@ -764,7 +763,8 @@ class ComposerReplicationTrainer(GRPOTrainer):
         self, prompts: list[Prompt], inputs: list[dict], rows: list[int]
     ) -> list[float] | None:
         """One sampled teacher completion per hinted prompt, scored by the reward functions
-        (weighted as TRL weighs them); None when a reward function is a model (not probed)."""
+        (weighted as TRL weighs them); None when that cannot be done here (a reward function
+        that is a model, or a rollout engine without a generation config)."""
         config = getattr(self, "generation_config", None)
         if config is None or any(isinstance(f, nn.Module) for f in self.reward_funcs):
             return None
@@ -789,8 +789,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
         completions = [
             [{"role": "assistant", "content": t}] if conversational else t for t in texts
         ]
-        keys = [k for k in inputs[0] if k not in ("prompt", "completion", "completion_ids")]
-        columns = {k: [inputs[i][k] for i in rows] for k in keys}
+        columns = _reward_columns(inputs, rows)
         total = torch.zeros(len(rows))
         scored = torch.zeros(len(rows), dtype=torch.bool)
         weights = self.reward_weights.tolist()
@@ -1085,6 +1084,14 @@ class ComposerReplicationTrainer(GRPOTrainer):
                 self._metrics[mode]["taid/t"].append(float(t))
         if self._channel3:
             self._metrics[mode]["replay/active"].append(float(active3))
+
+
+def _reward_columns(inputs: list[dict], rows: Iterable[int]) -> dict[str, list[object]]:
+    """The dataset columns a reward or feedback function gets for `rows` of the batch (every
+    column but the prompt and the completion, which are passed on their own)."""
+    keys = [k for k in inputs[0] if k not in ("prompt", "completion", "completion_ids")]
+    picked = list(rows)
+    return {k: [inputs[i][k] for i in picked] for k in keys}
 
 
 async def _awaited(value: Awaitable[_T]) -> _T:

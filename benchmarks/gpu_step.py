@@ -299,11 +299,11 @@ def run_arm(
 
 
 def spread(values: list[float]) -> dict[str, float]:
-    """``min``, quartiles ``q1`` / ``q3`` (exclusive method; the median when one value) and
-    ``max`` of the measured steps."""
+    """``min``, quartiles ``q1`` / ``q3`` (inclusive method, so they stay between ``min`` and
+    ``max`` however few steps were measured; the median when one value) and ``max``."""
     ordered = sorted(values)
     if len(ordered) > 1:
-        q1, _, q3 = statistics.quantiles(ordered, n=4)
+        q1, _, q3 = statistics.quantiles(ordered, n=4, method="inclusive")
     else:
         q1 = q3 = ordered[0]
     return {"min": ordered[0], "q1": q1, "q3": q3, "max": ordered[-1]}

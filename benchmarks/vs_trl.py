@@ -95,6 +95,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from composer_replication.data.hints import HintTemplate
+
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 
@@ -118,9 +120,13 @@ N_OOD = 256
 MAX_STEPS = 100_000  # a cap the time budget always reaches first
 # The embedded default run's compute: 2 replicas x 108-110 CPU s (docs/benchmarks-notebook.md).
 DEFAULT_BUDGET_S = 220.0
-SIGNAL_VERSION = 2  # see Spec.key
+SIGNAL_VERSION = 3  # see Spec.key
 DEFAULT_SEEDS = 5
 WARM_START_LR = 3e-3
+# Channel 2's hints in our arms and the warm start's hinted examples: the SDPO reference runs'
+# choice (`environment_feedback_only_without_solution`): a failed rollout whose sibling succeeded
+# is shown that solution alone, the verifier's feedback only when no sibling succeeded.
+HINTS = HintTemplate(feedback_with_solution=False)
 TARGET_MARGIN = 0.05
 BOOTSTRAP_REPS = 10_000
 
@@ -145,7 +151,8 @@ class Spec:
         if not fields["rpo"]:  # the runs logged before the field existed trained without it
             del fields["rpo"]
         # The learning signal's version: runs logged before the reward judged what evaluation
-        # judges (and before the hinted warm start and channel 2's gate) never match a new run.
+        # judges (and before the hinted warm start and channel 2's gate; 3: the warm start's
+        # hints as channel 2 writes them, `HINTS`) never match a new run.
         fields["signal"] = SIGNAL_VERSION
         return json.dumps(fields, sort_keys=True)
 
@@ -251,21 +258,22 @@ def _trl_sdpo_args(config: Any, common: dict[str, Any]) -> Any:
 def sft_dataset(task: Any, examples: list[Any] | None = None, *, hinted: bool = False) -> Any:
     """The oracle traces of the task's training prompts in TRL's prompt-completion chat format
     (`SFTTrainer` then takes the loss on the answer only). With `hinted`, each also a second
-    time under channel 2's hinted prompt (the default `HintTemplate` with the oracle answer as
-    the correct solution), so the model learns to read the hint its teacher will be shown."""
+    time under channel 2's hinted prompt (`Task.hinted_examples`: the solution, the solution and
+    a wrong attempt's feedback, or the feedback alone, as channel 2's teacher is shown them), so
+    the model learns to read the hint its teacher will be shown."""
     import datasets
 
-    from composer_replication.data.hints import HintTemplate
     from composer_replication.tasks.task import chat_prompt
 
-    template = HintTemplate()
-    rows = []
-    for ex in task.train_examples() if examples is None else examples:
-        answer = [{"role": "assistant", "content": task.oracle(ex)}]
-        rows.append({"prompt": chat_prompt(ex.prompt), "completion": answer})
-        if hinted:
-            text = template.render_text(ex.prompt, task.oracle(ex), None)
-            rows.append({"prompt": chat_prompt(text), "completion": answer})
+    plain = task.train_examples() if examples is None else examples
+    shown = [*plain, *(task.hinted_examples(1.0, plain, HINTS) if hinted else [])]
+    rows = [
+        {
+            "prompt": chat_prompt(ex.prompt),
+            "completion": [{"role": "assistant", "content": task.oracle(ex)}],
+        }
+        for ex in shown
+    ]
     return datasets.Dataset.from_list(rows)
 
 
@@ -322,6 +330,7 @@ def rl_runner(
             seed=seed,
             output_dir=scratch,
             callbacks=callbacks,
+            settings={"hint_template": HINTS},
         )
     common = trl_training_args(config, scratch, MAX_STEPS, seed)
     dataset = train_split(config, task, rank=0)
@@ -360,7 +369,7 @@ def warm_start(config: Any, model: Any, tok: Any, task: Any, steps: int, cache: 
     import torch
     from safetensors.torch import load_model, save_model
 
-    name = f"warm-seed{config.run.seed}-steps{steps}-{task.seed}-{task.n_train}-hinted"
+    name = f"warm-seed{config.run.seed}-steps{steps}-{task.seed}-{task.n_train}-hinted3"
     path = cache / f"{name}.safetensors"
     if path.exists():
         load_model(model, str(path))  # tied embeddings: stored once, tied again
@@ -841,6 +850,12 @@ def main() -> None:
         "SFT warm start (instead of the comparison)",
     )
     p.add_argument(
+        "--variants",
+        default=None,
+        help="--ablation: comma-separated subset of "
+        f"{', '.join([*CHANNEL_VARIANTS, 'composer'])} (default: all)",
+    )
+    p.add_argument(
         "--warm-start-steps",
         type=int,
         default=250,
@@ -899,6 +914,10 @@ def main() -> None:
             p.error(f"--arms: unknown {unknown}; choose from {', '.join(ARMS)}")
     if a.ablation:
         arms = ["composer"]
+    every = [*CHANNEL_VARIANTS, "composer"]
+    a.variants = [t.strip() for t in (a.variants or ",".join(every)).split(",") if t.strip()]
+    if set(a.variants) - set(every) or not a.variants:
+        p.error(f"--variants: unknown {sorted(set(a.variants) - set(every))}; choose from {every}")
     if (a.lr is None) != (a.g is None) or (a.lr is not None and not a.ablation):
         p.error("--lr and --g go together, with --ablation")
     a.cache = a.cache or str(Path(a.log).parent / "warm")
@@ -986,7 +1005,7 @@ def ablation(
     a: argparse.Namespace, log: Log, chosen: dict[str, Any], budget: float, seeds: range, t0: float
 ) -> None:
     """Our channel variants at ours' tuned (lr, G), from scratch and from the SFT warm start."""
-    variants = [*CHANNEL_VARIANTS, "composer"]
+    variants = a.variants
     starts = [0, a.warm_start_steps] if a.warm_start_steps else [0]
     if a.starts != "both":
         starts = [starts[0] if a.starts == "scratch" else starts[-1]]

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -400,10 +400,12 @@ def build_trainer(
     output_dir: str,
     callbacks: list[TrainerCallback] | None = None,
     rank: int = 0,
+    settings: Mapping[str, object] | None = None,
 ) -> ComposerReplicationTrainer:
     """The `ComposerReplicationTrainer` of replica `rank` of a run: the task's reward (with
     feedback) and its training prompts (`train_split`), TRL settings from [train]/[loss],
-    channel-3 teachers from [teachers]."""
+    channel-3 teachers from [teachers]; `settings`: composer keywords the TOML has no key for
+    (`trainer.ComposerSettings`: e.g. `hint_template`, `sdpo_gate`), over the config's."""
     from transformers.trainer_callback import PrinterCallback
 
     from composer_replication.trainer import ComposerReplicationTrainer
@@ -418,7 +420,7 @@ def build_trainer(
         callbacks=callbacks,
         trace_store=trace_store,
         teacher_pool=pool,
-        **composer_kwargs(config),
+        **{**composer_kwargs(config), **(settings or {})},
     )
     configure_generation(trainer, config.train.generation)
     # Every log line already goes to the store as a metric record; printing each one too

@@ -9,7 +9,10 @@ arXiv 2601.20802, as shipped in TRL's experimental SDPO trainer)::
 
 with ``solution`` = ``"\\nCorrect solution:\\n\\n{solution}\\n\\n"`` and ``feedback`` =
 ``"\\nThe following is feedback from your unsuccessful earlier attempt:\\n\\n{feedback}\\n\\n"``;
-an absent part renders as the empty string.
+an absent part renders as the empty string. With ``feedback_with_solution=False`` (the SDPO
+reference runs' ``environment_feedback_only_without_solution=True``; TRL's default is False) a
+rollout whose sibling succeeded is shown the solution alone, and the feedback only when there is
+no solution.
 """
 
 from __future__ import annotations
@@ -35,13 +38,20 @@ class HintTemplate:
     ``reprompt`` must contain ``{prompt}`` and may also use ``{solution}`` and ``{feedback}``;
     ``solution`` must use ``{solution}`` and ``feedback`` must use ``{feedback}``.
     Literal braces are written ``{{`` and ``}}`` (``str.format`` rules).
+    ``feedback_with_solution=False`` writes the feedback only where there is no solution.
     """
 
     reprompt: str = DEFAULT_REPROMPT
     solution: str = DEFAULT_SOLUTION
     feedback: str = DEFAULT_FEEDBACK
+    feedback_with_solution: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.feedback_with_solution, bool):
+            raise ValueError(
+                "hint template 'feedback_with_solution' must be true or false, got "
+                f"{self.feedback_with_solution!r}"
+            )
         allowed = {"prompt", "solution", "feedback"}
         bad = _fields(self.reprompt) - allowed
         if bad or "prompt" not in _fields(self.reprompt):
@@ -57,6 +67,8 @@ class HintTemplate:
     def render_text(self, prompt: str, solution: str | None, feedback: str | None) -> str:
         """The hinted user text for one failed rollout."""
         sol = self.solution.format(solution=solution) if solution else ""
+        if solution and not self.feedback_with_solution:
+            feedback = None
         fb = self.feedback.format(feedback=feedback) if feedback else ""
         return self.reprompt.format(prompt=prompt, solution=sol, feedback=fb)
 
@@ -86,8 +98,10 @@ class HintTemplate:
         return [*prompt[:last_user], hinted, *prompt[last_user + 1 :]]
 
 
-def coerce_hint_template(value: HintTemplate | str | dict[str, str] | None) -> HintTemplate:
-    """Accept a `HintTemplate`, a reprompt string, a dict of the three parts, or None (default)."""
+def coerce_hint_template(
+    value: HintTemplate | str | dict[str, str | bool] | None,
+) -> HintTemplate:
+    """Accept a `HintTemplate`, a reprompt string, a dict of its fields, or None (default)."""
     if value is None:
         return HintTemplate()
     if isinstance(value, HintTemplate):
@@ -95,13 +109,14 @@ def coerce_hint_template(value: HintTemplate | str | dict[str, str] | None) -> H
     if isinstance(value, str):
         return HintTemplate(reprompt=value)
     if isinstance(value, dict):
-        unknown = set(value) - {"reprompt", "solution", "feedback"}
+        known = ("reprompt", "solution", "feedback", "feedback_with_solution")
+        unknown = set(value) - set(known)
         if unknown:
             raise ValueError(
-                f"hint_template dict has unknown keys {sorted(unknown)}; "
-                "use 'reprompt', 'solution', 'feedback'"
+                f"hint_template dict has unknown keys {sorted(unknown)}; use "
+                + ", ".join(repr(k) for k in known)
             )
-        return HintTemplate(**value)
+        return HintTemplate(**value)  # type: ignore[arg-type]
     raise ValueError(
         f"hint_template must be a HintTemplate, str, dict or None, got {type(value).__name__}"
     )

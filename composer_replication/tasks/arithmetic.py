@@ -44,6 +44,7 @@ small or too large, as a checker would.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import random
 import re
@@ -241,6 +242,14 @@ class ArithmeticTask(Task):
     def _sample_ood(self, rng: random.Random) -> Problem:
         """One more operand than training, from the same range and operators."""
         return self._draw(rng, self.num_operands + 1)
+
+    def failed_attempt(self, example: Example, k: int = 0) -> str:
+        """A near miss (the answer off by 1, 2, 3, 5 or 10, either way, picked by the example and
+        `k`), the kind of wrong sum a learning policy gives; its feedback says only "too small"
+        or "too large"."""
+        offsets = (1, -1, 2, -2, 3, -3, 5, -5, 10, -10)
+        digest = hashlib.sha256(f"{example.id}/{k}".encode()).digest()
+        return str(int(example.answer) + offsets[digest[0] % len(offsets)])
 
     def verify(self, example: Example, completion: str) -> Verdict:
         answer = int(example.answer)

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, overload
 
 if TYPE_CHECKING:
+    from composer_replication.data.hints import HintTemplate
     from composer_replication.data.traces import TraceJson
 
 # Generation may run past the end of turn (no stop string), and decoders that keep special tokens
@@ -58,6 +59,10 @@ _MAX_MISSES = 2000
 
 # One problem as a task draws it: (prompt, reference answer, JSON-serialisable meta).
 Problem = tuple[str, str, dict[str, Any]]
+# The hints `Task.hinted_examples` cycles through, as (with the solution, with feedback): what
+# channel 2's teacher is shown for a failed rollout (`data.hints.plan_hints`).
+HINT_KINDS: tuple[tuple[bool, bool], ...] = ((True, False), (True, True), (False, True))
+
 Scored = tuple[float, str | None]  # one completion's (reward, feedback), as reward_func returns
 
 
@@ -230,6 +235,17 @@ class Task(ABC):
         this to keep the corpus cheap."""
         answer = self.oracle(example)
         return ["", answer + answer[-1:]]
+
+    def failed_attempt(self, example: Example, k: int = 0) -> str:
+        """The `k`-th of a few wrong completions a learning policy might give for `example`,
+        none of which carries the answer (the feedback on it goes into a hinted example, and a
+        feedback that spells the answer teaches the teacher to read a leak channel 2 never
+        shows). By default the typical wrong answers (`_wrong_answers`) that do not contain the
+        reference, else the empty answer; tasks with a natural neighbourhood of wrong answers
+        override it."""
+        answer = self.oracle(example)
+        wrong = [w for w in self._wrong_answers(example) if not answer or answer not in w]
+        return (wrong or [""])[k % max(len(wrong), 1)]
 
     def text_corpus(self, split: str = "train") -> list[str]:
         """The task's own text, to train a tokenizer on (`models.build_bpe_tokenizer`).
@@ -433,28 +449,39 @@ class Task(ABC):
 
     # ---- TRL glue -----------------------------------------------------------------------------
 
-    def hinted_examples(self, share: float) -> list[Example]:
-        """Hinted copies of the first `ceil(share * n)` distinct training prompts: the prompt as
-        channel 2's teacher reads it (the default `HintTemplate`: the oracle solution as the
-        correct solution, and on every other one the feedback a typical wrong attempt gets),
-        with the same answer. Trained on beside the plain prompts (`to_dataset`,
-        `oracle_traces` with `hint_share`), they teach the policy to read the hint its
-        channel-2 teacher is shown; the held-out prompts are never among them."""
+    def hinted_examples(
+        self,
+        share: float,
+        examples: Sequence[Example] | None = None,
+        template: HintTemplate | None = None,
+    ) -> list[Example]:
+        """Hinted copies of the first `ceil(share * n)` distinct prompts of `examples` (default:
+        the training split): each prompt as channel 2's teacher reads it, with the same answer.
+        The hints cycle through the kinds channel 2 shows: the correct solution alone; the
+        solution and the feedback on a wrong attempt (`failed_attempt`: a failed rollout whose
+        sibling succeeded); the feedback alone (no sibling succeeded). `template` writes them
+        (default `HintTemplate()`; with `feedback_with_solution=False` the second kind shows the
+        solution alone, as channel 2 then does). Trained on beside the plain prompts
+        (`to_dataset`, `oracle_traces` with `hint_share`, a benchmark's warm start), they teach
+        the policy to read the hint its channel-2 teacher is shown; the held-out prompts are
+        never among them by default."""
         if not 0.0 <= share <= 1.0:
             raise ValueError(f"hint_share must be in [0, 1], got {share!r}")
         if share == 0.0:
             return []
         from composer_replication.data.hints import HintTemplate
 
-        template = HintTemplate()
-        distinct = list({ex.prompt: ex for ex in self.train_examples()}.values())
+        template = template or HintTemplate()
+        source = self.train_examples() if examples is None else examples
+        distinct = list({ex.prompt: ex for ex in source}.values())
         out = []
         for i, ex in enumerate(distinct[: math.ceil(share * len(distinct))]):
-            solution = self.oracle(ex)
+            kind = i % len(HINT_KINDS)
+            solution = self.oracle(ex) if HINT_KINDS[kind][0] else None
             feedback = None
-            if i % 2:
-                wrong = [w for w in self._wrong_answers(ex) if w]
-                feedback = self.verify(ex, wrong[0]).feedback if wrong else None
+            if HINT_KINDS[kind][1]:
+                attempt = self.failed_attempt(ex, i // len(HINT_KINDS))
+                feedback = self.verify(ex, attempt).feedback
             text = template.render_text(ex.prompt, solution, feedback)
             out.append(Example(id=f"{ex.id}/hinted", prompt=text, answer=ex.answer, meta=ex.meta))
         return out

@@ -70,8 +70,9 @@ def plan_hints(
 
     A rollout enters channel 2 when it failed (reward < ``success_threshold``; NaN rewards are
     unscorable and never enter) and it has a successful sibling (another rollout of the same group
-    with reward >= threshold; the highest-reward one, earliest on ties) or non-empty feedback.
-    Excluded rows keep their plain prompt as teacher prompt (masked out later).
+    with reward >= threshold; the highest-reward one, earliest on ties) or non-empty feedback
+    (shown beside the sibling's solution unless the template's ``feedback_with_solution`` is
+    False). Excluded rows keep their plain prompt as teacher prompt (masked out later).
     """
     n = len(prompts)
     if len(feedback) != n:
@@ -97,6 +98,8 @@ def plan_hints(
         sibling = completion_text(all_completions[best]) if best is not None else None
         if sibling is not None and not sibling.strip():
             sibling = None
+        if sibling is not None and not template.feedback_with_solution:
+            fb = None  # the solution alone (SDPO's environment_feedback_only_without_solution)
         if sibling is None and fb is None:
             continue
         plan.sample_mask[i] = True

@@ -72,3 +72,29 @@ def test_channel3_traces_of_a_default_run_cover_training_prompts_only(default_ta
     train_keys = {prompt_key(chat_prompt(ex.prompt)) for ex in default_task.train_examples()}
     held_out_keys = {prompt_key(chat_prompt(ex.prompt)) for ex in default_task.eval_examples()}
     assert keys and keys <= train_keys and not keys & held_out_keys
+
+
+def test_settings_the_toml_has_no_key_for_reach_the_trainer(default_task) -> None:  # type: ignore[no-untyped-def]
+    """`build_trainer(settings=...)`: a benchmark's composer keywords (here channel 2's hint
+    template) go over the config's; the config's own keys are untouched."""
+    import tempfile
+
+    from composer_replication.assembly.build import build_model, build_trainer
+    from composer_replication.data.hints import HintTemplate
+
+    config = load_config(overrides=["train.max_steps=3", "diloco.sync_every_h=3"])
+    model, tok = build_model(config)
+    template = HintTemplate(feedback_with_solution=False)
+    with tempfile.TemporaryDirectory() as scratch:
+        trainer = build_trainer(
+            config,
+            model=model,
+            tokenizer=tok,
+            task=default_task,
+            max_steps=3,
+            seed=0,
+            output_dir=scratch,
+            settings={"hint_template": template, "sdpo_gate": False},
+        )
+    assert trainer.composer.hint_template is template and not trainer.composer.sdpo_gate
+    assert trainer.composer.beta_replay == config.loss.beta_replay

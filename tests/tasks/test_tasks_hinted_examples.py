@@ -4,6 +4,7 @@ learns to read the hint its teacher is given; never a held-out prompt, same answ
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -11,7 +12,7 @@ from composer_replication.config import ConfigError, load_config
 from composer_replication.data.hints import HintTemplate
 from composer_replication.data.traces import prompt_key
 from composer_replication.tasks import get_task
-from composer_replication.tasks.task import chat_prompt
+from composer_replication.tasks.task import HINT_KINDS, chat_prompt
 
 
 def _task():
@@ -25,15 +26,49 @@ def test_hinted_examples_are_training_prompts_with_the_hint_and_the_same_answer(
     assert len(hinted) == math.ceil(0.25 * len(distinct))
     held_out = {ex.prompt for ex in task.eval_examples()}
     template = HintTemplate()
-    for i, (h, ex) in enumerate(zip(hinted, distinct, strict=False)):
+    kinds = []
+    for h, ex in zip(hinted, distinct, strict=False):
         assert h.answer == ex.answer and h.id == f"{ex.id}/hinted"
         assert h.prompt.startswith(ex.prompt) and ex.prompt not in held_out
-        assert f"Correct solution:\n\n{task.oracle(ex)}" in h.prompt
+        solution = f"Correct solution:\n\n{task.oracle(ex)}" in h.prompt
         feedback = "feedback from your unsuccessful earlier attempt" in h.prompt
-        assert feedback == bool(i % 2)  # every other one carries a wrong attempt's feedback
+        kinds.append((solution, feedback))
         assert h.prompt.endswith(template.render_text("", None, None))
         assert task.verify(h, task.oracle(ex)).correct
+    # the three hints channel 2 shows, in turn: the solution, the solution and the feedback on a
+    # wrong attempt, the feedback alone
+    assert kinds == [HINT_KINDS[i % 3] for i in range(len(hinted))]
+    assert HINT_KINDS == ((True, False), (True, True), (False, True))
     assert task.hinted_examples(0.0) == []
+
+
+def test_the_feedback_of_a_hinted_example_does_not_give_the_answer_away() -> None:
+    """A hint with feedback alone must not spell the answer (a wrong answer of the reference
+    with its last digit doubled did: the teacher learned to read the leak, not the question):
+    arithmetic's failed attempts are near misses, whose feedback says "too small / too large"."""
+    task = _task()
+    for i, h in enumerate(task.hinted_examples(1.0)):
+        if HINT_KINDS[i % 3] != (False, True):
+            continue
+        feedback = h.prompt.split("earlier attempt:")[1]
+        found = re.search(r"Wrong answer: (-?\d+)", feedback)
+        assert found is not None, feedback
+        wrong = int(found.group(1))
+        assert wrong != int(h.answer) and abs(wrong - int(h.answer)) <= 10
+        assert ("too small" in feedback) == (wrong < int(h.answer))
+
+
+def test_a_template_that_keeps_feedback_for_failures_without_a_solution() -> None:
+    """`feedback_with_solution=False` (the SDPO reference runs' setting): the hinted examples
+    are written as channel 2 then writes its hints, the solution alone where there is one."""
+    task = _task()
+    template = HintTemplate(feedback_with_solution=False)
+    plain = task.train_examples()[:6]
+    hinted = task.hinted_examples(1.0, plain, template)
+    assert [h.id for h in hinted] == [f"{ex.id}/hinted" for ex in plain]
+    solution = ["Correct solution" in h.prompt for h in hinted]
+    feedback = ["earlier attempt" in h.prompt for h in hinted]
+    assert solution == [True, True, False] * 2 and feedback == [False, False, True] * 2
 
 
 def test_datasets_and_oracle_traces_carry_the_hinted_rows() -> None:

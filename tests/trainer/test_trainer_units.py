@@ -57,6 +57,30 @@ def test_plan_hints_selection_rules():
     assert plan0.sample_mask == [False, True, False, False]
     assert "Correct solution:\n\nc2" in plan0.teacher_prompts[1]
     assert plan0.failed == 1 and plan0.with_sibling == 1
+    # feedback beside a solution only when the template says so (SDPO's reference runs: the
+    # feedback only where no sibling succeeded)
+    both = ["fb0", "fb1", None, None, "fb4", "fb5", None, None]
+    for with_solution in (True, False):
+        template = HintTemplate(feedback_with_solution=with_solution)
+        plan = plan_hints(
+            prompts,
+            completions,
+            rewards,
+            both,
+            num_generations=4,
+            process_start=0,
+            template=template,
+            success_threshold=0.5,
+        )
+        assert plan.sample_mask == [False, True, False, False, True, True, False, False]
+        assert "Correct solution:\n\nc2" in plan.teacher_prompts[1]
+        assert ("fb1" in plan.teacher_prompts[1]) == with_solution
+        assert (
+            "fb4" in plan.teacher_prompts[4] and "Correct solution" not in plan.teacher_prompts[4]
+        )
+        assert plan.with_feedback == (3 if with_solution else 2)
+    with pytest.raises(ValueError, match="feedback_with_solution"):
+        HintTemplate(feedback_with_solution="no")  # type: ignore[arg-type]
 
 
 def test_plan_pairs_and_tensors():

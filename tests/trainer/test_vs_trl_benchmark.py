@@ -282,9 +282,13 @@ def test_runs_logged_before_the_learning_signal_fix_never_match_and_the_warm_sta
     examples = task.train_examples()[:3]
     data = vs_trl.sft_dataset(task, examples, hinted=True)
     assert len(data) == 2 * len(examples)
+    n = len(examples)
+    hints = task.hinted_examples(1.0, examples, vs_trl.HINTS)
     for i, ex in enumerate(examples):
-        plain, hinted = data[2 * i], data[2 * i + 1]
+        plain, hinted = data[i], data[n + i]
         assert plain["prompt"][0]["content"] == ex.prompt
         text = hinted["prompt"][0]["content"]
-        assert text.startswith(ex.prompt) and f"Correct solution:\n\n{task.oracle(ex)}" in text
+        assert text == hints[i].prompt and text.startswith(ex.prompt)
         assert plain["completion"] == hinted["completion"]
+    # written as channel 2 writes our arms' hints: the solution alone where there is one
+    assert not vs_trl.HINTS.feedback_with_solution

@@ -151,8 +151,8 @@ class TaskConfig:
     hint_share: float = setting(
         0.0,
         "share of the distinct training prompts also trained on with channel 2's hint in context "
-        "(the oracle answer as correct solution; feedback on every other one), so the policy "
-        "learns to read the hint its channel-2 teacher is shown; 0 = none",
+        "(in turn: the solution, the solution and the feedback on a near miss, the feedback "
+        "alone), so the policy learns to read the hint its channel-2 teacher is shown; 0 = none",
     )
 
     def __post_init__(self) -> None:

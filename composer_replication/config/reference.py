@@ -55,7 +55,7 @@ def _default(value: Any) -> str:
 
 
 def _rows(cls: type, prefix: str) -> list[str]:
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls, include_extras=True)
     lines = ["| key | type | default | meaning |", "|---|---|---|---|"]
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
         default = f.default

@@ -39,7 +39,8 @@ from typing import Any
 import torch
 
 from composer_replication.exchange import checksums, codecs, wire
-from composer_replication.exchange.robust import AGGREGATES, Decision
+from composer_replication.exchange.robust import Decision
+from composer_replication.exchange.rules import is_rule_name
 from composer_replication.exchange.signing import RunKeys, rank_identity
 from composer_replication.exchange.vocabulary import (
     DTYPES,
@@ -450,7 +451,7 @@ def parse_commit(
         and all(_is_weight(w) for w in c["weights"].values())
         and all(_is_weight(w) for w in c.get("scales", {}).values())
         and all(_is_checksum(v) for v in c["checksums"].values())
-        and c.get("aggregate", "mean") in AGGREGATES
+        and is_rule_name(c.get("aggregate", "mean"))
         and isinstance(c.get("trim", 0), int)
         and 0 <= 2 * c.get("trim", 0) < len(ranks)
     )

@@ -296,7 +296,7 @@ def decode_contribution(
             isinstance(s, list) and all(isinstance(d, int) and d >= 0 for d in s) for s in shapes
         )
         and all(d in DTYPES for d in dtypes)
-        and h.get("codec") in codecs.CODECS
+        and codecs.is_codec_name(h.get("codec"))
         and _is_checksum(h.get("checksum"))
         and _opt_nonneg_int(h.get("tokens"))
         and _opt_nonneg_int(h.get("inner_steps"))

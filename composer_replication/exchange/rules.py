@@ -120,7 +120,9 @@ def names() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
-AggregateName = Annotated[str, OneOf(names, "an aggregation rule (exchange.rules)")]
+AggregateName = Annotated[
+    str, OneOf(names, 'an aggregation rule (docs/object-store.md, "Aggregation rules")')
+]
 """A registered rule's name (the run config's ``diloco.aggregate``; the loader checks it)."""
 
 

@@ -125,22 +125,12 @@ def _one_round(config: RunConfig, store_uri: str | Path) -> dict[int, dict[str, 
 
 RULE = """
     from composer_replication.exchange.aggregate import coordinatewise
+    from composer_replication.exchange.rules import UnscaledRule
 
     CALLS = []
 
 
-    class MinRule:
-        robust = True
-
-        def trim(self, n, settings):
-            return 0
-
-        def scales(self, norms, settings):
-            return {}, {}
-
-        def scale_problem(self, scale):
-            return None if scale == 1.0 else "allows only 1"
-
+    class MinRule(UnscaledRule):  # no trim, no clip scales: UnscaledRule's members
         def combine(self, operands, trim):
             tensors = [op.decode() for op in operands]
             CALLS.append(len(tensors))

@@ -12,12 +12,12 @@ added left to right and divided.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 
 import torch
 
 from composer_replication.exchange.aggregate import coordinatewise
-from composer_replication.exchange.rules import Operand, RuleSettings
+from composer_replication.exchange.rules import Operand, RuleSettings, UnscaledRule
 
 __all__ = ["MedianRule", "TrimmedMeanRule", "trim_count"]
 
@@ -27,22 +27,7 @@ def trim_count(n: int, trim_fraction: float) -> int:
     return min(math.ceil(trim_fraction * n), (n - 1) // 2) if n > 0 else 0
 
 
-class _Coordinatewise:
-    robust = True
-
-    def trim(self, n: int, settings: RuleSettings) -> int:
-        return 0
-
-    def scales(
-        self, norms: Mapping[int, float], settings: RuleSettings
-    ) -> tuple[dict[int, float], dict[int, str]]:
-        return {}, {}
-
-    def scale_problem(self, scale: float) -> str | None:
-        return None if scale == 1.0 else "allows only 1"
-
-
-class TrimmedMeanRule(_Coordinatewise):
+class TrimmedMeanRule(UnscaledRule):
     """``trimmed_mean``: the mean of each coordinate's values but the ``trim`` at each end."""
 
     def trim(self, n: int, settings: RuleSettings) -> int:
@@ -57,7 +42,7 @@ class TrimmedMeanRule(_Coordinatewise):
         return coordinatewise([op.decode() for op in operands], bounds)
 
 
-class MedianRule(_Coordinatewise):
+class MedianRule(UnscaledRule):
     """``median``: each coordinate's middle value (the mean of the two middle ones)."""
 
     def combine(self, operands: Iterable[Operand], trim: int) -> dict[str, torch.Tensor]:

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from composer_replication.exchange.rules import Operand, RuleSettings
+from composer_replication.exchange.rules import Operand, RuleSettings, UnscaledRule
 from composer_replication.exchange.weighted_sum import WeightedSum
 
 __all__ = ["MeanRule", "NormClipRule", "weighted_mean"]
@@ -30,21 +30,10 @@ def weighted_mean(operands: Iterable[Operand]) -> dict[str, torch.Tensor]:
     return total.result()
 
 
-class MeanRule:
+class MeanRule(UnscaledRule):
     """``mean``: the weighted mean; contributions are never scaled."""
 
     robust = False
-
-    def trim(self, n: int, settings: RuleSettings) -> int:
-        return 0
-
-    def scales(
-        self, norms: Mapping[int, float], settings: RuleSettings
-    ) -> tuple[dict[int, float], dict[int, str]]:
-        return {}, {}
-
-    def scale_problem(self, scale: float) -> str | None:
-        return None if scale == 1.0 else "allows only 1"
 
     def combine(self, operands: Iterable[Operand], trim: int) -> dict[str, torch.Tensor]:
         return weighted_mean(operands)

@@ -40,6 +40,7 @@ __all__ = [
     "AggregationRule",
     "Operand",
     "RuleSettings",
+    "UnscaledRule",
     "check_rule",
     "get",
     "is_rule_name",
@@ -104,6 +105,23 @@ class AggregationRule(Protocol):
     def combine(self, operands: Iterable[Operand], trim: int) -> Tensors:
         """The merge of ``operands`` (in rank order; ``trim`` as `trim` gave it), float32."""
         ...
+
+
+class UnscaledRule:
+    """The members of a rule that neither trims nor clips (a base for implementations)."""
+
+    robust = True
+
+    def trim(self, n: int, settings: RuleSettings) -> int:
+        return 0
+
+    def scales(
+        self, norms: Mapping[int, float], settings: RuleSettings
+    ) -> tuple[dict[int, float], dict[int, str]]:
+        return {}, {}
+
+    def scale_problem(self, scale: float) -> str | None:
+        return None if scale == 1.0 else "allows only 1"
 
 
 _REGISTRY: dict[str, str] = {

@@ -162,7 +162,9 @@ class ObjectStore:
         self.protocol = self._uri.partition("://")[0]
         self.scheme = scheme(self.protocol)
         self.storage_options: dict[str, object] = dict(storage_options or {})
-        self._options = {**self.scheme.options, **self.storage_options}
+        self._options = dict(self.storage_options)
+        for key, value in self.scheme.options.items():  # after the user's: fsspec caches a
+            self._options.setdefault(key, value)  # client per options, in their order
         self._fs: AbstractFileSystem | None = None
         self._root = ""
         self._requests = RequestCounter()

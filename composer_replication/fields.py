@@ -5,17 +5,33 @@ schema (`config/schema.py`) composes them into the TOML sections. Each field is 
 its default and its ``metadata["help"]``, from which the config reference in docs/cli.md is
 generated. `require` raises the ``ValueError`` a config's ``__post_init__`` raises, worded
 ``"<key>: <what is wrong>"`` with the key exactly as the user writes it in the TOML section
-(the loader prefixes the section: ``diloco.outer_lr: must be > 0``).
+(the loader prefixes the section: ``diloco.outer_lr: must be > 0``). A setting that names
+one entry of a registry is annotated ``Annotated[str, OneOf(names, what)]``: the loader checks
+the value against the registry's names when it reads the TOML (with a did-you-mean), so a name
+added to the registry is a valid value without a second list.
 
 Imports nothing of ours, like `lazy`: every layer may use it.
 """
 
 from __future__ import annotations
 
-from dataclasses import field
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["require", "setting"]
+__all__ = ["OneOf", "require", "setting"]
+
+
+@dataclass(frozen=True)
+class OneOf:
+    """``Annotated[str, OneOf(names, what)]``: a string that ``names()`` lists (a registry's
+    names, read when the value is checked); ``what`` says what it names, for messages."""
+
+    names: Callable[[], Iterable[str]]
+    what: str
+
+    def choices(self) -> tuple[str, ...]:
+        return tuple(self.names())
 
 
 def setting(default: Any, help: str) -> Any:

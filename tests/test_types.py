@@ -61,18 +61,33 @@ def test_script_prints_packages_and_total() -> None:
     assert int(rows["total"][0]) == uses
 
 
-def test_codec_name_is_the_codec_registry() -> None:
-    # exchange.settings.ExchangeConfig.codec is the Literal (to mypy too), and it lists exactly
-    # the codecs the registry builds, in the same order.
+def test_registry_names_are_the_registries() -> None:
+    # A setting that names a registry entry (`diloco.codec`, `diloco.aggregate`, `backend.kind`)
+    # is `Annotated[str, OneOf(<the registry's names>)]`: one list, the registry's, which the
+    # loader checks a value against (so registering an entry is the one step; ARCHITECTURE.md,
+    # "Where to add").
     import typing
 
-    from composer_replication.exchange import codecs
+    from composer_replication.exchange import codecs, rules
     from composer_replication.exchange.settings import ExchangeConfig
+    from composer_replication.executors import registry
+    from composer_replication.fields import OneOf
 
-    assert typing.get_args(codecs.CodecName) == codecs.CODECS == tuple(codecs._REGISTRY)
-    assert typing.get_type_hints(ExchangeConfig)["codec"] == codecs.CodecName
+    def one_of(cls: type, key: str) -> OneOf:
+        hint = typing.get_type_hints(cls, include_extras=True)[key]
+        base, meta = typing.get_args(hint)
+        assert base is str and isinstance(meta, OneOf)
+        return meta
+
+    assert one_of(ExchangeConfig, "codec").choices() == codecs.names() == tuple(codecs._REGISTRY)
+    assert one_of(ExchangeConfig, "aggregate").choices() == rules.names()
+    assert rules.names() == tuple(rules._REGISTRY)
+    assert codecs.CODECS == codecs.names()
     assert all(codecs.is_codec_name(name) for name in codecs.CODECS)
     assert not codecs.is_codec_name("fp16") and not codecs.is_codec_name(None)
+    from composer_replication.config.schema import BackendConfig
+
+    assert one_of(BackendConfig, "kind").choices() == registry.names() == tuple(registry.BACKENDS)
 
 
 # The flags `mypy --strict` turns on that mypy does not take per module (strict itself too).

@@ -25,10 +25,11 @@ import types
 import typing
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar, overload
 
 from composer_replication.config.errors import ConfigError
 from composer_replication.config.schema import RENAMED_KEYS, RunConfig
+from composer_replication.fields import OneOf
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -63,12 +64,24 @@ UNSET = _Unset()
 
 
 def _hints(cls: type) -> dict[str, object]:
-    return typing.get_type_hints(cls)
+    return typing.get_type_hints(cls, include_extras=True)
+
+
+def _one_of(tp: object) -> tuple[object, OneOf | None]:
+    """(the annotation under an ``Annotated[..., OneOf(...)]``, the OneOf) or (tp, None)."""
+    if typing.get_origin(tp) is Annotated:
+        base, *meta = typing.get_args(tp)
+        return base, next((m for m in meta if isinstance(m, OneOf)), None)
+    return tp, None
 
 
 def type_name(tp: object) -> str:
     """How a schema annotation reads in messages and docs: 'int', 'float or unset', ..."""
-    origin = typing.get_origin(tp)
+    base, one_of = _one_of(tp)
+    if one_of is not None:  # a registry's names: the registry's own docs list them
+        return f"str: {one_of.what}"
+    origin = typing.get_origin(base)
+    tp = base
     if origin is Literal:
         return " | ".join(repr(a) for a in typing.get_args(tp))
     if origin in (types.UnionType, typing.Union):
@@ -119,6 +132,16 @@ def _moved(key: str, prefix: str) -> str:
 
 def _convert(value: object, tp: object, key: str) -> object:
     """Check `value` against annotation `tp`; return it (ints widened to float where declared)."""
+    tp, one_of = _one_of(tp)
+    if one_of is not None:
+        value = _convert(value, tp, key)
+        choices = one_of.choices()
+        if value in choices:
+            return value
+        hint = _did_you_mean(value, choices) if isinstance(value, str) else ""
+        raise ConfigError(
+            f"{key}: {_show(value)} is not one of {', '.join(repr(c) for c in choices)}{hint}"
+        )
     origin = typing.get_origin(tp)
     if value is UNSET:
         args = typing.get_args(tp)

@@ -55,7 +55,7 @@ def _default(value: Any) -> str:
 
 
 def _rows(cls: type, prefix: str) -> list[str]:
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls, include_extras=True)
     lines = ["| key | type | default | meaning |", "|---|---|---|---|"]
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
         default = f.default
@@ -127,8 +127,11 @@ def reference_markdown() -> str:
     intro = (
         "Every key, its type and its default (what a TOML file that leaves the key out gets). "
         "The `[loss]` keys, defaults, help and checks are the loss library's `LossSettings` "
-        "(declared once in loss/loss_settings.py; docs/api.md); `backend.kind` names the executor registry (docs/backends.md); "
-        "`diloco.codec` names the exchange's codecs."
+        "(declared once in loss/loss_settings.py; docs/api.md). A key whose type reads `str: a ...` "
+        "names an entry of a registry (`backend.kind` the executor backends, docs/backends.md; "
+        "`diloco.codec` the codecs and `diloco.aggregate` the aggregation rules, "
+        "docs/object-store.md): the loader accepts every registered name, so this page lists "
+        "none of them."
     )
     lines = [BEGIN, "", *_wrap(intro)]
     choices = _embedded_choices()

@@ -33,9 +33,9 @@ from composer_replication.diloco.merge import (
     combine_decided,
     ema,
     grace_seconds,
+    merge_pushes,
     outer_step,
     push_weight,
-    rda,
 )
 from composer_replication.diloco.synchronizer_config import SynchronizerConfig
 from composer_replication.exchange.lease import Lease
@@ -430,14 +430,7 @@ class FragmentMerger:
             merged, decisions = aggregate(
                 inputs, record["aggregate"], outlier_ratio=record.get("outlier_ratio")
             )
-        if merged and record["merge"] == "rda":
-            chosen = [
-                MergeInput(i.id, decisions[i.id]["weight"], i.tensors)
-                for i in inputs
-                if decisions[i.id]["included"]
-            ]
-            merged = rda(chosen, frag.mean_only)
-        return merged, decisions
+        return merge_pushes(record["merge"], merged, inputs, decisions, frag.mean_only), decisions
 
     def _publish(self, frag: FragmentState, record: dict[str, Any], merged: Tensors) -> None:
         """Apply the outer step of a decided record and store the new version (put-if-absent:

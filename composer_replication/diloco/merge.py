@@ -5,39 +5,41 @@
 - `push_weight`: a push's raw merge weight, ``steps`` (``"equal"``) or ``tokens * tokens /
   steps`` (``"tokens"``, the paper's token weighting);
 - `aggregate`: screen and merge a round's pushes through the robust-aggregation module
-  (`exchange.robust`, the same rules as the synchronous exchange); `combine_decided`: the merge
-  a recorded decision describes (what a replay recomputes); `rda`: radial-directional averaging;
+  (`exchange.robust`, the same aggregation rules as the synchronous exchange, `exchange.rules`);
+  `combine_decided`: the merge a recorded decision describes (what a replay recomputes);
+- `merge_pushes`: what the ``merge`` setting does with the aggregated pushes: keep them
+  (``"mean"``) or average their directions instead (``"rda"``: `rda`, radial-directional
+  averaging);
 - `outer_step`: one outer SGD step with (Nesterov) momentum, elementwise in float32 with
   separately rounded ops.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from composer_replication.exchange import robust
+from composer_replication.diloco.synchronizer_config import MergeMethod
+from composer_replication.exchange import robust, rules
+from composer_replication.exchange.aggregate import Decoded
 from composer_replication.exchange.push_store import Push
+from composer_replication.exchange.rule_weighted import weighted_mean
 
 __all__ = [
-    "LATE_POLICIES",
-    "MERGE_METHODS",
     "Decision",
     "MergeInput",
     "aggregate",
     "combine_decided",
     "ema",
     "grace_seconds",
+    "merge_pushes",
     "outer_step",
     "push_weight",
     "rda",
 ]
-
-MERGE_METHODS = ("mean", "rda")
-LATE_POLICIES = ("drop", "carry")
 
 Tensors = dict[str, torch.Tensor]
 
@@ -65,15 +67,11 @@ class MergeInput:
 
 def _weighted_mean(inputs: list[MergeInput], names: Iterable[str]) -> Tensors:
     total = sum(i.weight for i in inputs)
-    out: Tensors = {}
-    for name in names:
-        acc: torch.Tensor | None = None
-        for i in inputs:  # fixed order, separately rounded float32 ops
-            term = i.tensors[name].to(torch.float32) * (i.weight / total)
-            acc = term if acc is None else acc.add(term)
-        assert acc is not None
-        out[name] = acc
-    return out
+    names = list(names)
+    return weighted_mean(
+        Decoded({n: i.tensors[n].to(torch.float32) for n in names}, i.weight / total)
+        for i in inputs
+    )
 
 
 Decision = dict[str, Any]
@@ -87,7 +85,7 @@ def _decision(
     return {"included": included, "reason": reason, "weight": weight, "scale": scale, "note": note}
 
 
-def _policy(method: robust.AggregateName, outlier_ratio: float | None) -> robust.AggregatePolicy:
+def _policy(method: rules.AggregateName, outlier_ratio: float | None) -> robust.AggregatePolicy:
     # the inputs' work weights go in as weight claims (capped at the robust default multiple of
     # the round's median claim); no per-step claim bounds: the work is counted by the learners
     if outlier_ratio is None:
@@ -97,7 +95,7 @@ def _policy(method: robust.AggregateName, outlier_ratio: float | None) -> robust
 
 def aggregate(
     inputs: list[MergeInput],
-    method: robust.AggregateName = "mean",
+    method: rules.AggregateName = "mean",
     *,
     outlier_ratio: float | None = None,
 ) -> tuple[Tensors, dict[str, Decision]]:
@@ -112,7 +110,7 @@ def aggregate(
     """
     decisions = {i.id: _decision(False, "no work (weight 0)") for i in inputs if i.weight <= 0}
     work = [i for i in inputs if i.weight > 0]
-    if method != "mean" and 0 < len(work) < robust.MIN_TO_JUDGE:
+    if rules.get(method).robust and 0 < len(work) < robust.MIN_TO_JUDGE:
         # A robust merge of one or two pushes cannot leave anyone out (a trimmed mean of two is
         # their mean): merging them would let a byzantine push through whenever a merge is
         # small (the end of a run, dead learners). Their work is dropped instead.
@@ -145,8 +143,7 @@ def combine_decided(
     ``norm_clip``) is the weighted mean of ``scale * x`` in input order; ``trimmed_mean`` and
     ``median`` are the robust module's coordinate-wise merges. Empty when nothing is included.
     """
-    if not robust.is_aggregate_name(method):
-        raise ValueError(f"unknown aggregation rule {method!r}: one of {list(robust.AGGREGATES)}")
+    rules.check_rule(method)
     chosen = [i for i in inputs if decisions[i.id]["included"]]
     if not chosen:
         return {}
@@ -159,6 +156,41 @@ def combine_decided(
     ]
     merged: Tensors = robust.combine(candidates, verdicts, _policy(method, None))
     return merged
+
+
+def _kept(merged: Tensors, chosen: list[MergeInput], mean_only: Iterable[str]) -> Tensors:
+    return merged
+
+
+def _rda(merged: Tensors, chosen: list[MergeInput], mean_only: Iterable[str]) -> Tensors:
+    return rda(chosen, mean_only)
+
+
+_MERGES: dict[MergeMethod, Callable[[Tensors, list[MergeInput], Iterable[str]], Tensors]] = {
+    "mean": _kept,
+    "rda": _rda,
+}
+
+
+def merge_pushes(
+    method: MergeMethod,
+    merged: Tensors,
+    inputs: list[MergeInput],
+    decisions: dict[str, Decision],
+    mean_only: Iterable[str],
+) -> Tensors:
+    """The ``merge`` setting applied to ``merged`` (the aggregation of ``inputs`` as
+    ``decisions`` say): ``"mean"`` keeps it, ``"rda"`` averages the included inputs' directions
+    with their decided weights instead (``mean_only`` tensors: their weighted mean). Empty
+    when nothing was merged."""
+    if not merged:
+        return merged
+    chosen = [
+        MergeInput(i.id, decisions[i.id]["weight"], i.tensors)
+        for i in inputs
+        if decisions[i.id]["included"]
+    ]
+    return _MERGES[method](merged, chosen, mean_only)
 
 
 def rda(inputs: list[MergeInput], mean_only: Iterable[str] = ()) -> Tensors:

@@ -58,8 +58,6 @@ from composer_replication.diloco.fragment_merger import (
     Timings,
 )
 from composer_replication.diloco.merge import (
-    LATE_POLICIES,
-    MERGE_METHODS,
     MergeInput,
     aggregate,
     combine_decided,
@@ -69,7 +67,11 @@ from composer_replication.diloco.merge import (
     push_weight,
     rda,
 )
-from composer_replication.diloco.synchronizer_config import SynchronizerConfig
+from composer_replication.diloco.synchronizer_config import (
+    LATE_POLICIES,
+    MERGE_METHODS,
+    SynchronizerConfig,
+)
 from composer_replication.exchange.fencing import FencedError
 from composer_replication.exchange.lease import Lease
 from composer_replication.exchange.liveness import (

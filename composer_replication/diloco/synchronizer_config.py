@@ -15,14 +15,10 @@ from dataclasses import dataclass, fields
 from typing import Literal, get_args
 
 from composer_replication.diloco.outer_optimizer import OuterOptimizerConfig
+from composer_replication.exchange import rules
 from composer_replication.exchange.liveness import DEAD_AFTER_S, STALE_AFTER_S
-from composer_replication.exchange.robust import (
-    AGGREGATES,
-    WEIGHTINGS,
-    AggregateName,
-    AggregatePolicy,
-    WeightingName,
-)
+from composer_replication.exchange.robust import WEIGHTINGS, AggregatePolicy, WeightingName
+from composer_replication.exchange.rules import AggregateName
 from composer_replication.fields import require, setting
 
 __all__ = [
@@ -98,7 +94,7 @@ class SynchronizerConfig(SynchronizerSettings, OuterOptimizerConfig):
     """
 
     weighting: WeightingName = _POLICY.weighting  # one of exchange.robust's WEIGHTINGS
-    aggregate: AggregateName = _POLICY.method  # one of exchange.robust's AGGREGATES
+    aggregate: AggregateName = _POLICY.method  # an aggregation rule (exchange.rules)
     aggregate_outlier_ratio: float | None = None
     keep_rounds: int = KEEP_ROUNDS
     poll_interval_s: float = 0.1
@@ -119,9 +115,9 @@ class SynchronizerConfig(SynchronizerSettings, OuterOptimizerConfig):
             "with (Nesterov) momentum: use 'nesterov' or 'sgd'",
         )
         _choice("weighting", self.weighting, WEIGHTINGS)
-        _choice("aggregate", self.aggregate, AGGREGATES)
+        _choice("aggregate", self.aggregate, rules.names())
         require(
-            self.merge == "mean" or self.aggregate == "mean",
+            self.merge == "mean" or not rules.get(self.aggregate).robust,
             "merge",
             "'rda' averages directions itself: use aggregate = 'mean' with it",
         )

@@ -1,78 +1,61 @@
-"""The deterministic float32 arithmetic of a merge, and input checks.
+"""The deterministic float32 arithmetic of a merge, the replay of a commit record, and input
+checks.
 
 Every replica runs exactly this arithmetic on exactly the same decoded tensors in the same
 order, so every replica gets the same bits:
 - ranks in ascending order (the order listed in the commit record);
-- equal weighting: x_0 + x_1 + ... summed left to right, then divided by the count;
-  otherwise (token weights, norm_clip scales): (c_0 * x_0) + (c_1 * x_1) + ... with the
-  commit's float coefficients c = weight * scale;
-- coordinate-wise methods (trimmed_mean, median): the values of each coordinate sorted along the
-  rank axis (a sort is exact), then the kept ones added left to right and divided, in chunks of
-  ``CHUNK`` elements so memory stays at n x CHUNK floats per step;
+- the weighted mean (`weighted_sum.WeightedSum`): equal weighting sums left to right, then
+  divides by the count; otherwise (token weights, norm_clip scales) ``(c_0 * x_0) + (c_1 * x_1)
+  + ...`` with the commit's float coefficients c = weight * scale;
+- coordinate-wise rules (`coordinatewise`: trimmed_mean, median): the values of each coordinate
+  sorted along the rank axis (a sort is exact), then the kept ones added left to right and
+  divided, in chunks of ``CHUNK`` elements so memory stays at n x CHUNK floats per step;
 - only elementwise IEEE float32 ops, each rounded on its own: no fused multiply-add and no
   reduction trees whose shape could depend on the CPU or the thread count.
+
+Which of them a merge uses is the aggregation rule's (`rules.get(name).combine`); the operands
+it merges are `Decoded` tensors or, replaying a commit record (`average_in_rank_order`), the
+stored contributions, streamed through their codec.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
-from composer_replication.exchange import codecs
+from composer_replication.exchange import codecs, rules
+from composer_replication.exchange.codec_blocks import Parts
 from composer_replication.exchange.vocabulary import CommitRecord, Contribution, dtype_name
+from composer_replication.exchange.weighted_sum import WeightedSum
 
 CHUNK = 1 << 20  # elements per coordinate-wise slice (n ranks x 4 MiB of float32)
 
 
-def weighted_average(
-    items: Iterable[tuple[Mapping[str, torch.Tensor], float | None, bool]], count: int
-) -> dict[str, torch.Tensor]:
-    """name -> float32 sum of ``coefficient * tensors`` over ``items`` (in order).
+@dataclass(frozen=True)
+class Decoded:
+    """An `rules.Operand` of decoded float32 tensors (never written to)."""
 
-    Each item is (tensors, coefficient, scratch): coefficient None for every item means equal
-    weighting (sum, then divide by ``count``); ``scratch`` says the tensors may be overwritten
-    (a privately fetched buffer), which saves allocating the accumulator.
-    """
-    acc: dict[str, torch.Tensor] = {}
-    pending: dict[str, torch.Tensor] = {}  # first addend, summed with the second in one pass
-    equal = True
-    for tensors, coefficient, private in items:
-        equal = coefficient is None
-        scratch = not equal or private
-        for name, x in tensors.items():
-            x = x if coefficient is None else x * coefficient
-            if name in acc:
-                acc[name].add_(x)
-            elif name in pending:
-                first = pending.pop(name)
-                acc[name] = torch.add(first, x, out=x) if scratch else first + x
-            else:
-                pending[name] = x  # may view a peer's payload: never written to
-    for name, x in pending.items():  # a single item
-        acc[name] = x.clone()
-    if equal:
-        for a in acc.values():
-            a.div_(count)
-    return acc
+    tensors: Mapping[str, torch.Tensor]
+    coefficient: float | None = None
+
+    def decode(self) -> Mapping[str, torch.Tensor]:
+        return self.tensors
+
+    def add_to(self, total: WeightedSum) -> None:
+        total.add(self.tensors, self.coefficient, scratch=False)
 
 
 def coordinatewise(
-    tensors: Sequence[Mapping[str, torch.Tensor]], method: str, trim: int = 0
+    tensors: Sequence[Mapping[str, torch.Tensor]], bounds: Callable[[int], tuple[int, int]]
 ) -> dict[str, torch.Tensor]:
-    """Per-coordinate ``"median"`` or ``"trimmed_mean"`` (dropping ``trim`` values at each end)
-    over the tensors of the included ranks (in rank order)."""
+    """Per coordinate, the mean of the sorted values ``lo..hi`` (inclusive) over the tensors of
+    the included ranks (in rank order), where ``lo, hi = bounds(n)`` for ``n`` ranks."""
     n = len(tensors)
     if n == 0:
         raise ValueError("coordinatewise: nothing to merge")
-    if method == "median":
-        lo, hi = (n - 1) // 2, n // 2  # the middle value, or the two middle values
-    elif method == "trimmed_mean":
-        if not 0 <= 2 * trim < n:
-            raise ValueError(f"trimmed_mean: cannot drop {trim} of {n} values at each end")
-        lo, hi = trim, n - 1 - trim
-    else:
-        raise ValueError(f"coordinatewise: unknown method {method!r}")
+    lo, hi = bounds(n)
     out: dict[str, torch.Tensor] = {}
     for name, ref in tensors[0].items():
         flat = [t[name].reshape(-1) for t in tensors]
@@ -91,59 +74,56 @@ def coordinatewise(
     return out
 
 
+@dataclass
+class _Stored:
+    """An `rules.Operand` of a stored contribution: decoded whole, or streamed through its
+    codec into the weighted sum (an fp32 payload under equal weights: summed as views)."""
+
+    contribution: Contribution
+    coefficient: float | None
+
+    def decode(self) -> Mapping[str, torch.Tensor]:
+        return self.contribution.decode()
+
+    def add_to(self, total: WeightedSum) -> None:
+        c, coefficient = self.contribution, self.coefficient
+        codec = codecs.get(c.codec)
+        if codec.zero_copy_decode and coefficient is None:
+            # the decoded tensors are views of the payload; one we may overwrite (a privately
+            # fetched buffer) saves allocating the accumulator
+            total.add(c.decode(), None, scratch=c.private)
+            return
+        total.next_addend(coefficient)
+        for name, shape, parts in c.encoded():  # decode and weight into the accumulator
+
+            def fill(out: torch.Tensor, accumulate: bool, parts: Parts = parts) -> torch.Tensor:
+                return codec.decode_into(parts, out, accumulate=accumulate, weight=coefficient)
+
+            total.add_into(name, shape, fill)
+
+
 def average_in_rank_order(
     commit: CommitRecord, contributions: dict[int, Contribution]
 ) -> dict[str, torch.Tensor]:
     """name -> float32 merge over ``commit["included_ranks"]`` as the commit says (entries are
     popped as used, so each peer's payload is freed as soon as it has been added).
 
-    ``commit["aggregate"]`` (absent in records of older versions: "mean") picks the method;
-    mean/norm_clip use ``weights`` (and ``scales``), trimmed_mean/median ``trim``.
+    ``commit["aggregate"]`` (absent in records of older versions: "mean") names the rule; the
+    weighted rules use ``weights`` (and ``scales``), the coordinate-wise ones ``trim``.
     """
     ranks = commit["included_ranks"]
-    method = commit.get("aggregate", "mean")
-    if method in ("trimmed_mean", "median"):
-        decoded = [contributions.pop(r).decode() for r in ranks]
-        return coordinatewise(decoded, method, int(commit.get("trim", 0)))
+    rule = rules.get(commit.get("aggregate", "mean"))
     scales = commit.get("scales") or {}
     equal = commit.get("weighting", "equal") == "equal" and all(
         scales.get(r, 1.0) == 1.0 for r in ranks
     )
-    acc: dict[str, torch.Tensor] = {}
-    pending: dict[str, torch.Tensor] = {}  # first fp32 addend, summed with the second in one pass
-    for r in ranks:
-        c = contributions.pop(r)
-        coefficient = None if equal else commit["weights"][r] * scales.get(r, 1.0)
-        codec = codecs.get(c.codec)
-        if not codec.zero_copy_decode or not equal:  # decode and weight into the accumulator
-            for name, shape, parts in c.encoded():
-                if name in pending:  # a zero-copy first addend (mixed codecs): start from a copy
-                    acc[name] = pending.pop(name).clone()
-                fresh = name not in acc
-                if fresh:
-                    acc[name] = torch.empty(shape, dtype=torch.float32)
-                codec.decode_into(
-                    parts, acc[name].view(-1), accumulate=not fresh, weight=coefficient
-                )
-            del c
-            continue
-        # fp32, equal weights: the decoded tensors are views of the payload; one we may
-        # overwrite (a privately fetched buffer) saves allocating the accumulator
-        for name, x in c.decode().items():
-            if name in acc:
-                acc[name].add_(x)
-            elif name in pending:
-                first = pending.pop(name)
-                acc[name] = torch.add(first, x, out=x) if c.private else first + x
-            else:
-                pending[name] = x  # may view a peer's payload: never written to
-        del c
-    for name, x in pending.items():  # a single included contribution
-        acc[name] = x.clone()
-    if equal:
-        for a in acc.values():
-            a.div_(len(ranks))
-    return acc
+
+    def operands() -> Iterator[_Stored]:
+        for r in ranks:
+            coefficient = None if equal else commit["weights"][r] * scales.get(r, 1.0)
+            yield _Stored(contributions.pop(r), coefficient)
+
+    return rule.combine(operands(), int(commit.get("trim", 0)))
 
 
 def check_inputs(

@@ -62,7 +62,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 
-from composer_replication.exchange import checksums, codecs
+from composer_replication.exchange import checksums, codecs, rules
 from composer_replication.exchange.aggregate import average_in_rank_order, check_inputs
 from composer_replication.exchange.documents import RunDocuments
 from composer_replication.exchange.liveness import REPLICA_ROLE, read_departure
@@ -89,7 +89,6 @@ from composer_replication.exchange.robust import (
     merge_weights,
     screen,
     tensor_stats,
-    trim_count,
 )
 from composer_replication.exchange.signing import RunKeys
 from composer_replication.exchange.state import model_fingerprint
@@ -848,7 +847,6 @@ class ObjectStoreAllReduce(RunDocuments):
     ) -> CommitRecord:
         assert self.rank is not None
         method = self.policy.method
-        trimmed = method == "trimmed_mean"
         record = make_commit(
             step=step,
             world_size=self.world_size,
@@ -858,7 +856,7 @@ class ObjectStoreAllReduce(RunDocuments):
             excluded=excluded,
             decisions=decisions,
             aggregate=method,
-            trim=trim_count(len(valid), self.policy.trim_fraction) if trimmed else 0,
+            trim=rules.get(method).trim(len(valid), self.policy),
             keys=self.keys,
         )
         raw = json.dumps(record, sort_keys=True).encode()
@@ -926,7 +924,7 @@ class ObjectStoreAllReduce(RunDocuments):
 
         Every reader recomputes what the committer had no choice about: the merge method, the
         weighting, the weights (`robust.merge_weights` over the included contributions' token
-        claims), the trim, and that a clip scale only shrinks (norm_clip) or is 1. Which ranks
+        claims), the trim and the clip scales the rule allows (`rules.AggregationRule`). Which ranks
         are included, and by how much norm_clip shrinks one, rest on norms that are not
         bit-reproducible across machines: they stay the committer's."""
         policy, ranks = self.policy, commit["included_ranks"]
@@ -936,7 +934,8 @@ class ObjectStoreAllReduce(RunDocuments):
                 f"it merges with {method!r} weighting {commit.get('weighting', 'equal')!r}; "
                 f"this run merges with {policy.method!r} weighting {policy.weighting!r}"
             )
-        trim = trim_count(len(ranks), policy.trim_fraction) if method == "trimmed_mean" else 0
+        rule = rules.get(method)
+        trim = rule.trim(len(ranks), policy)
         if int(commit.get("trim", 0)) != trim:
             return f"it trims {commit.get('trim')!r} per end; the rule gives {trim}"
         want = merge_weights({r: held[r].tokens for r in ranks}, policy)
@@ -945,11 +944,9 @@ class ObjectStoreAllReduce(RunDocuments):
             if not math.isclose(got, want[r], rel_tol=1e-9, abs_tol=1e-12):
                 return f"rank {r}'s weight is {got!r}; the run's weighting rule gives {want[r]!r}"
             scale = commit["scales"].get(r, 1.0)
-            ok = 0.0 < scale <= 1.0 if method == "norm_clip" else scale == 1.0
-            if not ok:
-                return f"rank {r}'s scale is {scale!r}; {method!r} allows " + (
-                    "only (0, 1]" if method == "norm_clip" else "only 1"
-                )
+            problem = rule.scale_problem(scale)
+            if problem is not None:
+                return f"rank {r}'s scale is {scale!r}; {method!r} {problem}"
         return None
 
     def _fetch_many(

@@ -24,7 +24,9 @@ The dense codecs share their blocks and streaming passes (exchange/codec_blocks.
 owns its configuration (``config``: `sparse.SparseSpec` for ``sparseloco``, `NoConfig` for the
 others, whose formats are fixed). Everything else of the package asks this registry for a codec
 by name (`get`, `configured`) and calls its methods or reads its properties: no other module
-compares codec names. Adding a codec: one module with its class and ``NAME``, one line in
+compares codec names. Every list of names is derived from the registry: `names` (what the run
+config's ``diloco.codec`` accepts), `DENSE` (no error feedback), `QUANTISED` (dense, with
+per-block scales). Adding a codec: one module with its class and ``NAME``, one line in
 ``_REGISTRY`` below, its tests, and its line in docs/object-store.md ("Codecs").
 
 The module-level functions (`encode`, `decode`, `decode_into`, `expected_parts`, `check_parts`,
@@ -35,7 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, TypeGuard, get_args
+from typing import Annotated, Any, Protocol, TypeGuard
 
 import torch
 
@@ -49,6 +51,7 @@ from composer_replication.exchange.codec_blocks import (
     num_blocks,
 )
 from composer_replication.exchange.sparse import SparseSpec
+from composer_replication.fields import OneOf
 
 __all__ = [
     "CHUNK",
@@ -74,6 +77,7 @@ __all__ = [
     "get",
     "is_codec_name",
     "max_abs_error_bound",
+    "names",
     "num_blocks",
     "wire_size",
 ]
@@ -161,37 +165,48 @@ _REGISTRY: dict[str, _Entry] = {
     codec_4bit.NAME: _Entry(NoConfig, codec_4bit.Uint4Codec),
     sparse.NAME: _Entry(SparseSpec, sparse.SparseCodec),
 }
-_DEFAULTS: dict[str, Codec] = {name: e.build(e.config_type()) for name, e in _REGISTRY.items()}
-
-CodecName = Literal["fp32", "bf16", "int8", "4bit", "sparseloco"]
-"""The registry's names as a type (the run config's ``diloco.codec``)."""
-CODECS: tuple[CodecName, ...] = get_args(CodecName)
-"""Every codec name (the run config's ``diloco.codec`` choices come from here)."""
-if tuple(_REGISTRY) != CODECS:  # one entry per name, in the Literal's order
-    raise RuntimeError(f"CodecName {CODECS} does not list the codec registry {tuple(_REGISTRY)}")
-DENSE: tuple[str, ...] = (codec_fp32.NAME, codec_bf16.NAME, codec_int8.NAME, codec_4bit.NAME)
-"""The codecs that put every element on the wire."""
-QUANTISED: tuple[str, ...] = (codec_int8.NAME, codec_4bit.NAME)
-"""The dense codecs with per-block scales."""
-SPARSE = sparse.NAME
+_DEFAULTS: dict[int, Codec] = {}  # id(entry) -> the entry's codec with its default config
 
 
-def is_codec_name(name: object) -> TypeGuard[CodecName]:
-    """Whether ``name`` is a registered codec (narrows it to `CodecName` for mypy)."""
-    return name in CODECS
+def names() -> tuple[str, ...]:
+    """Every registered codec's name, in registration order (what ``diloco.codec`` accepts)."""
+    return tuple(_REGISTRY)
 
 
-def check_codec(codec: str) -> CodecName:
+CodecName = Annotated[str, OneOf(names, 'a codec (docs/object-store.md, "Codecs")')]
+"""A registered codec's name (the run config's ``diloco.codec``; the loader checks it)."""
+
+
+def is_codec_name(name: object) -> TypeGuard[str]:
+    """Whether ``name`` is a registered codec."""
+    return isinstance(name, str) and name in _REGISTRY
+
+
+def check_codec(codec: str) -> str:
     """Return ``codec`` if known, else raise ValueError listing the valid names."""
     if not is_codec_name(codec):
-        raise ValueError(f"unknown codec {codec!r}; choose one of {', '.join(CODECS)}")
+        raise ValueError(f"unknown codec {codec!r}; choose one of {', '.join(_REGISTRY)}")
     return codec
 
 
 def get(codec: str) -> Codec:
     """The codec ``codec`` with its default configuration (ValueError for an unknown name).
     Any instance decodes whatever a valid payload of that codec holds."""
-    return _DEFAULTS[check_codec(codec)]
+    entry = _REGISTRY[check_codec(codec)]
+    built = _DEFAULTS.get(id(entry))
+    if built is None:
+        built = _DEFAULTS[id(entry)] = entry.build(entry.config_type())
+    return built
+
+
+CODECS: tuple[str, ...] = names()
+"""The codecs registered when this module was imported (what tests parametrize over; code asks
+`names` or `is_codec_name`, which see every registered codec)."""
+DENSE: tuple[str, ...] = tuple(n for n in CODECS if not get(n).needs_error_feedback)
+"""The codecs that put every element on the wire (derived: no error feedback needed)."""
+QUANTISED: tuple[str, ...] = tuple(n for n in DENSE if "s" in get(n).layout(1))
+"""The dense codecs with per-block scales (derived: their parts include ``s``)."""
+SPARSE = sparse.NAME
 
 
 def config_type(codec: str) -> type:
@@ -206,7 +221,7 @@ def configured(codec: str, *configs: object) -> Codec:
     for config in configs:
         if isinstance(config, entry.config_type):
             return entry.build(config)
-    return _DEFAULTS[codec]
+    return get(codec)
 
 
 def encode(t: torch.Tensor, codec: str, spec: SparseSpec | None = None) -> Parts:

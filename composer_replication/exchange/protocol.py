@@ -39,7 +39,8 @@ from typing import Any
 import torch
 
 from composer_replication.exchange import checksums, codecs, wire
-from composer_replication.exchange.robust import AGGREGATES, Decision
+from composer_replication.exchange.robust import Decision
+from composer_replication.exchange.rules import is_rule_name
 from composer_replication.exchange.signing import RunKeys, rank_identity
 from composer_replication.exchange.vocabulary import (
     DTYPES,
@@ -295,7 +296,7 @@ def decode_contribution(
             isinstance(s, list) and all(isinstance(d, int) and d >= 0 for d in s) for s in shapes
         )
         and all(d in DTYPES for d in dtypes)
-        and h.get("codec") in codecs.CODECS
+        and codecs.is_codec_name(h.get("codec"))
         and _is_checksum(h.get("checksum"))
         and _opt_nonneg_int(h.get("tokens"))
         and _opt_nonneg_int(h.get("inner_steps"))
@@ -450,7 +451,7 @@ def parse_commit(
         and all(_is_weight(w) for w in c["weights"].values())
         and all(_is_weight(w) for w in c.get("scales", {}).values())
         and all(_is_checksum(v) for v in c["checksums"].values())
-        and c.get("aggregate", "mean") in AGGREGATES
+        and is_rule_name(c.get("aggregate", "mean"))
         and isinstance(c.get("trim", 0), int)
         and 0 <= 2 * c.get("trim", 0) < len(ranks)
     )

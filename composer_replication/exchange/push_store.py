@@ -335,7 +335,7 @@ def _check_manifest(doc: object) -> dict[str, Any]:
         and doc.get("kind") == "decoupled-manifest"
         and _nonneg_int(doc.get("n_learners"))
         and doc["n_learners"] >= 1
-        and doc.get("codec") in codecs.CODECS
+        and codecs.is_codec_name(doc.get("codec"))
         and isinstance(doc.get("fragments"), list)
         and 0 < len(doc["fragments"]) <= MAX_FRAGMENTS
     )
@@ -454,7 +454,7 @@ class DecoupledStore:
         self._reported: set[str] = set()
         self.codec = codecs.check_codec(codec)
         if codecs.get(codec).needs_error_feedback:
-            usable = [c for c in codecs.CODECS if not codecs.get(c).needs_error_feedback]
+            usable = [c for c in codecs.names() if not codecs.get(c).needs_error_feedback]
             raise ValueError(
                 f"codec {codec!r} is not for decoupled pushes: it drops most of each push and "
                 "relies on the sender's error feedback, which decoupled pushes (each the whole "

@@ -23,16 +23,10 @@ and the reason; a candidate rejected by one check is not looked at by the next):
    caller's ``loss_probe`` measures it: rejected when it raises the loss by more than
    ``loss_tolerance x |baseline loss|`` (Templar-style validation of untrusted peers).
 
-Then `combine` merges the included candidates with ``policy.method``:
-
-- ``mean``: the weighted mean (equal weights: summed in rank order, then divided by the count);
-- ``norm_clip``: each candidate first scaled by ``min(1, clip_ratio x median norm / norm)``
-  (centered-clipping style), then the weighted mean: one candidate moves the result by at most
-  ``clip_ratio x median norm / n``;
-- ``trimmed_mean``: per coordinate, drop the ``k = min(ceil(trim_fraction x n), (n-1)//2)``
-  largest and smallest values and average the rest (Yin et al. 2018);
-- ``median``: per coordinate, the median (mean of the two middle values for even n).
-  ``trimmed_mean`` and ``median`` treat included candidates equally (weights do not apply).
+Then `combine` merges the included candidates with the aggregation rule ``policy.method``
+names (`rules`: ``mean``, ``norm_clip``, ``trimmed_mean``, ``median``; each rule's module
+states its arithmetic). The rule also gives the clip scales `screen` records (``norm_clip``)
+and the trim a commit record carries (``trimmed_mean``).
 
 Every merge is a pure function of the candidates' bytes and the decisions: elementwise float32
 IEEE ops in ascending rank order, sorts along the rank axis, no reduction trees, so replicas that
@@ -47,21 +41,22 @@ import math
 import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal, TypeGuard, get_args
+from typing import Any, Literal, get_args
 
 import torch
 
-from composer_replication.exchange.aggregate import coordinatewise, weighted_average
+from composer_replication.exchange import rules
+from composer_replication.exchange.aggregate import Decoded
+from composer_replication.exchange.rule_coordinatewise import trim_count
+from composer_replication.exchange.rules import AggregateName
 
 __all__ = [
-    "AGGREGATES",
     "SCREENS",
     "WEIGHTINGS",
     "AggregateName",
     "ScreenName",
     "WeightingName",
     "AggregatePolicy",
-    "is_aggregate_name",
     "Candidate",
     "Decision",
     "LossProbe",
@@ -78,17 +73,10 @@ __all__ = [
     "trim_count",
 ]
 
-AggregateName = Literal["mean", "trimmed_mean", "median", "norm_clip"]
 ScreenName = Literal["none", "loss"]
 WeightingName = Literal["equal", "tokens"]
-AGGREGATES: tuple[AggregateName, ...] = get_args(AggregateName)
 SCREENS: tuple[ScreenName, ...] = get_args(ScreenName)
 WEIGHTINGS: tuple[WeightingName, ...] = get_args(WeightingName)
-
-
-def is_aggregate_name(value: object) -> TypeGuard[AggregateName]:
-    """Whether ``value`` (e.g. read from a stored record) names an aggregation rule."""
-    return value in AGGREGATES
 
 
 LossProbe = Callable[[Mapping[str, torch.Tensor]], float]
@@ -106,7 +94,7 @@ class AggregatePolicy:
     """How a round's contributions are screened and merged (defaults documented in
     docs/object-store.md; `[diloco] aggregate*` keys of the run config map onto these)."""
 
-    method: AggregateName = "mean"
+    method: AggregateName = "mean"  # an aggregation rule's name (exchange.rules)
     weighting: WeightingName = "equal"
     outlier_ratio: float = 10.0  # reject norm > ratio x median norm; 0 = no norm screening
     trim_fraction: float = 0.25  # trimmed_mean: fraction dropped at EACH end per coordinate
@@ -118,7 +106,7 @@ class AggregatePolicy:
     loss_tolerance: float = 0.05  # screen="loss": reject a loss increase > tol x |baseline|
 
     def __post_init__(self) -> None:
-        _choice("method", self.method, AGGREGATES)
+        _choice("method", self.method, rules.names())
         _choice("weighting", self.weighting, WEIGHTINGS)
         _choice("screen", self.screen, SCREENS)
         for name in ("outlier_ratio", "token_cap", "loss_tolerance"):
@@ -239,11 +227,6 @@ class _Work:
 
     def alive(self) -> list[Candidate]:
         return [c for r, c in sorted(self.candidates.items()) if r not in self.out]
-
-
-def trim_count(n: int, trim_fraction: float) -> int:
-    """Values dropped at each end per coordinate by trimmed_mean over n candidates."""
-    return min(math.ceil(trim_fraction * n), (n - 1) // 2) if n > 0 else 0
 
 
 def screen(
@@ -375,15 +358,10 @@ def _decide(work: _Work, policy: AggregatePolicy, deltas: dict[int, float]) -> l
     alive = work.alive()
     notes: dict[int, str] = {}
     weights = merge_weights({c.rank: c.tokens for c in alive}, policy, notes)
-    scales: dict[int, float] = {}
-    if policy.method == "norm_clip" and alive:
-        limit = policy.clip_ratio * statistics.median(c.get_stats().norm for c in alive)
-        for c in alive:
-            norm = c.get_stats().norm
-            scales[c.rank] = 1.0 if norm <= limit or norm == 0 else limit / norm
-            if scales[c.rank] < 1.0:
-                note = f"clipped: norm {norm:.4g} -> {limit:.4g}"
-                notes[c.rank] = f"{notes[c.rank]}; {note}" if c.rank in notes else note
+    norms = {c.rank: c.get_stats().norm for c in alive}
+    scales, clipped = rules.get(policy.method).scales(norms, policy)
+    for rank, note in clipped.items():
+        notes[rank] = f"{notes[rank]}; {note}" if rank in notes else note
     decisions = []
     for r, c in sorted(work.candidates.items()):
         stats = c.stats
@@ -424,12 +402,10 @@ def combine(
         if t is None:
             raise ValueError(f"combine: rank {d.rank} is included but has no tensors")
         tensors.append(t)
-    if policy.method in ("trimmed_mean", "median"):
-        k = trim_count(len(tensors), policy.trim_fraction)
-        return coordinatewise(tensors, policy.method, k)
+    rule = rules.get(policy.method)
     equal = policy.weighting == "equal" and all(d.scale == 1.0 for d in chosen)
-    items = ((t, None if equal else d.weight * d.scale, False) for t, d in zip(tensors, chosen))
-    return weighted_average(items, len(tensors))
+    operands = [Decoded(t, None if equal else d.weight * d.scale) for t, d in zip(tensors, chosen)]
+    return rule.combine(operands, rule.trim(len(tensors), policy))
 
 
 def merge(

@@ -4,7 +4,7 @@ The run schema's `[diloco]` section composes this dataclass (the keys ``codec``,
 ``min_replicas``, ``weighting``, ``timeout_s``, ``aggregate*`` and ``screen*``); the replica's
 `ObjectStoreAllReduce` and the decoupled synchronizer take their values from it. The choices,
 defaults and checks of the ``aggregate*`` / ``screen*`` keys are `robust.AggregatePolicy`'s,
-the codec names `codecs.CODECS`.
+the aggregation rules' names `rules.names()`, the codec names `codecs.names()`.
 """
 
 from __future__ import annotations
@@ -13,12 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from composer_replication.exchange.codecs import CodecName
-from composer_replication.exchange.robust import (
-    AggregateName,
-    AggregatePolicy,
-    ScreenName,
-    WeightingName,
-)
+from composer_replication.exchange.robust import AggregatePolicy, ScreenName, WeightingName
+from composer_replication.exchange.rules import AggregateName
 from composer_replication.fields import require, setting
 
 __all__ = ["CodecName", "ExchangeConfig", "default_quorum"]

@@ -3,7 +3,7 @@
 `ObjectStore` is what everything that meets in a store uses: the exchange protocol (through the
 `Store` protocol below: put-if-absent, put, get, exists, list, delete) and the run's documents
 (JSON, checkpoint folders, the preflight probe). One seam hides the differences between backends
-(see docs/object-store.md):
+(see docs/object-store.md); what differs by URI scheme is a `schemes.Scheme` entry's facts:
 
 - local files: put-if-absent writes a private temporary file and hard-links it into place.
   ``os.link`` fails atomically with EEXIST when the key exists, and readers never see a
@@ -52,6 +52,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from composer_replication.exchange.schemes import run_store_schemes, scheme
+
 if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
 
@@ -73,9 +75,9 @@ _SINGLE_PUT_CHUNK = 5 * 2**30 // 2  # s3fs uses one PUT when size < 2 * chunksiz
 _BULK_DELETE = 1000  # keys per S3 DeleteObjects request
 _FIRST_READ = 32 * 2**20  # S3: objects below this are read with one GET
 REQUEST_KINDS: tuple[str, ...] = ("put", "get", "head", "list", "delete")
-# The schemes a run's store may use (`store.uri`): those whose put-if-absent the exchange knows
-# (the module docstring). memory:// is one process's, useless to replicas in other processes.
-RUN_STORE_SCHEMES: tuple[str, ...] = ("file", "s3", "s3a", "gs", "gcs")
+# The schemes a run's store may use (`store.uri`) when this module was imported (code asks
+# `schemes.run_store_schemes`). memory:// is one process's, useless to replicas elsewhere.
+RUN_STORE_SCHEMES: tuple[str, ...] = run_store_schemes()
 
 
 class RequestCounter:
@@ -158,18 +160,17 @@ class ObjectStore:
     def __init__(self, uri: str, storage_options: dict[str, object] | None = None) -> None:
         self._uri = normalize_uri(uri)
         self.protocol = self._uri.partition("://")[0]
+        self.scheme = scheme(self.protocol)
         self.storage_options: dict[str, object] = dict(storage_options or {})
         self._options = dict(self.storage_options)
-        if self.protocol in ("s3", "s3a", "gs", "gcs"):
-            # A cached listing makes s3fs/gcsfs answer "not found" for objects created after
-            # it was taken, without asking the server; the protocol polls, so never cache.
-            self._options.setdefault("use_listings_cache", False)
+        for key, value in self.scheme.options.items():  # after the user's: fsspec caches a
+            self._options.setdefault(key, value)  # client per options, in their order
         self._fs: AbstractFileSystem | None = None
         self._root = ""
         self._requests = RequestCounter()
         self.write_guard: Callable[[], None] | None = None  # called before each write/delete
-        if self.protocol == "file":
-            self._root = self._uri[len("file://") :]
+        if self.scheme.local:
+            self._root = self._uri[len(self.protocol) + len("://") :]
 
     def __repr__(self) -> str:
         return f"ObjectStore({self._uri!r})"
@@ -182,7 +183,7 @@ class ObjectStore:
 
     @property
     def is_local(self) -> bool:
-        return self.protocol == "file"
+        return self.scheme.local
 
     @property
     def requests(self) -> RequestCounter:
@@ -203,7 +204,7 @@ class ObjectStore:
             import fsspec
 
             try:
-                if self.protocol in ("gs", "gcs") and self._options.get("endpoint_url"):
+                if self.scheme.gcs_endpoint_client and self._options.get("endpoint_url"):
                     # A custom endpoint (an emulator, a GCS-compatible service): the plain
                     # client. gcsfs's default ExtendedGcsFileSystem first asks the endpoint for
                     # the bucket's layout over gRPC, which such endpoints do not serve: a 60 s
@@ -243,13 +244,13 @@ class ObjectStore:
             return _local_put_if_absent(self._root, path, data)
         fs = self._filesystem()
         data = _joined(data)
-        if self.protocol == "memory":
+        if self.scheme.single_process:
             with _MEMORY_LOCK:
                 if fs.exists(path):
                     return False
                 fs.pipe_file(path, data)
                 return True
-        kwargs = {"chunksize": _SINGLE_PUT_CHUNK} if self.protocol in ("s3", "s3a") else {}
+        kwargs = {"chunksize": _SINGLE_PUT_CHUNK} if self.scheme.s3_requests else {}
         try:
             fs.pipe_file(path, data, mode="create", **kwargs)
             return True
@@ -289,7 +290,7 @@ class ObjectStore:
             except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
                 return None
         fs = self._filesystem()
-        if self.protocol in ("s3", "s3a"):
+        if self.scheme.s3_requests:
             return self._s3_get(fs, path)
         try:
             return bytes(fs.cat_file(path))
@@ -329,7 +330,7 @@ class ObjectStore:
         path = self._path(key)
         fs.invalidate_cache(path)
         found = bool(fs.exists(path))
-        if not found and self.protocol != "memory":
+        if not found and not self.scheme.single_process:
             self._requests.add("list")  # s3fs/gcsfs then list the key as a "directory"
         return found
 
@@ -417,7 +418,7 @@ class ObjectStore:
             _remove_empty_parents(self._root, {os.path.dirname(p) for p in paths})
             return
         fs = self._filesystem()
-        if self.protocol in ("s3", "s3a"):
+        if self.scheme.s3_requests:
             self._requests.add("delete", -(-len(paths) // _BULK_DELETE))
             try:
                 fs.rm(paths)

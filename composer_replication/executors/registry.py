@@ -1,6 +1,8 @@
 """The backend registry: the one place that names the executors `backend.kind` can choose.
 
-Each `Backend` says where its executor class lives, which pip extra installs its SDK, and the
+Adding a backend: its executor module, one `Backend` entry in ``_ALL`` below (``BACKENDS`` is
+keyed from it; ``backend.kind`` accepts every registered name), its tests and its row in
+docs/backends.md. Each `Backend` says where its executor class lives, which pip extra installs its SDK, and the
 few facts the driver and the preflight checks need (do its replicas run on other machines, does
 it take a log folder, per-replica resources, forwarded variables as secrets). Everything else
 that names backends derives from `BACKENDS`: the run schema's `backend.kind` choices
@@ -18,9 +20,10 @@ import importlib
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, cast, get_args
+from typing import Annotated, cast
 
 from composer_replication.executors.executor import ServerlessExecutor
+from composer_replication.fields import OneOf
 
 __all__ = [
     "BACKENDS",
@@ -30,13 +33,9 @@ __all__ = [
     "backend",
     "executor_class",
     "missing_sdk_message",
+    "names",
     "pip_extra",
 ]
-
-
-BackendName = Literal["local", "modal", "hf-jobs", "k8s", "ray", "sagemaker"]
-"""Every backend's name: mypy checks each `Backend` below against it, and importing this
-module checks that the registry lists each name once, in this order."""
 
 
 @dataclass(frozen=True)
@@ -57,7 +56,7 @@ class Backend:
     summary: one line for the docs table.
     """
 
-    name: BackendName
+    name: str
     module: str
     cls: str
     extra: str | None
@@ -145,9 +144,18 @@ _ALL = (
 )
 
 BACKENDS: dict[str, Backend] = {b.name: b for b in _ALL}
-BACKEND_NAMES: tuple[BackendName, ...] = get_args(BackendName)
-if tuple(BACKENDS) != BACKEND_NAMES:  # one entry per name, in the Literal's order
-    raise RuntimeError(f"BackendName {BACKEND_NAMES} does not list the registry {tuple(BACKENDS)}")
+"""name -> its `Backend`: the registry everything that names backends reads."""
+
+
+def names() -> tuple[str, ...]:
+    """Every registered backend's name, in registration order (what ``backend.kind`` accepts)."""
+    return tuple(BACKENDS)
+
+
+BackendName = Annotated[str, OneOf(names, "an executor backend (docs/backends.md)")]
+"""A registered backend's name (the run config's ``backend.kind``; the loader checks it)."""
+BACKEND_NAMES: tuple[str, ...] = names()
+"""The backends registered when this module was imported (code asks `names`)."""
 
 
 def backend(name: str) -> Backend:
@@ -155,10 +163,10 @@ def backend(name: str) -> Backend:
     try:
         return BACKENDS[name]
     except KeyError:
-        close = difflib.get_close_matches(str(name), BACKEND_NAMES, n=1)
+        close = difflib.get_close_matches(str(name), names(), n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ValueError(
-            f"unknown backend {name!r}{hint}; known backends: {', '.join(BACKEND_NAMES)}"
+            f"unknown backend {name!r}{hint}; known backends: {', '.join(names())}"
         ) from None
 
 

@@ -16,7 +16,8 @@ from pathlib import Path
 
 from composer_replication.assembly.build import build_task
 from composer_replication.config import ConfigError, RunConfig
-from composer_replication.exchange.store import RUN_STORE_SCHEMES, ObjectStore, normalize_uri
+from composer_replication.exchange.schemes import run_store_schemes
+from composer_replication.exchange.store import ObjectStore, normalize_uri
 from composer_replication.executors import registry
 from composer_replication.executors.executor import Releasable
 from composer_replication.run.folder import RunFolder, owner_conflict
@@ -346,8 +347,9 @@ def check_store_scheme(uri: str) -> None:
     if "://" not in uri:
         return
     scheme = uri.partition("://")[0]
-    if scheme.lower() not in RUN_STORE_SCHEMES:
-        supported = ", ".join(f"{s}://" for s in RUN_STORE_SCHEMES)
+    schemes = run_store_schemes()
+    if scheme.lower() not in schemes:
+        supported = ", ".join(f"{s}://" for s in schemes)
         raise ConfigError(
             f"store.uri: {uri!r}: the scheme {scheme + '://'!r} is not supported; use one of "
             f"{supported} (or a local path, which is file://)"

@@ -85,8 +85,12 @@ def test_outer_optimizer_keys_are_the_outer_optimizers_own() -> None:
 
 
 def test_backend_and_codec_choices_are_the_registries() -> None:
-    assert typing.get_args(typing.get_type_hints(BackendConfig)["kind"]) == BACKEND_NAMES
-    assert typing.get_args(typing.get_type_hints(DilocoConfig)["codec"]) == CODECS
+    hints = {
+        "kind": typing.get_type_hints(BackendConfig, include_extras=True)["kind"],
+        "codec": typing.get_type_hints(DilocoConfig, include_extras=True)["codec"],
+    }
+    assert typing.get_args(hints["kind"])[1].choices() == BACKEND_NAMES
+    assert typing.get_args(hints["codec"])[1].choices() == CODECS
     for name in BACKEND_NAMES:
         assert load_config(overrides=[f"backend.kind={name}"]).backend.kind == name
     for codec in CODECS:

@@ -456,6 +456,13 @@ def run_once(
         # ... and ours, the steps whose work reached the final model (an overwrite discards)
         "merged_goodput": useful * a.step_s / learner_s,
         "recoveries_s": _recoveries(result.log, out, a.n, t_go[0]),
+        # what the simulator replays (benchmarks/goodput_sim.py --check): the faults as they
+        # happened (seconds from the start) and when each round / merge was committed
+        "chaos_log": [
+            {k: v for k, v in e.items() if k in ("event", "action", "target", "outcome", "t")}
+            for e in result.log
+        ],
+        "commit_times": _commit_times(store, mode, a, t_go[0]),
         "schedule": [
             {"at_s": round(e.at_s, 2), "action": e.action, "target": e.target}
             | ({"during": e.during} if e.action == "kill" else {})
@@ -496,6 +503,30 @@ def run_once(
         out_row["merges"] = check["merges"]
         out_row["synchronizer_restarts"] = result.synchronizer_restarts
     return out_row
+
+
+def _commit_times(store: Any, mode: str, a: argparse.Namespace, t_go: float) -> list[float]:
+    """Seconds from the start at which each sync round was committed (its commit record's
+    modification time; file:// only) or each decoupled merge record was made (its "time")."""
+    times: list[float] = []
+    if mode == "sync":
+        root = store.local_path
+        if root is None:
+            return times
+        for name in store.list("steps/"):
+            path = Path(root) / "steps" / name / "commit.json"
+            if path.exists():
+                times.append(round(path.stat().st_mtime - t_go, 3))
+        return sorted(times)
+    from composer_replication.exchange.push_store import DecoupledStore
+
+    docs = DecoupledStore(store)
+    for p in range(a.p):
+        for v in docs.versions(p, "merge"):
+            rec = docs.read_merge(p, v)
+            if rec is not None:
+                times.append(round(float(rec["time"]) - t_go, 3))
+    return sorted(times)
 
 
 def _final_commit_time(

@@ -943,8 +943,16 @@ def grid(a: argparse.Namespace) -> dict[str, Any]:
                 alpha=alpha,
                 load_start=round(load, 2),
                 load_end=round(os.getloadavg()[0], 2),
+                steps=a.steps,
+                h=a.h,
+                p=a.p,
+                step_s=a.step_s,
+                min_replicas=a.min_replicas,
             )
             runs.append(row)
+            if a.json_out:  # every finished run at once (a grid cut short keeps them)
+                with open(a.json_out + ".rows.jsonl", "a") as f:
+                    f.write(json.dumps(row) + "\n")
             print(json.dumps({name: _brief(row)}), flush=True)
             _say_if_not_protocol(name, row)
     result = summarize_grid(a, runs, ms, alphas, cut, time.time() - t_start)

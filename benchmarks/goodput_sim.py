@@ -41,7 +41,10 @@ import argparse
 import heapq
 import json
 import random
-from dataclasses import dataclass
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
 
 YEAR = 365.0 * 24 * 3600
 CHIPS = (150_000, 300_000, 600_000, 1_200_000, 2_400_000)
@@ -127,11 +130,266 @@ def simulate_decoupled(chips: int, m: int, c: Costs, horizon: float, rng: random
     return min(total / m, 1.0)
 
 
+# --------------------------------------------------------------------------- the protocol runs
+
+
+@dataclass(frozen=True)
+class RunCosts:
+    """The costs of one measured protocol run (benchmarks/decoupled_goodput.py --learners),
+    each as measured there (`costs_from_runs`): ``recovery_s`` from a learner's kill to its
+    next incarnation's first step (process start, imports, rejoin download), ``exchange_s``
+    from a sync round's last arrival to its commit being seen (upload, poll, download, merge),
+    ``merge_lag_s`` from a decoupled push to its merged fragment being applied by the pushing
+    learner."""
+
+    recovery_s: float
+    exchange_s: float = 0.0
+    merge_lag_s: float = 0.0
+
+
+@dataclass
+class _Learner:
+    k: int = 0  # steps done
+    start: int = 0  # the step this incarnation started at
+    progress: float = 0.0  # seconds of the current step done
+    state: str = "run"  # run | wait | down | done
+    back_at: float = 0.0  # down: when the next incarnation takes its first step
+    arrived: float = 0.0  # wait: when it reached the barrier
+    reached: int = 0  # down: the steps it had done when killed
+    kept: int = 0
+    end: float = 0.0
+
+
+def _rate(t: float, windows: list[tuple[float, float, float]]) -> float:
+    """The simulated accelerator's speed at ``t``: 0 while stopped, 1/factor while slowed."""
+    rate = 1.0
+    for a, b, r in windows:
+        if a <= t < b:
+            rate = min(rate, r)
+    return rate
+
+
+def simulate_protocol_run(
+    mode: str,
+    m: int,
+    steps: int,
+    h: int,
+    p: int,
+    step_s: float,
+    faults: list[dict[str, object]],
+    costs: RunCosts,
+    *,
+    timeout_s: float = 0.0,
+    min_replicas: int = 2,
+    dt: float = 0.02,
+) -> dict[str, float]:
+    """Replay one measured run's faults (``faults``: ``{"kind": kill|stop|slow, "target": r,
+    "t": s, "until": s, "factor": f}``, seconds from the start) on ``m`` simulated learners of
+    ``steps`` steps of ``step_s`` each, in ``mode``; return the paper's goodput (steps each
+    learner kept, over each learner's time to its own end) and the merged-work goodput.
+
+    decoupled: learners never wait; a kill loses the steps since the learner's last push
+    (every h / p steps) and costs ``recovery_s``; work on a fragment between its push and the
+    merged version's arrival ``merge_lag_s`` later is overwritten (alpha 0), so a push carries
+    the steps since that arrival. sync: every h steps a barrier that commits once all ``m``
+    arrived or ``timeout_s`` after the first arrival (with >= ``min_replicas``), seen
+    ``exchange_s`` later; a late learner takes the commit and goes on; a killed one restarts
+    ``recovery_s`` later from the newest commit (its steps of later rounds are not redone)."""
+    windows: dict[int, list[tuple[float, float, float]]] = {r: [] for r in range(m)}
+    kills: dict[int, list[float]] = {r: [] for r in range(m)}
+    for f in faults:
+        r = int(str(f["target"]))
+        if f["kind"] == "kill":
+            kills[r].append(float(f["t"]))  # type: ignore[arg-type]
+        else:
+            rate = 0.0 if f["kind"] == "stop" else 1.0 / float(f["factor"])  # type: ignore[arg-type]
+            windows[r].append((float(f["t"]), float(f["until"]), rate))  # type: ignore[arg-type]
+    recovery = costs.recovery_s
+    ls = [_Learner() for _ in range(m)]
+    per_push = max(1, h // max(1, p))
+    committed = 0  # sync: rounds committed and seen
+    arrivals: dict[int, dict[int, float]] = {}  # sync: round -> learner -> arrival time
+    included = 0  # sync: H-step contributions in committed rounds
+    pending: list[tuple[float, int]] = []  # sync: (time seen, round) of commits under way
+    t = 0.0
+    while any(x.state != "done" for x in ls) and t < 50 * steps * step_s:
+        for r, x in enumerate(ls):
+            if x.state == "done":
+                continue
+            if kills[r] and kills[r][0] <= t:
+                kills[r].pop(0)
+                if x.state != "down":
+                    x.state, x.back_at, x.progress, x.reached = "down", t + recovery, 0.0, x.k
+            if x.state == "down":
+                if t < x.back_at:
+                    continue
+                # the next incarnation: decoupled from its last push, sync from the newest
+                # commit; the steps between where it starts and where it was are lost
+                nxt = (x.reached // per_push) * per_push if mode == "decoupled" else committed * h
+                x.kept += max(0, min(nxt, x.reached) - x.start)
+                x.k = x.start = nxt
+                x.state = "run"
+            if x.state == "wait":
+                if x.k // h > committed or _rate(t, windows[r]) == 0:
+                    continue
+                x.state = "run"  # (its round is committed and it is not stopped)
+                if x.k >= steps:
+                    x.state, x.end = "done", t
+                    x.kept += x.k - x.start
+                continue
+            x.progress += dt * _rate(t, windows[r])
+            if x.progress + 1e-9 < step_s:
+                continue
+            x.progress -= step_s
+            x.k += 1
+            if mode == "sync" and x.k % h == 0:
+                if x.k // h <= committed:  # too late for its round: takes the commit, goes on
+                    x.progress -= costs.exchange_s
+                else:
+                    x.state = "wait"
+                    arrivals.setdefault(x.k // h, {})[r] = t
+                    continue
+            if x.k >= steps:
+                x.state, x.end = "done", t
+                x.kept += x.k - x.start
+        if mode == "sync":
+            nxt_round = committed + 1 + len(pending)
+            got = arrivals.get(nxt_round, {})
+            if got and (
+                len(got) == m or (t - min(got.values()) >= timeout_s and len(got) >= min_replicas)
+            ):
+                pending.append((t + costs.exchange_s, nxt_round))
+                included += len(got)
+            while pending and pending[0][0] <= t:
+                committed = pending.pop(0)[1]
+        t += dt
+    learner_s = sum(x.end for x in ls)
+    kept = sum(min(x.kept, steps) for x in ls)
+    if mode == "sync":
+        useful = float(included * h)
+    else:  # each push carries its fragment's steps since the merged version replaced it
+        lag_steps = min(float(h), costs.merge_lag_s / step_s)
+        useful = kept * max(0.0, 1.0 - lag_steps / h)
+    return {
+        "paper_goodput": kept * step_s / learner_s if learner_s else 0.0,
+        "merged_goodput": useful * step_s / learner_s if learner_s else 0.0,
+    }
+
+
+def faults_of(row: dict[str, Any]) -> list[dict[str, object]]:
+    """A measured run's learner faults as they happened (its ``chaos_log``): kills, and the
+    windows a learner was stopped or slowed, in seconds from the start."""
+    factors = {i: float(e.get("factor", 3.0)) for i, e in enumerate(row["schedule"])}
+    opened: dict[tuple[int, str], float] = {}
+    out: list[dict[str, object]] = []
+    for e in row["chaos_log"]:
+        action, outcome = e.get("action"), str(e.get("outcome", ""))
+        if action == "kill" and outcome.startswith("killed"):
+            out.append({"kind": "kill", "target": e["target"], "t": float(e["t"])})
+        elif action in ("stop", "slow") and outcome in ("stopped", "slowed"):
+            opened[(int(e["event"]), action)] = float(e["t"])
+        elif action in ("stop", "slow") and (int(e["event"]), action) in opened:
+            out.append(
+                {
+                    "kind": action,
+                    "target": e["target"],
+                    "t": opened.pop((int(e["event"]), action)),
+                    "until": float(e["t"]),
+                    "factor": factors.get(int(e["event"]), 3.0),
+                }
+            )
+    return out
+
+
+def costs_from_runs(runs: list[dict[str, Any]]) -> dict[tuple[str, int], RunCosts]:
+    """The simulator's costs per (mode, M), each the median of what the runs measured:
+    recovery, a learner's kill to its next incarnation's first step (``recoveries_s``); sync's
+    exchange, a round's commit interval beyond its H steps, over the quietest half of rounds
+    (``commit_times``); decoupled's merge lag, the mean time between two merges of a fragment
+    (``commit_times`` over P fragments), the time a fragment's work waits to be merged."""
+    out: dict[tuple[str, int], RunCosts] = {}
+    for key in sorted({(r["mode"], r["learners"]) for r in runs}):
+        rows = [r for r in runs if (r["mode"], r["learners"]) == key and r["alpha"] == 0.0]
+        rec = [x for r in rows for x in r["recoveries_s"]]
+        exchange, lag = [], []
+        for r in rows:
+            times = [0.0, *r["commit_times"]]
+            gaps = sorted(b - a for a, b in zip(times, times[1:]))
+            if key[0] == "sync":
+                quiet = gaps[: max(1, len(gaps) // 2)]
+                exchange += [g - r["h"] * r["step_s"] for g in quiet]
+            elif r["commit_times"]:
+                lag.append(r["commit_times"][-1] / len(r["commit_times"]) * r["p"])
+        out[key] = RunCosts(
+            recovery_s=statistics.median(rec) if rec else 0.0,
+            exchange_s=max(0.0, statistics.median(exchange)) if exchange else 0.0,
+            merge_lag_s=statistics.median(lag) if lag else 0.0,
+        )
+    return out
+
+
+def check(path: str) -> dict[str, Any]:
+    """Each run of a decoupled_goodput.py grid result replayed by `simulate_protocol_run` with
+    its own faults and the measured costs; prints measured against predicted goodputs."""
+    grid = json.loads(Path(path).read_text())
+    runs = [r for r in grid["runs"] if r["alpha"] == 0.0]
+    setting = grid["setting"]
+    for r in runs:
+        r.setdefault("h", setting["h"])
+        r.setdefault("p", setting["p"])
+        r.setdefault("step_s", setting["step_s"])
+    costs = costs_from_runs(runs)
+    print(f"costs (measured, per mode and M): {costs}")
+    print(f"{'run':<22}{'paper meas':>11}{'sim':>7}{'merged meas':>12}{'sim':>7}")
+    errors: dict[str, list[float]] = {"paper": [], "merged": []}
+    per_m: dict[str, list[float]] = {}
+    for r in runs:
+        sim = simulate_protocol_run(
+            r["mode"],
+            r["learners"],
+            setting["steps"],
+            setting["h"],
+            setting["p"],
+            setting["step_s"],
+            faults_of(r),
+            costs[(r["mode"], r["learners"])],
+            timeout_s=float(r["timeout_s"] or 0.0),
+            min_replicas=setting["sync_min_replicas"],
+        )
+        errors["paper"].append(abs(sim["paper_goodput"] - r["paper_goodput"]))
+        errors["merged"].append(abs(sim["merged_goodput"] - r["merged_goodput"]))
+        per_m.setdefault(f"{r['mode']}_m{r['learners']}", []).append(sim["paper_goodput"])
+        print(
+            f"{r['name']:<22}{r['paper_goodput']:>11.3f}{sim['paper_goodput']:>7.3f}"
+            f"{r['merged_goodput']:>12.3f}{sim['merged_goodput']:>7.3f}"
+        )
+    result: dict[str, Any] = {
+        "sim_max_abs_error_paper": round(max(errors["paper"]), 4) if runs else None,
+        "sim_mean_abs_error_paper": round(statistics.fmean(errors["paper"]), 4) if runs else None,
+        "sim_max_abs_error_merged": round(max(errors["merged"]), 4) if runs else None,
+        "sim_mean_abs_error_merged": round(statistics.fmean(errors["merged"]), 4) if runs else None,
+        "runs": len(runs),
+        "costs": {f"{k[0]}_m{k[1]}": asdict(c) for k, c in costs.items()},
+    }
+    for key, vals in per_m.items():
+        result[f"sim_{key}"] = round(statistics.fmean(vals), 4)
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description="DES of DP / elastic DP / Decoupled DiLoCo goodput")
     ap.add_argument("--days", type=float, default=30.0, help="simulated horizon per cell")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--check",
+        default="",
+        help="a decoupled_goodput.py --learners result (JSON): replay each run, print "
+        "measured against predicted goodput",
+    )
     a = ap.parse_args()
+    if a.check:
+        print(json.dumps(check(a.check)))
+        return
     c = Costs()
     horizon = a.days * 24 * 3600
     rng = random.Random(a.seed)

@@ -21,12 +21,35 @@ devices whose speed the harness controls, and CPU contention from other jobs doe
 as protocol cost, as long as the real compute fits in a step: each run reports
 ``overrun_share``, the share of steps whose real compute alone took longer than ``--step-s`` (on
 a machine loaded by other jobs it can reach most steps, and then the goodput measures the load).
-A run whose ``overrun_share`` exceeds 0.05 says so on a line of its own (``NOT A PROTOCOL
-FIGURE``) and in its row (``protocol_figure`` false). ``--protocol`` takes a model small enough
-(d 16, ctx 32: about 7 ms of real compute a step alone) and a step long enough (0.25 s unless
-``--step-s``) that the real compute stays within 10% of the step (``compute_share``: the mean
-real compute over ``--step-s``; ``over_budget_share``: steps above 10%); the default model (d 64,
-ctx 64, 0.1 s steps) stays the default.
+The real compute is timed from the step's start to the end of the inner optimizer step (an
+optimizer hook registered before the outer loop's), so sync's round exchange and barrier, which
+run inside the step, are not counted as compute; a step during which the harness held the
+process (stopped, slowed, probed for an upload) is left out of the overrun (its time is the
+fault's). Every step of every incarnation counts, killed ones included. A run whose
+``overrun_share`` exceeds 0.05 says so on a line of its own (``NOT A PROTOCOL FIGURE``) and in
+its row (``protocol_figure`` false). ``--protocol`` takes a model small enough (d 16, ctx 32:
+about 10 ms of real compute a step alone) and a step long enough (1 s unless ``--step-s``) that
+the real compute stays within 10% of the step with 16 learners on a shared 2-core machine
+(``compute_share``: the mean real compute over ``--step-s``; ``over_budget_share``: steps above
+10%); the default model (d 64, ctx 64, 0.1 s steps) stays the default.
+
+**The grid** (``--learners 4,8,16``): per seed of ``--seeds`` and per M, one fault schedule
+(`grid_schedule`: kill mid-step, kill mid-upload, SIGSTOP for 2 R and 3x slower for 3 R, each at
+``FAULTS_PER_LEARNER_HOUR`` per learner-hour, so twice the learners see twice the faults; a
+corrupted push / contribution and, decoupled only, a killed synchronizer once a run), and sync
+(timeout ``--sync-timeout-rounds``) and decoupled (alpha 0; at M = ``--alpha-at`` also each of
+``--alphas``) under it, on file:// by default (the throttled-store fault needs S3 and is not in
+the grid). Two goodputs per run, over the same denominator, each learner's time from the common
+start to its own end (a learner that finished is released; sync's last barrier counts):
+``paper_goodput``, the Decoupled DiLoCo paper's, the steps a learner ran and kept (a step lost
+to a kill and redone, time waiting at a barrier, stopped, slowed or restarting does not count;
+a sync learner restarted past steps it never ran does not count them), x step_s; and
+``merged_goodput``, ours, the steps whose work reached the final model (below), x step_s. Eval
+loss of the final model at equal steps (every learner runs ``--steps``). Each row keeps the
+faults as they happened (``chaos_log``), the commit / merge times, the recovery times
+(``recoveries_s``: a kill to the next incarnation's first step) and, decoupled,
+``overwrite_lag_steps`` (the steps a learner trains on a fragment between pushing it and the
+merged version replacing it): what benchmarks/goodput_sim.py --check replays.
 
 A learner restarted after a kill downloads only the newest version of each fragment merged
 while it was down: each decoupled row lists its ``rejoins`` (rank, step, ``rejoin_bytes``,
@@ -55,6 +78,15 @@ consumed or refused, and pushes merged twice.
     python benchmarks/decoupled_goodput.py            # ~20-30 min on 2 cores
     python benchmarks/decoupled_goodput.py --quick    # half the steps
     python benchmarks/decoupled_goodput.py --protocol # the model that fits the simulated step
+    python benchmarks/decoupled_goodput.py --protocol --learners 16,8,4 --steps 96 --h 8 \
+        --store file --json-out grid.json --plot docs/decoupled_goodput.png   # ~60 min
+
+Grid last line: ``decoupled_goodput_m{M}`` and ``sync_goodput_m{M}`` (the paper's goodput, mean
+over seeds), ``decoupled_merged_goodput_m{M}`` (and sync's), ``loss_gap_vs_sync_m{M}`` (mean over
+seeds of (decoupled - sync) / sync eval loss, same schedule), ``alpha{a}_merged_goodput_m8`` and
+``alpha{a}_eval_loss_m8``, ``rounds_lost`` (all decoupled runs), ``overrun_share`` (the largest),
+``protocol_figure``, ``cut`` (runs not started within ``--budget-s``), ``machine`` (CPU, flags,
+commit, load) and every run's row.
 
 Last line: JSON with sync_goodput (at the best timeout; ``sync_goodput_by_timeout`` has each),
 decoupled_goodput, sync_eval_loss, decoupled_eval_loss, loss_gap_vs_sync (no failures,
@@ -69,6 +101,7 @@ import contextlib
 import json
 import math
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -199,8 +232,9 @@ def learner_main(a: argparse.Namespace) -> None:
     overruns = 0  # steps whose real compute alone took longer than the simulated step
     over_budget = 0  # steps whose real compute took more than COMPUTE_BUDGET of it
     compute_s = 0.0
+    t, local = start, 0
     with outer:
-        for t in range(start, a.steps):
+        while t < a.steps:
             s0, w0 = time.monotonic(), time.time()
             x, y = batches.get(rank, t)
             loss = loss_of(model, x, y)
@@ -217,6 +251,12 @@ def learner_main(a: argparse.Namespace) -> None:
             line = f'{{"kind": "step", "step": {t}, "c": {compute:.5f}, "t": {w0:.3f}}}'
             events.write(line + "\n")
             events.flush()
+            t, local = t + 1, local + 1
+            if a.mode == "sync" and local == a.h:
+                # sync ends at the run's last round, as a real run does: a learner that healed
+                # past rounds it missed goes on from the run's round (the steps in between
+                # nobody of it ran), one whose round failed and is retried trains it again
+                t, local = outer.round * a.h, 0
     t_end = time.time() if a.mode == "sync" else outer.trained_until
     outer.load_global_weights()
     report = {
@@ -502,6 +542,7 @@ def run_once(
         out_row["check_problems"] = check["problems"]
         out_row["merges"] = check["merges"]
         out_row["synchronizer_restarts"] = result.synchronizer_restarts
+        out_row["overwrite_lag_steps"] = overwrite_lag_steps(store, a.p)
     return out_row
 
 
@@ -527,6 +568,32 @@ def _commit_times(store: Any, mode: str, a: argparse.Namespace, t_go: float) -> 
             if rec is not None:
                 times.append(round(float(rec["time"]) - t_go, 3))
     return sorted(times)
+
+
+def overwrite_lag_steps(store: Any, p: int) -> float | None:
+    """Decoupled: the mean inner steps a learner trained on a fragment after pushing it and
+    before the merged version replaced it (alpha 0 throws them away): per learner and fragment,
+    between two consecutive merged pushes, the steps it took minus the steps the later push
+    carried (merge records: ``learner_step``, ``steps_since_push``). The simulator's merge lag."""
+    from composer_replication.exchange.push_store import DecoupledStore
+
+    docs = DecoupledStore(store)
+    lost: list[int] = []
+    for frag in range(p):
+        pushes: dict[int, list[tuple[int, int]]] = {}
+        for v in docs.versions(frag, "merge"):
+            rec = docs.read_merge(frag, v)
+            if rec is None:
+                continue
+            for e in rec["inputs"]:
+                if rec["decisions"][e["push"]]["included"] and e.get("learner_step") is not None:
+                    pushes.setdefault(int(e["learner"]), []).append(
+                        (int(e["learner_step"]), int(e["steps_since_push"]))
+                    )
+        for seq in pushes.values():
+            seq.sort()
+            lost += [max(0, (s2 - s1) - n2) for (s1, _), (s2, n2) in zip(seq, seq[1:])]
+    return sum(lost) / len(lost) if lost else None
 
 
 def _final_commit_time(
@@ -667,21 +734,20 @@ def _for_mode(schedule: list[Any], mode: str) -> list[Any]:
 
 
 def _kept_steps(recs: list[dict[str, Any]], steps: int) -> int:
-    """Steps one learner ran and kept: each incarnation's steps up to where the next one
-    started (a later start below what it reached redid the rest: lost to the kill; a later
-    start above it skipped steps nobody ran), the last incarnation's up to ``steps``."""
-    kept, start, reached = 0, None, None
+    """Steps one learner ran and kept: each incarnation's steps below where the next one
+    started (the steps from there on were lost to the kill and redone), every step of the last
+    incarnation; at most ``steps`` (a sync round retried after it failed trains its steps
+    again)."""
+    incarnations: list[tuple[int, list[int]]] = []
     for x in recs:
         if x["kind"] == "start":
-            if start is not None:
-                kept += max(
-                    0, min(int(x["step"]), reached if reached is not None else start) - start
-                )
-            start, reached = int(x["step"]), None
-        elif x["kind"] == "step":
-            reached = int(x["step"]) + 1
-    if start is not None:
-        kept += max(0, (reached if reached is not None else start) - start)
+            incarnations.append((int(x["step"]), []))
+        elif x["kind"] == "step" and incarnations:
+            incarnations[-1][1].append(int(x["step"]))
+    kept = 0
+    for i, (_, done) in enumerate(incarnations):
+        nxt = incarnations[i + 1][0] if i + 1 < len(incarnations) else None
+        kept += sum(1 for t in done if nxt is None or t < nxt)
     return min(kept, steps)
 
 
@@ -763,6 +829,12 @@ def main() -> None:
         help="the grid: start no run after this many seconds (what was cut is listed)",
     )
     ap.add_argument("--json-out", default="", help="the grid: also write the result here")
+    ap.add_argument(
+        "--plot",
+        default="",
+        help="the grid: plot goodput against M here (.png); with --plot-from, from that result",
+    )
+    ap.add_argument("--plot-from", default="", help="a grid result (JSON) to plot, no runs")
     a = ap.parse_args()
     a.n = a.n if a.role == "learner" else N
     defaults = PROTOCOL if a.protocol else {"d": 64, "ctx": 64, "step_s": 0.1}
@@ -777,10 +849,15 @@ def main() -> None:
         ap.error("--sync-timeouts: a comma list of rounds > 0")
     if a.quick:
         a.steps = 480
+    if a.plot_from:
+        plot_grid(json.loads(Path(a.plot_from).read_text()), Path(a.plot or "grid.png"))
+        return
     if a.learners:
         result = grid(a)
         if a.json_out:
             Path(a.json_out).write_text(json.dumps(result, indent=1) + "\n")
+        if a.plot:
+            plot_grid(result, Path(a.plot))
         print(json.dumps(result))
         return
     from s3_servers import run_seaweedfs
@@ -985,7 +1062,6 @@ def summarize_grid(
 ) -> dict[str, Any]:
     """The grid's last line: per M the means over seeds (the keys the module docstring names),
     every run's row, the conditions (machine, commit, load)."""
-    import statistics
 
     def pick(mode: str, m: int, alpha: float = 0.0) -> list[dict[str, Any]]:
         return [r for r in runs if r["mode"] == mode and r["learners"] == m and r["alpha"] == alpha]
@@ -1050,6 +1126,65 @@ def summarize_grid(
             flush=True,
         )
     return out
+
+
+def plot_grid(result: dict[str, Any], path: Path) -> None:
+    """Goodput against M, both modes (each seed a dot, the mean a line): the paper's goodput
+    left, merged-work goodput right; the simulator's predictions where ``result`` has them."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as exc:
+        raise SystemExit(
+            "the grid plot needs matplotlib: pip install 'composer-replication[report]'"
+        ) from exc
+    runs = [r for r in result["runs"] if r["alpha"] == 0.0]
+    ms = sorted({r["learners"] for r in runs})
+    fig = Figure(figsize=(10, 4), dpi=100)
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, 2, sharey=True)
+    titles = {
+        "paper_goodput": "learner-time on kept steps (paper)",
+        "merged_goodput": "merged work",
+    }
+    for ax, key in zip(axes, titles):
+        for mode, color in (("sync", "C0"), ("decoupled", "C3")):
+            pts = [(r["learners"], r[key]) for r in runs if r["mode"] == mode]
+            ax.plot([x for x, _ in pts], [y for _, y in pts], "o", color=color, alpha=0.35)
+            means = [
+                statistics.fmean([y for x, y in pts if x == m])
+                for m in ms
+                if any(x == m for x, _ in pts)
+            ]
+            ax.plot(
+                [m for m in ms if any(x == m for x, _ in pts)], means, "-", color=color, label=mode
+            )
+            sim = result.get("simulated", {})
+            sims = [sim.get(f"{mode}_m{m}_{key}") for m in ms]
+            if any(v is not None for v in sims):
+                ax.plot(
+                    [m for m, v in zip(ms, sims) if v is not None],
+                    [v for v in sims if v is not None],
+                    "x--",
+                    color=color,
+                    label=f"{mode}, simulator",
+                )
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ms, [str(m) for m in ms])
+        ax.set_xlabel("learners M")
+        ax.set_title(titles[key])
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("goodput")
+    axes[0].legend(loc="lower left")
+    st = result["setting"]
+    fig.suptitle(
+        f"sync vs Decoupled DiLoCo under faults ({st['faults_per_learner_hour_each']:g} of each "
+        f"learner fault per learner-hour; {st['steps']} steps of {st['step_s']:g} s, H {st['h']})",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    fig.savefig(path)
 
 
 def _machine() -> dict[str, Any]:

@@ -305,8 +305,9 @@ def costs_from_runs(runs: list[dict[str, Any]]) -> dict[tuple[str, int], RunCost
     """The simulator's costs per (mode, M), each the median of what the runs measured:
     recovery, a learner's kill to its next incarnation's first step (``recoveries_s``); sync's
     exchange, a round's commit interval beyond its H steps, over the quietest half of rounds
-    (``commit_times``); decoupled's merge lag, the mean time between two merges of a fragment
-    (``commit_times`` over P fragments), the time a fragment's work waits to be merged."""
+    (``commit_times``); decoupled's merge lag, the steps a learner trains on a fragment
+    between pushing it and the merged version replacing it (``overwrite_lag_steps``, from the
+    merge records), in seconds."""
     out: dict[tuple[str, int], RunCosts] = {}
     for key in sorted({(r["mode"], r["learners"]) for r in runs}):
         rows = [r for r in runs if (r["mode"], r["learners"]) == key and r["alpha"] == 0.0]
@@ -318,8 +319,8 @@ def costs_from_runs(runs: list[dict[str, Any]]) -> dict[tuple[str, int], RunCost
             if key[0] == "sync":
                 quiet = gaps[: max(1, len(gaps) // 2)]
                 exchange += [g - r["h"] * r["step_s"] for g in quiet]
-            elif r["commit_times"]:
-                lag.append(r["commit_times"][-1] / len(r["commit_times"]) * r["p"])
+            elif r.get("overwrite_lag_steps") is not None:
+                lag.append(r["overwrite_lag_steps"] * r["step_s"])
         out[key] = RunCosts(
             recovery_s=statistics.median(rec) if rec else 0.0,
             exchange_s=max(0.0, statistics.median(exchange)) if exchange else 0.0,
@@ -331,13 +332,12 @@ def costs_from_runs(runs: list[dict[str, Any]]) -> dict[tuple[str, int], RunCost
 def check(path: str) -> dict[str, Any]:
     """Each run of a decoupled_goodput.py grid result replayed by `simulate_protocol_run` with
     its own faults and the measured costs; prints measured against predicted goodputs."""
-    grid = json.loads(Path(path).read_text())
-    runs = [r for r in grid["runs"] if r["alpha"] == 0.0]
-    setting = grid["setting"]
-    for r in runs:
-        r.setdefault("h", setting["h"])
-        r.setdefault("p", setting["p"])
-        r.setdefault("step_s", setting["step_s"])
+    text = Path(path).read_text()
+    if path.endswith(".jsonl"):  # the rows the grid writes as each run finishes
+        runs = [json.loads(line) for line in text.splitlines() if line.strip()]
+    else:
+        runs = json.loads(text)["runs"]
+    runs = [r for r in runs if r["alpha"] == 0.0]
     costs = costs_from_runs(runs)
     print(f"costs (measured, per mode and M): {costs}")
     print(f"{'run':<22}{'paper meas':>11}{'sim':>7}{'merged meas':>12}{'sim':>7}")
@@ -347,14 +347,14 @@ def check(path: str) -> dict[str, Any]:
         sim = simulate_protocol_run(
             r["mode"],
             r["learners"],
-            setting["steps"],
-            setting["h"],
-            setting["p"],
-            setting["step_s"],
+            r["steps"],
+            r["h"],
+            r["p"],
+            r["step_s"],
             faults_of(r),
             costs[(r["mode"], r["learners"])],
             timeout_s=float(r["timeout_s"] or 0.0),
-            min_replicas=setting["sync_min_replicas"],
+            min_replicas=r["min_replicas"],
         )
         errors["paper"].append(abs(sim["paper_goodput"] - r["paper_goodput"]))
         errors["merged"].append(abs(sim["merged_goodput"] - r["merged_goodput"]))

@@ -42,7 +42,7 @@ import heapq
 import json
 import random
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -138,26 +138,118 @@ class RunCosts:
     """The costs of one measured protocol run (benchmarks/decoupled_goodput.py --learners),
     each as measured there (`costs_from_runs`): ``recovery_s`` from a learner's kill to its
     next incarnation's first step (process start, imports, rejoin download), ``exchange_s``
-    from a sync round's last arrival to its commit being seen (upload, poll, download, merge),
-    ``merge_lag_s`` from a decoupled push to its merged fragment being applied by the pushing
-    learner."""
+    from a sync round's last arrival to its commit being seen beyond the padded step (upload,
+    poll, download, merge), ``apply_s`` from a decoupled merge to the learners taking the new
+    fragment (their poll interval and the download), ``grace_gamma`` / ``grace_tau`` the
+    synchronizer's grace window (its defaults) and ``quorum`` its quorum (None: all but one)."""
 
     recovery_s: float
     exchange_s: float = 0.0
-    merge_lag_s: float = 0.0
+    apply_s: float = 0.1
+    grace_gamma: float = 0.8
+    grace_tau: float = 2.0
+    quorum: int | None = None
+
+
+class _Fragments:
+    """Decoupled's synchronizer and the learners' fragment state, for `simulate_protocol_run`:
+    pushes (the steps since the learner's last push of the fragment or since it took a newer
+    version), the quorum of live learners on the current version plus the grace window, merges
+    (the steps of every push they take, late ones carried), and the learners taking each new
+    version ``apply_s`` later (what they trained on the fragment since their push is
+    overwritten, alpha 0)."""
+
+    def __init__(self, m: int, h: int, p: int, costs: RunCosts, step_s: float) -> None:
+        self.m, self.h, self.p, self.costs, self.step_s = m, h, p, costs, step_s
+        self.version = [0] * p
+        self.base = [[0] * p for _ in range(m)]
+        self.since = [[0] * p for _ in range(m)]
+        self.pending: list[dict[int, int]] = [{} for _ in range(p)]
+        self.on_time: list[set[int]] = [set() for _ in range(p)]
+        self.first_push: list[float | None] = [None] * p
+        self.quorum_at: list[float | None] = [None] * p
+        # per fragment: (when learners can take it, version) of every merged version
+        self.published: list[list[tuple[float, int]]] = [[] for _ in range(p)]
+        self.useful = 0.0  # steps merged, summed over fragments
+
+    def stepped(self, r: int, k: int, t: float) -> None:
+        """Learner r finished its step k (1-based count): train every fragment, push the one
+        due at this step (fragment f at local step (f + 1) * h / p mod h)."""
+        per = max(1, self.h // self.p)
+        began = t - self.step_s  # the inner compute runs at the step's start, then the padding
+        for f in range(self.p):
+            self.since[r][f] += 1
+            # a learner takes a new version after an inner step (its optimizer hook): one that
+            # arrived during the previous step's padding replaces what this step trained too
+            newest = max((v for when, v in self.published[f] if when <= began), default=0)
+            if self.base[r][f] < newest:
+                self.base[r][f] = newest
+                self.since[r][f] = 0  # overwritten: its work since the push is gone
+            if k % self.h == ((f + 1) * per) % self.h:
+                self.push(r, f, t)
+
+    def push(self, r: int, f: int, t: float) -> None:
+        steps, self.since[r][f] = self.since[r][f], 0
+        if steps == 0:
+            return
+        self.pending[f][r] = self.pending[f].get(r, 0) + steps
+        if self.base[r][f] == self.version[f]:
+            self.on_time[f].add(r)
+            if self.first_push[f] is None:
+                self.first_push[f] = t
+
+    def restarted(self, r: int) -> None:
+        """A learner's next incarnation: its unpushed work is gone, it takes the newest versions."""
+        self.since[r] = [0] * self.p
+        self.base[r] = list(self.version)
+
+    def finished(self, r: int, t: float) -> None:
+        for f in range(self.p):
+            self.push(r, f, t)
+
+    def tick(self, t: float, live: set[int]) -> None:
+        """Merge every fragment whose quorum and grace window are complete at ``t``."""
+        q = self.costs.quorum if self.costs.quorum is not None else self.m - 1
+        for f in range(self.p):
+            got = self.on_time[f] & live
+            need = max(1, min(q, len(live)))
+            if self.pending[f] and not live:  # everyone finished: the final merges
+                self.merge(f, t)
+                continue
+            if len(got) < need:
+                continue
+            if self.quorum_at[f] is None:
+                self.quorum_at[f] = t
+            quorum_s = t - (self.first_push[f] or t)
+            grace = self.costs.grace_gamma * max(0.0, self.costs.grace_tau * self.step_s - quorum_s)
+            if live <= self.on_time[f] or t >= (self.quorum_at[f] or t) + grace:
+                self.merge(f, t)
+
+    def merge(self, f: int, t: float) -> None:
+        self.useful += sum(self.pending[f].values())
+        self.pending[f], self.on_time[f] = {}, set()
+        self.first_push[f] = self.quorum_at[f] = None
+        self.version[f] += 1
+        self.published[f].append((t + self.costs.apply_s, self.version[f]))
 
 
 @dataclass
 class _Learner:
-    k: int = 0  # steps done
-    start: int = 0  # the step this incarnation started at
+    k: int = 0  # the step it is at
+    local: int = 0  # sync: steps since its last round boundary
     progress: float = 0.0  # seconds of the current step done
     state: str = "run"  # run | wait | down | done
     back_at: float = 0.0  # down: when the next incarnation takes its first step
-    arrived: float = 0.0  # wait: when it reached the barrier
-    reached: int = 0  # down: the steps it had done when killed
-    kept: int = 0
+    runs: list[tuple[int, list[int]]] = field(default_factory=lambda: [(0, [])])
     end: float = 0.0
+
+    def kept(self, steps: int) -> int:
+        """Steps of each incarnation below where the next one started (the kept steps)."""
+        total = 0
+        for i, (_, done) in enumerate(self.runs):
+            nxt = self.runs[i + 1][0] if i + 1 < len(self.runs) else None
+            total += sum(1 for t in done if nxt is None or t < nxt)
+        return min(total, steps)
 
 
 def _rate(t: float, windows: list[tuple[float, float, float]]) -> float:
@@ -185,32 +277,38 @@ def simulate_protocol_run(
 ) -> dict[str, float]:
     """Replay one measured run's faults (``faults``: ``{"kind": kill|stop|slow, "target": r,
     "t": s, "until": s, "factor": f}``, seconds from the start) on ``m`` simulated learners of
-    ``steps`` steps of ``step_s`` each, in ``mode``; return the paper's goodput (steps each
-    learner kept, over each learner's time to its own end) and the merged-work goodput.
+    ``steps`` steps of ``step_s`` each, in ``mode``; return the paper's goodput (the steps each
+    learner kept, over each learner's time to its own end) and the merged-work goodput, as
+    benchmarks/decoupled_goodput.py counts them.
 
     decoupled: learners never wait; a kill loses the steps since the learner's last push
-    (every h / p steps) and costs ``recovery_s``; work on a fragment between its push and the
-    merged version's arrival ``merge_lag_s`` later is overwritten (alpha 0), so a push carries
-    the steps since that arrival. sync: every h steps a barrier that commits once all ``m``
-    arrived or ``timeout_s`` after the first arrival (with >= ``min_replicas``), seen
-    ``exchange_s`` later; a late learner takes the commit and goes on; a killed one restarts
-    ``recovery_s`` later from the newest commit (its steps of later rounds are not redone)."""
+    (every h / p steps) and costs ``recovery_s``; the synchronizer (`_Fragments`) merges a
+    fragment once a quorum of the live learners pushed it on its current version, after the
+    grace window, and the work a learner did on the fragment between its push and taking the
+    merged version (``apply_s`` after the merge) is overwritten (alpha 0). sync: every h steps a barrier
+    that commits once all ``m`` arrived, or ``timeout_s`` after the first arrival with at least
+    ``min_replicas``, seen ``exchange_s`` later; a learner that arrives after its round was
+    committed takes the commit and goes on from the run's round (its round's work is not
+    merged); a killed one restarts ``recovery_s`` later from the newest commit; every learner
+    ends at the run's last round."""
     windows: dict[int, list[tuple[float, float, float]]] = {r: [] for r in range(m)}
     kills: dict[int, list[float]] = {r: [] for r in range(m)}
     for f in faults:
         r = int(str(f["target"]))
         if f["kind"] == "kill":
-            kills[r].append(float(f["t"]))  # type: ignore[arg-type]
+            kills[r].append(float(str(f["t"])))
         else:
-            rate = 0.0 if f["kind"] == "stop" else 1.0 / float(f["factor"])  # type: ignore[arg-type]
-            windows[r].append((float(f["t"]), float(f["until"]), rate))  # type: ignore[arg-type]
-    recovery = costs.recovery_s
+            rate = 0.0 if f["kind"] == "stop" else 1.0 / float(str(f["factor"]))
+            windows[r].append((float(str(f["t"])), float(str(f["until"])), rate))
+    for r in kills:
+        kills[r].sort()
     ls = [_Learner() for _ in range(m)]
+    frags = _Fragments(m, h, p, costs, step_s) if mode == "decoupled" else None
     per_push = max(1, h // max(1, p))
     committed = 0  # sync: rounds committed and seen
     arrivals: dict[int, dict[int, float]] = {}  # sync: round -> learner -> arrival time
-    included = 0  # sync: H-step contributions in committed rounds
-    pending: list[tuple[float, int]] = []  # sync: (time seen, round) of commits under way
+    included = 0  # sync: h-step contributions in committed rounds
+    pending: list[tuple[float, int]] = []  # sync: (time seen, round) of decided commits
     t = 0.0
     while any(x.state != "done" for x in ls) and t < 50 * steps * step_s:
         for r, x in enumerate(ls):
@@ -219,31 +317,34 @@ def simulate_protocol_run(
             if kills[r] and kills[r][0] <= t:
                 kills[r].pop(0)
                 if x.state != "down":
-                    x.state, x.back_at, x.progress, x.reached = "down", t + recovery, 0.0, x.k
+                    x.state, x.back_at, x.progress = "down", t + costs.recovery_s, 0.0
             if x.state == "down":
                 if t < x.back_at:
                     continue
-                # the next incarnation: decoupled from its last push, sync from the newest
-                # commit; the steps between where it starts and where it was are lost
-                nxt = (x.reached // per_push) * per_push if mode == "decoupled" else committed * h
-                x.kept += max(0, min(nxt, x.reached) - x.start)
-                x.k = x.start = nxt
-                x.state = "run"
+                # the next incarnation: decoupled from its last push, sync from the newest commit
+                x.k = (x.k // per_push) * per_push if mode == "decoupled" else committed * h
+                x.local, x.state = 0, "run"
+                x.runs.append((x.k, []))
+                if frags is not None:
+                    frags.restarted(r)
             if x.state == "wait":
                 if x.k // h > committed or _rate(t, windows[r]) == 0:
                     continue
-                x.state = "run"  # (its round is committed and it is not stopped)
+                x.k, x.local, x.state = committed * h, 0, "run"  # its round is committed
                 if x.k >= steps:
                     x.state, x.end = "done", t
-                    x.kept += x.k - x.start
                 continue
             x.progress += dt * _rate(t, windows[r])
             if x.progress + 1e-9 < step_s:
                 continue
             x.progress -= step_s
-            x.k += 1
-            if mode == "sync" and x.k % h == 0:
-                if x.k // h <= committed:  # too late for its round: takes the commit, goes on
+            x.runs[-1][1].append(x.k)
+            x.k, x.local = x.k + 1, x.local + 1
+            if frags is not None:
+                frags.stepped(r, x.k, t)
+            if mode == "sync" and x.local == h:
+                if x.k // h <= committed:  # too late for its round: take the commit, go on
+                    x.k, x.local = committed * h, 0
                     x.progress -= costs.exchange_s
                 else:
                     x.state = "wait"
@@ -251,7 +352,11 @@ def simulate_protocol_run(
                     continue
             if x.k >= steps:
                 x.state, x.end = "done", t
-                x.kept += x.k - x.start
+                if frags is not None:
+                    frags.finished(r, t)
+        if frags is not None:
+            running = [x.state == "run" and _rate(t, windows[r]) > 0 for r, x in enumerate(ls)]
+            frags.tick(t, {r for r in range(m) if running[r]})
         if mode == "sync":
             nxt_round = committed + 1 + len(pending)
             got = arrivals.get(nxt_round, {})
@@ -264,12 +369,12 @@ def simulate_protocol_run(
                 committed = pending.pop(0)[1]
         t += dt
     learner_s = sum(x.end for x in ls)
-    kept = sum(min(x.kept, steps) for x in ls)
-    if mode == "sync":
+    kept = sum(x.kept(steps) for x in ls)
+    if frags is not None:
+        frags.tick(t, set())  # the final merges
+        useful = frags.useful / p
+    else:
         useful = float(included * h)
-    else:  # each push carries its fragment's steps since the merged version replaced it
-        lag_steps = min(float(h), costs.merge_lag_s / step_s)
-        useful = kept * max(0.0, 1.0 - lag_steps / h)
     return {
         "paper_goodput": kept * step_s / learner_s if learner_s else 0.0,
         "merged_goodput": useful * step_s / learner_s if learner_s else 0.0,
@@ -305,26 +410,22 @@ def costs_from_runs(runs: list[dict[str, Any]]) -> dict[tuple[str, int], RunCost
     """The simulator's costs per (mode, M), each the median of what the runs measured:
     recovery, a learner's kill to its next incarnation's first step (``recoveries_s``); sync's
     exchange, a round's commit interval beyond its H steps, over the quietest half of rounds
-    (``commit_times``); decoupled's merge lag, the steps a learner trains on a fragment
-    between pushing it and the merged version replacing it (``overwrite_lag_steps``, from the
-    merge records), in seconds."""
+    (``commit_times``). Decoupled's apply time (0.1 s: the learners poll every 0.05 s on
+    file://, a fragment is a few kB), grace window and quorum are the run's settings."""
     out: dict[tuple[str, int], RunCosts] = {}
     for key in sorted({(r["mode"], r["learners"]) for r in runs}):
         rows = [r for r in runs if (r["mode"], r["learners"]) == key and r["alpha"] == 0.0]
         rec = [x for r in rows for x in r["recoveries_s"]]
-        exchange, lag = [], []
+        exchange: list[float] = []
         for r in rows:
             times = [0.0, *r["commit_times"]]
             gaps = sorted(b - a for a, b in zip(times, times[1:]))
             if key[0] == "sync":
                 quiet = gaps[: max(1, len(gaps) // 2)]
                 exchange += [g - r["h"] * r["step_s"] for g in quiet]
-            elif r.get("overwrite_lag_steps") is not None:
-                lag.append(r["overwrite_lag_steps"] * r["step_s"])
         out[key] = RunCosts(
             recovery_s=statistics.median(rec) if rec else 0.0,
             exchange_s=max(0.0, statistics.median(exchange)) if exchange else 0.0,
-            merge_lag_s=statistics.median(lag) if lag else 0.0,
         )
     return out
 
@@ -343,6 +444,7 @@ def check(path: str) -> dict[str, Any]:
     print(f"{'run':<22}{'paper meas':>11}{'sim':>7}{'merged meas':>12}{'sim':>7}")
     errors: dict[str, list[float]] = {"paper": [], "merged": []}
     per_m: dict[str, list[float]] = {}
+    per_run: list[dict[str, Any]] = []
     for r in runs:
         sim = simulate_protocol_run(
             r["mode"],
@@ -358,7 +460,17 @@ def check(path: str) -> dict[str, Any]:
         )
         errors["paper"].append(abs(sim["paper_goodput"] - r["paper_goodput"]))
         errors["merged"].append(abs(sim["merged_goodput"] - r["merged_goodput"]))
-        per_m.setdefault(f"{r['mode']}_m{r['learners']}", []).append(sim["paper_goodput"])
+        for key in ("paper_goodput", "merged_goodput"):
+            per_m.setdefault(f"{r['mode']}_m{r['learners']}_{key}", []).append(sim[key])
+        per_run.append(
+            {
+                "name": r["name"],
+                "paper_goodput": round(r["paper_goodput"], 4),
+                "sim_paper_goodput": round(sim["paper_goodput"], 4),
+                "merged_goodput": round(r["merged_goodput"], 4),
+                "sim_merged_goodput": round(sim["merged_goodput"], 4),
+            }
+        )
         print(
             f"{r['name']:<22}{r['paper_goodput']:>11.3f}{sim['paper_goodput']:>7.3f}"
             f"{r['merged_goodput']:>12.3f}{sim['merged_goodput']:>7.3f}"
@@ -371,8 +483,9 @@ def check(path: str) -> dict[str, Any]:
         "runs": len(runs),
         "costs": {f"{k[0]}_m{k[1]}": asdict(c) for k, c in costs.items()},
     }
-    for key, vals in per_m.items():
-        result[f"sim_{key}"] = round(statistics.fmean(vals), 4)
+    # the means over seeds per mode and M, as the grid's keys are (the plot draws them)
+    result["simulated"] = {k: round(statistics.fmean(v), 4) for k, v in per_m.items()}
+    result["per_run"] = per_run
     return result
 
 

@@ -23,16 +23,36 @@ group of n chips fails at rate n / MTBI; a failed chip is replaced when its grou
   average half of ``push_every_s``); the other learners and the synchronizer carry on.
 
 Goodput is the chip-time spent on steps that are kept, over the simulated horizon. The three
-per-system costs (``restart_s`` 70 s, ``reconfigure_s`` 18 s, ``rejoin_s`` 25 s) were chosen by
-hand so each row lies near the paper's; what the model adds is how goodput scales with the chip
-count and M under one failure process (mean absolute difference from the paper: about 3 points
-for DP and elastic DP, 1 point or less for M = 8 and M = 16). Usage::
+per-system costs of this paper-scale table (``restart_s`` 70 s, ``reconfigure_s`` 18 s,
+``rejoin_s`` 25 s) are assumptions about clusters we cannot run, chosen by hand so each row lies
+near the paper's; what the model adds is how goodput scales with the chip count and M under one
+failure process (mean absolute difference from the paper: about 3 points for DP and elastic DP,
+1 point or less for M = 8 and M = 16).
+
+**Checked against real processes** (``--check``): `simulate_protocol_run` replays each run of a
+``benchmarks/decoupled_goodput.py --learners`` grid, the same M, steps, step and round, sync
+timeout, and that run's faults as they happened (kills, stop and slow windows from its chaos
+log), and predicts both of its goodputs (the paper's and merged work). Its costs are measured,
+none hand-set: ``recovery_s``, the median time from a kill to the restarted learner's first step
+over the runs of that mode and M (process start, imports, rejoin: 10-22 s on the shared 2-core
+machine); ``exchange_s``, a quiet sync round's commit interval beyond its H padded steps (0 s
+there: the exchange fits in the last step's padding); decoupled's quorum (all live learners but
+one), grace window (gamma 0.8, tau 2) and poll interval are the run's settings. The first replay
+missed one cost: a learner takes a new fragment version only after its next inner step (the
+optimizer hook), so that step's work on the fragment is overwritten too; with it the merged-work
+prediction for decoupled moved from 0.705 to 0.635 against 0.585 measured (M = 16, seed 0).
+docs/benchmarks-notebook.md ("Decoupled DiLoCo at 4, 8 and 16 learners") has each run's figures.
+
+Usage::
 
     python benchmarks/goodput_sim.py                 # the table + last-line JSON
     python benchmarks/goodput_sim.py --days 60 --seed 1
+    python benchmarks/goodput_sim.py --check benchmarks/results/decoupled_goodput_grid.json
 
 Last line: JSON with ``dp_goodput_2400k``, ``m8_goodput_2400k``, ``m16_goodput_2400k``, every
-other cell, the paper's figures and the mean absolute difference per system.
+other cell, the paper's figures and the mean absolute difference per system; with ``--check``,
+``sim_max_abs_error_paper`` and ``sim_max_abs_error_merged`` (the largest |predicted - measured|
+over the runs), the costs used, the predicted means per mode and M (``simulated``) and each run.
 """
 
 from __future__ import annotations

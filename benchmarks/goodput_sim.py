@@ -395,9 +395,10 @@ def simulate_protocol_run(
         useful = frags.useful / p
     else:
         useful = float(included * h)
+    # (min: a step that ends between two ticks is counted at the later one)
     return {
-        "paper_goodput": kept * step_s / learner_s if learner_s else 0.0,
-        "merged_goodput": useful * step_s / learner_s if learner_s else 0.0,
+        "paper_goodput": min(1.0, kept * step_s / learner_s) if learner_s else 0.0,
+        "merged_goodput": min(1.0, useful * step_s / learner_s) if learner_s else 0.0,
     }
 
 
@@ -450,7 +451,81 @@ def costs_from_runs(runs: list[dict[str, Any]]) -> dict[tuple[str, int], RunCost
     return out
 
 
-def check(path: str) -> dict[str, Any]:
+def synthetic_faults(
+    m: int, run_s: float, round_s: float, rate: float, seed: int, recovery_s: float
+) -> list[dict[str, object]]:
+    """Faults as benchmarks/decoupled_goodput.py's grid draws them (kill, stop for 2 rounds,
+    3x slower for 3 rounds; a kill mid-upload is a kill), each kind at ``rate`` per
+    learner-hour, at seeded times in [0.1, 0.85] of the run (a Poisson count: fractional
+    expectations at low rates)."""
+    rng = random.Random(seed)
+    out: list[dict[str, object]] = []
+    for kind in ("kill", "kill", "stop", "slow"):
+        lam = rate * m * run_s / 3600.0
+        n, t = 0, rng.expovariate(lam) if lam > 0 else float("inf")
+        while t < 1.0:
+            n, t = n + 1, t + rng.expovariate(lam)
+        for _ in range(n):
+            at = rng.uniform(0.1, 0.85) * run_s
+            target = str(rng.randrange(m))
+            if kind == "kill":
+                out.append({"kind": "kill", "target": target, "t": at})
+            else:
+                length = (2 if kind == "stop" else 3) * round_s
+                factor = 1.0 if kind == "stop" else 3.0
+                out.append(
+                    {
+                        "kind": kind,
+                        "target": target,
+                        "t": at,
+                        "until": at + length,
+                        "factor": factor,
+                    }
+                )
+    return out
+
+
+def what_if(costs: dict[tuple[str, int], RunCosts], seeds: int = 5) -> dict[str, Any]:
+    """With the measured costs: both modes' goodputs at M = 4, 8, 16 against the fault rate
+    (per learner-hour, each kind) and against one learner permanently slower (no faults)."""
+    steps, h, p, step_s = 96, 8, 4, 1.0
+    run_s, round_s = steps * step_s, h * step_s
+    out: dict[str, Any] = {}
+    for m in (4, 8, 16):
+        for mode in ("sync", "decoupled"):
+            c = costs.get((mode, m)) or RunCosts(recovery_s=15.0)
+            timeout = 2 * round_s
+            for rate in (0.0, 1.0, 2.5, 5.0, 9.375, 20.0):
+                vals = [
+                    simulate_protocol_run(
+                        mode,
+                        m,
+                        steps,
+                        h,
+                        p,
+                        step_s,
+                        synthetic_faults(m, run_s, round_s, rate, seed, c.recovery_s),
+                        c,
+                        timeout_s=timeout,
+                        dt=0.05,
+                    )
+                    for seed in range(seeds if rate else 1)
+                ]
+                for key in ("paper_goodput", "merged_goodput"):
+                    out[f"{mode}_m{m}_rate{rate:g}_{key}"] = round(
+                        statistics.fmean(v[key] for v in vals), 3
+                    )
+            for factor in (1.25, 1.5, 2.0):
+                slow = [{"kind": "slow", "target": "0", "t": 0.0, "until": 1e9, "factor": factor}]
+                v = simulate_protocol_run(
+                    mode, m, steps, h, p, step_s, slow, c, timeout_s=timeout, dt=0.05
+                )
+                for key in ("paper_goodput", "merged_goodput"):
+                    out[f"{mode}_m{m}_slow{factor:g}_{key}"] = round(v[key], 3)
+    return out
+
+
+def check(path: str, what_ifs: bool = False) -> dict[str, Any]:
     """Each run of a decoupled_goodput.py grid result replayed by `simulate_protocol_run` with
     its own faults and the measured costs; prints measured against predicted goodputs."""
     text = Path(path).read_text()
@@ -505,6 +580,8 @@ def check(path: str) -> dict[str, Any]:
     }
     # the means over seeds per mode and M, as the grid's keys are (the plot draws them)
     result["simulated"] = {k: round(statistics.fmean(v), 4) for k, v in per_m.items()}
+    if what_ifs:
+        result["what_if"] = what_if(costs)
     result["per_run"] = per_run
     return result
 
@@ -519,9 +596,14 @@ def main() -> None:
         help="a decoupled_goodput.py --learners result (JSON): replay each run, print "
         "measured against predicted goodput",
     )
+    ap.add_argument(
+        "--what-if",
+        action="store_true",
+        help="with --check: both modes at other fault rates and speed spreads, measured costs",
+    )
     a = ap.parse_args()
     if a.check:
-        print(json.dumps(check(a.check)))
+        print(json.dumps(check(a.check, a.what_if)))
         return
     c = Costs()
     horizon = a.days * 24 * 3600

@@ -204,3 +204,20 @@ def test_tiny_grid_prints_the_keys_and_the_simulator_replays_it(tmp_path: Path) 
     assert sim.returncode == 0, sim.stderr[-3000:]
     result = json.loads(sim.stdout.strip().splitlines()[-1])
     assert result["runs"] == 2 and result["sim_max_abs_error_paper"] is not None
+
+
+def test_simulator_overwrites_what_a_learner_trained_before_taking_a_version() -> None:
+    """No faults, learners in step: a fragment pushed at the end of step k is merged at once
+    and taken after step k + 2 (a version is taken after an inner step), so steps k + 1 and
+    k + 2 on it are overwritten: 6 of every 8 steps reach the model (alpha 0)."""
+    costs = gs.RunCosts(recovery_s=10.0, apply_s=0.1)
+    dec = gs.simulate_protocol_run("decoupled", 4, 96, 8, 4, 1.0, [], costs)
+    assert dec["paper_goodput"] == pytest.approx(1.0, abs=0.01)
+    assert dec["merged_goodput"] == pytest.approx(0.75, abs=0.03)
+
+
+def test_synthetic_faults_scale_with_the_rate() -> None:
+    assert gs.synthetic_faults(8, 96.0, 8.0, 0.0, 0, 10.0) == []
+    few = [len(gs.synthetic_faults(8, 96.0, 8.0, 5.0, s, 10.0)) for s in range(20)]
+    many = [len(gs.synthetic_faults(8, 96.0, 8.0, 20.0, s, 10.0)) for s in range(20)]
+    assert sum(many) > 2 * sum(few) > 0

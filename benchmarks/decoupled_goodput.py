@@ -443,7 +443,10 @@ def run_once(
     model_bytes = None
     held = _held_windows(result.log, events)
     kept_steps = 0  # the paper's goodput: steps a learner ran and kept (below)
-    learner_s = 0.0  # its denominator: each learner's time from the start to its own end
+    # its denominator: each learner's time from its own first start to its own end (a
+    # process that the loaded machine starts late is not the protocol's; in sync the others'
+    # wait for it at the first barrier still counts)
+    learner_s = 0.0
     for r in range(a.n):
         recs = [json.loads(line) for line in open(out / f"learner{r}.jsonl")]
         # every step of every incarnation, killed ones included
@@ -461,7 +464,7 @@ def run_once(
         rejoins += [{"rank": r, **x} for x in starts[1:] if "rejoin_bytes" in x]
         end = [x for x in recs if x["kind"] == "end"][-1]
         ends[r] = end["t_end"]
-        learner_s += end["t_end"] - t_go[0]
+        learner_s += end["t_end"] - max(t_go[0], starts[0]["t"] if starts else t_go[0])
         digests.add(end["digest"])
         if r == 0:
             eval_loss = end["eval_loss"]
@@ -496,6 +499,9 @@ def run_once(
         # ... and ours, the steps whose work reached the final model (an overwrite discards)
         "merged_goodput": useful * a.step_s / learner_s,
         "recoveries_s": _recoveries(result.log, out, a.n, t_go[0]),
+        # each learner's first step after the common start (a process slow to start on a
+        # loaded machine holds the first sync round; the simulator replays it)
+        "start_offsets": _start_offsets(out, a.n, t_go[0]),
         # what the simulator replays (benchmarks/goodput_sim.py --check): the faults as they
         # happened (seconds from the start) and when each round / merge was committed
         "chaos_log": [
@@ -687,6 +693,16 @@ def grid_schedule(
     ev.append(E(at_s=0.55 * run_s, action="corrupt", target="push:0"))
     ev.append(E(at_s=0.65 * run_s, action="kill_synchronizer", restart_after_s=1.0))
     return sorted(ev, key=lambda e: e.at_s)
+
+
+def _start_offsets(out: Path, n: int, t_go: float) -> list[float]:
+    """Seconds from the common start to each learner's first incarnation's start."""
+    offsets = []
+    for r in range(n):
+        recs = [json.loads(line) for line in open(out / f"learner{r}.jsonl")]
+        first = next((x["t"] for x in recs if x["kind"] == "start"), t_go)
+        offsets.append(round(max(0.0, first - t_go), 2))
+    return offsets
 
 
 def _held_windows(

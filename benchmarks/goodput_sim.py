@@ -312,16 +312,22 @@ def simulate_protocol_run(
     merged); a killed one restarts ``recovery_s`` later from the newest commit; every learner
     ends at the run's last round."""
     windows: dict[int, list[tuple[float, float, float]]] = {r: [] for r in range(m)}
-    kills: dict[int, list[float]] = {r: [] for r in range(m)}
+    kills: dict[int, list[tuple[float, float]]] = {r: [] for r in range(m)}
     for f in faults:
         r = int(str(f["target"]))
         if f["kind"] == "kill":
-            kills[r].append(float(str(f["t"])))
+            kills[r].append((float(str(f["t"])), float(str(f.get("recovery_s", costs.recovery_s)))))
         else:
             rate = 0.0 if f["kind"] == "stop" else 1.0 / float(str(f["factor"]))
             windows[r].append((float(str(f["t"])), float(str(f["until"])), rate))
     for r in kills:
         kills[r].sort()
+    # a learner's time counts from its own first step: a late start is a stop from 0
+    offsets = {
+        int(str(f["target"])): float(str(f["until"]))
+        for f in faults
+        if f["kind"] == "stop" and float(str(f["t"])) == 0.0
+    }
     ls = [_Learner() for _ in range(m)]
     frags = _Fragments(m, h, p, costs, step_s) if mode == "decoupled" else None
     per_push = max(1, h // max(1, p))
@@ -334,10 +340,10 @@ def simulate_protocol_run(
         for r, x in enumerate(ls):
             if x.state == "done":
                 continue
-            if kills[r] and kills[r][0] <= t:
-                kills[r].pop(0)
+            if kills[r] and kills[r][0][0] <= t:
+                _, recovery = kills[r].pop(0)
                 if x.state != "down":
-                    x.state, x.back_at, x.progress = "down", t + costs.recovery_s, 0.0
+                    x.state, x.back_at, x.progress = "down", t + recovery, 0.0
             if x.state == "down":
                 if t < x.back_at:
                     continue
@@ -388,7 +394,7 @@ def simulate_protocol_run(
             while pending and pending[0][0] <= t:
                 committed = pending.pop(0)[1]
         t += dt
-    learner_s = sum(x.end for x in ls)
+    learner_s = sum(x.end - offsets.get(r, 0.0) for r, x in enumerate(ls))
     kept = sum(x.kept(steps) for x in ls)
     if frags is not None:
         frags.tick(t, set())  # the final merges
@@ -403,15 +409,22 @@ def simulate_protocol_run(
 
 
 def faults_of(row: dict[str, Any]) -> list[dict[str, object]]:
-    """A measured run's learner faults as they happened (its ``chaos_log``): kills, and the
-    windows a learner was stopped or slowed, in seconds from the start."""
+    """A measured run's learner faults as they happened (its ``chaos_log``): kills (each with
+    its measured recovery, ``recoveries_s``), the windows a learner was stopped or slowed, and
+    a learner's late first step (``start_offsets``), in seconds from the start."""
     factors = {i: float(e.get("factor", 3.0)) for i, e in enumerate(row["schedule"])}
+    recoveries = row.get("recoveries_s") or []
+    kills_seen = 0
     opened: dict[tuple[int, str], float] = {}
     out: list[dict[str, object]] = []
     for e in row["chaos_log"]:
         action, outcome = e.get("action"), str(e.get("outcome", ""))
         if action == "kill" and outcome.startswith("killed"):
-            out.append({"kind": "kill", "target": e["target"], "t": float(e["t"])})
+            kill: dict[str, object] = {"kind": "kill", "target": e["target"], "t": float(e["t"])}
+            if kills_seen < len(recoveries):  # this kill's own recovery, as measured
+                kill["recovery_s"] = float(recoveries[kills_seen])
+            kills_seen += 1
+            out.append(kill)
         elif action in ("stop", "slow") and outcome in ("stopped", "slowed"):
             opened[(int(e["event"]), action)] = float(e["t"])
         elif action in ("stop", "slow") and (int(e["event"]), action) in opened:
@@ -424,6 +437,11 @@ def faults_of(row: dict[str, Any]) -> list[dict[str, object]]:
                     "factor": factors.get(int(e["event"]), 3.0),
                 }
             )
+    # a learner whose first step came late (its process was slow to start on the loaded
+    # machine) is, for the replay, stopped from the start until then
+    for r, late in enumerate(row.get("start_offsets") or []):
+        if late > 0.5:
+            out.append({"kind": "stop", "target": str(r), "t": 0.0, "until": late, "factor": 1.0})
     return out
 
 

@@ -47,9 +47,11 @@ a sync learner restarted past steps it never ran does not count them), x step_s;
 ``merged_goodput``, ours, the steps whose work reached the final model (below), x step_s. Eval
 loss of the final model at equal steps (every learner runs ``--steps``). Each row keeps the
 faults as they happened (``chaos_log``), the commit / merge times, the recovery times
-(``recoveries_s``: a kill to the next incarnation's first step) and, decoupled,
-``overwrite_lag_steps`` (the steps a learner trains on a fragment between pushing it and the
-merged version replacing it): what benchmarks/goodput_sim.py --check replays.
+(``recoveries_s``: a kill to the next incarnation's first step) and each learner's first start
+after the common one (``start_offsets``; each learner's time counts from its own): what
+benchmarks/goodput_sim.py --check replays; and, decoupled, ``overwrite_lag_steps`` (the mean
+steps a learner trained on a fragment between two of its merged pushes that the later push did
+not carry: the work alpha 0 overwrote).
 
 A learner restarted after a kill downloads only the newest version of each fragment merged
 while it was down: each decoupled row lists its ``rejoins`` (rank, step, ``rejoin_bytes``,

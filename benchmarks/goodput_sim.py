@@ -23,16 +23,36 @@ group of n chips fails at rate n / MTBI; a failed chip is replaced when its grou
   average half of ``push_every_s``); the other learners and the synchronizer carry on.
 
 Goodput is the chip-time spent on steps that are kept, over the simulated horizon. The three
-per-system costs (``restart_s`` 70 s, ``reconfigure_s`` 18 s, ``rejoin_s`` 25 s) were chosen by
-hand so each row lies near the paper's; what the model adds is how goodput scales with the chip
-count and M under one failure process (mean absolute difference from the paper: about 3 points
-for DP and elastic DP, 1 point or less for M = 8 and M = 16). Usage::
+per-system costs of this paper-scale table (``restart_s`` 70 s, ``reconfigure_s`` 18 s,
+``rejoin_s`` 25 s) are assumptions about clusters we cannot run, chosen by hand so each row lies
+near the paper's; what the model adds is how goodput scales with the chip count and M under one
+failure process (mean absolute difference from the paper: about 3 points for DP and elastic DP,
+1 point or less for M = 8 and M = 16).
+
+**Checked against real processes** (``--check``): `simulate_protocol_run` replays each run of a
+``benchmarks/decoupled_goodput.py --learners`` grid, the same M, steps, step and round, sync
+timeout, and that run's faults as they happened (kills, stop and slow windows from its chaos
+log), and predicts both of its goodputs (the paper's and merged work). Its costs are measured,
+none hand-set: ``recovery_s``, the median time from a kill to the restarted learner's first step
+over the runs of that mode and M (process start, imports, rejoin: 10-22 s on the shared 2-core
+machine); ``exchange_s``, a quiet sync round's commit interval beyond its H padded steps (0 s
+there: the exchange fits in the last step's padding); decoupled's quorum (all live learners but
+one), grace window (gamma 0.8, tau 2) and poll interval are the run's settings. The first replay
+missed one cost: a learner takes a new fragment version only after its next inner step (the
+optimizer hook), so that step's work on the fragment is overwritten too; with it the merged-work
+prediction for decoupled moved from 0.705 to 0.635 against 0.585 measured (M = 16, seed 0).
+docs/benchmarks-notebook.md ("Decoupled DiLoCo at 4, 8 and 16 learners") has each run's figures.
+
+Usage::
 
     python benchmarks/goodput_sim.py                 # the table + last-line JSON
     python benchmarks/goodput_sim.py --days 60 --seed 1
+    python benchmarks/goodput_sim.py --check benchmarks/results/decoupled_goodput_grid.json
 
 Last line: JSON with ``dp_goodput_2400k``, ``m8_goodput_2400k``, ``m16_goodput_2400k``, every
-other cell, the paper's figures and the mean absolute difference per system.
+other cell, the paper's figures and the mean absolute difference per system; with ``--check``,
+``sim_max_abs_error_paper`` and ``sim_max_abs_error_merged`` (the largest |predicted - measured|
+over the runs), the costs used, the predicted means per mode and M (``simulated``) and each run.
 """
 
 from __future__ import annotations
@@ -41,7 +61,10 @@ import argparse
 import heapq
 import json
 import random
-from dataclasses import dataclass
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
 
 YEAR = 365.0 * 24 * 3600
 CHIPS = (150_000, 300_000, 600_000, 1_200_000, 2_400_000)
@@ -127,11 +150,479 @@ def simulate_decoupled(chips: int, m: int, c: Costs, horizon: float, rng: random
     return min(total / m, 1.0)
 
 
+# --------------------------------------------------------------------------- the protocol runs
+
+
+@dataclass(frozen=True)
+class RunCosts:
+    """The costs of one measured protocol run (benchmarks/decoupled_goodput.py --learners),
+    each as measured there (`costs_from_runs`): ``recovery_s`` from a learner's kill to its
+    next incarnation's first step (process start, imports, rejoin download), ``exchange_s``
+    from a sync round's last arrival to its commit being seen beyond the padded step (upload,
+    poll, download, merge), ``apply_s`` from a decoupled merge to the learners taking the new
+    fragment (their poll interval and the download), ``grace_gamma`` / ``grace_tau`` the
+    synchronizer's grace window (its defaults) and ``quorum`` its quorum (None: all but one)."""
+
+    recovery_s: float
+    exchange_s: float = 0.0
+    apply_s: float = 0.1
+    grace_gamma: float = 0.8
+    grace_tau: float = 2.0
+    quorum: int | None = None
+
+
+class _Fragments:
+    """Decoupled's synchronizer and the learners' fragment state, for `simulate_protocol_run`:
+    pushes (the steps since the learner's last push of the fragment or since it took a newer
+    version), the quorum of live learners on the current version plus the grace window, merges
+    (the steps of every push they take, late ones carried), and the learners taking each new
+    version ``apply_s`` later (what they trained on the fragment since their push is
+    overwritten, alpha 0)."""
+
+    def __init__(self, m: int, h: int, p: int, costs: RunCosts, step_s: float) -> None:
+        self.m, self.h, self.p, self.costs, self.step_s = m, h, p, costs, step_s
+        self.version = [0] * p
+        self.base = [[0] * p for _ in range(m)]
+        self.since = [[0] * p for _ in range(m)]
+        self.pending: list[dict[int, int]] = [{} for _ in range(p)]
+        self.on_time: list[set[int]] = [set() for _ in range(p)]
+        self.first_push: list[float | None] = [None] * p
+        self.quorum_at: list[float | None] = [None] * p
+        # per fragment: (when learners can take it, version) of every merged version
+        self.published: list[list[tuple[float, int]]] = [[] for _ in range(p)]
+        self.useful = 0.0  # steps merged, summed over fragments
+
+    def stepped(self, r: int, k: int, t: float) -> None:
+        """Learner r finished its step k (1-based count): train every fragment, push the one
+        due at this step (fragment f at local step (f + 1) * h / p mod h)."""
+        per = max(1, self.h // self.p)
+        began = t - self.step_s  # the inner compute runs at the step's start, then the padding
+        for f in range(self.p):
+            self.since[r][f] += 1
+            # a learner takes a new version after an inner step (its optimizer hook): one that
+            # arrived during the previous step's padding replaces what this step trained too
+            newest = max((v for when, v in self.published[f] if when <= began), default=0)
+            if self.base[r][f] < newest:
+                self.base[r][f] = newest
+                self.since[r][f] = 0  # overwritten: its work since the push is gone
+            if k % self.h == ((f + 1) * per) % self.h:
+                self.push(r, f, t)
+
+    def push(self, r: int, f: int, t: float) -> None:
+        steps, self.since[r][f] = self.since[r][f], 0
+        if steps == 0:
+            return
+        self.pending[f][r] = self.pending[f].get(r, 0) + steps
+        if self.base[r][f] == self.version[f]:
+            self.on_time[f].add(r)
+            if self.first_push[f] is None:
+                self.first_push[f] = t
+
+    def restarted(self, r: int) -> None:
+        """A learner's next incarnation: its unpushed work is gone, it takes the newest versions."""
+        self.since[r] = [0] * self.p
+        self.base[r] = list(self.version)
+
+    def finished(self, r: int, t: float) -> None:
+        for f in range(self.p):
+            self.push(r, f, t)
+
+    def tick(self, t: float, live: set[int]) -> None:
+        """Merge every fragment whose quorum and grace window are complete at ``t``."""
+        q = self.costs.quorum if self.costs.quorum is not None else self.m - 1
+        for f in range(self.p):
+            got = self.on_time[f] & live
+            need = max(1, min(q, len(live)))
+            if self.pending[f] and not live:  # everyone finished: the final merges
+                self.merge(f, t)
+                continue
+            if len(got) < need:
+                continue
+            if self.quorum_at[f] is None:
+                self.quorum_at[f] = t
+            quorum_s = t - (self.first_push[f] or t)
+            grace = self.costs.grace_gamma * max(0.0, self.costs.grace_tau * self.step_s - quorum_s)
+            if live <= self.on_time[f] or t >= (self.quorum_at[f] or t) + grace:
+                self.merge(f, t)
+
+    def merge(self, f: int, t: float) -> None:
+        self.useful += sum(self.pending[f].values())
+        self.pending[f], self.on_time[f] = {}, set()
+        self.first_push[f] = self.quorum_at[f] = None
+        self.version[f] += 1
+        self.published[f].append((t + self.costs.apply_s, self.version[f]))
+
+
+@dataclass
+class _Learner:
+    k: int = 0  # the step it is at
+    local: int = 0  # sync: steps since its last round boundary
+    progress: float = 0.0  # seconds of the current step done
+    state: str = "run"  # run | wait | down | done
+    back_at: float = 0.0  # down: when the next incarnation takes its first step
+    runs: list[tuple[int, list[int]]] = field(default_factory=lambda: [(0, [])])
+    end: float = 0.0
+
+    def kept(self, steps: int) -> int:
+        """Steps of each incarnation below where the next one started (the kept steps)."""
+        total = 0
+        for i, (_, done) in enumerate(self.runs):
+            nxt = self.runs[i + 1][0] if i + 1 < len(self.runs) else None
+            total += sum(1 for t in done if nxt is None or t < nxt)
+        return min(total, steps)
+
+
+def _rate(t: float, windows: list[tuple[float, float, float]]) -> float:
+    """The simulated accelerator's speed at ``t``: 0 while stopped, 1/factor while slowed."""
+    rate = 1.0
+    for a, b, r in windows:
+        if a <= t < b:
+            rate = min(rate, r)
+    return rate
+
+
+def simulate_protocol_run(
+    mode: str,
+    m: int,
+    steps: int,
+    h: int,
+    p: int,
+    step_s: float,
+    faults: list[dict[str, object]],
+    costs: RunCosts,
+    *,
+    timeout_s: float = 0.0,
+    min_replicas: int = 2,
+    dt: float = 0.02,
+) -> dict[str, float]:
+    """Replay one measured run's faults (``faults``: ``{"kind": kill|stop|slow, "target": r,
+    "t": s, "until": s, "factor": f}``, seconds from the start) on ``m`` simulated learners of
+    ``steps`` steps of ``step_s`` each, in ``mode``; return the paper's goodput (the steps each
+    learner kept, over each learner's time to its own end) and the merged-work goodput, as
+    benchmarks/decoupled_goodput.py counts them.
+
+    decoupled: learners never wait; a kill loses the steps since the learner's last push
+    (every h / p steps) and costs ``recovery_s``; the synchronizer (`_Fragments`) merges a
+    fragment once a quorum of the live learners pushed it on its current version, after the
+    grace window, and the work a learner did on the fragment between its push and taking the
+    merged version (``apply_s`` after the merge) is overwritten (alpha 0). sync: every h steps a barrier
+    that commits once all ``m`` arrived, or ``timeout_s`` after the first arrival with at least
+    ``min_replicas``, seen ``exchange_s`` later; a learner that arrives after its round was
+    committed takes the commit and goes on from the run's round (its round's work is not
+    merged); a killed one restarts ``recovery_s`` later from the newest commit; every learner
+    ends at the run's last round."""
+    windows: dict[int, list[tuple[float, float, float]]] = {r: [] for r in range(m)}
+    kills: dict[int, list[tuple[float, float]]] = {r: [] for r in range(m)}
+    for f in faults:
+        r = int(str(f["target"]))
+        if f["kind"] == "kill":
+            kills[r].append((float(str(f["t"])), float(str(f.get("recovery_s", costs.recovery_s)))))
+        else:
+            rate = 0.0 if f["kind"] == "stop" else 1.0 / float(str(f["factor"]))
+            windows[r].append((float(str(f["t"])), float(str(f["until"])), rate))
+    for r in kills:
+        kills[r].sort()
+    # a learner's time counts from its own first step: a late start is a stop from 0
+    offsets = {
+        int(str(f["target"])): float(str(f["until"]))
+        for f in faults
+        if f["kind"] == "stop" and float(str(f["t"])) == 0.0
+    }
+    ls = [_Learner() for _ in range(m)]
+    frags = _Fragments(m, h, p, costs, step_s) if mode == "decoupled" else None
+    per_push = max(1, h // max(1, p))
+    committed = 0  # sync: rounds committed and seen
+    arrivals: dict[int, dict[int, float]] = {}  # sync: round -> learner -> arrival time
+    included = 0  # sync: h-step contributions in committed rounds
+    pending: list[tuple[float, int]] = []  # sync: (time seen, round) of decided commits
+    t = 0.0
+    while any(x.state != "done" for x in ls) and t < 50 * steps * step_s:
+        for r, x in enumerate(ls):
+            if x.state == "done":
+                continue
+            if kills[r] and kills[r][0][0] <= t:
+                _, recovery = kills[r].pop(0)
+                if x.state != "down":
+                    x.state, x.back_at, x.progress = "down", t + recovery, 0.0
+            if x.state == "down":
+                if t < x.back_at:
+                    continue
+                # the next incarnation: decoupled from its last push, sync from the newest commit
+                x.k = (x.k // per_push) * per_push if mode == "decoupled" else committed * h
+                x.local, x.state = 0, "run"
+                x.runs.append((x.k, []))
+                if frags is not None:
+                    frags.restarted(r)
+            if x.state == "wait":
+                if x.k // h > committed or _rate(t, windows[r]) == 0:
+                    continue
+                x.k, x.local, x.state = committed * h, 0, "run"  # its round is committed
+                if x.k >= steps:
+                    x.state, x.end = "done", t
+                continue
+            x.progress += dt * _rate(t, windows[r])
+            if x.progress + 1e-9 < step_s:
+                continue
+            x.progress -= step_s
+            x.runs[-1][1].append(x.k)
+            x.k, x.local = x.k + 1, x.local + 1
+            if frags is not None:
+                frags.stepped(r, x.k, t)
+            if mode == "sync" and x.local == h:
+                if x.k // h <= committed:  # too late for its round: take the commit, go on
+                    x.k, x.local = committed * h, 0
+                    x.progress -= costs.exchange_s
+                else:
+                    x.state = "wait"
+                    arrivals.setdefault(x.k // h, {})[r] = t
+                    continue
+            if x.k >= steps:
+                x.state, x.end = "done", t
+                if frags is not None:
+                    frags.finished(r, t)
+        if frags is not None:
+            running = [x.state == "run" and _rate(t, windows[r]) > 0 for r, x in enumerate(ls)]
+            frags.tick(t, {r for r in range(m) if running[r]})
+        if mode == "sync":
+            nxt_round = committed + 1 + len(pending)
+            got = arrivals.get(nxt_round, {})
+            if got and (
+                len(got) == m or (t - min(got.values()) >= timeout_s and len(got) >= min_replicas)
+            ):
+                pending.append((t + costs.exchange_s, nxt_round))
+                included += len(got)
+            while pending and pending[0][0] <= t:
+                committed = pending.pop(0)[1]
+        t += dt
+    learner_s = sum(x.end - offsets.get(r, 0.0) for r, x in enumerate(ls))
+    kept = sum(x.kept(steps) for x in ls)
+    if frags is not None:
+        frags.tick(t, set())  # the final merges
+        useful = frags.useful / p
+    else:
+        useful = float(included * h)
+    # (min: a step that ends between two ticks is counted at the later one)
+    return {
+        "paper_goodput": min(1.0, kept * step_s / learner_s) if learner_s else 0.0,
+        "merged_goodput": min(1.0, useful * step_s / learner_s) if learner_s else 0.0,
+    }
+
+
+def faults_of(row: dict[str, Any]) -> list[dict[str, object]]:
+    """A measured run's learner faults as they happened (its ``chaos_log``): kills (each with
+    its measured recovery, ``recoveries_s``), the windows a learner was stopped or slowed, and
+    a learner's late first step (``start_offsets``), in seconds from the start."""
+    factors = {i: float(e.get("factor", 3.0)) for i, e in enumerate(row["schedule"])}
+    recoveries = row.get("recoveries_s") or []
+    kills_seen = 0
+    opened: dict[tuple[int, str], float] = {}
+    out: list[dict[str, object]] = []
+    for e in row["chaos_log"]:
+        action, outcome = e.get("action"), str(e.get("outcome", ""))
+        if action == "kill" and outcome.startswith("killed"):
+            kill: dict[str, object] = {"kind": "kill", "target": e["target"], "t": float(e["t"])}
+            if kills_seen < len(recoveries):  # this kill's own recovery, as measured
+                kill["recovery_s"] = float(recoveries[kills_seen])
+            kills_seen += 1
+            out.append(kill)
+        elif action in ("stop", "slow") and outcome in ("stopped", "slowed"):
+            opened[(int(e["event"]), action)] = float(e["t"])
+        elif action in ("stop", "slow") and (int(e["event"]), action) in opened:
+            out.append(
+                {
+                    "kind": action,
+                    "target": e["target"],
+                    "t": opened.pop((int(e["event"]), action)),
+                    "until": float(e["t"]),
+                    "factor": factors.get(int(e["event"]), 3.0),
+                }
+            )
+    # a learner whose first step came late (its process was slow to start on the loaded
+    # machine) is, for the replay, stopped from the start until then
+    for r, late in enumerate(row.get("start_offsets") or []):
+        if late > 0.5:
+            out.append({"kind": "stop", "target": str(r), "t": 0.0, "until": late, "factor": 1.0})
+    return out
+
+
+def costs_from_runs(runs: list[dict[str, Any]]) -> dict[tuple[str, int], RunCosts]:
+    """The simulator's costs per (mode, M), each the median of what the runs measured:
+    recovery, a learner's kill to its next incarnation's first step (``recoveries_s``); sync's
+    exchange, a round's commit interval beyond its H steps, over the quietest half of rounds
+    (``commit_times``). Decoupled's apply time (0.1 s: the learners poll every 0.05 s on
+    file://, a fragment is a few kB), grace window and quorum are the run's settings."""
+    out: dict[tuple[str, int], RunCosts] = {}
+    for key in sorted({(r["mode"], r["learners"]) for r in runs}):
+        rows = [r for r in runs if (r["mode"], r["learners"]) == key and r["alpha"] == 0.0]
+        rec = [x for r in rows for x in r["recoveries_s"]]
+        exchange: list[float] = []
+        for r in rows:
+            times = [0.0, *r["commit_times"]]
+            gaps = sorted(b - a for a, b in zip(times, times[1:]))
+            if key[0] == "sync":
+                quiet = gaps[: max(1, len(gaps) // 2)]
+                exchange += [g - r["h"] * r["step_s"] for g in quiet]
+        out[key] = RunCosts(
+            recovery_s=statistics.median(rec) if rec else 0.0,
+            exchange_s=max(0.0, statistics.median(exchange)) if exchange else 0.0,
+        )
+    return out
+
+
+def synthetic_faults(
+    m: int, run_s: float, round_s: float, rate: float, seed: int, recovery_s: float
+) -> list[dict[str, object]]:
+    """Faults as benchmarks/decoupled_goodput.py's grid draws them (kill, stop for 2 rounds,
+    3x slower for 3 rounds; a kill mid-upload is a kill), each kind at ``rate`` per
+    learner-hour, at seeded times in [0.1, 0.85] of the run (a Poisson count: fractional
+    expectations at low rates)."""
+    rng = random.Random(seed)
+    out: list[dict[str, object]] = []
+    for kind in ("kill", "kill", "stop", "slow"):
+        lam = rate * m * run_s / 3600.0
+        n, t = 0, rng.expovariate(lam) if lam > 0 else float("inf")
+        while t < 1.0:
+            n, t = n + 1, t + rng.expovariate(lam)
+        for _ in range(n):
+            at = rng.uniform(0.1, 0.85) * run_s
+            target = str(rng.randrange(m))
+            if kind == "kill":
+                out.append({"kind": "kill", "target": target, "t": at})
+            else:
+                length = (2 if kind == "stop" else 3) * round_s
+                factor = 1.0 if kind == "stop" else 3.0
+                out.append(
+                    {
+                        "kind": kind,
+                        "target": target,
+                        "t": at,
+                        "until": at + length,
+                        "factor": factor,
+                    }
+                )
+    return out
+
+
+def what_if(costs: dict[tuple[str, int], RunCosts], seeds: int = 5) -> dict[str, Any]:
+    """With the measured costs: both modes' goodputs at M = 4, 8, 16 against the fault rate
+    (per learner-hour, each kind) and against one learner permanently slower (no faults)."""
+    steps, h, p, step_s = 96, 8, 4, 1.0
+    run_s, round_s = steps * step_s, h * step_s
+    out: dict[str, Any] = {}
+    for m in (4, 8, 16):
+        for mode in ("sync", "decoupled"):
+            c = costs.get((mode, m)) or RunCosts(recovery_s=15.0)
+            timeout = 2 * round_s
+            for rate in (0.0, 1.0, 2.5, 5.0, 9.375, 20.0):
+                vals = [
+                    simulate_protocol_run(
+                        mode,
+                        m,
+                        steps,
+                        h,
+                        p,
+                        step_s,
+                        synthetic_faults(m, run_s, round_s, rate, seed, c.recovery_s),
+                        c,
+                        timeout_s=timeout,
+                        dt=0.05,
+                    )
+                    for seed in range(seeds if rate else 1)
+                ]
+                for key in ("paper_goodput", "merged_goodput"):
+                    out[f"{mode}_m{m}_rate{rate:g}_{key}"] = round(
+                        statistics.fmean(v[key] for v in vals), 3
+                    )
+            for factor in (1.25, 1.5, 2.0):
+                slow = [{"kind": "slow", "target": "0", "t": 0.0, "until": 1e9, "factor": factor}]
+                v = simulate_protocol_run(
+                    mode, m, steps, h, p, step_s, slow, c, timeout_s=timeout, dt=0.05
+                )
+                for key in ("paper_goodput", "merged_goodput"):
+                    out[f"{mode}_m{m}_slow{factor:g}_{key}"] = round(v[key], 3)
+    return out
+
+
+def check(path: str, what_ifs: bool = False) -> dict[str, Any]:
+    """Each run of a decoupled_goodput.py grid result replayed by `simulate_protocol_run` with
+    its own faults and the measured costs; prints measured against predicted goodputs."""
+    text = Path(path).read_text()
+    if path.endswith(".jsonl"):  # the rows the grid writes as each run finishes
+        runs = [json.loads(line) for line in text.splitlines() if line.strip()]
+    else:
+        runs = json.loads(text)["runs"]
+    runs = [r for r in runs if r["alpha"] == 0.0]
+    costs = costs_from_runs(runs)
+    print(f"costs (measured, per mode and M): {costs}")
+    print(f"{'run':<22}{'paper meas':>11}{'sim':>7}{'merged meas':>12}{'sim':>7}")
+    errors: dict[str, list[float]] = {"paper": [], "merged": []}
+    per_m: dict[str, list[float]] = {}
+    per_run: list[dict[str, Any]] = []
+    for r in runs:
+        sim = simulate_protocol_run(
+            r["mode"],
+            r["learners"],
+            r["steps"],
+            r["h"],
+            r["p"],
+            r["step_s"],
+            faults_of(r),
+            costs[(r["mode"], r["learners"])],
+            timeout_s=float(r["timeout_s"] or 0.0),
+            min_replicas=r["min_replicas"],
+        )
+        errors["paper"].append(abs(sim["paper_goodput"] - r["paper_goodput"]))
+        errors["merged"].append(abs(sim["merged_goodput"] - r["merged_goodput"]))
+        for key in ("paper_goodput", "merged_goodput"):
+            per_m.setdefault(f"{r['mode']}_m{r['learners']}_{key}", []).append(sim[key])
+        per_run.append(
+            {
+                "name": r["name"],
+                "paper_goodput": round(r["paper_goodput"], 4),
+                "sim_paper_goodput": round(sim["paper_goodput"], 4),
+                "merged_goodput": round(r["merged_goodput"], 4),
+                "sim_merged_goodput": round(sim["merged_goodput"], 4),
+            }
+        )
+        print(
+            f"{r['name']:<22}{r['paper_goodput']:>11.3f}{sim['paper_goodput']:>7.3f}"
+            f"{r['merged_goodput']:>12.3f}{sim['merged_goodput']:>7.3f}"
+        )
+    result: dict[str, Any] = {
+        "sim_max_abs_error_paper": round(max(errors["paper"]), 4) if runs else None,
+        "sim_mean_abs_error_paper": round(statistics.fmean(errors["paper"]), 4) if runs else None,
+        "sim_max_abs_error_merged": round(max(errors["merged"]), 4) if runs else None,
+        "sim_mean_abs_error_merged": round(statistics.fmean(errors["merged"]), 4) if runs else None,
+        "runs": len(runs),
+        "costs": {f"{k[0]}_m{k[1]}": asdict(c) for k, c in costs.items()},
+    }
+    # the means over seeds per mode and M, as the grid's keys are (the plot draws them)
+    result["simulated"] = {k: round(statistics.fmean(v), 4) for k, v in per_m.items()}
+    if what_ifs:
+        result["what_if"] = what_if(costs)
+    result["per_run"] = per_run
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description="DES of DP / elastic DP / Decoupled DiLoCo goodput")
     ap.add_argument("--days", type=float, default=30.0, help="simulated horizon per cell")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--check",
+        default="",
+        help="a decoupled_goodput.py --learners result (JSON): replay each run, print "
+        "measured against predicted goodput",
+    )
+    ap.add_argument(
+        "--what-if",
+        action="store_true",
+        help="with --check: both modes at other fault rates and speed spreads, measured costs",
+    )
     a = ap.parse_args()
+    if a.check:
+        print(json.dumps(check(a.check, a.what_if)))
+        return
     c = Costs()
     horizon = a.days * 24 * 3600
     rng = random.Random(a.seed)

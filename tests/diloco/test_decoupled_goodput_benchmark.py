@@ -1,0 +1,223 @@
+"""benchmarks/decoupled_goodput.py's grid (``--learners``) and benchmarks/goodput_sim.py's
+replay of it: the fault schedule scales with the learners at a fixed rate per learner-hour, the
+paper's goodput counts the steps a learner kept, the grid's last line has the keys the docs
+name, and the simulator replays a run's faults (a tiny real grid under ``long``; the figures
+themselves are in docs/benchmarks-notebook.md, not judged here)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import decoupled_goodput as dg  # noqa: E402
+import goodput_sim as gs  # noqa: E402
+
+GRID_KEYS = [
+    f"{k}_m{m}"
+    for m in (4, 8, 16)
+    for k in ("decoupled_goodput", "sync_goodput", "decoupled_merged_goodput", "loss_gap_vs_sync")
+] + ["rounds_lost", "overrun_share"]
+
+
+def test_fault_schedule_scales_with_the_learners_at_a_fixed_rate() -> None:
+    """Each learner fault at FAULTS_PER_LEARNER_HOUR: twice the learners, twice the faults;
+    every learner is hit once before any is hit twice; seeded."""
+    run_s, round_s = 96.0, 8.0
+    counts = {}
+    for m in (4, 8, 16):
+        ev = dg.grid_schedule(m, run_s, round_s, seed=0)
+        learner = [e for e in ev if e.action in ("kill", "stop", "slow")]
+        kinds = Counter((e.action, e.during if e.action == "kill" else "") for e in learner)
+        assert len(set(kinds.values())) == 1  # as many of each learner fault
+        counts[m] = len(learner)
+        per_target = Counter(e.target for e in learner)
+        assert max(per_target.values()) - min(per_target.values()) <= 1
+        assert all(0.1 * run_s <= e.at_s <= 0.85 * run_s for e in learner)
+        assert [e.action for e in ev].count("kill_synchronizer") == 1
+        assert ev == sorted(ev, key=lambda e: e.at_s)
+    assert counts == {4: 4, 8: 8, 16: 16}
+    rate = counts[8] / 4 / (8 * run_s / 3600)  # per learner-hour, each of the four kinds
+    assert rate == pytest.approx(dg.FAULTS_PER_LEARNER_HOUR)
+    assert dg.grid_schedule(8, run_s, round_s, 1) != dg.grid_schedule(8, run_s, round_s, 0)
+    sync = dg._for_mode(dg.grid_schedule(8, run_s, round_s, 0), "sync")
+    assert "kill_synchronizer" not in [e.action for e in sync]
+    assert [e.target for e in sync if e.action == "corrupt"] == ["contribution:0"]
+
+
+def _recs(*parts: tuple[int, int]) -> list[dict[str, Any]]:
+    """Records of incarnations: (start step, steps run)."""
+    out: list[dict[str, Any]] = []
+    for start, n in parts:
+        out.append({"kind": "start", "step": start})
+        out += [{"kind": "step", "step": start + i} for i in range(n)]
+    return out
+
+
+def test_kept_steps_counts_what_no_later_start_redid() -> None:
+    assert dg._kept_steps(_recs((0, 20)), 20) == 20
+    # killed at step 13, restarted from its last push at 12: step 12 was lost and redone
+    assert dg._kept_steps(_recs((0, 13), (12, 8)), 20) == 20
+    # sync: killed at 13, restarted from the newest commit at 16 (steps 13-15 nobody ran)
+    assert dg._kept_steps(_recs((0, 13), (16, 4)), 20) == 17
+    # killed before its first step
+    assert dg._kept_steps(_recs((0, 0), (0, 20)), 20) == 20
+
+
+def test_held_steps_are_left_out_of_the_overrun() -> None:
+    """A step the harness stopped or slowed the process in is the fault's time."""
+    log = [
+        {"event": 0, "action": "stop", "target": "1", "outcome": "stopped", "t": 10.0},
+        {"event": 0, "action": "stop", "target": "1", "outcome": "continued", "t": 16.0},
+        {"event": 1, "action": "kill", "target": "2", "outcome": "killed mid-upload", "t": 30.0}
+        | {"during": "upload"},
+    ]
+    events = [SimpleNamespace(at_s=10.0), SimpleNamespace(at_s=25.0)]
+    held = dg._held_windows(log, events)
+    assert held == {1: [(10.0, 16.0)], 2: [(25.0, 30.0)]}
+    t_go = 1000.0
+    assert dg._held({"t": t_go + 9.99, "c": 0.5}, held[1], t_go)
+    assert not dg._held({"t": t_go + 16.5, "c": 0.5}, held[1], t_go)
+
+
+def _row(mode: str, m: int, seed: int, goodput: float, loss: float, alpha: float = 0.0) -> dict:
+    return {
+        "name": f"{mode}_m{m}_seed{seed}",
+        "mode": mode,
+        "learners": m,
+        "seed": seed,
+        "alpha": alpha,
+        "paper_goodput": goodput,
+        "merged_goodput": goodput / 2,
+        "eval_loss": loss,
+        "overrun_share": 0.01,
+        "compute_share": 0.02,
+        "protocol_figure": True,
+        "recoveries_s": [10.0],
+        "rounds_lost": 0 if mode == "decoupled" else None,
+    }
+
+
+def test_grid_summary_has_the_documented_keys() -> None:
+    runs = [
+        _row(mode, m, seed, g, loss)
+        for m in (4, 8, 16)
+        for seed in (0, 1)
+        for mode, g, loss in (("sync", 0.6, 2.0), ("decoupled", 0.9, 2.02))
+    ] + [_row("decoupled", 8, 0, 0.9, 2.1, alpha=0.5)]
+    a = SimpleNamespace(
+        steps=96, h=8, p=4, step_s=1.0, d=16, layers=4, ctx=32, store="file", n=8, quorum=7
+    )
+    a.sync_timeout_rounds, a.min_replicas, a.alpha_at = 2.0, 2, 8
+    out = dg.summarize_grid(a, runs, [4, 8, 16], [0.5], [], 1.0)  # type: ignore[arg-type]
+    assert set(GRID_KEYS) <= set(out)
+    assert out["decoupled_goodput_m8"] == 0.9 and out["sync_goodput_m8"] == 0.6
+    assert out["decoupled_merged_goodput_m8"] == 0.45
+    assert out["loss_gap_vs_sync_m16"] == pytest.approx(0.01)
+    assert out["alpha0.5_eval_loss_m8"] == 2.1 and out["alpha0_eval_loss_m8"] == 2.02
+    assert out["rounds_lost"] == 0 and out["protocol_figure"] is True
+    assert {"cpu", "cpu_flags", "commit", "load_end"} <= set(out["machine"])
+
+
+def test_simulator_without_faults_loses_only_the_exchange() -> None:
+    costs = gs.RunCosts(recovery_s=10.0, exchange_s=0.5)
+    dec = gs.simulate_protocol_run("decoupled", 4, 48, 8, 4, 1.0, [], costs)
+    assert dec["paper_goodput"] == pytest.approx(1.0, abs=0.01)
+    sync = gs.simulate_protocol_run("sync", 4, 48, 8, 4, 1.0, [], costs, timeout_s=16.0)
+    # six rounds of 8 s, each 0.5 s longer
+    assert sync["paper_goodput"] == pytest.approx(48 / 51, abs=0.01)
+    assert sync["merged_goodput"] == pytest.approx(sync["paper_goodput"], abs=0.01)
+
+
+def test_simulator_a_stopped_learner_stalls_sync_not_decoupled() -> None:
+    costs = gs.RunCosts(recovery_s=10.0)
+    stop = [{"kind": "stop", "target": "1", "t": 10.0, "until": 26.0, "factor": 1.0}]
+    dec = gs.simulate_protocol_run("decoupled", 4, 48, 8, 4, 1.0, stop, costs)
+    sync = gs.simulate_protocol_run("sync", 4, 48, 8, 4, 1.0, stop, costs, timeout_s=100.0)
+    # decoupled: only learner 1 loses its 16 s; sync: everyone waits for it
+    assert dec["paper_goodput"] == pytest.approx(4 * 48 / (3 * 48 + 64), abs=0.01)
+    assert sync["paper_goodput"] == pytest.approx(48 / 64, abs=0.01)
+    kill = [{"kind": "kill", "target": "2", "t": 13.5}]
+    dec = gs.simulate_protocol_run("decoupled", 4, 48, 8, 4, 1.0, kill, costs)
+    # killed after 13 steps, back from its push at step 12 ten seconds later
+    assert dec["paper_goodput"] == pytest.approx(4 * 48 / (3 * 48 + 48 + 13.5 + 10 - 12), abs=0.02)
+
+
+def test_simulator_reads_a_runs_faults_from_its_chaos_log() -> None:
+    row = {
+        "schedule": [{"action": "slow", "factor": 3.0}, {"action": "kill"}],
+        "chaos_log": [
+            {"event": 0, "action": "slow", "target": "1", "outcome": "slowed", "t": 5.0},
+            {"event": 1, "action": "kill", "target": "0", "outcome": "killed", "t": 7.0},
+            {"event": 0, "action": "slow", "target": "1", "outcome": "full speed", "t": 9.0},
+        ],
+    }
+    assert gs.faults_of(row) == [
+        {"kind": "kill", "target": "0", "t": 7.0},
+        {"kind": "slow", "target": "1", "t": 5.0, "until": 9.0, "factor": 3.0},
+    ]
+
+
+@pytest.mark.long
+@pytest.mark.slow
+def test_tiny_grid_prints_the_keys_and_the_simulator_replays_it(tmp_path: Path) -> None:
+    """Two learners, 12 steps of 0.3 s, one seed: the last line has every grid key for M = 2,
+    each run's faults and commit times, and goodput_sim.py --check replays it."""
+    out = tmp_path / "grid.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "decoupled_goodput.py"), "--protocol"]
+    cmd += ["--learners", "2", "--seeds", "0", "--steps", "12", "--h", "4", "--p", "2"]
+    cmd += ["--step-s", "0.3", "--store", "file", "--min-replicas", "1", "--alpha-at", "2"]
+    cmd += ["--json-out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    last = json.loads(proc.stdout.strip().splitlines()[-1])
+    keys = ["decoupled_goodput", "sync_goodput", "decoupled_merged_goodput", "loss_gap_vs_sync"]
+    assert {f"{k}_m2" for k in keys} | {"rounds_lost", "overrun_share"} <= set(last)
+    assert last["rounds_lost"] == 0
+    assert {r["name"] for r in last["runs"]} == {
+        "sync_m2_seed0",
+        "decoupled_m2_seed0",
+        "decoupled_m2_seed0_alpha0.5",
+    }
+    for r in last["runs"]:
+        assert 0 < r["merged_goodput"] <= 1.0 and 0 < r["paper_goodput"] <= 1.0
+        assert r["chaos_log"] and r["commit_times"]
+    assert json.loads(out.read_text())["decoupled_goodput_m2"] == last["decoupled_goodput_m2"]
+    sim = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "goodput_sim.py"), "--check", str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert sim.returncode == 0, sim.stderr[-3000:]
+    result = json.loads(sim.stdout.strip().splitlines()[-1])
+    assert result["runs"] == 2 and result["sim_max_abs_error_paper"] is not None
+
+
+def test_simulator_overwrites_what_a_learner_trained_before_taking_a_version() -> None:
+    """No faults, learners in step: a fragment pushed at the end of step k is merged at once
+    and taken after step k + 2 (a version is taken after an inner step), so steps k + 1 and
+    k + 2 on it are overwritten: 6 of every 8 steps reach the model (alpha 0)."""
+    costs = gs.RunCosts(recovery_s=10.0, apply_s=0.1)
+    dec = gs.simulate_protocol_run("decoupled", 4, 96, 8, 4, 1.0, [], costs)
+    assert dec["paper_goodput"] == pytest.approx(1.0, abs=0.01)
+    assert dec["merged_goodput"] == pytest.approx(0.75, abs=0.03)
+
+
+def test_synthetic_faults_scale_with_the_rate() -> None:
+    assert gs.synthetic_faults(8, 96.0, 8.0, 0.0, 0, 10.0) == []
+    few = [len(gs.synthetic_faults(8, 96.0, 8.0, 5.0, s, 10.0)) for s in range(20)]
+    many = [len(gs.synthetic_faults(8, 96.0, 8.0, 20.0, s, 10.0)) for s in range(20)]
+    assert sum(many) > 2 * sum(few) > 0

@@ -8,7 +8,7 @@ itself with ``synchronizer = "driver"``. With ``[security] sign`` the learners s
 pushes and progress with their rank's key and the synchronizer its merge records and states with
 the synchronizer's key; each refuses what is not signed by who may write it
 (exchange/push_store.py). Rounds are not lockstep: a relaunched learner
-continues from its own state at its last push (run/learner_state.py; without one, from the
+continues from its own state at its last push (diloco/learner_state.py; without one, from the
 newest global versions with fresh inner state), and the run needs every learner to finish (one that fails for good is released so the synchronizer stops waiting).
 """
 

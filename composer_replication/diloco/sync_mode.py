@@ -7,7 +7,7 @@ Every H inner steps each replica uploads its pseudo-gradient to the store
 (`DiLoCoOuterLoop` over an `ObjectStoreManager`). With codec ``"sparseloco"`` the replica's
 error feedback wraps the manager and the outer step is SparseLoCo's plain SGD. A replica
 (re)joins at the newest published round; rounds are lockstep, so a run resumes exactly from
-the replicas' resume states (run/replica_state.py) and a replica lost for good lets the others
+the replicas' resume states (diloco/replica_state.py) and a replica lost for good lets the others
 finish when at least ``min_replicas`` remain.
 """
 

@@ -62,6 +62,7 @@ from composer_replication.config import (
     to_dict,
 )
 from composer_replication.diloco.outer_mode import Lighthouse, OuterLoopMode
+from composer_replication.diloco.replica_state import resume_plan, resume_point, rollback_to
 from composer_replication.exchange.fencing import bump_generation
 from composer_replication.exchange.liveness import clear_departure
 from composer_replication.exchange.signing import KEY_ENV, SYNCHRONIZER
@@ -85,7 +86,6 @@ from composer_replication.run.metrics import (
 from composer_replication.run.processes import pid_alive
 from composer_replication.run.progress import Progress, ReplicaRow, choose_mode
 from composer_replication.run.replica_env import ENV_GENERATION, ENV_STORAGE_OPTIONS
-from composer_replication.run.replica_state import resume_plan, resume_point, rollback_to
 from composer_replication.run.report import (
     closed_attempts,
     headline_lines,
@@ -205,7 +205,7 @@ def prepare_resume(run: str, overrides: list[str]) -> tuple[RunConfig, RunFolder
 
 def _rollback_for_resume(config: RunConfig, store: ObjectStore, mode: OuterLoopMode) -> int | None:
     """A lockstep mode: the newest round every replica can resume from exactly; the store
-    forgets the rounds after it (run/replica_state.py). None otherwise."""
+    forgets the rounds after it (diloco/replica_state.py). None otherwise."""
     if not mode.lockstep:
         return None
 

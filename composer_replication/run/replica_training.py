@@ -32,7 +32,9 @@ from composer_replication.assembly.services import build_heartbeat
 from composer_replication.config import ConfigError, RunConfig, from_dict, load_config, to_dict
 from composer_replication.diloco.decoupled import DecoupledLearner
 from composer_replication.diloco.heartbeat import HeartbeatWriter
+from composer_replication.diloco.learner_state import LearnerStateWriter, learner_resume
 from composer_replication.diloco.outer_mode import OuterLoop, ReplicaLoop
+from composer_replication.diloco.replica_state import ReplicaStateError, load_replica_state
 from composer_replication.exchange.fencing import Fence, FencedError, read_generation
 from composer_replication.exchange.liveness import clear_departure, write_departure
 from composer_replication.exchange.protocol import CorruptContributionError
@@ -40,7 +42,6 @@ from composer_replication.exchange.signing import RunKeys, rank_identity
 from composer_replication.exchange.store import ObjectStore
 from composer_replication.exchange.vocabulary import RoundStoppedError
 from composer_replication.run.checkpoint import committed_checkpoints
-from composer_replication.run.learner_state import LearnerStateWriter, learner_resume
 from composer_replication.run.metrics import ReplicaMetricsWriter
 from composer_replication.run.replica_env import (
     CONFIG_KEY,
@@ -49,7 +50,6 @@ from composer_replication.run.replica_env import (
     EXIT_NO_QUORUM,
     EXIT_UNUSABLE,
 )
-from composer_replication.run.replica_state import ReplicaStateError, load_replica_state
 from composer_replication.run.reporter import ReplicaReporter, ResumeStateWriter
 from composer_replication.run.security import (
     participant_keys,
@@ -255,7 +255,7 @@ def _train(r: _Replica) -> bool:
 def _add_state_writer(r: _Replica, trainer: ComposerReplicationTrainer) -> None:
     """The callback that saves this replica's resume states, after the trainer's own callbacks
     (TAID, EMA) so it sees the step's final state: a lockstep replica's at each committed round
-    (run/reporter.py), a decoupled learner's at each push (run/learner_state.py)."""
+    (run/reporter.py), a decoupled learner's at each push (diloco/learner_state.py)."""
     if outer_loop_mode(r.config).lockstep:
         trainer.add_callback(
             ResumeStateWriter(
@@ -345,7 +345,7 @@ def _own_resume_state(
 def _learner_resume(
     store: ObjectStore, rank: int, learner: DecoupledLearner, max_steps: int
 ) -> tuple[dict[str, object] | None, dict[str, str | int]]:
-    """A decoupled learner's newest valid state at a push (run/learner_state.py), restored into
+    """A decoupled learner's newest valid state at a push (diloco/learner_state.py), restored into
     `learner`, and the start event's fields naming it (``resume_state``: its manifest key) or
     why there is none (``resume_fallback``: the learner then starts from the newest globals
     with fresh inner state). A start at step 0 with no state says nothing."""

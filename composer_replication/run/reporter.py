@@ -30,12 +30,12 @@ import torch
 from composer_replication.data.turns import stop_token_ids
 from composer_replication.diloco.decoupled import DecoupledLearner
 from composer_replication.diloco.outer_mode import OuterLoop
+from composer_replication.diloco.replica_state import prune_replica_states, save_replica_state
 from composer_replication.exchange.signing import RunKeys
 from composer_replication.exchange.store import ObjectStore
 from composer_replication.exchange.store_manager import RoundRecord
 from composer_replication.run.checkpoint import prune_checkpoints, round_dir, save_checkpoint
 from composer_replication.run.metrics import ReplicaMetricsWriter
-from composer_replication.run.replica_state import prune_replica_states, save_replica_state
 from composer_replication.tasks.task import decode_completion
 
 try:
@@ -416,7 +416,7 @@ class ReplicaReporter(TrainerCallback):
 
 
 class ResumeStateWriter(TrainerCallback):
-    """Writes this replica's resume state (`run.replica_state`) after every committed outer
+    """Writes this replica's resume state (`diloco.replica_state`) after every committed outer
     round, and prunes its states beyond the newest `keep_rounds`. Added to the trainer LAST (after
     its own TAID/EMA callbacks), so it sees the step's final state. The metrics are flushed
     first, after the step's log line when the step logs: every record up to a resume point is

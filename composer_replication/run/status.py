@@ -170,7 +170,7 @@ def driver_gone(
 def _resume_plan(store: ObjectStore, mode: OuterLoopMode, n: int) -> tuple[str, list[str]]:
     """What `train --resume` would do now (read only), and the lines it would warn with."""
     if not mode.lockstep:  # each learner from its newest valid state at a push
-        from composer_replication.run.learner_state import learner_resume
+        from composer_replication.diloco.learner_state import learner_resume
 
         lines: list[str] = []
         found = {r: learner_resume(store, r, warn=lines.append) for r in range(n)}
@@ -179,7 +179,7 @@ def _resume_plan(store: ObjectStore, mode: OuterLoopMode, n: int) -> tuple[str, 
             for r, f in found.items()
         )
         return f"relaunch each learner from its state at its last push ({each})", lines
-    from composer_replication.run.replica_state import resume_plan, resume_point
+    from composer_replication.diloco.replica_state import resume_plan, resume_point
 
     warnings: list[str] = []
     plan = resume_plan(resume_point(store, n, warn=warnings.append))

@@ -1,6 +1,6 @@
 """Decoupled exact resume: a learner restored from the state it saved at a push continues
 bit-identically; a corrupt or forged state is skipped (older one, or the newest globals) with
-the reason (run/learner_state.py, `DecoupledLearner.resume_state` / `restore`)."""
+the reason (diloco/learner_state.py, `DecoupledLearner.resume_state` / `restore`)."""
 
 from __future__ import annotations
 
@@ -12,16 +12,16 @@ from _decoupled_toy import Blocks, train_step
 from signing_keys import run_keys
 
 from composer_replication.diloco.decoupled import DecoupledLearner
-from composer_replication.exchange.signing import (
-    rank_identity,
-)
-from composer_replication.exchange.store import ObjectStore
-from composer_replication.run.learner_state import learner_resume
-from composer_replication.run.replica_state import (
+from composer_replication.diloco.learner_state import learner_resume
+from composer_replication.diloco.replica_state import (
     prune_replica_states,
     replica_state_rounds,
     save_replica_state,
 )
+from composer_replication.exchange.signing import (
+    rank_identity,
+)
+from composer_replication.exchange.store import ObjectStore
 from composer_replication.run.replica_training import _learner_resume
 
 H, P = 8, 4

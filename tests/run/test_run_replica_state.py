@@ -10,14 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from composer_replication.exchange.documents import RunDocuments
-from composer_replication.exchange.outer_state import (
-    OuterState,
-    fetch_outer_state,
-    publish_outer_state,
-)
-from composer_replication.exchange.store import ObjectStore
-from composer_replication.run.replica_state import (
+from composer_replication.diloco.replica_state import (
     ReplicaStateError,
     load_replica_state,
     prune_replica_states,
@@ -26,6 +19,13 @@ from composer_replication.run.replica_state import (
     rollback_to,
     save_replica_state,
 )
+from composer_replication.exchange.documents import RunDocuments
+from composer_replication.exchange.outer_state import (
+    OuterState,
+    fetch_outer_state,
+    publish_outer_state,
+)
+from composer_replication.exchange.store import ObjectStore
 
 H = 4
 

@@ -5,7 +5,7 @@ callback, added last) saves the trainer's resume state (weights, inner optimizer
 data position, RNG states; `ComposerReplicationTrainer.resume_state`) plus the learner's own
 (`DecoupledLearner.resume_state`: step, each fragment's base version and weights, the steps and
 tokens since that base and since its last push) under ``resume/learner-<r>/<step:010d>``, in
-sync mode's format (run/replica_state.py: data first, a manifest with sizes and sha256 last,
+sync mode's format (diloco/replica_state.py: data first, a manifest with sizes and sha256 last,
 never unpickled, every tensor checked finite on load; with ``[security] sign`` the manifest is
 signed with the learner's key and a state not signed by it is refused), and keeps the newest
 `KEEP` states.
@@ -22,21 +22,18 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from composer_replication.diloco.decoupled import DecoupledLearner
-from composer_replication.exchange.signing import RunKeys
-from composer_replication.exchange.store import ObjectStore
-from composer_replication.run.replica_state import (
+from composer_replication.diloco.replica_state import (
+    ResumableTrainer,
     newest_replica_state,
     prune_replica_states,
     save_replica_state,
 )
-
-if TYPE_CHECKING:
-    from composer_replication.trainer import ComposerReplicationTrainer
+from composer_replication.exchange.signing import RunKeys
+from composer_replication.exchange.store import ObjectStore
 
 __all__ = ["KEEP", "LearnerResume", "LearnerStateWriter", "learner_resume"]
 
@@ -78,7 +75,7 @@ class LearnerStateWriter(TrainerCallback):
         store: ObjectStore,
         rank: int,
         learner: DecoupledLearner,
-        trainer: ComposerReplicationTrainer,
+        trainer: ResumableTrainer,
         flush: Callable[[], None],
         keep: int = KEEP,
     ) -> None:

@@ -15,17 +15,20 @@ newest state that passes every check (`learner_resume`): it continues from that 
 that state, its data at that step; the usual poller then applies any newer globals. A state
 that is missing, torn, corrupt or forged (wrong size or checksum, non-finite, not this
 learner's step) is skipped with a line saying why; with none left the learner starts from the
-newest globals with fresh inner state, as before.
+newest globals with fresh inner state, as before. `learner_start` is that start, restored into
+the learner; `learner_resume_plan` says what ``train --resume`` would do (`status`).
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable, Mapping
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from composer_replication.diloco.decoupled import DecoupledLearner
+from composer_replication.diloco.outer_mode import ReplicaStart
 from composer_replication.diloco.replica_state import (
     ResumableTrainer,
     newest_replica_state,
@@ -35,7 +38,14 @@ from composer_replication.diloco.replica_state import (
 from composer_replication.exchange.signing import RunKeys
 from composer_replication.exchange.store import ObjectStore
 
-__all__ = ["KEEP", "LearnerResume", "LearnerStateWriter", "learner_resume"]
+__all__ = [
+    "KEEP",
+    "LearnerResume",
+    "LearnerStateWriter",
+    "learner_resume",
+    "learner_resume_plan",
+    "learner_start",
+]
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +72,53 @@ def learner_resume(
         return None
 
     return newest_replica_state(store, rank, "learner", check=check, warn=warn, keys=keys)
+
+
+def learner_start(
+    store: ObjectStore, rank: int, learner: DecoupledLearner, max_steps: int
+) -> ReplicaStart:
+    """A decoupled learner's newest valid state at a push, restored into `learner`, and the
+    start event's fields naming it (``resume_state``: its manifest key) or why there is none
+    (``resume_fallback``: the learner then starts from the newest globals with fresh inner
+    state). A start at step 0 with no state says nothing."""
+    skipped: list[str] = []
+    found = learner_resume(store, rank, keys=learner.keys, warn=skipped.append)
+    why = "; ".join(skipped)
+    if found is not None:
+        step, key, state = found
+        if step >= max_steps:
+            why = f"{key} is at step {step}, the end of training ({max_steps})"
+        else:
+            try:
+                learner.restore(state["learner"])
+            except ValueError as exc:
+                why = f"{key}: {exc}"
+            else:
+                fields: dict[str, str | int] = {"resume_state": key, "resume_state_step": step}
+                return ReplicaStart(state, learner.start_step, fields)
+    elif learner.start_step > 0 and not why:
+        why = f"no resume state of learner {rank} in the store"
+    if not why:
+        return ReplicaStart(None, learner.start_step)
+    print(
+        f"replica {rank}: {why}; starting from the newest global weights with a fresh inner "
+        "optimizer, schedule position and sampling stream",
+        file=sys.stderr,
+        flush=True,
+    )
+    return ReplicaStart(None, learner.start_step, {"resume_fallback": why[:2000]})
+
+
+def learner_resume_plan(store: ObjectStore, n_learners: int) -> tuple[str, list[str]]:
+    """What ``train --resume`` would do now (read only): each learner from its newest valid
+    state at a push; and the lines saying which states it would skip."""
+    lines: list[str] = []
+    found = {r: learner_resume(store, r, warn=lines.append) for r in range(n_learners)}
+    each = ", ".join(
+        f"learner {r} at step {f[0]}" if f else f"learner {r} from the newest globals"
+        for r, f in found.items()
+    )
+    return f"relaunch each learner from its state at its last push ({each})", lines
 
 
 class LearnerStateWriter(TrainerCallback):

@@ -29,6 +29,7 @@ from composer_replication.diloco.torchft_path import (
 )
 from composer_replication.exchange import codec_fp32
 from composer_replication.exchange.documents import RunDocuments
+from composer_replication.exchange.store import ObjectStore
 from composer_replication.fields import require
 
 __all__ = ["LIGHTHOUSE_ENV", "LocalLighthouse", "TorchftDiLoCo"]
@@ -68,7 +69,7 @@ class TorchftDiLoCo(SyncDiLoCo):
 
     mode: ClassVar[ModeName] = "sync"
     manager: ClassVar[ManagerName] = "torchft"
-    store_departures = False  # torchft's lighthouse tracks who is alive
+    departure_roles: tuple[str, ...] = ()  # torchft's lighthouse tracks who is alive
 
     def quorum(self, n_replicas: int) -> int:
         """The lighthouse's ``min_replicas``: ``diloco.min_replicas``, else every replica
@@ -76,6 +77,9 @@ class TorchftDiLoCo(SyncDiLoCo):
         of one fewer, `exchange.settings.default_quorum`, is about refused contributions,
         which torchft's gloo allreduce does not have)."""
         return self.config.min_replicas or n_replicas
+
+    def end_of_run_problem(self, store: ObjectStore, n_replicas: int, max_steps: int) -> str | None:
+        return None  # torchft keeps no rounds in the store
 
     def check_section(self) -> None:
         d = self.config

@@ -278,7 +278,7 @@ DILOCO_SEAM = {
 # Compatibility re-exports: the benchmarks import Decoupled DiLoCo's chaos checker from
 # run/chaos.py, where it used to live.
 DILOCO_REEXPORTS = {
-    "composer_replication.run.chaos": {"composer_replication.diloco.decoupled_check"}
+    "composer_replication.run.chaos": {"composer_replication.diloco.decoupled.decoupled_check"}
 }
 
 

@@ -19,7 +19,7 @@ names/shapes/dtypes against its own model and optimizer.
 
 Decoupled DiLoCo learners keep the same format under ``resume/learner-<r>/<step:010d>...``
 (``kind="learner"``; the index is the learner's inner step at a push, see
-diloco/learner_state.py): `newest_replica_state` returns the newest one that passes every check.
+diloco/decoupled/learner_state.py): `newest_replica_state` returns the newest one that passes every check.
 
 `resume_point` (used by ``train --resume``) picks the newest round R whose global state is
 valid and for which EVERY replica has a valid resume state (round 0, the initial weights,

@@ -9,7 +9,7 @@ The injector and the proxy live in `composer_replication.faults` (built from the
 in assembly/services.py; their names are re-exported here). This module runs a whole local run
 under faults (`run_local`); what a mode checks in the store afterwards is the mode's
 (`OuterLoopMode.check_chaos`; Decoupled DiLoCo's `check_decoupled_run`, in
-diloco/decoupled_check.py, is re-exported here).
+diloco/decoupled/decoupled_check.py, is re-exported here).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from composer_replication.diloco.decoupled_check import check_decoupled_run
+from composer_replication.diloco.decoupled.decoupled_check import check_decoupled_run
 from composer_replication.exchange.store import ObjectStore
 from composer_replication.faults.events import ChaosEventConfig
 from composer_replication.faults.injector import (

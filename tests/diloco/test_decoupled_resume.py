@@ -1,6 +1,6 @@
 """Decoupled exact resume: a learner restored from the state it saved at a push continues
 bit-identically; a corrupt or forged state is skipped (older one, or the newest globals) with
-the reason (diloco/learner_state.py, `DecoupledLearner.resume_state` / `restore`)."""
+the reason (diloco/decoupled/learner_state.py, `DecoupledLearner.resume_state` / `restore`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from _decoupled_toy import Blocks, train_step
 from signing_keys import run_keys
 
 from composer_replication.diloco.decoupled import DecoupledLearner
-from composer_replication.diloco.learner_state import learner_resume, learner_start
+from composer_replication.diloco.decoupled.learner_state import learner_resume, learner_start
 from composer_replication.diloco.replica_state import (
     prune_replica_states,
     replica_state_rounds,

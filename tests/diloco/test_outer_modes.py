@@ -12,15 +12,15 @@ from torch import nn
 
 from composer_replication.config import ConfigError, load_config
 from composer_replication.diloco.decoupled import DecoupledLearner
-from composer_replication.diloco.decoupled_mode import DecoupledDiLoCo
+from composer_replication.diloco.decoupled.decoupled_mode import DecoupledDiLoCo
 from composer_replication.diloco.mode_registry import OUTER_LOOP_MODES, outer_loop_mode
 from composer_replication.diloco.outer_loop import DiLoCoOuterLoop
 from composer_replication.diloco.outer_mode import ReplicaContext
 from composer_replication.diloco.section import MANAGERS, MODES, DilocoConfig
 from composer_replication.diloco.sparseloco import ErrorFeedbackManager
-from composer_replication.diloco.sync_mode import SyncDiLoCo
+from composer_replication.diloco.sync.sync_mode import SyncDiLoCo
 from composer_replication.diloco.synchronizer_config import SynchronizerConfig
-from composer_replication.diloco.torchft_mode import TorchftDiLoCo
+from composer_replication.diloco.torchft.torchft_mode import TorchftDiLoCo
 from composer_replication.exchange.store import ObjectStore
 
 

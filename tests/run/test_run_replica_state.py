@@ -183,12 +183,12 @@ def test_resume_point_falls_back_past_damage_and_rollback_forgets_later_rounds(
 def test_a_signed_runs_replica_state_must_be_signed_by_its_own_rank(
     store: ObjectStore, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Sync mode with ``[security] sign``: the replica (diloco/sync_resume.py) resumes a round
+    """Sync mode with ``[security] sign``: the replica (diloco/sync/sync_resume.py) resumes a round
     only from a state whose manifest its own rank signed for this run; an unsigned one or one
     signed by another rank is refused with the reason, and it resumes with fresh inner state."""
     from signing_keys import run_keys
 
-    from composer_replication.diloco.sync_resume import own_resume_state
+    from composer_replication.diloco.sync.sync_resume import own_resume_state
     from composer_replication.exchange.signing import rank_identity
 
     verifier, signers = run_keys(store, [rank_identity(0), rank_identity(1)])

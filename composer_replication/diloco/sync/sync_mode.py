@@ -36,7 +36,7 @@ from composer_replication.diloco.outer_mode import (
 from composer_replication.diloco.outer_optimizer import OuterOptimizerFactory
 from composer_replication.diloco.replica_state import ResumableTrainer
 from composer_replication.diloco.section import DilocoConfig, ManagerName, ModeName
-from composer_replication.diloco.sync_resume import (
+from composer_replication.diloco.sync.sync_resume import (
     ResumeStateWriter,
     own_resume_state,
     resume_plan_now,

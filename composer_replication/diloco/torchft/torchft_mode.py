@@ -2,7 +2,7 @@
 `OuterLoopMode`.
 
 The same lockstep outer loop as `SyncDiLoCo`, averaged by a torchft Manager over gloo
-(diloco/torchft_path.py) that dials a lighthouse: ``[diloco] lighthouse``, else the one the
+(diloco/torchft/torchft_path.py) that dials a lighthouse: ``[diloco] lighthouse``, else the one the
 driver runs on 127.0.0.1 for a local run (`build_lighthouse`, handed to the replicas as
 $TORCHFT_LIGHTHOUSE). The replicas publish their outer state to the run's store, so a resumed
 run continues from it. torchft averages fp32 equally over gloo: the object-store exchange's
@@ -21,8 +21,8 @@ from urllib.parse import urlparse
 from composer_replication.diloco.manager import Manager
 from composer_replication.diloco.outer_mode import GlobalWeights, ReplicaContext, RunShape
 from composer_replication.diloco.section import ManagerName, ModeName
-from composer_replication.diloco.sync_mode import SyncDiLoCo
-from composer_replication.diloco.torchft_path import (
+from composer_replication.diloco.sync.sync_mode import SyncDiLoCo
+from composer_replication.diloco.torchft.torchft_path import (
     build_torchft_manager,
     lighthouse_address,
     start_lighthouse,

@@ -8,7 +8,7 @@ itself with ``synchronizer = "driver"``. With ``[security] sign`` the learners s
 pushes and progress with their rank's key and the synchronizer its merge records and states with
 the synchronizer's key; each refuses what is not signed by who may write it
 (exchange/push_store.py). Rounds are not lockstep: a relaunched learner
-continues from its own state at its last push (diloco/learner_state.py; without one, from the
+continues from its own state at its last push (diloco/decoupled/learner_state.py; without one, from the
 newest global versions with fresh inner state), and the run needs every learner to finish (one that fails for good is released so the synchronizer stops waiting).
 """
 
@@ -17,9 +17,12 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, ClassVar
 
-from composer_replication.diloco.decoupled import DecoupledLearner, RejoinRecord
-from composer_replication.diloco.decoupled_check import check_decoupled_run, final_merges_problem
-from composer_replication.diloco.learner_state import (
+from composer_replication.diloco.decoupled.decoupled_check import (
+    check_decoupled_run,
+    final_merges_problem,
+)
+from composer_replication.diloco.decoupled.learner import DecoupledLearner, RejoinRecord
+from composer_replication.diloco.decoupled.learner_state import (
     LearnerStateWriter,
     learner_resume_plan,
     learner_start,

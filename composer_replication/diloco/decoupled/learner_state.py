@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from composer_replication.diloco.decoupled import DecoupledLearner
+from composer_replication.diloco.decoupled.learner import DecoupledLearner
 from composer_replication.diloco.outer_mode import ReplicaStart
 from composer_replication.diloco.replica_state import (
     ResumableTrainer,

@@ -25,16 +25,15 @@ import logging
 import sys
 from collections.abc import Callable, Mapping
 
-from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers import TrainerControl, TrainerState, TrainingArguments
 
 from composer_replication.diloco.decoupled.learner import DecoupledLearner
 from composer_replication.diloco.outer_mode import ReplicaStart
 from composer_replication.diloco.replica_state import (
     ResumableTrainer,
     newest_replica_state,
-    prune_replica_states,
-    save_replica_state,
 )
+from composer_replication.diloco.state_writer import StateWriter
 from composer_replication.exchange.signing import RunKeys
 from composer_replication.exchange.store import ObjectStore
 
@@ -121,10 +120,10 @@ def learner_resume_plan(store: ObjectStore, n_learners: int) -> tuple[str, list[
     return f"relaunch each learner from its state at its last push ({each})", lines
 
 
-class LearnerStateWriter(TrainerCallback):
+class LearnerStateWriter(StateWriter):
     """Saves the learner's resume state after every step at which it queued a push (see the
-    module docstring). Added to the trainer LAST (after its TAID/EMA callbacks); the metrics
-    are flushed first, after the step's log line when the step logs."""
+    module docstring; `StateWriter`: after the step's log line, the metrics flushed first), and
+    keeps its newest ``keep``."""
 
     def __init__(
         self,
@@ -136,9 +135,10 @@ class LearnerStateWriter(TrainerCallback):
         flush: Callable[[], None],
         keep: int = KEEP,
     ) -> None:
-        self.store, self.rank, self.learner, self.trainer = store, rank, learner, trainer
-        self.flush, self.keep = flush, keep
-        self._pending: tuple[int, dict[str, object]] | None = None
+        super().__init__(
+            store=store, rank=rank, kind="learner", keep=keep, flush=flush, keys=learner.keys
+        )
+        self.learner, self.trainer = learner, trainer
         self._saved: int | None = learner.restored_from
 
     def on_step_end(
@@ -159,34 +159,5 @@ class LearnerStateWriter(TrainerCallback):
             log.warning("learner %d: no resume state at step %d: %s", self.rank, step, exc)
             return
         resume["learner"] = self.learner.resume_state()
-        self._pending = (step, resume)
         self._saved = step
-        if not control.should_log:
-            self._write()
-
-    def on_log(
-        self,
-        args: TrainingArguments,
-        state: TrainerState,
-        control: TrainerControl,
-        logs: object = None,
-        **kwargs: object,
-    ) -> None:
-        self._write()
-
-    def _write(self) -> None:
-        if self._pending is None:
-            return
-        step, resume = self._pending
-        self._pending = None
-        self.flush()
-        save_replica_state(
-            self.store,
-            rank=self.rank,
-            round=step,
-            step=step,
-            state=resume,
-            kind="learner",
-            keys=self.learner.keys,
-        )
-        prune_replica_states(self.store, self.rank, self.keep, kind="learner")
+        self.stage(step, step, resume, control)

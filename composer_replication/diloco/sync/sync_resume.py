@@ -14,21 +14,20 @@ newest round every replica saved its state for.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
-from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers import TrainerControl, TrainerState, TrainingArguments
 
 from composer_replication.diloco.outer_mode import OuterLoop
 from composer_replication.diloco.replica_state import (
     ReplicaStateError,
     ResumableTrainer,
     load_replica_state,
-    prune_replica_states,
     resume_plan,
     resume_point,
     rollback_to,
-    save_replica_state,
 )
+from composer_replication.diloco.state_writer import StateWriter
 from composer_replication.exchange.signing import RunKeys
 from composer_replication.exchange.store import ObjectStore
 
@@ -70,14 +69,12 @@ def resume_plan_now(store: ObjectStore, n_replicas: int) -> tuple[str, list[str]
     return plan.replace("resuming at", "resume at").replace("starting over", "start over"), warnings
 
 
-class ResumeStateWriter(TrainerCallback):
+class ResumeStateWriter(StateWriter):
     """Writes this replica's resume state (`diloco.replica_state`) after every committed outer
-    round, and prunes its states beyond the newest `keep_rounds`. Added to the trainer LAST (after
-    its own TAID/EMA callbacks), so it sees the step's final state. The metrics are flushed
-    first, after the step's log line when the step logs: every record up to a resume point is
-    in the store before that point is. A round whose step is not ``round * sync_every_h`` (a
-    replica that healed onto a newer global state) is skipped: an exact resume from round R
-    starts at step R * H."""
+    round, and prunes its states beyond the newest `keep_rounds` (`StateWriter`: after the
+    step's log line, the metrics flushed first). A round whose step is not
+    ``round * sync_every_h`` (a replica that healed onto a newer global state) is skipped: an
+    exact resume from round R starts at step R * H."""
 
     def __init__(
         self,
@@ -91,11 +88,11 @@ class ResumeStateWriter(TrainerCallback):
         flush: Callable[[], None],
         keys: RunKeys | None = None,
     ) -> None:
-        self.store, self.rank, self.outer, self.trainer = store, rank, outer, trainer
-        self.sync_every_h, self.keep_rounds, self.flush = sync_every_h, keep_rounds, flush
-        self.keys = keys  # a signed run: each state's manifest is signed with this rank's key
+        super().__init__(
+            store=store, rank=rank, kind="rank", keep=keep_rounds, flush=flush, keys=keys
+        )
+        self.outer, self.trainer, self.sync_every_h = outer, trainer, sync_every_h
         self._round: int | None = None
-        self._pending: tuple[int, int, dict[str, object]] | None = None
 
     def on_train_begin(
         self,
@@ -120,28 +117,4 @@ class ResumeStateWriter(TrainerCallback):
         step = int(state.global_step)
         if step != rnd * self.sync_every_h:
             return
-        # Nothing trains between here and this step's log line: the live tensors stay valid.
-        self._pending = (rnd, step, self.trainer.resume_state())
-        if not control.should_log:
-            self._write()
-
-    def on_log(
-        self,
-        args: TrainingArguments,
-        state: TrainerState,
-        control: TrainerControl,
-        logs: Mapping[str, object] | None = None,
-        **kwargs: object,
-    ) -> None:
-        self._write()
-
-    def _write(self) -> None:
-        if self._pending is None:
-            return
-        rnd, step, resume = self._pending
-        self._pending = None
-        self.flush()
-        save_replica_state(
-            self.store, rank=self.rank, round=rnd, step=step, state=resume, keys=self.keys
-        )
-        prune_replica_states(self.store, self.rank, self.keep_rounds)
+        self.stage(rnd, step, self.trainer.resume_state(), control)

@@ -513,7 +513,7 @@ def _launch_failed(launch: _Launch, exc: Exception) -> TrainResult:
 
 
 def _watch(launch: _Launch, watch: _Watch, stop: threading.Event, poll_interval: float) -> str:
-    """Poll until every replica ended, one failed (a mode that is not elastic), the user
+    """Poll until every replica ended, one failed (where the mode stops on a loss), the user
     stopped the run or ``backend.timeout_s`` passed; the run's status."""
     config, handles, executor = launch.config, launch.handles, launch.executor
     deadline = time.monotonic() + config.backend.timeout_s

@@ -120,7 +120,7 @@ def run_replica(
             fence=fence,
         )
         heartbeat.fields = loop.heartbeat
-        if _train(_Replica(config, rank, store, loop, task, model, tok, writer, keys)):
+        if _train(_Replica(config, rank, store, loop, task, model, tok, writer)):
             heartbeat.close("done")
         return 0
     except FencedError as exc:  # a newer launch owns the run: leave without another write
@@ -173,7 +173,6 @@ class _Replica:
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
     writer: ReplicaMetricsWriter
-    keys: RunKeys | None = None  # a signed run: this rank signs and checks its resume states
 
 
 def _train(r: _Replica) -> bool:

@@ -17,7 +17,8 @@ run/ free of such questions):
   the driver runs for a local run);
 - the driver's resume (`rollback_for_resume`; `status`: `resume_plan`), supervision
   (`departure_roles`, `departure_effect`, `after_loss`, `may_finish_without`, `release_failed`,
-  `refusal_sources`, the roles of its services' heartbeats in `service_roles`), its checks once
+  `refusal_sources`, the roles of its services' heartbeats in `service_roles` and their status
+  rows, `service_status`), its checks once
   the run ended (`end_of_run_problem`, and after a chaos run `check_chaos`), the run's length in
   rounds (`n_rounds`, what the progress display counts) and `check_run`: the mode's rules
   across sections (raised as the run config's ``ValueError``, naming the key).
@@ -39,6 +40,7 @@ import torch
 from torch import nn
 
 from composer_replication.diloco.replica_state import ResumableTrainer
+from composer_replication.exchange.liveness import MemberLiveness
 from composer_replication.exchange.push_store import Refusal
 from composer_replication.exchange.robust import AggregatePolicy, LossProbe
 from composer_replication.exchange.signing import RunKeys
@@ -324,6 +326,12 @@ class OuterLoopMode(Protocol):
 
     def driver_service(self) -> HostedService | None:
         """The process the driver runs beside the replicas, if the mode has one there."""
+        ...
+
+    def service_status(self, member: MemberLiveness, now: float) -> tuple[dict[str, object], bool]:
+        """The status row of one of the mode's services (a member of `service_roles`) from its
+        heartbeat (``health.synchronizer`` in `status`), and whether it refused something
+        recently (the run is then degraded)."""
         ...
 
     def build_learner(self, ctx: ReplicaContext) -> ReplicaLoop:

@@ -13,8 +13,9 @@ documents in the store (what each replica last reported) and the heartbeats in t
 The run state (`health_now`, also written to the metrics by the driver) is ``starting |
 healthy | degraded | critical`` by `exchange.liveness.run_health`'s rules over the heartbeats of
 the replicas (their role is the outer-loop mode's: "replica", decoupled "learner") and, where the
-mode has one, the synchronizer, plus "a contribution was rejected in the last
-`REJECTION_WINDOW_S` seconds" (from the synchronizer's heartbeat). For `STARTUP_GRACE_S` after a
+mode has one, the synchronizer, plus "a contribution was rejected recently" (the mode reads its
+service's heartbeat: `OuterLoopMode.service_status`, whose row is ``health.synchronizer``). For
+`STARTUP_GRACE_S` after a
 launch (the driver's start of the current attempt), a replica that has not sent its first
 heartbeat yet is starting, not missing: the run is ``starting`` until every replica reports, not
 ``critical``.
@@ -54,7 +55,6 @@ from composer_replication.run.security import secret_files, secrets_warning
 
 __all__ = ["health_now", "run_status", "status_text"]
 
-REJECTION_WINDOW_S = 60.0
 STARTUP_GRACE_S = 300.0
 HEALTH_LEVEL = {"starting": -1, "healthy": 0, "degraded": 1, "critical": 2}
 
@@ -83,27 +83,11 @@ def health_now(
         (m for m in members.values() if m.role in service_roles),
         key=lambda m: (m.status == "alive", -(m.age_s or 1e18)),
     )
-    synchronizer: dict[str, Any] | None = None
+    synchronizer: dict[str, object] | None = None
     rejections = 0
-    if syncs and syncs[-1].heartbeat is not None:
-        fields = syncs[-1].heartbeat.fields
-        stats = fields.get("stats") if isinstance(fields.get("stats"), dict) else {}
-        assert isinstance(stats, dict)
-        synchronizer = {
-            "id": syncs[-1].id,
-            "status": syncs[-1].status,
-            "active": fields.get("active"),
-            "epoch": fields.get("epoch"),
-            "versions": fields.get("versions"),
-            "merges": stats.get("merges"),
-            "refused": stats.get("refused"),
-            "rejected": stats.get("rejected"),
-            "dropped_late": stats.get("dropped_late"),
-            "carried_late": stats.get("carried_late"),
-        }
-        last = stats.get("last_rejection")
-        if isinstance(last, int | float) and now - float(last) < REJECTION_WINDOW_S:
-            rejections = 1
+    if syncs and syncs[-1].heartbeat is not None:  # the newest alive one's row
+        synchronizer, rejected = mode.service_status(syncs[-1], now)
+        rejections = int(rejected)
     health = run_health(
         members,
         worker_role=role,

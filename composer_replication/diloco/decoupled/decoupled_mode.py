@@ -43,7 +43,7 @@ from composer_replication.diloco.synchronizer import ROLE as SYNCHRONIZER_ROLE
 from composer_replication.diloco.synchronizer import Synchronizer
 from composer_replication.diloco.synchronizer_config import SynchronizerConfig
 from composer_replication.exchange import codecs
-from composer_replication.exchange.liveness import LEARNER_ROLE
+from composer_replication.exchange.liveness import LEARNER_ROLE, MemberLiveness
 from composer_replication.exchange.push_store import DecoupledStore
 from composer_replication.exchange.signing import SYNCHRONIZER, RunKeys
 from composer_replication.exchange.store import ObjectStore
@@ -52,7 +52,9 @@ from composer_replication.fields import require
 if TYPE_CHECKING:
     from transformers import TrainerCallback
 
-__all__ = ["DecoupledDiLoCo"]
+__all__ = ["REJECTION_WINDOW_S", "DecoupledDiLoCo"]
+
+REJECTION_WINDOW_S = 60.0  # a refusal the synchronizer made this recently degrades the run
 
 
 def _rejoin_fields(rejoin: RejoinRecord | None) -> dict[str, object]:
@@ -171,6 +173,28 @@ class DecoupledDiLoCo:
         self, store: ObjectStore, kills: Sequence[Mapping[str, object]]
     ) -> dict[str, object] | None:
         return check_decoupled_run(store, None, [dict(kill) for kill in kills])
+
+    def service_status(self, member: MemberLiveness, now: float) -> tuple[dict[str, object], bool]:
+        """The synchronizer's row (its heartbeat's fields and stats), and whether it refused
+        a contribution in the last `REJECTION_WINDOW_S` seconds."""
+        fields = member.heartbeat.fields if member.heartbeat is not None else {}
+        raw = fields.get("stats")
+        stats: dict[str, object] = raw if isinstance(raw, dict) else {}
+        row: dict[str, object] = {
+            "id": member.id,
+            "status": member.status,
+            "active": fields.get("active"),
+            "epoch": fields.get("epoch"),
+            "versions": fields.get("versions"),
+            "merges": stats.get("merges"),
+            "refused": stats.get("refused"),
+            "rejected": stats.get("rejected"),
+            "dropped_late": stats.get("dropped_late"),
+            "carried_late": stats.get("carried_late"),
+        }
+        last = stats.get("last_rejection")
+        recent = isinstance(last, int | float) and now - float(last) < REJECTION_WINDOW_S
+        return row, recent
 
     def refusal_sources(
         self, store: ObjectStore, keys: RunKeys | None

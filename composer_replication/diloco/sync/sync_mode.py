@@ -44,7 +44,7 @@ from composer_replication.diloco.sync.sync_resume import (
 )
 from composer_replication.exchange import codecs
 from composer_replication.exchange.allreduce import ObjectStoreAllReduce
-from composer_replication.exchange.liveness import REPLICA_ROLE
+from composer_replication.exchange.liveness import REPLICA_ROLE, MemberLiveness
 from composer_replication.exchange.protocol import commit_key
 from composer_replication.exchange.signing import RunKeys
 from composer_replication.exchange.state import parse_state_name, state_prefix
@@ -177,6 +177,9 @@ class SyncDiLoCo:
 
     def driver_service(self) -> HostedService | None:
         return None
+
+    def service_status(self, member: MemberLiveness, now: float) -> tuple[dict[str, object], bool]:
+        return {"id": member.id, "status": member.status}, False  # it has no services
 
     def build_learner(self, ctx: ReplicaContext) -> ReplicaLoop:
         start_round = resume_round(ctx.store)

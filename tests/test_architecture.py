@@ -259,6 +259,89 @@ def test_run_asks_the_outer_loop_mode_instead_of_testing_it():
     assert mode_tests(PKG_DIR / "run") == []
 
 
+# What run/ once asked a mode instead of calling its hooks (issue 38): flags that aliased the
+# mode's name. The mode's hooks (diloco/outer_mode.py) answer run/'s questions instead.
+MODE_CAPABILITIES = {
+    "lockstep",
+    "has_synchronizer",
+    "store_departures",
+    "driver_synchronizer",
+    "elastic",
+}
+# The diloco/ modules run/ may import: the seam and what every mode shares (the heartbeat, the
+# resume states' format), never a mode's own module.
+DILOCO_SEAM = {
+    "composer_replication.diloco.outer_mode",
+    "composer_replication.diloco.replica_state",
+    "composer_replication.diloco.heartbeat",
+}
+# Compatibility re-exports: the benchmarks import Decoupled DiLoCo's chaos checker from
+# run/chaos.py, where it used to live.
+DILOCO_REEXPORTS = {
+    "composer_replication.run.chaos": {"composer_replication.diloco.decoupled.decoupled_check"}
+}
+
+
+def _diloco_names(tree: ast.AST) -> set[str]:
+    """The names a module binds to something of diloco/ (classes, functions, modules)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+            "composer_replication.diloco"
+        ):
+            names |= {alias.asname or alias.name for alias in node.names}
+        elif isinstance(node, ast.Import):
+            names |= {
+                alias.asname or alias.name.split(".")[0]
+                for alias in node.names
+                if alias.name.startswith("composer_replication.diloco")
+            }
+    return names
+
+
+def _is_class_test(node: ast.AST, diloco: set[str]) -> bool:
+    """``isinstance(x, C)`` / ``issubclass(x, C)`` / ``type(x) is C`` with C from diloco/."""
+
+    def from_diloco(expr: ast.expr) -> bool:
+        return any(isinstance(n, ast.Name) and n.id in diloco for n in ast.walk(expr))
+
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+        if node.func.id in ("isinstance", "issubclass") and len(node.args) == 2:
+            return from_diloco(node.args[1])
+    if isinstance(node, ast.Compare) and isinstance(node.left, ast.Call):
+        call = node.left
+        if isinstance(call.func, ast.Name) and call.func.id == "type":
+            return any(from_diloco(c) for c in node.comparators)
+    return False
+
+
+def mode_branches(package: Path, pkg_dir: Path = PKG_DIR) -> list[str]:
+    """'module:line what' wherever ``package`` asks which outer-loop mode it has: reads one of
+    `MODE_CAPABILITIES`, tests an object's class against one of diloco/, or imports a module of
+    diloco/ beyond `DILOCO_SEAM` (a mode's own module)."""
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        diloco = _diloco_names(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr in MODE_CAPABILITIES:
+                found.append(f"{path.stem}:{node.lineno} .{node.attr}")
+            elif _is_class_test(node, diloco):
+                found.append(f"{path.stem}:{node.lineno} tests a diloco class")
+        me = module_name(path, pkg_dir)
+        allowed = DILOCO_SEAM | DILOCO_REEXPORTS.get(me, set())
+        for ref in sorted(set(references(path, pkg_dir))):
+            if layer(ref) == "diloco" and ref not in allowed:
+                found.append(f"{path.stem} imports {ref}")
+    return found
+
+
+def test_run_calls_the_modes_hooks_without_asking_which_mode_it_has():
+    """Each outer-loop mode implements the hooks run/ calls (`OuterLoopMode`, `ReplicaLoop`);
+    run/ reads no capability flag, tests no diloco class and imports no mode's module."""
+    assert mode_branches(PKG_DIR / "run") == []
+
+
 def test_every_module_name_is_unique():
     """One concept per module, and one module per name: a name says where a thing lives."""
     seen: dict[str, list[str]] = {}
@@ -390,6 +473,26 @@ def test_the_size_and_mode_checks_name_the_offender(tmp_path: Path):
     )
     assert long_functions(run) == ["driver.long: 81 lines"]
     assert mode_tests(run) == ["driver:89 .diloco.mode"]
+
+
+def test_the_mode_branch_check_names_each_offender(bad_tree: Path):
+    run = bad_tree / "run"
+    run.mkdir(exist_ok=True)
+    (run / "watch.py").write_text(
+        "from composer_replication.diloco.decoupled import DecoupledLearner as Learner\n"
+        "from composer_replication.diloco.outer_mode import OuterLoopMode\n\n\n"
+        "def watch(mode, loop):\n"
+        "    if mode.lockstep and isinstance(loop.outer, Learner):\n"
+        "        return type(mode) is OuterLoopMode\n"
+        "    return mode.elastic(2)\n"
+    )
+    assert sorted(mode_branches(run, bad_tree)) == [
+        "watch imports composer_replication.diloco.decoupled",
+        "watch:6 .lockstep",
+        "watch:6 tests a diloco class",
+        "watch:7 tests a diloco class",
+        "watch:8 .elastic",
+    ]
 
 
 def test_the_checker_names_each_bad_import(bad_tree: Path):

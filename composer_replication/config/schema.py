@@ -476,8 +476,9 @@ class RunConfig:
                     f"{ev.target!r} is not a replica rank in [0, {self.backend.n_replicas})",
                 )
             if ev.action == "kill_synchronizer":
+                service = mode.driver_service()
                 require(
-                    mode.driver_synchronizer,
+                    service is not None and service.name == "synchronizer",
                     f"chaos.events[{i}].action",
                     "kill_synchronizer needs diloco.mode = 'decoupled' with the driver's "
                     "synchronizer",

@@ -19,7 +19,7 @@ Two halves:
 
 Implementations: `composer_replication.exchange.ObjectStoreManager` (replicas that meet only in an
 object store; it satisfies the protocol structurally, the exchange does not import this
-package) and `composer_replication.diloco.torchft_path.TorchFTManager` (a real torchft Manager
+package) and `composer_replication.diloco.torchft.torchft_path.TorchFTManager` (a real torchft Manager
 and lighthouse). mypy checks both against the protocol (each proof sits beside what it proves
 and imports this module, never the other way round: no import circle).
 """

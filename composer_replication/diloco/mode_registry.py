@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from composer_replication.diloco.decoupled_mode import DecoupledDiLoCo
+from composer_replication.diloco.decoupled.decoupled_mode import DecoupledDiLoCo
 from composer_replication.diloco.outer_mode import OuterLoopMode
 from composer_replication.diloco.section import DilocoConfig, ManagerName, ModeName
-from composer_replication.diloco.sync_mode import SyncDiLoCo
-from composer_replication.diloco.torchft_mode import TorchftDiLoCo
+from composer_replication.diloco.sync.sync_mode import SyncDiLoCo
+from composer_replication.diloco.torchft.torchft_mode import TorchftDiLoCo
 
 __all__ = ["OUTER_LOOP_MODES", "outer_loop_mode"]
 

@@ -45,7 +45,7 @@ from composer_replication.diloco.outer_optimizer import (
     OuterOptimizerFactory,
     outer_optimizer_factory,
 )
-from composer_replication.diloco.torchft_path import as_manager
+from composer_replication.diloco.torchft.torchft_path import as_manager
 
 if TYPE_CHECKING:
     from composer_replication.diloco.callback import DiLoCoCallback

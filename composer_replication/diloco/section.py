@@ -7,10 +7,10 @@ Each component owns its settings, with their defaults, help and checks, beside i
 - `ExchangeConfig` (exchange/settings.py): ``codec``, ``min_replicas``, ``weighting``,
   ``timeout_s``, ``aggregate*``, ``screen*``;
 - `SparseLoCoConfig` (diloco/sparseloco.py): ``sparseloco_*``;
-- `DecoupledConfig` (diloco/decoupled.py, with the synchronizer's `SynchronizerSettings`):
+- `DecoupledConfig` (diloco/decoupled/learner.py, with the synchronizer's `SynchronizerSettings`):
   ``fragments``, ``quorum``, ``grace_gamma``, ``grace_tau``, ``merge``, ``late``, ``alpha``,
   ``synchronizer``, ``lease_ttl_s``;
-- `TorchftConfig` (diloco/torchft_path.py): ``lighthouse``.
+- `TorchftConfig` (diloco/torchft/torchft_path.py): ``lighthouse``.
 
 The section is flat in TOML (``[diloco] outer_lr = 0.5``), so `DilocoConfig` inherits their
 fields under the same names and adds the outer loop's own: ``sync_every_h``, and ``mode`` /
@@ -23,10 +23,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from composer_replication.diloco.decoupled import DecoupledConfig
+from composer_replication.diloco.decoupled.learner import DecoupledConfig
 from composer_replication.diloco.outer_optimizer import OuterOptimizerConfig
 from composer_replication.diloco.sparseloco import SparseLoCoConfig
-from composer_replication.diloco.torchft_path import TorchftConfig
+from composer_replication.diloco.torchft.torchft_path import TorchftConfig
 from composer_replication.exchange.settings import ExchangeConfig
 from composer_replication.fields import require, setting
 

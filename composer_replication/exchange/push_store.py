@@ -61,7 +61,7 @@ import re
 import time
 from collections.abc import Collection
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
@@ -93,6 +93,7 @@ __all__ = [
     "DecoupledStore",
     "Push",
     "PushId",
+    "Refusal",
     "fragment_manifest",
     "parse_merge",
 ]
@@ -118,6 +119,16 @@ def _nonneg_int(v: object) -> bool:
 
 def _finite(v: object) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+class Refusal(TypedDict):
+    """One refusal record as `DecoupledStore.read_rejections` reads it: the key refused, why,
+    who refused it and, for a push, its learner (else None)."""
+
+    object: str
+    reason: str
+    by: str
+    learner: int | None
 
 
 @dataclass(frozen=True, order=True)
@@ -788,11 +799,11 @@ class DecoupledStore:
                 out[doc["push"]] = doc["reason"]
         return out
 
-    def read_rejections(self, skip: Collection[str] = ()) -> dict[str, dict[str, Any]]:
+    def read_rejections(self, skip: Collection[str] = ()) -> dict[str, Refusal]:
         """Every refusal record (pushes and other objects) not named in ``skip`` (one LIST, one
         GET per record read), by record name: ``object`` (the key refused), ``reason``, ``by``
         (who refused it) and ``learner`` (a push's learner, else None)."""
-        out: dict[str, dict[str, Any]] = {}
+        out: dict[str, Refusal] = {}
         for name, doc in self._refusal_docs(skip):
             push = PushId.parse(doc["push"]) if isinstance(doc.get("push"), str) else None
             out[name] = {

@@ -62,18 +62,17 @@ from composer_replication.config import (
     to_dict,
 )
 from composer_replication.diloco.outer_mode import Lighthouse, OuterLoopMode
+from composer_replication.diloco.replica_state import resume_plan
 from composer_replication.exchange.fencing import bump_generation
 from composer_replication.exchange.liveness import clear_departure
-from composer_replication.exchange.signing import KEY_ENV, SYNCHRONIZER
+from composer_replication.exchange.signing import KEY_ENV
 from composer_replication.exchange.store import ObjectStore
 from composer_replication.executors import registry
 from composer_replication.executors.executor import Releasable, ReplicaHandle, ServerlessExecutor
 from composer_replication.faults.injector import ChaosInjector, ProcessTargets
 from composer_replication.faults.proxy import ThrottleProxy
 from composer_replication.run import preflight
-from composer_replication.run.chaos import check_decoupled_run
 from composer_replication.run.checkpoint import mirror_checkpoints
-from composer_replication.run.end_check import end_of_run_problem
 from composer_replication.run.expected import expected_lines
 from composer_replication.run.folder import RunFolder, claim_store, default_run_name
 from composer_replication.run.metrics import (
@@ -85,7 +84,6 @@ from composer_replication.run.metrics import (
 from composer_replication.run.processes import pid_alive
 from composer_replication.run.progress import Progress, ReplicaRow, choose_mode
 from composer_replication.run.replica_env import ENV_GENERATION, ENV_STORAGE_OPTIONS
-from composer_replication.run.replica_state import resume_plan, resume_point, rollback_to
 from composer_replication.run.report import (
     closed_attempts,
     headline_lines,
@@ -204,17 +202,13 @@ def prepare_resume(run: str, overrides: list[str]) -> tuple[RunConfig, RunFolder
 
 
 def _rollback_for_resume(config: RunConfig, store: ObjectStore, mode: OuterLoopMode) -> int | None:
-    """A lockstep mode: the newest round every replica can resume from exactly; the store
-    forgets the rounds after it (run/replica_state.py). None otherwise."""
-    if not mode.lockstep:
-        return None
+    """The round every replica resumes from exactly, the store rolled back to it, where the
+    mode has one (`OuterLoopMode.rollback_for_resume`); None otherwise."""
 
     def warn(line: str) -> None:
         print(f"warning: {line}", file=sys.stderr, flush=True)
 
-    round_ = resume_point(store, config.backend.n_replicas, warn=warn)
-    rollback_to(store, round_, config.backend.n_replicas)
-    return round_
+    return mode.rollback_for_resume(store, config.backend.n_replicas, warn)
 
 
 def _release(executor: ServerlessExecutor) -> None:
@@ -275,12 +269,13 @@ class _Services:
             options = {**config.store.storage_options, "endpoint_url": self.proxy.endpoint}
             env[ENV_STORAGE_OPTIONS] = json.dumps(options)
         self.synchronizer: SynchronizerProcess | None = None
-        if mode.driver_synchronizer:
-            log = folder.logs / "synchronizer.log"
+        service = mode.driver_service()
+        if service is not None:  # the mode's service, hosted here (its own process)
+            log = folder.logs / f"{service.name}.log"
             sync_env = dict(env)
             sync_env.update(slot_secret(folder))  # checks the run generation's MAC (fencing.py)
             if signing is not None:  # its own key, to it only (never in the replicas' env)
-                sync_env[KEY_ENV] = signing.private[SYNCHRONIZER]
+                sync_env[KEY_ENV] = signing.private[service.identity]
             self.synchronizer = SynchronizerProcess(config.store.uri, sync_env, log)
             self.synchronizer.start()
 
@@ -386,9 +381,9 @@ def _claim_store(
     if resume:  # fenced and stopped before the rollback rewrites the store under them
         fence_previous_launch(store, generation, lambda m: print(m, file=stream, flush=True))
     resumed_at = _rollback_for_resume(config, store, mode) if resume else None
-    if mode.store_departures:  # a new launch: every rank is expected
+    for role in mode.departure_roles:  # a new launch: every rank is expected
         for rank in range(config.backend.n_replicas):
-            clear_departure(store, mode.worker_role, rank)
+            clear_departure(store, role, rank)
     return generation, resumed_at
 
 
@@ -431,9 +426,9 @@ def _open(
         pid=os.getpid(),
         host=socket.gethostname(),
     )
-    # A lockstep mode has a fixed number of rounds; decoupled mode counts the synchronizer's
-    # global versions (one per merge, any number of them per H steps).
-    n_rounds = config.n_rounds if mode.lockstep else None
+    # None: the mode has no fixed number of rounds (decoupled mode counts the synchronizer's
+    # global versions, one per merge, any number of them per H steps).
+    n_rounds = mode.n_rounds(config.train.max_steps)
     progress = Progress(
         choose_mode(config.logging.progress, stream),
         title=f"run {folder.name}",
@@ -518,7 +513,7 @@ def _launch_failed(launch: _Launch, exc: Exception) -> TrainResult:
 
 
 def _watch(launch: _Launch, watch: _Watch, stop: threading.Event, poll_interval: float) -> str:
-    """Poll until every replica ended, one failed (a mode that is not elastic), the user
+    """Poll until every replica ended, one failed (where the mode stops on a loss), the user
     stopped the run or ``backend.timeout_s`` passed; the run's status."""
     config, handles, executor = launch.config, launch.handles, launch.executor
     deadline = time.monotonic() + config.backend.timeout_s
@@ -564,12 +559,10 @@ class _Watch:
         self.departures = Departures(config, mode, store, secret=slot)
         self.health = HealthLog(mode, n, store, launch.sink)
         keys = launch.signing.keys if launch.signing is not None else None
-        self.refusals = (
-            RefusalLog(store, launch.sink, launch.folder.metrics, keys)
-            if mode.has_synchronizer
-            else None
+        self.refusals = RefusalLog(
+            mode.refusal_sources(store, keys), launch.sink, launch.folder.metrics
         )
-        self.elastic = mode.elastic(n)
+        self.after_loss = mode.after_loss(n)
         self.last_mirror = 0.0
         self.no_quorum: dict[str, Any] | None = None  # the round that can never commit
 
@@ -594,8 +587,7 @@ class _Watch:
                 launch.progress.message(message)
         self._services()
         self.health.poll()
-        if self.refusals is not None:
-            self.refusals.poll()
+        self.refusals.poll()
         launch.collector.poll()
         statuses = launch.collector.statuses()
         if _chaos_due(self.injector, statuses, len(handles)):
@@ -607,7 +599,7 @@ class _Watch:
         launch.progress.update(_rows(launch.config, handles, statuses))
         self._record()
         failed = [h for h in handles if h.status.value == "failed"]
-        if failed and not self.elastic:
+        if failed and self.after_loss == "stop":
             launch.executor.cancel(handles)
             for h in failed:
                 launch.progress.message(f"replica {h.replica_id} failed: {h.error}")
@@ -654,8 +646,7 @@ def _end(
     if status == "finished":
         status = _check_end(launch, watch)
     watch.health.poll(force=True)
-    if watch.refusals is not None:
-        watch.refusals.poll(force=True)
+    watch.refusals.poll(force=True)
     try:
         summary = _finish(launch, status)
     except KeyboardInterrupt:  # a second Ctrl-C while gathering: keep what is there
@@ -703,13 +694,16 @@ def _end(
 
 
 def _check_end(launch: _Launch, watch: _Watch) -> str:
-    """Before a run reports success: its last round must be in the store (run/end_check.py);
-    otherwise the run fails with the reason in driver.json, `status` (critical) and
-    metrics.jsonl (an "incomplete" event and a health record)."""
-    problem = end_of_run_problem(launch.store, launch.mode, launch.config)
+    """Before a run reports success: its last round must be in the store (the mode's
+    `end_of_run_problem`); otherwise the run fails with the reason in driver.json, `status`
+    (critical) and metrics.jsonl (an "incomplete" event and a health record)."""
+    config, mode = launch.config, launch.mode
+    problem = mode.end_of_run_problem(
+        launch.store, config.backend.n_replicas, config.train.max_steps
+    )
     if problem is None:
         return "finished"
-    last = launch.config.n_rounds if launch.mode.lockstep else None
+    last = mode.n_rounds(config.train.max_steps)
     launch.folder.update_driver(
         no_quorum={"round": last, "rejected": {}, "reason": problem}, error=problem
     )
@@ -732,15 +726,16 @@ def _chaos_due(injector: ChaosInjector | None, statuses: dict[int, dict[str, Any
 def _chaos_report(
     launch: _Launch, injector: ChaosInjector | None, status: str
 ) -> dict[str, Any] | None:
-    """After a chaos run: check the store (a mode with a synchronizer) and write
-    <run>/chaos.json."""
+    """After a chaos run: the mode's checks over the store (`OuterLoopMode.check_chaos`, when
+    the run finished) and <run>/chaos.json."""
     if injector is None:
         return None
     report: dict[str, Any] = {"events": injector.log, "ok": status == "finished"}
-    if launch.mode.has_synchronizer and status == "finished":
-        kills = [e for e in injector.log if e.get("action") == "kill"]
-        report["check"] = check_decoupled_run(launch.store, None, kills)
-        report["ok"] = bool(report["check"]["ok"])
+    kills = [e for e in injector.log if e.get("action") == "kill"]
+    check = launch.mode.check_chaos(launch.store, kills) if status == "finished" else None
+    if check is not None:
+        report["check"] = check
+        report["ok"] = bool(check["ok"])
     (launch.folder.root / "chaos.json").write_text(json.dumps(report, indent=1, default=str))
     return report
 

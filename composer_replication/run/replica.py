@@ -22,9 +22,9 @@
    `[diloco] lighthouse` (else $TORCHFT_LIGHTHOUSE, which the driver sets when it runs one
    itself); or a Decoupled DiLoCo learner. A replica (re)joins where its mode says: a lockstep
    mode from the latest published round, training only the remaining inner steps, exactly when
-   it finds its own resume state of that round in the store (`run/replica_state.py`, written
+   it finds its own resume state of that round in the store (`diloco/replica_state.py`, written
    after every committed round), else with fresh inner state; a decoupled learner from its
-   own state at its last push (`run/learner_state.py`), else from its progress document and the
+   own state at its last push (`diloco/decoupled/learner_state.py`), else from its progress document and the
    newest global versions.
 5. Train; metrics, status, evaluations and checkpoints go to the store (`run/reporter.py`).
 

@@ -30,7 +30,6 @@ from composer_replication.assembly.build import build_model, build_task, build_t
 from composer_replication.assembly.outer import build_outer_loop, outer_loop_mode
 from composer_replication.assembly.services import build_heartbeat
 from composer_replication.config import ConfigError, RunConfig, from_dict, load_config, to_dict
-from composer_replication.diloco.decoupled import DecoupledLearner
 from composer_replication.diloco.heartbeat import HeartbeatWriter
 from composer_replication.diloco.outer_mode import OuterLoop, ReplicaLoop
 from composer_replication.exchange.fencing import Fence, FencedError, read_generation
@@ -40,7 +39,6 @@ from composer_replication.exchange.signing import RunKeys, rank_identity
 from composer_replication.exchange.store import ObjectStore
 from composer_replication.exchange.vocabulary import RoundStoppedError
 from composer_replication.run.checkpoint import committed_checkpoints
-from composer_replication.run.learner_state import LearnerStateWriter, learner_resume
 from composer_replication.run.metrics import ReplicaMetricsWriter
 from composer_replication.run.replica_env import (
     CONFIG_KEY,
@@ -49,8 +47,7 @@ from composer_replication.run.replica_env import (
     EXIT_NO_QUORUM,
     EXIT_UNUSABLE,
 )
-from composer_replication.run.replica_state import ReplicaStateError, load_replica_state
-from composer_replication.run.reporter import ReplicaReporter, ResumeStateWriter
+from composer_replication.run.reporter import ReplicaReporter
 from composer_replication.run.security import (
     participant_keys,
     slot_secret_from_env,
@@ -123,7 +120,7 @@ def run_replica(
             fence=fence,
         )
         heartbeat.fields = loop.heartbeat
-        if _train(_Replica(config, rank, store, loop, task, model, tok, writer, keys)):
+        if _train(_Replica(config, rank, store, loop, task, model, tok, writer)):
             heartbeat.close("done")
         return 0
     except FencedError as exc:  # a newer launch owns the run: leave without another write
@@ -176,7 +173,6 @@ class _Replica:
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
     writer: ReplicaMetricsWriter
-    keys: RunKeys | None = None  # a signed run: this rank signs and checks its resume states
 
 
 def _train(r: _Replica) -> bool:
@@ -184,16 +180,10 @@ def _train(r: _Replica) -> bool:
     resumed run that had finished)."""
     config, rank, store, loop, writer = r.config, r.rank, r.store, r.loop, r.writer
     mode = outer_loop_mode(config)
-    start_round, start_step = loop.start_round, loop.start_step
+    start_round = loop.start_round
+    start = loop.resume(config.train.max_steps)  # the mode's resume state, if it has one
+    start_step, resume_state = start.step, start.state
     remaining = config.train.max_steps - start_step
-    resume_state = None
-    resumed: dict[str, str | int] = {}
-    if mode.lockstep and remaining > 0:  # rounds end at step R * H on every replica
-        resume_state = _own_resume_state(store, rank, start_round, r.keys)
-    elif isinstance(loop.outer, DecoupledLearner):  # each learner's state at its last push
-        resume_state, resumed = _learner_resume(store, rank, loop.outer, config.train.max_steps)
-        start_step = loop.outer.start_step
-        remaining = config.train.max_steps - start_step
     writer.log(
         "event",
         step=start_step,
@@ -202,9 +192,9 @@ def _train(r: _Replica) -> bool:
         resumed_round=start_round,
         resumed_step=start_step,
         exact=start_step == 0 or resume_state is not None,
-        **resumed,
+        **start.fields,
     )
-    reporter = _reporter(r, last_round=config.n_rounds if mode.lockstep else None)
+    reporter = _reporter(r, last_round=mode.n_rounds(config.train.max_steps))
     if remaining <= 0:
         _finish_without_training(loop.outer, r.model, reporter, writer, start_step)
         return False
@@ -230,9 +220,10 @@ def _train(r: _Replica) -> bool:
         # what this replica trains on, for the run summary (report.device_lines)
         device = device_record(trainer, config.train.generation)
         writer.log("event", step=start_step, round=start_round, event="device", **device)
-        _add_state_writer(r, trainer)
-        if mode.store_departures:  # ready: the peers wait for this rank again
-            clear_departure(store, mode.worker_role, rank)
+        # after the trainer's own callbacks (TAID, EMA), so it sees the step's final state
+        trainer.add_callback(loop.state_writer(trainer, writer.flush))
+        for role in mode.departure_roles:  # ready: the peers wait for this rank again
+            clear_departure(store, role, rank)
         # The trainer counts the run's steps: its step, LR schedule and TAID schedule
         # continue at start_step (exactly, with the resume state).
         _run_trainer(trainer, reporter, resume_state, start_step)
@@ -245,46 +236,17 @@ def _train(r: _Replica) -> bool:
         event="global_weights",
         sha256=weights_digest(r.model),
     )
-    if mode.store_departures:  # a peer still behind need not wait for this rank
+    for role in mode.departure_roles:  # a peer still behind need not wait for this rank
         write_departure(
-            store, mode.worker_role, rank, reason="finished training", secret=slot_secret_from_env()
+            store, role, rank, reason="finished training", secret=slot_secret_from_env()
         )
     return True
-
-
-def _add_state_writer(r: _Replica, trainer: ComposerReplicationTrainer) -> None:
-    """The callback that saves this replica's resume states, after the trainer's own callbacks
-    (TAID, EMA) so it sees the step's final state: a lockstep replica's at each committed round
-    (run/reporter.py), a decoupled learner's at each push (run/learner_state.py)."""
-    if outer_loop_mode(r.config).lockstep:
-        trainer.add_callback(
-            ResumeStateWriter(
-                store=r.store,
-                rank=r.rank,
-                outer=r.loop.outer,
-                trainer=trainer,
-                sync_every_h=r.config.diloco.sync_every_h,
-                keep_rounds=r.config.store.keep_rounds,
-                flush=r.writer.flush,
-                keys=r.keys,
-            )
-        )
-    elif isinstance(r.loop.outer, DecoupledLearner):
-        trainer.add_callback(
-            LearnerStateWriter(
-                store=r.store,
-                rank=r.rank,
-                learner=r.loop.outer,
-                trainer=trainer,
-                flush=r.writer.flush,
-            )
-        )
 
 
 def _run_trainer(
     trainer: ComposerReplicationTrainer,
     reporter: ReplicaReporter,
-    resume_state: dict[str, Any] | None,
+    resume_state: dict[str, object] | None,
     start_step: int,
 ) -> None:
     """Train from the resume state (exact) or from ``start_step``; a round that stops the run
@@ -307,6 +269,7 @@ def _reporter(r: _Replica, *, last_round: int | None) -> ReplicaReporter:
         writer=r.writer,
         store=r.store,
         outer=r.loop.outer,
+        begin_fields=r.loop.begin_fields,
         rank=r.rank,
         max_steps=config.train.max_steps,
         tokenizer=r.tokenizer,
@@ -320,60 +283,6 @@ def _reporter(r: _Replica, *, last_round: int | None) -> ReplicaReporter:
         last_round=last_round,
         ood_examples=r.task.ood_examples(n_eval) if n_eval and r.task.has_ood() else None,
     )
-
-
-def _own_resume_state(
-    store: ObjectStore, rank: int, round: int, keys: RunKeys | None = None
-) -> dict[str, Any] | None:
-    """This replica's resume state of `round` (None at round 0, or with a one-line warning
-    when it is absent or fails its checks, or in a signed run is not signed by this rank for
-    this run: the replica then starts its inner state afresh)."""
-    if round == 0:
-        return None
-    try:
-        return load_replica_state(store, rank=rank, round=round, keys=keys)
-    except ReplicaStateError as exc:
-        print(
-            f"replica {rank}: {exc}; continuing from the global weights of round {round} "
-            "with a fresh inner optimizer, schedule position and sampling stream",
-            file=sys.stderr,
-            flush=True,
-        )
-        return None
-
-
-def _learner_resume(
-    store: ObjectStore, rank: int, learner: DecoupledLearner, max_steps: int
-) -> tuple[dict[str, object] | None, dict[str, str | int]]:
-    """A decoupled learner's newest valid state at a push (run/learner_state.py), restored into
-    `learner`, and the start event's fields naming it (``resume_state``: its manifest key) or
-    why there is none (``resume_fallback``: the learner then starts from the newest globals
-    with fresh inner state). A start at step 0 with no state says nothing."""
-    skipped: list[str] = []
-    found = learner_resume(store, rank, keys=learner.keys, warn=skipped.append)
-    why = "; ".join(skipped)
-    if found is not None:
-        step, key, state = found
-        if step >= max_steps:
-            why = f"{key} is at step {step}, the end of training ({max_steps})"
-        else:
-            try:
-                learner.restore(state["learner"])
-            except ValueError as exc:
-                why = f"{key}: {exc}"
-            else:
-                return state, {"resume_state": key, "resume_state_step": step}
-    elif learner.start_step > 0 and not why:
-        why = f"no resume state of learner {rank} in the store"
-    if not why:
-        return None, {}
-    print(
-        f"replica {rank}: {why}; starting from the newest global weights with a fresh inner "
-        "optimizer, schedule position and sampling stream",
-        file=sys.stderr,
-        flush=True,
-    )
-    return None, {"resume_fallback": why[:2000]}
 
 
 def device_record(trainer: Trainer, generation: str) -> dict[str, Any]:

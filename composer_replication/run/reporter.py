@@ -4,8 +4,9 @@
 `on_step_end` it sees an outer round that has just been committed (the model then holds the new
 global weights, identical on every replica) and in `on_train_end` the final global weights.
 
-- the "train_begin" event of a decoupled learner carries what binding downloaded
-  (``rejoin_bytes``, ``rejoin_objects``, ``rejoin_merged_meanwhile``: `RejoinRecord`);
+- the "train_begin" event carries what the mode adds (`ReplicaLoop.begin_fields`; a decoupled
+  learner: what binding downloaded, ``rejoin_bytes``, ``rejoin_objects``,
+  ``rejoin_merged_meanwhile``: `RejoinRecord`);
 - every TRL log line becomes a "train" record (step = inner step of the whole run: the trainer
   of a relaunched replica continues at its start step);
 - every exchange in the manager's history becomes a "round" record (seconds, bytes, ranks,
@@ -28,14 +29,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from composer_replication.data.turns import stop_token_ids
-from composer_replication.diloco.decoupled import DecoupledLearner
 from composer_replication.diloco.outer_mode import OuterLoop
-from composer_replication.exchange.signing import RunKeys
 from composer_replication.exchange.store import ObjectStore
 from composer_replication.exchange.store_manager import RoundRecord
 from composer_replication.run.checkpoint import prune_checkpoints, round_dir, save_checkpoint
 from composer_replication.run.metrics import ReplicaMetricsWriter
-from composer_replication.run.replica_state import prune_replica_states, save_replica_state
 from composer_replication.tasks.task import decode_completion
 
 try:
@@ -49,9 +47,8 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from composer_replication.tasks import Example, Task
-    from composer_replication.trainer import ComposerReplicationTrainer
 
-__all__ = ["ReplicaReporter", "ResumeStateWriter", "evaluate", "greedy_completions"]
+__all__ = ["ReplicaReporter", "evaluate", "greedy_completions"]
 
 _SKIP_LOG_KEYS = ("epoch", "total_flos", "train_runtime")
 
@@ -152,12 +149,14 @@ class ReplicaReporter(TrainerCallback):
         keep_last: int,
         save_final: bool,
         evaluator_rank: int = 0,
+        begin_fields: Callable[[], Mapping[str, object]] = dict,
         last_round: int | None = None,
         ood_examples: list[Example] | None = None,
     ) -> None:
         self.writer = writer
         self.store = store
         self.outer = outer
+        self.begin_fields = begin_fields  # the mode's fields of the "train_begin" event
         self.rank = rank
         self.max_steps = max_steps
         self.tokenizer = tokenizer
@@ -243,18 +242,8 @@ class ReplicaReporter(TrainerCallback):
         **kwargs: Any,
     ) -> None:
         step = self._step(state)
-        # a decoupled learner: what binding downloaded (only the newest version of each
-        # fragment merged while it was down; docs/diloco.md)
-        rejoin = self.outer.rejoin if isinstance(self.outer, DecoupledLearner) else None
-        extra = (
-            {}
-            if rejoin is None
-            else {
-                "rejoin_bytes": rejoin["bytes"],
-                "rejoin_objects": rejoin["objects"],
-                "rejoin_merged_meanwhile": rejoin["merged_meanwhile"],
-            }
-        )
+        # what the mode adds (a decoupled learner: what binding downloaded, `RejoinRecord`)
+        extra = self.begin_fields()
         self.writer.log("event", step=step, round=self._round(), event="train_begin", **extra)
         self._status("training", step, force=True)
         model = kwargs.get("model")
@@ -413,80 +402,3 @@ class ReplicaReporter(TrainerCallback):
         self.writer.log("event", step=step, round=self._round(), event="train_end")
         self._status("done", step)
         self.writer.flush()
-
-
-class ResumeStateWriter(TrainerCallback):
-    """Writes this replica's resume state (`run.replica_state`) after every committed outer
-    round, and prunes its states beyond the newest `keep_rounds`. Added to the trainer LAST (after
-    its own TAID/EMA callbacks), so it sees the step's final state. The metrics are flushed
-    first, after the step's log line when the step logs: every record up to a resume point is
-    in the store before that point is. A round whose step is not ``round * sync_every_h`` (a
-    replica that healed onto a newer global state) is skipped: an exact resume from round R
-    starts at step R * H."""
-
-    def __init__(
-        self,
-        *,
-        store: ObjectStore,
-        rank: int,
-        outer: OuterLoop,
-        trainer: ComposerReplicationTrainer,
-        sync_every_h: int,
-        keep_rounds: int,
-        flush: Callable[[], None],
-        keys: RunKeys | None = None,
-    ) -> None:
-        self.store, self.rank, self.outer, self.trainer = store, rank, outer, trainer
-        self.sync_every_h, self.keep_rounds, self.flush = sync_every_h, keep_rounds, flush
-        self.keys = keys  # a signed run: each state's manifest is signed with this rank's key
-        self._round: int | None = None
-        self._pending: tuple[int, int, dict[str, object]] | None = None
-
-    def on_train_begin(
-        self,
-        args: TrainingArguments,
-        state: TrainerState,
-        control: TrainerControl,
-        **kwargs: object,
-    ) -> None:
-        self._round = int(self.outer.round)  # bound by the DiLoCo callback by now
-
-    def on_step_end(
-        self,
-        args: TrainingArguments,
-        state: TrainerState,
-        control: TrainerControl,
-        **kwargs: object,
-    ) -> None:
-        rnd = int(self.outer.round)
-        if rnd == self._round:
-            return
-        self._round = rnd
-        step = int(state.global_step)
-        if step != rnd * self.sync_every_h:
-            return
-        # Nothing trains between here and this step's log line: the live tensors stay valid.
-        self._pending = (rnd, step, self.trainer.resume_state())
-        if not control.should_log:
-            self._write()
-
-    def on_log(
-        self,
-        args: TrainingArguments,
-        state: TrainerState,
-        control: TrainerControl,
-        logs: Mapping[str, object] | None = None,
-        **kwargs: object,
-    ) -> None:
-        self._write()
-
-    def _write(self) -> None:
-        if self._pending is None:
-            return
-        rnd, step, resume = self._pending
-        self._pending = None
-        self.flush()
-        save_replica_state(
-            self.store, rank=self.rank, round=rnd, step=step, state=resume, keys=self.keys
-        )
-        prune_replica_states(self.store, self.rank, self.keep_rounds)

@@ -13,8 +13,9 @@ documents in the store (what each replica last reported) and the heartbeats in t
 The run state (`health_now`, also written to the metrics by the driver) is ``starting |
 healthy | degraded | critical`` by `exchange.liveness.run_health`'s rules over the heartbeats of
 the replicas (their role is the outer-loop mode's: "replica", decoupled "learner") and, where the
-mode has one, the synchronizer, plus "a contribution was rejected in the last
-`REJECTION_WINDOW_S` seconds" (from the synchronizer's heartbeat). For `STARTUP_GRACE_S` after a
+mode has one, the synchronizer, plus "a contribution was rejected recently" (the mode reads its
+service's heartbeat: `OuterLoopMode.service_status`, whose row is ``health.synchronizer``). For
+`STARTUP_GRACE_S` after a
 launch (the driver's start of the current attempt), a replica that has not sent its first
 heartbeat yet is starting, not missing: the run is ``starting`` until every replica reports, not
 ``critical``.
@@ -44,7 +45,6 @@ from typing import Any
 from composer_replication.assembly.outer import outer_loop_mode
 from composer_replication.config import RunConfig, from_dict
 from composer_replication.diloco.outer_mode import OuterLoopMode
-from composer_replication.diloco.synchronizer import ROLE as SYNCHRONIZER_ROLE
 from composer_replication.exchange.liveness import DEAD_AFTER_S, read_liveness, run_health
 from composer_replication.exchange.store import ObjectStore
 from composer_replication.run.checkpoint import committed_checkpoints
@@ -55,7 +55,6 @@ from composer_replication.run.security import secret_files, secrets_warning
 
 __all__ = ["health_now", "run_status", "status_text"]
 
-REJECTION_WINDOW_S = 60.0
 STARTUP_GRACE_S = 300.0
 HEALTH_LEVEL = {"starting": -1, "healthy": 0, "degraded": 1, "critical": 2}
 
@@ -76,35 +75,19 @@ def health_now(
     now = time.time() if now is None else now
     starting = started is not None and 0 <= now - started < STARTUP_GRACE_S
     role = mode.worker_role
-    sync_role = SYNCHRONIZER_ROLE if mode.has_synchronizer else None
-    roles = [role] if sync_role is None else [role, sync_role]
+    service_roles = mode.service_roles  # decoupled: its synchronizer
+    sync_role = service_roles[0] if service_roles else None
     quorum = mode.quorum(n_replicas)
-    members = read_liveness(store, now, roles=roles)
+    members = read_liveness(store, now, roles=[role, *service_roles])
     syncs = sorted(
-        (m for m in members.values() if m.role == SYNCHRONIZER_ROLE),
+        (m for m in members.values() if m.role in service_roles),
         key=lambda m: (m.status == "alive", -(m.age_s or 1e18)),
     )
-    synchronizer: dict[str, Any] | None = None
+    synchronizer: dict[str, object] | None = None
     rejections = 0
-    if syncs and syncs[-1].heartbeat is not None:
-        fields = syncs[-1].heartbeat.fields
-        stats = fields.get("stats") if isinstance(fields.get("stats"), dict) else {}
-        assert isinstance(stats, dict)
-        synchronizer = {
-            "id": syncs[-1].id,
-            "status": syncs[-1].status,
-            "active": fields.get("active"),
-            "epoch": fields.get("epoch"),
-            "versions": fields.get("versions"),
-            "merges": stats.get("merges"),
-            "refused": stats.get("refused"),
-            "rejected": stats.get("rejected"),
-            "dropped_late": stats.get("dropped_late"),
-            "carried_late": stats.get("carried_late"),
-        }
-        last = stats.get("last_rejection")
-        if isinstance(last, int | float) and now - float(last) < REJECTION_WINDOW_S:
-            rejections = 1
+    if syncs and syncs[-1].heartbeat is not None:  # the newest alive one's row
+        synchronizer, rejected = mode.service_status(syncs[-1], now)
+        rejections = int(rejected)
     health = run_health(
         members,
         worker_role=role,
@@ -165,25 +148,6 @@ def driver_gone(
             f"driver.json not updated for {now - seen:.0f} s and no heartbeat within {window_s:g} s"
         )
     return {"since": seen, "how": how, "pid": pid, "host": host}
-
-
-def _resume_plan(store: ObjectStore, mode: OuterLoopMode, n: int) -> tuple[str, list[str]]:
-    """What `train --resume` would do now (read only), and the lines it would warn with."""
-    if not mode.lockstep:  # each learner from its newest valid state at a push
-        from composer_replication.run.learner_state import learner_resume
-
-        lines: list[str] = []
-        found = {r: learner_resume(store, r, warn=lines.append) for r in range(n)}
-        each = ", ".join(
-            f"learner {r} at step {f[0]}" if f else f"learner {r} from the newest globals"
-            for r, f in found.items()
-        )
-        return f"relaunch each learner from its state at its last push ({each})", lines
-    from composer_replication.run.replica_state import resume_plan, resume_point
-
-    warnings: list[str] = []
-    plan = resume_plan(resume_point(store, n, warn=warnings.append))
-    return plan.replace("resuming at", "resume at").replace("starting over", "start over"), warnings
 
 
 def run_status(folder: RunFolder, *, stale_after_s: float = 120.0) -> dict[str, Any]:
@@ -308,7 +272,7 @@ def _driver_gone(
         resume = {"plan": None, "warnings": [], "still_running": live}
         if readable is not None and mode is not None and store_error is None:
             try:
-                resume["plan"], resume["warnings"] = _resume_plan(readable, mode, n)
+                resume["plan"], resume["warnings"] = mode.resume_plan(readable, n)
             except Exception as exc:  # what is known about the driver is still shown
                 resume["plan"] = f"unknown ({type(exc).__name__}: {exc})"
     return gone, resume, store_error

@@ -8,9 +8,10 @@ failed replicas, declaring departed ones, the run's health.
   replica departed the moment its process fails, or when it sent no heartbeat for
   `SILENT_AFTER_S` (and take it back when it beats again);
 - `HealthLog`: a "health" metric record whenever the run state changes (run/status.py);
-- `RefusalLog` (a mode with a synchronizer): every refusal record in the store (a push the
-  synchronizer refused, a forged or replayed record, state or document a participant refused)
-  becomes one "rejected" event in metrics.jsonl, as sync mode's rejections do;
+- `RefusalLog`: every refusal record the mode keeps in the store (`refusal_sources`;
+  decoupled: a push the synchronizer refused, a forged or replayed record, state or document a
+  participant refused) becomes one "rejected" event in metrics.jsonl, as sync mode's
+  rejections do;
 - `final_status`: "finished" or "failed" once every replica has ended;
 - `no_quorum`: a replica stopped because a round can never commit (`EXIT_NO_QUORUM`): the run
   stops (exit `EXIT_RUN_NO_QUORUM`), naming the round and its refusals, instead of restarting it
@@ -21,12 +22,12 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from composer_replication.config import ConfigError, RunConfig
-from composer_replication.diloco.outer_mode import OuterLoopMode
+from composer_replication.diloco.outer_mode import OuterLoopMode, RefusalSource
 from composer_replication.exchange.liveness import (
     HEARTBEAT_EVERY_S,
     LEARNER_ROLE,
@@ -36,8 +37,7 @@ from composer_replication.exchange.liveness import (
     read_liveness,
     write_departure,
 )
-from composer_replication.exchange.push_store import DecoupledStore
-from composer_replication.exchange.signing import RunKeys
+from composer_replication.exchange.push_store import Refusal
 from composer_replication.exchange.store import ObjectStore
 from composer_replication.executors.executor import RankLauncher, ReplicaHandle, ServerlessExecutor
 from composer_replication.run.metrics import MetricsSink, read_metrics
@@ -57,7 +57,6 @@ __all__ = [
     "no_quorum",
     "fence_previous_launch",
     "final_status",
-    "without_it",
 ]
 
 
@@ -125,21 +124,6 @@ def failure_reason(handle: ReplicaHandle) -> str:
     (shown by `status` and kept in driver.json)."""
     why = str(handle.error or f"exit code {handle.exit_code}").splitlines()[0]
     return why.split("; last log lines")[0][:200]
-
-
-def without_it(config: RunConfig, gone: int) -> str:
-    """What the other replicas do once `gone` replicas have departed, by the run's quorum
-    (`diloco.min_replicas`; its default is the exchange's): go on, or wait up to
-    `diloco.timeout_s` and fail the round."""
-    n = config.backend.n_replicas
-    quorum = config.quorum
-    if n - gone >= quorum:
-        return "the others go on without waiting for it"
-    return (
-        f"the others cannot go on without it: diloco.min_replicas = {quorum} of {n} "
-        f"replicas (they wait up to diloco.timeout_s = {config.diloco.timeout_s:g} s, then "
-        f"the round fails; set diloco.min_replicas below {n} to go on without a replica)"
-    )
 
 
 class Restarter:
@@ -212,13 +196,13 @@ SILENT_AFTER_S = STALE_AFTER_S  # a running replica without a heartbeat this lon
 
 
 class Departures:
-    """When the outer-loop mode's peers wait for each other in the store (sync DiLoCo over the
-    object store, or decoupled mode's synchronizer for its quorum:
-    `OuterLoopMode.store_departures`): declare a replica departed the moment its
-    process is seen to
+    """For each role whose departures the store records (`OuterLoopMode.departure_roles`: the
+    peers wait for each other there, sync DiLoCo over the object store, or decoupled mode's
+    synchronizer for its quorum): declare a replica departed the moment its process is seen to
     have failed (before a relaunch, or for good), or when a replica the executor still reports
     running has sent no heartbeat for SILENT_AFTER_S (stopped, hung, partitioned), so that its
-    peers stop waiting for it; a silent one that beats again is taken back."""
+    peers stop waiting for it; a silent one that beats again is taken back. What the others
+    then do is the mode's to say (`OuterLoopMode.departure_effect`)."""
 
     def __init__(
         self,
@@ -231,9 +215,8 @@ class Departures:
         self.config = config
         self.store = store
         self.secret = secret  # the run's slot secret: departure records carry its MAC
-        self.enabled = mode.store_departures
-        self.role = mode.worker_role
-        self.lockstep = mode.lockstep
+        self.mode = mode
+        self.roles = mode.departure_roles
         self.every_s = every_s
         self._noted: set[str] = set()  # job ids already declared
         self._silent: set[int] = set()  # ranks declared for want of heartbeats
@@ -241,22 +224,23 @@ class Departures:
         self._last = 0.0
 
     def _without_it(self, gone: int) -> str:
-        if not self.lockstep:  # decoupled: learners never wait for each other
-            return (
-                "the other learners go on (none waits for another); the synchronizer leaves "
-                "it out of its quorum"
-            )
-        return without_it(self.config, gone)
+        return self.mode.departure_effect(gone, self.config.backend.n_replicas)
 
     def note_silent(self, handles: list[ReplicaHandle]) -> list[str]:
         """Every few seconds: departures for running replicas whose heartbeats stopped, and
         their withdrawal when the heartbeats come back."""
+        messages: list[str] = []
         now_m = time.monotonic()
-        if not self.enabled or now_m - self._last < self.every_s:
-            return []
+        if now_m - self._last < self.every_s:
+            return messages
         self._last = now_m
+        for role in self.roles:
+            messages += self._note_silent(handles, role)
+        return messages
+
+    def _note_silent(self, handles: list[ReplicaHandle], role: str) -> list[str]:
         try:
-            members = read_liveness(self.store, roles=[self.role])
+            members = read_liveness(self.store, roles=[role])
         except (OSError, ValueError):  # the store is unreachable for a moment: next time
             return []
         messages, now = [], time.time()
@@ -264,7 +248,7 @@ class Departures:
             if h.status.value != "running":
                 continue
             rank = h.replica_id
-            member = members.get(f"{self.role}/{rank}")
+            member = members.get(f"{role}/{rank}")
             hb = member.heartbeat if member is not None else None
             # silence counts from this incarnation's first heartbeat (start-up may be long; a
             # crash before it is a process exit, which `note` sees)
@@ -275,7 +259,7 @@ class Departures:
                 if silent > SILENT_AFTER_S and rank not in self._silent:
                     write_departure(
                         self.store,
-                        self.role,
+                        role,
                         rank,
                         reason=f"no heartbeat for {silent:.0f} s",
                         secret=self.secret,
@@ -287,7 +271,7 @@ class Departures:
                         f"{self._without_it(gone)}"
                     )
                 elif silent <= SILENT_AFTER_S and rank in self._silent:
-                    clear_departure(self.store, self.role, rank)
+                    clear_departure(self.store, role, rank)
                     self._silent.discard(rank)
                     messages.append(f"replica {rank} sends heartbeats again: it is waited for")
             except OSError as exc:  # the next poll tries again
@@ -295,9 +279,15 @@ class Departures:
         return messages
 
     def note(self, handles: list[ReplicaHandle], restarter: Restarter) -> list[str]:
+        messages: list[str] = []
+        for role in self.roles:
+            messages += self._note(handles, restarter, role)
+        return messages
+
+    def _note(self, handles: list[ReplicaHandle], restarter: Restarter, role: str) -> list[str]:
         messages = []
         for h in handles:
-            if not self.enabled or h.status.value != "failed" or h.job_id in self._noted:
+            if h.status.value != "failed" or h.job_id in self._noted:
                 continue
             self._noted.add(h.job_id)
             self._silent.discard(h.replica_id)  # its process is gone: no longer just silent
@@ -305,9 +295,7 @@ class Departures:
             again = restarter.will_restart(h.replica_id)
             reason = f"{why}; {'being restarted' if again else 'no restarts left'}"
             try:
-                write_departure(
-                    self.store, self.role, h.replica_id, reason=reason, secret=self.secret
-                )
+                write_departure(self.store, role, h.replica_id, reason=reason, secret=self.secret)
             except OSError as exc:  # the peers then wait for it as before (timeout_s)
                 messages.append(f"could not declare replica {h.replica_id} departed: {exc!r}")
                 continue
@@ -404,25 +392,25 @@ def no_quorum(
 
 
 class RefusalLog:
-    """Decoupled mode: each refusal record under ``decoupled/refused/`` becomes one "rejected"
-    event in metrics.jsonl (``event``, ``rank``: the learner of a refused push or -1 for any
-    other object, ``object``: its key, ``reason``, ``by``: who refused it, ``record``), once per
-    run folder (the events a resumed run's earlier launch wrote are not repeated). ``keys``
-    (a signed run): refusal records not signed by the synchronizer or a learner are ignored."""
+    """Each refusal record of the mode's ``sources`` (`OuterLoopMode.refusal_sources`;
+    decoupled: the records under ``decoupled/refused/``, in a signed run only those signed by
+    the synchronizer or a learner) becomes one "rejected" event in metrics.jsonl (``event``,
+    ``rank``: the learner of a refused push or -1 for any other object, ``object``: its key,
+    ``reason``, ``by``: who refused it, ``record``), once per run folder (the events a resumed
+    run's earlier launch wrote are not repeated)."""
 
     def __init__(
         self,
-        store: ObjectStore,
+        sources: tuple[RefusalSource, ...],
         sink: MetricsSink,
         metrics_path: Path,
-        keys: RunKeys | None = None,
         every_s: float = 5.0,
     ) -> None:
-        self.docs = DecoupledStore(store, keys=keys)
+        self.sources = sources
         self.sink, self.every_s = sink, every_s
         self._last = 0.0
         self.seen: set[str] = set()
-        if metrics_path.is_file():
+        if sources and metrics_path.is_file():
             self.seen = {
                 str(r["record"])
                 for r in read_metrics(metrics_path)
@@ -434,10 +422,17 @@ class RefusalLog:
         if not force and now - self._last < self.every_s:
             return
         self._last = now
-        try:
-            records = self.docs.read_rejections(skip=self.seen)
-        except (OSError, ValueError):  # the store is unreachable for a moment: retried
-            return
+        rows: list[dict[str, Any]] = []
+        for source in self.sources:
+            try:
+                records = source.read_rejections(skip=self.seen)
+            except (OSError, ValueError):  # the store is unreachable for a moment: retried
+                return
+            rows += self._rows(records)
+        if rows:
+            self.sink.write(rows)
+
+    def _rows(self, records: Mapping[str, Refusal]) -> list[dict[str, Any]]:
         rows: list[dict[str, Any]] = []
         for name, r in sorted(records.items()):
             if name in self.seen:
@@ -458,8 +453,7 @@ class RefusalLog:
                     "record": name,
                 }
             )
-        if rows:
-            self.sink.write(rows)
+        return rows
 
 
 def final_status(mode: OuterLoopMode, handles: list[ReplicaHandle], n_replicas: int) -> str:
@@ -471,6 +465,6 @@ def final_status(mode: OuterLoopMode, handles: list[ReplicaHandle], n_replicas: 
         return "finished"
     survivors = len(handles) - len(failed)
     lost_only = all(h.status.value == "failed" for h in failed)
-    if lost_only and mode.elastic(n_replicas) and mode.may_finish_without(survivors, n_replicas):
+    if lost_only and mode.may_finish_without(survivors, n_replicas):
         return "finished"
     return "failed"

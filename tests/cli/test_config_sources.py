@@ -244,7 +244,7 @@ def test_a_moved_or_renamed_key_gets_a_did_you_mean(override: str, hint: str) ->
 def test_the_synchronizer_takes_the_sections_keys_under_their_names() -> None:
     """No renames between the TOML and the component: every `SynchronizerConfig` field the run
     sets is a `[diloco]` key of the same name and value; `keep_rounds` is `[store]`'s."""
-    from composer_replication.diloco.decoupled_mode import DecoupledDiLoCo
+    from composer_replication.diloco.decoupled.decoupled_mode import DecoupledDiLoCo
     from composer_replication.diloco.synchronizer_config import SynchronizerConfig
 
     config = load_config(

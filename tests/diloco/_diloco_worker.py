@@ -112,7 +112,10 @@ def main() -> None:
 
             manager = ErrorFeedbackManager(manager, spec, decay=a.ef_decay)
     else:
-        from composer_replication.diloco.torchft_path import TorchFTTimeouts, build_torchft_manager
+        from composer_replication.diloco.torchft.torchft_path import (
+            TorchFTTimeouts,
+            build_torchft_manager,
+        )
 
         manager = build_torchft_manager(
             replica_id=f"replica_{a.rank}",

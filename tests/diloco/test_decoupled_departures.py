@@ -20,7 +20,7 @@ def _tensors(seed: int) -> dict[str, torch.Tensor]:
 
 
 def test_a_departed_learner_leaves_the_synchronizers_quorum_at_once(tmp_path):
-    from composer_replication.diloco.decoupled_mode import DecoupledDiLoCo
+    from composer_replication.diloco.decoupled.decoupled_mode import DecoupledDiLoCo
     from composer_replication.diloco.synchronizer import Synchronizer, SynchronizerConfig
     from composer_replication.exchange.liveness import (
         LEARNER_ROLE,
@@ -32,7 +32,9 @@ def test_a_departed_learner_leaves_the_synchronizers_quorum_at_once(tmp_path):
     config = load_config(
         overrides=["diloco.mode=decoupled", "diloco.sync_every_h=8", "train.max_steps=16"]
     )
-    assert DecoupledDiLoCo(config.diloco).store_departures  # the driver writes them
+    assert DecoupledDiLoCo(config.diloco).departure_roles == (
+        LEARNER_ROLE,
+    )  # the driver writes them
     store = ObjectStore(str(tmp_path / "store"))
     docs = DecoupledStore(store)
     docs.ensure_manifest(fragment_manifest([_tensors(0)], n_learners=LEARNERS, codec="fp32"))

@@ -1,6 +1,6 @@
 """Decoupled exact resume: a learner restored from the state it saved at a push continues
 bit-identically; a corrupt or forged state is skipped (older one, or the newest globals) with
-the reason (run/learner_state.py, `DecoupledLearner.resume_state` / `restore`)."""
+the reason (diloco/decoupled/learner_state.py, `DecoupledLearner.resume_state` / `restore`)."""
 
 from __future__ import annotations
 
@@ -12,17 +12,16 @@ from _decoupled_toy import Blocks, train_step
 from signing_keys import run_keys
 
 from composer_replication.diloco.decoupled import DecoupledLearner
-from composer_replication.exchange.signing import (
-    rank_identity,
-)
-from composer_replication.exchange.store import ObjectStore
-from composer_replication.run.learner_state import learner_resume
-from composer_replication.run.replica_state import (
+from composer_replication.diloco.decoupled.learner_state import learner_resume, learner_start
+from composer_replication.diloco.replica_state import (
     prune_replica_states,
     replica_state_rounds,
     save_replica_state,
 )
-from composer_replication.run.replica_training import _learner_resume
+from composer_replication.exchange.signing import (
+    rank_identity,
+)
+from composer_replication.exchange.store import ObjectStore
 
 H, P = 8, 4
 
@@ -160,9 +159,10 @@ def test_a_corrupt_state_falls_back_to_an_older_one_then_to_the_globals(tmp_path
 
     # the replica then starts from the newest globals, and its start event says why
     _, _, fresh = _learner(store)
-    resume, fields = _learner_resume(store, 0, fresh, max_steps=10 * H)
-    assert resume is None and fresh.restored_from is None
-    assert "sha256" in fields["resume_fallback"] and "learner part" in fields["resume_fallback"]
+    start = learner_start(store, 0, fresh, max_steps=10 * H)
+    assert start.state is None and fresh.restored_from is None
+    why = start.fields["resume_fallback"]
+    assert isinstance(why, str) and "sha256" in why and "learner part" in why
 
 
 def test_restore_refuses_a_state_that_is_not_this_learners(tmp_path: Path) -> None:

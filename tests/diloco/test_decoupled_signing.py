@@ -252,7 +252,8 @@ def test_the_driver_writes_each_refusal_once_as_a_rejected_event(tmp_path):
 
     path = tmp_path / "metrics.jsonl"
     driver = keys.public  # the driver verifies with the run's public keys
-    log = RefusalLog(store, MetricsSink(path), path, driver, every_s=0)
+    sources = (DecoupledStore(store, keys=driver),)
+    log = RefusalLog(sources, MetricsSink(path), path, every_s=0)
     log.poll()
     log.poll()
     events = [r for r in read_metrics(path) if r.get("event") == "rejected"]
@@ -261,7 +262,7 @@ def test_the_driver_writes_each_refusal_once_as_a_rejected_event(tmp_path):
     )
     assert all("is not signed" in e["reason"] for e in events)
     # a resumed launch's driver does not repeat them
-    RefusalLog(store, MetricsSink(path), path, driver, every_s=0).poll(force=True)
+    RefusalLog(sources, MetricsSink(path), path, every_s=0).poll(force=True)
     assert len([r for r in read_metrics(path) if r.get("event") == "rejected"]) == 3
 
 

@@ -136,7 +136,7 @@ def test_killed_replica_is_left_out_then_rejoins_from_the_store(tmp_path: Path) 
 
 
 def test_real_torchft_manager_two_processes_identical_after_each_round(tmp_path: Path) -> None:
-    from composer_replication.diloco.torchft_path import (
+    from composer_replication.diloco.torchft.torchft_path import (
         TorchFTTimeouts,
         lighthouse_address,
         start_lighthouse,

@@ -302,7 +302,7 @@ def test_argument_validation() -> None:
     class Async:  # the one attribute TorchFTManager reads of an asynchronous torchft Manager
         _use_async_quorum = True
 
-    from composer_replication.diloco.torchft_path import TorchFTManager
+    from composer_replication.diloco.torchft.torchft_path import TorchFTManager
 
     with pytest.raises(ValueError, match="use_async_quorum=False"):
         TorchFTManager(Async())  # type: ignore[arg-type]
@@ -312,7 +312,7 @@ def test_argument_validation() -> None:
 
 
 def test_torchft_timeouts_must_be_ordered() -> None:
-    from composer_replication.diloco.torchft_path import TorchFTTimeouts
+    from composer_replication.diloco.torchft.torchft_path import TorchFTTimeouts
 
     TorchFTTimeouts()  # the defaults are ordered
     with pytest.raises(ValueError, match="join_s < quorum_s"):

@@ -12,15 +12,15 @@ from torch import nn
 
 from composer_replication.config import ConfigError, load_config
 from composer_replication.diloco.decoupled import DecoupledLearner
-from composer_replication.diloco.decoupled_mode import DecoupledDiLoCo
+from composer_replication.diloco.decoupled.decoupled_mode import DecoupledDiLoCo
 from composer_replication.diloco.mode_registry import OUTER_LOOP_MODES, outer_loop_mode
 from composer_replication.diloco.outer_loop import DiLoCoOuterLoop
 from composer_replication.diloco.outer_mode import ReplicaContext
 from composer_replication.diloco.section import MANAGERS, MODES, DilocoConfig
 from composer_replication.diloco.sparseloco import ErrorFeedbackManager
-from composer_replication.diloco.sync_mode import SyncDiLoCo
+from composer_replication.diloco.sync.sync_mode import SyncDiLoCo
 from composer_replication.diloco.synchronizer_config import SynchronizerConfig
-from composer_replication.diloco.torchft_mode import TorchftDiLoCo
+from composer_replication.diloco.torchft.torchft_mode import TorchftDiLoCo
 from composer_replication.exchange.store import ObjectStore
 
 
@@ -56,22 +56,27 @@ def test_what_the_run_does_around_each_mode() -> None:
         "replica",
         "learner",
     )
-    assert (sync.lockstep, torchft.lockstep, decoupled.lockstep) == (True, True, False)
-    assert (sync.store_departures, torchft.store_departures) == (True, False)
-    assert decoupled.store_departures  # its synchronizer leaves a departed learner out
-    assert decoupled.has_synchronizer and not decoupled.driver_synchronizer
-    assert outer_loop_mode(DilocoConfig(mode="decoupled")).driver_synchronizer
-    assert not sync.has_synchronizer and not torchft.driver_synchronizer
+    assert (sync.n_rounds(60), torchft.n_rounds(60), decoupled.n_rounds(60)) == (3, 3, None)
+    assert (sync.departure_roles, torchft.departure_roles) == (("replica",), ())
+    # its synchronizer leaves a departed learner out
+    assert decoupled.departure_roles == ("learner",)
+    assert decoupled.service_roles == ("synchronizer",) and decoupled.driver_service() is None
+    service = outer_loop_mode(DilocoConfig(mode="decoupled")).driver_service()
+    assert service is not None and (service.name, service.identity) == (
+        "synchronizer",
+        "synchronizer",
+    )
+    assert sync.service_roles == () and torchft.driver_service() is None
     # a sync run of 3 with min_replicas 2 may lose one replica for good, not two
-    assert sync.quorum(3) == 2 and sync.elastic(3)
+    assert sync.quorum(3) == 2 and sync.after_loss(3) == "go_on"
     assert sync.may_finish_without(2, 3) and not sync.may_finish_without(1, 3)
-    assert torchft.quorum(3) == 3 and not torchft.elastic(3)
+    assert torchft.quorum(3) == 3 and torchft.after_loss(3) == "stop"
     # the default quorum tolerates one lost or refused replica: max(1, n - 1)
     default = outer_loop_mode(DilocoConfig())
     assert [default.quorum(n) for n in (1, 2, 3, 8)] == [1, 1, 2, 7]
-    assert default.elastic(2) and not default.elastic(1)
+    assert default.after_loss(2) == "go_on" and default.after_loss(1) == "stop"
     # decoupled: all learners but one by default, never finished without one
-    assert decoupled.quorum(4) == 3 and decoupled.elastic(4)
+    assert decoupled.quorum(4) == 3 and decoupled.after_loss(4) == "go_on"
     assert not decoupled.may_finish_without(3, 4)
 
 

@@ -119,8 +119,8 @@ def test_train_with_signing_robust_aggregation_and_token_weighting(tmp_path, mon
     assert len(rounds) == 4 and all(r["round/rejected"] == 0 for r in rounds)
     assert all(r["round/requests_list"] == 0 for r in rounds)  # no LIST in a sync round
     assert all(r["round/requests_put"] >= 1 for r in rounds)  # signed: no owner record
-    # each replica's per-round resume states are signed by its own rank (run/replica_state.py)
-    from composer_replication.run.replica_state import replica_state_rounds
+    # each replica's per-round resume states are signed by its own rank (diloco/replica_state.py)
+    from composer_replication.diloco.replica_state import replica_state_rounds
 
     for rank in (0, 1):
         rounds_saved = replica_state_rounds(store, rank)

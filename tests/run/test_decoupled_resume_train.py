@@ -18,10 +18,10 @@ from test_chaos_train import SMALL
 from test_run_exact_resume import _children
 
 from composer_replication.cli import main
+from composer_replication.diloco.decoupled.learner_state import learner_resume
 from composer_replication.exchange.push_store import DecoupledStore
 from composer_replication.exchange.store import ObjectStore
 from composer_replication.run.chaos import check_decoupled_run
-from composer_replication.run.learner_state import learner_resume
 from composer_replication.run.metrics import read_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.heavy, pytest.mark.long]

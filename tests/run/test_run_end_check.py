@@ -1,4 +1,4 @@
-"""The driver's end-of-run check (run/end_check.py): a run reports success only when the store
+"""The driver's end-of-run check (the mode's `end_of_run_problem`): a run reports success only when the store
 holds its last round; a planted inconsistency (written through the store's interface) fails
 the run with the reason in driver.json, `status` and metrics.jsonl."""
 
@@ -13,13 +13,17 @@ import torch
 from _run_small import TINY_RUN
 
 from composer_replication.cli import main
-from composer_replication.config import load_config
+from composer_replication.config import RunConfig, load_config
 from composer_replication.diloco.mode_registry import outer_loop_mode
+from composer_replication.diloco.outer_mode import OuterLoopMode
 from composer_replication.exchange.protocol import commit_key
 from composer_replication.exchange.push_store import DecoupledStore, fragment_manifest, merge_key
 from composer_replication.exchange.store import ObjectStore
-from composer_replication.run.end_check import end_of_run_problem
 from composer_replication.run.metrics import read_metrics
+
+
+def end_of_run_problem(store: ObjectStore, mode: OuterLoopMode, config: RunConfig) -> str | None:
+    return mode.end_of_run_problem(store, config.backend.n_replicas, config.train.max_steps)
 
 
 def _commit(store: ObjectStore, step: int) -> None:

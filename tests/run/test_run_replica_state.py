@@ -10,14 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from composer_replication.exchange.documents import RunDocuments
-from composer_replication.exchange.outer_state import (
-    OuterState,
-    fetch_outer_state,
-    publish_outer_state,
-)
-from composer_replication.exchange.store import ObjectStore
-from composer_replication.run.replica_state import (
+from composer_replication.diloco.replica_state import (
     ReplicaStateError,
     load_replica_state,
     prune_replica_states,
@@ -26,6 +19,13 @@ from composer_replication.run.replica_state import (
     rollback_to,
     save_replica_state,
 )
+from composer_replication.exchange.documents import RunDocuments
+from composer_replication.exchange.outer_state import (
+    OuterState,
+    fetch_outer_state,
+    publish_outer_state,
+)
+from composer_replication.exchange.store import ObjectStore
 
 H = 4
 
@@ -183,25 +183,25 @@ def test_resume_point_falls_back_past_damage_and_rollback_forgets_later_rounds(
 def test_a_signed_runs_replica_state_must_be_signed_by_its_own_rank(
     store: ObjectStore, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Sync mode with ``[security] sign``: the replica (run/replica_training.py) resumes a round
+    """Sync mode with ``[security] sign``: the replica (diloco/sync/sync_resume.py) resumes a round
     only from a state whose manifest its own rank signed for this run; an unsigned one or one
     signed by another rank is refused with the reason, and it resumes with fresh inner state."""
     from signing_keys import run_keys
 
+    from composer_replication.diloco.sync.sync_resume import own_resume_state
     from composer_replication.exchange.signing import rank_identity
-    from composer_replication.run.replica_training import _own_resume_state
 
     verifier, signers = run_keys(store, [rank_identity(0), rank_identity(1)])
     own, other = signers[rank_identity(0)], signers[rank_identity(1)]
 
     save_replica_state(store, rank=0, round=2, step=8, state=_state(2))  # unsigned
-    assert _own_resume_state(store, 0, 2, verifier) is None
+    assert own_resume_state(store, 0, 2, verifier) is None
     assert "is not signed" in capsys.readouterr().err
     save_replica_state(store, rank=0, round=2, step=8, state=_state(2), keys=other)
-    assert _own_resume_state(store, 0, 2, verifier) is None
+    assert own_resume_state(store, 0, 2, verifier) is None
     assert "signed by 'rank-1'" in capsys.readouterr().err
     save_replica_state(store, rank=0, round=2, step=8, state=_state(2), keys=own)
-    got = _own_resume_state(store, 0, 2, verifier)
+    got = own_resume_state(store, 0, 2, verifier)
     assert got is not None and torch.equal(got["model"]["w"], _state(2)["model"]["w"])
     # an unsigned run's replica takes the same state without checking a signature
-    assert _own_resume_state(store, 0, 2) is not None
+    assert own_resume_state(store, 0, 2) is not None

@@ -25,7 +25,7 @@ own clock and takes each new global fragment as the synchronizer publishes it.
   restarted one needs to continue exactly: its step, for each fragment the global version it
   was last loaded from and those weights (the base of its next push), the steps and tokens
   since that base and since its last push. `restore` (before binding) continues from it; the
-  caller restores the model and inner optimizer (run/learner_state.py saves both with the
+  caller restores the model and inner optimizer (diloco/decoupled/learner_state.py saves both with the
   trainer's resume state). Without one, a learner resumes its step count from its progress
   document (written after each push) and starts from the newest global version of every
   fragment with fresh inner state. Either way binding downloads only the newest version of

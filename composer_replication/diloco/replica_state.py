@@ -19,7 +19,7 @@ names/shapes/dtypes against its own model and optimizer.
 
 Decoupled DiLoCo learners keep the same format under ``resume/learner-<r>/<step:010d>...``
 (``kind="learner"``; the index is the learner's inner step at a push, see
-run/learner_state.py): `newest_replica_state` returns the newest one that passes every check.
+diloco/decoupled/learner_state.py): `newest_replica_state` returns the newest one that passes every check.
 
 `resume_point` (used by ``train --resume``) picks the newest round R whose global state is
 valid and for which EVERY replica has a valid resume state (round 0, the initial weights,
@@ -38,7 +38,7 @@ import re
 import secrets
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, Literal, get_args
+from typing import Any, Literal, Protocol, get_args
 
 import torch
 
@@ -48,6 +48,7 @@ from composer_replication.exchange.store import ObjectStore
 __all__ = [
     "FORMAT",
     "ReplicaStateError",
+    "ResumableTrainer",
     "load_replica_state",
     "newest_replica_state",
     "prune_replica_states",
@@ -66,6 +67,15 @@ StateKind = Literal["rank", "learner"]  # sync replicas (by round), decoupled le
 STATE_KINDS: tuple[StateKind, ...] = get_args(StateKind)
 _MANIFEST_RE = re.compile(r"^(\d{10})\.json$")
 _NONCE_RE = re.compile(r"^[0-9a-f]{16}$")
+
+
+class ResumableTrainer(Protocol):
+    """The trainer whose resume state a writer saves (`ComposerReplicationTrainer`)."""
+
+    def resume_state(self) -> dict[str, object]:
+        """Weights, inner optimizer, LR schedule, data position and RNG states, as
+        `save_replica_state` stores them (RuntimeError when there is none to take now)."""
+        ...
 
 
 class ReplicaStateError(ValueError):

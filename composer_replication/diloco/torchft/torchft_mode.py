@@ -2,7 +2,7 @@
 `OuterLoopMode`.
 
 The same lockstep outer loop as `SyncDiLoCo`, averaged by a torchft Manager over gloo
-(diloco/torchft_path.py) that dials a lighthouse: ``[diloco] lighthouse``, else the one the
+(diloco/torchft/torchft_path.py) that dials a lighthouse: ``[diloco] lighthouse``, else the one the
 driver runs on 127.0.0.1 for a local run (`build_lighthouse`, handed to the replicas as
 $TORCHFT_LIGHTHOUSE). The replicas publish their outer state to the run's store, so a resumed
 run continues from it. torchft averages fp32 equally over gloo: the object-store exchange's
@@ -21,14 +21,15 @@ from urllib.parse import urlparse
 from composer_replication.diloco.manager import Manager
 from composer_replication.diloco.outer_mode import GlobalWeights, ReplicaContext, RunShape
 from composer_replication.diloco.section import ManagerName, ModeName
-from composer_replication.diloco.sync_mode import SyncDiLoCo
-from composer_replication.diloco.torchft_path import (
+from composer_replication.diloco.sync.sync_mode import SyncDiLoCo
+from composer_replication.diloco.torchft.torchft_path import (
     build_torchft_manager,
     lighthouse_address,
     start_lighthouse,
 )
 from composer_replication.exchange import codec_fp32
 from composer_replication.exchange.documents import RunDocuments
+from composer_replication.exchange.store import ObjectStore
 from composer_replication.fields import require
 
 __all__ = ["LIGHTHOUSE_ENV", "LocalLighthouse", "TorchftDiLoCo"]
@@ -68,7 +69,7 @@ class TorchftDiLoCo(SyncDiLoCo):
 
     mode: ClassVar[ModeName] = "sync"
     manager: ClassVar[ManagerName] = "torchft"
-    store_departures = False  # torchft's lighthouse tracks who is alive
+    departure_roles: tuple[str, ...] = ()  # torchft's lighthouse tracks who is alive
 
     def quorum(self, n_replicas: int) -> int:
         """The lighthouse's ``min_replicas``: ``diloco.min_replicas``, else every replica
@@ -76,6 +77,9 @@ class TorchftDiLoCo(SyncDiLoCo):
         of one fewer, `exchange.settings.default_quorum`, is about refused contributions,
         which torchft's gloo allreduce does not have)."""
         return self.config.min_replicas or n_replicas
+
+    def end_of_run_problem(self, store: ObjectStore, n_replicas: int, max_steps: int) -> str | None:
+        return None  # torchft keeps no rounds in the store
 
     def check_section(self) -> None:
         d = self.config

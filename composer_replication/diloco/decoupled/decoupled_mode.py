@@ -8,28 +8,65 @@ itself with ``synchronizer = "driver"``. With ``[security] sign`` the learners s
 pushes and progress with their rank's key and the synchronizer its merge records and states with
 the synchronizer's key; each refuses what is not signed by who may write it
 (exchange/push_store.py). Rounds are not lockstep: a relaunched learner
-continues from its own state at its last push (run/learner_state.py; without one, from the
+continues from its own state at its last push (diloco/decoupled/learner_state.py; without one, from the
 newest global versions with fresh inner state), and the run needs every learner to finish (one that fails for good is released so the synchronizer stops waiting).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import ClassVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, ClassVar
 
-from composer_replication.diloco.decoupled import DecoupledLearner
-from composer_replication.diloco.outer_mode import Lighthouse, ReplicaContext, ReplicaLoop, RunShape
+from composer_replication.diloco.decoupled.decoupled_check import (
+    check_decoupled_run,
+    final_merges_problem,
+)
+from composer_replication.diloco.decoupled.learner import DecoupledLearner, RejoinRecord
+from composer_replication.diloco.decoupled.learner_state import (
+    LearnerStateWriter,
+    learner_resume_plan,
+    learner_start,
+)
+from composer_replication.diloco.outer_mode import (
+    AfterLoss,
+    HostedService,
+    Lighthouse,
+    RefusalSource,
+    ReplicaContext,
+    ReplicaLoop,
+    ReplicaStart,
+    RunShape,
+)
+from composer_replication.diloco.replica_state import ResumableTrainer
 from composer_replication.diloco.section import DilocoConfig, ManagerName, ModeName
+from composer_replication.diloco.synchronizer import ROLE as SYNCHRONIZER_ROLE
 from composer_replication.diloco.synchronizer import Synchronizer
 from composer_replication.diloco.synchronizer_config import SynchronizerConfig
 from composer_replication.exchange import codecs
-from composer_replication.exchange.liveness import LEARNER_ROLE
+from composer_replication.exchange.liveness import LEARNER_ROLE, MemberLiveness
 from composer_replication.exchange.push_store import DecoupledStore
-from composer_replication.exchange.signing import RunKeys
+from composer_replication.exchange.signing import SYNCHRONIZER, RunKeys
 from composer_replication.exchange.store import ObjectStore
 from composer_replication.fields import require
 
-__all__ = ["DecoupledDiLoCo"]
+if TYPE_CHECKING:
+    from transformers import TrainerCallback
+
+__all__ = ["REJECTION_WINDOW_S", "DecoupledDiLoCo"]
+
+REJECTION_WINDOW_S = 60.0  # a refusal the synchronizer made this recently degrades the run
+
+
+def _rejoin_fields(rejoin: RejoinRecord | None) -> dict[str, object]:
+    """The "train_begin" event's fields: what binding downloaded (only the newest version of
+    each fragment merged while the learner was down; docs/diloco.md)."""
+    if rejoin is None:
+        return {}
+    return {
+        "rejoin_bytes": rejoin["bytes"],
+        "rejoin_objects": rejoin["objects"],
+        "rejoin_merged_meanwhile": rejoin["merged_meanwhile"],
+    }
 
 
 class DecoupledDiLoCo:
@@ -38,17 +75,20 @@ class DecoupledDiLoCo:
     mode: ClassVar[ModeName] = "decoupled"
     manager: ClassVar[ManagerName] = "object_store"
     worker_role = LEARNER_ROLE
-    lockstep = False
-    store_departures = True  # the synchronizer leaves a departed learner out of its quorum
-    has_synchronizer = True
+    service_roles: tuple[str, ...] = (SYNCHRONIZER_ROLE,)
+    # the synchronizer leaves a departed learner out of its quorum
+    departure_roles: tuple[str, ...] = (LEARNER_ROLE,)
 
     def __init__(self, config: DilocoConfig) -> None:
         self.config = config
         self.check_section()
 
-    @property
-    def driver_synchronizer(self) -> bool:
-        return self.config.synchronizer == "driver"
+    def driver_service(self) -> HostedService | None:
+        """The synchronizer, with ``diloco.synchronizer = "driver"`` (``"external"``: the
+        user runs it)."""
+        if self.config.synchronizer != "driver":
+            return None
+        return HostedService(name="synchronizer", identity=SYNCHRONIZER)
 
     def check_section(self) -> None:
         """The rules of this mode on the `[diloco]` section."""
@@ -103,11 +143,63 @@ class DecoupledDiLoCo:
     def quorum(self, n_replicas: int) -> int:
         return self.config.resolved_quorum(n_replicas)
 
-    def elastic(self, n_replicas: int) -> bool:
-        return True  # learners never wait for each other
+    def n_rounds(self, max_steps: int) -> None:
+        return None  # one global version per merge, any number of them per H steps
+
+    def after_loss(self, n_replicas: int) -> AfterLoss:
+        return "go_on"  # learners never wait for each other
+
+    def departure_effect(self, gone: int, n_replicas: int) -> str:
+        return (
+            "the other learners go on (none waits for another); the synchronizer leaves "
+            "it out of its quorum"
+        )
 
     def may_finish_without(self, survivors: int, n_replicas: int) -> bool:
         return False  # a learner's pushes are part of the run's result
+
+    def rollback_for_resume(
+        self, store: ObjectStore, n_replicas: int, warn: Callable[[str], None]
+    ) -> None:
+        return None  # each learner resumes from its own newest state at a push
+
+    def resume_plan(self, store: ObjectStore, n_replicas: int) -> tuple[str, list[str]]:
+        return learner_resume_plan(store, n_replicas)
+
+    def end_of_run_problem(self, store: ObjectStore, n_replicas: int, max_steps: int) -> str | None:
+        return final_merges_problem(store, self.config.fragments)
+
+    def check_chaos(
+        self, store: ObjectStore, kills: Sequence[Mapping[str, object]]
+    ) -> dict[str, object] | None:
+        return check_decoupled_run(store, None, [dict(kill) for kill in kills])
+
+    def service_status(self, member: MemberLiveness, now: float) -> tuple[dict[str, object], bool]:
+        """The synchronizer's row (its heartbeat's fields and stats), and whether it refused
+        a contribution in the last `REJECTION_WINDOW_S` seconds."""
+        fields = member.heartbeat.fields if member.heartbeat is not None else {}
+        raw = fields.get("stats")
+        stats: dict[str, object] = raw if isinstance(raw, dict) else {}
+        row: dict[str, object] = {
+            "id": member.id,
+            "status": member.status,
+            "active": fields.get("active"),
+            "epoch": fields.get("epoch"),
+            "versions": fields.get("versions"),
+            "merges": stats.get("merges"),
+            "refused": stats.get("refused"),
+            "rejected": stats.get("rejected"),
+            "dropped_late": stats.get("dropped_late"),
+            "carried_late": stats.get("carried_late"),
+        }
+        last = stats.get("last_rejection")
+        recent = isinstance(last, int | float) and now - float(last) < REJECTION_WINDOW_S
+        return row, recent
+
+    def refusal_sources(
+        self, store: ObjectStore, keys: RunKeys | None
+    ) -> tuple[RefusalSource, ...]:
+        return (DecoupledStore(store, keys=keys),)
 
     def build_learner(self, ctx: ReplicaContext) -> ReplicaLoop:
         d = self.config
@@ -125,6 +217,15 @@ class DecoupledDiLoCo:
             heartbeat_every_s=None,  # the replica's heartbeat carries the learner's fields
             keys=ctx.keys,
         )
+
+        def state_writer(trainer: ResumableTrainer, flush: Callable[[], None]) -> TrainerCallback:
+            return LearnerStateWriter(
+                store=ctx.store, rank=ctx.rank, learner=learner, trainer=trainer, flush=flush
+            )
+
+        def resume(max_steps: int) -> ReplicaStart:
+            return learner_start(ctx.store, ctx.rank, learner, max_steps)
+
         return ReplicaLoop(
             outer=learner,
             start_round=0,
@@ -134,6 +235,9 @@ class DecoupledDiLoCo:
                 "step": learner.step,
                 "versions": list(learner.versions),
             },
+            resume=resume,
+            state_writer=state_writer,
+            begin_fields=lambda: _rejoin_fields(learner.rejoin),
         )
 
     def synchronizer_config(

@@ -7,39 +7,55 @@ Every H inner steps each replica uploads its pseudo-gradient to the store
 (`DiLoCoOuterLoop` over an `ObjectStoreManager`). With codec ``"sparseloco"`` the replica's
 error feedback wraps the manager and the outer step is SparseLoCo's plain SGD. A replica
 (re)joins at the newest published round; rounds are lockstep, so a run resumes exactly from
-the replicas' resume states (run/replica_state.py) and a replica lost for good lets the others
+the replicas' resume states (diloco/replica_state.py) and a replica lost for good lets the others
 finish when at least ``min_replicas`` remain.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import ClassVar
+import json
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from composer_replication.diloco.manager import Manager
 from composer_replication.diloco.outer_loop import DiLoCoOuterLoop, make_diloco_outer_loop
 from composer_replication.diloco.outer_mode import (
+    AfterLoss,
     GlobalWeights,
+    HostedService,
     Lighthouse,
+    RefusalSource,
     ReplicaContext,
     ReplicaLoop,
+    ReplicaStart,
     RunShape,
     Synchronizing,
 )
 from composer_replication.diloco.outer_optimizer import OuterOptimizerFactory
+from composer_replication.diloco.replica_state import ResumableTrainer
 from composer_replication.diloco.section import DilocoConfig, ManagerName, ModeName
+from composer_replication.diloco.sync.sync_resume import (
+    ResumeStateWriter,
+    own_resume_state,
+    resume_plan_now,
+    rollback_for_resume,
+)
 from composer_replication.exchange import codecs
 from composer_replication.exchange.allreduce import ObjectStoreAllReduce
-from composer_replication.exchange.liveness import REPLICA_ROLE
+from composer_replication.exchange.liveness import REPLICA_ROLE, MemberLiveness
+from composer_replication.exchange.protocol import commit_key
 from composer_replication.exchange.signing import RunKeys
 from composer_replication.exchange.state import parse_state_name, state_prefix
 from composer_replication.exchange.store import ObjectStore, Store
 from composer_replication.exchange.store_manager import ObjectStoreManager
 from composer_replication.fields import require
 
-__all__ = ["SyncDiLoCo", "resume_round"]
+if TYPE_CHECKING:
+    from transformers import TrainerCallback
+
+__all__ = ["SyncDiLoCo", "last_round_problem", "resume_round"]
 
 
 def resume_round(store: Store) -> int:
@@ -48,16 +64,39 @@ def resume_round(store: Store) -> int:
     return max((r for r in rounds if r is not None), default=0)
 
 
+def _committed_rounds(store: ObjectStore) -> list[int]:
+    """Rounds with a commit record in the store, oldest first."""
+    rounds = [int(name) for name in store.list("steps") if name.isdigit()]
+    return sorted(r for r in rounds if store.exists(commit_key(r)))
+
+
+def last_round_problem(store: ObjectStore, n_rounds: int) -> str | None:
+    """Why the store's newest commit record is not the run's last round, ``n_rounds``, read
+    back as that round's (the end-of-run check); None when it is."""
+    rounds = _committed_rounds(store)
+    last = rounds[-1] if rounds else 0
+    if last != n_rounds:
+        return (
+            f"end-of-run check: the store's last committed round is {last}, the run has "
+            f"{n_rounds} (train.max_steps / diloco.sync_every_h)"
+        )
+    try:
+        record = json.loads(bytes(store.get(commit_key(last)) or b""))
+    except ValueError:
+        record = None
+    if not isinstance(record, dict) or record.get("step") != last:
+        return f"end-of-run check: the commit record of the last round ({last}) is not readable"
+    return None
+
+
 class SyncDiLoCo:
     """Sync DiLoCo over the object store (see the module docstring)."""
 
     mode: ClassVar[ModeName] = "sync"
     manager: ClassVar[ManagerName] = "object_store"
     worker_role = REPLICA_ROLE
-    lockstep = True
-    store_departures = True
-    has_synchronizer = False
-    driver_synchronizer = False
+    service_roles: tuple[str, ...] = ()
+    departure_roles: tuple[str, ...] = (REPLICA_ROLE,)  # the peers wait in the store
 
     def __init__(self, config: DilocoConfig) -> None:
         self.config = config
@@ -87,11 +126,60 @@ class SyncDiLoCo:
     def quorum(self, n_replicas: int) -> int:
         return self.config.commit_quorum(n_replicas)
 
-    def elastic(self, n_replicas: int) -> bool:
-        return self.quorum(n_replicas) < n_replicas
+    def n_rounds(self, max_steps: int) -> int:
+        return max_steps // self.config.sync_every_h
+
+    def after_loss(self, n_replicas: int) -> AfterLoss:
+        """Go on when the quorum leaves room for a lost replica (the others then finish
+        without it while at least the quorum remains)."""
+        return "go_on" if self.quorum(n_replicas) < n_replicas else "stop"
+
+    def departure_effect(self, gone: int, n_replicas: int) -> str:
+        """By the run's quorum (`diloco.min_replicas`; its default is the exchange's): go on,
+        or wait up to `diloco.timeout_s` and fail the round."""
+        quorum = self.quorum(n_replicas)
+        if n_replicas - gone >= quorum:
+            return "the others go on without waiting for it"
+        return (
+            f"the others cannot go on without it: diloco.min_replicas = {quorum} of "
+            f"{n_replicas} replicas (they wait up to diloco.timeout_s = "
+            f"{self.config.timeout_s:g} s, then the round fails; set diloco.min_replicas "
+            f"below {n_replicas} to go on without a replica)"
+        )
 
     def may_finish_without(self, survivors: int, n_replicas: int) -> bool:
         return survivors >= self.quorum(n_replicas)
+
+    def rollback_for_resume(
+        self, store: ObjectStore, n_replicas: int, warn: Callable[[str], None]
+    ) -> int:
+        return rollback_for_resume(store, n_replicas, warn)
+
+    def resume_plan(self, store: ObjectStore, n_replicas: int) -> tuple[str, list[str]]:
+        return resume_plan_now(store, n_replicas)
+
+    def end_of_run_problem(self, store: ObjectStore, n_replicas: int, max_steps: int) -> str | None:
+        """The newest commit record is round ``max_steps / H`` and reads back as that
+        round's; a run of one replica exchanges nothing (nothing to check)."""
+        if n_replicas <= 1:
+            return None
+        return last_round_problem(store, self.n_rounds(max_steps))
+
+    def check_chaos(
+        self, store: ObjectStore, kills: Sequence[Mapping[str, object]]
+    ) -> dict[str, object] | None:
+        return None  # the run's own checks (exact rounds, the end-of-run check) hold it
+
+    def refusal_sources(
+        self, store: ObjectStore, keys: RunKeys | None
+    ) -> tuple[RefusalSource, ...]:
+        return ()  # a rejection is in the replicas' round records already
+
+    def driver_service(self) -> HostedService | None:
+        return None
+
+    def service_status(self, member: MemberLiveness, now: float) -> tuple[dict[str, object], bool]:
+        return {"id": member.id, "status": member.status}, False  # it has no services
 
     def build_learner(self, ctx: ReplicaContext) -> ReplicaLoop:
         start_round = resume_round(ctx.store)
@@ -106,11 +194,34 @@ class SyncDiLoCo:
             None, manager, h, model=ctx.model, outer_optimizer_factory=self.outer_factory()
         )
         built.append(outer)
+
+        def resume(max_steps: int) -> ReplicaStart:
+            """Rounds end at step R * H on every replica: this rank's state of its round."""
+            step = start_round * h
+            state = None
+            if max_steps > step:
+                state = own_resume_state(ctx.store, ctx.rank, start_round, ctx.keys)
+            return ReplicaStart(state, step)
+
+        def state_writer(trainer: ResumableTrainer, flush: Callable[[], None]) -> TrainerCallback:
+            return ResumeStateWriter(
+                store=ctx.store,
+                rank=ctx.rank,
+                outer=outer,
+                trainer=trainer,
+                sync_every_h=h,
+                keep_rounds=ctx.keep_rounds,
+                flush=flush,
+                keys=ctx.keys,
+            )
+
         return ReplicaLoop(
             outer=outer,
             start_round=start_round,
             start_step=start_round * h,
             heartbeat=lambda: {"round": outer.round},
+            resume=resume,
+            state_writer=state_writer,
             close=manager.close,
         )
 

@@ -1,85 +1,103 @@
-"""Our trainer against TRL's, every arm given the same information and the same tuning (issue 23).
+"""Our trainer against TRL's, every arm given the same information and its own fit tuning.
 
     python benchmarks/vs_trl.py [--quick] [--budget-s S] [--clock cpu|wall] [--seeds K]
                                 [--first-seed N] [--arms a,b] [--jobs N] [--log PATH]
+                                [--regimes partial,oracle] [--trace-share S]
+                                [--teacher-accuracy P] [--base-steps N] [--out PATH]
+                                [--plot PNG] [--summary-only]
                                 [--ablation] [--warm-start-steps N] [--starts S] [section.key=value ...]
 
 Setting: the embedded default's task (`composer-replication config show`): sums of three digits,
 700 training prompts, 256 held-out prompts that share no operand multiset with a training prompt
 (whole equivalence classes held out, tasks/task.py), the tiny Qwen2 (hidden 64, 2 layers,
-char-level tokenizer, random init), 16 prompts per step, the task's shaped reward. Per seed every
-arm starts from the bit-identical initial model (the seed fixes the init and the split). ONE
-process, one replica (no DiLoCo), `train.torch_threads` (1) torch threads. Each run trains until
-its budget (`--budget-s`, default 220: the embedded default run's own compute, 2 replicas x
-~110 CPU s) is spent, counted in the run's CPU seconds from `on_train_begin` (`--clock cpu`, the
-default: the time a run waits for a core is not charged; a loaded machine still does up to
-less work per CPU second, so the arms of one comparison run side by side, see below),
-then its final model answers every held-out prompt greedily, scored by exact match, and every
-out-of-distribution prompt (sums of four digits: a second row, how far the learning reaches; a
-figure, not a target).
+char-level tokenizer), 16 prompts per step, the task's shaped reward judged on the text
+evaluation judges. Every arm of a seed starts from the same BASE model (`--base-steps`, default
+300: the seed's random init after 300 SFT steps on the easy level's two-digit sums `a+b=`, plain
+and under channel 2's hint template; no prompt of the benchmark, which has three terms): what a
+pretrained model is to RL, so that an RL arm has a policy to improve (from the random init the
+benchmark's GRPO arms learnt nothing). ONE process, one replica (no DiLoCo),
+`train.torch_threads` (1) torch threads. Each run trains until its budget (`--budget-s`, default
+220) is spent, counted in the run's CPU seconds from `on_train_begin` (`--clock cpu`, the
+default: the time a run waits for a core is not charged; a loaded machine still does less work
+per CPU second, so the arms of one comparison run side by side where `--jobs` allows); then its
+final model answers every held-out prompt greedily, scored by exact match, and every
+out-of-distribution prompt (sums of four digits: how far the learning reaches; a figure, not a
+target). Final runs also record a LEARNING CURVE: held-out exact match at the start and at
+`CURVE_POINTS` (1/4, 1/2, 3/4) of the budget, not charged to it (`--plot` draws them).
 
-Arms (each may use the task's oracle answers for the TRAINING prompts, as ours does; none ever
-sees a held-out answer):
+Two information regimes (`--regimes`, both by default; the partial one runs first):
+
+- ``oracle``: a correct teacher trace (the oracle answer) for every training prompt: the regime
+  where supervised learning must win.
+- ``partial``: teacher traces for `--trace-share` (0.25) of the distinct training prompts, drawn
+  per seed, of which `--teacher-accuracy` (0.7) are right and the rest the right integer off by
+  1-3 (`teacher_traces`); the task's verifier (the reward) for EVERY prompt, and so for every
+  trace: the regime the Composer recipe is for.
+
+Arms (none ever sees a held-out answer; each gets the regime's traces and the verifier):
 
 - ``composer``: our ``ComposerReplicationTrainer`` with the default's loss (GRPO + 0.1 x
-  channel 2, hint self-distillation + 1.0 x channel 3, replay of the oracle traces, SimPO).
-- ``trl_grpo``: TRL's ``GRPOTrainer`` on the shaped reward alone (it has no use for an oracle).
-- ``trl_sft``: TRL's ``SFTTrainer`` on the oracle traces (prompt -> oracle answer, loss on the
-  answer), 16 traces per step, the whole budget.
-- ``trl_sft_grpo``: the standard pipeline: ``SFTTrainer`` on the oracle traces for a share of the
-  budget (tuned: 0.25 / 0.5 / 0.75), then ``GRPOTrainer`` for the rest, on the same model.
-- ``trl_sdpo``: TRL's ``trl.experimental.sdpo.SDPOTrainer`` (TRL 1.16; ``SDFTTrainer`` and
-  ``CPOTrainer`` are in ``trl.experimental`` too, ``DPOTrainer`` in ``trl``) with the oracle
-  answer of each training prompt as its ``privileged_context`` column and
-  ``include_environment_feedback=True``: its teacher (the live policy, as our channel 2's)
-  reads "Correct solution: <oracle answer>" for EVERY rollout, failed or not, and the
-  distillation weight is the share of our loss weight that carries the oracle or a hint,
-  ``(alpha + beta) / (1 + alpha + beta)`` = 0.52; the rest as our channel 2 (full-logit
-  generalised JSD with beta 0.5, no importance-sampling clip, success threshold 0.5).
+  channel 2, hint self-distillation + 1.0 x channel 3, replay of the traces with their NLL,
+  SimPO); the traces reach it as a trace file scored by the verifier (what ``bake-traces``
+  writes), so channel 3 prefers a trace only to rollouts the verifier scores lower.
+- ``trl_sft``: TRL's ``SFTTrainer`` on every available trace, wrong ones included.
+- ``trl_rft``: rejection-sampling fine-tuning: ``SFTTrainer`` on the traces the verifier accepts
+  (partial regime only: with the oracle's traces it is ``trl_sft``).
+- ``trl_sft_grpo``: the standard pipeline: ``SFTTrainer`` on the accepted traces for
+  ``SFT_SHARE`` (half) of the budget, then ``GRPOTrainer`` for the rest, on the same model.
+- ``trl_sdpo``: TRL's ``trl.experimental.sdpo.SDPOTrainer`` (TRL 1.16) with the accepted trace
+  of a prompt as its ``privileged_context`` where there is one ("" elsewhere: no context) and
+  ``include_environment_feedback=True``: its teacher (the live policy, as our channel 2's) reads
+  "Correct solution: <trace>"; the distillation weight is the share of our loss weight that
+  carries a trace or a hint, ``(alpha + beta) / (1 + alpha + beta)`` = 0.52; the rest as our
+  channel 2 (full-logit generalised JSD with beta 0.5, no importance-sampling clip, success
+  threshold 0.5).
+- ``trl_grpo``: TRL's ``GRPOTrainer`` on the verifier's reward alone.
 
-Tuning (the same for every arm, ours included): the learning rate from ``GRID_LR`` (1e-3, 3e-3,
-1e-2) and the completions per prompt from ``GRID_G`` (2, 4; 16 prompts per step either way), by
-coordinate search: every learning rate at G = 2, then G = 4 at the best one (SFT alone has no
-completions: its search is the learning rates); for ``trl_sft_grpo`` also its budget split
-(``SFT_SHARES``: 0.5 during the search, then 0.25 and 0.75 at its best lr and G). Each point is
-scored by exact match on a VALIDATION split carved from the training prompts
-(`Task.validation_view`: whole operand multisets, >= 128 prompts; those runs train on the
-rest), with ONE seed (``--tune-seed``, 0). The held-out prompts are
-used only by the final runs. Then every arm runs ``--seeds`` (5) seeds at its chosen settings
-on the full training split.
+Tuning, fit for each arm, on a VALIDATION split carved from the training prompts
+(`Task.validation_view`: whole operand multisets, >= 128 prompts, which never get a trace; those
+runs train on the rest), with ONE seed (``--tune-seed``, 0), per regime: an RL arm (ours, TRL's
+GRPO and SDPO) searches the learning rates ``RL_GRID_LR`` (1e-4, 3e-4, 1e-3) at G = 4
+completions per prompt, then G = 8 (``GRID_G``) at the best (16 prompts per step either way);
+an SFT arm the learning rates ``SFT_GRID_LR`` (1e-3, 3e-3, 1e-2); SFT -> GRPO each phase on its
+own: its SFT phase alone (``trl_sft_grpo:sft``, half the budget) at every SFT learning rate, then
+its GRPO phase as an RL arm, each point starting from the best SFT phase's model (cached). No
+extra TRL stabiliser (KL, more updates per batch, DAPO's clip-higher): channel 1's settings are
+the run's, for ours and TRL's alike (`assembly.build.channel1_args`). The held-out prompts are
+used only by the final runs; then every arm runs ``--seeds`` (5) seeds at its chosen settings.
 
-Reported per arm: the median over seeds of held-out exact match with a 95% bootstrap interval
-(resampling seeds, and within each seed the held-out operand multisets: the prompts of one
-class are not independent), the largest share of one answer among the greedy answers (1.0 = a
-constant answer), steps, and for ours the gradient share of channels 2 and 3 (every
+Reported per arm and regime: the median over seeds of held-out exact match with a 95% bootstrap
+interval (resampling seeds, and within each seed the held-out operand multisets: the prompts of
+one class are not independent), the largest share of one answer among the greedy answers (1.0 =
+a constant answer), steps, and for ours the gradient share of channels 2 and 3 (every
 ``--probe-every`` micro-batches: ``|grad(alpha * sdpo)| / |grad(total)|`` and the same for
-``beta * replay``, taken with ``torch.autograd.grad`` on the loss terms (`set_loss_probe`);
-the probe's time is not charged to the budget).
+``beta * replay``, taken with ``torch.autograd.grad`` on the loss terms (`set_loss_probe`); the
+probe's time is not charged to the budget).
 
 ``--ablation`` instead runs our channel variants (``composer_grpo`` channel 1 only,
-``composer_sdpo`` 1 + 2, ``composer_replay`` 1 + 3, ``composer`` all) at ours' tuned settings,
-``--seeds`` seeds, from scratch and from an SFT warm start (``--warm-start-steps`` steps of
-TRL's ``SFTTrainer`` on the oracle traces of half the training prompts, the same start for every
-variant of a seed, not charged to the budget), where a hint can change what the teacher
-predicts (``--starts scratch`` or ``warm`` runs one of the two). The warm start itself is a row
-too (``warm_start``, evaluated without training: ``warm_start_heldout_acc``), so that each
-variant's figure reads as what its channels add to the same start.
-
-Runs compared with each other run at the same time (``--jobs``, default 5: one process and
-session per run; the arms of one seed together, the arms at one grid point together), because
-under load a CPU second does less work (up to ~4x on the loaded 2-core machine,
-docs/benchmarks-notebook.md): the budget is equal CPU seconds, and side by side the load affects every
-arm of a comparison alike. Each record has the load average at its start and end.
+``composer_sdpo`` 1 + 2, ``composer_replay`` 1 + 3, ``composer`` all) at ours' tuned settings
+(or ``--lr``/``--g``), ``--seeds`` seeds, from the random init and from an SFT warm start
+(``--warm-start-steps`` steps of TRL's ``SFTTrainer`` on the oracle traces of half the training
+prompts, plain and hinted, the same start for every variant of a seed, not charged to the
+budget; ``--starts scratch`` or ``warm`` runs one of the two). The warm start itself is a row too
+(``warm_start``, evaluated without training: ``warm_start_heldout_acc``).
 
 Every finished run is appended to ``--log`` (JSON lines; default
 ``benchmarks/results/vs_trl.jsonl``); a rerun skips the runs already there (same settings,
-budget and clock), so an interrupted measurement resumes. Prints one line per run, the tuning
-table, the final table, and as the LAST line one JSON object: ``composer_heldout_acc``,
-``trl_best_heldout_acc`` (the best TRL arm's median), ``trl_best_arm``,
-``composer_minus_best_trl`` (with ``..._ci``, paired bootstrap), ``composer_constant_answer_share``,
-one ``<arm>_heldout_acc`` (and ``<arm>_heldout_acc_ci``, ``<arm>_ood_acc``) per arm,
-``intervals_overlap``, ``targets``, ``tuned`` (each arm's choice and its grid), ``per_seed``,
-``budget_s``, ``clock``, ``seeds``, ``n_heldout``, ``heldout_classes``.
+budget and clock), so an interrupted measurement resumes, and ``--summary-only`` summarises what
+the log holds without running anything (a measurement cut short). Each record has the commit,
+CPU model and load average. Prints one line per run, the tuning table (the grid and the chosen
+points), the final table per regime, and as the LAST line one JSON object (also ``--out``,
+written after each regime, with ``machine``: CPU model and flags, cores, commit, load):
+``composer_heldout_acc``, ``trl_best_heldout_acc`` (the best TRL arm's median),
+``trl_best_arm``, ``composer_minus_best_trl`` (with ``..._ci``, paired bootstrap),
+``composer_constant_answer_share``, one ``<arm>_heldout_acc`` (and ``<arm>_heldout_acc_ci``,
+``<arm>_ood_acc``) per arm, ``intervals_overlap``, ``targets``, ``tuned`` (each arm's choice and
+its grid), ``per_seed`` (with each run's curve), ``seeds``, ``n_heldout``, ``heldout_classes``
+for the oracle regime; the same keys with ``_partial`` (before a trailing ``_ci``:
+``composer_minus_best_trl_partial_ci``) for the partial regime, and ``targets_partial``
+(ours ahead of the best TRL arm by >= 0.05 with the paired interval above 0); ``budget_s``,
+``clock``, ``base_steps``, the grids.
 """
 
 from __future__ import annotations
@@ -777,15 +795,16 @@ def tuning_specs(
     traces: float = 1.0,
     teacher_acc: float = 1.0,
     base: int = 0,
+    grid_g: tuple[int, ...] = GRID_G,
 ) -> list[Spec]:
     """The validation runs of an arm's search, as far as the finished runs (`done`, by key)
     decide them. An RL arm (ours, TRL's GRPO and SDPO): (A) every learning rate of `RL_GRID_LR`
     at the first G, (B) the other G at A's best. An SFT arm: every learning rate of
     `SFT_GRID_LR`. SFT -> GRPO, each phase on its own: its SFT phase alone (`SFT_PHASE`, the
     SFT share of the budget) at every SFT learning rate, then its GRPO phase's (A) and (B) from
-    the best of them. `--quick`: one point per phase."""
+    the best of them. `grid_g`: the G grid (`--grid-g`). `--quick`: one point per phase."""
     rl_lrs, sft_lrs, gs = (
-        ((3e-4,), (3e-3,), GRID_G[:1]) if quick else (RL_GRID_LR, SFT_GRID_LR, GRID_G)
+        ((3e-4,), (3e-3,), grid_g[:1]) if quick else (RL_GRID_LR, SFT_GRID_LR, grid_g)
     )
     first = Spec(
         arm, seed, 0.0, gs[0], None, "val", 0, budget, clock, rpo,
@@ -1060,7 +1079,7 @@ def tune(
     def specs(arm: str) -> list[Spec]:
         return tuning_specs(
             arm, a.tune_seed, budget, a.clock, a.quick, log.done, rpos[arm],
-            traces=traces, teacher_acc=acc, base=a.base_steps,
+            traces=traces, teacher_acc=acc, base=a.base_steps, grid_g=a.grid_g,
         )  # fmt: skip
 
     while True:  # each pass runs the next stage of every arm's search
@@ -1280,6 +1299,12 @@ def main() -> None:
         f"{DEFAULT_BASE_STEPS}; --quick 2; 0: the random init)",
     )
     p.add_argument(
+        "--grid-g",
+        default=",".join(map(str, GRID_G)),
+        help="the RL arms' completions per prompt, searched after the learning rate at the "
+        "first (default 4,8; one value: G fixed, a smaller search)",
+    )
+    p.add_argument(
         "--summary-only",
         action="store_true",
         help="run nothing: summarise the runs the log holds (a measurement cut short)",
@@ -1353,6 +1378,12 @@ def main() -> None:
         unknown = sorted(set(arms) - set(ARMS))
         if unknown or not arms:
             p.error(f"--arms: unknown {unknown}; choose from {', '.join(ARMS)}")
+    try:
+        a.grid_g = tuple(int(t) for t in a.grid_g.split(",") if t.strip())
+    except ValueError:
+        a.grid_g = ()
+    if not a.grid_g or min(a.grid_g) < 2:
+        p.error("--grid-g: comma-separated integers >= 2 (GRPO needs two completions)")
     regimes = [t.strip() for t in a.regimes.split(",") if t.strip()]
     if not regimes or set(regimes) - set(REGIMES):
         p.error(f"--regimes: choose from {', '.join(REGIMES)}")
@@ -1388,7 +1419,7 @@ def main() -> None:
             base_steps=a.base_steps,
             grid_rl_lr=list(RL_GRID_LR),
             grid_sft_lr=list(SFT_GRID_LR),
-            grid_g=list(GRID_G),
+            grid_g=list(a.grid_g),
             sft_share=SFT_SHARE,
             curve_points=list(CURVE_POINTS),
             n_val=N_VAL,

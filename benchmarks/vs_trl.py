@@ -1174,6 +1174,11 @@ def run_regime(
         for s in seeds
     ]
     final = execute(batches, log, a.jobs, a.probe_every, a.overrides, a.cache)
+    # a measurement cut short (--summary-only): the seeds every arm finished, so that every
+    # median is over the same seeds as the paired intervals
+    complete = [s for s in seeds if {r["arm"] for r in final if r["seed"] == s} >= set(ready)]
+    if complete:
+        final = [r for r in final if r["seed"] in complete]
     done = [arm for arm in ready if any(r["arm"] == arm for r in final)]
     if not done:
         return {"tuned": tuned}

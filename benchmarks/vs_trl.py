@@ -1481,8 +1481,9 @@ def plot_curves(
             if not curves:
                 continue
             ys = np.array([np.interp(grid, *zip(*c, strict=True)) for c in curves])
-            (line,) = ax.plot(grid, ys.mean(0), label=f"{arm} ({len(curves)} seeds)")
-            ax.fill_between(grid, ys.min(0), ys.max(0), color=line.get_color(), alpha=0.15)
+            color = f"C{ARMS.index(arm)}"  # one colour per arm in every panel
+            ax.plot(grid, ys.mean(0), color=color, label=f"{arm} ({len(curves)} seeds)")
+            ax.fill_between(grid, ys.min(0), ys.max(0), color=color, alpha=0.12)
         title = (
             "oracle traces for every prompt"
             if regime == "oracle"

@@ -1,11 +1,14 @@
-"""benchmarks/vs_trl.py (issue 23): every arm (ours; TRL's GRPO, SFT, SFT -> GRPO and SDPO) is
-tuned on a validation split carved from training, then trains on the embedded default's task for
-the same budget and is evaluated on the held-out prompts; the last line is the JSON the docs
-quote. The quick run's budget is tiny: the figures are not judged here, only their form, that
-every arm ran, was tuned on the validation split and measured on the held-out one."""
+"""benchmarks/vs_trl.py (issues 23, 35): every arm (ours; TRL's GRPO, SFT, rejection-sampling
+SFT, SFT -> GRPO and SDPO) is tuned on a validation split carved from training, then trains on
+the embedded default's task for the same budget, from the same base model, in two information
+regimes (the oracle's traces for every prompt; traces for a share of the prompts, some wrong),
+and is evaluated on the held-out prompts; the last line is the JSON the docs quote. The quick
+run's budget is tiny: the figures are not judged here, only their form, that every arm ran, was
+tuned on the validation split and measured on the held-out one, with a learning curve."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -15,7 +18,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-ARMS = ("composer", "trl_grpo", "trl_sft", "trl_sft_grpo", "trl_sdpo")
+ARMS = ("composer", "trl_grpo", "trl_sft", "trl_sft_grpo", "trl_sdpo")  # both regimes
+PARTIAL_ARMS = (*ARMS, "trl_rft")
 
 
 def _vs_trl():  # type: ignore[no-untyped-def]
@@ -42,40 +46,72 @@ def _quick_run(log: Path, *args: str) -> dict:  # type: ignore[type-arg]
 @pytest.mark.slow
 def test_quick_run_prints_the_keys(tmp_path: Path) -> None:
     log = tmp_path / "runs.jsonl"
-    result = _quick_run(log, "--clock", "cpu", "--probe-every", "1", "--bootstrap", "200")
-    for key in (
-        "composer_heldout_acc",
-        "trl_best_heldout_acc",
-        "composer_minus_best_trl",
-        "composer_constant_answer_share",
-        *(f"{a}_heldout_acc" for a in ARMS),
-    ):
-        assert isinstance(result[key], float), (key, result[key])
-    assert result["trl_best_arm"] in ARMS[1:]
-    assert result["composer_minus_best_trl"] == pytest.approx(
-        result["composer_heldout_acc"] - result["trl_best_heldout_acc"]
-    )
-    assert result["n_heldout"] == 256 and result["seeds"] == 1
-    for arm in ARMS:
-        (run,) = result["per_seed"][arm]
-        assert run["split"] == "heldout" and run["train_seconds"] >= 3.0  # the budget was spent
-        assert run["n"] == 256 and 0.0 <= run["ood_acc"] <= 1.0
-        lo, hi = result[f"{arm}_heldout_acc_ci"]
-        assert lo <= result[f"{arm}_heldout_acc"] <= hi
-        tuned = result["tuned"][arm]  # chosen on the validation split, one grid point in --quick
-        assert [(c["lr"], c["g"]) for c in tuned["grid"]] == [(3e-3, 2)]
-    assert result["per_seed"]["trl_sft_grpo"][0]["phase_steps"][0] >= 1  # SFT ran, then GRPO
-    # the probe measured ours on every micro-batch, and only ours
-    ours = result["per_seed"]["composer"][0]
-    assert ours["probed_micro_batches"] == ours["steps"] and ours["channel2_loss_share"] >= 0
-    assert result["per_seed"]["trl_grpo"][0]["channel2_loss_share"] is None
+    args = ("--clock", "cpu", "--probe-every", "1", "--bootstrap", "200", "--jobs", "1")
+    result = _quick_run(log, *args, "--out", str(tmp_path / "out.json"))
+    assert json.loads((tmp_path / "out.json").read_text()) == result
+    for suffix, arms in (("", ARMS), ("_partial", PARTIAL_ARMS)):
+        for key in (
+            "composer_heldout_acc",
+            "trl_best_heldout_acc",
+            "composer_minus_best_trl",
+            "composer_constant_answer_share",
+            *(f"{a}_heldout_acc" for a in arms),
+        ):
+            assert isinstance(result[key + suffix], float), (key, suffix, result[key + suffix])
+        assert result["trl_best_arm" + suffix] in arms[1:]
+        assert result["composer_minus_best_trl" + suffix] == pytest.approx(
+            result["composer_heldout_acc" + suffix] - result["trl_best_heldout_acc" + suffix]
+        )
+        lo, hi = result[f"composer_minus_best_trl{suffix}_ci"]
+        assert lo <= result["composer_minus_best_trl" + suffix] <= hi
+        assert result["n_heldout" + suffix] == 256 and result["seeds" + suffix] == 1
+        per_seed, tuned = result["per_seed" + suffix], result["tuned" + suffix]
+        assert set(per_seed) == set(arms)
+        for arm in arms:
+            (run,) = per_seed[arm]
+            assert run["split"] == "heldout" and run["train_seconds"] >= 3.0  # budget spent
+            assert run["n"] == 256 and 0.0 <= run["ood_acc"] <= 1.0 and run["base"] == 2
+            lo, hi = result[f"{arm}_heldout_acc{suffix}_ci"]
+            assert lo <= result[f"{arm}_heldout_acc{suffix}"] <= hi
+            # the learning curve: from the base model (second 0) to the end of the budget
+            (t0, _), (t1, acc) = run["curve"][0], run["curve"][-1]
+            assert t0 == 0.0 and t1 == run["train_seconds"] and acc == run["acc"]
+            assert all(a[0] <= b[0] for a, b in zip(run["curve"], run["curve"][1:]))
+            # chosen on the validation split, one grid point per phase in --quick
+            points = [(c["phase"], c["lr"], c["g"]) for c in tuned[arm]["grid"]]
+            if arm in ("trl_sft", "trl_rft"):
+                assert points == [(None, 3e-3, 4)]
+            elif arm == "trl_sft_grpo":  # its SFT phase alone, then its GRPO phase after it
+                assert points == [("sft", 3e-3, 4), (None, 3e-4, 4)]
+                assert tuned[arm]["sft_lr"] == 3e-3 and tuned[arm]["share"] == 0.5
+            else:
+                assert points == [(None, 3e-4, 4)]
+        assert per_seed["trl_sft_grpo"][0]["phase_steps"][0] >= 1  # SFT ran, then GRPO
+        # the probe measured ours on every micro-batch, and only ours
+        ours = per_seed["composer"][0]
+        assert ours["probed_micro_batches"] == ours["steps"] and ours["channel2_loss_share"] >= 0
+        assert per_seed["trl_grpo"][0]["channel2_loss_share"] is None
     assert set(result["targets"]) == {"composer_ahead_by_0.05", "intervals_apart"}
-    # every run is in the log; a rerun measures nothing new and prints the same medians
+    assert set(result["targets_partial"]) == {
+        "composer_ahead_by_0.05",
+        "difference_interval_above_0",
+    }
+    # the partial regime: traces for a quarter of the prompts, 70% of them right
+    assert result["trace_share_partial"] == 0.25 and result["teacher_accuracy_partial"] == 0.7
+    assert 0 < result["n_traces_accepted_partial"] < result["n_traces_partial"]
+    assert result["machine"]["cpu_flags"] and result["machine"]["commit"] is not None
+    # every run is in the log: tuning (SFT -> GRPO's SFT phase apart) and final runs
     runs = [json.loads(line) for line in log.read_text().splitlines()]
-    assert {r["split"] for r in runs} == {"val", "heldout"} and len(runs) == 2 * len(ARMS)
-    again = _quick_run(log, "--clock", "cpu", "--probe-every", "1", "--bootstrap", "200")
+    assert {r["split"] for r in runs} == {"val", "heldout"}
+    assert len(runs) == (len(PARTIAL_ARMS) + 1) + len(PARTIAL_ARMS) + (len(ARMS) + 1) + len(ARMS)
+    again = _quick_run(log, *args, "--plot", str(tmp_path / "curves.png"))  # measures nothing
     assert again["per_seed"] == result["per_seed"]
+    assert again["per_seed_partial"] == result["per_seed_partial"]
     assert len(log.read_text().splitlines()) == len(runs)
+    assert (tmp_path / "curves.png").stat().st_size > 10_000
+    # --summary-only: what the log holds, nothing run (here: every run)
+    only = _quick_run(log, *args, "--summary-only", "--seeds", "2")
+    assert only["per_seed"] == result["per_seed"] and len(log.read_text().splitlines()) == len(runs)
 
 
 @pytest.mark.heavy  # six runs in child processes: ~4 min alone here, past 300 s under load
@@ -115,33 +151,104 @@ def test_quick_warm_start_ablation_runs_every_variant(tmp_path: Path) -> None:
     assert len(list((tmp_path / "warm").glob("warm-seed0-steps2-*.safetensors"))) == 1
 
 
-def test_tuning_is_a_coordinate_search_on_the_same_grid_for_every_arm() -> None:
+def test_tuning_fits_each_arm_and_each_phase_of_sft_grpo_on_its_own() -> None:
+    """RL arms: every RL learning rate at G 4, then G 8 at the best; SFT arms: every SFT
+    learning rate; SFT -> GRPO: its SFT phase alone at every SFT learning rate, then its GRPO
+    phase as an RL arm from the best SFT phase (whose cached model the final run reuses)."""
     vs_trl = _vs_trl()
     done: dict = {}
 
     def finish(specs, acc):  # type: ignore[no-untyped-def]
         for s in specs:
             done.setdefault(
-                s.key(), {"acc": acc(s), "reward": 0.0, "lr": s.lr, "g": s.g, "share": s.share}
-            )
+                s.key(),
+                {"acc": acc(s), "reward": 0.0, "lr": s.lr, "g": s.g, "share": s.share,
+                 "sft_lr": s.sft_lr},
+            )  # fmt: skip
 
-    for arm in vs_trl.ARMS:
-        stage_a = vs_trl.tuning_specs(arm, 0, 220.0, "cpu", False, done)
-        assert [(s.lr, s.g) for s in stage_a] == [(lr, 2) for lr in vs_trl.GRID_LR]
-        assert all(s.split == "val" and s.seed == 0 for s in stage_a)
-        finish(stage_a, lambda s: 1.0 if s.lr == 3e-3 else 0.5)
-        stage_b = vs_trl.tuning_specs(arm, 0, 220.0, "cpu", False, done)
-        if arm == "trl_sft":  # no completions to tune
-            assert stage_b == stage_a
-            continue
-        assert [(s.lr, s.g) for s in stage_b[3:]] == [(3e-3, 4)]
-        finish(stage_b, lambda s: 0.9)
-        final = vs_trl.tuning_specs(arm, 0, 220.0, "cpu", False, done)
-        if arm == "trl_sft_grpo":
-            assert [(s.lr, s.g, s.share) for s in final[4:]] == [(3e-3, 2, 0.25), (3e-3, 2, 0.75)]
-        else:
-            assert final == stage_b
-        assert vs_trl.choose([done[s.key()] for s in final if s.key() in done])["lr"] == 3e-3
+    kw = {"traces": 0.25, "teacher_acc": 0.7, "base": 300}
+    for arm in ("composer", "trl_grpo", "trl_sdpo"):
+        stage_a = vs_trl.tuning_specs(arm, 0, 30.0, "cpu", False, done, **kw)
+        assert [(s.lr, s.g) for s in stage_a] == [(lr, 4) for lr in vs_trl.RL_GRID_LR]
+        assert vs_trl.RL_GRID_LR == (1e-4, 3e-4, 1e-3) and vs_trl.GRID_G == (4, 8)
+        assert all(s.split == "val" and s.seed == 0 and s.traces == 0.25 for s in stage_a)
+        finish(stage_a, lambda s: 1.0 if s.lr == 3e-4 else 0.5)
+        stage_b = vs_trl.tuning_specs(arm, 0, 30.0, "cpu", False, done, **kw)
+        assert [(s.lr, s.g) for s in stage_b[3:]] == [(3e-4, 8)]
+    for arm in ("trl_sft", "trl_rft"):
+        specs = vs_trl.tuning_specs(arm, 0, 30.0, "cpu", False, done, **kw)
+        assert [s.lr for s in specs] == list(vs_trl.SFT_GRID_LR)
+    first = vs_trl.tuning_specs("trl_sft_grpo", 0, 30.0, "cpu", False, done, **kw)
+    assert [(s.arm, s.lr, s.budget) for s in first] == [
+        (vs_trl.SFT_PHASE, lr, 15.0) for lr in vs_trl.SFT_GRID_LR
+    ]
+    finish(first, lambda s: 1.0 if s.lr == 1e-2 else 0.2)
+    second = vs_trl.tuning_specs("trl_sft_grpo", 0, 30.0, "cpu", False, done, **kw)[3:]
+    assert [(s.lr, s.g, s.sft_lr, s.share) for s in second] == [
+        (lr, 4, 1e-2, 0.5) for lr in vs_trl.RL_GRID_LR
+    ]
+    # the second phase's run starts from the first phase's tuning run (the same spec: cached)
+    assert vs_trl.phase_one(second[0]) == first[2]
+    finish(second, lambda s: 0.9 if s.lr == 1e-3 else 0.1)
+    full = vs_trl.tuning_specs("trl_sft_grpo", 0, 30.0, "cpu", False, done, **kw)
+    assert [(s.lr, s.g) for s in full[6:]] == [(1e-3, 8)]
+    chosen = vs_trl.choose([done[s.key()] for s in full[3:6]])
+    assert (chosen["lr"], chosen["sft_lr"]) == (1e-3, 1e-2)
+
+
+def test_the_partial_regime_gives_traces_for_a_share_of_the_prompts_some_wrong() -> None:
+    """Traces for `share` of the distinct training prompts, `accuracy` of them the oracle's and
+    the rest off by 1-3 (rejected by the verifier); fixed by the seed; a validation view's
+    traces never cover a validation prompt. Each arm reads what the module says it reads."""
+    pytest.importorskip("trl")
+    vs_trl = _vs_trl()
+    from composer_replication.config import load_config
+
+    task = vs_trl_task(load_config())
+    distinct = {ex.prompt for ex in task.train_examples()}
+    traces = vs_trl.teacher_traces(task, 0.25, 0.7, 0)
+    assert len(traces) == round(0.25 * len(distinct)) and len({t.example.prompt for t in traces})
+    right = [t for t in traces if t.text == task.oracle(t.example)]
+    assert len(right) == round(0.7 * len(traces))
+    assert all(t.correct == (t in right) and (t.reward == 1.0) == t.correct for t in traces)
+    for t in traces:
+        if not t.correct:
+            assert 1 <= abs(int(t.text) - int(task.oracle(t.example))) <= 3
+    assert vs_trl.teacher_traces(task, 0.25, 0.7, 0) == traces  # fixed by the seed
+    oracle = vs_trl.teacher_traces(task, 1.0, 1.0, 0)
+    assert len(oracle) == len(distinct) and all(t.correct for t in oracle)
+    view = task.validation_view(vs_trl.N_VAL)
+    val = {ex.prompt for ex in view.eval_examples()}
+    assert not val & {t.example.prompt for t in vs_trl.teacher_traces(view, 0.25, 0.7, 0)}
+    # ours replays the traces (with the verifier's reward, as bake-traces writes them)
+    import tempfile
+
+    from composer_replication.data.traces import TraceStore
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "traces.jsonl"
+        vs_trl.write_traces(traces, path)
+        store = TraceStore.load([str(path)])
+    assert len(store) == len(traces)
+    # the SFT arms' data: the traces as prompt -> answer
+    data = vs_trl.trace_dataset(traces[:2])
+    assert data[1]["completion"] == [{"role": "assistant", "content": traces[1].text}]
+
+
+def test_new_spec_fields_keep_the_logged_runs_keys_and_the_partial_keys_are_named() -> None:
+    vs_trl = _vs_trl()
+    spec = vs_trl.Spec("composer", 0, 3e-4, 4, None, "heldout", 250, 100.0, "cpu", 1.0)
+    assert set(json.loads(spec.key())) == {
+        "arm", "seed", "lr", "g", "share", "split", "warm", "budget", "clock", "rpo", "signal",
+    }  # fmt: skip
+    partial = dataclasses.replace(spec, traces=0.25, teacher_acc=0.7, base=300)
+    assert partial.regime == "partial" and spec.regime == "oracle"
+    assert json.loads(partial.key())["traces"] == 0.25
+    keys = vs_trl.partial_keys({"composer_heldout_acc": 0.5, "composer_minus_best_trl_ci": [0, 1]})
+    assert keys == {
+        "composer_heldout_acc_partial": 0.5,
+        "composer_minus_best_trl_partial_ci": [0, 1],
+    }
 
 
 def test_the_bootstrap_resamples_seeds_and_classes_and_pairs_the_arms() -> None:

@@ -24,6 +24,7 @@ from torch import nn
 from composer_replication.assembly import build, services
 from composer_replication.assembly.outer import outer_loop_mode
 from composer_replication.config import ConfigError, RunConfig, load_config
+from composer_replication.diloco import mode_registry
 from composer_replication.diloco.outer_mode import ReplicaContext
 from composer_replication.exchange import codecs, rules, schemes
 from composer_replication.exchange.codec_blocks import NoConfig
@@ -41,6 +42,7 @@ REGISTRATIONS = {
     "An executor backend (tested)": ("executors/registry.py", "BACKENDS"),
     "A store scheme (tested)": ("exchange/schemes.py", "SCHEMES"),
     "A task (tested)": ("tasks/__init__.py", "TASKS"),
+    "An outer-loop mode (tested)": ("diloco/mode_registry.py", "_MODES"),
 }
 
 
@@ -392,3 +394,47 @@ def test_a_store_scheme(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.delitem(schemes.SCHEMES, "toyfs")
     with pytest.raises(ConfigError, match="toyfs://"):
         check_store_scheme(config.store.uri)
+
+
+# ------------------------------------------------------------------------- an outer-loop mode
+
+MODE = """
+    from composer_replication.diloco.sync.sync_mode import SyncDiLoCo
+
+    BUILT = []
+
+
+    class EchoSync(SyncDiLoCo):  # sync DiLoCo under its own name, counting the learners built
+        mode = "echo_sync"
+        manager = "object_store"
+
+        def build_learner(self, ctx):
+            BUILT.append(ctx.rank)
+            return super().build_learner(ctx)
+"""
+
+
+def test_an_outer_loop_mode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    toy = _toy_module(tmp_path, monkeypatch, "toy_mode", MODE)
+    key = ("echo_sync", "object_store")
+    monkeypatch.setitem(mode_registry._MODES, key, "toy_mode:EchoSync")  # the registration
+    config = _config(
+        tmp_path,
+        """
+        [diloco]
+        mode = "echo_sync"
+        sync_every_h = 2
+        [backend]
+        n_replicas = 2
+        """,
+    )
+    assert isinstance(outer_loop_mode(config), toy.EchoSync)
+    merged = _one_round(config, tmp_path / "store")
+    assert sorted(toy.BUILT) == [0, 1]
+    assert all(torch.equal(merged[0][k], merged[1][k]) for k in merged[0])
+    with pytest.raises(ConfigError, match=r"diloco.mode: .*'echo_snyc'.*did you mean 'echo_sync'"):
+        _config(tmp_path, '[diloco]\nmode = "echo_snyc"\n')
+    # a class whose names disagree with its registration is refused, naming both
+    monkeypatch.setitem(mode_registry._MODES, ("other", "object_store"), "toy_mode:EchoSync")
+    with pytest.raises(TypeError, match="make its names and its _MODES entry agree"):
+        mode_registry.outer_loop_modes()

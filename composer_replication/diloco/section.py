@@ -21,21 +21,23 @@ on the combination are checked when the run config is built).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Annotated
 
 from composer_replication.diloco.decoupled.learner import DecoupledConfig
+from composer_replication.diloco.mode_registry import manager_names, mode_names
 from composer_replication.diloco.outer_optimizer import OuterOptimizerConfig
 from composer_replication.diloco.sparseloco import SparseLoCoConfig
 from composer_replication.diloco.torchft.torchft_path import TorchftConfig
 from composer_replication.exchange.settings import ExchangeConfig
-from composer_replication.fields import require, setting
+from composer_replication.fields import OneOf, require, setting
 
-__all__ = ["MANAGERS", "MODES", "DilocoConfig", "ManagerName", "ModeName", "OuterLoopSettings"]
+__all__ = ["DilocoConfig", "ManagerName", "ModeName", "OuterLoopSettings"]
 
-ModeName = Literal["sync", "decoupled"]
-ManagerName = Literal["object_store", "torchft"]
-MODES: tuple[ModeName, ...] = get_args(ModeName)
-MANAGERS: tuple[ManagerName, ...] = get_args(ManagerName)
+
+# Names the mode registry holds (one registration per mode: `mode_registry._MODES`), checked by
+# the loader against the live registry.
+ModeName = Annotated[str, OneOf(mode_names, "an outer-loop mode (docs/diloco.md)")]
+ManagerName = Annotated[str, OneOf(manager_names, "who averages (docs/diloco.md)")]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,10 +58,9 @@ class OuterLoopSettings:
 
     def __post_init__(self) -> None:
         require(self.sync_every_h >= 1, "sync_every_h", "must be >= 1")
-        require(self.mode in MODES, "mode", f"{self.mode!r} is not one of {list(MODES)}")
-        require(
-            self.manager in MANAGERS, "manager", f"{self.manager!r} is not one of {list(MANAGERS)}"
-        )
+        modes, managers = mode_names(), manager_names()
+        require(self.mode in modes, "mode", f"{self.mode!r} is not one of {modes}")
+        require(self.manager in managers, "manager", f"{self.manager!r} is not one of {managers}")
 
 
 # Fields are laid out base-most first: the outer loop's own keys, the outer optimizer, the

@@ -13,10 +13,10 @@ from torch import nn
 from composer_replication.config import ConfigError, load_config
 from composer_replication.diloco.decoupled import DecoupledLearner
 from composer_replication.diloco.decoupled.decoupled_mode import DecoupledDiLoCo
-from composer_replication.diloco.mode_registry import OUTER_LOOP_MODES, outer_loop_mode
+from composer_replication.diloco.mode_registry import outer_loop_mode, outer_loop_modes
 from composer_replication.diloco.outer_loop import DiLoCoOuterLoop
 from composer_replication.diloco.outer_mode import ReplicaContext
-from composer_replication.diloco.section import MANAGERS, MODES, DilocoConfig
+from composer_replication.diloco.section import DilocoConfig
 from composer_replication.diloco.sparseloco import ErrorFeedbackManager
 from composer_replication.diloco.sync.sync_mode import SyncDiLoCo
 from composer_replication.diloco.synchronizer_config import SynchronizerConfig
@@ -33,13 +33,13 @@ def _ctx(tmp_path: Path, n: int = 2) -> ReplicaContext:
 
 
 def test_the_registry_has_one_class_per_mode_and_names_what_cannot_run() -> None:
-    assert OUTER_LOOP_MODES == {
+    assert outer_loop_modes() == {
         ("sync", "object_store"): SyncDiLoCo,
         ("sync", "torchft"): TorchftDiLoCo,
         ("decoupled", "object_store"): DecoupledDiLoCo,
     }
-    assert {m for m, _ in OUTER_LOOP_MODES} == set(MODES)
-    assert {m for _, m in OUTER_LOOP_MODES} == set(MANAGERS)
+    with pytest.raises(ConfigError, match="diloco.mode.*did you mean 'decoupled'"):
+        load_config(overrides=["diloco.mode=decoupld"])
     with pytest.raises(ValueError, match="diloco.manager: 'torchft' does not run diloco.mode"):
         outer_loop_mode(DilocoConfig(mode="decoupled", manager="torchft"))
     with pytest.raises(ConfigError, match="set diloco.manager = 'object_store'"):

@@ -369,10 +369,13 @@ def trainer_args(config: RunConfig, output_dir: str, max_steps: int, seed: int) 
 
 
 def composer_kwargs(config: RunConfig) -> dict[str, Any]:
-    """The trainer's composer keywords: `[loss]` minus channel 1 (unset optionals omitted)."""
+    """The trainer's composer keywords: `[loss]` minus channel 1 (unset optionals omitted), and
+    channel 3's trace filter (`[teachers] min_reward`)."""
     kw = config.loss.compose_kwargs()
     for key in CHANNEL1_TRL_ARGS:
         kw.pop(key, None)
+    if config.teachers.min_reward is not None:
+        kw["replay_min_trace_reward"] = config.teachers.min_reward
     return kw
 
 

@@ -294,6 +294,12 @@ class TeachersConfig:
     endpoints: list[EndpointConfig] = setting(
         [], "OpenAI-compatible teachers ([[teachers.endpoints]])"
     )
+    min_reward: float | None = setting(
+        None,
+        "replay only traces the task's verifier scored at least this (a trace it rejects, or "
+        "one not scored, is never a target; rejection-sampling fine-tuning's filter); unset = "
+        "every trace",
+    )
 
 
 @dataclass(frozen=True)

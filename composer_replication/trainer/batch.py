@@ -193,13 +193,16 @@ def plan_pairs(
     num_generations: int,
     process_start: int,
     skip_if_not_worse: bool = True,
+    min_trace_reward: float | None = None,
 ) -> tuple[list[Pair], int]:
     """Pairs for the local rows, and how many local prompt groups had a trace at all.
 
     For each prompt group present locally: chosen = ``store.best(prompt_key(prompt))``; rejected
     = the local rollout with the lowest reward (earliest on ties; unscorable NaN rewards and empty
     completions are never picked). With ``skip_if_not_worse`` a pair is dropped when the trace has
-    a reward and the rejected rollout scored at least as much (nothing to prefer).
+    a reward and the rejected rollout scored at least as much (nothing to prefer). With
+    ``min_trace_reward`` a trace scored below it, or not scored at all, is never replayed (a
+    teacher the verifier rejects is not a target; rejection-sampling fine-tuning's filter).
     """
     groups: dict[int, list[int]] = {}
     for i in range(len(prompts)):
@@ -209,6 +212,10 @@ def plan_pairs(
     for rows in groups.values():
         trace = store.best(prompt_key(prompts[rows[0]]))
         if trace is None:
+            continue
+        if min_trace_reward is not None and (
+            trace.reward is None or trace.reward < min_trace_reward
+        ):
             continue
         covered += 1
         candidates = [

@@ -86,6 +86,8 @@ class ComposerSettings(Channel23Settings, WriteOnce):
     # Channel-3 plumbing.
     replay_max_length: int | None = None
     replay_skip_if_not_worse: bool = True
+    # Replay only traces the verifier scored at least this (None: every trace).
+    replay_min_trace_reward: float | None = None
 
     def __post_init__(self) -> None:
         if self.sdpo_teacher not in ("policy", "ema"):
@@ -213,6 +215,10 @@ class ComposerConfig(GRPOConfig, Channel23Settings):
     replay_skip_if_not_worse: bool = field(
         default=_SETTINGS_DEFAULTS.replay_skip_if_not_worse,
         metadata={"help": "Skip a pair when the rollout scored >= the trace."},
+    )
+    replay_min_trace_reward: float | None = field(
+        default=_SETTINGS_DEFAULTS.replay_min_trace_reward,
+        metadata={"help": "Replay only traces scored at least this (unscored ones never)."},
     )
     trace_files: list[str] | None = field(
         default=None, metadata={"help": "Trace JSONL file(s) to replay in channel 3."}

@@ -828,6 +828,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
             num_generations=self._group_size,
             process_start=start,
             skip_if_not_worse=s.replay_skip_if_not_worse,
+            min_trace_reward=s.replay_min_trace_reward,
         )
         device = completion_mask.device
         tensors = pair_tensors(

@@ -98,3 +98,26 @@ def test_settings_the_toml_has_no_key_for_reach_the_trainer(default_task) -> Non
         )
     assert trainer.composer.hint_template is template and not trainer.composer.sdpo_gate
     assert trainer.composer.beta_replay == config.loss.beta_replay
+
+
+def test_teachers_min_reward_reaches_channel_3(default_task) -> None:  # type: ignore[no-untyped-def]
+    """`[teachers] min_reward`: the trainer replays only traces scored at least that."""
+    import tempfile
+
+    from composer_replication.assembly.build import build_model, build_trainer
+
+    config = load_config(overrides=["teachers.min_reward=0.5", "diloco.sync_every_h=200"])
+    assert config.teachers.min_reward == 0.5
+    assert load_config().teachers.min_reward is None
+    model, tok = build_model(config)
+    with tempfile.TemporaryDirectory() as scratch:
+        trainer = build_trainer(
+            config,
+            model=model,
+            tokenizer=tok,
+            task=default_task,
+            max_steps=1,
+            seed=0,
+            output_dir=scratch,
+        )
+    assert trainer.composer.replay_min_trace_reward == 0.5

@@ -105,6 +105,25 @@ def test_plan_pairs_and_tensors():
         skip_if_not_worse=False,
     )
     assert [p.row for p in kept] == [0]
+    # a trace the verifier rejects (or never scored) is no target under a minimum reward
+    wrong = TraceStore(
+        [
+            TraceRecord(key, "t", "near miss", 0.35),
+            TraceRecord(prompt_key("q1"), "t", "unscored", None),
+        ]
+    )
+    for minimum, expected in ((None, [2, 3]), (0.3, [2]), (0.5, [])):
+        got, covered = plan_pairs(
+            prompts,
+            rewards,
+            [4, 0, 3, 4, 4, 4],
+            wrong,
+            num_generations=3,
+            process_start=0,
+            skip_if_not_worse=False,
+            min_trace_reward=minimum,
+        )
+        assert [p.row for p in got] == expected and covered == len(expected)
     t = pair_tensors(
         pairs,
         6,

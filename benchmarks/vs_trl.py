@@ -548,7 +548,7 @@ def base_start(config: Any, model: Any, tok: Any, steps: int, cache: Path) -> No
     from composer_replication.tasks.arithmetic import ArithmeticTask
 
     seed = config.run.seed
-    path = cache / f"base-seed{seed}-steps{steps}-easy-hinted.safetensors"
+    path = cache / f"base-seed{seed}-steps{steps}-easy-hinted3.safetensors"
     if path.exists():
         load_model(model, str(path))
         torch.manual_seed(seed)

@@ -171,3 +171,24 @@ def test_each_mode_checks_its_own_rules(overrides: list[str], needle: str) -> No
     with pytest.raises(ConfigError) as info:
         load_config(overrides=overrides)
     assert needle in str(info.value)
+
+
+def test_loading_a_config_of_any_mode_imports_no_training_framework() -> None:
+    """Loading a run config picks its outer-loop mode (the schema checks the mode's rules), and
+    must not import transformers or torchft on the way: the Monarch recipe's actors load the
+    config on several threads of one process while another builds the model, and a second
+    thread importing transformers at the same moment fails ("cannot import name
+    'TrainerControl'")."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from composer_replication.config import load_config\n"
+        "for o in ([], ['diloco.mode=decoupled'], ['diloco.manager=torchft']):\n"
+        "    load_config(overrides=o)\n"
+        "heavy = sorted(m for m in ('transformers', 'trl', 'torchft') if m in sys.modules)\n"
+        "assert not heavy, heavy\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]

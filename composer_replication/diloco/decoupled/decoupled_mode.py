@@ -22,11 +22,6 @@ from composer_replication.diloco.decoupled.decoupled_check import (
     final_merges_problem,
 )
 from composer_replication.diloco.decoupled.learner import DecoupledLearner, RejoinRecord
-from composer_replication.diloco.decoupled.learner_state import (
-    LearnerStateWriter,
-    learner_resume_plan,
-    learner_start,
-)
 from composer_replication.diloco.outer_mode import (
     AfterLoss,
     HostedService,
@@ -164,7 +159,11 @@ class DecoupledDiLoCo:
         return None  # each learner resumes from its own newest state at a push
 
     def resume_plan(self, store: ObjectStore, n_replicas: int) -> tuple[str, list[str]]:
-        return learner_resume_plan(store, n_replicas)
+        # learner_state needs transformers: imported on first use, so that loading a config
+        # (which picks its mode) does not import it
+        from composer_replication.diloco.decoupled import learner_state
+
+        return learner_state.learner_resume_plan(store, n_replicas)
 
     def end_of_run_problem(self, store: ObjectStore, n_replicas: int, max_steps: int) -> str | None:
         return final_merges_problem(store, self.config.fragments)
@@ -219,12 +218,16 @@ class DecoupledDiLoCo:
         )
 
         def state_writer(trainer: ResumableTrainer, flush: Callable[[], None]) -> TrainerCallback:
-            return LearnerStateWriter(
+            from composer_replication.diloco.decoupled import learner_state
+
+            return learner_state.LearnerStateWriter(
                 store=ctx.store, rank=ctx.rank, learner=learner, trainer=trainer, flush=flush
             )
 
         def resume(max_steps: int) -> ReplicaStart:
-            return learner_start(ctx.store, ctx.rank, learner, max_steps)
+            from composer_replication.diloco.decoupled import learner_state
+
+            return learner_state.learner_start(ctx.store, ctx.rank, learner, max_steps)
 
         return ReplicaLoop(
             outer=learner,

@@ -36,12 +36,6 @@ from composer_replication.diloco.outer_mode import (
 from composer_replication.diloco.outer_optimizer import OuterOptimizerFactory
 from composer_replication.diloco.replica_state import ResumableTrainer
 from composer_replication.diloco.section import DilocoConfig, ManagerName, ModeName
-from composer_replication.diloco.sync.sync_resume import (
-    ResumeStateWriter,
-    own_resume_state,
-    resume_plan_now,
-    rollback_for_resume,
-)
 from composer_replication.exchange import codecs
 from composer_replication.exchange.allreduce import ObjectStoreAllReduce
 from composer_replication.exchange.liveness import REPLICA_ROLE, MemberLiveness
@@ -153,10 +147,14 @@ class SyncDiLoCo:
     def rollback_for_resume(
         self, store: ObjectStore, n_replicas: int, warn: Callable[[str], None]
     ) -> int:
-        return rollback_for_resume(store, n_replicas, warn)
+        from composer_replication.diloco.sync import sync_resume  # transformers: on first use
+
+        return sync_resume.rollback_for_resume(store, n_replicas, warn)
 
     def resume_plan(self, store: ObjectStore, n_replicas: int) -> tuple[str, list[str]]:
-        return resume_plan_now(store, n_replicas)
+        from composer_replication.diloco.sync import sync_resume
+
+        return sync_resume.resume_plan_now(store, n_replicas)
 
     def end_of_run_problem(self, store: ObjectStore, n_replicas: int, max_steps: int) -> str | None:
         """The newest commit record is round ``max_steps / H`` and reads back as that
@@ -197,14 +195,18 @@ class SyncDiLoCo:
 
         def resume(max_steps: int) -> ReplicaStart:
             """Rounds end at step R * H on every replica: this rank's state of its round."""
+            from composer_replication.diloco.sync import sync_resume
+
             step = start_round * h
             state = None
             if max_steps > step:
-                state = own_resume_state(ctx.store, ctx.rank, start_round, ctx.keys)
+                state = sync_resume.own_resume_state(ctx.store, ctx.rank, start_round, ctx.keys)
             return ReplicaStart(state, step)
 
         def state_writer(trainer: ResumableTrainer, flush: Callable[[], None]) -> TrainerCallback:
-            return ResumeStateWriter(
+            from composer_replication.diloco.sync import sync_resume
+
+            return sync_resume.ResumeStateWriter(
                 store=ctx.store,
                 rank=ctx.rank,
                 outer=outer,

@@ -74,50 +74,41 @@ def test_channel3_traces_of_a_default_run_cover_training_prompts_only(default_ta
     assert keys and keys <= train_keys and not keys & held_out_keys
 
 
-def test_settings_the_toml_has_no_key_for_reach_the_trainer(default_task) -> None:  # type: ignore[no-untyped-def]
-    """`build_trainer(settings=...)`: a benchmark's composer keywords (here channel 2's hint
-    template) go over the config's; the config's own keys are untouched."""
-    import tempfile
-
+def _built_trainer(config, task, max_steps, settings=None):  # type: ignore[no-untyped-def]
+    """The run's trainer as `assembly.build.build_trainer` makes it (not trained)."""
     from composer_replication.assembly.build import build_model, build_trainer
-    from composer_replication.data.hints import HintTemplate
 
-    config = load_config(overrides=["train.max_steps=3", "diloco.sync_every_h=3"])
     model, tok = build_model(config)
-    template = HintTemplate(feedback_with_solution=False)
     with tempfile.TemporaryDirectory() as scratch:
-        trainer = build_trainer(
+        return build_trainer(
             config,
             model=model,
             tokenizer=tok,
-            task=default_task,
-            max_steps=3,
+            task=task,
+            max_steps=max_steps,
             seed=0,
             output_dir=scratch,
-            settings={"hint_template": template, "sdpo_gate": False},
+            settings=settings,
         )
+
+
+def test_settings_the_toml_has_no_key_for_reach_the_trainer(default_task) -> None:  # type: ignore[no-untyped-def]
+    """`build_trainer(settings=...)`: a benchmark's composer keywords (here channel 2's hint
+    template) go over the config's; the config's own keys are untouched."""
+    from composer_replication.data.hints import HintTemplate
+
+    config = load_config(overrides=["train.max_steps=3", "diloco.sync_every_h=3"])
+    template = HintTemplate(feedback_with_solution=False)
+    settings = {"hint_template": template, "sdpo_gate": False}
+    trainer = _built_trainer(config, default_task, 3, settings)
     assert trainer.composer.hint_template is template and not trainer.composer.sdpo_gate
     assert trainer.composer.beta_replay == config.loss.beta_replay
 
 
 def test_teachers_min_reward_reaches_channel_3(default_task) -> None:  # type: ignore[no-untyped-def]
     """`[teachers] min_reward`: the trainer replays only traces scored at least that."""
-    import tempfile
-
-    from composer_replication.assembly.build import build_model, build_trainer
-
     config = load_config(overrides=["teachers.min_reward=0.5", "diloco.sync_every_h=200"])
     assert config.teachers.min_reward == 0.5
     assert load_config().teachers.min_reward is None
-    model, tok = build_model(config)
-    with tempfile.TemporaryDirectory() as scratch:
-        trainer = build_trainer(
-            config,
-            model=model,
-            tokenizer=tok,
-            task=default_task,
-            max_steps=1,
-            seed=0,
-            output_dir=scratch,
-        )
+    trainer = _built_trainer(config, default_task, 1)
     assert trainer.composer.replay_min_trace_reward == 0.5

@@ -27,6 +27,7 @@ from composer_replication.exchange.fencing import FencedError
 from composer_replication.exchange.store import ObjectStore
 from composer_replication.executors import registry
 from composer_replication.executors.executor import ServerlessExecutor
+from composer_replication.faults.events import PROXY_ACTIONS
 from composer_replication.faults.injector import ChaosInjector, Targets
 from composer_replication.faults.proxy import ThrottleProxy
 
@@ -75,10 +76,10 @@ def build_heartbeat(
 
 
 def build_proxy(config: RunConfig) -> ThrottleProxy | None:
-    """A throttling proxy in front of the S3 endpoint when a chaos event throttles the store or
-    kills during an upload (the replicas and the synchronizer are pointed at it); else None."""
+    """A proxy in front of the S3 endpoint when a chaos event throttles the store, makes it
+    read-only or kills during an upload (the replicas and the synchronizer are pointed at it); else None."""
     needs = any(
-        e.action == "throttle" or (e.action == "kill" and e.during == "upload")
+        e.action in PROXY_ACTIONS or (e.action == "kill" and e.during == "upload")
         for e in config.chaos.events
     )
     endpoint = config.store.storage_options.get("endpoint_url")

@@ -33,7 +33,12 @@ from composer_replication.diloco.outer_mode import OuterLoopMode, RunShape
 from composer_replication.diloco.section import DilocoConfig
 from composer_replication.diloco.synchronizer_config import KEEP_ROUNDS
 from composer_replication.executors.registry import BackendName
-from composer_replication.faults.events import ChaosConfig, ChaosEventConfig
+from composer_replication.faults.events import (
+    PROXY_ACTIONS,
+    UNTARGETED_ACTIONS,
+    ChaosConfig,
+    ChaosEventConfig,
+)
 from composer_replication.fields import require, setting
 from composer_replication.loss import ComposeConfig, LossSettings, WriteOnce
 
@@ -475,7 +480,7 @@ class RunConfig:
                     "the number of kill events, or let the run go on without it "
                     "(diloco.min_replicas < backend.n_replicas)",
                 )
-            if ev.action not in ("kill_synchronizer", "throttle", "corrupt"):
+            if ev.action not in UNTARGETED_ACTIONS:
                 require(
                     ev.target.isdigit() and int(ev.target) < self.backend.n_replicas,
                     f"chaos.events[{i}].target",
@@ -489,12 +494,12 @@ class RunConfig:
                     "kill_synchronizer needs diloco.mode = 'decoupled' with the driver's "
                     "synchronizer",
                 )
-            if ev.action == "throttle":
+            if ev.action in PROXY_ACTIONS:
                 require(
                     self.store.uri.startswith(("s3://", "s3a://")),
                     f"chaos.events[{i}].action",
-                    "throttle slows the connection to an S3 endpoint; a file:// store has "
-                    "no connection to throttle (use an s3:// store.uri)",
+                    f"{ev.action} acts on the connection to an S3 endpoint; a file:// store "
+                    f"has no connection to {ev.action} (use an s3:// store.uri)",
                 )
 
     @property

@@ -42,6 +42,7 @@ from typing import Any, Literal, Protocol, get_args
 
 import torch
 
+from composer_replication.exchange.retry import STATE_WRITE_RETRY_S, retry_write
 from composer_replication.exchange.signing import RunKeys, SignatureError, rank_identity
 from composer_replication.exchange.store import ObjectStore
 
@@ -120,8 +121,8 @@ def save_replica_state(
     doc = json.dumps({"skeleton": skeleton}, allow_nan=False).encode()
     nonce = secrets.token_hex(8)
     base = f"{_data_prefix(rank, round, kind)}/{nonce}"
-    store.put(f"{base}.safetensors", blob)
-    store.put(f"{base}.json", doc)
+    _retrying(f"{base}.safetensors", lambda: store.put(f"{base}.safetensors", blob))
+    _retrying(f"{base}.json", lambda: store.put(f"{base}.json", doc))
     manifest = {
         "format": FORMAT,
         "rank": int(rank),
@@ -135,12 +136,28 @@ def save_replica_state(
     if keys is not None and keys.can_sign:
         manifest = keys.sign(manifest)
     key = _manifest_key(rank, round, kind)
-    store.put_json(key, manifest)
-    # an earlier incarnation's data for this round is no longer referenced
-    for name in store.list(_data_prefix(rank, round, kind)):
-        if not name.startswith(nonce):
-            store.delete(f"{_data_prefix(rank, round, kind)}/{name}")
+    _retrying(key, lambda: store.put_json(key, manifest))
+    # an earlier incarnation's data for this round is no longer referenced (garbage: a delete
+    # the store refuses leaves it for the next save or prune)
+    try:
+        for name in store.list(_data_prefix(rank, round, kind)):
+            if not name.startswith(nonce):
+                store.delete(f"{_data_prefix(rank, round, kind)}/{name}")
+    except OSError as e:
+        log.warning("rank %d: an older resume state of %d not deleted yet (%r)", rank, round, e)
     return key
+
+
+def _retrying(key: str, write: Callable[[], object]) -> None:
+    """A resume state's write of ``key``, retried through a store that refuses writes for up to
+    `STATE_WRITE_RETRY_S`, then a `StoreTimeoutError` (the replica fails loudly and is
+    restarted). Repeating it is safe: the data objects are under a fresh nonce and the
+    manifest, written last, is one whole object."""
+    retry_write(
+        lambda _left: write(),
+        what=f"writing the resume state object {key}",
+        within_s=STATE_WRITE_RETRY_S,
+    )
 
 
 def replica_state_rounds(store: ObjectStore, rank: int, kind: StateKind = "rank") -> list[int]:
@@ -234,9 +251,12 @@ def prune_replica_states(
 ) -> None:
     """Remove `rank`'s resume states beyond the newest `keep` (manifest first)."""
     rounds = replica_state_rounds(store, rank, kind)
-    for r in rounds[: max(0, len(rounds) - keep)]:
-        store.delete(_manifest_key(rank, r, kind))
-        store.delete_prefix(_data_prefix(rank, r, kind))
+    try:
+        for r in rounds[: max(0, len(rounds) - keep)]:
+            store.delete(_manifest_key(rank, r, kind))
+            store.delete_prefix(_data_prefix(rank, r, kind))
+    except OSError as e:  # the store refuses deletes for now: pruned at the next save
+        log.warning("rank %d: older resume states not pruned yet (%r)", rank, e)
 
 
 def newest_replica_state(

@@ -78,6 +78,7 @@ from composer_replication.exchange.protocol import (
     squat_key,
     step_keys,
 )
+from composer_replication.exchange.retry import retry_write
 from composer_replication.exchange.robust import (
     AggregateName,
     AggregatePolicy,
@@ -395,18 +396,34 @@ class ObjectStoreAllReduce(RunDocuments):
         assert self.rank is not None
         if self._uploader is None:
             self._uploader = ThreadPoolExecutor(1, thread_name_prefix="store-upload")
-        fut = self._uploader.submit(
-            self.store.put_if_absent,
-            contrib_key(step, self.rank, self.slot(step, self.rank)),
-            payload,
+        uploader = self._uploader
+        key = contrib_key(step, self.rank, self.slot(step, self.rank))
+
+        def put(seconds_left: float) -> bool:
+            fut = uploader.submit(self.store.put_if_absent, key, payload)
+            try:
+                return fut.result(timeout=seconds_left)
+            except FutureTimeout:
+                raise StoreTimeoutError(
+                    f"step {step}: rank {self.rank}'s upload of {nbytes} bytes did not finish "
+                    f"within upload_timeout_s={self.upload_timeout_s} (to {self.uri})"
+                ) from None
+
+        return self._write_retrying(step, f"upload of {nbytes} bytes to {self.uri}", put)
+
+    def _write_retrying(self, step: int, what: str, put: Callable[[float], bool]) -> bool:
+        """``put(seconds left)``, a put-if-absent of ours, retried through a spell of store
+        errors (the bucket read-only or full for a while) for up to upload_timeout_s, then a
+        `StoreTimeoutError`: the step fails loudly and is retried next round. Safe to repeat:
+        a try whose answer was lost finds our own object (`_claim_existing_slot`,
+        `_confirm_slot`)."""
+        return retry_write(
+            put,
+            what=f"step {step}: rank {self.rank}'s {what}",
+            within_s=self.upload_timeout_s,
+            first_s=self.poll_interval_s,
+            between=lambda: self._check_cancel_and_run(step),
         )
-        try:
-            return fut.result(timeout=self.upload_timeout_s)
-        except FutureTimeout:
-            raise StoreTimeoutError(
-                f"step {step}: rank {self.rank}'s upload of {nbytes} bytes did not finish "
-                f"within upload_timeout_s={self.upload_timeout_s} (to {self.uri})"
-            ) from None
 
     def _exchange(
         self,
@@ -638,7 +655,11 @@ class ObjectStoreAllReduce(RunDocuments):
         """Unsigned runs: write ``owner/<rank>.json`` naming our writer id (None = confirmed)."""
         assert self.rank is not None
         key = owner_key(step, self.rank, self.slot(step, self.rank))
-        if self.store.put_if_absent(key, json.dumps({"writer": writer}).encode()):
+        body = json.dumps({"writer": writer}).encode()
+        written = self._write_retrying(
+            step, "owner record", lambda _left: self.store.put_if_absent(key, body)
+        )
+        if written:
             return None
         raw = self.store.get(key)
         if _owner_writer(raw) == writer:

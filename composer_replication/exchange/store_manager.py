@@ -67,6 +67,7 @@ from composer_replication.exchange.outer_state import (
     state_nbytes,
     wait_for_outer_state,
 )
+from composer_replication.exchange.retry import STATE_WRITE_RETRY_S, retry_write
 from composer_replication.exchange.robust import norm_outlier, tensor_stats
 from composer_replication.exchange.state import model_fingerprint
 from composer_replication.exchange.vocabulary import (
@@ -405,7 +406,7 @@ class ObjectStoreManager:
         state = fetch_outer_state(self.exchange)
         if state is None:
             own = OuterState(round=0, user=self._state.collect(), batches_committed=0)
-            publish_outer_state(self.exchange, own)
+            self._put_state(own, stride=1)
             state = fetch_outer_state(self.exchange)
             if state is None:
                 raise RuntimeError(
@@ -435,7 +436,7 @@ class ObjectStoreManager:
             update_norms=tuple(self._update_norms),
         )
         before = self.exchange.store.requests.snapshot()
-        wrote = publish_outer_state(self.exchange, state, stride=self.checkpoint_every)
+        wrote = self._put_state(state, stride=self.checkpoint_every)
         if wrote:
             self.checkpoint_bytes += state_nbytes(state.user)
         last = self.history[-1] if self.history else None
@@ -445,6 +446,16 @@ class ObjectStoreManager:
         return wrote
 
     # ------------------------------------------------------------------ internals
+    def _put_state(self, state: OuterState, *, stride: int) -> bool:
+        """Publish ``state`` (False: that round was there), through a store that refuses writes
+        for a while (put-if-absent: safe to repeat), then loudly: the replica fails and is
+        restarted."""
+        return retry_write(
+            lambda _left: publish_outer_state(self.exchange, state, stride=stride),
+            what=f"rank {self.rank}: publishing the global state of round {state.round}",
+            within_s=STATE_WRITE_RETRY_S,
+        )
+
     def _load(self, state: OuterState) -> None:
         self._state.load(state)
         self._round = state.round

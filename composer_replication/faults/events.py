@@ -12,10 +12,24 @@ from typing import Literal, get_args
 
 from composer_replication.fields import require, setting
 
-__all__ = ["CHAOS_ACTIONS", "ChaosAction", "ChaosConfig", "ChaosEventConfig"]
+__all__ = [
+    "CHAOS_ACTIONS",
+    "PROXY_ACTIONS",
+    "UNTARGETED_ACTIONS",
+    "ChaosAction",
+    "ChaosConfig",
+    "ChaosEventConfig",
+]
 
-ChaosAction = Literal["kill", "stop", "slow", "corrupt", "kill_synchronizer", "throttle"]
+ChaosAction = Literal[
+    "kill", "stop", "slow", "corrupt", "kill_synchronizer", "throttle", "read_only"
+]
 CHAOS_ACTIONS: tuple[ChaosAction, ...] = get_args(ChaosAction)
+# Faults injected at the S3 endpoint, through the proxy the replicas are pointed at (an s3://
+# store only: a file:// store has no connection to act on).
+PROXY_ACTIONS: tuple[ChaosAction, ...] = ("throttle", "read_only")
+# Faults whose `target` is not a replica rank.
+UNTARGETED_ACTIONS: tuple[ChaosAction, ...] = ("kill_synchronizer", "corrupt", *PROXY_ACTIONS)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -26,17 +40,18 @@ class ChaosEventConfig:
     action: ChaosAction = setting(
         "kill",
         "kill (-9), stop (SIGSTOP for duration_s), slow (factor x), corrupt (an object), "
-        "kill_synchronizer (restarted after restart_after_s), throttle (the S3 endpoint)",
+        "kill_synchronizer (restarted after restart_after_s), throttle (the S3 endpoint), "
+        "read_only (the S3 endpoint refuses every write with 403 AccessDenied for duration_s)",
     )
     target: str = setting(
         "0",
         "a replica rank; for corrupt 'push', 'push:<rank>', 'global' or 'contribution'; "
-        "ignored by kill_synchronizer and throttle",
+        "ignored by kill_synchronizer, throttle and read_only",
     )
     during: Literal["any", "upload"] = setting(
         "any", "kill: at once ('any', i.e. mid inner step) or while the replica uploads"
     )
-    duration_s: float = setting(0.0, "stop / slow / throttle: how long")
+    duration_s: float = setting(0.0, "stop / slow / throttle / read_only: how long")
     factor: float = setting(3.0, "slow: the replica runs this many times slower")
     rate_bytes_s: float = setting(1e6, "throttle: bytes per second through the store endpoint")
     restart_after_s: float = setting(1.0, "kill_synchronizer: seconds before it is started again")
@@ -47,7 +62,7 @@ class ChaosEventConfig:
         require(self.factor >= 1, "factor", "must be >= 1")
         require(self.rate_bytes_s > 0, "rate_bytes_s", "must be > 0")
         require(self.restart_after_s >= 0, "restart_after_s", "must be >= 0")
-        if self.action in ("stop", "slow", "throttle"):
+        if self.action in ("stop", "slow", *PROXY_ACTIONS):
             require(self.duration_s > 0, "duration_s", f"must be > 0 for {self.action!r}")
 
 

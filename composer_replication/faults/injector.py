@@ -18,6 +18,9 @@
                        ``restart_after_s`` (and must wait for its lease to expire)
     throttle           limit the bytes per second through the S3 endpoint (`ThrottleProxy`
                        between the replicas and the server); file:// has no connection to throttle
+    read_only          the S3 endpoint refuses every write (PUT, POST, DELETE) with 403
+                       AccessDenied for ``duration_s``, as a bucket whose write permission was
+                       revoked (through the same proxy); reads go through
 
 `ChaosInjector` runs a schedule of `ChaosEventConfig` against `Targets` (pids of replicas, the
 synchronizer) and logs what it did; the throttling proxy is `proxy.ThrottleProxy`. What a run
@@ -41,7 +44,7 @@ from typing import Any, Protocol
 
 from composer_replication.exchange.push_store import DecoupledStore
 from composer_replication.exchange.store import ObjectStore
-from composer_replication.faults.events import ChaosEventConfig
+from composer_replication.faults.events import PROXY_ACTIONS, ChaosEventConfig
 from composer_replication.faults.proxy import ThrottleProxy
 
 __all__ = [
@@ -215,7 +218,7 @@ class ChaosInjector:
     """Run ``events`` (times relative to `start`) against ``targets``; `log` records each one.
 
     ``synchronizer_pid`` (optional) lets "corrupt push" freeze the synchronizer while it picks a
-    push the synchronizer has not seen. ``proxy`` is required for "throttle" and for
+    push the synchronizer has not seen. ``proxy`` is required for "throttle", "read_only" and for
     ``kill during="upload"`` on S3.
     """
 
@@ -230,8 +233,10 @@ class ChaosInjector:
 
     def __post_init__(self) -> None:
         for ev in self.events:
-            if ev.action == "throttle" and self.proxy is None:
-                raise ValueError("chaos: 'throttle' needs the store behind a ThrottleProxy (S3)")
+            if ev.action in PROXY_ACTIONS and self.proxy is None:
+                raise ValueError(
+                    f"chaos: {ev.action!r} needs the store behind a ThrottleProxy (S3)"
+                )
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
@@ -505,3 +510,11 @@ class ChaosInjector:
         self._stop.wait(ev.duration_s)
         self.proxy.throttle(None)
         self._record(event=i, action="throttle", outcome="full speed")
+
+    def _do_read_only(self, i: int, ev: ChaosEventConfig) -> None:
+        assert self.proxy is not None
+        self.proxy.read_only(True)
+        self._record(event=i, action="read_only", outcome="read-only")
+        self._stop.wait(ev.duration_s)
+        self.proxy.read_only(False)
+        self._record(event=i, action="read_only", outcome="writable", refused=self.proxy.refused)

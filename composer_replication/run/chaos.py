@@ -2,7 +2,7 @@
 
 Usable from tests, benchmarks and `composer-replication train` (``[chaos]`` on the local
 backend). Faults are real signals and real bytes, never simulated inside the replicas; the
-fault kinds (kill, stop, slow, corrupt, kill_synchronizer, throttle) are listed, with what each
+fault kinds (kill, stop, slow, corrupt, kill_synchronizer, throttle, read_only) are listed, with what each
 does, in `composer_replication.faults.injector`'s docstring.
 
 The injector and the proxy live in `composer_replication.faults` (built from the run config

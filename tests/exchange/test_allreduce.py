@@ -257,3 +257,61 @@ def test_transient_store_errors_are_retried(tmp_path):
         t.join(30)
     assert commit_write.hits == 1 and slot_reads.hits == 2
     assert torch.equal(out[0], torch.full((4,), 0.5)) and torch.equal(out[1], out[0])
+
+
+class _ReadOnly(PermissionError):
+    def __init__(self, message: str) -> None:
+        super().__init__(f"Access Denied (the store is read-only): {message}")
+
+
+def test_a_store_that_refuses_writes_for_a_while_is_ridden_out(tmp_path):
+    """The bucket refuses every write of both replicas for a while (their contribution and
+    owner-record uploads fail several times, one lost answer among them): each write is
+    retried with backoff and the step commits, with the mean, and no contribution twice."""
+    import threading
+
+    from composer_replication.exchange.faulty_store import Fault, FaultyStore
+    from composer_replication.exchange.store import ObjectStore
+
+    contributions = Fault("put_if_absent", "steps/*/contrib/*", "fail", times=5, error=_ReadOnly)
+    lost_answer = Fault("put_if_absent", "steps/*/contrib/*", "fail_after", times=1)
+    owners = Fault("put_if_absent", "steps/*/owner/*", "fail", times=3, error=_ReadOnly)
+    out = {}
+
+    def go(r):
+        store = FaultyStore(ObjectStore(str(tmp_path)), [contributions, lost_answer, owners])
+        ar = ObjectStoreAllReduce(
+            str(tmp_path), 2, r, timeout_s=20, poll_interval_s=0.01, store=store
+        )
+        out[r] = ar.allreduce({"x": torch.full((4,), float(r))}, step=0)["x"]
+
+    threads = [threading.Thread(target=go, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert contributions.hits == 5 and lost_answer.hits == 1 and owners.hits == 3
+    assert torch.equal(out[0], torch.full((4,), 0.5)) and torch.equal(out[1], out[0])
+
+
+def test_a_store_read_only_past_the_upload_limit_fails_the_step_loudly(tmp_path, caplog):
+    """Past upload_timeout_s the write is given up as a `StoreTimeoutError` naming the upload
+    and the store's error (the step is retried next round); each retry was logged."""
+    import logging
+
+    from composer_replication.exchange.faulty_store import Fault, FaultyStore
+    from composer_replication.exchange.store import ObjectStore
+
+    refuse = Fault("put_if_absent", "steps/*/contrib/*", "fail", times=None, error=_ReadOnly)
+    store = FaultyStore(ObjectStore(str(tmp_path)), [refuse])
+    ar = ObjectStoreAllReduce(
+        str(tmp_path), 2, 0, timeout_s=4, upload_timeout_s=0.5, poll_interval_s=0.05, store=store
+    )
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING), pytest.raises(StoreTimeoutError) as err:
+        ar.allreduce({"x": torch.ones(2)}, step=0)
+    assert time.monotonic() - t0 < 3  # the upload's limit, not the step's
+    assert "upload of" in str(err.value) and "Access Denied" in str(err.value)
+    assert isinstance(err.value.__cause__, PermissionError)
+    assert refuse.hits >= 3 and "retrying in" in caplog.text
+    assert not ObjectStore(str(tmp_path)).list("steps/0/contrib")

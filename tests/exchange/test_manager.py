@@ -178,3 +178,26 @@ def test_heal_without_a_newer_state_fails_loudly(tmp_path: Path) -> None:
     with pytest.raises(StoreTimeoutError, match="state_timeout_s"):
         m.start_quorum()
     assert time.monotonic() - t0 < 5
+
+
+def test_global_states_are_published_through_a_store_that_refuses_writes_for_a_while(
+    tmp_path: Path,
+) -> None:
+    """The round-0 state at start and a round's state after its commit: each write the store
+    refuses (3 times for each) is retried, and the state lands."""
+    from composer_replication.exchange.faulty_store import Fault, FaultyStore
+    from composer_replication.exchange.outer_state import fetch_outer_state
+    from composer_replication.exchange.store import ObjectStore
+
+    uri = "file://" + str(tmp_path / "run")
+    first = Fault("put_if_absent", "states/*", "fail", times=3, error=PermissionError)
+    later = Fault("put_if_absent", "states/*", "fail", after=1, times=3, error=PermissionError)
+    store = FaultyStore(ObjectStore(uri), [first, later])
+    m = ObjectStoreManager(_store(tmp_path, 0, world=1, store=store))
+    held = {"w": torch.ones(3)}
+    m.register_state_dict_fn("a", lambda s: held.update(s), lambda: dict(held))
+    assert m.initial_sync({"w": torch.ones(3)}) == 0 and first.hits == 3
+    m.start_quorum()
+    m.allreduce(torch.ones(2)).wait()
+    assert m.should_commit() and m.publish_if_due() and later.hits == 3
+    assert fetch_outer_state(m.exchange).round == 1

@@ -111,9 +111,9 @@ else
   # (2026-11-27): gpu + tests 81 s, loss ~200 s (3 repeats; now 2, plus channel 3's ~40 s: an
   # estimate), step 127 s for 3 steps per arm at two shapes (18 steps at one: ~300 s, an
   # estimate from its ~3 s steps), diloco 63 s. Not yet measured with issue 39's settings: the
-  # diloco phase now runs up to ~1.45x the sequences (the grid's runs at B = 256), ~90 s if it scales
-  # like 2026-11-27's; signal is two `train` runs of tiny models (on 2 CPU cores the default
-  # takes 136-383 s; on a GPU unmeasured).
+  # diloco phase now trains on up to ~1.45x the sequences (the grid's runs at B = 256), ~90 s
+  # if it scales like 2026-11-27's; signal is two `train` runs of tiny models (on 2 CPU cores
+  # the default takes 136-383 s; on a GPU unmeasured).
   : "${GPU_S:=60}" "${TESTS_S:=100}" "${LOSS_S:=240}" "${STEP_S:=330}" "${DILOCO_S:=150}"
   : "${SIGNAL_S:=510}"
 fi

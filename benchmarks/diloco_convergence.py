@@ -41,6 +41,16 @@ from which the next larger one improves tuned DP's eval loss by less than ``--cr
 ``loss_gap_vs_dp_at_critical_batch`` (``critical_batch_reached`` false: DP still gained at the
 largest batch, which is then reported).
 
+``--sweep-outer-momentum 0.8,0.9,0.95`` adds a grid at ``--batch``: DiLoCo at every outer lr of
+``--sweep-outer-lr`` (or ``--outer-lr``) times every outer momentum of the list, each at
+DiLoCo's best inner lr of ``--sweep-diloco-lr`` (or ``--lr``), on the default run's warm start
+and tokens. Each cell's ``loss_gap_vs_dp`` is against tuned data parallel (its best lr of
+``--sweep-dp-lr``); the JSON has the cells (``sweeps.outer_grid``), the best cell
+(``best_outer_lr``, ``best_outer_momentum``, ``best_outer_eval_loss``) and its
+``loss_gap_vs_dp_at_best_outer``, with ``outer_grid_batch`` / ``_lrs`` / ``_momenta`` /
+``_inner_lr`` / ``_dp_lr`` / ``_dp_eval_loss``. At the critical batch (``--batch 256``, k = 4,
+scripts/gpu-check.sh's diloco phase) this is the outer step's tuning.
+
 ``--device cuda`` trains every model on the GPU (the corpus, every batch and the evaluation live
 there; DiLoCo's replicas are threads sharing the device, their pseudo-gradients still go through
 the object store, whose codecs move them to the CPU and back). The token streams are the same on
@@ -401,6 +411,80 @@ def parse_list(text: str, kind: type, flag: str) -> list[Any]:
     return values
 
 
+def parse_momenta(text: str, flag: str) -> list[float]:
+    """Outer momenta: in (0, 1) (Nesterov needs a momentum; 1 never forgets)."""
+    values = parse_list(text, float, flag)
+    if any(v >= 1 for v in values):
+        raise SystemExit(f"{flag}: expected momenta in (0, 1), got {text!r}")
+    return values
+
+
+def outer_grid(
+    cfg: Cfg,
+    batches: Batches,
+    evals: torch.Tensor,
+    outer_lrs: list[float],
+    momenta: list[float],
+    inner_lr: float,
+    dp: dict[float, float],
+    done: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """DiLoCo at every (outer lr, outer momentum) of the grid, at inner lr ``inner_lr`` (DiLoCo's
+    best) and the run's batch, H and tokens; each cell's ``loss_gap_vs_dp`` against tuned data
+    parallel (``dp``: lr -> eval loss, its best taken). A cell whose settings a run in ``done``
+    already had (same H, inner lr, outer lr and momentum) reuses its eval loss. Returns the cells
+    and the best one (lowest eval loss): ``best_outer_lr``, ``best_outer_momentum``,
+    ``loss_gap_vs_dp_at_best_outer``."""
+    dp_lr = min(dp, key=lambda lr: dp[lr])
+    best_dp = dp[dp_lr]
+    cells = []
+    for olr in outer_lrs:
+        for mom in momenta:
+            point = next(
+                (
+                    p
+                    for p in done
+                    if (p["h"], p["lr"], p["outer_lr"], p["outer_momentum"], p["outer_warmup"])
+                    == (cfg.h, inner_lr, olr, mom, cfg.outer_warmup)
+                ),
+                None,
+            )
+            if point is None:
+                point = diloco_point(
+                    cfg, batches, evals, lr=inner_lr, outer_lr=olr, outer_momentum=mom
+                )
+            cells.append(
+                {
+                    "outer_lr": olr,
+                    "outer_momentum": mom,
+                    "lr": inner_lr,
+                    "eval_loss": point["eval_loss"],
+                    "loss_gap_vs_dp": round((point["eval_loss"] - best_dp) / best_dp, 5),
+                    "seconds": point["seconds"],
+                }
+            )
+    best = min(cells, key=lambda c: c["eval_loss"])
+    print(
+        f"  outer grid at batch {cfg.batch} (inner lr {inner_lr:g}; DP {best_dp:.4f} at lr "
+        f"{dp_lr:g}): best outer lr {best['outer_lr']:g}, momentum {best['outer_momentum']:g}: "
+        f"{best['eval_loss']:.4f}, loss_gap_vs_dp {100 * best['loss_gap_vs_dp']:+.2f}%",
+        flush=True,
+    )
+    return {
+        "cells": cells,
+        "outer_grid_batch": cfg.batch,
+        "outer_grid_lrs": list(outer_lrs),
+        "outer_grid_momenta": list(momenta),
+        "outer_grid_inner_lr": inner_lr,
+        "outer_grid_dp_lr": dp_lr,
+        "outer_grid_dp_eval_loss": round(best_dp, 5),
+        "best_outer_lr": best["outer_lr"],
+        "best_outer_momentum": best["outer_momentum"],
+        "best_outer_eval_loss": best["eval_loss"],
+        "loss_gap_vs_dp_at_best_outer": best["loss_gap_vs_dp"],
+    }
+
+
 def diloco_point(cfg: Cfg, batches: Batches, evals: torch.Tensor, **changes: Any) -> dict[str, Any]:
     """One DiLoCo run with some settings changed (h keeps S = rounds * H fixed)."""
     import copy
@@ -706,6 +790,13 @@ def main() -> None:
         help="extra DiLoCo runs at --h with these outer lrs (e.g. 0.4,0.7,1.0)",
     )
     ap.add_argument(
+        "--sweep-outer-momentum",
+        default="",
+        help="with it, a grid: DiLoCo at --batch at every (outer lr of --sweep-outer-lr, or "
+        "--outer-lr) x (outer momentum of this list), at its tuned inner lr, each cell's gap "
+        "to tuned data parallel (e.g. 0.8,0.9,0.95)",
+    )
+    ap.add_argument(
         "--sweep-dp-lr",
         default="",
         help="extra data-parallel runs at these inner lrs (e.g. 1e-3,2e-3,4e-3)",
@@ -756,6 +847,13 @@ def main() -> None:
         parse_list(a.sweep_diloco_lr, float, "--sweep-diloco-lr") if a.sweep_diloco_lr else []
     )
     sweep_b = parse_list(a.sweep_batch, int, "--sweep-batch") if a.sweep_batch else []
+    sweep_om = (
+        parse_momenta(a.sweep_outer_momentum, "--sweep-outer-momentum")
+        if a.sweep_outer_momentum
+        else []
+    )
+    if sweep_om and a.codec == "sparseloco":
+        raise SystemExit("--sweep-outer-momentum: codec 'sparseloco' has no outer momentum")
     if a.quick:
         a.h, a.rounds, a.eval_seqs, a.pretrain_steps = 10, 3, 64, 30
     if a.threads:
@@ -871,7 +969,7 @@ def main() -> None:
         "quick": bool(a.quick),
         "device": str(device),
     }
-    if sweep_h or sweep_olr or sweep_dp or sweep_dl or sweep_b:
+    if sweep_h or sweep_olr or sweep_dp or sweep_dl or sweep_b or sweep_om:
         print("sweeps (same tokens, same warm start; the default run's points are reused):")
         main_point = {
             "h": a.h,
@@ -890,6 +988,7 @@ def main() -> None:
             "dp_lr": [],
             "lr": [],
             "batch": [],
+            "outer_grid": [],
         }
         for h in sweep_h:
             sweeps["h"].append(main_point if h == a.h else diloco_point(cfg, batches, evals, h=h))
@@ -907,6 +1006,24 @@ def main() -> None:
                 if lr == a.lr
                 else dp_point(cfg, batches, evals, lr)
             )
+        if sweep_om:
+            # the outer lr x momentum grid at --batch: DiLoCo at its best inner lr of the sweep
+            # above, against data parallel at its best lr; the cells already run are reused
+            done = [main_point, *sweeps["outer_lr"], *sweeps["lr"]]
+            dp_tuned = {a.lr: dp_loss, **{p["lr"]: p["eval_loss"] for p in sweeps["dp_lr"]}}
+            di_tuned = {a.lr: di_loss, **{p["lr"]: p["eval_loss"] for p in sweeps["lr"]}}
+            grid = outer_grid(
+                cfg,
+                batches,
+                evals,
+                sweep_olr or [a.outer_lr],
+                sweep_om,
+                inner_lr=min(di_tuned, key=lambda lr: di_tuned[lr]),
+                dp=dp_tuned,
+                done=done,
+            )
+            sweeps["outer_grid"] = grid["cells"]
+            result.update({k: v for k, v in grid.items() if k != "cells"})
         # Every batch is tuned on the same grids (the default lr when a grid is not given); the
         # default batch reuses the default run and the lr sweeps above.
         dp_lrs, diloco_lrs = sweep_dp or [a.lr], sweep_dl or [a.lr]

@@ -4,7 +4,7 @@ the test counts, and the measured differences behind the derived test tolerances
     python scripts/gpu_check_keys.py OUT [--dry-run]
 
 Reads, under OUT: ``<phase>.json`` or else the last JSON line of ``<phase>.log`` for the
-benchmark phases (``loss``, ``step``, ``diloco``), ``<phase>.rc`` (each phase's exit status),
+benchmark phases (``loss``, ``step``, ``diloco``, ``signal``), ``<phase>.rc`` (each phase's exit status),
 ``junit-gpu.xml`` / ``junit-tests.xml`` (the two test phases) and ``diffs.jsonl`` (tests/tolerances.py's ``COMPOSER_DIFF_LOG``).
 Writes ``OUT/keys.json`` and prints one table. Exit status 1 when a phase that ran failed or a
 required key is missing; a goal not met is reported, not failed (the figures are the result).
@@ -21,7 +21,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
-PHASES = ("gpu", "tests", "loss", "step", "diloco")
+PHASES = ("gpu", "tests", "loss", "step", "diloco", "signal")
 TEST_PHASES = ("gpu", "tests")
 # Required keys per benchmark phase; a "{batch}" key is required for every swept batch.
 REQUIRED = {
@@ -33,7 +33,20 @@ REQUIRED = {
         "gpu_train_part_ratio",
         "gpu_train_part_ratio_channels_off",
     ),
-    "diloco": ("loss_gap_vs_dp_b{batch}", "critical_batch", "loss_gap_vs_dp_at_critical_batch"),
+    "diloco": (
+        "loss_gap_vs_dp_b{batch}",
+        "critical_batch",
+        "loss_gap_vs_dp_at_critical_batch",
+        "best_outer_lr",
+        "best_outer_momentum",
+        "loss_gap_vs_dp_at_best_outer",
+    ),
+    "signal": (
+        "signal_default_heldout_accuracy",
+        "signal_rl_heldout_accuracy",
+        "signal_rl_teacher_advantage",
+        "signal_rl_params",
+    ),
 }
 # --dry-run runs the loss benchmark's CPU path, whose keys are the CPU ones.
 REQUIRED_DRY = {
@@ -52,6 +65,7 @@ GOALS = {
     "gpu_replay_peak_ratio": 0.2,
     "replay_peak_memory_ratio": 0.2,
     "loss_gap_vs_dp_at_critical_batch": 0.02,
+    "loss_gap_vs_dp_at_best_outer": 0.02,
     "peak_memory_ratio": 0.1,
 }
 # Printed when present (optional: other shapes, rollout engines, the split).
@@ -59,6 +73,9 @@ OPTIONAL = re.compile(
     r"^(gpu_.*_ratio_.*|gpu_generation_.*_ratio|gpu_replay_.*|generation_.*_s|generation_fastest|"
     r"measured_steps|"
     r"qwen\d+b_.*_s|qwen\d+b_.*_peak_gb|tiny_.*_s|tiny_.*_peak_gb|critical_batch_reached|"
+    r"outer_grid_.*|best_outer_eval_loss|"
+    r"signal_.*_(heldout_accuracy_first|teacher_advantage_.*|gate_open|steps|wall_s|device|"
+    r"device_name|finished|params)|"
     r"device|device_name|dtype|gradient_checkpointing|seconds)$"
 )
 
@@ -164,6 +181,11 @@ def collect(out: Path, dry_run: bool = False) -> tuple[dict[str, Any], list[str]
         for key, value in result.items():
             if OPTIONAL.match(key) and key not in report["keys"]:
                 report["keys"][f"{phase}.{key}"] = value
+        if phase == "signal":  # a run the driver stopped at its --timeout-s: figures cut short
+            for key, value in result.items():
+                if re.fullmatch(r"signal_\w+_finished", key) and value is False:
+                    run = key.removeprefix("signal_").removesuffix("_finished")
+                    problems.append(f"phase signal: the {run} run did not finish")
     for phase in TEST_PHASES:
         tests = junit_counts(out / f"junit-{phase}.xml")
         if tests is None:

@@ -71,8 +71,22 @@ def test_keys_are_collected_from_logs_and_saved_json(tmp_path):
         "critical_batch": 256,
         "critical_batch_reached": True,
         "loss_gap_vs_dp_at_critical_batch": 0.015,
+        "best_outer_lr": 1.0,
+        "best_outer_momentum": 0.8,
+        "loss_gap_vs_dp_at_best_outer": 0.025,
+        "outer_grid_batch": 256,
     }
     _phase(out, "diloco", 0, "batch 128 ...\n" + json.dumps(diloco) + "\n")
+    signal = {
+        "signal_default_heldout_accuracy": 0.95,
+        "signal_rl_heldout_accuracy": 0.4,
+        "signal_rl_teacher_advantage": 0.03,
+        "signal_rl_params": 17351936,
+        "signal_rl_wall_s": 300.0,
+        "signal_default_finished": True,
+        "signal_rl_finished": False,
+    }
+    _phase(out, "signal", 0, "  default: ...\n", saved=signal)
     (out / "diffs.jsonl").write_text(
         json.dumps(
             {
@@ -100,9 +114,15 @@ def test_keys_are_collected_from_logs_and_saved_json(tmp_path):
         "loss": "ok",
         "step": "exit 124",
         "diloco": "ok",
+        "signal": "ok",
     }
+    assert report["keys"]["best_outer_momentum"] == 0.8
+    assert report["keys"]["diloco.outer_grid_batch"] == 256
+    assert report["keys"]["signal_rl_teacher_advantage"] == 0.03
+    assert report["keys"]["signal.signal_rl_wall_s"] == 300.0
     assert problems == [
         f"phase step exited 124 (see {out / 'step.log'})",
+        "phase signal: the rl run did not finish",
         "gpu tests skipped: tests.trainer.test_x::c",
     ]
     assert report["tests"]["gpu"]["passed"] == 2 and len(report["diffs"]) == 1
@@ -111,6 +131,7 @@ def test_keys_are_collected_from_logs_and_saved_json(tmp_path):
     assert "gpu_channels_off_ratio" in text and "goal <= 1.02: met" in text
     assert "gpu_train_part_ratio_channels_off" in text and "goal <= 1.02: NOT met" in text
     assert "gpu_replay_peak_ratio" in text and "goal <= 0.2: met" in text
+    assert "loss_gap_vs_dp_at_best_outer" in text and "goal <= 0.02: NOT met" in text
     assert "0.0100  max |diff| 1e-09" in text
 
 
@@ -129,6 +150,10 @@ def test_missing_keys_and_failed_tests_are_problems(tmp_path):
     assert "phase loss: key gpu_jsd_time_ratio missing" in problems
     assert "phase loss: key gpu_replay_peak_ratio missing" in problems
     assert "phase diloco: key loss_gap_vs_dp_b{batch} missing" in problems
+    assert "phase diloco: key best_outer_lr missing" in problems
+    _phase(out, "signal", 0, json.dumps({"signal_default_heldout_accuracy": 0.9}) + "\n")
+    _, problems = keys.collect(out)
+    assert "phase signal: key signal_rl_teacher_advantage missing" in problems
     assert any(p.startswith("tests tests failed: tests.trainer.test_x::b") for p in problems)
     # the dry run asks the loss benchmark's CPU keys and tolerates skipped gpu tests
     cpu_loss = {"peak_memory_ratio": 0.08, "time_ratio": 0.9, "replay_peak_memory_ratio": 0.02}
@@ -168,6 +193,13 @@ def test_dry_run_runs_every_phase_on_the_cpu(tmp_path):
         "gpu_train_part_ratio",
         "gpu_train_part_ratio_channels_off",
         "step.gpu_generation_paged_ratio",
+        "best_outer_lr",
+        "best_outer_momentum",
+        "loss_gap_vs_dp_at_best_outer",
+        "signal_default_heldout_accuracy",
+        "signal_rl_heldout_accuracy",
+        "signal_rl_teacher_advantage",
+        "signal_rl_params",
     ):
         assert report["keys"][key] is not None, key
     gpu = report["tests"]["gpu"]

@@ -181,3 +181,106 @@ def test_batches_are_the_same_windows_on_any_device(device: str) -> None:
     assert b[0].device.type == device and a[0].shape == (3, 16)
     assert all(x.equal(y.cpu()) for x, y in zip(a, b))
     assert a[1][:, :-1].equal(a[0][:, 1:])  # targets are the inputs shifted by one
+
+
+def test_outer_grid_reuses_runs_and_picks_the_lowest_loss(monkeypatch) -> None:
+    """The grid runs every (outer lr, momentum) cell not run yet, at the given inner lr; the best
+    cell is the argmin of eval loss and its gap is against data parallel's best lr."""
+    ran: list[dict] = []
+
+    def fake_point(cfg, batches, evals, **changes):  # a loss surface with its minimum at (1.0, 0.8)
+        ran.append(changes)
+        loss = 2.0 + (changes["outer_lr"] - 1.0) ** 2 + (changes["outer_momentum"] - 0.8) ** 2
+        return {"eval_loss": round(loss, 5), "seconds": 0.1}
+
+    monkeypatch.setattr(dc, "diloco_point", fake_point)
+    cfg = SimpleNamespace(h=25, batch=256, outer_warmup=0)
+    done = [  # the default run: (0.7, 0.9) at inner lr 4e-3, already measured
+        {"h": 25, "lr": 4e-3, "outer_lr": 0.7, "outer_momentum": 0.9, "outer_warmup": 0,
+         "eval_loss": 9.0, "seconds": 3.0},
+        # another inner lr: not a cell of this grid
+        {"h": 25, "lr": 2e-3, "outer_lr": 1.0, "outer_momentum": 0.8, "outer_warmup": 0,
+         "eval_loss": 0.5, "seconds": 3.0},
+    ]  # fmt: skip
+    grid = dc.outer_grid(
+        cfg,  # type: ignore[arg-type]
+        None,  # type: ignore[arg-type]
+        None,  # type: ignore[arg-type]
+        [0.7, 1.0],
+        [0.8, 0.9],
+        inner_lr=4e-3,
+        dp={2e-3: 2.2, 4e-3: 1.9},
+        done=done,
+    )
+    cells = {(c["outer_lr"], c["outer_momentum"]): c for c in grid["cells"]}
+    assert set(cells) == {(0.7, 0.8), (0.7, 0.9), (1.0, 0.8), (1.0, 0.9)}
+    assert cells[(0.7, 0.9)]["eval_loss"] == 9.0  # reused, not re-run
+    assert sorted((c["outer_lr"], c["outer_momentum"]) for c in ran) == [
+        (0.7, 0.8),
+        (1.0, 0.8),
+        (1.0, 0.9),
+    ]
+    assert all(c["lr"] == 4e-3 for c in ran)
+    assert (grid["best_outer_lr"], grid["best_outer_momentum"]) == (1.0, 0.8)
+    assert grid["best_outer_eval_loss"] == 2.0 and grid["outer_grid_dp_lr"] == 4e-3
+    assert grid["loss_gap_vs_dp_at_best_outer"] == pytest.approx((2.0 - 1.9) / 1.9, abs=1e-5)
+    assert cells[(0.7, 0.8)]["loss_gap_vs_dp"] == pytest.approx((2.09 - 1.9) / 1.9, abs=1e-5)
+    assert grid["outer_grid_batch"] == 256 and grid["outer_grid_momenta"] == [0.8, 0.9]
+
+
+def test_outer_momenta_must_be_below_one() -> None:
+    assert dc.parse_momenta("0.8,0.95", "--sweep-outer-momentum") == [0.8, 0.95]
+    with pytest.raises(SystemExit, match=r"\(0, 1\)"):
+        dc.parse_momenta("0.9,1.0", "--sweep-outer-momentum")
+    with pytest.raises(SystemExit, match="positive"):
+        dc.parse_momenta("0,0.9", "--sweep-outer-momentum")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # about 10 tiny runs
+def test_outer_grid_run_writes_the_grid_and_its_best_cell(tmp_path: Path) -> None:
+    """A real tiny run of the outer lr x momentum grid: every cell in the JSON, at DiLoCo's tuned
+    inner lr, the best cell the argmin, its gap against tuned data parallel."""
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "grid.json"
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "diloco_convergence.py"),
+        *("--quick", "--k", "2", "--batch", "2", "--ctx", "32", "--d-model", "32"),
+        *("--sweep-dp-lr", "2e-3,4e-3", "--sweep-diloco-lr", "2e-3,4e-3"),
+        *("--sweep-outer-lr", "0.7,1.0", "--sweep-outer-momentum", "0.8,0.9"),
+        *("--out", str(out)),
+    ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=580, check=True)
+    last = json.loads(done.stdout.strip().splitlines()[-1])
+    saved = json.loads(out.read_text())
+    cells = saved["sweeps"]["outer_grid"]
+    assert sorted((c["outer_lr"], c["outer_momentum"]) for c in cells) == [
+        (0.7, 0.8),
+        (0.7, 0.9),
+        (1.0, 0.8),
+        (1.0, 0.9),
+    ]
+    inner = {p["lr"]: p["eval_loss"] for p in saved["sweeps"]["lr"]}
+    assert last["outer_grid_inner_lr"] == min(inner, key=lambda lr: inner[lr])
+    assert all(c["lr"] == last["outer_grid_inner_lr"] for c in cells)
+    # the cell at the default outer settings is the inner-lr sweep's run, reused
+    default = next(c for c in cells if (c["outer_lr"], c["outer_momentum"]) == (0.7, 0.9))
+    assert default["eval_loss"] == inner[last["outer_grid_inner_lr"]]
+    losses = {c["eval_loss"] for c in cells}
+    assert len(losses) > 1  # momentum and outer lr change the result
+    best = min(cells, key=lambda c: c["eval_loss"])
+    assert (last["best_outer_lr"], last["best_outer_momentum"]) == (
+        best["outer_lr"],
+        best["outer_momentum"],
+    )
+    dp = {p["lr"]: p["eval_loss"] for p in saved["sweeps"]["dp_lr"]}
+    best_dp = min(dp.values())
+    assert last["outer_grid_dp_eval_loss"] == best_dp and last["outer_grid_batch"] == 2
+    assert last["loss_gap_vs_dp_at_best_outer"] == pytest.approx(
+        (best["eval_loss"] - best_dp) / best_dp, abs=1e-4
+    )
+    for c in cells:
+        assert c["loss_gap_vs_dp"] == pytest.approx((c["eval_loss"] - best_dp) / best_dp, abs=1e-4)
+    assert "outer grid at batch 2" in done.stdout

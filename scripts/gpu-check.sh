@@ -27,8 +27,8 @@
 #   PHASES="step diloco" bash scripts/gpu-check.sh    # some phases only (e.g. a second call)
 #   STEP_S=300 bash scripts/gpu-check.sh              # another time limit for a phase
 #
-# Budget: three 10-minute device calls since issue 39 (16 timed steps per arm, the outer grid,
-# the signal runs): first
+# Budget: three device calls since issue 39 (16 timed steps per arm, the outer grid, the signal
+# runs), ~1250-1380 s in all: more than one session's 15 minutes of device time. First
 #   PHASES="gpu tests loss diloco" bash scripts/gpu-check.sh     (~420-550 s, an estimate)
 # then
 #   PHASES=step bash scripts/gpu-check.sh                        (~330 s; the 1.5B shape in a

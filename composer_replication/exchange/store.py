@@ -46,7 +46,7 @@ import os
 import shutil
 import threading
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -157,7 +157,7 @@ class Store(Protocol):
 class ObjectStore:
     """Keys are '/'-separated paths relative to the run prefix ``uri`` (see the module)."""
 
-    def __init__(self, uri: str, storage_options: dict[str, object] | None = None) -> None:
+    def __init__(self, uri: str, storage_options: Mapping[str, object] | None = None) -> None:
         self._uri = normalize_uri(uri)
         self.protocol = self._uri.partition("://")[0]
         self.scheme = scheme(self.protocol)

@@ -43,6 +43,7 @@ from composer_replication.exchange.push_store import DecoupledStore
 from composer_replication.exchange.store import ObjectStore
 from composer_replication.faults.events import ChaosEventConfig
 from composer_replication.faults.proxy import ThrottleProxy
+from composer_replication.json_types import JSONDict
 
 __all__ = [
     "ChaosInjector",
@@ -226,7 +227,7 @@ class ChaosInjector:
     synchronizer_pid: Callable[[], int | None] | None = None
     upload_wait_s: float = 60.0
     seed: int = 0
-    log: list[dict[str, object]] = field(default_factory=list)
+    log: list[JSONDict] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         for ev in self.events:

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from composer_replication.exchange.store import ObjectStore
+from composer_replication.json_types import JSONDict
 
 __all__ = [
     "committed_checkpoints",
@@ -85,7 +86,7 @@ def save_checkpoint(
     return key
 
 
-def load_outer_state(folder: Path) -> dict[str, Any] | None:
+def load_outer_state(folder: Path) -> JSONDict | None:
     """The outer state stored in a checkpoint folder (None when it has none)."""
     tensors_path = folder / "outer_state.safetensors"
     if not tensors_path.is_file():
@@ -99,7 +100,7 @@ def load_outer_state(folder: Path) -> dict[str, Any] | None:
     return state if isinstance(state, dict) else None
 
 
-def committed_checkpoints(store: ObjectStore) -> list[tuple[str, dict[str, Any]]]:
+def committed_checkpoints(store: ObjectStore) -> list[tuple[str, JSONDict]]:
     """(name, commit record) of every committed checkpoint, oldest round first."""
     out = []
     for name in store.list(PREFIX):
@@ -112,7 +113,7 @@ def committed_checkpoints(store: ObjectStore) -> list[tuple[str, dict[str, Any]]
     return sorted(out, key=lambda item: (int(item[1].get("round", 0)), item[0] == "final"))
 
 
-def latest_checkpoint(store: ObjectStore) -> tuple[str, dict[str, Any]] | None:
+def latest_checkpoint(store: ObjectStore) -> tuple[str, JSONDict] | None:
     found = committed_checkpoints(store)
     return found[-1] if found else None
 

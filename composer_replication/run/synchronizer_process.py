@@ -40,6 +40,7 @@ from composer_replication.assembly.outer import build_synchronizer
 from composer_replication.exchange.fencing import Fence, FencedError
 from composer_replication.exchange.signing import SYNCHRONIZER, RunKeys
 from composer_replication.executors.local import spawn_in_group, terminate_groups
+from composer_replication.json_types import JSONDict
 from composer_replication.run.replica_env import ENV_GENERATION, EXIT_FENCED
 from composer_replication.run.security import participant_keys, slot_secret_from_env
 
@@ -53,7 +54,7 @@ MODULE = "composer_replication.run.synchronizer_process"
 CONFIG_KEY = "run_config.json"
 
 
-def resolve(target: str, storage_options: dict[str, Any] | None) -> tuple[RunConfig, ObjectStore]:
+def resolve(target: str, storage_options: JSONDict | None) -> tuple[RunConfig, ObjectStore]:
     """(run config, store) of a run folder or a store URI (ValueError saying what is missing)."""
     from composer_replication.config import from_dict
     from composer_replication.config.schema import RunConfig

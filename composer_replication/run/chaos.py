@@ -33,7 +33,7 @@ from composer_replication.faults.injector import (
     uploading_file,
 )
 from composer_replication.faults.proxy import ThrottleProxy
-from composer_replication.json_types import JSONDict
+from composer_replication.json_types import JSONDict, JSONValue
 
 if TYPE_CHECKING:
     from composer_replication.run.synchronizer_process import SynchronizerProcess
@@ -73,7 +73,7 @@ def run_local(
     *,
     n: int,
     entrypoint: str,
-    args: Sequence[object],
+    args: Sequence[JSONValue],
     env: dict[str, str],
     store: ObjectStore,
     events: Sequence[ChaosEventConfig] = (),

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from composer_replication.data.teachers import TeacherClient, TeacherPool
     from composer_replication.data.traces import Prompt, TraceStore
     from composer_replication.tasks import Example, Task
+    from composer_replication.tasks.task import Scored
     from composer_replication.trainer import ComposerConfig, ComposerReplicationTrainer
 
 __all__ = [
@@ -240,7 +241,7 @@ def task_reward(
     model: PreTrainedModel,
     *,
     with_feedback: bool = True,
-) -> Callable[..., Sequence[object]]:
+) -> Callable[..., list[Scored] | list[float]]:
     """The task's TRL reward function for rollouts of `model`: it scores the text evaluation
     scores (`tasks.decode_completion` of each completion's token ids, cut at the model's stop
     tokens), not the text TRL decodes without special tokens."""

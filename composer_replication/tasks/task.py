@@ -39,9 +39,11 @@ import math
 import random
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, overload
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, TypeAlias, overload
+
+from composer_replication.json_types import JSONValue
 
 if TYPE_CHECKING:
     from composer_replication.data.hints import HintTemplate
@@ -107,7 +109,19 @@ def clean_completion(text: str) -> str:
     return _SPECIAL_TOKEN.sub("", text).strip()
 
 
-def decode_completion(tokenizer: object, ids: Sequence[int], stop_ids: Collection[int] = ()) -> str:
+class TokenDecoder(Protocol):
+    """What `decode_completion` asks of a tokenizer (a `PreTrainedTokenizerBase`)."""
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str | list[str]: ...
+
+
+# One TRL prompt or completion: a string, or a chat (a list of messages, the reply last).
+Completion: TypeAlias = str | Sequence[Mapping[str, JSONValue]]
+
+
+def decode_completion(
+    tokenizer: TokenDecoder, ids: Sequence[int], stop_ids: Collection[int] = ()
+) -> str:
     """The text the verifier judges for one completion's token ids, in training and evaluation
     alike: the ids up to and including the first stop token (`stop_ids`: the model's
     `generation_config.eos_token_id`, `data.turns.stop_token_ids`), decoded with special tokens
@@ -120,8 +134,7 @@ def decode_completion(tokenizer: object, ids: Sequence[int], stop_ids: Collectio
         if token in stops:
             row = row[: i + 1]
             break
-    text = tokenizer.decode(row, skip_special_tokens=False)  # type: ignore[attr-defined]
-    return str(text)
+    return str(tokenizer.decode(row, skip_special_tokens=False))
 
 
 def strip_answer_prefix(text: str) -> str:
@@ -129,7 +142,7 @@ def strip_answer_prefix(text: str) -> str:
     return _ANSWER_PREFIX.sub("", text, count=1).strip()
 
 
-def completion_text(completion: object) -> str:
+def completion_text(completion: Completion) -> str:
     """The text of one TRL completion: a string, or a chat list whose last message is the reply."""
     if isinstance(completion, str):
         return completion
@@ -517,7 +530,7 @@ class Task(ABC):
     def _lookup(
         self,
         i: int,
-        prompt: object,
+        prompt: Completion | None,
         example_id: Sequence[str] | None,
         answer: Sequence[str] | None,
         task_meta: Sequence[str] | None,
@@ -544,7 +557,7 @@ class Task(ABC):
         self,
         with_feedback: Literal[True] = True,
         *,
-        tokenizer: object | None = None,
+        tokenizer: TokenDecoder | None = None,
         stop_ids: Collection[int] = (),
     ) -> Callable[..., list[Scored]]: ...
     @overload
@@ -552,7 +565,7 @@ class Task(ABC):
         self,
         with_feedback: Literal[False],
         *,
-        tokenizer: object | None = None,
+        tokenizer: TokenDecoder | None = None,
         stop_ids: Collection[int] = (),
     ) -> Callable[..., list[float]]: ...
     @overload
@@ -560,14 +573,14 @@ class Task(ABC):
         self,
         with_feedback: bool,
         *,
-        tokenizer: object | None = None,
+        tokenizer: TokenDecoder | None = None,
         stop_ids: Collection[int] = (),
     ) -> Callable[..., list[Scored] | list[float]]: ...
     def reward_func(
         self,
         with_feedback: bool = True,
         *,
-        tokenizer: object | None = None,
+        tokenizer: TokenDecoder | None = None,
         stop_ids: Collection[int] = (),
     ) -> Callable[..., list[Scored] | list[float]]:
         """A TRL reward function named `f"{name}_reward"`.
@@ -586,8 +599,8 @@ class Task(ABC):
         """
 
         def reward(
-            prompts: Sequence[object] | None = None,
-            completions: Sequence[object] | None = None,
+            prompts: Sequence[Completion] | None = None,
+            completions: Sequence[Completion] | None = None,
             example_id: Sequence[str] | None = None,
             answer: Sequence[str] | None = None,
             task_meta: Sequence[str] | None = None,

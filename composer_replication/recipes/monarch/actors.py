@@ -61,6 +61,7 @@ if TYPE_CHECKING:
 
     from composer_replication.config import RunConfig
     from composer_replication.data.traces import Prompt, TraceJson, TraceRecord, TraceStore
+    from composer_replication.tasks.task import TokenDecoder
 
 __all__ = [
     "GeneratorActor",
@@ -299,7 +300,11 @@ class _RemoteReward:
     """The trainer's reward function: its co-located `RewarderActor` (one call per batch)."""
 
     def __init__(
-        self, rewarder: Any, name: str, tokenizer: object = None, stop_ids: Sequence[int] = ()
+        self,
+        rewarder: Any,
+        name: str,
+        tokenizer: TokenDecoder | None = None,
+        stop_ids: Sequence[int] = (),
     ) -> None:
         self.rewarder = rewarder
         self.__name__ = name

@@ -50,6 +50,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 from urllib.parse import urlparse
 
+from composer_replication.json_types import JSONDict
 from composer_replication.tasks.task import Example, Task, Verdict, clean_completion
 
 __all__ = ["OpenEnvTask", "OpenEnvUnavailable"]
@@ -125,7 +126,7 @@ class OpenEnvTask(Task):
         answer_field: str | None = None,
         reward_range: Sequence[float] = (0.0, 1.0),
         success_reward: float | None = None,
-        reset_kwargs: dict[str, object] | None = None,
+        reset_kwargs: JSONDict | None = None,
         timeout_s: float = 60.0,
         capacity_wait_s: float = 30.0,
     ) -> None:
@@ -421,7 +422,7 @@ class OpenEnvTask(Task):
             self._prompt_of(self._reset(0))
             self._resolve_action_field()
 
-    def _sample(self, rng: random.Random) -> tuple[str, str, dict[str, object]]:
+    def _sample(self, rng: random.Random) -> tuple[str, str, JSONDict]:
         seed = rng.randrange(_SEED_SPACE)
         with self._lock:
             obs = self._reset(seed)

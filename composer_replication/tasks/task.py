@@ -43,7 +43,7 @@ from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, TypeAlias, overload
 
-from composer_replication.json_types import JSONValue
+from composer_replication.json_types import JSONDict, JSONValue
 
 if TYPE_CHECKING:
     from composer_replication.data.hints import HintTemplate
@@ -60,7 +60,7 @@ _ANSWER_PREFIX = re.compile(r"^\s*(?:the\s+)?answer\s*(?:is|:)\s*", re.IGNORECAS
 _MAX_MISSES = 2000
 
 # One problem as a task draws it: (prompt, reference answer, JSON-serialisable meta).
-Problem = tuple[str, str, dict[str, Any]]
+Problem = tuple[str, str, JSONDict]
 # The hints `Task.hinted_examples` cycles through, as (with the solution, with feedback): what
 # channel 2's teacher is shown for a failed rollout (`data.hints.plan_hints`).
 HINT_KINDS: tuple[tuple[bool, bool], ...] = ((True, False), (True, True), (False, True))
@@ -75,7 +75,7 @@ class Example:
     id: str
     prompt: str
     answer: str
-    meta: dict[str, Any] = field(default_factory=dict)
+    meta: JSONDict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ from composer_replication.exchange.vocabulary import (
     StoreTimeoutError,
 )
 from composer_replication.exchange.wire import Buffer
+from composer_replication.json_types import JSONValue
 
 log = logging.getLogger(__name__)
 
@@ -262,7 +263,7 @@ class RunDocuments:
         """Whether the state of ``round`` is stored (one small GET, never a listing)."""
         return self.store.has_object(state_mod.state_key(name, round))
 
-    def put_json(self, key: str, obj: object, *, exclusive: bool = True) -> bool:
+    def put_json(self, key: str, obj: JSONValue, *, exclusive: bool = True) -> bool:
         """Store a small JSON document; exclusive=True is put-if-absent (False if it existed)."""
         return self.store.put_json(state_mod.check_doc_key(key), obj, exclusive=exclusive)
 

@@ -147,7 +147,7 @@ def write_heartbeat(
         host=socket.gethostname(),
         fields=dict(fields),
     )
-    doc = {
+    doc: JSONDict = {
         "format": FORMAT,
         "kind": "heartbeat",
         "role": hb.role,

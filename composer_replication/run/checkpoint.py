@@ -24,13 +24,13 @@ import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from composer_replication.exchange.store import ObjectStore
-from composer_replication.json_types import JSONDict
+from composer_replication.json_types import JSONDict, JSONValue
 
 __all__ = [
     "committed_checkpoints",
@@ -128,7 +128,7 @@ def prune_checkpoints(store: ObjectStore, keep_last: int) -> None:
         store.delete_prefix(f"{PREFIX}/{name}")
 
 
-def _local_record(folder: Path) -> Any:
+def _local_record(folder: Path) -> JSONValue:
     try:
         return json.loads((folder / MARKER).read_text())
     except (OSError, ValueError):

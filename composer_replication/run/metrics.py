@@ -33,7 +33,7 @@ import math
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from composer_replication.exchange.store import ObjectStore, Store
 from composer_replication.json_types import JSONDict, JSONValue, as_int
@@ -416,7 +416,7 @@ def read_metrics(path: Path) -> list[JSONDict]:
     if not path.is_file():
         return []
     out: list[JSONDict | None] = []
-    where: dict[tuple[Any, Any, Any], int] = {}
+    where: dict[tuple[JSONValue, JSONValue, JSONValue], int] = {}
     for line in path.read_text(encoding="utf-8").splitlines():
         try:
             record = json.loads(line)

@@ -408,6 +408,8 @@ def _config_doc(ns: argparse.Namespace, store: ObjectStore) -> JSONDict:
             f"no {CONFIG_KEY} in {store.uri} after {ns.config_timeout:g}s; start "
             "runs with `composer-replication train`"
         )
+    if not isinstance(doc, dict):
+        raise _Unusable(f"{CONFIG_KEY} in {store.uri} is not a JSON object")
     return dict(doc)
 
 

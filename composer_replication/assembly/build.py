@@ -35,6 +35,7 @@ from composer_replication.config.schema import GENERATION_ENGINES
 from composer_replication.data.turns import align_generation_stops, stop_token_ids
 
 if TYPE_CHECKING:
+    from datasets import Dataset
     from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback
 
     from composer_replication.config import RunConfig
@@ -178,20 +179,20 @@ def build_model(config: RunConfig) -> tuple[PreTrainedModel, PreTrainedTokenizer
     import torch
     from transformers import AutoModelForCausalLM
 
-    tok = load_tokenizer(m.name, trust_remote_code=m.trust_remote_code)
-    tok.padding_side = "left"
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
+    hub_tok = load_tokenizer(m.name, trust_remote_code=m.trust_remote_code)
+    hub_tok.padding_side = "left"
+    if hub_tok.pad_token is None:
+        hub_tok.pad_token = hub_tok.eos_token
     dtype = "auto" if m.dtype == "auto" else getattr(torch, m.dtype)
-    model = AutoModelForCausalLM.from_pretrained(
+    loaded = AutoModelForCausalLM.from_pretrained(
         m.name, dtype=dtype, trust_remote_code=m.trust_remote_code
     )
     # Rollouts and evaluation stop at the template's end of turn as well as EOS (data/turns.py).
-    align_generation_stops(model, tok)
-    return model, tok
+    align_generation_stops(loaded, hub_tok)
+    return loaded, hub_tok
 
 
-def load_tokenizer(name: str, *, trust_remote_code: bool = False) -> Any:
+def load_tokenizer(name: str, *, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
     """`AutoTokenizer.from_pretrained(name)`, as a Hugging Face user loads a hub id or a folder.
 
     One exception, for local folders only: a folder whose `tokenizer_config.json` records a
@@ -380,7 +381,7 @@ def composer_kwargs(config: RunConfig) -> dict[str, Any]:
     return kw
 
 
-def train_split(config: RunConfig, task: Task, rank: int) -> Any:
+def train_split(config: RunConfig, task: Task, rank: int) -> Dataset:
     """The training prompts replica `rank` samples from: with `task.shard = "disjoint"` every
     n-th prompt from `rank` (n = backend.n_replicas, a data island per replica, no prompt in
     two), else all of them."""

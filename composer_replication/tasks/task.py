@@ -41,11 +41,13 @@ import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, TypeAlias, overload
+from typing import TYPE_CHECKING, ClassVar, Literal, Protocol, TypeAlias, overload
 
 from composer_replication.json_types import JSONDict, JSONValue
 
 if TYPE_CHECKING:
+    from datasets import Dataset
+
     from composer_replication.data.hints import HintTemplate
     from composer_replication.data.traces import TraceJson
 
@@ -499,7 +501,7 @@ class Task(ABC):
             out.append(Example(id=f"{ex.id}/hinted", prompt=text, answer=ex.answer, meta=ex.meta))
         return out
 
-    def to_dataset(self, split: str = "train", *, hint_share: float = 0.0) -> Any:
+    def to_dataset(self, split: str = "train", *, hint_share: float = 0.0) -> Dataset:
         """A `datasets.Dataset` for TRL with columns `prompt` (chat format), `example_id`,
         `answer` and `task_meta` (the example's meta as a JSON string, so `reward_func` can verify
         rows whose id this task instance does not know). With `hint_share` > 0 (train split

@@ -43,7 +43,7 @@ from composer_replication.exchange.push_store import DecoupledStore
 from composer_replication.exchange.store import ObjectStore
 from composer_replication.faults.events import ChaosEventConfig
 from composer_replication.faults.proxy import ThrottleProxy
-from composer_replication.json_types import JSONDict
+from composer_replication.json_types import JSONDict, JSONValue
 
 __all__ = [
     "ChaosInjector",
@@ -260,7 +260,7 @@ class ChaosInjector:
     def done(self) -> bool:
         return all(not t.is_alive() for t in self._threads)
 
-    def _record(self, **entry: Any) -> None:
+    def _record(self, **entry: JSONValue) -> None:
         entry["t"] = round(time.monotonic() - self.t0, 3)
         with self._lock:
             self.log.append(entry)

@@ -51,10 +51,10 @@ import socket
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 from composer_replication.exchange.store import Store
-from composer_replication.json_types import JSONDict
+from composer_replication.json_types import JSONDict, JSONValue
 
 __all__ = [
     "DEAD_AFTER_S",
@@ -128,7 +128,7 @@ def write_heartbeat(
     *,
     state: str = "running",
     now: float | None = None,
-    **fields: Any,
+    **fields: JSONValue,
 ) -> Heartbeat:
     """Overwrite this member's heartbeat (``fields`` must be JSON-able); returns what was written.
 

@@ -44,7 +44,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from types import FrameType
+from typing import TextIO
 
 from composer_replication.assembly.outer import build_lighthouse, outer_loop_mode
 from composer_replication.assembly.services import (
@@ -755,7 +756,7 @@ def _install_stop_handlers() -> tuple[threading.Event, Callable[[], None]]:
     if threading.current_thread() is not threading.main_thread():
         return stop, lambda: None
 
-    def handler(signum: int, frame: Any) -> None:
+    def handler(signum: int, frame: FrameType | None) -> None:
         if stop.is_set():
             raise KeyboardInterrupt
         stop.set()

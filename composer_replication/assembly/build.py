@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 from composer_replication.config import ConfigError
 from composer_replication.config.schema import GENERATION_ENGINES
 from composer_replication.data.turns import align_generation_stops, stop_token_ids
+from composer_replication.json_types import JSONDict
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -84,7 +85,7 @@ CHANNEL1_TRL_ARGS = {
 
 # `[train] generation` -> the TRL GRPOConfig arguments that select that rollout engine; keyed by
 # the schema's choices (config.schema.GENERATION_ENGINES). benchmarks/gpu_step.py measures them.
-GENERATION_ARGS: dict[str, dict[str, Any]] = {
+GENERATION_ARGS: dict[str, JSONDict] = {
     "generate": {},  # TRL's default path: model.generate on the left-padded prompt batch
     # the same generate with a static key/value cache; `configure_generation` turns transformers'
     # compiled decoding back on (TRL builds its GenerationConfig with disable_compile=True)
@@ -107,7 +108,7 @@ if set(GENERATION_ARGS) != set(GENERATION_ENGINES):  # pragma: no cover - a prog
     )
 
 
-def generation_args(engine: str) -> dict[str, object]:
+def generation_args(engine: str) -> JSONDict:
     """The TRL arguments of the rollout engine `engine` (`GENERATION_ARGS`), after checking that
     what it needs is installed: the vLLM engines raise `ConfigError` naming the extra when vLLM
     is missing (TRL would fail later, inside its trainer's constructor)."""

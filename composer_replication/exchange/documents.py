@@ -267,14 +267,14 @@ class RunDocuments:
         """Store a small JSON document; exclusive=True is put-if-absent (False if it existed)."""
         return self.store.put_json(state_mod.check_doc_key(key), obj, exclusive=exclusive)
 
-    def get_json(self, key: str) -> Any:
+    def get_json(self, key: str) -> JSONValue:
         """The JSON document at ``key`` or None if absent (CorruptContributionError if not JSON)."""
         try:
             return self.store.get_json(state_mod.check_doc_key(key))
         except ValueError as e:
             raise CorruptContributionError(f"document {key!r} at {self.uri} is not JSON") from e
 
-    def wait_for_json(self, key: str, timeout_s: float) -> Any:
+    def wait_for_json(self, key: str, timeout_s: float) -> JSONValue:
         """Poll until ``key`` exists; StoreTimeoutError after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         while True:

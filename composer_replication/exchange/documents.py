@@ -162,7 +162,7 @@ class RunDocuments:
                 + "\nuse a new run prefix or the model/world size/codec the run was started with"
             )
 
-    def _manifest_mac(self, doc: Mapping[str, object]) -> str:
+    def _manifest_mac(self, doc: Mapping[str, JSONValue]) -> str:
         assert self.mac_secret is not None
         body = json.dumps({k: v for k, v in doc.items() if k != "mac"}, sort_keys=True)
         return hmac.new(self.mac_secret, b"manifest:" + body.encode(), hashlib.sha256).hexdigest()
@@ -188,7 +188,7 @@ class RunDocuments:
         *,
         round: int,
         name: str = "global",
-        extra: Mapping[str, object] | None = None,
+        extra: Mapping[str, JSONValue] | None = None,
         stride: int = 1,
     ) -> bool:
         """put-if-absent a full state dict for ``round``; False if that round already exists.

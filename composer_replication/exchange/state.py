@@ -112,7 +112,7 @@ def encode_state(
     *,
     name: str,
     round: int,
-    extra: Mapping[str, object] | None,
+    extra: Mapping[str, JSONValue] | None,
     keys: RunKeys | None = None,
 ) -> bytes:
     """Serialise a full state dict losslessly (header signed with ``keys``). Tensors are

@@ -56,15 +56,17 @@ log = logging.getLogger(__name__)
 
 
 def _clean(value: object) -> JSONValue:
-    """JSON-safe value: tensors/numpy to float, NaN/inf to None; what JSON cannot hold (a value
-    of no JSON type) as its ``str``."""
+    """JSON-safe value: tensors/numpy to float, NaN/inf to None, a tuple as a list (as
+    `json.dumps` writes it); TypeError for a value JSON cannot hold."""
     if hasattr(value, "item"):
         value = value.item()
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if value is None or isinstance(value, str | int | float | bool | list | dict):
         return value
-    return str(value)
+    if isinstance(value, tuple):
+        return list(value)
+    raise TypeError(f"a {type(value).__name__} is not JSON")
 
 
 def status_key(rank: int) -> str:
@@ -146,8 +148,11 @@ class ReplicaMetricsWriter:
             "step": int(step),
         }
         record["round"] = int(round)
-        for key, value in values.items():
-            value = _clean(value)
+        for key, raw in values.items():
+            try:
+                value = _clean(raw)
+            except TypeError:  # not a metric: left out
+                continue
             if isinstance(value, bool | int | float | str) or value is None:
                 record[key] = value
         self._buffer.append(record)

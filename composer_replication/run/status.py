@@ -40,7 +40,7 @@ import json
 import socket
 import time
 from pathlib import Path
-from typing import TypedDict
+from typing import NotRequired, TypedDict
 
 from composer_replication.assembly.outer import outer_loop_mode
 from composer_replication.config import RunConfig, from_dict
@@ -83,11 +83,13 @@ class HealthDoc(TypedDict):
 
     state: str
     reasons: list[str]
-    alive_workers: int
-    expected_workers: int
     level: int
-    members: dict[str, str]  # "role/id" -> its liveness status
-    synchronizer: JSONDict | None  # `OuterLoopMode.service_status`'s row
+    # from the heartbeats (absent when the store could not be read and the run is critical
+    # only because the driver stopped it on a round that cannot commit)
+    alive_workers: NotRequired[int]
+    expected_workers: NotRequired[int]
+    members: NotRequired[dict[str, str]]  # "role/id" -> its liveness status
+    synchronizer: NotRequired[JSONDict | None]  # `OuterLoopMode.service_status`'s row
 
 
 class DriverGone(TypedDict):
@@ -321,15 +323,7 @@ def _stopped(health: HealthDoc | None, reason: str) -> HealthDoc:
     for ``reason`` (first), whatever the heartbeats say."""
     reasons = [reason, *(health["reasons"] if health is not None else [])]
     if health is None:
-        return {
-            "state": "critical",
-            "reasons": reasons,
-            "alive_workers": 0,
-            "expected_workers": 0,
-            "level": 2,
-            "members": {},
-            "synchronizer": None,
-        }
+        return {"state": "critical", "level": 2, "reasons": reasons}
     return {**health, "state": "critical", "level": 2, "reasons": reasons}
 
 

@@ -26,21 +26,24 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from composer_replication.config import ConfigError
 from composer_replication.config.schema import GENERATION_ENGINES
 from composer_replication.data.turns import align_generation_stops, stop_token_ids
+from composer_replication.json_types import JSONDict
 
 if TYPE_CHECKING:
+    from datasets import Dataset
     from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback
 
     from composer_replication.config import RunConfig
     from composer_replication.data.teachers import TeacherClient, TeacherPool
     from composer_replication.data.traces import Prompt, TraceStore
     from composer_replication.tasks import Example, Task
+    from composer_replication.tasks.task import Scored
     from composer_replication.trainer import ComposerConfig, ComposerReplicationTrainer
 
 __all__ = [
@@ -82,7 +85,7 @@ CHANNEL1_TRL_ARGS = {
 
 # `[train] generation` -> the TRL GRPOConfig arguments that select that rollout engine; keyed by
 # the schema's choices (config.schema.GENERATION_ENGINES). benchmarks/gpu_step.py measures them.
-GENERATION_ARGS: dict[str, dict[str, Any]] = {
+GENERATION_ARGS: dict[str, JSONDict] = {
     "generate": {},  # TRL's default path: model.generate on the left-padded prompt batch
     # the same generate with a static key/value cache; `configure_generation` turns transformers'
     # compiled decoding back on (TRL builds its GenerationConfig with disable_compile=True)
@@ -105,7 +108,7 @@ if set(GENERATION_ARGS) != set(GENERATION_ENGINES):  # pragma: no cover - a prog
     )
 
 
-def generation_args(engine: str) -> dict[str, object]:
+def generation_args(engine: str) -> JSONDict:
     """The TRL arguments of the rollout engine `engine` (`GENERATION_ARGS`), after checking that
     what it needs is installed: the vLLM engines raise `ConfigError` naming the extra when vLLM
     is missing (TRL would fail later, inside its trainer's constructor)."""
@@ -177,20 +180,20 @@ def build_model(config: RunConfig) -> tuple[PreTrainedModel, PreTrainedTokenizer
     import torch
     from transformers import AutoModelForCausalLM
 
-    tok = load_tokenizer(m.name, trust_remote_code=m.trust_remote_code)
-    tok.padding_side = "left"
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
+    hub_tok = load_tokenizer(m.name, trust_remote_code=m.trust_remote_code)
+    hub_tok.padding_side = "left"
+    if hub_tok.pad_token is None:
+        hub_tok.pad_token = hub_tok.eos_token
     dtype = "auto" if m.dtype == "auto" else getattr(torch, m.dtype)
-    model = AutoModelForCausalLM.from_pretrained(
+    loaded = AutoModelForCausalLM.from_pretrained(
         m.name, dtype=dtype, trust_remote_code=m.trust_remote_code
     )
     # Rollouts and evaluation stop at the template's end of turn as well as EOS (data/turns.py).
-    align_generation_stops(model, tok)
-    return model, tok
+    align_generation_stops(loaded, hub_tok)
+    return loaded, hub_tok
 
 
-def load_tokenizer(name: str, *, trust_remote_code: bool = False) -> Any:
+def load_tokenizer(name: str, *, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
     """`AutoTokenizer.from_pretrained(name)`, as a Hugging Face user loads a hub id or a folder.
 
     One exception, for local folders only: a folder whose `tokenizer_config.json` records a
@@ -240,7 +243,7 @@ def task_reward(
     model: PreTrainedModel,
     *,
     with_feedback: bool = True,
-) -> Callable[..., Sequence[object]]:
+) -> Callable[..., list[Scored] | list[float]]:
     """The task's TRL reward function for rollouts of `model`: it scores the text evaluation
     scores (`tasks.decode_completion` of each completion's token ids, cut at the model's stop
     tokens), not the text TRL decodes without special tokens."""
@@ -379,7 +382,7 @@ def composer_kwargs(config: RunConfig) -> dict[str, Any]:
     return kw
 
 
-def train_split(config: RunConfig, task: Task, rank: int) -> Any:
+def train_split(config: RunConfig, task: Task, rank: int) -> Dataset:
     """The training prompts replica `rank` samples from: with `task.shard = "disjoint"` every
     n-th prompt from `rank` (n = backend.n_replicas, a data island per replica, no prompt in
     two), else all of them."""

@@ -14,7 +14,7 @@ synchronizer and the lighthouse.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from composer_replication.assembly.screening import RunScreening
 from composer_replication.diloco.mode_registry import outer_loop_mode as _mode_of
@@ -29,7 +29,7 @@ from composer_replication.exchange.signing import RunKeys
 from composer_replication.exchange.store import ObjectStore
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from composer_replication.config import RunConfig
     from composer_replication.tasks import Task
@@ -47,7 +47,7 @@ def build_outer_loop(
     rank: int,
     store: ObjectStore,
     model: PreTrainedModel,
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     task: Task,
     *,
     keys: RunKeys | None = None,

@@ -20,6 +20,8 @@ from __future__ import annotations
 import string
 from dataclasses import dataclass
 
+from composer_replication.json_types import JSONDict
+
 DEFAULT_REPROMPT = "{prompt}{solution}{feedback}\n\nCorrectly solve the original question.\n"
 DEFAULT_SOLUTION = "\nCorrect solution:\n\n{solution}\n\n"
 DEFAULT_FEEDBACK = (
@@ -73,8 +75,8 @@ class HintTemplate:
         return self.reprompt.format(prompt=prompt, solution=sol, feedback=fb)
 
     def render(
-        self, prompt: str | list[dict[str, object]], solution: str | None, feedback: str | None
-    ) -> str | list[dict[str, object]]:
+        self, prompt: str | list[JSONDict], solution: str | None, feedback: str | None
+    ) -> str | list[JSONDict]:
         """The hinted teacher prompt in the prompt's own form.
 
         A chat prompt keeps its earlier messages (system prompt, previous turns); the last user

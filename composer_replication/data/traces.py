@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NotRequired, TypedDict
 
+from composer_replication.json_types import JSONDict
+
 Prompt = str | list[dict[str, Any]]
 
 REQUIRED_FIELDS: tuple[str, ...] = ("prompt_key", "teacher", "completion")
@@ -40,7 +42,7 @@ class TraceJson(TypedDict):
     teacher: str
     completion: str
     reward: float | None
-    metadata: dict[str, object]
+    metadata: JSONDict
     prompt: NotRequired[Prompt]
 
 
@@ -103,7 +105,7 @@ class TraceRecord:
     teacher: str
     completion: str
     reward: float | None = None
-    metadata: dict[str, object] = field(default_factory=dict)
+    metadata: JSONDict = field(default_factory=dict)
     prompt: Prompt | None = None
 
     def to_json(self) -> TraceJson:

@@ -19,6 +19,10 @@ generates past its answer during RL while evaluation cuts at the marker:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 __all__ = ["align_generation_stops", "end_of_turn_id", "stop_token_ids"]
 
@@ -26,13 +30,13 @@ __all__ = ["align_generation_stops", "end_of_turn_id", "stop_token_ids"]
 _SENTINEL = "QZXJ7"
 
 
-def end_of_turn_id(tokenizer: object) -> int | None:
+def end_of_turn_id(tokenizer: PreTrainedTokenizerBase) -> int | None:
     """The special token the chat template writes right after an assistant reply (None when the
     tokenizer has no chat template or the template ends a reply with plain text)."""
     if not getattr(tokenizer, "chat_template", None):
         return None
     try:
-        text = tokenizer.apply_chat_template(  # type: ignore[attr-defined]
+        text = tokenizer.apply_chat_template(
             [{"role": "user", "content": "1"}, {"role": "assistant", "content": _SENTINEL}],
             tokenize=False,
         )
@@ -45,12 +49,14 @@ def end_of_turn_id(tokenizer: object) -> int | None:
     specials = sorted(getattr(tokenizer, "all_special_tokens", []), key=len, reverse=True)
     for special in specials:
         if isinstance(special, str) and special and after.startswith(special):
-            token_id = tokenizer.convert_tokens_to_ids(special)  # type: ignore[attr-defined]
+            token_id = tokenizer.convert_tokens_to_ids(special)
             return token_id if isinstance(token_id, int) else None
     return None
 
 
-def stop_token_ids(tokenizer: object, eos: int | Sequence[int] | None) -> list[int]:
+def stop_token_ids(
+    tokenizer: PreTrainedTokenizerBase, eos: int | Sequence[int] | None
+) -> list[int]:
     """The ids that end a completion: `eos` (a `generation_config.eos_token_id`), then the
     tokenizer's EOS and the template's end-of-turn token where not already listed."""
     ids: list[int] = []
@@ -61,7 +67,7 @@ def stop_token_ids(tokenizer: object, eos: int | Sequence[int] | None) -> list[i
     return ids
 
 
-def align_generation_stops(model: object, tokenizer: object) -> list[int]:
+def align_generation_stops(model: object, tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """Make the model's generation stop at every id of `stop_token_ids` (its
     `generation_config.eos_token_id` becomes that list) and return the list; a model without a
     generation config is left as it is."""

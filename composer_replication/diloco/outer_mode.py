@@ -46,6 +46,7 @@ from composer_replication.exchange.robust import AggregatePolicy, LossProbe
 from composer_replication.exchange.signing import RunKeys
 from composer_replication.exchange.store import ObjectStore
 from composer_replication.exchange.store_manager import RoundRecord
+from composer_replication.json_types import JSONDict, JSONValue
 
 if TYPE_CHECKING:
     from transformers import TrainerCallback
@@ -144,7 +145,7 @@ def _no_op() -> None:
     return None
 
 
-def _no_fields() -> dict[str, object]:
+def _no_fields() -> JSONDict:
     return {}
 
 
@@ -175,11 +176,11 @@ class ReplicaLoop:
     outer: OuterLoop
     start_round: int
     start_step: int
-    heartbeat: Callable[[], dict[str, object]]
+    heartbeat: Callable[[], JSONDict]
     resume: Callable[[int], ReplicaStart]
     state_writer: Callable[[ResumableTrainer, Callable[[], None]], TrainerCallback]
     close: Callable[[], None] = field(default=_no_op)
-    begin_fields: Callable[[], dict[str, object]] = field(default=_no_fields)
+    begin_fields: Callable[[], JSONDict] = field(default=_no_fields)
 
 
 @dataclass(frozen=True)
@@ -194,7 +195,7 @@ class RunShape:
 
 
 class SynchronizerStats(Protocol):
-    def as_dict(self) -> dict[str, object]: ...
+    def as_dict(self) -> JSONDict: ...
 
 
 class Synchronizing(Protocol):
@@ -312,8 +313,8 @@ class OuterLoopMode(Protocol):
         ...
 
     def check_chaos(
-        self, store: ObjectStore, kills: Sequence[Mapping[str, object]]
-    ) -> dict[str, object] | None:
+        self, store: ObjectStore, kills: Sequence[Mapping[str, JSONValue]]
+    ) -> JSONDict | None:
         """After a chaos run that finished: the mode's checks over the store (``"ok"`` and
         ``"problems"``), or None where it has none; ``kills``: the injector's kill entries."""
         ...
@@ -328,7 +329,7 @@ class OuterLoopMode(Protocol):
         """The process the driver runs beside the replicas, if the mode has one there."""
         ...
 
-    def service_status(self, member: MemberLiveness, now: float) -> tuple[dict[str, object], bool]:
+    def service_status(self, member: MemberLiveness, now: float) -> tuple[JSONDict, bool]:
         """The status row of one of the mode's services (a member of `service_roles`) from its
         heartbeat (``health.synchronizer`` in `status`), and whether it refused something
         recently (the run is then degraded)."""

@@ -45,6 +45,7 @@ import torch
 from composer_replication.exchange.retry import STATE_WRITE_RETRY_S, retry_write
 from composer_replication.exchange.signing import RunKeys, SignatureError, rank_identity
 from composer_replication.exchange.store import ObjectStore
+from composer_replication.json_types import JSONValue
 
 __all__ = [
     "FORMAT",
@@ -171,7 +172,7 @@ def replica_state_rounds(store: ObjectStore, rank: int, kind: StateKind = "rank"
     return sorted(out)
 
 
-def _blob(store: ObjectStore, key: str, spec: Any, what: str) -> bytes:
+def _blob(store: ObjectStore, key: str, spec: JSONValue, what: str) -> bytes:
     if not isinstance(spec, Mapping):
         raise ReplicaStateError(f"{what}: the manifest does not describe {key}")
     raw = store.get(key)

@@ -34,6 +34,7 @@ from composer_replication.exchange.vocabulary import (
     StoreTimeoutError,
 )
 from composer_replication.exchange.wire import Buffer
+from composer_replication.json_types import JSONValue
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +162,7 @@ class RunDocuments:
                 + "\nuse a new run prefix or the model/world size/codec the run was started with"
             )
 
-    def _manifest_mac(self, doc: Mapping[str, object]) -> str:
+    def _manifest_mac(self, doc: Mapping[str, JSONValue]) -> str:
         assert self.mac_secret is not None
         body = json.dumps({k: v for k, v in doc.items() if k != "mac"}, sort_keys=True)
         return hmac.new(self.mac_secret, b"manifest:" + body.encode(), hashlib.sha256).hexdigest()
@@ -187,7 +188,7 @@ class RunDocuments:
         *,
         round: int,
         name: str = "global",
-        extra: Mapping[str, object] | None = None,
+        extra: Mapping[str, JSONValue] | None = None,
         stride: int = 1,
     ) -> bool:
         """put-if-absent a full state dict for ``round``; False if that round already exists.
@@ -262,18 +263,18 @@ class RunDocuments:
         """Whether the state of ``round`` is stored (one small GET, never a listing)."""
         return self.store.has_object(state_mod.state_key(name, round))
 
-    def put_json(self, key: str, obj: object, *, exclusive: bool = True) -> bool:
+    def put_json(self, key: str, obj: JSONValue, *, exclusive: bool = True) -> bool:
         """Store a small JSON document; exclusive=True is put-if-absent (False if it existed)."""
         return self.store.put_json(state_mod.check_doc_key(key), obj, exclusive=exclusive)
 
-    def get_json(self, key: str) -> Any:
+    def get_json(self, key: str) -> JSONValue:
         """The JSON document at ``key`` or None if absent (CorruptContributionError if not JSON)."""
         try:
             return self.store.get_json(state_mod.check_doc_key(key))
         except ValueError as e:
             raise CorruptContributionError(f"document {key!r} at {self.uri} is not JSON") from e
 
-    def wait_for_json(self, key: str, timeout_s: float) -> Any:
+    def wait_for_json(self, key: str, timeout_s: float) -> JSONValue:
         """Poll until ``key`` exists; StoreTimeoutError after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         while True:

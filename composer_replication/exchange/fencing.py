@@ -37,6 +37,7 @@ import socket
 import time
 
 from composer_replication.exchange.store import Store
+from composer_replication.json_types import JSONDict
 
 __all__ = [
     "GENERATION_KEY",
@@ -89,7 +90,7 @@ def bump_generation(store: Store, secret: bytes | None = None) -> int:
     """Write generation = current + 1 (what every launch of a run does first); returns it.
     ``secret``: the run's slot secret, to MAC the document with (module docstring)."""
     generation = read_generation(store) + 1
-    doc: dict[str, object] = {
+    doc: JSONDict = {
         "format": FORMAT,
         "kind": "generation",
         "generation": generation,

@@ -39,6 +39,7 @@ import uuid
 from dataclasses import dataclass
 
 from composer_replication.exchange.store import Store
+from composer_replication.json_types import JSONDict
 
 __all__ = ["Lease", "LeaseState", "lease_prefix"]
 
@@ -266,7 +267,7 @@ class Lease:
         except OSError as e:  # housekeeping only
             log.warning("lease %s: deleting old epochs failed: %r", self.name, e)
 
-    def info(self) -> dict[str, object]:
+    def info(self) -> JSONDict:
         """JSON-able view for status documents."""
         with self._lock:
             return {

@@ -51,9 +51,10 @@ import socket
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 from composer_replication.exchange.store import Store
+from composer_replication.json_types import JSONDict, JSONValue
 
 __all__ = [
     "DEAD_AFTER_S",
@@ -117,7 +118,7 @@ class Heartbeat:
     state: str
     pid: int | None = None
     host: str | None = None
-    fields: dict[str, object] = field(default_factory=dict)
+    fields: JSONDict = field(default_factory=dict)
 
 
 def write_heartbeat(
@@ -127,7 +128,7 @@ def write_heartbeat(
     *,
     state: str = "running",
     now: float | None = None,
-    **fields: Any,
+    **fields: JSONValue,
 ) -> Heartbeat:
     """Overwrite this member's heartbeat (``fields`` must be JSON-able); returns what was written.
 
@@ -146,7 +147,7 @@ def write_heartbeat(
         host=socket.gethostname(),
         fields=dict(fields),
     )
-    doc = {
+    doc: JSONDict = {
         "format": FORMAT,
         "kind": "heartbeat",
         "role": hb.role,
@@ -210,7 +211,7 @@ def write_departure(
     ``secret``: the run's slot secret, to MAC the record with (`read_departure`)."""
     if not isinstance(reason, str) or not reason:
         raise ValueError("a departure needs a reason (e.g. 'exit code 1; restarts exhausted')")
-    doc: dict[str, object] = {
+    doc: JSONDict = {
         "format": FORMAT,
         "kind": "departure",
         "role": role,
@@ -335,7 +336,7 @@ class RunHealth:
     alive_workers: int
     expected_workers: int
 
-    def as_dict(self) -> dict[str, object]:
+    def as_dict(self) -> JSONDict:
         return {
             "state": self.state,
             "reasons": list(self.reasons),

@@ -885,7 +885,7 @@ class DecoupledStore:
             and _nonneg_int(doc.get("step"))
             and isinstance(doc.get("done"), bool)
         )
-        return doc if ok else None
+        return doc if ok and isinstance(doc, dict) else None
 
     def write_final(self, versions: list[int], learners: dict[int, int], **info: Any) -> None:
         self.store.put_json(

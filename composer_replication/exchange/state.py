@@ -23,6 +23,7 @@ from composer_replication.exchange import wire
 from composer_replication.exchange.protocol import FORMAT, HEADER_KEY, tensors_digest
 from composer_replication.exchange.signing import RunKeys
 from composer_replication.exchange.vocabulary import CorruptContributionError
+from composer_replication.json_types import JSONDict, JSONValue, as_dict
 
 # who may sign a published state: any rank (sync mode) or the synchronizer (decoupled mode)
 STATE_SIGNERS = frozenset({"rank-*", "synchronizer"})
@@ -65,7 +66,7 @@ def parse_state_name(fname: str) -> int | None:
 
 def model_fingerprint(
     model_or_state_dict: torch.nn.Module | dict[str, torch.Tensor],
-) -> dict[str, Any]:
+) -> JSONDict:
     """Parameter names, shapes and dtypes of an ``nn.Module`` (named_parameters) or a dict.
 
     Returns ``{"parameters": {name: [shape, dtype]}, "num_parameters": int}`` (JSON-able).
@@ -77,7 +78,7 @@ def model_fingerprint(
         items = list(model_or_state_dict.items())
     else:
         raise ValueError("model_fingerprint expects an nn.Module or a dict of tensors")
-    params = {}
+    params: JSONDict = {}
     for name, t in items:
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"model_fingerprint: {name!r} is not a tensor")
@@ -85,14 +86,14 @@ def model_fingerprint(
     return {"parameters": params, "num_parameters": sum(t.numel() for _, t in items)}
 
 
-def manifest_diff(stored: dict[str, Any], ours: dict[str, Any]) -> list[str]:
+def manifest_diff(stored: Mapping[str, JSONValue], ours: Mapping[str, JSONValue]) -> list[str]:
     """Human-readable differences between two manifests (empty = same run)."""
     out = []
     for key in ("world_size", "codec"):
         if stored.get(key) != ours.get(key):
             out.append(f"{key}: stored {stored.get(key)!r}, this replica {ours.get(key)!r}")
-    sp = (stored.get("fingerprint") or {}).get("parameters", {})
-    op = (ours.get("fingerprint") or {}).get("parameters", {})
+    sp = as_dict(as_dict(stored.get("fingerprint")).get("parameters", {}))
+    op = as_dict(as_dict(ours.get("fingerprint")).get("parameters", {}))
     missing, extra = sorted(set(sp) - set(op)), sorted(set(op) - set(sp))
     changed = [n for n in sorted(set(sp) & set(op)) if sp[n] != op[n]]
     if missing:
@@ -111,7 +112,7 @@ def encode_state(
     *,
     name: str,
     round: int,
-    extra: Mapping[str, object] | None,
+    extra: Mapping[str, JSONValue] | None,
     keys: RunKeys | None = None,
 ) -> bytes:
     """Serialise a full state dict losslessly (header signed with ``keys``). Tensors are

@@ -46,13 +46,14 @@ import os
 import shutil
 import threading
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from composer_replication.exchange.schemes import run_store_schemes, scheme
+from composer_replication.json_types import JSONValue
 
 if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
@@ -151,13 +152,13 @@ class Store(Protocol):
 
     def put_json(self, key: str, obj: object, *, exclusive: bool = False) -> bool: ...
 
-    def get_json(self, key: str) -> Any: ...
+    def get_json(self, key: str) -> JSONValue: ...
 
 
 class ObjectStore:
     """Keys are '/'-separated paths relative to the run prefix ``uri`` (see the module)."""
 
-    def __init__(self, uri: str, storage_options: dict[str, object] | None = None) -> None:
+    def __init__(self, uri: str, storage_options: Mapping[str, object] | None = None) -> None:
         self._uri = normalize_uri(uri)
         self.protocol = self._uri.partition("://")[0]
         self.scheme = scheme(self.protocol)
@@ -454,7 +455,7 @@ class ObjectStore:
         self.put(key, raw)
         return True
 
-    def get_json(self, key: str) -> Any:
+    def get_json(self, key: str) -> JSONValue:
         """The JSON document at ``key`` (parsed), or None if absent.
 
         Raises ValueError naming the key when the object is not JSON (overwrites are atomic on
@@ -464,7 +465,8 @@ class ObjectStore:
         if raw is None:
             return None
         try:
-            return json.loads(bytes(raw))
+            doc: JSONValue = json.loads(bytes(raw))
+            return doc
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ValueError(f"{self._uri}{key} is not a JSON document ({e})") from None
 

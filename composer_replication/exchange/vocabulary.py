@@ -17,6 +17,7 @@ from typing import Any, NotRequired, TypedDict
 import torch
 
 from composer_replication.exchange import checksums, codecs
+from composer_replication.json_types import JSONDict
 
 __all__ = [
     "DTYPES",
@@ -142,7 +143,7 @@ class CommitRecord(TypedDict):
     trim: NotRequired[int]
     weighting: NotRequired[str]
     tokens: NotRequired[dict[str, int | None]]
-    decisions: NotRequired[dict[str, dict[str, object]]]  # rank -> robust.Decision.to_json()
+    decisions: NotRequired[dict[str, JSONDict]]  # rank -> robust.Decision.to_json()
     committed_by: NotRequired[int]
     run_id: NotRequired[str]
     signer: NotRequired[str]

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from composer_replication.exchange.vocabulary import FrameError
+from composer_replication.json_types import JSONDict
 
 __all__ = [
     "MAX_HEADER_BYTES",
@@ -66,14 +67,14 @@ def _as_bytes_view(t: torch.Tensor) -> memoryview:
     return flat.view(torch.uint8).numpy().data.cast("B")
 
 
-def layout(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, object], list[memoryview]]:
+def layout(tensors: dict[str, torch.Tensor]) -> tuple[JSONDict, list[memoryview]]:
     """Safetensors entries and zero-copy data buffers for ``tensors``, in file order.
 
     Tensors are ordered by descending element size (then name) so every tensor's offset stays
     aligned to its element size. Concatenating the buffers gives the data section.
     """
     order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
-    entries: dict[str, object] = {}
+    entries: JSONDict = {}
     buffers: list[memoryview] = []
     offset = 0
     for name in order:
@@ -91,7 +92,7 @@ def layout(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, object], list[me
     return entries, buffers
 
 
-def header_bytes(entries: dict[str, object], metadata: dict[str, str]) -> bytes:
+def header_bytes(entries: JSONDict, metadata: dict[str, str]) -> bytes:
     """Length prefix + JSON header (space-padded so the data section starts 8-byte aligned)."""
     header = json.dumps({"__metadata__": metadata, **entries}, separators=(",", ":")).encode()
     header += b" " * (-(8 + len(header)) % 8)

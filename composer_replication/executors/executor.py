@@ -40,7 +40,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Protocol, TypeAlias, runtime_checkable
+
+from composer_replication.json_types import JSONValue
 
 __all__ = [
     "ENV_RANK",
@@ -80,6 +82,14 @@ _ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 SecretsByRank = Mapping[int, Mapping[str, str]]
 """rank -> {environment variable: secret value} that only that rank may see."""
+
+
+# A replica's entry-point arguments (`[backend] entrypoint_args`): keyword -> value (rendered by
+# `args_to_argv`), or a list passed through as strings.
+EntrypointArgs: TypeAlias = Mapping[str, JSONValue] | Sequence[JSONValue]
+# A launch's resources (`[backend] resources`, from TOML): name -> value, checked by the backend's
+# `_check_resources`.
+Resources: TypeAlias = dict[str, JSONValue]
 
 
 class ReplicaStatus(StrEnum):
@@ -130,10 +140,10 @@ class ServerlessExecutor(Protocol):
         self,
         n_replicas: int,
         entrypoint: str,
-        entrypoint_args: Mapping[str, object] | Sequence[object] | None = None,
+        entrypoint_args: EntrypointArgs | None = None,
         *,
         env: dict[str, str] | None = None,
-        resources: dict[str, object] | None = None,
+        resources: Resources | None = None,
         secrets: SecretsByRank | None = None,
     ) -> list[ReplicaHandle]:
         """Start replicas 0..n_replicas-1; bad input raises ValueError before anything starts.
@@ -183,10 +193,10 @@ class RankLauncher(ServerlessExecutor, Protocol):
         ranks: Sequence[int],
         world_size: int,
         entrypoint: str,
-        entrypoint_args: Mapping[str, object] | Sequence[object] | None = None,
+        entrypoint_args: EntrypointArgs | None = None,
         *,
         env: dict[str, str] | None = None,
-        resources: dict[str, object] | None = None,
+        resources: Resources | None = None,
         secrets: SecretsByRank | None = None,
     ) -> list[ReplicaHandle]:
         """Start the given ranks of a run of `world_size` replicas."""
@@ -215,9 +225,7 @@ def _hydra_value(value: object) -> str:
     return str(value)
 
 
-def args_to_argv(
-    entrypoint_args: Mapping[str, object] | Sequence[object] | None, arg_style: str = "auto"
-) -> list[str]:
+def args_to_argv(entrypoint_args: EntrypointArgs | None, arg_style: str = "auto") -> list[str]:
     """Turn entrypoint_args into command-line arguments.
 
     A dict's entries become, by `arg_style`:
@@ -280,7 +288,7 @@ def _is_script(entrypoint: str) -> bool:
 
 def build_command(
     entrypoint: str,
-    entrypoint_args: Mapping[str, object] | Sequence[object] | None = None,
+    entrypoint_args: EntrypointArgs | None = None,
     python: str = "python",
     arg_style: str = "auto",
 ) -> list[str]:
@@ -302,7 +310,7 @@ def build_command(
 def replica_env(
     rank: int,
     world_size: int,
-    entrypoint_args: Mapping[str, object] | Sequence[object] | None = None,
+    entrypoint_args: EntrypointArgs | None = None,
     env: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """The variables one replica gets on top of its backend's base environment.
@@ -558,14 +566,14 @@ class ExecutorBase(SupervisorBase):
         world_size: int,
         command: list[str],
         env: dict[str, str],
-        resources: dict[str, object],
+        resources: Resources,
         secrets: dict[str, str],
     ) -> ReplicaHandle:
         """Start one replica. ``secrets`` are this rank's own (often empty): hand them over
         through the backend's secret mechanism, never where other ranks or job specs show
         them."""
 
-    def _check_resources(self, resources: dict[str, object]) -> dict[str, object]:
+    def _check_resources(self, resources: Resources) -> Resources:
         """Validate/normalise resources before launch (raise ValueError). Default: any dict."""
         return resources
 
@@ -596,9 +604,9 @@ class ExecutorBase(SupervisorBase):
         self,
         world_size: int,
         entrypoint: str,
-        entrypoint_args: Mapping[str, object] | Sequence[object] | None,
-        resources: dict[str, object] | None,
-    ) -> tuple[list[str], dict[str, object]]:
+        entrypoint_args: EntrypointArgs | None,
+        resources: Resources | None,
+    ) -> tuple[list[str], Resources]:
         """Check a launch (entrypoint, resources) and return (command, checked resources)."""
         self.check_launch(world_size, entrypoint)
         if resources is not None and not isinstance(resources, dict):
@@ -611,10 +619,10 @@ class ExecutorBase(SupervisorBase):
         self,
         n_replicas: int,
         entrypoint: str,
-        entrypoint_args: Mapping[str, object] | Sequence[object] | None = None,
+        entrypoint_args: EntrypointArgs | None = None,
         *,
         env: dict[str, str] | None = None,
-        resources: dict[str, object] | None = None,
+        resources: Resources | None = None,
         secrets: SecretsByRank | None = None,
     ) -> list[ReplicaHandle]:
         """Start ranks 0..n_replicas-1 (see `launch_ranks`)."""
@@ -634,10 +642,10 @@ class ExecutorBase(SupervisorBase):
         ranks: Sequence[int],
         world_size: int,
         entrypoint: str,
-        entrypoint_args: Mapping[str, object] | Sequence[object] | None = None,
+        entrypoint_args: EntrypointArgs | None = None,
         *,
         env: dict[str, str] | None = None,
-        resources: dict[str, object] | None = None,
+        resources: Resources | None = None,
         secrets: SecretsByRank | None = None,
     ) -> list[ReplicaHandle]:
         """Start the given ranks of a run of world_size replicas.

@@ -26,6 +26,7 @@ from composer_replication.executors.executor import (
     ExecutorBase,
     ReplicaHandle,
     ReplicaStatus,
+    Resources,
     check_arg_style,
     validate_launch,
 )
@@ -117,7 +118,7 @@ class HFJobsExecutor(ExecutorBase):
     def check_launch(self, n_replicas: int, entrypoint: str) -> None:
         validate_launch(n_replicas, entrypoint, check_local=False)  # the code is in the image
 
-    def _check_resources(self, resources: dict[str, object]) -> dict[str, object]:
+    def _check_resources(self, resources: Resources) -> Resources:
         unknown = set(resources) - {"flavor", "timeout"}
         if unknown:
             raise ValueError(
@@ -137,7 +138,7 @@ class HFJobsExecutor(ExecutorBase):
         world_size: int,
         command: list[str],
         env: dict[str, str],
-        resources: dict[str, object],
+        resources: Resources,
         secrets: dict[str, str],
     ) -> ReplicaHandle:
         """The rank's own secrets join the job's encrypted secrets (never its plain env)."""

@@ -24,14 +24,16 @@ from __future__ import annotations
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from composer_replication.executors.executor import (
     ENV_RANK,
+    EntrypointArgs,
     ExecutorBase,
     ReplicaHandle,
     ReplicaStatus,
+    Resources,
     SecretsByRank,
     check_arg_style,
     check_secrets,
@@ -152,8 +154,8 @@ class K8sExecutor(ExecutorBase):
         # The code lives in the image, so nothing is checked on the driver's machine.
         validate_launch(n_replicas, entrypoint, check_local=False)
 
-    def _check_resources(self, resources: dict[str, object]) -> dict[str, object]:
-        out: dict[str, object] = {}  # Kubernetes quantities, as strings
+    def _check_resources(self, resources: Resources) -> Resources:
+        out: Resources = {}  # Kubernetes quantities, as strings
         for key, value in resources.items():
             name = _RESOURCE_NAMES.get(key, key)
             if "/" not in name and name not in ("cpu", "memory", "ephemeral-storage"):
@@ -171,10 +173,10 @@ class K8sExecutor(ExecutorBase):
         ranks: Sequence[int],
         world_size: int,
         entrypoint: str,
-        entrypoint_args: Mapping[str, object] | Sequence[object] | None = None,
+        entrypoint_args: EntrypointArgs | None = None,
         *,
         env: dict[str, str] | None = None,
-        resources: dict[str, object] | None = None,
+        resources: Resources | None = None,
         secrets: SecretsByRank | None = None,
     ) -> list[ReplicaHandle]:
         """Create one Indexed Job for ranks a..a+k-1 (they must be consecutive).
@@ -213,7 +215,7 @@ class K8sExecutor(ExecutorBase):
         world_size: int,
         command: list[str],
         env: dict[str, str],
-        resources: dict[str, object],
+        resources: Resources,
         secrets: dict[str, str],
     ) -> ReplicaHandle:
         """One replica as its own one-index Job (its env already holds its rank); its secrets,

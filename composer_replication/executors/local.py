@@ -39,6 +39,7 @@ from composer_replication.executors.executor import (
     ExecutorBase,
     ReplicaHandle,
     ReplicaStatus,
+    Resources,
     check_arg_style,
     read_log_file,
 )
@@ -276,7 +277,7 @@ class LocalProcessExecutor(ExecutorBase):
 
         validate_launch(n_replicas, entrypoint, cwd=self.cwd)
 
-    def _check_resources(self, resources: dict[str, object]) -> dict[str, object]:
+    def _check_resources(self, resources: Resources) -> Resources:
         if resources:
             raise ValueError(
                 f"LocalProcessExecutor takes no resources (got {sorted(resources)}); replicas "
@@ -309,7 +310,7 @@ class LocalProcessExecutor(ExecutorBase):
         world_size: int,
         command: list[str],
         env: dict[str, str],
-        resources: dict[str, object],
+        resources: Resources,
         secrets: dict[str, str],
     ) -> ReplicaHandle:
         env = {**env, **secrets}  # the replica's own process environment is private to it

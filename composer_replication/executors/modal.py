@@ -27,6 +27,7 @@ from composer_replication.executors.executor import (
     ExecutorBase,
     ReplicaHandle,
     ReplicaStatus,
+    Resources,
     check_arg_style,
     tail_lines,
     validate_launch,
@@ -215,7 +216,7 @@ class ModalExecutor(ExecutorBase):
     def check_launch(self, n_replicas: int, entrypoint: str) -> None:
         validate_launch(n_replicas, entrypoint, check_local=False)  # the code is in the image
 
-    def _check_resources(self, resources: dict[str, object]) -> dict[str, object]:
+    def _check_resources(self, resources: Resources) -> Resources:
         unknown = set(resources) - {"gpu", "cpu", "memory", "timeout"}
         if unknown:
             raise ValueError(
@@ -231,7 +232,7 @@ class ModalExecutor(ExecutorBase):
         world_size: int,
         command: list[str],
         env: dict[str, str],
-        resources: dict[str, object],
+        resources: Resources,
         secrets: dict[str, str],
     ) -> ReplicaHandle:
         """The rank's own secrets travel as a Modal Secret of that call's function options

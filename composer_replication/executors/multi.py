@@ -16,9 +16,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from composer_replication.executors.executor import (
+    EntrypointArgs,
     RankLauncher,
     Releasable,
     ReplicaHandle,
+    Resources,
     SecretsByRank,
     ServerlessExecutor,
     SupervisorBase,
@@ -81,10 +83,10 @@ class MultiExecutor(SupervisorBase):
         self,
         n_replicas: int,
         entrypoint: str,
-        entrypoint_args: Mapping[str, object] | Sequence[object] | None = None,
+        entrypoint_args: EntrypointArgs | None = None,
         *,
         env: dict[str, str] | None = None,
-        resources: dict[str, object] | None = None,
+        resources: Resources | None = None,
         secrets: SecretsByRank | None = None,
     ) -> list[ReplicaHandle]:
         """Launch ranks 0..n_replicas-1 over the sub-executors (resources go to every one,

@@ -30,6 +30,7 @@ from composer_replication.executors.executor import (
     ExecutorBase,
     ReplicaHandle,
     ReplicaStatus,
+    Resources,
     check_arg_style,
     read_log_file,
     validate_launch,
@@ -227,7 +228,7 @@ class RayExecutor(ExecutorBase):
         # On a cluster the script/module must exist on the nodes, not necessarily here.
         validate_launch(n_replicas, entrypoint, cwd=self.cwd, check_local=self.same_fs)
 
-    def _check_resources(self, resources: dict[str, object]) -> dict[str, object]:
+    def _check_resources(self, resources: Resources) -> Resources:
         unknown = sorted(set(resources) - set(_RESOURCE_KEYS))
         if unknown:
             raise ValueError(
@@ -252,13 +253,13 @@ class RayExecutor(ExecutorBase):
         world_size: int,
         command: list[str],
         env: dict[str, str],
-        resources: dict[str, object],
+        resources: Resources,
         secrets: dict[str, str],
     ) -> ReplicaHandle:
         """The rank's own secrets go into its actor's ``runtime_env`` env_vars (the replica
         process inherits the actor's environment), not into the task arguments."""
         self._ensure_ray()
-        options: dict[str, object] = {**self.defaults, **resources, "max_concurrency": 4}
+        options: Resources = {**self.defaults, **resources, "max_concurrency": 4}
         if self.runtime_env is not None:
             options["runtime_env"] = self.runtime_env
         if secrets:

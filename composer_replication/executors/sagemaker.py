@@ -30,6 +30,7 @@ from composer_replication.executors.executor import (
     ExecutorBase,
     ReplicaHandle,
     ReplicaStatus,
+    Resources,
     check_arg_style,
     validate_launch,
 )
@@ -39,6 +40,7 @@ from composer_replication.executors.redact import (
     sdk_errors,
 )
 from composer_replication.executors.remote import FAILURE_FILE
+from composer_replication.json_types import JSONDict
 
 __all__ = ["SageMakerExecutor", "training_instance_types"]
 
@@ -160,7 +162,7 @@ class SageMakerExecutor(ExecutorBase):
     def check_launch(self, n_replicas: int, entrypoint: str) -> None:
         validate_launch(n_replicas, entrypoint, check_local=False)  # the code is in the image
 
-    def _check_resources(self, resources: dict[str, object]) -> dict[str, object]:
+    def _check_resources(self, resources: Resources) -> Resources:
         unknown = set(resources) - {"instance_type", "instance_count", "max_runtime_seconds"}
         if unknown:
             raise ValueError(
@@ -180,7 +182,7 @@ class SageMakerExecutor(ExecutorBase):
         world_size: int,
         command: list[str],
         env: dict[str, str],
-        resources: dict[str, object],
+        resources: Resources,
         secrets: dict[str, str],
     ) -> ReplicaHandle:
         env = {**env, **secrets}  # the replica's own process environment is private to it
@@ -285,7 +287,7 @@ class SageMakerExecutor(ExecutorBase):
             )["events"]
             return [e["message"] for e in events]
         out: list[str] = []
-        kwargs: dict[str, object] = {
+        kwargs: JSONDict = {
             "logGroupName": LOG_GROUP,
             "logStreamName": stream,
             "startFromHead": True,

@@ -46,6 +46,7 @@ from composer_replication.exchange.push_store import DecoupledStore
 from composer_replication.exchange.store import ObjectStore
 from composer_replication.faults.events import PROXY_ACTIONS, ChaosEventConfig
 from composer_replication.faults.proxy import ThrottleProxy
+from composer_replication.json_types import JSONDict, JSONValue
 
 __all__ = [
     "ChaosInjector",
@@ -229,7 +230,7 @@ class ChaosInjector:
     synchronizer_pid: Callable[[], int | None] | None = None
     upload_wait_s: float = 60.0
     seed: int = 0
-    log: list[dict[str, object]] = field(default_factory=list)
+    log: list[JSONDict] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         for ev in self.events:
@@ -264,7 +265,7 @@ class ChaosInjector:
     def done(self) -> bool:
         return all(not t.is_alive() for t in self._threads)
 
-    def _record(self, **entry: Any) -> None:
+    def _record(self, **entry: JSONValue) -> None:
         entry["t"] = round(time.monotonic() - self.t0, 3)
         with self._lock:
             self.log.append(entry)

@@ -8,7 +8,10 @@ model instead (`AutoModelForCausalLM.from_pretrained`); everything downstream tr
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase, Qwen2Config, Qwen2ForCausalLM
 
 from composer_replication.models.tokenizers import IM_END, _require_transformers, build_tokenizer
 
@@ -25,7 +28,7 @@ def tiny_model_config(
     pad_token_id: int = 0,
     eos_token_id: int = 1,
     bos_token_id: int = 2,
-) -> Any:
+) -> Qwen2Config:
     """A `Qwen2Config` for a model small enough to train on two CPU cores."""
     if hidden_size % num_heads:
         raise ValueError(f"hidden_size={hidden_size} must be divisible by num_heads={num_heads}")
@@ -49,7 +52,7 @@ def tiny_model_config(
 
 
 def build_tiny_model(
-    tokenizer: Any | None = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
     *,
     hidden_size: int = 64,
     num_layers: int = 2,
@@ -58,7 +61,7 @@ def build_tiny_model(
     intermediate_size: int | None = None,
     max_position_embeddings: int = 1024,
     seed: int = 0,
-) -> Any:
+) -> Qwen2ForCausalLM:
     """A randomly initialised `Qwen2ForCausalLM` (float32) sized to `tokenizer`'s vocabulary.
 
     The same `seed` gives bit-identical weights in every process, which the multi-replica tests

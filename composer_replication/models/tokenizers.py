@@ -48,10 +48,11 @@ import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
+    from transformers import Qwen2Tokenizer
 
 __all__ = [
     "BPE_VOCAB_SIZE",
@@ -109,7 +110,7 @@ def _require_transformers() -> tuple[ModuleType, ModuleType]:
     return transformers, tokenizers
 
 
-def _wrap(vocab: dict[str, int], merges: list[tuple[str, str]]) -> Any:
+def _wrap(vocab: dict[str, int], merges: list[tuple[str, str]]) -> Qwen2Tokenizer:
     """The `Qwen2Tokenizer` over `vocab` and `merges` (ids 0-4 are the special tokens): exactly
     what `AutoTokenizer.from_pretrained` rebuilds from a folder it was saved to."""
     transformers, _ = _require_transformers()
@@ -144,7 +145,7 @@ def _vocab_and_merges(backend: Tokenizer) -> tuple[dict[str, int], list[tuple[st
     return dict(model["vocab"]), [(a, b) for a, b in merges]
 
 
-def build_tokenizer(charset: str = DEFAULT_CHARSET) -> Any:
+def build_tokenizer(charset: str = DEFAULT_CHARSET) -> Qwen2Tokenizer:
     """Return a character-level `Qwen2Tokenizer` with left padding and a chat template.
 
     Token ids: the four special tokens and `<|im_end|>` first (ids 0-4), then one id per character
@@ -286,7 +287,7 @@ def build_bpe_tokenizer(
     min_frequency: int = BPE_MIN_FREQUENCY,
     cache_dir: str | os.PathLike[str] | None = None,
     use_cache: bool = True,
-) -> Any:
+) -> Qwen2Tokenizer:
     """A BPE `Qwen2Tokenizer` trained on `texts` (see the module docstring).
 
     Args:

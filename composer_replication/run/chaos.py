@@ -20,7 +20,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from composer_replication.diloco.decoupled.decoupled_check import check_decoupled_run
 from composer_replication.exchange.store import ObjectStore
@@ -33,6 +33,7 @@ from composer_replication.faults.injector import (
     uploading_file,
 )
 from composer_replication.faults.proxy import ThrottleProxy
+from composer_replication.json_types import JSONDict, JSONValue
 
 if TYPE_CHECKING:
     from composer_replication.run.synchronizer_process import SynchronizerProcess
@@ -59,7 +60,7 @@ log = logging.getLogger(__name__)
 class LocalRunResult:
     """What `run_local` saw: the injector's log, restarts, exit codes, the run's duration."""
 
-    log: list[dict[str, Any]]
+    log: list[JSONDict]
     restarts: list[int]
     exit_codes: list[int | None]
     synchronizer_restarts: int
@@ -72,7 +73,7 @@ def run_local(
     *,
     n: int,
     entrypoint: str,
-    args: Sequence[object],
+    args: Sequence[JSONValue],
     env: dict[str, str],
     store: ObjectStore,
     events: Sequence[ChaosEventConfig] = (),
@@ -158,7 +159,7 @@ def _await_synchronizer(sync: SynchronizerProcess) -> int | None:
     return sync.stop()
 
 
-def read_json_lines(path: str) -> list[dict[str, Any]]:
+def read_json_lines(path: str) -> list[JSONDict]:
     """Records of a JSONL file ([] if absent; a torn last line is skipped)."""
     out = []
     try:

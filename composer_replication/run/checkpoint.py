@@ -25,13 +25,14 @@ import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from composer_replication.exchange.retry import STATE_WRITE_RETRY_S, retry_write
 from composer_replication.exchange.store import ObjectStore
+from composer_replication.json_types import JSONDict, JSONValue
 
 __all__ = [
     "committed_checkpoints",
@@ -94,7 +95,7 @@ def save_checkpoint(
     return key
 
 
-def load_outer_state(folder: Path) -> dict[str, Any] | None:
+def load_outer_state(folder: Path) -> JSONDict | None:
     """The outer state stored in a checkpoint folder (None when it has none)."""
     tensors_path = folder / "outer_state.safetensors"
     if not tensors_path.is_file():
@@ -108,7 +109,7 @@ def load_outer_state(folder: Path) -> dict[str, Any] | None:
     return state if isinstance(state, dict) else None
 
 
-def committed_checkpoints(store: ObjectStore) -> list[tuple[str, dict[str, Any]]]:
+def committed_checkpoints(store: ObjectStore) -> list[tuple[str, JSONDict]]:
     """(name, commit record) of every committed checkpoint, oldest round first."""
     out = []
     for name in store.list(PREFIX):
@@ -121,7 +122,7 @@ def committed_checkpoints(store: ObjectStore) -> list[tuple[str, dict[str, Any]]
     return sorted(out, key=lambda item: (int(item[1].get("round", 0)), item[0] == "final"))
 
 
-def latest_checkpoint(store: ObjectStore) -> tuple[str, dict[str, Any]] | None:
+def latest_checkpoint(store: ObjectStore) -> tuple[str, JSONDict] | None:
     found = committed_checkpoints(store)
     return found[-1] if found else None
 
@@ -139,7 +140,7 @@ def prune_checkpoints(store: ObjectStore, keep_last: int) -> None:
         log.warning("older checkpoints not pruned yet (%r)", e)
 
 
-def _local_record(folder: Path) -> Any:
+def _local_record(folder: Path) -> JSONValue:
     try:
         return json.loads((folder / MARKER).read_text())
     except (OSError, ValueError):

@@ -44,7 +44,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from types import FrameType
+from typing import TextIO
 
 from composer_replication.assembly.outer import build_lighthouse, outer_loop_mode
 from composer_replication.assembly.services import (
@@ -71,6 +72,7 @@ from composer_replication.executors import registry
 from composer_replication.executors.executor import Releasable, ReplicaHandle, ServerlessExecutor
 from composer_replication.faults.injector import ChaosInjector, ProcessTargets
 from composer_replication.faults.proxy import ThrottleProxy
+from composer_replication.json_types import JSONDict, as_dict, as_float, as_int, as_list, as_number
 from composer_replication.run import preflight
 from composer_replication.run.checkpoint import mirror_checkpoints
 from composer_replication.run.expected import expected_lines
@@ -121,7 +123,7 @@ class TrainResult:
     folder: RunFolder
     exit_code: int
     status: str
-    summary: dict[str, Any]
+    summary: JSONDict
 
 
 def prepare(
@@ -180,7 +182,7 @@ def prepare_resume(run: str, overrides: list[str]) -> tuple[RunConfig, RunFolder
         raise ConfigError(f"--resume: {folder.root} is not a run folder (no config.json in it)")
     state = folder.read_driver()
     if state.get("status") == "running" and state.get("host") == socket.gethostname():
-        pid = int(state.get("pid") or 0)
+        pid = as_int(state.get("pid") or 0)
         if pid > 0 and pid_alive(pid):
             raise ConfigError(
                 f"--resume: run {folder.name} is still running (driver pid {pid}); stop it first "
@@ -218,7 +220,7 @@ def _release(executor: ServerlessExecutor) -> None:
 
 
 def _rows(
-    config: RunConfig, handles: list[ReplicaHandle], statuses: dict[int, dict[str, Any]]
+    config: RunConfig, handles: list[ReplicaHandle], statuses: dict[int, JSONDict]
 ) -> list[ReplicaRow]:
     rows = []
     now = time.time()
@@ -227,23 +229,23 @@ def _rows(
         state = str(status.get("state", "starting"))
         if handle.status.done:
             state = str(handle.status.value)
-        updated = status.get("updated")
+        updated = as_number(status.get("updated"))
         rows.append(
             ReplicaRow(
                 rank=handle.replica_id,
                 state=state,
-                step=int(status.get("step") or 0),
-                max_steps=int(status.get("max_steps") or config.train.max_steps),
-                round=int(status.get("round") or 0),
-                reward=status.get("reward"),
-                eval_accuracy=status.get("eval_accuracy"),
+                step=as_int(status.get("step") or 0),
+                max_steps=as_int(status.get("max_steps") or config.train.max_steps),
+                round=as_int(status.get("round") or 0),
+                reward=as_number(status.get("reward")),
+                eval_accuracy=as_number(status.get("eval_accuracy")),
                 seconds_since_update=None if updated is None else max(0.0, now - updated),
             )
         )
     return rows
 
 
-def _handle_json(handle: ReplicaHandle) -> dict[str, Any]:
+def _handle_json(handle: ReplicaHandle) -> JSONDict:
     out = dataclasses.asdict(handle)
     out["status"] = str(handle.status.value)
     return out
@@ -387,7 +389,7 @@ def _claim_store(
     return generation, resumed_at
 
 
-def _publish_config(config: RunConfig, folder: RunFolder, store: ObjectStore) -> dict[str, Any]:
+def _publish_config(config: RunConfig, folder: RunFolder, store: ObjectStore) -> JSONDict:
     """The resolved config in the run folder and, exactly as the replicas will read it, in the
     store; returns that document."""
     # the folder's own store is recorded as "" (a copied folder, or its config.toml loaded for
@@ -396,7 +398,7 @@ def _publish_config(config: RunConfig, folder: RunFolder, store: ObjectStore) ->
     config = dataclasses.replace(config, store=dataclasses.replace(config.store, uri=recorded))
     folder.config_toml.write_text(dump_toml(config))
     folder.config_json.write_text(json.dumps(to_dict(config), indent=1))
-    config_doc: dict[str, Any] = json.loads(json.dumps(to_dict(config)))
+    config_doc: JSONDict = json.loads(json.dumps(to_dict(config)))
     store.put_json("run_config.json", config_doc)
     return config_doc
 
@@ -418,7 +420,7 @@ def _open(
     # The earlier attempts' wall times (one killed mid-run counts until its last update).
     folder.update_driver(
         status="running",
-        attempt=int(state.get("attempt", 0)) + 1,
+        attempt=as_int(state.get("attempt", 0)) + 1,
         attempts=closed_attempts(state),
         started=time.time(),
         ended=None,
@@ -439,7 +441,7 @@ def _open(
     for why in (damage, sink.healed):  # said once; the run goes on
         if why:
             print(f"warning: {why}", file=stream, flush=True)
-    consumed = {int(k): int(v) for k, v in (state.get("metrics_chunks") or {}).items()}
+    consumed = {int(k): as_int(v) for k, v in as_dict(state.get("metrics_chunks")).items()}
     collector = MetricsCollector(store, config.backend.n_replicas, sink, consumed)
     env = {
         ENV_STORAGE_OPTIONS: json.dumps(config.store.storage_options),
@@ -564,7 +566,7 @@ class _Watch:
         )
         self.after_loss = mode.after_loss(n)
         self.last_mirror = 0.0
-        self.no_quorum: dict[str, Any] | None = None  # the round that can never commit
+        self.no_quorum: JSONDict | None = None  # the round that can never commit
 
     def tick(self, stopping: bool) -> str | None:
         """Poll once; the run's final status once it is decided, else None."""
@@ -574,8 +576,9 @@ class _Watch:
         if stuck is not None:  # neither restarted nor trained on: the run stops, saying why
             self.no_quorum = stuck
             launch.executor.cancel(handles)
-            launch.folder.update_driver(no_quorum=stuck, error=stuck["reason"])
-            self.health.critical(stuck["reason"])
+            reason = str(stuck["reason"])
+            launch.folder.update_driver(no_quorum=stuck, error=reason)
+            self.health.critical(reason)
             launch.progress.message(f"stopping the run: {stuck['reason']}")
             return "failed"
         if not stopping:
@@ -685,7 +688,7 @@ def _end(
             wall,
             restarts,
             lost=len(lost),
-            attempts=[a["seconds"] for a in attempts],
+            attempts=[as_float(a["seconds"]) for a in attempts],
         ),
         file=launch.stream,
         flush=True,
@@ -707,14 +710,20 @@ def _check_end(launch: _Launch, watch: _Watch) -> str:
     launch.folder.update_driver(
         no_quorum={"round": last, "rejected": {}, "reason": problem}, error=problem
     )
-    record = {"time": time.time(), "replica": -1, "kind": "event", "step": 0, "round": last or 0}
+    record: JSONDict = {
+        "time": time.time(),
+        "replica": -1,
+        "kind": "event",
+        "step": 0,
+        "round": last or 0,
+    }
     launch.sink.write([{**record, "event": "incomplete", "reason": problem}])
     watch.health.critical(problem)
     launch.progress.message(f"the run is not complete: {problem}")
     return "failed"
 
 
-def _chaos_due(injector: ChaosInjector | None, statuses: dict[int, dict[str, Any]], n: int) -> bool:
+def _chaos_due(injector: ChaosInjector | None, statuses: dict[int, JSONDict], n: int) -> bool:
     """The schedule starts once every replica reports it trains (times count from then)."""
     if injector is None or injector.started:
         return False
@@ -723,14 +732,12 @@ def _chaos_due(injector: ChaosInjector | None, statuses: dict[int, dict[str, Any
     )
 
 
-def _chaos_report(
-    launch: _Launch, injector: ChaosInjector | None, status: str
-) -> dict[str, Any] | None:
+def _chaos_report(launch: _Launch, injector: ChaosInjector | None, status: str) -> JSONDict | None:
     """After a chaos run: the mode's checks over the store (`OuterLoopMode.check_chaos`, when
     the run finished) and <run>/chaos.json."""
     if injector is None:
         return None
-    report: dict[str, Any] = {"events": injector.log, "ok": status == "finished"}
+    report: JSONDict = {"events": injector.log, "ok": status == "finished"}
     kills = [e for e in injector.log if e.get("action") == "kill"]
     check = launch.mode.check_chaos(launch.store, kills) if status == "finished" else None
     if check is not None:
@@ -749,7 +756,7 @@ def _install_stop_handlers() -> tuple[threading.Event, Callable[[], None]]:
     if threading.current_thread() is not threading.main_thread():
         return stop, lambda: None
 
-    def handler(signum: int, frame: Any) -> None:
+    def handler(signum: int, frame: FrameType | None) -> None:
         if stop.is_set():
             raise KeyboardInterrupt
         stop.set()
@@ -763,7 +770,7 @@ def _install_stop_handlers() -> tuple[threading.Event, Callable[[], None]]:
     return stop, restore
 
 
-def _finish(launch: _Launch, status: str) -> dict[str, Any]:
+def _finish(launch: _Launch, status: str) -> JSONDict:
     """After the replicas ended: last metrics, checkpoints, logs, driver state, report."""
     folder = launch.folder
     launch.collector.poll()
@@ -801,7 +808,7 @@ def _save_remote_logs(
 def summary_text(
     folder: RunFolder,
     status: str,
-    summary: dict[str, Any],
+    summary: JSONDict,
     config: RunConfig,
     wall: float | None = None,
     restarts: int = 0,
@@ -827,7 +834,7 @@ def summary_text(
     ]
     lines += headline_lines(summary, eval_n=min(config.train.eval_max_examples, config.task.n_eval))
     # what the replicas trained on, right under the headline (report.device_lines)
-    lines[1:1] = [f"  device           {line}" for line in summary.get("devices") or []]
+    lines[1:1] = [f"  device           {line}" for line in as_list(summary.get("devices"))]
     final = folder.checkpoints / "final"
     if final.is_dir():
         lines.append(f"  checkpoint       {final}")

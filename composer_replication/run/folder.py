@@ -28,9 +28,9 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from composer_replication.exchange.store import ObjectStore
+from composer_replication.json_types import JSONDict, JSONValue
 
 __all__ = ["OWNER_KEY", "RunFolder", "claim_store", "default_run_name", "owner_conflict"]
 
@@ -123,7 +123,7 @@ class RunFolder:
             )
         return recorded, None
 
-    def configured_store(self, tree: Mapping[str, object]) -> str:
+    def configured_store(self, tree: Mapping[str, JSONValue]) -> str:
         """The store a saved config.json tree names for this folder (`stored_store_uri`)."""
         section = tree.get("store")
         uri = section.get("uri") if isinstance(section, Mapping) else None
@@ -151,7 +151,7 @@ class RunFolder:
         """The same state as driver.json, written right after it (never both at once)."""
         return self.root / "driver.json.bak"
 
-    def read_driver(self) -> dict[str, Any]:
+    def read_driver(self) -> JSONDict:
         """driver.json's state ({} when there is none); a damaged one is replaced by its
         backup (`driver_damage` says so)."""
         return self.read_driver_checked()[0]
@@ -160,7 +160,7 @@ class RunFolder:
         """Why driver.json cannot be read as written, and what is shown instead, or None."""
         return self.read_driver_checked()[1]
 
-    def read_driver_checked(self) -> tuple[dict[str, object], str | None]:
+    def read_driver_checked(self) -> tuple[JSONDict, str | None]:
         """(driver state, None) or, driver.json damaged (cut, not JSON, not an object):
         (its backup's state or {}, a sentence saying so)."""
         state, why = _read_state(self.driver_json)
@@ -171,7 +171,7 @@ class RunFolder:
             return backup, f"driver.json is damaged ({why}); shown from driver.json.bak"
         return {}, f"driver.json is damaged ({why}) and has no usable backup"
 
-    def write_driver(self, state: dict[str, Any]) -> None:
+    def write_driver(self, state: JSONDict) -> None:
         """Write driver.json atomically (a temporary file, fsynced, renamed over it), then its
         backup the same way: a crash can cut at most one of the two."""
         text = json.dumps(state, indent=1, default=str)
@@ -183,14 +183,14 @@ class RunFolder:
                 os.fsync(fh.fileno())
             os.replace(tmp, path)
 
-    def update_driver(self, **changes: object) -> dict[str, Any]:
+    def update_driver(self, **changes: JSONValue) -> JSONDict:
         state = self.read_driver()
         state.update(changes)
         self.write_driver(state)
         return state
 
 
-def _read_state(path: Path) -> tuple[dict[str, object], str | None]:
+def _read_state(path: Path) -> tuple[JSONDict, str | None]:
     """(the JSON object at ``path``, None), ({}, None) when absent, or ({}, why damaged)."""
     try:
         text = path.read_text(encoding="utf-8")

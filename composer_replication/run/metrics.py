@@ -33,9 +33,10 @@ import math
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from composer_replication.exchange.store import ObjectStore, Store
+from composer_replication.json_types import JSONDict, JSONValue, as_int
 
 __all__ = [
     "MetricsCollector",
@@ -54,13 +55,18 @@ KINDS = ("train", "eval", "round", "event")
 log = logging.getLogger(__name__)
 
 
-def _clean(value: object) -> object:
-    """JSON-safe scalar: tensors/numpy to float, NaN/inf to None."""
+def _clean(value: object) -> JSONValue:
+    """JSON-safe value: tensors/numpy to float, NaN/inf to None, a tuple as a list (as
+    `json.dumps` writes it); TypeError for a value JSON cannot hold."""
     if hasattr(value, "item"):
         value = value.item()
     if isinstance(value, float) and not math.isfinite(value):
         return None
-    return value
+    if value is None or isinstance(value, str | int | float | bool | list | dict):
+        return value
+    if isinstance(value, tuple):
+        return list(value)
+    raise TypeError(f"a {type(value).__name__} is not JSON")
 
 
 def status_key(rank: int) -> str:
@@ -106,11 +112,11 @@ class ReplicaMetricsWriter:
         self.rank = rank
         self.flush_every_s = flush_every_s
         self.attempts, self.backoff_s = attempts, backoff_s
-        self._buffer: list[dict[str, object]] = []
+        self._buffer: list[JSONDict] = []
         self._last_flush = time.monotonic()
         existing = [n for n in store.list(chunk_dir(rank)) if n.endswith(".jsonl")]
         self._seq = 1 + max((int(n.split(".")[0]) for n in existing), default=-1)
-        self._status: dict[str, object] = {}
+        self._status: JSONDict = {}
         self.skipped = 0  # observability writes given up on
         self.last_skip: str | None = None
 
@@ -135,15 +141,18 @@ class ReplicaMetricsWriter:
     def log(self, kind: str, *, step: int, round: int, **values: object) -> None:
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-        record: dict[str, object] = {
+        record: JSONDict = {
             "time": time.time(),
             "replica": self.rank,
             "kind": kind,
             "step": int(step),
         }
         record["round"] = int(round)
-        for key, value in values.items():
-            value = _clean(value)
+        for key, raw in values.items():
+            try:
+                value = _clean(raw)
+            except TypeError:  # not a metric: left out
+                continue
             if isinstance(value, bool | int | float | str) or value is None:
                 record[key] = value
         self._buffer.append(record)
@@ -240,7 +249,7 @@ class MetricsSink:
             self._writers[replica] = self._summary_writer(log_dir=str(path))
         return self._writers[replica]
 
-    def write(self, records: Iterable[dict[str, Any]]) -> None:
+    def write(self, records: Iterable[JSONDict]) -> None:
         records = list(records)
         if not records:
             return
@@ -250,14 +259,14 @@ class MetricsSink:
         if self.tensorboard_dir is None:
             return
         for record in records:
-            writer = self._writer(int(record.get("replica", 0)))
+            writer = self._writer(as_int(record.get("replica", 0)))
             kind = record.get("kind")
             for key, value in record.items():
                 if key in ("time", "replica", "kind", "step", "round") or kind == "event":
                     continue
                 if isinstance(value, int | float) and not isinstance(value, bool):
                     tag = key if "/" in key else f"{kind}/{key}"
-                    writer.add_scalar(tag, value, global_step=int(record.get("step", 0)))
+                    writer.add_scalar(tag, value, global_step=as_int(record.get("step", 0)))
 
     def close(self) -> None:
         for writer in self._writers.values():
@@ -266,7 +275,7 @@ class MetricsSink:
         self._writers.clear()
 
 
-def _identity(record: dict[str, object]) -> str:
+def _identity(record: JSONDict) -> str:
     """A record as its replica wrote it: `mark_resume`'s flag left out (the same record, flagged
     later in metrics.jsonl, is still the same record)."""
     return json.dumps({k: v for k, v in record.items() if k != "superseded"}, sort_keys=True)
@@ -308,14 +317,14 @@ class MetricsCollector:
         self.n_replicas = n_replicas
         self.sink = sink
         self.consumed = {r: int((consumed or {}).get(r, 0)) for r in range(n_replicas)}
-        self.latest: dict[int, dict[str, Any]] = {}  # rank -> last train record seen
+        self.latest: dict[int, JSONDict] = {}  # rank -> last train record seen
         # what an earlier driver appended, possibly after its last saved `consumed`; only the
         # first poll can meet such a record (it reads every chunk after the saved count)
         self._appended_before: set[str] | None = _records_in(sink.metrics_path)
 
-    def poll(self) -> list[dict[str, Any]]:
+    def poll(self) -> list[JSONDict]:
         """Read what is new; return the new records (already written to the sink)."""
-        new: list[dict[str, Any]] = []
+        new: list[JSONDict] = []
         for rank in range(self.n_replicas):
             names = [n for n in self.store.list(chunk_dir(rank)) if n.endswith(".jsonl")]
             names = sorted(names, key=lambda n: int(n.split(".")[0]))
@@ -332,11 +341,11 @@ class MetricsCollector:
         self._appended_before = None
         for record in new:
             if record.get("kind") == "train":
-                self.latest[int(record["replica"])] = record
+                self.latest[as_int(record["replica"])] = record
         self.sink.write(new)
         return new
 
-    def statuses(self) -> dict[int, dict[str, Any]]:
+    def statuses(self) -> dict[int, JSONDict]:
         out = {}
         for rank in range(self.n_replicas):
             try:
@@ -402,7 +411,7 @@ def mark_resume(
     return flagged
 
 
-def read_metrics(path: Path) -> list[dict[str, Any]]:
+def read_metrics(path: Path) -> list[JSONDict]:
     """The records of a run's metrics.jsonl ([] when absent); a torn last line is skipped.
 
     A resumed run redoes the steps after the round it resumed from, so the file can hold a
@@ -411,8 +420,8 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     are all kept (they tell the story, including the interruption)."""
     if not path.is_file():
         return []
-    out: list[dict[str, Any] | None] = []
-    where: dict[tuple[Any, Any, Any], int] = {}
+    out: list[JSONDict | None] = []
+    where: dict[tuple[JSONValue, JSONValue, JSONValue], int] = {}
     for line in path.read_text(encoding="utf-8").splitlines():
         try:
             record = json.loads(line)

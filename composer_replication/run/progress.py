@@ -18,7 +18,11 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, TextIO
+
+if TYPE_CHECKING:
+    from rich.live import Live
+    from rich.table import Table
 
 __all__ = ["Progress", "ReplicaRow", "choose_mode"]
 
@@ -89,9 +93,9 @@ class Progress:
         self._clock = clock
         self._start = clock()
         self._last_line = 0.0
-        self._last_key: Any = None
+        self._last_key: tuple[tuple[str, int], ...] | None = None
         self._last_content: str | None = None
-        self._live: Any = None
+        self._live: Live | None = None
         # (time, inner steps done over all replicas), one sample per change, the last minute
         self._samples: deque[tuple[float, int]] = deque()
         if mode == "live":
@@ -187,7 +191,7 @@ class Progress:
             f" | {overall}" if overall else ""
         )
 
-    def _table(self, rows: list[ReplicaRow]) -> Any:
+    def _table(self, rows: list[ReplicaRow]) -> Table:
         from rich.table import Table
         from rich.text import Text
 

@@ -20,7 +20,7 @@ import tempfile
 import time
 import traceback
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import torch
 from torch import nn
@@ -38,6 +38,7 @@ from composer_replication.exchange.protocol import CorruptContributionError
 from composer_replication.exchange.signing import RunKeys, rank_identity
 from composer_replication.exchange.store import ObjectStore
 from composer_replication.exchange.vocabulary import RoundStoppedError
+from composer_replication.json_types import JSONDict
 from composer_replication.run.checkpoint import committed_checkpoints
 from composer_replication.run.metrics import ReplicaMetricsWriter
 from composer_replication.run.replica_env import (
@@ -74,7 +75,7 @@ def run_replica(
     config: RunConfig,
     rank: int,
     uri: str,
-    storage_options: dict[str, Any],
+    storage_options: JSONDict,
     keys: RunKeys | None = None,
     writer_secret: bytes | None = None,
     generation: int | None = None,
@@ -285,7 +286,7 @@ def _reporter(r: _Replica, *, last_round: int | None) -> ReplicaReporter:
     )
 
 
-def device_record(trainer: Trainer, generation: str) -> dict[str, Any]:
+def device_record(trainer: Trainer, generation: str) -> JSONDict:
     """What a trainer trains on: the device (and the GPU's name), the parameters' dtype, the
     autocast dtype (TRL's ``bf16`` / ``fp16`` mixed precision, else none), gradient
     checkpointing and the rollout engine (`[train] generation`)."""
@@ -340,7 +341,7 @@ class _Unusable(Exception):
     """The arguments, the environment or the stored config cannot run a replica (exit 2)."""
 
 
-def start(ns: argparse.Namespace, rank: int, uri: str, storage_options: dict[str, Any]) -> int:
+def start(ns: argparse.Namespace, rank: int, uri: str, storage_options: JSONDict) -> int:
     """Load what replica ``rank`` needs from the store and its environment, then train; the
     exit code (2 when the stored config, the keys or the run generation are unusable)."""
     try:
@@ -368,14 +369,14 @@ def start(ns: argparse.Namespace, rank: int, uri: str, storage_options: dict[str
     )
 
 
-def _open_store(uri: str, storage_options: dict[str, Any]) -> ObjectStore:
+def _open_store(uri: str, storage_options: JSONDict) -> ObjectStore:
     try:
         return ObjectStore(uri, storage_options)
     except ValueError as exc:  # a URI without a bucket
         raise _Unusable(str(exc)) from None
 
 
-def _standalone_config(ns: argparse.Namespace) -> dict[str, Any]:
+def _standalone_config(ns: argparse.Namespace) -> JSONDict:
     """The run config of a directly launched replica (no driver): its file or the embedded
     default, its overrides, backend.n_replicas from $WORLD_SIZE; as the driver stores it."""
     path = ns.config or os.environ.get("COMPOSER_CONFIG") or None
@@ -383,11 +384,11 @@ def _standalone_config(ns: argparse.Namespace) -> dict[str, Any]:
     world = os.environ.get("WORLD_SIZE")
     if world is not None and world.isdigit():
         overrides.append(f"backend.n_replicas={int(world)}")
-    doc: dict[str, Any] = json.loads(json.dumps(to_dict(load_config(path, overrides))))
+    doc: JSONDict = json.loads(json.dumps(to_dict(load_config(path, overrides))))
     return doc
 
 
-def _config_doc(ns: argparse.Namespace, store: ObjectStore) -> dict[str, Any]:
+def _config_doc(ns: argparse.Namespace, store: ObjectStore) -> JSONDict:
     """The stored run config; launched directly, this replica's own is published first unless
     another replica was first (then theirs is used). Waits ``--config-timeout`` for it."""
     try:
@@ -407,10 +408,12 @@ def _config_doc(ns: argparse.Namespace, store: ObjectStore) -> dict[str, Any]:
             f"no {CONFIG_KEY} in {store.uri} after {ns.config_timeout:g}s; start "
             "runs with `composer-replication train`"
         )
+    if not isinstance(doc, dict):
+        raise _Unusable(f"{CONFIG_KEY} in {store.uri} is not a JSON object")
     return dict(doc)
 
 
-def _replica_config(doc: dict[str, Any], store: ObjectStore, rank: int) -> RunConfig:
+def _replica_config(doc: JSONDict, store: ObjectStore, rank: int) -> RunConfig:
     """The run config this replica trains with, checked against its rank and $WORLD_SIZE."""
     try:
         config = from_dict(RunConfig, doc)
@@ -430,7 +433,7 @@ def _replica_config(doc: dict[str, Any], store: ObjectStore, rank: int) -> RunCo
 
 
 def _identity(
-    store: ObjectStore, rank: int, doc: dict[str, Any], config: RunConfig
+    store: ObjectStore, rank: int, doc: JSONDict, config: RunConfig
 ) -> tuple[RunKeys | None, bytes | None, bytes | None]:
     """This rank's signing keys (signed runs), writer secret and the run's slot secret, from
     its environment."""

@@ -17,8 +17,17 @@ import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
+from composer_replication.json_types import (
+    JSONDict,
+    JSONValue,
+    as_dict,
+    as_float,
+    as_int,
+    as_list,
+    as_number,
+)
 from composer_replication.run.folder import RunFolder
 from composer_replication.run.metrics import read_metrics
 
@@ -58,19 +67,17 @@ def _mean(values: Iterable[object]) -> float | None:
     return sum(numbers) / len(numbers) if numbers else None
 
 
-def _series(
-    records: list[dict[str, Any]], kind: str, key: str
-) -> dict[int, list[tuple[int, float]]]:
+def _series(records: list[JSONDict], kind: str, key: str) -> dict[int, list[tuple[int, float]]]:
     """replica -> [(step, value)] sorted by step, for records of `kind` that have `key`."""
     out: dict[int, list[tuple[int, float]]] = defaultdict(list)
     for r in records:
         value = r.get(key)
         if r.get("kind") == kind and isinstance(value, int | float) and not isinstance(value, bool):
-            out[int(r.get("replica", 0))].append((int(r.get("step", 0)), float(value)))
+            out[as_int(r.get("replica", 0))].append((as_int(r.get("step", 0)), float(value)))
     return {k: sorted(v) for k, v in sorted(out.items())}
 
 
-def reward_key(records: list[dict[str, Any]]) -> str | None:
+def reward_key(records: list[JSONDict]) -> str | None:
     """The logged mean-reward key: TRL logs 'reward'; fall back to any 'reward*' mean."""
     keys = {k for r in records if r.get("kind") == "train" for k in r}
     if "reward" in keys:
@@ -102,7 +109,7 @@ def wilson_interval(p: float, n: int, z: float = 1.959964) -> tuple[float, float
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-def _first_last10(records: list[dict[str, Any]], key: str) -> tuple[float, float, int] | None:
+def _first_last10(records: list[JSONDict], key: str) -> tuple[float, float, int] | None:
     """(mean over the first 10 % of steps, over the last 10 %, last step) of a train metric,
     pooled over replicas; None when it was never logged."""
     points = [p for series in _series(records, "train", key).values() for p in series]
@@ -135,11 +142,12 @@ LOSS_RISE_LINE = (
 )
 
 
-def _num(value: float | None, digits: int = 3) -> str:
-    return "n/a" if value is None else f"{value:.{digits}f}"
+def _num(value: JSONValue, digits: int = 3) -> str:
+    number = as_number(value)
+    return "n/a" if number is None else f"{number:.{digits}f}"
 
 
-def losses_rose(summary: Mapping[str, object]) -> bool:
+def losses_rose(summary: Mapping[str, JSONValue]) -> bool:
     """Whether channel 2 or 3 ended above where it started (last vs first 10% of steps)."""
     for ch in LOSS_CHANNELS[1:]:
         first, last = summary.get(f"{ch.key}_first10"), summary.get(f"{ch.key}_last10")
@@ -151,7 +159,7 @@ def losses_rose(summary: Mapping[str, object]) -> bool:
 REJECTIONS_SHOWN = 10  # refusals listed in the headline (all are in the summary and metrics)
 
 
-def headline_lines(summary: dict[str, Any], *, eval_n: int | None = None) -> list[str]:
+def headline_lines(summary: JSONDict, *, eval_n: int | None = None) -> list[str]:
     """The headline numbers as `train` prints them at the end and `report` prints them: mean
     reward first/last 10%, held-out accuracy first/last with its 95% interval, each loss
     channel first/last 10% (and why channels 2/3 rising is no alarm, when they rose)."""
@@ -188,7 +196,7 @@ def headline_lines(summary: dict[str, Any], *, eval_n: int | None = None) -> lis
             f"last 10%: {_num(summary.get('teacher_advantage_last10'))}"
             + (f"   (gate open in {gate:.0%} of the last 10%)" if gate is not None else "")
         )
-    refused = summary.get("rejections") or []
+    refused = [as_dict(r) for r in as_list(summary.get("rejections"))]
     for r in refused[:REJECTIONS_SHOWN]:  # every refusal is in metrics.jsonl (event "rejected")
         lines.append(f"  refused          round {r['round']} rank {r['rank']}: {r['reason']}")
     if len(refused) > REJECTIONS_SHOWN:
@@ -198,23 +206,19 @@ def headline_lines(summary: dict[str, Any], *, eval_n: int | None = None) -> lis
     return lines
 
 
-def _number(value: object) -> float | None:
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
-
-
-def closed_attempts(driver: dict[str, Any]) -> list[dict[str, Any]]:
+def closed_attempts(driver: JSONDict) -> list[JSONDict]:
     """Every launch of the run with its wall time, oldest first: driver.json's `attempts`, plus
     the current attempt once it has an end (`ended`; for a driver that was killed, its last
     `updated`). Each: ``{"attempt", "started", "ended", "seconds", "status"}``."""
     attempts = [
         a
-        for a in driver.get("attempts") or []
-        if isinstance(a, dict) and _number(a.get("seconds")) is not None
+        for a in as_list(driver.get("attempts"))
+        if isinstance(a, dict) and as_number(a.get("seconds")) is not None
     ]
     current = driver.get("attempt")
-    started = _number(driver.get("started"))
-    ended = _number(driver.get("ended"))
-    ended = ended if ended is not None else _number(driver.get("updated"))
+    started = as_number(driver.get("started"))
+    ended = as_number(driver.get("ended"))
+    ended = ended if ended is not None else as_number(driver.get("updated"))
     recorded = {a.get("attempt") for a in attempts}
     if started is not None and ended is not None and ended >= started and current not in recorded:
         attempts.append(
@@ -229,17 +233,17 @@ def closed_attempts(driver: dict[str, Any]) -> list[dict[str, Any]]:
     return attempts
 
 
-def run_wall_seconds(driver: dict[str, Any]) -> float | None:
+def run_wall_seconds(driver: JSONDict) -> float | None:
     """The run's one wall time: from the driver's start to the end of training (driver.json's
     `started` / `ended`), summed over the run's attempts (a resumed run's earlier launches
     count: `closed_attempts`); what the printout and summary.md both show."""
-    seconds = [float(a["seconds"]) for a in closed_attempts(driver)]
+    seconds = [as_float(a["seconds"]) for a in closed_attempts(driver)]
     return sum(seconds) if seconds else None
 
 
-def wall_text(driver: dict[str, Any]) -> str:
+def wall_text(driver: JSONDict) -> str:
     """ "651.0 s over 2 attempts (616.2 + 34.8 s)", "616.2 s", or "" when unknown."""
-    seconds = [float(a["seconds"]) for a in closed_attempts(driver)]
+    seconds = [as_float(a["seconds"]) for a in closed_attempts(driver)]
     if not seconds:
         return ""
     if len(seconds) == 1:
@@ -268,13 +272,13 @@ LEARNING_SIGNALS: tuple[tuple[str, str, str], ...] = (
 )
 
 
-def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize(records: list[JSONDict]) -> JSONDict:
     """Headline numbers of a run.
 
     Rewards are pooled over replicas and ordered by inner step; "first 10%" is the records
     whose step is in the first tenth of the steps seen (at least one step), likewise the last.
     """
-    out: dict[str, Any] = {"replicas": sorted({int(r.get("replica", 0)) for r in records})}
+    out: JSONDict = {"replicas": [*sorted({as_int(r.get("replica", 0)) for r in records})]}
     key = reward_key(records)
     if key is not None:
         first_last = _first_last10(records, key)
@@ -290,7 +294,7 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
             out[f"{key}_first10"], out[f"{key}_last10"], _ = first_last
     evals = sorted(
         (
-            (int(r.get("step", 0)), float(r["eval/accuracy"]), r.get("eval/n"))
+            (as_int(r.get("step", 0)), as_float(r["eval/accuracy"]), r.get("eval/n"))
             for r in records
             if r.get("kind") == "eval" and isinstance(r.get("eval/accuracy"), int | float)
         ),
@@ -302,10 +306,10 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         n = evals[-1][2]
         if isinstance(n, int | float) and n >= 1:
             out["eval_n"] = int(n)
-            out["eval_accuracy_last_ci95"] = wilson_interval(evals[-1][1], int(n))
+            out["eval_accuracy_last_ci95"] = [*wilson_interval(evals[-1][1], int(n))]
     ood = sorted(
         (
-            (int(r.get("step", 0)), float(r["eval/ood_accuracy"]), r.get("eval/ood_n"))
+            (as_int(r.get("step", 0)), as_float(r["eval/ood_accuracy"]), r.get("eval/ood_n"))
             for r in records
             if r.get("kind") == "eval" and isinstance(r.get("eval/ood_accuracy"), int | float)
         ),
@@ -314,38 +318,41 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         out["eval_ood_accuracy_first"] = ood[0][1]
         out["eval_ood_accuracy_last"] = ood[-1][1]
         if isinstance(ood[-1][2], int | float) and ood[-1][2] >= 1:
-            out["eval_ood_n"] = int(ood[-1][2])
+            out["eval_ood_n"] = as_int(ood[-1][2])
     rounds = [r for r in records if r.get("kind") == "round"]
     if rounds:
-        out["rounds"] = max(int(r.get("round", 0)) for r in rounds)
+        out["rounds"] = max(as_int(r.get("round", 0)) for r in rounds)
         out["round_seconds_mean"] = _mean([r.get("round/seconds") for r in rounds])
         out["round_bytes_total"] = sum(
-            int(r.get("round/bytes_up") or 0) + int(r.get("round/bytes_down") or 0) for r in rounds
+            as_int(r.get("round/bytes_up") or 0) + as_int(r.get("round/bytes_down") or 0)
+            for r in rounds
         )
-    times = [float(r["time"]) for r in records if isinstance(r.get("time"), int | float)]
+    times = [as_float(r["time"]) for r in records if isinstance(r.get("time"), int | float)]
     if times:
         out["wall_seconds"] = max(times) - min(times)
     devices = device_lines(records)
     if devices:
-        out["devices"] = devices
+        out["devices"] = [*devices]
     out.update(health_summary(records))
     refused = rejections(records)
     if refused:
-        out["rejections"] = refused
+        out["rejections"] = [*refused]
     return out
 
 
-def rejections(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def rejections(records: list[JSONDict]) -> list[JSONDict]:
     """Every contribution the exchange refused or left out ("rejected" events: round, rank,
     reason), once each however many replicas reported it, in round order."""
     seen: dict[tuple[int, int, str], None] = {}
     for r in records:
         if r.get("kind") == "event" and r.get("event") == "rejected":
-            seen[(int(r.get("round") or 0), int(r.get("rank") or 0), str(r.get("reason")))] = None
+            seen[
+                (as_int(r.get("round") or 0), as_int(r.get("rank") or 0), str(r.get("reason")))
+            ] = None
     return [{"round": rnd, "rank": rank, "reason": why} for rnd, rank, why in sorted(seen)]
 
 
-def _device_text(r: dict[str, Any]) -> str:
+def _device_text(r: JSONDict) -> str:
     device = str(r.get("device") or "?")
     if r.get("device_name"):
         device += f" ({r['device_name']})"
@@ -356,15 +363,15 @@ def _device_text(r: dict[str, Any]) -> str:
     )
 
 
-def device_lines(records: list[dict[str, Any]]) -> list[str]:
+def device_lines(records: list[JSONDict]) -> list[str]:
     """One line per distinct device setup the replicas reported (their ``device`` event: device,
     GPU name, parameter and autocast dtypes, gradient checkpointing, rollout engine), each with
     the replicas that used it when they differ; the latest report of each replica counts."""
-    latest: dict[int, dict[str, Any]] = {}
+    latest: dict[int, JSONDict] = {}
     for r in records:
         if r.get("kind") == "event" and r.get("event") == "device":
-            replica = int(r.get("replica", 0))
-            if replica not in latest or float(r.get("time") or 0) >= float(
+            replica = as_int(r.get("replica", 0))
+            if replica not in latest or as_float(r.get("time") or 0) >= as_float(
                 latest[replica].get("time") or 0
             ):
                 latest[replica] = r
@@ -379,9 +386,9 @@ def device_lines(records: list[dict[str, Any]]) -> list[str]:
     ]
 
 
-def _health_points(records: list[dict[str, Any]]) -> list[tuple[float, int, dict[str, Any]]]:
+def _health_points(records: list[JSONDict]) -> list[tuple[float, int, JSONDict]]:
     return sorted(
-        (float(r["time"]), int(r["health/level"]), r)
+        (as_float(r["time"]), as_int(r["health/level"]), r)
         for r in records
         if r.get("kind") == "health"
         and isinstance(r.get("time"), int | float)
@@ -393,7 +400,7 @@ def _health_points(records: list[dict[str, Any]]) -> list[tuple[float, int, dict
 HEALTH_STATES = ("starting", "healthy", "degraded", "critical")  # health/level -1, 0, 1, 2
 
 
-def health_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
+def health_summary(records: list[JSONDict]) -> JSONDict:
     """Seconds spent starting / healthy / degraded / critical (each health record holds until
     the next)."""
     points = _health_points(records)
@@ -457,7 +464,7 @@ def _from_zero(ax: Axes) -> None:
 EVAL_LEGEND = "global model (evaluated by replica {replica})"
 
 
-def draw_plots(records: list[dict[str, Any]], out_dir: Path) -> list[Path]:
+def draw_plots(records: list[JSONDict], out_dir: Path) -> list[Path]:
     """Draw every plot the records support; return the PNG paths written."""
     out_dir.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
@@ -497,7 +504,7 @@ def draw_plots(records: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     return written
 
 
-def _plot_rounds(records: list[dict[str, Any]], save: Callable[[Figure, str], None]) -> None:
+def _plot_rounds(records: list[JSONDict], save: Callable[[Figure, str], None]) -> None:
     """Seconds and MB exchanged per outer round."""
     seconds = _series(records, "round", "round/seconds")
     if not seconds:
@@ -507,8 +514,8 @@ def _plot_rounds(records: list[dict[str, Any]], save: Callable[[Figure, str], No
     mb = defaultdict(list)
     for r in records:
         if r.get("kind") == "round":
-            total = int(r.get("round/bytes_up") or 0) + int(r.get("round/bytes_down") or 0)
-            mb[int(r.get("replica", 0))].append((int(r.get("step", 0)), total / 1e6))
+            total = as_int(r.get("round/bytes_up") or 0) + as_int(r.get("round/bytes_down") or 0)
+            mb[as_int(r.get("replica", 0))].append((as_int(r.get("step", 0)), total / 1e6))
     _plot_series(axes[1], {k: sorted(v) for k, v in sorted(mb.items())})
     axes[1].set_ylabel("MB up + down")
     for ax in axes:
@@ -516,9 +523,7 @@ def _plot_rounds(records: list[dict[str, Any]], save: Callable[[Figure, str], No
     save(fig, "outer_rounds.png")
 
 
-def _plot_time_breakdown(
-    records: list[dict[str, Any]], save: Callable[[Figure, str], None]
-) -> None:
+def _plot_time_breakdown(records: list[JSONDict], save: Callable[[Figure, str], None]) -> None:
     """Where the time of each outer round goes (one replica)."""
     breakdown = _time_breakdown(records)
     if not breakdown:
@@ -538,7 +543,7 @@ def _plot_time_breakdown(
     save(fig, "time_breakdown.png")
 
 
-def _plot_throughput(records: list[dict[str, Any]], save: Callable[[Figure, str], None]) -> None:
+def _plot_throughput(records: list[JSONDict], save: Callable[[Figure, str], None]) -> None:
     """Inner steps (and tokens) per second, per outer round."""
     pace = _series(records, "round", "round/steps_per_s")
     if not pace:
@@ -552,7 +557,7 @@ def _plot_throughput(records: list[dict[str, Any]], save: Callable[[Figure, str]
     save(fig, "throughput.png")
 
 
-def _plot_health(records: list[dict[str, Any]], save: Callable[[Figure, str], None]) -> None:
+def _plot_health(records: list[JSONDict], save: Callable[[Figure, str], None]) -> None:
     """The run state over time, and the synchronizer's merges."""
     points = _health_points(records)
     if not points:
@@ -585,7 +590,7 @@ TIME_PARTS = (
 
 
 def _time_breakdown(
-    records: list[dict[str, Any]],
+    records: list[JSONDict],
 ) -> tuple[int, list[tuple[int, dict[str, float]]]] | None:
     """(replica, [(round, seconds per part of TIME_PARTS)]) for the lowest replica with round
     timings: the exchange parts as measured; the training time (round/train_s) split by the
@@ -593,19 +598,19 @@ def _time_breakdown(
     rounds = [r for r in records if r.get("kind") == "round" and r.get("round/wall_s")]
     if not rounds:
         return None
-    replica = min(int(r.get("replica", 0)) for r in rounds)
+    replica = min(as_int(r.get("replica", 0)) for r in rounds)
     steps = [r for r in records if r.get("kind") == "train" and r.get("replica", 0) == replica]
     rows = []
     for r in sorted(
-        (r for r in rounds if r.get("replica", 0) == replica), key=lambda r: int(r["round"])
+        (r for r in rounds if r.get("replica", 0) == replica), key=lambda r: as_int(r["round"])
     ):
-        mine = [s for s in steps if int(s.get("round", -1)) == int(r["round"]) - 1]
+        mine = [s for s in steps if as_int(s.get("round", -1)) == as_int(r["round"]) - 1]
         shares = [
-            sum(float(s.get(k) or 0.0) for s in mine)
+            sum(as_float(s.get(k) or 0.0) for s in mine)
             for k in ("time/generate_s", "time/teacher_s", "time/loss_backward_s")
         ]
         total = sum(shares)
-        train = float(r.get("round/train_s") or 0.0)
+        train = as_float(r.get("round/train_s") or 0.0)
         split = [train * x / total for x in shares] if total > 0 else [0.0, 0.0, train]
         parts = dict(
             zip(
@@ -613,13 +618,13 @@ def _time_breakdown(
                 [
                     *split,
                     *(
-                        float(r.get(k) or 0.0)
+                        as_float(r.get(k) or 0.0)
                         for k in ("round/upload_s", "round/wait_s", "round/merge_s")
                     ),
                 ],
             )
         )
-        rows.append((int(r["round"]), parts))
+        rows.append((as_int(r["round"]), parts))
     return replica, rows
 
 
@@ -632,29 +637,29 @@ def _fmt(value: object, digits: int = 3) -> str:
 
 
 def summary_markdown(
-    folder: RunFolder, summary: dict[str, Any], plots: list[Path], config: dict[str, Any]
+    folder: RunFolder, summary: JSONDict, plots: list[Path], config: JSONDict
 ) -> str:
     driver = folder.read_driver()
     lines = [f"# Run `{folder.name}`", ""]
-    model = config.get("model", {}).get("name", "?")
-    task = config.get("task", {}).get("name", "?")
-    backend = config.get("backend", {})
-    loss = config.get("loss", {})
+    model = as_dict(config.get("model")).get("name", "?")
+    task = as_dict(config.get("task")).get("name", "?")
+    backend = as_dict(config.get("backend"))
+    loss = as_dict(config.get("loss"))
     lines += [
         f"- model: `{model}`, task: `{task}`, backend: `{backend.get('kind', '?')}` x "
         f"{backend.get('n_replicas', '?')} replicas",
         f"- loss: alpha_sdpo={loss.get('alpha_sdpo')}, beta_replay={loss.get('beta_replay')}, "
         f"dpo_variant={loss.get('dpo_variant')}",
-        *(f"- device: {line}" for line in summary.get("devices") or []),
+        *(f"- device: {line}" for line in as_list(summary.get("devices"))),
         f"- status: {driver.get('status', 'unknown')}",
         *(
-            [f"- stopped: {driver['no_quorum'].get('reason')}"]
+            [f"- stopped: {as_dict(driver['no_quorum']).get('reason')}"]
             if isinstance(driver.get("no_quorum"), dict)
             else []
         ),
         *(
             f"- refused: round {r['round']} rank {r['rank']}: {r['reason']}"
-            for r in summary.get("rejections") or []
+            for r in map(as_dict, as_list(summary.get("rejections")))
         ),
         "",
         "| metric | value |",
@@ -690,7 +695,7 @@ def summary_markdown(
         f"| outer rounds | {_fmt(summary.get('rounds'))} |",
         f"| mean outer-round time (s) | {_fmt(summary.get('round_seconds_mean'))} |",
         f"| store traffic, all replicas (MB) | "
-        f"{_fmt((summary.get('round_bytes_total') or 0) / 1e6, 2)} |",
+        f"{_fmt((as_number(summary.get('round_bytes_total')) or 0) / 1e6, 2)} |",
         f"| wall time | {wall_text(driver) or _fmt(summary.get('wall_seconds'), 1) + ' s'} |",
     ]
     lines += _table_end(summary)
@@ -706,7 +711,7 @@ def summary_markdown(
     return "\n".join(lines)
 
 
-def _table_end(summary: dict[str, object]) -> list[str]:
+def _table_end(summary: JSONDict) -> list[str]:
     """The metrics table's last row (the health) and, after the whole table (a paragraph
     between two rows splits it), the note on rising channel 2/3 losses."""
     lines = []
@@ -728,7 +733,7 @@ def _fmt_interval(ci: object) -> str:
     return f"{ci[0]:.3f} - {ci[1]:.3f}"
 
 
-def write_report(folder: RunFolder) -> tuple[dict[str, Any], list[Path]]:
+def write_report(folder: RunFolder) -> tuple[JSONDict, list[Path]]:
     """Draw the plots and write summary.md; return (summary numbers, plot paths)."""
     records = read_metrics(folder.metrics)
     plots = draw_plots(records, folder.plots)

@@ -32,6 +32,7 @@ from composer_replication.data.turns import stop_token_ids
 from composer_replication.diloco.outer_mode import OuterLoop
 from composer_replication.exchange.store import ObjectStore
 from composer_replication.exchange.store_manager import RoundRecord
+from composer_replication.json_types import JSONValue
 from composer_replication.run.checkpoint import prune_checkpoints, round_dir, save_checkpoint
 from composer_replication.run.metrics import ReplicaMetricsWriter
 from composer_replication.tasks.task import decode_completion
@@ -149,7 +150,7 @@ class ReplicaReporter(TrainerCallback):
         keep_last: int,
         save_final: bool,
         evaluator_rank: int = 0,
-        begin_fields: Callable[[], Mapping[str, object]] = dict,
+        begin_fields: Callable[[], Mapping[str, JSONValue]] = dict,
         last_round: int | None = None,
         ood_examples: list[Example] | None = None,
     ) -> None:
@@ -257,7 +258,7 @@ class ReplicaReporter(TrainerCallback):
         args: TrainingArguments,
         state: TrainerState,
         control: TrainerControl,
-        logs: Mapping[str, object] | None = None,
+        logs: Mapping[str, JSONValue] | None = None,
         **kwargs: object,
     ) -> None:
         if not logs or "train_runtime" in logs:

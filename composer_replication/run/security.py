@@ -32,7 +32,7 @@ import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from composer_replication.config import ConfigError
 from composer_replication.exchange.signing import (
@@ -51,6 +51,7 @@ from composer_replication.exchange.signing import (
     public_key_of,
     rank_identity,
 )
+from composer_replication.json_types import JSONValue
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -123,7 +124,7 @@ class RunSecrets:
         return self.keys.with_identity(identity, self.private[identity])
 
 
-def config_digest(doc: Mapping[str, Any]) -> str:
+def config_digest(doc: Mapping[str, JSONValue]) -> str:
     """sha256 of the run configuration as replicas read it (canonical JSON)."""
     return hashlib.sha256(canonical_bytes(doc)).hexdigest()
 
@@ -147,7 +148,7 @@ def _load_or_create(folder: RunFolder, n: int) -> tuple[str, dict[str, str]]:
 
 
 def prepare_signing(
-    config: RunConfig, folder: RunFolder, store: ObjectStore, config_doc: Mapping[str, Any]
+    config: RunConfig, folder: RunFolder, store: ObjectStore, config_doc: Mapping[str, JSONValue]
 ) -> RunSecrets | None:
     """Keys, key manifest and config signature of a signed run (None when signing is off).
 
@@ -177,7 +178,7 @@ def prepare_signing(
 def participant_keys(
     store: ObjectStore,
     identity: str,
-    config_doc: Mapping[str, Any],
+    config_doc: Mapping[str, JSONValue],
     *,
     required: bool,
     environ: Mapping[str, str] | None = None,

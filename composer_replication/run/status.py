@@ -40,23 +40,117 @@ import json
 import socket
 import time
 from pathlib import Path
-from typing import Any
+from typing import NotRequired, TypedDict
 
 from composer_replication.assembly.outer import outer_loop_mode
 from composer_replication.config import RunConfig, from_dict
 from composer_replication.diloco.outer_mode import OuterLoopMode
 from composer_replication.exchange.liveness import DEAD_AFTER_S, read_liveness, run_health
 from composer_replication.exchange.store import ObjectStore
+from composer_replication.json_types import (
+    JSONDict,
+    JSONValue,
+    as_dict,
+    as_float,
+    as_int,
+    as_list,
+    as_number,
+)
 from composer_replication.run.checkpoint import committed_checkpoints
 from composer_replication.run.folder import RunFolder
 from composer_replication.run.metrics import status_key
 from composer_replication.run.processes import pid_alive
 from composer_replication.run.security import secret_files, secrets_warning
 
-__all__ = ["health_now", "run_status", "status_text"]
+__all__ = [
+    "DriverGone",
+    "HealthDoc",
+    "ReplicaRow",
+    "ResumeInfo",
+    "RunStatus",
+    "health_now",
+    "run_status",
+    "status_text",
+]
 
 STARTUP_GRACE_S = 300.0
 HEALTH_LEVEL = {"starting": -1, "healthy": 0, "degraded": 1, "critical": 2}
+
+
+class HealthDoc(TypedDict):
+    """The run state (`health_now`): `exchange.liveness.RunHealth` plus its level, each
+    member's liveness and the mode's service row."""
+
+    state: str
+    reasons: list[str]
+    level: int
+    # from the heartbeats (absent when the store could not be read and the run is critical
+    # only because the driver stopped it on a round that cannot commit)
+    alive_workers: NotRequired[int]
+    expected_workers: NotRequired[int]
+    members: NotRequired[dict[str, str]]  # "role/id" -> its liveness status
+    synchronizer: NotRequired[JSONDict | None]  # `OuterLoopMode.service_status`'s row
+
+
+class DriverGone(TypedDict):
+    """A driver that says "running" but no longer runs: when it was last seen, how we know."""
+
+    since: float | None  # epoch seconds
+    how: str
+    pid: JSONValue
+    host: JSONValue
+
+
+class ResumeInfo(TypedDict):
+    """What ``train --resume`` would do for a run whose driver is gone."""
+
+    plan: str | None
+    warnings: list[str]
+    still_running: list[str]  # workers that still send heartbeats without a driver
+
+
+class ReplicaRow(TypedDict):
+    """One replica's line of `run_status`: its status document's fields (as read), what the
+    executor said, its lag and health."""
+
+    rank: int
+    state: JSONValue
+    executor: JSONValue
+    exit_code: JSONValue
+    step: JSONValue
+    max_steps: JSONValue
+    round: int
+    round_lag: int
+    seconds_since_update: float | None
+    reward: float | None
+    eval_accuracy: float | None
+    steps_per_s: float | None
+    wait_fraction: float | None
+    health: str  # ok | stale | behind | degraded | failed
+    error: JSONValue
+    skipped: JSONValue
+
+
+class RunStatus(TypedDict):
+    """`run_status`'s description of a run (`status --json` prints it)."""
+
+    run: str
+    folder: str
+    status: JSONValue  # driver.json's, or "stopped" when its driver is gone
+    driver_gone: DriverGone | None
+    driver_damage: str | None
+    resume: ResumeInfo | None
+    lost: list[int]
+    started: JSONValue
+    ended: JSONValue
+    store: str
+    store_error: str | None
+    round: int
+    checkpoints: list[str]
+    secrets: list[str]
+    replicas: list[ReplicaRow]
+    health: HealthDoc | None
+    rejections: JSONDict | None  # {"round", "ranks": {rank: reason}}
 
 
 def health_now(
@@ -66,7 +160,7 @@ def health_now(
     n_replicas: int,
     now: float | None = None,
     started: float | None = None,
-) -> dict[str, Any]:
+) -> HealthDoc:
     """The run state from the store's heartbeats (see the module docstring), JSON-able:
     ``{"state", "level", "reasons", "members": {"role/id": status}, "synchronizer": {...}}``.
     ``mode``: the run's outer-loop mode (its replicas' role, its quorum, its synchronizer).
@@ -83,7 +177,7 @@ def health_now(
         (m for m in members.values() if m.role in service_roles),
         key=lambda m: (m.status == "alive", -(m.age_s or 1e18)),
     )
-    synchronizer: dict[str, object] | None = None
+    synchronizer: JSONDict | None = None
     rejections = 0
     if syncs and syncs[-1].heartbeat is not None:  # the newest alive one's row
         synchronizer, rejected = mode.service_status(syncs[-1], now)
@@ -98,7 +192,10 @@ def health_now(
         starting=starting,
     )
     return {
-        **health.as_dict(),
+        "state": health.state,
+        "reasons": list(health.reasons),
+        "alive_workers": health.alive_workers,
+        "expected_workers": health.expected_workers,
         "level": HEALTH_LEVEL[health.state],
         "members": {k: m.status for k, m in sorted(members.items())},
         "synchronizer": synchronizer,
@@ -121,12 +218,12 @@ def _live_workers(store: ObjectStore, role: str, now: float) -> list[str]:
 
 
 def driver_gone(
-    driver: dict[str, Any],
+    driver: JSONDict,
     *,
     live_workers: list[str],
     now: float | None = None,
     window_s: float = DEAD_AFTER_S,
-) -> dict[str, Any] | None:
+) -> DriverGone | None:
     """None while the driver of a run that says "running" may still run; else when it was last
     seen (epoch seconds), how we know, and its pid and host. A driver of this host: its pid is
     gone. Of another host: no replica heartbeat within the liveness window (`live_workers`
@@ -150,7 +247,7 @@ def driver_gone(
     return {"since": seen, "how": how, "pid": pid, "host": host}
 
 
-def run_status(folder: RunFolder, *, stale_after_s: float = 120.0) -> dict[str, Any]:
+def run_status(folder: RunFolder, *, stale_after_s: float = 120.0) -> RunStatus:
     """A JSON-able description of the run (see the module docstring)."""
     config = json.loads(folder.config_json.read_text())
     driver, driver_damage = folder.read_driver(), folder.driver_damage()
@@ -159,7 +256,7 @@ def run_status(folder: RunFolder, *, stale_after_s: float = 120.0) -> dict[str, 
     store, statuses, checkpoints, store_error = _read_store(
         own_uri, config.get("store", {}).get("storage_options"), n
     )
-    run_state: dict[str, Any] | None = None
+    run_state: HealthDoc | None = None
     mode: OuterLoopMode | None = None
     try:  # the config `train` wrote and checked (an older release's may no longer load)
         mode = outer_loop_mode(from_dict(RunConfig, config))
@@ -177,15 +274,16 @@ def run_status(folder: RunFolder, *, stale_after_s: float = 120.0) -> dict[str, 
         except Exception as exc:  # status must still show the rest
             store_error = f"{type(exc).__name__}: {exc}"
     gone, resume, store_error = _driver_gone(driver, mode, store, n, store_error)
-    handles = {int(h["replica_id"]): h for h in driver.get("replicas", [])}
+    handles = {
+        as_int(h["replica_id"]): h for h in map(as_dict, as_list(driver.get("replicas", [])))
+    }
     now = time.time()
-    top_round = max((int(s.get("round") or 0) for s in statuses.values()), default=0)
-    reports = [s["rejections"] for s in statuses.values() if isinstance(s.get("rejections"), dict)]
-    rejections = max(reports, key=lambda r: int(r.get("round") or 0), default=None)
+    top_round = max((as_int(s.get("round") or 0) for s in statuses.values()), default=0)
+    reports = [r for s in statuses.values() if isinstance(r := s.get("rejections"), dict)]
+    rejections = max(reports, key=lambda r: as_int(r.get("round") or 0), default=None)
     stuck = driver.get("no_quorum")
     if isinstance(stuck, dict):  # the run stopped on a round that can never commit
-        reasons = [str(stuck.get("reason")), *((run_state or {}).get("reasons") or [])]
-        run_state = {**(run_state or {}), "state": "critical", "level": 2, "reasons": reasons}
+        run_state = _stopped(run_state, str(stuck.get("reason")))
         rejections = {"round": stuck.get("round"), "ranks": stuck.get("rejected") or {}}
     replicas = [
         _replica_row(
@@ -206,7 +304,7 @@ def run_status(folder: RunFolder, *, stale_after_s: float = 120.0) -> dict[str, 
         "driver_gone": gone,
         "driver_damage": driver_damage,
         "resume": resume,
-        "lost": [r for r in driver.get("lost") or [] if isinstance(r, int)],
+        "lost": [r for r in as_list(driver.get("lost")) if isinstance(r, int)],
         "started": driver.get("started"),
         "ended": driver.get("ended"),
         "store": own_uri,
@@ -220,11 +318,20 @@ def run_status(folder: RunFolder, *, stale_after_s: float = 120.0) -> dict[str, 
     }
 
 
-_Statuses = dict[int, dict[str, Any]]  # rank -> its status document
+def _stopped(health: HealthDoc | None, reason: str) -> HealthDoc:
+    """The run state of a run the driver stopped on a round that can never commit: critical
+    for ``reason`` (first), whatever the heartbeats say."""
+    reasons = [reason, *(health["reasons"] if health is not None else [])]
+    if health is None:
+        return {"state": "critical", "level": 2, "reasons": reasons}
+    return {**health, "state": "critical", "level": 2, "reasons": reasons}
+
+
+_Statuses = dict[int, JSONDict]  # rank -> its status document
 
 
 def _read_store(
-    uri: str, options: dict[str, object] | None, n: int
+    uri: str, options: JSONValue, n: int
 ) -> tuple[ObjectStore | None, _Statuses, list[str], str | None]:
     """(the store, each reporting rank's status document, the committed checkpoints, the error
     that stopped the reading): status shows what the run folder knows even when the store fails."""
@@ -232,7 +339,7 @@ def _read_store(
     checkpoints: list[str] = []
     store: ObjectStore | None = None
     try:
-        store = ObjectStore(uri, options)
+        store = ObjectStore(uri, as_dict(options))
         for rank in range(n):
             try:
                 doc = store.get_json(status_key(rank))
@@ -247,17 +354,17 @@ def _read_store(
 
 
 def _driver_gone(
-    driver: dict[str, Any],
+    driver: JSONDict,
     mode: OuterLoopMode | None,
     store: ObjectStore | None,
     n: int,
     store_error: str | None,
-) -> tuple[dict[str, Any] | None, dict[str, Any] | None, str | None]:
+) -> tuple[DriverGone | None, ResumeInfo | None, str | None]:
     """For a run whose driver.json says running: whether its driver is gone (`driver_gone`),
     and if so what `--resume` would do and which workers still run; with the store error, if
     reading the store failed on the way."""
-    gone: dict[str, Any] | None = None
-    resume: dict[str, Any] | None = None
+    gone: DriverGone | None = None
+    resume: ResumeInfo | None = None
     if driver.get("status") != "running":
         return gone, resume, store_error
     readable = store if store_error is None and mode is not None else None
@@ -280,20 +387,20 @@ def _driver_gone(
 
 def _replica_row(
     rank: int,
-    doc: dict[str, Any],
-    handle: dict[str, Any],
+    doc: JSONDict,
+    handle: JSONDict,
     top_round: int,
     *,
     running: bool,
     now: float,
     stale_after_s: float,
-) -> dict[str, Any]:
+) -> ReplicaRow:
     """One replica's line of `run_status`: its last status document, what the executor said,
     and its health (failed / stale / behind / degraded: observability writes skipped within
     ``stale_after_s`` / ok)."""
     updated = doc.get("updated")
-    lag_s = None if updated is None else max(0.0, now - float(updated))
-    rnd = int(doc.get("round") or 0)
+    lag_s = None if updated is None else max(0.0, now - as_float(updated))
+    rnd = as_int(doc.get("round") or 0)
     executor_state = handle.get("status")
     state = doc.get("state", "unknown")
     if executor_state == "failed":
@@ -302,7 +409,7 @@ def _replica_row(
         health = "stale"
     elif top_round - rnd > 1:
         health = "behind"
-    elif now - float(doc.get("last_skip_time") or 0.0) < stale_after_s:
+    elif now - as_float(doc.get("last_skip_time") or 0.0) < stale_after_s:
         health = "degraded"  # its metrics or status writes were skipped lately (metrics.py)
     else:
         health = "ok"
@@ -316,22 +423,24 @@ def _replica_row(
         "round": rnd,
         "round_lag": top_round - rnd,
         "seconds_since_update": lag_s,
-        "reward": doc.get("reward"),
-        "eval_accuracy": doc.get("eval_accuracy"),
-        "steps_per_s": doc.get("steps_per_s"),
-        "wait_fraction": doc.get("wait_fraction"),
+        "reward": as_number(doc.get("reward")),
+        "eval_accuracy": as_number(doc.get("eval_accuracy")),
+        "steps_per_s": as_number(doc.get("steps_per_s")),
+        "wait_fraction": as_number(doc.get("wait_fraction")),
         "health": health,
         "error": handle.get("error"),
         "skipped": doc.get("last_skip") if health == "degraded" else None,
     }
 
 
-def status_text(info: dict[str, Any]) -> str:
+def status_text(info: RunStatus) -> str:
     lost = len(info.get("lost") or [])
-    status = info["status"] + (f", {lost} replica{'s' if lost != 1 else ''} lost" if lost else "")
+    status = str(info["status"]) + (
+        f", {lost} replica{'s' if lost != 1 else ''} lost" if lost else ""
+    )
     gone = info.get("driver_gone")
     if gone:
-        since = gone.get("since")
+        since = gone["since"]
         when = "-" if since is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(since))
         status += f" (driver gone since {when}: {gone['how']})"
     lines = [
@@ -346,7 +455,7 @@ def status_text(info: dict[str, Any]) -> str:
                 f"  still running without a driver: {', '.join(resume['still_running'])}"
                 " (`--resume` fences them first)"
             )
-        for warning in resume.get("warnings") or []:
+        for warning in resume["warnings"]:
             lines.append(f"  resume would skip: {warning}")
         lines.append(
             f"  `composer-replication train --resume {info['folder']}` would "
@@ -374,8 +483,9 @@ def status_text(info: dict[str, Any]) -> str:
         ago = "-" if r["seconds_since_update"] is None else f"{r['seconds_since_update']:.0f}s"
         step = f"{r['step'] if r['step'] is not None else '-'}/{r['max_steps'] or '-'}"
         reward = "-" if r["reward"] is None else f"{r['reward']:.3f}"
-        pace = "-" if r.get("steps_per_s") is None else f"{r['steps_per_s']:.2f}"
-        wait = "-" if r.get("wait_fraction") is None else f"{100 * r['wait_fraction']:.0f}%"
+        steps_per_s, wait_fraction = r.get("steps_per_s"), r.get("wait_fraction")
+        pace = "-" if steps_per_s is None else f"{steps_per_s:.2f}"
+        wait = "-" if wait_fraction is None else f"{100 * wait_fraction:.0f}%"
         lines.append(
             f"  {r['rank']:>4} {str(r['state']):<11} {step:>9} {r['round']:>5} "
             f"{r['round_lag']:>4} {ago:>9} {reward:>7} {pace:>7} {wait:>5} {r['health']:<7}"
@@ -387,8 +497,9 @@ def status_text(info: dict[str, Any]) -> str:
     rejections = info.get("rejections")
     if rejections:
         lines.append(f"  rejected in round {rejections.get('round')}:")
-        for rank, why in sorted((rejections.get("ranks") or {}).items(), key=lambda kv: int(kv[0])):
-            lines.append(f"    rank {rank}: {why}")
+        ranks = as_dict(rejections.get("ranks"))
+        for rank, refusal in sorted(ranks.items(), key=lambda kv: int(kv[0])):
+            lines.append(f"    rank {rank}: {refusal}")
     if info["checkpoints"]:
         lines.append(f"  checkpoints: {', '.join(info['checkpoints'])}")
     if info.get("secrets"):

@@ -24,7 +24,6 @@ import socket
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
 
 from composer_replication.config import ConfigError, RunConfig
 from composer_replication.diloco.outer_mode import OuterLoopMode, RefusalSource
@@ -33,6 +32,7 @@ from composer_replication.exchange.liveness import (
     LEARNER_ROLE,
     REPLICA_ROLE,
     STALE_AFTER_S,
+    MemberLiveness,
     clear_departure,
     read_liveness,
     write_departure,
@@ -40,6 +40,7 @@ from composer_replication.exchange.liveness import (
 from composer_replication.exchange.push_store import Refusal
 from composer_replication.exchange.store import ObjectStore
 from composer_replication.executors.executor import RankLauncher, ReplicaHandle, ServerlessExecutor
+from composer_replication.json_types import JSONDict, as_int
 from composer_replication.run.metrics import MetricsSink, read_metrics
 from composer_replication.run.processes import pid_alive
 from composer_replication.run.replica_env import EXIT_NO_QUORUM
@@ -64,7 +65,7 @@ FENCE_WAIT_S = 4 * HEARTBEAT_EVERY_S  # how long --resume waits for fenced repli
 EXIT_RUN_NO_QUORUM = 3  # `train`'s exit code when a round can never commit (docs/cli.md)
 
 
-def live_replicas(store: ObjectStore) -> dict[str, Any]:
+def live_replicas(store: ObjectStore) -> dict[str, MemberLiveness]:
     """The run's replicas/learners whose heartbeats are fresh and whose process may still run
     (a heartbeat from this machine whose pid is gone is not alive), keyed role/id."""
     here = socket.gethostname()
@@ -79,6 +80,12 @@ def live_replicas(store: ObjectStore) -> dict[str, Any]:
     return out
 
 
+def _where(member: MemberLiveness) -> str:
+    """ "pid P on HOST" of a live member (`live_replicas` keeps only those with a heartbeat)."""
+    hb = member.heartbeat
+    return "no heartbeat" if hb is None else f"pid {hb.pid} on {hb.host}"
+
+
 def fence_previous_launch(
     store: ObjectStore, generation: int, say: Callable[[str], None], wait_s: float | None = None
 ) -> None:
@@ -89,7 +96,7 @@ def fence_previous_launch(
     live = live_replicas(store)
     if not live:
         return
-    names = ", ".join(f"{k} (pid {m.heartbeat.pid} on {m.heartbeat.host})" for k, m in live.items())
+    names = ", ".join(f"{k} ({_where(m)})" for k, m in live.items())
     say(
         f"--resume: replicas of the earlier launch still run: {names}; fenced them "
         f"(run generation {generation}), waiting up to {wait_s:g} s for them to stop"
@@ -103,15 +110,14 @@ def fence_previous_launch(
         still = {
             k: m
             for k, m in live_replicas(store).items()
-            if m.heartbeat.host == here or m.heartbeat.time > fenced_at - 1.0
+            if (hb := m.heartbeat) is not None and (hb.host == here or hb.time > fenced_at - 1.0)
         }
         if not still or time.monotonic() > deadline:
             break
         time.sleep(0.5)
     if still:
         names = ", ".join(
-            f"{k} (pid {m.heartbeat.pid} on {m.heartbeat.host}, heartbeat {m.age_s:.0f} s ago)"
-            for k, m in still.items()
+            f"{k} ({_where(m)}, heartbeat {m.age_s:.0f} s ago)" for k, m in still.items()
         )
         raise ConfigError(
             f"--resume: replicas of this run are still alive after being fenced: {names}. Stop "
@@ -355,7 +361,9 @@ class HealthLog:
                         "health/reasons": "; ".join(h["reasons"]),
                         "health/alive": h["alive_workers"],
                         "health/merges": sync.get("merges"),
-                        "health/versions": sum(versions) if isinstance(versions, list) else None,
+                        "health/versions": (
+                            sum(as_int(v) for v in versions) if isinstance(versions, list) else None
+                        ),
                     }
                 ]
             )
@@ -368,8 +376,8 @@ class HealthLog:
 
 
 def no_quorum(
-    handles: list[ReplicaHandle], statuses: Callable[[], dict[int, dict[str, Any]]]
-) -> dict[str, Any] | None:
+    handles: list[ReplicaHandle], statuses: Callable[[], dict[int, JSONDict]]
+) -> JSONDict | None:
     """When a replica stopped because a round can never commit (exit `EXIT_NO_QUORUM`): the
     round, the refusals (rank -> reason, from its status document, read only then) and one
     line saying so."""
@@ -379,7 +387,9 @@ def no_quorum(
     doc = statuses().get(stuck[0].replica_id, {})
     rnd = doc.get("stopped_round")
     refusals = doc.get("stopped_refusals")
-    refused = {str(k): str(v) for k, v in (refusals if isinstance(refusals, dict) else {}).items()}
+    refused: JSONDict = {
+        str(k): str(v) for k, v in (refusals if isinstance(refusals, dict) else {}).items()
+    }
     listed = "; ".join(f"rank {k}: {v}" for k, v in sorted(refused.items(), key=lambda kv: kv[0]))
     error = str(doc.get("error") or "")
     what = "is not applied" if error.startswith("UpdateRefusedError") else "cannot commit"
@@ -422,7 +432,7 @@ class RefusalLog:
         if not force and now - self._last < self.every_s:
             return
         self._last = now
-        rows: list[dict[str, Any]] = []
+        rows: list[JSONDict] = []
         for source in self.sources:
             try:
                 records = source.read_rejections(skip=self.seen)
@@ -432,8 +442,8 @@ class RefusalLog:
         if rows:
             self.sink.write(rows)
 
-    def _rows(self, records: Mapping[str, Refusal]) -> list[dict[str, Any]]:
-        rows: list[dict[str, Any]] = []
+    def _rows(self, records: Mapping[str, Refusal]) -> list[JSONDict]:
+        rows: list[JSONDict] = []
         for name, r in sorted(records.items()):
             if name in self.seen:
                 continue

@@ -32,18 +32,21 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from composer_replication.assembly.outer import build_synchronizer
 from composer_replication.exchange.fencing import Fence, FencedError
 from composer_replication.exchange.signing import SYNCHRONIZER, RunKeys
 from composer_replication.executors.local import spawn_in_group, terminate_groups
+from composer_replication.json_types import JSONDict
 from composer_replication.run.replica_env import ENV_GENERATION, EXIT_FENCED
 from composer_replication.run.security import participant_keys, slot_secret_from_env
 
 if TYPE_CHECKING:
+    from types import FrameType
+
     from composer_replication.config import RunConfig
     from composer_replication.exchange.store import ObjectStore
 
@@ -53,7 +56,7 @@ MODULE = "composer_replication.run.synchronizer_process"
 CONFIG_KEY = "run_config.json"
 
 
-def resolve(target: str, storage_options: dict[str, Any] | None) -> tuple[RunConfig, ObjectStore]:
+def resolve(target: str, storage_options: JSONDict | None) -> tuple[RunConfig, ObjectStore]:
     """(run config, store) of a run folder or a store URI (ValueError saying what is missing)."""
     from composer_replication.config import from_dict
     from composer_replication.config.schema import RunConfig
@@ -79,6 +82,8 @@ def resolve(target: str, storage_options: dict[str, Any] | None) -> tuple[RunCon
             f"no {CONFIG_KEY} in {store.uri}: start the run with "
             "`composer-replication train` (it writes the configuration)"
         )
+    if not isinstance(doc, dict):
+        raise ValueError(f"{CONFIG_KEY} in {store.uri} is not a JSON object")
     return from_dict(RunConfig, doc), store
 
 
@@ -171,7 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"synchronizer: error: {exc}", file=sys.stderr)
         return 2
     stop = threading.Event()
-    previous: dict[signal.Signals, Any] = {}
+    previous: dict[signal.Signals, Callable[[int, FrameType | None], object] | int | None] = {}
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             previous[sig] = signal.signal(sig, lambda *_: stop.set())

@@ -50,6 +50,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 from urllib.parse import urlparse
 
+from composer_replication.json_types import JSONDict, JSONValue
 from composer_replication.tasks.task import Example, Task, Verdict, clean_completion
 
 __all__ = ["OpenEnvTask", "OpenEnvUnavailable"]
@@ -125,7 +126,7 @@ class OpenEnvTask(Task):
         answer_field: str | None = None,
         reward_range: Sequence[float] = (0.0, 1.0),
         success_reward: float | None = None,
-        reset_kwargs: dict[str, object] | None = None,
+        reset_kwargs: JSONDict | None = None,
         timeout_s: float = 60.0,
         capacity_wait_s: float = 30.0,
     ) -> None:
@@ -335,7 +336,7 @@ class OpenEnvTask(Task):
                     f"({type(exc).__name__}: {exc}); is the server still running?"
                 ) from None
 
-    def _observation(self, result: object, what: str) -> dict[str, object]:
+    def _observation(self, result: object, what: str) -> JSONDict:
         obs = getattr(result, "observation", None)
         if not isinstance(obs, dict):
             raise ValueError(
@@ -343,14 +344,14 @@ class OpenEnvTask(Task):
             )
         return obs
 
-    def _reset(self, seed: int) -> dict[str, object]:
+    def _reset(self, seed: int) -> JSONDict:
         try:
             result = self._request("reset", seed=seed, **self.reset_kwargs)
         except RuntimeError as exc:  # the server's own error answer
             raise ValueError(f"{self._where()} failed reset(seed={seed}): {exc}") from None
         return self._observation(result, f"reset(seed={seed})")
 
-    def _prompt_of(self, obs: Mapping[str, object]) -> str:
+    def _prompt_of(self, obs: Mapping[str, JSONValue]) -> str:
         if self.prompt_field is not None:
             value = obs.get(self.prompt_field)
             if not isinstance(value, str) or not value.strip():
@@ -371,7 +372,7 @@ class OpenEnvTask(Task):
         )
 
     @staticmethod
-    def _fields(obs: Mapping[str, object]) -> str:
+    def _fields(obs: Mapping[str, JSONValue]) -> str:
         return ", ".join(f"{k} ({type(v).__name__})" for k, v in obs.items()) or "(none)"
 
     def _resolve_action_field(self) -> str:
@@ -421,7 +422,7 @@ class OpenEnvTask(Task):
             self._prompt_of(self._reset(0))
             self._resolve_action_field()
 
-    def _sample(self, rng: random.Random) -> tuple[str, str, dict[str, object]]:
+    def _sample(self, rng: random.Random) -> tuple[str, str, JSONDict]:
         seed = rng.randrange(_SEED_SPACE)
         with self._lock:
             obs = self._reset(seed)
@@ -485,7 +486,7 @@ class OpenEnvTask(Task):
             return Verdict(reward, True, None)
         return Verdict(reward, False, self._feedback(obs, raw))
 
-    def _feedback(self, obs: Mapping[str, object], raw: float) -> str:
+    def _feedback(self, obs: Mapping[str, JSONValue], raw: float) -> str:
         value = obs.get(self.feedback_field)
         if isinstance(value, str):
             text = value.strip()

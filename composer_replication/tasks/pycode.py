@@ -41,6 +41,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar
 
+from composer_replication.json_types import JSONDict, JSONValue
 from composer_replication.tasks.pycode_families import FAMILIES, LEVEL_ORDER
 from composer_replication.tasks.sandbox import SandboxLimits, SandboxResult, run_candidate
 from composer_replication.tasks.task import (
@@ -61,7 +62,7 @@ def extract_code(completion: str) -> str:
     return (fenced.group(1) if fenced else text).strip("\n")
 
 
-def same_value(expected: object, got: object) -> bool:
+def same_value(expected: JSONValue, got: JSONValue) -> bool:
     """Strict equality of JSON values: bool is not a number, floats to 1e-9 relative."""
     if isinstance(expected, bool) or isinstance(got, bool):
         return type(expected) is type(got) and expected == got
@@ -74,7 +75,21 @@ def same_value(expected: object, got: object) -> bool:
     return type(expected) is type(got) and expected == got
 
 
-def _call_text(fn: str, args: Sequence[object]) -> str:
+TestCase = tuple[list[JSONValue], JSONValue]  # (the arguments of one call, the value it returns)
+
+
+def _test_cases(tests: list[JSONValue]) -> list[TestCase]:
+    """``meta["tests"]`` (``[[args, expected], ...]``) as test cases; ValueError for an entry of
+    another shape."""
+    cases: list[TestCase] = []
+    for test in tests:
+        if not (isinstance(test, list) and len(test) == 2 and isinstance(test[0], list)):
+            raise ValueError(f"a test must be [args, expected], got {test!r:.80}")
+        cases.append((test[0], test[1]))
+    return cases
+
+
+def _call_text(fn: str, args: Sequence[JSONValue]) -> str:
     return f"{fn}({', '.join(repr(a) for a in args)})"
 
 
@@ -128,7 +143,7 @@ class PyCodeTask(Task):
         if self.workers < 1:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
 
-    def _sample(self, rng: random.Random) -> tuple[str, str, dict[str, Any]]:
+    def _sample(self, rng: random.Random) -> tuple[str, str, JSONDict]:
         family = rng.choice(self.families)
         k = rng.choice(family.params)
         fill = (lambda t: t.format(k=k)) if k is not None else (lambda t: t)
@@ -137,7 +152,7 @@ class PyCodeTask(Task):
             f"{fill(family.prompt)}."
         )
         oracle = f"def {self.function}({family.signature}):\n    return {fill(family.body)}"
-        tests = [[args, family.ref(k, *args)] for args in family.inputs]
+        tests: list[JSONValue] = [[args, family.ref(k, *args)] for args in family.inputs]
         return (
             prompt,
             oracle,
@@ -158,10 +173,11 @@ class PyCodeTask(Task):
             raise ValueError(f"example {example.id!r} has no tests in meta['tests']")
         if not code.strip():
             return Verdict(0.0, False, f"Empty answer: expected Python code defining {fn}(...).")
-        result = run_candidate(code, fn, [t[0] for t in tests], self.limits)
-        return self._judge(fn, tests, code, result)
+        cases = _test_cases(tests)
+        result = run_candidate(code, fn, [args for args, _ in cases], self.limits)
+        return self._judge(fn, cases, code, result)
 
-    def _judge(self, fn: str, tests: list[Any], code: str, result: SandboxResult) -> Verdict:
+    def _judge(self, fn: str, tests: list[TestCase], code: str, result: SandboxResult) -> Verdict:
         killed = result.termination()
         note = f" ({killed})" if killed else ""
         if result.stage == "syntax_error":

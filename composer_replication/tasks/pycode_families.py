@@ -7,12 +7,14 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from composer_replication.json_types import JSONScalar, JSONValue
+
 # Argument lists the candidate is called with (one list per call).
-_INTS: list[list[object]] = [[0], [1], [2], [5], [-3], [10], [37]]
-_PAIRS: list[list[object]] = [[1, 2], [5, 3], [-4, -7], [0, 0], [10, -10], [8, 8]]
-_STRS: list[list[object]] = [[""], ["a"], ["abc"], ["Hello"], ["racecar"], ["banana"]]
-_LISTS: list[list[object]] = [[[]], [[1]], [[1, 2, 3]], [[-5, 5, 7]], [[10, 20, 30, 40]]]
-_SMALL: list[list[object]] = [[0], [1], [2], [5], [7], [10]]
+_INTS: list[list[JSONValue]] = [[0], [1], [2], [5], [-3], [10], [37]]
+_PAIRS: list[list[JSONValue]] = [[1, 2], [5, 3], [-4, -7], [0, 0], [10, -10], [8, 8]]
+_STRS: list[list[JSONValue]] = [[""], ["a"], ["abc"], ["Hello"], ["racecar"], ["banana"]]
+_LISTS: list[list[JSONValue]] = [[[]], [[1]], [[1, 2, 3]], [[-5, 5, 7]], [[10, 20, 30, 40]]]
+_SMALL: list[list[JSONValue]] = [[0], [1], [2], [5], [7], [10]]
 
 
 def _is_prime(n: int) -> bool:
@@ -32,12 +34,12 @@ class Family:
 
     key: str
     level: str
-    params: tuple[object, ...]
+    params: tuple[JSONScalar, ...]
     signature: str
     prompt: str
     body: str
-    ref: Callable[..., object]
-    inputs: list[list[object]]
+    ref: Callable[..., JSONValue]
+    inputs: list[list[JSONValue]]
 
 
 FAMILIES: tuple[Family, ...] = (

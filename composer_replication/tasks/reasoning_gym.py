@@ -20,6 +20,7 @@ from __future__ import annotations
 import random
 from typing import Any, ClassVar
 
+from composer_replication.json_types import JSONDict
 from composer_replication.tasks.task import (
     Example,
     Task,
@@ -57,7 +58,7 @@ class ReasoningGymTask(Task):
         n_train: int = 256,
         n_eval: int = 64,
         dataset: str = "basic_arithmetic",
-        config: dict[str, object] | None = None,
+        config: JSONDict | None = None,
     ) -> None:
         super().__init__(seed=seed, n_train=n_train, n_eval=n_eval)
         rg = _require_reasoning_gym()
@@ -90,7 +91,7 @@ class ReasoningGymTask(Task):
             self._entries[index] = self._generator[index]
         return self._entries[index]
 
-    def _sample(self, rng: random.Random) -> tuple[str, str, dict[str, object]]:
+    def _sample(self, rng: random.Random) -> tuple[str, str, JSONDict]:
         index = rng.randrange(self._space)
         entry = self._entry(index)
         return (

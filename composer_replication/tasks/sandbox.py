@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Literal
 
+from composer_replication.json_types import JSONDict, JSONValue
 from composer_replication.tasks import confine
 
 _CHILD = str(Path(__file__).with_name("_sandbox_child.py"))
@@ -98,7 +99,7 @@ class CallResult:
     """The outcome of one call: a plain (JSON) return value, or an error traceback tail."""
 
     index: int
-    value: object = None
+    value: JSONValue = None
     plain: bool = False
     repr: str = ""
     error: str | None = None
@@ -211,8 +212,8 @@ def _wait(proc: subprocess.Popen[bytes], timeout: float) -> bool:
             os.close(pidfd)
 
 
-def _parse(raw: bytes, nonce: str) -> tuple[list[dict[str, object]], bool]:
-    records: list[dict[str, object]] = []
+def _parse(raw: bytes, nonce: str) -> tuple[list[JSONDict], bool]:
+    records: list[JSONDict] = []
     netns = False
     prefix = nonce.encode()
     for line in raw.splitlines():
@@ -280,7 +281,7 @@ def _seccomp_filter() -> Any:
 def run_candidate(
     source: str,
     function: str,
-    calls: Sequence[Sequence[object]],
+    calls: Sequence[Sequence[JSONValue]],
     limits: SandboxLimits | None = None,
 ) -> SandboxResult:
     """Execute `source` in the sandbox and call `function(*args)` for each entry of `calls`.

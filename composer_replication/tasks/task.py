@@ -39,11 +39,15 @@ import math
 import random
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, overload
+from typing import TYPE_CHECKING, ClassVar, Literal, Protocol, TypeAlias, overload
+
+from composer_replication.json_types import JSONDict, JSONValue
 
 if TYPE_CHECKING:
+    from datasets import Dataset
+
     from composer_replication.data.hints import HintTemplate
     from composer_replication.data.traces import TraceJson
 
@@ -58,7 +62,7 @@ _ANSWER_PREFIX = re.compile(r"^\s*(?:the\s+)?answer\s*(?:is|:)\s*", re.IGNORECAS
 _MAX_MISSES = 2000
 
 # One problem as a task draws it: (prompt, reference answer, JSON-serialisable meta).
-Problem = tuple[str, str, dict[str, Any]]
+Problem = tuple[str, str, JSONDict]
 # The hints `Task.hinted_examples` cycles through, as (with the solution, with feedback): what
 # channel 2's teacher is shown for a failed rollout (`data.hints.plan_hints`).
 HINT_KINDS: tuple[tuple[bool, bool], ...] = ((True, False), (True, True), (False, True))
@@ -73,7 +77,7 @@ class Example:
     id: str
     prompt: str
     answer: str
-    meta: dict[str, Any] = field(default_factory=dict)
+    meta: JSONDict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -107,7 +111,19 @@ def clean_completion(text: str) -> str:
     return _SPECIAL_TOKEN.sub("", text).strip()
 
 
-def decode_completion(tokenizer: object, ids: Sequence[int], stop_ids: Collection[int] = ()) -> str:
+class TokenDecoder(Protocol):
+    """What `decode_completion` asks of a tokenizer (a `PreTrainedTokenizerBase`)."""
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str | list[str]: ...
+
+
+# One TRL prompt or completion: a string, or a chat (a list of messages, the reply last).
+Completion: TypeAlias = str | Sequence[Mapping[str, JSONValue]]
+
+
+def decode_completion(
+    tokenizer: TokenDecoder, ids: Sequence[int], stop_ids: Collection[int] = ()
+) -> str:
     """The text the verifier judges for one completion's token ids, in training and evaluation
     alike: the ids up to and including the first stop token (`stop_ids`: the model's
     `generation_config.eos_token_id`, `data.turns.stop_token_ids`), decoded with special tokens
@@ -120,8 +136,7 @@ def decode_completion(tokenizer: object, ids: Sequence[int], stop_ids: Collectio
         if token in stops:
             row = row[: i + 1]
             break
-    text = tokenizer.decode(row, skip_special_tokens=False)  # type: ignore[attr-defined]
-    return str(text)
+    return str(tokenizer.decode(row, skip_special_tokens=False))
 
 
 def strip_answer_prefix(text: str) -> str:
@@ -129,7 +144,7 @@ def strip_answer_prefix(text: str) -> str:
     return _ANSWER_PREFIX.sub("", text, count=1).strip()
 
 
-def completion_text(completion: object) -> str:
+def completion_text(completion: Completion) -> str:
     """The text of one TRL completion: a string, or a chat list whose last message is the reply."""
     if isinstance(completion, str):
         return completion
@@ -486,7 +501,7 @@ class Task(ABC):
             out.append(Example(id=f"{ex.id}/hinted", prompt=text, answer=ex.answer, meta=ex.meta))
         return out
 
-    def to_dataset(self, split: str = "train", *, hint_share: float = 0.0) -> Any:
+    def to_dataset(self, split: str = "train", *, hint_share: float = 0.0) -> Dataset:
         """A `datasets.Dataset` for TRL with columns `prompt` (chat format), `example_id`,
         `answer` and `task_meta` (the example's meta as a JSON string, so `reward_func` can verify
         rows whose id this task instance does not know). With `hint_share` > 0 (train split
@@ -517,7 +532,7 @@ class Task(ABC):
     def _lookup(
         self,
         i: int,
-        prompt: object,
+        prompt: Completion | None,
         example_id: Sequence[str] | None,
         answer: Sequence[str] | None,
         task_meta: Sequence[str] | None,
@@ -544,7 +559,7 @@ class Task(ABC):
         self,
         with_feedback: Literal[True] = True,
         *,
-        tokenizer: object | None = None,
+        tokenizer: TokenDecoder | None = None,
         stop_ids: Collection[int] = (),
     ) -> Callable[..., list[Scored]]: ...
     @overload
@@ -552,7 +567,7 @@ class Task(ABC):
         self,
         with_feedback: Literal[False],
         *,
-        tokenizer: object | None = None,
+        tokenizer: TokenDecoder | None = None,
         stop_ids: Collection[int] = (),
     ) -> Callable[..., list[float]]: ...
     @overload
@@ -560,14 +575,14 @@ class Task(ABC):
         self,
         with_feedback: bool,
         *,
-        tokenizer: object | None = None,
+        tokenizer: TokenDecoder | None = None,
         stop_ids: Collection[int] = (),
     ) -> Callable[..., list[Scored] | list[float]]: ...
     def reward_func(
         self,
         with_feedback: bool = True,
         *,
-        tokenizer: object | None = None,
+        tokenizer: TokenDecoder | None = None,
         stop_ids: Collection[int] = (),
     ) -> Callable[..., list[Scored] | list[float]]:
         """A TRL reward function named `f"{name}_reward"`.
@@ -586,8 +601,8 @@ class Task(ABC):
         """
 
         def reward(
-            prompts: Sequence[object] | None = None,
-            completions: Sequence[object] | None = None,
+            prompts: Sequence[Completion] | None = None,
+            completions: Sequence[Completion] | None = None,
             example_id: Sequence[str] | None = None,
             answer: Sequence[str] | None = None,
             task_meta: Sequence[str] | None = None,

@@ -18,7 +18,9 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 
 # What a reward function returns: per completion a score (float or None) or a (score, feedback)
 # pair; an async one returns it through an awaitable.
-RewardOutputs = Iterable[object]
+Score = float | None
+RewardOutput = Score | tuple[Score, str | None]
+RewardOutputs = Iterable[RewardOutput]
 RewardFunc = Callable[..., RewardOutputs | Awaitable[RewardOutputs]]
 
 
@@ -32,9 +34,10 @@ class FeedbackRecorder:
         self.slots.clear()
 
 
-def split_scores(outputs: RewardOutputs, name: str) -> tuple[list[object], list[str | None] | None]:
-    """Split a reward function's output into scores and feedback (None if it gave no pairs)."""
-    scores: list[object] = []
+def split_scores(outputs: RewardOutputs, name: str) -> tuple[list[Score], list[str | None] | None]:
+    """Split a reward function's output into scores and feedback (None if it gave no pairs);
+    what the function returned is checked here (it is the user's code)."""
+    scores: list[Score] = []
     feedback: list[str | None] = []
     any_pair = False
     for item in outputs:
@@ -60,7 +63,7 @@ def split_scores(outputs: RewardOutputs, name: str) -> tuple[list[object], list[
 
 def wrap_reward_func(
     func: RewardFunc, index: int, recorder: FeedbackRecorder
-) -> Callable[..., list[object] | Awaitable[list[object]]]:
+) -> Callable[..., list[Score] | Awaitable[list[Score]]]:
     """A TRL-compatible wrapper of ``func`` that records its feedback into ``recorder.slots[index]``."""
     name = getattr(func, "__name__", type(func).__name__)
 
@@ -69,7 +72,7 @@ def wrap_reward_func(
     ):
 
         @functools.wraps(func)
-        async def async_wrapper(*args: object, **kwargs: object) -> list[object]:
+        async def async_wrapper(*args: object, **kwargs: object) -> list[Score]:
             result = func(*args, **kwargs)
             outputs = await result if inspect.isawaitable(result) else result
             scores, fb = split_scores(outputs, name)
@@ -80,7 +83,7 @@ def wrap_reward_func(
         return async_wrapper
 
     @functools.wraps(func)
-    def wrapper(*args: object, **kwargs: object) -> list[object]:
+    def wrapper(*args: object, **kwargs: object) -> list[Score]:
         outputs = func(*args, **kwargs)
         if inspect.isawaitable(outputs):
             raise TypeError(
@@ -106,7 +109,7 @@ def merge_feedback(sources: Sequence[Sequence[str | None]], n: int) -> list[str 
 
 
 def call_feedback_funcs(
-    funcs: Sequence[Callable[..., Iterable[object]]],
+    funcs: Sequence[Callable[..., Iterable[str | None]]],
     prompts: Sequence[object],
     completions: Sequence[object],
     extra: Mapping[str, object],

@@ -47,7 +47,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from typing import Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar, cast
 
 import torch
 from torch import nn
@@ -78,6 +78,7 @@ from composer_replication.trainer.config import ComposerConfig, ComposerSettings
 from composer_replication.trainer.ema import EMATeacher, frozen_copy
 from composer_replication.trainer.feedback import (
     FeedbackRecorder,
+    RewardFunc,
     call_feedback_funcs,
     merge_feedback,
     wrap_reward_func,
@@ -102,6 +103,29 @@ from composer_replication.trainer.resume import (
     require,
     set_rng_state,
 )
+
+if TYPE_CHECKING:
+    from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
+    from peft import PeftConfig, PeftModel
+    from transformers import (
+        BitsAndBytesConfig,
+        PreTrainedModel,
+        PreTrainedTokenizerBase,
+        ProcessorMixin,
+        TrainerCallback,
+    )
+
+    # GRPOTrainer's own argument types (trl.GRPOTrainer.__init__), which this trainer passes on
+    # (a reward function may also return (score, feedback) pairs: `feedback.RewardFunc`)
+    _RewardFunc: TypeAlias = str | PreTrainedModel | RewardFunc
+    _TrainData: TypeAlias = Dataset | IterableDataset
+    _EvalData: TypeAlias = (
+        Dataset
+        | IterableDataset
+        | DatasetDict
+        | IterableDatasetDict
+        | dict[str, Dataset | IterableDataset]
+    )
 
 try:
     from accelerate.utils import gather_object
@@ -149,22 +173,26 @@ class ComposerReplicationTrainer(GRPOTrainer):
 
     def __init__(
         self,
-        model: Any,
-        reward_funcs: Any = None,
-        args: Any = None,
-        train_dataset: Any = None,
-        eval_dataset: Any = None,
-        processing_class: Any = None,
-        reward_processing_classes: Any = None,
-        callbacks: list[Any] | None = None,
-        optimizers: tuple[Any, Any] = (None, None),
-        quantization_config: Any = None,
-        peft_config: Any = None,
+        model: str | PreTrainedModel | PeftModel,
+        reward_funcs: _RewardFunc | list[_RewardFunc] | None = None,
+        args: GRPOConfig | None = None,
+        train_dataset: _TrainData | None = None,
+        eval_dataset: _EvalData | None = None,
+        processing_class: PreTrainedTokenizerBase | ProcessorMixin | None = None,
+        reward_processing_classes: (
+            PreTrainedTokenizerBase | list[PreTrainedTokenizerBase] | None
+        ) = None,
+        callbacks: list[TrainerCallback] | None = None,
+        optimizers: tuple[
+            torch.optim.Optimizer | None, torch.optim.lr_scheduler.LambdaLR | None
+        ] = (None, None),
+        quantization_config: BitsAndBytesConfig | None = None,
+        peft_config: PeftConfig | None = None,
         tools: list[Callable[..., Any]] | None = None,
-        rollout_func: Any = None,
-        environment_factory: Any = None,
+        rollout_func: Callable[[list[str], GRPOTrainer], dict[str, Any]] | None = None,
+        environment_factory: Any = None,  # TRL's `_SupportsReset` factories (a private type)
         *,
-        feedback_funcs: Sequence[Callable[..., Iterable[object]]] | None = None,
+        feedback_funcs: Sequence[Callable[..., Iterable[str | None]]] | None = None,
         trace_store: TraceStore | None = None,
         teacher_pool: TeacherPool | None = None,
         **composer_kwargs: Any,
@@ -173,8 +201,9 @@ class ComposerReplicationTrainer(GRPOTrainer):
             name = model if isinstance(model, str) else model.config._name_or_path or "model"
             args = ComposerConfig(output_dir=f"{str(name).split('/')[-1]}-Composer")
         self.composer = ComposerSettings.resolve(args, composer_kwargs)
-        if trace_store is None and getattr(args, "trace_files", None):
-            trace_store = TraceStore.load(args.trace_files)
+        trace_files = getattr(args, "trace_files", None)
+        if trace_store is None and trace_files:
+            trace_store = TraceStore.load(trace_files)
         if teacher_pool is not None:
             if trace_store is None:
                 trace_store = teacher_pool.store
@@ -182,7 +211,9 @@ class ComposerReplicationTrainer(GRPOTrainer):
         with reference_from_memory(model, args.beta):
             super().__init__(
                 model=model,
-                reward_funcs=reward_funcs,
+                # TRL's annotation names only float-returning functions; the pairs of ours are
+                # unwrapped below (`wrap_reward_func`)
+                reward_funcs=reward_funcs,  # type: ignore[arg-type]
                 args=args,
                 train_dataset=train_dataset,
                 eval_dataset=eval_dataset,
@@ -796,7 +827,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
         for func, weight in zip(self.reward_funcs, weights, strict=True):
             # `teacher_probe=True` tells a reward function with side effects (counting
             # rollouts, logging) that this call scores the teacher, not a rollout
-            out_scores = cast("Callable[..., Iterable[object]]", func)(
+            out_scores = cast("Callable[..., Iterable[float | None]]", func)(
                 prompts=prompts,
                 completions=completions,
                 completion_ids=completion_ids,
@@ -805,9 +836,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
             )
             if inspect.isawaitable(out_scores):
                 out_scores = asyncio.run(_awaited(out_scores))
-            values = torch.tensor(
-                [math.nan if v is None else float(cast("float", v)) for v in out_scores]
-            )
+            values = torch.tensor([math.nan if v is None else float(v) for v in out_scores])
             total += torch.nan_to_num(values) * weight
             scored |= ~torch.isnan(values)
         total[~scored] = math.nan

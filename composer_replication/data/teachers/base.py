@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from composer_replication.data.traces import Prompt
+from composer_replication.json_types import JSONDict
 
 
 class TeacherError(RuntimeError):
@@ -28,7 +29,7 @@ class TeacherCompletion:
     completion_tokens: int = 0
     cost_usd: float = 0.0
     cached: bool = False
-    metadata: dict[str, object] = field(default_factory=dict)
+    metadata: JSONDict = field(default_factory=dict)
 
 
 @runtime_checkable
@@ -44,7 +45,7 @@ class TeacherClient(Protocol):
     def complete(self, prompts: Sequence[Prompt]) -> list[TeacherCompletion]: ...
 
 
-def as_messages(prompt: Prompt) -> list[dict[str, object]]:
+def as_messages(prompt: Prompt) -> list[JSONDict]:
     """A prompt as chat messages (a plain string is one user message)."""
     if isinstance(prompt, str):
         return [{"role": "user", "content": prompt}]

@@ -37,6 +37,7 @@ from composer_replication.data.teachers.base import (
     TeacherError,
     as_messages,
 )
+from composer_replication.json_types import JSONDict, JSONValue
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ class OpenAICompatibleTeacher:
         backoff_max: float = 20.0,
         max_tokens: int = 1024,
         temperature: float = 0.0,
-        extra_body: Mapping[str, object] | None = None,
+        extra_body: Mapping[str, JSONValue] | None = None,
         cache_dir: str | Path | None = None,
         price_input_per_mtok: float = 0.0,
         price_output_per_mtok: float = 0.0,
@@ -135,7 +136,7 @@ class OpenAICompatibleTeacher:
         with ThreadPoolExecutor(max_workers=min(self.concurrency, len(prompts))) as pool:
             return list(pool.map(self._complete_one, prompts))
 
-    def usage_dict(self) -> dict[str, object]:
+    def usage_dict(self) -> JSONDict:
         with self._lock:
             return asdict(self.usage)
 
@@ -145,7 +146,7 @@ class OpenAICompatibleTeacher:
             text = text.replace(self._api_key, "***")
         return text
 
-    def _body(self, prompt: Prompt) -> dict[str, object]:
+    def _body(self, prompt: Prompt) -> JSONDict:
         return {
             "model": self.model,
             "messages": as_messages(prompt),
@@ -154,7 +155,7 @@ class OpenAICompatibleTeacher:
             **self.extra_body,
         }
 
-    def _cache_path(self, body: dict[str, object]) -> Path | None:
+    def _cache_path(self, body: JSONDict) -> Path | None:
         if self.cache_dir is None:
             return None
         key_src = json.dumps(
@@ -199,7 +200,7 @@ class OpenAICompatibleTeacher:
             os.replace(tmp, cache_path)  # atomic: concurrent bakes never see half a file
         return completion
 
-    def _request_with_retries(self, body: dict[str, object]) -> TeacherCompletion:
+    def _request_with_retries(self, body: JSONDict) -> TeacherCompletion:
         last: str = ""
         for attempt in range(self.max_retries + 1):
             try:
@@ -232,7 +233,7 @@ class OpenAICompatibleTeacher:
             f"{self.max_retries + 1} attempt(s): {last}"
         )
 
-    def _request(self, body: dict[str, object]) -> TeacherCompletion:
+    def _request(self, body: JSONDict) -> TeacherCompletion:
         headers = {"Content-Type": "application/json"}
         if self._api_key:
             headers["Authorization"] = f"Bearer {self._api_key}"

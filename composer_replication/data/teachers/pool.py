@@ -23,6 +23,7 @@ from composer_replication.data.traces import (
     iter_trace_file,
     prompt_key,
 )
+from composer_replication.json_types import JSONDict
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ class PoolStats:
     completion_tokens: int = 0
     cost_usd: float = 0.0
 
-    def as_dict(self) -> dict[str, object]:
+    def as_dict(self) -> JSONDict:
         return {
             "recorded": dict(self.recorded),
             "empty": dict(self.empty),

@@ -14,13 +14,14 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TypedDict
 
 from composer_replication.exchange.protocol import tensors_digest
 from composer_replication.exchange.push_store import DecoupledStore
 from composer_replication.exchange.store import ObjectStore
+from composer_replication.json_types import JSONDict, as_int, as_list
 
-__all__ = ["check_decoupled_run", "final_merges_problem"]
+__all__ = ["LearnerReport", "check_decoupled_run", "final_merges_problem"]
 
 
 def final_merges_problem(store: ObjectStore, n_fragments: int) -> str | None:
@@ -45,11 +46,21 @@ def final_merges_problem(store: ObjectStore, n_fragments: int) -> str | None:
     return None
 
 
+class LearnerReport(TypedDict, total=False):
+    """What a live learner reports at the end of a chaos run (see `check_decoupled_run`)."""
+
+    final_versions: list[int]  # the global version of each fragment it ends on
+    digest: str  # of the weights it ends with
+    starts: list[list[int]]  # the fragments' versions it started from at each (re)start
+    loaded: dict[str, str]  # "<fragment>/<version>" -> digest of the globals it loaded
+    written: list[str]  # the names of the pushes it wrote
+
+
 def check_decoupled_run(
     store: ObjectStore,
-    reports: dict[int, dict[str, Any]] | None = None,
-    kills: Sequence[dict[str, Any]] = (),
-) -> dict[str, Any]:
+    reports: dict[int, LearnerReport] | None = None,
+    kills: Sequence[JSONDict] = (),
+) -> JSONDict:
     """The after-run assertions over the store (and the learners' reports, if any).
 
     ``reports[rank]``: ``{"final_versions": [...], "digest": str, "starts": [[versions], ...],
@@ -116,7 +127,7 @@ def check_decoupled_run(
     }
 
 
-def _misapplied(reports: dict[int, dict[str, Any]], stored_digest: dict[str, str]) -> list[str]:
+def _misapplied(reports: dict[int, LearnerReport], stored_digest: dict[str, str]) -> list[str]:
     """A learner that applied other weights than the stored chain's for a version it loaded."""
     return [
         f"learner {rank} applied fragment/version {key} with different weights than the stored chain"
@@ -126,7 +137,7 @@ def _misapplied(reports: dict[int, dict[str, Any]], stored_digest: dict[str, str
     ]
 
 
-def _different_finals(reports: dict[int, dict[str, Any]], versions: Sequence[int]) -> list[str]:
+def _different_finals(reports: dict[int, LearnerReport], versions: Sequence[int]) -> list[str]:
     """One problem when the live learners do not all end on the final versions and weights."""
     finals = {
         r: tuple(rep.get("final_versions") or [])
@@ -143,7 +154,7 @@ def _different_finals(reports: dict[int, dict[str, Any]], versions: Sequence[int
 
 
 def _unaccounted_pushes(
-    docs: DecoupledStore, reports: dict[int, dict[str, Any]], consumed: dict[str, int]
+    docs: DecoupledStore, reports: dict[int, LearnerReport], consumed: dict[str, int]
 ) -> list[str]:
     """The pushes written (in the store now, or in a report's ``written``) that no merge record
     consumed and no refusal record names."""
@@ -231,8 +242,8 @@ class _Chain:
 
 
 def _late_rejoins(
-    kills: Sequence[dict[str, Any]],
-    reports: dict[int, dict[str, Any]],
+    kills: Sequence[JSONDict],
+    reports: dict[int, LearnerReport],
     unreadable: set[tuple[int, int]],
 ) -> list[str]:
     """Killed learners that restarted from globals older than those announced at the kill."""
@@ -247,8 +258,8 @@ def _late_rejoins(
 
     rejoined: list[str] = []
     for kill in kills:
-        rank = int(kill.get("target", -1))
-        heads = kill.get("heads")
+        rank = as_int(kill.get("target", -1))
+        heads = [as_int(h) for h in as_list(kill.get("heads"))]
         starts = (reports.get(rank) or {}).get("starts") or []
         later = starts[1:]  # the starts after the first are restarts
         if (

@@ -43,6 +43,7 @@ from composer_replication.exchange.push_store import DecoupledStore
 from composer_replication.exchange.signing import SYNCHRONIZER, RunKeys
 from composer_replication.exchange.store import ObjectStore
 from composer_replication.fields import require
+from composer_replication.json_types import JSONDict, JSONValue
 
 if TYPE_CHECKING:
     from transformers import TrainerCallback
@@ -52,7 +53,7 @@ __all__ = ["REJECTION_WINDOW_S", "DecoupledDiLoCo"]
 REJECTION_WINDOW_S = 60.0  # a refusal the synchronizer made this recently degrades the run
 
 
-def _rejoin_fields(rejoin: RejoinRecord | None) -> dict[str, object]:
+def _rejoin_fields(rejoin: RejoinRecord | None) -> JSONDict:
     """The "train_begin" event's fields: what binding downloaded (only the newest version of
     each fragment merged while the learner was down; docs/diloco.md)."""
     if rejoin is None:
@@ -169,17 +170,17 @@ class DecoupledDiLoCo:
         return final_merges_problem(store, self.config.fragments)
 
     def check_chaos(
-        self, store: ObjectStore, kills: Sequence[Mapping[str, object]]
-    ) -> dict[str, object] | None:
+        self, store: ObjectStore, kills: Sequence[Mapping[str, JSONValue]]
+    ) -> JSONDict | None:
         return check_decoupled_run(store, None, [dict(kill) for kill in kills])
 
-    def service_status(self, member: MemberLiveness, now: float) -> tuple[dict[str, object], bool]:
+    def service_status(self, member: MemberLiveness, now: float) -> tuple[JSONDict, bool]:
         """The synchronizer's row (its heartbeat's fields and stats), and whether it refused
         a contribution in the last `REJECTION_WINDOW_S` seconds."""
         fields = member.heartbeat.fields if member.heartbeat is not None else {}
         raw = fields.get("stats")
-        stats: dict[str, object] = raw if isinstance(raw, dict) else {}
-        row: dict[str, object] = {
+        stats: JSONDict = raw if isinstance(raw, dict) else {}
+        row: JSONDict = {
             "id": member.id,
             "status": member.status,
             "active": fields.get("active"),

@@ -45,6 +45,7 @@ from composer_replication.exchange.state import parse_state_name, state_prefix
 from composer_replication.exchange.store import ObjectStore, Store
 from composer_replication.exchange.store_manager import ObjectStoreManager
 from composer_replication.fields import require
+from composer_replication.json_types import JSONDict, JSONValue
 
 if TYPE_CHECKING:
     from transformers import TrainerCallback
@@ -164,8 +165,8 @@ class SyncDiLoCo:
         return last_round_problem(store, self.n_rounds(max_steps))
 
     def check_chaos(
-        self, store: ObjectStore, kills: Sequence[Mapping[str, object]]
-    ) -> dict[str, object] | None:
+        self, store: ObjectStore, kills: Sequence[Mapping[str, JSONValue]]
+    ) -> JSONDict | None:
         return None  # the run's own checks (exact rounds, the end-of-run check) hold it
 
     def refusal_sources(
@@ -176,7 +177,7 @@ class SyncDiLoCo:
     def driver_service(self) -> HostedService | None:
         return None
 
-    def service_status(self, member: MemberLiveness, now: float) -> tuple[dict[str, object], bool]:
+    def service_status(self, member: MemberLiveness, now: float) -> tuple[JSONDict, bool]:
         return {"id": member.id, "status": member.status}, False  # it has no services
 
     def build_learner(self, ctx: ReplicaContext) -> ReplicaLoop:

@@ -48,11 +48,13 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     ) from exc
 
 from composer_replication.data.turns import stop_token_ids
+from composer_replication.json_types import JSONDict, JSONValue
 
 if TYPE_CHECKING:
     import torch
     from transformers import (
         GenerationConfig,
+        PreTrainedTokenizerBase,
         TrainerCallback,
         TrainerControl,
         TrainerState,
@@ -61,6 +63,7 @@ if TYPE_CHECKING:
 
     from composer_replication.config import RunConfig
     from composer_replication.data.traces import Prompt, TraceJson, TraceRecord, TraceStore
+    from composer_replication.tasks.task import TokenDecoder
 
 __all__ = [
     "GeneratorActor",
@@ -121,7 +124,7 @@ def check_supported(config: RunConfig) -> None:
         raise ValueError("the Monarch recipe does not support: " + "; ".join(bad))
 
 
-def _config(config_doc: Mapping[str, object]) -> RunConfig:
+def _config(config_doc: Mapping[str, JSONValue]) -> RunConfig:
     from composer_replication.config import RunConfig, from_dict
 
     config = from_dict(RunConfig, config_doc)
@@ -152,7 +155,7 @@ def global_digest(tensors: Mapping[str, torch.Tensor]) -> str:
 class GeneratorActor(Actor):
     """Samples rollouts from a copy of the policy (see the module docstring)."""
 
-    def __init__(self, config_doc: Mapping[str, object]) -> None:
+    def __init__(self, config_doc: Mapping[str, JSONValue]) -> None:
         import torch
 
         from composer_replication.assembly.build import build_model
@@ -217,7 +220,7 @@ class GeneratorActor(Actor):
         return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs}
 
 
-def _chat_ids(tokenizer: Any, prompt: Prompt) -> list[int]:
+def _chat_ids(tokenizer: PreTrainedTokenizerBase, prompt: Prompt) -> list[int]:
     """Token ids of a prompt as the policy sees it: chat messages through the chat template
     (with the generation prompt), plain text as is."""
     if isinstance(prompt, str):
@@ -226,7 +229,7 @@ def _chat_ids(tokenizer: Any, prompt: Prompt) -> list[int]:
     return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
 
 
-def _eos_ids(tokenizer: Any, generation_config: GenerationConfig) -> set[int]:
+def _eos_ids(tokenizer: PreTrainedTokenizerBase, generation_config: GenerationConfig) -> set[int]:
     """Where a rollout ends: the generation config's EOS ids, the tokenizer's EOS and the chat
     template's end of turn (data/turns.py), as the trainer and evaluation cut."""
     return set(stop_token_ids(tokenizer, getattr(generation_config, "eos_token_id", None)))
@@ -235,7 +238,7 @@ def _eos_ids(tokenizer: Any, generation_config: GenerationConfig) -> set[int]:
 class RewarderActor(Actor):
     """The task's verifier as an actor (see the module docstring)."""
 
-    def __init__(self, config_doc: Mapping[str, object]) -> None:
+    def __init__(self, config_doc: Mapping[str, JSONValue]) -> None:
         from composer_replication.assembly.build import build_task
 
         self.task = build_task(_config(config_doc))
@@ -260,7 +263,7 @@ class RewarderActor(Actor):
 class TeacherPoolActor(Actor):
     """The run's channel-3 teachers, shared by every trainer (see the module docstring)."""
 
-    def __init__(self, config_doc: Mapping[str, object]) -> None:
+    def __init__(self, config_doc: Mapping[str, JSONValue]) -> None:
         from composer_replication.assembly.build import build_task, teacher_pool
 
         config = _config(config_doc)
@@ -275,7 +278,7 @@ class TeacherPoolActor(Actor):
         return [] if self.pool is None else [t.name for t in self.pool.teachers]
 
     @endpoint
-    def stats(self) -> dict[str, object]:
+    def stats(self) -> JSONDict:
         """The pool's statistics (`PoolStats.as_dict`) and ``prompts``: the prompts it holds
         traces for."""
         if self.pool is None:
@@ -299,7 +302,11 @@ class _RemoteReward:
     """The trainer's reward function: its co-located `RewarderActor` (one call per batch)."""
 
     def __init__(
-        self, rewarder: Any, name: str, tokenizer: object = None, stop_ids: Sequence[int] = ()
+        self,
+        rewarder: Any,
+        name: str,
+        tokenizer: TokenDecoder | None = None,
+        stop_ids: Sequence[int] = (),
     ) -> None:
         self.rewarder = rewarder
         self.__name__ = name
@@ -427,7 +434,7 @@ class TrainerActor(Actor):
 
     def __init__(
         self,
-        config_doc: Mapping[str, object],
+        config_doc: Mapping[str, JSONValue],
         store_uri: str,
         generators: Any,
         rewarders: Any,

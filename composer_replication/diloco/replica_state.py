@@ -149,7 +149,7 @@ def save_replica_state(
     return key
 
 
-def _retrying(key: str, write: Callable[[], object]) -> None:
+def _retrying(key: str, write: Callable[[], bool | None]) -> None:
     """A resume state's write of ``key``, retried through a store that refuses writes for up to
     `STATE_WRITE_RETRY_S`, then a `StoreTimeoutError` (the replica fails loudly and is
     restarted). Repeating it is safe: the data objects are under a fresh nonce and the

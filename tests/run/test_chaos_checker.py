@@ -107,7 +107,9 @@ def test_the_clean_run_passes_every_invariant(run: tuple[ObjectStore, dict]) -> 
     check = check_decoupled_run(store, {int(k): v for k, v in reports.items()}, [])
     assert check["ok"], check["problems"]
     assert check["rounds_lost"] == check["pushes_unaccounted"] == check["applied_twice"] == 0
-    assert check["merges"] >= 8 and all(r["written"] for r in reports.values())
+    # every fragment merged; how many pushes one merge takes depends on the machine's load (7
+    # merges were seen under load 9, 8 or more on a quiet machine), so no more is asked
+    assert check["merges"] >= P and all(r["written"] for r in reports.values())
 
 
 def test_a_lost_merge_fails_wherever_it_was(run: tuple[ObjectStore, dict]) -> None:

@@ -68,6 +68,7 @@ from composer_replication.exchange.documents import RunDocuments
 from composer_replication.exchange.liveness import REPLICA_ROLE, read_departure
 from composer_replication.exchange.protocol import (
     HEAD_KEY,
+    Encoding,
     commit_key,
     contrib_key,
     decode_contribution,
@@ -429,11 +430,9 @@ class ObjectStoreAllReduce(RunDocuments):
             step=step,
             tokens=tokens,
             inner_steps=inner_steps,
-            codec=self.codec,
-            checksum=self.checksum,
+            encoding=Encoding(self.codec, self.sparse, self.checksum),
             writer=writer,
             keys=self.keys,
-            sparse=self.sparse,
         )
         up = down = 0
         valid: dict[int, Contribution] = {}

@@ -27,6 +27,7 @@ from composer_replication.exchange.allreduce import (
 from composer_replication.exchange.checksums import default_checksum
 from composer_replication.exchange.protocol import (
     HEADER_KEY,
+    Encoding,
     commit_key,
     contrib_key,
     decode_contribution,
@@ -92,8 +93,7 @@ def blob(rank: int = 2, algo: str | None = None) -> bytes:
         step=0,
         tokens=1,
         inner_steps=1,
-        codec="fp32",
-        checksum=algo,
+        encoding=Encoding(codec="fp32", checksum=algo),
     )
     return b"".join(payload)
 
@@ -106,8 +106,7 @@ def reheadered_blob(edit) -> bytes:
         step=0,
         tokens=1,
         inner_steps=1,
-        codec="fp32",
-        checksum="sha256",
+        encoding=Encoding(codec="fp32", checksum="sha256"),
     )
     h = header_of(b"".join(payload))
     edit(h)

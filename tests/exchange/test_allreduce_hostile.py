@@ -26,6 +26,7 @@ from composer_replication.exchange.allreduce import (
 )
 from composer_replication.exchange.protocol import (
     HEADER_KEY,
+    Encoding,
     commit_key,
     contrib_key,
     encode_contribution,
@@ -46,7 +47,7 @@ class _Evil:
 def _blob(rank=2, step=0, tensors=None, codec="fp32"):
     tensors = make_tensors(rank, step) if tensors is None else tensors
     payload, _ = encode_contribution(
-        tensors, rank=rank, step=step, tokens=1, inner_steps=1, codec=codec
+        tensors, rank=rank, step=step, tokens=1, inner_steps=1, encoding=Encoding(codec=codec)
     )
     return b"".join(payload)
 
@@ -54,7 +55,7 @@ def _blob(rank=2, step=0, tensors=None, codec="fp32"):
 def _forged_header_blob():
     """Valid safetensors + checksum, but the header claims int8 while the parts are fp32."""
     payload, contrib = encode_contribution(
-        make_tensors(2, 0), rank=2, step=0, tokens=1, inner_steps=1, codec="fp32"
+        make_tensors(2, 0), rank=2, step=0, tokens=1, inner_steps=1, encoding=Encoding(codec="fp32")
     )
     blob = b"".join(payload)
     header = json.loads(blob[8 : 8 + int.from_bytes(blob[:8], "little")])["__metadata__"]
@@ -178,7 +179,12 @@ def test_commit_record_is_never_modified(tmp_path):
     ar = ObjectStoreAllReduce(uri, 3, 1, timeout_s=5)
     contribs = {
         r: encode_contribution(
-            make_tensors(r, 0), rank=r, step=0, tokens=1, inner_steps=1, codec="fp32"
+            make_tensors(r, 0),
+            rank=r,
+            step=0,
+            tokens=1,
+            inner_steps=1,
+            encoding=Encoding(codec="fp32"),
         )[1]
         for r in (1, 2)
     }

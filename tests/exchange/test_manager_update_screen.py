@@ -21,6 +21,7 @@ import torch
 
 from composer_replication.exchange import ObjectStoreAllReduce, ObjectStoreManager
 from composer_replication.exchange.protocol import (
+    Encoding,
     commit_key,
     contrib_key,
     decode_contribution,
@@ -146,7 +147,12 @@ def _plant_in_slot(uri: str, step: int) -> None:
     c0 = decode_contribution(raw, step=step, rank=0, reference=ref)
     big = {n: t * 1000 for n, t in c0.decode().items()}
     payload, c1 = encode_contribution(
-        big, rank=1, step=step, tokens=None, inner_steps=None, codec="fp32", checksum="sha256"
+        big,
+        rank=1,
+        step=step,
+        tokens=None,
+        inner_steps=None,
+        encoding=Encoding(codec="fp32", checksum="sha256"),
     )
     assert store.put_if_absent(contrib_key(step, 1), b"".join(bytes(b) for b in payload))
     record = make_commit(

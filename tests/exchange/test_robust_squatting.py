@@ -20,6 +20,7 @@ from tolerances import assert_close
 
 from composer_replication.exchange.allreduce import ObjectStoreAllReduce
 from composer_replication.exchange.protocol import (
+    Encoding,
     contrib_key,
     encode_contribution,
     owner_key,
@@ -42,7 +43,7 @@ def plant(uri, rank, tensors, *, step=0, writer=None, owner=False, keys=None):
         step=step,
         tokens=1,
         inner_steps=1,
-        codec="fp32",
+        encoding=Encoding(codec="fp32"),
         writer=writer,
         keys=keys,
     )

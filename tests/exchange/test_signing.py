@@ -19,6 +19,7 @@ from composer_replication.exchange.allreduce import ObjectStoreAllReduce
 from composer_replication.exchange.protocol import (
     HEADER_KEY,
     CorruptContributionError,
+    Encoding,
     commit_key,
     contrib_key,
     decode_contribution,
@@ -83,7 +84,14 @@ def run_signed(run: Run, payloads, *, step=0, **kwargs):
 
 def blob(tensors, *, rank, step=0, keys=None):
     payload, _ = encode_contribution(
-        tensors, rank=rank, step=step, tokens=1, inner_steps=1, codec="fp32", keys=keys, writer="w"
+        tensors,
+        rank=rank,
+        step=step,
+        tokens=1,
+        inner_steps=1,
+        encoding=Encoding(codec="fp32"),
+        keys=keys,
+        writer="w",
     )
     return b"".join(payload)
 
@@ -262,7 +270,12 @@ def test_a_replayed_object_from_an_old_round_or_another_run_is_refused(tmp_path)
 def test_signing_off_keeps_todays_behaviour(tmp_path):
     """No keys: no signature fields, any checksum, and unsigned objects are accepted."""
     payload, c = encode_contribution(
-        honest(0), rank=0, step=0, tokens=None, inner_steps=None, codec="fp32", checksum="xxh3-128"
+        honest(0),
+        rank=0,
+        step=0,
+        tokens=None,
+        inner_steps=None,
+        encoding=Encoding(codec="fp32", checksum="xxh3-128"),
     )
     raw = b"".join(payload)
     n = int.from_bytes(raw[:8], "little")

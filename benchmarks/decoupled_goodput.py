@@ -169,17 +169,23 @@ def learner_main(a: argparse.Namespace) -> None:
     store = ObjectStore(a.uri, options)
     if a.mode == "sync":
         from composer_replication.diloco import make_diloco_outer_loop
-        from composer_replication.exchange import ObjectStoreAllReduce, ObjectStoreManager
+        from composer_replication.exchange import (
+            AllReduceConfig,
+            ObjectStoreAllReduce,
+            ObjectStoreManager,
+        )
 
         ex = ObjectStoreAllReduce(
             a.uri,
             world_size=a.n,
             rank=rank,
-            timeout_s=a.timeout,
-            min_replicas=a.min_replicas,
+            config=AllReduceConfig(
+                timeout_s=a.timeout,
+                min_replicas=a.min_replicas,
+                keep_rounds=100_000,
+                poll_interval_s=0.05,
+            ),
             storage_options=options,
-            keep_steps=100_000,
-            poll_interval_s=0.05,
         )
         outer: Any = make_diloco_outer_loop(opt, ObjectStoreManager(ex), a.h, model=model)
         start = outer.round * a.h

@@ -314,7 +314,11 @@ def outer_factory(cfg: Cfg) -> Any:
 
 def train_diloco(cfg: Cfg, batches: Batches, uri: str) -> tuple[nn.Module, dict[str, int]]:
     from composer_replication.diloco import make_diloco_outer_loop
-    from composer_replication.exchange import ObjectStoreAllReduce, ObjectStoreManager
+    from composer_replication.exchange import (
+        AllReduceConfig,
+        ObjectStoreAllReduce,
+        ObjectStoreManager,
+    )
 
     results: dict[int, tuple[nn.Module, ObjectStoreManager]] = {}
     errors: list[BaseException] = []
@@ -328,9 +332,7 @@ def train_diloco(cfg: Cfg, batches: Batches, uri: str) -> tuple[nn.Module, dict[
                 uri,
                 world_size=cfg.k,
                 rank=rank,
-                timeout_s=1800.0,
-                codec=cfg.codec,
-                sparse=sparse_spec(cfg),
+                config=AllReduceConfig(timeout_s=1800.0, codec=cfg.codec, sparse=sparse_spec(cfg)),
             )
             stores.append(store)
             manager = ObjectStoreManager(store)

@@ -91,7 +91,7 @@ def main() -> None:
     close = None
     manager: Any
     if a.mode == "store":
-        from composer_replication.exchange import MockManager, ObjectStoreAllReduce
+        from composer_replication.exchange import AllReduceConfig, MockManager, ObjectStoreAllReduce
         from composer_replication.exchange.sparse import SparseSpec
 
         spec = SparseSpec(density=a.density, chunk=a.chunk, bits=a.bits)
@@ -99,12 +99,14 @@ def main() -> None:
             uri=a.uri,
             world_size=a.world_size,
             rank=a.rank,
-            timeout_s=a.timeout,
-            codec=a.codec,
-            min_replicas=a.min_replicas,
+            config=AllReduceConfig(
+                timeout_s=a.timeout,
+                codec=a.codec,
+                min_replicas=a.min_replicas,
+                poll_interval_s=0.05,
+                sparse=spec,
+            ),
             storage_options=json.loads(a.storage_options),
-            poll_interval_s=0.05,
-            sparse=spec,
         )
         manager = MockManager(allreduce=rendezvous)
         if a.codec == "sparseloco":

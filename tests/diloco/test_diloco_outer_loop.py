@@ -30,6 +30,7 @@ from _diloco_worker import batch, build_model  # noqa: E402
 from composer_replication.diloco import make_diloco_outer_loop  # noqa: E402
 from composer_replication.diloco.fragments import strided_fragments  # noqa: E402
 from composer_replication.exchange import (  # noqa: E402
+    AllReduceConfig,
     ObjectStoreAllReduce,
     ObjectStoreManager,
 )
@@ -221,7 +222,9 @@ def test_streaming_two_fragments_sync_alternately(tmp_path: Path) -> None:
     def one(rank: int) -> None:
         model = build_model(100 + rank)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        store = ObjectStoreAllReduce(store_uri, world_size=2, rank=rank, poll_interval_s=0.01)
+        store = ObjectStoreAllReduce(
+            store_uri, world_size=2, rank=rank, config=AllReduceConfig(poll_interval_s=0.01)
+        )
         outer = make_diloco_outer_loop(
             opt,
             ObjectStoreManager(store),

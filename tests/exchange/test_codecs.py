@@ -22,6 +22,7 @@ from composer_replication.exchange.protocol import (
     make_commit,
     parse_commit,
 )
+from composer_replication.exchange.settings import AllReduceConfig
 
 B = codecs.CHUNK
 PASS = codecs.PASS_BLOCKS * B  # elements per streaming pass
@@ -113,7 +114,10 @@ def test_allreduce_with_codec_is_bit_identical_and_near_mean(tmp_path, codec):
 
     def go(r):
         ar = ObjectStoreAllReduce(
-            str(tmp_path), 2, r, codec=codec, timeout_s=5, poll_interval_s=0.01
+            str(tmp_path),
+            2,
+            r,
+            config=AllReduceConfig(codec=codec, timeout_s=5, poll_interval_s=0.01),
         )
         out[r] = (ar.allreduce(ts[r], step=0), ar.last_result)
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from composer_replication.exchange import ObjectStoreAllReduce, ObjectStoreManager
+from composer_replication.exchange import AllReduceConfig, ObjectStoreAllReduce, ObjectStoreManager
 from composer_replication.exchange.protocol import (
     Encoding,
     commit_key,
@@ -40,7 +40,11 @@ SECRET = b"s" * 32
 def _manager(uri: str, rank: int, slot_secret: bytes | None = SECRET) -> ObjectStoreManager:
     """Rank ``rank``'s manager, its outer state (one tensor) registered and synced."""
     exchange = ObjectStoreAllReduce(
-        uri, 2, rank, timeout_s=30.0, poll_interval_s=0.01, slot_secret=slot_secret
+        uri,
+        2,
+        rank,
+        config=AllReduceConfig(timeout_s=30.0, poll_interval_s=0.01),
+        slot_secret=slot_secret,
     )
     m = ObjectStoreManager(exchange)
     w = torch.zeros(4)

@@ -14,6 +14,7 @@ import threading
 
 import pytest
 import torch
+from allreduce_handles import exchange
 from tolerances import assert_close
 
 from composer_replication.exchange.allreduce import ObjectStoreAllReduce
@@ -45,7 +46,7 @@ def run(uri, payloads, *, step=0, tokens=None, inner_steps=None, **kwargs):
     out = {}
 
     def go(r):
-        ar = ObjectStoreAllReduce(uri, len(payloads), r, **kwargs)
+        ar = exchange(uri, len(payloads), r, **kwargs)
         try:
             res = ar.allreduce(
                 payloads[r],

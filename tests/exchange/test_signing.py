@@ -12,6 +12,7 @@ import threading
 
 import pytest
 import torch
+from allreduce_handles import exchange
 from test_robust_screening import SHAPES, honest, mean_of
 from tolerances import assert_close
 
@@ -25,6 +26,7 @@ from composer_replication.exchange.protocol import (
     decode_contribution,
     encode_contribution,
 )
+from composer_replication.exchange.settings import AllReduceConfig
 from composer_replication.exchange.signing import (
     DRIVER,
     KEYS_KEY,
@@ -67,7 +69,7 @@ def run_signed(run: Run, payloads, *, step=0, **kwargs):
     out = {}
 
     def go(r):
-        ar = ObjectStoreAllReduce(
+        ar = exchange(
             run.uri, len(payloads), r, timeout_s=10, poll_interval_s=0.01, keys=run.of(r), **kwargs
         )
         try:
@@ -285,7 +287,9 @@ def test_signing_off_keeps_todays_behaviour(tmp_path):
     out = {}
 
     def go(r):
-        ar = ObjectStoreAllReduce(str(tmp_path), 2, r, timeout_s=10, poll_interval_s=0.01)
+        ar = ObjectStoreAllReduce(
+            str(tmp_path), 2, r, config=AllReduceConfig(timeout_s=10, poll_interval_s=0.01)
+        )
         out[r] = ar.allreduce(honest(r), step=0)
 
     threads = [threading.Thread(target=go, args=(r,)) for r in range(2)]

@@ -232,20 +232,20 @@ class SyncDiLoCo:
         d = self.config
         screening = ctx.screening
         allreduce = ObjectStoreAllReduce(
-            ctx.store.uri,
+            ctx.store.uri,  # a client of its own: its request counts are the exchange's
             world_size=ctx.n_replicas,
             rank=ctx.rank,
-            timeout_s=d.timeout_s,
-            codec=d.codec,
-            min_replicas=self.quorum(ctx.n_replicas),
-            aggregate=d.aggregate_policy() if screening is None else screening.policy(),
+            config=d.allreduce_config(
+                ctx.n_replicas,
+                keep_rounds=ctx.keep_rounds,
+                policy=None if screening is None else screening.policy(),
+                sparse=d.sparse_spec(),
+            ),
             storage_options=ctx.store.storage_options or None,
-            keep_steps=ctx.keep_rounds,
             keys=ctx.keys,
             loss_probe=None if screening is None else screening.probe(global_weights),
             writer_secret=ctx.writer_secret,
             slot_secret=ctx.slot_secret,
-            sparse=d.sparse_spec(),
             fence=ctx.fence,
         )
         manager = ObjectStoreManager(allreduce=allreduce)

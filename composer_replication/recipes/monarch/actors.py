@@ -474,12 +474,13 @@ class TrainerActor(Actor):
             self.store_uri,
             world_size=n,
             rank=rank,
-            timeout_s=d.timeout_s,
-            codec=d.codec,
-            min_replicas=d.commit_quorum(n),  # default: all replicas but one
+            config=d.allreduce_config(  # min_replicas: all replicas but one by default
+                n,
+                keep_rounds=config.store.keep_rounds,
+                policy=d.aggregate_policy(max_inner_steps=d.sync_every_h),
+            ),
+            # default: all replicas but one
             storage_options=config.store.storage_options or None,
-            aggregate=d.aggregate_policy(max_inner_steps=d.sync_every_h),
-            keep_steps=config.store.keep_rounds,
         )
         manager = ObjectStoreManager(allreduce=allreduce)
         try:

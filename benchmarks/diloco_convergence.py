@@ -304,9 +304,12 @@ def error_feedback(cfg: Cfg, manager: Any) -> Any:
 
 
 def outer_factory(cfg: Cfg) -> Any:
-    """codec 'sparseloco': plain SGD at --sl-outer-lr (no momentum); else DiLoCo's Nesterov."""
+    """codec 'sparseloco': plain SGD at --sl-outer-lr (no momentum); else DiLoCo's Nesterov at
+    --outer-lr / --outer-momentum."""
     if cfg.codec != "sparseloco":
-        return None
+        from composer_replication.diloco.outer_optimizer import OuterOptimizerConfig
+
+        return OuterOptimizerConfig(outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum)
     from composer_replication.diloco.sparseloco import sparseloco_outer_optimizer
 
     return sparseloco_outer_optimizer(cfg.sl_outer_lr)
@@ -341,9 +344,7 @@ def train_diloco(cfg: Cfg, batches: Batches, uri: str) -> tuple[nn.Module, dict[
                 error_feedback(cfg, manager),
                 cfg.h,
                 model=model,
-                outer_lr=cfg.outer_lr,
-                outer_momentum=cfg.outer_momentum,
-                outer_optimizer_factory=outer_factory(cfg),
+                outer=outer_factory(cfg),
             )
             with outer:
                 for t in range(cfg.steps):

@@ -83,6 +83,7 @@ def main() -> None:
     a = ap.parse_args()
 
     from composer_replication.diloco import make_diloco_outer_loop
+    from composer_replication.diloco.outer_optimizer import OuterOptimizerConfig
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -138,10 +139,13 @@ def main() -> None:
         manager,
         a.h,
         model=model,
-        outer_lr=a.outer_lr,
-        outer_momentum=a.momentum,
-        nesterov=bool(a.nesterov),
-        outer_optimizer_factory=factory,
+        outer=factory
+        if factory is not None
+        else OuterOptimizerConfig(
+            outer_optimizer="nesterov" if a.nesterov else "sgd",
+            outer_lr=a.outer_lr,
+            outer_momentum=a.momentum,
+        ),
     )
     exit_round, exit_step = (int(v) for v in a.exit_at.split(",")) if a.exit_at else (-1, -1)
 

@@ -29,6 +29,7 @@ from _diloco_worker import batch, build_model  # noqa: E402
 
 from composer_replication.diloco import make_diloco_outer_loop  # noqa: E402
 from composer_replication.diloco.fragments import strided_fragments  # noqa: E402
+from composer_replication.diloco.outer_loop import OuterOptimizerConfig, StreamingOptions  # noqa: E402
 from composer_replication.exchange import (  # noqa: E402
     AllReduceConfig,
     ObjectStoreAllReduce,
@@ -52,7 +53,9 @@ def test_sign_convention_lr1_no_momentum_gives_average_of_local_weights(tmp_path
         2,
         rounds=1,
         h=3,
-        outer_kw=dict(outer_lr=1.0, outer_momentum=0.0, nesterov=False),
+        outer_kw=dict(
+            outer=OuterOptimizerConfig(outer_optimizer="sgd", outer_lr=1.0, outer_momentum=0.0)
+        ),
     )
     init = named_params(res[0]["globals"][0])
     locals_ = [local_after(init, r, 0, 3) for r in range(2)]
@@ -97,7 +100,7 @@ def test_outer_optimizer_choices_match_hand_written_references(tmp_path: Path, n
         2,
         rounds=3,
         h=3,
-        outer_kw={"outer_optimizer_factory": outer_optimizer_factory(name, **kw)},
+        outer_kw={"outer": outer_optimizer_factory(name, **kw)},
     )
     init = named_params(res[0]["globals"][0])
     rounds = [[0, 1]] * 3
@@ -208,7 +211,7 @@ def test_overlapped_exchange_stays_identical(tmp_path: Path) -> None:
         rounds=4,
         h=4,
         model_fn=frags_model,
-        outer_kw=dict(num_fragments=1, fragment_sync_delay=1),
+        outer_kw=dict(num_fragments=1, streaming=StreamingOptions(fragment_sync_delay=1)),
     )
     for k in range(5):
         a, b = res[0]["globals"][k], res[1]["globals"][k]
@@ -230,7 +233,7 @@ def test_streaming_two_fragments_sync_alternately(tmp_path: Path) -> None:
             ObjectStoreManager(store),
             4,
             model_fragments=[model[0], model[2]],
-            fragment_sync_delay=1,
+            streaming=StreamingOptions(fragment_sync_delay=1),
         )
         with outer:
             for t in range(16):
@@ -296,9 +299,9 @@ def test_argument_validation() -> None:
     with pytest.raises(ValueError, match="multiple of the number of fragments"):
         make_diloco_outer_loop(opt, M(), 5, model_fragments=[model[0], model[2]])
     with pytest.raises(ValueError, match="outer_momentum: 0 with outer_optimizer = 'nesterov'"):
-        make_diloco_outer_loop(opt, M(), 4, outer_momentum=0.0)
+        make_diloco_outer_loop(opt, M(), 4, outer=OuterOptimizerConfig(outer_momentum=0.0))
     with pytest.raises(ValueError, match="fragment_sync_delay"):
-        make_diloco_outer_loop(opt, M(), 4, fragment_sync_delay=4)
+        make_diloco_outer_loop(opt, M(), 4, streaming=StreamingOptions(fragment_sync_delay=4))
     with pytest.raises(ValueError, match="sync_every_h"):
         make_diloco_outer_loop(opt, M(), 0)
 

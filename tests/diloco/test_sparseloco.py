@@ -329,7 +329,7 @@ def test_streaming_fragments_through_the_outer_loop(tmp_path):
         4,
         model=model,
         num_fragments=2,
-        outer_optimizer_factory=sparseloco_outer_optimizer(1.0),
+        outer=sparseloco_outer_optimizer(1.0),
     )
     x, y = torch.randn(16, 8), torch.randn(16, 32)
     before = outer.global_parameters()

@@ -189,7 +189,7 @@ class SyncDiLoCo:
         manager = self.build_manager(ctx, global_weights)
         h = self.config.sync_every_h
         outer = make_diloco_outer_loop(
-            None, manager, h, model=ctx.model, outer_optimizer_factory=self.outer_factory()
+            None, manager, h, model=ctx.model, outer=self.outer_factory()
         )
         built.append(outer)
 

@@ -489,7 +489,7 @@ class TrainerActor(Actor):
                 manager,
                 d.sync_every_h,
                 model=model,
-                outer_optimizer_factory=d.build_outer_optimizer(),
+                outer=d.build_outer_optimizer(),
             )
             stops = stop_token_ids(tok, model.generation_config.eos_token_id)
             reward = _RemoteReward(self.rewarder, self.rewarder.name.call_one().get(), tok, stops)

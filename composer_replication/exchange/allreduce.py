@@ -120,8 +120,8 @@ log = logging.getLogger(__name__)
 
 
 class ObjectStoreAllReduce(RunDocuments):
-    """Pseudo-gradient exchange through ``store``: a URI (``file://``, ``memory://``,
-    ``s3://``, ``gs://``; with ``storage_options`` for fsspec) or a `store.Store` (e.g. a
+    """Pseudo-gradient exchange through ``uri``: the store's URI (``file://``, ``memory://``,
+    ``s3://``, ``gs://``; with ``storage_options`` for fsspec) or a `store.Store` of it (e.g. a
     `faulty_store.FaultyStore` that injects faults).
 
     ``rank=None`` gives a driver/observer handle (manifest, states, run documents) that cannot
@@ -146,7 +146,7 @@ class ObjectStoreAllReduce(RunDocuments):
 
     def __init__(
         self,
-        store: str | Store,
+        uri: str | Store,
         world_size: int = 1,
         rank: int | None = None,
         *,
@@ -177,9 +177,8 @@ class ObjectStoreAllReduce(RunDocuments):
                 raise ValueError(
                     f"{name} must be bytes of length >= 16 (e.g. os.urandom(32)), or None"
                 )
-        if isinstance(store, str):
-            store = ObjectStore(store, storage_options)
-        elif storage_options:
+        store = ObjectStore(uri, storage_options) if isinstance(uri, str) else uri
+        if store is uri and storage_options:
             raise ValueError(
                 "storage_options configure the store built from a URI; a Store given has its own"
             )

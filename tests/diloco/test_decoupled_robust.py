@@ -12,7 +12,7 @@ import torch
 from _decoupled_toy import Blocks, eval_loss, train_step
 from tolerances import assert_close
 
-from composer_replication.diloco.decoupled import DecoupledLearner
+from composer_replication.diloco.decoupled import DecoupledLearner, LearnerConfig
 from composer_replication.diloco.synchronizer import (
     MergeInput,
     Synchronizer,
@@ -90,12 +90,9 @@ def _learner(uri: str, rank: int, out: dict, attack: float) -> None:
         ObjectStore(uri),
         learner=rank,
         n_learners=4,
-        sync_every_h=8,
-        num_fragments=4,
+        config=LearnerConfig(sync_every_h=8, fragments=4, poll_interval_s=0.02, drain_timeout_s=60),
         model=model,
         inner_optimizer=opt,
-        poll_interval_s=0.02,
-        drain_timeout_s=60,
     )
     if attack != 1.0:  # a byzantine learner: every push scaled
         honest_push = learner.docs.push

@@ -21,7 +21,11 @@ from composer_replication.diloco.decoupled.decoupled_check import (
     check_decoupled_run,
     final_merges_problem,
 )
-from composer_replication.diloco.decoupled.learner import DecoupledLearner, RejoinRecord
+from composer_replication.diloco.decoupled.learner import (
+    DecoupledLearner,
+    LearnerConfig,
+    RejoinRecord,
+)
 from composer_replication.diloco.outer_mode import (
     AfterLoss,
     HostedService,
@@ -206,14 +210,16 @@ class DecoupledDiLoCo:
             ctx.store,
             learner=ctx.rank,
             n_learners=ctx.n_replicas,
-            sync_every_h=d.sync_every_h,
-            num_fragments=d.fragments,
+            config=LearnerConfig(
+                sync_every_h=d.sync_every_h,
+                fragments=d.fragments,
+                alpha=d.alpha,
+                codec=d.codec,
+                poll_interval_s=0.1 if ctx.store.is_local else 0.5,
+                drain_timeout_s=d.timeout_s,
+                heartbeat_every_s=None,  # the replica's heartbeat carries the learner's fields
+            ),
             model=ctx.model,
-            alpha=d.alpha,
-            codec=d.codec,
-            poll_interval_s=0.1 if ctx.store.is_local else 0.5,
-            drain_timeout_s=d.timeout_s,
-            heartbeat_every_s=None,  # the replica's heartbeat carries the learner's fields
             keys=ctx.keys,
         )
 

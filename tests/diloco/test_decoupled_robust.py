@@ -108,7 +108,7 @@ def _learner(uri: str, rank: int, out: dict, attack: float) -> None:
     out[rank] = eval_loss(model)
 
 
-def _run(tmp: Path, aggregate_: str, attack: float, outlier_ratio: float | None) -> float:
+def _run(tmp: Path, aggregate_: str, attack: float, outlier_ratio: float) -> float:
     uri = str(tmp / f"{aggregate_}-{attack}-{outlier_ratio}")
     cfg = SynchronizerConfig(
         quorum=4,
@@ -137,7 +137,7 @@ def _run(tmp: Path, aggregate_: str, attack: float, outlier_ratio: float | None)
 @pytest.mark.slow
 def test_a_byzantine_learner_with_trimmed_mean_and_with_plain_mean(tmp_path: Path) -> None:
     start = eval_loss(Blocks(seed=5))  # every learner's model before training
-    clean = _run(tmp_path, "mean", 1.0, None)
+    clean = _run(tmp_path, "mean", 1.0, SynchronizerConfig().aggregate_outlier_ratio)
     trimmed = _run(tmp_path, "trimmed_mean", 1e6, 0.0)
     plain = _run(tmp_path, "mean", 1e6, 0.0)
     assert clean < start  # the clean run learns (1.277 -> 1.025 measured)

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from composer_replication.exchange import checksums, codecs, wire
-from composer_replication.exchange.robust import Decision
+from composer_replication.exchange.robust import AggregatePolicy, Decision
 from composer_replication.exchange.rules import is_rule_name
 from composer_replication.exchange.signing import RunKeys, rank_identity
 from composer_replication.exchange.vocabulary import (
@@ -160,7 +160,7 @@ class Encoding:
     (``sparse``; None: `sparse.SparseSpec`'s defaults) and the ``checksum`` algorithm of the data
     section (None: :func:`checksums.default_checksum`; signed payloads are always sha256)."""
 
-    codec: codecs.CodecName = "fp32"
+    codec: codecs.CodecName = codecs.DEFAULT
     sparse: codecs.SparseSpec | None = None
     checksum: str | None = None
 
@@ -382,7 +382,7 @@ def make_commit(
     committed_by: int,
     excluded: dict[int, str],
     decisions: list[Decision] | None = None,
-    aggregate: str = "mean",
+    aggregate: str = AggregatePolicy.method,
     trim: int = 0,
     keys: RunKeys | None = None,
 ) -> dict[str, Any]:

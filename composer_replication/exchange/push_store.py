@@ -459,7 +459,7 @@ class DecoupledStore:
         self,
         store: Store,
         *,
-        codec: str = "fp32",
+        codec: str = codecs.DEFAULT,
         checksum: str | None = None,
         keys: RunKeys | None = None,
     ) -> None:

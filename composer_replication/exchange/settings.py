@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from composer_replication.exchange.codecs import CodecName, SparseSpec, check_codec
+from composer_replication.exchange.codecs import DEFAULT, CodecName, SparseSpec, check_codec
 from composer_replication.exchange.robust import AggregatePolicy, ScreenName, WeightingName
 from composer_replication.exchange.rules import AggregateName
 from composer_replication.fields import require, setting
@@ -48,7 +48,7 @@ class ExchangeConfig:
     """How replicas exchange pseudo-gradients through the store (see the module docstring)."""
 
     codec: CodecName = setting(
-        "fp32",
+        DEFAULT,
         "pseudo-gradient encoding (exchange.codecs); 'sparseloco' = SparseLoCo: chunk-wise top-k "
         "+ few-bit values with local error feedback, outer step plain SGD at "
         "sparseloco_outer_lr (no outer momentum; outer_optimizer/outer_lr/outer_momentum are "

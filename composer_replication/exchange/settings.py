@@ -17,7 +17,14 @@ from composer_replication.exchange.robust import AggregatePolicy, ScreenName, We
 from composer_replication.exchange.rules import AggregateName
 from composer_replication.fields import require, setting
 
-__all__ = ["KEEP_ROUNDS", "AllReduceConfig", "CodecName", "ExchangeConfig", "default_quorum"]
+__all__ = [
+    "KEEP_ROUNDS",
+    "AllReduceConfig",
+    "CodecName",
+    "ExchangeConfig",
+    "StoreConfig",
+    "default_quorum",
+]
 
 KEEP_ROUNDS = 4  # rounds (versions) the store keeps before garbage collection: [store] keep_rounds
 
@@ -208,3 +215,19 @@ class AllReduceConfig:
                 )
             return self.aggregate
         return AggregatePolicy(method=self.aggregate, weighting=self.weighting)
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """The object store the replicas meet in (one prefix per run)."""
+
+    uri: str = setting(
+        "", "file:///..., s3://bucket/prefix/, gs://...; empty = <run folder>/store/"
+    )
+    storage_options: dict[str, Any] = setting({}, "fsspec options (e.g. endpoint_url for S3)")
+    keep_rounds: int = setting(
+        KEEP_ROUNDS, "rounds of pseudo-gradients kept before garbage collection"
+    )
+
+    def __post_init__(self) -> None:
+        require(self.keep_rounds >= 1, "store.keep_rounds", "must be >= 1")

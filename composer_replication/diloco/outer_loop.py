@@ -44,7 +44,6 @@ from composer_replication.diloco.outer_optimizer import (
     OUTER_OPTIMIZERS,
     OuterOptimizerConfig,
     OuterOptimizerFactory,
-    outer_optimizer_factory,
 )
 from composer_replication.diloco.torchft.torchft_path import as_manager
 
@@ -58,7 +57,6 @@ __all__ = [
     "OuterOptimizerConfig",
     "StreamingOptions",
     "make_diloco_outer_loop",
-    "outer_optimizer_factory",
     "unwrap_optimizer",
 ]
 

@@ -92,15 +92,17 @@ def test_threads_match_nesterov_reference_every_round(tmp_path: Path) -> None:
 def test_outer_optimizer_choices_match_hand_written_references(tmp_path: Path, name: str) -> None:
     """`[diloco] outer_optimizer` 'sgd' (heavy-ball) and 'adam' through the real exchange, 3
     rounds of 2 replicas, against the update rules written out by hand."""
-    from composer_replication.diloco.outer_loop import outer_optimizer_factory
-
-    kw = {"lr": 0.5, "momentum": 0.8} if name == "sgd" else {"lr": 0.05, "betas": (0.9, 0.99)}
+    kw: dict[str, object] = (
+        {"outer_lr": 0.5, "outer_momentum": 0.8}
+        if name == "sgd"
+        else {"outer_lr": 0.05, "outer_betas": [0.9, 0.99]}
+    )
     res = run_replicas(
         _uri(tmp_path),
         2,
         rounds=3,
         h=3,
-        outer_kw={"outer": outer_optimizer_factory(name, **kw)},
+        outer_kw={"outer": OuterOptimizerConfig(outer_optimizer=name, **kw)},
     )
     init = named_params(res[0]["globals"][0])
     rounds = [[0, 1]] * 3
@@ -124,15 +126,13 @@ def test_outer_optimizer_choices_match_hand_written_references(tmp_path: Path, n
             assert torch.equal(got[n], named_params(res[1]["globals"][k])[n])
 
 
-def test_outer_optimizer_factory_refuses_what_cannot_work() -> None:
-    from composer_replication.diloco.outer_loop import outer_optimizer_factory
-
+def test_outer_optimizer_config_refuses_what_cannot_work() -> None:
     with pytest.raises(ValueError, match="'lamb' is not one of"):
-        outer_optimizer_factory("lamb")
+        OuterOptimizerConfig(outer_optimizer="lamb")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="outer_momentum: 0 with outer_optimizer = 'nesterov'"):
-        outer_optimizer_factory("nesterov", momentum=0.0)
+        OuterOptimizerConfig(outer_momentum=0.0)
     p = [nn.Parameter(torch.zeros(2))]
-    opt = outer_optimizer_factory("nesterov")(p)
+    opt = OuterOptimizerConfig().build_outer_optimizer()(p)
     assert isinstance(opt, torch.optim.SGD) and opt.param_groups[0]["nesterov"] is True
     assert (opt.param_groups[0]["lr"], opt.param_groups[0]["momentum"]) == (0.7, 0.9)
 

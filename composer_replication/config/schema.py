@@ -75,7 +75,13 @@ RENAMED_KEYS = {
     "gamma": "diloco.grace_gamma",
     "tau": "diloco.grace_tau",
     "outlier_ratio": "diloco.aggregate_outlier_ratio",
+    "trim_fraction": "diloco.aggregate_trim_fraction",
+    "clip_ratio": "diloco.aggregate_clip_ratio",
+    "token_cap": "diloco.aggregate_token_cap",
+    "loss_tolerance": "diloco.screen_loss_tolerance",
+    "num_fragments": "diloco.fragments",
     "keep": "store.keep_rounds",
+    "keep_steps": "store.keep_rounds",
 }
 
 # ComposeConfig keys that are not [loss] keys, and what sets them in a run instead.

@@ -47,7 +47,7 @@ __all__ = ["FragmentMerger", "FragmentState", "Inbox", "SynchronizerStats", "Tim
 
 log = logging.getLogger(__name__)
 
-_DEFAULT_OUTLIER_RATIO = AggregatePolicy().outlier_ratio
+_DEFAULT_OUTLIER_RATIO = AggregatePolicy().aggregate_outlier_ratio
 
 Tensors = dict[str, torch.Tensor]
 Reference = dict[str, tuple[list[int], str]]

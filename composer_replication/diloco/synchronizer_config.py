@@ -111,8 +111,8 @@ class SynchronizerConfig(SynchronizerSettings, OuterOptimizerConfig):
     """
 
     weighting: WeightingName = _POLICY.weighting  # one of exchange.robust's WEIGHTINGS
-    aggregate: AggregateName = _POLICY.method  # an aggregation rule (exchange.rules)
-    aggregate_outlier_ratio: float = _POLICY.outlier_ratio  # 0 = no norm screening
+    aggregate: AggregateName = _POLICY.aggregate  # an aggregation rule (exchange.rules)
+    aggregate_outlier_ratio: float = _POLICY.aggregate_outlier_ratio  # 0 = no norm screening
     keep_rounds: int = KEEP_ROUNDS
     poll_interval_s: float = 0.1
     ema: float = 0.2

@@ -793,7 +793,7 @@ class ObjectStoreAllReduce(RunDocuments):
         decisions: list[Decision] | None = None,
     ) -> CommitRecord:
         assert self.rank is not None
-        method = self.policy.method
+        method = self.policy.aggregate
         record = make_commit(
             step=step,
             world_size=self.world_size,
@@ -876,10 +876,10 @@ class ObjectStoreAllReduce(RunDocuments):
         bit-reproducible across machines: they stay the committer's."""
         policy, ranks = self.policy, commit["included_ranks"]
         method = commit.get("aggregate", "mean")
-        if method != policy.method or commit.get("weighting", "equal") != policy.weighting:
+        if method != policy.aggregate or commit.get("weighting", "equal") != policy.weighting:
             return (
                 f"it merges with {method!r} weighting {commit.get('weighting', 'equal')!r}; "
-                f"this run merges with {policy.method!r} weighting {policy.weighting!r}"
+                f"this run merges with {policy.aggregate!r} weighting {policy.weighting!r}"
             )
         rule = rules.get(method)
         trim = rule.trim(len(ranks), policy)

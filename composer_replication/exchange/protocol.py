@@ -382,7 +382,7 @@ def make_commit(
     committed_by: int,
     excluded: dict[int, str],
     decisions: list[Decision] | None = None,
-    aggregate: str = AggregatePolicy.method,
+    aggregate: str = AggregatePolicy.aggregate,
     trim: int = 0,
     keys: RunKeys | None = None,
 ) -> dict[str, Any]:

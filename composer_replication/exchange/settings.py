@@ -39,15 +39,17 @@ def default_quorum(n_replicas: int) -> int:
 
 _POLICY = AggregatePolicy()  # every aggregate*/screen* default comes from here
 
-# AggregatePolicy's argument for each TOML key whose name differs.
-_POLICY_ARGS = {
-    "aggregate": "method",
-    "aggregate_outlier_ratio": "outlier_ratio",
-    "aggregate_trim_fraction": "trim_fraction",
-    "aggregate_clip_ratio": "clip_ratio",
-    "aggregate_token_cap": "token_cap",
-    "screen_loss_tolerance": "loss_tolerance",
-}
+# The keys that are AggregatePolicy's fields, under the same names.
+_POLICY_KEYS = (
+    "aggregate",
+    "weighting",
+    "aggregate_outlier_ratio",
+    "aggregate_trim_fraction",
+    "aggregate_clip_ratio",
+    "aggregate_token_cap",
+    "screen",
+    "screen_loss_tolerance",
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,36 +71,37 @@ class ExchangeConfig:
     weighting: WeightingName = setting(_POLICY.weighting, "how contributions are weighted")
     timeout_s: float = setting(600.0, "how long a round waits for contributions")
     aggregate: AggregateName = setting(
-        _POLICY.method, "how screened contributions are merged (docs/object-store.md)"
+        _POLICY.aggregate, "how screened contributions are merged (docs/object-store.md)"
     )
     aggregate_outlier_ratio: float = setting(
-        _POLICY.outlier_ratio,
+        _POLICY.aggregate_outlier_ratio,
         "leave out a contribution whose L2 norm exceeds this x the round's median (0 = off)",
     )
     aggregate_trim_fraction: float = setting(
-        _POLICY.trim_fraction, "trimmed_mean: fraction of values dropped at each end"
+        _POLICY.aggregate_trim_fraction, "trimmed_mean: fraction of values dropped at each end"
     )
     aggregate_clip_ratio: float = setting(
-        _POLICY.clip_ratio, "norm_clip: clip each contribution's norm to this x the median"
+        _POLICY.aggregate_clip_ratio,
+        "norm_clip: clip each contribution's norm to this x the median",
     )
     aggregate_token_cap: float = setting(
-        _POLICY.token_cap, "weighting = 'tokens': cap claims at this x the median claim (0 = off)"
+        _POLICY.aggregate_token_cap,
+        "weighting = 'tokens': cap claims at this x the median claim (0 = off)",
     )
     screen: ScreenName = setting(
         _POLICY.screen,
         "'loss': also leave out contributions that alone raise a held-out loss (Templar-style)",
     )
     screen_loss_tolerance: float = setting(
-        _POLICY.loss_tolerance, "screen = 'loss': tolerated rise, as a fraction of the loss"
+        _POLICY.screen_loss_tolerance, "screen = 'loss': tolerated rise, as a fraction of the loss"
     )
     screen_examples: int = setting(4, "screen = 'loss': held-out examples in the probe batch")
 
     def __post_init__(self) -> None:
         try:
             self.aggregate_policy()
-        except ValueError as exc:  # "<argument> must be ...": name it as the key
-            argument, _, rest = str(exc).partition(" ")
-            key = {arg: key for key, arg in _POLICY_ARGS.items()}.get(argument, argument)
+        except ValueError as exc:  # "<key> must be ...": "<key>: must be ..."
+            key, _, rest = str(exc).partition(" ")
             raise ValueError(f"{key}: {rest}") from None
         require(self.screen_examples >= 1, "screen_examples", "must be >= 1")
         if self.min_replicas is not None:
@@ -131,9 +134,7 @@ class ExchangeConfig:
 
     def aggregate_policy(self, **bounds: Any) -> AggregatePolicy:
         """The exchange's policy for these keys (``bounds``: the run's claim bounds)."""
-        keys = ("weighting", "screen", *_POLICY_ARGS)
-        values = {_POLICY_ARGS.get(k, k): getattr(self, k) for k in keys}
-        return AggregatePolicy(**values, **bounds)
+        return AggregatePolicy(**{k: getattr(self, k) for k in _POLICY_KEYS}, **bounds)
 
 
 _EXCHANGE = ExchangeConfig()  # the codec and timeout defaults of AllReduceConfig come from here
@@ -162,7 +163,7 @@ class AllReduceConfig:
     checksum: str | None = None
     min_replicas: int | None = None
     weighting: WeightingName = _POLICY.weighting
-    aggregate: AggregateName | AggregatePolicy = _POLICY.method
+    aggregate: AggregateName | AggregatePolicy = _POLICY.aggregate
     timeout_s: float = _EXCHANGE.timeout_s
     upload_timeout_s: float | None = None
     run_timeout_s: float | None = None
@@ -214,7 +215,7 @@ class AllReduceConfig:
                     f"{self.aggregate.weighting!r}"
                 )
             return self.aggregate
-        return AggregatePolicy(method=self.aggregate, weighting=self.weighting)
+        return AggregatePolicy(aggregate=self.aggregate, weighting=self.weighting)
 
 
 @dataclass(frozen=True)

@@ -74,7 +74,7 @@ def byzantine_replica(
     from composer_replication.exchange.robust import AggregatePolicy
     from composer_replication.exchange.settings import AllReduceConfig
 
-    policy = AggregatePolicy(method=method, outlier_ratio=0)
+    policy = AggregatePolicy(aggregate=method, aggregate_outlier_ratio=0)
     ar = ObjectStoreAllReduce(
         uri,
         world,

@@ -169,35 +169,43 @@ def learner_main(a: argparse.Namespace) -> None:
     store = ObjectStore(a.uri, options)
     if a.mode == "sync":
         from composer_replication.diloco import make_diloco_outer_loop
-        from composer_replication.exchange import ObjectStoreAllReduce, ObjectStoreManager
+        from composer_replication.exchange import (
+            AllReduceConfig,
+            ObjectStoreAllReduce,
+            ObjectStoreManager,
+        )
 
         ex = ObjectStoreAllReduce(
             a.uri,
             world_size=a.n,
             rank=rank,
-            timeout_s=a.timeout,
-            min_replicas=a.min_replicas,
+            config=AllReduceConfig(
+                timeout_s=a.timeout,
+                min_replicas=a.min_replicas,
+                keep_rounds=100_000,
+                poll_interval_s=0.05,
+            ),
             storage_options=options,
-            keep_steps=100_000,
-            poll_interval_s=0.05,
         )
         outer: Any = make_diloco_outer_loop(opt, ObjectStoreManager(ex), a.h, model=model)
         start = outer.round * a.h
     else:
-        from composer_replication.diloco.decoupled import DecoupledLearner
+        from composer_replication.diloco.decoupled import DecoupledLearner, LearnerConfig
 
         outer = DecoupledLearner(
             store,
             learner=rank,
             n_learners=a.n,
-            sync_every_h=a.h,
-            num_fragments=a.p,
+            config=LearnerConfig(
+                sync_every_h=a.h,
+                fragments=a.p,
+                alpha=a.alpha,
+                poll_interval_s=0.05 if store.is_local else 0.1,
+                drain_timeout_s=600,
+                heartbeat_every_s=1.0,
+            ),
             model=model,
             inner_optimizer=opt,
-            alpha=a.alpha,
-            poll_interval_s=0.05 if store.is_local else 0.1,
-            drain_timeout_s=600,
-            heartbeat_every_s=1.0,
         )
         start = outer.start_step
         if a.attack != 1.0 and rank == a.n - 1:  # the byzantine learner: every push scaled

@@ -314,9 +314,12 @@ def error_feedback(cfg: Cfg, manager: Any) -> Any:
 
 
 def outer_factory(cfg: Cfg) -> Any:
-    """codec 'sparseloco': plain SGD at --sl-outer-lr (no momentum); else DiLoCo's Nesterov."""
+    """codec 'sparseloco': plain SGD at --sl-outer-lr (no momentum); else DiLoCo's Nesterov at
+    --outer-lr / --outer-momentum."""
     if cfg.codec != "sparseloco":
-        return None
+        from composer_replication.diloco.outer_optimizer import OuterOptimizerConfig
+
+        return OuterOptimizerConfig(outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum)
     from composer_replication.diloco.sparseloco import sparseloco_outer_optimizer
 
     return sparseloco_outer_optimizer(cfg.sl_outer_lr)
@@ -324,7 +327,11 @@ def outer_factory(cfg: Cfg) -> Any:
 
 def train_diloco(cfg: Cfg, batches: Batches, uri: str) -> tuple[nn.Module, dict[str, int]]:
     from composer_replication.diloco import make_diloco_outer_loop
-    from composer_replication.exchange import ObjectStoreAllReduce, ObjectStoreManager
+    from composer_replication.exchange import (
+        AllReduceConfig,
+        ObjectStoreAllReduce,
+        ObjectStoreManager,
+    )
 
     results: dict[int, tuple[nn.Module, ObjectStoreManager]] = {}
     errors: list[BaseException] = []
@@ -338,9 +345,7 @@ def train_diloco(cfg: Cfg, batches: Batches, uri: str) -> tuple[nn.Module, dict[
                 uri,
                 world_size=cfg.k,
                 rank=rank,
-                timeout_s=1800.0,
-                codec=cfg.codec,
-                sparse=sparse_spec(cfg),
+                config=AllReduceConfig(timeout_s=1800.0, codec=cfg.codec, sparse=sparse_spec(cfg)),
             )
             stores.append(store)
             manager = ObjectStoreManager(store)
@@ -349,9 +354,7 @@ def train_diloco(cfg: Cfg, batches: Batches, uri: str) -> tuple[nn.Module, dict[
                 error_feedback(cfg, manager),
                 cfg.h,
                 model=model,
-                outer_lr=cfg.outer_lr,
-                outer_momentum=cfg.outer_momentum,
-                outer_optimizer_factory=outer_factory(cfg),
+                outer=outer_factory(cfg),
             )
             with outer:
                 for t in range(cfg.steps):

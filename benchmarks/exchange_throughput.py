@@ -64,6 +64,7 @@ def _replica(
     import torch
 
     from composer_replication.exchange.allreduce import ObjectStoreAllReduce
+    from composer_replication.exchange.settings import AllReduceConfig
 
     x = torch.randn(params, generator=torch.Generator().manual_seed(rank))
     raw = memoryview(x.numpy()).cast("B")
@@ -74,12 +75,18 @@ def _replica(
     root = root.rstrip("/")
     ar = {
         c: ObjectStoreAllReduce(
-            uri + f"/ar-{c}", world, rank, codec=c, timeout_s=1800, storage_options=options
+            uri + f"/ar-{c}",
+            world,
+            rank,
+            config=AllReduceConfig(codec=c, timeout_s=1800),
+            storage_options=options,
         )
         for c in codecs
     }
     # warm-up (not timed): open clients/connections and create directories for both modes
-    warm = ObjectStoreAllReduce(uri + "/warm", world, rank, timeout_s=600, storage_options=options)
+    warm = ObjectStoreAllReduce(
+        uri + "/warm", world, rank, config=AllReduceConfig(timeout_s=600), storage_options=options
+    )
     warm.allreduce({"g": x[:1000]}, step=0)
     fs.pipe_file(f"{root}/warm/{rank}.bin", b"0" * 1000)
     fs.cat_file(f"{root}/warm/{rank}.bin")

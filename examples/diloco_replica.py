@@ -19,7 +19,11 @@ import json
 import os
 
 from composer_replication.diloco import make_diloco_outer_loop
-from composer_replication.diloco.serverless import MockManager, ObjectStoreAllReduce
+from composer_replication.diloco.serverless import (
+    AllReduceConfig,
+    MockManager,
+    ObjectStoreAllReduce,
+)
 
 
 def build_trainer(rank: int, steps: int, out_dir: str):  # noqa: ANN201 - example
@@ -86,7 +90,7 @@ def main() -> None:
         uri=uri,
         world_size=world_size,
         rank=rank,
-        timeout_s=a.timeout,
+        config=AllReduceConfig(timeout_s=a.timeout),
         storage_options=json.loads(os.environ.get("COMPOSER_STORAGE_OPTIONS", "{}")),
     )
     manager = MockManager(allreduce=rendezvous)

@@ -238,6 +238,35 @@ def test_run_sequences_in_short_functions():
     assert long_functions(PKG_DIR / "run") == []
 
 
+# A component of exchange/ or diloco/ takes its config object, not its settings one by one
+# (issue 38: `ObjectStoreAllReduce.__init__` once took 22 parameters, the outer loop 16).
+MAX_COMPONENT_PARAMETERS = 10
+
+
+def wide_signatures(package: Path, limit: int = MAX_COMPONENT_PARAMETERS) -> list[str]:
+    """'module.function: N parameters' for every function (or method) of ``package`` that takes
+    more than ``limit`` parameters (``self`` / ``cls`` not counted, ``*args`` / ``**kwargs``
+    each one)."""
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                a = node.args
+                params = [*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg]
+                names = [p.arg for p in params if p is not None]
+                n = len(names) - (names[:1] in (["self"], ["cls"]))
+                if n > limit:
+                    found.append(f"{path.stem}.{node.name}: {n} parameters")
+    return found
+
+
+def test_components_take_their_config_not_exploded_settings():
+    """No function in exchange/ or diloco/ takes more than 10 parameters: a component takes its
+    config object (the section's dataclass or a small composed one, e.g. `AllReduceConfig`,
+    `LearnerConfig`, `StreamingOptions`) instead of its settings one by one."""
+    assert wide_signatures(PKG_DIR / "exchange") + wide_signatures(PKG_DIR / "diloco") == []
+
+
 def mode_tests(package: Path) -> list[str]:
     """'module:line' wherever ``package`` reads ``<...>.diloco.mode`` or ``.diloco.manager``."""
     found = []
@@ -473,6 +502,16 @@ def test_the_size_and_mode_checks_name_the_offender(tmp_path: Path):
     )
     assert long_functions(run) == ["driver.long: 81 lines"]
     assert mode_tests(run) == ["driver:89 .diloco.mode"]
+
+
+def test_the_signature_check_names_the_offender(tmp_path: Path):
+    args = ", ".join(f"a{i}" for i in range(10))
+    (tmp_path / "store.py").write_text(
+        f"class C:\n    def __init__(self, {args}):\n        pass\n\n"
+        f"    def wide(self, {args}, *, more=1):\n        pass\n\n\n"
+        f"def f({args}, **kw):\n    pass\n"
+    )
+    assert wide_signatures(tmp_path) == ["store.f: 11 parameters", "store.wide: 11 parameters"]
 
 
 def test_the_mode_branch_check_names_each_offender(bad_tree: Path):

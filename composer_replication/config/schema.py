@@ -10,16 +10,18 @@ Each field carries `metadata["help"]`; the config reference in docs/cli.md is ge
 (e.g. "`backend.n_replicas` >= 1") live in each section's `__post_init__` and raise
 `ValueError` naming the key.
 
-The sections of the outer loop are its components' own configs: `[diloco]` is
-`diloco.section.DilocoConfig`, composed of the outer optimizer's, the exchange's, SparseLoCo's,
-the decoupled mode's and torchft's configs (each beside its component, with its defaults, help
-and checks); the outer-loop mode it names checks its rules across sections here
-(`diloco.mode_registry.outer_loop_mode`). Nothing here is a second copy of a name or a default
-owned elsewhere:
+The sections of a component are its own configs, beside it (with their defaults, help and
+checks), composed here: `[diloco]` is `diloco.section.DilocoConfig`, composed of the outer
+optimizer's, the exchange's, SparseLoCo's, the decoupled mode's and torchft's configs (the
+outer-loop mode it names checks its rules across sections here,
+`diloco.mode_registry.outer_loop_mode`); `[store]` is `exchange.settings.StoreConfig`
+(``keep_rounds`` defaults to `exchange.settings.KEEP_ROUNDS`, which the synchronizer keeps too);
+`[security]` is `exchange.signing.SecurityConfig`; `[backend]` is
+`executors.registry.BackendConfig` (``kind`` one of the registry's names); `[chaos]` is
+`faults.events.ChaosConfig`. Nothing here is a second copy of a name or a default owned
+elsewhere:
 - `[loss]` is the loss library's `LossSettings` (the one list of loss settings: each key's type,
-  choices, default, help and check, declared once in loss/loss_settings.py), by inheritance;
-- `backend.kind` choices are the executor registry's names (`executors.registry.BackendName`);
-- `store.keep_rounds` defaults to the decoupled synchronizer's `KEEP_ROUNDS`.
+  choices, default, help and check, declared once in loss/loss_settings.py), by inheritance.
 The loader checks values against the `Literal` choices and suggests the nearest name.
 """
 
@@ -31,8 +33,9 @@ from typing import Any, Literal, get_args
 from composer_replication.diloco.mode_registry import outer_loop_mode
 from composer_replication.diloco.outer_mode import OuterLoopMode, RunShape
 from composer_replication.diloco.section import DilocoConfig
-from composer_replication.diloco.synchronizer_config import KEEP_ROUNDS
-from composer_replication.executors.registry import BackendName
+from composer_replication.exchange.settings import StoreConfig
+from composer_replication.exchange.signing import SecurityConfig
+from composer_replication.executors.registry import BackendConfig
 from composer_replication.faults.events import (
     PROXY_ACTIONS,
     UNTARGETED_ACTIONS,
@@ -77,7 +80,13 @@ RENAMED_KEYS = {
     "gamma": "diloco.grace_gamma",
     "tau": "diloco.grace_tau",
     "outlier_ratio": "diloco.aggregate_outlier_ratio",
+    "trim_fraction": "diloco.aggregate_trim_fraction",
+    "clip_ratio": "diloco.aggregate_clip_ratio",
+    "token_cap": "diloco.aggregate_token_cap",
+    "loss_tolerance": "diloco.screen_loss_tolerance",
+    "num_fragments": "diloco.fragments",
     "keep": "store.keep_rounds",
+    "keep_steps": "store.keep_rounds",
 }
 
 # ComposeConfig keys that are not [loss] keys, and what sets them in a run instead.
@@ -305,65 +314,6 @@ class TeachersConfig:
         "one not scored, is never a target; rejection-sampling fine-tuning's filter); unset = "
         "every trace",
     )
-
-
-@dataclass(frozen=True)
-class SecurityConfig:
-    """Signed contributions (docs/security.md)."""
-
-    sign: bool = setting(
-        False,
-        "Ed25519-sign every contribution, commit record, state and manifest; the driver makes "
-        "one key per rank and hands each replica only its own (object-store exchange; "
-        "decoupled mode: pushes, merge records and states)",
-    )
-
-
-@dataclass(frozen=True)
-class BackendConfig:
-    """Where the replicas run (an executor from the registry in composer_replication.executors)."""
-
-    kind: BackendName = setting("local", "executor backend (docs/backends.md)")
-    n_replicas: int = setting(2, "number of DiLoCo replicas")
-    timeout_s: float = setting(
-        3600.0, "wall-clock limit for the whole run (replicas then cancelled)"
-    )
-    max_restarts: int = setting(
-        2,
-        "the driver relaunches a replica that fails (killed, crashed) up to this many times per "
-        "rank; it rejoins from the newest global state (0 = a failure is final)",
-    )
-    options: dict[str, Any] = setting(
-        {}, "executor constructor arguments (image, gpu, namespace, ...)"
-    )
-    resources: dict[str, Any] = setting({}, "per-replica resources passed to launch_replicas")
-    env: dict[str, str] = setting({}, "extra environment variables for every replica")
-    forward_env: list[str] = setting(
-        [],
-        "names of driver environment variables (e.g. AWS_ACCESS_KEY_ID) copied to every "
-        "replica; hf-jobs receives them as encrypted job secrets",
-    )
-
-    def __post_init__(self) -> None:
-        require(self.n_replicas >= 1, "backend.n_replicas", f"{self.n_replicas} must be >= 1")
-        require(self.timeout_s > 0, "backend.timeout_s", "must be > 0")
-        require(self.max_restarts >= 0, "backend.max_restarts", "must be >= 0")
-
-
-@dataclass(frozen=True)
-class StoreConfig:
-    """The object store the replicas meet in (one prefix per run)."""
-
-    uri: str = setting(
-        "", "file:///..., s3://bucket/prefix/, gs://...; empty = <run folder>/store/"
-    )
-    storage_options: dict[str, Any] = setting({}, "fsspec options (e.g. endpoint_url for S3)")
-    keep_rounds: int = setting(
-        KEEP_ROUNDS, "rounds of pseudo-gradients kept before garbage collection"
-    )
-
-    def __post_init__(self) -> None:
-        require(self.keep_rounds >= 1, "store.keep_rounds", "must be >= 1")
 
 
 @dataclass(frozen=True)

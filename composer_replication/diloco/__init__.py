@@ -15,6 +15,7 @@ _LAZY = {
     "Manager": "composer_replication.diloco.manager",
     "OuterLoopMode": "composer_replication.diloco.outer_mode",
     "OuterOptimizerConfig": "composer_replication.diloco.outer_optimizer",
+    "StreamingOptions": "composer_replication.diloco.outer_loop",
     "TorchFTManager": "composer_replication.diloco.torchft.torchft_path",
     "outer_loop_mode": "composer_replication.diloco.mode_registry",
 }

@@ -41,10 +41,13 @@ from composer_replication.diloco.synchronizer_config import SynchronizerConfig
 from composer_replication.exchange.lease import Lease
 from composer_replication.exchange.protocol import CorruptContributionError
 from composer_replication.exchange.push_store import DecoupledStore, Push, PushId
+from composer_replication.exchange.robust import AggregatePolicy
 
 __all__ = ["FragmentMerger", "FragmentState", "Inbox", "SynchronizerStats", "Timings"]
 
 log = logging.getLogger(__name__)
+
+_DEFAULT_OUTLIER_RATIO = AggregatePolicy().aggregate_outlier_ratio
 
 Tensors = dict[str, torch.Tensor]
 Reference = dict[str, tuple[list[int], str]]
@@ -427,8 +430,11 @@ class FragmentMerger:
             decisions = record["decisions"]
             merged = combine_decided(inputs, decisions, record["aggregate"])
         else:
+            ratio = record.get("outlier_ratio")  # null in records of an unset ratio: the default
             merged, decisions = aggregate(
-                inputs, record["aggregate"], outlier_ratio=record.get("outlier_ratio")
+                inputs,
+                record["aggregate"],
+                outlier_ratio=_DEFAULT_OUTLIER_RATIO if ratio is None else float(ratio),
             )
         return merge_pushes(record["merge"], merged, inputs, decisions, frag.mean_only), decisions
 

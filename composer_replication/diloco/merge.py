@@ -85,19 +85,22 @@ def _decision(
     return {"included": included, "reason": reason, "weight": weight, "scale": scale, "note": note}
 
 
-def _policy(method: rules.AggregateName, outlier_ratio: float | None) -> robust.AggregatePolicy:
+_POLICY = robust.AggregatePolicy()
+
+
+def _policy(method: rules.AggregateName, outlier_ratio: float) -> robust.AggregatePolicy:
     # the inputs' work weights go in as weight claims (capped at the robust default multiple of
     # the round's median claim); no per-step claim bounds: the work is counted by the learners
-    if outlier_ratio is None:
-        return robust.AggregatePolicy(method=method, weighting="tokens")
-    return robust.AggregatePolicy(method=method, weighting="tokens", outlier_ratio=outlier_ratio)
+    return robust.AggregatePolicy(
+        aggregate=method, weighting="tokens", aggregate_outlier_ratio=outlier_ratio
+    )
 
 
 def aggregate(
     inputs: list[MergeInput],
-    method: rules.AggregateName = "mean",
+    method: rules.AggregateName = _POLICY.aggregate,
     *,
-    outlier_ratio: float | None = None,
+    outlier_ratio: float = _POLICY.aggregate_outlier_ratio,
 ) -> tuple[Tensors, dict[str, Decision]]:
     """Screen and merge ``inputs``: (merged tensors, one `Decision` per input id).
 
@@ -154,7 +157,9 @@ def combine_decided(
         )
         for k, i in enumerate(chosen)
     ]
-    merged: Tensors = robust.combine(candidates, verdicts, _policy(method, None))
+    merged: Tensors = robust.combine(
+        candidates, verdicts, _policy(method, _POLICY.aggregate_outlier_ratio)
+    )
     return merged
 
 

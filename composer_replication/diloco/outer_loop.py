@@ -32,6 +32,7 @@ what our users need around it:
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, fields
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -43,7 +44,6 @@ from composer_replication.diloco.outer_optimizer import (
     OUTER_OPTIMIZERS,
     OuterOptimizerConfig,
     OuterOptimizerFactory,
-    outer_optimizer_factory,
 )
 from composer_replication.diloco.torchft.torchft_path import as_manager
 
@@ -55,8 +55,8 @@ __all__ = [
     "OUTER_OPTIMIZERS",
     "DiLoCoOuterLoop",
     "OuterOptimizerConfig",
+    "StreamingOptions",
     "make_diloco_outer_loop",
-    "outer_optimizer_factory",
     "unwrap_optimizer",
 ]
 
@@ -90,7 +90,24 @@ def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     return optimizer
 
 
-_OUTER = OuterOptimizerConfig()  # DiLoCo's outer Nesterov SGD: the defaults, written once there
+@dataclass(frozen=True, kw_only=True)
+class StreamingOptions:
+    """torchft `DiLoCo`'s own options: ``fragment_sync_delay`` (tau, inner steps between sending
+    a fragment and applying it), ``fragment_update_alpha`` (after a sync, model = lerp(global,
+    local, alpha); 0 = take the global), where the global weights' backup lives
+    (``backup_device``) and bucketized allreduce (``use_bucketization``, ``bucket_cap_mb``)."""
+
+    fragment_sync_delay: int = 0
+    fragment_update_alpha: float = 0.0
+    backup_device: torch.device | None = None
+    use_bucketization: bool = False
+    bucket_cap_mb: int | None = None
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.fragment_update_alpha <= 1.0:
+            raise ValueError(
+                f"fragment_update_alpha must be in [0, 1], got {self.fragment_update_alpha}"
+            )
 
 
 class DiLoCoOuterLoop:
@@ -110,15 +127,8 @@ class DiLoCoOuterLoop:
         model: nn.Module | None = None,
         model_fragments: Sequence[nn.Module] | None = None,
         num_fragments: int = 1,
-        outer_lr: float = _OUTER.outer_lr,
-        outer_momentum: float = _OUTER.outer_momentum,
-        nesterov: bool = True,
-        outer_optimizer_factory: OuterOptimizerFactory | None = None,
-        fragment_sync_delay: int = 0,
-        fragment_update_alpha: float = 0.0,
-        backup_device: torch.device | None = None,
-        use_bucketization: bool = False,
-        bucket_cap_mb: int | None = None,
+        outer: OuterOptimizerConfig | OuterOptimizerFactory | None = None,
+        streaming: StreamingOptions | None = None,
         sync_initial_state: bool = True,
     ) -> None:
         if manager is None:
@@ -137,36 +147,27 @@ class DiLoCoOuterLoop:
                 f"sync_every_h={sync_every_h} must be a multiple of the number of fragments "
                 f"({n_frag}): each fragment syncs every sync_every_h / n_fragments steps"
             )
-        if not 0 <= fragment_sync_delay < sync_every_h // n_frag:
+        streaming = StreamingOptions() if streaming is None else streaming
+        delay = streaming.fragment_sync_delay
+        if not 0 <= delay < sync_every_h // n_frag:
             raise ValueError(
-                f"fragment_sync_delay={fragment_sync_delay} must be in [0, sync_every_h / "
+                f"fragment_sync_delay={delay} must be in [0, sync_every_h / "
                 f"n_fragments = {sync_every_h // n_frag}) so a fragment finishes before its next sync"
             )
-        if not 0.0 <= fragment_update_alpha <= 1.0:
-            raise ValueError(
-                f"fragment_update_alpha must be in [0, 1], got {fragment_update_alpha}"
-            )
-        if outer_optimizer_factory is None:  # checked as the run config checks [diloco]
-            outer_optimizer_factory = OuterOptimizerConfig(
-                outer_optimizer="nesterov" if nesterov else "sgd",
-                outer_lr=outer_lr,
-                outer_momentum=outer_momentum,
-            ).build_outer_optimizer()
+        if outer is None:  # DiLoCo's outer Nesterov SGD
+            outer = OuterOptimizerConfig()
+        factory = (
+            outer.build_outer_optimizer() if isinstance(outer, OuterOptimizerConfig) else outer
+        )
         self.manager: Manager = as_manager(manager)
         self.sync_every_h = sync_every_h
         self.num_fragments = n_frag
-        self._outer_factory: OuterOptimizerFactory = outer_optimizer_factory
+        self._outer_factory: OuterOptimizerFactory = factory
         # The outer step's settings in use, read off an outer optimizer the factory builds.
-        probe = outer_optimizer_factory([nn.Parameter(torch.zeros(1))])
+        probe = factory([nn.Parameter(torch.zeros(1))])
         self._outer_hparams = dict(probe.param_groups[0])
         self._model_fragments = list(model_fragments) if model_fragments is not None else None
-        self._kw = dict(
-            backup_device=backup_device,
-            use_bucketization=use_bucketization,
-            bucket_cap_mb=bucket_cap_mb,
-            fragment_sync_delay=fragment_sync_delay,
-            fragment_update_alpha=fragment_update_alpha,
-        )
+        self._kw = {f.name: getattr(streaming, f.name) for f in fields(streaming)}
         self.sync_initial_state = sync_initial_state
         self.model = model
         self.inner_optimizer: torch.optim.Optimizer | None = None
@@ -363,15 +364,8 @@ def make_diloco_outer_loop(
     model: nn.Module | None = None,
     model_fragments: Sequence[nn.Module] | None = None,
     num_fragments: int = 1,
-    outer_lr: float = _OUTER.outer_lr,
-    outer_momentum: float = _OUTER.outer_momentum,
-    nesterov: bool = True,
-    outer_optimizer_factory: OuterOptimizerFactory | None = None,
-    fragment_sync_delay: int = 0,
-    fragment_update_alpha: float = 0.0,
-    backup_device: torch.device | None = None,
-    use_bucketization: bool = False,
-    bucket_cap_mb: int | None = None,
+    outer: OuterOptimizerConfig | OuterOptimizerFactory | None = None,
+    streaming: StreamingOptions | None = None,
     sync_initial_state: bool = True,
 ) -> DiLoCoOuterLoop:
     """Build the DiLoCo outer loop (see the module docstring).
@@ -385,10 +379,10 @@ def make_diloco_outer_loop(
         model: the module being trained; optional when the optimizer holds all its parameters.
         model_fragments / num_fragments: Streaming DiLoCo; explicit modules, or a strided split
             of ``model``'s blocks into ``num_fragments`` (each synced every H / P steps).
-        outer_lr, outer_momentum, nesterov: outer SGD (DiLoCo: 0.7, 0.9, True).
-        outer_optimizer_factory: build a different outer optimizer from a fragment's params.
-        fragment_sync_delay: tau, inner steps between sending a fragment and applying it.
-        fragment_update_alpha: after a sync, model = lerp(global, local, alpha) (0 = take global).
+        outer: the outer optimizer: its settings (`OuterOptimizerConfig`, the ``[diloco]
+            outer_*`` keys; None: DiLoCo's SGD with Nesterov momentum, lr 0.7, momentum 0.9) or a
+            factory of a fragment's parameters (e.g. SparseLoCo's plain SGD).
+        streaming: torchft DiLoCo's own options (`StreamingOptions`; None: its defaults).
         sync_initial_state: start from the run's global weights (`Manager.initial_sync`).
     """
     return DiLoCoOuterLoop(
@@ -398,14 +392,7 @@ def make_diloco_outer_loop(
         model=model,
         model_fragments=model_fragments,
         num_fragments=num_fragments,
-        outer_lr=outer_lr,
-        outer_momentum=outer_momentum,
-        nesterov=nesterov,
-        outer_optimizer_factory=outer_optimizer_factory,
-        fragment_sync_delay=fragment_sync_delay,
-        fragment_update_alpha=fragment_update_alpha,
-        backup_device=backup_device,
-        use_bucketization=use_bucketization,
-        bucket_cap_mb=bucket_cap_mb,
+        outer=outer,
+        streaming=streaming,
         sync_initial_state=sync_initial_state,
     )

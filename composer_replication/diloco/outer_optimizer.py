@@ -24,7 +24,6 @@ __all__ = [
     "OuterOptimizerConfig",
     "OuterOptimizerFactory",
     "OuterOptimizerName",
-    "outer_optimizer_factory",
 ]
 
 OuterOptimizerName = Literal["nesterov", "sgd", "adam"]
@@ -84,28 +83,3 @@ class OuterOptimizerConfig:
             eps = self.outer_eps
             return lambda params: torch.optim.Adam(params, lr=lr, betas=betas, eps=eps)
         return lambda params: torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=nesterov)
-
-
-_DEFAULT = OuterOptimizerConfig()
-
-
-def outer_optimizer_factory(
-    name: str,
-    *,
-    lr: float = _DEFAULT.outer_lr,
-    momentum: float = _DEFAULT.outer_momentum,
-    betas: tuple[float, float] = (_DEFAULT.outer_betas[0], _DEFAULT.outer_betas[1]),
-    eps: float = _DEFAULT.outer_eps,
-) -> OuterOptimizerFactory:
-    """The outer optimizer ``name`` as a factory of fragment parameters (`OuterOptimizerConfig`
-    checks the values; ``ValueError`` naming what is wrong)."""
-    if name not in OUTER_OPTIMIZERS:
-        raise ValueError(f"outer optimizer {name!r} is not one of {list(OUTER_OPTIMIZERS)}")
-    config = OuterOptimizerConfig(
-        outer_optimizer=name,  # a name of OUTER_OPTIMIZERS: checked just above
-        outer_lr=lr,
-        outer_momentum=momentum,
-        outer_betas=list(betas),
-        outer_eps=eps,
-    )
-    return config.build_outer_optimizer()

@@ -19,6 +19,7 @@ from composer_replication.exchange import rules
 from composer_replication.exchange.liveness import DEAD_AFTER_S, STALE_AFTER_S
 from composer_replication.exchange.robust import WEIGHTINGS, AggregatePolicy, WeightingName
 from composer_replication.exchange.rules import AggregateName
+from composer_replication.exchange.settings import KEEP_ROUNDS
 from composer_replication.fields import require, setting
 
 __all__ = [
@@ -29,19 +30,36 @@ __all__ = [
     "MergeMethod",
     "SynchronizerConfig",
     "SynchronizerSettings",
+    "check_outer_step",
 ]
 
 MergeMethod = Literal["mean", "rda"]
 LatePolicy = Literal["drop", "carry"]
 MERGE_METHODS: tuple[MergeMethod, ...] = get_args(MergeMethod)
 LATE_POLICIES: tuple[LatePolicy, ...] = get_args(LatePolicy)
-KEEP_ROUNDS = 4  # versions (rounds) the store keeps before garbage collection
 
 _POLICY = AggregatePolicy()
 
 
 def _choice(key: str, value: object, choices: tuple[str, ...]) -> None:
     require(value in choices, key, f"{value!r} is not one of {list(choices)}")
+
+
+def check_outer_step(*, outer_optimizer: str, merge: str, aggregate: str) -> None:
+    """The synchronizer's rules on the keys it shares with sync mode, stated once (the
+    synchronizer's config and the decoupled mode's check of ``[diloco]`` both call this):
+    its outer step is SGD, and ``merge = 'rda'`` takes a plain mean. ValueError naming the key."""
+    require(
+        outer_optimizer != "adam",
+        "outer_optimizer",
+        "'adam' runs in sync mode only; the decoupled synchronizer's outer step is SGD "
+        "with (Nesterov) momentum: use 'nesterov' or 'sgd'",
+    )
+    require(
+        merge == "mean" or not rules.get(aggregate).robust,
+        "merge",
+        "'rda' averages directions itself: use aggregate = 'mean' with it",
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,13 +107,12 @@ class SynchronizerSettings:
 class SynchronizerConfig(SynchronizerSettings, OuterOptimizerConfig):
     """Everything a `Synchronizer` needs (see the module docstring; defaults in docs/diloco.md).
 
-    ``aggregate_outlier_ratio`` None keeps the robust module's default norm screening;
     ``max_steps``: a learner counts as done at "done" with at least this many steps.
     """
 
     weighting: WeightingName = _POLICY.weighting  # one of exchange.robust's WEIGHTINGS
-    aggregate: AggregateName = _POLICY.method  # an aggregation rule (exchange.rules)
-    aggregate_outlier_ratio: float | None = None
+    aggregate: AggregateName = _POLICY.aggregate  # an aggregation rule (exchange.rules)
+    aggregate_outlier_ratio: float = _POLICY.aggregate_outlier_ratio  # 0 = no norm screening
     keep_rounds: int = KEEP_ROUNDS
     poll_interval_s: float = 0.1
     ema: float = 0.2
@@ -108,18 +125,10 @@ class SynchronizerConfig(SynchronizerSettings, OuterOptimizerConfig):
     def __post_init__(self) -> None:
         SynchronizerSettings.__post_init__(self)
         OuterOptimizerConfig.__post_init__(self)
-        require(
-            self.outer_optimizer != "adam",
-            "outer_optimizer",
-            "'adam' runs in sync mode only; the decoupled synchronizer's outer step is SGD "
-            "with (Nesterov) momentum: use 'nesterov' or 'sgd'",
-        )
         _choice("weighting", self.weighting, WEIGHTINGS)
         _choice("aggregate", self.aggregate, rules.names())
-        require(
-            self.merge == "mean" or not rules.get(self.aggregate).robust,
-            "merge",
-            "'rda' averages directions itself: use aggregate = 'mean' with it",
+        check_outer_step(
+            outer_optimizer=self.outer_optimizer, merge=self.merge, aggregate=self.aggregate
         )
         require(
             isinstance(self.keep_rounds, int) and self.keep_rounds >= 1,

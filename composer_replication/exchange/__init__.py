@@ -15,6 +15,7 @@ from composer_replication.lazy import lazy_getattr
 EXPORTS = {
     "ObjectStore": "composer_replication.exchange.store",
     "normalize_uri": "composer_replication.exchange.store",
+    "AllReduceConfig": "composer_replication.exchange.settings",
     "ObjectStoreAllReduce": "composer_replication.exchange.allreduce",
     "ObjectStoreManager": "composer_replication.exchange.store_manager",
     "MockManager": "composer_replication.exchange.store_manager",

@@ -68,6 +68,7 @@ from composer_replication.exchange.documents import RunDocuments
 from composer_replication.exchange.liveness import REPLICA_ROLE, read_departure
 from composer_replication.exchange.protocol import (
     HEAD_KEY,
+    Encoding,
     commit_key,
     contrib_key,
     decode_contribution,
@@ -80,20 +81,18 @@ from composer_replication.exchange.protocol import (
 )
 from composer_replication.exchange.retry import retry_write
 from composer_replication.exchange.robust import (
-    AggregateName,
-    AggregatePolicy,
     Candidate,
     Decision,
     LossProbe,
     TensorStats,
-    WeightingName,
     merge_weights,
     screen,
     tensor_stats,
 )
+from composer_replication.exchange.settings import AllReduceConfig
 from composer_replication.exchange.signing import RunKeys
 from composer_replication.exchange.state import model_fingerprint
-from composer_replication.exchange.store import ObjectStore, Store, normalize_uri
+from composer_replication.exchange.store import ObjectStore, Store
 from composer_replication.exchange.vocabulary import (
     CommitRecord,
     Contribution,
@@ -122,131 +121,80 @@ log = logging.getLogger(__name__)
 
 
 class ObjectStoreAllReduce(RunDocuments):
-    """Pseudo-gradient exchange through ``uri`` (``file://``, ``memory://``, ``s3://``, ``gs://``).
+    """Pseudo-gradient exchange through ``uri``: the store's URI (``file://``, ``memory://``,
+    ``s3://``, ``gs://``; with ``storage_options`` for fsspec) or a `store.Store` of it (e.g. a
+    `faulty_store.FaultyStore` that injects faults).
 
     ``rank=None`` gives a driver/observer handle (manifest, states, run documents) that cannot
-    call :meth:`allreduce` unless ``world_size == 1`` (a passthrough needs no rank).
-    ``min_replicas``: contributions a step needs (None: every rank, the library's strict
-    choice; `composer-replication train` passes the run's quorum,
-    `settings.ExchangeConfig.commit_quorum`, by default ``max(1, world_size - 1)``).
-    ``checksum`` is the algorithm this replica's contributions are checksummed with:
-    ``"xxh3-128"`` (default when the ``xxhash`` package is installed: fast, detects truncation
-    and corruption) or ``"sha256"`` (default otherwise; also resists deliberate forgery by
-    someone with write access to the bucket). Replicas of one run may differ: headers and commit
-    records name the algorithm, and readers verify with it (xxh3-128 needs xxhash everywhere).
-    ``aggregate``: the merge method (``"mean"``, ``"trimmed_mean"``, ``"median"``,
-    ``"norm_clip"``) or a full `robust.AggregatePolicy` (screening thresholds, claim bounds;
-    its ``weighting`` then replaces ``weighting``). ``loss_probe``: the held-out loss callback
-    a ``screen="loss"`` policy needs. ``keys``: this replica's `signing.RunKeys` (signing on:
-    sha256 checksums, everything signed and verified). ``writer_secret``: the key of this rank's
-    writer ids (unsigned runs; >= 16 bytes). Give every incarnation of a rank the same secret
-    (the run driver keeps one per rank in the run folder) so that a restarted rank recognises
-    the upload its earlier incarnation made for a step that is not committed yet; None: a random
-    secret per process (a restarted rank then finds that slot squatted and sits the step out).
-    ``sparse``: what codec ``"sparseloco"`` keeps of this replica's tensors (`sparse.SparseSpec`:
-    density, chunk, bits; None: its defaults). Its payloads describe their own layout, so
-    readers decode whatever a peer sent (validated); error feedback is the caller's
-    (``diloco/sparseloco.py``). ``store``: the `store.Store` of ``uri`` to use (e.g. a
-    `faulty_store.FaultyStore` that injects faults; None: a new ``ObjectStore(uri,
-    storage_options)``). ``slot_secret``: the run's slot secret, the same bytes (>= 16) on every
-    rank: each rank's keys of a step are derived from it (`slot`, module docstring), so a planted
-    object is never read; None: the plain ``contrib/<rank>`` keys, where only the owner records
-    tell a planted object from the rank's (and a squatted slot is that rank's absence).
+    call :meth:`allreduce` unless ``world_size == 1`` (a passthrough needs no rank). ``config``:
+    the exchange's settings (`settings.AllReduceConfig`: codec, checksum, quorum, aggregation,
+    timeouts, retention; None: its defaults). Replicas of one run may use different checksums:
+    headers and commit records name the algorithm, and readers verify with it (xxh3-128 needs
+    xxhash everywhere). SparseLoCo's payloads describe their own layout, so readers decode
+    whatever a peer sent (validated); error feedback is the caller's (``diloco/sparseloco.py``).
+    ``loss_probe``: the held-out loss callback a ``screen="loss"`` policy needs. ``keys``: this
+    replica's `signing.RunKeys` (signing on: sha256 checksums, everything signed and verified).
+    ``writer_secret``: the key of this rank's writer ids (unsigned runs; >= 16 bytes). Give every
+    incarnation of a rank the same secret (the run driver keeps one per rank in the run folder)
+    so that a restarted rank recognises the upload its earlier incarnation made for a step that
+    is not committed yet; None: a random secret per process (a restarted rank then finds that
+    slot squatted and sits the step out). ``slot_secret``: the run's slot secret, the same bytes
+    (>= 16) on every rank: each rank's keys of a step are derived from it (`slot`, module
+    docstring), so a planted object is never read; None: the plain ``contrib/<rank>`` keys, where
+    only the owner records tell a planted object from the rank's (and a squatted slot is that
+    rank's absence).
     """
 
     def __init__(
         self,
-        uri: str,
+        uri: str | Store,
         world_size: int = 1,
         rank: int | None = None,
         *,
-        timeout_s: float = 600.0,
-        upload_timeout_s: float | None = None,
-        run_timeout_s: float | None = None,
-        codec: str = "fp32",
-        min_replicas: int | None = None,
-        weighting: WeightingName = "equal",
+        config: AllReduceConfig | None = None,
         storage_options: dict[str, object] | None = None,
-        keep_steps: int = 4,
-        poll_interval_s: float = 0.1,
-        checksum: str | None = None,
-        aggregate: AggregateName | AggregatePolicy = "mean",
-        loss_probe: LossProbe | None = None,
         keys: RunKeys | None = None,
         writer_secret: bytes | None = None,
-        sparse: codecs.SparseSpec | None = None,
-        departure_poll_s: float = 1.0,
-        fence: Callable[[], None] | None = None,
-        store: Store | None = None,
         slot_secret: bytes | None = None,
+        loss_probe: LossProbe | None = None,
+        fence: Callable[[], None] | None = None,
     ) -> None:
+        config = AllReduceConfig() if config is None else config
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
         if rank is not None and (not isinstance(rank, int) or not 0 <= rank < world_size):
             raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank!r}")
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
-        upload_timeout_s = timeout_s / 4 if upload_timeout_s is None else upload_timeout_s
-        if not 0 < upload_timeout_s < timeout_s:
-            raise ValueError(
-                f"timeouts must be ordered upload < step: upload_timeout_s={upload_timeout_s} "
-                f"is not in (0, timeout_s={timeout_s})"
-            )
-        if run_timeout_s is not None and not run_timeout_s > timeout_s:
-            raise ValueError(
-                f"timeouts must be ordered step < run: run_timeout_s={run_timeout_s} must exceed "
-                f"timeout_s={timeout_s} (or be None for no overall limit)"
-            )
-        min_replicas = world_size if min_replicas is None else min_replicas
-        if not isinstance(min_replicas, int) or not 1 <= min_replicas <= world_size:
+        min_replicas = world_size if config.min_replicas is None else config.min_replicas
+        if not 1 <= min_replicas <= world_size:
             raise ValueError(f"min_replicas must be in [1, {world_size}], got {min_replicas!r}")
-        if weighting not in ("equal", "tokens"):
-            raise ValueError(f"weighting must be 'equal' or 'tokens', got {weighting!r}")
-        if isinstance(aggregate, AggregatePolicy):
-            if weighting != "equal" and weighting != aggregate.weighting:
-                raise ValueError(
-                    f"weighting={weighting!r} contradicts the policy's {aggregate.weighting!r}"
-                )
-            policy = aggregate
-        else:
-            policy = AggregatePolicy(method=aggregate, weighting=weighting)
+        policy = config.policy()
         if policy.screen == "loss" and loss_probe is None:
             raise ValueError("a screen='loss' policy needs loss_probe=<held-out loss callback>")
+        checksum = config.checksum
         if keys is not None and checksum not in (None, "sha256"):
             raise ValueError(f"signing needs sha256 checksums; checksum={checksum!r} given")
-        if not isinstance(keep_steps, int) or keep_steps < 1:
-            raise ValueError(f"keep_steps must be an int >= 1, got {keep_steps!r}")
-        if not poll_interval_s > 0:
-            raise ValueError(f"poll_interval_s must be > 0, got {poll_interval_s!r}")
-        if not departure_poll_s > 0:
-            raise ValueError(f"departure_poll_s must be > 0, got {departure_poll_s!r}")
         for name, secret in (("writer_secret", writer_secret), ("slot_secret", slot_secret)):
             if secret is not None and (not isinstance(secret, bytes) or len(secret) < 16):
                 raise ValueError(
                     f"{name} must be bytes of length >= 16 (e.g. os.urandom(32)), or None"
                 )
-        if store is None:
-            store = ObjectStore(uri, storage_options)
-        elif store.uri != normalize_uri(uri):
-            raise ValueError(f"store= is a store of {store.uri}, not of uri={uri!r}")
-        elif storage_options:
+        store = ObjectStore(uri, storage_options) if isinstance(uri, str) else uri
+        if store is uri and storage_options:
             raise ValueError(
-                "storage_options configure the store built here; with store= they belong to "
-                "that store"
+                "storage_options configure the store built from a URI; a Store given has its own"
             )
         super().__init__(
             store,
             world_size=world_size,
-            codec=codecs.check_codec(codec),
-            keep_steps=keep_steps,
-            poll_interval_s=float(poll_interval_s),
+            codec=codecs.check_codec(config.codec),
+            keep_steps=config.keep_rounds,
+            poll_interval_s=float(config.poll_interval_s),
             keys=keys,
             mac_secret=slot_secret,
         )
+        self.config = config
         self.rank = rank
-        if sparse is not None and not isinstance(sparse, codecs.SparseSpec):
-            raise TypeError(f"sparse must be a SparseSpec, got {type(sparse).__name__}")
-        self.sparse = sparse if sparse is not None else codecs.SparseSpec()
+        self.sparse = config.sparse if config.sparse is not None else codecs.SparseSpec()
         self._codec = codecs.configured(self.codec, self.sparse)  # what this replica sends
         # what this replica writes; readers verify whatever algorithm each header names
         if keys is not None:
@@ -256,11 +204,11 @@ class ObjectStoreAllReduce(RunDocuments):
         )
         self.policy = policy
         self.loss_probe = loss_probe
-        self.timeout_s = float(timeout_s)
+        self.timeout_s = float(config.timeout_s)
         # how long the others wait for the lowest valid rank's commit record before committing
         self.commit_grace_s = min(self.timeout_s / 4, max(5.0, 50 * self.poll_interval_s))
-        self.upload_timeout_s = float(upload_timeout_s)
-        self.run_timeout_s = run_timeout_s
+        self.upload_timeout_s = float(config.upload_s)
+        self.run_timeout_s = config.run_timeout_s
         self.min_replicas = min_replicas
         self.weighting = policy.weighting
         self.last_result: StepResult | None = None
@@ -268,10 +216,11 @@ class ObjectStoreAllReduce(RunDocuments):
         # lets a restart recognise its earlier upload of a step not committed yet
         self._writer_secret = os.urandom(32) if writer_secret is None else writer_secret
         self._slot_secret = slot_secret
+        run_timeout_s = config.run_timeout_s
         self._run_deadline = None if run_timeout_s is None else time.monotonic() + run_timeout_s
         self._uploader: ThreadPoolExecutor | None = None
         self._fetcher: ThreadPoolExecutor | None = None
-        self.departure_poll_s = float(departure_poll_s)
+        self.departure_poll_s = float(config.departure_poll_s)
         self.fence = fence
         # ranks seen departed at an earlier step: checked at the first poll of the next ones
         self._known_departed: set[int] = set()
@@ -446,11 +395,9 @@ class ObjectStoreAllReduce(RunDocuments):
             step=step,
             tokens=tokens,
             inner_steps=inner_steps,
-            codec=self.codec,
-            checksum=self.checksum,
+            encoding=Encoding(self.codec, self.sparse, self.checksum),
             writer=writer,
             keys=self.keys,
-            sparse=self.sparse,
         )
         up = down = 0
         valid: dict[int, Contribution] = {}
@@ -867,7 +814,7 @@ class ObjectStoreAllReduce(RunDocuments):
         decisions: list[Decision] | None = None,
     ) -> CommitRecord:
         assert self.rank is not None
-        method = self.policy.method
+        method = self.policy.aggregate
         record = make_commit(
             step=step,
             world_size=self.world_size,
@@ -950,10 +897,10 @@ class ObjectStoreAllReduce(RunDocuments):
         bit-reproducible across machines: they stay the committer's."""
         policy, ranks = self.policy, commit["included_ranks"]
         method = commit.get("aggregate", "mean")
-        if method != policy.method or commit.get("weighting", "equal") != policy.weighting:
+        if method != policy.aggregate or commit.get("weighting", "equal") != policy.weighting:
             return (
                 f"it merges with {method!r} weighting {commit.get('weighting', 'equal')!r}; "
-                f"this run merges with {policy.method!r} weighting {policy.weighting!r}"
+                f"this run merges with {policy.aggregate!r} weighting {policy.weighting!r}"
             )
         rule = rules.get(method)
         trim = rule.trim(len(ranks), policy)

@@ -54,6 +54,7 @@ from composer_replication.exchange.sparse import SparseSpec
 from composer_replication.fields import OneOf
 
 __all__ = [
+    "DEFAULT",
     "CHUNK",
     "CODECS",
     "CodecName",
@@ -207,6 +208,7 @@ DENSE: tuple[str, ...] = tuple(n for n in CODECS if not get(n).needs_error_feedb
 QUANTISED: tuple[str, ...] = tuple(n for n in DENSE if "s" in get(n).layout(1))
 """The dense codecs with per-block scales (derived: their parts include ``s``)."""
 SPARSE = sparse.NAME
+DEFAULT = codec_fp32.NAME  # the codec when none is named: `[diloco] codec`'s default, lossless
 
 
 def config_type(codec: str) -> type:

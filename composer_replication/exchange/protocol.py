@@ -34,12 +34,13 @@ import hashlib
 import json
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from composer_replication.exchange import checksums, codecs, wire
-from composer_replication.exchange.robust import Decision
+from composer_replication.exchange.robust import AggregatePolicy, Decision
 from composer_replication.exchange.rules import is_rule_name
 from composer_replication.exchange.signing import RunKeys, rank_identity
 from composer_replication.exchange.vocabulary import (
@@ -63,6 +64,7 @@ __all__ = [
     "Contribution",
     "CorruptContributionError",
     "ExchangeCancelledError",
+    "Encoding",
     "ModelMismatchError",
     "StepResult",
     "StoreTimeoutError",
@@ -152,6 +154,17 @@ def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
 # ----------------------------------------------------------------------------- contributions
 
 
+@dataclass(frozen=True)
+class Encoding:
+    """How a payload's tensors are written: the ``codec``, what codec ``sparseloco`` keeps
+    (``sparse``; None: `sparse.SparseSpec`'s defaults) and the ``checksum`` algorithm of the data
+    section (None: :func:`checksums.default_checksum`; signed payloads are always sha256)."""
+
+    codec: codecs.CodecName = codecs.DEFAULT
+    sparse: codecs.SparseSpec | None = None
+    checksum: str | None = None
+
+
 def encode_contribution(
     tensors: dict[str, torch.Tensor],
     *,
@@ -159,28 +172,25 @@ def encode_contribution(
     step: int,
     tokens: int | None,
     inner_steps: int | None,
-    codec: str,
-    checksum: str | None = None,
+    encoding: Encoding,
     extra: Mapping[str, object] | None = None,
     writer: str | None = None,
     keys: RunKeys | None = None,
-    sparse: codecs.SparseSpec | None = None,
 ) -> tuple[list[wire.Buffer], Contribution]:
     """Encode ``tensors`` as a safetensors payload (header + zero-copy data buffers).
 
     Returns the payload as a list of buffers (``b"".join`` gives the file) and the same data as
-    a Contribution. ``checksum`` in the header is ``{"algo": ..., "value": ...}`` of the data
-    section (``checksum=None``: :func:`checksums.default_checksum`; ``keys``: sha256, signed).
-    ``extra`` (a JSON object) is stored in the header as is (covered by the signature) and
-    returned in ``Contribution.extra``. ``sparse``: what codec ``sparseloco`` keeps (None:
-    `sparse.SparseSpec`'s defaults).
+    a Contribution, written as ``encoding`` says. The header's ``checksum`` is ``{"algo": ...,
+    "value": ...}`` of the data section (``keys``: sha256, signed). ``extra`` (a JSON object) is
+    stored in the header as is (covered by the signature) and returned in ``Contribution.extra``.
     """
+    codec, checksum = encoding.codec, encoding.checksum
     if keys is not None and checksum not in (None, "sha256"):
         raise ValueError(f"signed contributions are checksummed with sha256, not {checksum!r}")
     if keys is not None:
         checksum = "sha256"
     algo = checksums.default_checksum() if checksum is None else checksums.check_checksum(checksum)
-    encoder = codecs.configured(codec, sparse)
+    encoder = codecs.configured(codec, encoding.sparse)
     names = sorted(tensors)
     parts: dict[str, torch.Tensor] = {}
     for i, name in enumerate(names):
@@ -372,7 +382,7 @@ def make_commit(
     committed_by: int,
     excluded: dict[int, str],
     decisions: list[Decision] | None = None,
-    aggregate: str = "mean",
+    aggregate: str = AggregatePolicy.aggregate,
     trim: int = 0,
     keys: RunKeys | None = None,
 ) -> dict[str, Any]:

@@ -67,7 +67,11 @@ import torch
 
 from composer_replication.exchange import checksums, codecs, wire
 from composer_replication.exchange import state as state_mod
-from composer_replication.exchange.protocol import decode_contribution, encode_contribution
+from composer_replication.exchange.protocol import (
+    Encoding,
+    decode_contribution,
+    encode_contribution,
+)
 from composer_replication.exchange.signing import (
     DRIVER,
     SYNCHRONIZER,
@@ -230,11 +234,11 @@ def encode_push(
     step_seconds: float,
     learner_step: int,
     final: bool = False,
-    codec: str = "fp32",
-    checksum: str | None = None,
+    encoding: Encoding = Encoding(),
     keys: RunKeys | None = None,
 ) -> list[wire.Buffer]:
-    """The payload of a push (a list of buffers; ``b"".join`` gives the object)."""
+    """The payload of a push (a list of buffers; ``b"".join`` gives the object), written as
+    ``encoding`` says."""
     if not _nonneg_int(steps) or not _nonneg_int(steps_since_push) or not _nonneg_int(learner_step):
         raise ValueError("steps, steps_since_push and learner_step must be ints >= 0")
     if not _finite(step_seconds) or step_seconds < 0:
@@ -254,8 +258,7 @@ def encode_push(
         step=pid.base,
         tokens=tokens,
         inner_steps=steps,
-        codec=codec,
-        checksum=checksum,
+        encoding=encoding,
         extra=extra,
         keys=keys,
     )
@@ -456,7 +459,7 @@ class DecoupledStore:
         self,
         store: Store,
         *,
-        codec: str = "fp32",
+        codec: str = codecs.DEFAULT,
         checksum: str | None = None,
         keys: RunKeys | None = None,
     ) -> None:
@@ -479,6 +482,7 @@ class DecoupledStore:
         self.checksum = (
             checksums.default_checksum() if checksum is None else checksums.check_checksum(checksum)
         )
+        self.encoding = Encoding(self.codec, checksum=self.checksum)
 
     # ------------------------------------------------------------------ signatures
     def _sign(self, doc: dict[str, Any]) -> dict[str, Any]:
@@ -681,8 +685,7 @@ class DecoupledStore:
         payload = encode_push(
             tensors,
             PushId(fragment, base, learner, seq),
-            codec=self.codec,
-            checksum=self.checksum,
+            encoding=self.encoding,
             keys=self.keys,
             **fields,
         )
@@ -690,7 +693,7 @@ class DecoupledStore:
             pid = PushId(fragment, base, learner, s)
             if s != seq:  # the header names the seq: re-encode for the new key
                 payload = encode_push(
-                    tensors, pid, codec=self.codec, checksum=self.checksum, keys=self.keys, **fields
+                    tensors, pid, encoding=self.encoding, keys=self.keys, **fields
                 )
             if self.store.put_if_absent(pid.key, payload):
                 return pid, sum(memoryview(b).nbytes for b in payload)

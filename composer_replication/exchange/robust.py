@@ -15,15 +15,15 @@ and the reason; a candidate rejected by one check is not looked at by the next):
 
 1. claims (``weighting = "tokens"``): no token count; more inner steps than ``max_inner_steps``;
    more tokens than ``inner_steps x max_tokens_per_step`` (a claim the rank's work cannot
-   explain). Accepted claims above ``token_cap x`` the round's median claim are capped there.
+   explain). Accepted claims above ``aggregate_token_cap`` x the round's median claim are capped there.
 2. non-finite values (NaN, +-inf) anywhere.
-3. norm outliers: an L2 norm above ``outlier_ratio x`` the median norm of the candidates still
+3. norm outliers: an L2 norm above ``aggregate_outlier_ratio`` x the median norm of the candidates still
    in (needs 3 or more of them: with two, the median cannot tell which one is the outlier).
 4. (``screen = "loss"``) the loss change the candidate alone causes on a held-out batch, as the
    caller's ``loss_probe`` measures it: rejected when it raises the loss by more than
-   ``loss_tolerance x |baseline loss|`` (Templar-style validation of untrusted peers).
+   ``screen_loss_tolerance`` x ``|baseline loss|`` (Templar-style validation of untrusted peers).
 
-Then `combine` merges the included candidates with the aggregation rule ``policy.method``
+Then `combine` merges the included candidates with the aggregation rule ``policy.aggregate``
 names (`rules`: ``mean``, ``norm_clip``, ``trimmed_mean``, ``median``; each rule's module
 states its arithmetic). The rule also gives the clip scales `screen` records (``norm_clip``)
 and the trim a commit record carries (``trimmed_mean``).
@@ -92,38 +92,46 @@ MIN_TO_JUDGE = 3
 @dataclass(frozen=True)
 class AggregatePolicy:
     """How a round's contributions are screened and merged (defaults documented in
-    docs/object-store.md; `[diloco] aggregate*` keys of the run config map onto these)."""
+    docs/object-store.md). Its fields are the `[diloco] aggregate*` / ``screen*`` keys under
+    their names (`settings.ExchangeConfig` takes its defaults from here), plus the run's claim
+    bounds."""
 
-    method: AggregateName = "mean"  # an aggregation rule's name (exchange.rules)
+    aggregate: AggregateName = "mean"  # an aggregation rule's name (exchange.rules)
     weighting: WeightingName = "equal"
-    outlier_ratio: float = 10.0  # reject norm > ratio x median norm; 0 = no norm screening
-    trim_fraction: float = 0.25  # trimmed_mean: fraction dropped at EACH end per coordinate
-    clip_ratio: float = 1.0  # norm_clip: clip every norm to ratio x median norm
-    token_cap: float = 4.0  # cap token claims at cap x median claim; 0 = no cap
+    aggregate_outlier_ratio: float = 10.0  # reject norm > ratio x median norm; 0 = no screening
+    aggregate_trim_fraction: float = 0.25  # trimmed_mean: fraction dropped at EACH end
+    aggregate_clip_ratio: float = 1.0  # norm_clip: clip every norm to ratio x median norm
+    aggregate_token_cap: float = 4.0  # cap token claims at cap x median claim; 0 = no cap
     max_tokens_per_step: int | None = None  # claim check (tokens); None = unchecked
     max_inner_steps: int | None = None  # claim check (inner steps); None = unchecked
     screen: ScreenName = "none"  # "loss": also score candidates with a LossProbe
-    loss_tolerance: float = 0.05  # screen="loss": reject a loss increase > tol x |baseline|
+    screen_loss_tolerance: float = 0.05  # screen="loss": reject a rise > tol x |baseline|
 
     def __post_init__(self) -> None:
-        _choice("method", self.method, rules.names())
+        _choice("aggregate", self.aggregate, rules.names())
         _choice("weighting", self.weighting, WEIGHTINGS)
         _choice("screen", self.screen, SCREENS)
-        for name in ("outlier_ratio", "token_cap", "loss_tolerance"):
+        for name in ("aggregate_outlier_ratio", "aggregate_token_cap", "screen_loss_tolerance"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-        if self.outlier_ratio and self.outlier_ratio <= 1:
+        ratio, cap = self.aggregate_outlier_ratio, self.aggregate_token_cap
+        if ratio and ratio <= 1:
             raise ValueError(
-                f"outlier_ratio must be > 1 (a multiple of the median norm) or 0 to turn norm "
-                f"screening off, got {self.outlier_ratio!r}"
+                f"aggregate_outlier_ratio must be > 1 (a multiple of the median norm) or 0 to "
+                f"turn norm screening off, got {ratio!r}"
             )
-        if self.token_cap and self.token_cap < 1:
-            raise ValueError(f"token_cap must be >= 1 or 0 (no cap), got {self.token_cap!r}")
-        if not 0 <= self.trim_fraction < 0.5:
-            raise ValueError(f"trim_fraction must be in [0, 0.5), got {self.trim_fraction!r}")
-        if not (math.isfinite(self.clip_ratio) and self.clip_ratio > 0):
-            raise ValueError(f"clip_ratio must be a finite number > 0, got {self.clip_ratio!r}")
+        if cap and cap < 1:
+            raise ValueError(f"aggregate_token_cap must be >= 1 or 0 (no cap), got {cap!r}")
+        if not 0 <= self.aggregate_trim_fraction < 0.5:
+            raise ValueError(
+                f"aggregate_trim_fraction must be in [0, 0.5), got {self.aggregate_trim_fraction!r}"
+            )
+        if not (math.isfinite(self.aggregate_clip_ratio) and self.aggregate_clip_ratio > 0):
+            raise ValueError(
+                f"aggregate_clip_ratio must be a finite number > 0, got "
+                f"{self.aggregate_clip_ratio!r}"
+            )
         for name in ("max_tokens_per_step", "max_inner_steps"):
             value = getattr(self, name)
             if value is not None and (
@@ -300,7 +308,7 @@ def _check_norms(work: _Work, policy: AggregatePolicy) -> None:
     alive = work.alive()
     norms = [c.get_stats().norm for c in alive]
     for c in alive:
-        why = norm_outlier(c.get_stats().norm, norms, policy.outlier_ratio)
+        why = norm_outlier(c.get_stats().norm, norms, policy.aggregate_outlier_ratio)
         if why is not None:
             work.out[c.rank] = why
 
@@ -317,7 +325,7 @@ def _check_loss(work: _Work, policy: AggregatePolicy, probe: LossProbe | None) -
     if not math.isfinite(baseline):
         raise ValueError(f"screen='loss': the baseline loss is {baseline} (check the probe)")
     deltas: dict[int, float] = {}
-    allowed = policy.loss_tolerance * abs(baseline)
+    allowed = policy.screen_loss_tolerance * abs(baseline)
     for c in alive:
         if c.tensors is None:
             raise ValueError(f"screen='loss' needs the tensors of rank {c.rank}")
@@ -327,7 +335,7 @@ def _check_loss(work: _Work, policy: AggregatePolicy, probe: LossProbe | None) -
         if not math.isfinite(loss) or delta > allowed:
             work.out[c.rank] = (
                 f"harmful: alone it moves the held-out loss {baseline:.4g} -> {loss:.4g} "
-                f"(more than loss_tolerance={policy.loss_tolerance:g} x baseline)"
+                f"(more than loss_tolerance={policy.screen_loss_tolerance:g} x baseline)"
             )
     return deltas
 
@@ -337,16 +345,22 @@ def merge_weights(
 ) -> dict[int, float]:
     """rank -> weight of each included rank (sum 1) under ``policy``'s weighting rule, from
     the token counts their contributions claim: equal, or proportional to the tokens (capped at
-    ``token_cap`` x their median; all zero: equal). The committer's rule, and what every reader
+    ``aggregate_token_cap`` x their median; all zero: equal). The committer's rule, and what every reader
     recomputes to check a commit record's weights (``notes``: why a claim was capped)."""
     claims: dict[int, float] = {r: 1.0 for r in tokens}
     if policy.weighting == "tokens" and tokens:
         raw = {r: float(t or 0) for r, t in tokens.items()}
-        cap = policy.token_cap * statistics.median(raw.values()) if policy.token_cap else None
+        cap = (
+            policy.aggregate_token_cap * statistics.median(raw.values())
+            if policy.aggregate_token_cap
+            else None
+        )
         for r, v in raw.items():
             if cap is not None and v > cap:
                 if notes is not None:
-                    notes[r] = f"token claim {int(v)} capped at {policy.token_cap:g} x median"
+                    notes[r] = (
+                        f"token claim {int(v)} capped at {policy.aggregate_token_cap:g} x median"
+                    )
                 raw[r] = cap
         total = sum(raw.values())
         claims = raw if total > 0 else claims  # all zero: equal weights
@@ -359,7 +373,7 @@ def _decide(work: _Work, policy: AggregatePolicy, deltas: dict[int, float]) -> l
     notes: dict[int, str] = {}
     weights = merge_weights({c.rank: c.tokens for c in alive}, policy, notes)
     norms = {c.rank: c.get_stats().norm for c in alive}
-    scales, clipped = rules.get(policy.method).scales(norms, policy)
+    scales, clipped = rules.get(policy.aggregate).scales(norms, policy)
     for rank, note in clipped.items():
         notes[rank] = f"{notes[rank]}; {note}" if rank in notes else note
     decisions = []
@@ -402,7 +416,7 @@ def combine(
         if t is None:
             raise ValueError(f"combine: rank {d.rank} is included but has no tensors")
         tensors.append(t)
-    rule = rules.get(policy.method)
+    rule = rules.get(policy.aggregate)
     equal = policy.weighting == "equal" and all(d.scale == 1.0 for d in chosen)
     operands = [Decoded(t, None if equal else d.weight * d.scale) for t, d in zip(tensors, chosen)]
     return rule.combine(operands, rule.trim(len(tensors), policy))

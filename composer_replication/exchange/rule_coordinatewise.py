@@ -1,6 +1,6 @@
 """The coordinate-wise aggregation rules: ``trimmed_mean`` and ``median``.
 
-- ``trimmed_mean``: per coordinate, drop the ``k = min(ceil(trim_fraction x n), (n-1)//2)``
+- ``trimmed_mean``: per coordinate, drop the ``k = min(ceil(aggregate_trim_fraction x n), (n-1)//2)``
   largest and smallest values and average the rest (Yin et al. 2018);
 - ``median``: per coordinate, the median (mean of the two middle values for even n).
 
@@ -31,7 +31,7 @@ class TrimmedMeanRule(UnscaledRule):
     """``trimmed_mean``: the mean of each coordinate's values but the ``trim`` at each end."""
 
     def trim(self, n: int, settings: RuleSettings) -> int:
-        return trim_count(n, settings.trim_fraction)
+        return trim_count(n, settings.aggregate_trim_fraction)
 
     def combine(self, operands: Iterable[Operand], trim: int) -> dict[str, torch.Tensor]:
         def bounds(n: int) -> tuple[int, int]:

@@ -2,9 +2,9 @@
 
 - ``mean``: the weighted mean (equal weights: summed in rank order, then divided by the count);
   it does not limit what one contribution can do (`robust` False).
-- ``norm_clip``: each contribution first scaled by ``min(1, clip_ratio x median norm / norm)``
+- ``norm_clip``: each contribution first scaled by ``min(1, aggregate_clip_ratio x median norm / norm)``
   (centered-clipping style), then the weighted mean: one contribution moves the result by at
-  most ``clip_ratio x median norm / n``.
+  most ``aggregate_clip_ratio x median norm / n``.
 
 Both add their operands to one `weighted_sum.WeightedSum`, in rank order.
 """
@@ -40,7 +40,7 @@ class MeanRule(UnscaledRule):
 
 
 class NormClipRule(MeanRule):
-    """``norm_clip``: norms clipped to ``clip_ratio x`` the median norm, then the weighted mean."""
+    """``norm_clip``: norms clipped to ``aggregate_clip_ratio`` x the median norm, then the weighted mean."""
 
     robust = True
 
@@ -51,7 +51,7 @@ class NormClipRule(MeanRule):
         notes: dict[int, str] = {}
         if not norms:
             return scales, notes
-        limit = settings.clip_ratio * statistics.median(norms.values())
+        limit = settings.aggregate_clip_ratio * statistics.median(norms.values())
         for rank, norm in norms.items():
             scales[rank] = 1.0 if norm <= limit or norm == 0 else limit / norm
             if scales[rank] < 1.0:

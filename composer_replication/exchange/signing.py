@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from composer_replication.exchange.vocabulary import CorruptContributionError
+from composer_replication.fields import setting
 
 if TYPE_CHECKING:  # cryptography is imported where a key is used (the [security] extra)
     from cryptography.hazmat.primitives.asymmetric.ed25519 import (
@@ -50,6 +51,7 @@ __all__ = [
     "KEY_ENV",
     "SYNCHRONIZER",
     "RunKeys",
+    "SecurityConfig",
     "SignatureError",
     "canonical_bytes",
     "generate_private_key",
@@ -271,3 +273,15 @@ class RunKeys:
             key = self._publics[signer] = _public(hex_key, f"public key of {signer!r}")
         if not _HEX128.match(signature) or not _verify(key, record, signature):
             raise SignatureError(f"{what}: the signature does not verify (forged or modified)")
+
+
+@dataclass(frozen=True)
+class SecurityConfig:
+    """Signed contributions (docs/security.md)."""
+
+    sign: bool = setting(
+        False,
+        "Ed25519-sign every contribution, commit record, state and manifest; the driver makes "
+        "one key per rank and hands each replica only its own (object-store exchange; "
+        "decoupled mode: pushes, merge records and states)",
+    )

@@ -562,7 +562,7 @@ class ObjectStoreManager:
     def _screen_update(self, step: int, update: Mapping[str, torch.Tensor]) -> None:
         """Unsigned runs: refuse a committed global update that is non-finite or whose norm is
         an outlier against the run's recent rounds (`robust.norm_outlier`, the rule that
-        screens contributions, at the exchange's ``outlier_ratio``). A tripwire, not a security
+        screens contributions, at the exchange's ``aggregate_outlier_ratio``). A tripwire, not a security
         boundary: signing is what keeps forged commit records out (docs/security.md)."""
         if self.exchange.keys is not None:
             return
@@ -571,7 +571,7 @@ class ObjectStoreManager:
         why = why or norm_outlier(
             stats.norm,
             list(self._update_norms),
-            self.exchange.policy.outlier_ratio,
+            self.exchange.policy.aggregate_outlier_ratio,
             against=f"the last {len(self._update_norms)} rounds'",
         )
         if why:

@@ -20,15 +20,16 @@ import importlib
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated, cast
+from typing import Annotated, Any, cast
 
 from composer_replication.executors.executor import ServerlessExecutor
-from composer_replication.fields import OneOf
+from composer_replication.fields import OneOf, require, setting
 
 __all__ = [
     "BACKENDS",
     "BACKEND_NAMES",
     "Backend",
+    "BackendConfig",
     "BackendName",
     "backend",
     "executor_class",
@@ -194,3 +195,34 @@ def executor_class(name: str) -> Callable[..., ServerlessExecutor]:
     spec = backend(name)
     cls = getattr(importlib.import_module(spec.module), spec.cls)
     return cast("Callable[..., ServerlessExecutor]", cls)
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    """Where the replicas run (an executor from the registry in composer_replication.executors)."""
+
+    kind: BackendName = setting("local", "executor backend (docs/backends.md)")
+    n_replicas: int = setting(2, "number of DiLoCo replicas")
+    timeout_s: float = setting(
+        3600.0, "wall-clock limit for the whole run (replicas then cancelled)"
+    )
+    max_restarts: int = setting(
+        2,
+        "the driver relaunches a replica that fails (killed, crashed) up to this many times per "
+        "rank; it rejoins from the newest global state (0 = a failure is final)",
+    )
+    options: dict[str, Any] = setting(
+        {}, "executor constructor arguments (image, gpu, namespace, ...)"
+    )
+    resources: dict[str, Any] = setting({}, "per-replica resources passed to launch_replicas")
+    env: dict[str, str] = setting({}, "extra environment variables for every replica")
+    forward_env: list[str] = setting(
+        [],
+        "names of driver environment variables (e.g. AWS_ACCESS_KEY_ID) copied to every "
+        "replica; hf-jobs receives them as encrypted job secrets",
+    )
+
+    def __post_init__(self) -> None:
+        require(self.n_replicas >= 1, "backend.n_replicas", f"{self.n_replicas} must be >= 1")
+        require(self.timeout_s > 0, "backend.timeout_s", "must be > 0")
+        require(self.max_restarts >= 0, "backend.max_restarts", "must be >= 0")

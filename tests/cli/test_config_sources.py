@@ -77,9 +77,11 @@ def test_outer_optimizer_keys_are_the_outer_optimizers_own() -> None:
     d = load_config().diloco
     for f in dataclasses.fields(OuterOptimizerConfig):
         assert getattr(d, f.name) == getattr(own, f.name) == getattr(SynchronizerConfig(), f.name)
+    # the outer loop takes the config itself (None: its defaults), no outer_* argument of its own
     signature = inspect.signature(make_diloco_outer_loop).parameters
-    assert signature["outer_lr"].default == own.outer_lr == 0.7
-    assert signature["outer_momentum"].default == own.outer_momentum
+    assert "OuterOptimizerConfig" in str(signature["outer"].annotation)
+    assert signature["outer"].default is None and own.outer_lr == 0.7
+    assert not {"outer_lr", "outer_momentum", "nesterov"} & set(signature)
     hint = typing.get_type_hints(DilocoConfig)["outer_optimizer"]
     assert typing.get_args(hint) == OUTER_OPTIMIZERS and d.outer_optimizer == "nesterov"
 

@@ -13,10 +13,11 @@ from typing import Any
 
 import torch
 from _diloco_worker import build_model, inner_step
+from allreduce_handles import exchange
 from torch import nn
 
 from composer_replication.diloco import make_diloco_outer_loop
-from composer_replication.exchange import ObjectStoreAllReduce, ObjectStoreManager
+from composer_replication.exchange import ObjectStoreManager
 
 # Model factories seed torch's *global* RNG; without this lock two threads interleave their
 # draws and the initial weights (hence which round-0 state gets published) become a race.
@@ -47,7 +48,7 @@ def run_replicas(
                 model = model_fn(rank)
             opt = torch.optim.SGD(model.parameters(), lr=0.05)
             kw = {"timeout_s": 30.0, "poll_interval_s": 0.01, **(store_kw or {})}
-            store = ObjectStoreAllReduce(uri, world_size=world_size, rank=rank, **kw)
+            store = exchange(uri, world_size=world_size, rank=rank, **kw)
             outer = make_diloco_outer_loop(
                 opt, ObjectStoreManager(store), h, model=model, **(outer_kw or {})
             )

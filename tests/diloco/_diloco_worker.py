@@ -83,6 +83,7 @@ def main() -> None:
     a = ap.parse_args()
 
     from composer_replication.diloco import make_diloco_outer_loop
+    from composer_replication.diloco.outer_optimizer import OuterOptimizerConfig
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -91,7 +92,7 @@ def main() -> None:
     close = None
     manager: Any
     if a.mode == "store":
-        from composer_replication.exchange import MockManager, ObjectStoreAllReduce
+        from composer_replication.exchange import AllReduceConfig, MockManager, ObjectStoreAllReduce
         from composer_replication.exchange.sparse import SparseSpec
 
         spec = SparseSpec(density=a.density, chunk=a.chunk, bits=a.bits)
@@ -99,12 +100,14 @@ def main() -> None:
             uri=a.uri,
             world_size=a.world_size,
             rank=a.rank,
-            timeout_s=a.timeout,
-            codec=a.codec,
-            min_replicas=a.min_replicas,
+            config=AllReduceConfig(
+                timeout_s=a.timeout,
+                codec=a.codec,
+                min_replicas=a.min_replicas,
+                poll_interval_s=0.05,
+                sparse=spec,
+            ),
             storage_options=json.loads(a.storage_options),
-            poll_interval_s=0.05,
-            sparse=spec,
         )
         manager = MockManager(allreduce=rendezvous)
         if a.codec == "sparseloco":
@@ -136,10 +139,13 @@ def main() -> None:
         manager,
         a.h,
         model=model,
-        outer_lr=a.outer_lr,
-        outer_momentum=a.momentum,
-        nesterov=bool(a.nesterov),
-        outer_optimizer_factory=factory,
+        outer=factory
+        if factory is not None
+        else OuterOptimizerConfig(
+            outer_optimizer="nesterov" if a.nesterov else "sgd",
+            outer_lr=a.outer_lr,
+            outer_momentum=a.momentum,
+        ),
     )
     exit_round, exit_step = (int(v) for v in a.exit_at.split(",")) if a.exit_at else (-1, -1)
 

@@ -16,7 +16,7 @@ from _decoupled_reference import replay_fragment
 from _decoupled_toy import Blocks, eval_loss, train_step
 from tolerances import assert_close, tol
 
-from composer_replication.diloco.decoupled import DecoupledLearner, push_offsets
+from composer_replication.diloco.decoupled import DecoupledLearner, LearnerConfig, push_offsets
 from composer_replication.diloco.synchronizer import (
     MergeInput,
     Synchronizer,
@@ -174,7 +174,10 @@ def test_push_schedule_is_staggered() -> None:
     assert push_offsets(8, 1) == [0]
     with pytest.raises(ValueError, match="multiple of the number of fragments"):
         DecoupledLearner(
-            ObjectStore("memory://x"), learner=0, n_learners=1, sync_every_h=10, num_fragments=4
+            ObjectStore("memory://x"),
+            learner=0,
+            n_learners=1,
+            config=LearnerConfig(sync_every_h=10, fragments=4),
         )
 
 
@@ -257,12 +260,9 @@ def _learner_thread(
         ObjectStore(uri),
         learner=rank,
         n_learners=m,
-        sync_every_h=h,
-        num_fragments=p,
+        config=LearnerConfig(sync_every_h=h, fragments=p, poll_interval_s=0.02, drain_timeout_s=60),
         model=model,
         inner_optimizer=opt,
-        poll_interval_s=0.02,
-        drain_timeout_s=60,
     )
     with learner:
         for t in range(learner.start_step, steps):

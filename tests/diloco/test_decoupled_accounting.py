@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _decoupled_toy import Blocks, train_step  # noqa: E402
 
-from composer_replication.diloco.decoupled import DecoupledLearner  # noqa: E402
+from composer_replication.diloco.decoupled import DecoupledLearner, LearnerConfig  # noqa: E402
 from composer_replication.exchange.push_store import DecoupledStore  # noqa: E402
 from composer_replication.exchange.store import ObjectStore  # noqa: E402
 
@@ -48,13 +48,15 @@ def test_a_newer_global_resets_the_work_a_push_claims(tmp_path: Path) -> None:
         store,
         learner=0,
         n_learners=1,
-        sync_every_h=8,
-        num_fragments=1,
+        config=LearnerConfig(
+            sync_every_h=8,
+            fragments=1,
+            poll_interval_s=0.05,
+            drain_timeout_s=0.5,
+            heartbeat_every_s=None,
+        ),
         model=model,
         inner_optimizer=opt,
-        poll_interval_s=0.05,
-        drain_timeout_s=0.5,
-        heartbeat_every_s=None,
     )
     docs = DecoupledStore(store)
     with learner:

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from _decoupled_toy import Blocks, train_step
 
-from composer_replication.diloco.decoupled import DecoupledLearner
+from composer_replication.diloco.decoupled import DecoupledLearner, LearnerConfig
 from composer_replication.exchange.faulty_store import FaultyStore
 from composer_replication.exchange.push_store import DecoupledStore, global_key
 from composer_replication.exchange.store import ObjectStore, Payload, Store
@@ -49,10 +49,8 @@ def _learner(store: Store, seed: int) -> tuple[Blocks, torch.optim.Optimizer, De
         store,
         learner=0,
         n_learners=1,
-        sync_every_h=H,
-        num_fragments=P,
+        config=LearnerConfig(sync_every_h=H, fragments=P, heartbeat_every_s=None),
         model=model,
-        heartbeat_every_s=None,
     )
     return model, opt, learner
 

@@ -11,7 +11,7 @@ import torch
 from _decoupled_toy import Blocks, train_step
 from signing_keys import run_keys
 
-from composer_replication.diloco.decoupled import DecoupledLearner
+from composer_replication.diloco.decoupled import DecoupledLearner, LearnerConfig
 from composer_replication.diloco.decoupled.learner_state import learner_resume, learner_start
 from composer_replication.diloco.replica_state import (
     prune_replica_states,
@@ -35,10 +35,8 @@ def _learner(
         store,
         learner=0,
         n_learners=1,
-        sync_every_h=H,
-        num_fragments=P,
+        config=LearnerConfig(sync_every_h=H, fragments=P, heartbeat_every_s=None),
         model=model,
-        heartbeat_every_s=None,
     )
     return model, opt, learner
 
@@ -172,10 +170,8 @@ def test_restore_refuses_a_state_that_is_not_this_learners(tmp_path: Path) -> No
         store,
         learner=0,
         n_learners=1,
-        sync_every_h=H,
-        num_fragments=2,
+        config=LearnerConfig(sync_every_h=H, fragments=2, heartbeat_every_s=None),
         model=Blocks(),
-        heartbeat_every_s=None,
     )
     with pytest.raises(ValueError, match="not a list of 2 fragments"):
         other.restore(state)

@@ -24,7 +24,7 @@ from _trainer_helpers import config, make_trainer, plain_reward  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 from composer_replication.diloco import make_diloco_outer_loop  # noqa: E402
-from composer_replication.exchange import MockManager, ObjectStoreAllReduce  # noqa: E402
+from composer_replication.exchange import AllReduceConfig, MockManager, ObjectStoreAllReduce  # noqa: E402
 
 H = 2
 STEPS = 4
@@ -55,7 +55,9 @@ def test_composer_trainer_with_outer_callback_syncs_every_h_steps(tmp_path: Path
             args = config(work, max_steps=STEPS, seed=rank, learning_rate=5e-2)
             with build:
                 trainer = make_trainer(work, reward=plain_reward, args=args)
-            rendezvous = ObjectStoreAllReduce(uri, world_size=2, rank=rank, timeout_s=120)
+            rendezvous = ObjectStoreAllReduce(
+                uri, world_size=2, rank=rank, config=AllReduceConfig(timeout_s=120)
+            )
             manager = MockManager(allreduce=rendezvous)
             outer = make_diloco_outer_loop(
                 inner_optimizer=trainer.optimizer, manager=manager, sync_every_h=H

@@ -29,7 +29,9 @@ from _diloco_worker import batch, build_model  # noqa: E402
 
 from composer_replication.diloco import make_diloco_outer_loop  # noqa: E402
 from composer_replication.diloco.fragments import strided_fragments  # noqa: E402
+from composer_replication.diloco.outer_loop import OuterOptimizerConfig, StreamingOptions  # noqa: E402
 from composer_replication.exchange import (  # noqa: E402
+    AllReduceConfig,
     ObjectStoreAllReduce,
     ObjectStoreManager,
 )
@@ -51,7 +53,9 @@ def test_sign_convention_lr1_no_momentum_gives_average_of_local_weights(tmp_path
         2,
         rounds=1,
         h=3,
-        outer_kw=dict(outer_lr=1.0, outer_momentum=0.0, nesterov=False),
+        outer_kw=dict(
+            outer=OuterOptimizerConfig(outer_optimizer="sgd", outer_lr=1.0, outer_momentum=0.0)
+        ),
     )
     init = named_params(res[0]["globals"][0])
     locals_ = [local_after(init, r, 0, 3) for r in range(2)]
@@ -88,15 +92,17 @@ def test_threads_match_nesterov_reference_every_round(tmp_path: Path) -> None:
 def test_outer_optimizer_choices_match_hand_written_references(tmp_path: Path, name: str) -> None:
     """`[diloco] outer_optimizer` 'sgd' (heavy-ball) and 'adam' through the real exchange, 3
     rounds of 2 replicas, against the update rules written out by hand."""
-    from composer_replication.diloco.outer_loop import outer_optimizer_factory
-
-    kw = {"lr": 0.5, "momentum": 0.8} if name == "sgd" else {"lr": 0.05, "betas": (0.9, 0.99)}
+    kw: dict[str, object] = (
+        {"outer_lr": 0.5, "outer_momentum": 0.8}
+        if name == "sgd"
+        else {"outer_lr": 0.05, "outer_betas": [0.9, 0.99]}
+    )
     res = run_replicas(
         _uri(tmp_path),
         2,
         rounds=3,
         h=3,
-        outer_kw={"outer_optimizer_factory": outer_optimizer_factory(name, **kw)},
+        outer_kw={"outer": OuterOptimizerConfig(outer_optimizer=name, **kw)},
     )
     init = named_params(res[0]["globals"][0])
     rounds = [[0, 1]] * 3
@@ -120,15 +126,13 @@ def test_outer_optimizer_choices_match_hand_written_references(tmp_path: Path, n
             assert torch.equal(got[n], named_params(res[1]["globals"][k])[n])
 
 
-def test_outer_optimizer_factory_refuses_what_cannot_work() -> None:
-    from composer_replication.diloco.outer_loop import outer_optimizer_factory
-
+def test_outer_optimizer_config_refuses_what_cannot_work() -> None:
     with pytest.raises(ValueError, match="'lamb' is not one of"):
-        outer_optimizer_factory("lamb")
+        OuterOptimizerConfig(outer_optimizer="lamb")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="outer_momentum: 0 with outer_optimizer = 'nesterov'"):
-        outer_optimizer_factory("nesterov", momentum=0.0)
+        OuterOptimizerConfig(outer_momentum=0.0)
     p = [nn.Parameter(torch.zeros(2))]
-    opt = outer_optimizer_factory("nesterov")(p)
+    opt = OuterOptimizerConfig().build_outer_optimizer()(p)
     assert isinstance(opt, torch.optim.SGD) and opt.param_groups[0]["nesterov"] is True
     assert (opt.param_groups[0]["lr"], opt.param_groups[0]["momentum"]) == (0.7, 0.9)
 
@@ -207,7 +211,7 @@ def test_overlapped_exchange_stays_identical(tmp_path: Path) -> None:
         rounds=4,
         h=4,
         model_fn=frags_model,
-        outer_kw=dict(num_fragments=1, fragment_sync_delay=1),
+        outer_kw=dict(num_fragments=1, streaming=StreamingOptions(fragment_sync_delay=1)),
     )
     for k in range(5):
         a, b = res[0]["globals"][k], res[1]["globals"][k]
@@ -221,13 +225,15 @@ def test_streaming_two_fragments_sync_alternately(tmp_path: Path) -> None:
     def one(rank: int) -> None:
         model = build_model(100 + rank)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        store = ObjectStoreAllReduce(store_uri, world_size=2, rank=rank, poll_interval_s=0.01)
+        store = ObjectStoreAllReduce(
+            store_uri, world_size=2, rank=rank, config=AllReduceConfig(poll_interval_s=0.01)
+        )
         outer = make_diloco_outer_loop(
             opt,
             ObjectStoreManager(store),
             4,
             model_fragments=[model[0], model[2]],
-            fragment_sync_delay=1,
+            streaming=StreamingOptions(fragment_sync_delay=1),
         )
         with outer:
             for t in range(16):
@@ -293,9 +299,9 @@ def test_argument_validation() -> None:
     with pytest.raises(ValueError, match="multiple of the number of fragments"):
         make_diloco_outer_loop(opt, M(), 5, model_fragments=[model[0], model[2]])
     with pytest.raises(ValueError, match="outer_momentum: 0 with outer_optimizer = 'nesterov'"):
-        make_diloco_outer_loop(opt, M(), 4, outer_momentum=0.0)
+        make_diloco_outer_loop(opt, M(), 4, outer=OuterOptimizerConfig(outer_momentum=0.0))
     with pytest.raises(ValueError, match="fragment_sync_delay"):
-        make_diloco_outer_loop(opt, M(), 4, fragment_sync_delay=4)
+        make_diloco_outer_loop(opt, M(), 4, streaming=StreamingOptions(fragment_sync_delay=4))
     with pytest.raises(ValueError, match="sync_every_h"):
         make_diloco_outer_loop(opt, M(), 0)
 

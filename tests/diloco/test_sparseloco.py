@@ -167,13 +167,21 @@ def test_fragments_have_their_own_accumulators_and_shapes_are_checked():
 
 
 def test_error_feedback_refuses_a_dense_exchange_and_bad_settings(tmp_path):
-    from composer_replication.exchange import ObjectStoreAllReduce, ObjectStoreManager
+    from composer_replication.exchange import (
+        AllReduceConfig,
+        ObjectStoreAllReduce,
+        ObjectStoreManager,
+    )
 
-    dense = ObjectStoreManager(ObjectStoreAllReduce(str(tmp_path), 2, 0, codec="int8"))
+    dense = ObjectStoreManager(
+        ObjectStoreAllReduce(str(tmp_path), 2, 0, config=AllReduceConfig(codec="int8"))
+    )
     with pytest.raises(ValueError, match="codec 'sparseloco'"):
         ErrorFeedbackManager(dense, SPEC, decay=0.9)
     other = ObjectStoreManager(
-        ObjectStoreAllReduce(str(tmp_path), 2, 0, codec="sparseloco", sparse=SparseSpec())
+        ObjectStoreAllReduce(
+            str(tmp_path), 2, 0, config=AllReduceConfig(codec="sparseloco", sparse=SparseSpec())
+        )
     )
     with pytest.raises(ValueError, match="same SparseSpec"):
         ErrorFeedbackManager(other, SPEC, decay=0.9)
@@ -184,9 +192,11 @@ def test_error_feedback_refuses_a_dense_exchange_and_bad_settings(tmp_path):
 
 
 def test_one_replica_applies_its_own_message(tmp_path):
-    from composer_replication.exchange import ObjectStoreAllReduce
+    from composer_replication.exchange import AllReduceConfig, ObjectStoreAllReduce
 
-    ar = ObjectStoreAllReduce(str(tmp_path), 1, 0, codec="sparseloco", sparse=SPEC)
+    ar = ObjectStoreAllReduce(
+        str(tmp_path), 1, 0, config=AllReduceConfig(codec="sparseloco", sparse=SPEC)
+    )
     x = torch.randn(3, 100)
     got = ar.allreduce({"w": x}, step=1)["w"]
     assert got.shape == x.shape and torch.equal(
@@ -300,12 +310,18 @@ def test_streaming_fragments_through_the_outer_loop(tmp_path):
     each fragment's tensors get their own accumulators, and every committed round moves at most
     k entries per chunk of the fragment it synced."""
     from composer_replication.diloco import make_diloco_outer_loop
-    from composer_replication.exchange import ObjectStoreAllReduce, ObjectStoreManager
+    from composer_replication.exchange import (
+        AllReduceConfig,
+        ObjectStoreAllReduce,
+        ObjectStoreManager,
+    )
 
     spec = SparseSpec(density=0.1, chunk=64, bits=2)
     model = _Stack()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    store = ObjectStoreAllReduce(str(tmp_path), 1, 0, codec="sparseloco", sparse=spec)
+    store = ObjectStoreAllReduce(
+        str(tmp_path), 1, 0, config=AllReduceConfig(codec="sparseloco", sparse=spec)
+    )
     ef = ErrorFeedbackManager(ObjectStoreManager(store), spec, decay=0.9, num_fragments=2)
     outer = make_diloco_outer_loop(
         opt,
@@ -313,7 +329,7 @@ def test_streaming_fragments_through_the_outer_loop(tmp_path):
         4,
         model=model,
         num_fragments=2,
-        outer_optimizer_factory=sparseloco_outer_optimizer(1.0),
+        outer=sparseloco_outer_optimizer(1.0),
     )
     x, y = torch.randn(16, 8), torch.randn(16, 32)
     before = outer.global_parameters()

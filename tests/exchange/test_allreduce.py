@@ -7,10 +7,11 @@ import time
 
 import pytest
 import torch
+from allreduce_handles import exchange
 from test_allreduce_workers import SHAPES, make_tensors, race_commits, run_replica, shared_pool
 from tolerances import UBF16, assert_close, tol
 
-from composer_replication.exchange import ObjectStoreAllReduce
+from composer_replication.exchange import AllReduceConfig, ObjectStoreAllReduce
 from composer_replication.exchange.allreduce import (
     ExchangeCancelledError,
     StoreTimeoutError,
@@ -85,12 +86,12 @@ def test_rank_outside_world_raises(tmp_path, rank):
         ({"codec": "fp8"}, "unknown codec"),
         ({"min_replicas": 3}, "min_replicas"),
         ({"weighting": "loss"}, "weighting"),
-        ({"keep_steps": 0}, "keep_steps"),
+        ({"keep_rounds": 0}, "keep_rounds"),
     ],
 )
 def test_bad_arguments_raise_value_error(tmp_path, kwargs, match):
     with pytest.raises(ValueError, match=match):
-        ObjectStoreAllReduce(f"file://{tmp_path}", world_size=2, rank=0, **kwargs)
+        exchange(f"file://{tmp_path}", world_size=2, rank=0, **kwargs)
 
 
 def test_driver_handle_and_bad_inputs_raise(tmp_path):
@@ -98,7 +99,9 @@ def test_driver_handle_and_bad_inputs_raise(tmp_path):
     assert driver.uri == f"file://{tmp_path}/" and driver.rank is None
     with pytest.raises(ValueError, match="driver handle"):
         driver.allreduce({"x": torch.zeros(2)}, step=0)
-    ar = ObjectStoreAllReduce(str(tmp_path), world_size=2, rank=0, weighting="tokens")
+    ar = ObjectStoreAllReduce(
+        str(tmp_path), world_size=2, rank=0, config=AllReduceConfig(weighting="tokens")
+    )
     with pytest.raises(ValueError, match="tokens"):
         ar.allreduce({"x": torch.zeros(2)}, step=0)
     with pytest.raises(ValueError, match="floating"):
@@ -111,14 +114,14 @@ def test_driver_handle_and_bad_inputs_raise(tmp_path):
 def test_replicas_bit_identical_and_equal_to_mean_file(pool, tmp_path):
     uri = f"file://{tmp_path}/run"
     steps = [0, 1, 2, 3, 4]
-    outs = run_all(pool, uri, 4, [0, 1, 2, 3], steps, keep_steps=2)
+    outs = run_all(pool, uri, 4, [0, 1, 2, 3], steps, keep_rounds=2)
     assert all(o["error"] is None for o in outs.values()), outs
     assert_bit_identical_and_mean(outs, [0, 1, 2, 3], steps)
     for o in outs.values():
         sr = o["step_results"][-1]
         assert sr["included_ranks"] == [0, 1, 2, 3] and sr["excluded_ranks"] == []
         assert sr["bytes_uploaded"] > 0 and sr["bytes_downloaded"] >= 3 * sr["bytes_uploaded"]
-    # GC keeps only the newest keep_steps steps (beside them: the head hint)
+    # GC keeps only the newest keep_rounds steps (beside them: the head hint)
     assert sorted(os.listdir(f"{tmp_path}/run/steps")) == ["0000000003", "0000000004", "head.json"]
 
 
@@ -200,7 +203,9 @@ def check_commit_races(pool, uri, storage_options, world_size=4, races=20, perio
 def test_cancel_aborts_wait(tmp_path):
     import threading
 
-    with ObjectStoreAllReduce(str(tmp_path), world_size=2, rank=0, timeout_s=30) as ar:
+    with ObjectStoreAllReduce(
+        str(tmp_path), world_size=2, rank=0, config=AllReduceConfig(timeout_s=30)
+    ) as ar:
         threading.Timer(0.3, ar.cancel).start()  # cancel from another thread mid-wait
         t0 = time.monotonic()
         with pytest.raises(ExchangeCancelledError, match="step 0"):
@@ -215,7 +220,9 @@ def test_stale_step_is_refused_quickly(tmp_path):
     res = {}
 
     def go(r):
-        ar = ObjectStoreAllReduce(uri, 2, r, timeout_s=5, poll_interval_s=0.01)
+        ar = ObjectStoreAllReduce(
+            uri, 2, r, config=AllReduceConfig(timeout_s=5, poll_interval_s=0.01)
+        )
         for step in (4, 5):  # a committed step follows a committed one (the chain)
             ar.allreduce({"x": torch.full((2,), float(r))}, step=step)
         res[r] = ar
@@ -246,7 +253,7 @@ def test_transient_store_errors_are_retried(tmp_path):
     def go(r):
         store = FaultyStore(ObjectStore(str(tmp_path)), [commit_write, slot_reads])
         ar = ObjectStoreAllReduce(
-            str(tmp_path), 2, r, timeout_s=5, poll_interval_s=0.01, store=store
+            store, 2, r, config=AllReduceConfig(timeout_s=5, poll_interval_s=0.01)
         )
         out[r] = ar.allreduce({"x": torch.full((4,), float(r))}, step=0)["x"]
 
@@ -281,7 +288,7 @@ def test_a_store_that_refuses_writes_for_a_while_is_ridden_out(tmp_path):
     def go(r):
         store = FaultyStore(ObjectStore(str(tmp_path)), [contributions, lost_answer, owners])
         ar = ObjectStoreAllReduce(
-            str(tmp_path), 2, r, timeout_s=20, poll_interval_s=0.01, store=store
+            store, 2, r, config=AllReduceConfig(timeout_s=20, poll_interval_s=0.01)
         )
         out[r] = ar.allreduce({"x": torch.full((4,), float(r))}, step=0)["x"]
 
@@ -304,9 +311,8 @@ def test_a_store_read_only_past_the_upload_limit_fails_the_step_loudly(tmp_path,
 
     refuse = Fault("put_if_absent", "steps/*/contrib/*", "fail", times=None, error=_ReadOnly)
     store = FaultyStore(ObjectStore(str(tmp_path)), [refuse])
-    ar = ObjectStoreAllReduce(
-        str(tmp_path), 2, 0, timeout_s=4, upload_timeout_s=0.5, poll_interval_s=0.05, store=store
-    )
+    config = AllReduceConfig(timeout_s=4, upload_timeout_s=0.5, poll_interval_s=0.05)
+    ar = ObjectStoreAllReduce(store, 2, 0, config=config)
     t0 = time.monotonic()
     with caplog.at_level(logging.WARNING), pytest.raises(StoreTimeoutError) as err:
         ar.allreduce({"x": torch.ones(2)}, step=0)

@@ -16,17 +16,20 @@ import threading
 
 import pytest
 import torch
+from allreduce_handles import exchange
 from safetensors.torch import save as st_save
 from test_allreduce_workers import SHAPES, make_tensors
 from tolerances import assert_close
 
 from composer_replication.exchange.allreduce import (
+    AllReduceConfig,
     CorruptContributionError,
     ObjectStoreAllReduce,
 )
 from composer_replication.exchange.checksums import default_checksum
 from composer_replication.exchange.protocol import (
     HEADER_KEY,
+    Encoding,
     commit_key,
     contrib_key,
     decode_contribution,
@@ -42,7 +45,7 @@ def run_replicas(uri: str, checksums: dict[int, str | None], world_size: int = 3
     out: dict[int, tuple] = {}
 
     def go(r: int) -> None:
-        ar = ObjectStoreAllReduce(
+        ar = exchange(
             uri, world_size, r, timeout_s=5, poll_interval_s=0.01, checksum=checksums[r], **kwargs
         )
         try:
@@ -92,8 +95,7 @@ def blob(rank: int = 2, algo: str | None = None) -> bytes:
         step=0,
         tokens=1,
         inner_steps=1,
-        codec="fp32",
-        checksum=algo,
+        encoding=Encoding(codec="fp32", checksum=algo),
     )
     return b"".join(payload)
 
@@ -106,8 +108,7 @@ def reheadered_blob(edit) -> bytes:
         step=0,
         tokens=1,
         inner_steps=1,
-        codec="fp32",
-        checksum="sha256",
+        encoding=Encoding(codec="fp32", checksum="sha256"),
     )
     h = header_of(b"".join(payload))
     edit(h)
@@ -166,7 +167,9 @@ def test_default_is_sha256_without_xxhash(tmp_path, no_xxhash):
     assert default_checksum() == "sha256"
     assert ObjectStoreAllReduce(str(tmp_path / "run"), 2, 0).checksum == "sha256"
     with pytest.raises(ImportError, match="pip install xxhash"):
-        ObjectStoreAllReduce(str(tmp_path / "run"), 2, 0, checksum="xxh3-128")
+        ObjectStoreAllReduce(
+            str(tmp_path / "run"), 2, 0, config=AllReduceConfig(checksum="xxh3-128")
+        )
 
 
 def test_mixed_algorithms_agree_bit_identically(tmp_path):
@@ -180,7 +183,7 @@ def test_mixed_algorithms_agree_bit_identically(tmp_path):
     pinned = stored_commit(uri)["checksums"]
     assert all(pinned[str(r)] == stored_header(uri, r)["checksum"] for r in range(3))
     # a late reader (rank 1 again, writing sha256 this time) verifies each header's own algo
-    late = ObjectStoreAllReduce(uri, 3, 1, timeout_s=5, checksum="sha256")
+    late = ObjectStoreAllReduce(uri, 3, 1, config=AllReduceConfig(timeout_s=5, checksum="sha256"))
     res = late.allreduce(make_tensors(1, 0), step=0)
     assert all(torch.equal(res[n], out[0][0][n]) for n in SHAPES)
 
@@ -238,14 +241,14 @@ def test_tampered_data_after_commit_fails_instead_of_diverging(tmp_path, algo):
     tampered = flip_last_data_byte(path.read_bytes())
     os.unlink(path)  # bypassing put-if-absent, as someone with bucket write access could
     path.write_bytes(tampered)
-    late = ObjectStoreAllReduce(uri, 3, 2, timeout_s=5, checksum=algo)
+    late = ObjectStoreAllReduce(uri, 3, 2, config=AllReduceConfig(timeout_s=5, checksum=algo))
     with pytest.raises(CorruptContributionError, match=f"rank 1.*{algo} checksum mismatch"):
         late.allreduce(make_tensors(2, 0), step=0)
 
 
 def test_unknown_algorithm_is_rejected(tmp_path):
     with pytest.raises(ValueError, match="unknown checksum 'md5'; choose one of"):
-        ObjectStoreAllReduce(str(tmp_path / "ctor"), 2, 0, checksum="md5")
+        ObjectStoreAllReduce(str(tmp_path / "ctor"), 2, 0, config=AllReduceConfig(checksum="md5"))
     uri = str(tmp_path / "run")
     forged = reheadered_blob(lambda h: h["checksum"].update(algo="md5"))
     with pytest.raises(CorruptContributionError, match="unknown checksum algorithm .md5."):

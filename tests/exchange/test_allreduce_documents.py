@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from composer_replication.exchange.allreduce import (
+    AllReduceConfig,
     CorruptContributionError,
     ModelMismatchError,
     ObjectStoreAllReduce,
@@ -42,7 +43,7 @@ def test_manifest_first_writer_wins_and_mismatch_is_refused(tmp_path):
     with pytest.raises(ModelMismatchError, match="world_size: stored 2, this replica 3"):
         ObjectStoreAllReduce(uri, 3, 1).ensure_manifest(model_fingerprint(tiny_model()))
     with pytest.raises(ModelMismatchError, match="codec: stored 'fp32', this replica 'int8'"):
-        ObjectStoreAllReduce(uri, 2, 1, codec="int8").ensure_manifest(
+        ObjectStoreAllReduce(uri, 2, 1, config=AllReduceConfig(codec="int8")).ensure_manifest(
             model_fingerprint(tiny_model())
         )
 
@@ -96,7 +97,7 @@ def test_a_planted_manifest_does_not_stop_the_run(tmp_path, planted):
 @pytest.mark.parametrize("scheme", ["file", "memory"])
 def test_publish_and_fetch_state(tmp_path, scheme):
     uri = f"file://{tmp_path}" if scheme == "file" else f"memory://{uuid.uuid4().hex}"
-    driver = ObjectStoreAllReduce(uri, world_size=2, keep_steps=2)
+    driver = ObjectStoreAllReduce(uri, world_size=2, config=AllReduceConfig(keep_rounds=2))
     assert driver.fetch_state() is None
     model = torch.nn.Embedding(5, 3)
     sd = {"emb": model.weight.data, "tied": model.weight.data, "step": torch.tensor(7)}
@@ -111,7 +112,7 @@ def test_publish_and_fetch_state(tmp_path, scheme):
         assert driver.publish_state(sd_bf16, round=r, name="global")
     rnd, got, _ = replica.fetch_state()
     assert rnd == 3 and got["w"].dtype == torch.bfloat16 and torch.equal(got["w"], sd_bf16["w"])
-    assert replica.fetch_state(round=0) is None  # garbage-collected (keep_steps=2)
+    assert replica.fetch_state(round=0) is None  # garbage-collected (keep_rounds=2)
     assert replica.fetch_state(round=2)[0] == 2
     assert replica.fetch_state(name="ema") is None
     with pytest.raises(ValueError, match="state name"):
@@ -160,9 +161,11 @@ def test_uri_normalisation(tmp_path, monkeypatch):
 
 def test_latest_committed_step(tmp_path):
     uri = str(tmp_path)
-    ar = ObjectStoreAllReduce(uri, 2, 0, timeout_s=5, poll_interval_s=0.01)
+    ar = ObjectStoreAllReduce(uri, 2, 0, config=AllReduceConfig(timeout_s=5, poll_interval_s=0.01))
     assert ar.latest_committed_step() is None
-    peer = ObjectStoreAllReduce(uri, 2, 1, timeout_s=5, poll_interval_s=0.01)
+    peer = ObjectStoreAllReduce(
+        uri, 2, 1, config=AllReduceConfig(timeout_s=5, poll_interval_s=0.01)
+    )
     for step in (0, 1):
         t = threading.Thread(
             target=peer.allreduce, args=({"x": torch.ones(3)},), kwargs={"step": step}

@@ -16,16 +16,19 @@ import threading
 
 import pytest
 import torch
+from allreduce_handles import exchange
 from safetensors.torch import save as st_save
 from test_allreduce_workers import SHAPES, make_tensors
 from tolerances import assert_close
 
 from composer_replication.exchange.allreduce import (
+    AllReduceConfig,
     CorruptContributionError,
     ObjectStoreAllReduce,
 )
 from composer_replication.exchange.protocol import (
     HEADER_KEY,
+    Encoding,
     commit_key,
     contrib_key,
     encode_contribution,
@@ -46,7 +49,7 @@ class _Evil:
 def _blob(rank=2, step=0, tensors=None, codec="fp32"):
     tensors = make_tensors(rank, step) if tensors is None else tensors
     payload, _ = encode_contribution(
-        tensors, rank=rank, step=step, tokens=1, inner_steps=1, codec=codec
+        tensors, rank=rank, step=step, tokens=1, inner_steps=1, encoding=Encoding(codec=codec)
     )
     return b"".join(payload)
 
@@ -54,7 +57,7 @@ def _blob(rank=2, step=0, tensors=None, codec="fp32"):
 def _forged_header_blob():
     """Valid safetensors + checksum, but the header claims int8 while the parts are fp32."""
     payload, contrib = encode_contribution(
-        make_tensors(2, 0), rank=2, step=0, tokens=1, inner_steps=1, codec="fp32"
+        make_tensors(2, 0), rank=2, step=0, tokens=1, inner_steps=1, encoding=Encoding(codec="fp32")
     )
     blob = b"".join(payload)
     header = json.loads(blob[8 : 8 + int.from_bytes(blob[:8], "little")])["__metadata__"]
@@ -111,7 +114,7 @@ def run_honest(uri, ranks, world_size=3, **kwargs):
     out = {}
 
     def go(r):
-        ar = ObjectStoreAllReduce(uri, world_size, r, timeout_s=5, poll_interval_s=0.01, **kwargs)
+        ar = exchange(uri, world_size, r, timeout_s=5, poll_interval_s=0.01, **kwargs)
         try:
             out[r] = (ar.allreduce(make_tensors(r, 0), step=0), ar.last_result)
         except Exception as e:
@@ -175,10 +178,15 @@ def test_commit_record_is_never_modified(tmp_path):
     out = run_honest(uri, [0, 1, 2])
     store = ObjectStore(uri)
     original = store.get(commit_key(0))
-    ar = ObjectStoreAllReduce(uri, 3, 1, timeout_s=5)
+    ar = ObjectStoreAllReduce(uri, 3, 1, config=AllReduceConfig(timeout_s=5))
     contribs = {
         r: encode_contribution(
-            make_tensors(r, 0), rank=r, step=0, tokens=1, inner_steps=1, codec="fp32"
+            make_tensors(r, 0),
+            rank=r,
+            step=0,
+            tokens=1,
+            inner_steps=1,
+            encoding=Encoding(codec="fp32"),
         )[1]
         for r in (1, 2)
     }
@@ -187,7 +195,9 @@ def test_commit_record_is_never_modified(tmp_path):
     assert not store.put_if_absent(commit_key(0), b"{}")
     assert store.get(commit_key(0)) == original
     # a replica arriving late obeys the same record and gets the same bits
-    late = ObjectStoreAllReduce(uri, 3, 1, timeout_s=5).allreduce(make_tensors(1, 0), step=0)
+    late = ObjectStoreAllReduce(uri, 3, 1, config=AllReduceConfig(timeout_s=5)).allreduce(
+        make_tensors(1, 0), step=0
+    )
     assert all(torch.equal(late[n], out[0][0][n]) for n in SHAPES)
 
 
@@ -199,7 +209,9 @@ def test_tampered_contribution_after_commit_fails_instead_of_diverging(tmp_path)
     os.unlink(path)
     path.write_bytes(_blob(rank=1, tensors=make_tensors(9, 9)))
     with pytest.raises(CorruptContributionError, match="does not match the checksum in the commit"):
-        ObjectStoreAllReduce(uri, 3, 2, timeout_s=5).allreduce(make_tensors(2, 0), step=0)
+        ObjectStoreAllReduce(uri, 3, 2, config=AllReduceConfig(timeout_s=5)).allreduce(
+            make_tensors(2, 0), step=0
+        )
 
 
 def test_garbage_commit_record_fails_cleanly(tmp_path):
@@ -207,8 +219,12 @@ def test_garbage_commit_record_fails_cleanly(tmp_path):
     store = ObjectStore(uri)
     store.put_if_absent(commit_key(0), b"\x80\x04not json")
     with pytest.raises(CorruptContributionError, match="commit record of step 0 is not JSON"):
-        ObjectStoreAllReduce(uri, 2, 0, timeout_s=5).allreduce(make_tensors(0, 0), step=0)
+        ObjectStoreAllReduce(uri, 2, 0, config=AllReduceConfig(timeout_s=5)).allreduce(
+            make_tensors(0, 0), step=0
+        )
     store.put_if_absent(commit_key(1), json.dumps({"format": 1, "kind": "commit"}).encode())
     with pytest.raises(CorruptContributionError, match="malformed"):
-        ObjectStoreAllReduce(uri, 2, 0, timeout_s=5).allreduce(make_tensors(0, 1), step=1)
+        ObjectStoreAllReduce(uri, 2, 0, config=AllReduceConfig(timeout_s=5)).allreduce(
+            make_tensors(0, 1), step=1
+        )
     assert store.get(commit_key(0)) == b"\x80\x04not json"

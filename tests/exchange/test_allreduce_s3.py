@@ -60,11 +60,11 @@ def test_put_if_absent_lost_race_is_false_on_every_server(s3):
 def test_replicas_bit_identical_on_s3(warm_pool, s3):
     uri, options = s3
     steps = [0, 1, 2]
-    outs = run_all(warm_pool, uri, 3, [0, 1, 2], steps, storage_options=options, keep_steps=2)
+    outs = run_all(warm_pool, uri, 3, [0, 1, 2], steps, storage_options=options, keep_rounds=2)
     assert all(o["error"] is None for o in outs.values()), outs
     assert_bit_identical_and_mean(outs, [0, 1, 2], steps)
     store = ObjectStore(uri, options)
-    # GC'd beyond keep_steps (SeaweedFS may keep the emptied folder itself, so look inside)
+    # GC'd beyond keep_rounds (SeaweedFS may keep the emptied folder itself, so look inside)
     assert store.list("steps/0000000000/contrib/") == []
     assert store.get("steps/0000000000/commit.json") is None
     assert store.list("steps/0000000002/contrib/") == [f"{r:05d}.safetensors" for r in range(3)]
@@ -118,7 +118,7 @@ def test_state_and_manifest_round_trip_on_s3(s3):
     assert not ar.publish_state(sd, round=0)
     rnd, got, extra = ar.fetch_state()
     assert rnd == 0 and extra == {"lr": 0.7} and all(torch.equal(got[k], sd[k]) for k in sd)
-    for r in (1, 2, 3, 4):  # keep_steps=4: round 0 is garbage-collected
+    for r in (1, 2, 3, 4):  # keep_rounds=4: round 0 is garbage-collected
         assert ar.publish_state(sd, round=r)
     assert ar.fetch_state(round=0) is None and ar.fetch_state()[0] == 4
     fp = {"parameters": {"w": [[4, 3], "float32"]}, "num_parameters": 12}

@@ -15,6 +15,7 @@ from tolerances import assert_close
 
 from composer_replication.exchange.allreduce import ObjectStoreAllReduce
 from composer_replication.exchange.protocol import (
+    Encoding,
     contrib_key,
     encode_contribution,
     parse_contrib_name,
@@ -28,7 +29,13 @@ SECRET = b"k" * 32
 
 def _payload(tensors, *, rank, step, writer="attacker"):
     payload, _ = encode_contribution(
-        tensors, rank=rank, step=step, tokens=1, inner_steps=1, codec="fp32", writer=writer
+        tensors,
+        rank=rank,
+        step=step,
+        tokens=1,
+        inner_steps=1,
+        encoding=Encoding(codec="fp32"),
+        writer=writer,
     )
     return b"".join(payload)
 

@@ -46,9 +46,9 @@ def run_replica(
     start_at: float = 0.0,
 ) -> dict[str, Any]:
     """Run ``allreduce`` for each step; returns results, StepResults, or the error raised."""
-    from composer_replication.exchange.allreduce import ObjectStoreAllReduce
+    from allreduce_handles import exchange
 
-    ar = ObjectStoreAllReduce(uri, world_size, rank, **kwargs)
+    ar = exchange(uri, world_size, rank, **kwargs)
     out: dict[str, Any] = {"results": [], "step_results": [], "error": None}
     while time.time() < start_at:
         time.sleep(0.005)
@@ -81,9 +81,14 @@ def race_commits(
     """
     from composer_replication.exchange.allreduce import ObjectStoreAllReduce
     from composer_replication.exchange.protocol import Contribution
+    from composer_replication.exchange.settings import AllReduceConfig
 
     ar = ObjectStoreAllReduce(
-        uri, world_size, rank, storage_options=storage_options, timeout_s=5, poll_interval_s=0.01
+        uri,
+        world_size,
+        rank,
+        storage_options=storage_options,
+        config=AllReduceConfig(timeout_s=5, poll_interval_s=0.01),
     )
     records = []
     for i in range(races):

@@ -16,11 +16,13 @@ from composer_replication.exchange.aggregate import average_in_rank_order
 from composer_replication.exchange.allreduce import ObjectStoreAllReduce
 from composer_replication.exchange.protocol import (
     CorruptContributionError,
+    Encoding,
     decode_contribution,
     encode_contribution,
     make_commit,
     parse_commit,
 )
+from composer_replication.exchange.settings import AllReduceConfig
 
 B = codecs.CHUNK
 PASS = codecs.PASS_BLOCKS * B  # elements per streaming pass
@@ -92,7 +94,9 @@ def test_fp32_passes_non_finite_through_and_unknown_codec_raises():
 def test_bytes_on_the_wire_shrink_with_the_codec():
     t = {"w": torch.randn(1_000_000), "b": torch.randn(1000)}
     size = {
-        c: encode_contribution(t, rank=0, step=0, tokens=1, inner_steps=1, codec=c)[1].nbytes
+        c: encode_contribution(
+            t, rank=0, step=0, tokens=1, inner_steps=1, encoding=Encoding(codec=c)
+        )[1].nbytes
         for c in codecs.DENSE
     }
     ratio = {c: size[c] / size["fp32"] for c in codecs.DENSE}
@@ -110,7 +114,10 @@ def test_allreduce_with_codec_is_bit_identical_and_near_mean(tmp_path, codec):
 
     def go(r):
         ar = ObjectStoreAllReduce(
-            str(tmp_path), 2, r, codec=codec, timeout_s=5, poll_interval_s=0.01
+            str(tmp_path),
+            2,
+            r,
+            config=AllReduceConfig(codec=codec, timeout_s=5, poll_interval_s=0.01),
         )
         out[r] = (ar.allreduce(ts[r], step=0), ar.last_result)
 
@@ -134,7 +141,9 @@ def test_wire_payload_is_standard_safetensors_both_ways():
     from composer_replication.exchange.protocol import HEADER_KEY
 
     t = {"w": torch.randn(300, 7), "s": torch.tensor(2.5), "h": torch.randn(9).bfloat16()}
-    payload, contrib = encode_contribution(t, rank=1, step=3, tokens=5, inner_steps=2, codec="int8")
+    payload, contrib = encode_contribution(
+        t, rank=1, step=3, tokens=5, inner_steps=2, encoding=Encoding(codec="int8")
+    )
     blob = b"".join(payload)
     theirs = st_load(blob)  # the reference implementation accepts our framing
     assert theirs.keys() == contrib.parts.keys()
@@ -336,7 +345,7 @@ def test_average_of_contributions_equals_the_slow_reference(codec, weighting):
         g = torch.Generator().manual_seed(r)
         t = {k: torch.randn(sh, generator=g) * (r + 1) for k, sh in shapes.items()}
         payload, _ = encode_contribution(
-            t, rank=r, step=0, tokens=10 * (r + 1), inner_steps=1, codec=codec
+            t, rank=r, step=0, tokens=10 * (r + 1), inner_steps=1, encoding=Encoding(codec=codec)
         )
         blob = bytearray(b"".join(payload))  # a privately fetched buffer, as from a local store
         c = decode_contribution(blob, step=0, rank=r)
@@ -389,7 +398,7 @@ def test_contribution_with_a_forged_scale_is_refused(monkeypatch, codec, part, v
 
     monkeypatch.setattr(codec_class, "encode", forged)
     payload, _ = encode_contribution(
-        {"w": x}, rank=0, step=0, tokens=None, inner_steps=None, codec=codec
+        {"w": x}, rank=0, step=0, tokens=None, inner_steps=None, encoding=Encoding(codec=codec)
     )
     with pytest.raises(CorruptContributionError, match=f"'w'.*{match}"):
         decode_contribution(b"".join(payload), step=0, rank=0)

@@ -9,8 +9,9 @@ import time
 
 import pytest
 import torch
+from allreduce_handles import exchange
 
-from composer_replication.exchange import ObjectStore, ObjectStoreAllReduce
+from composer_replication.exchange import AllReduceConfig, ObjectStore, ObjectStoreAllReduce
 from composer_replication.exchange.allreduce import StoreTimeoutError
 from composer_replication.exchange.fencing import (
     GENERATION_KEY,
@@ -33,7 +34,7 @@ def _ar(uri: str, rank: int, **kw) -> ObjectStoreAllReduce:
     kw.setdefault("timeout_s", 30.0)
     kw.setdefault("poll_interval_s", 0.02)
     kw.setdefault("departure_poll_s", 0.2)
-    return ObjectStoreAllReduce(uri, 3, rank, **kw)
+    return exchange(uri, 3, rank, **kw)
 
 
 def test_departure_records_round_trip_and_bad_ones_are_ignored(tmp_path):
@@ -196,7 +197,12 @@ def test_a_stalled_rank_does_not_commit_a_step_the_run_left_behind(tmp_path):
     # the head hint lags (a committer stopped between its record and the hint set it back)
     store.put_json(HEAD_KEY, {"kind": "head", "step": 0})
     ar = ObjectStoreAllReduce(
-        uri, 2, 1, timeout_s=30.0, min_replicas=1, poll_interval_s=0.02, departure_poll_s=1.0
+        uri,
+        2,
+        1,
+        config=AllReduceConfig(
+            timeout_s=30.0, min_replicas=1, poll_interval_s=0.02, departure_poll_s=1.0
+        ),
     )
     # the run moves past step 1 while rank 1 waits in it (after its upload)
     # (well-formed records of steps 4 and 5: a lone or malformed one is not believed)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from composer_replication.exchange import ObjectStoreAllReduce, ObjectStoreManager
+from composer_replication.exchange import AllReduceConfig, ObjectStoreAllReduce, ObjectStoreManager
 from composer_replication.exchange.protocol import HEAD_KEY, commit_key, make_commit
 from composer_replication.exchange.store import ObjectStore
 from composer_replication.exchange.vocabulary import Contribution
@@ -23,7 +23,11 @@ SECRET = b"s" * 32
 
 def _manager(uri: str, rank: int, slot_secret: bytes | None = SECRET) -> ObjectStoreManager:
     exchange = ObjectStoreAllReduce(
-        uri, 2, rank, timeout_s=20.0, poll_interval_s=0.01, slot_secret=slot_secret
+        uri,
+        2,
+        rank,
+        config=AllReduceConfig(timeout_s=20.0, poll_interval_s=0.01),
+        slot_secret=slot_secret,
     )
     return ObjectStoreManager(exchange)
 

@@ -14,6 +14,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parents[1] / "diloco"))
 
 from _diloco_worker import build_model, inner_step  # noqa: E402
+from allreduce_handles import exchange
 
 from composer_replication.diloco import make_diloco_outer_loop  # noqa: E402
 from composer_replication.exchange import (  # noqa: E402
@@ -26,7 +27,7 @@ from composer_replication.exchange.protocol import StoreTimeoutError  # noqa: E4
 
 def _store(tmp_path: Path, rank: int | None, world: int = 2, **kw: Any) -> ObjectStoreAllReduce:
     kw = {"timeout_s": 20.0, "poll_interval_s": 0.01, **kw}
-    return ObjectStoreAllReduce("file://" + str(tmp_path / "run"), world, rank, **kw)
+    return exchange("file://" + str(tmp_path / "run"), world, rank, **kw)
 
 
 def _in_threads(*fns: Any) -> list[Any]:
@@ -193,7 +194,7 @@ def test_global_states_are_published_through_a_store_that_refuses_writes_for_a_w
     first = Fault("put_if_absent", "states/*", "fail", times=3, error=PermissionError)
     later = Fault("put_if_absent", "states/*", "fail", after=1, times=3, error=PermissionError)
     store = FaultyStore(ObjectStore(uri), [first, later])
-    m = ObjectStoreManager(_store(tmp_path, 0, world=1, store=store))
+    m = ObjectStoreManager(exchange(store, 1, 0, timeout_s=20.0, poll_interval_s=0.01))
     held = {"w": torch.ones(3)}
     m.register_state_dict_fn("a", lambda s: held.update(s), lambda: dict(held))
     assert m.initial_sync({"w": torch.ones(3)}) == 0 and first.hits == 3

@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from composer_replication.exchange import ObjectStoreAllReduce, ObjectStoreManager
+from composer_replication.exchange import AllReduceConfig, ObjectStoreAllReduce, ObjectStoreManager
 from composer_replication.exchange.protocol import (
+    Encoding,
     commit_key,
     contrib_key,
     decode_contribution,
@@ -39,7 +40,11 @@ SECRET = b"s" * 32
 def _manager(uri: str, rank: int, slot_secret: bytes | None = SECRET) -> ObjectStoreManager:
     """Rank ``rank``'s manager, its outer state (one tensor) registered and synced."""
     exchange = ObjectStoreAllReduce(
-        uri, 2, rank, timeout_s=30.0, poll_interval_s=0.01, slot_secret=slot_secret
+        uri,
+        2,
+        rank,
+        config=AllReduceConfig(timeout_s=30.0, poll_interval_s=0.01),
+        slot_secret=slot_secret,
     )
     m = ObjectStoreManager(exchange)
     w = torch.zeros(4)
@@ -146,7 +151,12 @@ def _plant_in_slot(uri: str, step: int) -> None:
     c0 = decode_contribution(raw, step=step, rank=0, reference=ref)
     big = {n: t * 1000 for n, t in c0.decode().items()}
     payload, c1 = encode_contribution(
-        big, rank=1, step=step, tokens=None, inner_steps=None, codec="fp32", checksum="sha256"
+        big,
+        rank=1,
+        step=step,
+        tokens=None,
+        inner_steps=None,
+        encoding=Encoding(codec="fp32", checksum="sha256"),
     )
     assert store.put_if_absent(contrib_key(step, 1), b"".join(bytes(b) for b in payload))
     record = make_commit(

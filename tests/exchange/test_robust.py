@@ -66,8 +66,8 @@ def test_median_and_trimmed_mean_match_numpy(n):
     ts = grads(n, seed=n)
     k = trim_count(n, 0.25)
     assert k == min(math.ceil(0.25 * n), (n - 1) // 2)
-    med, _ = merge(cands(ts), AggregatePolicy(method="median", outlier_ratio=0))
-    trim, _ = merge(cands(ts), AggregatePolicy(method="trimmed_mean", outlier_ratio=0))
+    med, _ = merge(cands(ts), AggregatePolicy(aggregate="median", aggregate_outlier_ratio=0))
+    trim, _ = merge(cands(ts), AggregatePolicy(aggregate="trimmed_mean", aggregate_outlier_ratio=0))
     for name in SHAPES:
         x = np.sort(np_stack(ts, name), axis=0)
         # a median is one input (odd n) or the halved sum of two (even n: one addition); the
@@ -82,16 +82,18 @@ def test_coordinatewise_chunks_give_the_same_bits(monkeypatch):
     from composer_replication.exchange import aggregate
 
     ts = grads(5, seed=3)
-    whole, _ = merge(cands(ts), AggregatePolicy(method="trimmed_mean"))
+    whole, _ = merge(cands(ts), AggregatePolicy(aggregate="trimmed_mean"))
     monkeypatch.setattr(aggregate, "CHUNK", 4)
-    chunked, _ = merge(cands(ts), AggregatePolicy(method="trimmed_mean"))
+    chunked, _ = merge(cands(ts), AggregatePolicy(aggregate="trimmed_mean"))
     assert all(torch.equal(whole[n], chunked[n]) for n in SHAPES)
 
 
 def test_norm_clip_scales_to_clip_ratio_times_median():
     ts = grads(4, seed=1)
     ts[3] = {k: v * 50 for k, v in ts[3].items()}
-    policy = AggregatePolicy(method="norm_clip", outlier_ratio=0, clip_ratio=1.0)
+    policy = AggregatePolicy(
+        aggregate="norm_clip", aggregate_outlier_ratio=0, aggregate_clip_ratio=1.0
+    )
     merged, decisions = merge(cands(ts), policy)
     norms = [math.sqrt(sum(float((v.double() ** 2).sum()) for v in t.values())) for t in ts]
     med = float(np.median(norms))
@@ -131,7 +133,7 @@ def test_huge_but_finite_values_are_rejected_as_norm_outliers():
 def test_norm_outlier_against_the_round_median_is_rejected():
     ts = grads(4)
     ts[0] = {k: v * 1e30 for k, v in ts[0].items()}
-    _, decisions = merge(cands(ts), AggregatePolicy(outlier_ratio=10.0))
+    _, decisions = merge(cands(ts), AggregatePolicy(aggregate_outlier_ratio=10.0))
     assert [d.included for d in decisions] == [False, True, True, True]
     assert "norm outlier" in decisions[0].reason and "median" in decisions[0].reason
     # a 5x larger (honest but big) contribution stays in with the default ratio 10
@@ -182,7 +184,7 @@ def test_loss_screen_drops_the_harmful_contribution():
 
     good = [{k: -v.clone() for k, v in target.items()} for _ in range(2)]
     bad = {k: v.clone() * 3 for k, v in target.items()}
-    policy = AggregatePolicy(screen="loss", outlier_ratio=0)
+    policy = AggregatePolicy(screen="loss", aggregate_outlier_ratio=0)
     merged, decisions = merge(cands([good[0], bad, good[1]]), policy, loss_probe=probe)
     assert [d.included for d in decisions] == [True, False, True]
     assert "harmful" in decisions[1].reason and decisions[1].loss_delta > 0
@@ -216,11 +218,11 @@ def test_combine_uses_the_decisions_it_is_given():
 
 def test_policy_rejects_bad_values_naming_them():
     for kwargs, match in [
-        ({"method": "avg"}, "method must be one of mean, trimmed_mean"),
-        ({"outlier_ratio": 0.5}, "outlier_ratio must be > 1"),
-        ({"trim_fraction": 0.5}, "trim_fraction"),
-        ({"clip_ratio": 0}, "clip_ratio"),
-        ({"token_cap": 0.5}, "token_cap"),
+        ({"aggregate": "avg"}, "aggregate must be one of mean, trimmed_mean"),
+        ({"aggregate_outlier_ratio": 0.5}, "aggregate_outlier_ratio must be > 1"),
+        ({"aggregate_trim_fraction": 0.5}, "aggregate_trim_fraction"),
+        ({"aggregate_clip_ratio": 0}, "aggregate_clip_ratio"),
+        ({"aggregate_token_cap": 0.5}, "aggregate_token_cap"),
         ({"max_tokens_per_step": 0}, "max_tokens_per_step"),
         ({"screen": "gauntlet"}, "screen must be one of none, loss"),
     ]:

@@ -18,6 +18,7 @@ from test_robust_screening import honest
 from test_robust_workers import count_requests
 
 from composer_replication.exchange.allreduce import ObjectStoreAllReduce
+from composer_replication.exchange.settings import AllReduceConfig
 from composer_replication.exchange.store_manager import ObjectStoreManager
 
 
@@ -26,7 +27,9 @@ def _steps(uri, world, steps):
     out: dict[int, list] = {}
 
     def go(r):
-        ar = ObjectStoreAllReduce(uri, world, r, timeout_s=20, poll_interval_s=0.02, keep_steps=2)
+        ar = ObjectStoreAllReduce(
+            uri, world, r, config=AllReduceConfig(timeout_s=20, poll_interval_s=0.02, keep_rounds=2)
+        )
         out[r] = []
         for step in steps:
             ar.allreduce(honest(r, step), step=step)
@@ -77,7 +80,10 @@ def test_manager_rounds_record_their_requests_and_no_list(tmp_path):
 
     def replica(rank):
         ar = ObjectStoreAllReduce(
-            f"file://{tmp_path}/run", 2, rank, timeout_s=20, poll_interval_s=0.01
+            f"file://{tmp_path}/run",
+            2,
+            rank,
+            config=AllReduceConfig(timeout_s=20, poll_interval_s=0.01),
         )
         m = ObjectStoreManager(ar)
         w = torch.zeros(3)
@@ -107,10 +113,17 @@ def test_a_replica_left_behind_learns_it_from_the_head_hint_without_listing(tmp_
     uri = str(tmp_path)
     for step in range(4):
         ar = ObjectStoreAllReduce(
-            uri, 2, 0, min_replicas=1, timeout_s=0.2, poll_interval_s=0.01, keep_steps=2
+            uri,
+            2,
+            0,
+            config=AllReduceConfig(
+                min_replicas=1, timeout_s=0.2, poll_interval_s=0.01, keep_rounds=2
+            ),
         )
         ar.allreduce(honest(0, step), step=step)
-    late = ObjectStoreAllReduce(uri, 2, 1, timeout_s=5, poll_interval_s=0.01)
+    late = ObjectStoreAllReduce(
+        uri, 2, 1, config=AllReduceConfig(timeout_s=5, poll_interval_s=0.01)
+    )
     assert late.head_step() == 3
     before = late.store.requests.snapshot()
     with pytest.raises(Exception, match="already at step 3"):

@@ -14,6 +14,7 @@ import threading
 
 import pytest
 import torch
+from allreduce_handles import exchange
 from tolerances import assert_close
 
 from composer_replication.exchange.allreduce import ObjectStoreAllReduce
@@ -45,7 +46,7 @@ def run(uri, payloads, *, step=0, tokens=None, inner_steps=None, **kwargs):
     out = {}
 
     def go(r):
-        ar = ObjectStoreAllReduce(uri, len(payloads), r, **kwargs)
+        ar = exchange(uri, len(payloads), r, **kwargs)
         try:
             res = ar.allreduce(
                 payloads[r],
@@ -173,7 +174,7 @@ def test_robust_merges_keep_one_scaled_contribution_close_to_the_honest_mean(tmp
     """Screening off (outlier_ratio=0): the merge alone bounds one x1e6 contribution."""
     payloads = [honest(r) for r in range(4)]
     payloads[3] = {k: 1e6 * v for k, v in payloads[3].items()}
-    policy = AggregatePolicy(method=method, outlier_ratio=0)
+    policy = AggregatePolicy(aggregate=method, aggregate_outlier_ratio=0)
     out = run(str(tmp_path), payloads, aggregate=policy)
     ref = mean_of([0, 1, 2])
     first = out[0][0]
@@ -184,7 +185,9 @@ def test_robust_merges_keep_one_scaled_contribution_close_to_the_honest_mean(tmp
     size = math.sqrt(sum(float(ref[k].pow(2).sum()) for k in SHAPES))
     assert err < 0.1 * size, (method, err / size)
     # the plain mean is dragged 1e6/4 times away
-    out = run(str(tmp_path), payloads, step=0 + 1, aggregate=AggregatePolicy(outlier_ratio=0))
+    out = run(
+        str(tmp_path), payloads, step=0 + 1, aggregate=AggregatePolicy(aggregate_outlier_ratio=0)
+    )
     res = out[0][0]
     err = math.sqrt(
         sum(float((res[k] - mean_of([0, 1, 2], step=1)[k]).pow(2).sum()) for k in SHAPES)
@@ -200,7 +203,7 @@ def test_screen_loss_leaves_out_a_contribution_that_raises_the_held_out_loss(tmp
 
     payloads = [honest(r) for r in range(4)]
     payloads[1] = {k: -3 * v for k, v in payloads[1].items()}  # a harmful direction
-    policy = AggregatePolicy(screen="loss", outlier_ratio=0)
+    policy = AggregatePolicy(screen="loss", aggregate_outlier_ratio=0)
     out = run(str(tmp_path), payloads, aggregate=policy, loss_probe=probe, min_replicas=3)
     assert_all_equal(out, mean_of([0, 2, 3]))
     assert all("harmful" in sr.rejected[1] for _, sr in out.values())

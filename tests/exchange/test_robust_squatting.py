@@ -15,16 +15,19 @@ import time
 
 import pytest
 import torch
+from allreduce_handles import exchange
 from test_robust_screening import SHAPES, honest, mean_of, run
 from tolerances import assert_close
 
 from composer_replication.exchange.allreduce import ObjectStoreAllReduce
 from composer_replication.exchange.protocol import (
+    Encoding,
     contrib_key,
     encode_contribution,
     owner_key,
     squat_key,
 )
+from composer_replication.exchange.settings import AllReduceConfig
 from composer_replication.exchange.signing import (
     RunKeys,
     generate_private_key,
@@ -42,7 +45,7 @@ def plant(uri, rank, tensors, *, step=0, writer=None, owner=False, keys=None):
         step=step,
         tokens=1,
         inner_steps=1,
-        codec="fp32",
+        encoding=Encoding(codec="fp32"),
         writer=writer,
         keys=keys,
     )
@@ -80,7 +83,9 @@ def test_the_victims_report_excludes_a_slot_planted_with_an_owner_record(tmp_pat
     reports the squat, which the committer checks before including the slot."""
     uri = str(tmp_path)
     plant(uri, 1, honest(7), writer="attacker", owner=True)
-    victim = ObjectStoreAllReduce(uri, 3, 1, timeout_s=10, poll_interval_s=0.01, min_replicas=2)
+    victim = ObjectStoreAllReduce(
+        uri, 3, 1, config=AllReduceConfig(timeout_s=10, poll_interval_s=0.01, min_replicas=2)
+    )
     box = {}
     t = threading.Thread(target=lambda: box.setdefault("r", victim.allreduce(honest(1), step=0)))
     t.start()
@@ -98,7 +103,9 @@ def test_the_victims_report_excludes_a_slot_planted_with_an_owner_record(tmp_pat
 def test_a_retried_step_reuses_the_ranks_own_upload(tmp_path):
     """The same process retrying a step finds its own object (same writer id): not a squat."""
     uri = str(tmp_path)
-    alone = ObjectStoreAllReduce(uri, 2, 0, timeout_s=0.3, poll_interval_s=0.01)
+    alone = ObjectStoreAllReduce(
+        uri, 2, 0, config=AllReduceConfig(timeout_s=0.3, poll_interval_s=0.01)
+    )
     try:
         alone.allreduce(honest(0), step=0)
     except Exception as e:  # nobody else came
@@ -109,7 +116,9 @@ def test_a_retried_step_reuses_the_ranks_own_upload(tmp_path):
     )
     alone.timeout_s = 10
     t.start()
-    other = ObjectStoreAllReduce(uri, 2, 1, timeout_s=10, poll_interval_s=0.01)
+    other = ObjectStoreAllReduce(
+        uri, 2, 1, config=AllReduceConfig(timeout_s=10, poll_interval_s=0.01)
+    )
     res = other.allreduce(honest(1), step=0)
     t.join(30)
     assert other.last_result.included_ranks == [0, 1] and alone.last_result.rejected == {}
@@ -136,9 +145,7 @@ def test_with_signing_a_planted_object_is_refused_outright(tmp_path):
             uri,
             3,
             r,
-            timeout_s=10,
-            poll_interval_s=0.01,
-            min_replicas=2,
+            config=AllReduceConfig(timeout_s=10, poll_interval_s=0.01, min_replicas=2),
             keys=run_keys.with_identity(rank_identity(r), private[f"rank-{r}"]),
         )
         out[r] = (ar.allreduce(honest(r), step=0), ar.last_result)
@@ -158,22 +165,26 @@ def test_a_restarted_incarnation_with_the_same_writer_secret_reuses_its_earlier_
     uri = str(tmp_path)
     secret = b"s" * 32
     first = ObjectStoreAllReduce(
-        uri, 2, 0, timeout_s=0.3, poll_interval_s=0.01, writer_secret=secret
+        uri, 2, 0, config=AllReduceConfig(timeout_s=0.3, poll_interval_s=0.01), writer_secret=secret
     )
     with pytest.raises(Exception, match="timeout_s"):
         first.allreduce(honest(0), step=0)  # rank 1 never came: nothing committed
     first.close()
 
-    stranger = ObjectStoreAllReduce(uri, 2, 0, timeout_s=10, writer_secret=b"x" * 32)
+    stranger = ObjectStoreAllReduce(
+        uri, 2, 0, config=AllReduceConfig(timeout_s=10), writer_secret=b"x" * 32
+    )
     assert stranger.writer_id(0) != first.writer_id(0)
     restarted = ObjectStoreAllReduce(
-        uri, 2, 0, timeout_s=10, poll_interval_s=0.01, writer_secret=secret
+        uri, 2, 0, config=AllReduceConfig(timeout_s=10, poll_interval_s=0.01), writer_secret=secret
     )
     assert restarted.writer_id(0) == first.writer_id(0)
     box = {}
     t = threading.Thread(target=lambda: box.setdefault("r", restarted.allreduce(honest(9), step=0)))
     t.start()
-    other = ObjectStoreAllReduce(uri, 2, 1, timeout_s=10, poll_interval_s=0.01)
+    other = ObjectStoreAllReduce(
+        uri, 2, 1, config=AllReduceConfig(timeout_s=10, poll_interval_s=0.01)
+    )
     res = other.allreduce(honest(1), step=0)
     t.join(30)
     assert restarted.last_result.rejected == {} and other.last_result.included_ranks == [0, 1]
@@ -197,8 +208,8 @@ def test_a_contribution_read_before_its_owner_confirmed_it_is_not_downloaded_aga
     uri = str(tmp_path)
     hidden = Fault("get", "steps/*/owner/00001*", "drop", times=None)
     kw = {"timeout_s": 8, "poll_interval_s": 0.01}
-    r0 = ObjectStoreAllReduce(uri, 2, 0, store=FaultyStore(ObjectStore(uri), [hidden]), **kw)
-    r1 = ObjectStoreAllReduce(uri, 2, 1, **kw)
+    r0 = exchange(FaultyStore(ObjectStore(uri), [hidden]), 2, 0, **kw)
+    r1 = exchange(uri, 2, 1, **kw)
     box = {}
     t = threading.Thread(target=lambda: box.setdefault(0, r0.allreduce(honest(0), step=0)))
     t.start()

@@ -30,6 +30,7 @@ def count_requests(
     from test_robust_screening import honest
 
     from composer_replication.exchange.allreduce import ObjectStoreAllReduce
+    from composer_replication.exchange.settings import AllReduceConfig
 
     # the same s3fs instance the store uses (fsspec caches it per process and options)
     fs = fsspec.core.url_to_fs(uri, **{**options, "use_listings_cache": False})[0]
@@ -37,7 +38,11 @@ def count_requests(
     sent: list[str] = []
     fs.s3.meta.events.register("before-call.s3", lambda model, **kw: sent.append(model.name))
     ar = ObjectStoreAllReduce(
-        uri, world, rank, timeout_s=30, poll_interval_s=0.02, storage_options=options, keep_steps=2
+        uri,
+        world,
+        rank,
+        config=AllReduceConfig(timeout_s=30, poll_interval_s=0.02, keep_rounds=2),
+        storage_options=options,
     )
     while time.time() < start_at:
         time.sleep(0.005)
@@ -67,16 +72,15 @@ def byzantine_replica(
 
     from composer_replication.exchange.allreduce import ObjectStoreAllReduce
     from composer_replication.exchange.robust import AggregatePolicy
+    from composer_replication.exchange.settings import AllReduceConfig
 
-    policy = AggregatePolicy(method=method, outlier_ratio=0)
+    policy = AggregatePolicy(aggregate=method, aggregate_outlier_ratio=0)
     ar = ObjectStoreAllReduce(
         uri,
         world,
         rank,
-        timeout_s=60,
-        poll_interval_s=0.02,
+        config=AllReduceConfig(timeout_s=60, poll_interval_s=0.02, aggregate=policy),
         storage_options=options,
-        aggregate=policy,
     )
     while time.time() < start_at:
         time.sleep(0.005)

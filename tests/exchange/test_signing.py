@@ -12,6 +12,7 @@ import threading
 
 import pytest
 import torch
+from allreduce_handles import exchange
 from test_robust_screening import SHAPES, honest, mean_of
 from tolerances import assert_close
 
@@ -19,11 +20,13 @@ from composer_replication.exchange.allreduce import ObjectStoreAllReduce
 from composer_replication.exchange.protocol import (
     HEADER_KEY,
     CorruptContributionError,
+    Encoding,
     commit_key,
     contrib_key,
     decode_contribution,
     encode_contribution,
 )
+from composer_replication.exchange.settings import AllReduceConfig
 from composer_replication.exchange.signing import (
     DRIVER,
     KEYS_KEY,
@@ -66,7 +69,7 @@ def run_signed(run: Run, payloads, *, step=0, **kwargs):
     out = {}
 
     def go(r):
-        ar = ObjectStoreAllReduce(
+        ar = exchange(
             run.uri, len(payloads), r, timeout_s=10, poll_interval_s=0.01, keys=run.of(r), **kwargs
         )
         try:
@@ -83,7 +86,14 @@ def run_signed(run: Run, payloads, *, step=0, **kwargs):
 
 def blob(tensors, *, rank, step=0, keys=None):
     payload, _ = encode_contribution(
-        tensors, rank=rank, step=step, tokens=1, inner_steps=1, codec="fp32", keys=keys, writer="w"
+        tensors,
+        rank=rank,
+        step=step,
+        tokens=1,
+        inner_steps=1,
+        encoding=Encoding(codec="fp32"),
+        keys=keys,
+        writer="w",
     )
     return b"".join(payload)
 
@@ -262,7 +272,12 @@ def test_a_replayed_object_from_an_old_round_or_another_run_is_refused(tmp_path)
 def test_signing_off_keeps_todays_behaviour(tmp_path):
     """No keys: no signature fields, any checksum, and unsigned objects are accepted."""
     payload, c = encode_contribution(
-        honest(0), rank=0, step=0, tokens=None, inner_steps=None, codec="fp32", checksum="xxh3-128"
+        honest(0),
+        rank=0,
+        step=0,
+        tokens=None,
+        inner_steps=None,
+        encoding=Encoding(codec="fp32", checksum="xxh3-128"),
     )
     raw = b"".join(payload)
     n = int.from_bytes(raw[:8], "little")
@@ -272,7 +287,9 @@ def test_signing_off_keeps_todays_behaviour(tmp_path):
     out = {}
 
     def go(r):
-        ar = ObjectStoreAllReduce(str(tmp_path), 2, r, timeout_s=10, poll_interval_s=0.01)
+        ar = ObjectStoreAllReduce(
+            str(tmp_path), 2, r, config=AllReduceConfig(timeout_s=10, poll_interval_s=0.01)
+        )
         out[r] = ar.allreduce(honest(r), step=0)
 
     threads = [threading.Thread(target=go, args=(r,)) for r in range(2)]

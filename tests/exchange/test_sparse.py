@@ -11,6 +11,7 @@ import torch
 from composer_replication.exchange import codecs, sparse
 from composer_replication.exchange.protocol import (
     CorruptContributionError,
+    Encoding,
     decode_contribution,
     encode_contribution,
 )
@@ -95,7 +96,12 @@ def test_bytes_on_the_wire_are_about_one_percent_of_fp32():
     t = {"w": torch.randn(1_000_000), "b": torch.randn(1000)}
     size = {
         c: encode_contribution(
-            t, rank=0, step=0, tokens=1, inner_steps=1, codec=c, sparse=SparseSpec()
+            t,
+            rank=0,
+            step=0,
+            tokens=1,
+            inner_steps=1,
+            encoding=Encoding(codec=c, sparse=SparseSpec()),
         )[1].nbytes
         for c in ("fp32", "sparseloco")
     }
@@ -143,8 +149,7 @@ def _forge(monkeypatch, change) -> bytes:
             step=0,
             tokens=None,
             inner_steps=None,
-            codec="sparseloco",
-            sparse=SPEC,
+            encoding=Encoding(codec="sparseloco", sparse=SPEC),
         )
     return b"".join(bytes(memoryview(b)) for b in payload)
 
@@ -188,7 +193,12 @@ def test_malformed_payloads_are_refused(monkeypatch, change, match):
 def test_a_valid_payload_decodes_to_the_same_values():
     x = torch.randn(2, 1000)
     payload, own = encode_contribution(
-        {"w": x}, rank=0, step=0, tokens=None, inner_steps=None, codec="sparseloco", sparse=SPEC
+        {"w": x},
+        rank=0,
+        step=0,
+        tokens=None,
+        inner_steps=None,
+        encoding=Encoding(codec="sparseloco", sparse=SPEC),
     )
     back = decode_contribution(b"".join(bytes(memoryview(b)) for b in payload), step=0, rank=0)
     assert torch.equal(back.decode()["w"], own.decode()["w"])

@@ -12,7 +12,11 @@ import torch
 from safetensors.torch import save as st_save
 
 from composer_replication.exchange import wire
-from composer_replication.exchange.protocol import decode_contribution, encode_contribution
+from composer_replication.exchange.protocol import (
+    Encoding,
+    decode_contribution,
+    encode_contribution,
+)
 from composer_replication.exchange.state import decode_state, encode_state
 from composer_replication.exchange.vocabulary import CorruptContributionError, FrameError
 
@@ -118,7 +122,12 @@ def test_states_written_by_safetensors_round_trip_through_the_parser():
 
 def test_a_contribution_header_survives_the_parser():
     payload, contrib = encode_contribution(
-        {"x": torch.randn(5)}, rank=1, step=2, tokens=None, inner_steps=None, codec="int8"
+        {"x": torch.randn(5)},
+        rank=1,
+        step=2,
+        tokens=None,
+        inner_steps=None,
+        encoding=Encoding(codec="int8"),
     )
     blob = b"".join(payload)
     h = wire.parse_header(blob, "mine")

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "diloco"))
 import torch  # noqa: E402
 from _decoupled_toy import Blocks, train_step  # noqa: E402
 
-from composer_replication.diloco.decoupled import DecoupledLearner  # noqa: E402
+from composer_replication.diloco.decoupled import DecoupledLearner, LearnerConfig  # noqa: E402
 from composer_replication.exchange.protocol import tensors_digest  # noqa: E402
 from composer_replication.exchange.store import ObjectStore  # noqa: E402
 
@@ -48,13 +48,15 @@ def main() -> None:
         store,
         learner=rank,
         n_learners=a.n,
-        sync_every_h=a.h,
-        num_fragments=a.p,
+        config=LearnerConfig(
+            sync_every_h=a.h,
+            fragments=a.p,
+            poll_interval_s=0.05,
+            drain_timeout_s=180,
+            heartbeat_every_s=0.5,
+        ),
         model=model,
         inner_optimizer=opt,
-        poll_interval_s=0.05,
-        drain_timeout_s=180,
-        heartbeat_every_s=0.5,
     )
     with open(out / f"learner{rank}-starts.jsonl", "a") as f:
         f.write(

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "diloco"))
 
 from _decoupled_toy import Blocks, train_step  # noqa: E402
 
-from composer_replication.diloco.decoupled import DecoupledLearner  # noqa: E402
+from composer_replication.diloco.decoupled import DecoupledLearner, LearnerConfig  # noqa: E402
 from composer_replication.diloco.synchronizer import Synchronizer, SynchronizerConfig  # noqa: E402
 from composer_replication.exchange.protocol import tensors_digest  # noqa: E402
 from composer_replication.exchange.push_store import (  # noqa: E402
@@ -44,12 +44,9 @@ def _learner(uri: str, rank: int, out: dict[int, Any]) -> None:
         ObjectStore(uri),
         learner=rank,
         n_learners=N,
-        sync_every_h=8,
-        num_fragments=P,
+        config=LearnerConfig(sync_every_h=8, fragments=P, poll_interval_s=0.02, drain_timeout_s=60),
         model=model,
         inner_optimizer=opt,
-        poll_interval_s=0.02,
-        drain_timeout_s=60,
     )
     starts = [list(learner.start_versions)]
     with learner:
@@ -227,12 +224,9 @@ def test_the_synchronizer_records_a_refused_push(tmp_path: Path) -> None:
         store,
         learner=0,
         n_learners=1,
-        sync_every_h=8,
-        num_fragments=P,
+        config=LearnerConfig(sync_every_h=8, fragments=P, poll_interval_s=0.02, drain_timeout_s=60),
         model=model,
         inner_optimizer=opt,
-        poll_interval_s=0.02,
-        drain_timeout_s=60,
     )
     with learner:
         for t in range(16):

@@ -27,6 +27,7 @@ from composer_replication.assembly.build import build_model, build_task
 from composer_replication.config import load_config
 from composer_replication.exchange.allreduce import ObjectStoreAllReduce
 from composer_replication.exchange.protocol import commit_key
+from composer_replication.exchange.settings import AllReduceConfig
 from composer_replication.exchange.store import ObjectStore
 
 N = 4
@@ -157,10 +158,9 @@ def test_the_real_loss_probe_refuses_a_harmful_contribution_through_the_exchange
             uri,
             N,
             r,
-            timeout_s=120,
-            poll_interval_s=0.01,
-            min_replicas=N - 1,
-            aggregate=policy,
+            config=AllReduceConfig(
+                timeout_s=120, poll_interval_s=0.01, min_replicas=N - 1, aggregate=policy
+            ),
             loss_probe=own,
         )
         try:

@@ -93,6 +93,6 @@ def test_training_state_writes_still_fail_loudly(tmp_path: Path) -> None:
     store = FaultyStore(
         ObjectStore(uri), [Fault("put_if_absent", "states/*", "fail", error=DiskFull)]
     )
-    docs = ObjectStoreAllReduce(uri, 1, store=store)
+    docs = ObjectStoreAllReduce(store, 1)
     with pytest.raises(OSError, match="No space left on device"):
         docs.publish_state({"w": torch.ones(2)}, round=1)

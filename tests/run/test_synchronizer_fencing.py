@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from composer_replication.config import load_config, to_dict
-from composer_replication.diloco.decoupled import DecoupledLearner
+from composer_replication.diloco.decoupled import DecoupledLearner, LearnerConfig
 from composer_replication.exchange.fencing import bump_generation
 from composer_replication.exchange.push_store import HEADS_KEY, DecoupledStore
 from composer_replication.exchange.store import ObjectStore
@@ -48,11 +48,9 @@ def _learn(store: ObjectStore, rank: int, stop: threading.Event) -> None:
         store,
         learner=rank,
         n_learners=2,
-        sync_every_h=2,
+        config=LearnerConfig(sync_every_h=2, poll_interval_s=0.05, heartbeat_every_s=0.3),
         model=model,
         inner_optimizer=opt,
-        poll_interval_s=0.05,
-        heartbeat_every_s=0.3,
     )
     learner.__enter__()
     g = torch.Generator().manual_seed(rank)

@@ -19,6 +19,7 @@ _LAZY = {
     "SYNCHRONIZER_PLACES": _LEARNER,
     "DecoupledConfig": _LEARNER,
     "DecoupledLearner": _LEARNER,
+    "LearnerConfig": _LEARNER,
     "LearnerState": _LEARNER,
     "RejoinRecord": _LEARNER,
     "push_offsets": _LEARNER,

@@ -21,7 +21,11 @@ from composer_replication.diloco.decoupled.decoupled_check import (
     check_decoupled_run,
     final_merges_problem,
 )
-from composer_replication.diloco.decoupled.learner import DecoupledLearner, RejoinRecord
+from composer_replication.diloco.decoupled.learner import (
+    DecoupledLearner,
+    LearnerConfig,
+    RejoinRecord,
+)
 from composer_replication.diloco.outer_mode import (
     AfterLoss,
     HostedService,
@@ -36,7 +40,7 @@ from composer_replication.diloco.replica_state import ResumableTrainer
 from composer_replication.diloco.section import DilocoConfig, ManagerName, ModeName
 from composer_replication.diloco.synchronizer import ROLE as SYNCHRONIZER_ROLE
 from composer_replication.diloco.synchronizer import Synchronizer
-from composer_replication.diloco.synchronizer_config import SynchronizerConfig
+from composer_replication.diloco.synchronizer_config import SynchronizerConfig, check_outer_step
 from composer_replication.exchange import codecs
 from composer_replication.exchange.liveness import LEARNER_ROLE, MemberLiveness
 from composer_replication.exchange.push_store import DecoupledStore
@@ -89,22 +93,17 @@ class DecoupledDiLoCo:
     def check_section(self) -> None:
         """The rules of this mode on the `[diloco]` section."""
         d = self.config
-        require(
-            d.outer_optimizer != "adam",
-            "diloco.outer_optimizer",
-            "'adam' runs in sync mode only; the decoupled synchronizer's outer step is "
-            "SGD with (Nesterov) momentum: use 'nesterov' or 'sgd'",
-        )
+        try:  # the synchronizer's own rules, on the section's keys
+            check_outer_step(
+                outer_optimizer=d.outer_optimizer, merge=d.merge, aggregate=d.aggregate
+            )
+        except ValueError as exc:
+            raise ValueError(f"diloco.{exc}") from None
         require(
             d.screen == "none",
             "diloco.screen",
             "the loss screen runs in the synchronous exchange only; decoupled mode screens "
             "by norm (diloco.aggregate_outlier_ratio): set diloco.screen = 'none'",
-        )
-        require(
-            d.merge == "mean" or d.aggregate == "mean",
-            "diloco.merge",
-            "'rda' averages directions itself: use diloco.aggregate = 'mean' with it",
         )
         require(
             not codecs.get(d.codec).needs_error_feedback,
@@ -207,14 +206,16 @@ class DecoupledDiLoCo:
             ctx.store,
             learner=ctx.rank,
             n_learners=ctx.n_replicas,
-            sync_every_h=d.sync_every_h,
-            num_fragments=d.fragments,
+            config=LearnerConfig(
+                sync_every_h=d.sync_every_h,
+                fragments=d.fragments,
+                alpha=d.alpha,
+                codec=d.codec,
+                poll_interval_s=0.1 if ctx.store.is_local else 0.5,
+                drain_timeout_s=d.timeout_s,
+                heartbeat_every_s=None,  # the replica's heartbeat carries the learner's fields
+            ),
             model=ctx.model,
-            alpha=d.alpha,
-            codec=d.codec,
-            poll_interval_s=0.1 if ctx.store.is_local else 0.5,
-            drain_timeout_s=d.timeout_s,
-            heartbeat_every_s=None,  # the replica's heartbeat carries the learner's fields
             keys=ctx.keys,
         )
 

@@ -1,8 +1,9 @@
 """The Decoupled DiLoCo learner: trains without ever waiting for peers, pushes fragments on its
 own clock and takes each new global fragment as the synchronizer publishes it.
 
-    learner = DecoupledLearner(store, learner=rank, n_learners=M, sync_every_h=H,
-                               num_fragments=P, model=model, inner_optimizer=opt)
+    learner = DecoupledLearner(store, learner=rank, n_learners=M,
+                               config=LearnerConfig(sync_every_h=H, fragments=P),
+                               model=model, inner_optimizer=opt)
     with learner:                       # binds: manifest, initial weights, newest globals
         for batch in data:
             loss = model(**batch).loss
@@ -56,9 +57,11 @@ from torch import nn
 
 from composer_replication.diloco.fragments import strided_fragments, whole_model_fragment
 from composer_replication.diloco.synchronizer_config import SynchronizerSettings
+from composer_replication.exchange.codecs import CodecName
 from composer_replication.exchange.liveness import LEARNER_ROLE, write_heartbeat
 from composer_replication.exchange.protocol import CorruptContributionError, tensors_digest
 from composer_replication.exchange.push_store import DecoupledStore, fragment_manifest
+from composer_replication.exchange.settings import ExchangeConfig
 from composer_replication.exchange.signing import RunKeys
 from composer_replication.exchange.store import Store
 from composer_replication.exchange.store_manager import RoundRecord, round_record
@@ -68,6 +71,7 @@ __all__ = [
     "SYNCHRONIZER_PLACES",
     "DecoupledConfig",
     "DecoupledLearner",
+    "LearnerConfig",
     "LearnerState",
     "RejoinRecord",
     "push_offsets",
@@ -107,6 +111,43 @@ class DecoupledConfig(SynchronizerSettings):
         )
 
 
+_DECOUPLED = DecoupledConfig()
+_EXCHANGE = ExchangeConfig()
+
+
+@dataclass(frozen=True, kw_only=True)
+class LearnerConfig:
+    """One learner's settings: the ``[diloco]`` keys it reads, under their names
+    (``sync_every_h``: H, inner steps between two pushes of the same fragment; ``fragments``: P
+    strided fragments of the model, 1 when the caller gives ``model_fragments``; ``alpha``; the
+    ``codec`` of its pushes), and its timings: ``poll_interval_s`` (how often the background
+    thread looks for new global versions), ``drain_timeout_s`` (how long leaving the context waits
+    for the run's final versions; the run passes ``[diloco] timeout_s``) and
+    ``heartbeat_every_s`` (write this learner's heartbeat, exchange/liveness.py, this often from a
+    thread; None = the caller writes it, as the run's replica does)."""
+
+    sync_every_h: int
+    fragments: int = _DECOUPLED.fragments
+    alpha: float = _DECOUPLED.alpha
+    codec: CodecName = _EXCHANGE.codec
+    poll_interval_s: float = 0.2
+    drain_timeout_s: float = _EXCHANGE.timeout_s
+    heartbeat_every_s: float | None = 1.0
+
+    def __post_init__(self) -> None:
+        h = self.sync_every_h
+        if not isinstance(h, int) or isinstance(h, bool) or h < 1:
+            raise ValueError(f"sync_every_h must be a positive int, got {h!r}")
+        if not isinstance(self.fragments, int) or self.fragments < 1:
+            raise ValueError(f"fragments must be an int >= 1, got {self.fragments!r}")
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ValueError(f"alpha must be in [0, 1], got {self.alpha}")
+        for key in ("poll_interval_s", "drain_timeout_s", "heartbeat_every_s"):
+            value = getattr(self, key)
+            if value is not None and not value > 0:
+                raise ValueError(f"{key} must be > 0, got {value!r}")
+
+
 class RejoinRecord(TypedDict):
     """What a learner downloaded when it bound (`DecoupledLearner.rejoin`): at its first start
     the newest global of every fragment; restarted, only the newest version of each fragment
@@ -138,54 +179,14 @@ def push_offsets(sync_every_h: int, num_fragments: int) -> list[int]:
     return [((p + 1) * sync_every_h // num_fragments) % sync_every_h for p in range(num_fragments)]
 
 
-def _checked_fragments(
-    *,
-    learner: int,
-    n_learners: int,
-    sync_every_h: int,
-    num_fragments: int,
-    model_fragments: Sequence[nn.Module] | None,
-    alpha: float,
-    intervals: dict[str, float],
-) -> int:
-    """The number of fragments, once every argument of `DecoupledLearner` is checked (a
-    ValueError naming the argument otherwise)."""
-    if not isinstance(n_learners, int) or n_learners < 1:
-        raise ValueError(f"n_learners must be an int >= 1, got {n_learners!r}")
-    if not isinstance(learner, int) or not 0 <= learner < n_learners:
-        raise ValueError(f"learner must be in [0, n_learners={n_learners}), got {learner!r}")
-    if not isinstance(sync_every_h, int) or isinstance(sync_every_h, bool) or sync_every_h < 1:
-        raise ValueError(f"sync_every_h must be a positive int, got {sync_every_h!r}")
-    if model_fragments is not None and num_fragments != 1:
-        raise ValueError("pass either model_fragments or num_fragments, not both")
-    n_frag = len(model_fragments) if model_fragments is not None else num_fragments
-    if not isinstance(n_frag, int) or n_frag < 1 or sync_every_h % n_frag:
-        raise ValueError(
-            f"sync_every_h={sync_every_h} must be a multiple of the number of fragments "
-            f"({n_frag}): one fragment is pushed every sync_every_h / fragments steps"
-        )
-    if not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
-    for key, value in intervals.items():
-        if not value > 0:
-            raise ValueError(f"{key} must be > 0, got {value!r}")
-    return n_frag
-
-
 class DecoupledLearner:
     """One Decoupled DiLoCo learner (see the module docstring).
 
     Args:
         store: the run's store (only this learner's pushes and progress are written).
         learner: this learner's index in ``[0, n_learners)``.
-        sync_every_h: H, inner steps between two pushes of the same fragment.
-        num_fragments / model_fragments: P strided fragments of ``model``, or explicit modules.
-        alpha: after a new global arrives, ``local = lerp(global, local, alpha)`` (0 = take it).
-        codec: wire codec of the pushes (exchange.codecs).
-        poll_interval_s: how often the background thread looks for new global versions.
-        drain_timeout_s: how long leaving the context waits for the run's final versions.
-        heartbeat_every_s: write this learner's heartbeat (exchange/liveness.py) this often from
-            a thread; None = the caller writes it (the run's replica does).
+        config: its settings (`LearnerConfig`: H, the fragments, ``alpha``, the codec, timings).
+        model_fragments: explicit modules instead of ``config.fragments`` strided fragments.
         start_step: the learner's inner steps so far (None: from its progress document).
         keys: this learner's signing keys (``[security] sign``): its pushes and progress are
             signed, and a global, heads or final document not signed by the synchronizer is
@@ -198,43 +199,38 @@ class DecoupledLearner:
         *,
         learner: int,
         n_learners: int,
-        sync_every_h: int,
-        num_fragments: int = 1,
+        config: LearnerConfig,
         model: nn.Module | None = None,
         inner_optimizer: Any = None,
         model_fragments: Sequence[nn.Module] | None = None,
-        alpha: float = 0.0,
-        codec: str = "fp32",
-        poll_interval_s: float = 0.2,
-        drain_timeout_s: float = 600.0,
-        heartbeat_every_s: float | None = 1.0,
         start_step: int | None = None,
         keys: RunKeys | None = None,
     ) -> None:
-        n_frag = _checked_fragments(
-            learner=learner,
-            n_learners=n_learners,
-            sync_every_h=sync_every_h,
-            num_fragments=num_fragments,
-            model_fragments=model_fragments,
-            alpha=alpha,
-            intervals={
-                "poll_interval_s": poll_interval_s,
-                "drain_timeout_s": drain_timeout_s,
-                "heartbeat_every_s": heartbeat_every_s or 1.0,
-            },
-        )
+        if not isinstance(n_learners, int) or n_learners < 1:
+            raise ValueError(f"n_learners must be an int >= 1, got {n_learners!r}")
+        if not isinstance(learner, int) or not 0 <= learner < n_learners:
+            raise ValueError(f"learner must be in [0, n_learners={n_learners}), got {learner!r}")
+        if model_fragments is not None and config.fragments != 1:
+            raise ValueError("pass either model_fragments or config.fragments, not both")
+        sync_every_h = config.sync_every_h
+        n_frag = len(model_fragments) if model_fragments is not None else config.fragments
+        if n_frag < 1 or sync_every_h % n_frag:
+            raise ValueError(
+                f"sync_every_h={sync_every_h} must be a multiple of the number of fragments "
+                f"({n_frag}): one fragment is pushed every sync_every_h / fragments steps"
+            )
+        self.config = config
         self.store = store
         self.keys = keys
-        self.docs = DecoupledStore(store, codec=codec, keys=keys)
+        self.docs = DecoupledStore(store, codec=config.codec, keys=keys)
         self.learner = learner
         self.n_learners = n_learners
         self.sync_every_h = sync_every_h
         self.num_fragments = n_frag
-        self.alpha = float(alpha)
-        self.poll_interval_s = float(poll_interval_s)
-        self.drain_timeout_s = float(drain_timeout_s)
-        self.heartbeat_every_s = heartbeat_every_s
+        self.alpha = float(config.alpha)
+        self.poll_interval_s = float(config.poll_interval_s)
+        self.drain_timeout_s = float(config.drain_timeout_s)
+        self.heartbeat_every_s = config.heartbeat_every_s
         self.model = model
         self.inner_optimizer: torch.optim.Optimizer | None = None
         self._model_fragments = list(model_fragments) if model_fragments is not None else None

@@ -190,7 +190,7 @@ class SyncDiLoCo:
         manager = self.build_manager(ctx, global_weights)
         h = self.config.sync_every_h
         outer = make_diloco_outer_loop(
-            None, manager, h, model=ctx.model, outer_optimizer_factory=self.outer_factory()
+            None, manager, h, model=ctx.model, outer=self.outer_factory()
         )
         built.append(outer)
 
@@ -233,20 +233,20 @@ class SyncDiLoCo:
         d = self.config
         screening = ctx.screening
         allreduce = ObjectStoreAllReduce(
-            ctx.store.uri,
+            ctx.store.uri,  # a client of its own: its request counts are the exchange's
             world_size=ctx.n_replicas,
             rank=ctx.rank,
-            timeout_s=d.timeout_s,
-            codec=d.codec,
-            min_replicas=self.quorum(ctx.n_replicas),
-            aggregate=d.aggregate_policy() if screening is None else screening.policy(),
+            config=d.allreduce_config(
+                ctx.n_replicas,
+                keep_rounds=ctx.keep_rounds,
+                policy=None if screening is None else screening.policy(),
+                sparse=d.sparse_spec(),
+            ),
             storage_options=ctx.store.storage_options or None,
-            keep_steps=ctx.keep_rounds,
             keys=ctx.keys,
             loss_probe=None if screening is None else screening.probe(global_weights),
             writer_secret=ctx.writer_secret,
             slot_secret=ctx.slot_secret,
-            sparse=d.sparse_spec(),
             fence=ctx.fence,
         )
         manager = ObjectStoreManager(allreduce=allreduce)

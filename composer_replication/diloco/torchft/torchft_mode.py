@@ -23,6 +23,7 @@ from composer_replication.diloco.outer_mode import GlobalWeights, ReplicaContext
 from composer_replication.diloco.section import ManagerName, ModeName
 from composer_replication.diloco.sync.sync_mode import SyncDiLoCo
 from composer_replication.diloco.torchft.torchft_path import (
+    TorchFTEndpoint,
     build_torchft_manager,
     lighthouse_address,
     start_lighthouse,
@@ -143,7 +144,7 @@ class TorchftDiLoCo(SyncDiLoCo):
             replica_id=f"replica_{ctx.rank}",
             lighthouse_addr=lighthouse,
             min_replicas=self.quorum(ctx.n_replicas),
-            hostname="127.0.0.1" if local else _hostname(),
+            endpoint=TorchFTEndpoint("127.0.0.1" if local else _hostname()),
             init_sync=False,
             states=states,
         )

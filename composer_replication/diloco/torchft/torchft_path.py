@@ -78,6 +78,7 @@ from composer_replication.exchange.store_manager import RoundRecord, round_recor
 from composer_replication.fields import require, setting
 
 __all__ = [
+    "TorchFTEndpoint",
     "TorchFTManager",
     "TorchftConfig",
     "TorchFTTimeouts",
@@ -155,6 +156,17 @@ class TorchFTTimeouts:
                 f"heartbeat_s={self.heartbeat_s} must be < join_s={self.join_s} so a dead "
                 "replica is noticed before the lighthouse stops waiting for stragglers"
             )
+
+
+@dataclass(frozen=True)
+class TorchFTEndpoint:
+    """Where a replica group's torchft Manager listens: ``hostname`` is also what it advertises
+    to its peers (an address they can reach); ``store_port`` (its TCPStore) and
+    ``manager_port``: 0 = a free port."""
+
+    hostname: str = "127.0.0.1"
+    store_port: int = 0
+    manager_port: int = 0
 
 
 def start_lighthouse(
@@ -409,9 +421,7 @@ def build_torchft_manager(
     lighthouse_addr: str | None = None,
     min_replicas: int,
     timeouts: TorchFTTimeouts | None = None,
-    hostname: str = "127.0.0.1",
-    store_port: int = 0,
-    manager_port: int = 0,
+    endpoint: TorchFTEndpoint | None = None,
     load_state_dict: Callable[[Any], None] | None = None,
     state_dict: Callable[[], object] | None = None,
     init_sync: bool = True,
@@ -419,10 +429,9 @@ def build_torchft_manager(
 ) -> TorchFTManager:
     """A `TorchFTManager` over a new ``torchft.Manager`` for one single-process replica group.
 
-    Hosts the replica group's TCPStore on ``hostname:store_port`` (0 = a free port), builds a
-    `ProcessGroupGloo` with ``timeouts.process_group_s`` and a Manager with a synchronous quorum
-    (DiLoCo requires ``use_async_quorum=False``). ``hostname`` is also what this replica
-    advertises to its peers: it must be an address they can reach. ``load_state_dict`` /
+    Hosts the replica group's TCPStore on ``endpoint`` (`TorchFTEndpoint`; None: loopback, free
+    ports), builds a `ProcessGroupGloo` with ``timeouts.process_group_s`` and a Manager with a
+    synchronous quorum (DiLoCo requires ``use_async_quorum=False``). ``load_state_dict`` /
     ``state_dict`` register extra user state for healing (DiLoCo registers its global weights and
     outer optimizer itself). With ``init_sync`` (default) torchft copies the weights of one
     replica to the others at the first quorum; replicas built from the same seed may pass False.
@@ -448,9 +457,11 @@ def build_torchft_manager(
     from torchft.process_group import ProcessGroupGloo
 
     t = timeouts or TorchFTTimeouts()
+    where = endpoint or TorchFTEndpoint()
+    hostname = where.hostname
     store = TCPStore(
         host_name=hostname,
-        port=store_port,
+        port=where.store_port,
         is_master=True,
         wait_for_workers=False,
         timeout=timedelta(seconds=t.connect_s),
@@ -471,7 +482,7 @@ def build_torchft_manager(
         store_port=store.port,
         lighthouse_addr=lighthouse_addr,
         replica_id=replica_id,
-        port=manager_port,
+        port=where.manager_port,
         hostname=hostname,
         init_sync=init_sync,
     )

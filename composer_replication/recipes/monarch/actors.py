@@ -481,12 +481,13 @@ class TrainerActor(Actor):
             self.store_uri,
             world_size=n,
             rank=rank,
-            timeout_s=d.timeout_s,
-            codec=d.codec,
-            min_replicas=d.commit_quorum(n),  # default: all replicas but one
+            config=d.allreduce_config(  # min_replicas: all replicas but one by default
+                n,
+                keep_rounds=config.store.keep_rounds,
+                policy=d.aggregate_policy(max_inner_steps=d.sync_every_h),
+            ),
+            # default: all replicas but one
             storage_options=config.store.storage_options or None,
-            aggregate=d.aggregate_policy(max_inner_steps=d.sync_every_h),
-            keep_steps=config.store.keep_rounds,
         )
         manager = ObjectStoreManager(allreduce=allreduce)
         try:
@@ -495,7 +496,7 @@ class TrainerActor(Actor):
                 manager,
                 d.sync_every_h,
                 model=model,
-                outer_optimizer_factory=d.build_outer_optimizer(),
+                outer=d.build_outer_optimizer(),
             )
             stops = stop_token_ids(tok, model.generation_config.eos_token_id)
             reward = _RemoteReward(self.rewarder, self.rewarder.name.call_one().get(), tok, stops)

@@ -38,6 +38,7 @@ from composer_replication.json_types import JSONDict
 if TYPE_CHECKING:
     from datasets import Dataset
     from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback
+    from trl import GRPOTrainer
 
     from composer_replication.config import RunConfig
     from composer_replication.data.teachers import TeacherClient, TeacherPool
@@ -129,7 +130,7 @@ def generation_args(engine: str) -> JSONDict:
     return dict(GENERATION_ARGS[engine])
 
 
-def configure_generation(trainer: object, engine: str) -> None:
+def configure_generation(trainer: GRPOTrainer, engine: str) -> None:
     """What TRL's arguments cannot say about the engine, set on the built trainer: for
     'static', transformers' automatic compilation of the decoding forward (TRL 1.16's
     GRPOTrainer builds its GenerationConfig with ``disable_compile=True``; transformers compiles

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from torch import nn
     from transformers import PreTrainedTokenizerBase
 
 __all__ = ["align_generation_stops", "end_of_turn_id", "stop_token_ids"]
@@ -67,7 +68,7 @@ def stop_token_ids(
     return ids
 
 
-def align_generation_stops(model: object, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+def align_generation_stops(model: nn.Module, tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """Make the model's generation stop at every id of `stop_token_ids` (its
     `generation_config.eos_token_id` becomes that list) and return the list; a model without a
     generation config is left as it is."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from composer_replication.executors.executor import (
     ExecutorBase,
@@ -35,6 +35,9 @@ from composer_replication.executors.redact import (
     import_sdk,
     sdk_errors,
 )
+
+if TYPE_CHECKING:
+    from huggingface_hub import JobInfo
 
 __all__ = ["HFJobsExecutor", "known_flavors"]
 
@@ -160,7 +163,7 @@ class HFJobsExecutor(ExecutorBase):
         self._apply(handle, job)
         return handle
 
-    def _apply(self, handle: ReplicaHandle, job: Any) -> None:
+    def _apply(self, handle: ReplicaHandle, job: JobInfo) -> None:
         stage = str(getattr(job.status.stage, "value", job.status.stage))
         if job.started_at is not None:
             handle.start_time = job.started_at.timestamp()

@@ -25,7 +25,7 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from composer_replication.executors.executor import (
     ENV_RANK,
@@ -52,6 +52,9 @@ from composer_replication.executors.redact import (
     import_sdk,
     sdk_errors,
 )
+
+if TYPE_CHECKING:
+    from kubernetes.client import ApiClient
 
 __all__ = ["K8sExecutor", "parse_indexes"]
 
@@ -93,7 +96,7 @@ class K8sExecutor(ExecutorBase):
         labels: dict[str, str] | None = None,
         python: str = "python",
         arg_style: str = "auto",
-        api_client: Any = None,
+        api_client: ApiClient | None = None,
         config_file: str | None = None,
         context: str | None = None,
         poll_interval: float = 2.0,
@@ -131,7 +134,7 @@ class K8sExecutor(ExecutorBase):
         self._cancelled: dict[str, set[int]] = {}  # job name -> indexes we cancelled
         self._log_cache: dict[str, str] = {}
 
-    def _load_client(self, config_file: str | None, context: str | None) -> Any:
+    def _load_client(self, config_file: str | None, context: str | None) -> ApiClient:
         config = import_sdk("kubernetes.config", "k8s")
         cfg = self._client.Configuration()
         try:

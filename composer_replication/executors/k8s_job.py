@@ -7,7 +7,11 @@ tested on its own. See `build_indexed_job` for the choices it encodes.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kubernetes.client import V1Job
 
 __all__ = ["INDEX_ANNOTATION", "JOB_NAME_LABEL", "build_indexed_job", "parse_indexes"]
 
@@ -30,7 +34,7 @@ def parse_indexes(text: str | None) -> set[int]:
 
 
 def build_indexed_job(
-    k: Any,
+    k: ModuleType,
     *,
     name: str,
     image: str,
@@ -49,7 +53,7 @@ def build_indexed_job(
     node_selector: dict[str, str] | None,
     image_pull_secrets: Sequence[str],
     labels: dict[str, str],
-) -> Any:
+) -> V1Job:
     """A `V1Job` running `count` indexes of `command`; index i is rank offset + i.
 
     `k` is the `kubernetes.client` module. Choices encoded here:

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, NotRequired, TypedDict
 
 from composer_replication.executors.executor import (
     ExecutorBase,
@@ -39,6 +40,28 @@ from composer_replication.executors.redact import (
     sdk_errors,
 )
 from composer_replication.executors.remote import stream_command
+
+if TYPE_CHECKING:
+    import modal
+
+
+class ReplicaResult(TypedDict):
+    """What `run_replica` returns: the replica's exit code and its output's last lines."""
+
+    exit_code: int
+    log_tail: str
+
+
+class BucketMount(TypedDict):
+    """``bucket_mount`` of `ModalExecutor` (a `modal.CloudBucketMount`)."""
+
+    bucket: str
+    mount_path: str
+    endpoint_url: NotRequired[str | None]
+    key_prefix: NotRequired[str | None]
+    secret: NotRequired[str | None]  # the name of a Modal Secret with the bucket's credentials
+    read_only: NotRequired[bool]
+
 
 __all__ = ["MODAL_GPUS", "ModalExecutor", "modal_credentials", "run_replica"]
 
@@ -60,7 +83,7 @@ MODAL_GPUS = (
 )
 
 
-def run_replica(command: list[str], env: dict[str, str]) -> dict[str, Any]:
+def run_replica(command: list[str], env: dict[str, str]) -> ReplicaResult:
     """The Modal function body: run one replica, stream its output, return exit code + tail.
 
     Runs inside the container. Output goes to stdout line by line, which is what Modal records
@@ -115,7 +138,7 @@ class ModalExecutor(ExecutorBase):
 
     def __init__(
         self,
-        image: Any = None,
+        image: str | modal.Image | None = None,
         *,
         gpu: str | None = "A100",
         secrets: Sequence[str] = (),
@@ -123,7 +146,7 @@ class ModalExecutor(ExecutorBase):
         timeout: int = 24 * 3600,
         cpu: float | None = None,
         memory: int | None = None,
-        bucket_mount: dict[str, Any] | None = None,
+        bucket_mount: BucketMount | None = None,
         add_python: str | None = None,
         app_name: str = "composer-replication-diloco",
         python: str = "python",
@@ -147,16 +170,17 @@ class ModalExecutor(ExecutorBase):
         self.image, self.gpu, self.secrets = image, gpu, list(secrets)
         self.env = dict(env or {})
         self.timeout, self.cpu, self.memory = timeout, cpu, memory
-        self.bucket_mount = dict(bucket_mount) if bucket_mount else None
+        self.bucket_mount = bucket_mount.copy() if bucket_mount else None
         self.app_name, self.python, self.detach = app_name, python, detach
         self.arg_style = check_arg_style(arg_style)
         self.add_python = add_python
         self.poll_interval = poll_interval
-        self._app: Any = None
-        self._function: Any = None
-        self._run_ctx: Any = None  # the entered `app.run()` context while calls are live
-        self._calls: dict[str, Any] = {}  # job_id -> FunctionCall
-        self._done_calls: dict[str, Any] = {}  # settled calls, kept for their logs
+        self._app: Any = None  # modal.App (from the injectable `modal_module`)
+        self._function: Any = None  # its `run_replica` modal.Function
+        # the entered `app.run()` context while calls are live
+        self._run_ctx: AbstractContextManager[modal.App] | None = None
+        self._calls: dict[str, modal.FunctionCall[ReplicaResult]] = {}  # job_id -> its call
+        self._done_calls: dict[str, modal.FunctionCall[ReplicaResult]] = {}  # kept for logs
         self._tails: dict[str, str] = {}  # job_id -> log tail returned by run_replica
 
     # ------------------------------------------------------------------ app

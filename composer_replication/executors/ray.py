@@ -24,7 +24,7 @@ import uuid
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from composer_replication.executors.executor import (
     ExecutorBase,
@@ -46,6 +46,12 @@ __all__ = ["RayExecutor", "ReplicaRunner"]
 
 _RESOURCE_KEYS = ("num_cpus", "num_gpus", "memory", "resources", "accelerator_type")
 
+if TYPE_CHECKING:
+    import subprocess
+
+    from ray import ObjectRef
+    from ray.actor import ActorHandle
+
 
 def _import_ray() -> Any:
     return import_sdk("ray", "ray")
@@ -59,7 +65,7 @@ class ReplicaRunner:
     """
 
     def __init__(self) -> None:
-        self._proc: Any = None
+        self._proc: subprocess.Popen[bytes] | None = None
         self._log_path: str | None = None
         self._cancelled = False
         self._lock = threading.Lock()
@@ -117,9 +123,9 @@ def _shutdown_at_exit(ref: weakref.ref[RayExecutor]) -> None:
 
 @dataclass
 class _Replica:
-    actor: Any
-    run_ref: Any
-    started_ref: Any
+    actor: ActorHandle[ReplicaRunner]
+    run_ref: ObjectRef[int]  # `ReplicaRunner.run`: the exit code
+    started_ref: ObjectRef[int | None]  # `ReplicaRunner.started`: the pid
     log_path: str  # driver-side copy (or the file itself when Ray is local)
     same_fs: bool
     released: bool = False
@@ -333,9 +339,9 @@ class RayExecutor(ExecutorBase):
         if not live:
             return
         started = [bool(ray.wait([r.started_ref], timeout=0)[0]) for r in live]
-        refs = [r.actor.terminate.remote(self.grace_period) for r in live]
-        running = [ref for ref, s in zip(refs, started) if s]
-        waiting = [ref for ref, s in zip(refs, started) if not s]
+        refs: list[ObjectRef[None]] = [r.actor.terminate.remote(self.grace_period) for r in live]
+        running: list[ObjectRef[None]] = [ref for ref, s in zip(refs, started) if s]
+        waiting: list[ObjectRef[None]] = [ref for ref, s in zip(refs, started) if not s]
         if running:
             ray.wait(running, num_returns=len(running), timeout=self.grace_period + 15)
         if waiting:

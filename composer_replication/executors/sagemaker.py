@@ -24,7 +24,7 @@ import os
 import re
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING
 
 from composer_replication.executors.executor import (
     ExecutorBase,
@@ -41,6 +41,9 @@ from composer_replication.executors.redact import (
 )
 from composer_replication.executors.remote import FAILURE_FILE
 from composer_replication.json_types import JSONDict
+
+if TYPE_CHECKING:
+    import boto3
 
 __all__ = ["SageMakerExecutor", "training_instance_types"]
 
@@ -92,7 +95,7 @@ class SageMakerExecutor(ExecutorBase):
         python: str = "python",
         arg_style: str = "auto",
         failure_file: str | None = FAILURE_FILE,
-        session: Any = None,
+        session: boto3.Session | None = None,
         region: str | None = None,
         endpoint_url: str | None = None,
         logs_endpoint_url: str | None = None,

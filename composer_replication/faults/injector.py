@@ -40,6 +40,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 from composer_replication.exchange.push_store import DecoupledStore
@@ -358,7 +359,7 @@ class ChaosInjector:
         pid: int,
         rng: random.Random,
         deadline: float,
-        local: Any,
+        local: Path | None,
         patterns: tuple[re.Pattern[str], ...],
     ) -> str | None:
         while time.monotonic() < deadline and not self._stop.is_set():

@@ -12,10 +12,18 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import TypedDict
 
 from composer_replication.loss._checks import check_scalar
 from composer_replication.loss.distill import TAID_T_END, TAID_T_START
-from composer_replication.loss.loss_settings import LossSettings, WriteOnce, _setting
+from composer_replication.loss.loss_settings import (
+    DpoVariant,
+    LossSettings,
+    SdpoWrapper,
+    WriteOnce,
+    _setting,
+)
+from composer_replication.loss.policy import LossType
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -52,6 +60,38 @@ class ComposeConfig(LossSettings, WriteOnce):
         if unknown:
             raise ValueError(f"unknown compose_loss keyword(s): {', '.join(unknown)}")
         return cls(**kwargs)  # type: ignore[arg-type]
+
+
+class ComposeKwargs(TypedDict, total=False):
+    """The ``compose_loss`` keywords as ``**kwargs: Unpack[ComposeKwargs]`` (the `ComposeConfig`
+    fields and their types; tests/loss/test_compose_kwargs.py holds the two equal). Each value
+    is still checked at run time (`ComposeConfig.from_kwargs`)."""
+
+    loss_type: LossType
+    epsilon_low: float
+    epsilon_high: float | None
+    delta: float | None
+    kl_beta: float
+    alpha_sdpo: float
+    beta_replay: float
+    dpo_variant: DpoVariant
+    replay_dpo_beta: float
+    simpo_beta: float
+    simpo_gamma: float
+    label_smoothing: float
+    rpo_alpha: float
+    sdpo_jsd_beta: float
+    sdpo_temperature: float
+    sdpo_token_clip: float | None
+    sdpo_top_k: int | None
+    sdpo_add_tail: bool
+    sdpo_wrapper: SdpoWrapper
+    sdpo_max_context_length: int | None
+    taid_t: float | None
+    taid_total_steps: int | None
+    entropy_opd_h_max: float
+    temperature: float
+    taid_schedule_step: int | None
 
 
 def taid_t_for(cfg: ComposeConfig) -> float:

@@ -23,6 +23,7 @@ the channel is not computed at all.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Unpack
 
 import torch
 from torch import Tensor
@@ -38,7 +39,7 @@ from composer_replication.loss._channels import (
     weighted_total,
 )
 from composer_replication.loss._channels import assemble as _assemble
-from composer_replication.loss._config import ComposeConfig
+from composer_replication.loss._config import ComposeConfig, ComposeKwargs
 from composer_replication.loss._logprobs import (
     CausalLM,
     HiddenStateLM,
@@ -67,7 +68,7 @@ def assemble(
     replay: Result | None = None,
     *,
     metrics: bool = True,
-    **kwargs: object,
+    **kwargs: Unpack[ComposeKwargs],
 ) -> tuple[Tensor, dict[str, float]]:
     """The composer total from channel results: ``grpo + alpha_sdpo * sdpo + beta_replay * replay``.
 
@@ -116,7 +117,7 @@ def combine(
     num_items_in_batch: int | Tensor | None = None,
     max_completion_length: int | None = None,
     sdpo_result: Result | None = None,
-    **kwargs: object,
+    **kwargs: Unpack[ComposeKwargs],
 ) -> tuple[Tensor, dict[str, float]]:
     """Tensor-level composer loss for adapters that already hold log-probs / logits.
 
@@ -257,7 +258,7 @@ def sdpo_term(
     *,
     logits_to_keep: bool = False,
     share_prefix: bool = False,
-    **kwargs: object,
+    **kwargs: Unpack[ComposeKwargs],
 ) -> tuple[Tensor, dict[str, float]] | None:
     """Channel 2 of the composer batch (docs/api.md), before its weight ``alpha_sdpo``.
 
@@ -294,7 +295,7 @@ def fused_sdpo_term(
     teacher_bias: Tensor | None = None,
     share_prefix: bool = False,
     backend: str = "auto",
-    **kwargs: object,
+    **kwargs: Unpack[ComposeKwargs],
 ) -> tuple[Tensor, dict[str, float]] | None:
     """``sdpo_term`` fused with the output layer: the same channel 2 from last hidden states.
 
@@ -362,7 +363,7 @@ def replay_term(
     student_logits: Tensor | None = None,
     *,
     logits_to_keep: bool = False,
-    **kwargs: object,
+    **kwargs: Unpack[ComposeKwargs],
 ) -> tuple[Tensor, dict[str, float]] | None:
     """Channel 3 of the composer batch (docs/api.md), before its weight ``beta_replay``.
 
@@ -386,7 +387,7 @@ def fused_replay_term(
     student_hidden: Tensor | None = None,
     weight: Tensor | None = None,
     bias: Tensor | None = None,
-    **kwargs: object,
+    **kwargs: Unpack[ComposeKwargs],
 ) -> tuple[Tensor, dict[str, float]] | None:
     """``replay_term`` fused with the output layer: the same channel 3 from last hidden states.
 
@@ -428,7 +429,7 @@ def fused_replay_term(
 
 
 def compose_loss(
-    model: CausalLM, inputs: _batch.Batch, **kwargs: object
+    model: CausalLM, inputs: _batch.Batch, **kwargs: Unpack[ComposeKwargs]
 ) -> tuple[Tensor, dict[str, float]]:
     """Three-channel composer loss on one micro-batch; see ``docs/api.md`` for ``inputs``.
 

@@ -56,7 +56,7 @@ LOSS_KEYS = {
 }
 
 
-def _mean(values: Iterable[object]) -> float | None:
+def _mean(values: Iterable[JSONValue]) -> float | None:
     """Mean of the finite numbers among `values` (metrics are read from JSON: anything else,
     missing or malformed, is skipped); None when there are none."""
     numbers = [
@@ -628,7 +628,7 @@ def _time_breakdown(
     return replica, rows
 
 
-def _fmt(value: object, digits: int = 3) -> str:
+def _fmt(value: JSONValue, digits: int = 3) -> str:
     if value is None:
         return "n/a"
     if isinstance(value, float):
@@ -727,7 +727,7 @@ def _table_end(summary: JSONDict) -> list[str]:
     return [*lines, ""]
 
 
-def _fmt_interval(ci: object) -> str:
+def _fmt_interval(ci: JSONValue) -> str:
     if not isinstance(ci, list | tuple) or len(ci) != 2:
         return "n/a"
     return f"{ci[0]:.3f} - {ci[1]:.3f}"

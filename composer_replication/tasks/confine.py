@@ -33,7 +33,6 @@ import ctypes
 import errno
 import os
 import platform
-from typing import Any
 
 # Syscall numbers >= 424 are the same on every Linux architecture.
 _CREATE_RULESET, _ADD_RULE, _RESTRICT_SELF = 444, 445, 446
@@ -58,7 +57,7 @@ _FS_REFER, _FS_TRUNCATE = 1 << 13, 1 << 14
 _NET_BIND_TCP, _NET_CONNECT_TCP = 1 << 0, 1 << 1
 _SCOPE_ABSTRACT_UNIX, _SCOPE_SIGNAL = 1 << 0, 1 << 1
 
-_libc: Any = None
+_libc: ctypes.CDLL | None = None
 _abi: int | None = None
 
 
@@ -75,7 +74,7 @@ class _PathBeneathAttr(ctypes.Structure):
     _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
 
 
-def _load_libc() -> Any:
+def _load_libc() -> ctypes.CDLL:
     global _libc
     if _libc is None:
         _libc = ctypes.CDLL(None, use_errno=True)
@@ -208,7 +207,9 @@ class _SockFilter(ctypes.Structure):
     ]
 
 
-class _SockFprog(ctypes.Structure):
+class SockFprog(ctypes.Structure):
+    """A seccomp filter program (`build_seccomp_filter`); ``_keep`` holds its array alive."""
+
     _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter))]
 
 
@@ -217,7 +218,7 @@ def seccomp_supported() -> bool:
     return platform.system() == "Linux" and platform.machine() in _ARCH
 
 
-def build_seccomp_filter() -> Any:
+def build_seccomp_filter() -> SockFprog | None:
     """The filter program (a `sock_fprog` whose array it keeps alive), or None if unsupported."""
     if not seccomp_supported():
         return None
@@ -225,7 +226,7 @@ def build_seccomp_filter() -> Any:
     deny, deny_net, nosys, allow = "deny", "deny_net", "nosys", "allow"
     # Each entry: (code, jump-if-true label or 0, jump-if-false label or 0, k). Labels are resolved
     # to the relative offsets BPF wants below.
-    prog: list[tuple[int, Any, Any, int]] = [
+    prog: list[tuple[int, str | int, str | int, int]] = [  # jumps: a label, or 0
         (_LD, 0, 0, 4),  # seccomp_data.arch
         (_JEQ, 0, deny, arch),
         (_LD, 0, 0, 0),  # seccomp_data.nr
@@ -248,19 +249,19 @@ def build_seccomp_filter() -> Any:
         (_RET, 0, 0, _RET_ERRNO | errno.ENOSYS),
     ]
 
-    def rel(i: int, target: Any) -> int:
-        return 0 if target == 0 else labels[target] - i - 1
+    def rel(i: int, target: str | int) -> int:
+        return 0 if isinstance(target, int) else labels[target] - i - 1
 
     array = (_SockFilter * len(prog))(
         *[_SockFilter(code, rel(i, jt), rel(i, jf), k) for i, (code, jt, jf, k) in enumerate(prog)]
     )
-    fprog = _SockFprog(len(prog), array)
+    fprog = SockFprog(len(prog), array)
     fprog._keep = array  # the struct only points at the array
     _load_libc()
     return fprog
 
 
-def apply_seccomp(fprog: Any) -> bool:
+def apply_seccomp(fprog: SockFprog | None) -> bool:
     """Install `fprog` on the calling process (in the forked child before exec)."""
     libc = _libc
     if libc is None or fprog is None:

@@ -47,11 +47,16 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, ClassVar
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, ClassVar
 from urllib.parse import urlparse
 
 from composer_replication.json_types import JSONDict, JSONValue
 from composer_replication.tasks.task import Example, Task, Verdict, clean_completion
+
+if TYPE_CHECKING:
+    from openenv.core.containers.runtime import LocalDockerProvider
+    from openenv.core.sync_client import SyncEnvClient
 
 __all__ = ["OpenEnvTask", "OpenEnvUnavailable"]
 
@@ -73,7 +78,7 @@ class OpenEnvUnavailable(ConnectionError):
     """The environment server cannot be used now (unreachable, out of sessions, no Docker)."""
 
 
-def _require_openenv() -> Any:
+def _require_openenv() -> ModuleType:
     try:
         from openenv.core import generic_client
     except ImportError as exc:
@@ -181,7 +186,7 @@ class OpenEnvTask(Task):
         self.reset_kwargs = reset_kwargs
         self.timeout_s = float(timeout_s)
         self.capacity_wait_s = float(capacity_wait_s)
-        self._client: Any = None  # openenv SyncEnvClient, opened on first use
+        self._client: SyncEnvClient | None = None  # opened on first use
         self._base_url: str | None = None if self.is_image else self.env
         self._close: Callable[[], None] | None = None
         # One session, one episode at a time: a reset and its step must not interleave with
@@ -229,7 +234,7 @@ class OpenEnvTask(Task):
             )
         return f"the OpenEnv server at {self.env}"
 
-    def _start_container(self) -> Any:
+    def _start_container(self) -> LocalDockerProvider:
         """openenv's Docker launcher: start the image, wait for /health; return the provider."""
         from openenv.core.containers.runtime import LocalDockerProvider
 
@@ -251,7 +256,7 @@ class OpenEnvTask(Task):
             ) from None
         return provider
 
-    def _connect(self) -> Any:
+    def _connect(self) -> SyncEnvClient:
         if self._client is not None:
             return self._client
         generic_client = _require_openenv()
@@ -278,7 +283,7 @@ class OpenEnvTask(Task):
         return client
 
     @staticmethod
-    def _close_client(client: Any) -> None:
+    def _close_client(client: SyncEnvClient) -> None:
         try:
             client.close()
         except Exception:  # best effort: the session may already be gone

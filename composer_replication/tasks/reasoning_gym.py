@@ -18,7 +18,8 @@ never includes the reference answer.
 from __future__ import annotations
 
 import random
-from typing import Any, ClassVar
+from types import ModuleType
+from typing import ClassVar
 
 from composer_replication.json_types import JSONDict
 from composer_replication.tasks.task import (
@@ -31,7 +32,7 @@ from composer_replication.tasks.task import (
 )
 
 
-def _require_reasoning_gym() -> Any:
+def _require_reasoning_gym() -> ModuleType:
     try:
         import reasoning_gym
     except ImportError as exc:

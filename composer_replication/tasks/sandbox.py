@@ -56,7 +56,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, Literal
+from typing import BinaryIO, Literal
 
 from composer_replication.json_types import JSONDict, JSONValue
 from composer_replication.tasks import confine
@@ -70,7 +70,7 @@ _unshare: Callable[[int], int] | Literal[False] | None = (
 # preexec_fn runs Python in the forked child; forking from several of our threads at once is the
 # documented deadlock risk of preexec_fn, so spawns are serialised (waiting still runs in parallel).
 _SPAWN_LOCK = threading.Lock()
-_seccomp: Any = None  # the seccomp program, built once (False where unsupported)
+_seccomp: confine.SockFprog | Literal[False] | None = None  # built once (False where unsupported)
 
 
 @dataclass(frozen=True)
@@ -163,7 +163,7 @@ def _preexec(
     limits: SandboxLimits,
     unshare: Callable[[int], int] | Literal[False] | None,
     ruleset: int | None = None,
-    seccomp: Any = None,
+    seccomp: confine.SockFprog | None = None,
 ) -> Callable[[], None]:
     mem, cpu, fsize = limits.memory_bytes, limits.cpu_seconds, limits.file_bytes
     nofile = limits.open_files
@@ -271,7 +271,7 @@ def _spawn(
             os.close(ruleset)
 
 
-def _seccomp_filter() -> Any:
+def _seccomp_filter() -> confine.SockFprog | None:
     global _seccomp
     if _seccomp is None:
         _seccomp = confine.build_seccomp_filter() or False

@@ -22,11 +22,33 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NotRequired, TypedDict
 
 import torch
 
 from composer_replication.data.hints import HintTemplate
 from composer_replication.data.traces import Prompt, TraceRecord, TraceStore, prompt_key
+
+
+class GenerationBatch(TypedDict):
+    """TRL's generation batch (``GRPOTrainer._generate_and_score_completions``) as this trainer
+    reads it, with the channel-2/3 keys it adds (docs/api.md); TRL's other keys (advantages,
+    old log-probs, ...) pass through untouched. A micro-batch of TRL's split has the same keys."""
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    completion_ids: torch.Tensor
+    completion_mask: torch.Tensor
+    sdpo_teacher_input_ids: NotRequired[torch.Tensor]
+    sdpo_teacher_attention_mask: NotRequired[torch.Tensor]
+    sdpo_sample_mask: NotRequired[torch.Tensor]
+    sdpo_num_tokens: NotRequired[torch.Tensor]
+    replay_pair_mask: NotRequired[torch.Tensor]
+    replay_chosen_ids: NotRequired[torch.Tensor]
+    replay_chosen_mask: NotRequired[torch.Tensor]
+    replay_ref_chosen_logps: NotRequired[torch.Tensor]
+    replay_ref_rejected_logps: NotRequired[torch.Tensor]
+    replay_num_pairs: NotRequired[torch.Tensor]
 
 
 def completion_text(completion: object) -> str:

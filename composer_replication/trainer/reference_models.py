@@ -15,14 +15,17 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 
 from composer_replication.loss import completion_logps
-from composer_replication.trainer.batch import Pair
+from composer_replication.trainer.batch import GenerationBatch, Pair
 from composer_replication.trainer.ema import frozen_copy
+
+if TYPE_CHECKING:
+    from peft import PeftModel
 
 
 def is_peft(model: object) -> bool:
@@ -30,7 +33,7 @@ def is_peft(model: object) -> bool:
 
 
 @contextlib.contextmanager
-def reference_from_memory(model: Any, beta: float) -> Iterator[None]:
+def reference_from_memory(model: str | nn.Module, beta: float) -> Iterator[None]:
     """While TRL builds its KL reference model, build it as a frozen copy of ``model``."""
     if isinstance(model, str) or beta == 0.0 or is_peft(model):
         yield
@@ -56,10 +59,10 @@ class ReferenceScorer:
 
     def __init__(
         self,
-        ref_model: Any | None,
+        ref_model: nn.Module | None,
         *,
-        policy: Any,
-        unwrap: Callable[[Any], Any],
+        policy: nn.Module,
+        unwrap: Callable[[nn.Module], nn.Module],
         cacheable: bool = True,
     ) -> None:
         self.ref_model = ref_model
@@ -93,16 +96,17 @@ class ReferenceScorer:
         self.cache = cache
 
     @contextlib.contextmanager
-    def _model(self) -> Iterator[Any]:
+    def _model(self) -> Iterator[nn.Module]:
         if self.ref_model is not None:
             yield self.ref_model
             return
-        with self.unwrap(self.policy).disable_adapter():  # PEFT: the base model is the reference
+        peft = cast("PeftModel", self.unwrap(self.policy))  # PEFT (`is_peft`): without a ref_model
+        with peft.disable_adapter():  # PEFT: the base model is the reference
             yield self.policy
 
     @torch.no_grad()
     def pair_logps(
-        self, output: dict[str, Any], tensors: dict[str, torch.Tensor], pairs: Sequence[Pair]
+        self, output: GenerationBatch, tensors: dict[str, torch.Tensor], pairs: Sequence[Pair]
     ) -> dict[str, torch.Tensor]:
         """``replay_ref_chosen_logps`` / ``replay_ref_rejected_logps`` (B,), 0 on unpaired rows."""
         batch = output["completion_ids"].shape[0]

@@ -47,7 +47,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeAlias, TypedDict, TypeVar, cast
 
 import torch
 from torch import nn
@@ -64,6 +64,7 @@ from composer_replication.loss import (
     selective_log_softmax,
 )
 from composer_replication.trainer.batch import (
+    GenerationBatch,
     HintPlan,
     completion_text,
     hint_tensors,
@@ -107,6 +108,7 @@ from composer_replication.trainer.resume import (
 if TYPE_CHECKING:
     from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
     from peft import PeftConfig, PeftModel
+    from torch.utils.data import Sampler
     from transformers import (
         BitsAndBytesConfig,
         PreTrainedModel,
@@ -126,6 +128,7 @@ if TYPE_CHECKING:
         | IterableDatasetDict
         | dict[str, Dataset | IterableDataset]
     )
+    from trl.trainer.grpo_trainer import EnvironmentFactory, RolloutFunc
 
 try:
     from accelerate.utils import gather_object
@@ -140,6 +143,15 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
+
+
+class _RewardBatch(TypedDict, total=False):
+    """What `_calculate_rewards` keeps of a generation batch for its channel-2/3 inputs."""
+
+    prompts: list[Prompt]
+    completions: list[Prompt]  # a completion is a string or chat messages, as a prompt
+    rewards_per_func: torch.Tensor  # (B, reward functions), over all processes
+    feedback: list[str | None]
 
 
 class ComposerReplicationTrainer(GRPOTrainer):
@@ -189,8 +201,8 @@ class ComposerReplicationTrainer(GRPOTrainer):
         quantization_config: BitsAndBytesConfig | None = None,
         peft_config: PeftConfig | None = None,
         tools: list[Callable[..., Any]] | None = None,
-        rollout_func: Callable[[list[str], GRPOTrainer], dict[str, Any]] | None = None,
-        environment_factory: Any = None,  # TRL's `_SupportsReset` factories (a private type)
+        rollout_func: RolloutFunc | None = None,
+        environment_factory: EnvironmentFactory | dict[str, EnvironmentFactory] | None = None,
         *,
         feedback_funcs: Sequence[Callable[..., Iterable[str | None]]] | None = None,
         trace_store: TraceStore | None = None,
@@ -260,6 +272,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
                 self._replay_ref = self.ref_model
             elif not is_peft(unwrapped):
                 self._replay_ref = frozen_copy(unwrapped)
+        assert self.model is not None  # Trainer.__init__ set it
         self._ref_scorer = ReferenceScorer(
             self._replay_ref,
             policy=self.model,
@@ -286,7 +299,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
         self._phase_s: dict[str, float] = {"generate": 0.0, "teacher": 0.0}  # training_step
         self._captured_logits: torch.Tensor | None = None
         self._captured_hidden: torch.Tensor | None = None
-        self._batch: dict[str, Any] = {}
+        self._batch: _RewardBatch = {}
         self._loss_probe: Callable[[dict[str, torch.Tensor | None]], None] | None = None
 
     def _align_stops(self) -> int | None:
@@ -329,7 +342,9 @@ class ComposerReplicationTrainer(GRPOTrainer):
         """Whether channel 2 runs fused with the output layer (``sdpo_fused`` and it applies)."""
         return self._fused2 is not None
 
-    def _fused_sources(self, unwrapped: Any) -> tuple[HiddenStateSource, HiddenStateSource] | None:
+    def _fused_sources(
+        self, unwrapped: nn.Module
+    ) -> tuple[HiddenStateSource, HiddenStateSource] | None:
         """The student's and the teacher's body and head for the fused channel 2, or None (with
         the reason logged) when the setting is off or the path does not apply."""
         s = self.composer
@@ -559,7 +574,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
             self._ref_scorer.load_state_rows(replay.get("reference_cache") or [])
 
     # Trainer's resume path, fed from the pending resume state instead of torch.load'ed files.
-    def _get_train_sampler(self, dataset: Any = None) -> Any:  # type: ignore[override]
+    def _get_train_sampler(self, dataset: Dataset | None = None) -> Sampler[int]:
         sampler = EpochSampler(super()._get_train_sampler(dataset))
         if self._pending_resume is not None:
             sampler.restore_epoch_start(self._pending_resume.get("sampler_epoch_start"))
@@ -654,7 +669,10 @@ class ComposerReplicationTrainer(GRPOTrainer):
     # -- generation batch: add channel-2/3 inputs -----------------------------------------------
     # -- where a step's time goes ----------------------------------------------------------------
     def training_step(  # type: ignore[override]
-        self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        num_items_in_batch: torch.Tensor | int | None = None,
     ) -> torch.Tensor:
         """TRL's step, timed: ``time/step_s`` (the whole micro-step), ``time/generate_s``
         (rollouts, rewards and the channel inputs, when this step generates), ``time/teacher_s``
@@ -710,8 +728,8 @@ class ComposerReplicationTrainer(GRPOTrainer):
         return self.accelerator.gather(t.reshape(1)).sum() / self.accelerator.num_processes
 
     def _hint_inputs(
-        self, output: dict[str, Any], rewards: torch.Tensor, start: int, inputs: list[dict]
-    ) -> dict:
+        self, output: GenerationBatch, rewards: torch.Tensor, start: int, inputs: list[dict]
+    ) -> dict[str, torch.Tensor]:
         s = self.composer
         all_completions = gather_object([completion_text(c) for c in self._batch["completions"]])
         plan = plan_hints(
@@ -842,7 +860,9 @@ class ComposerReplicationTrainer(GRPOTrainer):
         total[~scored] = math.nan
         return total.tolist()
 
-    def _pair_inputs(self, output: dict[str, Any], rewards: torch.Tensor, start: int) -> dict:
+    def _pair_inputs(
+        self, output: GenerationBatch, rewards: torch.Tensor, start: int
+    ) -> dict[str, torch.Tensor]:
         s = self.composer
         prompts = self._batch["prompts"]
         assert self.trace_store is not None
@@ -961,7 +981,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
         compute_aux_loss: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """One plain forward; the completion logits are kept aside for channels 2/3."""
-        kwargs: dict[str, Any] = {"logits_to_keep": logits_to_keep + 1}
+        kwargs: dict[str, int | bool] = {"logits_to_keep": logits_to_keep + 1}
         if compute_aux_loss:
             kwargs["output_router_logits"] = True
         with self.accelerator.autocast():
@@ -997,19 +1017,20 @@ class ComposerReplicationTrainer(GRPOTrainer):
         kwargs["temperature"] = self.temperature
         return kwargs
 
-    def _loss_batch(self, inputs: dict[str, Any], mode: str) -> dict[str, Any]:
+    def _loss_batch(self, inputs: GenerationBatch, mode: str) -> GenerationBatch:
         """The composer batch of this micro-batch: the generation batch's counts rescaled to one
         accumulation window (as TRL rescales ``num_items_in_batch`` for ``dapo``)."""
-        batch = dict(inputs)
+        batch = inputs.copy()
         steps = 1.0
         if mode == "train":
             steps = self.current_gradient_accumulation_steps / self.args.steps_per_generation
-        for key in ("sdpo_num_tokens", "replay_num_pairs"):
-            if key in batch:
-                batch[key] = batch[key].clamp(min=1.0) * steps
+        if "sdpo_num_tokens" in batch:
+            batch["sdpo_num_tokens"] = batch["sdpo_num_tokens"].clamp(min=1.0) * steps
+        if "replay_num_pairs" in batch:
+            batch["replay_num_pairs"] = batch["replay_num_pairs"].clamp(min=1.0) * steps
         return batch
 
-    def _compute_loss(self, model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
+    def _compute_loss(self, model: nn.Module, inputs: GenerationBatch) -> torch.Tensor:
         mode = "train" if self.model is not None and self.model.training else "eval"
         want2 = self._channel2 and _any_row(inputs, "sdpo_sample_mask")
         want3 = self._channel3 and _any_row(inputs, "replay_pair_mask")
@@ -1128,9 +1149,9 @@ async def _awaited(value: Awaitable[_T]) -> _T:
     return await value
 
 
-def _hf_model(model: Any) -> Any:
+def _hf_model(model: nn.Module) -> nn.Module:
     """The Hugging Face model under a PEFT wrapper (TRL patches that one), else ``model``."""
-    return model.get_base_model() if is_peft(model) else model
+    return cast("PeftModel", model).get_base_model() if is_peft(model) else model
 
 
 def _any_row(inputs: Mapping[str, object], key: str) -> bool:

@@ -64,7 +64,7 @@ class HFModelTeacher:
                 enc = self.tokenizer(
                     chunk, return_tensors="pt", padding=True, add_special_tokens=False
                 ).to(device)
-                gen_kwargs: dict[str, Any] = {
+                gen_kwargs: dict[str, int | float | bool | None] = {
                     "max_new_tokens": self.max_new_tokens,
                     "pad_token_id": self.tokenizer.pad_token_id,
                     "do_sample": self.temperature > 0,

@@ -12,9 +12,13 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from composer_replication.data.teachers.base import Prompt, TeacherClient, TeacherError
+from composer_replication.data.teachers.base import (
+    Prompt,
+    TeacherClient,
+    TeacherCompletion,
+    TeacherError,
+)
 from composer_replication.data.traces import (
     TraceRecord,
     TraceStore,
@@ -95,7 +99,7 @@ class TeacherPool:
         new: list[TraceRecord] = []
         # Teachers are independent (different endpoints / models): ask them all at once, then
         # record in teacher order so the store and the JSONL file are deterministic.
-        outcomes: list[Any] = []
+        outcomes: list[list[TeacherCompletion] | TeacherError] = []
         with ThreadPoolExecutor(max_workers=len(self.teachers)) as executor:
             futures = [executor.submit(t.complete, prompts) for t in self.teachers]
             for future in futures:

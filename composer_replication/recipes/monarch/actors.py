@@ -38,7 +38,7 @@ import hashlib
 import os
 import tempfile
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, Any, Generic, ParamSpec, Protocol, TypedDict, TypeVar
 
 try:
     from monarch.actor import Actor, current_rank, endpoint
@@ -60,10 +60,59 @@ if TYPE_CHECKING:
         TrainerState,
         TrainingArguments,
     )
+    from trl import GRPOTrainer
 
     from composer_replication.config import RunConfig
     from composer_replication.data.traces import Prompt, TraceJson, TraceRecord, TraceStore
+    from composer_replication.diloco.outer_loop import DiLoCoOuterLoop
     from composer_replication.tasks.task import TokenDecoder
+
+_P = ParamSpec("_P")
+_R_co = TypeVar("_R_co", covariant=True)
+_H_co = TypeVar("_H_co", covariant=True)
+
+
+# What this module calls on Monarch's handles (torchmonarch ships no type information): an
+# endpoint's ``call_one(...)`` returns a future whose ``get()`` is the endpoint's return value.
+class _Future(Protocol[_R_co]):
+    def get(self) -> _R_co: ...
+
+
+class _Endpoint(Protocol, Generic[_P, _R_co]):
+    def call_one(self, *args: _P.args, **kwargs: _P.kwargs) -> _Future[_R_co]: ...
+
+
+class _Mesh(Protocol[_H_co]):
+    """An actor mesh with one actor per process; ``slice(procs=rank)`` is that rank's."""
+
+    def slice(self, *, procs: int) -> _H_co: ...
+
+
+class _GeneratorHandle(Protocol):
+    """A `GeneratorActor`'s handle."""
+
+    generate: _Endpoint[
+        [Sequence[Prompt], dict[str, torch.Tensor] | None, int, GenerationConfig],
+        dict[str, list[list[int]] | list[list[float]]],
+    ]
+
+
+class _RewarderHandle(Protocol):
+    """A `RewarderActor`'s handle."""
+
+    name: _Endpoint[[], str]
+    score: _Endpoint[
+        [list[Prompt], list[object], dict[str, list[object]]],
+        list[tuple[float | None, str | None]],
+    ]
+
+
+class _TeacherPoolHandle(Protocol):
+    """The `TeacherPoolActor`'s handle."""
+
+    teachers: _Endpoint[[], list[str]]
+    traces: _Endpoint[[list[Prompt]], list[TraceJson]]
+
 
 __all__ = [
     "GeneratorActor",
@@ -303,7 +352,7 @@ class _RemoteReward:
 
     def __init__(
         self,
-        rewarder: Any,
+        rewarder: _RewarderHandle,
         name: str,
         tokenizer: TokenDecoder | None = None,
         stop_ids: Sequence[int] = (),
@@ -338,7 +387,7 @@ class _RemoteTeacherPool:
     """What the trainer needs of a `TeacherPool` (``store``, ``ensure``), served by the shared
     `TeacherPoolActor`; records are validated (`TraceRecord.from_json`) before use."""
 
-    def __init__(self, actor: Any, store: TraceStore) -> None:
+    def __init__(self, actor: _TeacherPoolHandle, store: TraceStore) -> None:
         self.actor = actor
         self.store = store
 
@@ -360,11 +409,13 @@ class _Rollouts:
     """TRL's ``rollout_func``: the trainer's prompts to its co-located `GeneratorActor`, with
     the policy's weights whenever they changed since the last call."""
 
-    def __init__(self, generator: Any) -> None:
+    def __init__(self, generator: _GeneratorHandle) -> None:
         self.generator = generator
         self.sent_step: int | None = None
 
-    def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
+    def __call__(
+        self, prompts: Sequence[Prompt], trainer: GRPOTrainer
+    ) -> dict[str, list[list[int]] | list[list[float]]]:
         step = int(trainer.state.global_step)
         weights = None
         if step != self.sent_step:
@@ -381,7 +432,7 @@ class _RoundRecorder:
     """A `TrainerCallback` (built lazily: transformers is imported inside the actor) recording,
     after each committed outer round, the global weights' digest and the round's mean reward."""
 
-    def __init__(self, outer: Any, reward: _RemoteReward) -> None:
+    def __init__(self, outer: DiLoCoOuterLoop, reward: _RemoteReward) -> None:
         self.outer = outer
         self.reward = reward
         self.rounds: list[RoundRecord] = []
@@ -436,9 +487,9 @@ class TrainerActor(Actor):
         self,
         config_doc: Mapping[str, JSONValue],
         store_uri: str,
-        generators: Any,
-        rewarders: Any,
-        teacher_pool: Any,
+        generators: _Mesh[_GeneratorHandle],
+        rewarders: _Mesh[_RewarderHandle],
+        teacher_pool: _TeacherPoolHandle,
     ) -> None:
         self.config_doc = dict(config_doc)
         self.store_uri = store_uri

@@ -32,13 +32,40 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol, TypedDict
 
 if TYPE_CHECKING:
     from composer_replication.config import RunConfig
+    from composer_replication.json_types import JSONDict
     from composer_replication.recipes.monarch.actors import ReplicaResult
 
 __all__ = ["agreement", "main", "resolve_store", "run"]
+
+
+class RoundAgreement(TypedDict):
+    """One outer round of `agreement`."""
+
+    round: int
+    agree: bool  # every replica reported it, with the same global-weight digest
+    reward_mean: list[float | None]  # per replica (None: it did not report the round)
+
+
+class RunSummary(TypedDict):
+    """What `run` returns (and ``--summary`` writes)."""
+
+    store: str
+    n_replicas: int
+    seconds: float
+    rounds: list[RoundAgreement]
+    replicas: list[ReplicaResult]
+    teacher_pool: JSONDict  # `TeacherPoolActor.stats`
+    agree: bool
+
+
+class _Failure(Protocol):
+    """What Monarch hands its unhandled-fault hook (a supervision event)."""
+
+    def report(self) -> str: ...
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -71,11 +98,11 @@ def resolve_store(config: RunConfig) -> str:
     return store.uri
 
 
-def agreement(results: Sequence[ReplicaResult]) -> list[dict[str, object]]:
+def agreement(results: Sequence[ReplicaResult]) -> list[RoundAgreement]:
     """Per round (in order), each replica's mean reward and whether every replica reported the
     same global-weight digest; a round some replica did not report counts as disagreeing."""
     rounds = sorted({r["round"] for res in results for r in res["rounds"]})
-    out = []
+    out: list[RoundAgreement] = []
     for k in rounds:
         rows = [next((r for r in res["rounds"] if r["round"] == k), None) for res in results]
         digests = {r["global_sha256"] for r in rows if r is not None}
@@ -89,7 +116,7 @@ def agreement(results: Sequence[ReplicaResult]) -> list[dict[str, object]]:
     return out
 
 
-def run(config: RunConfig, store_uri: str) -> dict[str, Any]:
+def run(config: RunConfig, store_uri: str) -> RunSummary:
     """Spawn the mesh and actors, train, stop the mesh; the run's summary (see `main`)."""
     import monarch.actor
     from monarch.actor import this_host
@@ -139,7 +166,7 @@ def run(config: RunConfig, store_uri: str) -> dict[str, Any]:
     }
 
 
-def _report_fault(failure: Any) -> None:
+def _report_fault(failure: _Failure) -> None:
     """Monarch's unhandled-fault hook for the run: print the failure's report (which actor or
     process failed, and its traceback) and drop the event; the pending call then fails."""
     print(f"monarch: actor failure: {failure.report()}", file=sys.stderr, flush=True)

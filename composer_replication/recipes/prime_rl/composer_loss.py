@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -68,6 +68,26 @@ from composer_replication.recipes.prime_rl.contract import PRIME_RL_DEFAULT_LOSS
 from composer_replication.recipes.sampled import reject_logit_keywords
 
 MASKS = ("prob_diff", "log_ratio", "both")
+
+
+class _LossInputs(Protocol):
+    """What `loss_fn` reads of its ``inputs``: PRIME-RL's ``LossInputs`` (a pydantic model) or
+    this package's mirror (`contract.LossInputs`); each value is checked (`_vector`)."""
+
+    @property
+    def trainer_logprobs(self) -> Tensor: ...
+    @property
+    def inference_logprobs(self) -> Tensor: ...
+    @property
+    def ref_logprobs(self) -> Tensor | None: ...
+    @property
+    def advantages(self) -> Tensor: ...
+    @property
+    def loss_mask(self) -> Tensor: ...
+    @property
+    def loss_weights(self) -> Tensor | None: ...
+
+
 DPO_PAIR_KEYS = ("chosen_logps", "rejected_logps", "ref_chosen_logps", "ref_rejected_logps")
 SIMPO_PAIR_KEYS = ("chosen_avg_logps", "rejected_avg_logps")
 # (N,) token count of each chosen completion: needed by rpo_alpha's NLL (a token mean)
@@ -209,7 +229,7 @@ def _mean(values: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask, values, torch.zeros_like(values)).sum() / mask.sum().clamp(min=1)
 
 
-def loss_fn(inputs: Any, **kwargs: Any) -> LossOutputs:
+def loss_fn(inputs: _LossInputs, **kwargs: Any) -> LossOutputs:
     """Composer loss of ONE PRIME-RL sample; see the module docstring for every term.
 
     Args:

@@ -13,18 +13,21 @@ Channels 2 and 3 do not change the advantage: they are terms of the ``composer``
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
+if TYPE_CHECKING:
+    from verl.trainer.config import AlgoConfig
+
 
 def grpo_composer_advantage(
     token_level_rewards: Tensor,
     response_mask: Tensor,
-    index: Any = None,
-    config: Any = None,
+    index: np.ndarray | None = None,
+    config: AlgoConfig | None = None,
     epsilon: float = 1e-6,
     norm_adv_by_std_in_grpo: bool | None = None,
     **_extra: Any,

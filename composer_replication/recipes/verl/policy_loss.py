@@ -50,7 +50,7 @@ from __future__ import annotations
 import contextvars
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -62,6 +62,10 @@ from composer_replication.recipes.sampled import (
     sampled_token_config,
     sampled_token_kwargs,
 )
+
+if TYPE_CHECKING:
+    from tensordict import TensorDict
+    from verl.workers.config import ActorConfig
 
 CHANNEL2_KEYS = ("sdpo_teacher_log_prob", "sdpo_sample_mask")
 CHANNEL3_KEYS = ("replay_pair_id", "replay_is_chosen", "replay_ref_log_prob")
@@ -84,7 +88,7 @@ def batch_context(values: Mapping[str, object]) -> Iterator[None]:
         _BATCH.reset(token)
 
 
-def _clip_range(config: Any) -> tuple[float, float]:
+def _clip_range(config: ActorConfig | None) -> tuple[float, float]:
     if config is None:
         return 0.2, 0.2
     base = config.get("clip_ratio", 0.2)
@@ -93,7 +97,7 @@ def _clip_range(config: Any) -> tuple[float, float]:
     return float(base if low is None else low), float(base if high is None else high)
 
 
-def _normaliser(config: Any, mask: Tensor) -> Tensor:
+def _normaliser(config: ActorConfig | None, mask: Tensor) -> Tensor:
     """verl's token-mean denominator: ``batch_num_tokens / dp_size``, else the local count."""
     info = {} if config is None else (config.get("global_batch_info", None) or {})
     tokens = info.get("batch_num_tokens")
@@ -174,7 +178,7 @@ def composer_policy_loss(
     advantages: Tensor,
     response_mask: Tensor,
     loss_agg_mode: str = "token-mean",
-    config: Any = None,
+    config: ActorConfig | None = None,
     rollout_is_weights: Tensor | None = None,
     **kwargs: object,
 ) -> tuple[Tensor, dict[str, float]]:
@@ -287,7 +291,11 @@ def _sampled_sdpo(
 
 
 def composer_ppo_loss(
-    config: Any, model_output: Any, data: Any, dp_group: Any = None, **settings: Any
+    config: ActorConfig,
+    model_output: Any,
+    data: TensorDict,
+    dp_group: Any = None,
+    **settings: Any,
 ) -> Any:
     """verl's actor loss function (``ppo_loss``) with the composer DataProto keys passed through.
 

@@ -3,13 +3,22 @@ fields: the same names with the same types, so a setting added to one and not th
 
 from __future__ import annotations
 
-import dataclasses
+import typing
 
 from composer_replication.loss._config import ComposeConfig, ComposeKwargs
 
 
 def test_compose_kwargs_are_the_config_fields() -> None:
-    fields = {f.name: f.type for f in dataclasses.fields(ComposeConfig)}
-    keys = {k: getattr(v, "__forward_arg__", v) for k, v in ComposeKwargs.__annotations__.items()}
+    # resolved types on both sides: a field's `type` may be a string or, once the config loader
+    # has resolved it in this process, the type itself
+    fields = typing.get_type_hints(ComposeConfig)
+    keys = typing.get_type_hints(ComposeKwargs)
     assert keys == fields
     assert not ComposeKwargs.__required_keys__  # every keyword has its default
+
+
+def test_a_field_missing_from_the_kwargs_is_seen() -> None:
+    fields = typing.get_type_hints(ComposeConfig)
+    keys = dict(typing.get_type_hints(ComposeKwargs))
+    keys.pop(next(iter(keys)))
+    assert keys != fields

@@ -13,7 +13,8 @@ Use a unique key prefix per test (``s3://{bucket}/{uuid}/``): the bucket is shar
 gets a bucket name of its own (``composer-test-<random>``): SeaweedFS must be given its ports, so
 two servers starting at once (pytest-xdist workers) can be handed the same free port; the one that
 loses the bind exits and is started again on other ports, and the readiness check, which writes to
-*its* bucket, cannot be answered by the other server.
+*its* bucket, cannot be answered by the other server. A server that answers the readiness write
+with an S3 error for ``ANSWERED_ERRORS_S`` is started again too (it will not serve).
 
 Both servers enforce ``If-None-Match: *`` conditional PUTs, which the object-store protocol
 relies on; SeaweedFS reports the lost race as HTTP 412 with a body s3fs maps to ``OSError``,
@@ -69,28 +70,58 @@ def _unique_bucket() -> str:
 
 
 class _ExitedEarly(RuntimeError):
-    """The server process ended during start-up (e.g. one of its ports was taken)."""
+    """The server did not come up on its ports: its process ended during start-up (e.g. one of
+    its ports was taken), or it answered every request with an S3 error for ANSWERED_ERRORS_S."""
+
+
+# A server that answers but refuses the readiness write this long is not going to serve (CI once
+# saw a SeaweedFS answer "Access Denied." for 120 s): it is started again on other ports.
+ANSWERED_ERRORS_S = 30.0
+
+
+def _log_tail(log: Path, lines: int = 15) -> str:
+    try:
+        text = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return "\n".join(text[-lines:])
 
 
 def _wait_for_bucket(endpoint: str, bucket: str, proc: subprocess.Popen | None, log: Path) -> None:
     """Poll until a small object can be written and read back in ``bucket`` (<= 120 s: start-up
-    under a loaded machine is slow; a dead process ends the wait at once)."""
+    under a loaded machine is slow; a dead process, or one that answers with an S3 error such as
+    AccessDenied or NoSuchBucket for ANSWERED_ERRORS_S, ends the wait with `_ExitedEarly`)."""
     import s3fs
 
     deadline = time.monotonic() + 120
     last: Exception | None = None
+    refused_since: float | None = None
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
-            raise _ExitedEarly(f"S3 server exited early (code {proc.returncode}); see {log}")
+            raise _ExitedEarly(
+                f"S3 server exited early (code {proc.returncode}); see {log}:\n{_log_tail(log)}"
+            )
         try:
             fs = s3fs.S3FileSystem(**_storage_options(endpoint))
             fs.pipe_file(f"{bucket}/.ready", b"ok")
             if fs.cat_file(f"{bucket}/.ready") == b"ok":
                 return
-        except Exception as e:  # server still starting: connection refused, no bucket yet...
+        except (PermissionError, FileNotFoundError) as e:  # answered, but refused
             last = e
+            now = time.monotonic()
+            refused_since = now if refused_since is None else refused_since
+            if proc is not None and now - refused_since > ANSWERED_ERRORS_S:
+                raise _ExitedEarly(
+                    f"S3 server at {endpoint} answered {e!r} for {ANSWERED_ERRORS_S:.0f} s; "
+                    f"see {log}:\n{_log_tail(log)}"
+                ) from e
+        except Exception as e:  # server still starting: connection refused...
+            last = e
+            refused_since = None
         time.sleep(0.25)
-    raise RuntimeError(f"S3 server at {endpoint} not ready after 120 s ({last!r}); see {log}")
+    raise RuntimeError(
+        f"S3 server at {endpoint} not ready after 120 s ({last!r}); see {log}:\n{_log_tail(log)}"
+    )
 
 
 def _weed_binary() -> str:
@@ -118,9 +149,10 @@ def run_seaweedfs(bucket: str | None = None) -> Iterator[tuple[str, str, dict[st
         try:
             try:
                 _wait_for_bucket(endpoint, bucket, proc, log)
-            except _ExitedEarly:
+            except _ExitedEarly as e:
                 if attempt == START_ATTEMPTS:
                     raise
+                print(f"SeaweedFS start {attempt} failed, starting again: {e}", file=sys.stderr)
                 continue
             yield endpoint, bucket, _storage_options(endpoint)
             return

@@ -312,8 +312,19 @@ def _check_chain(store: ObjectStore, n_fragments: int) -> list[str]:
 
 def test_learners_and_synchronizer_train_together(tmp_path: Path) -> None:
     uri = str(tmp_path / "store")
+    # Plain averaging (SGD, no momentum, lr 1): the learning asserted below then depends little on
+    # which pushes made each merge (with Nesterov at lr 0.7 and momentum 0.9 the gain ranged from
+    # 0.001 to 0.19 with the timing); the Nesterov chain is checked against its reference by the
+    # synchronizer-restart test below.
     cfg = SynchronizerConfig(
-        quorum=2, keep_rounds=1000, poll_interval_s=0.02, lease_ttl_s=2.0, max_steps=48
+        quorum=2,
+        keep_rounds=1000,
+        poll_interval_s=0.02,
+        lease_ttl_s=2.0,
+        max_steps=48,
+        outer_optimizer="sgd",
+        outer_momentum=0.0,
+        outer_lr=1.0,
     )
     out, sync = _run(uri, 3, 48, cfg, sleep=0.005, seed=7)
     store = ObjectStore(uri)
@@ -339,9 +350,10 @@ def test_learners_and_synchronizer_train_together(tmp_path: Path) -> None:
     for r, o in out.items():
         written, skipped, replaced = o["pushes"]
         assert written == sum(p.learner == r for p in pushes) and written >= 12
-    # the global model learned something (how much depends on which pushes made each merge,
-    # i.e. on timing: 0.02-0.1 below the start on a loaded or a quiet machine)
-    assert out[0]["loss"] < eval_loss(Blocks(seed=7)) - 0.01
+    # the global model learned something (0.097-0.13 below the start in 24 runs, quiet or with
+    # the CPU oversubscribed three times)
+    start = eval_loss(Blocks(seed=7))
+    assert out[0]["loss"] < start - 0.01, (start, out[0]["loss"], final["versions"])
     assert sync.stats.merges == sum(final["versions"])
 
 

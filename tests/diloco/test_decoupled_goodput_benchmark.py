@@ -221,3 +221,23 @@ def test_synthetic_faults_scale_with_the_rate() -> None:
     few = [len(gs.synthetic_faults(8, 96.0, 8.0, 5.0, s, 10.0)) for s in range(20)]
     many = [len(gs.synthetic_faults(8, 96.0, 8.0, 20.0, s, 10.0)) for s in range(20)]
     assert sum(many) > 2 * sum(few) > 0
+
+
+def test_corpus_shard_is_built_once_and_read_back_the_same(tmp_path: Path) -> None:
+    import torch
+
+    calls: list[tuple[int, int]] = []
+
+    def load(max_train_bytes: int, max_eval_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+        calls.append((max_train_bytes, max_eval_bytes))
+        g = torch.Generator().manual_seed(0)
+        return torch.randint(0, 256, (5000,), generator=g), torch.randint(
+            0, 256, (700,), generator=g
+        )
+
+    built = dg._corpus(tmp_path, load)
+    read = dg._corpus(tmp_path, load)  # a learner's start: read, not rebuilt
+    assert calls == [dg.CORPUS_BYTES]
+    for b, r in zip(built, read):
+        assert r.dtype == torch.int64 and torch.equal(b, r)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus-eval.u8", "corpus-train.u8"]

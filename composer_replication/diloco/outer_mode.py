@@ -199,7 +199,7 @@ class SynchronizerStats(Protocol):
 
 
 class Synchronizing(Protocol):
-    """The service side of a mode with a synchronizer (`diloco.synchronizer.Synchronizer`):
+    """The service side of a mode with a synchronizer (`decoupled.synchronizer.Synchronizer`):
     `run` merges until the run is final (True) or `stop` is called (False)."""
 
     @property

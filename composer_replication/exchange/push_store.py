@@ -1,7 +1,7 @@
 """The object-store protocol of Decoupled DiLoCo: learner pushes, merge records, fragment states.
 
 Learners never wait for each other: each pushes one parameter fragment's pseudo-gradient on its
-own clock, and one synchronizer (diloco/synchronizer.py, holding the lease in exchange/lease.py)
+own clock, and one synchronizer (diloco/decoupled/synchronizer.py, holding the lease in exchange/lease.py)
 merges each fragment when enough learners have pushed. Everything they share is under the run
 prefix (docs/object-store.md, "Decoupled mode")::
 

@@ -267,7 +267,7 @@ def test_the_driver_writes_each_refusal_once_as_a_rejected_event(tmp_path):
 
 
 def test_the_synchronizer_refuses_a_forged_push_based_on_a_future_version(tmp_path):
-    from composer_replication.diloco.synchronizer import Synchronizer, SynchronizerConfig
+    from composer_replication.diloco.decoupled.synchronizer import Synchronizer, SynchronizerConfig
 
     store, keys, learner, _ = _setup(tmp_path)
     manifest = fragment_manifest([_tensors(0)], n_learners=LEARNERS, codec="fp32")

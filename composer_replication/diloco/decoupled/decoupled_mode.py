@@ -28,7 +28,7 @@ from composer_replication.diloco.decoupled.learner import (
 )
 from composer_replication.diloco.decoupled.synchronizer import ROLE as SYNCHRONIZER_ROLE
 from composer_replication.diloco.decoupled.synchronizer import Synchronizer
-from composer_replication.diloco.outer_mode import (
+from composer_replication.diloco.mode_protocol import (
     AfterLoss,
     HostedService,
     Lighthouse,

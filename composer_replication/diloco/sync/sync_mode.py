@@ -20,8 +20,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from composer_replication.diloco.manager import Manager
-from composer_replication.diloco.outer_loop import DiLoCoOuterLoop, make_diloco_outer_loop
-from composer_replication.diloco.outer_mode import (
+from composer_replication.diloco.mode_protocol import (
     AfterLoss,
     GlobalWeights,
     HostedService,
@@ -33,6 +32,7 @@ from composer_replication.diloco.outer_mode import (
     RunShape,
     Synchronizing,
 )
+from composer_replication.diloco.outer_loop import DiLoCoOuterLoop, make_diloco_outer_loop
 from composer_replication.diloco.outer_optimizer import OuterOptimizerFactory
 from composer_replication.diloco.replica_state import ResumableTrainer
 from composer_replication.diloco.section import DilocoConfig, ManagerName, ModeName

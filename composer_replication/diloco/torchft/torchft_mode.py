@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 from urllib.parse import urlparse
 
 from composer_replication.diloco.manager import Manager
-from composer_replication.diloco.outer_mode import GlobalWeights, ReplicaContext, RunShape
+from composer_replication.diloco.mode_protocol import GlobalWeights, ReplicaContext, RunShape
 from composer_replication.diloco.section import ManagerName, ModeName
 from composer_replication.diloco.sync.sync_mode import SyncDiLoCo
 from composer_replication.diloco.torchft.torchft_path import (

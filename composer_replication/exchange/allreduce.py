@@ -64,7 +64,7 @@ import torch
 
 from composer_replication.exchange import checksums, codecs, rules
 from composer_replication.exchange.aggregate import average_in_rank_order, check_inputs
-from composer_replication.exchange.documents import RunDocuments
+from composer_replication.exchange.document_format import model_fingerprint
 from composer_replication.exchange.liveness import REPLICA_ROLE, read_departure
 from composer_replication.exchange.protocol import (
     HEAD_KEY,
@@ -89,9 +89,9 @@ from composer_replication.exchange.robust import (
     screen,
     tensor_stats,
 )
+from composer_replication.exchange.run_documents import RunDocuments
 from composer_replication.exchange.settings import AllReduceConfig
 from composer_replication.exchange.signing import RunKeys
-from composer_replication.exchange.state import model_fingerprint
 from composer_replication.exchange.store import ObjectStore, Store
 from composer_replication.exchange.vocabulary import (
     CommitRecord,

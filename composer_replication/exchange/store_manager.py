@@ -56,6 +56,7 @@ import torch
 import torch.distributed as dist
 
 from composer_replication.exchange.allreduce import ObjectStoreAllReduce
+from composer_replication.exchange.document_format import model_fingerprint
 from composer_replication.exchange.outer_state import (
     LoadStateFn,
     OuterState,
@@ -69,7 +70,6 @@ from composer_replication.exchange.outer_state import (
 )
 from composer_replication.exchange.retry import STATE_WRITE_RETRY_S, retry_write
 from composer_replication.exchange.robust import norm_outlier, tensor_stats
-from composer_replication.exchange.state import model_fingerprint
 from composer_replication.exchange.vocabulary import (
     CorruptContributionError,
     RoundStoppedError,

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from composer_replication.config import load_config
+from composer_replication.exchange.document_format import encode_state
 from composer_replication.exchange.protocol import CorruptContributionError
 from composer_replication.exchange.push_store import (
     FINAL_KEY,
@@ -41,7 +42,6 @@ from composer_replication.exchange.signing import (
     public_key_of,
     rank_identity,
 )
-from composer_replication.exchange.state import encode_state
 from composer_replication.exchange.store import ObjectStore
 
 LEARNERS = 2

@@ -38,10 +38,10 @@ from composer_replication.diloco.replica_state import ResumableTrainer
 from composer_replication.diloco.section import DilocoConfig, ManagerName, ModeName
 from composer_replication.exchange import codecs
 from composer_replication.exchange.allreduce import ObjectStoreAllReduce
+from composer_replication.exchange.document_format import parse_state_name, state_prefix
 from composer_replication.exchange.liveness import REPLICA_ROLE, MemberLiveness
 from composer_replication.exchange.protocol import commit_key
 from composer_replication.exchange.signing import RunKeys
-from composer_replication.exchange.state import parse_state_name, state_prefix
 from composer_replication.exchange.store import ObjectStore, Store
 from composer_replication.exchange.store_manager import ObjectStoreManager
 from composer_replication.fields import require

@@ -29,7 +29,7 @@ from composer_replication.diloco.torchft.torchft_path import (
     start_lighthouse,
 )
 from composer_replication.exchange import codec_fp32
-from composer_replication.exchange.documents import RunDocuments
+from composer_replication.exchange.run_documents import RunDocuments
 from composer_replication.exchange.store import ObjectStore
 from composer_replication.fields import require
 

@@ -483,8 +483,8 @@ def bad_tree(tmp_path: Path) -> Path:
         "run/__init__.py": "",
         "run/replica.py": "",
         # a circle inside exchange/, closed by a function-level import
-        "exchange/protocol.py": "from composer_replication.exchange import robust\n",
-        "exchange/robust.py": "def f():\n    from .protocol import x\n",
+        "exchange/protocol.py": "from composer_replication.exchange import contribution_screening\n",
+        "exchange/contribution_screening.py": "def f():\n    from .protocol import x\n",
     }
     for rel, text in files.items():
         (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -550,7 +550,10 @@ def test_the_checker_names_each_bad_import(bad_tree: Path):
         "composer_replication.tasks.task -> composer_replication.run.replica",
     ]
     assert import_cycles(bad_tree) == [
-        ["composer_replication.exchange.protocol", "composer_replication.exchange.robust"]
+        [
+            "composer_replication.exchange.contribution_screening",
+            "composer_replication.exchange.protocol",
+        ]
     ]
     assert "composer_replication.loss._logprobs" in references(
         bad_tree / "trainer" / "trainer.py", bad_tree

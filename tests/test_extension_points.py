@@ -126,7 +126,7 @@ def _one_round(config: RunConfig, store_uri: str | Path) -> dict[int, dict[str, 
 # ----------------------------------------------------------------------- an aggregation rule
 
 RULE = """
-    from composer_replication.exchange.aggregate import coordinatewise
+    from composer_replication.exchange.merge_arithmetic import coordinatewise
     from composer_replication.exchange.rules import UnscaledRule
 
     CALLS = []

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from composer_replication.diloco.mode_protocol import GlobalWeights
-from composer_replication.exchange.robust import AggregatePolicy, LossProbe
+from composer_replication.exchange.contribution_screening import AggregatePolicy, LossProbe
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase

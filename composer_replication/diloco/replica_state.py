@@ -296,9 +296,9 @@ def _global_rounds(store: ObjectStore) -> list[int]:
 
 def _global_state_ok(store: ObjectStore, round: int) -> str | None:
     """Why the published global state of `round` is unusable (None when it is fine)."""
+    from composer_replication.exchange.contribution_screening import screen_state
     from composer_replication.exchange.document_format import decode_state, state_key
     from composer_replication.exchange.protocol import CorruptContributionError
-    from composer_replication.exchange.robust import screen_state
 
     blob = store.get(state_key("global", round))
     if blob is None:

@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 from composer_replication.exchange import document_format
+from composer_replication.exchange.contribution_screening import screen_state
 from composer_replication.exchange.protocol import commit_key, parse_commit, parse_step_dir
-from composer_replication.exchange.robust import screen_state
 from composer_replication.exchange.signing import RunKeys, SignatureError
 from composer_replication.exchange.store import Store
 from composer_replication.exchange.vocabulary import (

@@ -1,4 +1,4 @@
-"""The decoupled synchronizer with robust aggregation (exchange.robust): screening decisions
+"""The decoupled synchronizer with robust aggregation (exchange.contribution_screening): screening decisions
 recorded per push, robust merges, a byzantine learner."""
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ from allreduce_handles import exchange
 from tolerances import assert_close
 
 from composer_replication.exchange.allreduce import ObjectStoreAllReduce
+from composer_replication.exchange.contribution_screening import AggregatePolicy
 from composer_replication.exchange.protocol import CorruptContributionError, commit_key
-from composer_replication.exchange.robust import AggregatePolicy
 from composer_replication.exchange.store import ObjectStore
 
 SHAPES = {"w": (16, 8), "b": (8,)}

@@ -39,10 +39,10 @@ from composer_replication.diloco.decoupled.merge_math import (
     push_weight,
 )
 from composer_replication.diloco.synchronizer_config import SynchronizerConfig
+from composer_replication.exchange.contribution_screening import AggregatePolicy
 from composer_replication.exchange.lease import Lease
 from composer_replication.exchange.protocol import CorruptContributionError
 from composer_replication.exchange.push_store import DecoupledStore, Push, PushId
-from composer_replication.exchange.robust import AggregatePolicy
 
 __all__ = ["FragmentMerger", "FragmentState", "Inbox", "SynchronizerStats", "Timings"]
 

@@ -35,7 +35,7 @@ momentum are stored, then every later merge record replayed (aggregation is a pu
 the pushes the record pins by checksum). So no committed merge is lost and none is applied twice.
 When every learner reports it is done, it merges what is left (no quorum, no grace), writes
 ``final.json`` and stops. `aggregate` screens and merges through the robust-aggregation module
-(`exchange.robust`), the same rules as the synchronous exchange.
+(`exchange.contribution_screening`), the same rules as the synchronous exchange.
 
 This module is the loop (lease, recovery, discovery, liveness, the end); one fragment's merge
 is `fragment_merger.FragmentMerger`, the math `merge_math`, the settings

@@ -7,10 +7,11 @@ sees all ``world_size`` contributions settled (or, after ``timeout_s``, at least
 were too late to be listed, aggregates exactly the listed contributions in rank order in float32.
 That makes the result bit-identical on every replica (docs/object-store.md explains why).
 
-Before committing, the committer screens the contributions it saw (exchange/contribution_screening.py:
-inconsistent token claims, non-finite values, norm outliers against the round's median, and
-optionally a loss probe) and records every decision in the commit record, which also names the
-merge (``mean``, ``trimmed_mean``, ``median``, ``norm_clip``); readers replay exactly that.
+Before committing, the committer screens the contributions it saw
+(exchange/contribution_screening.py: inconsistent token claims, non-finite values, norm outliers
+against the round's median, and optionally a loss probe) and records every decision in the commit
+record, which also names the merge (``mean``, ``trimmed_mean``, ``median``, ``norm_clip``); readers
+replay exactly that.
 
 Each rank's objects of a step go under keys only its writer uses: with the run's slot secret
 (``slot_secret``, the same on every rank; the run driver hands one out per run) the key of rank
@@ -891,10 +892,10 @@ class ObjectStoreAllReduce(RunDocuments):
         includes (``held``: each of them, verified against its pinned checksum), or None.
 
         Every reader recomputes what the committer had no choice about: the merge method, the
-        weighting, the weights (`contribution_screening.merge_weights` over the included contributions' token
-        claims), the trim and the clip scales the rule allows (`rules.AggregationRule`). Which ranks
-        are included, and by how much norm_clip shrinks one, rest on norms that are not
-        bit-reproducible across machines: they stay the committer's."""
+        weighting, the weights (`contribution_screening.merge_weights` over the included
+        contributions' token claims), the trim and the clip scales the rule allows
+        (`rules.AggregationRule`). Which ranks are included, and by how much norm_clip shrinks one,
+        rest on norms that are not bit-reproducible across machines: they stay the committer's."""
         policy, ranks = self.policy, commit["included_ranks"]
         method = commit.get("aggregate", "mean")
         if method != policy.aggregate or commit.get("weighting", "equal") != policy.weighting:

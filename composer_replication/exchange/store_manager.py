@@ -560,10 +560,10 @@ class ObjectStoreManager:
         return refusals
 
     def _screen_update(self, step: int, update: Mapping[str, torch.Tensor]) -> None:
-        """Unsigned runs: refuse a committed global update that is non-finite or whose norm is
-        an outlier against the run's recent rounds (`contribution_screening.norm_outlier`, the rule that
-        screens contributions, at the exchange's ``aggregate_outlier_ratio``). A tripwire, not a security
-        boundary: signing is what keeps forged commit records out (docs/security.md)."""
+        """Unsigned runs: refuse a committed global update that is non-finite or whose norm is an
+        outlier against the run's recent rounds (`contribution_screening.norm_outlier`, the rule
+        that screens contributions, at the exchange's ``aggregate_outlier_ratio``). A tripwire, not
+        a security boundary: signing is what keeps forged commit records out (docs/security.md)."""
         if self.exchange.keys is not None:
             return
         stats = tensor_stats(update)

@@ -1,5 +1,5 @@
-"""The decoupled synchronizer with robust aggregation (exchange.contribution_screening): screening decisions
-recorded per push, robust merges, a byzantine learner."""
+"""The decoupled synchronizer with robust aggregation (exchange.contribution_screening): screening
+decisions recorded per push, robust merges, a byzantine learner."""
 
 from __future__ import annotations
 

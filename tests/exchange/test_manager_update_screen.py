@@ -3,10 +3,10 @@
 1. The commit record follows the run's merge rule (issue 22's forgery, a planted record listing
    an honest contribution at weight or scale x1000, is refused in round 1 as in round 10: every
    replica recomputes the weights the run's weighting rule gives).
-2. Unsigned runs: the update is not a norm outlier against the run's recent rounds (the rule
-   that screens contributions, `contribution_screening.norm_outlier`): a tripwire for what follows the rule but
-   is still forged, e.g. a contribution planted in a slot of a run without slot secrets. Its
-   history lives beside the global states, so a relaunched replica judges from the run's 4th
+2. Unsigned runs: the update is not a norm outlier against the run's recent rounds (the rule that
+   screens contributions, `contribution_screening.norm_outlier`): a tripwire for what follows the
+   rule but is still forged, e.g. a contribution planted in a slot of a run without slot secrets.
+   Its history lives beside the global states, so a relaunched replica judges from the run's 4th
    round, not its own."""
 
 from __future__ import annotations

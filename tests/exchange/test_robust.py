@@ -1,4 +1,5 @@
-"""exchange/contribution_screening.py: screening and robust merges, checked against independent float64 references.
+"""exchange/contribution_screening.py: screening and robust merges, checked against independent
+float64 references.
 
 The references are written with numpy on float64 (sort, slice, mean), not with the module's own
 helpers; the merges must match them to float32 rounding and be bit-identical when recomputed.

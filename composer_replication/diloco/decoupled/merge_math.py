@@ -5,8 +5,9 @@
 - `push_weight`: a push's raw merge weight, ``steps`` (``"equal"``) or ``tokens * tokens /
   steps`` (``"tokens"``, the paper's token weighting);
 - `aggregate`: screen and merge a round's pushes through the robust-aggregation module
-  (`exchange.contribution_screening`, the same aggregation rules as the synchronous exchange, `exchange.rules`);
-  `combine_decided`: the merge a recorded decision describes (what a replay recomputes);
+  (`exchange.contribution_screening`, the same aggregation rules as the synchronous exchange,
+  `exchange.rules`); `combine_decided`: the merge a recorded decision describes (what a replay
+  recomputes);
 - `merge_pushes`: what the ``merge`` setting does with the aggregated pushes: keep them
   (``"mean"``) or average their directions instead (``"rda"``: `rda`, radial-directional
   averaging);
@@ -107,11 +108,11 @@ def aggregate(
     """Screen and merge ``inputs``: (merged tensors, one `Decision` per input id).
 
     Inputs without work (weight 0) are refused. Every input is screened by the robust-aggregation
-    module (``exchange.contribution_screening``: non-finite values, norm outliers against the round's median
-    unless ``outlier_ratio=0``, weight claims capped against the median) and ``method`` is any of
-    its merges (mean, trimmed_mean, median, norm_clip). A robust method with fewer than
-    ``contribution_screening.MIN_TO_JUDGE`` pushes with work includes none of them. Empty tensors: nothing
-    included.
+    module (``exchange.contribution_screening``: non-finite values, norm outliers against the
+    round's median unless ``outlier_ratio=0``, weight claims capped against the median) and
+    ``method`` is any of its merges (mean, trimmed_mean, median, norm_clip). A robust method with
+    fewer than ``contribution_screening.MIN_TO_JUDGE`` pushes with work includes none of them. Empty
+    tensors: nothing included.
     """
     decisions = {i.id: _decision(False, "no work (weight 0)") for i in inputs if i.weight <= 0}
     work = [i for i in inputs if i.weight > 0]
@@ -120,8 +121,8 @@ def aggregate(
         # their mean): merging them would let a byzantine push through whenever a merge is
         # small (the end of a run, dead learners). Their work is dropped instead.
         why = (
-            f"too few pushes for a robust merge ({len(work)} < {contribution_screening.MIN_TO_JUDGE}; "
-            f"aggregate={method!r})"
+            f"too few pushes for a robust merge "
+            f"({len(work)} < {contribution_screening.MIN_TO_JUDGE}; aggregate={method!r})"
         )
         decisions.update({i.id: _decision(False, why) for i in work})
         work = []

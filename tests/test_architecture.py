@@ -289,7 +289,7 @@ def test_run_asks_the_outer_loop_mode_instead_of_testing_it():
 
 
 # What run/ once asked a mode instead of calling its hooks (issue 38): flags that aliased the
-# mode's name. The mode's hooks (diloco/outer_mode.py) answer run/'s questions instead.
+# mode's name. The mode's hooks (diloco/mode_protocol.py) answer run/'s questions instead.
 MODE_CAPABILITIES = {
     "lockstep",
     "has_synchronizer",
@@ -300,7 +300,7 @@ MODE_CAPABILITIES = {
 # The diloco/ modules run/ may import: the seam and what every mode shares (the heartbeat, the
 # resume states' format), never a mode's own module.
 DILOCO_SEAM = {
-    "composer_replication.diloco.outer_mode",
+    "composer_replication.diloco.mode_protocol",
     "composer_replication.diloco.replica_state",
     "composer_replication.diloco.heartbeat",
 }
@@ -483,8 +483,8 @@ def bad_tree(tmp_path: Path) -> Path:
         "run/__init__.py": "",
         "run/replica.py": "",
         # a circle inside exchange/, closed by a function-level import
-        "exchange/protocol.py": "from composer_replication.exchange import robust\n",
-        "exchange/robust.py": "def f():\n    from .protocol import x\n",
+        "exchange/protocol.py": "from composer_replication.exchange import contribution_screening\n",
+        "exchange/contribution_screening.py": "def f():\n    from .protocol import x\n",
     }
     for rel, text in files.items():
         (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -519,7 +519,7 @@ def test_the_mode_branch_check_names_each_offender(bad_tree: Path):
     run.mkdir(exist_ok=True)
     (run / "watch.py").write_text(
         "from composer_replication.diloco.decoupled import DecoupledLearner as Learner\n"
-        "from composer_replication.diloco.outer_mode import OuterLoopMode\n\n\n"
+        "from composer_replication.diloco.mode_protocol import OuterLoopMode\n\n\n"
         "def watch(mode, loop):\n"
         "    if mode.lockstep and isinstance(loop.outer, Learner):\n"
         "        return type(mode) is OuterLoopMode\n"
@@ -550,7 +550,10 @@ def test_the_checker_names_each_bad_import(bad_tree: Path):
         "composer_replication.tasks.task -> composer_replication.run.replica",
     ]
     assert import_cycles(bad_tree) == [
-        ["composer_replication.exchange.protocol", "composer_replication.exchange.robust"]
+        [
+            "composer_replication.exchange.contribution_screening",
+            "composer_replication.exchange.protocol",
+        ]
     ]
     assert "composer_replication.loss._logprobs" in references(
         bad_tree / "trainer" / "trainer.py", bad_tree

@@ -25,7 +25,7 @@ from composer_replication.assembly import build, services
 from composer_replication.assembly.outer import outer_loop_mode
 from composer_replication.config import ConfigError, RunConfig, load_config
 from composer_replication.diloco import mode_registry
-from composer_replication.diloco.outer_mode import ReplicaContext
+from composer_replication.diloco.mode_protocol import ReplicaContext
 from composer_replication.exchange import codecs, rules, schemes
 from composer_replication.exchange.codec_blocks import NoConfig
 from composer_replication.exchange.store import ObjectStore
@@ -126,7 +126,7 @@ def _one_round(config: RunConfig, store_uri: str | Path) -> dict[int, dict[str, 
 # ----------------------------------------------------------------------- an aggregation rule
 
 RULE = """
-    from composer_replication.exchange.aggregate import coordinatewise
+    from composer_replication.exchange.merge_arithmetic import coordinatewise
     from composer_replication.exchange.rules import UnscaledRule
 
     CALLS = []

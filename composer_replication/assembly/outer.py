@@ -17,14 +17,14 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from composer_replication.assembly.screening import RunScreening
-from composer_replication.diloco.mode_registry import outer_loop_mode as _mode_of
-from composer_replication.diloco.outer_mode import (
+from composer_replication.diloco.mode_protocol import (
     Lighthouse,
     OuterLoopMode,
     ReplicaContext,
     ReplicaLoop,
     Synchronizing,
 )
+from composer_replication.diloco.mode_registry import outer_loop_mode as _mode_of
 from composer_replication.exchange.signing import RunKeys
 from composer_replication.exchange.store import ObjectStore
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from composer_replication.diloco.outer_mode import GlobalWeights
-from composer_replication.exchange.robust import AggregatePolicy, LossProbe
+from composer_replication.diloco.mode_protocol import GlobalWeights
+from composer_replication.exchange.contribution_screening import AggregatePolicy, LossProbe
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase

@@ -30,8 +30,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
+from composer_replication.diloco.mode_protocol import OuterLoopMode, RunShape
 from composer_replication.diloco.mode_registry import outer_loop_mode
-from composer_replication.diloco.outer_mode import OuterLoopMode, RunShape
 from composer_replication.diloco.section import DilocoConfig
 from composer_replication.exchange.settings import StoreConfig
 from composer_replication.exchange.signing import SecurityConfig

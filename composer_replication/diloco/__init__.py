@@ -13,7 +13,7 @@ _LAZY = {
     "DiLoCoOuterLoop": "composer_replication.diloco.outer_loop",
     "DilocoConfig": "composer_replication.diloco.section",
     "Manager": "composer_replication.diloco.manager",
-    "OuterLoopMode": "composer_replication.diloco.outer_mode",
+    "OuterLoopMode": "composer_replication.diloco.mode_protocol",
     "OuterOptimizerConfig": "composer_replication.diloco.outer_optimizer",
     "StreamingOptions": "composer_replication.diloco.outer_loop",
     "TorchFTManager": "composer_replication.diloco.torchft.torchft_path",

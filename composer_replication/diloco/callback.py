@@ -23,7 +23,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 from torch import nn
 
-from composer_replication.diloco.outer_mode import OuterLoop
+from composer_replication.diloco.mode_protocol import OuterLoop
 
 __all__ = ["DiLoCoCallback", "OuterLoop"]
 

@@ -14,7 +14,7 @@ import importlib
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from composer_replication.diloco.outer_mode import OuterLoopMode
+    from composer_replication.diloco.mode_protocol import OuterLoopMode
 
 __all__ = ["manager_names", "mode_names", "outer_loop_mode", "outer_loop_modes"]
 

@@ -288,7 +288,7 @@ def newest_replica_state(
 
 
 def _global_rounds(store: ObjectStore) -> list[int]:
-    from composer_replication.exchange.state import parse_state_name, state_prefix
+    from composer_replication.exchange.document_format import parse_state_name, state_prefix
 
     rounds = (parse_state_name(n) for n in store.list(state_prefix("global")))
     return sorted((r for r in rounds if r is not None), reverse=True)
@@ -296,9 +296,9 @@ def _global_rounds(store: ObjectStore) -> list[int]:
 
 def _global_state_ok(store: ObjectStore, round: int) -> str | None:
     """Why the published global state of `round` is unusable (None when it is fine)."""
+    from composer_replication.exchange.contribution_screening import screen_state
+    from composer_replication.exchange.document_format import decode_state, state_key
     from composer_replication.exchange.protocol import CorruptContributionError
-    from composer_replication.exchange.robust import screen_state
-    from composer_replication.exchange.state import decode_state, state_key
 
     blob = store.get(state_key("global", round))
     if blob is None:
@@ -367,8 +367,8 @@ def resume_plan(round_: int) -> str:
 def rollback_to(store: ObjectStore, round: int, n_replicas: int) -> None:
     """Forget every round after `round`: global states, exchange step records, resume states
     (the relaunched replicas redo those rounds); at round 0 also a damaged initial state."""
+    from composer_replication.exchange.document_format import state_key
     from composer_replication.exchange.protocol import HEAD_KEY, step_prefix
-    from composer_replication.exchange.state import state_key
 
     for r in _global_rounds(store):
         if r > round:

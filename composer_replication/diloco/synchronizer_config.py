@@ -16,8 +16,12 @@ from typing import Literal, get_args
 
 from composer_replication.diloco.outer_optimizer import OuterOptimizerConfig
 from composer_replication.exchange import rules
+from composer_replication.exchange.contribution_screening import (
+    WEIGHTINGS,
+    AggregatePolicy,
+    WeightingName,
+)
 from composer_replication.exchange.liveness import DEAD_AFTER_S, STALE_AFTER_S
-from composer_replication.exchange.robust import WEIGHTINGS, AggregatePolicy, WeightingName
 from composer_replication.exchange.rules import AggregateName
 from composer_replication.exchange.settings import KEEP_ROUNDS
 from composer_replication.fields import require, setting

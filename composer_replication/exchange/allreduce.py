@@ -7,10 +7,11 @@ sees all ``world_size`` contributions settled (or, after ``timeout_s``, at least
 were too late to be listed, aggregates exactly the listed contributions in rank order in float32.
 That makes the result bit-identical on every replica (docs/object-store.md explains why).
 
-Before committing, the committer screens the contributions it saw (exchange/robust.py:
-inconsistent token claims, non-finite values, norm outliers against the round's median, and
-optionally a loss probe) and records every decision in the commit record, which also names the
-merge (``mean``, ``trimmed_mean``, ``median``, ``norm_clip``); readers replay exactly that.
+Before committing, the committer screens the contributions it saw
+(exchange/contribution_screening.py: inconsistent token claims, non-finite values, norm outliers
+against the round's median, and optionally a loss probe) and records every decision in the commit
+record, which also names the merge (``mean``, ``trimmed_mean``, ``median``, ``norm_clip``); readers
+replay exactly that.
 
 Each rank's objects of a step go under keys only its writer uses: with the run's slot secret
 (``slot_secret``, the same on every rank; the run driver hands one out per run) the key of rank
@@ -63,9 +64,18 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import torch
 
 from composer_replication.exchange import checksums, codecs, rules
-from composer_replication.exchange.aggregate import average_in_rank_order, check_inputs
-from composer_replication.exchange.documents import RunDocuments
+from composer_replication.exchange.contribution_screening import (
+    Candidate,
+    Decision,
+    LossProbe,
+    TensorStats,
+    merge_weights,
+    screen,
+    tensor_stats,
+)
+from composer_replication.exchange.document_format import model_fingerprint
 from composer_replication.exchange.liveness import REPLICA_ROLE, read_departure
+from composer_replication.exchange.merge_arithmetic import average_in_rank_order, check_inputs
 from composer_replication.exchange.protocol import (
     HEAD_KEY,
     Encoding,
@@ -80,18 +90,9 @@ from composer_replication.exchange.protocol import (
     step_keys,
 )
 from composer_replication.exchange.retry import retry_write
-from composer_replication.exchange.robust import (
-    Candidate,
-    Decision,
-    LossProbe,
-    TensorStats,
-    merge_weights,
-    screen,
-    tensor_stats,
-)
+from composer_replication.exchange.run_documents import RunDocuments
 from composer_replication.exchange.settings import AllReduceConfig
 from composer_replication.exchange.signing import RunKeys
-from composer_replication.exchange.state import model_fingerprint
 from composer_replication.exchange.store import ObjectStore, Store
 from composer_replication.exchange.vocabulary import (
     CommitRecord,
@@ -851,7 +852,7 @@ class ObjectStoreAllReduce(RunDocuments):
         ref: dict[str, tuple[list[int], str]],
     ) -> tuple[dict[str, torch.Tensor], int]:
         """Fetch whatever the commit lists that we lack (absent from `held`, or held with another
-        checksum than the commit pins), then average it (see aggregate.py)."""
+        checksum than the commit pins), then average it (see merge_arithmetic.py)."""
         down = 0
         ranks = commit["included_ranks"]
         pinned = commit["checksums"]
@@ -891,10 +892,10 @@ class ObjectStoreAllReduce(RunDocuments):
         includes (``held``: each of them, verified against its pinned checksum), or None.
 
         Every reader recomputes what the committer had no choice about: the merge method, the
-        weighting, the weights (`robust.merge_weights` over the included contributions' token
-        claims), the trim and the clip scales the rule allows (`rules.AggregationRule`). Which ranks
-        are included, and by how much norm_clip shrinks one, rest on norms that are not
-        bit-reproducible across machines: they stay the committer's."""
+        weighting, the weights (`contribution_screening.merge_weights` over the included
+        contributions' token claims), the trim and the clip scales the rule allows
+        (`rules.AggregationRule`). Which ranks are included, and by how much norm_clip shrinks one,
+        rest on norms that are not bit-reproducible across machines: they stay the committer's."""
         policy, ranks = self.policy, commit["included_ranks"]
         method = commit.get("aggregate", "mean")
         if method != policy.aggregate or commit.get("weighting", "equal") != policy.weighting:

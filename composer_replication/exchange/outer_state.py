@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from composer_replication.exchange.documents import RunDocuments
+from composer_replication.exchange.run_documents import RunDocuments
 
 __all__ = [
     "FORMAT_VERSION",

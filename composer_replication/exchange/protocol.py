@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from composer_replication.exchange import checksums, codecs, wire
-from composer_replication.exchange.robust import AggregatePolicy, Decision
+from composer_replication.exchange.contribution_screening import AggregatePolicy, Decision
 from composer_replication.exchange.rules import is_rule_name
 from composer_replication.exchange.signing import RunKeys, rank_identity
 from composer_replication.exchange.vocabulary import (
@@ -388,8 +388,8 @@ def make_commit(
 ) -> dict[str, Any]:
     """Build the commit record deciding ``step``: the included ranks, weights, clip scales and
     checksums (``{"algo": ..., "value": ...}`` per rank: readers refuse any object that differs),
-    the merge method, and every screening decision. ``decisions`` (robust.screen) give the
-    weights and scales; without them weights are equal or proportional to the tokens."""
+    the merge method, and every screening decision. ``decisions`` (contribution_screening.screen)
+    give the weights and scales; without them weights are equal or proportional to the tokens."""
     ranks = sorted(c.rank for c in included)
     if decisions is not None:
         chosen = {d.rank: d for d in decisions if d.included}

@@ -1,9 +1,9 @@
 """The object-store protocol of Decoupled DiLoCo: learner pushes, merge records, fragment states.
 
-Learners never wait for each other: each pushes one parameter fragment's pseudo-gradient on its
-own clock, and one synchronizer (diloco/synchronizer.py, holding the lease in exchange/lease.py)
-merges each fragment when enough learners have pushed. Everything they share is under the run
-prefix (docs/object-store.md, "Decoupled mode")::
+Learners never wait for each other: each pushes one parameter fragment's pseudo-gradient on its own
+clock, and one synchronizer (diloco/decoupled/synchronizer.py, holding the lease in
+exchange/lease.py) merges each fragment when enough learners have pushed. Everything they share is
+under the run prefix (docs/object-store.md, "Decoupled mode")::
 
     decoupled/manifest.json                                   fragment layout, learners, codec
     decoupled/push/<p:03d>-<base:010d>-<learner:05d>-<seq:04d>.safetensors   one push
@@ -29,9 +29,9 @@ prefix (docs/object-store.md, "Decoupled mode")::
   deterministic function of version v-1's and the listed pushes, so a synchronizer that died
   between writing the record and the states recomputes them. Records and states of a fragment
   form a chain without gaps; pushes are immutable and a push appears in at most one record.
-- ``global/<v>`` and ``outer/<v>`` are full-state snapshots (exchange/state.py format: lossless,
-  sha256-checked). Version 0 is the initial weights (written by the first learner, put-if-absent)
-  and zero momentum (``outer/0`` absent).
+- ``global/<v>`` and ``outer/<v>`` are full-state snapshots (exchange/document_format.py's format:
+  lossless, sha256-checked). Version 0 is the initial weights (written by the first learner,
+  put-if-absent) and zero momentum (``outer/0`` absent).
 - ``heads.json``, the progress documents and ``final.json`` are overwritten documents: hints
   that are validated and never trusted for more than saying where to look.
 
@@ -65,8 +65,7 @@ from typing import Any, TypedDict
 
 import torch
 
-from composer_replication.exchange import checksums, codecs, wire
-from composer_replication.exchange import state as state_mod
+from composer_replication.exchange import checksums, codecs, document_format, wire
 from composer_replication.exchange.protocol import (
     Encoding,
     decode_contribution,
@@ -557,7 +556,7 @@ class DecoupledStore:
     def _encode_state(
         self, kind: str, fragment: int, version: int, tensors: dict[str, torch.Tensor]
     ) -> bytes:
-        return state_mod.encode_state(
+        return document_format.encode_state(
             tensors, name=f"f{fragment:03d}", round=version, extra={"kind": kind}, keys=self.keys
         )
 
@@ -581,7 +580,7 @@ class DecoupledStore:
         # synchronizer
         signers = {"rank-*"} if kind == "global" and version == 0 else {SYNCHRONIZER}
         try:
-            tensors, extra = state_mod.decode_state(
+            tensors, extra = document_format.decode_state(
                 blob, name=f"f{fragment:03d}", round=version, keys=self.keys, signers=signers
             )
         except SignatureError as e:

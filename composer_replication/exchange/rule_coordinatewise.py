@@ -5,7 +5,7 @@
 - ``median``: per coordinate, the median (mean of the two middle values for even n).
 
 Both treat the included contributions equally (weights and clip scales do not apply) and merge
-through `aggregate.coordinatewise`: a sort along the rank axis (exact), then the kept values
+through `merge_arithmetic.coordinatewise`: a sort along the rank axis (exact), then the kept values
 added left to right and divided.
 """
 
@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 import torch
 
-from composer_replication.exchange.aggregate import coordinatewise
+from composer_replication.exchange.merge_arithmetic import coordinatewise
 from composer_replication.exchange.rules import Operand, RuleSettings, UnscaledRule
 
 __all__ = ["MedianRule", "TrimmedMeanRule", "trim_count"]

@@ -14,12 +14,12 @@ screening and the commit protocol ask of it instead of comparing names:
   `scale_problem`: why a recorded scale is not one the rule gives;
 - `combine`: the deterministic float32 merge of the included contributions (`Operand`s, in
   rank order). The weighted mean is `weighted_sum.WeightedSum`; the coordinate-wise rules sort
-  along the rank axis (`aggregate.coordinatewise`).
+  along the rank axis (`merge_arithmetic.coordinatewise`).
 
 The rules, by module: ``mean`` and ``norm_clip`` (exchange/rule_weighted.py), ``trimmed_mean``
 and ``median`` (exchange/rule_coordinatewise.py). The registry names each implementation by
-module path (the implementations use the merge arithmetic of `aggregate`, which replays a commit
-record through this registry), and imports it on first use. Adding a rule: one class with these
+module path (the implementations use `merge_arithmetic`, which replays a commit record through
+this registry), and imports it on first use. Adding a rule: one class with these
 members, one line in ``_REGISTRY`` below, its tests and its line in docs/object-store.md
 ("Robust aggregation"); the run config's ``aggregate`` accepts every registered name.
 """
@@ -51,7 +51,7 @@ Tensors = dict[str, torch.Tensor]
 
 
 class RuleSettings(Protocol):
-    """The settings a rule reads (`robust.AggregatePolicy` has them)."""
+    """The settings a rule reads (`contribution_screening.AggregatePolicy` has them)."""
 
     @property
     def aggregate_trim_fraction(self) -> float: ...

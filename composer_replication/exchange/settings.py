@@ -13,7 +13,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from composer_replication.exchange.codecs import DEFAULT, CodecName, SparseSpec, check_codec
-from composer_replication.exchange.robust import AggregatePolicy, ScreenName, WeightingName
+from composer_replication.exchange.contribution_screening import (
+    AggregatePolicy,
+    ScreenName,
+    WeightingName,
+)
 from composer_replication.exchange.rules import AggregateName
 from composer_replication.fields import require, setting
 

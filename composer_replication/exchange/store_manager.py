@@ -56,6 +56,8 @@ import torch
 import torch.distributed as dist
 
 from composer_replication.exchange.allreduce import ObjectStoreAllReduce
+from composer_replication.exchange.contribution_screening import norm_outlier, tensor_stats
+from composer_replication.exchange.document_format import model_fingerprint
 from composer_replication.exchange.outer_state import (
     LoadStateFn,
     OuterState,
@@ -68,8 +70,6 @@ from composer_replication.exchange.outer_state import (
     wait_for_outer_state,
 )
 from composer_replication.exchange.retry import STATE_WRITE_RETRY_S, retry_write
-from composer_replication.exchange.robust import norm_outlier, tensor_stats
-from composer_replication.exchange.state import model_fingerprint
 from composer_replication.exchange.vocabulary import (
     CorruptContributionError,
     RoundStoppedError,
@@ -560,10 +560,10 @@ class ObjectStoreManager:
         return refusals
 
     def _screen_update(self, step: int, update: Mapping[str, torch.Tensor]) -> None:
-        """Unsigned runs: refuse a committed global update that is non-finite or whose norm is
-        an outlier against the run's recent rounds (`robust.norm_outlier`, the rule that
-        screens contributions, at the exchange's ``aggregate_outlier_ratio``). A tripwire, not a security
-        boundary: signing is what keeps forged commit records out (docs/security.md)."""
+        """Unsigned runs: refuse a committed global update that is non-finite or whose norm is an
+        outlier against the run's recent rounds (`contribution_screening.norm_outlier`, the rule
+        that screens contributions, at the exchange's ``aggregate_outlier_ratio``). A tripwire, not
+        a security boundary: signing is what keeps forged commit records out (docs/security.md)."""
         if self.exchange.keys is not None:
             return
         stats = tensor_stats(update)

@@ -1,10 +1,10 @@
 """The exchange's vocabulary: its errors, the dtype names of its headers, `Contribution` and
 `StepResult`.
 
-A leaf of the package: every other module of exchange/ may import it, and it imports only the
-codec registry (`codecs`, which imports nothing else of ours) and the checksum algorithms
-(`checksums`), so that the modules speaking this vocabulary (protocol, wire, robust, aggregate,
-signing, ...) never need each other for it and exchange/ has no import circle
+A leaf of the package: every other module of exchange/ may import it, and it imports only the codec
+registry (`codecs`, which imports nothing else of ours) and the checksum algorithms (`checksums`),
+so that the modules speaking this vocabulary (protocol, wire, contribution_screening,
+merge_arithmetic, signing, ...) never need each other for it and exchange/ has no import circle
 (tests/test_architecture.py checks that).
 """
 
@@ -143,7 +143,7 @@ class CommitRecord(TypedDict):
     trim: NotRequired[int]
     weighting: NotRequired[str]
     tokens: NotRequired[dict[str, int | None]]
-    decisions: NotRequired[dict[str, JSONDict]]  # rank -> robust.Decision.to_json()
+    decisions: NotRequired[dict[str, JSONDict]]  # rank -> contribution_screening.Decision.to_json()
     committed_by: NotRequired[int]
     run_id: NotRequired[str]
     signer: NotRequired[str]

@@ -1,8 +1,8 @@
 """The weighted mean of a merge, written once: `WeightedSum` accumulates float32 tensors in
 the order they are added.
 
-Every weighted merge of the package goes through it (the synchronous exchange's replay of a
-commit record, `robust.combine`, the decoupled synchronizer's merges and RDA's mean-only
+Every weighted merge of the package goes through it (the synchronous exchange's replay of a commit
+record, `contribution_screening.combine`, the decoupled synchronizer's merges and RDA's mean-only
 tensors), so every replica that adds the same tensors in the same order gets the same bits:
 
 - equal weighting (every coefficient None): ``x_0 + x_1 + ...`` summed left to right, then

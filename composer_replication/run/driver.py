@@ -62,7 +62,7 @@ from composer_replication.config import (
     from_dict,
     to_dict,
 )
-from composer_replication.diloco.outer_mode import Lighthouse, OuterLoopMode
+from composer_replication.diloco.mode_protocol import Lighthouse, OuterLoopMode
 from composer_replication.diloco.replica_state import resume_plan
 from composer_replication.exchange.fencing import bump_generation
 from composer_replication.exchange.liveness import clear_departure

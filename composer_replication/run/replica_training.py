@@ -31,7 +31,7 @@ from composer_replication.assembly.outer import build_outer_loop, outer_loop_mod
 from composer_replication.assembly.services import build_heartbeat
 from composer_replication.config import ConfigError, RunConfig, from_dict, load_config, to_dict
 from composer_replication.diloco.heartbeat import HeartbeatWriter
-from composer_replication.diloco.outer_mode import OuterLoop, ReplicaLoop
+from composer_replication.diloco.mode_protocol import OuterLoop, ReplicaLoop
 from composer_replication.exchange.fencing import Fence, FencedError, read_generation
 from composer_replication.exchange.liveness import clear_departure, write_departure
 from composer_replication.exchange.protocol import CorruptContributionError

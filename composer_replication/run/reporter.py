@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from composer_replication.data.turns import stop_token_ids
-from composer_replication.diloco.outer_mode import OuterLoop
+from composer_replication.diloco.mode_protocol import OuterLoop
 from composer_replication.exchange.store import ObjectStore
 from composer_replication.exchange.store_manager import RoundRecord
 from composer_replication.json_types import JSONValue

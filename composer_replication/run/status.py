@@ -44,7 +44,7 @@ from typing import NotRequired, TypedDict
 
 from composer_replication.assembly.outer import outer_loop_mode
 from composer_replication.config import RunConfig, from_dict
-from composer_replication.diloco.outer_mode import OuterLoopMode
+from composer_replication.diloco.mode_protocol import OuterLoopMode
 from composer_replication.exchange.liveness import DEAD_AFTER_S, read_liveness, run_health
 from composer_replication.exchange.store import ObjectStore
 from composer_replication.json_types import (

@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from composer_replication.config import ConfigError, RunConfig
-from composer_replication.diloco.outer_mode import OuterLoopMode, RefusalSource
+from composer_replication.diloco.mode_protocol import OuterLoopMode, RefusalSource
 from composer_replication.exchange.liveness import (
     HEARTBEAT_EVERY_S,
     LEARNER_ROLE,

@@ -17,7 +17,7 @@ from _decoupled_toy import Blocks, eval_loss, train_step
 from tolerances import assert_close, tol
 
 from composer_replication.diloco.decoupled import DecoupledLearner, LearnerConfig, push_offsets
-from composer_replication.diloco.synchronizer import (
+from composer_replication.diloco.decoupled.synchronizer import (
     MergeInput,
     Synchronizer,
     SynchronizerConfig,

@@ -21,7 +21,7 @@ def _tensors(seed: int) -> dict[str, torch.Tensor]:
 
 def test_a_departed_learner_leaves_the_synchronizers_quorum_at_once(tmp_path):
     from composer_replication.diloco.decoupled.decoupled_mode import DecoupledDiLoCo
-    from composer_replication.diloco.synchronizer import Synchronizer, SynchronizerConfig
+    from composer_replication.diloco.decoupled.synchronizer import Synchronizer, SynchronizerConfig
     from composer_replication.exchange.liveness import (
         LEARNER_ROLE,
         clear_departure,

@@ -1,5 +1,5 @@
-"""The decoupled synchronizer with robust aggregation (exchange.robust): screening decisions
-recorded per push, robust merges, a byzantine learner."""
+"""The decoupled synchronizer with robust aggregation (exchange.contribution_screening): screening
+decisions recorded per push, robust merges, a byzantine learner."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from _decoupled_toy import Blocks, eval_loss, train_step
 from tolerances import assert_close
 
 from composer_replication.diloco.decoupled import DecoupledLearner, LearnerConfig
-from composer_replication.diloco.synchronizer import (
+from composer_replication.diloco.decoupled.synchronizer import (
     MergeInput,
     Synchronizer,
     SynchronizerConfig,

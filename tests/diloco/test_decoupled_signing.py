@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from composer_replication.config import load_config
+from composer_replication.exchange.document_format import encode_state
 from composer_replication.exchange.protocol import CorruptContributionError
 from composer_replication.exchange.push_store import (
     FINAL_KEY,
@@ -41,7 +42,6 @@ from composer_replication.exchange.signing import (
     public_key_of,
     rank_identity,
 )
-from composer_replication.exchange.state import encode_state
 from composer_replication.exchange.store import ObjectStore
 
 LEARNERS = 2
@@ -267,7 +267,7 @@ def test_the_driver_writes_each_refusal_once_as_a_rejected_event(tmp_path):
 
 
 def test_the_synchronizer_refuses_a_forged_push_based_on_a_future_version(tmp_path):
-    from composer_replication.diloco.synchronizer import Synchronizer, SynchronizerConfig
+    from composer_replication.diloco.decoupled.synchronizer import Synchronizer, SynchronizerConfig
 
     store, keys, learner, _ = _setup(tmp_path)
     manifest = fragment_manifest([_tensors(0)], n_learners=LEARNERS, codec="fp32")

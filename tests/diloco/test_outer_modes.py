@@ -13,9 +13,9 @@ from torch import nn
 from composer_replication.config import ConfigError, load_config
 from composer_replication.diloco.decoupled import DecoupledLearner
 from composer_replication.diloco.decoupled.decoupled_mode import DecoupledDiLoCo
+from composer_replication.diloco.mode_protocol import ReplicaContext
 from composer_replication.diloco.mode_registry import outer_loop_mode, outer_loop_modes
 from composer_replication.diloco.outer_loop import DiLoCoOuterLoop
-from composer_replication.diloco.outer_mode import ReplicaContext
 from composer_replication.diloco.section import DilocoConfig
 from composer_replication.diloco.sparseloco import ErrorFeedbackManager
 from composer_replication.diloco.sync.sync_mode import SyncDiLoCo

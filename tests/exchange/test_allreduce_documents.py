@@ -16,7 +16,7 @@ from composer_replication.exchange.allreduce import (
     StoreTimeoutError,
     model_fingerprint,
 )
-from composer_replication.exchange.state import state_key
+from composer_replication.exchange.document_format import state_key
 from composer_replication.exchange.store import ObjectStore, normalize_uri
 
 

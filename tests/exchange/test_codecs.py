@@ -12,8 +12,8 @@ import torch
 from tolerances import tol
 
 from composer_replication.exchange import codec_4bit, codecs
-from composer_replication.exchange.aggregate import average_in_rank_order
 from composer_replication.exchange.allreduce import ObjectStoreAllReduce
+from composer_replication.exchange.merge_arithmetic import average_in_rank_order
 from composer_replication.exchange.protocol import (
     CorruptContributionError,
     Encoding,

@@ -3,10 +3,10 @@
 1. The commit record follows the run's merge rule (issue 22's forgery, a planted record listing
    an honest contribution at weight or scale x1000, is refused in round 1 as in round 10: every
    replica recomputes the weights the run's weighting rule gives).
-2. Unsigned runs: the update is not a norm outlier against the run's recent rounds (the rule
-   that screens contributions, `robust.norm_outlier`): a tripwire for what follows the rule but
-   is still forged, e.g. a contribution planted in a slot of a run without slot secrets. Its
-   history lives beside the global states, so a relaunched replica judges from the run's 4th
+2. Unsigned runs: the update is not a norm outlier against the run's recent rounds (the rule that
+   screens contributions, `contribution_screening.norm_outlier`): a tripwire for what follows the
+   rule but is still forged, e.g. a contribution planted in a slot of a run without slot secrets.
+   Its history lives beside the global states, so a relaunched replica judges from the run's 4th
    round, not its own."""
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from composer_replication.exchange import AllReduceConfig, ObjectStoreAllReduce, ObjectStoreManager
+from composer_replication.exchange.contribution_screening import norm_outlier
 from composer_replication.exchange.protocol import (
     Encoding,
     commit_key,
@@ -30,7 +31,6 @@ from composer_replication.exchange.protocol import (
     parse_contrib_name,
     step_prefix,
 )
-from composer_replication.exchange.robust import norm_outlier
 from composer_replication.exchange.store import ObjectStore
 from composer_replication.exchange.vocabulary import UpdateRefusedError
 

@@ -1,4 +1,5 @@
-"""exchange/robust.py: screening and robust merges, checked against independent float64 references.
+"""exchange/contribution_screening.py: screening and robust merges, checked against independent
+float64 references.
 
 The references are written with numpy on float64 (sort, slice, mean), not with the module's own
 helpers; the merges must match them to float32 rounding and be bit-identical when recomputed.
@@ -13,7 +14,7 @@ import pytest
 import torch
 from tolerances import assert_close, tol
 
-from composer_replication.exchange.robust import (
+from composer_replication.exchange.contribution_screening import (
     AggregatePolicy,
     Candidate,
     Decision,
@@ -79,11 +80,11 @@ def test_median_and_trimmed_mean_match_numpy(n):
 
 
 def test_coordinatewise_chunks_give_the_same_bits(monkeypatch):
-    from composer_replication.exchange import aggregate
+    from composer_replication.exchange import merge_arithmetic
 
     ts = grads(5, seed=3)
     whole, _ = merge(cands(ts), AggregatePolicy(aggregate="trimmed_mean"))
-    monkeypatch.setattr(aggregate, "CHUNK", 4)
+    monkeypatch.setattr(merge_arithmetic, "CHUNK", 4)
     chunked, _ = merge(cands(ts), AggregatePolicy(aggregate="trimmed_mean"))
     assert all(torch.equal(whole[n], chunked[n]) for n in SHAPES)
 

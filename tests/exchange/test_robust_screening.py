@@ -18,8 +18,8 @@ from allreduce_handles import exchange
 from tolerances import assert_close
 
 from composer_replication.exchange.allreduce import ObjectStoreAllReduce
+from composer_replication.exchange.contribution_screening import AggregatePolicy
 from composer_replication.exchange.protocol import CorruptContributionError, commit_key
-from composer_replication.exchange.robust import AggregatePolicy
 from composer_replication.exchange.store import ObjectStore
 
 SHAPES = {"w": (16, 8), "b": (8,)}
@@ -217,7 +217,7 @@ def test_a_published_global_state_with_a_non_finite_value_is_neither_published_n
         ar.publish_state({"w": torch.tensor([1.0, math.nan, 2.0, 3.0])}, round=1)
     assert ar.fetch_state() is None
     # planted by someone else, bypassing publish_state: refused when read
-    from composer_replication.exchange.state import encode_state, state_key
+    from composer_replication.exchange.document_format import encode_state, state_key
 
     blob = encode_state({"w": torch.tensor([math.inf])}, name="global", round=2, extra={})
     assert ObjectStore(str(tmp_path)).put_if_absent(state_key("global", 2), blob)

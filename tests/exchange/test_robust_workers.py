@@ -71,7 +71,7 @@ def byzantine_replica(
     from test_robust_screening import honest
 
     from composer_replication.exchange.allreduce import ObjectStoreAllReduce
-    from composer_replication.exchange.robust import AggregatePolicy
+    from composer_replication.exchange.contribution_screening import AggregatePolicy
     from composer_replication.exchange.settings import AllReduceConfig
 
     policy = AggregatePolicy(aggregate=method, aggregate_outlier_ratio=0)

@@ -17,6 +17,7 @@ from test_robust_screening import SHAPES, honest, mean_of
 from tolerances import assert_close
 
 from composer_replication.exchange.allreduce import ObjectStoreAllReduce
+from composer_replication.exchange.document_format import encode_state, state_key
 from composer_replication.exchange.protocol import (
     HEADER_KEY,
     CorruptContributionError,
@@ -40,7 +41,6 @@ from composer_replication.exchange.signing import (
     public_key_of,
     rank_identity,
 )
-from composer_replication.exchange.state import encode_state, state_key
 from composer_replication.exchange.store import ObjectStore
 
 WORLD = 3

@@ -12,12 +12,12 @@ import torch
 from safetensors.torch import save as st_save
 
 from composer_replication.exchange import wire
+from composer_replication.exchange.document_format import decode_state, encode_state
 from composer_replication.exchange.protocol import (
     Encoding,
     decode_contribution,
     encode_contribution,
 )
-from composer_replication.exchange.state import decode_state, encode_state
 from composer_replication.exchange.vocabulary import CorruptContributionError, FrameError
 
 

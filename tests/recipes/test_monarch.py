@@ -29,8 +29,8 @@ pytest.importorskip(
 )
 
 from composer_replication.config import load_config  # noqa: E402
-from composer_replication.exchange.documents import RunDocuments  # noqa: E402
 from composer_replication.exchange.outer_state import fetch_outer_state  # noqa: E402
+from composer_replication.exchange.run_documents import RunDocuments  # noqa: E402
 from composer_replication.exchange.store import ObjectStore  # noqa: E402
 from composer_replication.recipes.monarch.actors import check_supported, global_digest  # noqa: E402
 from composer_replication.recipes.monarch.train import agreement, main  # noqa: E402

@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from composer_replication.exchange.document_format import encode_state
 from composer_replication.exchange.push_store import (
     DecoupledStore,
     PushId,
@@ -26,7 +27,6 @@ from composer_replication.exchange.push_store import (
     global_key,
     merge_key,
 )
-from composer_replication.exchange.state import encode_state
 from composer_replication.exchange.store import ObjectStore
 from composer_replication.exchange.vocabulary import DTYPES
 

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "diloco"))
 from _decoupled_toy import Blocks, train_step  # noqa: E402
 
 from composer_replication.diloco.decoupled import DecoupledLearner, LearnerConfig  # noqa: E402
-from composer_replication.diloco.synchronizer import Synchronizer, SynchronizerConfig  # noqa: E402
+from composer_replication.diloco.decoupled.synchronizer import Synchronizer, SynchronizerConfig  # noqa: E402
 from composer_replication.exchange.protocol import tensors_digest  # noqa: E402
 from composer_replication.exchange.push_store import (  # noqa: E402
     DecoupledStore,

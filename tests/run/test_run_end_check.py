@@ -14,8 +14,8 @@ from _run_small import TINY_RUN
 
 from composer_replication.cli import main
 from composer_replication.config import RunConfig, load_config
+from composer_replication.diloco.mode_protocol import OuterLoopMode
 from composer_replication.diloco.mode_registry import outer_loop_mode
-from composer_replication.diloco.outer_mode import OuterLoopMode
 from composer_replication.exchange.protocol import commit_key
 from composer_replication.exchange.push_store import DecoupledStore, fragment_manifest, merge_key
 from composer_replication.exchange.store import ObjectStore

@@ -19,12 +19,12 @@ from composer_replication.diloco.replica_state import (
     rollback_to,
     save_replica_state,
 )
-from composer_replication.exchange.documents import RunDocuments
 from composer_replication.exchange.outer_state import (
     OuterState,
     fetch_outer_state,
     publish_outer_state,
 )
+from composer_replication.exchange.run_documents import RunDocuments
 from composer_replication.exchange.store import ObjectStore
 
 H = 4
@@ -154,7 +154,7 @@ def test_resume_point_falls_back_past_damage_and_rollback_forgets_later_rounds(
     # skipped like a truncated one
     with pytest.raises(ValueError, match="non-finite|refusing"):
         _publish_global(store, 4, value=float("nan"))
-    from composer_replication.exchange.state import encode_state, state_key
+    from composer_replication.exchange.document_format import encode_state, state_key
 
     nan = encode_state({"w": torch.full((2,), float("nan"))}, name="global", round=4, extra={})
     store.put(state_key("global", 4), nan)

@@ -2,8 +2,9 @@
 (`decoupled_mode.DecoupledDiLoCo`, whose hooks run/ calls), the learner (`learner`:
 `DecoupledLearner` and its `[diloco]` settings `DecoupledConfig`), a learner's exact resume
 (`learner_state`) and the mode's checks over a run's store (`decoupled_check`: the end-of-run
-check, the chaos checker). Its service, the synchronizer, is diloco/synchronizer.py (with
-its merge math in diloco/merge.py and diloco/fragment_merger.py).
+check, the chaos checker) and its service, the synchronizer (`synchronizer`; one fragment's
+merges in `fragment_merger`, the merge math in `merge_math`; its settings, composed into the
+`[diloco]` section, in diloco/synchronizer_config.py).
 
 ``from composer_replication.diloco.decoupled import DecoupledLearner`` (the learner's names,
 as when this was one module) keeps working through the lazy table below."""

@@ -26,7 +26,9 @@ from composer_replication.diloco.decoupled.learner import (
     LearnerConfig,
     RejoinRecord,
 )
-from composer_replication.diloco.outer_mode import (
+from composer_replication.diloco.decoupled.synchronizer import ROLE as SYNCHRONIZER_ROLE
+from composer_replication.diloco.decoupled.synchronizer import Synchronizer
+from composer_replication.diloco.mode_protocol import (
     AfterLoss,
     HostedService,
     Lighthouse,
@@ -38,8 +40,6 @@ from composer_replication.diloco.outer_mode import (
 )
 from composer_replication.diloco.replica_state import ResumableTrainer
 from composer_replication.diloco.section import DilocoConfig, ManagerName, ModeName
-from composer_replication.diloco.synchronizer import ROLE as SYNCHRONIZER_ROLE
-from composer_replication.diloco.synchronizer import Synchronizer
 from composer_replication.diloco.synchronizer_config import SynchronizerConfig, check_outer_step
 from composer_replication.exchange import codecs
 from composer_replication.exchange.liveness import LEARNER_ROLE, MemberLiveness

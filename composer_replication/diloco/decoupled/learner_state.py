@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping
 from transformers import TrainerControl, TrainerState, TrainingArguments
 
 from composer_replication.diloco.decoupled.learner import DecoupledLearner
-from composer_replication.diloco.outer_mode import ReplicaStart
+from composer_replication.diloco.mode_protocol import ReplicaStart
 from composer_replication.diloco.replica_state import (
     ResumableTrainer,
     newest_replica_state,

@@ -20,8 +20,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from composer_replication.diloco.manager import Manager
-from composer_replication.diloco.outer_loop import DiLoCoOuterLoop, make_diloco_outer_loop
-from composer_replication.diloco.outer_mode import (
+from composer_replication.diloco.mode_protocol import (
     AfterLoss,
     GlobalWeights,
     HostedService,
@@ -33,15 +32,16 @@ from composer_replication.diloco.outer_mode import (
     RunShape,
     Synchronizing,
 )
+from composer_replication.diloco.outer_loop import DiLoCoOuterLoop, make_diloco_outer_loop
 from composer_replication.diloco.outer_optimizer import OuterOptimizerFactory
 from composer_replication.diloco.replica_state import ResumableTrainer
 from composer_replication.diloco.section import DilocoConfig, ManagerName, ModeName
 from composer_replication.exchange import codecs
 from composer_replication.exchange.allreduce import ObjectStoreAllReduce
+from composer_replication.exchange.document_format import parse_state_name, state_prefix
 from composer_replication.exchange.liveness import REPLICA_ROLE, MemberLiveness
 from composer_replication.exchange.protocol import commit_key
 from composer_replication.exchange.signing import RunKeys
-from composer_replication.exchange.state import parse_state_name, state_prefix
 from composer_replication.exchange.store import ObjectStore, Store
 from composer_replication.exchange.store_manager import ObjectStoreManager
 from composer_replication.fields import require

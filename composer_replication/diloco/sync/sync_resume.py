@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from transformers import TrainerControl, TrainerState, TrainingArguments
 
-from composer_replication.diloco.outer_mode import OuterLoop
+from composer_replication.diloco.mode_protocol import OuterLoop
 from composer_replication.diloco.replica_state import (
     ReplicaStateError,
     ResumableTrainer,

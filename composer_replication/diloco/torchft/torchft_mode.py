@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 from urllib.parse import urlparse
 
 from composer_replication.diloco.manager import Manager
-from composer_replication.diloco.outer_mode import GlobalWeights, ReplicaContext, RunShape
+from composer_replication.diloco.mode_protocol import GlobalWeights, ReplicaContext, RunShape
 from composer_replication.diloco.section import ManagerName, ModeName
 from composer_replication.diloco.sync.sync_mode import SyncDiLoCo
 from composer_replication.diloco.torchft.torchft_path import (
@@ -29,7 +29,7 @@ from composer_replication.diloco.torchft.torchft_path import (
     start_lighthouse,
 )
 from composer_replication.exchange import codec_fp32
-from composer_replication.exchange.documents import RunDocuments
+from composer_replication.exchange.run_documents import RunDocuments
 from composer_replication.exchange.store import ObjectStore
 from composer_replication.fields import require
 

@@ -63,7 +63,7 @@ import torch
 import torch.distributed as dist
 
 from composer_replication.diloco.manager import DiLoCoSurface, Manager
-from composer_replication.exchange.documents import RunDocuments
+from composer_replication.exchange.document_format import model_fingerprint
 from composer_replication.exchange.outer_state import (
     LoadStateFn,
     OuterState,
@@ -73,7 +73,7 @@ from composer_replication.exchange.outer_state import (
     fetch_outer_state,
     publish_outer_state,
 )
-from composer_replication.exchange.state import model_fingerprint
+from composer_replication.exchange.run_documents import RunDocuments
 from composer_replication.exchange.store_manager import RoundRecord, round_record
 from composer_replication.fields import require, setting
 

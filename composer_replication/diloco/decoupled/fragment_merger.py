@@ -1,16 +1,17 @@
 """One fragment's merges: decide (quorum, grace window), record, step and publish.
 
-The synchronizer (diloco/synchronizer.py) discovers pushes into an `Inbox` and asks a
+The synchronizer (diloco/decoupled/synchronizer.py) discovers pushes into an `Inbox` and asks a
 `FragmentMerger` to merge what is due. For fragment p at version v the merger
 
 1. waits until ``quorum`` distinct live, unfinished learners have pushed p based on v, then a
-   grace window (`merge.grace_seconds`) for stragglers, or not at all once all of them have;
+   grace window (`merge_math.grace_seconds`) for stragglers, or not at all once all of them have;
 2. takes each learner's newest on-time push (older ones of the same base are superseded), and
    the late pushes (based on an older version) as ``late`` says: dropped, or carried into this
    merge, never twice (a push is consumed by exactly one record);
 3. writes the merge record (put-if-absent: the decision; a rival's record is adopted instead),
-   computes the merge (`merge.aggregate`, or `merge.combine_decided` when replaying a record),
-   applies the outer step and publishes the new momentum, global weights and ``heads.json``.
+   computes the merge (`merge_math.aggregate`, or `merge_math.combine_decided` when replaying
+   a record), applies the outer step and publishes the new momentum, global weights and
+   ``heads.json``.
 
 `apply_record` replays a stored decision (recovery, or a rival's record): aggregation is a pure
 function of the pushes the record pins by checksum.
@@ -26,7 +27,7 @@ from typing import Any
 
 import torch
 
-from composer_replication.diloco.merge import (
+from composer_replication.diloco.decoupled.merge_math import (
     Decision,
     MergeInput,
     aggregate,
@@ -38,10 +39,10 @@ from composer_replication.diloco.merge import (
     push_weight,
 )
 from composer_replication.diloco.synchronizer_config import SynchronizerConfig
+from composer_replication.exchange.contribution_screening import AggregatePolicy
 from composer_replication.exchange.lease import Lease
 from composer_replication.exchange.protocol import CorruptContributionError
 from composer_replication.exchange.push_store import DecoupledStore, Push, PushId
-from composer_replication.exchange.robust import AggregatePolicy
 
 __all__ = ["FragmentMerger", "FragmentState", "Inbox", "SynchronizerStats", "Timings"]
 

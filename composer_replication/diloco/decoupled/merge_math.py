@@ -5,8 +5,9 @@
 - `push_weight`: a push's raw merge weight, ``steps`` (``"equal"``) or ``tokens * tokens /
   steps`` (``"tokens"``, the paper's token weighting);
 - `aggregate`: screen and merge a round's pushes through the robust-aggregation module
-  (`exchange.robust`, the same aggregation rules as the synchronous exchange, `exchange.rules`);
-  `combine_decided`: the merge a recorded decision describes (what a replay recomputes);
+  (`exchange.contribution_screening`, the same aggregation rules as the synchronous exchange,
+  `exchange.rules`); `combine_decided`: the merge a recorded decision describes (what a replay
+  recomputes);
 - `merge_pushes`: what the ``merge`` setting does with the aggregated pushes: keep them
   (``"mean"``) or average their directions instead (``"rda"``: `rda`, radial-directional
   averaging);
@@ -23,8 +24,8 @@ from typing import Any
 import torch
 
 from composer_replication.diloco.synchronizer_config import MergeMethod
-from composer_replication.exchange import robust, rules
-from composer_replication.exchange.aggregate import Decoded
+from composer_replication.exchange import contribution_screening, rules
+from composer_replication.exchange.merge_arithmetic import Decoded
 from composer_replication.exchange.push_store import Push
 from composer_replication.exchange.rule_weighted import weighted_mean
 
@@ -85,13 +86,15 @@ def _decision(
     return {"included": included, "reason": reason, "weight": weight, "scale": scale, "note": note}
 
 
-_POLICY = robust.AggregatePolicy()
+_POLICY = contribution_screening.AggregatePolicy()
 
 
-def _policy(method: rules.AggregateName, outlier_ratio: float) -> robust.AggregatePolicy:
+def _policy(
+    method: rules.AggregateName, outlier_ratio: float
+) -> contribution_screening.AggregatePolicy:
     # the inputs' work weights go in as weight claims (capped at the robust default multiple of
     # the round's median claim); no per-step claim bounds: the work is counted by the learners
-    return robust.AggregatePolicy(
+    return contribution_screening.AggregatePolicy(
         aggregate=method, weighting="tokens", aggregate_outlier_ratio=outlier_ratio
     )
 
@@ -105,21 +108,21 @@ def aggregate(
     """Screen and merge ``inputs``: (merged tensors, one `Decision` per input id).
 
     Inputs without work (weight 0) are refused. Every input is screened by the robust-aggregation
-    module (``exchange.robust``: non-finite values, norm outliers against the round's median
-    unless ``outlier_ratio=0``, weight claims capped against the median) and ``method`` is any of
-    its merges (mean, trimmed_mean, median, norm_clip). A robust method with fewer than
-    ``robust.MIN_TO_JUDGE`` pushes with work includes none of them. Empty tensors: nothing
-    included.
+    module (``exchange.contribution_screening``: non-finite values, norm outliers against the
+    round's median unless ``outlier_ratio=0``, weight claims capped against the median) and
+    ``method`` is any of its merges (mean, trimmed_mean, median, norm_clip). A robust method with
+    fewer than ``contribution_screening.MIN_TO_JUDGE`` pushes with work includes none of them. Empty
+    tensors: nothing included.
     """
     decisions = {i.id: _decision(False, "no work (weight 0)") for i in inputs if i.weight <= 0}
     work = [i for i in inputs if i.weight > 0]
-    if rules.get(method).robust and 0 < len(work) < robust.MIN_TO_JUDGE:
+    if rules.get(method).robust and 0 < len(work) < contribution_screening.MIN_TO_JUDGE:
         # A robust merge of one or two pushes cannot leave anyone out (a trimmed mean of two is
         # their mean): merging them would let a byzantine push through whenever a merge is
         # small (the end of a run, dead learners). Their work is dropped instead.
         why = (
-            f"too few pushes for a robust merge ({len(work)} < {robust.MIN_TO_JUDGE}; "
-            f"aggregate={method!r})"
+            f"too few pushes for a robust merge "
+            f"({len(work)} < {contribution_screening.MIN_TO_JUDGE}; aggregate={method!r})"
         )
         decisions.update({i.id: _decision(False, why) for i in work})
         work = []
@@ -127,10 +130,12 @@ def aggregate(
         policy = _policy(method, outlier_ratio)
         top = max(i.weight for i in work)  # integer claims that keep the ratios to 1e-9
         candidates = [
-            robust.Candidate(k, i.tensors, tokens=max(1, round(i.weight / top * 1e9)))
+            contribution_screening.Candidate(
+                k, i.tensors, tokens=max(1, round(i.weight / top * 1e9))
+            )
             for k, i in enumerate(work)
         ]
-        for d in robust.screen(candidates, policy):
+        for d in contribution_screening.screen(candidates, policy):
             decisions[work[d.rank].id] = _decision(
                 d.included, d.reason, d.weight if d.included else 0.0, d.scale, d.note
             )
@@ -150,14 +155,14 @@ def combine_decided(
     chosen = [i for i in inputs if decisions[i.id]["included"]]
     if not chosen:
         return {}
-    candidates = [robust.Candidate(k, i.tensors) for k, i in enumerate(chosen)]
+    candidates = [contribution_screening.Candidate(k, i.tensors) for k, i in enumerate(chosen)]
     verdicts = [
-        robust.Decision(
+        contribution_screening.Decision(
             rank=k, included=True, weight=decisions[i.id]["weight"], scale=decisions[i.id]["scale"]
         )
         for k, i in enumerate(chosen)
     ]
-    merged: Tensors = robust.combine(
+    merged: Tensors = contribution_screening.combine(
         candidates, verdicts, _policy(method, _POLICY.aggregate_outlier_ratio)
     )
     return merged

@@ -1,4 +1,5 @@
-"""Run manifest, full-state snapshots and small JSON documents in the run prefix.
+"""The format of a run's documents (`run_documents.RunDocuments` writes and reads them): where
+each lives in the run prefix, the manifest's fields, a state snapshot's bytes. Pure functions.
 
 - The manifest pins what every replica must agree on (world size, codec, model fingerprint).
   The first replica writes it with put-if-absent; a replica whose model differs is refused
@@ -7,6 +8,8 @@
   original dtypes (lossless) plus a JSON header with a sha256 and caller-provided ``extra``.
   Round 0 of ``global`` is the initial weights every replica starts from; later rounds let a
   restarted replica fetch the latest global weights and rejoin.
+- A small JSON document (``config.json``, ...) lives at any relative key but the protocol's
+  own (`check_doc_key`).
 """
 
 from __future__ import annotations

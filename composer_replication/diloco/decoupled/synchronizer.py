@@ -35,10 +35,11 @@ momentum are stored, then every later merge record replayed (aggregation is a pu
 the pushes the record pins by checksum). So no committed merge is lost and none is applied twice.
 When every learner reports it is done, it merges what is left (no quorum, no grace), writes
 ``final.json`` and stops. `aggregate` screens and merges through the robust-aggregation module
-(`exchange.robust`), the same rules as the synchronous exchange.
+(`exchange.contribution_screening`), the same rules as the synchronous exchange.
 
 This module is the loop (lease, recovery, discovery, liveness, the end); one fragment's merge
-is `fragment_merger.FragmentMerger`, the math `merge`, the settings `synchronizer_config`.
+is `fragment_merger.FragmentMerger`, the math `merge_math`, the settings
+`diloco/synchronizer_config.py`.
 """
 
 from __future__ import annotations
@@ -50,14 +51,14 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from composer_replication.diloco.fragment_merger import (
+from composer_replication.diloco.decoupled.fragment_merger import (
     FragmentMerger,
     FragmentState,
     Inbox,
     SynchronizerStats,
     Timings,
 )
-from composer_replication.diloco.merge import (
+from composer_replication.diloco.decoupled.merge_math import (
     MergeInput,
     aggregate,
     combine_decided,

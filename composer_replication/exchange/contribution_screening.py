@@ -46,7 +46,7 @@ from typing import Any, Literal, get_args
 import torch
 
 from composer_replication.exchange import rules
-from composer_replication.exchange.aggregate import Decoded
+from composer_replication.exchange.merge_arithmetic import Decoded
 from composer_replication.exchange.rule_coordinatewise import trim_count
 from composer_replication.exchange.rules import AggregateName
 

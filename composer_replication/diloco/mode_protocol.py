@@ -40,9 +40,9 @@ import torch
 from torch import nn
 
 from composer_replication.diloco.replica_state import ResumableTrainer
+from composer_replication.exchange.contribution_screening import AggregatePolicy, LossProbe
 from composer_replication.exchange.liveness import MemberLiveness
 from composer_replication.exchange.push_store import Refusal
-from composer_replication.exchange.robust import AggregatePolicy, LossProbe
 from composer_replication.exchange.signing import RunKeys
 from composer_replication.exchange.store import ObjectStore
 from composer_replication.exchange.store_manager import RoundRecord
@@ -199,7 +199,7 @@ class SynchronizerStats(Protocol):
 
 
 class Synchronizing(Protocol):
-    """The service side of a mode with a synchronizer (`diloco.synchronizer.Synchronizer`):
+    """The service side of a mode with a synchronizer (`decoupled.synchronizer.Synchronizer`):
     `run` merges until the run is final (True) or `stop` is called (False)."""
 
     @property

@@ -1,4 +1,5 @@
-"""Run-level documents of an exchange: manifest, state snapshots, small JSON documents.
+"""`RunDocuments`: writes and reads a run's documents (manifest, state snapshots, small JSON
+documents; their format is exchange/document_format.py) through a `Store`.
 
 `RunDocuments` is the base class of :class:`ObjectStoreAllReduce` (kept apart so each module
 stays one concept) and usable on its own by anyone holding a `Store` (a driver, the torchft
@@ -22,9 +23,9 @@ from typing import Any
 
 import torch
 
-from composer_replication.exchange import state as state_mod
+from composer_replication.exchange import document_format
+from composer_replication.exchange.contribution_screening import screen_state
 from composer_replication.exchange.protocol import commit_key, parse_commit, parse_step_dir
-from composer_replication.exchange.robust import screen_state
 from composer_replication.exchange.signing import RunKeys, SignatureError
 from composer_replication.exchange.store import Store
 from composer_replication.exchange.vocabulary import (
@@ -137,24 +138,24 @@ class RunDocuments:
             signed = {**ours, "mac": self._manifest_mac(ours)}
         raw = json.dumps(signed, sort_keys=True).encode()
         for _ in range(3):  # a planted manifest (unsigned runs with a MAC) is replaced
-            if self.store.put_if_absent(state_mod.MANIFEST_KEY, raw):
+            if self.store.put_if_absent(document_format.MANIFEST_KEY, raw):
                 return
-            stored_raw = self.store.get(state_mod.MANIFEST_KEY)
+            stored_raw = self.store.get(document_format.MANIFEST_KEY)
             why = self._not_the_runs_manifest(stored_raw)
             if why is None:
                 break
             log.warning(
                 "run manifest at %s refused (%s): replaced with this replica's", self.uri, why
             )
-            self.refusals.append((state_mod.MANIFEST_KEY, f"run manifest refused: {why}"))
-            self.store.delete(state_mod.MANIFEST_KEY)
+            self.refusals.append((document_format.MANIFEST_KEY, f"run manifest refused: {why}"))
+            self.store.delete(document_format.MANIFEST_KEY)
         try:
             stored = json.loads(bytes(stored_raw or b""))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ModelMismatchError(f"run manifest at {self.uri} is unreadable ({e})") from e
         if self.keys is not None and isinstance(stored, dict):
             self.keys.verify(stored, signers={"rank-*"}, what=f"run manifest at {self.uri}")
-        diff = state_mod.manifest_diff(stored, ours)
+        diff = document_format.manifest_diff(stored, ours)
         if diff:
             raise ModelMismatchError(
                 f"this replica does not match the run at {self.uri}:\n  "
@@ -204,14 +205,18 @@ class RunDocuments:
         bad = screen_state(state)
         if bad is not None:
             raise ValueError(f"publish_state: refusing state {name!r} round {round}: {bad}")
-        blob = state_mod.encode_state(
-            state, name=state_mod.check_state_name(name), round=round, extra=extra, keys=self.keys
+        blob = document_format.encode_state(
+            state,
+            name=document_format.check_state_name(name),
+            round=round,
+            extra=extra,
+            keys=self.keys,
         )
-        wrote = self.store.put_if_absent(state_mod.state_key(name, round), blob)
+        wrote = self.store.put_if_absent(document_format.state_key(name, round), blob)
         if wrote:
             newest_gone = round - self.keep_steps
             window = range(max(0, newest_gone - max(self.keep_steps, stride) + 1), newest_gone + 1)
-            self.store.delete_many([state_mod.state_key(name, r) for r in window])
+            self.store.delete_many([document_format.state_key(name, r) for r in window])
         return wrote
 
     def fetch_state(
@@ -226,7 +231,8 @@ class RunDocuments:
             rounds = [
                 r
                 for r in map(
-                    state_mod.parse_state_name, self.store.list(state_mod.state_prefix(name))
+                    document_format.parse_state_name,
+                    self.store.list(document_format.state_prefix(name)),
                 )
                 if r is not None
             ]
@@ -250,10 +256,10 @@ class RunDocuments:
     def _fetch_state(
         self, name: str, round: int
     ) -> tuple[int, dict[str, torch.Tensor], dict[str, Any]] | None:
-        blob = self.store.get(state_mod.state_key(name, round))
+        blob = self.store.get(document_format.state_key(name, round))
         if blob is None:
             return None
-        tensors, extra = state_mod.decode_state(blob, name=name, round=round, keys=self.keys)
+        tensors, extra = document_format.decode_state(blob, name=name, round=round, keys=self.keys)
         bad = screen_state(tensors)
         if bad is not None:
             raise CorruptContributionError(f"state {name!r} round {round} is refused: {bad}")
@@ -261,16 +267,16 @@ class RunDocuments:
 
     def state_exists(self, *, name: str = "global", round: int) -> bool:
         """Whether the state of ``round`` is stored (one small GET, never a listing)."""
-        return self.store.has_object(state_mod.state_key(name, round))
+        return self.store.has_object(document_format.state_key(name, round))
 
     def put_json(self, key: str, obj: JSONValue, *, exclusive: bool = True) -> bool:
         """Store a small JSON document; exclusive=True is put-if-absent (False if it existed)."""
-        return self.store.put_json(state_mod.check_doc_key(key), obj, exclusive=exclusive)
+        return self.store.put_json(document_format.check_doc_key(key), obj, exclusive=exclusive)
 
     def get_json(self, key: str) -> JSONValue:
         """The JSON document at ``key`` or None if absent (CorruptContributionError if not JSON)."""
         try:
-            return self.store.get_json(state_mod.check_doc_key(key))
+            return self.store.get_json(document_format.check_doc_key(key))
         except ValueError as e:
             raise CorruptContributionError(f"document {key!r} at {self.uri} is not JSON") from e
 

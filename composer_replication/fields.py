@@ -1,4 +1,4 @@
-"""The two helpers every component config uses: a documented setting and a checked rule.
+"""The helpers every component config uses: a documented setting, a checked rule, a composed part.
 
 A component's config is a frozen dataclass beside the component (torchtitan's way); the run
 schema (`config/schema.py`) composes them into the TOML sections. Each field is a `setting`:

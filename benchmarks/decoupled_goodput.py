@@ -352,7 +352,7 @@ def run_once(
     alpha: float = 0.0,
     schedule: list[Any] | None = None,
 ) -> dict[str, Any]:
-    from composer_replication.config import to_dict
+    from composer_replication.config import from_dict, to_dict
     from composer_replication.config.schema import (
         BackendConfig,
         DilocoConfig,
@@ -384,15 +384,18 @@ def run_once(
         train=TrainConfig(max_steps=a.steps),
         model=ModelConfig(num_layers=a.layers),  # the benchmark's GPT: its blocks are fragmented
         # robust merges need several pushes per merge: the byzantine runs wait for all 4
-        diloco=DilocoConfig(
-            sync_every_h=a.h,
-            mode="decoupled",
-            fragments=a.p,
-            quorum=a.n if attack != 1.0 else min(a.quorum, a.n),
-            late=a.late,
-            lease_ttl_s=3.0,
-            aggregate=aggregate,
-            aggregate_outlier_ratio=10.0 if outlier_ratio is None else outlier_ratio,
+        diloco=from_dict(
+            DilocoConfig,
+            dict(
+                sync_every_h=a.h,
+                mode="decoupled",
+                fragments=a.p,
+                quorum=a.n if attack != 1.0 else min(a.quorum, a.n),
+                late=a.late,
+                lease_ttl_s=3.0,
+                aggregate=aggregate,
+                aggregate_outlier_ratio=10.0 if outlier_ratio is None else outlier_ratio,
+            ),
         ),
         backend=BackendConfig(n_replicas=a.n),
         store=StoreConfig(),

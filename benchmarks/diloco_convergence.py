@@ -746,7 +746,7 @@ def add_sparseloco_args(ap: argparse.ArgumentParser) -> None:
     """--sl-*: codec 'sparseloco' settings (defaults: the run config's, docs/cli.md)."""
     from composer_replication.config.schema import DilocoConfig
 
-    d = DilocoConfig()
+    d = DilocoConfig().sparseloco
     ap.add_argument("--sl-density", type=float, default=d.sparseloco_density)
     ap.add_argument("--sl-chunk", type=int, default=d.sparseloco_chunk)
     ap.add_argument("--sl-bits", type=int, default=d.sparseloco_bits)

@@ -558,3 +558,63 @@ def test_the_checker_names_each_bad_import(bad_tree: Path):
     assert "composer_replication.loss._logprobs" in references(
         bad_tree / "trainer" / "trainer.py", bad_tree
     )
+
+
+# The one class whose settings are inherited from two dataclasses by design: the loss library's
+# one list of settings, channel 1's and channels 2-3's, which TRL's `GRPOConfig` subclass and the
+# other surfaces inherit in part (ARCHITECTURE.md, "One source for every default and name").
+SHARED_SETTINGS = {"composer_replication.loss.loss_settings.LossSettings"}
+
+
+def _is_dataclass_decorator(node: ast.expr) -> bool:
+    target = node.func if isinstance(node, ast.Call) else node
+    name = target.attr if isinstance(target, ast.Attribute) else getattr(target, "id", "")
+    return name == "dataclass"
+
+
+def combined_configs(pkg_dir: Path = PKG_DIR) -> list[str]:
+    """'module.Class: Base1, Base2' for every class that inherits from two or more of the
+    package's dataclasses (a config composes its components' configs as fields instead)."""
+    trees = {
+        mod: ast.parse(path.read_text(), str(path)) for mod, path in all_modules(pkg_dir).items()
+    }
+    dataclasses_ = {
+        node.name
+        for tree in trees.values()
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ClassDef) and any(map(_is_dataclass_decorator, node.decorator_list))
+    }
+    found = []
+    for mod, tree in trees.items():
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            bases = [
+                b.attr if isinstance(b, ast.Attribute) else getattr(b, "id", "") for b in node.bases
+            ]
+            ours = [b for b in bases if b in dataclasses_]
+            if len(ours) >= 2 and f"{mod}.{node.name}" not in SHARED_SETTINGS:
+                found.append(f"{mod}.{node.name}: {', '.join(ours)}")
+    return sorted(found)
+
+
+def test_configs_compose_their_components_instead_of_inheriting_them():
+    """No class inherits from two or more of our dataclasses: a section holds its components'
+    configs as fields (`fields.component`: `DilocoConfig.outer`, `.exchange`, ...), each checks
+    itself, and the loader reads their keys flat (ARCHITECTURE.md, "One source ...")."""
+    assert combined_configs() == []
+
+
+def test_the_composition_check_names_the_offender(tmp_path: Path):
+    pkg = tmp_path / "composer_replication"
+    pkg.mkdir()
+    (pkg / "section.py").write_text(
+        "from dataclasses import dataclass\nimport dataclasses\n\n\n"
+        "@dataclass\nclass A:\n    a: int = 1\n\n\n"
+        "@dataclasses.dataclass(frozen=True)\nclass B:\n    b: int = 2\n\n\n"
+        "class Mixin:\n    pass\n\n\n"
+        "@dataclass\nclass Both(A, B):\n    pass\n\n\n"
+        "@dataclass\nclass One(A, Mixin):\n    pass\n\n\n"
+        "@dataclass\nclass Composed:\n    a: A = dataclasses.field(default_factory=A)\n"
+    )
+    assert combined_configs(pkg) == ["composer_replication.section.Both: A, B"]

@@ -154,7 +154,7 @@ def test_an_aggregation_rule(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
         n_replicas = 2
         """,
     )
-    assert config.diloco.aggregate == "toy_min"
+    assert config.diloco.exchange.aggregate == "toy_min"
     merged = _one_round(config, tmp_path / "store")
     assert toy.CALLS == [2, 2]  # each replica merged both contributions with the toy rule
     assert all(torch.equal(merged[0][k], merged[1][k]) for k in merged[0])

@@ -71,7 +71,7 @@ def aggregate_policy(
     config: RunConfig, task: Task, tokenizer: PreTrainedTokenizerBase
 ) -> AggregatePolicy:
     """The exchange's screening policy for this run, with its claim bounds."""
-    return config.diloco.aggregate_policy(
+    return config.diloco.exchange.aggregate_policy(
         max_tokens_per_step=max_tokens_per_step(config, task, tokenizer),
         max_inner_steps=config.diloco.sync_every_h,
     )
@@ -86,11 +86,11 @@ def loss_probe(
 ) -> LossProbe | None:
     """The held-out loss callback of ``screen = "loss"`` (None otherwise). ``global_weights``
     returns the outer loop's current global weights (`DiLoCoOuterLoop.global_parameters`)."""
-    if config.diloco.screen != "loss":
+    if config.diloco.exchange.screen != "loss":
         return None
     import torch
 
-    examples = task.eval_examples()[: config.diloco.screen_examples]
+    examples = task.eval_examples()[: config.diloco.exchange.screen_examples]
     if not examples:
         raise ValueError("diloco.screen = 'loss' needs held-out prompts: set task.n_eval >= 1")
     batch = []
@@ -105,7 +105,7 @@ def loss_probe(
             )
         answer = tokenizer(solution, add_special_tokens=False)["input_ids"]
         batch.append((prompt, list(answer)))
-    lr = config.diloco.outer_lr
+    lr = config.diloco.outer.outer_lr
 
     @torch.no_grad()
     def probe(candidate: Mapping[str, torch.Tensor]) -> float:

@@ -7,6 +7,10 @@
 - Every float setting must be finite: `inf`, `-inf` and `nan` are refused here, once, for every
   key the schema types as float (`train`, `--resume` and `config validate` all load through
   `from_dict`), so no section has to remember it.
+- A section composes its components' configs as fields marked `fields.component`; their keys
+  are the section's own in the TOML (``[diloco] outer_lr``, held by ``DilocoConfig.outer``).
+  `section_keys` states that flattening once, and loading, `to_dict`, `dump_toml`, the
+  did-you-mean and the docs/cli.md reference read the keys through it.
 - `to_dict` / `from_dict` round-trip a `RunConfig` through plain JSON-able dicts (the driver
   sends the resolved config to the replicas as JSON through the store); `dump_toml` writes the
   resolved TOML kept in every run folder.
@@ -29,7 +33,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar, overload
 
 from composer_replication.config.errors import ConfigError
 from composer_replication.config.schema import RENAMED_KEYS, RunConfig
-from composer_replication.fields import OneOf
+from composer_replication.fields import FLATTEN, OneOf
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -42,6 +46,8 @@ __all__ = [
     "from_dict",
     "load_config",
     "parse_override",
+    "section_keys",
+    "section_values",
     "to_dict",
     "toml_value",
     "type_name",
@@ -98,6 +104,59 @@ def type_name(tp: object) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+@dataclasses.dataclass(frozen=True)
+class Key:
+    """Where one TOML key of a section lives: the attributes leading from the section to the
+    component that holds it (``("outer",)`` for ``diloco.outer_lr``; ``()`` for the section's
+    own) and that component's class, whose field of the key's name declares it."""
+
+    path: tuple[str, ...]
+    owner: type
+
+
+def section_keys(cls: type) -> dict[str, Key]:
+    """The keys of section ``cls`` as the TOML writes them, in order: its own fields, and in
+    place of a `fields.component` field the component's keys (recursively)."""
+    out: dict[str, Key] = {}
+    hints = _hints(cls)
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if f.metadata.get(FLATTEN):
+            inner = section_keys(typing.cast(type, hints[f.name])).items()
+            keys = {name: Key((f.name, *key.path), key.owner) for name, key in inner}
+        else:
+            keys = {f.name: Key((), cls)}
+        for name in keys:
+            if name in out:
+                raise TypeError(f"{cls.__name__}: two components hold the key {name!r}")
+        out.update(keys)
+    return out
+
+
+def section_values(obj: DataclassInstance) -> dict[str, object]:
+    """The values of a section's TOML keys (`section_keys`), read off its components."""
+    out = {}
+    for name, key in section_keys(type(obj)).items():
+        holder = obj
+        for attr in key.path:
+            holder = getattr(holder, attr)
+        out[name] = getattr(holder, name)
+    return out
+
+
+def _build(
+    cls: type[T], groups: dict[tuple[str, ...], dict[str, object]], at: tuple[str, ...]
+) -> T:
+    """``cls`` from the values grouped by the component that holds them (`Key.path`), those at
+    ``at`` its own; a component none of whose keys is given keeps its default."""
+    hints = _hints(cls)
+    kwargs = dict(groups.get(at, {}))
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        path = (*at, f.name)
+        if f.metadata.get(FLATTEN) and any(g[: len(path)] == path for g in groups):
+            kwargs[f.name] = _build(typing.cast(type, hints[f.name]), groups, path)
+    return cls(**kwargs)
+
+
 def _did_you_mean(word: str, options: Iterable[str]) -> str:
     close = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else ""
@@ -110,8 +169,8 @@ def _section_keys() -> dict[str, list[str]]:
     for section in dataclasses.fields(RunConfig):
         tp = hints[section.name]
         if dataclasses.is_dataclass(tp):
-            for f in dataclasses.fields(tp):
-                out.setdefault(f.name, []).append(f"{section.name}.{f.name}")
+            for name in section_keys(typing.cast(type, tp)):
+                out.setdefault(name, []).append(f"{section.name}.{name}")
     return out
 
 
@@ -224,18 +283,19 @@ def _show(value: object) -> str:
 
 def from_dict(cls: type[T], data: Mapping[str, object], *, prefix: str = "") -> T:
     """Build dataclass `cls` from a mapping, rejecting unknown keys and wrong types."""
-    hints = _hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    kwargs: dict[str, object] = {}
+    fields = section_keys(cls)
+    hints = {key.owner: _hints(key.owner) for key in fields.values()}
+    groups: dict[tuple[str, ...], dict[str, object]] = {}
     for key, value in data.items():
         path = f"{prefix}.{key}" if prefix else str(key)
         if key not in fields:
             what = f"unknown key in section [{prefix}]" if prefix else "unknown section"
             hint = _did_you_mean(str(key), fields) or _moved(str(key), prefix)
             raise ConfigError(f"{path}: {what}{hint}; known: {', '.join(fields)}")
-        kwargs[key] = _convert(value, hints[key], path)
+        value = _convert(value, hints[fields[key].owner][key], path)
+        groups.setdefault(fields[key].path, {})[key] = value
     try:
-        return cls(**kwargs)
+        return _build(cls, groups, ())
     except ValueError as exc:
         if isinstance(exc, ConfigError):
             raise
@@ -259,10 +319,10 @@ def to_dict(obj: object) -> object:
     """A plain nested dict/list of a config dataclass (None values dropped, as TOML has no null)."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         out = {}
-        for f in dataclasses.fields(obj):
-            value = to_dict(getattr(obj, f.name))
+        for name, raw in section_values(obj).items():
+            value = to_dict(raw)
             if value is not None:
-                out[f.name] = value
+                out[name] = value
         return out
     if isinstance(obj, list | tuple):
         return [to_dict(v) for v in obj]
@@ -407,14 +467,13 @@ def dump_toml(config: RunConfig) -> str:
         obj = getattr(config, section.name)
         lines.append(f"[{section.name}]")
         tables: list[tuple[str, list[DataclassInstance]]] = []
-        for f in dataclasses.fields(obj):
-            value = getattr(obj, f.name)
+        for name, value in section_values(obj).items():
             if value is None:
-                lines.append(f"# {f.name} = (unset)")
+                lines.append(f"# {name} = (unset)")
             elif isinstance(value, list) and value and dataclasses.is_dataclass(value[0]):
-                tables.append((f.name, value))
+                tables.append((name, value))
             else:
-                lines.append(f"{f.name} = {toml_value(to_dict(value))}")
+                lines.append(f"{name} = {toml_value(to_dict(value))}")
         for name, items in tables:
             for item in items:
                 lines.append("")

@@ -23,6 +23,8 @@ from typing import Any
 from composer_replication.config.loader import (
     default_toml_text,
     from_dict,
+    section_keys,
+    section_values,
     to_dict,
     toml_value,
     type_name,
@@ -55,14 +57,15 @@ def _default(value: Any) -> str:
 
 
 def _rows(cls: type, prefix: str) -> list[str]:
-    hints = typing.get_type_hints(cls, include_extras=True)
     lines = ["| key | type | default | meaning |", "|---|---|---|---|"]
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+    for name, key in section_keys(cls).items():
+        (f,) = [f for f in dataclasses.fields(key.owner) if f.name == name]
+        hint = typing.get_type_hints(key.owner, include_extras=True)[name]
         default = f.default
         if default is dataclasses.MISSING and callable(f.default_factory):
             default = f.default_factory()
         lines.append(
-            f"| `{prefix}{f.name}` | {_cell(type_name(hints[f.name]))} | {_default(default)} "
+            f"| `{prefix}{name}` | {_cell(type_name(hint))} | {_default(default)} "
             f"| {_cell(f.metadata['help'])} |"
         )
     return lines
@@ -91,13 +94,14 @@ def embedded_differences() -> list[tuple[str, str, str]]:
     schema = RunConfig()
     out = []
     for section in dataclasses.fields(RunConfig):
-        ours, theirs = getattr(embedded, section.name), getattr(schema, section.name)
-        for f in dataclasses.fields(ours):
-            value, default = getattr(ours, f.name), getattr(theirs, f.name)
+        ours = section_values(getattr(embedded, section.name))
+        theirs = section_values(getattr(schema, section.name))
+        for name, value in ours.items():
+            default = theirs[name]
             if value != default:
                 out.append(
                     (
-                        f"{section.name}.{f.name}",
+                        f"{section.name}.{name}",
                         toml_value(to_dict(value)),
                         toml_value(to_dict(default)),
                     )

@@ -398,11 +398,11 @@ class RunConfig:
                 "task.shard = 'shared'",
             )
         self._check_chaos(mode)
-        if self.diloco.min_replicas is not None:
+        if self.diloco.exchange.min_replicas is not None:
             require(
-                self.diloco.min_replicas <= self.backend.n_replicas,
+                self.diloco.exchange.min_replicas <= self.backend.n_replicas,
                 "diloco.min_replicas",
-                f"{self.diloco.min_replicas} exceeds backend.n_replicas "
+                f"{self.diloco.exchange.min_replicas} exceeds backend.n_replicas "
                 f"({self.backend.n_replicas})",
             )
 

@@ -2,16 +2,17 @@
 
 `SynchronizerSettings` are the keys a user writes (`[diloco]` ``quorum``, ``grace_gamma``,
 ``grace_tau``, ``merge``, ``late``, ``lease_ttl_s``; the run schema composes them through
-`decoupled.DecoupledConfig`); `SynchronizerConfig` adds what the synchronizer needs besides:
-the outer step (`OuterOptimizerConfig`: SGD with or without Nesterov momentum), the screening
-(``weighting``, ``aggregate``, ``aggregate_outlier_ratio``, as the exchange names them), how
-many versions the store keeps (``keep_rounds``) and its timings. Every field is named as its
-TOML key, so a run config becomes a `SynchronizerConfig` without renaming anything.
+`decoupled.DecoupledConfig`); `SynchronizerConfig` is those settings and what the synchronizer
+needs besides: the outer step (``outer``, the section's own `OuterOptimizerConfig`: SGD with or
+without Nesterov momentum), the screening (``weighting``, ``aggregate``,
+``aggregate_outlier_ratio``, as the exchange names them), how many versions the store keeps
+(``keep_rounds``) and its timings. Every setting is named as its TOML key, so a run config
+becomes a `SynchronizerConfig` without renaming anything (`decoupled_mode.synchronizer_config`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Literal, get_args
 
 from composer_replication.diloco.outer_optimizer import OuterOptimizerConfig
@@ -108,13 +109,16 @@ class SynchronizerSettings:
 
 
 @dataclass(frozen=True, kw_only=True)
-class SynchronizerConfig(SynchronizerSettings, OuterOptimizerConfig):
+class SynchronizerConfig(SynchronizerSettings):
     """Everything a `Synchronizer` needs (see the module docstring; defaults in docs/diloco.md).
 
-    ``max_steps``: a learner counts as done at "done" with at least this many steps.
+    ``outer``: the outer step, checked by `OuterOptimizerConfig` itself. ``max_steps``: a
+    learner counts as done at "done" with at least this many steps.
     """
 
-    weighting: WeightingName = _POLICY.weighting  # one of exchange.robust's WEIGHTINGS
+    outer: OuterOptimizerConfig = field(default_factory=OuterOptimizerConfig)
+    # one of exchange.contribution_screening's WEIGHTINGS
+    weighting: WeightingName = _POLICY.weighting
     aggregate: AggregateName = _POLICY.aggregate  # an aggregation rule (exchange.rules)
     aggregate_outlier_ratio: float = _POLICY.aggregate_outlier_ratio  # 0 = no norm screening
     keep_rounds: int = KEEP_ROUNDS
@@ -127,12 +131,11 @@ class SynchronizerConfig(SynchronizerSettings, OuterOptimizerConfig):
     max_steps: int | None = None
 
     def __post_init__(self) -> None:
-        SynchronizerSettings.__post_init__(self)
-        OuterOptimizerConfig.__post_init__(self)
+        super().__post_init__()
         _choice("weighting", self.weighting, WEIGHTINGS)
         _choice("aggregate", self.aggregate, rules.names())
         check_outer_step(
-            outer_optimizer=self.outer_optimizer, merge=self.merge, aggregate=self.aggregate
+            outer_optimizer=self.outer.outer_optimizer, merge=self.merge, aggregate=self.aggregate
         )
         require(
             isinstance(self.keep_rounds, int) and self.keep_rounds >= 1,
@@ -145,9 +148,11 @@ class SynchronizerConfig(SynchronizerSettings, OuterOptimizerConfig):
 
     @classmethod
     def run_keys(cls) -> tuple[str, ...]:
-        """The fields a run's `[diloco]` section sets under the same names (all but the store's
-        ``keep_rounds``, the run length and the synchronizer's own timings)."""
-        own = set(_OWN)
+        """The fields a run's `[diloco]` section sets under the same names: the
+        `SynchronizerSettings` and the screening keys (not ``outer``, the section's
+        `OuterOptimizerConfig` itself, the store's ``keep_rounds``, the run length and the
+        synchronizer's own timings)."""
+        own = {*_OWN, "outer"}
         return tuple(f.name for f in fields(cls) if f.name not in own)
 
 

@@ -3,8 +3,9 @@
 The run schema's `[diloco]` section composes this dataclass (the keys ``codec``,
 ``min_replicas``, ``weighting``, ``timeout_s``, ``aggregate*`` and ``screen*``); the replica's
 `ObjectStoreAllReduce` and the decoupled synchronizer take their values from it. The choices,
-defaults and checks of the ``aggregate*`` / ``screen*`` keys are `robust.AggregatePolicy`'s,
-the aggregation rules' names `rules.names()`, the codec names `codecs.names()`.
+defaults and checks of the ``aggregate*`` / ``screen*`` keys are
+`contribution_screening.AggregatePolicy`'s, the aggregation rules' names `rules.names()`, the codec
+names `codecs.names()`.
 """
 
 from __future__ import annotations
@@ -154,8 +155,8 @@ class AllReduceConfig:
     ``sha256``). ``min_replicas``: contributions a step needs (None: every rank, the library's
     strict choice; `composer-replication train` passes the run's quorum,
     `ExchangeConfig.commit_quorum`). ``aggregate``: the merge method (an aggregation rule's
-    name) or a full `robust.AggregatePolicy` (screening thresholds, claim bounds; its
-    ``weighting`` then replaces ``weighting``). ``timeout_s``: how long a step waits for
+    name) or a full `contribution_screening.AggregatePolicy` (screening thresholds, claim bounds;
+    its ``weighting`` then replaces ``weighting``). ``timeout_s``: how long a step waits for
     contributions; ``upload_timeout_s`` (None: ``timeout_s / 4``) < ``timeout_s`` <
     ``run_timeout_s`` (None: no overall limit). ``keep_rounds``: committed steps kept in the
     store before garbage collection (``[store] keep_rounds``). ``poll_interval_s``: how often a

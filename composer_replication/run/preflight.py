@@ -127,8 +127,9 @@ def check_task(config: RunConfig) -> None:
     try:  # a task served elsewhere (openenv:URL) must answer now, not in every replica later
         task.check_ready()
         # diloco.screen = "loss" scores the task's reference answers of held-out prompts
-        unanswered = config.diloco.screen == "loss" and any(
-            not task.oracle(ex) for ex in task.eval_examples()[: config.diloco.screen_examples]
+        unanswered = config.diloco.exchange.screen == "loss" and any(
+            not task.oracle(ex)
+            for ex in task.eval_examples()[: config.diloco.exchange.screen_examples]
         )
     except (ConnectionError, ValueError, ImportError) as exc:
         raise ConfigError(f"task.name: {config.task.name!r}: {exc}") from None

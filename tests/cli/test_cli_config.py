@@ -140,7 +140,7 @@ def test_optimizer_keys_are_checked(overrides: list[str], needle: str) -> None:
         load_config(overrides=overrides)
     assert needle in str(info.value)
     ok = load_config(overrides=["diloco.outer_optimizer=sgd", "diloco.outer_momentum=0"])
-    assert ok.diloco.nesterov is False
+    assert ok.diloco.outer.nesterov is False
 
 
 @pytest.mark.parametrize(

@@ -18,6 +18,7 @@ import pytest
 
 from composer_replication.cli import main
 from composer_replication.config import ConfigError, RunConfig, load_config, to_dict
+from composer_replication.config.loader import section_keys
 
 
 def _float_keys() -> list[tuple[str, bool]]:
@@ -25,13 +26,13 @@ def _float_keys() -> list[tuple[str, bool]]:
     out = []
     for section in dataclasses.fields(RunConfig):
         cls = typing.get_type_hints(RunConfig)[section.name]
-        for f in dataclasses.fields(cls):
-            tp = typing.get_type_hints(cls)[f.name]
+        for name, key in section_keys(cls).items():  # a component's keys, flat
+            tp = typing.get_type_hints(key.owner)[name]
             args = typing.get_args(tp)
             if tp is float or (float in args and typing.get_origin(tp) is not list):
-                out.append((f"{section.name}.{f.name}", False))
+                out.append((f"{section.name}.{name}", False))
             elif typing.get_origin(tp) is list and args == (float,):
-                out.append((f"{section.name}.{f.name}", True))
+                out.append((f"{section.name}.{name}", True))
     return out
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from composer_replication.config import ConfigError, default_toml_text, load_config
+from composer_replication.config.loader import section_keys, section_values
 from composer_replication.config.schema import BackendConfig, DilocoConfig, LossConfig
 from composer_replication.exchange.codecs import CODECS
 from composer_replication.executors.registry import BACKEND_NAMES
@@ -71,32 +72,34 @@ def test_outer_optimizer_keys_are_the_outer_optimizers_own() -> None:
     from composer_replication.diloco.outer_optimizer import OUTER_OPTIMIZERS, OuterOptimizerConfig
     from composer_replication.diloco.synchronizer_config import SynchronizerConfig
 
-    assert issubclass(DilocoConfig, OuterOptimizerConfig)
-    assert issubclass(SynchronizerConfig, OuterOptimizerConfig)
+    # both hold the component's config, not its keys by inheritance
+    assert typing.get_type_hints(DilocoConfig)["outer"] is OuterOptimizerConfig
+    assert typing.get_type_hints(SynchronizerConfig)["outer"] is OuterOptimizerConfig
     own = OuterOptimizerConfig()
-    d = load_config().diloco
-    for f in dataclasses.fields(OuterOptimizerConfig):
-        assert getattr(d, f.name) == getattr(own, f.name) == getattr(SynchronizerConfig(), f.name)
+    d = load_config().diloco.outer
+    assert d == own == SynchronizerConfig().outer
     # the outer loop takes the config itself (None: its defaults), no outer_* argument of its own
     signature = inspect.signature(make_diloco_outer_loop).parameters
     assert "OuterOptimizerConfig" in str(signature["outer"].annotation)
     assert signature["outer"].default is None and own.outer_lr == 0.7
     assert not {"outer_lr", "outer_momentum", "nesterov"} & set(signature)
-    hint = typing.get_type_hints(DilocoConfig)["outer_optimizer"]
+    hint = typing.get_type_hints(OuterOptimizerConfig)["outer_optimizer"]
     assert typing.get_args(hint) == OUTER_OPTIMIZERS and d.outer_optimizer == "nesterov"
 
 
 def test_backend_and_codec_choices_are_the_registries() -> None:
     hints = {
         "kind": typing.get_type_hints(BackendConfig, include_extras=True)["kind"],
-        "codec": typing.get_type_hints(DilocoConfig, include_extras=True)["codec"],
+        "codec": typing.get_type_hints(
+            section_keys(DilocoConfig)["codec"].owner, include_extras=True
+        )["codec"],
     }
     assert typing.get_args(hints["kind"])[1].choices() == BACKEND_NAMES
     assert typing.get_args(hints["codec"])[1].choices() == CODECS
     for name in BACKEND_NAMES:
         assert load_config(overrides=[f"backend.kind={name}"]).backend.kind == name
     for codec in CODECS:
-        assert load_config(overrides=[f"diloco.codec={codec}"]).diloco.codec == codec
+        assert load_config(overrides=[f"diloco.codec={codec}"]).diloco.exchange.codec == codec
 
 
 def test_every_loss_key_reaches_the_trainer() -> None:
@@ -159,8 +162,8 @@ def test_reference_lists_every_key_and_the_embedded_choices() -> None:
     hints = typing.get_type_hints(RunConfig)
     for section in dataclasses.fields(RunConfig):
         assert f"### `[{section.name}]`" in text
-        for f in dataclasses.fields(hints[section.name]):
-            assert f"| `{section.name}.{f.name}` |" in text, f"{section.name}.{f.name}"
+        for key in section_keys(hints[section.name]):  # a component's keys, flat
+            assert f"| `{section.name}.{key}` |" in text, f"{section.name}.{key}"
     for f in dataclasses.fields(EndpointConfig):
         assert f"| `{f.name}` |" in text, f.name
     assert "| `loss.dpo_variant` | 'dpo' \\| 'simpo' | `\"dpo\"` |" in text
@@ -264,8 +267,10 @@ def test_the_synchronizer_takes_the_sections_keys_under_their_names() -> None:
     sync = DecoupledDiLoCo(d).synchronizer_config(
         keep_rounds=config.store.keep_rounds, max_steps=config.train.max_steps, local=True
     )
+    flat = section_values(d)
     for key in SynchronizerConfig.run_keys():
-        assert key in {f.name for f in dataclasses.fields(DilocoConfig)}, key
-        assert getattr(sync, key) == getattr(d, key), key
+        assert key in section_keys(DilocoConfig), key
+        assert getattr(sync, key) == flat[key], key
+    assert sync.outer == d.outer
     assert (sync.grace_gamma, sync.grace_tau, sync.aggregate_outlier_ratio) == (0.3, 5.0, 3.0)
-    assert (sync.outer_lr, sync.keep_rounds) == (0.4, 7)
+    assert (sync.outer.outer_lr, sync.keep_rounds) == (0.4, 7)

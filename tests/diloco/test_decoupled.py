@@ -26,6 +26,7 @@ from composer_replication.diloco.decoupled.synchronizer import (
     outer_step,
     rda,
 )
+from composer_replication.diloco.outer_optimizer import OuterOptimizerConfig
 from composer_replication.exchange.lease import Lease
 from composer_replication.exchange.protocol import CorruptContributionError
 from composer_replication.exchange.push_store import (
@@ -189,7 +190,7 @@ def test_config_refuses_bad_values() -> None:
     with pytest.raises(ValueError, match="quorum: must be an int >= 1"):
         SynchronizerConfig(quorum=0)
     with pytest.raises(ValueError, match="outer_optimizer: 'adam' runs in sync mode only"):
-        SynchronizerConfig(outer_optimizer="adam")
+        SynchronizerConfig(outer=OuterOptimizerConfig(outer_optimizer="adam"))
 
 
 # ----------------------------------------------------------------------------- lease
@@ -322,9 +323,7 @@ def test_learners_and_synchronizer_train_together(tmp_path: Path) -> None:
         poll_interval_s=0.02,
         lease_ttl_s=2.0,
         max_steps=48,
-        outer_optimizer="sgd",
-        outer_momentum=0.0,
-        outer_lr=1.0,
+        outer=OuterOptimizerConfig(outer_optimizer="sgd", outer_momentum=0.0, outer_lr=1.0),
     )
     out, sync = _run(uri, 3, 48, cfg, sleep=0.005, seed=7)
     store = ObjectStore(uri)
@@ -437,10 +436,14 @@ def test_run_config_keys_of_the_decoupled_mode() -> None:
             "train.max_steps=200",
         ],
     )
-    assert (c.diloco.mode, c.diloco.fragments, c.quorum) == ("decoupled", 4, 2)
+    assert (c.diloco.mode, c.diloco.decoupled.fragments, c.quorum) == ("decoupled", 4, 2)
     c = load_config(None, ["diloco.mode=decoupled", "backend.n_replicas=4"])
-    assert c.diloco.quorum is None and c.quorum == 3  # unset: all learners but one
-    assert (c.diloco.grace_gamma, c.diloco.grace_tau, c.diloco.late) == (0.8, 2.0, "carry")
+    assert c.diloco.decoupled.quorum is None and c.quorum == 3  # unset: all learners but one
+    assert (
+        c.diloco.decoupled.grace_gamma,
+        c.diloco.decoupled.grace_tau,
+        c.diloco.decoupled.late,
+    ) == (0.8, 2.0, "carry")
     for overrides, message in (
         (["diloco.fragments=2"], "diloco.fragments: is used with diloco.mode = 'decoupled'"),
         (["diloco.mode=decoupled", "diloco.fragments=3"], "must divide sync_every_h"),

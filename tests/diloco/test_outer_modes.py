@@ -10,12 +10,13 @@ import pytest
 import torch
 from torch import nn
 
-from composer_replication.config import ConfigError, load_config
+from composer_replication.config import ConfigError, from_dict, load_config
 from composer_replication.diloco.decoupled import DecoupledLearner
 from composer_replication.diloco.decoupled.decoupled_mode import DecoupledDiLoCo
 from composer_replication.diloco.mode_protocol import ReplicaContext
 from composer_replication.diloco.mode_registry import outer_loop_mode, outer_loop_modes
 from composer_replication.diloco.outer_loop import DiLoCoOuterLoop
+from composer_replication.diloco.outer_optimizer import OuterOptimizerConfig
 from composer_replication.diloco.section import DilocoConfig
 from composer_replication.diloco.sparseloco import ErrorFeedbackManager
 from composer_replication.diloco.sync.sync_mode import SyncDiLoCo
@@ -41,15 +42,17 @@ def test_the_registry_has_one_class_per_mode_and_names_what_cannot_run() -> None
     with pytest.raises(ConfigError, match="diloco.mode.*did you mean 'decoupled'"):
         load_config(overrides=["diloco.mode=decoupld"])
     with pytest.raises(ValueError, match="diloco.manager: 'torchft' does not run diloco.mode"):
-        outer_loop_mode(DilocoConfig(mode="decoupled", manager="torchft"))
+        outer_loop_mode(from_dict(DilocoConfig, dict(mode="decoupled", manager="torchft")))
     with pytest.raises(ConfigError, match="set diloco.manager = 'object_store'"):
         load_config(overrides=["diloco.mode=decoupled", "diloco.manager=torchft"])
 
 
 def test_what_the_run_does_around_each_mode() -> None:
-    sync = outer_loop_mode(DilocoConfig(min_replicas=2))
-    torchft = outer_loop_mode(DilocoConfig(manager="torchft"))
-    decoupled = outer_loop_mode(DilocoConfig(mode="decoupled", synchronizer="external"))
+    sync = outer_loop_mode(from_dict(DilocoConfig, dict(min_replicas=2)))
+    torchft = outer_loop_mode(from_dict(DilocoConfig, dict(manager="torchft")))
+    decoupled = outer_loop_mode(
+        from_dict(DilocoConfig, dict(mode="decoupled", synchronizer="external"))
+    )
     assert isinstance(sync, SyncDiLoCo) and isinstance(torchft, TorchftDiLoCo)
     assert (sync.worker_role, torchft.worker_role, decoupled.worker_role) == (
         "replica",
@@ -61,7 +64,7 @@ def test_what_the_run_does_around_each_mode() -> None:
     # its synchronizer leaves a departed learner out
     assert decoupled.departure_roles == ("learner",)
     assert decoupled.service_roles == ("synchronizer",) and decoupled.driver_service() is None
-    service = outer_loop_mode(DilocoConfig(mode="decoupled")).driver_service()
+    service = outer_loop_mode(from_dict(DilocoConfig, dict(mode="decoupled"))).driver_service()
     assert service is not None and (service.name, service.identity) == (
         "synchronizer",
         "synchronizer",
@@ -83,24 +86,30 @@ def test_what_the_run_does_around_each_mode() -> None:
 def test_the_outer_lr_reported_is_the_one_in_use(tmp_path: Path) -> None:
     """`outer.outer_lr` once reported DiLoCo's default 0.7 whatever the run config said (the
     replica handed the outer loop a factory, and the attribute kept the argument's default)."""
-    loop = SyncDiLoCo(DilocoConfig(outer_lr=0.3, outer_momentum=0.5)).build_learner(_ctx(tmp_path))
+    loop = SyncDiLoCo(
+        from_dict(DilocoConfig, dict(outer_lr=0.3, outer_momentum=0.5))
+    ).build_learner(_ctx(tmp_path))
     outer = loop.outer
     assert isinstance(outer, DiLoCoOuterLoop)
     assert (outer.outer_lr, outer.outer_momentum, outer.nesterov) == (0.3, 0.5, True)
     loop.close()
-    sgd = SyncDiLoCo(DilocoConfig(outer_optimizer="sgd", outer_lr=1.0, outer_momentum=0.0))
+    sgd = SyncDiLoCo(
+        from_dict(DilocoConfig, dict(outer_optimizer="sgd", outer_lr=1.0, outer_momentum=0.0))
+    )
     outer = sgd.build_learner(_ctx(tmp_path / "sgd")).outer
     assert isinstance(outer, DiLoCoOuterLoop)
     assert (outer.outer_lr, outer.outer_momentum, outer.nesterov) == (1.0, 0.0, False)
     # SparseLoCo: the error feedback replaces the momentum, the outer step is its own lr
-    sparse = SyncDiLoCo(DilocoConfig(codec="sparseloco", sparseloco_outer_lr=0.8, outer_lr=0.3))
+    sparse = SyncDiLoCo(
+        from_dict(DilocoConfig, dict(codec="sparseloco", sparseloco_outer_lr=0.8, outer_lr=0.3))
+    )
     outer = sparse.build_learner(_ctx(tmp_path / "sparse")).outer
     assert isinstance(outer, DiLoCoOuterLoop)
     assert isinstance(outer.manager, ErrorFeedbackManager)
     assert (outer.outer_lr, outer.outer_momentum, outer.nesterov) == (0.8, 0.0, False)
     # after binding: the outer optimizers actually built
     ctx = _ctx(tmp_path / "bound")
-    outer = SyncDiLoCo(DilocoConfig(outer_lr=0.3)).build_learner(ctx).outer
+    outer = SyncDiLoCo(from_dict(DilocoConfig, dict(outer_lr=0.3))).build_learner(ctx).outer
     assert isinstance(outer, DiLoCoOuterLoop)
     outer.bind(model=ctx.model, optimizer=torch.optim.SGD(ctx.model.parameters(), lr=0.1))
     assert [g["lr"] for o in outer.outer_optimizers for g in o.param_groups] == [0.3]
@@ -108,20 +117,23 @@ def test_the_outer_lr_reported_is_the_one_in_use(tmp_path: Path) -> None:
 
 
 def test_a_decoupled_learner_and_its_synchronizer_take_the_keys_as_named(tmp_path: Path) -> None:
-    config = DilocoConfig(
-        mode="decoupled",
-        sync_every_h=4,
-        fragments=2,
-        alpha=0.25,
-        grace_gamma=0.5,
-        grace_tau=3.0,
-        aggregate_outlier_ratio=5.0,
-        late="drop",
-        outer_lr=0.4,
-        outer_optimizer="sgd",
-        outer_momentum=0.5,
-        quorum=2,
-        lease_ttl_s=7.0,
+    config = from_dict(
+        DilocoConfig,
+        dict(
+            mode="decoupled",
+            sync_every_h=4,
+            fragments=2,
+            alpha=0.25,
+            grace_gamma=0.5,
+            grace_tau=3.0,
+            aggregate_outlier_ratio=5.0,
+            late="drop",
+            outer_lr=0.4,
+            outer_optimizer="sgd",
+            outer_momentum=0.5,
+            quorum=2,
+            lease_ttl_s=7.0,
+        ),
     )
     mode = outer_loop_mode(config)
     assert isinstance(mode, DecoupledDiLoCo)
@@ -139,17 +151,15 @@ def test_a_decoupled_learner_and_its_synchronizer_take_the_keys_as_named(tmp_pat
         merge="mean",
         late="drop",
         lease_ttl_s=7.0,
-        outer_optimizer="sgd",
-        outer_lr=0.4,
-        outer_momentum=0.5,
         weighting="equal",
         aggregate="mean",
         aggregate_outlier_ratio=5.0,
         keep_rounds=6,
         max_steps=40,
         poll_interval_s=0.05,
+        outer=OuterOptimizerConfig(outer_optimizer="sgd", outer_lr=0.4, outer_momentum=0.5),
     )
-    assert (sync.nesterov, sync.resolved_quorum(5)) == (False, 2)
+    assert (sync.outer.nesterov, sync.resolved_quorum(5)) == (False, 2)
     assert SynchronizerConfig().resolved_quorum(5) == 4  # unset: all learners but one
 
 

@@ -208,7 +208,7 @@ def test_one_replica_applies_its_own_message(tmp_path):
 
 
 def test_config_keys_default_and_validate():
-    d = load_config(overrides=["diloco.codec=sparseloco"]).diloco
+    d = load_config(overrides=["diloco.codec=sparseloco"]).diloco.sparseloco
     assert d.sparse_spec() == SparseSpec() and d.sparseloco_ef_decay == 0.95
     assert d.sparseloco_outer_lr == 1.0
     for key, value, match in [

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from composer_replication.config import to_dict
+from composer_replication.config import from_dict, to_dict
 from composer_replication.config.schema import (
     BackendConfig,
     ChaosEventConfig,
@@ -40,13 +40,16 @@ def _run_config(n: int, steps: int, h: int, p: int, quorum: int) -> RunConfig:
     return RunConfig(
         train=TrainConfig(max_steps=steps),
         model=ModelConfig(num_layers=p),  # the toy learner has one block per fragment
-        diloco=DilocoConfig(
-            sync_every_h=h,
-            mode="decoupled",
-            fragments=p,
-            quorum=quorum,
-            lease_ttl_s=2.0,
-            late="carry",
+        diloco=from_dict(
+            DilocoConfig,
+            dict(
+                sync_every_h=h,
+                mode="decoupled",
+                fragments=p,
+                quorum=quorum,
+                lease_ttl_s=2.0,
+                late="carry",
+            ),
         ),
         backend=BackendConfig(n_replicas=n),
         store=StoreConfig(keep_rounds=10_000),

@@ -125,8 +125,8 @@ def test_the_real_loss_probe_refuses_a_harmful_contribution_through_the_exchange
     payloads = [*honest, harmful]
 
     # The probe against the independent reference: global - outer_lr * candidate.
-    lr = config.diloco.outer_lr
-    probe_examples = task.eval_examples()[: config.diloco.screen_examples]
+    lr = config.diloco.outer.outer_lr
+    probe_examples = task.eval_examples()[: config.diloco.exchange.screen_examples]
     flat = {f"f0.{n}": t for n, t in global_w.items()}
     probe = screening.loss_probe(config, lambda: flat, copy.deepcopy(model), tok, task)
     assert probe is not None
@@ -140,7 +140,7 @@ def test_the_real_loss_probe_refuses_a_harmful_contribution_through_the_exchange
     losses = [reference_loss(model, tok, task, moved(p), probe_examples) for p in payloads]
     for p, want in zip(payloads, losses, strict=True):
         assert probe(p) == pytest.approx(want, rel=1e-5)
-    tolerance = config.diloco.screen_loss_tolerance
+    tolerance = config.diloco.exchange.screen_loss_tolerance
     # honest: within the screen's tolerance (one may nudge these prompts' loss up a little,
     # the three together lower it); harmful: well above it
     assert all(loss <= (1 + tolerance) * base for loss in losses[:-1]), (base, losses)

@@ -15,6 +15,7 @@ newest global versions with fresh inner state), and the run needs every learner 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import fields
 from typing import TYPE_CHECKING, ClassVar
 
 from composer_replication.diloco.decoupled.decoupled_check import (
@@ -40,7 +41,11 @@ from composer_replication.diloco.mode_protocol import (
 )
 from composer_replication.diloco.replica_state import ResumableTrainer
 from composer_replication.diloco.section import DilocoConfig, ManagerName, ModeName
-from composer_replication.diloco.synchronizer_config import SynchronizerConfig, check_outer_step
+from composer_replication.diloco.synchronizer_config import (
+    SynchronizerConfig,
+    SynchronizerSettings,
+    check_outer_step,
+)
 from composer_replication.exchange import codecs
 from composer_replication.exchange.liveness import LEARNER_ROLE, MemberLiveness
 from composer_replication.exchange.push_store import DecoupledStore
@@ -86,7 +91,7 @@ class DecoupledDiLoCo:
     def driver_service(self) -> HostedService | None:
         """The synchronizer, with ``diloco.synchronizer = "driver"`` (``"external"``: the
         user runs it)."""
-        if self.config.synchronizer != "driver":
+        if self.config.decoupled.synchronizer != "driver":
             return None
         return HostedService(name="synchronizer", identity=SYNCHRONIZER)
 
@@ -95,26 +100,28 @@ class DecoupledDiLoCo:
         d = self.config
         try:  # the synchronizer's own rules, on the section's keys
             check_outer_step(
-                outer_optimizer=d.outer_optimizer, merge=d.merge, aggregate=d.aggregate
+                outer_optimizer=d.outer.outer_optimizer,
+                merge=d.decoupled.merge,
+                aggregate=d.exchange.aggregate,
             )
         except ValueError as exc:
             raise ValueError(f"diloco.{exc}") from None
         require(
-            d.screen == "none",
+            d.exchange.screen == "none",
             "diloco.screen",
             "the loss screen runs in the synchronous exchange only; decoupled mode screens "
             "by norm (diloco.aggregate_outlier_ratio): set diloco.screen = 'none'",
         )
         require(
-            not codecs.get(d.codec).needs_error_feedback,
+            not codecs.get(d.exchange.codec).needs_error_feedback,
             "diloco.codec",
-            f"{d.codec!r} runs in sync mode only: a decoupled push is the whole change since "
+            f"{d.exchange.codec!r} runs in sync mode only: a decoupled push is the whole change since "
             "the last global version the learner loaded (a later push repeats an earlier "
             "one's work, and a queued push can be replaced by a newer one), so a per-push "
             "error-feedback accumulator would count work twice; use diloco.mode = 'sync'",
         )
         require(
-            not d.lighthouse,
+            not d.torchft.lighthouse,
             "diloco.lighthouse",
             "is only used with diloco.manager = 'torchft'; remove it or set the manager",
         )
@@ -123,20 +130,20 @@ class DecoupledDiLoCo:
         d = self.config
         if run.model_blocks is not None:
             require(
-                d.fragments <= run.model_blocks,
+                d.decoupled.fragments <= run.model_blocks,
                 "diloco.fragments",
-                f"{d.fragments} exceeds model.num_layers ({run.model_blocks}): each fragment "
+                f"{d.decoupled.fragments} exceeds model.num_layers ({run.model_blocks}): each fragment "
                 "needs at least one transformer block",
             )
-        if d.quorum is not None:
+        if d.decoupled.quorum is not None:
             require(
-                d.quorum <= run.n_replicas,
+                d.decoupled.quorum <= run.n_replicas,
                 "diloco.quorum",
-                f"{d.quorum} exceeds backend.n_replicas ({run.n_replicas})",
+                f"{d.decoupled.quorum} exceeds backend.n_replicas ({run.n_replicas})",
             )
 
     def quorum(self, n_replicas: int) -> int:
-        return self.config.resolved_quorum(n_replicas)
+        return self.config.decoupled.resolved_quorum(n_replicas)
 
     def n_rounds(self, max_steps: int) -> None:
         return None  # one global version per merge, any number of them per H steps
@@ -166,7 +173,7 @@ class DecoupledDiLoCo:
         return learner_state.learner_resume_plan(store, n_replicas)
 
     def end_of_run_problem(self, store: ObjectStore, n_replicas: int, max_steps: int) -> str | None:
-        return final_merges_problem(store, self.config.fragments)
+        return final_merges_problem(store, self.config.decoupled.fragments)
 
     def check_chaos(
         self, store: ObjectStore, kills: Sequence[Mapping[str, JSONValue]]
@@ -208,11 +215,11 @@ class DecoupledDiLoCo:
             n_learners=ctx.n_replicas,
             config=LearnerConfig(
                 sync_every_h=d.sync_every_h,
-                fragments=d.fragments,
-                alpha=d.alpha,
-                codec=d.codec,
+                fragments=d.decoupled.fragments,
+                alpha=d.decoupled.alpha,
+                codec=d.exchange.codec,
                 poll_interval_s=0.1 if ctx.store.is_local else 0.5,
-                drain_timeout_s=d.timeout_s,
+                drain_timeout_s=d.exchange.timeout_s,
                 heartbeat_every_s=None,  # the replica's heartbeat carries the learner's fields
             ),
             model=ctx.model,
@@ -248,11 +255,17 @@ class DecoupledDiLoCo:
     def synchronizer_config(
         self, *, keep_rounds: int, max_steps: int, local: bool
     ) -> SynchronizerConfig:
-        """The synchronizer's config: the section's keys under the same names, the store's
-        ``keep_rounds`` and the run's length."""
+        """The synchronizer's config: the section's keys under the same names (its decoupled
+        component's synchronizer settings, the exchange's screening keys, its outer optimizer),
+        the store's ``keep_rounds`` and the run's length."""
         d = self.config
+        settings = {f.name: getattr(d.decoupled, f.name) for f in fields(SynchronizerSettings)}
         return SynchronizerConfig(
-            **{key: getattr(d, key) for key in SynchronizerConfig.run_keys()},
+            **settings,
+            outer=d.outer,
+            weighting=d.exchange.weighting,
+            aggregate=d.exchange.aggregate,
+            aggregate_outlier_ratio=d.exchange.aggregate_outlier_ratio,
             keep_rounds=keep_rounds,
             max_steps=max_steps,
             poll_interval_s=0.05 if local else 0.25,

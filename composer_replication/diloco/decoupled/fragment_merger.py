@@ -314,6 +314,7 @@ class FragmentMerger:
     def _record(self, frag: FragmentState, sel: _Selection, now: float) -> dict[str, Any]:
         """The merge record of ``sel`` (its ``decisions`` are filled in after combining)."""
         cfg, pending = self.config, self.inbox.pending
+        outer = cfg.outer
         pushes = [pending[p] for p in sel.inputs]
         waited = None if frag.first_at is None else now - frag.first_at
         to_quorum = None
@@ -351,7 +352,11 @@ class FragmentMerger:
             "merge": cfg.merge,
             "aggregate": cfg.aggregate,
             "outlier_ratio": cfg.aggregate_outlier_ratio,
-            "outer": {"lr": cfg.outer_lr, "momentum": cfg.outer_momentum, "nesterov": cfg.nesterov},
+            "outer": {
+                "lr": outer.outer_lr,
+                "momentum": outer.outer_momentum,
+                "nesterov": outer.nesterov,
+            },
             "timings": {
                 "first_to_quorum_s": to_quorum,
                 "grace_s": frag.grace_s,

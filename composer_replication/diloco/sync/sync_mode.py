@@ -100,15 +100,19 @@ class SyncDiLoCo:
     def check_section(self) -> None:
         """The rules of this mode on the `[diloco]` section."""
         d = self.config
-        require(d.fragments == 1, "diloco.fragments", "is used with diloco.mode = 'decoupled' only")
         require(
-            not d.lighthouse,
+            d.decoupled.fragments == 1,
+            "diloco.fragments",
+            "is used with diloco.mode = 'decoupled' only",
+        )
+        require(
+            not d.torchft.lighthouse,
             "diloco.lighthouse",
             "is only used with diloco.manager = 'torchft'; remove it or set the manager",
         )
-        if codecs.get(d.codec).needs_error_feedback:
+        if codecs.get(d.exchange.codec).needs_error_feedback:
             require(
-                d.outer_optimizer != "adam",
+                d.outer.outer_optimizer != "adam",
                 "diloco.outer_optimizer",
                 "'adam' contradicts codec = 'sparseloco', whose outer step is plain SGD at "
                 "sparseloco_outer_lr (the error feedback replaces the outer momentum); use "
@@ -119,7 +123,7 @@ class SyncDiLoCo:
         return None
 
     def quorum(self, n_replicas: int) -> int:
-        return self.config.commit_quorum(n_replicas)
+        return self.config.exchange.commit_quorum(n_replicas)
 
     def n_rounds(self, max_steps: int) -> int:
         return max_steps // self.config.sync_every_h
@@ -138,7 +142,7 @@ class SyncDiLoCo:
         return (
             f"the others cannot go on without it: diloco.min_replicas = {quorum} of "
             f"{n_replicas} replicas (they wait up to diloco.timeout_s = "
-            f"{self.config.timeout_s:g} s, then the round fails; set diloco.min_replicas "
+            f"{self.config.exchange.timeout_s:g} s, then the round fails; set diloco.min_replicas "
             f"below {n_replicas} to go on without a replica)"
         )
 
@@ -236,11 +240,11 @@ class SyncDiLoCo:
             ctx.store.uri,  # a client of its own: its request counts are the exchange's
             world_size=ctx.n_replicas,
             rank=ctx.rank,
-            config=d.allreduce_config(
+            config=d.exchange.allreduce_config(
                 ctx.n_replicas,
                 keep_rounds=ctx.keep_rounds,
                 policy=None if screening is None else screening.policy(),
-                sparse=d.sparse_spec(),
+                sparse=d.sparseloco.sparse_spec(),
             ),
             storage_options=ctx.store.storage_options or None,
             keys=ctx.keys,
@@ -251,18 +255,18 @@ class SyncDiLoCo:
         )
         manager = ObjectStoreManager(allreduce=allreduce)
         if codecs.get(
-            d.codec
+            d.exchange.codec
         ).needs_error_feedback:  # SparseLoCo: the replica's error feedback around it
-            return d.build_error_feedback(manager)
+            return d.sparseloco.build_error_feedback(manager)
         return manager
 
     def outer_factory(self) -> OuterOptimizerFactory:
         """The outer optimizer in use: `[diloco] outer_*`, or SparseLoCo's plain SGD."""
         if codecs.get(
-            self.config.codec
+            self.config.exchange.codec
         ).needs_error_feedback:  # the error feedback replaces the momentum
-            return self.config.build_sparse_outer_optimizer()
-        return self.config.build_outer_optimizer()
+            return self.config.sparseloco.build_sparse_outer_optimizer()
+        return self.config.outer.build_outer_optimizer()
 
     def build_synchronizer(
         self, store: ObjectStore, *, keep_rounds: int, max_steps: int, keys: RunKeys | None = None

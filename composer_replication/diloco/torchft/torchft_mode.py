@@ -77,34 +77,38 @@ class TorchftDiLoCo(SyncDiLoCo):
         (torchft forms a quorum of whoever joins in time; the object-store exchange's default
         of one fewer, `exchange.settings.default_quorum`, is about refused contributions,
         which torchft's gloo allreduce does not have)."""
-        return self.config.min_replicas or n_replicas
+        return self.config.exchange.min_replicas or n_replicas
 
     def end_of_run_problem(self, store: ObjectStore, n_replicas: int, max_steps: int) -> str | None:
         return None  # torchft keeps no rounds in the store
 
     def check_section(self) -> None:
         d = self.config
-        require(d.fragments == 1, "diloco.fragments", "is used with diloco.mode = 'decoupled' only")
         require(
-            d.aggregate == "mean" and d.screen == "none",
+            d.decoupled.fragments == 1,
+            "diloco.fragments",
+            "is used with diloco.mode = 'decoupled' only",
+        )
+        require(
+            d.exchange.aggregate == "mean" and d.exchange.screen == "none",
             "diloco.aggregate",
             "robust aggregation and screening run in the object-store exchange; torchft "
             "averages over gloo (use manager = 'object_store')",
         )
         require(
-            d.codec == codec_fp32.NAME,  # torchft's own allreduce: lossless float32
+            d.exchange.codec == codec_fp32.NAME,  # torchft's own allreduce: lossless float32
             "diloco.codec",
-            f"{d.codec!r} applies to the object-store exchange; torchft averages fp32 "
+            f"{d.exchange.codec!r} applies to the object-store exchange; torchft averages fp32 "
             "over gloo (use codec = 'fp32' or manager = 'object_store')",
         )
         require(
-            d.weighting == "equal",
+            d.exchange.weighting == "equal",
             "diloco.weighting",
             "torchft averages replicas equally; 'tokens' needs manager = 'object_store'",
         )
 
     def check_run(self, run: RunShape) -> None:
-        if not self.config.lighthouse:
+        if not self.config.torchft.lighthouse:
             require(
                 run.local_backend,
                 "diloco.lighthouse",
@@ -122,7 +126,7 @@ class TorchftDiLoCo(SyncDiLoCo):
     def build_manager(self, ctx: ReplicaContext, global_weights: GlobalWeights) -> Manager:
         """A torchft Manager dialling the lighthouse, publishing its outer state to the store."""
         d = self.config
-        lighthouse = d.lighthouse or os.environ.get(LIGHTHOUSE_ENV, "")
+        lighthouse = d.torchft.lighthouse or os.environ.get(LIGHTHOUSE_ENV, "")
         if not lighthouse:
             raise ValueError(
                 "diloco.manager = 'torchft' needs a lighthouse: set diloco.lighthouse = "
@@ -133,7 +137,7 @@ class TorchftDiLoCo(SyncDiLoCo):
         states = RunDocuments(
             ctx.store,
             world_size=ctx.n_replicas,
-            codec=d.codec,
+            codec=d.exchange.codec,
             keep_steps=ctx.keep_rounds,
             poll_interval_s=0.5,
         )
@@ -150,6 +154,6 @@ class TorchftDiLoCo(SyncDiLoCo):
         )
 
     def build_lighthouse(self, n_replicas: int) -> LocalLighthouse | None:
-        if self.config.lighthouse:  # the user runs one where the replicas can reach it
+        if self.config.torchft.lighthouse:  # the user runs one where the replicas can reach it
             return None
         return LocalLighthouse(self.quorum(n_replicas))

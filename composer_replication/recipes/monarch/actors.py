@@ -161,8 +161,10 @@ def check_supported(config: RunConfig) -> None:
         bad.append(f"diloco.mode = {d.mode!r} (the recipe runs synchronous DiLoCo: set 'sync')")
     if d.manager != "object_store":
         bad.append(f"diloco.manager = {d.manager!r} (set 'object_store')")
-    if d.screen != "none":
-        bad.append(f"diloco.screen = {d.screen!r} (set 'none'; use `composer-replication train`)")
+    if d.exchange.screen != "none":
+        bad.append(
+            f"diloco.screen = {d.exchange.screen!r} (set 'none'; use `composer-replication train`)"
+        )
     if config.security.sign:
         bad.append("security.sign = true (set false; use `composer-replication train`)")
     if config.chaos.events:
@@ -532,10 +534,10 @@ class TrainerActor(Actor):
             self.store_uri,
             world_size=n,
             rank=rank,
-            config=d.allreduce_config(  # min_replicas: all replicas but one by default
+            config=d.exchange.allreduce_config(  # min_replicas: all replicas but one by default
                 n,
                 keep_rounds=config.store.keep_rounds,
-                policy=d.aggregate_policy(max_inner_steps=d.sync_every_h),
+                policy=d.exchange.aggregate_policy(max_inner_steps=d.sync_every_h),
             ),
             # default: all replicas but one
             storage_options=config.store.storage_options or None,
@@ -547,7 +549,7 @@ class TrainerActor(Actor):
                 manager,
                 d.sync_every_h,
                 model=model,
-                outer=d.build_outer_optimizer(),
+                outer=d.outer.build_outer_optimizer(),
             )
             stops = stop_token_ids(tok, model.generation_config.eos_token_id)
             reward = _RemoteReward(self.rewarder, self.rewarder.name.call_one().get(), tok, stops)

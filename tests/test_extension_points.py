@@ -30,6 +30,7 @@ from composer_replication.exchange import codecs, rules, schemes
 from composer_replication.exchange.codec_blocks import NoConfig
 from composer_replication.exchange.store import ObjectStore
 from composer_replication.executors import registry
+from composer_replication.loss import combine, sdpo_wrappers
 from composer_replication.run.preflight import check_store_scheme
 from composer_replication.tasks import TASKS
 
@@ -43,6 +44,7 @@ REGISTRATIONS = {
     "A store scheme (tested)": ("exchange/schemes.py", "SCHEMES"),
     "A task (tested)": ("tasks/__init__.py", "TASKS"),
     "An outer-loop mode (tested)": ("diloco/mode_registry.py", "_MODES"),
+    "An SDPO wrapper (tested)": ("loss/sdpo_wrappers.py", "_REGISTRY"),
 }
 
 
@@ -438,3 +440,73 @@ def test_an_outer_loop_mode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setitem(mode_registry._MODES, ("other", "object_store"), "toy_mode:EchoSync")
     with pytest.raises(TypeError, match="make its names and its _MODES entry agree"):
         mode_registry.outer_loop_modes()
+
+
+# ----------------------------------------------------------------------------- an SDPO wrapper
+
+WRAPPER = """
+    from composer_replication.loss.distill import generalized_jsd
+    from composer_replication.loss.sdpo_wrappers import PlainWrapper
+
+    CALLS = []
+
+
+    class DoubleJsd(PlainWrapper):  # no rule, schedule or per-step metric: PlainWrapper's
+        def divergence(self, s, student, teacher, token_mask):
+            CALLS.append(tuple(student.shape))
+            loss, _ = generalized_jsd(
+                student, teacher, beta=s.sdpo_jsd_beta, temperature=s.sdpo_temperature,
+                mask=token_mask,
+            )
+            return 2.0 * loss, {"double/half": float(loss.detach())}
+"""
+
+
+def _jsd_reference(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor) -> float:
+    """Jensen-Shannon divergence (beta 0.5) per token, in float64, the mean over ``mask``."""
+    p, q = student.double().softmax(-1), teacher.double().softmax(-1)
+    m = (p + q) / 2
+    per_token = 0.5 * (p * (p / m).log()).sum(-1) + 0.5 * (q * (q / m).log()).sum(-1)
+    return float(per_token[mask].mean())
+
+
+def test_an_sdpo_wrapper(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    toy = _toy_module(tmp_path, monkeypatch, "toy_wrapper", WRAPPER)
+    monkeypatch.setattr(sdpo_wrappers, "_BUILT", {})  # no instance of another test's toy
+    monkeypatch.setitem(sdpo_wrappers._REGISTRY, "double_jsd", "toy_wrapper:DoubleJsd")
+    config = _config(
+        tmp_path,
+        """
+        [loss]
+        sdpo_wrapper = "double_jsd"
+        alpha_sdpo = 0.5
+        sdpo_jsd_beta = 0.5
+        beta_replay = 0
+        """,
+    )
+    assert config.loss.sdpo_wrapper == "double_jsd"
+    g = torch.Generator().manual_seed(0)
+    b, t, v = 3, 5, 11
+    student, teacher = torch.randn(b, t, v, generator=g), torch.randn(b, t, v, generator=g)
+    completion_mask = torch.ones(b, t, dtype=torch.bool)
+    completion_mask[1, 3:] = False
+    sdpo_mask = torch.tensor([True, True, False])
+    logps = torch.randn(b, t, generator=g)
+    kwargs = config.loss.compose_kwargs()  # the [loss] section as compose_loss keywords
+    total, metrics = combine(
+        per_token_logps=logps,
+        completion_mask=completion_mask,
+        advantages=torch.tensor([1.0, -1.0, 0.5]),
+        student_logits=student,
+        teacher_logits=teacher,
+        sdpo_mask=sdpo_mask,
+        **kwargs,
+    )
+    assert toy.CALLS == [(b, t, v)]
+    jsd = _jsd_reference(student, teacher, completion_mask & sdpo_mask[:, None])
+    assert metrics["double/half"] == pytest.approx(jsd, rel=1e-5)
+    assert metrics["loss/sdpo"] == pytest.approx(2 * jsd, rel=1e-5)
+    assert float(total) == pytest.approx(metrics["loss/grpo"] + 0.5 * 2 * jsd, rel=1e-5)
+    assert "taid/t" not in metrics
+    with pytest.raises(ConfigError, match=r"loss.sdpo_wrapper: .*did you mean 'double_jsd'"):
+        _config(tmp_path, '[loss]\nsdpo_wrapper = "double_jsb"\n')

@@ -134,8 +134,9 @@ def reference_markdown() -> str:
         "(declared once in loss/loss_settings.py; docs/api.md). A key whose type reads `str: a ...` "
         "names an entry of a registry (`backend.kind` the executor backends, docs/backends.md; "
         "`diloco.codec` the codecs and `diloco.aggregate` the aggregation rules, "
-        "docs/object-store.md): the loader accepts every registered name, so this page lists "
-        "none of them."
+        "docs/object-store.md; `loss.sdpo_wrapper` channel 2's divergences, docs/channels.md): "
+        "the loader accepts every registered name, so this page lists none of them (but the "
+        "help may name the built-in ones)."
     )
     lines = [BEGIN, "", *_wrap(intro)]
     choices = _embedded_choices()

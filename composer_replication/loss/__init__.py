@@ -21,12 +21,14 @@
   ``ComposeConfig`` and the PRIME-RL recipe's config inherit them
 - ``ComposeConfig``: every keyword and its default (``LossSettings`` + the run's ``temperature``
   and ``taid_schedule_step``); ``TAID_T_START``/``TAID_T_END`` and the choice tuples
-  ``LOSS_TYPES``, ``SDPO_WRAPPERS``, ``DPO_VARIANTS`` (and their ``Literal`` types ``LossType``,
-  ``SdpoWrapper``, ``DpoVariant``)
+  ``LOSS_TYPES``, ``SDPO_WRAPPERS``, ``DPO_VARIANTS`` (and their types ``LossType``,
+  ``SdpoWrapper``, ``DpoVariant``; ``SdpoWrapper`` is a name in ``sdpo_wrappers``' registry)
+- ``sdpo_wrappers``: channel 2's divergences by name (the ``sdpo_wrapper`` setting), a seam
 
 Every loss returns ``(loss, metrics)``: a 0-dim tensor and a dict of python floats.
 """
 
+from composer_replication.loss import sdpo_wrappers
 from composer_replication.loss._channels import replay_preference
 from composer_replication.loss._logprobs import (
     CausalLM,
@@ -107,6 +109,7 @@ __all__ = [
     "replay_preference",
     "replay_term",
     "sdpo_term",
+    "sdpo_wrappers",
     "selective_log_softmax",
     "setting_names",
     "simpo_loss",

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from composer_replication.loss import sdpo_wrappers
 from composer_replication.loss._checks import check_same_shape, check_tensor
-from composer_replication.loss._config import ComposeConfig, taid_t_for
-from composer_replication.loss.distill import entropy_opd_loss, generalized_jsd, taid_loss
+from composer_replication.loss._config import ComposeConfig
 from composer_replication.loss.loss_settings import SampledTokenSettings
 from composer_replication.loss.policy import grpo_loss
 from composer_replication.loss.preference import dpo_loss, simpo_loss
@@ -29,28 +29,8 @@ def sdpo_divergence(
 
     The token mean over the mask; its metrics plus ``loss/sdpo`` (that mean).
     """
-    if cfg.sdpo_wrapper == "taid":
-        t = taid_t_for(cfg)
-        loss, m = taid_loss(student, teacher, t, mask=token_mask, temperature=cfg.sdpo_temperature)
-    elif cfg.sdpo_wrapper == "entropy_opd":
-        loss, m = entropy_opd_loss(
-            student,
-            teacher,
-            h_max=cfg.entropy_opd_h_max,
-            mask=token_mask,
-            temperature=cfg.sdpo_temperature,
-        )
-    else:
-        loss, m = generalized_jsd(
-            student,
-            teacher,
-            beta=cfg.sdpo_jsd_beta,
-            temperature=cfg.sdpo_temperature,
-            mask=token_mask,
-            token_clip=cfg.sdpo_token_clip,
-            top_k=cfg.sdpo_top_k,
-            add_tail=cfg.sdpo_add_tail,
-        )
+    wrapper = sdpo_wrappers.get(cfg.sdpo_wrapper)
+    loss, m = wrapper.divergence(cfg, student, teacher, token_mask)
     m["loss/sdpo"] = float(loss.detach())
     return loss, m
 
@@ -173,8 +153,8 @@ def assemble(
     if replay is not None:
         metrics.update(replay[1])
         metrics["replay/active"] = 1.0
-    if cfg.sdpo_wrapper == "taid" and cfg.alpha_sdpo != 0.0:
-        metrics["taid/t"] = taid_t_for(cfg)
+    if cfg.alpha_sdpo != 0.0:  # the wrapper's metrics of every step (TAID's taid/t)
+        metrics.update(sdpo_wrappers.get(cfg.sdpo_wrapper).step_metrics(cfg))
     metrics["loss/total"] = float(total.detach())
     return total, metrics
 

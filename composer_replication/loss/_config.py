@@ -14,8 +14,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import TypedDict
 
+from composer_replication.loss import sdpo_wrappers
 from composer_replication.loss._checks import check_scalar
-from composer_replication.loss.distill import TAID_T_END, TAID_T_START
 from composer_replication.loss.loss_settings import (
     DpoVariant,
     LossSettings,
@@ -41,15 +41,7 @@ class ComposeConfig(LossSettings, WriteOnce):
         check_scalar("temperature", self.temperature, low=0.0, low_open=True)
         if self.taid_schedule_step is not None:
             check_scalar("taid_schedule_step", self.taid_schedule_step, low=0)
-        if self.sdpo_wrapper == "taid":
-            if self.taid_t is None and self.taid_schedule_step is None:
-                raise ValueError(
-                    "sdpo_wrapper='taid' needs taid_t (the interpolation coefficient in [0, 1]) or "
-                    "taid_schedule_step with taid_total_steps (linear "
-                    f"{TAID_T_START} -> {TAID_T_END} schedule)"
-                )
-            if self.taid_t is None and self.taid_total_steps is None:
-                raise ValueError("taid_schedule_step is given without taid_total_steps; pass both")
+        sdpo_wrappers.get(self.sdpo_wrapper).check(self)  # the wrapper's own rules
 
     @classmethod
     def from_kwargs(cls, kwargs: Mapping[str, object]) -> ComposeConfig:
@@ -92,13 +84,3 @@ class ComposeKwargs(TypedDict, total=False):
     entropy_opd_h_max: float
     temperature: float
     taid_schedule_step: int | None
-
-
-def taid_t_for(cfg: ComposeConfig) -> float:
-    """TAID t: ``taid_t`` if given, else linear ``TAID_T_START -> TAID_T_END`` over
-    ``taid_schedule_step / taid_total_steps``."""
-    if cfg.taid_t is not None:
-        return float(cfg.taid_t)
-    assert cfg.taid_schedule_step is not None and cfg.taid_total_steps is not None
-    progress = min(float(cfg.taid_schedule_step) / float(cfg.taid_total_steps), 1.0)
-    return TAID_T_START + (TAID_T_END - TAID_T_START) * progress

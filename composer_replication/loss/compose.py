@@ -28,7 +28,7 @@ from typing import Unpack
 import torch
 from torch import Tensor
 
-from composer_replication.loss import _batch
+from composer_replication.loss import _batch, sdpo_wrappers
 from composer_replication.loss._channels import (
     Result,
     grpo_term,
@@ -316,7 +316,7 @@ def fused_sdpo_term(
     """
     cfg = ComposeConfig.from_kwargs(kwargs)
     inputs = _check_inputs(inputs)
-    if cfg.sdpo_wrapper != "none" or cfg.sdpo_top_k is not None:
+    if not sdpo_wrappers.get(cfg.sdpo_wrapper).fused_ok or cfg.sdpo_top_k is not None:
         raise ValueError(
             "fused_sdpo_term computes the full-vocabulary generalized JSD only; with "
             f"sdpo_wrapper={cfg.sdpo_wrapper!r} or sdpo_top_k={cfg.sdpo_top_k!r} use sdpo_term on "

@@ -39,8 +39,10 @@ class; unlike a frozen dataclass they are not hashable (nothing hashes them; ``R
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal, TypeVar, get_args
+from typing import Annotated, Literal, TypeVar, get_args
 
+from composer_replication.fields import OneOf
+from composer_replication.loss import sdpo_wrappers
 from composer_replication.loss._checks import check_choice, check_scalar
 from composer_replication.loss.distill import DEFAULT_ENTROPY_OPD_H_MAX, TAID_T_END, TAID_T_START
 from composer_replication.loss.policy import LOSS_TYPES, LossType
@@ -58,9 +60,13 @@ __all__ = [
     "setting_names",
 ]
 
-SdpoWrapper = Literal["none", "taid", "entropy_opd"]
+SdpoWrapper = Annotated[
+    str, OneOf(sdpo_wrappers.names, 'a channel-2 wrapper (docs/channels.md, "SDPO wrappers")')
+]
+"""A registered channel-2 wrapper's name (`sdpo_wrappers`; the loader checks it)."""
 DpoVariant = Literal["dpo", "simpo"]
-SDPO_WRAPPERS: tuple[SdpoWrapper, ...] = get_args(SdpoWrapper)
+SDPO_WRAPPERS: tuple[str, ...] = sdpo_wrappers.names()
+"""The built-in wrappers' names (``sdpo_wrappers.names()`` is the registry's, read when asked)."""
 DPO_VARIANTS: tuple[DpoVariant, ...] = get_args(DpoVariant)
 
 _T = TypeVar("_T")
@@ -199,7 +205,7 @@ class Channel23Settings(SampledTokenSettings):
             check_scalar("sdpo_token_clip", self.sdpo_token_clip, low=0.0, low_open=True)
         _check_positive_int("sdpo_top_k", self.sdpo_top_k, "")
         _check_positive_int("sdpo_max_context_length", self.sdpo_max_context_length, " (no cap)")
-        check_choice("sdpo_wrapper", self.sdpo_wrapper, SDPO_WRAPPERS)
+        sdpo_wrappers.check_wrapper(self.sdpo_wrapper)
         if self.taid_t is not None:
             check_scalar("taid_t", self.taid_t, low=0.0, high=1.0)
         if self.taid_total_steps is not None:

@@ -30,6 +30,7 @@ from composer_replication.loss import (
     Channel23Settings,
     ComposeConfig,
     WriteOnce,
+    sdpo_wrappers,
     setting_names,
 )
 
@@ -120,9 +121,7 @@ class ComposerSettings(Channel23Settings, WriteOnce):
     @property
     def taid_scheduled(self) -> bool:
         """TAID with neither taid_t nor taid_schedule_step: t is driven by `TAIDCallback`."""
-        return (
-            self.sdpo_wrapper == "taid" and self.taid_t is None and self.taid_schedule_step is None
-        )
+        return sdpo_wrappers.get(self.sdpo_wrapper).needs_schedule(self)
 
     @classmethod
     def resolve(cls, args: object, overrides: Mapping[str, object]) -> ComposerSettings:

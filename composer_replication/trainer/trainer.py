@@ -56,11 +56,13 @@ from composer_replication.data.teachers import TeacherPool
 from composer_replication.data.traces import Prompt, TraceRecord, TraceStore
 from composer_replication.data.turns import align_generation_stops, end_of_turn_id
 from composer_replication.loss import (
+    ComposeConfig,
     assemble,
     fused_replay_term,
     fused_sdpo_term,
     replay_term,
     sdpo_term,
+    sdpo_wrappers,
     selective_log_softmax,
 )
 from composer_replication.trainer.batch import (
@@ -350,7 +352,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
         s = self.composer
         if not s.sdpo_fused:
             return None
-        if s.sdpo_wrapper != "none" or s.sdpo_top_k is not None:
+        if not sdpo_wrappers.get(s.sdpo_wrapper).fused_ok or s.sdpo_top_k is not None:
             why = f"sdpo_wrapper={s.sdpo_wrapper!r} / sdpo_top_k={s.sdpo_top_k!r} need the logits"
             student = teacher = None
         else:
@@ -1130,9 +1132,11 @@ class ComposerReplicationTrainer(GRPOTrainer):
     def _log_flags(self, mode: str, active2: bool, active3: bool) -> None:
         if self._channel2:
             self._metrics[mode]["sdpo/active"].append(float(active2))
-            t = self._loss_kwargs()["taid_t"]
-            if self.composer.sdpo_wrapper == "taid" and t is not None:
-                self._metrics[mode]["taid/t"].append(float(t))
+            kwargs = self._loss_kwargs()
+            if kwargs["taid_t"] is not None:  # the wrapper's metrics of every step (taid/t)
+                cfg = ComposeConfig.from_kwargs(kwargs)
+                for key, value in sdpo_wrappers.get(cfg.sdpo_wrapper).step_metrics(cfg).items():
+                    self._metrics[mode][key].append(value)
         if self._channel3:
             self._metrics[mode]["replay/active"].append(float(active3))
 

@@ -22,7 +22,7 @@ from composer_replication.loss import (
     setting_names,
 )
 
-HINTS = typing.get_type_hints(LossSettings)
+HINTS = typing.get_type_hints(LossSettings, include_extras=True)
 
 
 def test_loss_settings_are_channel_1_then_channels_2_and_3() -> None:
@@ -70,13 +70,13 @@ def test_each_setting_has_a_help_text(name: str) -> None:
 
 def test_the_choices_are_literal_types_of_the_choice_tuples() -> None:
     """mypy and the TOML loader see the choices: the field types are the Literals."""
-    for name, choices in (
-        ("loss_type", LOSS_TYPES),
-        ("sdpo_wrapper", SDPO_WRAPPERS),
-        ("dpo_variant", DPO_VARIANTS),
-    ):
+    for name, choices in (("loss_type", LOSS_TYPES), ("dpo_variant", DPO_VARIANTS)):
         assert typing.get_origin(HINTS[name]) is typing.Literal
         assert typing.get_args(HINTS[name]) == choices
+    # sdpo_wrapper names a registry's entry (loss.sdpo_wrappers): Annotated[str, OneOf(names)]
+    assert typing.get_origin(HINTS["sdpo_wrapper"]) is typing.Annotated
+    base, one_of = typing.get_args(HINTS["sdpo_wrapper"])
+    assert base is str and one_of.choices() == SDPO_WRAPPERS == ("none", "taid", "entropy_opd")
     assert HINTS["sdpo_top_k"] == int | None and HINTS["alpha_sdpo"] is float
 
 

@@ -18,7 +18,7 @@ outer-loop mode it names checks its rules across sections here,
 (``keep_rounds`` defaults to `exchange.settings.KEEP_ROUNDS`, which the synchronizer keeps too);
 `[security]` is `exchange.signing.SecurityConfig`; `[backend]` is
 `executors.registry.BackendConfig` (``kind`` one of the registry's names); `[chaos]` is
-`faults.events.ChaosConfig`. Nothing here is a second copy of a name or a default owned
+`faults.events.ChaosConfig`; `[model]` is `models.model_config.ModelConfig`. Nothing here is a second copy of a name or a default owned
 elsewhere:
 - `[loss]` is the loss library's `LossSettings` (the one list of loss settings: each key's type,
   choices, default, help and check, declared once in loss/loss_settings.py), by inheritance.
@@ -44,6 +44,7 @@ from composer_replication.faults.events import (
 )
 from composer_replication.fields import require, setting
 from composer_replication.loss import ComposeConfig, LossSettings, WriteOnce
+from composer_replication.models.model_config import ModelConfig
 
 __all__ = [
     "GENERATION_ENGINES",
@@ -112,36 +113,6 @@ class RunSection:
             "run.name",
             f"{self.name!r} must be a plain folder name (no path separators)",
         )
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """The policy: 'tiny' (built locally, no download), a hub id, or a local folder."""
-
-    name: str = setting("tiny", "'tiny', a Hugging Face hub id (org/name) or a local model folder")
-    hidden_size: int = setting(64, "tiny model only: hidden size")
-    num_layers: int = setting(2, "tiny model only: number of transformer layers")
-    num_heads: int = setting(4, "tiny model only: attention heads")
-    num_kv_heads: int = setting(2, "tiny model only: key/value heads")
-    tokenizer: Literal["char", "bpe"] = setting(
-        "char",
-        "tiny model only: 'char' (one token per character) or 'bpe' (trained locally on "
-        "the task's training text, cached)",
-    )
-    vocab_size: int = setting(512, "tiny model with tokenizer 'bpe': the largest vocabulary")
-    dtype: Literal["float32", "bfloat16", "float16", "auto"] = setting(
-        "float32", "parameter dtype for hub/local models"
-    )
-    trust_remote_code: bool = setting(False, "passed to from_pretrained for hub/local models")
-
-    def __post_init__(self) -> None:
-        require(bool(self.name.strip()), "model.name", "must not be empty (use 'tiny')")
-        for key in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "vocab_size"):
-            require(getattr(self, key) >= 1, f"model.{key}", "must be >= 1")
-
-    @property
-    def is_tiny(self) -> bool:
-        return self.name == "tiny"
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,8 @@ outer-loop mode it names checks its rules across sections here,
 (``keep_rounds`` defaults to `exchange.settings.KEEP_ROUNDS`, which the synchronizer keeps too);
 `[security]` is `exchange.signing.SecurityConfig`; `[backend]` is
 `executors.registry.BackendConfig` (``kind`` one of the registry's names); `[chaos]` is
-`faults.events.ChaosConfig`; `[model]` is `models.model_config.ModelConfig`. Nothing here is a second copy of a name or a default owned
+`faults.events.ChaosConfig`; `[model]` is `models.model_config.ModelConfig`; `[task]` is
+`tasks.task_config.TaskConfig`. Nothing here is a second copy of a name or a default owned
 elsewhere:
 - `[loss]` is the loss library's `LossSettings` (the one list of loss settings: each key's type,
   choices, default, help and check, declared once in loss/loss_settings.py), by inheritance.
@@ -45,6 +46,7 @@ from composer_replication.faults.events import (
 from composer_replication.fields import require, setting
 from composer_replication.loss import ComposeConfig, LossSettings, WriteOnce
 from composer_replication.models.model_config import ModelConfig
+from composer_replication.tasks.task_config import TaskConfig
 
 __all__ = [
     "GENERATION_ENGINES",
@@ -113,37 +115,6 @@ class RunSection:
             "run.name",
             f"{self.name!r} must be a plain folder name (no path separators)",
         )
-
-
-@dataclass(frozen=True)
-class TaskConfig:
-    """A verifiable task (composer_replication.tasks): built in, or an OpenEnv environment."""
-
-    name: str = setting(
-        "arithmetic",
-        "built-in task name (see composer_replication.tasks.TASKS), 'reasoning_gym:DATASET', or "
-        "'openenv:URL_OR_IMAGE' for an OpenEnv environment (docs/recipes/openenv.md)",
-    )
-    n_train: int = setting(256, "training prompts")
-    n_eval: int = setting(32, "held-out evaluation prompts (disjoint from training)")
-    options: dict[str, Any] = setting({}, "task-specific options passed to get_task(...)")
-    shard: Literal["disjoint", "shared"] = setting(
-        "disjoint",
-        "'disjoint': replica k trains on every n-th training prompt from k (data islands, the "
-        "DiLoCo setting); 'shared': every replica samples from all of them",
-    )
-
-    hint_share: float = setting(
-        0.0,
-        "share of the distinct training prompts also trained on with channel 2's hint in context "
-        "(in turn: the solution, the solution and the feedback on a near miss, the feedback "
-        "alone), so the policy learns to read the hint its channel-2 teacher is shown; 0 = none",
-    )
-
-    def __post_init__(self) -> None:
-        require(self.n_train >= 1, "task.n_train", "must be >= 1")
-        require(self.n_eval >= 0, "task.n_eval", "must be >= 0")
-        require(0.0 <= self.hint_share <= 1.0, "task.hint_share", "must be in [0, 1]")
 
 
 @dataclass(frozen=True)

@@ -161,7 +161,7 @@ def test_config_composes_the_components_configs():
     # each component owns its config (diloco: the [diloco] section; faults: [chaos]); the run
     # schema composes them and takes names and defaults from the loss library and registries
     allowed = {"config", "loss", "diloco", "exchange", "executors", "faults"}
-    allowed |= {"models", "tasks"}
+    allowed |= {"models", "tasks", "data"}
     assert violations({"config"}, LAYERS - allowed) == []
 
 

@@ -19,7 +19,9 @@ outer-loop mode it names checks its rules across sections here,
 `[security]` is `exchange.signing.SecurityConfig`; `[backend]` is
 `executors.registry.BackendConfig` (``kind`` one of the registry's names); `[chaos]` is
 `faults.events.ChaosConfig`; `[model]` is `models.model_config.ModelConfig`; `[task]` is
-`tasks.task_config.TaskConfig`. Nothing here is a second copy of a name or a default owned
+`tasks.task_config.TaskConfig`; `[teachers]` is
+`data.teachers.teachers_config.TeachersConfig` (its `[[teachers.endpoints]]` entries
+`EndpointConfig`). Nothing here is a second copy of a name or a default owned
 elsewhere:
 - `[loss]` is the loss library's `LossSettings` (the one list of loss settings: each key's type,
   choices, default, help and check, declared once in loss/loss_settings.py), by inheritance.
@@ -31,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
+from composer_replication.data.teachers.teachers_config import EndpointConfig, TeachersConfig
 from composer_replication.diloco.mode_protocol import OuterLoopMode, RunShape
 from composer_replication.diloco.mode_registry import outer_loop_mode
 from composer_replication.diloco.section import DilocoConfig
@@ -218,44 +221,6 @@ class LossConfig(LossSettings, WriteOnce):
         """The compose_loss keyword arguments (unset optionals omitted)."""
         out = {k: getattr(self, k) for k in self.__dataclass_fields__}
         return {k: v for k, v in out.items() if v is not None}
-
-
-@dataclass(frozen=True)
-class EndpointConfig:
-    """An OpenAI-compatible teacher endpoint (channel 3 traces)."""
-
-    name: str = setting("teacher", "label recorded in the traces")
-    base_url: str = setting("", "e.g. https://openrouter.ai/api/v1 or http://127.0.0.1:8000/v1")
-    model: str = setting("", "model name sent to the endpoint")
-    api_key_env: str = setting("OPENAI_API_KEY", "environment variable holding the API key")
-    max_tokens: int = setting(256, "completion tokens per trace")
-    temperature: float = setting(0.7, "sampling temperature")
-
-    def __post_init__(self) -> None:
-        # from_dict prefixes these with the entry's path, e.g. "teachers.endpoints[0]".
-        require(bool(self.base_url), "base_url", "must be set")
-        require(bool(self.model), "model", "must be set")
-
-
-@dataclass(frozen=True)
-class TeachersConfig:
-    """Where channel 3's teacher traces come from."""
-
-    oracle: bool = setting(
-        True, "replay the task's oracle solutions when no endpoint/traces are given"
-    )
-    traces_path: str = setting(
-        "", "pre-baked traces JSONL (from `composer-replication bake-traces`)"
-    )
-    endpoints: list[EndpointConfig] = setting(
-        [], "OpenAI-compatible teachers ([[teachers.endpoints]])"
-    )
-    min_reward: float | None = setting(
-        None,
-        "replay only traces the task's verifier scored at least this (a trace it rejects, or "
-        "one not scored, is never a target; rejection-sampling fine-tuning's filter); unset = "
-        "every trace",
-    )
 
 
 @dataclass(frozen=True)

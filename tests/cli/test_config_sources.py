@@ -156,7 +156,8 @@ def test_docs_reference_is_the_generated_one() -> None:
 def test_reference_lists_every_key_and_the_embedded_choices() -> None:
     """The generator itself: every section and key, with help, and default.toml's choices."""
     from composer_replication.config.reference import reference_markdown
-    from composer_replication.config.schema import EndpointConfig, RunConfig
+    from composer_replication.config.schema import RunConfig
+    from composer_replication.data.teachers.teachers_config import EndpointConfig
 
     text = reference_markdown()
     hints = typing.get_type_hints(RunConfig)

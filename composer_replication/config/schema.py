@@ -31,7 +31,7 @@ The loader checks values against the `Literal` choices and suggests the nearest 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import Literal, get_args
 
 from composer_replication.data.teachers.teachers_config import EndpointConfig, TeachersConfig
 from composer_replication.diloco.mode_protocol import OuterLoopMode, RunShape
@@ -47,7 +47,7 @@ from composer_replication.faults.events import (
     ChaosEventConfig,
 )
 from composer_replication.fields import require, setting
-from composer_replication.loss import ComposeConfig, LossSettings, WriteOnce
+from composer_replication.loss.loss_section import LossConfig
 from composer_replication.models.model_config import ModelConfig
 from composer_replication.tasks.task_config import TaskConfig
 
@@ -186,41 +186,6 @@ class TrainConfig:
         require(self.eval_every_rounds >= 0, "train.eval_every_rounds", "must be >= 0")
         require(self.eval_max_examples >= 0, "train.eval_max_examples", "must be >= 0")
         require(self.torch_threads >= 0, "train.torch_threads", "must be >= 0")
-
-
-@dataclass(kw_only=True)
-class LossConfig(LossSettings, WriteOnce):
-    """The composer loss: the loss library's `LossSettings` (see docs/api.md).
-
-    Each key's type, default, help and check is declared once, in loss/loss_settings.py; this
-    class inherits them. Immutable as the other sections, through `WriteOnce` (a frozen
-    dataclass cannot inherit the settings, mutable because TRL's `GRPOConfig` shares them)."""
-
-    def __post_init__(self) -> None:
-        require(self.alpha_sdpo >= 0, "loss.alpha_sdpo", "must be >= 0")
-        require(self.beta_replay >= 0, "loss.beta_replay", "must be >= 0")
-        scheduled = self.sdpo_wrapper == "taid" and self.taid_t is None
-        if scheduled and self.taid_total_steps is None:
-            raise ValueError(
-                "loss.sdpo_wrapper: 'taid' needs loss.taid_t or loss.taid_total_steps "
-                "(a fixed t or a schedule length)"
-            )
-        # Every other rule is the loss library's: each setting's own check (LossSettings) and the
-        # rules across them (ComposeConfig; a scheduled TAID starts at step 0).
-        kwargs = self.compose_kwargs()
-        if scheduled:
-            kwargs["taid_schedule_step"] = 0
-        try:
-            ComposeConfig(**kwargs)
-        except ValueError as exc:  # "<key> must be ...": name it as the TOML key
-            key, _, rest = str(exc).partition(" ")
-            where = f"loss.{key}: {rest}" if key in self.__dataclass_fields__ else f"loss: {exc}"
-            raise ValueError(where) from None
-
-    def compose_kwargs(self) -> dict[str, Any]:
-        """The compose_loss keyword arguments (unset optionals omitted)."""
-        out = {k: getattr(self, k) for k in self.__dataclass_fields__}
-        return {k: v for k, v in out.items() if v is not None}
 
 
 @dataclass(frozen=True)

@@ -17,10 +17,11 @@ import pytest
 
 from composer_replication.config import ConfigError, default_toml_text, load_config
 from composer_replication.config.loader import section_keys, section_values
-from composer_replication.config.schema import BackendConfig, DilocoConfig, LossConfig
+from composer_replication.config.schema import BackendConfig, DilocoConfig
 from composer_replication.exchange.codecs import CODECS
 from composer_replication.executors.registry import BACKEND_NAMES
 from composer_replication.loss import ComposeConfig
+from composer_replication.loss.loss_section import LossConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMA_FIELDS = {f.name: f for f in dataclasses.fields(LossConfig)}

@@ -19,12 +19,15 @@ outer-loop mode it names checks its rules across sections here,
 `[security]` is `exchange.signing.SecurityConfig`; `[backend]` is
 `executors.registry.BackendConfig` (``kind`` one of the registry's names); `[chaos]` is
 `faults.events.ChaosConfig`; `[model]` is `models.model_config.ModelConfig`; `[task]` is
-`tasks.task_config.TaskConfig`; `[teachers]` is
-`data.teachers.teachers_config.TeachersConfig` (its `[[teachers.endpoints]]` entries
-`EndpointConfig`). Nothing here is a second copy of a name or a default owned
-elsewhere:
-- `[loss]` is the loss library's `LossSettings` (the one list of loss settings: each key's type,
-  choices, default, help and check, declared once in loss/loss_settings.py), by inheritance.
+`tasks.task_config.TaskConfig`; `[teachers]` is `data.teachers.teachers_config.TeachersConfig`
+(its `[[teachers.endpoints]]` entries `EndpointConfig`); `[loss]` is
+`loss.loss_section.LossConfig`, the loss library's `LossSettings` (the one list of loss
+settings: each key's type, choices, default, help and check, declared once in
+loss/loss_settings.py), by inheritance. Nothing here is a second copy of a name or a default
+owned elsewhere. The sections defined here are those with no component below config/ to sit
+beside: `[run]`, `[logging]` and `[checkpoint]` are run/'s (above config/, which config/ may not
+import) and `[train]` is read by assembly/ and run/ (see each class). They are re-exported here
+(`__all__`), the composition root, for the callers that build a `RunConfig` by hand.
 The loader checks values against the `Literal` choices and suggests the nearest name.
 """
 
@@ -104,7 +107,10 @@ LOSS_KEYS_SET_BY_THE_RUN = {
 
 @dataclass(frozen=True)
 class RunSection:
-    """Naming and seeding of the run; its folder is `<runs_dir>/<name>/`."""
+    """Naming and seeding of the run; its folder is `<runs_dir>/<name>/`.
+
+    Stays here: its component is the run (`run/folder.py`, the driver; `seed` is also handed to
+    what assembly/ builds), above config/, which config/ may not import."""
 
     name: str = setting("", "run name; empty = 'run-YYYYmmdd-HHMMSS' (a fresh folder every time)")
     runs_dir: str = setting(
@@ -122,7 +128,11 @@ class RunSection:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """The inner loop each replica runs (TRL GRPO settings)."""
+    """The inner loop each replica runs (TRL GRPO settings).
+
+    Stays here: no one component owns these keys. assembly/build.py translates most of them into
+    TRL's `GRPOConfig` (trainer/ takes that, not this section), and run/ reads the rest
+    (`max_steps`, the evaluation cadence, `torch_threads`); both sit above config/."""
 
     max_steps: int = setting(200, "inner optimizer steps per replica")
     learning_rate: float = setting(3e-3, "inner AdamW learning rate")
@@ -190,7 +200,10 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class LoggingConfig:
-    """What the driver shows and records."""
+    """What the driver shows and records.
+
+    Stays here: its component is run/ (the driver's display, metrics and report), above
+    config/, which config/ may not import."""
 
     progress: Literal["auto", "live", "plain", "none"] = setting(
         "auto", "auto = live display on a terminal, plain log lines otherwise"
@@ -207,7 +220,10 @@ class LoggingConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    """HF save_pretrained checkpoints (safetensors) of the global model + outer optimizer state."""
+    """HF save_pretrained checkpoints (safetensors) of the global model + outer optimizer state.
+
+    Stays here: its component is run/ (the driver's checkpoints), above config/, which config/
+    may not import."""
 
     every_rounds: int = setting(
         1, "checkpoint every N committed outer rounds (0 = only at the end)"

@@ -2,9 +2,10 @@
 
 `LossConfig` is `loss_settings.LossSettings` (each key's type, default, help and check, declared
 once there) made immutable by `WriteOnce`, with the rules across settings checked by
-`ComposeConfig` and reworded to name the TOML key (``loss.<name>: ...``). The run schema
-(`config.schema.RunConfig`) composes it; the run sets the two `ComposeConfig` keywords that are
-not `[loss]` keys (`config.schema.LOSS_KEYS_SET_BY_THE_RUN`).
+`ComposeConfig` and reworded to name the TOML key (``loss.<name>: ...``). Like all of loss/, it
+imports nothing of ours outside loss/ (so not `fields.require`: its two checks raise directly).
+The run schema (`config.schema.RunConfig`) composes it; the run sets the two `ComposeConfig`
+keywords that are not `[loss]` keys (`config.schema.LOSS_KEYS_SET_BY_THE_RUN`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from composer_replication.fields import require
 from composer_replication.loss._config import ComposeConfig
 from composer_replication.loss.loss_settings import LossSettings, WriteOnce
 
@@ -28,8 +28,12 @@ class LossConfig(LossSettings, WriteOnce):
     dataclass cannot inherit the settings, mutable because TRL's `GRPOConfig` shares them)."""
 
     def __post_init__(self) -> None:
-        require(self.alpha_sdpo >= 0, "loss.alpha_sdpo", "must be >= 0")
-        require(self.beta_replay >= 0, "loss.beta_replay", "must be >= 0")
+        # fields.require's message, written out: loss/ imports nothing of ours outside itself
+        # (tests/loss/test_loss_architecture.py), not even the floor's helpers.
+        if self.alpha_sdpo < 0:
+            raise ValueError("loss.alpha_sdpo: must be >= 0")
+        if self.beta_replay < 0:
+            raise ValueError("loss.beta_replay: must be >= 0")
         scheduled = self.sdpo_wrapper == "taid" and self.taid_t is None
         if scheduled and self.taid_total_steps is None:
             raise ValueError(

@@ -356,12 +356,12 @@ def run_once(
     from composer_replication.config.schema import (
         BackendConfig,
         DilocoConfig,
-        ModelConfig,
         RunConfig,
         StoreConfig,
         TrainConfig,
     )
     from composer_replication.exchange.store import ObjectStore
+    from composer_replication.models.model_config import ModelConfig
     from composer_replication.run.chaos import ThrottleProxy, check_decoupled_run, run_local
 
     tmp = Path(tempfile.mkdtemp(prefix=f"ddgoodput-{mode}-"))

@@ -158,9 +158,11 @@ def test_faults_act_on_the_store_only():
 
 
 def test_config_composes_the_components_configs():
-    # each component owns its config (diloco: the [diloco] section; faults: [chaos]); the run
-    # schema composes them and takes names and defaults from the loss library and registries
+    # each component owns its config (diloco: the [diloco] section; faults: [chaos]; models:
+    # [model]; tasks: [task]; data: [teachers]; loss: [loss]); the run schema composes them and
+    # takes names and defaults from the registries
     allowed = {"config", "loss", "diloco", "exchange", "executors", "faults"}
+    allowed |= {"models", "tasks", "data"}
     assert violations({"config"}, LAYERS - allowed) == []
 
 

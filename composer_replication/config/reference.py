@@ -29,7 +29,8 @@ from composer_replication.config.loader import (
     toml_value,
     type_name,
 )
-from composer_replication.config.schema import ChaosEventConfig, EndpointConfig, RunConfig
+from composer_replication.config.schema import ChaosEventConfig, RunConfig
+from composer_replication.data.teachers.teachers_config import EndpointConfig
 
 __all__ = ["BEGIN", "END", "main", "reference_markdown", "replace_reference"]
 

@@ -18,18 +18,25 @@ outer-loop mode it names checks its rules across sections here,
 (``keep_rounds`` defaults to `exchange.settings.KEEP_ROUNDS`, which the synchronizer keeps too);
 `[security]` is `exchange.signing.SecurityConfig`; `[backend]` is
 `executors.registry.BackendConfig` (``kind`` one of the registry's names); `[chaos]` is
-`faults.events.ChaosConfig`. Nothing here is a second copy of a name or a default owned
-elsewhere:
-- `[loss]` is the loss library's `LossSettings` (the one list of loss settings: each key's type,
-  choices, default, help and check, declared once in loss/loss_settings.py), by inheritance.
+`faults.events.ChaosConfig`; `[model]` is `models.model_config.ModelConfig`; `[task]` is
+`tasks.task_config.TaskConfig`; `[teachers]` is `data.teachers.teachers_config.TeachersConfig`
+(its `[[teachers.endpoints]]` entries `EndpointConfig`); `[loss]` is
+`loss.loss_section.LossConfig`, the loss library's `LossSettings` (the one list of loss
+settings: each key's type, choices, default, help and check, declared once in
+loss/loss_settings.py), by inheritance. Nothing here is a second copy of a name or a default
+owned elsewhere. The sections defined here are those with no component below config/ to sit
+beside: `[run]`, `[logging]` and `[checkpoint]` are run/'s (above config/, which config/ may not
+import) and `[train]` is read by assembly/ and run/ (see each class). They are re-exported here
+(`__all__`), the composition root, for the callers that build a `RunConfig` by hand.
 The loader checks values against the `Literal` choices and suggests the nearest name.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import Literal, get_args
 
+from composer_replication.data.teachers.teachers_config import EndpointConfig, TeachersConfig
 from composer_replication.diloco.mode_protocol import OuterLoopMode, RunShape
 from composer_replication.diloco.mode_registry import outer_loop_mode
 from composer_replication.diloco.section import DilocoConfig
@@ -43,7 +50,9 @@ from composer_replication.faults.events import (
     ChaosEventConfig,
 )
 from composer_replication.fields import require, setting
-from composer_replication.loss import ComposeConfig, LossSettings, WriteOnce
+from composer_replication.loss.loss_section import LossConfig
+from composer_replication.models.model_config import ModelConfig
+from composer_replication.tasks.task_config import TaskConfig
 
 __all__ = [
     "GENERATION_ENGINES",
@@ -98,7 +107,10 @@ LOSS_KEYS_SET_BY_THE_RUN = {
 
 @dataclass(frozen=True)
 class RunSection:
-    """Naming and seeding of the run; its folder is `<runs_dir>/<name>/`."""
+    """Naming and seeding of the run; its folder is `<runs_dir>/<name>/`.
+
+    Stays here: its component is the run (`run/folder.py`, the driver; `seed` is also handed to
+    what assembly/ builds), above config/, which config/ may not import."""
 
     name: str = setting("", "run name; empty = 'run-YYYYmmdd-HHMMSS' (a fresh folder every time)")
     runs_dir: str = setting(
@@ -115,69 +127,12 @@ class RunSection:
 
 
 @dataclass(frozen=True)
-class ModelConfig:
-    """The policy: 'tiny' (built locally, no download), a hub id, or a local folder."""
-
-    name: str = setting("tiny", "'tiny', a Hugging Face hub id (org/name) or a local model folder")
-    hidden_size: int = setting(64, "tiny model only: hidden size")
-    num_layers: int = setting(2, "tiny model only: number of transformer layers")
-    num_heads: int = setting(4, "tiny model only: attention heads")
-    num_kv_heads: int = setting(2, "tiny model only: key/value heads")
-    tokenizer: Literal["char", "bpe"] = setting(
-        "char",
-        "tiny model only: 'char' (one token per character) or 'bpe' (trained locally on "
-        "the task's training text, cached)",
-    )
-    vocab_size: int = setting(512, "tiny model with tokenizer 'bpe': the largest vocabulary")
-    dtype: Literal["float32", "bfloat16", "float16", "auto"] = setting(
-        "float32", "parameter dtype for hub/local models"
-    )
-    trust_remote_code: bool = setting(False, "passed to from_pretrained for hub/local models")
-
-    def __post_init__(self) -> None:
-        require(bool(self.name.strip()), "model.name", "must not be empty (use 'tiny')")
-        for key in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "vocab_size"):
-            require(getattr(self, key) >= 1, f"model.{key}", "must be >= 1")
-
-    @property
-    def is_tiny(self) -> bool:
-        return self.name == "tiny"
-
-
-@dataclass(frozen=True)
-class TaskConfig:
-    """A verifiable task (composer_replication.tasks): built in, or an OpenEnv environment."""
-
-    name: str = setting(
-        "arithmetic",
-        "built-in task name (see composer_replication.tasks.TASKS), 'reasoning_gym:DATASET', or "
-        "'openenv:URL_OR_IMAGE' for an OpenEnv environment (docs/recipes/openenv.md)",
-    )
-    n_train: int = setting(256, "training prompts")
-    n_eval: int = setting(32, "held-out evaluation prompts (disjoint from training)")
-    options: dict[str, Any] = setting({}, "task-specific options passed to get_task(...)")
-    shard: Literal["disjoint", "shared"] = setting(
-        "disjoint",
-        "'disjoint': replica k trains on every n-th training prompt from k (data islands, the "
-        "DiLoCo setting); 'shared': every replica samples from all of them",
-    )
-
-    hint_share: float = setting(
-        0.0,
-        "share of the distinct training prompts also trained on with channel 2's hint in context "
-        "(in turn: the solution, the solution and the feedback on a near miss, the feedback "
-        "alone), so the policy learns to read the hint its channel-2 teacher is shown; 0 = none",
-    )
-
-    def __post_init__(self) -> None:
-        require(self.n_train >= 1, "task.n_train", "must be >= 1")
-        require(self.n_eval >= 0, "task.n_eval", "must be >= 0")
-        require(0.0 <= self.hint_share <= 1.0, "task.hint_share", "must be in [0, 1]")
-
-
-@dataclass(frozen=True)
 class TrainConfig:
-    """The inner loop each replica runs (TRL GRPO settings)."""
+    """The inner loop each replica runs (TRL GRPO settings).
+
+    Stays here: no one component owns these keys. assembly/build.py translates most of them into
+    TRL's `GRPOConfig` (trainer/ takes that, not this section), and run/ reads the rest
+    (`max_steps`, the evaluation cadence, `torch_threads`); both sit above config/."""
 
     max_steps: int = setting(200, "inner optimizer steps per replica")
     learning_rate: float = setting(3e-3, "inner AdamW learning rate")
@@ -243,82 +198,12 @@ class TrainConfig:
         require(self.torch_threads >= 0, "train.torch_threads", "must be >= 0")
 
 
-@dataclass(kw_only=True)
-class LossConfig(LossSettings, WriteOnce):
-    """The composer loss: the loss library's `LossSettings` (see docs/api.md).
-
-    Each key's type, default, help and check is declared once, in loss/loss_settings.py; this
-    class inherits them. Immutable as the other sections, through `WriteOnce` (a frozen
-    dataclass cannot inherit the settings, mutable because TRL's `GRPOConfig` shares them)."""
-
-    def __post_init__(self) -> None:
-        require(self.alpha_sdpo >= 0, "loss.alpha_sdpo", "must be >= 0")
-        require(self.beta_replay >= 0, "loss.beta_replay", "must be >= 0")
-        scheduled = self.sdpo_wrapper == "taid" and self.taid_t is None
-        if scheduled and self.taid_total_steps is None:
-            raise ValueError(
-                "loss.sdpo_wrapper: 'taid' needs loss.taid_t or loss.taid_total_steps "
-                "(a fixed t or a schedule length)"
-            )
-        # Every other rule is the loss library's: each setting's own check (LossSettings) and the
-        # rules across them (ComposeConfig; a scheduled TAID starts at step 0).
-        kwargs = self.compose_kwargs()
-        if scheduled:
-            kwargs["taid_schedule_step"] = 0
-        try:
-            ComposeConfig(**kwargs)
-        except ValueError as exc:  # "<key> must be ...": name it as the TOML key
-            key, _, rest = str(exc).partition(" ")
-            where = f"loss.{key}: {rest}" if key in self.__dataclass_fields__ else f"loss: {exc}"
-            raise ValueError(where) from None
-
-    def compose_kwargs(self) -> dict[str, Any]:
-        """The compose_loss keyword arguments (unset optionals omitted)."""
-        out = {k: getattr(self, k) for k in self.__dataclass_fields__}
-        return {k: v for k, v in out.items() if v is not None}
-
-
-@dataclass(frozen=True)
-class EndpointConfig:
-    """An OpenAI-compatible teacher endpoint (channel 3 traces)."""
-
-    name: str = setting("teacher", "label recorded in the traces")
-    base_url: str = setting("", "e.g. https://openrouter.ai/api/v1 or http://127.0.0.1:8000/v1")
-    model: str = setting("", "model name sent to the endpoint")
-    api_key_env: str = setting("OPENAI_API_KEY", "environment variable holding the API key")
-    max_tokens: int = setting(256, "completion tokens per trace")
-    temperature: float = setting(0.7, "sampling temperature")
-
-    def __post_init__(self) -> None:
-        # from_dict prefixes these with the entry's path, e.g. "teachers.endpoints[0]".
-        require(bool(self.base_url), "base_url", "must be set")
-        require(bool(self.model), "model", "must be set")
-
-
-@dataclass(frozen=True)
-class TeachersConfig:
-    """Where channel 3's teacher traces come from."""
-
-    oracle: bool = setting(
-        True, "replay the task's oracle solutions when no endpoint/traces are given"
-    )
-    traces_path: str = setting(
-        "", "pre-baked traces JSONL (from `composer-replication bake-traces`)"
-    )
-    endpoints: list[EndpointConfig] = setting(
-        [], "OpenAI-compatible teachers ([[teachers.endpoints]])"
-    )
-    min_reward: float | None = setting(
-        None,
-        "replay only traces the task's verifier scored at least this (a trace it rejects, or "
-        "one not scored, is never a target; rejection-sampling fine-tuning's filter); unset = "
-        "every trace",
-    )
-
-
 @dataclass(frozen=True)
 class LoggingConfig:
-    """What the driver shows and records."""
+    """What the driver shows and records.
+
+    Stays here: its component is run/ (the driver's display, metrics and report), above
+    config/, which config/ may not import."""
 
     progress: Literal["auto", "live", "plain", "none"] = setting(
         "auto", "auto = live display on a terminal, plain log lines otherwise"
@@ -335,7 +220,10 @@ class LoggingConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    """HF save_pretrained checkpoints (safetensors) of the global model + outer optimizer state."""
+    """HF save_pretrained checkpoints (safetensors) of the global model + outer optimizer state.
+
+    Stays here: its component is run/ (the driver's checkpoints), above config/, which config/
+    may not import."""
 
     every_rounds: int = setting(
         1, "checkpoint every N committed outer rounds (0 = only at the end)"

@@ -8,7 +8,7 @@ inheritance (so mypy and an IDE see every field with its type):
 
 - ``ComposeConfig`` (``compose_loss`` / ``combine`` keywords): `LossSettings`, plus the values
   a run sets rather than a user (``temperature``, ``taid_schedule_step``);
-- ``config.schema.LossConfig`` (the TOML ``[loss]`` section): `LossSettings`, its keys exactly;
+- ``loss_section.LossConfig`` (the TOML ``[loss]`` section): `LossSettings`, its keys exactly;
 - ``trainer.ComposerSettings`` (``ComposerReplicationTrainer`` keywords) and
   ``trainer.ComposerConfig`` (a TRL ``GRPOConfig``, for ``HfArgumentParser``): `Channel23Settings`
   (channel 1 is TRL's own loss, configured by ``GRPOConfig``'s fields);

@@ -17,10 +17,11 @@ import pytest
 
 from composer_replication.config import ConfigError, default_toml_text, load_config
 from composer_replication.config.loader import section_keys, section_values
-from composer_replication.config.schema import BackendConfig, DilocoConfig, LossConfig
+from composer_replication.config.schema import BackendConfig, DilocoConfig
 from composer_replication.exchange.codecs import CODECS
 from composer_replication.executors.registry import BACKEND_NAMES
 from composer_replication.loss import ComposeConfig
+from composer_replication.loss.loss_section import LossConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMA_FIELDS = {f.name: f for f in dataclasses.fields(LossConfig)}
@@ -156,7 +157,8 @@ def test_docs_reference_is_the_generated_one() -> None:
 def test_reference_lists_every_key_and_the_embedded_choices() -> None:
     """The generator itself: every section and key, with help, and default.toml's choices."""
     from composer_replication.config.reference import reference_markdown
-    from composer_replication.config.schema import EndpointConfig, RunConfig
+    from composer_replication.config.schema import RunConfig
+    from composer_replication.data.teachers.teachers_config import EndpointConfig
 
     text = reference_markdown()
     hints = typing.get_type_hints(RunConfig)

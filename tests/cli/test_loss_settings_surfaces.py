@@ -1,7 +1,7 @@
 """One list of loss settings (issue 21): a setting declared once in loss/loss_settings.py is on
 every surface that takes it from a user, with the same default, type, check and help.
 
-The surfaces: ``loss.ComposeConfig`` (compose_loss keywords) and ``config.schema.LossConfig``
+The surfaces: ``loss.ComposeConfig`` (compose_loss keywords) and ``loss.loss_section.LossConfig``
 (the TOML ``[loss]`` section) inherit `LossSettings`; the trainer's ``ComposerSettings``
 (``ComposerReplicationTrainer`` keywords) and ``ComposerConfig`` (a TRL ``GRPOConfig`` for
 ``HfArgumentParser``) inherit `Channel23Settings` (channel 1 is TRL's own loss); the sampled-token
@@ -24,7 +24,7 @@ import pytest
 
 from composer_replication.config import ConfigError, load_config
 from composer_replication.config.reference import reference_markdown
-from composer_replication.config.schema import LOSS_KEYS_SET_BY_THE_RUN, LossConfig
+from composer_replication.config.schema import LOSS_KEYS_SET_BY_THE_RUN
 from composer_replication.loss import (
     Channel1Settings,
     Channel23Settings,
@@ -33,6 +33,7 @@ from composer_replication.loss import (
     SampledTokenSettings,
     setting_names,
 )
+from composer_replication.loss.loss_section import LossConfig
 from composer_replication.recipes.prime_rl import PrimeRLLossConfig
 from composer_replication.recipes.sampled import (
     SAMPLED_TOKEN_KEYS,

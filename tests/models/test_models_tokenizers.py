@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from composer_replication.config.schema import ModelConfig
 from composer_replication.models import (
     BPE_VOCAB_SIZE,
     DEFAULT_CHARSET,
@@ -23,6 +22,7 @@ from composer_replication.models import (
     build_tokenizer,
     default_cache_dir,
 )
+from composer_replication.models.model_config import ModelConfig
 from composer_replication.models.tokenizers import CACHE_ENV, SPECIAL_TOKENS
 from composer_replication.tasks import get_task
 

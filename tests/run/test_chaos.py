@@ -18,12 +18,12 @@ from composer_replication.config.schema import (
     BackendConfig,
     ChaosEventConfig,
     DilocoConfig,
-    ModelConfig,
     RunConfig,
     StoreConfig,
     TrainConfig,
 )
 from composer_replication.exchange.store import ObjectStore
+from composer_replication.models.model_config import ModelConfig
 from composer_replication.run.chaos import (
     ChaosInjector,
     ThrottleProxy,

@@ -214,21 +214,32 @@ def test_redone_steps_after_kill_9_and_resume_are_marked_in_metrics_jsonl(
     )
 
     def mid_round() -> bool:
-        # both replicas saved round k's state and uploaded step k*h + 1 of the next round
-        saved = [max(_resume_saved(run, rank), default=0) for rank in (0, 1)]
-        k = min(saved)
-        return k >= 1 and all(k * h + 1 in _chunk_steps(run, rank) for rank in (0, 1))
+        # both replicas saved round k's state and uploaded a step of the next round (k = the
+        # newest round both saved: the one --resume rolls back to)
+        k = min(max(_resume_saved(run, rank), default=0) for rank in (0, 1))
+        return k >= 1 and all(max(_chunk_steps(run, rank), default=0) > k * h for rank in (0, 1))
+
+    def signal_all(replicas: list[int], sig: signal.Signals) -> None:
+        os.kill(proc.pid, sig)
+        for pid in replicas:  # each replica leads its own process group
+            os.killpg(pid, sig)
 
     try:
         deadline = time.monotonic() + 300
-        while not mid_round():
-            assert proc.poll() is None, proc.communicate()[0]
-            assert time.monotonic() < deadline, "timed out waiting for a step after round 1"
-            time.sleep(0.02)
-        replicas = _children(proc.pid)
-        proc.send_signal(signal.SIGKILL)
-        for pid in replicas:
-            os.killpg(pid, signal.SIGKILL)
+        while True:
+            while not mid_round():
+                assert proc.poll() is None, proc.communicate()[0]
+                assert time.monotonic() < deadline, "timed out waiting for a step after round 1"
+                time.sleep(0.02)
+            # freeze the driver and every replica, then look again: a loaded machine can let
+            # the replicas finish that round (and save the next) between the look and the kill,
+            # leaving no step to redo
+            replicas = _children(proc.pid)
+            signal_all(replicas, signal.SIGSTOP)
+            if mid_round():
+                break
+            signal_all(replicas, signal.SIGCONT)
+        signal_all(replicas, signal.SIGKILL)
         proc.communicate(timeout=30)
         while any(pid_alive(pid) for pid in replicas):
             assert time.monotonic() < deadline + 60, "the killed replicas did not exit"

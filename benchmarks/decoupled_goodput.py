@@ -576,6 +576,8 @@ def run_once(
         "restarts": result.restarts,
         "events": [(e["action"], e.get("outcome")) for e in result.log],
     }
+    if mode == "sync":
+        out_row["rounds"] = sync_rounds(store, t_go[0])
     if mode == "decoupled":
         kills = [e for e in result.log if e["action"] == "kill"]
         check = check_decoupled_run(store, reports, kills)
@@ -612,6 +614,42 @@ def _commit_times(store: Any, mode: str, a: argparse.Namespace, t_go: float) -> 
             if rec is not None:
                 times.append(round(float(rec["time"]) - t_go, 3))
     return sorted(times)
+
+
+def sync_rounds(store: Any, t_go: float) -> list[dict[str, Any]]:
+    """Sync, file:// only: each committed round as it happened, for checking the simulator's
+    barrier against the real one: when it was committed, which ranks it merged and why the
+    others were left out, and when each rank's contribution arrived (its object's modification
+    time), seconds from the start."""
+    from composer_replication.exchange.protocol import parse_contrib_name
+
+    root = store.local_path
+    rounds: list[dict[str, Any]] = []
+    if root is None:
+        return rounds
+    for name in sorted(store.list("steps/")):
+        folder = Path(root) / "steps" / name
+        commit = folder / "commit.json"
+        if not commit.exists():
+            continue
+        record = json.loads(commit.read_text())
+        arrivals: dict[str, float] = {}
+        for path in (
+            (folder / "contrib").glob("*.safetensors") if (folder / "contrib").is_dir() else []
+        ):
+            rank = parse_contrib_name(path.name)
+            if rank is not None:
+                arrivals[str(rank)] = round(path.stat().st_mtime - t_go, 3)
+        rounds.append(
+            {
+                "step": int(name.strip("/")),
+                "t": round(commit.stat().st_mtime - t_go, 3),
+                "included": record.get("included_ranks"),
+                "excluded": record.get("excluded"),
+                "arrivals": arrivals,
+            }
+        )
+    return rounds
 
 
 def overwrite_lag_steps(store: Any, p: int) -> float | None:

@@ -193,6 +193,14 @@ def test_tiny_grid_prints_the_keys_and_the_simulator_replays_it(tmp_path: Path) 
     for r in last["runs"]:
         assert 0 < r["merged_goodput"] <= 1.0 and 0 < r["paper_goodput"] <= 1.0
         assert r["chaos_log"] and r["commit_times"]
+    # sync: every committed round as it happened, agreeing with the commit times and the
+    # merged work counted from the same commit records
+    sync = next(r for r in last["runs"] if r["mode"] == "sync")
+    assert [x["t"] for x in sync["rounds"]] == sorted(sync["commit_times"])
+    assert sum(4 * len(x["included"]) for x in sync["rounds"]) == sync["useful_steps"]
+    for x in sync["rounds"]:
+        assert set(map(int, x["arrivals"])) >= set(x["included"])
+        assert all(x["arrivals"][str(rank)] <= x["t"] for rank in x["included"])
     assert json.loads(out.read_text())["decoupled_goodput_m2"] == last["decoupled_goodput_m2"]
     sim = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "goodput_sim.py"), "--check", str(out)],

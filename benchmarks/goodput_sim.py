@@ -35,12 +35,15 @@ timeout, and that run's faults as they happened (kills, stop and slow windows fr
 log), and predicts both of its goodputs (the paper's and merged work). Its costs are measured,
 none hand-set: ``recovery_s``, the median time from a kill to the restarted learner's first step
 over the runs of that mode and M (process start, imports, rejoin: 10-22 s on the shared 2-core
-machine); ``exchange_s``, a quiet sync round's commit interval beyond its H padded steps (0 s
-there: the exchange fits in the last step's padding); decoupled's quorum (all live learners but
+machine); ``exchange_s``, from a sync round's last arrival to its commit (inside the last
+step's padding on a quiet machine); decoupled's quorum (all live learners but
 one), grace window (gamma 0.8, tau 2) and poll interval are the run's settings. The first replay
 missed one cost: a learner takes a new fragment version only after its next inner step (the
 optimizer hook), so that step's work on the fragment is overwritten too; with it the merged-work
 prediction for decoupled moved from 0.705 to 0.635 against 0.585 measured (M = 16, seed 0).
+A second: a sync learner's contribution arrives as its round's last step begins (the exchange
+runs in that step's optimizer step, the padding after it), not as the step ends; with it the
+replayed commit times of the rounds before the first fault moved from 1 s late to within 0.25 s.
 docs/benchmarks-notebook.md ("Decoupled DiLoCo at 4, 8 and 16 learners") has each run's figures.
 
 Usage::
@@ -153,13 +156,20 @@ def simulate_decoupled(chips: int, m: int, c: Costs, horizon: float, rng: random
 # --------------------------------------------------------------------------- the protocol runs
 
 
+def commit_grace_s(timeout_s: float, poll_interval_s: float = 0.05) -> float:
+    """How long a sync replica that is ready to commit waits for the lowest valid rank (the
+    designated committer) before committing itself: ObjectStoreAllReduce's
+    ``min(timeout_s / 4, max(5, 50 * poll_interval_s))``."""
+    return min(timeout_s / 4, max(5.0, 50 * poll_interval_s))
+
+
 @dataclass(frozen=True)
 class RunCosts:
     """The costs of one measured protocol run (benchmarks/decoupled_goodput.py --learners),
     each as measured there (`costs_from_runs`): ``recovery_s`` from a learner's kill to its
     next incarnation's first step (process start, imports, rejoin download), ``exchange_s``
-    from a sync round's last arrival to its commit being seen beyond the padded step (upload,
-    poll, download, merge), ``apply_s`` from a decoupled merge to the learners taking the new
+    from a sync round's last arrival to its commit (upload, poll, download, merge; hidden in the
+    last step's padding when shorter than it), ``apply_s`` from a decoupled merge to the learners taking the new
     fragment (their poll interval and the download), ``grace_gamma`` / ``grace_tau`` the
     synchronizer's grace window (its defaults) and ``quorum`` its quorum (None: all but one)."""
 
@@ -259,6 +269,7 @@ class _Learner:
     local: int = 0  # sync: steps since its last round boundary
     progress: float = 0.0  # seconds of the current step done
     state: str = "run"  # run | wait | down | done
+    arrived: bool = False  # sync: its contribution to the current round is in
     back_at: float = 0.0  # down: when the next incarnation takes its first step
     runs: list[tuple[int, list[int]]] = field(default_factory=lambda: [(0, [])])
     end: float = 0.0
@@ -279,6 +290,28 @@ def _rate(t: float, windows: list[tuple[float, float, float]]) -> float:
         if a <= t < b:
             rate = min(rate, r)
     return rate
+
+
+def _timed_out(
+    got: dict[int, float],
+    t: float,
+    timeout_s: float,
+    grace: float,
+    ls: list[_Learner],
+    windows: dict[int, list[tuple[float, float, float]]],
+) -> bool:
+    """Sync, a round not every learner reached: whether a replica commits it at ``t``. Each
+    replica's clock starts at its own arrival; the lowest arrived rank commits once its
+    ``timeout_s`` is over (if it is running: a stopped or killed one does not), any other
+    ``grace`` later (ObjectStoreAllReduce)."""
+    lowest = min(got)
+
+    def running(r: int) -> bool:
+        return ls[r].state not in ("down", "done") and _rate(t, windows[r]) > 0
+
+    if running(lowest) and t - got[lowest] >= timeout_s:
+        return True
+    return any(running(r) and t - at >= timeout_s + grace for r, at in got.items())
 
 
 def simulate_protocol_run(
@@ -305,23 +338,29 @@ def simulate_protocol_run(
     (every h / p steps) and costs ``recovery_s``; the synchronizer (`_Fragments`) merges a
     fragment once a quorum of the live learners pushed it on its current version, after the
     grace window, and the work a learner did on the fragment between its push and taking the
-    merged version (``apply_s`` after the merge) is overwritten (alpha 0). sync: every h steps a barrier
-    that commits once all ``m`` arrived, or ``timeout_s`` after the first arrival with at least
-    ``min_replicas``, seen ``exchange_s`` later; a learner that arrives after its round was
+    merged version (``apply_s`` after the merge) is overwritten (alpha 0). sync: every h steps a
+    barrier, reached as the h-th step begins (its padding runs while the barrier waits), that
+    commits once all ``m`` arrived, or with at least ``min_replicas`` once a running replica's
+    ``timeout_s`` since its own arrival is over (the lowest arrived rank's; any other's
+    `commit_grace_s` later), seen ``exchange_s`` later; a learner that arrives after its round was
     committed takes the commit and goes on from the run's round (its round's work is not
     merged); a killed one restarts ``recovery_s`` later from the newest commit; every learner
     ends at the run's last round."""
     windows: dict[int, list[tuple[float, float, float]]] = {r: [] for r in range(m)}
     kills: dict[int, list[tuple[float, float]]] = {r: [] for r in range(m)}
+    corrupts: list[tuple[float, int]] = []  # sync: (when, rank) of a corrupted contribution
     for f in faults:
         r = int(str(f["target"]))
-        if f["kind"] == "kill":
+        if f["kind"] == "corrupt":
+            corrupts.append((float(str(f["t"])), r))
+        elif f["kind"] == "kill":
             kills[r].append((float(str(f["t"])), float(str(f.get("recovery_s", costs.recovery_s)))))
         else:
             rate = 0.0 if f["kind"] == "stop" else 1.0 / float(str(f["factor"]))
             windows[r].append((float(str(f["t"])), float(str(f["until"])), rate))
     for r in kills:
         kills[r].sort()
+    corrupts.sort()
     # a learner's time counts from its own first step: a late start is a stop from 0
     offsets = {
         int(str(f["target"])): float(str(f["until"]))
@@ -331,8 +370,10 @@ def simulate_protocol_run(
     ls = [_Learner() for _ in range(m)]
     frags = _Fragments(m, h, p, costs, step_s) if mode == "decoupled" else None
     per_push = max(1, h // max(1, p))
+    grace = commit_grace_s(timeout_s)
     committed = 0  # sync: rounds committed and seen
     arrivals: dict[int, dict[int, float]] = {}  # sync: round -> learner -> arrival time
+    refused: dict[int, set[int]] = {}  # sync: round -> learners whose contribution is refused
     included = 0  # sync: h-step contributions in committed rounds
     pending: list[tuple[float, int]] = []  # sync: (time seen, round) of decided commits
     t = 0.0
@@ -349,7 +390,7 @@ def simulate_protocol_run(
                     continue
                 # the next incarnation: decoupled from its last push, sync from the newest commit
                 x.k = (x.k // per_push) * per_push if mode == "decoupled" else committed * h
-                x.local, x.state = 0, "run"
+                x.local, x.state, x.arrived = 0, "run", False
                 x.runs.append((x.k, []))
                 if frags is not None:
                     frags.restarted(r)
@@ -360,6 +401,13 @@ def simulate_protocol_run(
                 if x.k >= steps:
                     x.state, x.end = "done", t
                 continue
+            if mode == "sync" and x.local == h - 1 and not x.arrived and _rate(t, windows[r]) > 0:
+                # the round's exchange runs in its last step's optimizer step, right after the
+                # (tiny) compute: the contribution arrives as that step begins, and the step's
+                # padding runs while the barrier waits
+                x.arrived = True
+                if (x.k + 1) // h > committed:
+                    arrivals.setdefault((x.k + 1) // h, {}).setdefault(r, t)
             x.progress += dt * _rate(t, windows[r])
             if x.progress + 1e-9 < step_s:
                 continue
@@ -369,12 +417,13 @@ def simulate_protocol_run(
             if frags is not None:
                 frags.stepped(r, x.k, t)
             if mode == "sync" and x.local == h:
-                if x.k // h <= committed:  # too late for its round: take the commit, go on
+                x.arrived = False
+                if r not in arrivals.get(x.k // h, {}) or x.k // h <= committed:
+                    # too late for its round (committed before it arrived), or its round is
+                    # committed and seen: take the newest commit, go on from the run's round
                     x.k, x.local = committed * h, 0
-                    x.progress -= costs.exchange_s
                 else:
                     x.state = "wait"
-                    arrivals.setdefault(x.k // h, {})[r] = t
                     continue
             if x.k >= steps:
                 x.state, x.end = "done", t
@@ -385,12 +434,24 @@ def simulate_protocol_run(
             frags.tick(t, {r for r in range(m) if running[r]})
         if mode == "sync":
             nxt_round = committed + 1 + len(pending)
+            while corrupts and corrupts[0][0] <= t:
+                # the injector corrupts the rank's newest contribution: refused if its round is
+                # not decided yet (a refused rank is settled: the round does not wait for it)
+                _, r = corrupts.pop(0)
+                mine = [k for k, got in arrivals.items() if r in got]
+                if mine and max(mine) >= nxt_round:
+                    refused.setdefault(max(mine), set()).add(r)
             got = arrivals.get(nxt_round, {})
-            if got and (
-                len(got) == m or (t - min(got.values()) >= timeout_s and len(got) >= min_replicas)
+            valid = {r: at for r, at in got.items() if r not in refused.get(nxt_round, set())}
+            if valid and (
+                len(got) == m
+                or (
+                    len(valid) >= min_replicas
+                    and _timed_out(valid, t, timeout_s, grace, ls, windows)
+                )
             ):
                 pending.append((t + costs.exchange_s, nxt_round))
-                included += len(got)
+                included += len(valid)
             while pending and pending[0][0] <= t:
                 committed = pending.pop(0)[1]
         t += dt
@@ -410,7 +471,8 @@ def simulate_protocol_run(
 
 def faults_of(row: dict[str, Any]) -> list[dict[str, object]]:
     """A measured run's learner faults as they happened (its ``chaos_log``): kills (each with
-    its measured recovery, ``recoveries_s``), the windows a learner was stopped or slowed, and
+    its measured recovery, ``recoveries_s``), sync's corrupted contributions, the windows a
+    learner was stopped or slowed, and
     a learner's late first step (``start_offsets``), in seconds from the start."""
     factors = {i: float(e.get("factor", 3.0)) for i, e in enumerate(row["schedule"])}
     recoveries = row.get("recoveries_s") or []
@@ -425,6 +487,10 @@ def faults_of(row: dict[str, Any]) -> list[dict[str, object]]:
                 kill["recovery_s"] = float(recoveries[kills_seen])
             kills_seen += 1
             out.append(kill)
+        elif action == "corrupt" and outcome == "corrupted":
+            kind, _, who = str(e.get("target", "")).partition(":")
+            if kind == "contribution" and who.isdigit():  # sync's; decoupled's push: not modelled
+                out.append({"kind": "corrupt", "target": who, "t": float(e["t"])})
         elif action in ("stop", "slow") and outcome in ("stopped", "slowed"):
             opened[(int(e["event"]), action)] = float(e["t"])
         elif action in ("stop", "slow") and (int(e["event"]), action) in opened:
@@ -448,8 +514,9 @@ def faults_of(row: dict[str, Any]) -> list[dict[str, object]]:
 def costs_from_runs(runs: list[dict[str, Any]]) -> dict[tuple[str, int], RunCosts]:
     """The simulator's costs per (mode, M), each the median of what the runs measured:
     recovery, a learner's kill to its next incarnation's first step (``recoveries_s``); sync's
-    exchange, a round's commit interval beyond its H steps, over the quietest half of rounds
-    (``commit_times``). Decoupled's apply time (0.1 s: the learners poll every 0.05 s on
+    exchange, from a round's last arrival to its commit over the rounds every learner reached
+    (``rounds``; rows without them: the quietest half of the commit intervals beyond H steps,
+    ``commit_times``, which counts only an exchange longer than the last step's padding). Decoupled's apply time (0.1 s: the learners poll every 0.05 s on
     file://, a fragment is a few kB), grace window and quorum are the run's settings."""
     out: dict[tuple[str, int], RunCosts] = {}
     for key in sorted({(r["mode"], r["learners"]) for r in runs}):
@@ -457,9 +524,17 @@ def costs_from_runs(runs: list[dict[str, Any]]) -> dict[tuple[str, int], RunCost
         rec = [x for r in rows for x in r["recoveries_s"]]
         exchange: list[float] = []
         for r in rows:
-            times = [0.0, *r["commit_times"]]
-            gaps = sorted(b - a for a, b in zip(times, times[1:]))
-            if key[0] == "sync":
+            if key[0] != "sync":
+                continue
+            if r.get("rounds"):  # each round every learner reached: last arrival to commit
+                exchange += [
+                    x["t"] - max(x["arrivals"].values())
+                    for x in r["rounds"]
+                    if len(x["arrivals"]) == r["learners"]
+                ]
+            else:  # older rows: the quietest half of the commit intervals beyond H steps
+                times = [0.0, *r["commit_times"]]
+                gaps = sorted(b - a for a, b in zip(times, times[1:]))
                 quiet = gaps[: max(1, len(gaps) // 2)]
                 exchange += [g - r["h"] * r["step_s"] for g in quiet]
         out[key] = RunCosts(

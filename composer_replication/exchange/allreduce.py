@@ -11,7 +11,10 @@ Before committing, the committer screens the contributions it saw
 (exchange/contribution_screening.py: inconsistent token claims, non-finite values, norm outliers
 against the round's median, and optionally a loss probe) and records every decision in the commit
 record, which also names the merge (``mean``, ``trimmed_mean``, ``median``, ``norm_clip``); readers
-replay exactly that.
+replay exactly that. The committer lists only contributions it read back from the store, its own
+included (one extra download of its own object per committed step): an own upload that rotted
+or was overwritten in the store is left out, instead of being listed from memory and failing the
+step on every reader.
 
 Each rank's objects of a step go under keys only its writer uses: with the run's slot secret
 (``slot_secret``, the same on every rank; the run driver hands one out per run) the key of rank
@@ -405,6 +408,9 @@ class ObjectStoreAllReduce(RunDocuments):
         rejected: dict[int, str] = {}
         unconfirmed: dict[int, Contribution] = {}  # present, its rank has not confirmed it yet
         own_squat: str | None = None
+        # what we uploaded is ours from memory until we read it back: a committer lists only
+        # contributions read back from the store (`_stored_copy_problem`)
+        own_read_back = False
         commit = self._read_commit(step)
         if commit is None:
             self._check_not_stale(step)
@@ -417,6 +423,7 @@ class ObjectStoreAllReduce(RunDocuments):
                 mine, down = self._claim_existing_slot(step, ref, writer)
                 if isinstance(mine, Contribution):
                     valid[self.rank] = mine
+                    own_read_back = True
                 else:
                     own_squat = rejected[self.rank] = mine
             if own_squat is None and self.keys is None:
@@ -477,6 +484,17 @@ class ObjectStoreAllReduce(RunDocuments):
                 # not the head hint: a committer stopped between its record and the hint may
                 # have set the hint back (the run has lost a member: off the steady state)
                 self._check_not_stale(step, listing=True)
+            if my_turn and self.rank in valid and not own_read_back:
+                # our own contribution as the others will read it: bit rot or an overwrite
+                # in the store would make every reader fail the step we commit
+                own_read_back = True
+                problem, nbytes = self._stored_copy_problem(step, ref, valid[self.rank])
+                down += nbytes
+                if problem is not None:
+                    log.warning("step %d: leaving our own contribution out: %s", step, problem)
+                    del valid[self.rank]
+                    rejected[self.rank] = problem
+                    continue
             if my_turn:
                 try:
                     screened = self._screen(step, valid, rejected, unconfirmed, stats)
@@ -579,6 +597,23 @@ class ObjectStoreAllReduce(RunDocuments):
                 log.warning("step %d: rank %d departed (%s): not waiting for it", step, r, why)
             self._known_departed.add(r)
             departed[r] = why
+
+    def _stored_copy_problem(
+        self, step: int, ref: dict[str, tuple[list[int], str]], own: Contribution
+    ) -> tuple[str | None, int]:
+        """Read our contribution back from the store before committing it: (why the stored
+        copy cannot stand for what we uploaded, or None; bytes read). One extra download of
+        our own contribution per step we commit (the committer reads n - 1 others anyway)."""
+        assert self.rank is not None
+        (found, nbytes) = self._fetch_many(step, [self.rank], ref)[0]
+        what = f"rank {self.rank}'s stored contribution for step {step}"
+        if found is None:
+            return f"{what} is gone", nbytes
+        if isinstance(found, str):
+            return f"{what} does not read back: {found}", nbytes
+        if found.checksum != own.checksum:
+            return f"{what} differs from what it uploaded (overwritten?)", nbytes
+        return None, nbytes
 
     def _claim_existing_slot(
         self, step: int, ref: dict[str, tuple[list[int], str]], writer: str

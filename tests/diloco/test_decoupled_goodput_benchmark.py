@@ -134,7 +134,11 @@ def test_simulator_without_faults_loses_only_the_exchange() -> None:
     dec = gs.simulate_protocol_run("decoupled", 4, 48, 8, 4, 1.0, [], costs)
     assert dec["paper_goodput"] == pytest.approx(1.0, abs=0.01)
     sync = gs.simulate_protocol_run("sync", 4, 48, 8, 4, 1.0, [], costs, timeout_s=16.0)
-    # six rounds of 8 s, each 0.5 s longer
+    # the round's exchange starts with its last step and fits in that step's padding
+    assert sync["paper_goodput"] == pytest.approx(1.0, abs=0.01)
+    slow = gs.RunCosts(recovery_s=10.0, exchange_s=1.5)
+    sync = gs.simulate_protocol_run("sync", 4, 48, 8, 4, 1.0, [], slow, timeout_s=16.0)
+    # one that does not: six rounds of 8 s, each 0.5 s longer
     assert sync["paper_goodput"] == pytest.approx(48 / 51, abs=0.01)
     assert sync["merged_goodput"] == pytest.approx(sync["paper_goodput"], abs=0.01)
 

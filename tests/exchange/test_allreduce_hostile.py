@@ -228,3 +228,44 @@ def test_garbage_commit_record_fails_cleanly(tmp_path):
             make_tensors(0, 1), step=1
         )
     assert store.get(commit_key(0)) == b"\x80\x04not json"
+
+
+def test_a_committer_whose_own_upload_rotted_leaves_itself_out(tmp_path):
+    """Rank 0's contribution is stored with one byte flipped (bit rot on write: FaultyStore):
+    the others refuse it. Rank 0 arrives last and, as the lowest rank, commits at once while
+    the others sleep between polls: it must not list its own contribution from memory (the
+    others could not read it back and every one of them would fail the step); it checks its
+    stored copy, leaves itself out and the step commits from ranks 1 and 2 on every rank."""
+    from composer_replication.exchange.faulty_store import Fault, FaultyStore
+
+    uri = str(tmp_path / "run")
+    out: dict[int, tuple[object, object]] = {}
+
+    def go(r: int, store: object, poll: float) -> None:
+        ar = exchange(store, 3, r, timeout_s=5, poll_interval_s=poll, min_replicas=2)
+        try:
+            out[r] = (ar.allreduce(make_tensors(r, 0), step=0), ar.last_result)
+        except Exception as e:
+            out[r] = (e, ar.last_result)
+
+    late = [threading.Thread(target=go, args=(r, uri, 0.5)) for r in (1, 2)]
+    for t in late:
+        t.start()
+    store = ObjectStore(uri)
+    while not all(store.exists(contrib_key(0, r)) for r in (1, 2)):
+        threading.Event().wait(0.01)
+    rot = FaultyStore(
+        ObjectStore(uri), [Fault("put_if_absent", "steps/*/contrib/00000*", "corrupt")]
+    )
+    first = threading.Thread(target=go, args=(0, rot, 0.01))
+    first.start()
+    for t in (first, *late):
+        t.join(60)
+    expected = {n: (make_tensors(1, 0)[n] + make_tensors(2, 0)[n]) / 2 for n in SHAPES}
+    for r in (0, 1, 2):
+        res, sr = out[r]
+        assert not isinstance(res, Exception), (r, res)
+        assert sr.included_ranks == [1, 2] and sr.excluded_ranks == [0], (r, sr)
+        for n in SHAPES:
+            assert torch.equal(res[n], out[1][0][n])
+            assert_close(res[n], expected[n], n=3)

@@ -100,6 +100,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hmac
 import json
 import math
 import os
@@ -197,6 +198,11 @@ def learner_main(a: argparse.Namespace) -> None:
             ObjectStoreManager,
         )
 
+        # as `composer-replication train` does (run/security.py): each rank keeps one writer
+        # secret across restarts and the run has one slot secret, so a restarted learner finds
+        # its earlier upload of the round its own instead of reporting its slot squatted (which
+        # left it out of that round)
+        run_secret = bytes.fromhex(os.environ["GOODPUT_RUN_SECRET"])
         ex = ObjectStoreAllReduce(
             a.uri,
             world_size=a.n,
@@ -208,6 +214,8 @@ def learner_main(a: argparse.Namespace) -> None:
                 poll_interval_s=0.05,
             ),
             storage_options=options,
+            writer_secret=hmac.new(run_secret, f"writer:{rank}".encode(), "sha256").digest(),
+            slot_secret=hmac.new(run_secret, b"slot", "sha256").digest(),
         )
         outer: Any = make_diloco_outer_loop(opt, ObjectStoreManager(ex), a.h, model=model)
         start = outer.round * a.h
@@ -401,7 +409,11 @@ def run_once(
         store=StoreConfig(),
     )
     store.put_json("run_config.json", to_dict(config))
-    env = {"PYTHONPATH": str(ROOT), "COMPOSER_STORAGE_OPTIONS": json.dumps(learner_options)}
+    env = {
+        "PYTHONPATH": str(ROOT),
+        "COMPOSER_STORAGE_OPTIONS": json.dumps(learner_options),
+        "GOODPUT_RUN_SECRET": os.urandom(32).hex(),  # sync: the run's writer and slot secrets
+    }
     round_s = a.h * a.step_s
     run_s = a.steps * a.step_s
     args = [

@@ -292,26 +292,40 @@ def _rate(t: float, windows: list[tuple[float, float, float]]) -> float:
     return rate
 
 
-def _timed_out(
-    got: dict[int, float],
+def _commits(
+    round_: int,
+    h: int,
+    valid: dict[int, float],
+    settled: bool,
     t: float,
     timeout_s: float,
     grace: float,
     ls: list[_Learner],
     windows: dict[int, list[tuple[float, float, float]]],
 ) -> bool:
-    """Sync, a round not every learner reached: whether a replica commits it at ``t``. Each
-    replica's clock starts at its own arrival; the lowest arrived rank commits once its
-    ``timeout_s`` is over (if it is running: a stopped or killed one does not), any other
-    ``grace`` later (ObjectStoreAllReduce)."""
-    lowest = min(got)
+    """Sync: whether a replica commits the round at ``t`` (ObjectStoreAllReduce). ``valid``: the
+    arrivals it may merge; ``settled``: every learner's slot is judged. A replica is ready once
+    the round is settled (at the last arrival) or, otherwise, ``timeout_s`` after its own
+    arrival; the lowest valid rank commits when ready, if it is at this round's barrier (not
+    stopped, killed, or a restarted incarnation still training the round again), and any other
+    valid rank at the barrier ``grace`` after it is ready."""
+    lowest = min(valid)
+    last = max(valid.values())
 
     def running(r: int) -> bool:
-        return ls[r].state not in ("down", "done") and _rate(t, windows[r]) > 0
+        x = ls[r]
+        if _rate(t, windows[r]) == 0:
+            return False
+        if x.state == "wait":
+            return x.k // h == round_
+        return x.state == "run" and x.arrived and (x.k + 1) // h == round_
 
-    if running(lowest) and t - got[lowest] >= timeout_s:
+    def ready_at(r: int) -> float:
+        return last if settled else valid[r] + timeout_s
+
+    if running(lowest) and t >= ready_at(lowest):
         return True
-    return any(running(r) and t - at >= timeout_s + grace for r, at in got.items())
+    return any(running(r) and t >= ready_at(r) + grace for r in valid if r != lowest)
 
 
 def simulate_protocol_run(
@@ -340,9 +354,9 @@ def simulate_protocol_run(
     grace window, and the work a learner did on the fragment between its push and taking the
     merged version (``apply_s`` after the merge) is overwritten (alpha 0). sync: every h steps a
     barrier, reached as the h-th step begins (its padding runs while the barrier waits), that
-    commits once all ``m`` arrived, or with at least ``min_replicas`` once a running replica's
-    ``timeout_s`` since its own arrival is over (the lowest arrived rank's; any other's
-    `commit_grace_s` later), seen ``exchange_s`` later; a learner that arrives after its round was
+    commits with at least ``min_replicas`` once all ``m`` arrived or a replica's ``timeout_s``
+    since its own arrival is over, by the lowest arrived rank if it is running, else by another
+    `commit_grace_s` later (`_commits`), seen ``exchange_s`` later; a learner that arrives after its round was
     committed takes the commit and goes on from the run's round (its round's work is not
     merged); a killed one restarts ``recovery_s`` later from the newest commit; every learner
     ends at the run's last round."""
@@ -443,12 +457,8 @@ def simulate_protocol_run(
                     refused.setdefault(max(mine), set()).add(r)
             got = arrivals.get(nxt_round, {})
             valid = {r: at for r, at in got.items() if r not in refused.get(nxt_round, set())}
-            if valid and (
-                len(got) == m
-                or (
-                    len(valid) >= min_replicas
-                    and _timed_out(valid, t, timeout_s, grace, ls, windows)
-                )
+            if len(valid) >= min_replicas and _commits(
+                nxt_round, h, valid, len(got) == m, t, timeout_s, grace, ls, windows
             ):
                 pending.append((t + costs.exchange_s, nxt_round))
                 included += len(valid)

@@ -205,6 +205,8 @@ def test_tiny_grid_prints_the_keys_and_the_simulator_replays_it(tmp_path: Path) 
     for x in sync["rounds"]:
         assert set(map(int, x["arrivals"])) >= set(x["included"])
         assert all(x["arrivals"][str(rank)] <= x["t"] for rank in x["included"])
+        # a restarted learner keeps its writer secret: its earlier upload is its own
+        assert not any("squatted" in why for why in (x["excluded"] or {}).values()), x
     assert json.loads(out.read_text())["decoupled_goodput_m2"] == last["decoupled_goodput_m2"]
     sim = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "goodput_sim.py"), "--check", str(out)],
@@ -253,3 +255,40 @@ def test_corpus_shard_is_built_once_and_read_back_the_same(tmp_path: Path) -> No
     for b, r in zip(built, read):
         assert r.dtype == torch.int64 and torch.equal(b, r)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus-eval.u8", "corpus-train.u8"]
+
+
+def test_simulator_sync_commit_follows_the_exchange_rules() -> None:
+    """ObjectStoreAllReduce's committer: the lowest valid rank, at the round's barrier, as soon
+    as the round is ready (every slot judged, or its own timeout_s over); a killed or stopped
+    one leaves it to the others a commit grace later."""
+    ls = [gs._Learner(state="wait", k=8) for _ in range(3)]
+    windows: dict[int, list[tuple[float, float, float]]] = {r: [] for r in range(3)}
+    valid = {0: 7.0, 1: 7.0, 2: 10.0}
+    assert gs._commits(1, 8, valid, True, 10.0, 16.0, 4.0, ls, windows)
+    ls[0].state = "down"  # killed after its upload
+    assert not gs._commits(1, 8, valid, True, 13.9, 16.0, 4.0, ls, windows)
+    assert gs._commits(1, 8, valid, True, 14.0, 16.0, 4.0, ls, windows)
+    ls[0].state = "wait"
+    valid = {0: 7.0, 1: 7.5}  # rank 2 never came: each replica's own timeout
+    assert not gs._commits(1, 8, valid, False, 22.9, 16.0, 4.0, ls, windows)
+    assert gs._commits(1, 8, valid, False, 23.0, 16.0, 4.0, ls, windows)
+    windows[0] = [(20.0, 30.0, 0.0)]  # rank 0 stopped: rank 1's timeout, then the grace
+    assert not gs._commits(1, 8, valid, False, 27.4, 16.0, 4.0, ls, windows)
+    assert gs._commits(1, 8, valid, False, 27.5, 16.0, 4.0, ls, windows)
+
+
+def test_simulator_refuses_a_corrupted_contribution_of_an_open_round() -> None:
+    """Rank 3 is stopped through round 2's barrier, so the round is open when rank 0's
+    contribution is corrupted: round 2 commits without it (8 steps not merged, none redone);
+    corrupted after its round was committed, it changes nothing."""
+    costs = gs.RunCosts(recovery_s=10.0)
+    stop = {"kind": "stop", "target": "3", "t": 12.0, "until": 20.0, "factor": 1.0}
+    base = gs.simulate_protocol_run("sync", 4, 48, 8, 4, 1.0, [stop], costs, timeout_s=30.0)
+    assert base["merged_goodput"] == pytest.approx(base["paper_goodput"], abs=1e-9)
+    hit = {"kind": "corrupt", "target": "0", "t": 16.0}
+    out = gs.simulate_protocol_run("sync", 4, 48, 8, 4, 1.0, [stop, hit], costs, timeout_s=30.0)
+    assert out["paper_goodput"] == pytest.approx(base["paper_goodput"], abs=1e-9)
+    assert out["merged_goodput"] == pytest.approx(base["paper_goodput"] * (4 * 48 - 8) / (4 * 48))
+    late = {"kind": "corrupt", "target": "0", "t": 30.0}
+    out = gs.simulate_protocol_run("sync", 4, 48, 8, 4, 1.0, [stop, late], costs, timeout_s=30.0)
+    assert out["merged_goodput"] == pytest.approx(base["merged_goodput"], abs=1e-9)

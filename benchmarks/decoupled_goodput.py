@@ -212,6 +212,9 @@ def learner_main(a: argparse.Namespace) -> None:
                 min_replicas=a.min_replicas,
                 keep_rounds=100_000,
                 poll_interval_s=0.05,
+                # the schedule corrupts a stored contribution: the committer checks its own
+                # (decoupled's synchronizer only ever reads pushes from the store)
+                verify_own_upload=True,
             ),
             storage_options=options,
             writer_secret=hmac.new(run_secret, f"writer:{rank}".encode(), "sha256").digest(),

@@ -11,10 +11,10 @@ Before committing, the committer screens the contributions it saw
 (exchange/contribution_screening.py: inconsistent token claims, non-finite values, norm outliers
 against the round's median, and optionally a loss probe) and records every decision in the commit
 record, which also names the merge (``mean``, ``trimmed_mean``, ``median``, ``norm_clip``); readers
-replay exactly that. The committer lists only contributions it read back from the store, its own
-included (one extra download of its own object per committed step): an own upload that rotted
-or was overwritten in the store is left out, instead of being listed from memory and failing the
-step on every reader.
+replay exactly that. The committer lists its own contribution from memory; with
+``verify_own_upload`` it reads it back from the store first (one download more per committed
+step) and leaves out an upload that rotted or was overwritten there, which would otherwise fail
+the step on every reader.
 
 Each rank's objects of a step go under keys only its writer uses: with the run's slot secret
 (``slot_secret``, the same on every rank; the run driver hands one out per run) the key of rank
@@ -484,7 +484,12 @@ class ObjectStoreAllReduce(RunDocuments):
                 # not the head hint: a committer stopped between its record and the hint may
                 # have set the hint back (the run has lost a member: off the steady state)
                 self._check_not_stale(step, listing=True)
-            if my_turn and self.rank in valid and not own_read_back:
+            if (
+                my_turn
+                and self.config.verify_own_upload
+                and self.rank in valid
+                and not own_read_back
+            ):
                 # our own contribution as the others will read it: bit rot or an overwrite
                 # in the store would make every reader fail the step we commit
                 own_read_back = True

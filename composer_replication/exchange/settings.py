@@ -161,6 +161,11 @@ class AllReduceConfig:
     ``run_timeout_s`` (None: no overall limit). ``keep_rounds``: committed steps kept in the
     store before garbage collection (``[store] keep_rounds``). ``poll_interval_s``: how often a
     wait polls; ``departure_poll_s``: how often the departure records of missing ranks are read.
+    ``verify_own_upload``: the committer reads its own contribution back from the store before
+    listing it, and leaves it out if the stored copy rotted or was overwritten (otherwise it
+    lists its in-memory copy and every other rank fails that step on the stored one); it costs
+    one download of this rank's contribution per step it commits (+25 % of a 2-replica round's
+    downloads), so it is off unless the store is not trusted to keep what was written.
     """
 
     codec: CodecName = _EXCHANGE.codec
@@ -175,6 +180,7 @@ class AllReduceConfig:
     keep_rounds: int = KEEP_ROUNDS
     poll_interval_s: float = 0.1
     departure_poll_s: float = 1.0
+    verify_own_upload: bool = False
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:

@@ -233,16 +233,19 @@ def test_garbage_commit_record_fails_cleanly(tmp_path):
 def test_a_committer_whose_own_upload_rotted_leaves_itself_out(tmp_path):
     """Rank 0's contribution is stored with one byte flipped (bit rot on write: FaultyStore):
     the others refuse it. Rank 0 arrives last and, as the lowest rank, commits at once while
-    the others sleep between polls: it must not list its own contribution from memory (the
-    others could not read it back and every one of them would fail the step); it checks its
-    stored copy, leaves itself out and the step commits from ranks 1 and 2 on every rank."""
+    the others sleep between polls. With ``verify_own_upload`` it must not list its own
+    contribution from memory (the others could not read it back and every one of them would fail
+    the step); it checks its stored copy, leaves itself out and the step commits from ranks 1 and
+    2 on every rank."""
     from composer_replication.exchange.faulty_store import Fault, FaultyStore
 
     uri = str(tmp_path / "run")
     out: dict[int, tuple[object, object]] = {}
 
     def go(r: int, store: object, poll: float) -> None:
-        ar = exchange(store, 3, r, timeout_s=5, poll_interval_s=poll, min_replicas=2)
+        ar = exchange(
+            store, 3, r, timeout_s=5, poll_interval_s=poll, min_replicas=2, verify_own_upload=True
+        )
         try:
             out[r] = (ar.allreduce(make_tensors(r, 0), step=0), ar.last_result)
         except Exception as e:

@@ -202,8 +202,7 @@ def test_a_contribution_read_before_its_owner_confirmed_it_is_not_downloaded_aga
     """Rank 0 reads rank 1's object before rank 1's owner record is visible to it (here: never,
     the reads of that record are dropped), so rank 1 commits after the grace period; rank 0 then
     averages the object it already holds (the commit pins its checksum) instead of downloading it
-    a second time: the bytes a round reports are the bytes it needs, however the polls fall (the
-    committer's include reading its own contribution back, once)."""
+    a second time: the bytes a round reports are the bytes it needs, however the polls fall."""
     from composer_replication.exchange.faulty_store import Fault, FaultyStore
 
     uri = str(tmp_path)
@@ -218,10 +217,7 @@ def test_a_contribution_read_before_its_owner_confirmed_it_is_not_downloaded_aga
     t.join(30)
     assert hidden.hits > 0  # rank 0 never saw rank 1's confirmation
     assert r0.last_result.included_ranks == r1.last_result.included_ranks == [0, 1]
-    # rank 0 downloaded its peer's object (the same size as its own upload) once; rank 1, the
-    # committer, its peer's and its own stored copy, read back before listing it
-    up = r0.last_result.bytes_uploaded
-    assert up > 0 and r1.last_result.bytes_uploaded == up
-    assert r0.last_result.bytes_downloaded == up
-    assert r1.last_result.bytes_downloaded == 2 * up
+    # each rank downloaded its peer's object (the same size as its own upload) once
+    for r in (r0, r1):
+        assert r.last_result.bytes_downloaded == r.last_result.bytes_uploaded > 0
     assert torch.equal(box[0]["w"], res1["w"])

@@ -36,17 +36,33 @@ log), and predicts both of its goodputs (the paper's and merged work). Its costs
 none hand-set: ``recovery_s``, the median time from a kill to the restarted learner's first step
 over the runs of that mode and M (process start, imports, rejoin: 3-10 s on the quiet 2-core
 machine, 10-22 s when it was shared); ``exchange_s``, from a sync round's last arrival to its
-commit (inside the last step's padding on a quiet machine); decoupled's quorum (all live learners but
-one), grace window (gamma 0.8, tau 2) and poll interval are the run's settings. The first replay
+commit (inside the last step's padding on a quiet machine); ``upload_s``, from a sync round's last
+step beginning to its contribution stored (the first round's arrivals: 0.2-0.5 s with 8-16
+learners uploading at once on 2 cores); decoupled's quorum (all live learners but one), grace
+window (gamma 0.8, tau 2) and poll interval are the run's settings; a slow window steps
+`harness_slow_factor` slower (the harness's 3x duty cycle is 2.73x on the simulated
+accelerator, whose step time counts each 0.1 s stop as 5 ms). The first replay
 missed one cost: a learner takes a new fragment version only after its next inner step (the
 optimizer hook), so that step's work on the fragment is overwritten too; with it the merged-work
 prediction for decoupled moved from 0.705 to 0.635 against 0.585 measured (M = 16, seed 0).
-A second: a sync learner's contribution arrives as its round's last step begins (the exchange
-runs in that step's optimizer step, the padding after it), not as the step ends; with it the
-replayed commit times of the rounds before the first fault moved from 1 s late to within 0.3 s.
-On the quiet grid it predicts decoupled's learner-time goodput within 0.003 in every run and
-sync's within 0.069: a kill a fraction of a second before or after an upload decides whether a
-sync round waits, and the replay drifts about 0.1 s a round from the real learners.
+A second: a sync learner's contribution is stored ``upload_s`` after its round's last step
+begins (the exchange runs in that step's optimizer step, the padding after it), not as the step
+ends; with it a kill in the first few tenths of a second of that step catches the learner
+before its upload, as in the runs. A third, sync's corrupted contribution (`_SyncBarrier`): the
+replicas that read it before it was corrupted hold it valid, a replica reading it later refuses
+it, and its owner, about to commit, reads its own copy back and leaves itself out; so when a
+holder commits (it became ready first, at its own timeout), every replica without a valid copy
+(the owner included) fails the round, trains it again, fails again at each barrier until the
+next round is committed without them, and heals: one run lost 4 learners x 32 s this way,
+which the old rule (the corrupted contribution refused by all, nobody fails) did not see. On
+the quiet grid it
+predicts decoupled's learner-time goodput within 0.003 in every run and sync's within 0.03 but
+one run (0.067, M = 8 seed 0: whether the slowed rank 1 read rank 0's contribution before it
+was corrupted, 0.17 s apart in the run, decides whether 4 learners fail a round; the replay
+has rank 1 arrive 0.8 s later: its slow windows ran at 0.39-0.50 of full speed, judged from
+its round arrivals, against the 0.37 modelled). Decoupled's merged work misses by up to 0.084: the synchronizer's outages
+(frozen while the injector waits for a push to corrupt, killed and restarted at 0.65 of the
+run; merge gaps of 12-23 s in every run) are not replayed.
 docs/benchmarks-notebook.md ("Decoupled DiLoCo at 4, 8 and 16 learners") has each run's figures.
 
 Usage::
@@ -171,13 +187,16 @@ class RunCosts:
     """The costs of one measured protocol run (benchmarks/decoupled_goodput.py --learners),
     each as measured there (`costs_from_runs`): ``recovery_s`` from a learner's kill to its
     next incarnation's first step (process start, imports, rejoin download), ``exchange_s``
-    from a sync round's last arrival to its commit (upload, poll, download, merge; hidden in the
-    last step's padding when shorter than it), ``apply_s`` from a decoupled merge to the learners taking the new
+    from a sync round's last arrival to its commit (poll, download, screen, write; hidden in the
+    last step's padding when shorter than it), ``upload_s`` from a sync round's last step
+    beginning to its contribution stored (compute, pseudo-gradient, encode, write: what a kill
+    early in that step catches), ``apply_s`` from a decoupled merge to the learners taking the new
     fragment (their poll interval and the download), ``grace_gamma`` / ``grace_tau`` the
     synchronizer's grace window (its defaults) and ``quorum`` its quorum (None: all but one)."""
 
     recovery_s: float
     exchange_s: float = 0.0
+    upload_s: float = 0.0
     apply_s: float = 0.1
     grace_gamma: float = 0.8
     grace_tau: float = 2.0
@@ -272,10 +291,34 @@ class _Learner:
     local: int = 0  # sync: steps since its last round boundary
     progress: float = 0.0  # seconds of the current step done
     state: str = "run"  # run | wait | down | done
-    arrived: bool = False  # sync: its contribution to the current round is in
     back_at: float = 0.0  # down: when the next incarnation takes its first step
+    rnd: int = 0  # sync: the rounds it applied (outer.round)
+    entered: bool = False  # sync: its exchange of this round began (start_quorum)
+    resolved: bool = False  # sync: ... and is over (applied, failed or healed)
+    call: int | None = None  # sync: the round whose barrier it waits at
+    heal_to: int | None = None  # sync: healing, it waits for this round's state
     runs: list[tuple[int, list[int]]] = field(default_factory=lambda: [(0, [])])
     end: float = 0.0
+
+    def crashed(self, t: float, kills: list[tuple[float, float]]) -> bool:
+        """Take a kill due at ``t`` (``kills``: (when, recovery) in order): the learner is down
+        until its next incarnation ``recovery`` later. True while it is down."""
+        if kills and kills[0][0] <= t:
+            _, recovery = kills.pop(0)
+            if self.state != "down":
+                self.state, self.back_at, self.progress = "down", t + recovery, 0.0
+                self.call = self.heal_to = None
+        return self.state == "down" and t < self.back_at
+
+    def advance(self, seconds: float, step_s: float) -> bool:
+        """Run ``seconds`` of its simulated accelerator; True when that finished a step."""
+        self.progress += seconds
+        if self.progress + 1e-9 < step_s:
+            return False
+        self.progress -= step_s
+        self.runs[-1][1].append(self.k)
+        self.k, self.local = self.k + 1, self.local + 1
+        return True
 
     def kept(self, steps: int) -> int:
         """Steps of each incarnation below where the next one started (the kept steps)."""
@@ -295,40 +338,195 @@ def _rate(t: float, windows: list[tuple[float, float, float]]) -> float:
     return rate
 
 
-def _commits(
-    round_: int,
+class _SyncBarrier:
+    """One sync round's exchange as the replicas run it (ObjectStoreAllReduce), for
+    `simulate_protocol_run`. A replica in the round's call polls the store every tick it runs:
+    it reads each contribution stored so far, refuses one corrupted by then (one it read before
+    stays valid in its memory) and holds its own from memory. It is ready once every slot is
+    judged or its own ``timeout_s`` since its upload is over; then the lowest rank it holds
+    valid commits (itself: after reading its own contribution back, and a corrupted copy it
+    leaves out, so it is no longer the lowest), any other ``grace`` after it became ready
+    (ties: the lowest rank); the record lists what the committer holds valid. A replica applies
+    the record if it holds, or can still read, every contribution listed; otherwise its round
+    fails (CorruptContributionError), as does a call whose timeout passed with too few valid."""
+
+    def __init__(self, m: int, min_replicas: int, timeout_s: float, grace: float) -> None:
+        self.m, self.min_replicas, self.timeout_s, self.grace = m, min_replicas, timeout_s, grace
+        self.arrivals: dict[int, float] = {}  # rank -> when its contribution was stored
+        self.corrupted: dict[int, float] = {}  # rank -> when its stored contribution was corrupted
+        self.t_in: dict[int, float] = {}  # rank -> when its current call's upload was in
+        self.held: dict[int, set[int]] = {}  # rank -> contributions it read and verified
+        self.refused: dict[int, set[int]] = {}  # rank -> contributions it read corrupted
+        self.ready: dict[int, float] = {}  # rank -> when it became ready to commit
+        self.read_back: set[int] = set()  # ranks that read their own contribution back
+        self.dropped: set[int] = set()  # ... and found it corrupted
+        self.commit: tuple[float, list[int]] | None = None  # (when decided, the ranks listed)
+
+    def enter(self, r: int, t: float) -> None:
+        """Rank r's call: its upload (a retried call finds its first one), then the polls."""
+        self.arrivals.setdefault(r, t)
+        self.t_in[r] = t
+        self.held[r], self.refused[r] = set(), set()
+        self.ready.pop(r, None)
+        self.read_back.discard(r)
+        self.dropped.discard(r)
+
+    def _bad(self, s: int, t: float) -> bool:
+        return s in self.corrupted and self.corrupted[s] <= t
+
+    def valid(self, r: int) -> set[int]:
+        return self.held[r] | ({r} if r not in self.dropped else set())
+
+    def poll(self, r: int, t: float) -> str | None:
+        """Rank r polls at ``t``: "commit" if it writes the record (`commit`), "failed" if its
+        call can no longer commit (too few valid, every slot judged or its timeout over)."""
+        for s, at in self.arrivals.items():
+            if s != r and at <= t and s not in self.held[r] and s not in self.refused[r]:
+                (self.refused[r] if self._bad(s, t) else self.held[r]).add(s)
+        valid = self.valid(r)
+        settled = len(self.held[r]) + len(self.refused[r]) + 1 == self.m
+        timed_out = t >= self.t_in[r] + self.timeout_s
+        if not (settled or timed_out):
+            return None
+        if len(valid) < self.min_replicas:
+            return "failed"
+        self.ready.setdefault(r, t)
+        if r != min(valid) and t < self.ready[r] + self.grace:
+            return None
+        if r not in self.read_back:  # the committer reads its own contribution back first
+            self.read_back.add(r)
+            if self._bad(r, t):
+                self.dropped.add(r)
+                return None
+        self.commit = (t, sorted(valid))
+        return "commit"
+
+    def applies(self, r: int, t: float, *, in_call: bool) -> bool:
+        """Whether rank r can apply the record at ``t``: every listed contribution it holds (in
+        its call: what it polled, and its own unless its read-back failed) or reads now."""
+        assert self.commit is not None
+        held = self.valid(r) if in_call else set()
+        return not any(self._bad(s, t) for s in self.commit[1] if s not in held)
+
+
+def _simulate_sync(
+    m: int,
+    steps: int,
     h: int,
-    valid: dict[int, float],
-    settled: bool,
-    t: float,
-    timeout_s: float,
-    grace: float,
-    ls: list[_Learner],
+    step_s: float,
     windows: dict[int, list[tuple[float, float, float]]],
-) -> bool:
-    """Sync: whether a replica commits the round at ``t`` (ObjectStoreAllReduce). ``valid``: the
-    arrivals it may merge; ``settled``: every learner's slot is judged. A replica is ready once
-    the round is settled (at the last arrival) or, otherwise, ``timeout_s`` after its own
-    arrival; the lowest valid rank commits when ready, if it is at this round's barrier (not
-    stopped, killed, or a restarted incarnation still training the round again), and any other
-    valid rank at the barrier ``grace`` after it is ready."""
-    lowest = min(valid)
-    last = max(valid.values())
+    kills: dict[int, list[tuple[float, float]]],
+    corrupts: list[tuple[float, int]],
+    costs: RunCosts,
+    timeout_s: float,
+    min_replicas: int,
+    dt: float,
+    trace: dict[str, list[Any]] | None,
+) -> tuple[list[_Learner], int]:
+    """Sync DiLoCo's learners (see `simulate_protocol_run`): (the learners, the h-step
+    contributions listed in commit records)."""
+    ls = [_Learner() for _ in range(m)]
+    grace = commit_grace_s(timeout_s)
+    rounds: dict[int, _SyncBarrier] = {}
+    published = {0: 0.0}  # round -> when its outer state was published (what a restart loads)
+    listed = 0
 
-    def running(r: int) -> bool:
-        x = ls[r]
-        if _rate(t, windows[r]) == 0:
-            return False
+    def newest_commit(t: float) -> int:
+        seen = [k for k, b in rounds.items() if b.commit and b.commit[0] + costs.exchange_s <= t]
+        return max(seen, default=0)
+
+    def newest_state(t: float) -> int:
+        return max(k for k, at in published.items() if at <= t)
+
+    def finish_round(x: _Learner, t: float) -> None:
+        # the learner goes on from its round (outer.round * h), or it is done
+        x.k, x.local, x.state, x.entered, x.resolved = x.rnd * h, 0, "run", False, False
+        if x.k >= steps:
+            x.state, x.end = "done", t
+
+    def resolve(r: int, x: _Learner, rnd: int | None, t: float) -> None:
+        # its exchange is over: the round applied (rnd) or failed (None: trained again)
+        x.call, x.heal_to, x.resolved = None, None, True
+        if rnd is not None:
+            b = rounds.get(rnd)
+            if rnd not in published and b is not None and b.commit and r == min(b.commit[1]):
+                published[rnd] = t  # the lowest listed rank publishes the round's state
+            x.rnd = rnd
         if x.state == "wait":
-            return x.k // h == round_
-        return x.state == "run" and x.arrived and (x.k + 1) // h == round_
+            finish_round(x, t)
 
-    def ready_at(r: int) -> float:
-        return last if settled else valid[r] + timeout_s
-
-    if running(lowest) and t >= ready_at(lowest):
-        return True
-    return any(running(r) and t >= ready_at(r) + grace for r in valid if r != lowest)
+    t = 0.0
+    while any(x.state != "done" for x in ls) and t < 50 * steps * step_s:
+        while corrupts and corrupts[0][0] <= t:
+            # the injector corrupts the rank's newest stored contribution
+            _, r = corrupts.pop(0)
+            mine = [k for k, b in rounds.items() if r in b.arrivals]
+            if mine:
+                rounds[max(mine)].corrupted[r] = t
+        for r, x in enumerate(ls):
+            if x.state == "done" or x.crashed(t, kills[r]):
+                continue
+            if x.state == "down":
+                # the next incarnation loads the newest published state
+                x.rnd = newest_state(t)
+                x.k, x.local, x.state, x.entered, x.resolved = x.rnd * h, 0, "run", False, False
+                x.runs.append((x.k, []))
+            if _rate(t, windows[r]) == 0:
+                continue
+            if x.heal_to is not None and newest_state(t) >= x.heal_to:
+                resolve(r, x, newest_state(t), t)
+            if x.state != "run":
+                continue
+            if x.local == h - 1 and not x.entered and x.progress + 1e-9 >= costs.upload_s:
+                # the round's exchange runs in its last step's optimizer step: start_quorum
+                # (heal if it missed a committed round), then the upload (``upload_s`` after
+                # the step began) and the wait; the step's padding runs meanwhile
+                x.entered = True
+                published.setdefault(x.rnd, t)  # _ensure_published
+                latest = newest_commit(t)
+                if latest > x.rnd + 1:  # missed a round: load the newest state, sit this out
+                    x.heal_to = latest
+                    if newest_state(t) >= latest:
+                        resolve(r, x, newest_state(t), t)
+                elif latest == x.rnd + 1:  # its round is decided: read the record
+                    ok = rounds[latest].applies(r, t, in_call=False)
+                    resolve(r, x, latest if ok else None, t)
+                else:
+                    x.call = x.rnd + 1
+                    b = rounds.setdefault(x.call, _SyncBarrier(m, min_replicas, timeout_s, grace))
+                    b.enter(r, t)
+            if not x.advance(dt * _rate(t, windows[r]), step_s):
+                continue
+            if x.local == h:
+                if x.resolved:
+                    finish_round(x, t)
+                else:
+                    x.state = "wait"
+        for k, b in sorted(rounds.items()):
+            for r in sorted(b.t_in):
+                x = ls[r]
+                if x.call != k or x.state not in ("run", "wait") or _rate(t, windows[r]) == 0:
+                    continue
+                if b.commit is None:
+                    out = b.poll(r, t)
+                    if out == "failed":
+                        resolve(r, x, None, t)
+                        continue
+                    if out == "commit" and b.commit is not None:
+                        listed += len(b.commit[1])
+                        if trace is not None:
+                            trace.setdefault("rounds", []).append(
+                                {
+                                    "round": k,
+                                    "t": b.commit[0] + costs.exchange_s,
+                                    "included": b.commit[1],
+                                    "arrivals": dict(b.arrivals),
+                                }
+                            )
+                if b.commit is not None and t >= b.commit[0] + costs.exchange_s:
+                    resolve(r, x, k if b.applies(r, t, in_call=True) else None, t)
+        t += dt
+    return ls, listed
 
 
 def simulate_protocol_run(
@@ -344,6 +542,7 @@ def simulate_protocol_run(
     timeout_s: float = 0.0,
     min_replicas: int = 2,
     dt: float = 0.02,
+    trace: dict[str, list[Any]] | None = None,
 ) -> dict[str, float]:
     """Replay one measured run's faults (``faults``: ``{"kind": kill|stop|slow, "target": r,
     "t": s, "until": s, "factor": f}``, seconds from the start) on ``m`` simulated learners of
@@ -356,13 +555,16 @@ def simulate_protocol_run(
     fragment once a quorum of the live learners pushed it on its current version, after the
     grace window, and the work a learner did on the fragment between its push and taking the
     merged version (``apply_s`` after the merge) is overwritten (alpha 0). sync: every h steps a
-    barrier, reached as the h-th step begins (its padding runs while the barrier waits), that
-    commits with at least ``min_replicas`` once all ``m`` arrived or a replica's ``timeout_s``
-    since its own arrival is over, by the lowest arrived rank if it is running, else by another
-    `commit_grace_s` later (`_commits`), seen ``exchange_s`` later; a learner that arrives after its round was
-    committed takes the commit and goes on from the run's round (its round's work is not
-    merged); a killed one restarts ``recovery_s`` later from the newest commit; every learner
-    ends at the run's last round."""
+    barrier (`_SyncBarrier`): in the h-th step, after start_quorum (a learner that missed a
+    committed round loads the newest published state and goes on from there), its
+    contribution is stored ``upload_s`` after the step began and it waits (the step's padding
+    runs meanwhile) until a commit record is written, by the lowest valid rank once every slot
+    is judged or its own ``timeout_s`` is over, else by another `commit_grace_s` after it was
+    ready, ``exchange_s`` later; it applies the record, or fails the round (a corrupted
+    contribution listed that it does not hold: trained again); a learner reaching a round
+    already committed reads the record; a killed one restarts ``recovery_s`` later from the
+    newest published state (the lowest listed rank publishes a round as it applies it); every
+    learner ends at the run's last round."""
     windows: dict[int, list[tuple[float, float, float]]] = {r: [] for r in range(m)}
     kills: dict[int, list[tuple[float, float]]] = {r: [] for r in range(m)}
     corrupts: list[tuple[float, int]] = []  # sync: (when, rank) of a corrupted contribution
@@ -384,102 +586,75 @@ def simulate_protocol_run(
         for f in faults
         if f["kind"] == "stop" and float(str(f["t"])) == 0.0
     }
-    ls = [_Learner() for _ in range(m)]
-    frags = _Fragments(m, h, p, costs, step_s) if mode == "decoupled" else None
-    per_push = max(1, h // max(1, p))
-    grace = commit_grace_s(timeout_s)
-    committed = 0  # sync: rounds committed and seen
-    arrivals: dict[int, dict[int, float]] = {}  # sync: round -> learner -> arrival time
-    refused: dict[int, set[int]] = {}  # sync: round -> learners whose contribution is refused
-    included = 0  # sync: h-step contributions in committed rounds
-    pending: list[tuple[float, int]] = []  # sync: (time seen, round) of decided commits
-    t = 0.0
-    while any(x.state != "done" for x in ls) and t < 50 * steps * step_s:
-        for r, x in enumerate(ls):
-            if x.state == "done":
-                continue
-            if kills[r] and kills[r][0][0] <= t:
-                _, recovery = kills[r].pop(0)
-                if x.state != "down":
-                    x.state, x.back_at, x.progress = "down", t + recovery, 0.0
-            if x.state == "down":
-                if t < x.back_at:
-                    continue
-                # the next incarnation: decoupled from its last push, sync from the newest commit
-                x.k = (x.k // per_push) * per_push if mode == "decoupled" else committed * h
-                x.local, x.state, x.arrived = 0, "run", False
-                x.runs.append((x.k, []))
-                if frags is not None:
-                    frags.restarted(r)
-            if x.state == "wait":
-                if x.k // h > committed or _rate(t, windows[r]) == 0:
-                    continue
-                x.k, x.local, x.state = committed * h, 0, "run"  # its round is committed
-                if x.k >= steps:
-                    x.state, x.end = "done", t
-                continue
-            if mode == "sync" and x.local == h - 1 and not x.arrived and _rate(t, windows[r]) > 0:
-                # the round's exchange runs in its last step's optimizer step, right after the
-                # (tiny) compute: the contribution arrives as that step begins, and the step's
-                # padding runs while the barrier waits
-                x.arrived = True
-                if (x.k + 1) // h > committed:
-                    arrivals.setdefault((x.k + 1) // h, {}).setdefault(r, t)
-            x.progress += dt * _rate(t, windows[r])
-            if x.progress + 1e-9 < step_s:
-                continue
-            x.progress -= step_s
-            x.runs[-1][1].append(x.k)
-            x.k, x.local = x.k + 1, x.local + 1
-            if frags is not None:
-                frags.stepped(r, x.k, t)
-            if mode == "sync" and x.local == h:
-                x.arrived = False
-                if r not in arrivals.get(x.k // h, {}) or x.k // h <= committed:
-                    # too late for its round (committed before it arrived), or its round is
-                    # committed and seen: take the newest commit, go on from the run's round
-                    x.k, x.local = committed * h, 0
-                else:
-                    x.state = "wait"
-                    continue
-            if x.k >= steps:
-                x.state, x.end = "done", t
-                if frags is not None:
-                    frags.finished(r, t)
-        if frags is not None:
-            running = [x.state == "run" and _rate(t, windows[r]) > 0 for r, x in enumerate(ls)]
-            frags.tick(t, {r for r in range(m) if running[r]})
-        if mode == "sync":
-            nxt_round = committed + 1 + len(pending)
-            while corrupts and corrupts[0][0] <= t:
-                # the injector corrupts the rank's newest contribution: refused if its round is
-                # not decided yet (a refused rank is settled: the round does not wait for it)
-                _, r = corrupts.pop(0)
-                mine = [k for k, got in arrivals.items() if r in got]
-                if mine and max(mine) >= nxt_round:
-                    refused.setdefault(max(mine), set()).add(r)
-            got = arrivals.get(nxt_round, {})
-            valid = {r: at for r, at in got.items() if r not in refused.get(nxt_round, set())}
-            if len(valid) >= min_replicas and _commits(
-                nxt_round, h, valid, len(got) == m, t, timeout_s, grace, ls, windows
-            ):
-                pending.append((t + costs.exchange_s, nxt_round))
-                included += len(valid)
-            while pending and pending[0][0] <= t:
-                committed = pending.pop(0)[1]
-        t += dt
+    if mode == "sync":
+        ls, listed = _simulate_sync(
+            m, steps, h, step_s, windows, kills, corrupts, costs, timeout_s, min_replicas, dt, trace
+        )
+        useful = float(listed * h)
+    else:
+        ls, useful = _simulate_decoupled(m, steps, h, p, step_s, windows, kills, costs, dt)
     learner_s = sum(x.end - offsets.get(r, 0.0) for r, x in enumerate(ls))
     kept = sum(x.kept(steps) for x in ls)
-    if frags is not None:
-        frags.tick(t, set())  # the final merges
-        useful = frags.useful / p
-    else:
-        useful = float(included * h)
     # (min: a step that ends between two ticks is counted at the later one)
     return {
         "paper_goodput": min(1.0, kept * step_s / learner_s) if learner_s else 0.0,
         "merged_goodput": min(1.0, useful * step_s / learner_s) if learner_s else 0.0,
     }
+
+
+def _simulate_decoupled(
+    m: int,
+    steps: int,
+    h: int,
+    p: int,
+    step_s: float,
+    windows: dict[int, list[tuple[float, float, float]]],
+    kills: dict[int, list[tuple[float, float]]],
+    costs: RunCosts,
+    dt: float,
+) -> tuple[list[_Learner], float]:
+    """Decoupled DiLoCo's learners and synchronizer (see `simulate_protocol_run`): (the
+    learners, the inner steps merged)."""
+    ls = [_Learner() for _ in range(m)]
+    frags = _Fragments(m, h, p, costs, step_s)
+    per_push = max(1, h // max(1, p))
+    t = 0.0
+    while any(x.state != "done" for x in ls) and t < 50 * steps * step_s:
+        for r, x in enumerate(ls):
+            if x.state == "done" or x.crashed(t, kills[r]):
+                continue
+            if x.state == "down":
+                # the next incarnation goes on from its last push
+                x.k = (x.k // per_push) * per_push
+                x.local, x.state = 0, "run"
+                x.runs.append((x.k, []))
+                frags.restarted(r)
+            if not x.advance(dt * _rate(t, windows[r]), step_s):
+                continue
+            frags.stepped(r, x.k, t)
+            if x.k >= steps:
+                x.state, x.end = "done", t
+                frags.finished(r, t)
+        running = [x.state == "run" and _rate(t, windows[r]) > 0 for r, x in enumerate(ls)]
+        frags.tick(t, {r for r in range(m) if running[r]})
+        t += dt
+    frags.tick(t, set())  # the final merges
+    return ls, frags.useful / p
+
+
+# the harness's slow fault (faults/injector.py `_do_slow`): the learner runs SLOW_RUN_S of every
+# SLOW_RUN_S * factor; the simulated accelerator (decoupled_goodput.py `busy`) counts a stop
+# longer than BUSY_GAP_S as one BUSY_TICK_S of running time, so it runs a little faster
+SLOW_RUN_S, BUSY_TICK_S, BUSY_GAP_S = 0.05, 0.005, 0.08
+
+
+def harness_slow_factor(factor: float) -> float:
+    """How much slower the simulated accelerator steps while the harness slows its process by
+    ``factor``: 3x gives 0.15 s / (0.05 + 0.005) s = 2.73x (a stop under BUSY_GAP_S counts
+    whole, so the harness's 1.25-2.5x leave its step time alone)."""
+    stopped = SLOW_RUN_S * (factor - 1.0)
+    counted = BUSY_TICK_S if stopped >= BUSY_GAP_S else stopped
+    return SLOW_RUN_S * factor / (SLOW_RUN_S + counted)
 
 
 def faults_of(row: dict[str, Any]) -> list[dict[str, object]]:
@@ -513,7 +688,7 @@ def faults_of(row: dict[str, Any]) -> list[dict[str, object]]:
                     "target": e["target"],
                     "t": opened.pop((int(e["event"]), action)),
                     "until": float(e["t"]),
-                    "factor": factors.get(int(e["event"]), 3.0),
+                    "factor": harness_slow_factor(factors.get(int(e["event"]), 3.0)),
                 }
             )
     # a learner whose first step came late (its process was slow to start on the loaded
@@ -529,16 +704,29 @@ def costs_from_runs(runs: list[dict[str, Any]]) -> dict[tuple[str, int], RunCost
     recovery, a learner's kill to its next incarnation's first step (``recoveries_s``); sync's
     exchange, from a round's last arrival to its commit over the rounds every learner reached
     (``rounds``; rows without them: the quietest half of the commit intervals beyond H steps,
-    ``commit_times``, which counts only an exchange longer than the last step's padding). Decoupled's apply time (0.1 s: the learners poll every 0.05 s on
+    ``commit_times``, which counts only an exchange longer than the last step's padding);
+    sync's upload, from a learner's first step to its contribution to the first round stored,
+    less h - 1 steps (``rounds`` and ``start_offsets``, learners that started on time; rows
+    without them: 0). Decoupled's apply time (0.1 s: the learners poll every 0.05 s on
     file://, a fragment is a few kB), grace window and quorum are the run's settings."""
     out: dict[tuple[str, int], RunCosts] = {}
     for key in sorted({(r["mode"], r["learners"]) for r in runs}):
         rows = [r for r in runs if (r["mode"], r["learners"]) == key and r["alpha"] == 0.0]
         rec = [x for r in rows for x in r["recoveries_s"]]
         exchange: list[float] = []
+        upload: list[float] = []
         for r in rows:
             if key[0] != "sync":
                 continue
+            offsets = r.get("start_offsets") or []
+            if r.get("rounds") and offsets:  # the first round: each learner's first step to
+                # its contribution stored (learners that started on time)
+                first = r["rounds"][0]
+                upload += [
+                    at - offsets[int(rank)] - (r["h"] - 1) * r["step_s"]
+                    for rank, at in first["arrivals"].items()
+                    if offsets[int(rank)] < 0.5 and first["step"] == 1
+                ]
             if r.get("rounds"):  # each round every learner reached: last arrival to commit
                 exchange += [
                     x["t"] - max(x["arrivals"].values())
@@ -553,6 +741,7 @@ def costs_from_runs(runs: list[dict[str, Any]]) -> dict[tuple[str, int], RunCost
         out[key] = RunCosts(
             recovery_s=statistics.median(rec) if rec else 0.0,
             exchange_s=max(0.0, statistics.median(exchange)) if exchange else 0.0,
+            upload_s=max(0.0, statistics.median(upload)) if upload else 0.0,
         )
     return out
 
@@ -578,7 +767,7 @@ def synthetic_faults(
                 out.append({"kind": "kill", "target": target, "t": at})
             else:
                 length = (2 if kind == "stop" else 3) * round_s
-                factor = 1.0 if kind == "stop" else 3.0
+                factor = 1.0 if kind == "stop" else harness_slow_factor(3.0)
                 out.append(
                     {
                         "kind": kind,

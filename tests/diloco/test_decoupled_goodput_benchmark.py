@@ -168,8 +168,24 @@ def test_simulator_reads_a_runs_faults_from_its_chaos_log() -> None:
     }
     assert gs.faults_of(row) == [
         {"kind": "kill", "target": "0", "t": 7.0},
-        {"kind": "slow", "target": "1", "t": 5.0, "until": 9.0, "factor": 3.0},
+        # the harness's 3x: the simulated accelerator counts each 0.1 s stop as 5 ms
+        {
+            "kind": "slow",
+            "target": "1",
+            "t": 5.0,
+            "until": 9.0,
+            "factor": gs.harness_slow_factor(3.0),
+        },
     ]
+
+
+def test_simulator_slow_factor_is_the_harness_duty_cycle() -> None:
+    """The harness slows a learner by stopping it 0.05 * (factor - 1) s of every 0.05 * factor;
+    decoupled_goodput.py's busy() counts a stop of 0.08 s or more as one 5 ms tick and a
+    shorter one whole: 3x steps 2.73x slower, 2x not at all."""
+    assert gs.harness_slow_factor(3.0) == pytest.approx(2.727, abs=1e-3)
+    assert gs.harness_slow_factor(2.0) == 1.0
+    assert gs.harness_slow_factor(1.0) == 1.0
 
 
 @pytest.mark.long
@@ -259,36 +275,118 @@ def test_corpus_shard_is_built_once_and_read_back_the_same(tmp_path: Path) -> No
 
 def test_simulator_sync_commit_follows_the_exchange_rules() -> None:
     """ObjectStoreAllReduce's committer: the lowest valid rank, at the round's barrier, as soon
-    as the round is ready (every slot judged, or its own timeout_s over); a killed or stopped
-    one leaves it to the others a commit grace later."""
-    ls = [gs._Learner(state="wait", k=8) for _ in range(3)]
-    windows: dict[int, list[tuple[float, float, float]]] = {r: [] for r in range(3)}
-    valid = {0: 7.0, 1: 7.0, 2: 10.0}
-    assert gs._commits(1, 8, valid, True, 10.0, 16.0, 4.0, ls, windows)
-    ls[0].state = "down"  # killed after its upload
-    assert not gs._commits(1, 8, valid, True, 13.9, 16.0, 4.0, ls, windows)
-    assert gs._commits(1, 8, valid, True, 14.0, 16.0, 4.0, ls, windows)
-    ls[0].state = "wait"
-    valid = {0: 7.0, 1: 7.5}  # rank 2 never came: each replica's own timeout
-    assert not gs._commits(1, 8, valid, False, 22.9, 16.0, 4.0, ls, windows)
-    assert gs._commits(1, 8, valid, False, 23.0, 16.0, 4.0, ls, windows)
-    windows[0] = [(20.0, 30.0, 0.0)]  # rank 0 stopped: rank 1's timeout, then the grace
-    assert not gs._commits(1, 8, valid, False, 27.4, 16.0, 4.0, ls, windows)
-    assert gs._commits(1, 8, valid, False, 27.5, 16.0, 4.0, ls, windows)
+    as it is ready (every slot judged, or its own timeout_s over); a killed or stopped one
+    (it does not poll) leaves it to the others a commit grace after each became ready."""
+    b = gs._SyncBarrier(3, 2, 16.0, 4.0)
+    for r, at in ((0, 7.0), (1, 7.0), (2, 10.0)):
+        b.enter(r, at)
+    assert b.poll(1, 10.0) is None  # rank 0 commits
+    assert b.poll(0, 10.0) == "commit" and b.commit == (10.0, [0, 1, 2])
+    b = gs._SyncBarrier(3, 2, 16.0, 4.0)
+    for r, at in ((0, 7.0), (1, 7.0), (2, 10.0)):
+        b.enter(r, at)
+    assert b.poll(1, 10.0) is None and b.poll(1, 13.9) is None  # rank 0 killed after its upload
+    assert b.poll(1, 14.0) == "commit"
+    b = gs._SyncBarrier(3, 2, 16.0, 4.0)
+    b.enter(0, 7.0)
+    b.enter(1, 7.5)  # rank 2 never came: each replica's own timeout
+    assert b.poll(0, 22.9) is None and b.poll(0, 23.0) == "commit"
+    b = gs._SyncBarrier(3, 2, 16.0, 4.0)
+    b.enter(0, 7.0)
+    b.enter(1, 7.5)  # rank 0 stopped: rank 1's timeout, then the grace
+    assert b.poll(1, 23.5) is None and b.poll(1, 27.4) is None
+    assert b.poll(1, 27.5) == "commit"
 
 
-def test_simulator_refuses_a_corrupted_contribution_of_an_open_round() -> None:
-    """Rank 3 is stopped through round 2's barrier, so the round is open when rank 0's
-    contribution is corrupted: round 2 commits without it (8 steps not merged, none redone);
-    corrupted after its round was committed, it changes nothing."""
+def test_simulator_sync_replica_is_ready_at_its_own_timeout_before_the_round_settles() -> None:
+    """A replica whose timeout_s ran out is ready then, and its grace counts from then, even
+    when the last slot arrives later (the old rule took the last arrival for every replica)."""
+    b = gs._SyncBarrier(3, 2, 16.0, 4.0)
+    b.enter(0, 7.0)
+    b.enter(1, 7.0)
+    assert b.poll(1, 23.0) is None  # ready (its timeout), rank 0 is the lowest: it waits
+    b.enter(2, 24.0)  # the round settles; rank 0 does not poll (stopped)
+    assert b.poll(1, 26.9) is None
+    assert b.poll(1, 27.0) == "commit" and b.commit == (27.0, [0, 1, 2])
+
+
+def test_simulator_sync_corrupted_contribution_read_before_stays_valid() -> None:
+    """The injector corrupts rank 0's stored contribution at 16: ranks that read it before hold
+    it valid, a rank that reads it after refuses it, and rank 0 reading its own back before
+    committing leaves itself out. A record listing it cannot be applied by those without it."""
+    b = gs._SyncBarrier(4, 2, 8.0, 2.0)
+    b.enter(1, 15.0)
+    b.enter(2, 15.0)
+    b.enter(0, 15.5)
+    for r in (0, 1, 2):
+        assert b.poll(r, 15.6) is None
+    b.corrupted[0] = 16.0
+    b.enter(3, 17.0)
+    assert b.poll(3, 17.0) is None
+    assert b.held[1] == {0, 2} and b.refused[3] == {0}
+    assert b.poll(1, 23.0) is None  # rank 1: ready at its timeout, waits for rank 0
+    assert b.poll(0, 23.5) is None and b.dropped == {0}  # its read-back is corrupted
+    assert b.poll(1, 25.0) == "commit" and b.commit == (25.0, [0, 1, 2, 3])
+    assert b.applies(1, 25.1, in_call=True) and b.applies(2, 25.1, in_call=True)
+    assert not b.applies(0, 25.1, in_call=True) and not b.applies(3, 25.1, in_call=True)
+    assert not b.applies(1, 25.1, in_call=False)  # a later call reads the corrupted copy
+
+
+def test_simulator_sync_listed_corrupted_contribution_fails_the_others_rounds() -> None:
+    """Replayed: rank 3 is stopped through round 2's barrier and rank 0 uploads last, so ranks
+    1 and 2 (holding rank 0's contribution, read before it was corrupted at 16) are ready
+    first and commit it: rank 0 (its read-back failed) and rank 3 (reads it after) cannot
+    apply round 2, train it again until round 3 is committed without them, and heal. The old
+    rule (round 2 committed without rank 0, nobody fails) lost only rank 0's 8 steps."""
     costs = gs.RunCosts(recovery_s=10.0)
-    stop = {"kind": "stop", "target": "3", "t": 12.0, "until": 20.0, "factor": 1.0}
+    stop = {"kind": "stop", "target": "3", "t": 12.0, "until": 23.0, "factor": 1.0}
+    late = {"kind": "stop", "target": "0", "t": 0.0, "until": 0.5, "factor": 1.0}
+    hit = {"kind": "corrupt", "target": "0", "t": 16.0}
+    base = gs.simulate_protocol_run("sync", 4, 48, 8, 4, 1.0, [stop, late], costs, timeout_s=8.0)
+    trace: dict[str, list[Any]] = {}
+    out = gs.simulate_protocol_run(
+        "sync", 4, 48, 8, 4, 1.0, [stop, late, hit], costs, timeout_s=8.0, trace=trace
+    )
+    listed = {x["round"]: x["included"] for x in trace["rounds"]}
+    assert listed[2] == [0, 1, 2] and listed[3] == [1, 2] and listed[4] == [0, 1, 2, 3]
+    assert out["paper_goodput"] < base["paper_goodput"] - 0.05
+    assert out["merged_goodput"] < base["merged_goodput"] - 0.1
+
+
+def test_simulator_sync_a_contribution_read_after_corruption_by_the_lowest_is_left_out() -> None:
+    """Rank 1 reaches round 2 after rank 0's contribution was corrupted: it refuses it, is its
+    own lowest valid rank and commits without it at once; nobody fails, only rank 0's 8 steps
+    are not merged; corrupted after its round was committed, it changes nothing."""
+    costs = gs.RunCosts(recovery_s=10.0)
+    stop = {"kind": "stop", "target": "1", "t": 12.0, "until": 20.0, "factor": 1.0}
     base = gs.simulate_protocol_run("sync", 4, 48, 8, 4, 1.0, [stop], costs, timeout_s=30.0)
     assert base["merged_goodput"] == pytest.approx(base["paper_goodput"], abs=1e-9)
     hit = {"kind": "corrupt", "target": "0", "t": 16.0}
     out = gs.simulate_protocol_run("sync", 4, 48, 8, 4, 1.0, [stop, hit], costs, timeout_s=30.0)
-    assert out["paper_goodput"] == pytest.approx(base["paper_goodput"], abs=1e-9)
-    assert out["merged_goodput"] == pytest.approx(base["paper_goodput"] * (4 * 48 - 8) / (4 * 48))
+    assert out["paper_goodput"] == pytest.approx(base["paper_goodput"], abs=1e-3)
+    assert out["merged_goodput"] == pytest.approx(
+        base["paper_goodput"] * (4 * 48 - 8) / (4 * 48), abs=1e-3
+    )
     late = {"kind": "corrupt", "target": "0", "t": 30.0}
     out = gs.simulate_protocol_run("sync", 4, 48, 8, 4, 1.0, [stop, late], costs, timeout_s=30.0)
     assert out["merged_goodput"] == pytest.approx(base["merged_goodput"], abs=1e-9)
+
+
+def test_simulator_sync_contribution_is_stored_upload_s_into_the_last_step() -> None:
+    """A sync contribution is stored ``upload_s`` after the round's last step begins (the
+    first round's arrivals measure it): a kill 0.1 s into that step catches it before its
+    upload, and the round waits for the restarted learner (the old rule, stored as the step
+    began, merged it and let the others go on)."""
+    kill = [{"kind": "kill", "target": "2", "t": 15.1}]
+    trace: dict[str, list[Any]] = {}
+    costs = gs.RunCosts(recovery_s=5.0, upload_s=0.3)
+    out = gs.simulate_protocol_run(
+        "sync", 4, 48, 8, 4, 1.0, kill, costs, timeout_s=30.0, trace=trace
+    )
+    second = trace["rounds"][1]
+    assert second["round"] == 2 and second["arrivals"][0] == pytest.approx(15.3, abs=0.03)
+    assert second["arrivals"][2] > 25.0 and second["t"] > 25.0  # everyone waited for rank 2
+    early = gs.simulate_protocol_run(
+        "sync", 4, 48, 8, 4, 1.0, kill, gs.RunCosts(recovery_s=5.0), timeout_s=30.0
+    )
+    assert out["paper_goodput"] < early["paper_goodput"] - 0.05

@@ -136,9 +136,12 @@ PROTOCOL = {"d": 16, "layers": 4, "ctx": 32, "step_s": 1.0}
 # kill_synchronizer stay once a run (they hit the store and the synchronizer, not a learner)
 FAULTS_PER_LEARNER_HOUR = 3600.0 / (4 * 96.0)
 LEARNER_FAULTS = ("kill", "kill_upload", "stop", "slow")
-# what a warm spare imports before it takes a restart: what learner_main imports in both modes
+# what a warm spare imports before it takes a restart: what learner_main imports in both modes,
+# and torch._dynamo, which torch imports lazily when the first optimizer is built (most of a
+# restart's setup after the imports)
 SPARE_PRELOAD = (
     "torch",
+    "torch._dynamo",
     "numpy",
     "diloco_convergence",
     "composer_replication.exchange.protocol",

@@ -482,7 +482,9 @@ def run_once(
 
     def go() -> None:
         t_go.append(time.time() + 0.5)
-        (out / "go").write_text(repr(t_go[0]))
+        # written whole, then renamed: a learner polling for "go" never reads it empty
+        (out / "go.tmp").write_text(repr(t_go[0]))
+        (out / "go.tmp").replace(out / "go")
         time.sleep(0.5)
 
     if schedule is not None:  # the grid's: scaled with the learners, the same in both modes

@@ -53,6 +53,12 @@ benchmarks/goodput_sim.py --check replays; and, decoupled, ``overwrite_lag_steps
 steps a learner trained on a fragment between two of its merged pushes that the later push did
 not carry: the work alpha 0 overwrote).
 
+A learner restarted after a kill runs in a warm spare (`LocalProcessExecutor(warm_spares=...)`:
+a process started ahead with torch and the learner's modules imported, waiting to take a
+restart) unless ``--warm-spares 0``, which restarts it cold (a fresh interpreter), as every run
+before the option did. Both modes get the same spares (``--warm-spares``, default 2; ``SPARE_PRELOAD``),
+and each row records ``warm_spares`` and ``spare_takeovers`` (the restarts a spare took).
+
 A learner restarted after a kill downloads only the newest version of each fragment merged
 while it was down: each decoupled row lists its ``rejoins`` (rank, step, ``rejoin_bytes``,
 ``rejoin_objects``) and ``rejoin_bytes_max``, against ``model_bytes``.
@@ -130,6 +136,22 @@ PROTOCOL = {"d": 16, "layers": 4, "ctx": 32, "step_s": 1.0}
 # kill_synchronizer stay once a run (they hit the store and the synchronizer, not a learner)
 FAULTS_PER_LEARNER_HOUR = 3600.0 / (4 * 96.0)
 LEARNER_FAULTS = ("kill", "kill_upload", "stop", "slow")
+# what a warm spare imports before it takes a restart: what learner_main imports in both modes,
+# and torch._dynamo, which torch imports lazily when the first optimizer is built (most of a
+# restart's setup after the imports)
+SPARE_PRELOAD = (
+    "torch",
+    "torch._dynamo",
+    "numpy",
+    "diloco_convergence",
+    "composer_replication.exchange.protocol",
+    "composer_replication.exchange.store",
+    "composer_replication.exchange.settings",
+    "composer_replication.exchange.allreduce",
+    "composer_replication.exchange.store_manager",
+    "composer_replication.diloco.outer_loop",
+    "composer_replication.diloco.decoupled.learner",
+)
 
 
 # --------------------------------------------------------------------------- the learner process
@@ -413,7 +435,8 @@ def run_once(
     )
     store.put_json("run_config.json", to_dict(config))
     env = {
-        "PYTHONPATH": str(ROOT),
+        # benchmarks/ too, so that a warm spare preloads diloco_convergence (SPARE_PRELOAD)
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE)]),
         "COMPOSER_STORAGE_OPTIONS": json.dumps(learner_options),
         "GOODPUT_RUN_SECRET": os.urandom(32).hex(),  # sync: the run's writer and slot secrets
     }
@@ -459,7 +482,9 @@ def run_once(
 
     def go() -> None:
         t_go.append(time.time() + 0.5)
-        (out / "go").write_text(repr(t_go[0]))
+        # written whole, then renamed: a learner polling for "go" never reads it empty
+        (out / "go.tmp").write_text(repr(t_go[0]))
+        (out / "go.tmp").replace(out / "go")
         time.sleep(0.5)
 
     if schedule is not None:  # the grid's: scaled with the learners, the same in both modes
@@ -481,6 +506,8 @@ def run_once(
         timeout_s=20 * run_s + 600,
         seed=a.seed,
         upload_wait_s=0.1 * run_s,
+        warm_spares=a.warm_spares,
+        preload=SPARE_PRELOAD,
     )
     if proxy is not None:
         proxy.close()
@@ -589,6 +616,8 @@ def run_once(
         "protocol_figure": bool(ran) and overran / ran <= OVERRUN_LIMIT,
         "same_final": len(digests) == 1,
         "restarts": result.restarts,
+        "warm_spares": a.warm_spares,
+        "spare_takeovers": result.spare_takeovers,
         "events": [(e["action"], e.get("outcome")) for e in result.log],
     }
     if mode == "sync":
@@ -942,6 +971,13 @@ def main() -> None:
         help="the grid: plot goodput against M here (.png); with --plot-from, from that result",
     )
     ap.add_argument("--plot-from", default="", help="a grid result (JSON) to plot, no runs")
+    ap.add_argument(
+        "--warm-spares",
+        type=int,
+        default=2,
+        help="warm spares (torch and the learner's modules imported) that take a killed "
+        "learner's restart, in both modes; 0: restarts start cold",
+    )
     a = ap.parse_args()
     a.n = a.n if a.role == "learner" else N
     defaults = PROTOCOL if a.protocol else {"d": 64, "ctx": 64, "step_s": 0.1}
@@ -954,6 +990,8 @@ def main() -> None:
     sweep = [float(x) for x in a.sync_timeouts.split(",") if x.strip()]
     if not sweep or any(x <= 0 for x in sweep):
         ap.error("--sync-timeouts: a comma list of rounds > 0")
+    if a.warm_spares < 0:
+        ap.error("--warm-spares: an integer >= 0")
     if a.quick:
         a.steps = 480
     if a.plot_from:
@@ -1153,6 +1191,7 @@ def _brief(row: dict[str, Any]) -> dict[str, Any]:
         "overrun_share",
         "compute_share",
         "recoveries_s",
+        "spare_takeovers",
         "rounds_lost",
         "wall_s",
     )

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -30,12 +32,13 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
 from composer_replication.executors.executor import (
+    ENV_RANK,
     ExecutorBase,
     ReplicaHandle,
     ReplicaStatus,
@@ -43,8 +46,17 @@ from composer_replication.executors.executor import (
     check_arg_style,
     read_log_file,
 )
+from composer_replication.executors.spare import (
+    Assignment,
+    assignment_line,
+    runnable_argv,
+    spare_command,
+    startup_vars,
+)
 
 __all__ = ["LocalProcessExecutor", "exit_reason", "spawn_in_group", "terminate_groups"]
+
+log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
@@ -83,11 +95,14 @@ def spawn_in_group(
     log_path: str,
     *,
     die_with_parent: bool = False,
+    stdin: int = subprocess.DEVNULL,
+    pass_fds: tuple[int, ...] = (),
 ) -> subprocess.Popen[bytes]:
     """Start command in a new session/process group, stdout+stderr appended to log_path.
 
     ``die_with_parent``: the child gets SIGKILL when this process dies (Linux, main thread;
-    see the module docstring)."""
+    see the module docstring). ``stdin`` and ``pass_fds`` as for `subprocess.Popen` (a warm
+    spare reads its assignment from a pipe and signals readiness on a passed fd)."""
     hook = _parent_death_hook() if die_with_parent else None
     log: IO[bytes] = open(log_path, "ab")  # noqa: SIM115  (the child keeps its own copy)
     try:
@@ -95,11 +110,12 @@ def spawn_in_group(
             command,
             env=env,
             cwd=cwd,
-            stdin=subprocess.DEVNULL,
+            stdin=stdin,
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
             close_fds=True,
+            pass_fds=pass_fds,
             preexec_fn=hook,  # noqa: PLW1509  (only prctl + getppid between fork and exec)
         )
     finally:
@@ -198,6 +214,175 @@ class _Replica:
     log_path: str
 
 
+@dataclass
+class _Spare:
+    """One warm spare (executors/spare.py) and the read end of its readiness pipe."""
+
+    proc: subprocess.Popen[bytes]
+    ready_fd: int  # -1 once read to its end
+    log_path: str
+    ready: bool = False
+
+    def usable(self) -> bool | None:
+        """True: ready for an assignment; False: still loading; None: gone (or going)."""
+        if self.proc.poll() is not None:
+            return None
+        if self.ready:
+            return True
+        try:
+            data = os.read(self.ready_fd, 64)
+        except BlockingIOError:
+            return False
+        self.close_fd()
+        self.ready = data.startswith(b"ready")
+        return True if self.ready else None
+
+    def close_fd(self) -> None:
+        if self.ready_fd >= 0:
+            os.close(self.ready_fd)
+            self.ready_fd = -1
+
+
+_MODULE_NAME = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+
+
+class _WarmSpares:
+    """The executor's warm spares: started (from the environment of the first launch a spare can
+    run) once replicas are launched, each replaced by a new one when it takes a launch."""
+
+    def __init__(
+        self,
+        count: int,
+        preload: Sequence[str],
+        python: str,
+        cwd: str | None,
+        die_with_parent: bool,
+        log_dir: Callable[[], Path],
+    ) -> None:
+        self.count = count
+        self.preload = list(preload)
+        self.python = python
+        self.cwd = cwd
+        self.die_with_parent = die_with_parent
+        self.log_dir = log_dir
+        self.spares: list[_Spare] = []
+        self.env: dict[str, str] | None = None  # what every spare starts with
+        self.takeovers = 0
+        self.failed: str | None = None  # a spare died before it was ready: no more spares
+        self.closed = False
+        self.lock = threading.RLock()
+
+    def fill(self, env: dict[str, str]) -> None:
+        """Start spares until `count` are alive (the first call fixes their environment)."""
+        with self.lock:
+            if self.env is None:
+                self.env = env
+            self._reap()
+            while not self.closed and self.failed is None and len(self.spares) < self.count:
+                self._spawn(self.env)
+
+    def _spawn(self, env: dict[str, str]) -> None:
+        read_fd, write_fd = os.pipe()
+        try:
+            os.set_blocking(read_fd, False)
+            log_path = str(self.log_dir() / f"spare-{uuid.uuid4().hex[:8]}.log")
+            command = spare_command(self.python, write_fd, self.preload)
+            proc = spawn_in_group(
+                command,
+                env,
+                self.cwd,
+                log_path,
+                die_with_parent=self.die_with_parent,
+                stdin=subprocess.PIPE,
+                pass_fds=(write_fd,),
+            )
+        except BaseException:
+            os.close(read_fd)
+            raise
+        finally:
+            os.close(write_fd)
+        self.spares.append(_Spare(proc, read_fd, log_path))
+
+    def _reap(self) -> None:
+        """Drop spares that are gone; one that died before it was ready stops the refills (its
+        log says why: a preload that does not import, a package the interpreter cannot find)."""
+        alive = []
+        for spare in self.spares:
+            if spare.usable() is not None:
+                alive.append(spare)
+                continue
+            if not spare.ready and self.failed is None:
+                code = spare.proc.wait()
+                self.failed = (
+                    f"warm spare pid {spare.proc.pid} ended ({exit_reason(code)}) before it was "
+                    f"ready; see {spare.log_path}"
+                )
+                log.warning("%s; replicas launch cold from now on", self.failed)
+            _discard(spare)
+        self.spares = alive
+
+    def pick(self, command: list[str], env: dict[str, str]) -> _Spare | None:
+        """A ready spare that can run command with env (removed from the pool), or None."""
+        with self.lock:
+            if self.env is None or runnable_argv(command, self.python) is None:
+                return None
+            if startup_vars(env) != startup_vars(self.env):
+                return None
+            self._reap()
+            for spare in self.spares:
+                if spare.ready:
+                    self.spares.remove(spare)
+                    return spare
+            return None
+
+    def hand(
+        self, spare: _Spare, command: list[str], env: dict[str, str], log_path: str
+    ) -> subprocess.Popen[bytes] | None:
+        """Give spare the launch (its process then is the replica) and start its replacement;
+        None when the spare was gone (the caller launches cold)."""
+        argv = runnable_argv(command, self.python)
+        assert argv is not None and spare.proc.stdin is not None  # pick() checked both
+        line = assignment_line(Assignment(argv, env, self.cwd, os.path.abspath(log_path)))
+        try:
+            spare.proc.stdin.write(line)
+            spare.proc.stdin.close()
+        except OSError:  # it died since pick()
+            _discard(spare)
+            return None
+        with self.lock:
+            self.takeovers += 1
+            if self.env is not None:
+                self.fill(self.env)
+        return spare.proc
+
+    def pids(self, ready: bool) -> list[int]:
+        with self.lock:
+            self._reap()
+            return [s.proc.pid for s in self.spares if s.ready or not ready]
+
+    def close(self) -> None:
+        """End every spare (idempotent; also at interpreter exit); no more are started."""
+        with self.lock:
+            self.closed = True
+            spares, self.spares = self.spares, []
+        if spares:
+            terminate_groups([s.proc for s in spares], grace=1.0)
+        for spare in spares:
+            _discard(spare)
+
+
+def _discard(spare: _Spare) -> None:
+    """Close what this side holds of a spare; kill its group if it still runs."""
+    spare.close_fd()
+    if spare.proc.stdin is not None and not spare.proc.stdin.closed:
+        try:
+            spare.proc.stdin.close()
+        except OSError:
+            pass
+    if spare.proc.poll() is None:
+        terminate_groups([spare.proc], grace=0.0)
+
+
 def _kill_all(replicas: dict[str, _Replica], grace: float) -> None:
     """At interpreter exit: end whatever is still running (no orphans after the driver)."""
     live = [r.proc for r in replicas.values() if r.proc.poll() is None]
@@ -220,6 +405,12 @@ class LocalProcessExecutor(ExecutorBase):
       inherit_env: start from the driver's environment (True) or from an empty one.
       die_with_driver: the replicas get SIGKILL when this process dies, however it dies
         (Linux parent-death signal; see the module docstring).
+      warm_spares: keep this many warm spares (executors/spare.py: a Python process started
+        ahead, ``preload`` imported, waiting for one assignment) once replicas are launched; a
+        restart (or a later launch) of a script or module entrypoint is handed to a ready one,
+        which is then the replica (its pid, process group, log, parent-death signal), and a new
+        spare replaces it. No spare ready: a cold launch. 0 (the default): none.
+      preload: modules each spare imports before it is ready (e.g. ``("torch",)``).
     """
 
     backend = "local"
@@ -236,6 +427,8 @@ class LocalProcessExecutor(ExecutorBase):
         poll_interval: float = 0.2,
         inherit_env: bool = True,
         die_with_driver: bool = True,
+        warm_spares: int = 0,
+        preload: Sequence[str] = (),
     ) -> None:
         if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
             raise ValueError(f"max_restarts must be an integer >= 0, got {max_restarts!r}")
@@ -256,6 +449,12 @@ class LocalProcessExecutor(ExecutorBase):
         if not isinstance(die_with_driver, bool):
             raise ValueError(f"die_with_driver must be true or false, got {die_with_driver!r}")
         self.die_with_driver = die_with_driver
+        if isinstance(warm_spares, bool) or not isinstance(warm_spares, int) or warm_spares < 0:
+            raise ValueError(f"warm_spares must be an integer >= 0, got {warm_spares!r}")
+        if isinstance(preload, str) or not all(
+            isinstance(m, str) and _MODULE_NAME.match(m) for m in preload
+        ):
+            raise ValueError(f"preload must be a list of module names, got {preload!r}")
         self._log_dir = Path(log_dir) if log_dir is not None else None
         self._replicas: dict[str, _Replica] = {}
         self._lock = threading.Lock()
@@ -263,6 +462,12 @@ class LocalProcessExecutor(ExecutorBase):
         # that drops the executor object has not asked for its replicas to die. Holds only the
         # dict, not self.
         atexit.register(_kill_all, self._replicas, self.grace_period)
+        self._spares: _WarmSpares | None = None
+        if warm_spares:
+            self._spares = _WarmSpares(
+                warm_spares, preload, self.python, self.cwd, die_with_driver, lambda: self.log_dir
+            )
+            atexit.register(self._spares.close)
 
     @property
     def log_dir(self) -> Path:
@@ -288,6 +493,16 @@ class LocalProcessExecutor(ExecutorBase):
     def pid(self, handle: ReplicaHandle) -> int:
         """The OS pid (== process group id) of the replica's current process."""
         return self._replica(handle).proc.pid
+
+    @property
+    def spare_takeovers(self) -> int:
+        """How many launches (restarts included) a warm spare took."""
+        return self._spares.takeovers if self._spares else 0
+
+    def spare_pids(self, ready: bool = False) -> list[int]:
+        """The pids of the warm spares alive now (``ready``: only those whose preloads are
+        done, which the next launch may take)."""
+        return self._spares.pids(ready) if self._spares else []
 
     def _replica(self, handle: ReplicaHandle) -> _Replica:
         try:
@@ -318,12 +533,36 @@ class LocalProcessExecutor(ExecutorBase):
         job_id = f"local-{launch}-r{rank}"
         log_path = str(self.log_dir / f"replica-{rank}-{launch}.log")
         full_env = self._full_env(env)
-        proc = spawn_in_group(
-            command, full_env, self.cwd, log_path, die_with_parent=self.die_with_driver
-        )
+        proc = self._spawn(command, full_env, log_path)
         with self._lock:
             self._replicas[job_id] = _Replica(proc, command, full_env, log_path)
+        if self._spares is not None and runnable_argv(command, self.python) is not None:
+            # what every spare starts with: this launch's environment less its secrets and rank
+            self._spares.fill(self._full_env({k: v for k, v in env.items() if k != ENV_RANK}))
         return self._new_handle(rank, job_id, ReplicaStatus.RUNNING, log_path)
+
+    def _spawn(
+        self, command: list[str], env: dict[str, str], log_path: str, restart: str = ""
+    ) -> subprocess.Popen[bytes]:
+        """Start one replica's process: a ready warm spare takes it, else a cold launch.
+        ``restart``: the line that announces a restart in the log."""
+        spare = self._spares.pick(command, env) if self._spares else None
+        if restart:
+            taker = f" (warm spare pid {spare.proc.pid})" if spare else ""
+            self._log_line(log_path, f"{restart}{taker} ===")
+        if spare is not None and self._spares is not None:
+            proc = self._spares.hand(spare, command, env, log_path)
+            if proc is not None:
+                return proc
+            self._log_line(log_path, f"warm spare pid {spare.proc.pid} was gone; cold launch ===")
+        return spawn_in_group(
+            command, env, self.cwd, log_path, die_with_parent=self.die_with_driver
+        )
+
+    @staticmethod
+    def _log_line(log_path: str, text: str) -> None:
+        with open(log_path, "a", encoding="utf-8") as f:
+            f.write(f"\n=== composer-replication: {text}\n")
 
     def _refresh(self, handle: ReplicaHandle) -> None:
         rep = self._replica(handle)
@@ -346,14 +585,11 @@ class LocalProcessExecutor(ExecutorBase):
 
     def _restart(self, handle: ReplicaHandle, rep: _Replica, code: int) -> None:
         handle.restarts += 1
-        with open(rep.log_path, "a", encoding="utf-8") as log:
-            log.write(
-                f"\n=== composer-replication: replica {handle.replica_id} {exit_reason(code)}; "
-                f"restart {handle.restarts} of {self.max_restarts} ===\n"
-            )
-        rep.proc = spawn_in_group(
-            rep.command, rep.env, self.cwd, rep.log_path, die_with_parent=self.die_with_driver
+        restart = (
+            f"replica {handle.replica_id} {exit_reason(code)}; "
+            f"restart {handle.restarts} of {self.max_restarts}"
         )
+        rep.proc = self._spawn(rep.command, rep.env, rep.log_path, restart)
         handle.status = ReplicaStatus.RUNNING
 
     def _terminate(self, handle: ReplicaHandle) -> None:
@@ -371,8 +607,11 @@ class LocalProcessExecutor(ExecutorBase):
         return read_log_file(self._replica(handle).log_path, tail)
 
     def shutdown(self) -> None:
-        """Stop every replica this executor still runs (also done at interpreter exit)."""
+        """Stop every replica this executor still runs, and its warm spares (also done at
+        interpreter exit)."""
         _kill_all(self._replicas, self.grace_period)
+        if self._spares is not None:
+            self._spares.close()
 
     def __enter__(self) -> LocalProcessExecutor:
         return self

@@ -20,6 +20,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from composer_replication.diloco.decoupled.decoupled_check import check_decoupled_run
@@ -36,6 +37,8 @@ from composer_replication.faults.proxy import ThrottleProxy
 from composer_replication.json_types import JSONDict, JSONValue
 
 if TYPE_CHECKING:
+    from composer_replication.executors.executor import ReplicaHandle
+    from composer_replication.executors.local import LocalProcessExecutor
     from composer_replication.run.synchronizer_process import SynchronizerProcess
 
 __all__ = [
@@ -58,7 +61,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class LocalRunResult:
-    """What `run_local` saw: the injector's log, restarts, exit codes, the run's duration."""
+    """What `run_local` saw: the injector's log, restarts (and how many a warm spare took),
+    exit codes, the run's duration."""
 
     log: list[JSONDict]
     restarts: list[int]
@@ -67,6 +71,7 @@ class LocalRunResult:
     synchronizer_exit: int | None
     seconds: float
     logs: str
+    spare_takeovers: int = 0
 
 
 def run_local(
@@ -86,14 +91,15 @@ def run_local(
     timeout_s: float = 900.0,
     upload_wait_s: float = 60.0,
     seed: int = 0,
+    warm_spares: int = 0,
+    preload: Sequence[str] = (),
 ) -> LocalRunResult:
     """Launch ``n`` replica processes (`LocalProcessExecutor`, restarted when they die) and, with
     ``synchronizer``, the run's synchronizer (`SynchronizerProcess` on ``store``, configured by
     the run_config.json the caller put there); once ``ready()`` holds, call ``on_ready`` and
     start the chaos schedule; supervise until every replica ended; stop the synchronizer.
-    ``env`` reaches every process (put the storage options in $COMPOSER_STORAGE_OPTIONS)."""
-    from pathlib import Path
-
+    ``env`` reaches every process (put the storage options in $COMPOSER_STORAGE_OPTIONS).
+    ``warm_spares`` spares with ``preload`` imported take the restarts (`LocalProcessExecutor`)."""
     from composer_replication.executors.local import LocalProcessExecutor
     from composer_replication.run.synchronizer_process import SynchronizerProcess
 
@@ -101,7 +107,13 @@ def run_local(
     sync = (
         SynchronizerProcess(store.uri, env, log_path / "synchronizer.log") if synchronizer else None
     )
-    executor = LocalProcessExecutor(log_dir=log_path, max_restarts=max_restarts, grace_period=2)
+    executor = LocalProcessExecutor(
+        log_dir=log_path,
+        max_restarts=max_restarts,
+        grace_period=2,
+        warm_spares=warm_spares,
+        preload=preload,
+    )
     t0 = time.monotonic()
     if sync is not None:
         sync.start()
@@ -115,9 +127,32 @@ def run_local(
         upload_wait_s=upload_wait_s,
         seed=seed,
     )
+    sync_exit = _supervise(executor, handles, sync, injector, t0 + timeout_s, ready, on_ready)
+    return LocalRunResult(
+        log=list(injector.log),
+        restarts=[h.restarts for h in handles],
+        exit_codes=[h.exit_code for h in handles],
+        synchronizer_restarts=sync.restarts if sync else 0,
+        synchronizer_exit=sync_exit,
+        seconds=time.monotonic() - t0,
+        spare_takeovers=executor.spare_takeovers,
+        logs=_tails(log_path),
+    )
+
+
+def _supervise(
+    executor: LocalProcessExecutor,
+    handles: list[ReplicaHandle],
+    sync: SynchronizerProcess | None,
+    injector: ChaosInjector,
+    deadline: float,
+    ready: Callable[[], bool] | None,
+    on_ready: Callable[[], None] | None,
+) -> int | None:
+    """`run_local`'s loop: poll (restarting), keep the synchronizer up, start the chaos once
+    ready; then stop everything (warm spares too); the synchronizer's exit code."""
     sync_exit: int | None = None
     try:
-        deadline = t0 + timeout_s
         while not all(h.status.done for h in handles) and time.monotonic() < deadline:
             executor.poll(handles)
             if sync is not None:
@@ -133,19 +168,19 @@ def run_local(
     finally:
         injector.stop()
         executor.cancel([h for h in handles if not h.status.done])
+        executor.shutdown()
         if sync is not None:
             sync.stop(grace_s=2)
-    return LocalRunResult(
-        log=list(injector.log),
-        restarts=[h.restarts for h in handles],
-        exit_codes=[h.exit_code for h in handles],
-        synchronizer_restarts=sync.restarts if sync else 0,
-        synchronizer_exit=sync_exit,
-        seconds=time.monotonic() - t0,
-        logs="\n".join(
-            f"--- {p.name}\n{p.read_text(errors='replace')[-4000:]}"
-            for p in sorted(log_path.glob("*.log"))
-        ),
+    return sync_exit
+
+
+def _tails(log_dir: Path) -> str:
+    """The last 4000 characters of every non-empty log in log_dir (an unused spare's is
+    empty)."""
+    return "\n".join(
+        f"--- {p.name}\n{text[-4000:]}"
+        for p in sorted(log_dir.glob("*.log"))
+        if (text := p.read_text(errors="replace"))
     )
 
 

@@ -213,6 +213,7 @@ def test_tiny_grid_prints_the_keys_and_the_simulator_replays_it(tmp_path: Path) 
     for r in last["runs"]:
         assert 0 < r["merged_goodput"] <= 1.0 and 0 < r["paper_goodput"] <= 1.0
         assert r["chaos_log"] and r["commit_times"]
+        assert r["warm_spares"] == 2 and r["spare_takeovers"] <= sum(r["restarts"])
     # sync: every committed round as it happened, agreeing with the commit times and the
     # merged work counted from the same commit records
     sync = next(r for r in last["runs"] if r["mode"] == "sync")

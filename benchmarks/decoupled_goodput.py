@@ -633,7 +633,46 @@ def run_once(
         out_row["merges"] = check["merges"]
         out_row["synchronizer_restarts"] = result.synchronizer_restarts
         out_row["overwrite_lag_steps"] = overwrite_lag_steps(store, a.p)
+        sync_log = tmp / "logs" / "synchronizer.log"
+        out_row["synchronizer_outages"] = synchronizer_outages(
+            result.log, events, sync_log, t_go[0]
+        )
     return out_row
+
+
+def synchronizer_outages(
+    log: list[dict[str, Any]], events: list[Any], sync_log: Path, t_go: float
+) -> list[dict[str, Any]]:
+    """Decoupled: each time the harness froze the synchronizer (a corrupted push: from the
+    event's start until the push was corrupted and it was continued) or killed it, and when it
+    was merging again: its first "resumed at versions" log line after the fault (a restart, or
+    a freeze longer than its lease's safety margin: it takes the lease again and reloads the
+    store), else, frozen, when it was continued; seconds from the start (goodput_sim.py
+    replays them)."""
+    import datetime
+
+    resumed: list[float] = []  # the synchronizer's log lines (its logging.basicConfig times)
+    with contextlib.suppress(OSError):
+        for line in sync_log.read_text(errors="replace").splitlines():
+            if "resumed at versions" in line:
+                with contextlib.suppress(ValueError):
+                    at = datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f")
+                    resumed.append(at.timestamp() - t_go)
+    ordered = sorted(events, key=lambda e: e.at_s)
+    out: list[dict[str, Any]] = []
+    for e in log:
+        if e.get("action") == "kill_synchronizer" and e.get("outcome") == "killed":
+            cause, start, went_on = "killed", float(e["t"]), None
+        elif e.get("action") == "corrupt" and str(e.get("target", "")).startswith("push"):
+            cause, start, went_on = "frozen", ordered[int(e["event"])].at_s, float(e["t"])
+        else:
+            continue
+        back = next((x for x in sorted(resumed) if x >= (went_on or start)), None)
+        if went_on is not None and (back is None or back > went_on + 1.0):
+            back = went_on  # it kept its lease: merging again as it was continued
+        until = None if back is None else round(back, 3)
+        out.append({"cause": cause, "t": round(start, 3), "until": until})
+    return out
 
 
 def _commit_times(store: Any, mode: str, a: argparse.Namespace, t_go: float) -> list[float]:

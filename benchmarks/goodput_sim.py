@@ -60,9 +60,18 @@ predicts decoupled's learner-time goodput within 0.003 in every run and sync's w
 one run (0.067, M = 8 seed 0: whether the slowed rank 1 read rank 0's contribution before it
 was corrupted, 0.17 s apart in the run, decides whether 4 learners fail a round; the replay
 has rank 1 arrive 0.8 s later: its slow windows ran at 0.39-0.50 of full speed, judged from
-its round arrivals, against the 0.37 modelled). Decoupled's merged work misses by up to 0.084: the synchronizer's outages
-(frozen while the injector waits for a push to corrupt, killed and restarted at 0.65 of the
-run; merge gaps of 12-23 s in every run) are not replayed.
+its round arrivals, against the 0.37 modelled). The synchronizer's outages are replayed
+(`synchronizer_outages`: frozen from 0.55 of the run while the injector waits for a push to
+corrupt, 0.3-9.6 s; killed at 0.65 until its next merge, 6.3-11.1 s on the quiet grid,
+9.8-20.1 s on the shared one): no merges meanwhile, then every push made meanwhile found at
+once. That moved decoupled's merged work little (quiet grid: max |error| 0.084 -> 0.082,
+median 0.019 -> 0.021; earlier grid 0.062 -> 0.058, median 0.048 -> 0.034): an outage defers
+merges but loses no pushed work. What it does not replay: the real synchronizer counts a
+stopped or killed learner as active (it may still push) until ``dead_after_s`` (120 s, longer
+than the run; run_local writes no departure records), so with two learners stopped at once
+the quorum of all but one cannot form (M = 16 seed 1: no merge from 55.6 s to the kill at
+62.4 s, learners 4 and 5 stopped); the replay counts only running learners. Counting every
+unfinished learner instead did not bring the errors down either (0.104 max on the quiet grid).
 docs/benchmarks-notebook.md ("Decoupled DiLoCo at 4, 8 and 16 learners") has each run's figures.
 
 Usage::
@@ -223,6 +232,9 @@ class _Fragments:
         # per fragment: (when learners can take it, version) of every merged version
         self.published: list[list[tuple[float, int]]] = [[] for _ in range(p)]
         self.useful = 0.0  # steps merged, summed over fragments
+        self.outages: list[tuple[float, float]] = []  # (down, merging again) of the synchronizer
+        self.down = False
+        self.merge_times: list[float] = []  # when each merge was decided
 
     def stepped(self, r: int, k: int, t: float) -> None:
         """Learner r finished its step k (1-based count): train every fragment, push the one
@@ -260,7 +272,19 @@ class _Fragments:
             self.push(r, f, t)
 
     def tick(self, t: float, live: set[int]) -> None:
-        """Merge every fragment whose quorum and grace window are complete at ``t``."""
+        """Merge every fragment whose quorum and grace window are complete at ``t``. While the
+        synchronizer is down (``outages``) nothing merges; the pushes stay in the store and,
+        as it comes back, it reloads them all at once (`_recover`: the inbox rebuilt, each
+        push's arrival the time it is discovered), so a fragment's quorum and grace window
+        start again from then."""
+        if any(a <= t < b for a, b in self.outages) and live:
+            self.down = True
+            return
+        if self.down:
+            self.down = False
+            for f in range(self.p):
+                self.first_push[f] = t if self.on_time[f] else None
+                self.quorum_at[f] = None
         q = self.costs.quorum if self.costs.quorum is not None else self.m - 1
         for f in range(self.p):
             got = self.on_time[f] & live
@@ -283,6 +307,7 @@ class _Fragments:
         self.first_push[f] = self.quorum_at[f] = None
         self.version[f] += 1
         self.published[f].append((t + self.costs.apply_s, self.version[f]))
+        self.merge_times.append(t)
 
 
 @dataclass
@@ -554,7 +579,9 @@ def simulate_protocol_run(
     (every h / p steps) and costs ``recovery_s``; the synchronizer (`_Fragments`) merges a
     fragment once a quorum of the live learners pushed it on its current version, after the
     grace window, and the work a learner did on the fragment between its push and taking the
-    merged version (``apply_s`` after the merge) is overwritten (alpha 0). sync: every h steps a
+    merged version (``apply_s`` after the merge) is overwritten (alpha 0); while the
+    synchronizer is down (a ``{"kind": "synchronizer", "t": s, "until": s}`` fault) nothing
+    merges, and as it comes back it finds every push made meanwhile. sync: every h steps a
     barrier (`_SyncBarrier`): in the h-th step, after start_quorum (a learner that missed a
     committed round loads the newest published state and goes on from there), its
     contribution is stored ``upload_s`` after the step began and it waits (the step's padding
@@ -568,7 +595,11 @@ def simulate_protocol_run(
     windows: dict[int, list[tuple[float, float, float]]] = {r: [] for r in range(m)}
     kills: dict[int, list[tuple[float, float]]] = {r: [] for r in range(m)}
     corrupts: list[tuple[float, int]] = []  # sync: (when, rank) of a corrupted contribution
+    outages: list[tuple[float, float]] = []  # decoupled: the synchronizer down (from, until)
     for f in faults:
+        if f["kind"] == "synchronizer":
+            outages.append((float(str(f["t"])), float(str(f["until"]))))
+            continue
         r = int(str(f["target"]))
         if f["kind"] == "corrupt":
             corrupts.append((float(str(f["t"])), r))
@@ -592,7 +623,9 @@ def simulate_protocol_run(
         )
         useful = float(listed * h)
     else:
-        ls, useful = _simulate_decoupled(m, steps, h, p, step_s, windows, kills, costs, dt)
+        ls, useful = _simulate_decoupled(
+            m, steps, h, p, step_s, windows, kills, costs, dt, sorted(outages), trace
+        )
     learner_s = sum(x.end - offsets.get(r, 0.0) for r, x in enumerate(ls))
     kept = sum(x.kept(steps) for x in ls)
     # (min: a step that ends between two ticks is counted at the later one)
@@ -612,11 +645,14 @@ def _simulate_decoupled(
     kills: dict[int, list[tuple[float, float]]],
     costs: RunCosts,
     dt: float,
+    outages: list[tuple[float, float]] | None = None,
+    trace: dict[str, list[Any]] | None = None,
 ) -> tuple[list[_Learner], float]:
     """Decoupled DiLoCo's learners and synchronizer (see `simulate_protocol_run`): (the
     learners, the inner steps merged)."""
     ls = [_Learner() for _ in range(m)]
     frags = _Fragments(m, h, p, costs, step_s)
+    frags.outages = list(outages or [])
     per_push = max(1, h // max(1, p))
     t = 0.0
     while any(x.state != "done" for x in ls) and t < 50 * steps * step_s:
@@ -639,6 +675,8 @@ def _simulate_decoupled(
         frags.tick(t, {r for r in range(m) if running[r]})
         t += dt
     frags.tick(t, set())  # the final merges
+    if trace is not None:
+        trace["merges"] = list(frags.merge_times)
     return ls, frags.useful / p
 
 
@@ -691,12 +729,47 @@ def faults_of(row: dict[str, Any]) -> list[dict[str, object]]:
                     "factor": harness_slow_factor(factors.get(int(e["event"]), 3.0)),
                 }
             )
+    out += [{"kind": "synchronizer", "t": a, "until": b} for a, b in synchronizer_outages(row)]
     # a learner whose first step came late (its process was slow to start on the loaded
     # machine) is, for the replay, stopped from the start until then
     for r, late in enumerate(row.get("start_offsets") or []):
         if late > 0.5:
             out.append({"kind": "stop", "target": str(r), "t": 0.0, "until": late, "factor": 1.0})
     return out
+
+
+def synchronizer_outages(row: dict[str, Any]) -> list[tuple[float, float]]:
+    """When a measured decoupled run's synchronizer was down, (from, until) in seconds from the
+    start: the row's ``synchronizer_outages`` (decoupled_goodput.py records them from the
+    harness's log and the synchronizer's own "resumed at versions" lines), else derived from
+    what older rows hold: frozen while the injector waited for a push to corrupt (from the
+    event's scheduled start to the corrupted push, ``chaos_log``; it continues at once, its
+    reload takes a few polls), and killed (``kill_synchronizer`` in the chaos log) until its
+    next merge record (``commit_times``: the restart, ``restart_after_s`` plus the process's
+    start-up and the killed holder's lease TTL; a quorum the restarted synchronizer had to wait
+    for also falls in it)."""
+    if row.get("mode") != "decoupled":
+        return []
+    if row.get("synchronizer_outages") is not None:
+        return [
+            (float(o["t"]), float(o["until"]))
+            for o in row["synchronizer_outages"]
+            if o.get("until") is not None
+        ]
+    schedule = row.get("schedule") or []
+    commits = sorted(float(x) for x in row.get("commit_times") or [])
+    out: list[tuple[float, float]] = []
+    for e in row.get("chaos_log") or []:
+        t = float(e.get("t", 0.0))
+        if e.get("action") == "corrupt" and str(e.get("target", "")).startswith("push"):
+            i = int(e.get("event", -1))
+            start = float(schedule[i]["at_s"]) if 0 <= i < len(schedule) else t
+            out.append((min(start, t), t))
+        elif e.get("action") == "kill_synchronizer" and e.get("outcome") == "killed":
+            back = next((c for c in commits if c > t), None)
+            if back is not None:
+                out.append((t, back))
+    return sorted(out)
 
 
 def costs_from_runs(runs: list[dict[str, Any]]) -> dict[tuple[str, int], RunCosts]:

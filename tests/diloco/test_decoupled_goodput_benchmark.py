@@ -247,6 +247,77 @@ def test_simulator_overwrites_what_a_learner_trained_before_taking_a_version() -
     assert dec["merged_goodput"] == pytest.approx(0.75, abs=0.03)
 
 
+def test_simulator_synchronizer_outage_delays_merges_and_lowers_merged_work() -> None:
+    """While the synchronizer is down nothing merges; it comes back to every push made
+    meanwhile and merges at once (every live learner pushed: no grace window); the merges it
+    missed leave more work to be overwritten around its return, so merged work drops."""
+    costs = gs.RunCosts(recovery_s=10.0, apply_s=0.1)
+    seen: dict[str, list[Any]] = {}
+    down = [{"kind": "synchronizer", "t": 20.0, "until": 32.0}]
+    out = gs.simulate_protocol_run("decoupled", 4, 96, 8, 4, 1.0, down, costs, trace=seen)
+    base = gs.simulate_protocol_run("decoupled", 4, 96, 8, 4, 1.0, [], costs)
+    merges = seen["merges"]
+    assert not [t for t in merges if 20.0 <= t < 32.0]
+    assert 32.0 <= min(t for t in merges if t >= 20.0) < 32.1
+    assert len([t for t in merges if 32.0 <= t < 32.1]) == 4  # every fragment, at once
+    assert out["paper_goodput"] == pytest.approx(base["paper_goodput"])
+    assert out["merged_goodput"] < base["merged_goodput"] - 0.01
+
+
+def test_synchronizer_outages_of_a_row() -> None:
+    """A row's recorded outages, else the freeze (the corrupt event's start to the corrupted
+    push) and the kill (to the next merge record) from its chaos log and commit times."""
+    row: dict[str, Any] = {
+        "mode": "decoupled",
+        "schedule": [{"at_s": 10.0, "action": "stop"}, {"at_s": 52.8, "action": "corrupt"}],
+        "chaos_log": [
+            {
+                "event": 1,
+                "action": "corrupt",
+                "target": "push:0",
+                "outcome": "corrupted",
+                "t": 55.4,
+            },
+            {"event": 2, "action": "kill_synchronizer", "outcome": "killed", "t": 62.4},
+        ],
+        "commit_times": [50.0, 55.6, 70.1, 71.0],
+    }
+    assert gs.synchronizer_outages(row) == [(52.8, 55.4), (62.4, 70.1)]
+    assert {"kind": "synchronizer", "t": 62.4, "until": 70.1} in gs.faults_of(
+        {**row, "chaos_log": row["chaos_log"]}
+    )
+    row["synchronizer_outages"] = [{"cause": "killed", "t": 62.4, "until": 68.0}]
+    assert gs.synchronizer_outages(row) == [(62.4, 68.0)]
+    assert gs.synchronizer_outages({**row, "mode": "sync"}) == []
+
+
+def test_benchmark_records_synchronizer_outages(tmp_path: Path) -> None:
+    """decoupled_goodput.py's record: a kill until the restarted synchronizer's "resumed at
+    versions" log line; a freeze until that line if it lost its lease, else until continued."""
+    import datetime
+
+    t_go = datetime.datetime(2026, 1, 1, 12, 0, 0).timestamp()
+
+    def line(s: float) -> str:
+        at = datetime.datetime.fromtimestamp(t_go + s).strftime("%Y-%m-%d %H:%M:%S,%f")[:23]
+        return f"{at} composer_replication.diloco.decoupled.synchronizer synchronizer x: resumed at versions [0]"
+
+    log_path = tmp_path / "synchronizer.log"
+    log_path.write_text("\n".join([line(-0.5), line(55.6), "=== restart 1 ===", line(69.25)]))
+    events = [SimpleNamespace(at_s=52.8), SimpleNamespace(at_s=62.4), SimpleNamespace(at_s=80.0)]
+    log = [
+        {"event": 0, "action": "corrupt", "target": "push:0", "outcome": "corrupted", "t": 55.4},
+        {"event": 1, "action": "kill_synchronizer", "outcome": "killed", "t": 62.45},
+        {"event": 2, "action": "corrupt", "target": "push:0", "outcome": "corrupted", "t": 80.5},
+    ]
+    got = dg.synchronizer_outages(log, events, log_path, t_go)
+    assert got == [
+        {"cause": "frozen", "t": 52.8, "until": 55.6},
+        {"cause": "killed", "t": 62.45, "until": 69.25},
+        {"cause": "frozen", "t": 80.0, "until": 80.5},
+    ]
+
+
 def test_synthetic_faults_scale_with_the_rate() -> None:
     assert gs.synthetic_faults(8, 96.0, 8.0, 0.0, 0, 10.0) == []
     few = [len(gs.synthetic_faults(8, 96.0, 8.0, 5.0, s, 10.0)) for s in range(20)]

@@ -320,7 +320,9 @@ def learner_main(a: argparse.Namespace) -> None:
             if a.mode == "sync" and local == a.h:
                 # sync ends at the run's last round, as a real run does: a learner that healed
                 # past rounds it missed goes on from the run's round (the steps in between
-                # nobody of it ran), one whose round failed and is retried trains it again
+                # nobody of it ran), one whose round failed and is retried trains it again, one
+                # whose round committed listing a contribution it could not read adopts that
+                # round (its manager loads the committer's published state) and goes on
                 t, local = outer.round * a.h, 0
     t_end = time.time() if a.mode == "sync" else outer.trained_until
     outer.load_global_weights()

@@ -20,7 +20,10 @@ decoded messages, which the outer optimizer (`sparseloco_outer_optimizer`: SGD a
 Accounting (what the tests pin): ``e`` only changes when a round commits, so over committed
 rounds ``sum(sent) + e == sum(decay-weighted deltas)`` exactly up to float32 rounding; nothing
 is dropped except by ``decay``. A round that fails (the exchange did not commit) leaves ``e``
-as it was, like DiLoCo drops the round's local work. The store keeps the first upload of a
+as it was, like DiLoCo drops the round's local work; a round the inner manager adopted (it
+committed, but this replica could not read a contribution it lists, and loaded the round's
+published state instead: ``should_commit`` False, ``current_step`` advanced) counts as
+committed, since its message went to that step. The store keeps the first upload of a
 step, and a failed step is retried at the same step; the retry therefore accounts the message
 of the first attempt (remembered here), which is what the store holds whenever that first
 upload went through (a round sat out after a heal uploads nothing and is not remembered). With
@@ -206,7 +209,11 @@ class ErrorFeedbackManager:
 
     def should_commit(self, timeout: timedelta | None = None) -> bool:
         committed = self.inner.should_commit(timeout=timeout)
-        if committed:
+        # False, yet at this round's step: the inner manager adopted the committed round's
+        # published state (a contribution it lists was unreadable here); this replica's
+        # message went to that committed step as in a committed round, so it leaves the buffer
+        adopted = not committed and self.inner.current_step() == self._step
+        if committed or adopted:
             for key, (acc, sent) in self._pending.items():
                 self.buffers[key] = acc.sub_(sent)
             self._failed_step, self._failed_sent = None, {}

@@ -14,7 +14,9 @@ record, which also names the merge (``mean``, ``trimmed_mean``, ``median``, ``no
 replay exactly that. The committer lists its own contribution from memory; with
 ``verify_own_upload`` it reads it back from the store first (one download more per committed
 step) and leaves out an upload that rotted or was overwritten there, which would otherwise fail
-the step on every reader.
+the step's merge on every reader. A listed contribution a reader cannot read or verify raises
+`ListedContributionError` (nothing is averaged; `ObjectStoreManager` adopts the round's
+published state instead of retrying it).
 
 Each rank's objects of a step go under keys only its writer uses: with the run's slot secret
 (``slot_secret``, the same on every rank; the run driver hands one out per run) the key of rank
@@ -102,6 +104,7 @@ from composer_replication.exchange.vocabulary import (
     Contribution,
     CorruptContributionError,
     ExchangeCancelledError,
+    ListedContributionError,
     ModelMismatchError,
     QuorumLostError,
     StepResult,
@@ -116,6 +119,7 @@ __all__ = [
     "StepResult",
     "StoreTimeoutError",
     "CorruptContributionError",
+    "ListedContributionError",
     "ModelMismatchError",
     "ExchangeCancelledError",
     "model_fingerprint",
@@ -280,8 +284,10 @@ class ObjectStoreAllReduce(RunDocuments):
 
         Returns a new dict with the same names, shapes, dtypes and devices; the values are
         bit-identical on every replica. ``tokens`` is required with ``weighting='tokens'``.
-        Raises StoreTimeoutError (who is missing, which timeout), CorruptContributionError
-        (the commit lists an object this replica cannot verify), QuorumLostError (every rank is
+        Raises StoreTimeoutError (who is missing, which timeout), ListedContributionError (a
+        CorruptContributionError: the step is committed but lists an object this replica cannot
+        read or verify; nothing is averaged), CorruptContributionError (e.g. a malformed commit
+        record), QuorumLostError (every rank is
         judged and fewer than ``min_replicas`` are valid: the step can never commit) or
         ExchangeCancelledError.
         """
@@ -900,21 +906,23 @@ class ObjectStoreAllReduce(RunDocuments):
         refetch = [r for r in ranks if r not in valid or valid[r].checksum != pinned[r]]
         for r, (c, nbytes) in zip(refetch, self._fetch_many(step, refetch, ref)):
             down += nbytes
-            if not isinstance(c, Contribution):
-                raise CorruptContributionError(
-                    f"step {step}: the commit lists rank {r} but its contribution "
-                    + (
-                        "is gone (garbage-collected? keep_steps too small)"
-                        if c is None
-                        else f"cannot be used: {c}"
-                    )
-                )
-            if c.checksum != pinned[r]:
-                raise CorruptContributionError(
-                    f"step {step}: rank {r}'s stored contribution does not match the "
-                    "checksum in the commit record"
-                )
-            valid[r] = c
+            if isinstance(c, Contribution) and c.checksum == pinned[r]:
+                valid[r] = c
+                continue
+            if c is None:
+                problem = f"the commit lists rank {r} but its contribution is gone "
+                problem += "(garbage-collected? keep_steps too small)"
+            elif isinstance(c, str):
+                problem = f"the commit lists rank {r} but its contribution cannot be used: {c}"
+            else:
+                problem = f"rank {r}'s stored contribution does not match the checksum in the "
+                problem += "commit record"
+            raise ListedContributionError(
+                f"step {step}: {problem}",
+                step=step,
+                committed_by=commit.get("committed_by"),
+                included_ranks=list(ranks),
+            )
         why = self._against_rule(commit, valid)
         if why is not None:
             raise UpdateRefusedError(

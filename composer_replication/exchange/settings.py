@@ -163,9 +163,10 @@ class AllReduceConfig:
     wait polls; ``departure_poll_s``: how often the departure records of missing ranks are read.
     ``verify_own_upload``: the committer reads its own contribution back from the store before
     listing it, and leaves it out if the stored copy rotted or was overwritten (otherwise it
-    lists its in-memory copy and every other rank fails that step on the stored one); it costs
-    one download of this rank's contribution per step it commits (+25 % of a 2-replica round's
-    downloads), so it is off unless the store is not trusted to keep what was written.
+    lists its in-memory copy and every other rank fails that step's merge on the stored one:
+    their managers then wait for and load the round's published state instead, `store_manager`);
+    it costs one download of this rank's contribution per step it commits (+25 % of a 2-replica
+    round's downloads), so it is off unless the store is not trusted to keep what was written.
     """
 
     codec: CodecName = _EXCHANGE.codec

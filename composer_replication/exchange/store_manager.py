@@ -20,6 +20,16 @@ cannot open sockets to each other, so here:
   that can never commit (`QuorumLostError`: every rank judged, too few valid) is raised to the
   caller instead, with its refusals in the round's record: retrying it would meet the same
   objects, and training on without it would pass for success.
+- A round that committed but lists a contribution this replica cannot read or verify (it rotted
+  or was overwritten after the committer read it: `ListedContributionError`) is not retried:
+  the retry would meet the same record and the same object until the run moved past it. The
+  replica *adopts* the committed round instead: it waits (up to ``state_timeout_s``) for the
+  round's published outer state, loads it as a heal does and trains the next round in lockstep
+  with the others (``should_commit()`` is False, as nothing is averaged here, and
+  `current_step` has advanced). The committer always holds every contribution it listed, and
+  publishes that state. If the state does not appear in time (or is not due: ``checkpoint_every
+  > 1``), or does not load, the round fails as any failed exchange does, with a log line saying
+  why.
 - Membership is the store's commit record, so ``start_quorum`` only checks that this replica has
   not missed a committed round: one GET of the head hint (a listing only when the hint says it
   is behind, or after a failed round), so a steady-state round sends no LIST request. If it has
@@ -30,8 +40,9 @@ cannot open sockets to each other, so here:
   manifest against the model's parameters, publishes this replica's state as round 0 if the
   store holds none (first writer wins), then loads the latest stored state. The same call
   resumes a whole-run restart exactly.
-- After each committed round the lowest included rank publishes the outer state
-  (``states/global/<round>``), so restarts find it (``checkpoint_every`` rounds apart).
+- After each committed round its committer (the lowest included rank when the result does not
+  name one) publishes the outer state (``states/global/<round>``), so restarts and adopting
+  replicas find it (``checkpoint_every`` rounds apart).
 
 Store step k is the exchange that produces outer round k, so the commit chain has no gaps: a failed
 exchange is retried at the same step next round. Contributions are immutable, so the retry reuses
@@ -57,8 +68,9 @@ import torch.distributed as dist
 
 from composer_replication.exchange.allreduce import ObjectStoreAllReduce
 from composer_replication.exchange.contribution_screening import norm_outlier, tensor_stats
-from composer_replication.exchange.document_format import model_fingerprint
+from composer_replication.exchange.document_format import model_fingerprint, state_key
 from composer_replication.exchange.outer_state import (
+    STATE_NAME,
     LoadStateFn,
     OuterState,
     SaveStateFn,
@@ -72,6 +84,7 @@ from composer_replication.exchange.outer_state import (
 from composer_replication.exchange.retry import STATE_WRITE_RETRY_S, retry_write
 from composer_replication.exchange.vocabulary import (
     CorruptContributionError,
+    ListedContributionError,
     RoundStoppedError,
     StepResult,
     StoreTimeoutError,
@@ -248,6 +261,7 @@ class ObjectStoreManager:
         self._last_failed = False  # the last exchange failed: look for missed rounds by listing
         self._requests_at_quorum = allreduce.store.requests.snapshot()
         self._last_included: list[int] = []
+        self._last_committer: int | None = None  # who wrote the last applied round's record
         self.history: list[RoundRecord] = []
         # norms of the last committed updates applied (the reference of `_screen_update`)
         self._update_norms: deque[float] = deque(maxlen=RECENT_UPDATES)
@@ -338,7 +352,10 @@ class ObjectStoreManager:
             self._round += 1
             self._batches_committed += len(included) or 1
             self._last_included = included
+            self._last_committer = result.committed_by if isinstance(result, StepResult) else None
             self._publish_due = self._round % self.checkpoint_every == 0
+        elif isinstance(result, ListedContributionError):
+            self._adopt(result)  # False all the same: nothing averaged to step with
         return committed
 
     def errored(self) -> None:
@@ -418,13 +435,18 @@ class ObjectStoreManager:
     def publish_if_due(self) -> bool:
         """Publish the outer state after a committed round if this replica is the publisher.
 
-        The publisher is the lowest included rank of the round, so exactly one replica uploads;
-        others skip. Returns True if this call wrote the state.
+        The publisher is the round's committer, which holds every contribution its record lists
+        (a replica that cannot read one of them waits for this state: `_adopt`), or the lowest
+        included rank when the result names no committer; exactly one replica uploads, others
+        skip. Returns True if this call wrote the state.
         """
         if not self._publish_due:
             return False
         self._publish_due = False
-        if self._last_included and self.rank != min(self._last_included):
+        publisher = self._last_committer
+        if publisher is None and self._last_included:
+            publisher = min(self._last_included)
+        if publisher is not None and self.rank != publisher:
             return False
         return self._publish()
 
@@ -479,6 +501,74 @@ class ObjectStoreManager:
                 f"{self.state_timeout_s}; restart this replica to resume from the store"
             )
         logger.info("rank %s healing: round %s -> %s", self.rank, self._round, state.round)
+        self._take_state(state)
+
+    def _adopt(self, failed: ListedContributionError) -> bool:
+        """The round's exchange committed a record listing a contribution we cannot read or
+        verify: load the round's published outer state instead (module docstring). True if
+        it was loaded; False leaves the round failed, to be retried as before."""
+        step = failed.step
+        why = self._cannot_adopt(step)
+        state = None
+        if why is None:
+            state, why = self._wait_for_round(step)
+        if state is None:
+            logger.warning(
+                "rank %s: store step %s committed but cannot be applied here, and its result "
+                "cannot be adopted (%s): the round fails and is retried as before",
+                self.rank,
+                step,
+                why,
+            )
+            return False
+        logger.warning(
+            "rank %s: store step %s committed (by rank %s) but cannot be applied here (%s); "
+            "adopting its published outer state",
+            self.rank,
+            step,
+            failed.committed_by,
+            failed,
+        )
+        self._take_state(state)
+        self._last_included = list(failed.included_ranks)
+        self._last_failed = False
+        return True
+
+    def _cannot_adopt(self, step: int) -> str | None:
+        """Why round ``step``'s published state cannot stand for it here, or None."""
+        if not self._state:
+            return "no outer state is registered with this manager"
+        if step != self._round + 1:
+            return f"this replica is at round {self._round}, not {step - 1}"
+        if step % self.checkpoint_every != 0:
+            return f"round {step} is not published (checkpoint_every={self.checkpoint_every})"
+        return None
+
+    def _wait_for_round(self, step: int) -> tuple[OuterState | None, str]:
+        """Round ``step``'s published state, polled by key within ``state_timeout_s`` (no
+        listing, one download), or (None, why not)."""
+        ex = self.exchange
+        deadline = time.monotonic() + self.state_timeout_s
+        while not outer_state_exists(ex, step):
+            if time.monotonic() >= deadline:
+                return None, (
+                    f"its outer state was not published within state_timeout_s="
+                    f"{self.state_timeout_s}"
+                )
+            if ex.cancelled.wait(ex.poll_interval_s):
+                return None, "the exchange was cancelled"
+        try:
+            state = fetch_outer_state(ex, step)
+        except ValueError as e:  # damaged, forged or malformed (CorruptContributionError too)
+            why = f"its published outer state is refused: {e}"
+            ex.refusals.append((state_key(STATE_NAME, step), why))  # a "rejected" event
+            return None, why
+        if state is None or state.round != step:
+            return None, f"its published outer state of round {step} is gone"
+        return state, ""
+
+    def _take_state(self, state: OuterState) -> None:
+        """Load a newer round's published state in place of this replica's (heal, adopt)."""
         self._load(state)
         self.bytes_downloaded += state_nbytes(state.user)
         for fn in self._heal_hooks:
@@ -534,8 +624,9 @@ class ObjectStoreManager:
             self._fatal = e
         except (StoreTimeoutError, CorruptContributionError) as e:
             # Nothing was committed for this step (too few replicas in time), or the commit lists
-            # a contribution we cannot verify. DiLoCo rolls back to the global weights and the
-            # step is retried next round (see the module docstring).
+            # a contribution we cannot verify (ListedContributionError: should_commit then
+            # adopts the round's published state, or the round fails too). DiLoCo rolls back to
+            # the global weights and the step is retried next round (see the module docstring).
             logger.warning("rank %s: store step %s failed: %s", self.rank, step, e)
             record["error"] = f"{type(e).__name__}: {e}"
             self._outcome = (False, e)

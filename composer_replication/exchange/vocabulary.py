@@ -26,6 +26,7 @@ __all__ = [
     "CorruptContributionError",
     "ExchangeCancelledError",
     "FrameError",
+    "ListedContributionError",
     "ModelMismatchError",
     "QuorumLostError",
     "RoundStoppedError",
@@ -46,6 +47,22 @@ class CorruptContributionError(ValueError):
 
 class FrameError(CorruptContributionError):
     """The bytes are not a well-formed safetensors payload (the message says why)."""
+
+
+class ListedContributionError(CorruptContributionError):
+    """``step`` is committed, but a contribution its commit record lists is gone or does not
+    verify here (rotted or overwritten after other replicas read it). Nothing is averaged: the
+    step's result is what the replicas that could apply the record hold (the committer always
+    can), so a manager adopts their published state of ``step`` instead of retrying the step
+    (`store_manager.ObjectStoreManager`). ``committed_by`` and ``included_ranks``: the record's."""
+
+    def __init__(
+        self, message: str, *, step: int, committed_by: int | None, included_ranks: list[int]
+    ) -> None:
+        super().__init__(message)
+        self.step = step
+        self.committed_by = committed_by
+        self.included_ranks = list(included_ranks)
 
 
 class RoundStoppedError(CorruptContributionError):

@@ -152,6 +152,36 @@ def test_a_round_sat_out_after_a_heal_is_not_taken_for_an_upload():
     assert_close(ef.buffers[(0, 0)], second - sent, n=2)  # one fp32 subtraction each
 
 
+def test_a_round_adopted_from_the_published_state_counts_as_committed():
+    """The round's step committed with this replica's message, but a contribution it lists was
+    unreadable here, so the manager loaded the round's published state instead: should_commit
+    is False, the step advanced. The message went to that step: e keeps what was not sent,
+    and the next round sends a new message (not the remembered one of a failed step)."""
+    inner = FakeStore([False, True])
+    ef = ErrorFeedbackManager(inner, SPEC, decay=1.0)  # type: ignore[arg-type]
+    real_commit = inner.should_commit
+
+    def adopting_commit(timeout=None):  # the exchange failed; the committed state is loaded
+        ok = real_commit(timeout)
+        inner.step += 1
+        return ok
+
+    inner.should_commit = adopting_commit  # type: ignore[method-assign]
+    first = torch.randn(500)
+    ef.start_quorum()
+    ef.allreduce(first.clone())
+    assert not ef.should_commit() and inner.step == 1
+    m1 = inner.uploads[(1, 0)]
+    assert_close(ef.buffers[(0, 0)], first - m1, n=2)  # as after a committed round
+    inner.should_commit = real_commit  # type: ignore[method-assign]
+    second = torch.randn(500)
+    ef.start_quorum()
+    ef.allreduce(second.clone())
+    assert ef.should_commit()
+    m2 = inner.uploads[(2, 0)]  # step 2's own message, encoded from the new accumulator
+    assert_close(ef.buffers[(0, 0)], first - m1 + second - m2, n=4)
+
+
 def test_fragments_have_their_own_accumulators_and_shapes_are_checked():
     inner = FakeStore([True, True, True])
     ef = ErrorFeedbackManager(inner, SPEC, decay=1.0, num_fragments=2)  # type: ignore[arg-type]

@@ -624,6 +624,10 @@ def run_once(
     }
     if mode == "sync":
         out_row["rounds"] = sync_rounds(store, t_go[0])
+        # a replica that cannot read a contribution its round's record lists adopts the
+        # round's published state (exchange/store_manager.py) instead of training it again:
+        # the rule goodput_sim.py replays these rows by (rows without the key predate it)
+        out_row["sync_adopts_listed"] = True
     if mode == "decoupled":
         kills = [e for e in result.log if e["action"] == "kill"]
         check = check_decoupled_run(store, reports, kills)

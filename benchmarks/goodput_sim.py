@@ -201,7 +201,8 @@ class RunCosts:
     beginning to its contribution stored (compute, pseudo-gradient, encode, write: what a kill
     early in that step catches), ``apply_s`` from a decoupled merge to the learners taking the new
     fragment (their poll interval and the download), ``grace_gamma`` / ``grace_tau`` the
-    synchronizer's grace window (its defaults) and ``quorum`` its quorum (None: all but one)."""
+    synchronizer's grace window (its defaults) and ``quorum`` its quorum (None: all but one);
+    ``adopt_listed`` the sync rule for a listed contribution a replica cannot read."""
 
     recovery_s: float
     exchange_s: float = 0.0
@@ -210,6 +211,10 @@ class RunCosts:
     grace_gamma: float = 0.8
     grace_tau: float = 2.0
     quorum: int | None = None
+    # sync: a replica that cannot read a contribution the round's record lists adopts the
+    # round's state as its committer publishes it (True, the code since h36-heal), or fails
+    # the round and trains it again until the next commit heals it (False, rows measured before)
+    adopt_listed: bool = True
 
 
 class _Fragments:
@@ -386,6 +391,7 @@ class _SyncBarrier:
         self.read_back: set[int] = set()  # ranks that read their own contribution back
         self.dropped: set[int] = set()  # ... and found it corrupted
         self.commit: tuple[float, list[int]] | None = None  # (when decided, the ranks listed)
+        self.committer: int | None = None  # the rank that wrote the record
 
     def enter(self, r: int, t: float) -> None:
         """Rank r's call: its upload (a retried call finds its first one), then the polls."""
@@ -424,6 +430,7 @@ class _SyncBarrier:
                 self.dropped.add(r)
                 return None
         self.commit = (t, sorted(valid))
+        self.committer = r
         return "commit"
 
     def applies(self, r: int, t: float, *, in_call: bool) -> bool:
@@ -474,11 +481,27 @@ def _simulate_sync(
         x.call, x.heal_to, x.resolved = None, None, True
         if rnd is not None:
             b = rounds.get(rnd)
-            if rnd not in published and b is not None and b.commit and r == min(b.commit[1]):
-                published[rnd] = t  # the lowest listed rank publishes the round's state
+            if rnd not in published and b is not None and b.commit and r == publisher(b):
+                published[rnd] = t  # the round's publisher writes its state as it applies it
             x.rnd = rnd
         if x.state == "wait":
             finish_round(x, t)
+
+    def publisher(b: _SyncBarrier) -> int:
+        assert b.commit is not None
+        if costs.adopt_listed and b.committer is not None:
+            return b.committer  # it holds every contribution it listed
+        return min(b.commit[1])  # before: the lowest listed rank
+
+    def unreadable(r: int, x: _Learner, rnd: int, t: float) -> None:
+        # a contribution the record lists cannot be read here: adopt the round's published
+        # state (as soon as its publisher wrote it), or fail the round (trained again)
+        if not costs.adopt_listed:
+            resolve(r, x, None, t)
+            return
+        x.call, x.heal_to = None, rnd
+        if newest_state(t) >= rnd:
+            resolve(r, x, newest_state(t), t)
 
     t = 0.0
     while any(x.state != "done" for x in ls) and t < 50 * steps * step_s:
@@ -514,8 +537,10 @@ def _simulate_sync(
                     if newest_state(t) >= latest:
                         resolve(r, x, newest_state(t), t)
                 elif latest == x.rnd + 1:  # its round is decided: read the record
-                    ok = rounds[latest].applies(r, t, in_call=False)
-                    resolve(r, x, latest if ok else None, t)
+                    if rounds[latest].applies(r, t, in_call=False):
+                        resolve(r, x, latest, t)
+                    else:
+                        unreadable(r, x, latest, t)
                 else:
                     x.call = x.rnd + 1
                     b = rounds.setdefault(x.call, _SyncBarrier(m, min_replicas, timeout_s, grace))
@@ -549,7 +574,10 @@ def _simulate_sync(
                                 }
                             )
                 if b.commit is not None and t >= b.commit[0] + costs.exchange_s:
-                    resolve(r, x, k if b.applies(r, t, in_call=True) else None, t)
+                    if b.applies(r, t, in_call=True):
+                        resolve(r, x, k, t)
+                    else:
+                        unreadable(r, x, k, t)
         t += dt
     return ls, listed
 
@@ -587,11 +615,12 @@ def simulate_protocol_run(
     contribution is stored ``upload_s`` after the step began and it waits (the step's padding
     runs meanwhile) until a commit record is written, by the lowest valid rank once every slot
     is judged or its own ``timeout_s`` is over, else by another `commit_grace_s` after it was
-    ready, ``exchange_s`` later; it applies the record, or fails the round (a corrupted
-    contribution listed that it does not hold: trained again); a learner reaching a round
-    already committed reads the record; a killed one restarts ``recovery_s`` later from the
-    newest published state (the lowest listed rank publishes a round as it applies it); every
-    learner ends at the run's last round."""
+    ready, ``exchange_s`` later; it applies the record, or, when the record lists a corrupted
+    contribution it does not hold, adopts the round's state as its committer publishes it
+    (``costs.adopt_listed``; before: fails the round and trains it again); a learner reaching
+    a round already committed reads the record; a killed one restarts ``recovery_s`` later
+    from the newest published state (the round's committer publishes it as it applies the
+    round; before: the lowest listed rank); every learner ends at the run's last round."""
     windows: dict[int, list[tuple[float, float, float]]] = {r: [] for r in range(m)}
     kills: dict[int, list[tuple[float, float]]] = {r: [] for r in range(m)}
     corrupts: list[tuple[float, int]] = []  # sync: (when, rank) of a corrupted contribution
@@ -812,6 +841,7 @@ def costs_from_runs(runs: list[dict[str, Any]]) -> dict[tuple[str, int], RunCost
                 quiet = gaps[: max(1, len(gaps) // 2)]
                 exchange += [g - r["h"] * r["step_s"] for g in quiet]
         out[key] = RunCosts(
+            adopt_listed=all(r.get("sync_adopts_listed", False) for r in rows),
             recovery_s=statistics.median(rec) if rec else 0.0,
             exchange_s=max(0.0, statistics.median(exchange)) if exchange else 0.0,
             upload_s=max(0.0, statistics.median(upload)) if upload else 0.0,

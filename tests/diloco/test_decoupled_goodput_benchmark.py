@@ -405,12 +405,14 @@ def test_simulator_sync_corrupted_contribution_read_before_stays_valid() -> None
 
 
 def test_simulator_sync_listed_corrupted_contribution_fails_the_others_rounds() -> None:
-    """Replayed: rank 3 is stopped through round 2's barrier and rank 0 uploads last, so ranks
-    1 and 2 (holding rank 0's contribution, read before it was corrupted at 16) are ready
-    first and commit it: rank 0 (its read-back failed) and rank 3 (reads it after) cannot
-    apply round 2, train it again until round 3 is committed without them, and heal. The old
-    rule (round 2 committed without rank 0, nobody fails) lost only rank 0's 8 steps."""
-    costs = gs.RunCosts(recovery_s=10.0)
+    """Replayed as the code ran before replicas adopted a listed round (``adopt_listed``
+    False, the rows measured then): rank 3 is stopped through round 2's barrier and rank 0
+    uploads last, so ranks 1 and 2 (holding rank 0's contribution, read before it was
+    corrupted at 16) are ready first and commit it: rank 0 (its read-back failed) and rank 3
+    (reads it after) cannot apply round 2, train it again until round 3 is committed without
+    them, and heal. The rule before that (round 2 committed without rank 0, nobody fails) lost
+    only rank 0's 8 steps."""
+    costs = gs.RunCosts(recovery_s=10.0, adopt_listed=False)
     stop = {"kind": "stop", "target": "3", "t": 12.0, "until": 23.0, "factor": 1.0}
     late = {"kind": "stop", "target": "0", "t": 0.0, "until": 0.5, "factor": 1.0}
     hit = {"kind": "corrupt", "target": "0", "t": 16.0}
@@ -423,6 +425,56 @@ def test_simulator_sync_listed_corrupted_contribution_fails_the_others_rounds() 
     assert listed[2] == [0, 1, 2] and listed[3] == [1, 2] and listed[4] == [0, 1, 2, 3]
     assert out["paper_goodput"] < base["paper_goodput"] - 0.05
     assert out["merged_goodput"] < base["merged_goodput"] - 0.1
+
+
+def test_simulator_sync_replica_adopts_a_listed_round_it_cannot_read() -> None:
+    """The same faults as above under today's rule (exchange/store_manager.py: a replica that
+    cannot read a listed contribution adopts the round's state as its committer publishes it):
+    ranks 0 and 3 apply round 2 through the published state and are in round 3's record, so
+    no round is trained twice and the run loses next to nothing against the one without the
+    corruption; with the rule off it loses rounds (the test above)."""
+    stop = {"kind": "stop", "target": "3", "t": 12.0, "until": 23.0, "factor": 1.0}
+    late = {"kind": "stop", "target": "0", "t": 0.0, "until": 0.5, "factor": 1.0}
+    hit = {"kind": "corrupt", "target": "0", "t": 16.0}
+    costs = gs.RunCosts(recovery_s=10.0)
+    assert costs.adopt_listed
+    base = gs.simulate_protocol_run("sync", 4, 48, 8, 4, 1.0, [stop, late], costs, timeout_s=8.0)
+    trace: dict[str, list[Any]] = {}
+    out = gs.simulate_protocol_run(
+        "sync", 4, 48, 8, 4, 1.0, [stop, late, hit], costs, timeout_s=8.0, trace=trace
+    )
+    listed = {x["round"]: x["included"] for x in trace["rounds"]}
+    assert listed[2] == [0, 1, 2] and listed[3] == [0, 1, 2, 3]
+    assert out["paper_goodput"] > base["paper_goodput"] - 0.02
+    assert out["merged_goodput"] > base["merged_goodput"] - 0.02
+    old = gs.simulate_protocol_run(
+        "sync",
+        4,
+        48,
+        8,
+        4,
+        1.0,
+        [stop, late, hit],
+        gs.RunCosts(recovery_s=10.0, adopt_listed=False),
+        timeout_s=8.0,
+    )
+    assert out["merged_goodput"] > old["merged_goodput"] + 0.05
+
+
+def test_simulator_check_takes_the_listed_round_rule_from_the_rows() -> None:
+    """Rows the benchmark writes since the rule say so (``sync_adopts_listed``); older rows
+    are replayed by the rule they ran under."""
+    row = {
+        "mode": "sync",
+        "learners": 4,
+        "alpha": 0.0,
+        "recoveries_s": [5.0],
+        "commit_times": [8.5, 17.0],
+        "h": 8,
+        "step_s": 1.0,
+    }
+    assert not gs.costs_from_runs([row])[("sync", 4)].adopt_listed
+    assert gs.costs_from_runs([{**row, "sync_adopts_listed": True}])[("sync", 4)].adopt_listed
 
 
 def test_simulator_sync_a_contribution_read_after_corruption_by_the_lowest_is_left_out() -> None:

@@ -38,6 +38,10 @@ import runpy
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: the spare's own start imports nothing of the project's
+    from composer_replication.json_types import JSONValue
 
 __all__ = [
     "Assignment",
@@ -110,13 +114,13 @@ def _refuse(why: str) -> ValueError:
     return ValueError(f"spare assignment refused: {why}")
 
 
-def _check_log(log: object) -> str:
+def _check_log(log: JSONValue) -> str:
     if not isinstance(log, str) or not os.path.isabs(log) or "\0" in log:
         raise _refuse(f"'log' must be an absolute path, got {log!r}")
     return log
 
 
-def _check_argv(argv: object) -> list[str]:
+def _check_argv(argv: JSONValue) -> list[str]:
     if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
         raise _refuse(f"'argv' must be a non-empty list of strings, got {argv!r}")
     if any("\0" in a for a in argv):
@@ -129,7 +133,7 @@ def _check_argv(argv: object) -> list[str]:
     return list(argv)
 
 
-def _check_env(env: object) -> dict[str, str]:
+def _check_env(env: JSONValue) -> dict[str, str]:
     if not isinstance(env, dict):
         raise _refuse(f"'env' must be an object, got {type(env).__name__}")
     for k, v in env.items():

@@ -42,6 +42,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Protocol, TypeAlias, runtime_checkable
 
+from composer_replication.executors.spare import is_module_name
 from composer_replication.json_types import JSONValue
 
 __all__ = [
@@ -77,7 +78,6 @@ LAUNCH_MODULE = "composer_replication.executors.launch"
 # enough to print a dict of failures.
 ERROR_TAIL_LINES = 20
 
-_MODULE_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 _ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 SecretsByRank = Mapping[int, Mapping[str, str]]
@@ -384,7 +384,7 @@ def validate_launch(
                 )
         return
     module, _, function = entrypoint.partition(":")
-    if not _MODULE_RE.match(module) or (":" in entrypoint and not function.isidentifier()):
+    if not is_module_name(module) or (":" in entrypoint and not function.isidentifier()):
         raise ValueError(
             f"entrypoint {entrypoint!r} is neither a script path nor 'pkg.mod' / 'pkg.mod:function'"
         )

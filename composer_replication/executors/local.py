@@ -24,7 +24,6 @@ import atexit
 import ctypes
 import logging
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -49,6 +48,7 @@ from composer_replication.executors.executor import (
 from composer_replication.executors.spare import (
     Assignment,
     assignment_line,
+    is_module_name,
     runnable_argv,
     spare_command,
     startup_vars,
@@ -241,9 +241,6 @@ class _Spare:
         if self.ready_fd >= 0:
             os.close(self.ready_fd)
             self.ready_fd = -1
-
-
-_MODULE_NAME = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 
 
 class _WarmSpares:
@@ -452,7 +449,7 @@ class LocalProcessExecutor(ExecutorBase):
         if isinstance(warm_spares, bool) or not isinstance(warm_spares, int) or warm_spares < 0:
             raise ValueError(f"warm_spares must be an integer >= 0, got {warm_spares!r}")
         if isinstance(preload, str) or not all(
-            isinstance(m, str) and _MODULE_NAME.match(m) for m in preload
+            isinstance(m, str) and is_module_name(m) for m in preload
         ):
             raise ValueError(f"preload must be a list of module names, got {preload!r}")
         self._log_dir = Path(log_dir) if log_dir is not None else None

@@ -47,6 +47,7 @@ __all__ = [
     "Assignment",
     "SPARE_MODULE",
     "assignment_line",
+    "is_module_name",
     "main",
     "parse_assignment",
     "runnable_argv",
@@ -59,6 +60,13 @@ REFUSED_EXIT = 2  # a bad assignment
 PRELOAD_FAILED_EXIT = 3  # a preload module did not import: the spare never becomes ready
 
 _MODULE_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+
+
+def is_module_name(name: str) -> bool:
+    """A dotted Python module name (``pkg.mod``), as ``python -m`` and ``import`` take it."""
+    return _MODULE_RE.match(name) is not None
+
+
 _KEYS = {"argv", "env", "cwd", "log"}
 _STARTUP_PREFIXES = ("PYTHON", "LD_")
 
@@ -87,7 +95,7 @@ def runnable_argv(command: Sequence[str], python: str) -> list[str] | None:
         return None
     rest = list(command[1:])
     if rest[0] == "-m":
-        return rest if len(rest) >= 2 and _MODULE_RE.match(rest[1]) else None
+        return rest if len(rest) >= 2 and is_module_name(rest[1]) else None
     return None if rest[0].startswith("-") else rest
 
 
@@ -126,7 +134,7 @@ def _check_argv(argv: JSONValue) -> list[str]:
     if any("\0" in a for a in argv):
         raise _refuse("'argv' holds a NUL byte")
     if argv[0] == "-m":
-        if len(argv) < 2 or not _MODULE_RE.match(argv[1]):
+        if len(argv) < 2 or not is_module_name(argv[1]):
             raise _refuse(f"'-m' needs a module name, got {argv[1:2]!r}")
     elif argv[0].startswith("-"):
         raise _refuse(f"interpreter options are not taken (argv[0] is {argv[0]!r})")

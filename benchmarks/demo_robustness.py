@@ -18,7 +18,9 @@ Every finished run is appended to ``--log`` (JSON lines; default
 load; a rerun skips the pairs already logged at this commit and overrides. Prints one line per
 run, a table, and as the LAST line one JSON object: ``demo_min_heldout_acc`` (the lowest of all
 runs), ``demo_median_heldout_acc_<capability>`` per capability, ``per_run``, ``goals`` (every run
->= 0.6, each capability's median >= 0.8) and ``goals_met``.
+>= 0.6, each capability's median >= 0.8) and ``goals_met``; where channel 2 measured its hinted
+teacher (`sdpo/teacher_advantage`), ``demo_min_teacher_advantage`` and
+``demo_median_teacher_advantage`` over the runs' whole-run means.
 """
 
 from __future__ import annotations
@@ -89,14 +91,26 @@ def last_eval(metrics: Path) -> dict[str, Any] | None:
     return last
 
 
-def reward_first_last(metrics: Path) -> tuple[float | None, float | None]:
-    """The run's mean training reward over its first and last 10% of steps, as its report
-    computes them (`run.report.summarize`)."""
+# What each run records from its report (`run.report.summarize`): the training reward over the
+# first and last 10% of steps, and channel 2's teacher advantage and gate (absent when channel 2
+# did not measure it).
+REPORTED = (
+    "reward_first10",
+    "reward_last10",
+    "teacher_advantage_first10",
+    "teacher_advantage_last10",
+    "teacher_advantage_run",
+    "gate_open_run",
+)
+
+
+def reported(metrics: Path) -> dict[str, Any]:
+    """The `REPORTED` figures of one run, as its report computes them."""
     from composer_replication.run.metrics import read_metrics
     from composer_replication.run.report import summarize
 
     summary = summarize(read_metrics(metrics))
-    return summary.get("reward_first10"), summary.get("reward_last10")
+    return {key: summary.get(key) for key in REPORTED}
 
 
 def commit() -> str:
@@ -154,7 +168,7 @@ def run_one(seed: int, capability: str, overrides: list[str]) -> dict[str, Any]:
             )
         metrics = Path(cwd) / "runs" / name / "metrics.jsonl"
         record = last_eval(metrics)
-        rewards = reward_first_last(metrics)
+        figures = reported(metrics)
     if record is None:
         raise RuntimeError(f"train (seed {seed}, {capability}) logged no held-out evaluation")
     return {
@@ -165,8 +179,7 @@ def run_one(seed: int, capability: str, overrides: list[str]) -> dict[str, Any]:
         "heldout_n": int(record.get("eval/n", 0)),
         "ood_acc": record.get("eval/ood_accuracy"),
         "step": int(record.get("step", 0)),
-        "reward_first10": rewards[0],
-        "reward_last10": rewards[1],
+        **figures,
         "wall_s": round(wall, 1),
         "load_start": round(load, 1),
         "load_end": round(os.getloadavg()[0], 1),
@@ -183,6 +196,12 @@ def summarize(runs: list[dict[str, Any]], capabilities: list[str]) -> dict[str, 
         median = statistics.median(values) if values else None
         out[f"demo_median_heldout_acc_{cap}"] = median
         met = met and median is not None and median >= GOAL_MEDIAN
+    advantages = [
+        r["teacher_advantage_run"] for r in runs if r.get("teacher_advantage_run") is not None
+    ]
+    if advantages:  # channel 2's hinted teacher against its student, over each whole run
+        out["demo_min_teacher_advantage"] = min(advantages)
+        out["demo_median_teacher_advantage"] = statistics.median(advantages)
     out["goals"] = {"every_run_min": GOAL_MIN, "median_per_capability_min": GOAL_MEDIAN}
     out["goals_met"] = met
     return out
@@ -227,7 +246,12 @@ def main() -> None:
         print(
             f"seed {r['seed']} {r['capability']:8s} (torch: {r['torch_capability']}): held-out "
             f"{r['heldout_acc']:.3f} of {r['heldout_n']}, {r['wall_s']:.0f} s, load "
-            f"{r['load_start']}-{r['load_end']}",
+            f"{r['load_start']}-{r['load_end']}"
+            + (
+                f", ch2 teacher adv. {r['teacher_advantage_run']:+.3f} over the run"
+                if r.get("teacher_advantage_run") is not None
+                else ""
+            ),
             flush=True,
         )
         return r
@@ -250,7 +274,17 @@ def main() -> None:
         "capabilities_missing": missing,
         "seeds": seeds,
         "per_run": [
-            {k: r[k] for k in ("seed", "capability", "torch_capability", "heldout_acc", "wall_s")}
+            {
+                k: r.get(k)
+                for k in (
+                    "seed",
+                    "capability",
+                    "torch_capability",
+                    "heldout_acc",
+                    "teacher_advantage_run",
+                    "wall_s",
+                )
+            }
             for r in runs
         ],
         **here,

@@ -299,7 +299,8 @@ def build_teachers(config: RunConfig, task: Task) -> list[TeacherClient]:
 
         # TRAIN prompts only: the oracle never answers a held-out prompt, so no held-out answer
         # can reach training through channel 3.
-        examples = [*task.train_examples(), *task.hinted_examples(config.task.hint_share)]
+        hinted = task.hinted_examples(config.task.hint_share, source=config.task.hint_source)
+        examples = [*task.train_examples(), *hinted]
         train = {prompt_key(chat_prompt(ex.prompt)): ex for ex in examples}
 
         def solve(prompt: Prompt) -> str | None:
@@ -387,7 +388,9 @@ def train_split(config: RunConfig, task: Task, rank: int) -> Dataset:
     """The training prompts replica `rank` samples from: with `task.shard = "disjoint"` every
     n-th prompt from `rank` (n = backend.n_replicas, a data island per replica, no prompt in
     two), else all of them."""
-    dataset = task.to_dataset("train", hint_share=config.task.hint_share)
+    dataset = task.to_dataset(
+        "train", hint_share=config.task.hint_share, hint_source=config.task.hint_source
+    )
     n = config.backend.n_replicas
     if config.task.shard == "shared" or n == 1:
         return dataset

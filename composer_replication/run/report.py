@@ -109,6 +109,11 @@ def wilson_interval(p: float, n: int, z: float = 1.959964) -> tuple[float, float
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
+def _run_mean(records: list[JSONDict], key: str) -> float | None:
+    """Mean of a train metric over every step it was logged at, pooled over replicas."""
+    return _mean([v for series in _series(records, "train", key).values() for _, v in series])
+
+
 def _first_last10(records: list[JSONDict], key: str) -> tuple[float, float, int] | None:
     """(mean over the first 10 % of steps, over the last 10 %, last step) of a train metric,
     pooled over replicas; None when it was never logged."""
@@ -193,7 +198,8 @@ def headline_lines(summary: JSONDict, *, eval_n: int | None = None) -> list[str]
         gate = summary.get("gate_open_last10")
         lines.append(
             f"  ch2 teacher adv. first 10%: {_num(summary.get('teacher_advantage_first10'))}   "
-            f"last 10%: {_num(summary.get('teacher_advantage_last10'))}"
+            f"last 10%: {_num(summary.get('teacher_advantage_last10'))}   "
+            f"whole run: {_num(summary.get('teacher_advantage_run'))}"
             + (f"   (gate open in {gate:.0%} of the last 10%)" if gate is not None else "")
         )
     refused = [as_dict(r) for r in as_list(summary.get("rejections"))]
@@ -292,6 +298,7 @@ def summarize(records: list[JSONDict]) -> JSONDict:
         first_last = _first_last10(records, metric)
         if first_last is not None:
             out[f"{key}_first10"], out[f"{key}_last10"], _ = first_last
+            out[f"{key}_run"] = _run_mean(records, metric)
     evals = sorted(
         (
             (as_int(r.get("step", 0)), as_float(r["eval/accuracy"]), r.get("eval/n"))

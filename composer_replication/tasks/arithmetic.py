@@ -243,6 +243,11 @@ class ArithmeticTask(Task):
         """One more operand than training, from the same range and operators."""
         return self._draw(rng, self.num_operands + 1)
 
+    def _sample_beyond(self, rng: random.Random) -> Problem:
+        """Two more operands than training (one more than the out-of-distribution split), same
+        range and operators: sums a policy trained on the split cannot compute."""
+        return self._draw(rng, self.num_operands + 2)
+
     def failed_attempt(self, example: Example, k: int = 0) -> str:
         """A near miss (the answer off by 1, 2, 3, 5 or 10, either way, picked by the example and
         `k`), the kind of wrong sum a learning policy gives; its feedback says only "too small"

@@ -146,6 +146,11 @@ class StringsTask(Task):
         """Inputs 1-2 characters longer than any training input, same operations."""
         return self._draw(rng, self.max_length + 1, self.max_length + 2)
 
+    def _sample_beyond(self, rng: random.Random) -> Problem:
+        """Inputs 3-4 characters longer than any training input (longer than the
+        out-of-distribution split's), same operations."""
+        return self._draw(rng, self.max_length + 3, self.max_length + 4)
+
     def _draw(self, rng: random.Random, min_length: int, max_length: int) -> Problem:
         op = rng.choice(self.operations)
         letters = self.alphabet

@@ -66,6 +66,11 @@ Problem = tuple[str, str, JSONDict]
 # The hints `Task.hinted_examples` cycles through, as (with the solution, with feedback): what
 # channel 2's teacher is shown for a failed rollout (`data.hints.plan_hints`).
 HINT_KINDS: tuple[tuple[bool, bool], ...] = ((True, False), (True, True), (False, True))
+# Which problems `Task.hinted_examples` writes hints for: "train", copies of training prompts (the
+# hint is redundant for any prompt the policy can already solve); "beyond", problems past the
+# policy's reach and in no evaluated split (`beyond_examples`), which only the hint solves.
+HintSource = Literal["train", "beyond"]
+HINT_SOURCES: tuple[HintSource, ...] = ("train", "beyond")
 
 Scored = tuple[float, str | None]  # one completion's (reward, feedback), as reward_func returns
 
@@ -220,6 +225,11 @@ class Task(ABC):
         such split (the default)."""
         return None
 
+    def _sample_beyond(self, rng: random.Random) -> Problem | None:
+        """One problem further from training than the out-of-distribution split (see
+        `beyond_examples`), or None when the task has none (the default)."""
+        return None
+
     @abstractmethod
     def verify(self, example: Example, completion: str) -> Verdict:
         """Judge one raw completion (text) for `example`."""
@@ -320,23 +330,44 @@ class Task(ABC):
         more operand than training; strings: inputs longer than any training input), so none
         shares a class with training. A figure beside the held-out accuracy, not a target.
         ValueError if the task has no such split."""
+        return self._distinct_draws("ood", self._sample_ood, n, "an out-of-distribution split")
+
+    def has_beyond(self) -> bool:
+        """Whether the task can draw problems beyond the policy's reach (`beyond_examples`)."""
+        return self._sample_beyond(random.Random(f"{self.name}:{self.seed}:beyond")) is not None
+
+    def beyond_examples(self, n: int) -> list[Example]:
+        """`n` distinct problems further from training than the out-of-distribution split
+        (fixed by `seed`; arithmetic: two more operands than training; strings: inputs 3-4
+        characters longer than any training input), so none shares a class with the training,
+        held-out or out-of-distribution prompts. They exist to be shown WITH the hint
+        (`hinted_examples(source="beyond")`): a policy that cannot solve them from the question
+        earns their reward only by reading the solution in its context, which is the skill
+        channel 2's teacher needs. ValueError if the task has none (`has_beyond()` is False)."""
+        return self._distinct_draws("beyond", self._sample_beyond, n, "problems beyond training")
+
+    def _distinct_draws(
+        self,
+        split: str,
+        sample: Callable[[random.Random], Problem | None],
+        n: int,
+        what: str,
+    ) -> list[Example]:
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"n must be an int >= 1, got {n!r}")
-        rng = random.Random(f"{self.name}:{self.seed}:ood")
+        rng = random.Random(f"{self.name}:{self.seed}:{split}")
         drawn: dict[str, Problem] = {}
         misses = 0
         while len(drawn) < n and misses < _MAX_MISSES:
-            problem = self._sample_ood(rng)
+            problem = sample(rng)
             if problem is None:
-                raise ValueError(
-                    f"task {self.name!r} has no out-of-distribution split (has_ood() is False)"
-                )
+                raise ValueError(f"task {self.name!r} has no {what}")
             if problem[0] in drawn:
                 misses += 1
                 continue
             misses = 0
             drawn[problem[0]] = problem
-        return [self._example("ood", i, p) for i, p in enumerate(drawn.values())]
+        return [self._example(split, i, p) for i, p in enumerate(drawn.values())]
 
     def validation_view(self, n_val: int) -> Task:
         """A copy of this task whose eval split is a **validation split carved from training**:
@@ -469,43 +500,67 @@ class Task(ABC):
         share: float,
         examples: Sequence[Example] | None = None,
         template: HintTemplate | None = None,
+        *,
+        source: HintSource = "train",
     ) -> list[Example]:
-        """Hinted copies of the first `ceil(share * n)` distinct prompts of `examples` (default:
-        the training split): each prompt as channel 2's teacher reads it, with the same answer.
-        The hints cycle through the kinds channel 2 shows: the correct solution alone; the
-        solution and the feedback on a wrong attempt (`failed_attempt`: a failed rollout whose
-        sibling succeeded); the feedback alone (no sibling succeeded). `template` writes them
-        (default `HintTemplate()`; with `feedback_with_solution=False` the second kind shows the
-        solution alone, as channel 2 then does). Trained on beside the plain prompts
-        (`to_dataset`, `oracle_traces` with `hint_share`, a benchmark's warm start), they teach
-        the policy to read the hint its channel-2 teacher is shown; the held-out prompts are
-        never among them by default."""
+        """Hinted examples, `ceil(share * n)` of them for the `n` distinct prompts of `examples`
+        (default: the training split): each prompt as channel 2's teacher reads it, with the
+        same answer. Trained on beside the plain prompts (`to_dataset`, `oracle_traces` with
+        `hint_share`, a benchmark's warm start), they teach the policy to read the hint its
+        channel-2 teacher is shown; the held-out prompts are never among them.
+
+        `source="train"`: the first distinct prompts of `examples`, the hints cycling through
+        the kinds channel 2 shows: the correct solution alone; the solution and the feedback on
+        a wrong attempt (`failed_attempt`: a failed rollout whose sibling succeeded); the
+        feedback alone (no sibling succeeded). For a prompt the policy can already solve the
+        hint is redundant, so these teach little reading.
+        `source="beyond"`: problems past the policy's reach (`beyond_examples`, none in any
+        evaluated split), with the two kinds that carry the solution: only reading the hint
+        earns their reward, so the policy learns to copy a shown solution.
+
+        `template` writes the hints (default `HintTemplate()`; with
+        `feedback_with_solution=False` the second kind shows the solution alone, as channel 2
+        then does)."""
         if not 0.0 <= share <= 1.0:
             raise ValueError(f"hint_share must be in [0, 1], got {share!r}")
+        if source not in HINT_SOURCES:
+            raise ValueError(f"hint source must be one of {list(HINT_SOURCES)}, got {source!r}")
         if share == 0.0:
             return []
         from composer_replication.data.hints import HintTemplate
 
         template = template or HintTemplate()
-        source = self.train_examples() if examples is None else examples
-        distinct = list({ex.prompt: ex for ex in source}.values())
+        pool = self.train_examples() if examples is None else examples
+        distinct = list({ex.prompt: ex for ex in pool}.values())
+        count = math.ceil(share * len(distinct))
+        if source == "beyond":
+            if not self.has_beyond():
+                raise ValueError(
+                    f"task {self.name!r} has no problems beyond training for "
+                    "task.hint_source = 'beyond'; use hint_source = 'train'"
+                )
+            hinted, kinds = self.beyond_examples(count), [k for k in HINT_KINDS if k[0]]
+        else:
+            hinted, kinds = distinct[:count], list(HINT_KINDS)
         out = []
-        for i, ex in enumerate(distinct[: math.ceil(share * len(distinct))]):
-            kind = i % len(HINT_KINDS)
-            solution = self.oracle(ex) if HINT_KINDS[kind][0] else None
+        for i, ex in enumerate(hinted):
+            with_solution, with_feedback = kinds[i % len(kinds)]
+            solution = self.oracle(ex) if with_solution else None
             feedback = None
-            if HINT_KINDS[kind][1]:
-                attempt = self.failed_attempt(ex, i // len(HINT_KINDS))
+            if with_feedback:
+                attempt = self.failed_attempt(ex, i // len(kinds))
                 feedback = self.verify(ex, attempt).feedback
             text = template.render_text(ex.prompt, solution, feedback)
             out.append(Example(id=f"{ex.id}/hinted", prompt=text, answer=ex.answer, meta=ex.meta))
         return out
 
-    def to_dataset(self, split: str = "train", *, hint_share: float = 0.0) -> Dataset:
+    def to_dataset(
+        self, split: str = "train", *, hint_share: float = 0.0, hint_source: HintSource = "train"
+    ) -> Dataset:
         """A `datasets.Dataset` for TRL with columns `prompt` (chat format), `example_id`,
         `answer` and `task_meta` (the example's meta as a JSON string, so `reward_func` can verify
         rows whose id this task instance does not know). With `hint_share` > 0 (train split
-        only) the `hinted_examples` follow the split's examples."""
+        only) the `hinted_examples` (from `hint_source`) follow the split's examples."""
         try:
             import datasets
         except ImportError as exc:  # pragma: no cover - exercised only without the extra
@@ -520,14 +575,16 @@ class Task(ABC):
                 "answer": ex.answer,
                 "task_meta": json.dumps(ex.meta, sort_keys=True),
             }
-            for ex in self._with_hints(split, hint_share)
+            for ex in self._with_hints(split, hint_share, hint_source)
         ]
         return datasets.Dataset.from_list(rows)
 
-    def _with_hints(self, split: str, hint_share: float) -> list[Example]:
+    def _with_hints(
+        self, split: str, hint_share: float, hint_source: HintSource = "train"
+    ) -> list[Example]:
         if hint_share and split != "train":
             raise ValueError(f"hint_share applies to the train split only, got split {split!r}")
-        return [*self.examples(split), *self.hinted_examples(hint_share)]
+        return [*self.examples(split), *self.hinted_examples(hint_share, source=hint_source)]
 
     def _lookup(
         self,
@@ -635,15 +692,15 @@ class Task(ABC):
         return reward
 
     def oracle_traces(
-        self, split: str = "train", *, hint_share: float = 0.0
+        self, split: str = "train", *, hint_share: float = 0.0, hint_source: HintSource = "train"
     ) -> Iterator[TraceJson]:
         """One trace record per distinct prompt of `split` (and of its `hinted_examples` with
-        `hint_share`), in the trace JSONL format of `composer_replication.data.traces` (teacher
-        "oracle", reward 1.0)."""
+        `hint_share` and `hint_source`), in the trace JSONL format of
+        `composer_replication.data.traces` (teacher "oracle", reward 1.0)."""
         from composer_replication.data.traces import prompt_key  # the trainer's data layer
 
         seen: dict[str, None] = {}
-        for ex in self._with_hints(split, hint_share):
+        for ex in self._with_hints(split, hint_share, hint_source):
             if ex.prompt in seen:
                 continue
             seen[ex.prompt] = None

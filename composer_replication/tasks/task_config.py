@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from composer_replication.fields import require, setting
+from composer_replication.tasks.task import HINT_SOURCES, HintSource
 
 __all__ = ["TaskConfig"]
 
@@ -40,8 +41,20 @@ class TaskConfig:
         "(in turn: the solution, the solution and the feedback on a near miss, the feedback "
         "alone), so the policy learns to read the hint its channel-2 teacher is shown; 0 = none",
     )
+    hint_source: HintSource = setting(
+        "train",
+        "which problems task.hint_share writes hints for: 'train', copies of training prompts "
+        "(redundant for a prompt the policy can already solve); 'beyond', as many problems past "
+        "the training distribution and every evaluated split (arithmetic: two more operands), "
+        "shown with the solution, so only reading the hint earns their reward",
+    )
 
     def __post_init__(self) -> None:
         require(self.n_train >= 1, "task.n_train", "must be >= 1")
         require(self.n_eval >= 0, "task.n_eval", "must be >= 0")
         require(0.0 <= self.hint_share <= 1.0, "task.hint_share", "must be in [0, 1]")
+        require(
+            self.hint_source in HINT_SOURCES,
+            "task.hint_source",
+            f"must be one of {list(HINT_SOURCES)}",
+        )

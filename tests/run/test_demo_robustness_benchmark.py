@@ -40,6 +40,18 @@ def test_the_goal_check_fails_on_one_low_run_and_on_a_low_median() -> None:
     out = bench.summarize(low_median, ["default", "avx2"])
     assert not out["goals_met"] and out["demo_median_heldout_acc_avx2"] == 0.7
     assert bench.summarize(good, ["default", "avx2", "avx512"])["goals_met"] is False  # none run
+    assert "demo_min_teacher_advantage" not in out  # channel 2 measured nothing
+
+
+def test_the_teacher_advantage_is_summarised_over_the_runs() -> None:
+    bench = _bench()
+    runs = [
+        {**_run(s, "default", 0.9), "teacher_advantage_run": adv}
+        for s, adv in enumerate((0.12, -0.03, 0.2))
+    ]
+    out = bench.summarize([*runs, _run(3, "default", 0.9)], ["default"])
+    assert out["demo_min_teacher_advantage"] == -0.03
+    assert out["demo_median_teacher_advantage"] == 0.12
 
 
 @pytest.mark.long

@@ -258,10 +258,13 @@ def test_the_learning_signal_is_in_the_summary_and_the_printout() -> None:
     assert (out["entropy_first10"], out["entropy_last10"]) == (2.0, 0.5)
     assert (out["zero_std_share_first10"], out["zero_std_share_last10"]) == (0.0, 0.75)
     assert (out["teacher_advantage_first10"], out["teacher_advantage_last10"]) == (-0.2, 0.3)
-    assert out["gate_open_last10"] == 1.0
+    # the whole run: 2 of 20 steps at -0.2, 18 at 0.3
+    assert out["teacher_advantage_run"] == pytest.approx((2 * -0.2 + 18 * 0.3) / 20)
+    assert out["gate_open_last10"] == 1.0 and out["gate_open_run"] == pytest.approx(0.9)
     lines = headline_lines(out)
     (teacher,) = [line for line in lines if "teacher adv." in line]
     assert "-0.200" in teacher and "0.300" in teacher and "gate open in 100%" in teacher
+    assert "whole run: 0.250" in teacher
     bare = summarize([{k: v for k, v in r.items() if not k.startswith("sdpo/")} for r in records])
     assert "teacher_advantage_first10" not in bare
     assert not [line for line in headline_lines(bare) if "teacher adv." in line]

@@ -101,3 +101,71 @@ def test_the_config_key_is_checked() -> None:
     assert load_config(overrides=["task.hint_share=0.5"]).task.hint_share == 0.5
     with pytest.raises(ConfigError, match="task.hint_share"):
         load_config(overrides=["task.hint_share=1.5"])
+
+
+def test_beyond_problems_share_no_class_with_any_split_and_are_out_of_reach() -> None:
+    """`hint_source = "beyond"`: problems further out than the out-of-distribution split, so no
+    hinted example is a training, held-out or OOD prompt in another form, and a policy that adds
+    three digits cannot solve them without the hint (two more operands)."""
+    task = get_task("arithmetic", seed=0, n_train=700, n_eval=256, num_operands=3)
+    beyond = task.beyond_examples(200)
+    assert len({ex.prompt for ex in beyond}) == 200
+    classes = {
+        task.canonical(ex)
+        for ex in (*task.train_examples(), *task.eval_examples(), *task.ood_examples(200))
+    }
+    assert not {task.canonical(ex) for ex in beyond} & classes
+    assert all(ex.prompt.count("+") == 4 for ex in beyond)
+    assert all(task.verify(ex, task.oracle(ex)).correct for ex in beyond)
+    # the same seed draws the same problems; another seed others
+    assert [ex.prompt for ex in task.beyond_examples(200)] == [ex.prompt for ex in beyond]
+    other = get_task("arithmetic", seed=1, n_train=700, n_eval=256, num_operands=3)
+    assert [ex.prompt for ex in other.beyond_examples(200)] != [ex.prompt for ex in beyond]
+
+
+def test_beyond_hints_always_show_the_solution() -> None:
+    """A hint without the solution cannot be solved on a problem beyond reach (it would teach
+    guessing), so `source="beyond"` cycles through the two kinds that carry it; as many hinted
+    examples as `share` of the distinct training prompts."""
+    task = _task()
+    distinct = {ex.prompt for ex in task.train_examples()}
+    hinted = task.hinted_examples(0.5, source="beyond")
+    assert len(hinted) == math.ceil(0.5 * len(distinct))
+    assert not {h.prompt.split("\n")[0] for h in hinted} & distinct
+    kinds = [
+        (f"Correct solution:\n\n{h.answer}\n" in h.prompt, "earlier attempt" in h.prompt)
+        for h in hinted
+    ]
+    assert kinds == [((True, False), (True, True))[i % 2] for i in range(len(hinted))]
+    for h in hinted:
+        assert task.verify(h, h.answer).correct and not task.verify(h, "0").correct
+
+
+def test_a_task_without_beyond_problems_says_so() -> None:
+    task = get_task("pycode", seed=0, n_train=8, n_eval=4)
+    assert not task.has_beyond()
+    with pytest.raises(ValueError, match="hint_source = 'train'"):
+        task.hinted_examples(0.5, source="beyond")
+    with pytest.raises(ValueError, match="hint source must be one of"):
+        _task().hinted_examples(0.5, source="nearby")  # type: ignore[arg-type]
+
+
+def test_the_run_trains_on_the_beyond_hints_in_both_channels() -> None:
+    """`task.hint_source = "beyond"` reaches the replica's dataset (channels 1 and 2) and the
+    oracle's traces (channel 3), and the config refuses an unknown source by name."""
+    pytest.importorskip("datasets")
+    from composer_replication.assembly.build import build_teachers, train_split
+
+    config = load_config(
+        overrides=["task.hint_share=0.25", "task.hint_source=beyond", "backend.n_replicas=1"]
+    )
+    task = get_task("arithmetic", seed=0, n_train=700, n_eval=256, num_operands=3)
+    hinted = task.hinted_examples(0.25, source="beyond")
+    data = train_split(config, task, 0)
+    prompts = {chat_prompt(h.prompt)[-1]["content"] for h in hinted}
+    assert prompts <= {row[-1]["content"] for row in data["prompt"]}
+    (oracle,) = build_teachers(config, task)
+    answers = oracle.complete([chat_prompt(h.prompt) for h in hinted[:8]])
+    assert [a.text for a in answers] == [h.answer for h in hinted[:8]]
+    with pytest.raises(ConfigError, match="task.hint_source"):
+        load_config(overrides=["task.hint_source=nearby"])

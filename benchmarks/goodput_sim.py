@@ -38,8 +38,12 @@ over the runs of that mode and M (process start, imports, rejoin: 3-10 s on the 
 machine, 10-22 s when it was shared); ``exchange_s``, from a sync round's last arrival to its
 commit (inside the last step's padding on a quiet machine); ``upload_s``, from a sync round's last
 step beginning to its contribution stored (the first round's arrivals: 0.2-0.5 s with 8-16
-learners uploading at once on 2 cores); decoupled's quorum (all live learners but one), grace
-window (gamma 0.8, tau 2) and poll interval are the run's settings; a slow window steps
+learners uploading at once on 2 cores); ``hook_s``, where in a decoupled step its optimizer
+hook runs (the real compute, ``compute_share``: 25-95 ms); ``push_s``, from a decoupled step's
+start to the synchronizer holding its push (the first merge, which waits for every learner's
+first push: 0.07-0.12 s with 4 learners, 0.2-0.37 s with 8-16); decoupled's quorum (all
+active learners but one), grace window (gamma 0.8, tau 2, of the synchronizer's EMAs) and
+poll interval are the run's settings; a slow window steps
 `harness_slow_factor` slower (the harness's 3x duty cycle is 2.73x on the simulated
 accelerator, whose step time counts each 0.1 s stop as 5 ms). The first replay
 missed one cost: a learner takes a new fragment version only after its next inner step (the
@@ -66,12 +70,52 @@ corrupt, 0.3-9.6 s; killed at 0.65 until its next merge, 6.3-11.1 s on the quiet
 9.8-20.1 s on the shared one): no merges meanwhile, then every push made meanwhile found at
 once. That moved decoupled's merged work little (quiet grid: max |error| 0.084 -> 0.082,
 median 0.019 -> 0.021; earlier grid 0.062 -> 0.058, median 0.048 -> 0.034): an outage defers
-merges but loses no pushed work. What it does not replay: the real synchronizer counts a
-stopped or killed learner as active (it may still push) until ``dead_after_s`` (120 s, longer
-than the run; run_local writes no departure records), so with two learners stopped at once
-the quorum of all but one cannot form (M = 16 seed 1: no merge from 55.6 s to the kill at
-62.4 s, learners 4 and 5 stopped); the replay counts only running learners. Counting every
-unfinished learner instead did not bring the errors down either (0.104 max on the quiet grid).
+merges but loses no pushed work.
+
+The M = 4 grid with warm spares (results/decoupled_goodput_grid_spares.json) showed the
+decoupled replay wrong by a step: its merged work at M = 4 was 0.041-0.080 under the runs
+(0.660 / 0.639 / 0.611 against 0.701 / 0.694 / 0.692) while M = 8 and 16 fit within 0.03,
+errors that cancelled. Followed rule by rule from the code (`_Fragments` has each), five
+things were replayed otherwise than the code runs them:
+
+1. *The hook's place in the step* (learner.py `_after_step` is an optimizer post hook;
+   decoupled_goodput.py pads each step after ``opt.step()``): the replay pushed as a step
+   ended and took a version one step later, so in step the learners lost two steps per push
+   (6 of 8 merged); the code takes and pushes at the start of the step, a push is merged
+   within the step's padding and taken in the next step's hook, one step lost (7 of 8). The
+   runs' first merge is 1.08-1.13 s from the start at M = 4 (the push in step 2's hook at
+   1.0 s), the replay's was at 1.98 s.
+2. *The push's way to the synchronizer* (``push_s``, measured above): the upload, the
+   synchronizer's 0.1 s poll and its fetch, longer with more learners on 2 cores.
+3. *The active learners* (synchronizer.py `_active_learners`): every learner that is not
+   done; a stopped or killed one stays active (it may still push) until ``dead_after_s`` (120 s,
+   longer than the run; run_local writes no departure records), so with one stopped a merge
+   waits the grace window, and with two stopped the quorum of all but one cannot form; the
+   quorum counts every learner with an on-time push (fragment_merger.py `maybe_merge`). The
+   replay counted only running learners.
+4. *The grace window* (`maybe_merge`, merge_math.grace_seconds): decided once as the quorum is
+   reached, from the synchronizer's EMAs, ``step_s`` of the step time each push reports (the
+   learner's own EMA of the time between its hooks: long after a stop or a slow window,
+   short just after a restart) and ``quorum_s`` of the rounds' first push to quorum; a new
+   synchronizer process starts them afresh. The replay used tau x step_s less the current
+   round's time since its first push, shrinking as it waited. ``sync_s`` (a merge's
+   publication) is not measured and counts 0.
+5. *A kill mid-upload* (the harness freezes the learner inside a push's write, chaos log
+   "killed mid-upload"): that push is lost, and the learner restarts from its previous push
+   (its progress document is written after each stored push; a push skipped because the
+   fragment was just replaced writes none). The replay's restarts now take the step of the
+   newest stored push: 38 of the grid's 42 restarts at the step the row's ``rejoins`` record,
+   the 4 others one push off (a kill within a few tens of ms of the hook). A late push of a
+   learner whose push on the same base was merged is dropped (`_select`), as in the code.
+
+With them every decoupled run of the grid is within 0.013 (merged work) and 0.004 (learner
+time); the M = 4 runs 0.696 / 0.687 / 0.683 against 0.701 / 0.694 / 0.692. The older grids
+moved the same way: the quiet one's decoupled merged work max |error| 0.082 -> 0.026, the
+shared one's 0.057 -> 0.031 (their sync runs are replayed as before). One at a time on the
+spares grid: the hook alone put M = 4 within 0.046 but M = 8 0.047-0.083 over; the push's way
+took M = 8 to 0.042-0.066 over; the active learners and the EMA grace window to 0.001-0.062
+(the 0.062 the run with a kill mid-upload, M = 8 seed 0, whose lost push held a merge 1.3 s in
+the grace window); the lost push to 0.001-0.016.
 docs/benchmarks-notebook.md ("Decoupled DiLoCo at 4, 8 and 16 learners") has each run's figures.
 
 Usage::
@@ -200,14 +244,20 @@ class RunCosts:
     last step's padding when shorter than it), ``upload_s`` from a sync round's last step
     beginning to its contribution stored (compute, pseudo-gradient, encode, write: what a kill
     early in that step catches), ``apply_s`` from a decoupled merge to the learners taking the new
-    fragment (their poll interval and the download), ``grace_gamma`` / ``grace_tau`` the
-    synchronizer's grace window (its defaults) and ``quorum`` its quorum (None: all but one);
-    ``adopt_listed`` the sync rule for a listed contribution a replica cannot read."""
+    fragment (their poll interval and the download), ``hook_s`` from a decoupled step's start
+    to its optimizer hook (the step's real compute: where the learner takes versions and
+    pushes), ``push_s`` from a decoupled step's start to the synchronizer holding the push made
+    in its hook (the upload, the synchronizer's poll and fetch), ``grace_gamma`` /
+    ``grace_tau`` the synchronizer's grace window (its defaults) and ``quorum`` its quorum
+    (None: all but one); ``adopt_listed`` the sync rule for a listed contribution a replica
+    cannot read."""
 
     recovery_s: float
     exchange_s: float = 0.0
     upload_s: float = 0.0
     apply_s: float = 0.1
+    hook_s: float = 0.0
+    push_s: float = 0.0
     grace_gamma: float = 0.8
     grace_tau: float = 2.0
     quorum: int | None = None
@@ -218,101 +268,191 @@ class RunCosts:
 
 
 class _Fragments:
-    """Decoupled's synchronizer and the learners' fragment state, for `simulate_protocol_run`:
-    pushes (the steps since the learner's last push of the fragment or since it took a newer
-    version), the quorum of live learners on the current version plus the grace window, merges
-    (the steps of every push they take, late ones carried), and the learners taking each new
-    version ``apply_s`` later (what they trained on the fragment since their push is
-    overwritten, alpha 0)."""
+    """Decoupled's synchronizer and the learners' fragment state, for `simulate_protocol_run`,
+    rule by rule as the code runs them (diloco/decoupled/learner.py, fragment_merger.py,
+    synchronizer.py):
+
+    - the learners (`DecoupledLearner._after_step`, an optimizer post hook, so it runs once a
+      step's inner compute is done, ``hook_s`` into the step, before its padding): every
+      fragment counts the step, then takes every version published by then (`apply_ready`:
+      ``steps_since_push`` back to 0, what it trained on the fragment since its push, this
+      step's update included, is overwritten, alpha 0), then the fragment due at this step is
+      pushed with ``steps_since_push`` (none if it just took a version: nothing trained since
+      its base). A finishing learner takes what was published, then pushes what it trained;
+    - a push reaches the synchronizer ``push_s`` after its step began (compute, the upload, the
+      synchronizer's poll and fetch; measured, `costs_from_runs`), on time if it is based on
+      the fragment's current version then, else late;
+    - the quorum (`FragmentMerger.maybe_merge`): ``quorum`` (all learners but one) of the
+      learners with an on-time push, out of the *active* learners, every learner that is not
+      done: a stopped or killed one stays active (it may still push; the synchronizer drops a
+      learner only at a departure record, which run_local never writes, or after
+      ``dead_after_s``, 120 s, longer than a run);
+    - the grace window, decided once as the quorum is reached: ``grace_gamma * max(0,
+      grace_tau * step_s - quorum_s - sync_s)`` of the synchronizer's EMAs (weight 0.2):
+      ``step_s`` of the ``step_seconds`` each push reports (the learner's own EMA of the time
+      between its hooks: a learner back from a stop or slowed reports long steps, one just
+      restarted short ones), ``quorum_s`` of each merged round's first on-time push to its
+      quorum; ``sync_s``, a merge's publication, is not measured and counts 0. The merge comes
+      when every active learner has an on-time push, or the grace window is over;
+    - a merge takes every on-time push and carries the late ones, except a late push of a
+      learner whose push on the same base was merged before (its work is in that one); the
+      merged work is the ``steps_since_push`` of what it takes; the learners take the new
+      version ``apply_s`` later."""
 
     def __init__(self, m: int, h: int, p: int, costs: RunCosts, step_s: float) -> None:
         self.m, self.h, self.p, self.costs, self.step_s = m, h, p, costs, step_s
         self.version = [0] * p
         self.base = [[0] * p for _ in range(m)]
         self.since = [[0] * p for _ in range(m)]
-        self.pending: list[dict[int, int]] = [{} for _ in range(p)]
-        self.on_time: list[set[int]] = [set() for _ in range(p)]
+        # per fragment: the pushes the synchronizer holds, (learner, base, steps_since_push)
+        self.pending: list[list[tuple[int, int, int]]] = [[] for _ in range(p)]
+        self.merged_bases: list[set[tuple[int, int]]] = [set() for _ in range(p)]
         self.first_push: list[float | None] = [None] * p
         self.quorum_at: list[float | None] = [None] * p
+        self.grace_s = [0.0] * p  # each fragment's grace window, decided at its quorum
+        # the synchronizer's EMAs of the learners' step time and of first push to quorum
+        self.step_ema: float | None = None
+        self.quorum_ema: float | None = None
+        # each learner's own EMA of the time between its hooks (what its pushes report)
+        self.learner_step_s: list[float | None] = [None] * m
+        self.last_hook: list[float | None] = [0.0] * m
+        # pushes on their way: (when the synchronizer has it, learner, fragment, base, steps,
+        # the learner's step time)
+        self.inflight: list[tuple[float, int, int, int, int, float]] = []
         # per fragment: (when learners can take it, version) of every merged version
         self.published: list[list[tuple[float, int]]] = [[] for _ in range(p)]
         self.useful = 0.0  # steps merged, summed over fragments
-        self.outages: list[tuple[float, float]] = []  # (down, merging again) of the synchronizer
+        # (down, merging again, a new process) of the synchronizer
+        self.outages: list[tuple[float, float, bool]] = []
         self.down = False
+        self.fresh = False  # the synchronizer now down comes back as a new process
         self.merge_times: list[float] = []  # when each merge was decided
 
-    def stepped(self, r: int, k: int, t: float) -> None:
-        """Learner r finished its step k (1-based count): train every fragment, push the one
-        due at this step (fragment f at local step (f + 1) * h / p mod h)."""
+    def on_time(self, f: int) -> set[int]:
+        """The learners with a push of fragment f based on its current version."""
+        return {r for r, base, _ in self.pending[f] if base == self.version[f]}
+
+    def stepped(self, r: int, k: int, t: float, lost: bool = False) -> bool:
+        """Learner r's optimizer hook at ``t`` in its step k (1-based count): train every
+        fragment, take every version published by then, push the one due at this step
+        (fragment f at local step (f + 1) * h / p mod h; ``lost``: a kill mid-upload catches
+        it). True if a push was stored (the learner's progress document: where it restarts)."""
         per = max(1, self.h // self.p)
-        began = t - self.step_s  # the inner compute runs at the step's start, then the padding
+        last = self.last_hook[r]
+        if last is not None:
+            e, gap = self.learner_step_s[r], t - last
+            self.learner_step_s[r] = gap if e is None else _ema(e, gap)
+        self.last_hook[r] = t
+        pushed = False
         for f in range(self.p):
             self.since[r][f] += 1
-            # a learner takes a new version after an inner step (its optimizer hook): one that
-            # arrived during the previous step's padding replaces what this step trained too
-            newest = max((v for when, v in self.published[f] if when <= began), default=0)
-            if self.base[r][f] < newest:
-                self.base[r][f] = newest
-                self.since[r][f] = 0  # overwritten: its work since the push is gone
+            self.take(r, f, t)
             if k % self.h == ((f + 1) * per) % self.h:
-                self.push(r, f, t)
+                pushed = self.push(r, f, t, lost)
+        return pushed
 
-    def push(self, r: int, f: int, t: float) -> None:
+    def take(self, r: int, f: int, t: float) -> None:
+        """Learner r takes the newest version of fragment f published by ``t``: what it trained
+        on the fragment since its push is overwritten (alpha 0)."""
+        newest = max((v for when, v in self.published[f] if when <= t), default=0)
+        if self.base[r][f] < newest:
+            self.base[r][f] = newest
+            self.since[r][f] = 0
+
+    def push(self, r: int, f: int, t: float, lost: bool = False) -> bool:
         steps, self.since[r][f] = self.since[r][f], 0
-        if steps == 0:
-            return
-        self.pending[f][r] = self.pending[f].get(r, 0) + steps
-        if self.base[r][f] == self.version[f]:
-            self.on_time[f].add(r)
-            if self.first_push[f] is None:
-                self.first_push[f] = t
+        if steps == 0 or lost:  # nothing trained since its base: no push
+            return False
+        arrives = t + max(0.0, self.costs.push_s - self.costs.hook_s)
+        step_s = self.learner_step_s[r] or 0.0
+        self.inflight.append((arrives, r, f, self.base[r][f], steps, step_s))
+        return True
 
-    def restarted(self, r: int) -> None:
-        """A learner's next incarnation: its unpushed work is gone, it takes the newest versions."""
+    def arrive(self, t: float) -> None:
+        """The synchronizer discovers the pushes that reached it by ``t`` (`_discover`: each
+        updates its step-time EMA)."""
+        due = [x for x in self.inflight if x[0] <= t]
+        self.inflight = [x for x in self.inflight if x[0] > t]
+        for at, r, f, base, steps, step_s in due:
+            self.pending[f].append((r, base, steps))
+            if step_s > 0:
+                self.step_ema = step_s if self.step_ema is None else _ema(self.step_ema, step_s)
+            if base == self.version[f] and self.first_push[f] is None:
+                self.first_push[f] = at
+
+    def restarted(self, r: int, t: float) -> None:
+        """A learner's next incarnation: its unpushed work is gone, it takes the newest versions;
+        its step time restarts from its first hook (it entered at ``t``)."""
         self.since[r] = [0] * self.p
         self.base[r] = list(self.version)
+        self.learner_step_s[r], self.last_hook[r] = None, t
 
     def finished(self, r: int, t: float) -> None:
+        """Learner r's last step ended (`finish`): it takes what was published meanwhile
+        (apply_ready), then pushes every fragment it trained since (its final pushes)."""
         for f in range(self.p):
+            self.take(r, f, t)
             self.push(r, f, t)
 
-    def tick(self, t: float, live: set[int]) -> None:
-        """Merge every fragment whose quorum and grace window are complete at ``t``. While the
-        synchronizer is down (``outages``) nothing merges; the pushes stay in the store and,
-        as it comes back, it reloads them all at once (`_recover`: the inbox rebuilt, each
-        push's arrival the time it is discovered), so a fragment's quorum and grace window
-        start again from then."""
-        if any(a <= t < b for a, b in self.outages) and live:
+    def tick(self, t: float, active: set[int]) -> None:
+        """Merge every fragment whose quorum and grace window are complete at ``t``
+        (``active``: the learners not done). While the synchronizer is down (``outages``)
+        nothing merges; the pushes stay in the store and, as it comes back, it reloads them all
+        at once (`_recover`: the inbox rebuilt, each push's arrival the time it is
+        discovered), so a fragment's quorum and grace window start again from then."""
+        self.arrive(t)
+        now_down = [o for o in self.outages if o[0] <= t < o[1]]
+        if now_down and active:
             self.down = True
+            self.fresh = any(o[2] for o in now_down)
             return
         if self.down:
             self.down = False
+            if self.fresh:  # a restarted synchronizer's timings start afresh (Timings())
+                self.step_ema = self.quorum_ema = None
             for f in range(self.p):
-                self.first_push[f] = t if self.on_time[f] else None
+                self.first_push[f] = t if self.on_time(f) else None
                 self.quorum_at[f] = None
         q = self.costs.quorum if self.costs.quorum is not None else self.m - 1
         for f in range(self.p):
-            got = self.on_time[f] & live
-            need = max(1, min(q, len(live)))
-            if self.pending[f] and not live:  # everyone finished: the final merges
+            if self.pending[f] and not active:  # everyone finished: the final merges
                 self.merge(f, t)
                 continue
-            if len(got) < need:
+            got = self.on_time(f)
+            if len(got) < max(1, min(q, len(active))):
                 continue
-            if self.quorum_at[f] is None:
-                self.quorum_at[f] = t
-            quorum_s = t - (self.first_push[f] or t)
-            grace = self.costs.grace_gamma * max(0.0, self.costs.grace_tau * self.step_s - quorum_s)
-            if live <= self.on_time[f] or t >= (self.quorum_at[f] or t) + grace:
+            quorum_at = self.quorum_at[f]
+            if quorum_at is None:
+                quorum_at = self.quorum_at[f] = t
+                self.grace_s[f] = self.costs.grace_gamma * max(
+                    0.0, self.costs.grace_tau * (self.step_ema or 0.0) - (self.quorum_ema or 0.0)
+                )
+            if active <= got or t >= quorum_at + self.grace_s[f]:
                 self.merge(f, t)
 
     def merge(self, f: int, t: float) -> None:
-        self.useful += sum(self.pending[f].values())
-        self.pending[f], self.on_time[f] = {}, set()
+        quorum_at, first = self.quorum_at[f], self.first_push[f]
+        if quorum_at is not None and first is not None:
+            gap = quorum_at - first
+            self.quorum_ema = gap if self.quorum_ema is None else _ema(self.quorum_ema, gap)
+        taken = [
+            (r, base, steps)
+            for r, base, steps in self.pending[f]
+            if base == self.version[f] or (r, base) not in self.merged_bases[f]
+        ]
+        self.useful += sum(steps for _, _, steps in taken)
+        self.merged_bases[f] |= {(r, base) for r, base, _ in taken}
+        self.pending[f] = []
         self.first_push[f] = self.quorum_at[f] = None
         self.version[f] += 1
         self.published[f].append((t + self.costs.apply_s, self.version[f]))
         self.merge_times.append(t)
+
+
+def _ema(old: float, sample: float, weight: float = 0.2) -> float:
+    """The synchronizer's and the learners' EMAs (merge_math.ema; the learner's step time
+    weighs a new sample 0.2 too)."""
+    return (1.0 - weight) * old + weight * sample
 
 
 @dataclass
@@ -329,6 +469,8 @@ class _Learner:
     heal_to: int | None = None  # sync: healing, it waits for this round's state
     runs: list[tuple[int, list[int]]] = field(default_factory=lambda: [(0, [])])
     end: float = 0.0
+    hooked: bool = False  # decoupled: the current step's optimizer hook ran
+    pushed: int = 0  # decoupled: the step count of its newest stored push (its progress)
 
     def crashed(self, t: float, kills: list[tuple[float, float]]) -> bool:
         """Take a kill due at ``t`` (``kills``: (when, recovery) in order): the learner is down
@@ -603,12 +745,17 @@ def simulate_protocol_run(
     learner kept, over each learner's time to its own end) and the merged-work goodput, as
     benchmarks/decoupled_goodput.py counts them.
 
-    decoupled: learners never wait; a kill loses the steps since the learner's last push
-    (every h / p steps) and costs ``recovery_s``; the synchronizer (`_Fragments`) merges a
-    fragment once a quorum of the live learners pushed it on its current version, after the
-    grace window, and the work a learner did on the fragment between its push and taking the
-    merged version (``apply_s`` after the merge) is overwritten (alpha 0); while the
-    synchronizer is down (a ``{"kind": "synchronizer", "t": s, "until": s}`` fault) nothing
+    decoupled: learners never wait; each step's optimizer hook (``hook_s`` into the step)
+    takes the versions published by then and pushes the fragment due (every h / p steps); a
+    kill loses the steps since the learner's newest stored push (a kill that lands mid-upload,
+    ``"lost_push"``, loses that push too) and costs ``recovery_s``; the synchronizer
+    (`_Fragments`, whose docstring has each rule and where it comes from) holds a push
+    ``push_s`` after its step began and merges a fragment once a quorum of the active learners
+    (those not done) pushed it on its current version, at once if all did, else after the
+    grace window of its EMAs; the work a learner did on the fragment between its push and
+    taking the merged version (``apply_s`` after the merge, in its next hook) is overwritten
+    (alpha 0); while the synchronizer is down (a ``{"kind": "synchronizer", "t": s, "until":
+    s}`` fault; ``"restarted"``: it comes back as a new process, its EMAs afresh) nothing
     merges, and as it comes back it finds every push made meanwhile. sync: every h steps a
     barrier (`_SyncBarrier`): in the h-th step, after start_quorum (a learner that missed a
     committed round loads the newest published state and goes on from there), its
@@ -623,17 +770,21 @@ def simulate_protocol_run(
     round; before: the lowest listed rank); every learner ends at the run's last round."""
     windows: dict[int, list[tuple[float, float, float]]] = {r: [] for r in range(m)}
     kills: dict[int, list[tuple[float, float]]] = {r: [] for r in range(m)}
+    lost_pushes: dict[int, list[float]] = {r: [] for r in range(m)}
     corrupts: list[tuple[float, int]] = []  # sync: (when, rank) of a corrupted contribution
-    outages: list[tuple[float, float]] = []  # decoupled: the synchronizer down (from, until)
+    # decoupled: the synchronizer down (from, until, restarted as a new process)
+    outages: list[tuple[float, float, bool]] = []
     for f in faults:
         if f["kind"] == "synchronizer":
-            outages.append((float(str(f["t"])), float(str(f["until"]))))
+            outages.append((float(str(f["t"])), float(str(f["until"])), bool(f.get("restarted"))))
             continue
         r = int(str(f["target"]))
         if f["kind"] == "corrupt":
             corrupts.append((float(str(f["t"])), r))
         elif f["kind"] == "kill":
             kills[r].append((float(str(f["t"])), float(str(f.get("recovery_s", costs.recovery_s)))))
+            if f.get("lost_push"):
+                lost_pushes[r].append(float(str(f["t"])))
         else:
             rate = 0.0 if f["kind"] == "stop" else 1.0 / float(str(f["factor"]))
             windows[r].append((float(str(f["t"])), float(str(f["until"])), rate))
@@ -653,7 +804,7 @@ def simulate_protocol_run(
         useful = float(listed * h)
     else:
         ls, useful = _simulate_decoupled(
-            m, steps, h, p, step_s, windows, kills, costs, dt, sorted(outages), trace
+            m, steps, h, p, step_s, windows, kills, costs, dt, sorted(outages), trace, lost_pushes
         )
     learner_s = sum(x.end - offsets.get(r, 0.0) for r, x in enumerate(ls))
     kept = sum(x.kept(steps) for x in ls)
@@ -674,34 +825,48 @@ def _simulate_decoupled(
     kills: dict[int, list[tuple[float, float]]],
     costs: RunCosts,
     dt: float,
-    outages: list[tuple[float, float]] | None = None,
+    outages: list[tuple[float, float, bool]] | None = None,
     trace: dict[str, list[Any]] | None = None,
+    lost_pushes: dict[int, list[float]] | None = None,
 ) -> tuple[list[_Learner], float]:
     """Decoupled DiLoCo's learners and synchronizer (see `simulate_protocol_run`): (the
     learners, the inner steps merged)."""
     ls = [_Learner() for _ in range(m)]
     frags = _Fragments(m, h, p, costs, step_s)
     frags.outages = list(outages or [])
-    per_push = max(1, h // max(1, p))
     t = 0.0
     while any(x.state != "done" for x in ls) and t < 50 * steps * step_s:
         for r, x in enumerate(ls):
             if x.state == "done" or x.crashed(t, kills[r]):
                 continue
             if x.state == "down":
-                # the next incarnation goes on from its last push
-                x.k = (x.k // per_push) * per_push
+                # the next incarnation goes on from its newest stored push (its progress
+                # document: the push of the step it was killed in, if that step's hook ran
+                # and pushed, unless the kill caught that push's upload)
+                x.k = x.pushed
+                x.hooked = False
                 x.local, x.state = 0, "run"
                 x.runs.append((x.k, []))
-                frags.restarted(r)
-            if not x.advance(dt * _rate(t, windows[r]), step_s):
-                continue
-            frags.stepped(r, x.k, t)
-            if x.k >= steps:
-                x.state, x.end = "done", t
-                frags.finished(r, t)
-        running = [x.state == "run" and _rate(t, windows[r]) > 0 for r, x in enumerate(ls)]
-        frags.tick(t, {r for r in range(m) if running[r]})
+                frags.restarted(r, t)
+                if trace is not None:
+                    trace.setdefault("restarts", []).append((r, t, x.k))
+            rate = _rate(t, windows[r])
+            if x.advance(dt * rate, step_s):
+                x.hooked = False
+                if x.k >= steps:
+                    x.state, x.end = "done", t
+                    frags.finished(r, t)
+                    continue
+            if not x.hooked and rate > 0 and x.progress + 1e-9 >= costs.hook_s:
+                # the step's optimizer hook, once its inner compute is done
+                x.hooked = True
+                lost = any(t <= a < t + step_s for a in (lost_pushes or {}).get(r, []))
+                if frags.stepped(r, x.k + 1, t, lost):
+                    x.pushed = x.k + 1
+        frags.tick(t, {r for r, x in enumerate(ls) if x.state != "done"})
+        t += dt
+    while frags.inflight:  # the final pushes reach the synchronizer
+        frags.tick(t, set())
         t += dt
     frags.tick(t, set())  # the final merges
     if trace is not None:
@@ -726,9 +891,10 @@ def harness_slow_factor(factor: float) -> float:
 
 def faults_of(row: dict[str, Any]) -> list[dict[str, object]]:
     """A measured run's learner faults as they happened (its ``chaos_log``): kills (each with
-    its measured recovery, ``recoveries_s``), sync's corrupted contributions, the windows a
-    learner was stopped or slowed, and
-    a learner's late first step (``start_offsets``), in seconds from the start."""
+    its measured recovery, ``recoveries_s``; one the harness landed mid-upload loses that
+    push, ``lost_push``), sync's corrupted contributions, the windows a learner was stopped or
+    slowed, decoupled's synchronizer outages (``restarted`` when it was killed), and a
+    learner's late first step (``start_offsets``), in seconds from the start."""
     factors = {i: float(e.get("factor", 3.0)) for i, e in enumerate(row["schedule"])}
     recoveries = row.get("recoveries_s") or []
     kills_seen = 0
@@ -738,6 +904,8 @@ def faults_of(row: dict[str, Any]) -> list[dict[str, object]]:
         action, outcome = e.get("action"), str(e.get("outcome", ""))
         if action == "kill" and outcome.startswith("killed"):
             kill: dict[str, object] = {"kind": "kill", "target": e["target"], "t": float(e["t"])}
+            if outcome == "killed mid-upload":
+                kill["lost_push"] = True
             if kills_seen < len(recoveries):  # this kill's own recovery, as measured
                 kill["recovery_s"] = float(recoveries[kills_seen])
             kills_seen += 1
@@ -758,7 +926,17 @@ def faults_of(row: dict[str, Any]) -> list[dict[str, object]]:
                     "factor": harness_slow_factor(factors.get(int(e["event"]), 3.0)),
                 }
             )
-    out += [{"kind": "synchronizer", "t": a, "until": b} for a, b in synchronizer_outages(row)]
+    # the synchronizer's outages; one that began with its kill ends in a new process
+    killed = [
+        float(e["t"])
+        for e in row["chaos_log"]
+        if e.get("action") == "kill_synchronizer" and e.get("outcome") == "killed"
+    ]
+    for a, b in synchronizer_outages(row):
+        down: dict[str, object] = {"kind": "synchronizer", "t": a, "until": b}
+        if any(a <= k < b for k in killed):
+            down["restarted"] = True
+        out.append(down)
     # a learner whose first step came late (its process was slow to start on the loaded
     # machine) is, for the replay, stopped from the start until then
     for r, late in enumerate(row.get("start_offsets") or []):
@@ -809,15 +987,30 @@ def costs_from_runs(runs: list[dict[str, Any]]) -> dict[tuple[str, int], RunCost
     ``commit_times``, which counts only an exchange longer than the last step's padding);
     sync's upload, from a learner's first step to its contribution to the first round stored,
     less h - 1 steps (``rounds`` and ``start_offsets``, learners that started on time; rows
-    without them: 0). Decoupled's apply time (0.1 s: the learners poll every 0.05 s on
-    file://, a fragment is a few kB), grace window and quorum are the run's settings."""
+    without them: 0). Decoupled's hook, the real compute of a step (``compute_share`` x
+    ``step_s``); decoupled's push, from the start to the first merge record less h / p - 1
+    steps and the latest learner's start (``commit_times``, ``start_offsets``, runs whose
+    learners all started on time: the first merge waits for every learner's first push, so
+    it measures the slowest of M pushes made at once). Decoupled's apply time (0.1 s: the
+    learners poll every 0.05 s on file://, a fragment is a few kB), grace window and quorum
+    are the run's settings."""
     out: dict[tuple[str, int], RunCosts] = {}
     for key in sorted({(r["mode"], r["learners"]) for r in runs}):
         rows = [r for r in runs if (r["mode"], r["learners"]) == key and r["alpha"] == 0.0]
         rec = [x for r in rows for x in r["recoveries_s"]]
         exchange: list[float] = []
         upload: list[float] = []
+        hook: list[float] = []
+        push: list[float] = []
         for r in rows:
+            if key[0] == "decoupled":
+                offsets = r.get("start_offsets") or []
+                if r.get("compute_share") is not None:
+                    hook.append(float(r["compute_share"]) * r["step_s"])
+                if r.get("commit_times") and offsets and max(offsets) < 0.5:
+                    per = max(1, r["h"] // r["p"])
+                    first = min(r["commit_times"]) - (per - 1) * r["step_s"] - max(offsets)
+                    push.append(first)
             if key[0] != "sync":
                 continue
             offsets = r.get("start_offsets") or []
@@ -845,6 +1038,8 @@ def costs_from_runs(runs: list[dict[str, Any]]) -> dict[tuple[str, int], RunCost
             recovery_s=statistics.median(rec) if rec else 0.0,
             exchange_s=max(0.0, statistics.median(exchange)) if exchange else 0.0,
             upload_s=max(0.0, statistics.median(upload)) if upload else 0.0,
+            hook_s=statistics.median(hook) if hook else 0.0,
+            push_s=max(0.0, statistics.median(push)) if push else 0.0,
         )
     return out
 

@@ -153,8 +153,9 @@ def test_simulator_a_stopped_learner_stalls_sync_not_decoupled() -> None:
     assert sync["paper_goodput"] == pytest.approx(48 / 64, abs=0.01)
     kill = [{"kind": "kill", "target": "2", "t": 13.5}]
     dec = gs.simulate_protocol_run("decoupled", 4, 48, 8, 4, 1.0, kill, costs)
-    # killed after 13 steps, back from its push at step 12 ten seconds later
-    assert dec["paper_goodput"] == pytest.approx(4 * 48 / (3 * 48 + 48 + 13.5 + 10 - 12), abs=0.02)
+    # killed in its 14th step, whose hook (at the step's start) pushed: back from that push
+    # (its progress document, step 14) ten seconds later
+    assert dec["paper_goodput"] == pytest.approx(4 * 48 / (3 * 48 + 48 + 13.5 + 10 - 14), abs=0.01)
 
 
 def test_simulator_reads_a_runs_faults_from_its_chaos_log() -> None:
@@ -238,13 +239,101 @@ def test_tiny_grid_prints_the_keys_and_the_simulator_replays_it(tmp_path: Path) 
 
 
 def test_simulator_overwrites_what_a_learner_trained_before_taking_a_version() -> None:
-    """No faults, learners in step: a fragment pushed at the end of step k is merged at once
-    and taken after step k + 2 (a version is taken after an inner step), so steps k + 1 and
-    k + 2 on it are overwritten: 6 of every 8 steps reach the model (alpha 0)."""
+    """No faults, learners in step: the learner's optimizer hook (DecoupledLearner._after_step)
+    runs as a step's inner compute is done, at its start, and there it takes the versions
+    published by then and pushes; a fragment pushed in step k's hook is merged at once and
+    taken in step k + 1's hook, which overwrites step k + 1's update: 7 of every 8 steps reach
+    the model (alpha 0), less the last one of each fragment."""
     costs = gs.RunCosts(recovery_s=10.0, apply_s=0.1)
     dec = gs.simulate_protocol_run("decoupled", 4, 96, 8, 4, 1.0, [], costs)
     assert dec["paper_goodput"] == pytest.approx(1.0, abs=0.01)
-    assert dec["merged_goodput"] == pytest.approx(0.75, abs=0.03)
+    # per fragment 12 merges of 8 steps each less one overwritten step (fragment 3's last push
+    # is in the last step's hook: nothing after it), over 96 steps of 4 learners
+    assert dec["merged_goodput"] == pytest.approx(4 * (96 - 47 / 4) / (4 * 96), abs=0.01)
+
+
+def test_simulator_hook_pushes_and_takes_at_the_start_of_a_step() -> None:
+    """Hand-worked: 2 learners, H = 4, one fragment, 8 steps of 1 s, no faults. Step 4's hook
+    (t = 3: the inner compute done, the padding to come) pushes steps 1-4; both learners
+    pushed, so the merge comes at once (t = 3) and is published 0.1 s later; step 5's hook
+    (t = 4) takes it and overwrites step 5's update; step 8's hook (t = 7) pushes steps 6-8,
+    merged at once; the learner, done at t = 8, has nothing left to push. Merged: 7 of 8
+    steps per learner. (The replay before pushed as a step ended, t = 4 and 8, and took a
+    version one step later: 6 of 8.)"""
+    costs = gs.RunCosts(recovery_s=1.0, apply_s=0.1)
+    seen: dict[str, list[Any]] = {}
+    out = gs.simulate_protocol_run("decoupled", 2, 8, 4, 1, 1.0, [], costs, trace=seen)
+    assert seen["merges"] == pytest.approx([3.0, 7.0], abs=0.03)
+    # 14 steps merged over 2 learners' 8 s (each ends a tick early: 7.98 s)
+    assert out["merged_goodput"] == pytest.approx(14 / 16, abs=0.01)
+
+
+def test_simulator_stopped_learner_stays_active_and_the_grace_window_is_the_emas() -> None:
+    """Hand-worked: 3 learners (quorum 2), H = 4, one fragment; learner 2 is stopped from 0.5 s
+    on. The synchronizer counts it active (not done, not dead: run_local writes no departure,
+    dead_after_s is 120 s), so the push of learners 0 and 1 in step 4's hook (t = 3) is a
+    quorum, not everyone, and waits the grace window decided at the quorum from the EMAs:
+    each learner's step time (its hooks at 0, 1, 2, 3 s: 0, 0.2, 0.36, 0.488) is what its push
+    reports, so step_s = 0.488, quorum_s none yet: 0.8 * (2 * 0.488 - 0) = 0.78 s, merge at
+    3.78. Without the stop all three push and the merge comes at once."""
+    costs = gs.RunCosts(recovery_s=1.0, apply_s=0.1)
+    stop = [{"kind": "stop", "target": "2", "t": 0.5, "until": 100.0, "factor": 1.0}]
+    seen: dict[str, list[Any]] = {}
+    gs.simulate_protocol_run("decoupled", 3, 8, 4, 1, 1.0, stop, costs, trace=seen)
+    assert seen["merges"][0] == pytest.approx(3.0 + 0.8 * 2 * 0.488, abs=0.03)
+    seen = {}
+    gs.simulate_protocol_run("decoupled", 3, 8, 4, 1, 1.0, [], costs, trace=seen)
+    assert seen["merges"][0] == pytest.approx(3.0, abs=0.03)
+
+
+def test_simulator_kill_mid_upload_loses_that_push() -> None:
+    """A kill the harness lands mid-upload (chaos log "killed mid-upload") catches the push of
+    the step it lands in: the push never reaches the synchronizer and the learner restarts
+    from its previous push (its progress document is written after each stored push); a
+    plain kill after the step's hook restarts from that hook's push. 4 learners, H = 8, P = 4:
+    killed at 9.5 s, in step 10, whose hook pushed fragment 0."""
+    row = {
+        "schedule": [{"action": "kill"}],
+        "chaos_log": [
+            {"event": 0, "action": "kill", "target": "1", "outcome": "killed mid-upload", "t": 9.5}
+        ],
+        "recoveries_s": [1.0],
+    }
+    faults = gs.faults_of(row)
+    assert faults == [
+        {"kind": "kill", "target": "1", "t": 9.5, "lost_push": True, "recovery_s": 1.0}
+    ]
+    costs = gs.RunCosts(recovery_s=1.0, apply_s=0.1)
+    plain = [{k: v for k, v in faults[0].items() if k != "lost_push"}]
+    seen: dict[str, list[Any]] = {}
+    gs.simulate_protocol_run("decoupled", 4, 16, 8, 4, 1.0, plain, costs, trace=seen)
+    assert [k for _, _, k in seen["restarts"]] == [10]
+    assert seen["merges"][4] == pytest.approx(9.0, abs=0.03)  # fragment 0, everyone pushed
+    seen = {}
+    gs.simulate_protocol_run("decoupled", 4, 16, 8, 4, 1.0, faults, costs, trace=seen)
+    assert [k for _, _, k in seen["restarts"]] == [8]
+    # the other three are a quorum, not everyone (learner 1 is active): the grace window
+    assert seen["merges"][4] > 9.5
+
+
+def test_simulator_drops_a_late_push_on_a_base_already_merged() -> None:
+    """FragmentMerger._select: a late push of a learner whose push on the same base was merged
+    before is dropped (its work is in that one); any other late push is carried."""
+    costs = gs.RunCosts(recovery_s=1.0, apply_s=0.1)
+    fr = gs._Fragments(2, 4, 1, costs, 1.0)
+    for r in (0, 1):
+        fr.since[r][0] = 4
+        fr.push(r, 0, 3.0)
+    fr.tick(3.0, {0, 1})  # everyone pushed on version 0: merged, 8 steps
+    assert fr.version == [1] and fr.useful == 8
+    # learner 1 takes version 1 (published at 3.1) and pushes on it, learner 0 pushes on
+    # version 0 again (it never took version 1)
+    fr.take(1, 0, 3.2)
+    fr.since[0][0], fr.since[1][0] = 3, 2
+    fr.push(0, 0, 5.0)
+    fr.push(1, 0, 5.0)
+    fr.tick(5.0, set())  # the final merge: learner 0's late push is dropped
+    assert fr.version == [2] and fr.useful == 8 + 2
 
 
 def test_simulator_synchronizer_outage_delays_merges_and_lowers_merged_work() -> None:
@@ -283,7 +372,7 @@ def test_synchronizer_outages_of_a_row() -> None:
         "commit_times": [50.0, 55.6, 70.1, 71.0],
     }
     assert gs.synchronizer_outages(row) == [(52.8, 55.4), (62.4, 70.1)]
-    assert {"kind": "synchronizer", "t": 62.4, "until": 70.1} in gs.faults_of(
+    assert {"kind": "synchronizer", "t": 62.4, "until": 70.1, "restarted": True} in gs.faults_of(
         {**row, "chaos_log": row["chaos_log"]}
     )
     row["synchronizer_outages"] = [{"cause": "killed", "t": 62.4, "until": 68.0}]

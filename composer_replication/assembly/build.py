@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from trl import GRPOTrainer
 
     from composer_replication.config import RunConfig
+    from composer_replication.data.hints import HintTemplate
     from composer_replication.data.teachers import TeacherClient, TeacherPool
     from composer_replication.data.traces import Prompt, TraceStore
     from composer_replication.tasks import Example, Task
@@ -56,6 +57,7 @@ __all__ = [
     "build_trainer",
     "channel1_args",
     "composer_kwargs",
+    "hint_template",
     "configure_generation",
     "generation_args",
     "load_tokenizer",
@@ -299,7 +301,9 @@ def build_teachers(config: RunConfig, task: Task) -> list[TeacherClient]:
 
         # TRAIN prompts only: the oracle never answers a held-out prompt, so no held-out answer
         # can reach training through channel 3.
-        hinted = task.hinted_examples(config.task.hint_share, source=config.task.hint_source)
+        hinted = task.hinted_examples(
+            config.task.hint_share, template=hint_template(config), source=config.task.hint_source
+        )
         examples = [*task.train_examples(), *hinted]
         train = {prompt_key(chat_prompt(ex.prompt)): ex for ex in examples}
 
@@ -373,10 +377,20 @@ def trainer_args(config: RunConfig, output_dir: str, max_steps: int, seed: int) 
     )
 
 
+def hint_template(config: RunConfig) -> HintTemplate:
+    """Channel 2's hint template (`[task] hint_feedback_with_solution`), which also writes the
+    run's hinted examples (`task.hint_share`), so the policy trains on the hints its teacher
+    reads."""
+    from composer_replication.data.hints import HintTemplate
+
+    return HintTemplate(feedback_with_solution=config.task.hint_feedback_with_solution)
+
+
 def composer_kwargs(config: RunConfig) -> dict[str, Any]:
-    """The trainer's composer keywords: `[loss]` minus channel 1 (unset optionals omitted), and
-    channel 3's trace filter (`[teachers] min_reward`)."""
+    """The trainer's composer keywords: `[loss]` minus channel 1 (unset optionals omitted),
+    channel 3's trace filter (`[teachers] min_reward`) and channel 2's hint template."""
     kw = config.loss.compose_kwargs()
+    kw["hint_template"] = hint_template(config)
     for key in CHANNEL1_TRL_ARGS:
         kw.pop(key, None)
     if config.teachers.min_reward is not None:
@@ -389,7 +403,10 @@ def train_split(config: RunConfig, task: Task, rank: int) -> Dataset:
     n-th prompt from `rank` (n = backend.n_replicas, a data island per replica, no prompt in
     two), else all of them."""
     dataset = task.to_dataset(
-        "train", hint_share=config.task.hint_share, hint_source=config.task.hint_source
+        "train",
+        hint_share=config.task.hint_share,
+        hint_source=config.task.hint_source,
+        hint_template=hint_template(config),
     )
     n = config.backend.n_replicas
     if config.task.shard == "shared" or n == 1:

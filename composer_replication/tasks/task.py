@@ -68,9 +68,10 @@ Problem = tuple[str, str, JSONDict]
 HINT_KINDS: tuple[tuple[bool, bool], ...] = ((True, False), (True, True), (False, True))
 # Which problems `Task.hinted_examples` writes hints for: "train", copies of training prompts (the
 # hint is redundant for any prompt the policy can already solve); "beyond", problems past the
-# policy's reach and in no evaluated split (`beyond_examples`), which only the hint solves.
-HintSource = Literal["train", "beyond"]
-HINT_SOURCES: tuple[HintSource, ...] = ("train", "beyond")
+# policy's reach and in no evaluated split (`beyond_examples`), which only the hint solves;
+# "both", as many of each.
+HintSource = Literal["train", "beyond", "both"]
+HINT_SOURCES: tuple[HintSource, ...] = ("train", "beyond", "both")
 
 Scored = tuple[float, str | None]  # one completion's (reward, feedback), as reward_func returns
 
@@ -517,6 +518,10 @@ class Task(ABC):
         `source="beyond"`: problems past the policy's reach (`beyond_examples`, none in any
         evaluated split), with the two kinds that carry the solution: only reading the hint
         earns their reward, so the policy learns to copy a shown solution.
+        `source="both"`: both lists (`ceil(share * n)` each), the training prompts' first: the
+        copying learnt on the problems beyond reach carries over to the training prompts'
+        hinted form, which the beyond problems alone do not reach (a probe of the demo's
+        model: docs/benchmarks-notebook.md, issue 33).
 
         `template` writes the hints (default `HintTemplate()`; with
         `feedback_with_solution=False` the second kind shows the solution alone, as channel 2
@@ -533,34 +538,44 @@ class Task(ABC):
         pool = self.train_examples() if examples is None else examples
         distinct = list({ex.prompt: ex for ex in pool}.values())
         count = math.ceil(share * len(distinct))
-        if source == "beyond":
+        jobs: list[tuple[list[Example], list[tuple[bool, bool]]]] = []
+        if source in ("train", "both"):
+            jobs.append((distinct[:count], list(HINT_KINDS)))
+        if source in ("beyond", "both"):
             if not self.has_beyond():
                 raise ValueError(
                     f"task {self.name!r} has no problems beyond training for "
-                    "task.hint_source = 'beyond'; use hint_source = 'train'"
+                    f"task.hint_source = {source!r}; use hint_source = 'train'"
                 )
-            hinted, kinds = self.beyond_examples(count), [k for k in HINT_KINDS if k[0]]
-        else:
-            hinted, kinds = distinct[:count], list(HINT_KINDS)
+            jobs.append((self.beyond_examples(count), [k for k in HINT_KINDS if k[0]]))
         out = []
-        for i, ex in enumerate(hinted):
-            with_solution, with_feedback = kinds[i % len(kinds)]
-            solution = self.oracle(ex) if with_solution else None
-            feedback = None
-            if with_feedback:
-                attempt = self.failed_attempt(ex, i // len(kinds))
-                feedback = self.verify(ex, attempt).feedback
-            text = template.render_text(ex.prompt, solution, feedback)
-            out.append(Example(id=f"{ex.id}/hinted", prompt=text, answer=ex.answer, meta=ex.meta))
+        for hinted, kinds in jobs:
+            for i, ex in enumerate(hinted):
+                with_solution, with_feedback = kinds[i % len(kinds)]
+                solution = self.oracle(ex) if with_solution else None
+                feedback = None
+                if with_feedback:
+                    attempt = self.failed_attempt(ex, i // len(kinds))
+                    feedback = self.verify(ex, attempt).feedback
+                text = template.render_text(ex.prompt, solution, feedback)
+                out.append(
+                    Example(id=f"{ex.id}/hinted", prompt=text, answer=ex.answer, meta=ex.meta)
+                )
         return out
 
     def to_dataset(
-        self, split: str = "train", *, hint_share: float = 0.0, hint_source: HintSource = "train"
+        self,
+        split: str = "train",
+        *,
+        hint_share: float = 0.0,
+        hint_source: HintSource = "train",
+        hint_template: HintTemplate | None = None,
     ) -> Dataset:
         """A `datasets.Dataset` for TRL with columns `prompt` (chat format), `example_id`,
         `answer` and `task_meta` (the example's meta as a JSON string, so `reward_func` can verify
         rows whose id this task instance does not know). With `hint_share` > 0 (train split
-        only) the `hinted_examples` (from `hint_source`) follow the split's examples."""
+        only) the `hinted_examples` (from `hint_source`, written by `hint_template`) follow the
+        split's examples."""
         try:
             import datasets
         except ImportError as exc:  # pragma: no cover - exercised only without the extra
@@ -575,16 +590,21 @@ class Task(ABC):
                 "answer": ex.answer,
                 "task_meta": json.dumps(ex.meta, sort_keys=True),
             }
-            for ex in self._with_hints(split, hint_share, hint_source)
+            for ex in self._with_hints(split, hint_share, hint_source, hint_template)
         ]
         return datasets.Dataset.from_list(rows)
 
     def _with_hints(
-        self, split: str, hint_share: float, hint_source: HintSource = "train"
+        self,
+        split: str,
+        hint_share: float,
+        hint_source: HintSource = "train",
+        template: HintTemplate | None = None,
     ) -> list[Example]:
         if hint_share and split != "train":
             raise ValueError(f"hint_share applies to the train split only, got split {split!r}")
-        return [*self.examples(split), *self.hinted_examples(hint_share, source=hint_source)]
+        hinted = self.hinted_examples(hint_share, template=template, source=hint_source)
+        return [*self.examples(split), *hinted]
 
     def _lookup(
         self,
@@ -692,7 +712,12 @@ class Task(ABC):
         return reward
 
     def oracle_traces(
-        self, split: str = "train", *, hint_share: float = 0.0, hint_source: HintSource = "train"
+        self,
+        split: str = "train",
+        *,
+        hint_share: float = 0.0,
+        hint_source: HintSource = "train",
+        hint_template: HintTemplate | None = None,
     ) -> Iterator[TraceJson]:
         """One trace record per distinct prompt of `split` (and of its `hinted_examples` with
         `hint_share` and `hint_source`), in the trace JSONL format of
@@ -700,7 +725,7 @@ class Task(ABC):
         from composer_replication.data.traces import prompt_key  # the trainer's data layer
 
         seen: dict[str, None] = {}
-        for ex in self._with_hints(split, hint_share, hint_source):
+        for ex in self._with_hints(split, hint_share, hint_source, hint_template):
             if ex.prompt in seen:
                 continue
             seen[ex.prompt] = None

@@ -46,7 +46,14 @@ class TaskConfig:
         "which problems task.hint_share writes hints for: 'train', copies of training prompts "
         "(redundant for a prompt the policy can already solve); 'beyond', as many problems past "
         "the training distribution and every evaluated split (arithmetic: two more operands), "
-        "shown with the solution, so only reading the hint earns their reward",
+        "shown with the solution, so only reading the hint earns their reward; 'both', each",
+    )
+    hint_feedback_with_solution: bool = setting(
+        True,
+        "channel 2's hint for a failed rollout whose sibling succeeded: the solution and the "
+        "feedback on the attempt (true, TRL's default) or the solution alone (false, the SDPO "
+        "reference runs' environment_feedback_only_without_solution); the hinted examples of "
+        "task.hint_share are written the same way",
     )
 
     def __post_init__(self) -> None:

@@ -154,13 +154,13 @@ def test_the_run_trains_on_the_beyond_hints_in_both_channels() -> None:
     """`task.hint_source = "beyond"` reaches the replica's dataset (channels 1 and 2) and the
     oracle's traces (channel 3), and the config refuses an unknown source by name."""
     pytest.importorskip("datasets")
-    from composer_replication.assembly.build import build_teachers, train_split
+    from composer_replication.assembly.build import build_teachers, hint_template, train_split
 
     config = load_config(
         overrides=["task.hint_share=0.25", "task.hint_source=beyond", "backend.n_replicas=1"]
     )
     task = get_task("arithmetic", seed=0, n_train=700, n_eval=256, num_operands=3)
-    hinted = task.hinted_examples(0.25, source="beyond")
+    hinted = task.hinted_examples(0.25, template=hint_template(config), source="beyond")
     data = train_split(config, task, 0)
     prompts = {chat_prompt(h.prompt)[-1]["content"] for h in hinted}
     assert prompts <= {row[-1]["content"] for row in data["prompt"]}

@@ -169,3 +169,40 @@ def test_the_run_trains_on_the_beyond_hints_in_both_channels() -> None:
     assert [a.text for a in answers] == [h.answer for h in hinted[:8]]
     with pytest.raises(ConfigError, match="task.hint_source"):
         load_config(overrides=["task.hint_source=nearby"])
+
+
+def test_both_sources_give_the_training_prompts_hints_then_as_many_beyond_reach() -> None:
+    task = _task()
+    n = math.ceil(0.5 * len({ex.prompt for ex in task.train_examples()}))
+    both = task.hinted_examples(0.5, source="both")
+    assert [h.id for h in both] == [
+        h.id for h in (*task.hinted_examples(0.5), *task.hinted_examples(0.5, source="beyond"))
+    ]
+    assert len(both) == 2 * n
+
+
+def test_the_run_writes_channel_2s_hints_and_its_hinted_examples_with_one_template() -> None:
+    """`task.hint_feedback_with_solution = false`: the trainer's hint template shows the solution
+    alone (the SDPO reference runs' setting), and the hinted examples the run trains on are
+    written the same way, so the policy practises exactly what its teacher reads."""
+    pytest.importorskip("datasets")
+    from composer_replication.assembly.build import composer_kwargs, train_split
+
+    for shown_with_feedback in (True, False):
+        config = load_config(
+            overrides=[
+                "task.hint_share=0.5",
+                "task.hint_source=train",
+                f"task.hint_feedback_with_solution={str(shown_with_feedback).lower()}",
+                "backend.n_replicas=1",
+            ]
+        )
+        template = composer_kwargs(config)["hint_template"]
+        assert isinstance(template, HintTemplate)
+        assert template.feedback_with_solution is shown_with_feedback
+        texts = [row[-1]["content"] for row in train_split(config, _task(), 0)["prompt"]]
+        with_solution = [t for t in texts if "Correct solution" in t]
+        assert with_solution
+        assert any("earlier attempt" in t for t in with_solution) is shown_with_feedback
+    with pytest.raises(ConfigError, match="task.hint_feedback_with_solution"):
+        load_config(overrides=["task.hint_feedback_with_solution=maybe"])

@@ -387,10 +387,9 @@ def hint_template(config: RunConfig) -> HintTemplate:
 
 
 def composer_kwargs(config: RunConfig) -> dict[str, Any]:
-    """The trainer's composer keywords: `[loss]` minus channel 1 (unset optionals omitted),
-    channel 3's trace filter (`[teachers] min_reward`) and channel 2's hint template."""
+    """The trainer's composer keywords: `[loss]` minus channel 1 (unset optionals omitted), and
+    channel 3's trace filter (`[teachers] min_reward`)."""
     kw = config.loss.compose_kwargs()
-    kw["hint_template"] = hint_template(config)
     for key in CHANNEL1_TRL_ARGS:
         kw.pop(key, None)
     if config.teachers.min_reward is not None:
@@ -447,7 +446,7 @@ def build_trainer(
         callbacks=callbacks,
         trace_store=trace_store,
         teacher_pool=pool,
-        **{**composer_kwargs(config), **(settings or {})},
+        **{**composer_kwargs(config), "hint_template": hint_template(config), **(settings or {})},
     )
     configure_generation(trainer, config.train.generation)
     # Every log line already goes to the store as a metric record; printing each one too

@@ -331,7 +331,9 @@ class Task(ABC):
         more operand than training; strings: inputs longer than any training input), so none
         shares a class with training. A figure beside the held-out accuracy, not a target.
         ValueError if the task has no such split."""
-        return self._distinct_draws("ood", self._sample_ood, n, "an out-of-distribution split")
+        return self._distinct_draws(
+            "ood", self._sample_ood, n, "out-of-distribution split (has_ood() is False)"
+        )
 
     def has_beyond(self) -> bool:
         """Whether the task can draw problems beyond the policy's reach (`beyond_examples`)."""
@@ -345,7 +347,9 @@ class Task(ABC):
         (`hinted_examples(source="beyond")`): a policy that cannot solve them from the question
         earns their reward only by reading the solution in its context, which is the skill
         channel 2's teacher needs. ValueError if the task has none (`has_beyond()` is False)."""
-        return self._distinct_draws("beyond", self._sample_beyond, n, "problems beyond training")
+        return self._distinct_draws(
+            "beyond", self._sample_beyond, n, "problems beyond training (has_beyond() is False)"
+        )
 
     def _distinct_draws(
         self,

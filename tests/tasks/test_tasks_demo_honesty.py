@@ -52,10 +52,13 @@ def test_tokenizer_text_holds_no_held_out_prompt(default_task) -> None:  # type:
 
 def test_channel3_traces_of_a_default_run_cover_training_prompts_only(default_task) -> None:  # type: ignore[no-untyped-def]
     """A few real steps of the default run's trainer: every trace the lazy teacher pool recorded
-    is for a training prompt."""
-    from composer_replication.assembly.build import build_model, build_trainer
+    is for a training prompt, or one of the run's hinted examples (`task.hint_share`: training
+    prompts with the hint), never a held-out one."""
+    from composer_replication.assembly.build import build_model, build_trainer, hint_template
 
-    config = load_config(overrides=["train.max_steps=3", "diloco.sync_every_h=3"])
+    config = load_config(
+        overrides=["train.max_steps=3", "diloco.sync_every_h=3", "task.hint_share=0.25"]
+    )
     model, tok = build_model(config)
     with tempfile.TemporaryDirectory() as scratch:
         trainer = build_trainer(
@@ -69,9 +72,18 @@ def test_channel3_traces_of_a_default_run_cover_training_prompts_only(default_ta
         )
         trainer.train()
     keys = trainer.trace_store.prompt_keys
-    train_keys = {prompt_key(chat_prompt(ex.prompt)) for ex in default_task.train_examples()}
-    held_out_keys = {prompt_key(chat_prompt(ex.prompt)) for ex in default_task.eval_examples()}
+    hinted = default_task.hinted_examples(
+        config.task.hint_share, template=hint_template(config), source=config.task.hint_source
+    )
+    assert hinted
+    train_keys = {
+        prompt_key(chat_prompt(ex.prompt)) for ex in (*default_task.train_examples(), *hinted)
+    }
+    held_out = default_task.eval_examples()
+    held_out_keys = {prompt_key(chat_prompt(ex.prompt)) for ex in held_out}
     assert keys and keys <= train_keys and not keys & held_out_keys
+    held_out_prompts = {ex.prompt for ex in held_out}
+    assert not any(h.prompt.split("\n")[0] in held_out_prompts for h in hinted)
 
 
 def _built_trainer(config, task, max_steps, settings=None):  # type: ignore[no-untyped-def]

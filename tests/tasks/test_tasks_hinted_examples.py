@@ -186,7 +186,7 @@ def test_the_run_writes_channel_2s_hints_and_its_hinted_examples_with_one_templa
     alone (the SDPO reference runs' setting), and the hinted examples the run trains on are
     written the same way, so the policy practises exactly what its teacher reads."""
     pytest.importorskip("datasets")
-    from composer_replication.assembly.build import composer_kwargs, train_split
+    from composer_replication.assembly.build import hint_template, train_split
 
     for shown_with_feedback in (True, False):
         config = load_config(
@@ -197,7 +197,7 @@ def test_the_run_writes_channel_2s_hints_and_its_hinted_examples_with_one_templa
                 "backend.n_replicas=1",
             ]
         )
-        template = composer_kwargs(config)["hint_template"]
+        template = hint_template(config)
         assert isinstance(template, HintTemplate)
         assert template.feedback_with_solution is shown_with_feedback
         texts = [row[-1]["content"] for row in train_split(config, _task(), 0)["prompt"]]

@@ -513,6 +513,7 @@ class TrainerActor(Actor):
             build_model,
             build_task,
             composer_kwargs,
+            hint_template,
             train_split,
             trainer_args,
         )
@@ -571,6 +572,7 @@ class TrainerActor(Actor):
                     trace_store=store,
                     teacher_pool=pool,
                     rollout_func=_Rollouts(self.generator),
+                    hint_template=hint_template(config),
                     **composer_kwargs(config),
                 )
                 trainer.remove_callback(PrinterCallback)  # the driver prints the round table

@@ -206,3 +206,13 @@ def test_the_run_writes_channel_2s_hints_and_its_hinted_examples_with_one_templa
         assert any("earlier attempt" in t for t in with_solution) is shown_with_feedback
     with pytest.raises(ConfigError, match="task.hint_feedback_with_solution"):
         load_config(overrides=["task.hint_feedback_with_solution=maybe"])
+
+
+def test_strings_beyond_problems_are_longer_than_the_ood_split_and_in_no_split() -> None:
+    task = get_task("strings", seed=0, n_train=50, n_eval=10)
+    beyond = task.beyond_examples(50)
+    seen = (*task.train_examples(), *task.eval_examples(), *task.ood_examples(50))
+    assert not {task.canonical(ex) for ex in beyond} & {task.canonical(ex) for ex in seen}
+    assert all(task.verify(ex, task.oracle(ex)).correct for ex in beyond)
+    longest_ood = max(len(str(ex.meta["input"])) for ex in task.ood_examples(50))
+    assert min(len(str(ex.meta["input"])) for ex in beyond) > longest_ood

@@ -41,7 +41,7 @@ import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar, Literal, Protocol, TypeAlias, overload
+from typing import TYPE_CHECKING, ClassVar, Literal, Protocol, TypeAlias, get_args, overload
 
 from composer_replication.json_types import JSONDict, JSONValue
 
@@ -71,7 +71,7 @@ HINT_KINDS: tuple[tuple[bool, bool], ...] = ((True, False), (True, True), (False
 # policy's reach and in no evaluated split (`beyond_examples`), which only the hint solves;
 # "both", as many of each.
 HintSource = Literal["train", "beyond", "both"]
-HINT_SOURCES: tuple[HintSource, ...] = ("train", "beyond", "both")
+HINT_SOURCES: tuple[HintSource, ...] = get_args(HintSource)
 
 Scored = tuple[float, str | None]  # one completion's (reward, feedback), as reward_func returns
 
@@ -522,10 +522,11 @@ class Task(ABC):
         `source="beyond"`: problems past the policy's reach (`beyond_examples`, none in any
         evaluated split), with the two kinds that carry the solution: only reading the hint
         earns their reward, so the policy learns to copy a shown solution.
-        `source="both"`: both lists (`ceil(share * n)` each), the training prompts' first: the
-        copying learnt on the problems beyond reach carries over to the training prompts'
-        hinted form, which the beyond problems alone do not reach (a probe of the demo's
-        model: docs/benchmarks-notebook.md, issue 33).
+        `source="both"`: both lists (`ceil(share * n)` each), the training prompts' first: under
+        supervised training the copying learnt on the problems beyond reach carries over to the
+        training prompts' hinted form, which the beyond problems alone do not reach, but in the
+        demo's RL run they collapsed its held-out accuracy (docs/benchmarks-notebook.md, "A
+        hint teacher better than its student, on the demo").
 
         `template` writes the hints (default `HintTemplate()`; with
         `feedback_with_solution=False` the second kind shows the solution alone, as channel 2

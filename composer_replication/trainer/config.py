@@ -67,10 +67,13 @@ class ComposerSettings(Channel23Settings, WriteOnce):
     sdpo_ema_rate: float = 0.05
     sdpo_success_threshold: float = 0.5
     # The teacher-advantage gate (trainer `_gate_on_teacher`): hinted rows whose teacher is
-    # sampled and scored per generation batch (0: not measured, the gate stays open), and whether
-    # a batch whose hinted teacher is not better than its student distils nothing.
+    # sampled and scored per generation batch (0: not measured, the gate stays open), whether
+    # channel 2 distils nothing while its hinted teacher is not better than its student, and over
+    # how many probed rows that is decided (trainer/gate.py: open while the window's mean
+    # teacher-minus-student difference exceeds its standard error).
     sdpo_teacher_probe: int = 8
     sdpo_gate: bool = True
+    sdpo_gate_window: int = 64
     # Run the context prefix that several hinted rows share once (loss.sdpo_term's share_prefix):
     # the same logits up to float rounding, but RL amplifies rounding into another trajectory
     # (docs/trainer.md), so it is opt-in.
@@ -180,8 +183,13 @@ class ComposerConfig(GRPOConfig, Channel23Settings):
     sdpo_gate: bool = field(
         default=_SETTINGS_DEFAULTS.sdpo_gate,
         metadata={
-            "help": "Channel 2 distils a batch only when its measured teacher advantage is > 0."
+            "help": "Channel 2 distils only while its measured teacher advantage over the last "
+            "sdpo_gate_window probed rows exceeds its standard error."
         },
+    )
+    sdpo_gate_window: int = field(
+        default=_SETTINGS_DEFAULTS.sdpo_gate_window,
+        metadata={"help": "Probed hinted rows the teacher gate decides on (trainer/gate.py)."},
     )
     sdpo_share_prefix: bool = field(
         default=_SETTINGS_DEFAULTS.sdpo_share_prefix,

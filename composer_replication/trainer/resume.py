@@ -23,6 +23,8 @@ stores it as safetensors + a JSON skeleton)::
     ema                      {name: tensor}: channel 2's EMA teacher, or None
     replay                   {"traces": [TraceRecord JSON the teacher pool added], "reference_
                              cache": [[prompt_key, teacher, text, length, logp], ...]} or None
+    sdpo_gate                channel 2's teacher-gate window (`gate.TeacherGate.state()`: the
+                             last probed teacher-minus-student differences, floats)
 
 Every part is checked against the trainer before anything is applied (names, shapes and dtypes
 of the model, the EMA teacher and the optimizer's per-parameter state; finite values), and a

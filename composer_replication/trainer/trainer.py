@@ -91,6 +91,7 @@ from composer_replication.trainer.fused_capture import (
     capture_hidden,
     hidden_state_source,
 )
+from composer_replication.trainer.gate import TeacherGate
 from composer_replication.trainer.reference_models import (
     ReferenceScorer,
     is_peft,
@@ -244,6 +245,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
         s = self.composer
         self._end_of_turn = self._align_stops()
         self._gate_warned = False
+        self._gate = TeacherGate(s.sdpo_gate_window)
         self.feedback_funcs = list(feedback_funcs or [])
         self.trace_store = trace_store
         self.teacher_pool = teacher_pool
@@ -453,6 +455,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
             "taid": taid,
             "ema": None if self._ema is None else dict(self._ema.model.state_dict()),
             "replay": replay,
+            "sdpo_gate": self._gate.state(),
         }
 
     def resume_train(self, state: Mapping[str, Any]) -> TrainOutput:
@@ -535,6 +538,10 @@ class ComposerReplicationTrainer(GRPOTrainer):
             raise ResumeStateError("resume state and trainer disagree on channel 2's TAID")
         require(state, "optimizer", Mapping)
         require(state, "rng", Mapping)
+        try:
+            TeacherGate(self._gate.window).load_state(state.get("sdpo_gate") or [])
+        except ValueError as exc:
+            raise ResumeStateError(f"sdpo_gate: {exc}") from exc
         epoch_start = state.get("sampler_epoch_start")
         if epoch_start is not None and (
             not isinstance(epoch_start, torch.Tensor) or epoch_start.dtype != torch.uint8
@@ -561,6 +568,8 @@ class ComposerReplicationTrainer(GRPOTrainer):
                 self._taid_callback.scheduler.load_state_dict(dict(sched))
         if self._ema is not None:
             self._ema.model.load_state_dict(dict(state["ema"]), strict=True)
+        # absent from states written before the gate had a window: an empty one
+        self._gate.load_state(state.get("sdpo_gate") or [])
         replay = state.get("replay")
         if replay is not None:
             if not isinstance(replay, Mapping):
@@ -772,7 +781,7 @@ class ComposerReplicationTrainer(GRPOTrainer):
         self, plan: HintPlan, rewards: torch.Tensor, start: int, inputs: list[dict]
     ) -> None:
         """Measure the hinted teacher's advantage on this batch and close channel 2 for the batch
-        when the teacher is not better than its student (``sdpo_gate``).
+        while the teacher is not better than its student (``sdpo_gate``).
 
         Up to ``sdpo_teacher_probe`` hinted rows (one per prompt group first) get one completion
         sampled from the teacher (the channel-2 teacher model reading the hinted prompt, TRL's
@@ -780,8 +789,11 @@ class ComposerReplicationTrainer(GRPOTrainer):
         on the same prompt is its group's mean rollout reward. ``sdpo/teacher_advantage`` =
         mean teacher reward - mean student reward over the probed rows (NaN when nothing was
         probed). Distilling toward a teacher that is no better can only pull the student down,
-        so with the gate on a batch whose advantage is not > 0 distils nothing (SDPO itself
-        only distils from successful hints)."""
+        so with the gate on channel 2 distils only while the teacher is ahead by more than the
+        noise of its measurement: over the last ``sdpo_gate_window`` probed rows, the mean
+        paired difference exceeds its standard error (`gate.TeacherGate`;
+        ``sdpo/gate_advantage`` logs that mean). SDPO itself distils only from successful
+        hints."""
         s = self.composer
         metrics = self._metrics["train"]
         probe = select_probe_rows(plan.sample_mask, start, self._group_size, s.sdpo_teacher_probe)
@@ -802,9 +814,11 @@ class ComposerReplicationTrainer(GRPOTrainer):
                 advantage = float(torch.tensor(teacher).nanmean() - torch.tensor(student).nanmean())
                 metrics["sdpo/teacher_reward"].append(float(torch.tensor(teacher).nanmean()))
                 metrics["sdpo/student_reward"].append(float(torch.tensor(student).nanmean()))
+                self._gate.add(t - u for t, u in zip(teacher, student, strict=True))
         if probe:
             metrics["sdpo/teacher_advantage"].append(advantage)
-        closed = s.sdpo_gate and bool(probe) and not advantage > 0.0
+            metrics["sdpo/gate_advantage"].append(self._gate.mean)
+        closed = s.sdpo_gate and bool(probe) and not self._gate.is_open()
         metrics["sdpo/gate_open"].append(0.0 if closed else 1.0)
         if closed:
             plan.sample_mask = [False] * len(plan.sample_mask)

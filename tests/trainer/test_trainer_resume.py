@@ -65,6 +65,9 @@ def _trainer(tmp_path, name: str):
         taid_total_steps=STEPS,
         sdpo_teacher="ema",
         dpo_variant="dpo",
+        # the teacher is probed (its gate window is resumed) but not obeyed: channel 2 and its
+        # TAID schedule act every step, whatever this tiny model's teacher is worth
+        sdpo_gate=False,
     )
 
 
@@ -89,6 +92,7 @@ def test_resume_state_continues_bit_exactly(tmp_path):
     assert state["replay"]["traces"] and state["replay"]["reference_cache"]
     assert state["taid"]["scheduler"]["prev_loss"] is not None
     assert state["sampler_epoch_start"] is not None
+    assert state["sdpo_gate"] == first._gate.state() and state["sdpo_gate"]
 
     second = _trainer(tmp_path, "second")
     assert any(not torch.equal(p, expected[n]) for n, p in _weights(second).items())
@@ -100,6 +104,7 @@ def test_resume_state_continues_bit_exactly(tmp_path):
     for name, tensor in second.ema_teacher.model.state_dict().items():
         assert torch.equal(tensor, expected_ema[name]), name
     assert second.taid_t == straight.taid_t
+    assert second._gate.state() == straight._gate.state()  # the teacher gate's window
     assert second.lr_scheduler.get_last_lr() == straight.lr_scheduler.get_last_lr()
 
 
@@ -160,6 +165,7 @@ def test_bad_resume_states_are_refused_by_name(tmp_path):
         "rng.torch",
     )
     refused(lambda s: s.update(global_step=STEPS), "nothing left")
+    refused(lambda s: s.update(sdpo_gate=[0.1, "x"]), "sdpo_gate")
     assert dataset  # the helpers' dataset is what both trainers train on
 
 

@@ -20,7 +20,8 @@ run, a table, and as the LAST line one JSON object: ``demo_min_heldout_acc`` (th
 runs), ``demo_median_heldout_acc_<capability>`` per capability, ``per_run``, ``goals`` (every run
 >= 0.6, each capability's median >= 0.8) and ``goals_met``; where channel 2 measured its hinted
 teacher (`sdpo/teacher_advantage`), ``demo_min_teacher_advantage`` and
-``demo_median_teacher_advantage`` over the runs' whole-run means.
+``demo_median_teacher_advantage`` over the runs' whole-run means, and
+``demo_min_teacher_advantage_last10`` over their last tenths of steps.
 """
 
 from __future__ import annotations
@@ -202,6 +203,11 @@ def summarize(runs: list[dict[str, Any]], capabilities: list[str]) -> dict[str, 
     if advantages:  # channel 2's hinted teacher against its student, over each whole run
         out["demo_min_teacher_advantage"] = min(advantages)
         out["demo_median_teacher_advantage"] = statistics.median(advantages)
+    late = [
+        r["teacher_advantage_last10"] for r in runs if r.get("teacher_advantage_last10") is not None
+    ]
+    if late:  # ... and over each run's last tenth of steps (the student has learnt to add)
+        out["demo_min_teacher_advantage_last10"] = min(late)
     out["goals"] = {"every_run_min": GOAL_MIN, "median_per_capability_min": GOAL_MEDIAN}
     out["goals_met"] = met
     return out

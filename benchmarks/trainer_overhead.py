@@ -190,6 +190,9 @@ def build(
         trace_store=store,
         alpha_sdpo=0.1,
         beta_replay=0.05,
+        # the cost of channel 2 when it distils: this random model's hinted teacher is no
+        # better than its student, so the teacher gate would keep the channel off
+        sdpo_gate=False,
         sdpo_share_prefix=share_prefix,
         dpo_variant="simpo" if variant == "all_on_simpo" else "dpo",
     )

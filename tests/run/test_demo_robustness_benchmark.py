@@ -46,12 +46,13 @@ def test_the_goal_check_fails_on_one_low_run_and_on_a_low_median() -> None:
 def test_the_teacher_advantage_is_summarised_over_the_runs() -> None:
     bench = _bench()
     runs = [
-        {**_run(s, "default", 0.9), "teacher_advantage_run": adv}
-        for s, adv in enumerate((0.12, -0.03, 0.2))
+        {**_run(s, "default", 0.9), "teacher_advantage_run": adv, "teacher_advantage_last10": late}
+        for s, (adv, late) in enumerate(((0.12, 0.3), (-0.03, 0.05), (0.2, -0.01)))
     ]
     out = bench.summarize([*runs, _run(3, "default", 0.9)], ["default"])
     assert out["demo_min_teacher_advantage"] == -0.03
     assert out["demo_median_teacher_advantage"] == 0.12
+    assert out["demo_min_teacher_advantage_last10"] == -0.01
 
 
 @pytest.mark.long

@@ -80,6 +80,11 @@ def make_trainer(
         model.save_pretrained(save_to)
         model.config._name_or_path = str(save_to)
     trainer_cls = cls or ComposerReplicationTrainer
+    # These tiny random models read a hint no better than they answer without one, so channel 2's
+    # teacher gate (on by default for users) would keep channel 2 off; tests of the channel's
+    # plumbing and maths run it ungated (the teacher is still probed and logged), and the gate's
+    # own tests (test_teacher_gate.py) pass sdpo_gate=True.
+    kw.setdefault("sdpo_gate", False)
     extra = {} if trainer_cls is not ComposerReplicationTrainer else {"trace_store": store, **kw}
     trainer = trainer_cls(
         model=model,

@@ -43,7 +43,9 @@ def _metric(trainer, key: str) -> list[float]:
 
 
 def test_a_better_teacher_keeps_channel_2_open(tmp_path):
-    trainer = make_trainer(tmp_path, reward=_reward(1.0), alpha_sdpo=1.0, beta_replay=0)
+    trainer = make_trainer(
+        tmp_path, reward=_reward(1.0), alpha_sdpo=1.0, beta_replay=0, sdpo_gate=True
+    )
     inputs = generation_batch(trainer)
     assert inputs["sdpo_sample_mask"].sum() == 2 * (G - 1)  # every failed rollout is hinted
     (advantage,) = _metric(trainer, "sdpo/teacher_advantage")
@@ -54,7 +56,9 @@ def test_a_better_teacher_keeps_channel_2_open(tmp_path):
 
 
 def test_a_teacher_no_better_than_its_student_closes_channel_2(tmp_path):
-    trainer = make_trainer(tmp_path, reward=_reward(0.0), alpha_sdpo=1.0, beta_replay=0)
+    trainer = make_trainer(
+        tmp_path, reward=_reward(0.0), alpha_sdpo=1.0, beta_replay=0, sdpo_gate=True
+    )
     inputs = generation_batch(trainer)
     assert _metric(trainer, "sdpo/teacher_advantage") == [pytest.approx(-1.0 / G)]
     assert _metric(trainer, "sdpo/gate_open") == [0.0]
@@ -72,7 +76,12 @@ def test_the_gate_can_be_turned_off_and_the_probe_skipped(tmp_path):
     assert _metric(trainer, "sdpo/teacher_advantage") == [pytest.approx(-1.0 / G)]
     assert inputs["sdpo_sample_mask"].sum() == 2 * (G - 1)  # measured, not acted on
     trainer = make_trainer(
-        tmp_path, reward=_reward(0.0), alpha_sdpo=1.0, beta_replay=0, sdpo_teacher_probe=0
+        tmp_path,
+        reward=_reward(0.0),
+        alpha_sdpo=1.0,
+        beta_replay=0,
+        sdpo_teacher_probe=0,
+        sdpo_gate=True,  # on, but with nothing measured it stays open
     )
     inputs = generation_batch(trainer)
     assert _metric(trainer, "sdpo/teacher_advantage") == []
@@ -92,6 +101,7 @@ def test_the_gate_decides_on_a_window_of_probed_rows(tmp_path):
             reward=_reward(score),
             alpha_sdpo=1.0,
             beta_replay=0,
+            sdpo_gate=True,
             sdpo_gate_window=window,
         )
         generation_batch(trainer)

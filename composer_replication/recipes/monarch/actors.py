@@ -149,7 +149,7 @@ class ReplicaResult(TypedDict):
 # these cross to the rewarder (TRL also passes callables and trainer state, which stay here).
 REWARD_COLUMNS = ("example_id", "answer", "task_meta")
 # What `TrainerActor.train` reports of the channels (the trainer's metrics, docs/trainer.md).
-CHANNEL_METRICS = ("sdpo/active", "replay/active", "replay/trace_coverage")
+CHANNEL_METRICS = ("sdpo/active", "sdpo/gate_open", "replay/active", "replay/trace_coverage")
 
 
 def check_supported(config: RunConfig) -> None:

@@ -82,9 +82,7 @@ EMBEDDED_WHY = (
     "The embedded default is a CPU demo: a tiny model trained from scratch, with a perfect "
     "oracle trace for every training prompt, so it leans on channel 3 (weight 1.0, "
     "reference-free SimPO, the oracle's NLL with rpo_alpha 1.0), trains longer with 2 "
-    "completions per prompt, evaluates on more held-out prompts, and trains a tenth of its "
-    "prompts also under channel 2's hint (the sibling's solution alone), so that its hinted "
-    "teacher learns to read it. A TOML file that leaves a "
+    "completions per prompt and evaluates on more held-out prompts. A TOML file that leaves a "
     "key out gets the schema's default instead, meant for teachers that may be wrong: channel 3 "
     "weighed lightly, DPO against a frozen reference, no NLL term."
 )

@@ -36,9 +36,6 @@ class TeacherGate:
         """Record one batch's paired differences (NaN ones, unscored, are left out)."""
         self._diffs.extend(float(d) for d in differences if not math.isnan(float(d)))
 
-    def __len__(self) -> int:
-        return len(self._diffs)
-
     @property
     def mean(self) -> float:
         """Mean difference over the window (NaN while empty)."""

@@ -446,7 +446,12 @@ def build_trainer(
         callbacks=callbacks,
         trace_store=trace_store,
         teacher_pool=pool,
-        **{**composer_kwargs(config), "hint_template": hint_template(config), **(settings or {})},
+        **{
+            **composer_kwargs(config),
+            "hint_template": hint_template(config),
+            "hint_grpo": config.task.hint_grpo,
+            **(settings or {}),
+        },
     )
     configure_generation(trainer, config.train.generation)
     # Every log line already goes to the store as a metric record; printing each one too

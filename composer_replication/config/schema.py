@@ -285,6 +285,7 @@ class RunConfig:
                 f"prompts, fewer than the {per_step} one step draws: raise task.n_train or use "
                 "task.shard = 'shared'",
             )
+        self._check_hinted_examples()
         self._check_chaos(mode)
         if self.diloco.exchange.min_replicas is not None:
             require(
@@ -293,6 +294,22 @@ class RunConfig:
                 f"{self.diloco.exchange.min_replicas} exceeds backend.n_replicas "
                 f"({self.backend.n_replicas})",
             )
+
+    def _check_hinted_examples(self) -> None:
+        """Hinted examples kept out of channel 1 (`task.hint_grpo = false`) are learnt through
+        channel 3's replay of their teacher traces alone: without it they would be dead rows."""
+        if not self.task.hint_share or self.task.hint_grpo:
+            return
+        t = self.teachers
+        require(
+            self.loss.beta_replay != 0 and bool(t.oracle or t.endpoints or t.traces_path),
+            "task.hint_grpo",
+            f"is false with task.hint_share = {self.task.hint_share}, so the hinted examples "
+            "train through channel 3's replay only, but channel 3 has no teacher "
+            f"(loss.beta_replay = {self.loss.beta_replay}, teachers.oracle = {t.oracle}, no "
+            "teachers.endpoints or teachers.traces_path): set task.hint_grpo = true, or give "
+            "channel 3 a teacher",
+        )
 
     def _check_chaos(self, mode: OuterLoopMode) -> None:
         """The chaos schedule against the backend, the restarts, the ranks and the mode."""

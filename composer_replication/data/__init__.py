@@ -5,7 +5,7 @@
 traces (OpenAI-compatible HTTP, local Hugging Face model, task oracle) and the `TeacherPool`.
 """
 
-from composer_replication.data.hints import HintTemplate
+from composer_replication.data.hints import HINTED_EXAMPLE_COLUMN, HintTemplate
 from composer_replication.data.traces import (
     TraceFormatError,
     TraceRecord,
@@ -15,6 +15,7 @@ from composer_replication.data.traces import (
 )
 
 __all__ = [
+    "HINTED_EXAMPLE_COLUMN",
     "HintTemplate",
     "TraceFormatError",
     "TraceRecord",

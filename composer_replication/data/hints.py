@@ -22,6 +22,10 @@ from dataclasses import dataclass
 
 from composer_replication.json_types import JSONDict
 
+# The dataset column (`Task.to_dataset`) that marks a row as a hinted example (`task.hint_share`:
+# a training prompt shown with its hint in context), read by the trainer's `hint_grpo`.
+HINTED_EXAMPLE_COLUMN = "hinted_example"
+
 DEFAULT_REPROMPT = "{prompt}{solution}{feedback}\n\nCorrectly solve the original question.\n"
 DEFAULT_SOLUTION = "\nCorrect solution:\n\n{solution}\n\n"
 DEFAULT_FEEDBACK = (

@@ -3,7 +3,7 @@ channel 2 feeds on) and an oracle solution (what channel 3 replays without a tea
 
     from composer_replication.tasks import get_task, TASKS
     task = get_task("arithmetic", seed=0, n_train=256, n_eval=64, level="easy")
-    dataset = task.to_dataset("train")           # columns: prompt, example_id, answer, task_meta
+    dataset = task.to_dataset("train")           # columns: prompt, example_id, answer, task_meta, hinted_example
     reward = task.reward_func()                  # per completion: (score, feedback)
 
 `TASKS` is the explicit registry (name -> class), the one list of task names (`TASK_NAMES`: the

@@ -577,10 +577,11 @@ class Task(ABC):
         hint_template: HintTemplate | None = None,
     ) -> Dataset:
         """A `datasets.Dataset` for TRL with columns `prompt` (chat format), `example_id`,
-        `answer` and `task_meta` (the example's meta as a JSON string, so `reward_func` can verify
-        rows whose id this task instance does not know). With `hint_share` > 0 (train split
-        only) the `hinted_examples` (from `hint_source`, written by `hint_template`) follow the
-        split's examples."""
+        `answer`, `task_meta` (the example's meta as a JSON string, so `reward_func` can verify
+        rows whose id this task instance does not know) and `hinted_example`
+        (`data.HINTED_EXAMPLE_COLUMN`: true on a hinted example, which the trainer's `hint_grpo`
+        reads). With `hint_share` > 0 (train split only) the `hinted_examples` (from
+        `hint_source`, written by `hint_template`) follow the split's examples."""
         try:
             import datasets
         except ImportError as exc:  # pragma: no cover - exercised only without the extra
@@ -588,14 +589,19 @@ class Task(ABC):
                 "Task.to_dataset needs `datasets`; install it with "
                 "`pip install composer-replication[train]`."
             ) from exc
+        from composer_replication.data.hints import HINTED_EXAMPLE_COLUMN
+
+        examples = self._with_hints(split, hint_share, hint_source, hint_template)
+        plain = len(self.examples(split))
         rows = [
             {
                 "prompt": chat_prompt(ex.prompt),
                 "example_id": ex.id,
                 "answer": ex.answer,
                 "task_meta": json.dumps(ex.meta, sort_keys=True),
+                HINTED_EXAMPLE_COLUMN: i >= plain,
             }
-            for ex in self._with_hints(split, hint_share, hint_source, hint_template)
+            for i, ex in enumerate(examples)
         ]
         return datasets.Dataset.from_list(rows)
 

@@ -56,6 +56,14 @@ class TaskConfig:
         "task.hint_share are written the same way",
     )
 
+    hint_grpo: bool = setting(
+        False,
+        "whether the hinted examples of task.hint_share also earn channel-1 (GRPO) advantage: "
+        "false zeroes it, so they train through channel 3's replay of their teacher traces (and "
+        "channel 2) only, which keeps the demo's RL stable (docs/benchmarks.md); true: like any "
+        "prompt",
+    )
+
     def __post_init__(self) -> None:
         require(self.n_train >= 1, "task.n_train", "must be >= 1")
         require(self.n_eval >= 0, "task.n_eval", "must be >= 0")

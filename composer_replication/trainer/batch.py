@@ -32,13 +32,15 @@ from composer_replication.data.traces import Prompt, TraceRecord, TraceStore, pr
 
 class GenerationBatch(TypedDict):
     """TRL's generation batch (``GRPOTrainer._generate_and_score_completions``) as this trainer
-    reads it, with the channel-2/3 keys it adds (docs/api.md); TRL's other keys (advantages,
-    old log-probs, ...) pass through untouched. A micro-batch of TRL's split has the same keys."""
+    reads it, with the channel-2/3 keys it adds (docs/api.md); TRL's other keys (old log-probs,
+    ...) pass through untouched, and ``advantages`` too except on hinted examples (`hint_grpo`).
+    A micro-batch of TRL's split has the same keys."""
 
     prompt_ids: torch.Tensor
     prompt_mask: torch.Tensor
     completion_ids: torch.Tensor
     completion_mask: torch.Tensor
+    advantages: torch.Tensor
     sdpo_teacher_input_ids: NotRequired[torch.Tensor]
     sdpo_teacher_attention_mask: NotRequired[torch.Tensor]
     sdpo_sample_mask: NotRequired[torch.Tensor]

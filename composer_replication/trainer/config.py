@@ -87,6 +87,12 @@ class ComposerSettings(Channel23Settings, WriteOnce):
     # (N, T, V) logits for either side of a pair) wherever it applies; False: from the logits.
     replay_fused: bool = True
     hint_template: HintTemplate = field(default_factory=HintTemplate)
+    # Channel 1 on the rows a dataset marks as hinted examples (its `data.HINTED_EXAMPLE_COLUMN`,
+    # written by `Task.to_dataset` with `hint_share`): False (the default) zeroes their GRPO
+    # advantage, so a prompt shown with its solution teaches reading the hint through channels
+    # 2 and 3 only; True: they earn advantage like any row (a dataset without the column: no
+    # row is hinted).
+    hint_grpo: bool = False
     # Channel-3 plumbing.
     replay_max_length: int | None = None
     replay_skip_if_not_worse: bool = True
@@ -209,6 +215,13 @@ class ComposerConfig(GRPOConfig, Channel23Settings):
         default=_SETTINGS_DEFAULTS.replay_fused,
         metadata={
             "help": "Channel 3 from hidden states through the output layer where it applies."
+        },
+    )
+    hint_grpo: bool = field(
+        default=_SETTINGS_DEFAULTS.hint_grpo,
+        metadata={
+            "help": "Channel-1 advantage on the dataset's hinted examples (column "
+            "hinted_example); False zeroes it: they train through channels 2 and 3 only."
         },
     )
     hint_template: str | None = field(

@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias, TypedDict, TypeVar, cast
 import torch
 from torch import nn
 
+from composer_replication.data.hints import HINTED_EXAMPLE_COLUMN
 from composer_replication.data.teachers import TeacherPool
 from composer_replication.data.traces import Prompt, TraceRecord, TraceStore
 from composer_replication.data.turns import align_generation_stops, end_of_turn_id
@@ -722,6 +723,8 @@ class ComposerReplicationTrainer(GRPOTrainer):
 
     def _generate_with_channel_inputs(self, inputs):  # type: ignore[no-untyped-def]
         output = super()._generate_and_score_completions(inputs)
+        if self.model.training:
+            self._mask_hinted_examples(output, inputs)
         if not self.model.training or not (self._channel2 or self._channel3):
             return output
         rewards = self._global_rewards()
@@ -732,6 +735,22 @@ class ComposerReplicationTrainer(GRPOTrainer):
         if self._channel3:
             output.update(self._pair_inputs(output, rewards[start : start + n], start))
         return output
+
+    def _mask_hinted_examples(self, output: GenerationBatch, inputs: list[dict]) -> None:
+        """Zero the channel-1 advantage of the local rows that are hinted examples (dataset
+        column `HINTED_EXAMPLE_COLUMN`) unless ``hint_grpo``: a prompt that shows its own solution
+        is then learnt through channel 3's replay (and channel 2) only. Their group statistics
+        are their own (a hinted example is its own prompt group), so no other row's advantage
+        moves. Logs ``grpo/frac_hinted_examples``, the local share of such rows."""
+        hinted = [bool(row.get(HINTED_EXAMPLE_COLUMN, False)) for row in inputs]
+        self._metrics["train"]["grpo/frac_hinted_examples"].append(
+            sum(hinted) / max(len(hinted), 1)
+        )
+        if self.composer.hint_grpo or not any(hinted):
+            return
+        advantages = output["advantages"]
+        keep = torch.tensor([not h for h in hinted], dtype=advantages.dtype)
+        output["advantages"] = advantages * keep.to(advantages.device)
 
     def _global_count(self, local: int | torch.Tensor) -> torch.Tensor:
         """Global count / number of processes (the per-process normaliser, as TRL's dapo)."""

@@ -118,7 +118,8 @@ def test_oracle_is_correct_and_feedback_contract(name: str, options: dict) -> No
 def test_to_dataset_and_reward_func(name: str) -> None:
     task = get_task(name, seed=0, n_train=8, n_eval=4)
     ds = task.to_dataset("train")
-    assert set(ds.column_names) == {"prompt", "example_id", "answer", "task_meta"}
+    assert set(ds.column_names) == {"prompt", "example_id", "answer", "task_meta", "hinted_example"}
+    assert not any(ds["hinted_example"])
     assert len(ds) == 8 and len(task.to_dataset("eval")) == 4
     row = ds[0]
     ex = task.get_example(row["example_id"])

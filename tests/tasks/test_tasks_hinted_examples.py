@@ -9,7 +9,7 @@ import re
 import pytest
 
 from composer_replication.config import ConfigError, load_config
-from composer_replication.data.hints import HintTemplate
+from composer_replication.data.hints import HINTED_EXAMPLE_COLUMN, HintTemplate
 from composer_replication.data.traces import prompt_key
 from composer_replication.tasks import get_task
 from composer_replication.tasks.task import HINT_KINDS, chat_prompt
@@ -80,6 +80,9 @@ def test_datasets_and_oracle_traces_carry_the_hinted_rows() -> None:
     assert len(data) == len(plain) + len(hinted)
     rows = [data[i] for i in range(len(plain), len(data))]
     assert [r["prompt"] for r in rows] == [chat_prompt(h.prompt) for h in hinted]
+    # The column the trainer's hint_grpo reads: true on the hinted rows exactly.
+    assert data[HINTED_EXAMPLE_COLUMN] == [False] * len(plain) + [True] * len(hinted)
+    assert plain[HINTED_EXAMPLE_COLUMN] == [False] * len(plain)
     reward = task.reward_func()
     scores = reward(
         prompts=[r["prompt"] for r in rows],
@@ -101,6 +104,46 @@ def test_the_config_key_is_checked() -> None:
     assert load_config(overrides=["task.hint_share=0.5"]).task.hint_share == 0.5
     with pytest.raises(ConfigError, match="task.hint_share"):
         load_config(overrides=["task.hint_share=1.5"])
+
+
+def test_hinted_examples_kept_out_of_channel_1_need_channel_3() -> None:
+    """`task.hint_grpo = false` (the default) leaves the hinted examples to channel 3's replay:
+    a run without a channel-3 teacher is refused by name, and either way out is accepted."""
+    no_replay = ["task.hint_share=0.25", "loss.beta_replay=0"]
+    with pytest.raises(ConfigError, match="task.hint_grpo"):
+        load_config(overrides=no_replay)
+    with pytest.raises(ConfigError, match="task.hint_grpo"):
+        load_config(overrides=["task.hint_share=0.25", "teachers.oracle=false"])
+    assert load_config(overrides=[*no_replay, "task.hint_grpo=true"]).task.hint_grpo is True
+    assert load_config(overrides=["task.hint_share=0.25"]).task.hint_grpo is False
+    assert load_config(overrides=["loss.beta_replay=0"]).task.hint_share == 0.0
+
+
+def test_the_run_passes_hint_grpo_to_its_trainer(tmp_path) -> None:
+    pytest.importorskip("trl")
+    from composer_replication.assembly.build import build_trainer
+    from composer_replication.models import build_tiny_model, build_tokenizer
+
+    tok = build_tokenizer()
+    for value in (True, False):
+        config = load_config(
+            overrides=[
+                "task.hint_share=0.25",
+                f"task.hint_grpo={str(value).lower()}",
+                "backend.n_replicas=1",
+            ]
+        )
+        trainer = build_trainer(
+            config,
+            task=_task(),
+            model=build_tiny_model(tok, hidden_size=16, num_layers=1, seed=0),
+            tokenizer=tok,
+            max_steps=1,
+            seed=0,
+            output_dir=str(tmp_path / str(value)),
+        )
+        assert trainer.composer.hint_grpo is value
+        assert any(trainer.train_dataset[HINTED_EXAMPLE_COLUMN])
 
 
 def test_beyond_problems_share_no_class_with_any_split_and_are_out_of_reach() -> None:

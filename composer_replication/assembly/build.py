@@ -383,7 +383,10 @@ def hint_template(config: RunConfig) -> HintTemplate:
     reads."""
     from composer_replication.data.hints import HintTemplate
 
-    return HintTemplate(feedback_with_solution=config.task.hint_feedback_with_solution)
+    return HintTemplate(
+        feedback_with_solution=config.task.hint_feedback_with_solution,
+        feedback_alone=config.task.hint_feedback_alone,
+    )
 
 
 def composer_kwargs(config: RunConfig) -> dict[str, Any]:

@@ -307,8 +307,8 @@ class RunConfig:
             f"is false with task.hint_share = {self.task.hint_share}, so the hinted examples "
             "train through channel 3's replay only, but channel 3 has no teacher "
             f"(loss.beta_replay = {self.loss.beta_replay}, teachers.oracle = {t.oracle}, no "
-            "teachers.endpoints or teachers.traces_path): set task.hint_grpo = true, or give "
-            "channel 3 a teacher",
+            "teachers.endpoints or teachers.traces_path): set task.hint_share = 0 (no hinted "
+            "examples), task.hint_grpo = true, or give channel 3 a teacher",
         )
 
     def _check_chaos(self, mode: OuterLoopMode) -> None:

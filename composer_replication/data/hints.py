@@ -18,7 +18,7 @@ no solution.
 from __future__ import annotations
 
 import string
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from composer_replication.json_types import JSONDict
 
@@ -45,19 +45,22 @@ class HintTemplate:
     ``solution`` must use ``{solution}`` and ``feedback`` must use ``{feedback}``.
     Literal braces are written ``{{`` and ``}}`` (``str.format`` rules).
     ``feedback_with_solution=False`` writes the feedback only where there is no solution.
+    ``feedback_alone=False`` gives no hint where there is no solution: channel 2 then distils
+    only failed rollouts with a successful sibling, and the hinted examples show the solution.
     """
 
     reprompt: str = DEFAULT_REPROMPT
     solution: str = DEFAULT_SOLUTION
     feedback: str = DEFAULT_FEEDBACK
     feedback_with_solution: bool = True
+    feedback_alone: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.feedback_with_solution, bool):
-            raise ValueError(
-                "hint template 'feedback_with_solution' must be true or false, got "
-                f"{self.feedback_with_solution!r}"
-            )
+        for key in ("feedback_with_solution", "feedback_alone"):
+            if not isinstance(getattr(self, key), bool):
+                raise ValueError(
+                    f"hint template {key!r} must be true or false, got {getattr(self, key)!r}"
+                )
         allowed = {"prompt", "solution", "feedback"}
         bad = _fields(self.reprompt) - allowed
         if bad or "prompt" not in _fields(self.reprompt):
@@ -115,7 +118,7 @@ def coerce_hint_template(
     if isinstance(value, str):
         return HintTemplate(reprompt=value)
     if isinstance(value, dict):
-        known = ("reprompt", "solution", "feedback", "feedback_with_solution")
+        known = tuple(f.name for f in fields(HintTemplate))
         unknown = set(value) - set(known)
         if unknown:
             raise ValueError(

@@ -530,7 +530,8 @@ class Task(ABC):
 
         `template` writes the hints (default `HintTemplate()`; with
         `feedback_with_solution=False` the second kind shows the solution alone, as channel 2
-        then does)."""
+        then does; with `feedback_alone=False` the feedback-alone kind is left out, as channel 2
+        then gives no such hint)."""
         if not 0.0 <= share <= 1.0:
             raise ValueError(f"hint_share must be in [0, 1], got {share!r}")
         if source not in HINT_SOURCES:
@@ -545,7 +546,8 @@ class Task(ABC):
         count = math.ceil(share * len(distinct))
         jobs: list[tuple[list[Example], list[tuple[bool, bool]]]] = []
         if source in ("train", "both"):
-            jobs.append((distinct[:count], list(HINT_KINDS)))
+            kinds = [k for k in HINT_KINDS if k[0] or template.feedback_alone]
+            jobs.append((distinct[:count], kinds))
         if source in ("beyond", "both"):
             if not self.has_beyond():
                 raise ValueError(

@@ -56,6 +56,13 @@ class TaskConfig:
         "task.hint_share are written the same way",
     )
 
+    hint_feedback_alone: bool = setting(
+        True,
+        "channel 2's hint for a failed rollout without a successful sibling: the feedback on it "
+        "alone (true, TRL's and the SDPO reference runs') or none (false: channel 2 distils only "
+        "from successful siblings, and the hinted examples of task.hint_share all show the "
+        "solution)",
+    )
     hint_grpo: bool = setting(
         False,
         "whether the hinted examples of task.hint_share also earn channel-1 (GRPO) advantage: "

@@ -96,7 +96,8 @@ def plan_hints(
     unscorable and never enter) and it has a successful sibling (another rollout of the same group
     with reward >= threshold; the highest-reward one, earliest on ties) or non-empty feedback
     (shown beside the sibling's solution unless the template's ``feedback_with_solution`` is
-    False). Excluded rows keep their plain prompt as teacher prompt (masked out later).
+    False; without a successful sibling, only if its ``feedback_alone`` is True). Excluded rows
+    keep their plain prompt as teacher prompt (masked out later).
     """
     n = len(prompts)
     if len(feedback) != n:
@@ -124,6 +125,8 @@ def plan_hints(
             sibling = None
         if sibling is not None and not template.feedback_with_solution:
             fb = None  # the solution alone (SDPO's environment_feedback_only_without_solution)
+        if sibling is None and not template.feedback_alone:
+            fb = None  # no successful sibling, no hint: distil only from successful ones
         if sibling is None and fb is None:
             continue
         plan.sample_mask[i] = True

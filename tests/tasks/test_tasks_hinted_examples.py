@@ -71,6 +71,22 @@ def test_a_template_that_keeps_feedback_for_failures_without_a_solution() -> Non
     assert solution == [True, True, False] * 2 and feedback == [False, False, True] * 2
 
 
+def test_without_feedback_alone_every_hinted_example_shows_the_solution() -> None:
+    """`feedback_alone=False` (channel 2 gives no hint without a successful sibling): the
+    hinted examples cycle through the two kinds that carry the solution."""
+    template = HintTemplate(feedback_with_solution=False, feedback_alone=False)
+    hinted = _task().hinted_examples(1.0, template=template)
+    assert hinted and all("Correct solution" in h.prompt for h in hinted)
+    assert not any("earlier attempt" in h.prompt for h in hinted)
+    config = load_config(overrides=["task.hint_feedback_alone=false"])
+    from composer_replication.assembly.build import hint_template
+
+    assert hint_template(config).feedback_alone is False
+    assert hint_template(load_config()).feedback_alone is True
+    with pytest.raises(ConfigError, match="task.hint_feedback_alone"):
+        load_config(overrides=["task.hint_feedback_alone=maybe"])
+
+
 def test_datasets_and_oracle_traces_carry_the_hinted_rows() -> None:
     pytest.importorskip("datasets")
     task = _task()
@@ -116,7 +132,8 @@ def test_hinted_examples_kept_out_of_channel_1_need_channel_3() -> None:
         load_config(overrides=["task.hint_share=0.25", "teachers.oracle=false"])
     assert load_config(overrides=[*no_replay, "task.hint_grpo=true"]).task.hint_grpo is True
     assert load_config(overrides=["task.hint_share=0.25"]).task.hint_grpo is False
-    assert load_config(overrides=["loss.beta_replay=0"]).task.hint_share == 0.0
+    off = ["task.hint_share=0", "loss.beta_replay=0"]
+    assert load_config(overrides=off).loss.beta_replay == 0.0
 
 
 def test_the_run_passes_hint_grpo_to_its_trainer(tmp_path) -> None:

@@ -81,6 +81,23 @@ def test_plan_hints_selection_rules():
         assert plan.with_feedback == (3 if with_solution else 2)
     with pytest.raises(ValueError, match="feedback_with_solution"):
         HintTemplate(feedback_with_solution="no")  # type: ignore[arg-type]
+    # feedback_alone=False: a failed rollout without a successful sibling gets no hint at all
+    # (4, 5: group 1 has no success), one with a successful sibling still gets the solution.
+    plan = plan_hints(
+        prompts,
+        completions,
+        rewards,
+        both,
+        num_generations=4,
+        process_start=0,
+        template=HintTemplate(feedback_with_solution=False, feedback_alone=False),
+        success_threshold=0.5,
+    )
+    assert plan.sample_mask == [False, True, False, False, False, False, False, False]
+    assert "Correct solution:\n\nc2" in plan.teacher_prompts[1]
+    assert plan.teacher_prompts[4:6] == prompts[4:6] and plan.with_feedback == 0
+    with pytest.raises(ValueError, match="feedback_alone"):
+        HintTemplate(feedback_alone=1)  # type: ignore[arg-type]
 
 
 def test_plan_pairs_and_tensors():

@@ -64,11 +64,11 @@ class TaskConfig:
         "solution)",
     )
     hint_grpo: bool = setting(
-        False,
-        "whether the hinted examples of task.hint_share also earn channel-1 (GRPO) advantage: "
-        "false zeroes it, so they train through channel 3's replay of their teacher traces (and "
-        "channel 2) only, which keeps the demo's RL stable (docs/benchmarks.md); true: like any "
-        "prompt",
+        True,
+        "whether the hinted examples of task.hint_share also earn channel-1 (GRPO) advantage, "
+        "like any prompt (true: the policy is rewarded for reading the hint it is shown); false "
+        "zeroes it, so they train through channel 3's replay of their teacher traces (and "
+        "channel 2) only",
     )
 
     def __post_init__(self) -> None:

@@ -88,11 +88,11 @@ class ComposerSettings(Channel23Settings, WriteOnce):
     replay_fused: bool = True
     hint_template: HintTemplate = field(default_factory=HintTemplate)
     # Channel 1 on the rows a dataset marks as hinted examples (its `data.HINTED_EXAMPLE_COLUMN`,
-    # written by `Task.to_dataset` with `hint_share`): False (the default) zeroes their GRPO
-    # advantage, so a prompt shown with its solution teaches reading the hint through channels
-    # 2 and 3 only; True: they earn advantage like any row (a dataset without the column: no
-    # row is hinted).
-    hint_grpo: bool = False
+    # written by `Task.to_dataset` with `hint_share`): True (the default, TRL's behaviour) gives
+    # them advantage like any row; False zeroes their GRPO advantage, so a prompt shown with its
+    # solution teaches reading the hint through channels 2 and 3 only (a dataset without the
+    # column: no row is hinted).
+    hint_grpo: bool = True
     # Channel-3 plumbing.
     replay_max_length: int | None = None
     replay_skip_if_not_worse: bool = True

@@ -123,16 +123,18 @@ def test_the_config_key_is_checked() -> None:
 
 
 def test_hinted_examples_kept_out_of_channel_1_need_channel_3() -> None:
-    """`task.hint_grpo = false` (the default) leaves the hinted examples to channel 3's replay:
-    a run without a channel-3 teacher is refused by name, and either way out is accepted."""
-    no_replay = ["task.hint_share=0.25", "loss.beta_replay=0"]
+    """`task.hint_grpo = false` leaves the hinted examples to channel 3's replay: a run without a
+    channel-3 teacher is refused by name, and either way out is accepted."""
+    no_replay = ["task.hint_share=0.25", "loss.beta_replay=0", "task.hint_grpo=false"]
     with pytest.raises(ConfigError, match="task.hint_grpo"):
         load_config(overrides=no_replay)
     with pytest.raises(ConfigError, match="task.hint_grpo"):
-        load_config(overrides=["task.hint_share=0.25", "teachers.oracle=false"])
+        load_config(
+            overrides=["task.hint_share=0.25", "teachers.oracle=false", "task.hint_grpo=false"]
+        )
     assert load_config(overrides=[*no_replay, "task.hint_grpo=true"]).task.hint_grpo is True
-    assert load_config(overrides=["task.hint_share=0.25"]).task.hint_grpo is False
-    off = ["task.hint_share=0", "loss.beta_replay=0"]
+    assert load_config(overrides=["task.hint_share=0.25"]).task.hint_grpo is True
+    off = ["task.hint_share=0", *no_replay[1:]]
     assert load_config(overrides=off).loss.beta_replay == 0.0
 
 

@@ -8,7 +8,13 @@ import tempfile
 
 import pytest
 
-from composer_replication.assembly.build import build_model, build_task, build_trainer
+from composer_replication.assembly.build import (
+    build_model,
+    build_task,
+    build_trainer,
+    hint_template,
+    train_split,
+)
 from composer_replication.config import ConfigError, load_config
 
 SMALL = [
@@ -46,8 +52,8 @@ def _prompts_seen(config, rank: int, batches: int) -> set[str]:  # type: ignore[
 
 
 def test_disjoint_islands_share_no_prompt_and_cover_the_training_set() -> None:
-    config = load_config(overrides=SMALL)
-    assert config.task.shard == "disjoint"  # the default
+    assert load_config(overrides=SMALL).task.shard == "disjoint"  # the default
+    config = load_config(overrides=[*SMALL, "task.hint_share=0"])  # hinted prompts: below
     # each island has 8 prompts; 2 prompts per step: 8 batches go around each island twice
     seen = [_prompts_seen(config, rank, batches=8) for rank in range(3)]
     for a in range(3):
@@ -56,6 +62,22 @@ def test_disjoint_islands_share_no_prompt_and_cover_the_training_set() -> None:
     train = {ex.prompt for ex in build_task(config).train_examples()}
     assert [len(s) for s in seen] == [8, 8, 8]
     assert set().union(*seen) == train
+
+
+def test_the_hinted_examples_are_split_into_the_islands_too() -> None:
+    """The default also trains a share of its prompts under the hint (`task.hint_share`): each
+    hinted example sits on one island, and the islands together hold every plain and hinted
+    prompt once."""
+    config = load_config(overrides=SMALL)
+    task = build_task(config)
+    hinted = task.hinted_examples(
+        config.task.hint_share, template=hint_template(config), source=config.task.hint_source
+    )
+    assert len(hinted) == 3
+    islands = [train_split(config, task, rank) for rank in range(3)]
+    rows = [p[-1]["content"] for island in islands for p in island["prompt"]]
+    assert sorted(rows) == sorted(ex.prompt for ex in (*task.train_examples(), *hinted))
+    assert [sum(island["hinted_example"]) for island in islands] == [1, 1, 1]
 
 
 def test_shared_replicas_sample_from_every_prompt() -> None:

@@ -278,3 +278,33 @@ def test_strings_beyond_problems_are_longer_than_the_ood_split_and_in_no_split()
     assert all(task.verify(ex, task.oracle(ex)).correct for ex in beyond)
     longest_ood = max(len(str(ex.meta["input"])) for ex in task.ood_examples(50))
     assert min(len(str(ex.meta["input"])) for ex in beyond) > longest_ood
+
+
+def test_the_token_claim_bound_covers_the_hinted_prompts() -> None:
+    """The exchange's screening bounds a replica's token claim by the longest prompt it can
+    train on: a hinted example is longer than any plain prompt, so the bound must count it (an
+    honest replica was screened out when it did not)."""
+    pytest.importorskip("transformers")
+    from composer_replication.assembly.build import build_model, hint_template
+    from composer_replication.assembly.screening import max_tokens_per_step
+
+    config = load_config(overrides=["task.hint_share=0.25", "backend.n_replicas=1"])
+    task = _task()
+    _, tok = build_model(config)
+    hinted = task.hinted_examples(0.25, template=hint_template(config))
+
+    def length(prompt: str) -> int:
+        ids = tok.apply_chat_template(
+            chat_prompt(prompt), tokenize=True, add_generation_prompt=True
+        )
+        return len(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+    longest = max(length(h.prompt) for h in hinted)
+    assert longest > max(length(ex.prompt) for ex in task.train_examples())
+    t = config.train
+    bound = max_tokens_per_step(config, task, tok)
+    assert bound == t.batch_size * t.gradient_accumulation_steps * (
+        longest + t.max_completion_length
+    )
+    plain = load_config(overrides=["task.hint_share=0", "backend.n_replicas=1"])
+    assert max_tokens_per_step(plain, task, tok) < bound

@@ -3,7 +3,7 @@
 
 - `aggregate_policy(config, task, tokenizer)`: `[diloco] aggregate*` / `screen*` plus the claim
   bounds only the run knows: at most ``sync_every_h`` inner steps per round, and at most
-  ``batch_size x gradient_accumulation_steps x (longest chat prompt of the task +
+  ``batch_size x gradient_accumulation_steps x (longest chat prompt the run trains on +
   max_completion_length)`` tokens per inner step (the tokens TRL counts: prompt plus completion
   of every sequence of the step's generation batch).
 - `loss_probe(config, global_weights, model, tokenizer, task)` (``screen = "loss"``): the held-out loss

@@ -301,10 +301,7 @@ def build_teachers(config: RunConfig, task: Task) -> list[TeacherClient]:
 
         # TRAIN prompts only: the oracle never answers a held-out prompt, so no held-out answer
         # can reach training through channel 3.
-        hinted = task.hinted_examples(
-            config.task.hint_share, template=hint_template(config), source=config.task.hint_source
-        )
-        examples = [*task.train_examples(), *hinted]
+        examples = [*task.train_examples(), *hinted_examples(config, task)]
         train = {prompt_key(chat_prompt(ex.prompt)): ex for ex in examples}
 
         def solve(prompt: Prompt) -> str | None:
@@ -386,6 +383,15 @@ def hint_template(config: RunConfig) -> HintTemplate:
     return HintTemplate(
         feedback_with_solution=config.task.hint_feedback_with_solution,
         feedback_alone=config.task.hint_feedback_alone,
+    )
+
+
+def hinted_examples(config: RunConfig, task: Task) -> list[Example]:
+    """The run's hinted examples (`[task] hint_share`, `hint_source`, written by
+    `hint_template`): what its replicas train on beside the plain prompts, what the oracle
+    answers for channel 3, and what the exchange's token-claim bound must cover."""
+    return task.hinted_examples(
+        config.task.hint_share, template=hint_template(config), source=config.task.hint_source
     )
 
 

@@ -63,12 +63,9 @@ def _prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
 def max_tokens_per_step(config: RunConfig, task: Task, tokenizer: PreTrainedTokenizerBase) -> int:
     """The most tokens one inner step can count (see the module docstring): over every prompt
     the run trains on, its hinted examples (`task.hint_share`, the longest) included."""
-    from composer_replication.assembly.build import hint_template
+    from composer_replication.assembly.build import hinted_examples
 
-    hinted = task.hinted_examples(
-        config.task.hint_share, template=hint_template(config), source=config.task.hint_source
-    )
-    examples = (*task.train_examples(), *hinted)
+    examples = (*task.train_examples(), *hinted_examples(config, task))
     longest = max(len(_prompt_ids(tokenizer, ex.prompt)) for ex in examples)
     t = config.train
     return t.batch_size * t.gradient_accumulation_steps * (longest + t.max_completion_length)

@@ -12,7 +12,7 @@ from composer_replication.assembly.build import (
     build_model,
     build_task,
     build_trainer,
-    hint_template,
+    hinted_examples,
     train_split,
 )
 from composer_replication.config import ConfigError, load_config
@@ -70,9 +70,7 @@ def test_the_hinted_examples_are_split_into_the_islands_too() -> None:
     prompt once."""
     config = load_config(overrides=SMALL)
     task = build_task(config)
-    hinted = task.hinted_examples(
-        config.task.hint_share, template=hint_template(config), source=config.task.hint_source
-    )
+    hinted = hinted_examples(config, task)
     assert len(hinted) == 3
     islands = [train_split(config, task, rank) for rank in range(3)]
     rows = [p[-1]["content"] for island in islands for p in island["prompt"]]

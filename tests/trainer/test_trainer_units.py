@@ -12,7 +12,7 @@ from tolerances import assert_close
 
 from composer_replication.data import HintTemplate, TraceRecord, TraceStore, prompt_key
 from composer_replication.trainer import ComposerConfig, ComposerSettings
-from composer_replication.trainer.batch import pair_tensors, plan_hints, plan_pairs
+from composer_replication.trainer.batch import HintPlan, pair_tensors, plan_hints, plan_pairs
 from composer_replication.trainer.ema import EMATeacher, frozen_copy
 from composer_replication.trainer.feedback import (
     FeedbackRecorder,
@@ -60,9 +60,10 @@ def test_plan_hints_selection_rules():
     # feedback beside a solution only when the template says so (SDPO's reference runs: the
     # feedback only where no sibling succeeded)
     both = ["fb0", "fb1", None, None, "fb4", "fb5", None, None]
-    for with_solution in (True, False):
-        template = HintTemplate(feedback_with_solution=with_solution)
-        plan = plan_hints(
+
+    def plan_all(template: HintTemplate) -> HintPlan:
+        """Both groups on one process, with feedback on rollouts 0, 1, 4 and 5."""
+        return plan_hints(
             prompts,
             completions,
             rewards,
@@ -72,6 +73,9 @@ def test_plan_hints_selection_rules():
             template=template,
             success_threshold=0.5,
         )
+
+    for with_solution in (True, False):
+        plan = plan_all(HintTemplate(feedback_with_solution=with_solution))
         assert plan.sample_mask == [False, True, False, False, True, True, False, False]
         assert "Correct solution:\n\nc2" in plan.teacher_prompts[1]
         assert ("fb1" in plan.teacher_prompts[1]) == with_solution
@@ -83,16 +87,7 @@ def test_plan_hints_selection_rules():
         HintTemplate(feedback_with_solution="no")  # type: ignore[arg-type]
     # feedback_alone=False: a failed rollout without a successful sibling gets no hint at all
     # (4, 5: group 1 has no success), one with a successful sibling still gets the solution.
-    plan = plan_hints(
-        prompts,
-        completions,
-        rewards,
-        both,
-        num_generations=4,
-        process_start=0,
-        template=HintTemplate(feedback_with_solution=False, feedback_alone=False),
-        success_threshold=0.5,
-    )
+    plan = plan_all(HintTemplate(feedback_with_solution=False, feedback_alone=False))
     assert plan.sample_mask == [False, True, False, False, False, False, False, False]
     assert "Correct solution:\n\nc2" in plan.teacher_prompts[1]
     assert plan.teacher_prompts[4:6] == prompts[4:6] and plan.with_feedback == 0
